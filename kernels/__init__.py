@@ -1,0 +1,1 @@
+"""GPU kernels (Triton) and plain-torch references with the same signatures."""

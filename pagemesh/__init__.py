@@ -1,0 +1,3 @@
+"""pagemesh: the `pagemesh` command and the runtime every service shares."""
+
+__version__ = "0.1.0"

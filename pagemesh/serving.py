@@ -1,0 +1,174 @@
+"""The gRPC bootstrap every service shares: error mapping, health, reflection, shutdown.
+
+Shutdown follows one order: SIGTERM or SIGINT -> health NOT_SERVING -> stop admitting ->
+`server.stop(grace_s)` lets in-flight calls finish, then cancels what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class ServiceError(Exception):
+    """An error with the gRPC status code a caller should see."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid_argument(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def unavailable(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(exc, ServiceError):
+        await context.abort(exc.code, exc.message)
+    logger.exception("%s failed", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions raised by servicers into gRPC status codes.
+
+    `ServiceError` carries its own code; anything else is a bug and becomes INTERNAL
+    with the exception's text, logged with its traceback.
+    """
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await _abort_for(exc, context, method)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for response in inner_us(request, context):
+                        yield response
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await _abort_for(exc, context, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port; the bound one is published in the registry
+    advertise_host: str | None = None  # what others dial; defaults to host
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
+
+
+class GrpcServer:
+    """A grpc.aio server with standard health (and optional reflection) wired in."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        service_names: Sequence[str],
+        add_servicers: Sequence[Callable[[grpc.aio.Server], None]],
+        reflection_enabled: bool = False,
+    ) -> None:
+        self.config = config
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        for add in add_servicers:
+            add(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if reflection_enabled:
+            names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+            reflection.enable_server_reflection(names, self.server)
+        self.port: int | None = None
+        self._stop_requested = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        """host:port that other services dial."""
+        host = self.config.advertise_host or self.config.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        await self.set_serving(False)
+        await self.server.start()
+        logger.info("gRPC listening on %s", self.address)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop_requested.set)
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def wait_for_stop(self) -> None:
+        await self._stop_requested.wait()
+
+    async def stop(self) -> None:
+        logger.info("shutting down: NOT_SERVING, draining for up to %.1f s", self.config.grace_s)
+        await self.set_serving(False)
+        await self.server.stop(self.config.grace_s)

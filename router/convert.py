@@ -1,0 +1,111 @@
+"""The only place on the router that touches protobuf types."""
+
+from __future__ import annotations
+
+from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from protos.pagemesh.v1 import generate_pb2
+from router.validation import ModelLimits, SamplingOptions, StoppingOptions, ValidatedRequest
+
+
+def sampling_from_pb(pb: generate_pb2.SamplingParams) -> SamplingOptions:
+    return SamplingOptions(
+        temperature=pb.temperature if pb.HasField("temperature") else None,
+        top_p=pb.top_p if pb.HasField("top_p") else None,
+        top_k=pb.top_k,
+        min_p=pb.min_p,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else None,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        seed=pb.seed if pb.HasField("seed") else None,
+    )
+
+
+def stopping_from_pb(pb: generate_pb2.StoppingCriteria) -> StoppingOptions:
+    return StoppingOptions(
+        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else None,
+        min_tokens=pb.min_tokens,
+        stop=list(pb.stop),
+        stop_token_ids=list(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+    )
+
+
+def limits_from_pb(info: generate_pb2.GetModelInfoResponse) -> ModelLimits:
+    return ModelLimits(
+        name=info.model,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+    )
+
+
+def submit_request(request_id: str, validated: ValidatedRequest, seed: int) -> scheduler_pb2.SubmitRequest:
+    """The scheduler's request; `seed` replaces an unset one so every request is replayable."""
+    s = validated.sampling
+    stopping = validated.stopping
+    return scheduler_pb2.SubmitRequest(
+        request_id=request_id,
+        prompt_token_ids=validated.prompt_token_ids,
+        sampling=generate_pb2.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            seed=s.seed if s.seed is not None else seed,
+        ),
+        stopping=generate_pb2.StoppingCriteria(
+            max_tokens=stopping.max_tokens,
+            min_tokens=stopping.min_tokens,
+            stop_token_ids=stopping.stop_token_ids,
+            ignore_eos=stopping.ignore_eos,
+        ),
+        logprobs=validated.num_logprobs or 0,
+    )
+
+
+def token_logprobs(
+    response: scheduler_pb2.SubmitResponse, token_text: dict[int, str]
+) -> list[generate_pb2.TokenLogprob]:
+    """Per-token logprobs of a scheduler message, with each token's text from `token_text`."""
+    return [
+        generate_pb2.TokenLogprob(
+            token_id=token_id,
+            logprob=lp.logprob,
+            top=[
+                generate_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob,
+                                        token=token_text.get(t.token_id, ""))
+                for t in lp.top
+            ],
+        )
+        for token_id, lp in zip(response.token_ids, response.logprobs)
+    ]
+
+
+FINISH_REASON_STOP = generate_pb2.FINISH_REASON_STOP
+FINISH_REASON_UNSPECIFIED = generate_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def generate_response(
+    request_id: str,
+    token_ids: list[int],
+    text: str,
+    logprobs: list[generate_pb2.TokenLogprob],
+    finish_reason: int = FINISH_REASON_UNSPECIFIED,
+    num_prompt_tokens: int = 0,
+    num_completion_tokens: int = 0,
+) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(
+        request_id=request_id, token_ids=token_ids, text=text, logprobs=logprobs,
+        finish_reason=finish_reason,
+    )
+    if finish_reason != FINISH_REASON_UNSPECIFIED:
+        response.usage.prompt_tokens = num_prompt_tokens
+        response.usage.completion_tokens = num_completion_tokens
+    return response
+
+
+def tokenize_response(token_ids: list[int], tokens: list[str]) -> generate_pb2.TokenizeResponse:
+    return generate_pb2.TokenizeResponse(token_ids=token_ids, tokens=tokens)

@@ -1,0 +1,129 @@
+"""The public `Generation` service: validate, tokenize, route, detokenize, stop strings."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pagemesh.logs import request_id_var
+from pagemesh.serving import invalid_argument
+from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
+from router import convert
+from router.detokenizer import IncrementalDetokenizer
+from router.scheduler_client import SchedulerPool
+from router.stop import StopChecker
+from router.tokenizer import Tokenizer, TokenizerError
+from router.validation import ValidatedRequest, ValidationError, validate
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, tokenizer: Tokenizer, pool: SchedulerPool) -> None:
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self._seeds = random.SystemRandom()
+
+    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
+        info = generate_pb2.GetModelInfoResponse()
+        info.CopyFrom(await self.pool.model_info())
+        info.layout.num_replicas = self.pool.num_groups
+        return info
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
+        token_ids = self._tokenize(request.text, request.apply_chat_template)
+        return convert.tokenize_response(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids))
+
+    async def Generate(self, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        request_id_var.set(request_id)
+        validated = await self._validate(request)
+        submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
+        output = _OutputStream(self.tokenizer, request_id, validated)
+        async with contextlib.aclosing(self.pool.submit(submit)) as chunks:
+            async for chunk in chunks:
+                response = output.process(chunk)
+                if response is not None:
+                    yield response
+                if output.finished:
+                    break  # closing `chunks` cancels the scheduler call when a stop string hit
+
+    async def _validate(self, request: generate_pb2.GenerateRequest) -> ValidatedRequest:
+        prompt = request.WhichOneof("prompt")
+        if prompt is None:
+            raise invalid_argument("the request has no prompt: set `text` or `token_ids`")
+        if prompt == "text":
+            prompt_ids = self._tokenize(request.text, request.apply_chat_template)
+        elif request.apply_chat_template:
+            raise invalid_argument("apply_chat_template needs a `text` prompt, not `token_ids`")
+        else:
+            prompt_ids = list(request.token_ids.ids)
+        limits = convert.limits_from_pb(await self.pool.model_info())
+        try:
+            return validate(
+                prompt_ids,
+                convert.sampling_from_pb(request.sampling),
+                convert.stopping_from_pb(request.stopping),
+                request.logprobs or None,
+                request.model,
+                limits,
+            )
+        except ValidationError as exc:
+            raise invalid_argument(str(exc)) from exc
+
+    def _tokenize(self, text: str, apply_chat_template: bool) -> list[int]:
+        if not text:
+            raise invalid_argument("the prompt is empty: send at least one character or token")
+        try:
+            if apply_chat_template:
+                return self.tokenizer.apply_chat_template(text)
+            return self.tokenizer.encode(text)
+        except TokenizerError as exc:
+            raise invalid_argument(str(exc)) from exc
+
+
+class _OutputStream:
+    """Turns scheduler messages into client chunks: incremental text, stop strings, usage."""
+
+    def __init__(self, tokenizer: Tokenizer, request_id: str, validated: ValidatedRequest) -> None:
+        self.tokenizer = tokenizer
+        self.request_id = request_id
+        self.num_prompt_tokens = len(validated.prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, validated.prompt_token_ids)
+        self.stop = StopChecker(validated.stopping.stop)
+        self.num_completion_tokens = 0
+        self.finished = False
+
+    def process(self, chunk: object) -> generate_pb2.GenerateResponse | None:
+        token_ids = list(chunk.token_ids)  # type: ignore[attr-defined]
+        self.num_completion_tokens += len(token_ids)
+        finish_reason = chunk.finish_reason  # type: ignore[attr-defined]
+        text, stopped = self.stop.feed(self.detokenizer.add(token_ids))
+        if not stopped and finish_reason != convert.FINISH_REASON_UNSPECIFIED:
+            tail, stopped = self.stop.feed(self.detokenizer.flush())
+            text += tail
+            if not stopped:
+                text += self.stop.flush()
+        if stopped:
+            finish_reason = convert.FINISH_REASON_STOP
+        self.finished = finish_reason != convert.FINISH_REASON_UNSPECIFIED
+        logprobs = []
+        if chunk.logprobs:  # type: ignore[attr-defined]
+            logprobs = convert.token_logprobs(chunk, self._token_texts(chunk))
+        return convert.generate_response(
+            self.request_id, token_ids, text, logprobs, finish_reason,
+            self.num_prompt_tokens, self.num_completion_tokens,
+        )
+
+    def _token_texts(self, chunk: object) -> dict[int, str]:
+        ids = {t.token_id for lp in chunk.logprobs for t in lp.top}  # type: ignore[attr-defined]
+        ids.update(chunk.token_ids)  # type: ignore[attr-defined]
+        return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}

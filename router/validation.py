@@ -1,0 +1,209 @@
+"""Validation of one generation request against the served model's limits.
+
+Pure: no I/O, no gRPC. `validate` either returns a `ValidatedRequest` with every default
+filled in, or raises `ValidationError` whose message says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+MAX_NUM_LOGPROBS = 20
+MAX_NUM_STOP_STRINGS = 16
+MAX_ABS_PENALTY = 2.0
+MAX_SEED = 2**64 - 1
+
+
+class ValidationError(ValueError):
+    """A request parameter is out of range; the message names it and says what to fix."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to pick each token. `None` means "use the default" (filled in by `validate`)."""
+
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None  # in (0, 1]; 1 = off
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    repetition_penalty: float | None = None  # > 0; 1 = off
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    seed: int | None = None  # None = nondeterministic
+
+
+@dataclass(frozen=True)
+class StoppingOptions:
+    """When to stop. `max_tokens` None means "up to the end of the context window"."""
+
+    max_tokens: int | None = None  # generated tokens, at least 1
+    min_tokens: int = 0  # generated tokens before EOS / stop ids may end the request
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model accepts."""
+
+    name: str
+    max_model_len: int  # tokens, prompt + output
+    vocab_size: int  # valid token ids are 0 .. vocab_size-1
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be at least 1, got {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request that fits the model. `sampling` has no None except `seed`;
+    `stopping.max_tokens` is set and `prompt_len + max_tokens <= max_model_len`."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    stopping: StoppingOptions
+    num_logprobs: int | None  # top alternatives per token; None = no logprobs
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.stopping.max_tokens is not None
+        return self.stopping.max_tokens
+
+
+def validate(
+    prompt_token_ids: list[int],
+    sampling: SamplingOptions,
+    stopping: StoppingOptions,
+    num_logprobs: int | None,
+    requested_model: str,
+    limits: ModelLimits,
+) -> ValidatedRequest:
+    """Check a request against `limits` and fill defaults.
+
+    Raises ValidationError naming the first bad parameter and its allowed range.
+    """
+    _check_model(requested_model, limits)
+    _check_prompt(prompt_token_ids, limits)
+    _check_sampling(sampling)
+    _check_num_logprobs(num_logprobs)
+    max_tokens = _resolve_max_tokens(len(prompt_token_ids), stopping, limits)
+    _check_stopping(stopping, max_tokens, limits)
+    return ValidatedRequest(
+        prompt_token_ids=list(prompt_token_ids),
+        sampling=_with_sampling_defaults(sampling),
+        stopping=dataclasses.replace(stopping, max_tokens=max_tokens),
+        num_logprobs=num_logprobs,
+    )
+
+
+def _check_model(requested_model: str, limits: ModelLimits) -> None:
+    if requested_model and requested_model != limits.name:
+        raise ValidationError(
+            f"model {requested_model!r} is not served here; this server serves {limits.name!r} "
+            "(or leave the model empty)"
+        )
+
+
+def _check_prompt(prompt_token_ids: list[int], limits: ModelLimits) -> None:
+    prompt_len = len(prompt_token_ids)
+    if prompt_len == 0:
+        raise ValidationError("the prompt is empty; send at least one token")
+    if prompt_len >= limits.max_model_len:
+        raise ValidationError(
+            f"prompt has {prompt_len} tokens but the model's context is {limits.max_model_len}; "
+            f"shorten the prompt to at most {limits.max_model_len - 1} tokens"
+        )
+    _check_token_ids("prompt token id", prompt_token_ids, limits.vocab_size)
+
+
+def _check_token_ids(what: str, token_ids: list[int], vocab_size: int) -> None:
+    for position, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise ValidationError(
+                f"{what} {token_id} at position {position} is out of range; "
+                f"the vocabulary has ids 0..{vocab_size - 1}"
+            )
+
+
+def _check_sampling(sampling: SamplingOptions) -> None:
+    # Comparisons are written as "not (in range)" so that NaN is rejected too.
+    if sampling.temperature is not None and not 0.0 <= sampling.temperature < math.inf:
+        raise ValidationError(
+            f"temperature must be a finite number >= 0 (0 = greedy), got {sampling.temperature}"
+        )
+    if sampling.top_p is not None and not 0.0 < sampling.top_p <= 1.0:
+        raise ValidationError(f"top_p must be in (0, 1] (1 = off), got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise ValidationError(f"top_k must be >= 0 (0 = off), got {sampling.top_k}")
+    if not 0.0 <= sampling.min_p <= 1.0:
+        raise ValidationError(f"min_p must be in [0, 1] (0 = off), got {sampling.min_p}")
+    penalty = sampling.repetition_penalty
+    if penalty is not None and not 0.0 < penalty < math.inf:
+        raise ValidationError(
+            f"repetition_penalty must be a finite number > 0 (1 = off), got {penalty}"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+            raise ValidationError(
+                f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}"
+            )
+    if sampling.seed is not None and not 0 <= sampling.seed <= MAX_SEED:
+        raise ValidationError(f"seed must be in [0, 2**64 - 1], got {sampling.seed}")
+
+
+def _check_num_logprobs(num_logprobs: int | None) -> None:
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_NUM_LOGPROBS:
+        raise ValidationError(
+            f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {num_logprobs}"
+        )
+
+
+def _resolve_max_tokens(prompt_len: int, stopping: StoppingOptions, limits: ModelLimits) -> int:
+    max_allowed = limits.max_model_len - prompt_len
+    if stopping.max_tokens is None:
+        return max_allowed
+    if stopping.max_tokens < 1:
+        raise ValidationError(f"max_tokens must be at least 1, got {stopping.max_tokens}")
+    if stopping.max_tokens > max_allowed:
+        raise ValidationError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({stopping.max_tokens}) exceeds the "
+            f"model's context of {limits.max_model_len} tokens; set max_tokens to at most "
+            f"{max_allowed} or shorten the prompt"
+        )
+    return stopping.max_tokens
+
+
+def _check_stopping(stopping: StoppingOptions, max_tokens: int, limits: ModelLimits) -> None:
+    if stopping.min_tokens < 0:
+        raise ValidationError(f"min_tokens must be >= 0, got {stopping.min_tokens}")
+    if stopping.min_tokens > max_tokens:
+        raise ValidationError(
+            f"min_tokens ({stopping.min_tokens}) must not exceed max_tokens ({max_tokens})"
+        )
+    if len(stopping.stop) > MAX_NUM_STOP_STRINGS:
+        raise ValidationError(
+            f"at most {MAX_NUM_STOP_STRINGS} stop strings are allowed, got {len(stopping.stop)}"
+        )
+    for index, stop in enumerate(stopping.stop):
+        if not stop:
+            raise ValidationError(f"stop string {index} is empty; remove it")
+    _check_token_ids("stop token id", stopping.stop_token_ids, limits.vocab_size)
+
+
+def _with_sampling_defaults(sampling: SamplingOptions) -> SamplingOptions:
+    return dataclasses.replace(
+        sampling,
+        temperature=1.0 if sampling.temperature is None else sampling.temperature,
+        top_p=1.0 if sampling.top_p is None else sampling.top_p,
+        repetition_penalty=(
+            1.0 if sampling.repetition_penalty is None else sampling.repetition_penalty
+        ),
+    )

@@ -1,0 +1,150 @@
+"""The only place on the scheduler that touches protobuf types."""
+
+from __future__ import annotations
+
+from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from protos.pagemesh.v1 import generate_pb2
+from protos.pagemesh.worker.v1 import worker_pb2
+from scheduler_svc.core.types import (
+    FinishReason,
+    NewRequestSchedule,
+    Request,
+    RequestEvent,
+    RequestId,
+    SampledToken,
+    SamplingSpec,
+    SchedulerOutput,
+    StepResult,
+)
+
+_FINISH_REASON_TO_PB = {
+    None: generate_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
+}
+
+
+def request_from_pb(
+    pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int], arrival_time_s: float, seed: int
+) -> Request:
+    """Builds a core request; `seed` is used when the router left the seed unset."""
+    sampling = pb.sampling
+    stopping = pb.stopping
+    stop_ids = set(stopping.stop_token_ids)
+    if not stopping.ignore_eos:
+        stop_ids.update(eos_token_ids)
+    return Request(
+        request_id=RequestId(pb.request_id),
+        prompt_token_ids=list(pb.prompt_token_ids),
+        sampling=SamplingSpec(
+            temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+            top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            repetition_penalty=(
+                sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
+            ),
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            seed=sampling.seed if sampling.HasField("seed") else seed,
+            num_logprobs=pb.logprobs,
+        ),
+        max_tokens=stopping.max_tokens,
+        min_tokens=stopping.min_tokens,
+        stop_token_ids=frozenset(stop_ids),
+        arrival_time_s=arrival_time_s,
+    )
+
+
+def _sampling_to_pb(new: NewRequestSchedule) -> worker_pb2.SamplingParams:
+    s = new.sampling
+    return worker_pb2.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        seed=s.seed,
+        min_tokens=new.min_tokens,
+        stop_token_ids=sorted(new.stop_token_ids),
+        num_logprobs=s.num_logprobs,
+    )
+
+
+def step_to_pb(output: SchedulerOutput) -> worker_pb2.ExecuteStepRequest:
+    return worker_pb2.ExecuteStepRequest(
+        step_id=output.step_id,
+        new_requests=[
+            worker_pb2.NewRequest(
+                request_id=new.request_id,
+                token_ids=new.token_ids,
+                num_prompt_tokens=new.num_prompt_tokens,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=_sampling_to_pb(new),
+            )
+            for new in output.new_requests
+        ],
+        cached_requests=[
+            worker_pb2.CachedRequest(
+                request_id=cached.request_id,
+                new_block_ids=cached.new_block_ids,
+                num_computed_tokens=cached.num_computed_tokens,
+            )
+            for cached in output.cached_requests
+        ],
+        num_scheduled_tokens=output.num_scheduled_tokens,
+        finished_request_ids=output.finished_request_ids,
+    )
+
+
+def step_result_from_pb(pb: worker_pb2.ExecuteStepResponse) -> StepResult:
+    return StepResult(
+        step_id=pb.step_id,
+        sampled={
+            RequestId(s.request_id): SampledToken(
+                token_id=s.token_id,
+                logprob=s.logprob,
+                top_logprobs=tuple((t.token_id, t.logprob) for t in s.top_logprobs),
+            )
+            for s in pb.sampled
+        },
+    )
+
+
+def event_to_pb(event: RequestEvent, with_logprobs: bool) -> scheduler_pb2.SubmitResponse:
+    response = scheduler_pb2.SubmitResponse(
+        token_ids=[t.token_id for t in event.new_tokens],
+        finish_reason=_FINISH_REASON_TO_PB[event.finish_reason],
+        num_prompt_tokens=event.num_prompt_tokens,
+    )
+    if with_logprobs:
+        response.logprobs.extend(
+            scheduler_pb2.SampledLogprob(
+                logprob=t.logprob,
+                top=[generate_pb2.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs],
+            )
+            for t in event.new_tokens
+        )
+    return response
+
+
+def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int) -> generate_pb2.GetModelInfoResponse:
+    return generate_pb2.GetModelInfoResponse(
+        model=info.model,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        dtype=info.dtype,
+        architecture=info.architecture,
+        block_size=info.block_size,
+        num_kv_blocks=num_blocks,
+        layout=generate_pb2.ParallelLayout(
+            tensor_parallel_size=info.tp_size,
+            pipeline_parallel_size=info.pp_size,
+            num_replicas=1,
+        ),
+    )

@@ -1,0 +1,89 @@
+"""The step loop: schedule, run the step on the workers, update, stream tokens out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from scheduler_svc import convert
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.types import Request, RequestEvent, RequestId, SchedulerOutput, StepResult
+from scheduler_svc.worker_client import WorkerGroupClient
+
+logger = logging.getLogger(__name__)
+
+
+class StepFailed(Exception):
+    """The engine group could not run a step; the request cannot continue here."""
+
+
+class EngineLoop:
+    """Owns the scheduler core on the event loop; one step at a time.
+
+    Each submitted request gets a queue that receives its `RequestEvent`s, or a
+    `StepFailed` when the workers fail.
+    """
+
+    def __init__(self, scheduler: Scheduler, workers: WorkerGroupClient) -> None:
+        self.scheduler = scheduler
+        self.workers = workers
+        self._streams: dict[RequestId, asyncio.Queue[RequestEvent | StepFailed]] = {}
+        self._wakeup = asyncio.Event()
+        self.num_steps = 0
+        self.last_step_time_ms = 0.0
+
+    def submit(self, request: Request) -> asyncio.Queue[RequestEvent | StepFailed]:
+        """Admits a request; raises ValueError when it can never be served here."""
+        self.scheduler.add_request(request)
+        queue: asyncio.Queue[RequestEvent | StepFailed] = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._wakeup.set()
+        return queue
+
+    def abort(self, request_id: RequestId) -> None:
+        """Aborts a request whose client went away; its blocks are freed before the next step."""
+        self._streams.pop(request_id, None)
+        self.scheduler.abort(request_id)
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        while True:
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            output = self.scheduler.schedule()
+            if not output.num_scheduled_tokens and not output.finished_request_ids:
+                # Nothing fits this step (e.g. right after a preemption); try again shortly.
+                await asyncio.sleep(0.001)
+                continue
+            started = time.perf_counter()
+            try:
+                response = await self.workers.execute_step(convert.step_to_pb(output))
+            except Exception as exc:
+                self._fail_all(output, exc)
+                continue
+            self.last_step_time_ms = (time.perf_counter() - started) * 1000
+            self.num_steps += 1
+            events = self.scheduler.update(output, convert.step_result_from_pb(response))
+            self._deliver(events)
+
+    def _deliver(self, events: list[RequestEvent]) -> None:
+        for event in events:
+            queue = self._streams.get(event.request_id)
+            if queue is None:
+                continue
+            queue.put_nowait(event)
+            if event.finish_reason is not None:
+                del self._streams[event.request_id]
+
+    def _fail_all(self, output: SchedulerOutput, exc: Exception) -> None:
+        """A failed step leaves the workers' state unknown: end every request with an error."""
+        logger.error("step failed, ending %d requests: %s", len(self._streams), exc)
+        self.scheduler.update(output, StepResult(step_id=output.step_id))
+        for request_id, queue in list(self._streams.items()):
+            self.scheduler.abort(request_id)
+            queue.put_nowait(StepFailed(f"engine group step failed: {exc}"))
+        self._streams.clear()
+

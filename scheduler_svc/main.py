@@ -1,0 +1,105 @@
+"""`python -m scheduler_svc.main`: one engine group's scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import asdict
+
+from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
+from pagemesh.logs import setup_logging
+from pagemesh.registry import Registry
+from pagemesh.serving import GrpcServer
+from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc import convert
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.servicer import SchedulerServicer
+from scheduler_svc.worker_client import WorkerGroupClient, discover_workers
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scheduler_svc", description=__doc__)
+    add_server_flags(parser, default_port=0)
+    add_registry_flags(parser)
+    add_flag(parser, "--group", default="g0", help="engine group this scheduler drives")
+    add_flag(parser, "--scheduler-id", default=None, help="id in the registry (default: group)")
+    add_flag(parser, "--tp", type=int, default=1, help="tensor-parallel workers per stage")
+    add_flag(parser, "--pp", type=int, default=1, help="pipeline stages")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,
+             help="tokens computed per step, over all requests")
+    add_flag(parser, "--max-num-seqs", type=int, default=128, help="running requests per step")
+    add_flag(parser, "--enable-chunked-prefill", type=bool, default=True,
+             help="split long prompts over several steps")
+    add_flag(parser, "--worker-wait-s", type=float, default=600.0,
+             help="seconds to wait for the group's workers to register")
+    add_flag(parser, "--step-timeout-s", type=float, default=300.0,
+             help="seconds one step may take before it counts as failed")
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    registry = Registry(registry_config(args))
+    await registry.ping()
+    endpoints = await discover_workers(registry, args.group, args.tp * args.pp, args.worker_wait_s)
+    workers = WorkerGroupClient(endpoints, args.step_timeout_s)
+    infos = await workers.get_info()
+    lead = infos[-1]
+    num_blocks = min(info.num_blocks for info in infos)
+    config = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=lead.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=lead.max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+    )
+    logger.info("workers %s; scheduler config %s", [e.address for e in endpoints], asdict(config))
+    scheduler = Scheduler(config)
+    loop = EngineLoop(scheduler, workers)
+    model_info = convert.model_info_to_pb(lead, num_blocks)
+    servicer = SchedulerServicer(loop, model_info)
+    server = GrpcServer(
+        server_config(args),
+        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
+    )
+    await server.start()
+    server.install_signal_handlers()
+    scheduler_id = args.scheduler_id or args.group
+
+    def registry_info() -> dict[str, object]:
+        stats = scheduler.stats()
+        return {
+            "address": server.address,
+            "group": args.group,
+            "model": model_info.model,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            **asdict(stats),
+        }
+
+    loop_task = asyncio.create_task(loop.run())
+    await server.set_serving(True)
+    registry.start_heartbeat("scheduler", scheduler_id, registry_info)
+    await server.wait_for_stop()
+    await registry.close(deregister=[("scheduler", scheduler_id)])
+    await server.stop()
+    loop_task.cancel()
+    await workers.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging("scheduler", args.log_level)
+    logger.info("config %s", vars(args))
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

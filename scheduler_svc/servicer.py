@@ -1,0 +1,54 @@
+"""Scheduler gRPC servicer: converts, hands requests to the engine loop, streams events."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pagemesh.logs import request_id_var
+from pagemesh.serving import ServiceError, invalid_argument
+from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.pagemesh.v1 import generate_pb2
+from scheduler_svc import convert
+from scheduler_svc.engine_loop import EngineLoop, StepFailed
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, loop: EngineLoop, model_info: generate_pb2.GetModelInfoResponse) -> None:
+        self.loop = loop
+        self.model_info = model_info
+        self._eos_token_ids = list(model_info.eos_token_ids)
+        self._seeds = random.SystemRandom()
+
+    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
+        return self.model_info
+
+    async def Submit(self, request: scheduler_pb2.SubmitRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+        request_id_var.set(request.request_id)
+        try:
+            core_request = convert.request_from_pb(
+                request, self._eos_token_ids, time.time(), self._seeds.getrandbits(63)
+            )
+            queue = self.loop.submit(core_request)
+        except ValueError as exc:
+            raise invalid_argument(str(exc)) from exc
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                if isinstance(event, StepFailed):
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(event))
+                finished = event.finish_reason is not None
+                yield convert.event_to_pb(event, with_logprobs=request.logprobs > 0)
+        finally:
+            if not finished:  # the router cancelled or went away
+                logger.info("request %s cancelled by the caller", request.request_id)
+                self.loop.abort(core_request.request_id)

@@ -1,0 +1,132 @@
+import math
+
+import pytest
+
+from router.validation import (
+    ModelLimits,
+    SamplingOptions,
+    StoppingOptions,
+    ValidationError,
+    validate,
+)
+
+LIMITS = ModelLimits(name="smol", max_model_len=100, vocab_size=50, eos_token_ids=[2])
+
+
+def run(
+    prompt=(1, 2, 3),
+    sampling=SamplingOptions(),
+    stopping=StoppingOptions(),
+    num_logprobs=None,
+    model="",
+):
+    return validate(list(prompt), sampling, stopping, num_logprobs, model, LIMITS)
+
+
+def test_defaults_are_filled():
+    request = run()
+    assert request.sampling.temperature == 1.0
+    assert request.sampling.top_p == 1.0
+    assert request.sampling.repetition_penalty == 1.0
+    assert request.sampling.seed is None
+    assert request.max_tokens == 97
+    assert request.stopping.max_tokens == 97
+    assert request.prompt_token_ids == [1, 2, 3]
+
+
+def test_given_values_are_kept():
+    sampling = SamplingOptions(temperature=0.0, top_p=0.5, top_k=5, min_p=0.1,
+                               repetition_penalty=1.2, presence_penalty=-2.0,
+                               frequency_penalty=2.0, seed=7)
+    stopping = StoppingOptions(max_tokens=97, min_tokens=97, stop=["x"], stop_token_ids=[49])
+    request = run(sampling=sampling, stopping=stopping, num_logprobs=20, model="smol")
+    assert request.sampling == sampling
+    assert request.stopping == stopping
+    assert request.num_logprobs == 20
+
+
+def expect_error(match: str, **kwargs):
+    with pytest.raises(ValidationError, match=match):
+        run(**kwargs)
+
+
+def test_empty_prompt():
+    expect_error("prompt is empty", prompt=[])
+
+
+def test_prompt_as_long_as_context():
+    expect_error(r"prompt has 100 tokens but the model's context is 100; shorten the prompt",
+                 prompt=[1] * 100)
+
+
+def test_max_tokens_zero_and_negative():
+    expect_error("max_tokens must be at least 1", stopping=StoppingOptions(max_tokens=0))
+    expect_error("max_tokens must be at least 1", stopping=StoppingOptions(max_tokens=-3))
+
+
+def test_prompt_plus_max_tokens_over_context_names_maximum():
+    expect_error("at most 97", stopping=StoppingOptions(max_tokens=98))
+
+
+def test_min_tokens_over_max_tokens():
+    expect_error("min_tokens", stopping=StoppingOptions(max_tokens=5, min_tokens=6))
+    expect_error("min_tokens", stopping=StoppingOptions(min_tokens=98))  # default max is 97
+    expect_error("min_tokens", stopping=StoppingOptions(min_tokens=-1))
+
+
+@pytest.mark.parametrize(
+    ("sampling", "name"),
+    [
+        (SamplingOptions(temperature=-0.1), "temperature"),
+        (SamplingOptions(temperature=math.nan), "temperature"),
+        (SamplingOptions(temperature=math.inf), "temperature"),
+        (SamplingOptions(top_p=0.0), "top_p"),
+        (SamplingOptions(top_p=1.01), "top_p"),
+        (SamplingOptions(top_p=math.nan), "top_p"),
+        (SamplingOptions(top_k=-1), "top_k"),
+        (SamplingOptions(min_p=-0.01), "min_p"),
+        (SamplingOptions(min_p=1.5), "min_p"),
+        (SamplingOptions(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingOptions(repetition_penalty=-1.0), "repetition_penalty"),
+        (SamplingOptions(presence_penalty=2.1), "presence_penalty"),
+        (SamplingOptions(frequency_penalty=-2.1), "frequency_penalty"),
+        (SamplingOptions(seed=-1), "seed"),
+    ],
+)
+def test_sampling_out_of_range(sampling, name):
+    expect_error(name, sampling=sampling)
+
+
+def test_num_logprobs_limits():
+    expect_error("logprobs must be in", num_logprobs=21)
+    expect_error("logprobs must be in", num_logprobs=-1)
+    assert run(num_logprobs=0).num_logprobs == 0
+
+
+def test_wrong_model_lists_served_name():
+    expect_error("'smol'", model="llama")
+    assert run(model="smol").max_tokens == 97
+
+
+def test_prompt_token_out_of_vocab_names_id_and_position():
+    expect_error("prompt token id 50 at position 2", prompt=[1, 2, 50])
+    expect_error("prompt token id -1 at position 0", prompt=[-1])
+
+
+def test_stop_token_id_out_of_vocab():
+    expect_error("stop token id 77 at position 1", stopping=StoppingOptions(stop_token_ids=[3, 77]))
+
+
+def test_stop_strings_count_and_empty():
+    expect_error("at most 16 stop strings", stopping=StoppingOptions(stop=["a"] * 17))
+    expect_error("stop string 1 is empty", stopping=StoppingOptions(stop=["a", ""]))
+    assert len(run(stopping=StoppingOptions(stop=["a"] * 16)).stopping.stop) == 16
+
+
+def test_validation_error_is_value_error():
+    assert issubclass(ValidationError, ValueError)
+
+
+def test_model_limits_reject_nonsense():
+    with pytest.raises(ValueError):
+        ModelLimits(name="m", max_model_len=0, vocab_size=10)

@@ -1,0 +1,88 @@
+"""The only place on the worker that touches protobuf types."""
+
+from __future__ import annotations
+
+from protos.pagemesh.worker.v1 import worker_pb2
+from worker_svc.types import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    StepInput,
+    StepOutput,
+)
+
+
+def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_p=pb.top_p,
+        top_k=pb.top_k,
+        min_p=pb.min_p,
+        repetition_penalty=pb.repetition_penalty,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        seed=pb.seed,
+        min_tokens=pb.min_tokens,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        num_logprobs=pb.num_logprobs,
+    )
+
+
+def step_input_from_pb(pb: worker_pb2.ExecuteStepRequest) -> StepInput:
+    return StepInput(
+        step_id=pb.step_id,
+        new_requests=[
+            NewRequestData(
+                request_id=r.request_id,
+                token_ids=list(r.token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                block_ids=list(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                sampling=sampling_from_pb(r.sampling),
+            )
+            for r in pb.new_requests
+        ],
+        cached_requests=[
+            CachedRequestData(
+                request_id=r.request_id,
+                new_block_ids=list(r.new_block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in pb.cached_requests
+        ],
+        num_scheduled_tokens=dict(pb.num_scheduled_tokens),
+        finished_request_ids=list(pb.finished_request_ids),
+    )
+
+
+def step_output_to_pb(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
+    return worker_pb2.ExecuteStepResponse(
+        step_id=output.step_id,
+        forward_time_ms=output.forward_time_ms,
+        sampled=[
+            worker_pb2.SampledToken(
+                request_id=request_id,
+                token_id=token.token_id,
+                logprob=token.logprob,
+                top_logprobs=[
+                    worker_pb2.TopLogprob(token_id=tid, logprob=lp) for tid, lp in token.top_logprobs
+                ],
+            )
+            for request_id, token in output.sampled.items()
+        ],
+    )
+
+
+def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> worker_pb2.GetWorkerInfoResponse:
+    return worker_pb2.GetWorkerInfoResponse(
+        worker_id=worker_id,
+        model=info.model_name,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        max_model_len=info.max_model_len,
+        dtype=info.dtype,
+        num_blocks=info.num_blocks,
+        block_size=info.block_size,
+        **layout,
+    )

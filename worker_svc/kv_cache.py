@@ -1,0 +1,60 @@
+"""Paged KV cache tensors: one `[2, num_blocks, block_size, num_kv_heads, head_dim]` per layer.
+
+Slot `block_id * block_size + offset` holds the key (index 0) and value (index 1) of one
+token. The scheduler owns which blocks belong to whom; the worker only sizes and
+allocates the tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int  # tokens per block
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError(f"every KV cache dimension must be positive: {self}")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * element_bytes
+        return self.num_layers * per_layer
+
+
+def num_blocks_for_budget(
+    spec: KVCacheSpec, memory_budget_bytes: int | None, num_blocks_override: int | None = None
+) -> int:
+    """How many blocks to allocate: the explicit override if given, else as many as fit."""
+    if num_blocks_override is not None:
+        if num_blocks_override <= 0:
+            raise ValueError(f"num_blocks override must be positive, got {num_blocks_override}")
+        return num_blocks_override
+    if memory_budget_bytes is None:
+        raise ValueError("give either a KV cache memory budget in bytes or a block count")
+    num_blocks = memory_budget_bytes // spec.bytes_per_block
+    if num_blocks <= 0:
+        raise ValueError(
+            f"a KV cache budget of {memory_budget_bytes} bytes holds no block "
+            f"({spec.bytes_per_block} bytes each); raise the budget"
+        )
+    return num_blocks
+
+
+def allocate_kv_caches(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device | str
+) -> list[torch.Tensor]:
+    """Zeroed, because attention over a partial block still multiplies its unused slots by a
+    zero probability, and uninitialised memory may hold NaN (NaN * 0 = NaN)."""
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

@@ -1,0 +1,304 @@
+"""Load a Llama-family model from a Hugging Face folder or a GGUF file.
+
+Every source is reduced to the same three things: a `ModelConfig`, metadata the rest of
+the mesh needs (`ModelMetadata`), and a stream of (Hugging Face name, tensor) pairs
+that `LlamaForCausalLM.load_weights` copies in. A later tensor-parallel loader slices
+that stream per name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker_svc.model.config import ModelConfig, RopeConfig, parse_hf_config
+from worker_svc.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+WeightStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    name: str  # folder or file name, as the model is listed to clients
+    architecture: str  # transformers class name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int  # tokens: prompt + output
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a checkpoint says before any weight is read."""
+
+    config: ModelConfig
+    name: str
+    architecture: str
+    eos_token_ids: tuple[int, ...]
+    weights: WeightStream
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """"auto" is float32 on CPU (fast and exact there) and bfloat16 on accelerators."""
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def open_source(path: str | Path) -> ModelSource:
+    """A HF folder (config.json + *.safetensors), a .gguf file, or a folder holding one."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _open_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _open_hf_folder(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _open_gguf(ggufs[0])
+    raise FileNotFoundError(
+        f"{path} is neither a Hugging Face model folder (config.json + *.safetensors) "
+        "nor a .gguf file"
+    )
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: str = "auto",
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+) -> tuple[LlamaForCausalLM, ModelMetadata]:
+    """Build the model on `device` in `dtype` and fill it from the checkpoint at `path`."""
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    source = open_source(path)
+    config = source.config
+    limit = config.max_position_embeddings
+    if max_model_len is not None and not 0 < max_model_len <= limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} must be in 1..{limit} (the model's "
+            "max_position_embeddings / context_length)"
+        )
+    # Build on the meta device so no memory is spent on a random init, then materialise
+    # directly in the target dtype on the target device.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=torch_dtype).to_empty(device=device)
+    model.model.rotary.build_tables(device)  # fp32 tables, whatever the weights' dtype
+    model.load_weights(source.weights())
+    model.eval()
+    metadata = ModelMetadata(
+        name=source.name,
+        architecture=source.architecture,
+        vocab_size=config.vocab_size,
+        eos_token_ids=source.eos_token_ids,
+        max_model_len=max_model_len or limit,
+        dtype=torch_dtype,
+    )
+    logger.info("loaded %s (%s) from %s as %s on %s", metadata.name, metadata.architecture,
+                path, torch_dtype, device)
+    return model, metadata
+
+
+def _open_hf_folder(folder: Path) -> ModelSource:
+    hf_config = json.loads((folder / "config.json").read_text())
+    config = parse_hf_config(hf_config)
+    architectures = hf_config.get("architectures") or [ARCHITECTURE_BY_MODEL_TYPE[config.model_type]]
+    files = _safetensors_files(folder)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as tensors:
+                for name in tensors.keys():
+                    yield name, tensors.get_tensor(name)
+
+    return ModelSource(
+        config=config,
+        name=folder.name,
+        architecture=architectures[0],
+        eos_token_ids=_hf_eos_token_ids(folder, hf_config),
+        weights=weights,
+    )
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _hf_eos_token_ids(folder: Path, hf_config: dict) -> tuple[int, ...]:
+    """config.json's eos ids, then any extra ones generation_config.json adds (chat models
+    often list their end-of-turn token only there)."""
+    ids = _as_id_list(hf_config.get("eos_token_id"))
+    generation_config = folder / "generation_config.json"
+    if generation_config.is_file():
+        ids += _as_id_list(json.loads(generation_config.read_text()).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+# --- GGUF -------------------------------------------------------------------------------
+
+# GGUF architecture -> model_type; llama.cpp also files Mistral under "llama".
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp per-layer tensor name -> Hugging Face name under model.layers.N.
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """llama.cpp tensor name -> Hugging Face name; None for tensors we do not load."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")  # blk.N.<kind>.<weight|bias>
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def reverse_rotary_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (its rotary pairs adjacent dims, HF pairs
+    halves), as transformers' `_reverse_permute_weights` does. Works for biases too."""
+    rows = weight.shape[0]
+    half_head_dim = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _gguf_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(reader, arch: str, tensor_names: set[str]) -> ModelConfig:
+    def meta(key: str, default=None):
+        return _gguf_value(reader, f"{arch}.{key}", default)
+
+    hidden_size = meta("embedding_length")
+    num_heads = meta("attention.head_count")
+    num_layers = meta("block_count")
+    tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
+    vocab_size = meta("vocab_size") or (len(tokens) if tokens else None)
+    if vocab_size is None:
+        vocab_size = next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight")
+    rope_divisors = None
+    if "rope_freqs.weight" in tensor_names:  # Llama 3.1 scaling, stored per frequency
+        rope_freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        rope_divisors = tuple(float(x) for x in rope_freqs.data.reshape(-1))
+    scaling_type = meta("rope.scaling.type", "none")
+    rope = RopeConfig(
+        theta=float(meta("rope.freq_base", 10000.0)),
+        rope_type="linear" if scaling_type == "linear" else "default",
+        factor=float(meta("rope.scaling.factor", 1.0)) if scaling_type == "linear" else 1.0,
+        freq_divisors=rope_divisors,
+    )
+    if scaling_type not in ("none", "linear"):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    return ModelConfig(
+        model_type=_GGUF_MODEL_TYPES[arch],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=meta("feed_forward_length"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=meta("attention.head_count_kv", num_heads),
+        head_dim=meta("attention.key_length", hidden_size // num_heads),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=meta("context_length", 2048),
+        rope=rope,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+    )
+
+
+def _open_gguf(path: Path) -> ModelSource:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _gguf_value(reader, "general.architecture")
+    if arch not in _GGUF_MODEL_TYPES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_MODEL_TYPES)}"
+        )
+    config = _gguf_config(reader, arch, {t.name for t in reader.tensors})
+    eos_ids = [_gguf_value(reader, "tokenizer.ggml.eos_token_id")]
+    # End-of-turn (e.g. <|eot_id|>) also ends generation in llama.cpp.
+    eos_ids.append(_gguf_value(reader, "tokenizer.ggml.eot_token_id"))
+    return ModelSource(
+        config=config,
+        name=path.stem,
+        architecture=ARCHITECTURE_BY_MODEL_TYPE[config.model_type],
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        weights=lambda: _gguf_weights(reader, config, permuted_rotary=arch == "llama"),
+    )
+
+
+def _gguf_weights(
+    reader, config: ModelConfig, *, permuted_rotary: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            continue  # e.g. rope_freqs, already folded into the config
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+        weight = weight.reshape(shape)
+        if permuted_rotary and ".self_attn.q_proj." in hf_name:
+            weight = reverse_rotary_permutation(weight, config.num_heads)
+        elif permuted_rotary and ".self_attn.k_proj." in hf_name:
+            weight = reverse_rotary_permutation(weight, config.num_kv_heads)
+        yield hf_name, weight

@@ -1,0 +1,139 @@
+"""Building blocks of the Llama-family decoder, numerically matched to transformers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker_svc.model.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight multiply, exactly like
+        # LlamaRMSNorm, so bf16 results round the same way as the HF reference.
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, as transformers' ROPE_INIT_FUNCTIONS."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.freq_divisors is not None:
+        return inv_freq / torch.tensor(rope.freq_divisors, dtype=torch.float32)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Long wavelengths are stretched by `factor`, short ones kept, the band between
+    # interpolated: the Llama 3.1 recipe, written as transformers writes it.
+    old_context_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / rope.low_freq_factor
+    high_freq_wavelen = old_context_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_positions`, computed in fp32."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.build_tables(self.cos_cache.device)
+
+    def build_tables(self, device: torch.device | str) -> None:
+        """(Re)compute the fp32 tables on `device`; loaders call it after materialising a
+        model built on the meta device, and after any dtype cast of the whole module."""
+        if torch.device(device).type == "meta":
+            self.cos_cache = torch.empty(self.max_positions, self.head_dim, device="meta")
+            self.sin_cache = torch.empty(self.max_positions, self.head_dim, device="meta")
+            return
+        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(device)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.int64)
+        # The same fp32 product transformers computes per forward, so values match bitwise.
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cache = emb.cos()
+        self.sin_cache = emb.sin()
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in `dtype`."""
+        # Cast before use like transformers, so bf16 q*cos rounds the same way.
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of the same input stacked on the output dim (q|k|v, gate|up).
+
+    Weights are still loaded per named part so a tensor-parallel loader can slice each
+    part column-wise on its own.
+    """
+
+    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(part_sizes.values()), bias=bias)
+        self.part_sizes = dict(part_sizes)
+        self.part_offsets: dict[str, int] = {}
+        offset = 0
+        for name, size in part_sizes.items():
+            self.part_offsets[name] = offset
+            offset += size
+
+    def load_part(self, part: str, param_name: str, tensor: torch.Tensor) -> None:
+        target = self.weight if param_name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {part} bias but the model expects none")
+        start, size = self.part_offsets[part], self.part_sizes[part]
+        rows = target.data[start : start + size]
+        if rows.shape != tensor.shape:
+            raise ValueError(f"{part}.{param_name}: expected {tuple(rows.shape)}, got {tuple(tensor.shape)}")
+        rows.copy_(tensor)
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        return list(out.split(list(self.part_sizes.values()), dim=-1))
+
+
+def silu_and_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    gate, up = gate_up.split(intermediate_size, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,136 @@
+"""Turn a batch of logits into tokens, one request's settings per row.
+
+Order per row: raw logits -> logprobs (reported from the raw distribution) -> repetition,
+presence and frequency penalties -> min_tokens stop masking -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> one seeded draw (the transformers warper order).
+
+Randomness is counter-based: the draw for a request's i-th output token uses a generator
+seeded with `mix_seed(seed, i)`, so a seed gives the same tokens whatever else shares the
+batch, across processes and after a resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker_svc.types import SampledToken, SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, output_index: int) -> int:
+    """A stable 63-bit generator seed for drawing output token `output_index` of a request."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ output_index) >> 1
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One row of the batch: its settings and the tokens penalties look at."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far; its length is the output index
+
+
+def sample(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[SampledToken]:
+    """logits [num_rows, vocab_size] (any float dtype) -> one token per row."""
+    if logits.shape[0] != len(requests):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+    logits = logits.to(torch.float32)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    processed = logits.clone()
+    for row, request in enumerate(requests):
+        _apply_penalties(processed[row], request)
+        _mask_stop_tokens(processed[row], request)
+    token_ids = [_choose(processed[row], request) for row, request in enumerate(requests)]
+    return _with_logprobs(logprobs, token_ids, requests)
+
+
+def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
+    params = request.params
+    if params.repetition_penalty != 1.0:
+        # transformers semantics: over prompt and output, shrink positive logits and grow
+        # negative ones so a seen token always loses probability.
+        seen = _ids_tensor(list(request.prompt_token_ids) + list(request.output_token_ids), row)
+        if seen.numel():
+            seen = seen.unique()
+            scores = row[seen]
+            penalty = params.repetition_penalty
+            row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        # OpenAI semantics: output tokens only, subtracted from the logits.
+        output = _ids_tensor(request.output_token_ids, row)
+        if output.numel():
+            counts = torch.bincount(output, minlength=row.shape[0]).to(row.dtype)
+            row -= params.frequency_penalty * counts
+            row -= params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _mask_stop_tokens(row: torch.Tensor, request: SamplingRequest) -> None:
+    params = request.params
+    if params.stop_token_ids and len(request.output_token_ids) < params.min_tokens:
+        row[_ids_tensor(params.stop_token_ids, row)] = float("-inf")
+
+
+def _ids_tensor(ids: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(list(ids), dtype=torch.long, device=like.device)
+
+
+def _choose(row: torch.Tensor, request: SamplingRequest) -> int:
+    params = request.params
+    if params.temperature == 0.0:
+        return int(torch.argmax(row))
+    row = row / params.temperature
+    if params.top_k > 0 and params.top_k < row.shape[0]:
+        kth_best = torch.topk(row, params.top_k).values[-1]
+        row = row.masked_fill(row < kth_best, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if params.top_p < 1.0:
+        probs = _top_p(probs, params.top_p)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    generator = torch.Generator(device=row.device)
+    generator.manual_seed(mix_seed(params.seed, len(request.output_token_ids)))
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i,
+    # and needs no renormalisation after the filters above zeroed some p_i.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p`."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p  # the best token always has mass_before 0: kept
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return probs.masked_fill(drop, 0.0)
+
+
+def _with_logprobs(
+    logprobs: torch.Tensor, token_ids: list[int], requests: Sequence[SamplingRequest]
+) -> list[SampledToken]:
+    max_top = max((r.params.num_logprobs for r in requests), default=0)
+    top_values = top_ids = None
+    if max_top > 0:
+        top = torch.topk(logprobs, min(max_top, logprobs.shape[-1]), dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
+    chosen_values = chosen[:, 0].tolist()
+    sampled = []
+    for row, (token_id, request) in enumerate(zip(token_ids, requests, strict=True)):
+        top_pairs: tuple[tuple[int, float], ...] = ()
+        if request.params.num_logprobs > 0 and top_ids is not None and top_values is not None:
+            n = request.params.num_logprobs
+            top_pairs = tuple(zip(top_ids[row][:n], top_values[row][:n], strict=True))
+        sampled.append(SampledToken(token_id, chosen_values[row], top_pairs))
+    return sampled
