@@ -5,6 +5,7 @@ from __future__ import annotations
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
+from scheduler_svc.core.scheduler import SchedulerStats
 from scheduler_svc.core.types import (
     FinishReason,
     NewRequestSchedule,
@@ -147,4 +148,15 @@ def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int) ->
             pipeline_parallel_size=info.pp_size,
             num_replicas=1,
         ),
+    )
+
+
+def stats_to_pb(stats: SchedulerStats, num_steps: int) -> scheduler_pb2.GetStatsResponse:
+    return scheduler_pb2.GetStatsResponse(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_free_blocks=stats.num_free_blocks,
+        num_blocks=stats.num_blocks,
+        num_preemptions=stats.num_preemptions,
+        num_steps=num_steps,
     )

@@ -30,6 +30,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
         return self.model_info
 
+    async def GetStats(self, request: scheduler_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> scheduler_pb2.GetStatsResponse:
+        return convert.stats_to_pb(self.loop.scheduler.stats(), self.loop.num_steps)
+
     async def Submit(self, request: scheduler_pb2.SubmitRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         request_id_var.set(request.request_id)

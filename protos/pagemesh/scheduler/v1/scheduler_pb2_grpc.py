@@ -45,6 +45,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/GetStats',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -65,6 +70,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Current load and KV cache occupancy of the engine group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +150,33 @@ class Scheduler:
             '/pagemesh.scheduler.v1.Scheduler/GetModelInfo',
             protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/GetStats',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,29 @@
+"""Meshes shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mesh_harness import Mesh
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama", "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_mesh(tiny_llama_dir: Path, redis_url: str,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    # A small cache (64 blocks of 16 tokens) so that block accounting is easy to observe.
+    log = tmp_path_factory.mktemp("logs") / "tiny-llama-mesh.log"
+    mesh = Mesh(str(tiny_llama_dir), log, redis_url=redis_url, cluster="e2e-llama",
+                extra_args=["--num-kv-blocks", "64"])
+    try:
+        yield mesh.wait_ready()
+    finally:
+        mesh.stop()

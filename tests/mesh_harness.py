@@ -1,0 +1,109 @@
+"""Starts real meshes for tests: `pagemesh up` as a process, real gRPC, real Valkey."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Generation:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
+    num_chunks: int = 0
+
+
+class Mesh:
+    """One `pagemesh up` process tree; `stop()` sends SIGTERM like Ctrl-C would."""
+
+    def __init__(self, model: str | None, log_path: Path, *, redis_url: str | None = None,
+                 cluster: str = "pagemesh", extra_args: list[str] | None = None) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        argv = [sys.executable, "-m", "pagemesh.cli", "up", "--port", str(self.port),
+                "--cluster", cluster, "--log-level", "WARNING", *(extra_args or [])]
+        if model is not None:
+            argv += ["--model", model]
+        if redis_url is not None:
+            argv += ["--redis-url", redis_url]
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> Mesh:
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagemesh up exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return self
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"mesh not ready after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def generate(self, request: generate_pb2.GenerateRequest, timeout_s: float = 300) -> Generation:
+        result = Generation()
+        for chunk in self.stub.Generate(request, timeout=timeout_s):
+            result.num_chunks += 1
+            result.token_ids.extend(chunk.token_ids)
+            result.text += chunk.text
+            result.logprobs.extend(chunk.logprobs)
+            if chunk.finish_reason:
+                result.finish_reason = chunk.finish_reason
+                result.prompt_tokens = chunk.usage.prompt_tokens
+                result.completion_tokens = chunk.usage.completion_tokens
+        return result
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def greedy_request(prompt_ids: list[int], max_tokens: int, **kwargs: object) -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt_ids), **kwargs)
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = max_tokens
+    request.stopping.ignore_eos = True
+    return request

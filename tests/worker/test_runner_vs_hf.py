@@ -1,0 +1,204 @@
+"""The runner, driven step by step like the scheduler would, against transformers.
+
+Greedy tokens must equal `generate(do_sample=False)` token for token; a divergence is
+accepted only at a demonstrated near-tie (HF's top-2 logits within 1e-4 there).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import write_tiny_model
+from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.types import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    StepInput,
+)
+
+BLOCK_SIZE = 4
+NUM_NEW_TOKENS = 12
+NEAR_TIE = 1e-4
+GREEDY = SamplingParams(temperature=0.0)
+
+VARIANTS = {
+    "llama": dict(arch="llama"),
+    "llama3_rope": dict(arch="llama", llama3_rope=True),
+    "llama_tied": dict(arch="llama", tie_word_embeddings=True),
+    "qwen2": dict(arch="qwen2"),
+    "qwen3": dict(arch="qwen3"),
+    "mistral": dict(arch="mistral"),
+    "mistral_sliding_window": dict(arch="mistral", sliding_window=6),
+}
+
+
+@dataclass
+class ScriptedRequest:
+    """One request as a toy scheduler sees it."""
+
+    request_id: str
+    prompt: list[int]
+    join_step: int
+    prefill_chunk: int | None = None  # at most this many prompt tokens per step
+    outputs: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    sent: bool = False
+
+
+def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: int) -> None:
+    """Schedule `requests` like a continuous-batching scheduler until each has
+    `num_new_tokens` outputs: joins at `join_step`, chunked prefill, block allocation from
+    a shuffled free list, and freeing (and reuse) of finished requests' blocks."""
+    free_blocks = list(range(runner.num_blocks))
+    random.Random(0).shuffle(free_blocks)
+    finished: list[str] = []
+    step_id = 0
+    while any(len(r.outputs) < num_new_tokens for r in requests):
+        new, cached, scheduled = [], [], {}
+        for r in requests:
+            if r.join_step > step_id or len(r.outputs) >= num_new_tokens:
+                continue
+            num_tokens = len(r.prompt) + len(r.outputs) - r.num_computed
+            if r.prefill_chunk is not None:
+                num_tokens = min(num_tokens, r.prefill_chunk)
+            num_blocks_needed = -(-(r.num_computed + num_tokens) // BLOCK_SIZE)
+            new_blocks = [free_blocks.pop() for _ in range(num_blocks_needed - len(r.block_ids))]
+            r.block_ids += new_blocks
+            if r.sent:
+                cached.append(CachedRequestData(r.request_id, new_blocks, r.num_computed))
+            else:
+                new.append(NewRequestData(r.request_id, r.prompt + r.outputs, len(r.prompt),
+                                          list(r.block_ids), r.num_computed, GREEDY))
+                r.sent = True
+            scheduled[r.request_id] = num_tokens
+        output = runner.execute_step(StepInput(step_id, new, cached, scheduled, finished))
+        finished = []
+        expect_sampled = set()
+        for r in requests:
+            if r.request_id not in scheduled:
+                continue
+            r.num_computed += scheduled[r.request_id]
+            if r.num_computed == len(r.prompt) + len(r.outputs):
+                expect_sampled.add(r.request_id)
+                r.outputs.append(output.sampled[r.request_id].token_id)
+            if len(r.outputs) >= num_new_tokens:
+                finished.append(r.request_id)
+                free_blocks += r.block_ids
+        assert set(output.sampled) == expect_sampled, f"step {step_id}"
+        step_id += 1
+
+
+def hf_greedy(hf_model, prompt: list[int], num_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    out = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=num_new_tokens, do_sample=False,
+        eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    assert len(tokens) == num_new_tokens
+    return tokens, torch.stack([step_logits[0] for step_logits in out.logits])
+
+
+def assert_greedy_close(ours: list[int], hf_tokens: list[int], hf_logits: torch.Tensor) -> None:
+    """Token-for-token equality; only a divergence at a near-tie (after which the two
+    continuations are unrelated) is forgiven."""
+    for i, (a, b) in enumerate(zip(ours, hf_tokens, strict=True)):
+        if a != b:
+            top2 = hf_logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < NEAR_TIE, f"token {i}: ours {a} != HF {b} with top-2 gap {gap}"
+            return
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (length,), generator=generator).tolist()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny_model(request, tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+
+
+def make_runner(path: Path, num_blocks: int = 48) -> ModelRunner:
+    return ModelRunner.from_config(
+        RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE, num_blocks=num_blocks)
+    )
+
+
+def test_continuous_batching_matches_hf_generate(tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    runner = make_runner(tiny_model)
+    vocab_size = runner.info().vocab_size
+    requests = [
+        ScriptedRequest("a", random_prompt(9, vocab_size, 1), join_step=0),
+        ScriptedRequest("b", random_prompt(21, vocab_size, 2), join_step=0, prefill_chunk=8),
+        ScriptedRequest("c", random_prompt(5, vocab_size, 3), join_step=2),
+        ScriptedRequest("d", random_prompt(16, vocab_size, 4), join_step=4, prefill_chunk=7),
+        ScriptedRequest("e", random_prompt(1, vocab_size, 5), join_step=13),
+    ]
+    drive(runner, requests, NUM_NEW_TOKENS)
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
+    for r in requests:
+        hf_tokens, hf_logits = hf_greedy(hf_model, r.prompt, NUM_NEW_TOKENS)
+        assert_greedy_close(r.outputs, hf_tokens, hf_logits)
+    assert runner.requests.keys() == {"e"}  # the others were dropped via finished ids
+
+
+def test_rebuilt_request_continues_where_it_left_off(tiny_model: Path) -> None:
+    """A preempted request comes back as a new request carrying its outputs so far."""
+    runner = make_runner(tiny_model)
+    prompt = random_prompt(7, runner.info().vocab_size, 6)
+    first = ScriptedRequest("r", prompt, join_step=0)
+    drive(runner, [first], NUM_NEW_TOKENS)
+    runner.execute_step(StepInput(100, finished_request_ids=["r"]))
+    assert not runner.requests
+
+    resumed = ScriptedRequest("r", prompt, join_step=0, prefill_chunk=5,
+                              outputs=list(first.outputs[:5]))
+    drive(runner, [resumed], NUM_NEW_TOKENS)
+    assert resumed.outputs == first.outputs
+    assert runner.requests["r"].num_prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
+    runner = make_runner(tiny_model, num_blocks=8)
+    prompt = random_prompt(6, runner.info().vocab_size, 7)
+    runner.execute_step(StepInput(0, [NewRequestData("a", prompt, 6, [0, 1], 0, GREEDY)],
+                                  num_scheduled_tokens={"a": 6}))
+    before = (list(runner.requests["a"].token_ids), list(runner.requests["a"].block_ids))
+    cache_before = [c.clone() for c in runner.kv_caches]
+    bad_steps = {
+        "unknown request": StepInput(1, num_scheduled_tokens={"zzz": 1}),
+        "unknown request 'zzz' in cached": StepInput(1, cached_requests=[CachedRequestData("zzz", [], 0)]),
+        "outside 0..7": StepInput(1, [NewRequestData("b", prompt, 6, [0, 8], 0, GREEDY)],
+                                  num_scheduled_tokens={"b": 6}),
+        "only 7 tokens are known": StepInput(1, cached_requests=[CachedRequestData("a", [], 6)],
+                                             num_scheduled_tokens={"a": 2}),
+        "cannot hold": StepInput(1, [NewRequestData("b", prompt, 6, [2], 0, GREEDY)],
+                                 num_scheduled_tokens={"b": 6}),
+        "token id outside": StepInput(1, [NewRequestData("b", [10**6], 1, [2], 0, GREEDY)],
+                                      num_scheduled_tokens={"b": 1}),
+        # "a" is dropped first, so continuing it in the same step is an unknown request.
+        "unknown request 'a'": StepInput(1, cached_requests=[CachedRequestData("a", [], 6)],
+                                         num_scheduled_tokens={"a": 1},
+                                         finished_request_ids=["a"]),
+    }
+    for message, step in bad_steps.items():
+        with pytest.raises(ValueError, match=message):
+            runner.execute_step(step)
+    assert runner.requests.keys() == {"a"}
+    assert (runner.requests["a"].token_ids, runner.requests["a"].block_ids) == before
+    assert all(torch.equal(a, b) for a, b in zip(cache_before, runner.kv_caches))
+    # And a valid continuation still works afterwards.
+    output = runner.execute_step(StepInput(2, cached_requests=[CachedRequestData("a", [], 6)],
+                                           num_scheduled_tokens={"a": 1}))
+    assert set(output.sampled) == {"a"} and output.forward_time_ms > 0
