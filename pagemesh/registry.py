@@ -15,6 +15,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from pagemesh.serving import FatalStartupError
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,6 +35,10 @@ class RegistryConfig:
                 f"ttl_s ({self.ttl_s}) must exceed heartbeat_interval_s "
                 f"({self.heartbeat_interval_s}) or live services would expire"
             )
+
+
+class RegistryConflict(FatalStartupError):
+    """Another live service already holds this id."""
 
 
 class Registry:
@@ -67,11 +73,28 @@ class Registry:
             if value is not None
         }
 
-    def start_heartbeat(self, kind: str, service_id: str, info_fn: Any) -> None:
-        """Publishes `info_fn()` now and every heartbeat until `close()`.
+    async def claim(self, kind: str, service_id: str, info: dict[str, Any]) -> None:
+        """Registers a service id that no live service holds, or raises RegistryConflict.
+
+        Two live services under one id would overwrite each other's entry and receive
+        each other's traffic; the second one must not start.
+        """
+        ttl_ms = int(self.config.ttl_s * 1000)
+        key = self.key(kind, service_id)
+        if not await self._redis.set(key, json.dumps(info), px=ttl_ms, nx=True):
+            holder = await self._redis.get(key)
+            raise RegistryConflict(
+                f"{kind} id {service_id!r} is already registered in cluster "
+                f"{self.config.cluster!r} by a live service ({holder}); pick another id "
+                "or cluster, or wait for its heartbeat to expire"
+            )
+
+    async def start_heartbeat(self, kind: str, service_id: str, info_fn: Any) -> None:
+        """Claims the id, then publishes `info_fn()` every heartbeat until `close()`.
 
         `info_fn` is called each time so that load figures stay current.
         """
+        await self.claim(kind, service_id, info_fn())
         self._heartbeats.append(asyncio.create_task(self._beat(kind, service_id, info_fn)))
 
     async def _beat(self, kind: str, service_id: str, info_fn: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -172,3 +173,19 @@ class GrpcServer:
         logger.info("shutting down: NOT_SERVING, draining for up to %.1f s", self.config.grace_s)
         await self.set_serving(False)
         await self.server.stop(self.config.grace_s)
+
+
+class FatalStartupError(RuntimeError):
+    """A service cannot start as configured; the message says why."""
+
+
+def run_service(main_coro: Any) -> None:
+    """Runs a service's `serve()` coroutine; an error ends the process with status 1 and
+    one clear log line instead of a traceback through asyncio."""
+    try:
+        asyncio.run(main_coro)
+    except KeyboardInterrupt:
+        pass
+    except (FatalStartupError, TimeoutError, OSError, ValueError) as exc:
+        logger.error("fatal: %s", exc)
+        sys.exit(1)

@@ -11,7 +11,7 @@ import socket
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
 from pagemesh.logs import setup_logging
 from pagemesh.registry import Registry
-from pagemesh.serving import GrpcServer
+from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router.scheduler_client import SchedulerPool
 from router.servicer import GenerationServicer
@@ -62,7 +62,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.set_serving(pool.num_groups > 0)
     pool_task = asyncio.create_task(pool.run())
     router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
-    registry.start_heartbeat(
+    await registry.start_heartbeat(
         "router", router_id, lambda: {"address": server.address, "num_groups": pool.num_groups}
     )
     logger.info("router %s serving %s on %s", router_id, args.model, server.address)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging("router", args.log_level)
     logger.info("config %s", vars(args))
-    asyncio.run(serve(args))
+    run_service(serve(args))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
 from pagemesh.logs import setup_logging
 from pagemesh.registry import Registry
-from pagemesh.serving import GrpcServer
+from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import convert
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
@@ -85,8 +85,9 @@ async def serve(args: argparse.Namespace) -> None:
         }
 
     loop_task = asyncio.create_task(loop.run())
+    loop_task.add_done_callback(lambda task: _on_loop_exit(task, server))
     await server.set_serving(True)
-    registry.start_heartbeat("scheduler", scheduler_id, registry_info)
+    await registry.start_heartbeat("scheduler", scheduler_id, registry_info)
     await server.wait_for_stop()
     await registry.close(deregister=[("scheduler", scheduler_id)])
     await server.stop()
@@ -94,11 +95,18 @@ async def serve(args: argparse.Namespace) -> None:
     await workers.close()
 
 
+def _on_loop_exit(task: asyncio.Task[None], server: GrpcServer) -> None:
+    """The step loop never ends on its own: if it does, stop serving rather than hang."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("step loop crashed", exc_info=task.exception())
+        server.request_stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging("scheduler", args.log_level)
     logger.info("config %s", vars(args))
-    asyncio.run(serve(args))
+    run_service(serve(args))
 
 
 if __name__ == "__main__":

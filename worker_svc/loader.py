@@ -100,7 +100,7 @@ def load_model(
     # Build on the meta device so no memory is spent on a random init, then materialise
     # directly in the target dtype on the target device.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, max_positions=max_model_len or limit)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.model.rotary.build_tables(device)  # fp32 tables, whatever the weights' dtype
     model.load_weights(source.weights())
@@ -121,7 +121,9 @@ def load_model(
 def _open_hf_folder(folder: Path) -> ModelSource:
     hf_config = json.loads((folder / "config.json").read_text())
     config = parse_hf_config(hf_config)
-    architectures = hf_config.get("architectures") or [ARCHITECTURE_BY_MODEL_TYPE[config.model_type]]
+    architectures = hf_config.get("architectures") or [
+        ARCHITECTURE_BY_MODEL_TYPE[config.model_type]
+    ]
     files = _safetensors_files(folder)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -227,10 +229,10 @@ def _gguf_config(reader, arch: str, tensor_names: set[str]) -> ModelConfig:
     hidden_size = meta("embedding_length")
     num_heads = meta("attention.head_count")
     num_layers = meta("block_count")
-    tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
-    vocab_size = meta("vocab_size") or (len(tokens) if tokens else None)
-    if vocab_size is None:
-        vocab_size = next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight")
+    # Not every converter writes vocab_size; the embedding's row count is always there.
+    vocab_size = meta("vocab_size") or next(
+        int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight"
+    )
     rope_divisors = None
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1 scaling, stored per frequency
         rope_freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
@@ -270,7 +272,8 @@ def _open_gguf(path: Path) -> ModelSource:
     arch = _gguf_value(reader, "general.architecture")
     if arch not in _GGUF_MODEL_TYPES:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_MODEL_TYPES)}"
+            f"GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(_GGUF_MODEL_TYPES)}"
         )
     config = _gguf_config(reader, arch, {t.name for t in reader.tensors})
     eos_ids = [_gguf_value(reader, "tokenizer.ggml.eos_token_id")]

@@ -12,7 +12,7 @@ import socket
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
 from pagemesh.logs import setup_logging
 from pagemesh.registry import Registry
-from pagemesh.serving import GrpcServer
+from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.runner import ModelRunner, RunnerConfig
 from worker_svc.servicer import WorkerServicer
@@ -78,7 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     server.install_signal_handlers()
     await server.set_serving(True)
-    registry.start_heartbeat(
+    await registry.start_heartbeat(
         "worker",
         worker_id,
         lambda: {
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging("worker", args.log_level)
     logger.info("config %s", vars(args))
-    asyncio.run(serve(args))
+    run_service(serve(args))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,14 @@ from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attent
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
 from worker_svc.loader import ModelMetadata, load_model
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.types import SampledToken, SamplingParams, StepInput, StepOutput
+from worker_svc.types import (
+    CachedRequestData,
+    NewRequestData,
+    SampledToken,
+    SamplingParams,
+    StepInput,
+    StepOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +81,6 @@ class RequestState:
 
 @dataclass(frozen=True)
 class _Batch:
-    request_ids: list[str]
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
@@ -93,20 +99,13 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
     ) -> None:
-        config = model.config
         self.model = model
         self.metadata = metadata
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend: AttentionBackend = get_attention_backend(attention_backend, self.device)
-        self.kv_spec = KVCacheSpec(
-            num_layers=config.num_layers,
-            block_size=block_size,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=metadata.dtype,
-        )
+        self.kv_spec = _kv_cache_spec(model, block_size, metadata.dtype)
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         self.requests: dict[str, RequestState] = {}
 
@@ -117,13 +116,7 @@ class ModelRunner:
             config.model_path, dtype=config.dtype, device=config.device,
             max_model_len=config.max_model_len,
         )
-        spec = KVCacheSpec(
-            num_layers=model.config.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=model.config.num_kv_heads,
-            head_dim=model.config.head_dim,
-            dtype=metadata.dtype,
-        )
+        spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
         num_blocks = num_blocks_for_budget(spec, config.kv_cache_memory_bytes, config.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each)",
                     num_blocks, config.block_size, spec.bytes_per_block)
@@ -233,7 +226,6 @@ class ModelRunner:
             query_start_loc=to_device(query_start_loc, torch.int32),
         )
         return _Batch(
-            request_ids=list(num_scheduled_tokens),
             input_ids=to_device(np.concatenate(input_ids), torch.int64),
             positions=to_device(np.concatenate(positions), torch.int64),
             metadata=metadata,
@@ -245,13 +237,22 @@ class ModelRunner:
         requests = []
         for request_id in request_ids:
             state = self.requests[request_id]
-            requests.append(sampler.SamplingRequest(
-                params=state.sampling,
-                prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
-                output_token_ids=state.token_ids[state.num_prompt_tokens :],
-            ))
+            requests.append(
+                sampler.SamplingRequest(state.sampling, state.token_ids, state.num_prompt_tokens)
+            )
         tokens = sampler.sample(logits, requests)
         return dict(zip(request_ids, tokens, strict=True))
+
+
+def _kv_cache_spec(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    config = model.config
+    return KVCacheSpec(
+        num_layers=config.num_layers,
+        block_size=block_size,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+    )
 
 
 def validate_step(
@@ -268,33 +269,17 @@ def validate_step(
     Checks the step as it will be applied: finished ids dropped first, then new requests
     added (replacing any same id), then cached ones extended.
     """
-    # request id -> (known tokens, blocks held, computed tokens) after the step's updates
+    finished = set(step.finished_request_ids)
     shapes = {
-        request_id: (len(state.token_ids), len(state.block_ids), state.num_computed_tokens)
+        request_id: _Shape(len(state.token_ids), len(state.block_ids), state.num_computed_tokens)
         for request_id, state in requests.items()
-        if request_id not in set(step.finished_request_ids)
+        if request_id not in finished
     }
-
-    def check_blocks(request_id: str, block_ids: list[int]) -> None:
-        bad = [b for b in block_ids if not 0 <= b < num_blocks]
-        if bad:
-            raise ValueError(f"request {request_id!r}: block ids {bad[:5]} outside 0..{num_blocks - 1}")
-
     new_ids = {new.request_id for new in step.new_requests}
     if len(new_ids) != len(step.new_requests):
         raise ValueError("a request id appears twice among new requests")
     for new in step.new_requests:
-        num_known = len(new.token_ids)
-        if not 0 < new.num_prompt_tokens <= num_known:
-            raise ValueError(f"request {new.request_id!r}: num_prompt_tokens "
-                             f"{new.num_prompt_tokens} not in 1..{num_known}")
-        if not 0 <= new.num_computed_tokens <= num_known:
-            raise ValueError(f"request {new.request_id!r}: num_computed_tokens "
-                             f"{new.num_computed_tokens} not in 0..{num_known}")
-        if any(not 0 <= t < vocab_size for t in new.token_ids):
-            raise ValueError(f"request {new.request_id!r}: token id outside 0..{vocab_size - 1}")
-        check_blocks(new.request_id, new.block_ids)
-        shapes[new.request_id] = (num_known, len(new.block_ids), new.num_computed_tokens)
+        shapes[new.request_id] = _new_request_shape(new, num_blocks, vocab_size)
     cached_ids: set[str] = set()
     for cached in step.cached_requests:
         request_id = cached.request_id
@@ -303,26 +288,65 @@ def validate_step(
         if request_id not in shapes:
             raise ValueError(f"unknown request {request_id!r} in cached requests")
         cached_ids.add(request_id)
-        check_blocks(request_id, cached.new_block_ids)
-        num_known, num_held, _ = shapes[request_id]
-        if not 0 <= cached.num_computed_tokens <= num_known:
-            raise ValueError(f"request {request_id!r}: num_computed_tokens "
-                             f"{cached.num_computed_tokens} not in 0..{num_known}")
-        shapes[request_id] = (num_known, num_held + len(cached.new_block_ids),
-                              cached.num_computed_tokens)
+        shapes[request_id] = _cached_request_shape(cached, shapes[request_id], num_blocks)
     for request_id, num_tokens in step.num_scheduled_tokens.items():
         if request_id not in shapes:
             raise ValueError(f"unknown request {request_id!r} scheduled")
-        num_known, num_held, num_computed = shapes[request_id]
-        end = num_computed + num_tokens
-        if num_tokens < 1:
-            raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled (need >= 1)")
-        if end > num_known:
-            raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled from "
-                             f"{num_computed} but only {num_known} tokens are known")
-        if end > max_model_len:
-            raise ValueError(f"request {request_id!r}: {end} tokens exceed max_model_len "
-                             f"{max_model_len}")
-        if num_held * block_size < end:
-            raise ValueError(f"request {request_id!r}: {num_held} blocks of {block_size} "
-                             f"cannot hold {end} tokens")
+        _check_scheduled(request_id, num_tokens, shapes[request_id], block_size, max_model_len)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A request's sizes once the step's updates are applied."""
+
+    num_known_tokens: int
+    num_blocks_held: int
+    num_computed_tokens: int
+
+
+def _check_block_ids(request_id: str, block_ids: list[int], num_blocks: int) -> None:
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"request {request_id!r}: block ids {bad[:5]} outside 0..{num_blocks - 1}")
+
+
+def _new_request_shape(new: NewRequestData, num_blocks: int, vocab_size: int) -> _Shape:
+    request_id, num_known = new.request_id, len(new.token_ids)
+    if not 0 < new.num_prompt_tokens <= num_known:
+        raise ValueError(f"request {request_id!r}: num_prompt_tokens "
+                         f"{new.num_prompt_tokens} not in 1..{num_known}")
+    if not 0 <= new.num_computed_tokens <= num_known:
+        raise ValueError(f"request {request_id!r}: num_computed_tokens "
+                         f"{new.num_computed_tokens} not in 0..{num_known}")
+    # An out-of-range id would index past the embedding (a device assert on CUDA).
+    if any(not 0 <= t < vocab_size for t in new.token_ids):
+        raise ValueError(f"request {request_id!r}: token id outside 0..{vocab_size - 1}")
+    _check_block_ids(request_id, new.block_ids, num_blocks)
+    return _Shape(num_known, len(new.block_ids), new.num_computed_tokens)
+
+
+def _cached_request_shape(cached: CachedRequestData, shape: _Shape, num_blocks: int) -> _Shape:
+    _check_block_ids(cached.request_id, cached.new_block_ids, num_blocks)
+    if not 0 <= cached.num_computed_tokens <= shape.num_known_tokens:
+        raise ValueError(f"request {cached.request_id!r}: num_computed_tokens "
+                         f"{cached.num_computed_tokens} not in 0..{shape.num_known_tokens}")
+    return _Shape(shape.num_known_tokens, shape.num_blocks_held + len(cached.new_block_ids),
+                  cached.num_computed_tokens)
+
+
+def _check_scheduled(
+    request_id: str, num_tokens: int, shape: _Shape, block_size: int, max_model_len: int
+) -> None:
+    end = shape.num_computed_tokens + num_tokens
+    if num_tokens < 1:
+        raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled (need >= 1)")
+    if end > shape.num_known_tokens:
+        raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled from "
+                         f"{shape.num_computed_tokens} but only {shape.num_known_tokens} "
+                         "tokens are known")
+    if end > max_model_len:
+        raise ValueError(f"request {request_id!r}: {end} tokens exceed max_model_len "
+                         f"{max_model_len}")
+    if shape.num_blocks_held * block_size < end:
+        raise ValueError(f"request {request_id!r}: {shape.num_blocks_held} blocks of "
+                         f"{block_size} cannot hold {end} tokens")

@@ -38,8 +38,16 @@ class SamplingRequest:
     """One row of the batch: its settings and the tokens penalties look at."""
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far; its length is the output index
+    token_ids: Sequence[int]  # prompt + output so far (the runner's list, not copied)
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Index of the token being drawn: the counter of the seeded draw."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 def sample(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[SampledToken]:
@@ -61,7 +69,7 @@ def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
     if params.repetition_penalty != 1.0:
         # transformers semantics: over prompt and output, shrink positive logits and grow
         # negative ones so a seen token always loses probability.
-        seen = _ids_tensor(list(request.prompt_token_ids) + list(request.output_token_ids), row)
+        seen = _ids_tensor(request.token_ids, row)
         if seen.numel():
             seen = seen.unique()
             scores = row[seen]
@@ -69,7 +77,7 @@ def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
             row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
     if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
         # OpenAI semantics: output tokens only, subtracted from the logits.
-        output = _ids_tensor(request.output_token_ids, row)
+        output = _ids_tensor(request.output_token_ids(), row)
         if output.numel():
             counts = torch.bincount(output, minlength=row.shape[0]).to(row.dtype)
             row -= params.frequency_penalty * counts
@@ -78,7 +86,7 @@ def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
 
 def _mask_stop_tokens(row: torch.Tensor, request: SamplingRequest) -> None:
     params = request.params
-    if params.stop_token_ids and len(request.output_token_ids) < params.min_tokens:
+    if params.stop_token_ids and request.num_output_tokens < params.min_tokens:
         row[_ids_tensor(params.stop_token_ids, row)] = float("-inf")
 
 
@@ -100,10 +108,12 @@ def _choose(row: torch.Tensor, request: SamplingRequest) -> int:
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     generator = torch.Generator(device=row.device)
-    generator.manual_seed(mix_seed(params.seed, len(request.output_token_ids)))
+    generator.manual_seed(mix_seed(params.seed, request.num_output_tokens))
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i,
     # and needs no renormalisation after the filters above zeroed some p_i.
     noise = torch.empty_like(probs).exponential_(generator=generator)
+    # A zero draw would turn a filtered-out token's 0 / 0 into NaN, which argmax picks.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return int(torch.argmax(probs / noise))
 
 

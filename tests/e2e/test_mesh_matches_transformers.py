@@ -31,7 +31,7 @@ def arch_mesh(request: pytest.FixtureRequest, redis_url: str,
     arch = request.param
     folder = write_tiny_model(tmp_path_factory.mktemp(arch) / f"tiny-{arch}", arch, seed=7)
     mesh = Mesh(str(folder), tmp_path_factory.mktemp("logs") / f"{arch}.log",
-                redis_url=redis_url, cluster=f"e2e-{arch}")
+                redis_url=redis_url, cluster=f"e2e-match-{arch}")
     try:
         yield arch, folder, mesh.wait_ready()
     finally:

@@ -150,7 +150,8 @@ def test_resolve_dtype() -> None:
 # --- KV cache sizing and backend choice -----------------------------------------------
 
 def test_kv_cache_sizing() -> None:
-    spec = KVCacheSpec(num_layers=3, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    spec = KVCacheSpec(num_layers=3, block_size=16, num_kv_heads=2, head_dim=8,
+                       dtype=torch.bfloat16)
     assert spec.bytes_per_block == 3 * 2 * 16 * 2 * 8 * 2
     assert num_blocks_for_budget(spec, 10 * spec.bytes_per_block + 5) == 10
     assert num_blocks_for_budget(spec, 1, num_blocks_override=7) == 7
@@ -314,7 +315,8 @@ def test_default_smollm2_gguf_matches_transformers() -> None:
     num_new_tokens = 20
     runner = ModelRunner.from_config(RunnerConfig(model_path=str(path), num_blocks=8))
     info = runner.info()
-    assert (info.architecture, info.eos_token_ids, info.max_model_len) == ("LlamaForCausalLM", (2,), 8192)
+    assert info.architecture == "LlamaForCausalLM"
+    assert (info.eos_token_ids, info.max_model_len) == ((2,), 8192)
     ours = greedy_tokens(runner, prompt, num_new_tokens)
 
     hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)

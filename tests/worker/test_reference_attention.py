@@ -28,6 +28,13 @@ def naive_attention(
     return out
 
 
+def dense_batch(queries, contexts, scale: float, sliding_window: int | None = None):
+    return torch.cat([
+        naive_attention(q, k, v, scale, sliding_window)
+        for q, (k, v) in zip(queries, contexts, strict=True)
+    ])
+
+
 def build_paged_batch(
     seq_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int,
     head_dim: int, block_size: int, num_blocks: int, seed: int = 0,
@@ -67,10 +74,7 @@ def test_ragged_batch_matches_dense(num_heads: int, num_kv_heads: int, sliding_w
     )
     out = paged_attention(query, k_cache, v_cache, block_tables, lens, starts, scale,
                           sliding_window=sliding_window)
-    expected = torch.cat([
-        naive_attention(q, k, v, scale, sliding_window)
-        for q, (k, v) in zip(queries, contexts, strict=True)
-    ])
+    expected = dense_batch(queries, contexts, scale, sliding_window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -80,7 +84,7 @@ def test_decode_only_batch_matches_dense() -> None:
         seq_lens, [1] * 5, num_heads=8, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=20
     )
     out = paged_attention(query, k_cache, v_cache, block_tables, lens, starts, 0.25)
-    expected = torch.cat([naive_attention(q, k, v, 0.25) for q, (k, v) in zip(queries, contexts)])
+    expected = dense_batch(queries, contexts, 0.25)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -91,7 +95,7 @@ def test_bf16_cache_returns_query_dtype() -> None:
     out = paged_attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(),
                           block_tables, lens, starts, 0.3)
     assert out.dtype == torch.bfloat16
-    expected = torch.cat([naive_attention(q, k, v, 0.3) for q, (k, v) in zip(queries, contexts)])
+    expected = dense_batch(queries, contexts, 0.3)
     torch.testing.assert_close(out.float(), expected, rtol=5e-2, atol=5e-2)
 
 

@@ -178,7 +178,9 @@ def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
     cache_before = [c.clone() for c in runner.kv_caches]
     bad_steps = {
         "unknown request": StepInput(1, num_scheduled_tokens={"zzz": 1}),
-        "unknown request 'zzz' in cached": StepInput(1, cached_requests=[CachedRequestData("zzz", [], 0)]),
+        "unknown request 'zzz' in cached": StepInput(
+            1, cached_requests=[CachedRequestData("zzz", [], 0)]
+        ),
         "outside 0..7": StepInput(1, [NewRequestData("b", prompt, 6, [0, 8], 0, GREEDY)],
                                   num_scheduled_tokens={"b": 6}),
         "only 7 tokens are known": StepInput(1, cached_requests=[CachedRequestData("a", [], 6)],
@@ -197,8 +199,26 @@ def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
             runner.execute_step(step)
     assert runner.requests.keys() == {"a"}
     assert (runner.requests["a"].token_ids, runner.requests["a"].block_ids) == before
-    assert all(torch.equal(a, b) for a, b in zip(cache_before, runner.kv_caches))
+    assert all(torch.equal(a, b) for a, b in zip(cache_before, runner.kv_caches, strict=True))
     # And a valid continuation still works afterwards.
     output = runner.execute_step(StepInput(2, cached_requests=[CachedRequestData("a", [], 6)],
                                            num_scheduled_tokens={"a": 1}))
     assert set(output.sampled) == {"a"} and output.forward_time_ms > 0
+
+
+@pytest.mark.parametrize("tiny_model", ["qwen3"], indirect=True)
+def test_bfloat16_runner_serves_a_batch(tiny_model: Path) -> None:
+    """bf16 is not compared token for token: with this large-std init, bf16 rounding
+    moves logits by ~1 in HF too. It must run end to end and keep its cache in bf16."""
+    runner = ModelRunner.from_config(RunnerConfig(
+        model_path=str(tiny_model), dtype="bfloat16", block_size=BLOCK_SIZE, num_blocks=48,
+    ))
+    vocab_size = runner.info().vocab_size
+    requests = [
+        ScriptedRequest("a", random_prompt(11, vocab_size, 8), join_step=0, prefill_chunk=6),
+        ScriptedRequest("b", random_prompt(4, vocab_size, 9), join_step=1),
+    ]
+    drive(runner, requests, 4)
+    assert runner.info().dtype == "bfloat16"
+    assert all(cache.dtype == torch.bfloat16 for cache in runner.kv_caches)
+    assert all(0 <= t < vocab_size for r in requests for t in r.outputs)

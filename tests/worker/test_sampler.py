@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from worker_svc.types import SamplingParams
 
 
 def req(params: SamplingParams, prompt=(), output=()) -> SamplingRequest:
-    return SamplingRequest(params, list(prompt), list(output))
+    return SamplingRequest(params, [*prompt, *output], num_prompt_tokens=len(prompt))
 
 
 def random_logits(num_rows: int, vocab_size: int = 64, seed: int = 0) -> torch.Tensor:
@@ -93,7 +94,7 @@ def test_noop_penalties_do_not_perturb_greedy() -> None:
 def test_filters_restrict_the_support(params: SamplingParams, allowed: set[int]) -> None:
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     seen = {
-        sample(logits, [req(SamplingParams(**{**params.__dict__, "seed": s}))])[0].token_id
+        sample(logits, [req(dataclasses.replace(params, seed=s))])[0].token_id
         for s in range(300)
     }
     assert seen == allowed
@@ -129,8 +130,10 @@ def test_min_tokens_masks_stop_ids_until_reached() -> None:
     assert sample(logits, [req(params, output=[3])])[0].token_id == 1
     assert sample(logits, [req(params, output=[3, 3])])[0].token_id == 0
     random_params = SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=(0, 2))
-    drawn = {sample(logits, [req(SamplingParams(**{**random_params.__dict__, "seed": s}))])[0].token_id
-             for s in range(100)}
+    drawn = {
+        sample(logits, [req(dataclasses.replace(random_params, seed=s))])[0].token_id
+        for s in range(100)
+    }
     assert drawn.isdisjoint({0, 2})
 
 
@@ -150,7 +153,7 @@ def test_logprobs_come_from_raw_logits() -> None:
         assert len(token.top_logprobs) == n
         if top is not None:
             assert [t for t, _ in token.top_logprobs] == top.indices.tolist()
-            for (_, value), expected in zip(token.top_logprobs, top.values.tolist()):
+            for (_, value), expected in zip(token.top_logprobs, top.values.tolist(), strict=True):
                 assert math.isclose(value, expected, abs_tol=1e-6)
 
 

@@ -127,7 +127,9 @@ class MergedLinear(nn.Linear):
         start, size = self.part_offsets[part], self.part_sizes[part]
         rows = target.data[start : start + size]
         if rows.shape != tensor.shape:
-            raise ValueError(f"{part}.{param_name}: expected {tuple(rows.shape)}, got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{part}.{param_name}: expected {tuple(rows.shape)}, got {tuple(tensor.shape)}"
+            )
         rows.copy_(tensor)
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:

@@ -69,7 +69,9 @@ class LlamaMLP(nn.Module):
             {"gate": config.intermediate_size, "up": config.intermediate_size},
             config.mlp_bias,
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.intermediate_size))
@@ -175,7 +177,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
             param = params[name]
             if param.shape != tensor.shape:
-                raise ValueError(f"{name}: expected {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"{name}: expected {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                )
             param.data.copy_(tensor)
             loaded.add(name)
         self._check_all_loaded(params, loaded)
@@ -183,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
-        for name, param in params.items():
+        for name in params:
             module = self.get_submodule(name.rpartition(".")[0])
             if isinstance(module, MergedLinear):
                 missing += [f"{name}/{p}" for p in module.part_sizes if f"{name}/{p}" not in loaded]
