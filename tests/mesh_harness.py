@@ -52,7 +52,8 @@ class Mesh:
             argv += ["--redis-url", redis_url]
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                        cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                        start_new_session=True)
         self.channel = grpc.insecure_channel(self.address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
 
@@ -88,17 +89,39 @@ class Mesh:
                 result.completion_tokens = chunk.usage.completion_tokens
         return result
 
+    def child_pids(self) -> list[int]:
+        """Processes `pagemesh up` started (services and the embedded Valkey)."""
+        path = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        return [int(pid) for pid in path.read_text().split()] if path.exists() else []
+
     def stop(self, timeout_s: float = 30.0) -> int:
+        """Ctrl-C: SIGINT to the whole process group, as a terminal sends it.
+
+        Raises if any process `pagemesh up` started outlives it.
+        """
         self.channel.close()
+        children = self.child_pids()
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            os.killpg(self.process.pid, signal.SIGINT)
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+        survivors = [pid for pid in children if _alive(pid)]
+        if survivors:
+            raise AssertionError(f"processes outlived `pagemesh up`: {survivors}")
         return self.process.returncode
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie awaiting its parent's wait() does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def greedy_request(prompt_ids: list[int], max_tokens: int, **kwargs: object) -> generate_pb2.GenerateRequest:
