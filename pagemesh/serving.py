@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagemesh.logs import setup_logging
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -179,11 +181,14 @@ class FatalStartupError(RuntimeError):
     """A service cannot start as configured; the message says why."""
 
 
-def run_service(main_coro: Any) -> None:
-    """Runs a service's `serve()` coroutine; an error ends the process with status 1 and
+def run_service(service: str, args: Any, serve: Callable[[Any], Any]) -> None:
+    """A service's `main` after flag parsing: log set-up, the effective config, then
+    `serve(args)` on a fresh event loop. A fatal error ends the process with status 1 and
     one clear log line instead of a traceback through asyncio."""
+    setup_logging(service, args.log_level)
+    logger.info("%s config %s", service, vars(args))
     try:
-        asyncio.run(main_coro)
+        asyncio.run(serve(args))
     except KeyboardInterrupt:
         pass
     except (FatalStartupError, TimeoutError, OSError, ValueError) as exc:

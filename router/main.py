@@ -9,7 +9,6 @@ import os
 import socket
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.logs import setup_logging
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
@@ -74,10 +73,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup_logging("router", args.log_level)
-    logger.info("config %s", vars(args))
-    run_service(serve(args))
+    run_service("router", parse_args(argv), serve)
 
 
 if __name__ == "__main__":

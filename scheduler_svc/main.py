@@ -10,7 +10,6 @@ import socket
 from dataclasses import asdict
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.logs import setup_logging
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -103,10 +102,7 @@ def _on_loop_exit(task: asyncio.Task[None], server: GrpcServer) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup_logging("scheduler", args.log_level)
-    logger.info("config %s", vars(args))
-    run_service(serve(args))
+    run_service("scheduler", parse_args(argv), serve)
 
 
 if __name__ == "__main__":

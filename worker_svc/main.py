@@ -10,7 +10,6 @@ import os
 import socket
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.logs import setup_logging
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -98,10 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup_logging("worker", args.log_level)
-    logger.info("config %s", vars(args))
-    run_service(serve(args))
+    run_service("worker", parse_args(argv), serve)
 
 
 if __name__ == "__main__":

