@@ -14,6 +14,7 @@ from pagemesh.serving import ServiceError, invalid_argument
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
+from scheduler_svc.core.scheduler import CapacityError
 from scheduler_svc.engine_loop import EngineLoop, StepFailed
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 request, self._eos_token_ids, time.time(), self._seeds.getrandbits(63)
             )
             queue = self.loop.submit(core_request)
+        except CapacityError as exc:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except ValueError as exc:
             raise invalid_argument(str(exc)) from exc
         finished = False

@@ -28,6 +28,10 @@ from scheduler_svc.core.types import (
 logger = logging.getLogger(__name__)
 
 
+class CapacityError(ValueError):
+    """The request can never fit this engine group's KV cache, however long it waits."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     num_blocks: int
@@ -89,9 +93,9 @@ class Scheduler:
                 f"exceeds max_model_len ({self.config.max_model_len})"
             )
         if not self.kv.can_ever_fit(max_len):
-            raise ValueError(
+            raise CapacityError(
                 f"request needs up to {self.kv.num_blocks_needed(max_len)} KV blocks but the "
-                f"cache has {self.kv.pool.num_blocks}"
+                f"cache has {self.kv.pool.num_blocks}; lower max_tokens or shorten the prompt"
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import CapacityError, Scheduler, SchedulerConfig
 from scheduler_svc.core.types import (
     FinishReason,
     Request,
@@ -185,7 +185,7 @@ def test_abort_during_a_step_waits_for_update() -> None:
 
 def test_rejects_requests_that_can_never_fit() -> None:
     scheduler = Scheduler(SchedulerConfig(num_blocks=2, block_size=4, max_model_len=64))
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(CapacityError, match="KV blocks"):
         scheduler.add_request(make_request("big", prompt_len=6, max_tokens=4))
     with pytest.raises(ValueError, match="max_model_len"):
         scheduler.add_request(make_request("long", prompt_len=60, max_tokens=8))
