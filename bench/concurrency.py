@@ -77,6 +77,9 @@ def run_transformers(model_path: str, prompts: list[list[int]], max_tokens: int)
     model.eval()
     e2e = []
     with torch.inference_mode():
+        warm = torch.tensor([prompts[0]])
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
         for prompt in prompts:
             ids = torch.tensor([prompt])
             start = time.perf_counter()
