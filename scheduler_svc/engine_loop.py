@@ -54,7 +54,7 @@ class EngineLoop:
                 await self._wakeup.wait()
                 continue
             output = self.scheduler.schedule()
-            if not output.num_scheduled_tokens and not output.finished_request_ids:
+            if output.is_empty:
                 # Nothing fits this step (e.g. right after a preemption); try again shortly.
                 await asyncio.sleep(0.001)
                 continue

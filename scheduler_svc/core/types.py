@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"  # preempted with its KV copied to CPU swap space
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -73,6 +74,11 @@ class Request:
     block_ids: list[BlockId] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Lower value = more important (vLLM's convention); used by the priority policy.
+    priority: int = 0
+    # n > 1: the request whose computed prompt this one forks from (shares its full blocks,
+    # copies its partly filled last block); None for ordinary requests and group leaders.
+    fork_of: RequestId | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -134,6 +140,12 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[RequestId, int] = field(default_factory=dict)
     # Requests the workers must forget before this step (finished, aborted, preempted).
     finished_request_ids: list[RequestId] = field(default_factory=list)
+    # KV block moves the workers apply before this step's forward, in this order:
+    # (device block, swap block) copies to CPU, (swap block, device block) copies back,
+    # then (source, destination) device copies (copy-on-write of a shared partial block).
+    blocks_to_swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -141,7 +153,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens and not self.finished_request_ids
+        return not (self.num_scheduled_tokens or self.finished_request_ids
+                    or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 @dataclass(frozen=True)
