@@ -99,7 +99,14 @@ def step_to_pb(output: SchedulerOutput) -> worker_pb2.ExecuteStepRequest:
         ],
         num_scheduled_tokens=output.num_scheduled_tokens,
         finished_request_ids=output.finished_request_ids,
+        blocks_to_swap_out=_pairs(output.blocks_to_swap_out),
+        blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
+        blocks_to_copy=_pairs(output.blocks_to_copy),
     )
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockPair]:
+    return [worker_pb2.BlockPair(src=src, dst=dst) for src, dst in pairs]
 
 
 def step_result_from_pb(pb: worker_pb2.ExecuteStepResponse) -> StepResult:

@@ -52,6 +52,9 @@ def step_input_from_pb(pb: worker_pb2.ExecuteStepRequest) -> StepInput:
         ],
         num_scheduled_tokens=dict(pb.num_scheduled_tokens),
         finished_request_ids=list(pb.finished_request_ids),
+        blocks_to_swap_out=[(p.src, p.dst) for p in pb.blocks_to_swap_out],
+        blocks_to_swap_in=[(p.src, p.dst) for p in pb.blocks_to_swap_in],
+        blocks_to_copy=[(p.src, p.dst) for p in pb.blocks_to_copy],
     )
 
 
@@ -83,6 +86,7 @@ def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> w
         max_model_len=info.max_model_len,
         dtype=info.dtype,
         num_blocks=info.num_blocks,
+        num_swap_blocks=info.num_swap_blocks,
         block_size=info.block_size,
         **layout,
     )

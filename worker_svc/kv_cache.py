@@ -58,3 +58,28 @@ def allocate_kv_caches(
     zero probability, and uninitialised memory may hold NaN (NaN * 0 = NaN)."""
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def allocate_swap_caches(spec: KVCacheSpec, num_swap_blocks: int,
+                         device: torch.device | str) -> list[torch.Tensor]:
+    """CPU swap space with the device cache's layout; pinned when the cache is on CUDA so
+    that swaps are plain DMA copies."""
+    if num_swap_blocks <= 0:
+        return []
+    pin = torch.device(device).type == "cuda"
+    shape = (2, num_swap_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_layers)]
+
+
+def move_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
+                pairs: list[tuple[int, int]]) -> None:
+    """Copies every layer's K and V of block `src` in `src_caches` to block `dst` in
+    `dst_caches`, for each (src, dst) pair. Destinations must be distinct from the sources
+    of the same call (they are fresh blocks: swap targets or copy-on-write copies)."""
+    if not pairs:
+        return
+    src_device, dst_device = src_caches[0].device, dst_caches[0].device
+    src_index = torch.tensor([s for s, _ in pairs], device=src_device)
+    dst_index = torch.tensor([d for _, d in pairs], device=dst_device)
+    for src, dst in zip(src_caches, dst_caches):
+        dst[:, dst_index] = src[:, src_index].to(dst_device, non_blocking=True)

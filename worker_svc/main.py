@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="memory for the KV cache, GiB")
     add_flag(parser, "--num-kv-blocks", type=int, default=None,
              help="exact number of KV blocks (overrides --kv-cache-memory-gib)")
+    add_flag(parser, "--swap-space", type=float, default=0.0,
+             help="CPU memory, GiB, for the KV of requests preempted by swapping; 0 = none")
     add_flag(parser, "--max-model-len", type=int, default=None,
              help="cap on prompt + output tokens (default: the model's)")
     add_flag(parser, "--attention-backend", default="auto", help="auto | torch | triton")
@@ -53,6 +55,7 @@ def runner_config(args: argparse.Namespace) -> RunnerConfig:
         block_size=args.block_size,
         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * GIB),
         num_blocks=args.num_kv_blocks,
+        swap_space_bytes=int(args.swap_space * GIB),
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
     )

@@ -16,7 +16,13 @@ import torch
 
 from worker_svc import sampler
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
+from worker_svc.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    allocate_swap_caches,
+    move_blocks,
+    num_blocks_for_budget,
+)
 from worker_svc.loader import ModelMetadata, load_model
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.types import (
@@ -42,6 +48,7 @@ class RunnerConfig:
     # KV cache size: `num_blocks` wins when set, else as many blocks as fit the budget.
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     num_blocks: int | None = None
+    swap_space_bytes: int = 0  # CPU memory for preempted requests' KV; 0 = no swapping
     max_model_len: int | None = None  # tokens; default: the model's own limit
     attention_backend: str = "auto"  # auto | torch | triton
 
@@ -63,6 +70,7 @@ class RunnerInfo:
     max_model_len: int  # tokens
     dtype: str  # "float32", "bfloat16", ...
     num_blocks: int
+    num_swap_blocks: int
     block_size: int  # tokens per block
     num_layers: int
     hidden_size: int
@@ -98,6 +106,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
+        num_swap_blocks: int = 0,
     ) -> None:
         self.model = model
         self.metadata = metadata
@@ -107,6 +116,8 @@ class ModelRunner:
         self.backend: AttentionBackend = get_attention_backend(attention_backend, self.device)
         self.kv_spec = _kv_cache_spec(model, block_size, metadata.dtype)
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+        self.num_swap_blocks = num_swap_blocks
+        self.swap_caches = allocate_swap_caches(self.kv_spec, num_swap_blocks, self.device)
         self.requests: dict[str, RequestState] = {}
 
     @classmethod
@@ -120,9 +131,11 @@ class ModelRunner:
         num_blocks = num_blocks_for_budget(spec, config.kv_cache_memory_bytes, config.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each)",
                     num_blocks, config.block_size, spec.bytes_per_block)
+        num_swap_blocks = config.swap_space_bytes // spec.bytes_per_block
         return cls(
             model, metadata, num_blocks=num_blocks, block_size=config.block_size,
             device=config.device, attention_backend=config.attention_backend,
+            num_swap_blocks=num_swap_blocks,
         )
 
     def info(self) -> RunnerInfo:
@@ -135,6 +148,7 @@ class ModelRunner:
             max_model_len=self.metadata.max_model_len,
             dtype=str(self.metadata.dtype).removeprefix("torch."),
             num_blocks=self.num_blocks,
+            num_swap_blocks=self.num_swap_blocks,
             block_size=self.block_size,
             num_layers=config.num_layers,
             hidden_size=config.hidden_size,
@@ -153,6 +167,10 @@ class ModelRunner:
             step, self.requests, num_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.metadata.max_model_len, vocab_size=self.metadata.vocab_size,
         )
+        _check_block_moves(step, self.num_blocks, self.num_swap_blocks)
+        move_blocks(self.kv_caches, self.swap_caches, step.blocks_to_swap_out)
+        move_blocks(self.swap_caches, self.kv_caches, step.blocks_to_swap_in)
+        move_blocks(self.kv_caches, self.kv_caches, step.blocks_to_copy)
         self._update_states(step)
         if not step.num_scheduled_tokens:
             return StepOutput(step_id=step.step_id)
@@ -293,6 +311,19 @@ def validate_step(
         if request_id not in shapes:
             raise ValueError(f"unknown request {request_id!r} scheduled")
         _check_scheduled(request_id, num_tokens, shapes[request_id], block_size, max_model_len)
+
+
+def _check_block_moves(step: StepInput, num_blocks: int, num_swap_blocks: int) -> None:
+    """Raise ValueError if a block move names a block outside the device cache or swap space."""
+    for name, pairs, src_limit, dst_limit in (
+        ("swap-out", step.blocks_to_swap_out, num_blocks, num_swap_blocks),
+        ("swap-in", step.blocks_to_swap_in, num_swap_blocks, num_blocks),
+        ("copy", step.blocks_to_copy, num_blocks, num_blocks),
+    ):
+        for src, dst in pairs:
+            if not (0 <= src < src_limit and 0 <= dst < dst_limit):
+                raise ValueError(f"{name} of block {src} -> {dst} is outside the cache "
+                                 f"({num_blocks} device blocks, {num_swap_blocks} swap blocks)")
 
 
 @dataclass(frozen=True)

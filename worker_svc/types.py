@@ -71,6 +71,11 @@ class StepInput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests the worker must forget before this step runs (finished, aborted, preempted).
     finished_request_ids: list[str] = field(default_factory=list)
+    # KV block moves applied before the forward, in this order: (device, swap) copies to
+    # CPU swap space, (swap, device) copies back, (source, destination) device copies.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

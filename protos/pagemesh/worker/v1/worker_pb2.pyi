@@ -11,7 +11,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("worker_id", "model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "dtype", "num_blocks", "block_size", "tp_rank", "tp_size", "pp_rank", "pp_size")
+    __slots__ = ("worker_id", "model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "dtype", "num_blocks", "block_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "num_swap_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class GetWorkerInfoResponse(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     architecture: str
@@ -38,7 +39,8 @@ class GetWorkerInfoResponse(_message.Message):
     tp_size: int
     pp_rank: int
     pp_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+    num_swap_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "min_tokens", "stop_token_ids", "num_logprobs")
@@ -92,8 +94,16 @@ class CachedRequest(_message.Message):
     num_computed_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
+class BlockPair(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
 class ExecuteStepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
     class NumScheduledTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -106,12 +116,18 @@ class ExecuteStepRequest(_message.Message):
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     num_scheduled_tokens: _containers.ScalarMap[str, int]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    blocks_to_swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
