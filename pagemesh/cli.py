@@ -32,6 +32,18 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="cap on prompt + output tokens (default: the model's)")
     add_flag(up, "--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     add_flag(up, "--max-num-seqs", type=int, default=128, help="running requests per step")
+    add_flag(up, "--enable-chunked-prefill", type=bool, default=True,
+             help="split long prompts over several steps, sharing them with decodes")
+    add_flag(up, "--long-prefill-token-threshold", type=int, default=0,
+             help="largest prefill chunk of one request per step; 0 = the whole budget")
+    add_flag(up, "--enable-prefix-caching", type=bool, default=True,
+             help="reuse the KV of prompt blocks computed before")
+    add_flag(up, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+             help="admission order and preemption victim")
+    add_flag(up, "--preemption-mode", default="recompute", choices=["recompute", "swap"],
+             help="drop a preempted request's KV, or move it to CPU swap space")
+    add_flag(up, "--swap-space", type=float, default=4.0,
+             help="CPU swap space per worker for preempted requests' KV, GiB")
     add_flag(up, "--attention-backend", default="auto", help="auto | torch | triton")
     add_flag(up, "--log-level", default="INFO", help="logging level of every service")
     up.set_defaults(func=local_mesh.run_up)

@@ -37,13 +37,19 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     worker = ["--model", model, "--served-model-name", name, "--dtype", args.dtype,
               "--block-size", str(args.block_size),
               "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
+              "--swap-space", str(args.swap_space),
               "--attention-backend", args.attention_backend, "--group", "g0"]
     if args.num_kv_blocks is not None:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len is not None:
         worker += ["--max-model-len", str(args.max_model_len)]
     scheduler = ["--group", "g0", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--max-num-seqs", str(args.max_num_seqs)]
+                 "--max-num-seqs", str(args.max_num_seqs),
+                 "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
+                 "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+                 "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
+                 "--scheduling-policy", args.scheduling_policy,
+                 "--preemption-mode", args.preemption_mode]
     router = ["--model", model, "--port", str(args.port)]
     return [
         ServiceSpec("worker", "worker_svc.main", [*common, *worker]),

@@ -63,6 +63,8 @@ def submit_request(request_id: str, validated: ValidatedRequest, seed: int) -> s
             ignore_eos=stopping.ignore_eos,
         ),
         logprobs=validated.num_logprobs or 0,
+        n=validated.n,
+        priority=validated.priority,
     )
 
 
@@ -90,6 +92,7 @@ FINISH_REASON_UNSPECIFIED = generate_pb2.FINISH_REASON_UNSPECIFIED
 
 def generate_response(
     request_id: str,
+    index: int,
     token_ids: list[int],
     text: str,
     logprobs: list[generate_pb2.TokenLogprob],
@@ -98,10 +101,10 @@ def generate_response(
     num_completion_tokens: int = 0,
 ) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(
-        request_id=request_id, token_ids=token_ids, text=text, logprobs=logprobs,
+        request_id=request_id, index=index, token_ids=token_ids, text=text, logprobs=logprobs,
         finish_reason=finish_reason,
     )
-    if finish_reason != FINISH_REASON_UNSPECIFIED:
+    if num_prompt_tokens:
         response.usage.prompt_tokens = num_prompt_tokens
         response.usage.completion_tokens = num_completion_tokens
     return response

@@ -7,6 +7,7 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -47,13 +48,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         request_id_var.set(request_id)
         validated = await self._validate(request)
         submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
-        output = _OutputStream(self.tokenizer, request_id, validated)
+        samples = [_SampleStream(self.tokenizer, validated) for _ in range(validated.n)]
+        num_prompt_tokens = len(validated.prompt_token_ids)
         async with contextlib.aclosing(self.pool.submit(submit)) as chunks:
             async for chunk in chunks:
-                response = output.process(chunk)
-                if response is not None:
-                    yield response
-                if output.finished:
+                sample = samples[chunk.index]
+                if sample.finished:
+                    continue  # a stop string ended this sample here; the rest is dropped
+                token_ids, text, finish_reason, logprobs = sample.process(chunk)
+                done = all(s.finished for s in samples)
+                num_completion_tokens = sum(s.num_completion_tokens for s in samples)
+                yield convert.generate_response(
+                    request_id, chunk.index, token_ids, text, logprobs, finish_reason,
+                    num_prompt_tokens if done else 0, num_completion_tokens,
+                )
+                if done:
                     break  # closing `chunks` cancels the scheduler call when a stop string hit
 
     async def _validate(self, request: generate_pb2.GenerateRequest) -> ValidatedRequest:
@@ -75,6 +84,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 request.logprobs or None,
                 request.model,
                 limits,
+                n=request.n or 1,
+                priority=request.priority,
             )
         except ValidationError as exc:
             raise invalid_argument(str(exc)) from exc
@@ -90,22 +101,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise invalid_argument(str(exc)) from exc
 
 
-class _OutputStream:
-    """Turns scheduler messages into client chunks: incremental text, stop strings, usage."""
+class _SampleStream:
+    """One sample's text: incremental detokenization, stop strings, token count."""
 
-    def __init__(self, tokenizer: Tokenizer, request_id: str, validated: ValidatedRequest) -> None:
+    def __init__(self, tokenizer: Tokenizer, validated: ValidatedRequest) -> None:
         self.tokenizer = tokenizer
-        self.request_id = request_id
-        self.num_prompt_tokens = len(validated.prompt_token_ids)
         self.detokenizer = IncrementalDetokenizer(tokenizer, validated.prompt_token_ids)
         self.stop = StopChecker(validated.stopping.stop)
         self.num_completion_tokens = 0
         self.finished = False
 
-    def process(self, chunk: object) -> generate_pb2.GenerateResponse | None:
-        token_ids = list(chunk.token_ids)  # type: ignore[attr-defined]
+    def process(self, chunk: Any) -> tuple[list[int], str, int, list[generate_pb2.TokenLogprob]]:
+        """(new token ids, new text, finish reason, logprobs) of one scheduler message."""
+        token_ids = list(chunk.token_ids)
         self.num_completion_tokens += len(token_ids)
-        finish_reason = chunk.finish_reason  # type: ignore[attr-defined]
+        finish_reason = chunk.finish_reason
         text, stopped = self.stop.feed(self.detokenizer.add(token_ids))
         if not stopped and finish_reason != convert.FINISH_REASON_UNSPECIFIED:
             tail, stopped = self.stop.feed(self.detokenizer.flush())
@@ -115,15 +125,10 @@ class _OutputStream:
         if stopped:
             finish_reason = convert.FINISH_REASON_STOP
         self.finished = finish_reason != convert.FINISH_REASON_UNSPECIFIED
-        logprobs = []
-        if chunk.logprobs:  # type: ignore[attr-defined]
-            logprobs = convert.token_logprobs(chunk, self._token_texts(chunk))
-        return convert.generate_response(
-            self.request_id, token_ids, text, logprobs, finish_reason,
-            self.num_prompt_tokens, self.num_completion_tokens,
-        )
+        logprobs = convert.token_logprobs(chunk, self._token_texts(chunk)) if chunk.logprobs else []
+        return token_ids, text, finish_reason, logprobs
 
-    def _token_texts(self, chunk: object) -> dict[int, str]:
-        ids = {t.token_id for lp in chunk.logprobs for t in lp.top}  # type: ignore[attr-defined]
-        ids.update(chunk.token_ids)  # type: ignore[attr-defined]
+    def _token_texts(self, chunk: Any) -> dict[int, str]:
+        ids = {t.token_id for lp in chunk.logprobs for t in lp.top}
+        ids.update(chunk.token_ids)
         return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}

@@ -14,6 +14,7 @@ MAX_NUM_LOGPROBS = 20
 MAX_NUM_STOP_STRINGS = 16
 MAX_ABS_PENALTY = 2.0
 MAX_SEED = 2**64 - 1
+MAX_N = 16
 
 
 class ValidationError(ValueError):
@@ -70,6 +71,8 @@ class ValidatedRequest:
     sampling: SamplingOptions
     stopping: StoppingOptions
     num_logprobs: int | None  # top alternatives per token; None = no logprobs
+    n: int = 1  # independent samples of the prompt
+    priority: int = 0  # lower runs first under the priority policy
 
     @property
     def max_tokens(self) -> int:
@@ -84,6 +87,9 @@ def validate(
     num_logprobs: int | None,
     requested_model: str,
     limits: ModelLimits,
+    *,
+    n: int = 1,
+    priority: int = 0,
 ) -> ValidatedRequest:
     """Check a request against `limits` and fill defaults.
 
@@ -93,6 +99,8 @@ def validate(
     _check_prompt(prompt_token_ids, limits)
     _check_sampling(sampling)
     _check_num_logprobs(num_logprobs)
+    if not 1 <= n <= MAX_N:
+        raise ValidationError(f"n must be in 1..{MAX_N} (samples of one prompt), got {n}")
     max_tokens = _resolve_max_tokens(len(prompt_token_ids), stopping, limits)
     _check_stopping(stopping, max_tokens, limits)
     return ValidatedRequest(
@@ -100,6 +108,8 @@ def validate(
         sampling=_with_sampling_defaults(sampling),
         stopping=dataclasses.replace(stopping, max_tokens=max_tokens),
         num_logprobs=num_logprobs,
+        n=n,
+        priority=priority,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
@@ -26,10 +28,29 @@ _FINISH_REASON_TO_PB = {
 }
 
 
-def request_from_pb(
+def requests_from_pb(
+    pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int], arrival_time_s: float, seed: int
+) -> list[Request]:
+    """One core request per sample: `<id>` for n = 1, else `<id>#<i>` forking from sample 0
+    with seed + i. `seed` is used when the router left the seed unset."""
+    leader = _request_from_pb(pb, eos_token_ids, arrival_time_s, seed)
+    if pb.n <= 1:
+        return [leader]
+    leader.request_id = RequestId(f"{pb.request_id}#0")
+    samples = [leader]
+    for i in range(1, pb.n):
+        sampling = dataclasses.replace(leader.sampling, seed=(leader.sampling.seed + i) % 2**64)
+        samples.append(dataclasses.replace(
+            leader, request_id=RequestId(f"{pb.request_id}#{i}"), sampling=sampling,
+            prompt_token_ids=list(leader.prompt_token_ids), output_token_ids=[], block_ids=[],
+            fork_of=leader.request_id,
+        ))
+    return samples
+
+
+def _request_from_pb(
     pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int], arrival_time_s: float, seed: int
 ) -> Request:
-    """Builds a core request; `seed` is used when the router left the seed unset."""
     sampling = pb.sampling
     stopping = pb.stopping
     stop_ids = set(stopping.stop_token_ids)
@@ -55,6 +76,7 @@ def request_from_pb(
         min_tokens=stopping.min_tokens,
         stop_token_ids=frozenset(stop_ids),
         arrival_time_s=arrival_time_s,
+        priority=pb.priority,
     )
 
 
@@ -123,8 +145,9 @@ def step_result_from_pb(pb: worker_pb2.ExecuteStepResponse) -> StepResult:
     )
 
 
-def event_to_pb(event: RequestEvent, with_logprobs: bool) -> scheduler_pb2.SubmitResponse:
+def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool) -> scheduler_pb2.SubmitResponse:
     response = scheduler_pb2.SubmitResponse(
+        index=index,
         token_ids=[t.token_id for t in event.new_tokens],
         finish_reason=_FINISH_REASON_TO_PB[event.finish_reason],
         num_prompt_tokens=event.num_prompt_tokens,
@@ -166,4 +189,6 @@ def stats_to_pb(stats: SchedulerStats, num_steps: int) -> scheduler_pb2.GetStats
         num_blocks=stats.num_blocks,
         num_preemptions=stats.num_preemptions,
         num_steps=num_steps,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+        num_cached_blocks=stats.num_cached_blocks,
     )

@@ -33,11 +33,17 @@ class EngineLoop:
         self.num_steps = 0
         self.last_step_time_ms = 0.0
 
-    def submit(self, request: Request) -> asyncio.Queue[RequestEvent | StepFailed]:
-        """Admits a request; raises ValueError when it can never be served here."""
-        self.scheduler.add_request(request)
+    def submit(self, requests: list[Request]) -> asyncio.Queue[RequestEvent | StepFailed]:
+        """Admits one request, or n > 1 samples of one prompt (the first one leads, the
+        others fork from its computed prompt). Every sample's events arrive on the one
+        queue returned. Raises ValueError when they can never be served here."""
+        if len(requests) == 1:
+            self.scheduler.add_request(requests[0])
+        else:
+            self.scheduler.add_request_group(requests)
         queue: asyncio.Queue[RequestEvent | StepFailed] = asyncio.Queue()
-        self._streams[request.request_id] = queue
+        for request in requests:
+            self._streams[request.request_id] = queue
         self._wakeup.set()
         return queue
 
@@ -82,6 +88,8 @@ class EngineLoop:
         """A failed step leaves the workers' state unknown: end every request with an error."""
         logger.error("step failed, ending %d requests: %s", len(self._streams), exc)
         self.scheduler.update(output, StepResult(step_id=output.step_id))
+        # update() cached the failed step's blocks, whose KV may never have been written.
+        self.scheduler.reset_prefix_cache()
         for request_id, queue in list(self._streams.items()):
             self.scheduler.abort(request_id)
             queue.put_nowait(StepFailed(f"engine group step failed: {exc}"))

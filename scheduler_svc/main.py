@@ -35,6 +35,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--max-num-seqs", type=int, default=128, help="running requests per step")
     add_flag(parser, "--enable-chunked-prefill", type=bool, default=True,
              help="split long prompts over several steps")
+    add_flag(parser, "--long-prefill-token-threshold", type=int, default=0,
+             help="largest prefill chunk of one request per step; 0 = no limit but the budget")
+    add_flag(parser, "--enable-prefix-caching", type=bool, default=True,
+             help="reuse the KV of prompt blocks computed before")
+    add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+             help="admission order and preemption victim: arrival, or request priority")
+    add_flag(parser, "--preemption-mode", default="recompute", choices=["recompute", "swap"],
+             help="what a preempted request loses: its KV (recomputed later) or nothing "
+                  "(its KV moves to the workers' CPU swap space, see the worker's --swap-space)")
     add_flag(parser, "--worker-wait-s", type=float, default=600.0,
              help="seconds to wait for the group's workers to register")
     add_flag(parser, "--step-timeout-s", type=float, default=300.0,
@@ -57,6 +66,11 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         max_model_len=lead.max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=args.enable_prefix_caching,
+        policy=args.scheduling_policy,
+        preemption_mode=args.preemption_mode,
+        num_swap_blocks=min(info.num_swap_blocks for info in infos),
     )
     logger.info("workers %s; scheduler config %s", [e.address for e in endpoints], asdict(config))
     scheduler = Scheduler(config)

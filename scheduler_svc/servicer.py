@@ -38,24 +38,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request: scheduler_pb2.SubmitRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         request_id_var.set(request.request_id)
+        requests = convert.requests_from_pb(
+            request, self._eos_token_ids, time.time(), self._seeds.getrandbits(63)
+        )
+        index_of = {r.request_id: i for i, r in enumerate(requests)}
         try:
-            core_request = convert.request_from_pb(
-                request, self._eos_token_ids, time.time(), self._seeds.getrandbits(63)
-            )
-            queue = self.loop.submit(core_request)
+            queue = self.loop.submit(requests)
         except CapacityError as exc:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except ValueError as exc:
             raise invalid_argument(str(exc)) from exc
-        finished = False
+        unfinished = set(index_of)
         try:
-            while not finished:
+            while unfinished:
                 event = await queue.get()
                 if isinstance(event, StepFailed):
                     raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(event))
-                finished = event.finish_reason is not None
-                yield convert.event_to_pb(event, with_logprobs=request.logprobs > 0)
+                if event.finish_reason is not None:
+                    unfinished.discard(event.request_id)
+                yield convert.event_to_pb(event, index_of[event.request_id],
+                                          with_logprobs=request.logprobs > 0)
         finally:
-            if not finished:  # the router cancelled or went away
-                logger.info("request %s cancelled by the caller", request.request_id)
-                self.loop.abort(core_request.request_id)
+            for request_id in unfinished:  # the router cancelled or went away
+                logger.info("request %s cancelled by the caller", request_id)
+                self.loop.abort(request_id)

@@ -63,12 +63,13 @@ def allocate_kv_caches(
 def allocate_swap_caches(spec: KVCacheSpec, num_swap_blocks: int,
                          device: torch.device | str) -> list[torch.Tensor]:
     """CPU swap space with the device cache's layout; pinned when the cache is on CUDA so
-    that swaps are plain DMA copies."""
+    that swaps are plain DMA copies. Left uninitialised (no memory is touched until a block
+    is swapped out): a swap block is only ever read after a whole device block was copied in."""
     if num_swap_blocks <= 0:
         return []
     pin = torch.device(device).type == "cuda"
     shape = (2, num_swap_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_layers)]
+    return [torch.empty(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_layers)]
 
 
 def move_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],

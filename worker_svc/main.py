@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="memory for the KV cache, GiB")
     add_flag(parser, "--num-kv-blocks", type=int, default=None,
              help="exact number of KV blocks (overrides --kv-cache-memory-gib)")
-    add_flag(parser, "--swap-space", type=float, default=0.0,
+    add_flag(parser, "--swap-space", type=float, default=4.0,
              help="CPU memory, GiB, for the KV of requests preempted by swapping; 0 = none")
     add_flag(parser, "--max-model-len", type=int, default=None,
              help="cap on prompt + output tokens (default: the model's)")

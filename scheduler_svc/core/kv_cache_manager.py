@@ -1,23 +1,55 @@
-"""Per-request KV block allocation on top of the block pool."""
+"""Per-request KV block tables on top of the block pool: growth, prefix hits, forks, swaps.
+
+Units: `block_size` tokens per block; token counts are in tokens, block counts in blocks.
+A request's block table holds `cdiv(num_computed_tokens + scheduled tokens, block_size)`
+blocks. Its full blocks are hashed once (chained, `protos.block_hash`) and the hashes are
+kept for the request's life, since its tokens never change once known.
+"""
 
 from __future__ import annotations
 
-from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.types import BlockId, Request
+from dataclasses import dataclass, field
+
+from protos.block_hash import BlockHash, hash_block_tokens
+from scheduler_svc.core.block_pool import BlockPool, SwapPool
+from scheduler_svc.core.types import BlockId, Request, RequestId
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Keeps each request's block table long enough for the tokens it will compute."""
+@dataclass(slots=True)
+class _RequestKV:
+    # Chained hashes of the request's first full blocks (prompt + output), computed lazily.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Leading blocks of the current block table already offered to the prefix cache.
+    num_offered_blocks: int = 0
+    # Swap blocks holding the request's KV while it is SWAPPED, in block-table order.
+    swap_block_ids: list[int] = field(default_factory=list)
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class KVCacheManager:
+    """Keeps each request's block table long enough for the tokens it will compute.
+
+    Prefix cache: a block is offered to the cache (`cache_computed_blocks`) only once the
+    step that computed all its tokens was `update()`d; a waiting request starts from the
+    longest run of cached blocks of its tokens (`get_computed_blocks`). Counters are in
+    tokens: `prefix_cache_queries` (tokens of admitted requests looked up) and
+    `prefix_cache_hits` (of those, tokens whose KV came from the cache).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.swap = SwapPool(num_swap_blocks)
+        self._state: dict[RequestId, _RequestKV] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -26,14 +58,60 @@ class KVCacheManager:
         """Whether a request of `num_tokens` tokens fits in the whole cache."""
         return self.num_blocks_needed(num_tokens) <= self.pool.num_blocks
 
+    def swap_block_ids(self, request_id: RequestId) -> list[int]:
+        state = self._state.get(request_id)
+        return list(state.swap_block_ids) if state else []
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> list[BlockId]:
+        """The longest run of cached blocks holding the request's first tokens, confirmed by
+        their tokens; no side effects. Only whole blocks within the first `num_tokens - 1`
+        tokens count (vLLM's rule), so at least one token is left to compute (for logits) and
+        it never lands in a shared block."""
+        if not self.enable_prefix_caching:
+            return []
+        state = self._state_of(request)
+        hits: list[BlockId] = []
+        parent: BlockHash | None = None
+        for index in range((request.num_tokens - 1) // self.block_size):
+            block_hash = self._block_hash(request, state, index)
+            block_id = self.pool.lookup(block_hash, self._block_tokens(request, index), parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = block_hash
+        return hits
+
+    def allocate_for_admission(self, request: Request, computed_blocks: list[BlockId],
+                               num_new_tokens: int) -> list[BlockId] | None:
+        """Gives a request with no blocks the `computed_blocks` (one more reference each) plus
+        fresh blocks for `num_new_tokens` more tokens. Returns the fresh blocks, or None when
+        too few are free, in which case nothing changes."""
+        assert not request.block_ids, "admission of a request that holds blocks"
+        num_hit_tokens = len(computed_blocks) * self.block_size
+        num_fresh = self.num_blocks_needed(num_hit_tokens + num_new_tokens) - len(computed_blocks)
+        # Hits sitting free in the LRU queue are about to be taken; they cannot be evicted.
+        num_free_hits = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
+        if num_fresh > self.pool.num_free_blocks - num_free_hits:
+            return None
+        self.pool.take(computed_blocks)
+        fresh = self.pool.allocate(num_fresh)
+        assert fresh is not None
+        request.block_ids = [*computed_blocks, *fresh]
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+        return fresh
+
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[BlockId] | None:
         """Grows `request.block_ids` to hold `num_computed_tokens + num_new_tokens` tokens.
 
         Returns the newly added block ids (possibly empty), or None when the pool has too
         few free blocks, in which case nothing changes.
         """
-        num_needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
-        num_missing = num_needed - len(request.block_ids)
+        num_missing = (cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+                       - len(request.block_ids))
         if num_missing <= 0:
             return []
         new_blocks = self.pool.allocate(num_missing)
@@ -42,7 +120,125 @@ class KVCacheManager:
         request.block_ids.extend(new_blocks)
         return new_blocks
 
+    def fork(self, request: Request, leader: Request) -> tuple[BlockId, BlockId] | None:
+        """Starts fork `request` on the computed prompt of `leader`: it shares the leader's
+        blocks before the one holding the last prompt token and gets a fresh copy of that one
+        (it recomputes the last prompt token there, so nothing shared is ever written).
+        Returns the (leader block, copy) pair to copy, or None when no block is free."""
+        last = (request.num_prompt_tokens - 1) // self.block_size
+        copies = self.pool.allocate(1)
+        if copies is None:
+            return None
+        shared = leader.block_ids[:last]
+        self.pool.take(shared)
+        request.block_ids = [*shared, *copies]
+        # Same prompt, same hashes: only blocks made of prompt tokens alone are reused.
+        leader_hashes = self._state_of(leader).block_hashes
+        num_prompt_blocks = request.num_prompt_tokens // self.block_size
+        self._state_of(request).block_hashes = leader_hashes[:num_prompt_blocks]
+        return leader.block_ids[last], copies[0]
+
+    # ---- prefix cache --------------------------------------------------------------------
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offers the request's full blocks below `num_computed_tokens` to the prefix cache.
+
+        Call only when those tokens' KV is really computed: after `update()` of the step
+        that scheduled them. Each block is offered once per block table.
+        """
+        state = self._state.get(request.request_id)
+        if state is None:
+            state = self._state_of(request)
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= state.num_offered_blocks or not self.enable_prefix_caching:
+            return
+        hashes = state.block_hashes
+        for index in range(state.num_offered_blocks, num_full):
+            block_hash = self._block_hash(request, state, index)
+            parent = hashes[index - 1] if index else None
+            self.pool.cache(request.block_ids[index], block_hash,
+                            self._block_tokens(request, index), parent)
+        state.num_offered_blocks = num_full
+
+    # ---- release, swap -------------------------------------------------------------------
+
     def free(self, request: Request) -> None:
-        """Returns all of the request's blocks to the pool."""
-        self.pool.free(request.block_ids)
+        """Drops the request's references to its device blocks, last block first, so that the
+        tail of a sequence is evicted before its (more shareable) head."""
+        self.pool.release(reversed(request.block_ids))
         request.block_ids = []
+        state = self._state.get(request.request_id)
+        if state is not None:
+            state.num_offered_blocks = 0
+
+    def forget(self, request: Request) -> None:
+        """Frees everything the request holds (device and swap blocks) and its hashes."""
+        self.free(request)
+        state = self._state.pop(request.request_id, None)
+        if state is not None:
+            self.swap.free(state.swap_block_ids)
+
+    def swap_out(self, request: Request) -> list[tuple[BlockId, int]] | None:
+        """Copies the request's computed blocks to swap blocks and frees its device blocks.
+
+        Returns the (device block, swap block) pairs the workers must copy before the next
+        forward, or None (nothing changes) when swap space is short. Shared blocks are copied
+        too: a swapped request owns private copies of all its KV.
+        """
+        num_blocks = self.num_blocks_needed(request.num_computed_tokens)
+        swap_ids = self.swap.allocate(num_blocks) if num_blocks else None
+        if swap_ids is None:
+            return None
+        pairs = list(zip(request.block_ids[:num_blocks], swap_ids))
+        self.free(request)
+        self._state_of(request).swap_block_ids = swap_ids
+        return pairs
+
+    def swap_in(self, request: Request,
+                num_new_tokens: int) -> tuple[list[tuple[int, BlockId]], list[int]] | None:
+        """Gives a swapped request fresh device blocks for its computed tokens plus
+        `num_new_tokens`. Returns the (swap block, device block) pairs to copy and the swap
+        blocks, which the caller must free only after this step's swap-outs are decided;
+        None (nothing changes) when too few device blocks are free."""
+        state = self._state_of(request)
+        blocks = self.pool.allocate(
+            self.num_blocks_needed(request.num_computed_tokens + num_new_tokens))
+        if blocks is None:
+            return None
+        request.block_ids = blocks
+        swap_ids, state.swap_block_ids = state.swap_block_ids, []
+        return list(zip(swap_ids, blocks)), swap_ids
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block; requests keep theirs (their KV is not re-offered)."""
+        self.pool.reset_cache()
+
+    # ---- hashing -------------------------------------------------------------------------
+
+    def _state_of(self, request: Request) -> _RequestKV:
+        state = self._state.get(request.request_id)
+        if state is None:
+            state = self._state[request.request_id] = _RequestKV()
+        return state
+
+    def _block_hash(self, request: Request, state: _RequestKV, index: int) -> BlockHash:
+        """The chained hash of full block `index`, hashing any blocks before it not yet hashed."""
+        hashes = state.block_hashes
+        while len(hashes) <= index:
+            next_index = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+                                            self._block_tokens(request, next_index)))
+        return hashes[index]
+
+    def _block_tokens(self, request: Request, index: int) -> list[int]:
+        """Token ids of full block `index` of the request's prompt + output."""
+        start = index * self.block_size
+        end = start + self.block_size
+        prompt = request.prompt_token_ids
+        num_prompt = len(prompt)
+        if end <= num_prompt:
+            return prompt[start:end]
+        output = request.output_token_ids
+        if start >= num_prompt:
+            return output[start - num_prompt:end - num_prompt]
+        return prompt[start:] + output[:end - num_prompt]

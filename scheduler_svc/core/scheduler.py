@@ -1,20 +1,29 @@
 """Continuous batching under a token budget: `schedule()` then `update()`, every step.
 
 One step spends `max_num_batched_tokens` over running requests first (one token for a
-decode, the rest of a prompt for a prefill, in chunks when `enable_chunked_prefill`), then
-over waiting requests in arrival order, up to `max_num_seqs` running requests. When the KV
-cache runs out of blocks the newest running request is preempted: it loses its blocks and
-is recomputed from its tokens later.
+decode, the rest of a prompt for a prefill, in chunks when `enable_chunked_prefill`, at
+most `long_prefill_token_threshold` per request when set), then over waiting requests in
+the policy's order (`policy.py`), up to `max_num_seqs` running requests. A waiting request
+starts after the longest run of its blocks found in the prefix cache. When the KV cache
+runs out of blocks, the last running request (newest under fcfs; least important, newest
+under priority) is preempted: its KV is dropped and recomputed later, or with
+`preemption_mode="swap"` copied to CPU swap space and back when it resumes.
+
+n > 1 (`add_request_group`): the forks wait until the leader's prompt is computed, then
+share its full prompt blocks and copy its last prompt block (copy-on-write).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections import deque
-from dataclasses import dataclass
 
+from scheduler_svc.core.admission import check_admissible, check_group, stop_status
+from scheduler_svc.core.config import CapacityError, SchedulerConfig, SchedulerStats
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.policy import WaitingQueue
 from scheduler_svc.core.types import (
+    BlockId,
     CachedRequestSchedule,
     NewRequestSchedule,
     Request,
@@ -25,57 +34,42 @@ from scheduler_svc.core.types import (
     StepResult,
 )
 
+__all__ = ["CapacityError", "Scheduler", "SchedulerConfig", "SchedulerStats"]
+
 logger = logging.getLogger(__name__)
 
-
-class CapacityError(ValueError):
-    """The request can never fit this engine group's KV cache, however long it waits."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
-                     "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "without chunked prefill, max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
-            )
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
+_RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
+    """The pure scheduling core of one engine group.
+
+    Invariants between calls: every live request is in exactly one of `running` (status
+    RUNNING) or the waiting queue (WAITING, PREEMPTED, SWAPPED); a block's reference count
+    equals the number of live block tables holding it; running requests hold
+    `cdiv(num_computed_tokens, block_size)` blocks or more.
+    """
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size,
+                                 config.enable_prefix_caching, config.num_swap_blocks)
         self.requests: dict[RequestId, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.policy)
+        # fcfs: admission order; priority: sorted by the policy key. Either way the last
+        # entry is the next preemption victim.
         self.running: list[Request] = []
+        # Forks not started yet -> their leader.
+        self._pending_forks: dict[RequestId, Request] = {}
         # Requests whose state the workers hold (sent as new once, then as diffs).
         self._on_workers: set[RequestId] = set()
         # Ids the workers must forget; sent with the next step.
         self._finished_ids: list[RequestId] = []
-        # Requests scheduled in the step now in flight; aborts of these wait for update().
-        self._in_flight: set[RequestId] = set()
+        # Tokens scheduled in the step now in flight; aborts of these wait for update().
+        self._in_flight: dict[RequestId, int] = {}
         self._pending_aborts: set[RequestId] = set()
+        # Swap blocks read by this step's swap-ins; reusable once the step's swap-outs are set.
+        self._swap_blocks_to_free: list[int] = []
         self._next_step_id = 0
         self._preempted_this_step = False
         self.num_preemptions = 0
@@ -83,28 +77,31 @@ class Scheduler:
     # ---- admission and abort -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queues a request. Raises ValueError if it can never run on this cache."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
-        max_len = request.num_prompt_tokens + request.max_tokens
-        if max_len > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) "
-                f"exceeds max_model_len ({self.config.max_model_len})"
-            )
-        if not self.kv.can_ever_fit(max_len):
-            raise CapacityError(
-                f"request needs up to {self.kv.num_blocks_needed(max_len)} KV blocks but the "
-                f"cache has {self.kv.pool.num_blocks}; lower max_tokens or shorten the prompt"
-            )
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+        """Queues a request. Raises ValueError (CapacityError) if it can never run here."""
+        if request.fork_of is not None:
+            raise ValueError(f"request {request.request_id}: forks go through add_request_group")
+        check_admissible(request, self.config, self.requests)
+        self._enqueue(request)
+
+    def add_request_group(self, requests: list[Request]) -> None:
+        """Queues n samples of one prompt: `requests[0]` leads; the others have the same
+        prompt and `fork_of` = the leader's id. Each fork waits until the leader's prompt is
+        computed, then shares its prompt blocks; if the leader ends first, the fork is admitted
+        like any request. All or none are queued; raises ValueError on a malformed group."""
+        check_group(requests)
+        leader, forks = requests[0], requests[1:]
+        for request in requests:
+            check_admissible(request, self.config, self.requests)
+        for request in requests:
+            self._enqueue(request)
+        for fork in forks:
+            self._pending_forks[fork.request_id] = leader
 
     def abort(self, request_id: RequestId) -> RequestEvent | None:
         """Aborts a request. Its blocks are freed now, or right after the step in flight.
 
-        Returns the final event, or None when the request is unknown or already finished.
+        Returns the final event, or None when the request is unknown or already finished,
+        or when the abort waits for `update()` (which then returns the event).
         """
         request = self.requests.get(request_id)
         if request is None:
@@ -115,6 +112,10 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return RequestEvent(request_id, (), request.finish_reason, request.num_prompt_tokens)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets all cached KV, e.g. after a failed step left the workers' caches unknown."""
+        self.kv.reset_prefix_cache()
+
     # ---- the two-call step contract ------------------------------------------------------
 
     def has_work(self) -> bool:
@@ -123,41 +124,59 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decides what the next step computes and reserves KV blocks for it.
 
-        Advances each scheduled request's `num_computed_tokens` as if the step succeeds.
+        Advances each scheduled request's `num_computed_tokens` as if the step succeeds. The
+        output's swap and copy lists must be applied by the workers before its forward.
         """
         output = SchedulerOutput(step_id=self._next_step_id)
         self._next_step_id += 1
-        budget = self.config.max_num_batched_tokens
         self._preempted_this_step = False
-        budget = self._schedule_running(output, budget)
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         # Admitting new work right after running out of blocks would only thrash.
         if not self._preempted_this_step:
             self._schedule_waiting(output, budget)
         output.finished_request_ids = self._finished_ids
         self._finished_ids = []
-        for request_id, num_tokens in output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
-        self._in_flight = set(output.num_scheduled_tokens)
+        if self._swap_blocks_to_free:
+            self.kv.swap.free(self._swap_blocks_to_free)
+            self._swap_blocks_to_free = []
+        self._in_flight = output.num_scheduled_tokens
         return output
 
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestEvent]:
-        """Appends sampled tokens, finishes requests, and returns one event per request touched."""
+        """Appends sampled tokens, finishes requests, and returns one event per request touched.
+
+        The step's KV is computed now: full blocks below each scheduled request's
+        `num_computed_tokens` enter the prefix cache before anything is freed.
+        """
         if result.step_id != output.step_id:
             raise ValueError(f"result of step {result.step_id} given for step {output.step_id}")
+        scheduled = output.num_scheduled_tokens
+        requests = self.requests
+        if self.kv.enable_prefix_caching:
+            cache_computed_blocks = self.kv.cache_computed_blocks
+            for request_id in scheduled:
+                cache_computed_blocks(requests[request_id])  # aborts wait: all still live
         events: list[RequestEvent] = []
+        any_finished = False
         for request_id, sampled in result.sampled.items():
-            request = self.requests.get(request_id)
-            if request is None or request_id not in output.num_scheduled_tokens:
+            request = requests.get(request_id)
+            if request is None or request_id not in scheduled:
                 raise ValueError(f"step {output.step_id} sampled unscheduled request {request_id}")
-            if request.num_computed_tokens != request.num_tokens:
+            output_token_ids = request.output_token_ids
+            if request.num_computed_tokens != len(request.prompt_token_ids) + len(output_token_ids):
                 raise ValueError(f"request {request_id} sampled before its prompt was computed")
-            request.output_token_ids.append(sampled.token_id)
-            status = self._check_stop(request, sampled.token_id)
+            output_token_ids.append(sampled.token_id)
+            status = stop_status(request, sampled.token_id)
+            finish_reason = None
             if status is not None:
-                self._finish(request, status)
-            events.append(RequestEvent(request_id, (sampled,), request.finish_reason,
-                                       request.num_prompt_tokens))
-        self._in_flight = set()
+                self._finish(request, status, remove_from_running=False)
+                finish_reason = request.finish_reason
+                any_finished = True
+            events.append(RequestEvent(request_id, (sampled,), finish_reason,
+                                       len(request.prompt_token_ids)))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        self._in_flight = {}
         for request_id in self._pending_aborts:
             event = self.abort(request_id)
             if event is not None:
@@ -166,107 +185,221 @@ class Scheduler:
         return events
 
     def stats(self) -> SchedulerStats:
+        kv = self.kv
+        queries = kv.prefix_cache_queries
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_free_blocks=self.kv.pool.num_free_blocks,
-            num_blocks=self.kv.pool.num_blocks,
+            num_free_blocks=kv.pool.num_free_blocks,
+            num_blocks=kv.pool.num_blocks,
             num_preemptions=self.num_preemptions,
+            num_swapped=sum(r.status is RequestStatus.SWAPPED for r in self.requests.values()),
+            num_free_swap_blocks=kv.swap.num_free_blocks,
+            num_cached_blocks=kv.pool.num_cached_blocks,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_hit_rate=kv.prefix_cache_hits / queries if queries else 0.0,
         )
 
-    # ---- internals -----------------------------------------------------------------------
+    # ---- running requests ----------------------------------------------------------------
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Schedules running requests in list order; returns the budget left, in tokens."""
+        threshold = self.config.long_prefill_token_threshold
+        block_size = self.config.block_size
+        allocate_slots = self.kv.allocate_slots
+        cached_requests = output.cached_requests
+        num_scheduled = output.num_scheduled_tokens
+        running = self.running
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:  # nothing to compute until a token arrives
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
+                          - num_computed, budget)
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new <= 0:  # nothing to compute until a token arrives
                 index += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new)
-            if new_blocks is None:  # the request itself was preempted
-                continue
-            output.cached_requests.append(
-                CachedRequestSchedule(request.request_id, new_blocks, request.num_computed_tokens)
-            )
-            output.num_scheduled_tokens[request.request_id] = num_new
+            if num_computed + num_new <= len(request.block_ids) * block_size:
+                new_blocks = []  # the common decode: the last block has room
+            else:
+                new_blocks = allocate_slots(request, num_new)
+                if new_blocks is None:
+                    new_blocks = self._allocate_or_preempt(request, num_new, output)
+                    if new_blocks is None:  # the request itself was preempted (it was last)
+                        continue
+            cached_requests.append(CachedRequestSchedule(
+                request.request_id, new_blocks, num_computed))
+            num_scheduled[request.request_id] = num_new
+            request.num_computed_tokens = num_computed + num_new
             budget -= num_new
             index += 1
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
-        """Allocates blocks for `request`, preempting the newest others until it fits.
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             output: SchedulerOutput) -> list[BlockId] | None:
+        """Allocates blocks for `request`, preempting the last running requests until it fits.
 
+        The victims come after `request` in the list, so none was scheduled this step.
         Returns None when `request` itself had to be preempted.
         """
         while True:
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running[-1]
-            self._preempt(victim)
+            victim = self.running.pop()
+            self._preempt(victim, output)
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_remaining = request.num_tokens - request.num_computed_tokens
-            if num_remaining > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_remaining, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new)
-            if new_blocks is None:
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._on_workers.add(request.request_id)
-            output.new_requests.append(
-                NewRequestSchedule(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    block_ids=list(request.block_ids),
-                    num_computed_tokens=request.num_computed_tokens,
-                    sampling=request.sampling,
-                    min_tokens=request.min_tokens,
-                    stop_token_ids=request.stop_token_ids,
-                )
-            )
-            output.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
-
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the request's KV and queue it first in line."""
-        self.running.remove(request)
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """Swaps the request out (swap mode, if swap space suffices) or drops its KV, and
+        queues it again with its old sort key. The caller took it out of `running`."""
+        swap_pairs = None
+        if self.config.preemption_mode == "swap":
+            swap_pairs = self.kv.swap_out(request)
+        if swap_pairs is not None:
+            output.blocks_to_swap_out.extend(swap_pairs)
+            request.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_this_step = True
         self._forget_on_workers(request.request_id)
-        self.waiting.appendleft(request)
-        logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
+        self.waiting.push(request)
+        logger.info("preempted request %s (%d tokens, %s)", request.request_id,
+                    request.num_tokens, request.status.value)
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        num_output = len(request.output_token_ids)
-        if token_id in request.stop_token_ids and num_output >= request.min_tokens:
-            return RequestStatus.FINISHED_STOPPED
-        if num_output >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    # ---- waiting requests ----------------------------------------------------------------
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Admits waiting requests in policy order until one does not fit; forks whose
+        leader's prompt is not computed yet are passed over (they keep their place)."""
+        passed_over: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.pop()
+            num_scheduled = self._try_admit(request, output, budget)
+            if num_scheduled is None:
+                passed_over.append(request)
+                continue
+            if num_scheduled == 0:
+                self.waiting.push(request)
+                break
+            budget -= num_scheduled
+        for request in passed_over:
+            self.waiting.push(request)
+
+    def _try_admit(self, request: Request, output: SchedulerOutput, budget: int) -> int | None:
+        """Starts one waiting request. Returns the tokens scheduled: 0 when it does not fit
+        now, None for a fork that must keep waiting for its leader."""
+        leader = self._pending_forks.get(request.request_id)
+        if leader is not None:
+            if leader.status.is_finished:
+                del self._pending_forks[request.request_id]  # admitted like any request
+            elif not self._prompt_computed(leader, output):
+                return None
+            else:
+                return self._start_fork(request, leader, output)
+        if request.status is RequestStatus.SWAPPED:
+            return self._resume_swapped(request, output, budget)
+        computed_blocks = self.kv.get_computed_blocks(request)
+        num_computed = len(computed_blocks) * self.config.block_size
+        num_new = self._num_new_tokens(request.num_tokens - num_computed, budget)
+        if num_new == 0:
+            return 0
+        if self.kv.allocate_for_admission(request, computed_blocks, num_new) is None:
+            return 0
+        request.num_computed_tokens = num_computed
+        self._start_running(request, output, num_new)
+        return num_new
+
+    def _prompt_computed(self, leader: Request, output: SchedulerOutput) -> bool:
+        """Whether the leader's block table holds its whole prompt's KV as of the last
+        update (its first token is sampled, and it was not preempted since)."""
+        if leader.status is not _RUNNING or not leader.output_token_ids:
+            return False
+        num_computed_before_step = (leader.num_computed_tokens
+                                    - output.num_scheduled_tokens.get(leader.request_id, 0))
+        return num_computed_before_step >= leader.num_prompt_tokens
+
+    def _start_fork(self, request: Request, leader: Request, output: SchedulerOutput) -> int:
+        copy_pair = self.kv.fork(request, leader)
+        if copy_pair is None:
+            return 0
+        del self._pending_forks[request.request_id]
+        output.blocks_to_copy.append(copy_pair)
+        request.num_computed_tokens = request.num_prompt_tokens - 1
+        self._start_running(request, output, 1)
+        return 1
+
+    def _resume_swapped(self, request: Request, output: SchedulerOutput, budget: int) -> int:
+        num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
+        swapped_in = self.kv.swap_in(request, num_new) if num_new else None
+        if swapped_in is None:
+            return 0
+        pairs, swap_ids = swapped_in
+        output.blocks_to_swap_in.extend(pairs)
+        self._swap_blocks_to_free.extend(swap_ids)
+        self._start_running(request, output, num_new)
+        return num_new
+
+    def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
+        """Tokens to schedule for a request starting this step; 0 when it cannot start."""
+        num_new = min(num_remaining, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        if num_new < num_remaining and not self.config.enable_chunked_prefill:
+            return 0
+        return max(num_new, 0)
+
+    def _start_running(self, request: Request, output: SchedulerOutput, num_new: int) -> None:
+        """Sends a request the workers do not hold, with all its tokens and blocks."""
+        request.status = RequestStatus.RUNNING
+        if self.config.policy == "priority":
+            bisect.insort(self.running, request, key=self.waiting.key)
+        else:
+            self.running.append(request)
+        self._on_workers.add(request.request_id)
+        output.new_requests.append(NewRequestSchedule(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_ids=list(request.block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+            sampling=request.sampling,
+            min_tokens=request.min_tokens,
+            stop_token_ids=request.stop_token_ids,
+        ))
+        output.num_scheduled_tokens[request.request_id] = num_new
+        request.num_computed_tokens += num_new
+
+    # ---- finishing -----------------------------------------------------------------------
+
+    def _enqueue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.register(request)
+        self.waiting.push(request)
+
+    def _finish(self, request: Request, status: RequestStatus,
+                remove_from_running: bool = True) -> None:
+        """Ends a request and frees all it holds; `update()` prunes `running` once instead."""
+        if request.status is _RUNNING:
+            if remove_from_running:
+                self.running.remove(request)
+        else:
+            self.waiting.discard(request.request_id)
         request.status = status
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.kv.free(request)
+        self.kv.forget(request)
+        self._pending_forks.pop(request.request_id, None)
         self._forget_on_workers(request.request_id)
+        self.waiting.unregister(request.request_id)
         del self.requests[request.request_id]
 
     def _forget_on_workers(self, request_id: RequestId) -> None:

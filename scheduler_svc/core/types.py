@@ -101,11 +101,14 @@ class Request:
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-            RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
-            RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-        }.get(self.status)
+        return _FINISH_REASONS.get(self.status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,8 @@ class SchedulerOutput:
     finished_request_ids: list[RequestId] = field(default_factory=list)
     # KV block moves the workers apply before this step's forward, in this order:
     # (device block, swap block) copies to CPU, (swap block, device block) copies back,
-    # then (source, destination) device copies (copy-on-write of a shared partial block).
+    # then (source, destination) device copies (a fork's private copy of its leader's block
+    # holding the last prompt token).
     blocks_to_swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
     blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)

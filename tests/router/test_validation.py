@@ -130,3 +130,12 @@ def test_validation_error_is_value_error():
 def test_model_limits_reject_nonsense():
     with pytest.raises(ValueError):
         ModelLimits(name="m", max_model_len=0, vocab_size=10)
+
+
+def test_n_and_priority():
+    request = validate([1, 2], SamplingOptions(), StoppingOptions(), None, "", LIMITS, n=4, priority=-3)
+    assert request.n == 4 and request.priority == -3
+    assert run().n == 1
+    for bad_n in (0, 17):
+        with pytest.raises(ValidationError, match="n must be in 1..16"):
+            validate([1, 2], SamplingOptions(), StoppingOptions(), None, "", LIMITS, n=bad_n)

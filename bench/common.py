@@ -1,0 +1,79 @@
+"""What the benchmarks share: streaming timers, the W64 model, table output."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.mesh_harness import Mesh, greedy_request  # noqa: E402
+
+RESULTS = REPO_ROOT / "bench" / "results"
+
+
+@dataclass
+class Row:
+    engine: str
+    concurrency: int
+    num_requests: int
+    output_tokens_per_s: float
+    ttft_p50_ms: float
+    itl_p50_ms: float
+    e2e_p50_ms: float
+
+
+def timed_stream(mesh: Mesh, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+    """(time to first token, inter-token gaps, number of tokens) of one streamed request, in s."""
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    for chunk in mesh.stub.Generate(greedy_request(prompt, max_tokens)):
+        arrivals += [time.perf_counter()] * len(chunk.token_ids)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return arrivals[0] - start, gaps, len(arrivals)
+
+
+def run_mesh(mesh: Mesh, prompts: list[list[int]], max_tokens: int, concurrency: int,
+             engine: str = "pagemesh (gRPC, streamed)") -> Row:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: timed_stream(mesh, p, max_tokens), prompts))
+    wall_s = time.perf_counter() - start
+    gaps = [g for r in results for g in r[1]]
+    return Row(engine, concurrency, len(prompts), sum(r[2] for r in results) / wall_s,
+               1000 * statistics.median(r[0] for r in results),
+               1000 * statistics.median(gaps) if gaps else float("nan"),
+               1000 * statistics.median(r[0] + sum(r[1]) for r in results))
+
+
+def write_w64_model(folder: Path) -> Path:
+    """The random Llama of PEERS.md's W64 figures: hidden 512, intermediate 1408, 8 layers,
+    8 heads / 4 KV heads, vocab 32k (56M parameters)."""
+    from tests.tiny_models import write_tiny_model
+
+    if (folder / "config.json").exists():
+        return folder
+    return write_tiny_model(
+        folder, "llama", seed=0, std=0.02, hidden_size=512, intermediate_size=1408,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+        max_position_embeddings=2048,
+    )
+
+
+def write_results(name: str, header: str, columns: list[str], rows: list[list[str]],
+                  data: object) -> str:
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    table = "\n".join(lines)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(table + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2, default=asdict) + "\n")
+    print(table)
+    return table

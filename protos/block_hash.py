@@ -1,0 +1,52 @@
+"""KV block hashes shared by the router and the scheduler (stdlib only, no generated code).
+
+A block hash names the KV of one full block of `block_size` tokens *and everything before
+it*: each hash is chained with its parent's, so the same tokens after a different prefix
+hash differently. The hash is blake2b (16 bytes) over a fixed little-endian encoding with
+a fixed personalisation and root seed, so it is the same in every process and on every
+machine (never Python's `hash()`, which is salted per process). Router and scheduler must
+call these functions, never re-implement them, so that their hashes agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+# 16 bytes of blake2b; compared by value, used as a dict key.
+BlockHash = NewType("BlockHash", bytes)
+
+# Bump the version tag to invalidate every hash (e.g. if the encoding below changes).
+_PERSON = b"pagemesh-kv-v1"
+# The parent of a sequence's first block.
+_ROOT_HASH = BlockHash(hashlib.blake2b(b"pagemesh block hash root", digest_size=16,
+                                       person=_PERSON).digest())
+_HEADER = struct.Struct("<QQ")  # number of tokens, length of `extra`
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
+                      extra: bytes = b"") -> BlockHash:
+    """The hash of one block: its parent's hash (None for the first block), its token ids
+    (each a signed 64-bit integer) and `extra` bytes that also change the KV (e.g. an
+    adapter id; empty for plain text)."""
+    digest = hashlib.blake2b(digest_size=16, person=_PERSON)
+    digest.update(_ROOT_HASH if parent_hash is None else parent_hash)
+    digest.update(_HEADER.pack(len(token_ids), len(extra)))
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    digest.update(extra)
+    return BlockHash(digest.digest())
+
+
+def hash_request_blocks(token_ids: Sequence[int], block_size: int,
+                        extra: bytes = b"") -> list[BlockHash]:
+    """The chained hashes of the full blocks of `token_ids`; a last partial block has none."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,75 @@
+"""The scheduler core's configuration, its statistics, and the error for requests too big."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.core.policy import POLICIES
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class CapacityError(ValueError):
+    """The request can never fit this engine group's KV cache, however long it waits."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes are in blocks (`num_blocks`, `num_swap_blocks`) or tokens (the rest)."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    # Largest prefill chunk of one request in one step (0 = only the step's budget limits
+    # it), so that decodes keep flowing while a long prompt streams in. Needs chunked prefill.
+    long_prefill_token_threshold: int = 0
+    # Reuse the KV of full blocks whose tokens (and all tokens before them) were seen before.
+    enable_prefix_caching: bool = True
+    # "fcfs" (arrival order) or "priority" (Request.priority, lower first, then arrival).
+    policy: str = "fcfs"
+    # What a preempted request loses: "recompute" (its KV) or "swap" (nothing: its KV goes
+    # to CPU swap space, and back when it resumes; recompute when swap space is full).
+    preemption_mode: str = "recompute"
+    # Blocks of CPU swap space the workers hold (0 = none).
+    num_swap_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
+                     "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("long_prefill_token_threshold", "num_swap_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.num_swap_blocks == 0:
+            raise ValueError("preemption_mode 'swap' needs num_swap_blocks > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int  # includes preempted and swapped requests
+    num_free_blocks: int  # device blocks no request holds, cached ones included
+    num_blocks: int
+    num_preemptions: int
+    num_swapped: int = 0  # waiting requests whose KV is in swap space
+    num_free_swap_blocks: int = 0
+    num_cached_blocks: int = 0  # device blocks the prefix cache can hand out, used or free
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV came from the cache
+    prefix_cache_hit_rate: float = 0.0  # hits / queries, 0 before any query

@@ -1,0 +1,125 @@
+"""Scheduling features through the full mesh, each checked against `transformers`:
+prefix caching on and off, chunked prefill on and off, a KV cache so small that
+preemption (recompute and swap) must happen, and n > 1 samples."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import torch
+from transformers import AutoModelForCausalLM
+
+from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.pagemesh.v1 import generate_pb2
+from tests.hf_reference import assert_greedy_match, hf_greedy
+from tests.mesh_harness import Mesh, greedy_request
+
+LAYOUTS = {
+    # name: flags of `pagemesh up`
+    "prefix-cache+chunked": ["--max-num-batched-tokens", "48", "--long-prefill-token-threshold", "24"],
+    "no-prefix-cache+no-chunking": ["--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+                                    "--max-num-batched-tokens", "512"],
+    "tiny-cache-recompute": ["--num-kv-blocks", "24", "--preemption-mode", "recompute"],
+    "tiny-cache-swap": ["--num-kv-blocks", "24", "--preemption-mode", "swap"],
+}
+SHARED_PREFIX_LEN = 40
+NUM_REQUESTS = 12
+
+
+def workload(vocab_size: int) -> list[tuple[list[int], int]]:
+    """Prompts sharing a 40-token prefix (some whole-block, some not) plus unrelated ones."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(1, vocab_size) for _ in range(SHARED_PREFIX_LEN)]
+    requests = []
+    for i in range(NUM_REQUESTS):
+        tail = [rng.randrange(1, vocab_size) for _ in range(3 + 7 * i % 29)]
+        prompt = prefix + tail if i % 3 else tail * 2
+        requests.append((prompt, 12 + (5 * i) % 20))
+    return requests
+
+
+def scheduler_stats(redis_url: str, cluster: str) -> scheduler_pb2.GetStatsResponse:
+    raw = redis.Redis.from_url(redis_url).get(f"{cluster}:scheduler:g0")
+    with grpc.insecure_channel(json.loads(raw)["address"]) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest())
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout_mesh(request: pytest.FixtureRequest, tiny_llama_dir: Path, redis_url: str,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Mesh]]:
+    name = request.param
+    cluster = f"e2e-sched-{name}"
+    mesh = Mesh(str(tiny_llama_dir), tmp_path_factory.mktemp("logs") / f"{name}.log",
+                redis_url=redis_url, cluster=cluster, extra_args=LAYOUTS[name])
+    try:
+        yield name, cluster, mesh.wait_ready()
+    finally:
+        mesh.stop()
+
+
+def test_greedy_equals_transformers_under_each_layout(
+    layout_mesh: tuple[str, str, Mesh], hf_model: torch.nn.Module, redis_url: str
+) -> None:
+    name, cluster, mesh = layout_mesh
+    requests = workload(hf_model.config.vocab_size)
+    references = [hf_greedy(hf_model, prompt, n) for prompt, n in requests]
+    solo = [mesh.generate(greedy_request(prompt, n)).token_ids for prompt, n in requests]
+    for (prompt, _), ours, reference in zip(requests, solo, references):
+        assert_greedy_match(hf_model, prompt, ours, reference)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda pn: mesh.generate(greedy_request(*pn)).token_ids, requests))
+    for (prompt, _), ours, reference in zip(requests, together, references):
+        assert_greedy_match(hf_model, prompt, ours, reference)
+
+    stats = scheduler_stats(redis_url, cluster)
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+    if name.startswith("prefix-cache"):
+        assert stats.prefix_cache_hit_rate > 0.2, stats
+    if name.startswith("no-prefix-cache"):
+        assert stats.prefix_cache_hit_rate == 0
+    if name.startswith("tiny-cache"):
+        assert stats.num_preemptions > 0, "the cache was meant to run out"
+
+
+def n_request(prompt: list[int], n: int, temperature: float, seed: int | None) -> generate_pb2.GenerateRequest:
+    request = greedy_request(prompt, 10, n=n)
+    request.sampling.temperature = temperature
+    if seed is not None:
+        request.sampling.seed = seed
+    return request
+
+
+def samples_of(mesh: Mesh, request: generate_pb2.GenerateRequest) -> tuple[list[list[int]], generate_pb2.GenerateResponse]:
+    samples: dict[int, list[int]] = {}
+    last = None
+    for chunk in mesh.stub.Generate(request, timeout=120):
+        samples.setdefault(chunk.index, []).extend(chunk.token_ids)
+        last = chunk
+    return [samples[i] for i in sorted(samples)], last
+
+
+def test_n_samples_share_the_prompt_and_are_reproducible(
+    tiny_llama_mesh: Mesh, hf_model: torch.nn.Module
+) -> None:
+    prompt = list(range(3, 40))  # 37 tokens: two full blocks and a partial one
+    greedy, last = samples_of(tiny_llama_mesh, n_request(prompt, 4, 0.0, None))
+    assert len(greedy) == 4 and all(s == greedy[0] for s in greedy)
+    assert greedy[0] == hf_greedy(hf_model, prompt, 10)
+    assert last.usage.completion_tokens == 40 and last.usage.prompt_tokens == len(prompt)
+
+    sampled, _ = samples_of(tiny_llama_mesh, n_request(prompt, 4, 1.0, seed=99))
+    assert len({tuple(s) for s in sampled}) == 4, "n samples should differ"
+    again, _ = samples_of(tiny_llama_mesh, n_request(prompt, 4, 1.0, seed=99))
+    assert again == sampled
