@@ -40,7 +40,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="reuse the KV of prompt blocks computed before")
     add_flag(up, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
              help="admission order and preemption victim")
-    add_flag(up, "--preemption-mode", default="recompute", choices=["recompute", "swap"],
+    add_flag(up, "--preemption-mode", default="swap", choices=["recompute", "swap"],
              help="drop a preempted request's KV, or move it to CPU swap space")
     add_flag(up, "--swap-space", type=float, default=4.0,
              help="CPU swap space per worker for preempted requests' KV, GiB")
