@@ -116,6 +116,7 @@ def step_to_pb(output: SchedulerOutput) -> worker_pb2.ExecuteStepRequest:
                 request_id=cached.request_id,
                 new_block_ids=cached.new_block_ids,
                 num_computed_tokens=cached.num_computed_tokens,
+                new_token_ids=cached.new_token_ids,
             )
             for cached in output.cached_requests
         ],

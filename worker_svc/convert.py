@@ -47,6 +47,7 @@ def step_input_from_pb(pb: worker_pb2.ExecuteStepRequest) -> StepInput:
                 request_id=r.request_id,
                 new_block_ids=list(r.new_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
+                new_token_ids=list(r.new_token_ids),
             )
             for r in pb.cached_requests
         ],

@@ -185,8 +185,6 @@ class ModelRunner:
             sampled = self._sample(logits, batch.sample_request_ids)
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
-        for request_id, token in sampled.items():
-            self.requests[request_id].token_ids.append(token.token_id)
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
         return StepOutput(step_id=step.step_id, sampled=sampled, forward_time_ms=forward_time_ms)
 
@@ -204,6 +202,7 @@ class ModelRunner:
             )
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]
+            state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             # The scheduler's count is authoritative (it may have rolled back on preemption).
             state.num_computed_tokens = cached.num_computed_tokens
@@ -306,7 +305,7 @@ def validate_step(
         if request_id not in shapes:
             raise ValueError(f"unknown request {request_id!r} in cached requests")
         cached_ids.add(request_id)
-        shapes[request_id] = _cached_request_shape(cached, shapes[request_id], num_blocks)
+        shapes[request_id] = _cached_request_shape(cached, shapes[request_id], num_blocks, vocab_size)
     for request_id, num_tokens in step.num_scheduled_tokens.items():
         if request_id not in shapes:
             raise ValueError(f"unknown request {request_id!r} scheduled")
@@ -356,12 +355,16 @@ def _new_request_shape(new: NewRequestData, num_blocks: int, vocab_size: int) ->
     return _Shape(num_known, len(new.block_ids), new.num_computed_tokens)
 
 
-def _cached_request_shape(cached: CachedRequestData, shape: _Shape, num_blocks: int) -> _Shape:
+def _cached_request_shape(cached: CachedRequestData, shape: _Shape, num_blocks: int,
+                          vocab_size: int) -> _Shape:
     _check_block_ids(cached.request_id, cached.new_block_ids, num_blocks)
-    if not 0 <= cached.num_computed_tokens <= shape.num_known_tokens:
+    if any(not 0 <= t < vocab_size for t in cached.new_token_ids):
+        raise ValueError(f"request {cached.request_id!r}: new token id outside 0..{vocab_size - 1}")
+    num_known = shape.num_known_tokens + len(cached.new_token_ids)
+    if not 0 <= cached.num_computed_tokens <= num_known:
         raise ValueError(f"request {cached.request_id!r}: num_computed_tokens "
-                         f"{cached.num_computed_tokens} not in 0..{shape.num_known_tokens}")
-    return _Shape(shape.num_known_tokens, shape.num_blocks_held + len(cached.new_block_ids),
+                         f"{cached.num_computed_tokens} not in 0..{num_known}")
+    return _Shape(num_known, shape.num_blocks_held + len(cached.new_block_ids),
                   cached.num_computed_tokens)
 
 

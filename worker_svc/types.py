@@ -6,8 +6,9 @@ nothing below this line knows about gRPC.
 Token bookkeeping follows vLLM v1: a request's known tokens are
 `token_ids = prompt + output so far`; `num_computed_tokens` of them already have KV in
 the cache. A step computes `num_scheduled_tokens[request_id]` more tokens starting at
-`num_computed_tokens`. When that reaches the end of `token_ids`, the runner samples the
-next token, appends it to its own copy of `token_ids` and returns it.
+`num_computed_tokens`. When that reaches the end of `token_ids`, the driver rank samples
+the next token and returns it; the scheduler sends it back to every rank in the next
+step's `CachedRequestData.new_token_ids`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Tokens appended since the worker last heard of the request (normally the one sampled
+    # in its previous step). Every rank learns sampled tokens this way, so pipeline stages
+    # that never sample stay in step with the one that does.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -230,8 +230,12 @@ class Scheduler:
                     new_blocks = self._allocate_or_preempt(request, num_new, output)
                     if new_blocks is None:  # the request itself was preempted (it was last)
                         continue
+            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_unsent = num_known - request.num_tokens_on_workers  # sampled since last sent
+            new_token_ids = request.output_token_ids[-num_unsent:] if num_unsent else []
+            request.num_tokens_on_workers = num_known
             cached_requests.append(CachedRequestSchedule(
-                request.request_id, new_blocks, num_computed))
+                request.request_id, new_blocks, num_computed, new_token_ids))
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens = num_computed + num_new
             budget -= num_new
@@ -366,6 +370,7 @@ class Scheduler:
         else:
             self.running.append(request)
         self._on_workers.add(request.request_id)
+        request.num_tokens_on_workers = request.num_tokens
         output.new_requests.append(NewRequestSchedule(
             request_id=request.request_id,
             token_ids=request.all_token_ids,

@@ -79,6 +79,8 @@ class Request:
     # n > 1: the request whose computed prompt this one forks from (shares its full blocks,
     # copies its partly filled last block); None for ordinary requests and group leaders.
     fork_of: RequestId | None = None
+    # How many of `all_token_ids` the workers hold; the rest travel in the next step's diff.
+    num_tokens_on_workers: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -127,11 +129,13 @@ class NewRequestSchedule:
 
 @dataclass(frozen=True)
 class CachedRequestSchedule:
-    """A request the workers hold: only the blocks added this step."""
+    """A request the workers hold: only the blocks and tokens added since they last saw it."""
 
     request_id: RequestId
     new_block_ids: list[BlockId]
     num_computed_tokens: int
+    # Tokens sampled since the workers last heard of the request (usually one).
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

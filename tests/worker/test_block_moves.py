@@ -29,16 +29,15 @@ def make_runner(model_dir: Path) -> ModelRunner:
 
 
 def decode(runner: ModelRunner, request_id: str, step_id: int, num_computed: int,
-           num_steps: int, new_blocks: list[list[int]] | None = None) -> list[int]:
-    tokens = []
+           num_steps: int, new_blocks: list[list[int]], last_token: int) -> list[int]:
+    """`num_steps` decode steps; each tells the runner the token sampled by the previous one."""
+    tokens = [last_token]
     for i in range(num_steps):
-        added = (new_blocks or [[]] * num_steps)[i]
-        out = runner.execute_step(StepInput(
-            step_id + i, cached_requests=[CachedRequestData(request_id, added, num_computed + i)],
-            num_scheduled_tokens={request_id: 1},
-        ))
+        cached = CachedRequestData(request_id, new_blocks[i], num_computed + i, [tokens[-1]])
+        out = runner.execute_step(StepInput(step_id + i, cached_requests=[cached],
+                                            num_scheduled_tokens={request_id: 1}))
         tokens.append(out.sampled[request_id].token_id)
-    return tokens
+    return tokens[1:]
 
 
 def prefill(runner: ModelRunner, request_id: str, blocks: list[int]) -> int:
@@ -52,7 +51,7 @@ def prefill(runner: ModelRunner, request_id: str, blocks: list[int]) -> int:
 def test_swap_out_and_back_in_elsewhere_gives_the_same_tokens(model_dir: Path) -> None:
     reference = make_runner(model_dir)
     first = prefill(reference, "r", [0, 1, 2])
-    expected = decode(reference, "r", 1, len(PROMPT), 3, [[], [3], []])
+    expected = decode(reference, "r", 1, len(PROMPT), 3, [[], [3], []], first)
 
     runner = make_runner(model_dir)
     assert runner.num_swap_blocks > 3
@@ -68,7 +67,8 @@ def test_swap_out_and_back_in_elsewhere_gives_the_same_tokens(model_dir: Path) -
         2, new_requests=[NewRequestData("r", tokens, len(PROMPT), [10, 11, 12], len(PROMPT), GREEDY)],
         num_scheduled_tokens={"r": 1}, blocks_to_swap_in=[(7, 10), (8, 11), (9, 12)],
     ))
-    resumed = [out.sampled["r"].token_id, *decode(runner, "r", 3, len(PROMPT) + 1, 2, [[13], []])]
+    second = out.sampled["r"].token_id
+    resumed = [second, *decode(runner, "r", 3, len(PROMPT) + 1, 2, [[13], []], second)]
     assert resumed == expected
 
 

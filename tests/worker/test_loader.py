@@ -67,7 +67,7 @@ def greedy_tokens(runner: ModelRunner, prompt: list[int], num_new_tokens: int) -
     output = runner.execute_step(StepInput(0, [new], num_scheduled_tokens={"r": len(prompt)}))
     tokens = [output.sampled["r"].token_id]
     for i in range(1, num_new_tokens):
-        cached = CachedRequestData("r", [], len(prompt) + i - 1)
+        cached = CachedRequestData("r", [], len(prompt) + i - 1, [tokens[-1]])
         output = runner.execute_step(StepInput(i, cached_requests=[cached],
                                                num_scheduled_tokens={"r": 1}))
         tokens.append(output.sampled["r"].token_id)

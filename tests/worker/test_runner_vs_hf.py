@@ -50,6 +50,7 @@ class ScriptedRequest:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     sent: bool = False
+    num_sent: int = 0  # tokens the runner has been told about
 
 
 def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: int) -> None:
@@ -71,12 +72,15 @@ def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: 
             num_blocks_needed = -(-(r.num_computed + num_tokens) // BLOCK_SIZE)
             new_blocks = [free_blocks.pop() for _ in range(num_blocks_needed - len(r.block_ids))]
             r.block_ids += new_blocks
+            known = r.prompt + r.outputs
             if r.sent:
-                cached.append(CachedRequestData(r.request_id, new_blocks, r.num_computed))
+                cached.append(CachedRequestData(r.request_id, new_blocks, r.num_computed,
+                                                known[r.num_sent:]))
             else:
-                new.append(NewRequestData(r.request_id, r.prompt + r.outputs, len(r.prompt),
+                new.append(NewRequestData(r.request_id, known, len(r.prompt),
                                           list(r.block_ids), r.num_computed, GREEDY))
                 r.sent = True
+            r.num_sent = len(known)
             scheduled[r.request_id] = num_tokens
         output = runner.execute_step(StepInput(step_id, new, cached, scheduled, finished))
         finished = []
@@ -183,7 +187,7 @@ def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
         ),
         "outside 0..7": StepInput(1, [NewRequestData("b", prompt, 6, [0, 8], 0, GREEDY)],
                                   num_scheduled_tokens={"b": 6}),
-        "only 7 tokens are known": StepInput(1, cached_requests=[CachedRequestData("a", [], 6)],
+        "only 7 tokens are known": StepInput(1, cached_requests=[CachedRequestData("a", [], 6, [5])],
                                              num_scheduled_tokens={"a": 2}),
         "cannot hold": StepInput(1, [NewRequestData("b", prompt, 6, [2], 0, GREEDY)],
                                  num_scheduled_tokens={"b": 6}),
@@ -201,7 +205,7 @@ def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
     assert (runner.requests["a"].token_ids, runner.requests["a"].block_ids) == before
     assert all(torch.equal(a, b) for a, b in zip(cache_before, runner.kv_caches, strict=True))
     # And a valid continuation still works afterwards.
-    output = runner.execute_step(StepInput(2, cached_requests=[CachedRequestData("a", [], 6)],
+    output = runner.execute_step(StepInput(2, cached_requests=[CachedRequestData("a", [], 6, [5])],
                                            num_scheduled_tokens={"a": 1}))
     assert set(output.sampled) == {"a"} and output.forward_time_ms > 0
 
