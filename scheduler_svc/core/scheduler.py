@@ -65,7 +65,9 @@ class Scheduler:
         self._on_workers: set[RequestId] = set()
         # Ids the workers must forget; sent with the next step.
         self._finished_ids: list[RequestId] = []
-        # Tokens scheduled in the step now in flight; aborts of these wait for update().
+        # Requests in steps now in flight -> how many such steps (more than one step is in
+        # flight only with pipeline parallelism). They are not scheduled again, preempted or
+        # freed until update(); aborts of these wait for it.
         self._in_flight: dict[RequestId, int] = {}
         self._pending_aborts: set[RequestId] = set()
         # Swap blocks read by this step's swap-ins; reusable once the step's swap-outs are set.
@@ -139,7 +141,9 @@ class Scheduler:
         if self._swap_blocks_to_free:
             self.kv.swap.free(self._swap_blocks_to_free)
             self._swap_blocks_to_free = []
-        self._in_flight = output.num_scheduled_tokens
+        in_flight = self._in_flight
+        for request_id in output.num_scheduled_tokens:
+            in_flight[request_id] = in_flight.get(request_id, 0) + 1
         return output
 
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestEvent]:
@@ -176,12 +180,17 @@ class Scheduler:
                                        len(request.prompt_token_ids)))
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
-        self._in_flight = {}
-        for request_id in self._pending_aborts:
+        in_flight = self._in_flight
+        for request_id in scheduled:
+            if in_flight[request_id] == 1:
+                del in_flight[request_id]
+            else:
+                in_flight[request_id] -= 1
+        for request_id in [r for r in self._pending_aborts if r not in in_flight]:
+            self._pending_aborts.discard(request_id)
             event = self.abort(request_id)
             if event is not None:
                 events.append(event)
-        self._pending_aborts.clear()
         return events
 
     def stats(self) -> SchedulerStats:
@@ -212,8 +221,12 @@ class Scheduler:
         num_scheduled = output.num_scheduled_tokens
         running = self.running
         index = 0
+        in_flight = self._in_flight
         while index < len(running) and budget > 0:
             request = running[index]
+            if request.request_id in in_flight:  # its previous step has not returned yet
+                index += 1
+                continue
             num_computed = request.num_computed_tokens
             num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
                           - num_computed, budget)
@@ -253,10 +266,19 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running.pop()
+            victim = self.running.pop(self._victim_index())
             self._preempt(victim, output)
             if victim is request:
                 return None
+
+    def _victim_index(self) -> int:
+        """The last running request not in a step still in flight (with one step at a time,
+        simply the last). `request` itself qualifies, so there always is one."""
+        running, in_flight = self.running, self._in_flight
+        index = len(running) - 1
+        while running[index].request_id in in_flight:
+            index -= 1
+        return index
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Swaps the request out (swap mode, if swap space suffices) or drops its KV, and

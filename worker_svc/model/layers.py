@@ -107,18 +107,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class MergedLinear(nn.Linear):
     """Several projections of the same input stacked on the output dim (q|k|v, gate|up).
 
-    Weights are still loaded per named part so a tensor-parallel loader can slice each
-    part column-wise on its own.
+    Weights are still loaded per named part; under tensor parallelism each part holds
+    only some rows of its checkpoint tensor (column-parallel), starting at
+    `part_row_starts[part]`, and `checkpoint_slice` names them for the loader.
     """
 
-    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool) -> None:
+    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool,
+                 part_row_starts: dict[str, int] | None = None) -> None:
         super().__init__(in_features, sum(part_sizes.values()), bias=bias)
         self.part_sizes = dict(part_sizes)
+        self.part_row_starts = {name: 0 for name in part_sizes} | dict(part_row_starts or {})
         self.part_offsets: dict[str, int] = {}
         offset = 0
         for name, size in part_sizes.items():
             self.part_offsets[name] = offset
             offset += size
+
+    def checkpoint_slice(self, part: str) -> tuple[slice, ...]:
+        """The rows of the checkpoint's `part` tensor (weight or bias) this module holds."""
+        start = self.part_row_starts[part]
+        return (slice(start, start + self.part_sizes[part]),)
 
     def load_part(self, part: str, param_name: str, tensor: torch.Tensor) -> None:
         target = self.weight if param_name == "weight" else self.bias

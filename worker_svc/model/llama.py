@@ -4,6 +4,13 @@ Reads top to bottom: attention, MLP, one decoder layer, the stack, the LM head, 
 loader that maps checkpoint names (Hugging Face spelling) onto the fused parameters.
 The batch is flat: every tensor is [num_tokens, ...] over all sequences of the step,
 and `AttentionMetadata` says which tokens belong together.
+
+Parallelism: a model is built for one rank (`ParallelConfig`). Tensor parallelism
+splits heads, MLP columns and vocabulary rows (`parallel_layers.py`); a pipeline stage
+holds only its `layer_range`, the embedding on the first stage, the final norm and LM
+head on the last. Layers pass (hidden, residual) on, adding the residual at the start
+of the next layer (the vLLM layout), so a stage boundary can cut between any two layers;
+the sums are the ones transformers computes, in the same order, so results match it.
 """
 
 from __future__ import annotations
@@ -12,7 +19,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.model.config import ModelConfig
@@ -23,27 +29,49 @@ from worker_svc.model.layers import (
     apply_rotary,
     silu_and_mul,
 )
+from worker_svc.model.parallel_layers import (
+    FULL,
+    Index,
+    NoComm,
+    RowParallelLinear,
+    TPComm,
+    VocabParallelEmbedding,
+    attention_shard,
+    check_tensor_parallel,
+    shard_range,
+)
+from worker_svc.parallel import ParallelConfig
+
+Rotary = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelConfig,
+                 comm: TPComm) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        shard = attention_shard(config.num_heads, config.num_kv_heads, parallel.tp_size,
+                                parallel.tp_rank)
+        head_dim = config.head_dim
+        self.num_heads = shard.num_heads  # this rank's
+        self.num_kv_heads = shard.num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_index]
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
+        q_size = shard.num_heads * head_dim
+        kv_size = shard.num_kv_heads * head_dim
+        kv_start = shard.kv_head_start * head_dim
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias,
+            part_row_starts={"q": shard.q_head_start * head_dim, "k": kv_start, "v": kv_start},
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.o_proj = RowParallelLinear(shard.q_head_start * head_dim, q_size, config.hidden_size,
+                                        config.o_proj_bias, parallel.tp_size, comm)
+        # Per-head norms: the same weights on every rank.
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+        self, rotary: Rotary, hidden: torch.Tensor,
         kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -61,60 +89,89 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        start, stop = shard_range(config.intermediate_size, parallel.tp_size, parallel.tp_rank,
+                                  "intermediate_size")
+        self.intermediate_size = stop - start  # this rank's
         self.gate_up_proj = MergedLinear(
             config.hidden_size,
-            {"gate": config.intermediate_size, "up": config.intermediate_size},
+            {"gate": self.intermediate_size, "up": self.intermediate_size},
             config.mlp_bias,
+            part_row_starts={"gate": start, "up": start},
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = RowParallelLinear(start, self.intermediate_size, config.hidden_size,
+                                           config.mlp_bias, parallel.tp_size, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.intermediate_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelConfig,
+                 comm: TPComm) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_index)
+        self.self_attn = LlamaAttention(config, layer_index, parallel, comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, parallel, comm)
 
     def forward(
-        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+        self, rotary: Rotary, hidden: torch.Tensor, residual: torch.Tensor | None,
         kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend,
-    ) -> torch.Tensor:
-        # Unfused residual adds in the model dtype, as transformers does, so bf16 rounds alike.
-        residual = hidden
-        hidden = self.self_attn(rotary, self.input_layernorm(hidden), kv_cache, metadata, backend)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous MLP output, residual before it) -> (this MLP's output, its residual).
+
+        Unfused residual adds in the model dtype, `residual + hidden` as transformers
+        writes them, so bf16 rounds alike. The first layer gets residual None.
+        """
+        residual = hidden if residual is None else residual + hidden
+        hidden = self.self_attn(rotary, self.input_layernorm(residual), kv_cache, metadata,
+                                backend)
+        residual = residual + hidden
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+class PPMissingLayer(nn.Identity):
+    """Placeholder for a layer another pipeline stage holds: keeps global layer indices
+    (and so checkpoint names) valid, holds no weights."""
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, parallel: ParallelConfig,
+                 comm: TPComm) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layer_range = parallel.layer_range(config.num_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.tp_size,
+                                   parallel.tp_rank, comm)
+            if parallel.is_first_stage else None
+        )
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, parallel, comm) if i in self.layer_range
+            else PPMissingLayer()
+            for i in range(config.num_layers)
+        )
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
+                     if parallel.is_last_stage else None)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata, backend: AttentionBackend,
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if intermediate is None:
+            if self.embed_tokens is None:
+                raise ValueError("a later pipeline stage needs the previous stage's activations")
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         rotary = self.rotary(positions, hidden.dtype)  # once per step, shared by all layers
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rotary, hidden, kv_cache, metadata, backend)
-        return self.norm(hidden)
+        for index, kv_cache in zip(self.layer_range, kv_caches, strict=True):
+            hidden, residual = self.layers[index](rotary, hidden, residual, kv_cache, metadata,
+                                                  backend)
+        return hidden, residual
 
 
 # Checkpoint part name -> (fused parameter, part) for the stacked projections.
@@ -125,53 +182,119 @@ _STACKED_PARTS = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
+_EMBED = "model.embed_tokens.weight"
+_LM_HEAD = "lm_head.weight"
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int | None = None,
+                 parallel: ParallelConfig | None = None, comm: TPComm | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelConfig()
+        check_tensor_parallel(config, parallel.tp_size)
+        comm = comm or NoComm(parallel.tp_size)
         self.config = config
-        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
-        # Tied checkpoints reuse the embedding as LM head; no second parameter, so nothing
-        # can untie them when the model is moved or materialised.
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = parallel
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings,
+                                parallel, comm)
+        # Tied checkpoints reuse the embedding as LM head when one stage holds both; no
+        # second parameter, so nothing can untie them when the model is moved. A last
+        # stage without the embedding gets its own copy of the (same) rows.
+        needs_head = parallel.is_last_stage and not (
+            config.tie_word_embeddings and parallel.is_first_stage
         )
+        self.lm_head = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.tp_size,
+                                   parallel.tp_rank, comm)
+            if needs_head else None
+        )
+
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.model.layer_range)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return attention_shard(self.config.num_heads, self.config.num_kv_heads,
+                               self.parallel.tp_size, self.parallel.tp_rank).num_kv_heads
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata, backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        return self.model(input_ids, positions, kv_caches, metadata, backend)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions [num_tokens] (or the previous stage's (hidden, residual))
+        -> this stage's (hidden, residual), each [num_tokens, hidden]; one `kv_caches`
+        entry per local layer."""
+        return self.model(input_ids, positions, kv_caches, metadata, backend, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> fp32 logits [num_rows, vocab_size]."""
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Last stage: [num_rows, hidden] x2 -> fp32 logits [num_rows, vocab_size]. The final
+        residual add and norm run here, on the sampled rows only (both are per row)."""
+        if self.model.norm is None:
+            raise ValueError("only the last pipeline stage computes logits")
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return F.linear(hidden, head.weight).float()
+        return head.logits(self.model.norm(residual + hidden))
+
+    def checkpoint_slice(self, name: str) -> Index | None:
+        """Which part of checkpoint tensor `name` this rank loads; None when it loads none
+        of it (another stage's layer, a duplicate, a buffer we compute)."""
+        tied = self.config.tie_word_embeddings
+        if name.endswith("rotary_emb.inv_freq") or (name == _LM_HEAD and tied):
+            return None
+        if name in (_EMBED, _LM_HEAD):
+            holder = self._vocab_holders(name)
+            return holder[0].checkpoint_slice() if holder else None
+        if name == "model.norm.weight":
+            return FULL if self.model.norm is not None else None
+        if name.startswith("model.layers."):
+            index = name.split(".")[2]
+            if not index.isdigit() or int(index) not in self.model.layer_range:
+                return None
+        module_path, _, param_name = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in _STACKED_PARTS:
+            fused, part = _STACKED_PARTS[leaf]
+            return self.get_submodule(f"{parent}.{fused}").checkpoint_slice(part)
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            return FULL  # unknown: load_weights names it
+        if isinstance(module, RowParallelLinear):
+            return module.checkpoint_slice(param_name)
+        return FULL
+
+    def _vocab_holders(self, name: str) -> list[VocabParallelEmbedding]:
+        """The modules filled from checkpoint tensor `name` (embedding or LM head rows)."""
+        if name == _LM_HEAD:
+            return [self.lm_head] if self.lm_head is not None else []
+        holders = [self.model.embed_tokens] if self.model.embed_tokens is not None else []
+        if self.config.tie_word_embeddings and self.lm_head is not None:
+            holders.append(self.lm_head)
+        return holders
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy (Hugging Face name, tensor) pairs in; returns the parameter names filled.
+        """Copy (Hugging Face name, tensor) pairs in, each already cut to
+        `checkpoint_slice(name)`; returns the parameter names filled.
 
         Raises if a checkpoint name is unknown or a parameter is left unset.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # old checkpoints saved the rotary buffer; we compute it
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # some tied checkpoints still carry a copy
+            if self.checkpoint_slice(name) is None:
+                continue
+            if name in (_EMBED, _LM_HEAD):
+                for holder in self._vocab_holders(name):
+                    holder.load(tensor)
+                    loaded.add(_LM_HEAD if holder is self.lm_head else _EMBED)
+                continue
             module_path, _, param_name = name.rpartition(".")
             parent, _, leaf = module_path.rpartition(".")
             if leaf in _STACKED_PARTS:
                 fused, part = _STACKED_PARTS[leaf]
-                fused_name = f"{parent}.{fused}.{param_name}"
-                module = self.get_submodule(f"{parent}.{fused}")
-                module.load_part(part, param_name, tensor)
-                loaded.add(f"{fused_name}/{part}")
+                self.get_submodule(f"{parent}.{fused}").load_part(part, param_name, tensor)
+                loaded.add(f"{parent}.{fused}.{param_name}/{part}")
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in this model")

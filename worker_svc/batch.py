@@ -1,0 +1,225 @@
+"""A step's bookkeeping on a worker: request state, step validation, the flat batch tensors,
+and the step digest ranks compare.
+
+Every rank of an engine group keeps the same request state and builds the same batch
+from the same step, so pipeline stages agree on which row is which token without
+sending any metadata along with the activations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker_svc.attention import AttentionMetadata
+from worker_svc.types import CachedRequestData, NewRequestData, SamplingParams, StepInput
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]  # prompt + output known so far
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is in the cache
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # flat token row whose hidden state feeds the LM head
+    sample_request_ids: list[str]
+
+
+def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
+    """Request ids in row order: sorted, so that every rank lays the batch out alike even
+    if the step's map reached it in another order (protobuf maps keep none)."""
+    return sorted(num_scheduled_tokens)
+
+
+def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[str, int],
+                block_size: int, device: torch.device) -> StepBatch:
+    input_ids, positions, slots = [], [], []
+    seq_lens, query_start_loc = [], [0]
+    block_rows: list[list[int]] = []
+    sample_rows, sample_request_ids = [], []
+    for request_id in batch_order(num_scheduled_tokens):
+        num_tokens = num_scheduled_tokens[request_id]
+        state = requests[request_id]
+        start = state.num_computed_tokens
+        end = start + num_tokens
+        token_positions = np.arange(start, end)
+        block_ids = np.asarray(state.block_ids, dtype=np.int64)
+        input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
+        positions.append(token_positions)
+        slots.append(block_ids[token_positions // block_size] * block_size
+                     + token_positions % block_size)
+        seq_lens.append(end)
+        query_start_loc.append(query_start_loc[-1] + num_tokens)
+        block_rows.append(state.block_ids[: -(-end // block_size)])
+        if end == len(state.token_ids):
+            sample_rows.append(query_start_loc[-1] - 1)
+            sample_request_ids.append(request_id)
+    max_blocks = max(len(row) for row in block_rows)
+    block_tables = np.zeros((len(block_rows), max_blocks), dtype=np.int32)
+    for i, row in enumerate(block_rows):
+        block_tables[i, : len(row)] = row
+
+    def to_device(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(array), dtype=dtype).to(device)
+
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(np.concatenate(slots), torch.int64),
+        block_tables=to_device(block_tables, torch.int32),
+        seq_lens=to_device(seq_lens, torch.int32),
+        query_start_loc=to_device(query_start_loc, torch.int32),
+    )
+    return StepBatch(
+        input_ids=to_device(np.concatenate(input_ids), torch.int64),
+        positions=to_device(np.concatenate(positions), torch.int64),
+        metadata=metadata,
+        sample_rows=sample_rows,
+        sample_request_ids=sample_request_ids,
+    )
+
+
+def step_digest(step: StepInput) -> int:
+    """A stable signed 64-bit digest of everything that shapes the step's batch and state.
+
+    blake2b, never Python's `hash()` (salted per process). Costs O(size of the step
+    message), the same as decoding it.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+
+    def add(*items: object) -> None:
+        digest.update(repr(items).encode())
+
+    add(step.step_id, sorted(step.num_scheduled_tokens.items()),
+        sorted(step.finished_request_ids))
+    for new in step.new_requests:
+        add(new.request_id, new.num_prompt_tokens, new.num_computed_tokens, new.block_ids)
+        digest.update(np.asarray(new.token_ids, dtype=np.int64).tobytes())
+    for cached in step.cached_requests:
+        add(cached.request_id, cached.num_computed_tokens, cached.new_block_ids,
+            cached.new_token_ids)
+    add(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def validate_step(
+    step: StepInput,
+    requests: dict[str, RequestState],
+    *,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> None:
+    """Raise ValueError if `step` does not fit `requests`; reads, never writes, the state.
+
+    Checks the step as it will be applied: finished ids dropped first, then new requests
+    added (replacing any same id), then cached ones extended.
+    """
+    finished = set(step.finished_request_ids)
+    shapes = {
+        request_id: _Shape(len(state.token_ids), len(state.block_ids), state.num_computed_tokens)
+        for request_id, state in requests.items()
+        if request_id not in finished
+    }
+    new_ids = {new.request_id for new in step.new_requests}
+    if len(new_ids) != len(step.new_requests):
+        raise ValueError("a request id appears twice among new requests")
+    for new in step.new_requests:
+        shapes[new.request_id] = _new_request_shape(new, num_blocks, vocab_size)
+    cached_ids: set[str] = set()
+    for cached in step.cached_requests:
+        request_id = cached.request_id
+        if request_id in new_ids or request_id in cached_ids:
+            raise ValueError(f"request {request_id!r} is listed twice in one step")
+        if request_id not in shapes:
+            raise ValueError(f"unknown request {request_id!r} in cached requests")
+        cached_ids.add(request_id)
+        shapes[request_id] = _cached_request_shape(cached, shapes[request_id], num_blocks, vocab_size)
+    for request_id, num_tokens in step.num_scheduled_tokens.items():
+        if request_id not in shapes:
+            raise ValueError(f"unknown request {request_id!r} scheduled")
+        _check_scheduled(request_id, num_tokens, shapes[request_id], block_size, max_model_len)
+
+
+def check_block_moves(step: StepInput, num_blocks: int, num_swap_blocks: int) -> None:
+    """Raise ValueError if a block move names a block outside the device cache or swap space."""
+    for name, pairs, src_limit, dst_limit in (
+        ("swap-out", step.blocks_to_swap_out, num_blocks, num_swap_blocks),
+        ("swap-in", step.blocks_to_swap_in, num_swap_blocks, num_blocks),
+        ("copy", step.blocks_to_copy, num_blocks, num_blocks),
+    ):
+        for src, dst in pairs:
+            if not (0 <= src < src_limit and 0 <= dst < dst_limit):
+                raise ValueError(f"{name} of block {src} -> {dst} is outside the cache "
+                                 f"({num_blocks} device blocks, {num_swap_blocks} swap blocks)")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A request's sizes once the step's updates are applied."""
+
+    num_known_tokens: int
+    num_blocks_held: int
+    num_computed_tokens: int
+
+
+def _check_block_ids(request_id: str, block_ids: list[int], num_blocks: int) -> None:
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"request {request_id!r}: block ids {bad[:5]} outside 0..{num_blocks - 1}")
+
+
+def _new_request_shape(new: NewRequestData, num_blocks: int, vocab_size: int) -> _Shape:
+    request_id, num_known = new.request_id, len(new.token_ids)
+    if not 0 < new.num_prompt_tokens <= num_known:
+        raise ValueError(f"request {request_id!r}: num_prompt_tokens "
+                         f"{new.num_prompt_tokens} not in 1..{num_known}")
+    if not 0 <= new.num_computed_tokens <= num_known:
+        raise ValueError(f"request {request_id!r}: num_computed_tokens "
+                         f"{new.num_computed_tokens} not in 0..{num_known}")
+    # An out-of-range id would index past the embedding (a device assert on CUDA).
+    if any(not 0 <= t < vocab_size for t in new.token_ids):
+        raise ValueError(f"request {request_id!r}: token id outside 0..{vocab_size - 1}")
+    _check_block_ids(request_id, new.block_ids, num_blocks)
+    return _Shape(num_known, len(new.block_ids), new.num_computed_tokens)
+
+
+def _cached_request_shape(cached: CachedRequestData, shape: _Shape, num_blocks: int,
+                          vocab_size: int) -> _Shape:
+    _check_block_ids(cached.request_id, cached.new_block_ids, num_blocks)
+    if any(not 0 <= t < vocab_size for t in cached.new_token_ids):
+        raise ValueError(f"request {cached.request_id!r}: new token id outside 0..{vocab_size - 1}")
+    num_known = shape.num_known_tokens + len(cached.new_token_ids)
+    if not 0 <= cached.num_computed_tokens <= num_known:
+        raise ValueError(f"request {cached.request_id!r}: num_computed_tokens "
+                         f"{cached.num_computed_tokens} not in 0..{num_known}")
+    return _Shape(num_known, shape.num_blocks_held + len(cached.new_block_ids),
+                  cached.num_computed_tokens)
+
+
+def _check_scheduled(
+    request_id: str, num_tokens: int, shape: _Shape, block_size: int, max_model_len: int
+) -> None:
+    end = shape.num_computed_tokens + num_tokens
+    if num_tokens < 1:
+        raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled (need >= 1)")
+    if end > shape.num_known_tokens:
+        raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled from "
+                         f"{shape.num_computed_tokens} but only {shape.num_known_tokens} "
+                         "tokens are known")
+    if end > max_model_len:
+        raise ValueError(f"request {request_id!r}: {end} tokens exceed max_model_len "
+                         f"{max_model_len}")
+    if shape.num_blocks_held * block_size < end:
+        raise ValueError(f"request {request_id!r}: {shape.num_blocks_held} blocks of "
+                         f"{block_size} cannot hold {end} tokens")

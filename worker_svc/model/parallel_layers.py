@@ -1,0 +1,173 @@
+"""Tensor-parallel pieces of the decoder: which shard a rank holds, and the collectives.
+
+Megatron's split: q/k/v and gate/up are column-parallel (each rank computes some output
+features: its attention heads, its slice of the MLP) and need no communication; o_proj
+and down_proj are row-parallel (each rank multiplies its input slice) and end in one
+all-reduce. The embedding and LM head are split by vocabulary rows.
+
+Every module here knows which slice of the full checkpoint tensor it holds
+(`checkpoint_slice`), so the loader reads exactly that slice from disk. With
+tp_size = 1 each module is numerically the plain torch op (same call, same rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker_svc.model.config import ModelConfig
+
+Index = tuple[slice, ...]  # what the loader applies to a checkpoint tensor
+FULL: Index = (slice(None),)
+
+
+class TPComm(Protocol):
+    """The collectives a tensor-parallel model needs (`DistributedContext` has them)."""
+
+    def tp_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def tp_all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+
+class NoComm:
+    """For a model built for its shapes only, or a single rank: collectives are only
+    allowed when there is nobody to talk to."""
+
+    def __init__(self, tp_size: int = 1) -> None:
+        self.tp_size = tp_size
+
+    def _check(self) -> None:
+        if self.tp_size > 1:
+            raise RuntimeError("this model was built without a process group; pass the "
+                               "DistributedContext from init_distributed to run it")
+
+    def tp_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check()
+        return tensor
+
+    def tp_all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        self._check()
+        return tensor
+
+
+def shard_range(size: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:
+    """[start, stop) of rank `tp_rank`'s equal share of `size`; raises if it does not divide."""
+    if size % tp_size != 0:
+        raise ValueError(f"{what} ({size}) must be divisible by tp_size ({tp_size})")
+    share = size // tp_size
+    return tp_rank * share, (tp_rank + 1) * share
+
+
+@dataclass(frozen=True)
+class AttentionShard:
+    """The heads one TP rank computes; head indices are global (checkpoint) indices."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_head_start: int
+    kv_head_start: int
+
+
+def attention_shard(num_heads: int, num_kv_heads: int, tp_size: int,
+                    tp_rank: int) -> AttentionShard:
+    """q heads split evenly; KV heads split too when there are at least tp_size of them,
+    else replicated: each rank holds the one KV head its q heads read (GQA groups never
+    straddle two ranks because tp_size is then a multiple of num_kv_heads)."""
+    q_start, q_stop = shard_range(num_heads, tp_size, tp_rank, "num_attention_heads")
+    if tp_size <= num_kv_heads:
+        kv_start, kv_stop = shard_range(num_kv_heads, tp_size, tp_rank, "num_key_value_heads")
+        return AttentionShard(q_stop - q_start, kv_stop - kv_start, q_start, kv_start)
+    if tp_size % num_kv_heads != 0:
+        raise ValueError(f"tp_size ({tp_size}) exceeds num_key_value_heads ({num_kv_heads}), "
+                         "so it must be a multiple of it (each KV head is replicated "
+                         "on tp_size / num_key_value_heads ranks)")
+    return AttentionShard(q_stop - q_start, 1, q_start, tp_rank // (tp_size // num_kv_heads))
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Raise a ValueError naming the first dimension that `tp_size` cannot split."""
+    attention_shard(config.num_heads, config.num_kv_heads, tp_size, 0)
+    shard_range(config.intermediate_size, tp_size, 0, "intermediate_size")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b where this rank holds input features [in_start, in_start + in_size).
+
+    The partial products are summed across TP ranks; the bias, replicated, is added once
+    after the sum (adding it on every rank would count it tp_size times).
+    """
+
+    def __init__(self, in_start: int, in_size: int, out_features: int, bias: bool,
+                 tp_size: int, comm: TPComm) -> None:
+        super().__init__()
+        self.in_start = in_start
+        self.tp_size = tp_size
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(out_features, in_size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # one fused op, as nn.Linear (and transformers) round it
+            return F.linear(x, self.weight, self.bias)
+        out = self.comm.tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def checkpoint_slice(self, param_name: str) -> Index:
+        if param_name == "bias":
+            return FULL
+        return (slice(None), slice(self.in_start, self.in_start + self.weight.shape[1]))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split across TP ranks: used as the input embedding and as the LM head.
+
+    The vocabulary is padded up to a multiple of tp_size; each rank holds
+    `num_local_rows` rows starting at `vocab_start`, the padding rows (on the last ranks)
+    zero. As embedding, ids outside the shard give zero rows and the all-reduce fills
+    them in; as LM head, local logits are gathered and the padding columns dropped.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int, tp_rank: int,
+                 comm: TPComm) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_size = tp_size
+        self.comm = comm
+        self.num_local_rows = -(-vocab_size // tp_size)
+        self.vocab_start = tp_rank * self.num_local_rows
+        # Rows of the checkpoint this rank reads; fewer than num_local_rows on a padded rank.
+        self.vocab_stop = max(self.vocab_start,
+                              min(self.vocab_start + self.num_local_rows, vocab_size))
+        self.weight = nn.Parameter(torch.empty(self.num_local_rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.num_local_rows)
+        rows = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        rows.masked_fill_(outside[:, None], 0.0)
+        return self.comm.tp_all_reduce(rows)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> fp32 logits [num_rows, vocab_size]."""
+        local = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return local.float()
+        return self.comm.tp_all_gather(local, dim=-1)[:, : self.vocab_size].float()
+
+    def checkpoint_slice(self) -> Index:
+        return (slice(self.vocab_start, self.vocab_stop),)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        """Copy this rank's checkpoint rows in and zero the padding rows."""
+        num_rows = self.vocab_stop - self.vocab_start
+        if tuple(tensor.shape) != (num_rows, self.weight.shape[1]):
+            raise ValueError(f"vocab shard: expected {(num_rows, self.weight.shape[1])}, "
+                             f"got {tuple(tensor.shape)}")
+        self.weight.data[:num_rows].copy_(tensor)
+        self.weight.data[num_rows:].zero_()
