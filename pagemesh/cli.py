@@ -44,6 +44,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="drop a preempted request's KV, or move it to CPU swap space")
     add_flag(up, "--swap-space", type=float, default=4.0,
              help="CPU swap space per worker for preempted requests' KV, GiB")
+    add_flag(up, "--device", default="cpu", choices=["cpu", "cuda"],
+             help="where workers run; with cuda, worker i of this host takes GPU i")
     add_flag(up, "--tp", type=int, default=1, help="tensor-parallel workers per pipeline stage")
     add_flag(up, "--pp", type=int, default=1, help="pipeline stages")
     add_flag(up, "--pp-layer-split", default=None,

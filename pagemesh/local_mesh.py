@@ -54,13 +54,17 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
                  "--preemption-mode", args.preemption_mode]
     router = ["--model", model, "--port", str(args.port)]
     layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
-    if args.tp * args.pp > 1:  # share the cores instead of every worker claiming all of them
+    if args.tp * args.pp > 1 and args.device == "cpu":  # share the cores, don't each claim all
         worker += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // (args.tp * args.pp)))]
     if args.pp_layer_split:
         worker += ["--pp-layer-split", args.pp_layer_split]
+    def device(pp: int, tp: int) -> str:
+        return f"cuda:{pp * args.tp + tp}" if args.device == "cuda" else "cpu"
+
     workers = [
         ServiceSpec(f"worker-pp{pp}-tp{tp}", "worker_svc.main",
-                    [*common, *worker, *layout, "--tp-rank", str(tp), "--pp-rank", str(pp)])
+                    [*common, *worker, *layout, "--tp-rank", str(tp), "--pp-rank", str(pp),
+                     "--device", device(pp, tp)])
         for pp in range(args.pp) for tp in range(args.tp)
     ]
     return [

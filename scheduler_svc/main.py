@@ -78,6 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
         policy=args.scheduling_policy,
         preemption_mode=preemption_mode,
         num_swap_blocks=num_swap_blocks,
+        num_microbatches=args.pp,
     )
     logger.info("workers %s; scheduler config %s", [e.address for e in endpoints], asdict(config))
     scheduler = Scheduler(config)

@@ -19,6 +19,7 @@ never left waiting and a sender never blocks on a payload nobody will read.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,6 +74,11 @@ class DistributedContext:
         self.device = torch.device(device)
         self.tp_group = tp_group
         self._initialized = initialized
+        # Cumulative seconds, for metrics and benchmarks (on CUDA, NCCL ops are asynchronous:
+        # these then measure the launch, not the transfer).
+        self.tp_collective_time_s = 0.0  # all-reduce, all-gather, step agreement
+        self.pp_send_time_s = 0.0
+        self.pp_recv_time_s = 0.0  # includes waiting for the previous stage: the bubble
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> DistributedContext:
@@ -88,7 +94,9 @@ class DistributedContext:
     def tp_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the stage's TP ranks, in place; returns `tensor`."""
         if self.parallel.tp_size > 1:
+            start_s = time.perf_counter()
             dist.all_reduce(tensor, group=self.tp_group)
+            self.tp_collective_time_s += time.perf_counter() - start_s
         return tensor
 
     def tp_all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -97,7 +105,9 @@ class DistributedContext:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.parallel.tp_size)]
+        start_s = time.perf_counter()
         dist.all_gather(parts, tensor, group=self.tp_group)
+        self.tp_collective_time_s += time.perf_counter() - start_s
         return torch.cat(parts, dim=dim)
 
     def tp_agree(self, digest: int, *, ok: bool = True) -> None:
@@ -111,7 +121,9 @@ class DistributedContext:
             return
         mine = torch.tensor([digest, int(ok)], dtype=torch.int64, device=self.device)
         parts = [torch.empty_like(mine) for _ in range(self.parallel.tp_size)]
+        start_s = time.perf_counter()
         dist.all_gather(parts, mine, group=self.tp_group)
+        self.tp_collective_time_s += time.perf_counter() - start_s
         rows = [tuple(int(x) for x in part.tolist()) for part in parts]
         ranks = tp_group_ranks(self.parallel, self.parallel.pp_rank)
         if len({d for d, _ in rows}) > 1:
@@ -134,8 +146,10 @@ class DistributedContext:
     def pp_send(self, tensors: list[torch.Tensor], dst_stage: int) -> None:
         """Blocking sends to the same tp_rank of stage `dst_stage`, in list order."""
         peer = self._stage_peer(dst_stage)
+        start_s = time.perf_counter()
         for tensor in tensors:
             dist.send(tensor.contiguous(), dst=peer)
+        self.pp_send_time_s += time.perf_counter() - start_s
 
     def pp_recv(self, shapes: Sequence[Sequence[int]],
                 dtype: torch.dtype | Sequence[torch.dtype], src_stage: int) -> list[torch.Tensor]:
@@ -144,10 +158,12 @@ class DistributedContext:
         peer = self._stage_peer(src_stage)
         dtypes = [dtype] * len(shapes) if isinstance(dtype, torch.dtype) else list(dtype)
         tensors = []
+        start_s = time.perf_counter()
         for shape, tensor_dtype in zip(shapes, dtypes, strict=True):
             tensor = torch.empty(tuple(shape), dtype=tensor_dtype, device=self.device)
             dist.recv(tensor, src=peer)
             tensors.append(tensor)
+        self.pp_recv_time_s += time.perf_counter() - start_s
         return tensors
 
     def send_stage_output(self, step_id: int, digest: int, hidden: torch.Tensor | None,

@@ -104,8 +104,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     def registry_info() -> dict[str, object]:
         return {"address": server.address, "group": args.group, "dist_addr": dist_addr,
-                "model": args.served_model_name or args.model, "num_steps": servicer.num_steps,
-                "pid": os.getpid(), **layout, **state}
+                "model": args.served_model_name or args.model, "pid": os.getpid(),
+                **layout, **state, **servicer.stats()}
 
     await registry.start_heartbeat("worker", worker_id, registry_info)
     loading = asyncio.create_task(_join_and_load(args, registry, worker_id, parallel, state))

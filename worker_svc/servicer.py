@@ -28,6 +28,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # loop stays free for health checks while a forward pass runs.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.num_steps = 0
+        self.busy_time_s = 0.0  # in execute_step, from the model thread's point of view
         # Step order: (session, next sequence number) of the scheduler driving this worker.
         self._order = asyncio.Condition()
         self._session_id = ""
@@ -61,7 +62,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except GroupStepError as exc:  # the ranks disagreed on the step, or a stage failed
             raise ServiceError(grpc.StatusCode.ABORTED, str(exc)) from exc
         self.num_steps += 1
+        self.busy_time_s += output.forward_time_ms / 1000
         return convert.step_output_to_pb(output)
+
+    def stats(self) -> dict[str, float | int]:
+        """Cumulative counters published with each heartbeat (seconds and steps)."""
+        stats: dict[str, float | int] = {"num_steps": self.num_steps,
+                                         "busy_time_s": round(self.busy_time_s, 6)}
+        if self.runner is not None:
+            dist = self.runner.dist
+            stats.update(tp_collective_time_s=round(dist.tp_collective_time_s, 6),
+                         pp_send_time_s=round(dist.pp_send_time_s, 6),
+                         pp_recv_time_s=round(dist.pp_recv_time_s, 6))
+        return stats
 
     async def _wait_for_turn(self, session_id: str, sequence: int) -> None:
         """Waits until every earlier step of this scheduler session was handed to the model

@@ -35,10 +35,13 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     # Blocks of CPU swap space the workers hold (0 = none).
     num_swap_blocks: int = 0
+    # Steps in flight at once (pipeline stages). The running requests are spread over that
+    # many micro-batches, so each stage has work while the others compute.
+    num_microbatches: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
-                     "max_model_len"):
+                     "max_model_len", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_prefill_token_threshold", "num_swap_blocks"):

@@ -222,7 +222,10 @@ class Scheduler:
         running = self.running
         index = 0
         in_flight = self._in_flight
-        while index < len(running) and budget > 0:
+        # With several steps in flight, each takes its share of the running requests.
+        max_scheduled = -(-len(running) // self.config.num_microbatches)
+        num_scheduled_running = 0
+        while index < len(running) and budget > 0 and num_scheduled_running < max_scheduled:
             request = running[index]
             if request.request_id in in_flight:  # its previous step has not returned yet
                 index += 1
@@ -249,6 +252,7 @@ class Scheduler:
             request.num_tokens_on_workers = num_known
             cached_requests.append(CachedRequestSchedule(
                 request.request_id, new_blocks, num_computed, new_token_ids))
+            num_scheduled_running += 1
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens = num_computed + num_new
             budget -= num_new

@@ -83,3 +83,20 @@ def test_abort_of_a_request_in_flight_waits_for_its_step() -> None:
     assert any(e.request_id == "a" and e.finish_reason is not None for e in events)
     scheduler.update(second, sample_all(second, scheduler))
     assert "a" not in scheduler.requests
+
+
+def test_running_requests_split_into_microbatches() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64,
+                                          num_microbatches=2))
+    for i in range(8):
+        scheduler.add_request(make_request(f"r{i}", prompt_len=3, max_tokens=6))
+    first = scheduler.schedule()  # admits all eight (prefills)
+    scheduler.update(first, sample_all(first, scheduler))
+    a = scheduler.schedule()
+    b = scheduler.schedule()  # scheduled while `a` is in flight
+    assert len(a.num_scheduled_tokens) == 4 and len(b.num_scheduled_tokens) == 4
+    assert not set(a.num_scheduled_tokens) & set(b.num_scheduled_tokens)
+    for output in (a, b):
+        scheduler.update(output, sample_all(output, scheduler))
+    run_pipelined(scheduler, depth=2)
+    assert not scheduler.requests  # every request finished

@@ -1,0 +1,40 @@
+"""Run by bench/gpu_check.sh on a CUDA machine: tp=1 and (with 2 GPUs) tp=2 over NCCL,
+bf16, the same greedy tokens in both, output tokens/s with 1 and 16 concurrent requests."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+from common import REPO_ROOT, run_mesh, write_results, write_w64_model
+
+from tests.mesh_harness import Mesh, greedy_request
+
+
+def main() -> None:
+    model = str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 32000) for _ in range(128)] for _ in range(16)]
+    layouts = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    rows, tokens = [], {}
+    for tp in layouts:
+        mesh = Mesh(model, Path(tempfile.mkdtemp()) / f"tp{tp}.log", cluster=f"gpu-tp{tp}",
+                    extra_args=["--device", "cuda", "--dtype", "bfloat16", "--tp", str(tp)]).wait_ready()
+        try:
+            tokens[tp] = [mesh.generate(greedy_request(p, 32)).token_ids for p in prompts[:4]]
+            for concurrency in (1, 16):
+                row = run_mesh(mesh, prompts, 128, concurrency, engine=f"pagemesh tp={tp} cuda bf16")
+                rows.append([row.engine, str(concurrency), f"{row.output_tokens_per_s:.1f}",
+                             f"{row.ttft_p50_ms:.1f}", f"{row.itl_p50_ms:.2f}"])
+        finally:
+            mesh.stop()
+    agree = "n/a (1 GPU)" if len(tokens) == 1 else str(tokens[1] == tokens[2])
+    write_results("gpu_check", f"GPU: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; "
+                  f"W64 model, 16 requests x 128 + 128 tokens; tp=1 and tp=2 tokens equal: {agree}",
+                  ["engine", "concurrency", "output tok/s", "TTFT p50 ms", "ITL p50 ms"], rows, rows)
+
+
+if __name__ == "__main__":
+    main()
