@@ -1,6 +1,6 @@
-"""Multi-host on one machine: Redis, scheduler and router on a head host, each tensor-parallel
-worker on a host of its own — separate network namespaces on a bridge — with gRPC and gloo
-crossing that network. The same service commands as on real hosts; same tokens as
+"""Multi-host on one machine: Redis, the scheduler, the router and each tensor-parallel worker
+on a host of its own — separate network namespaces on a bridge — with gRPC and gloo crossing
+that network. The same service commands as on real hosts; same tokens as
 `transformers`."""
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def test_two_workers_on_two_hosts_equal_transformers(tmp_path: Path) -> None:
     network = HostNetwork(prefix="10.213.77").open()
     processes: list[subprocess.Popen] = []
     try:
-        head = network.add_host("head")
+        head = network.add_host("redis")
+        scheduler_host = network.add_host("sched")
+        router_host = network.add_host("router")
         workers = [network.add_host(f"w{rank}") for rank in range(2)]
         redis_url = f"redis://{head.address}:6379/0"
         common = [sys.executable, "-m"]
@@ -72,11 +74,11 @@ def test_two_workers_on_two_hosts_equal_transformers(tmp_path: Path) -> None:
                                           "--host", host.address, "--tp", "2", "--tp-rank", str(rank),
                                           "--torch-threads", "1"],
                   env={"GLOO_SOCKET_IFNAME": host.interface})
-        start(head, "scheduler", [*common, "scheduler_svc.main", *cluster, "--host", head.address,
-                                  "--tp", "2"])
-        start(head, "router", [*common, "router.main", *cluster, "--host", head.address,
-                               "--port", "50051", "--model", str(model)])
-        address = f"{head.address}:50051"
+        start(scheduler_host, "scheduler", [*common, "scheduler_svc.main", *cluster,
+                                            "--host", scheduler_host.address, "--tp", "2"])
+        start(router_host, "router", [*common, "router.main", *cluster, "--host", router_host.address,
+                                      "--port", "50051", "--model", str(model)])
+        address = f"{router_host.address}:50051"
         wait_serving(address, processes, tmp_path)
 
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
