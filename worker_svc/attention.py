@@ -6,12 +6,16 @@ runner builds one `AttentionMetadata` per step and hands it to every layer.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from kernels import reference
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -61,17 +65,71 @@ class TorchAttentionBackend:
         )
 
 
+class TritonAttentionBackend:
+    """The Triton kernels (`kernels/attention.py`). On CPU they run in Triton's interpreter:
+    correct, but far too slow for anything beyond tests.
+
+    Triton and the kernel modules are imported here, not at module import, so the torch
+    backend never loads Triton, and so TRITON_INTERPRET can still be set first on CPU (Triton
+    reads it when a kernel is decorated, i.e. when the kernel modules are imported).
+    """
+
+    name = "triton"
+
+    def __init__(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            from kernels import attention as ops
+        except ImportError as error:
+            raise RuntimeError(
+                f"the 'triton' attention backend needs the triton package ({error}); install "
+                "it or choose attention_backend='torch'"
+            ) from error
+        if device.type == "cpu" and not ops.runs_in_interpreter():
+            raise RuntimeError("the Triton kernels were already imported without "
+                               "TRITON_INTERPRET=1, so they cannot run on CPU in this process; "
+                               "use attention_backend='torch' on CPU")
+        if device.type == "cpu":
+            logger.warning("triton attention on CPU runs in Triton's interpreter "
+                           "(TRITON_INTERPRET=1): correct but very slow; use it for tests only")
+        self._ops = ops
+        # The runner hands one metadata object to every layer of a step: split the batch into
+        # decodes and prefills (a device sync) once per step, not once per layer.
+        self._planned_for: AttentionMetadata | None = None
+        self._plan = None
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        self._ops.store_kv(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+        scale: float, sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        if self._planned_for is not metadata:
+            self._plan = self._ops.plan_attention(
+                metadata.seq_lens, metadata.query_start_loc, num_tokens=query.shape[0],
+                block_tables=metadata.block_tables, block_size=kv_cache.shape[2],
+            )
+            self._planned_for = metadata
+        return self._ops.paged_attention_planned(
+            query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, scale, self._plan, sliding_window=sliding_window,
+        )
+
+
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """"torch" everywhere; "auto" is torch on CPU (and will be triton on CUDA)."""
+    """"torch" (the reference ops) anywhere; "triton" anywhere (on CPU through Triton's
+    interpreter, for tests); "auto" is triton on CUDA and torch elsewhere."""
     device = torch.device(device)
     if name == "auto":
-        # Until the Triton kernels land, CUDA also runs the reference ops.
-        name = "torch"
+        name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        raise NotImplementedError(
-            "the 'triton' attention backend comes with the Triton kernels issue; "
-            f"use 'torch' (device {device}) until then"
-        )
+        return TritonAttentionBackend(device)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")

@@ -174,8 +174,6 @@ def test_runner_sizes_cache_from_budget(tiny_llama: Path) -> None:
 def test_attention_backend_choice() -> None:
     assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
     assert get_attention_backend("torch", "cpu").name == "torch"
-    with pytest.raises(NotImplementedError, match="Triton kernels issue"):
-        get_attention_backend("triton", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")
 
