@@ -19,6 +19,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(up, "--served-model-name", default=None,
              help="name clients use (default: the folder or file name)")
     add_flag(up, "--port", type=int, default=50051, help="router gRPC port")
+    add_flag(up, "--http-port", type=int, default=8000,
+             help="router OpenAI-compatible HTTP port (0 = off)")
     add_flag(up, "--host", default="127.0.0.1", help="address the services bind")
     add_flag(up, "--redis-url", default=None, help="use this Redis instead of an embedded Valkey")
     add_flag(up, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
@@ -44,6 +46,11 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="drop a preempted request's KV, or move it to CPU swap space")
     add_flag(up, "--swap-space", type=float, default=4.0,
              help="CPU swap space per worker for preempted requests' KV, GiB")
+    add_flag(up, "--replicas", type=int, default=1,
+             help="engine groups (data parallelism), each a scheduler and its tp x pp workers")
+    add_flag(up, "--routing", default="prefix_aware",
+             choices=["round_robin", "least_load", "prefix_aware"],
+             help="how the router spreads requests over the replicas")
     add_flag(up, "--device", default="cpu", choices=["cpu", "cuda"],
              help="where workers run; with cuda, worker i of this host takes GPU i")
     add_flag(up, "--tp", type=int, default=1, help="tensor-parallel workers per pipeline stage")

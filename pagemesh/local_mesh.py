@@ -31,8 +31,8 @@ def served_model_name(model_path: str) -> str:
 
 
 def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[ServiceSpec]:
-    """One engine group (tp x pp workers, a scheduler) and the router, with the flags the
-    compose files use too."""
+    """`--replicas` engine groups (each tp x pp workers and a scheduler) and the router, with
+    the flags the compose files use too."""
     common = ["--redis-url", redis_url, "--cluster", args.cluster, "--host", args.host,
               "--log-level", args.log_level]
     name = args.served_model_name or served_model_name(model)
@@ -40,38 +40,44 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
               "--block-size", str(args.block_size),
               "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
               "--swap-space", str(args.swap_space),
-              "--attention-backend", args.attention_backend, "--group", "g0"]
+              "--attention-backend", args.attention_backend]
     if args.num_kv_blocks is not None:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len is not None:
         worker += ["--max-model-len", str(args.max_model_len)]
-    scheduler = ["--group", "g0", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+    scheduler = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  "--max-num-seqs", str(args.max_num_seqs),
                  "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
                  "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
                  "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
                  "--scheduling-policy", args.scheduling_policy,
                  "--preemption-mode", args.preemption_mode]
-    router = ["--model", model, "--port", str(args.port)]
+    router = ["--model", model, "--port", str(args.port), "--http-port", str(args.http_port),
+              "--routing", args.routing]
     layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
-    if args.tp * args.pp > 1 and args.device == "cpu":  # share the cores, don't each claim all
-        worker += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // (args.tp * args.pp)))]
+    num_workers = args.tp * args.pp * args.replicas
+    if num_workers > 1 and args.device == "cpu":  # share the cores, don't each claim all
+        worker += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // num_workers))]
     if args.pp_layer_split:
         worker += ["--pp-layer-split", args.pp_layer_split]
-    def device(pp: int, tp: int) -> str:
-        return f"cuda:{pp * args.tp + tp}" if args.device == "cuda" else "cpu"
+    world = args.tp * args.pp
 
-    workers = [
-        ServiceSpec(f"worker-pp{pp}-tp{tp}", "worker_svc.main",
-                    [*common, *worker, *layout, "--tp-rank", str(tp), "--pp-rank", str(pp),
-                     "--device", device(pp, tp)])
-        for pp in range(args.pp) for tp in range(args.tp)
-    ]
-    return [
-        *workers,
-        ServiceSpec("scheduler", "scheduler_svc.main", [*common, *scheduler, *layout]),
-        ServiceSpec("router", "router.main", [*common, *router]),
-    ]
+    def device(replica: int, pp: int, tp: int) -> str:
+        return f"cuda:{replica * world + pp * args.tp + tp}" if args.device == "cuda" else "cpu"
+
+    specs = []
+    for replica in range(args.replicas):
+        group = ["--group", f"g{replica}"]
+        specs += [
+            ServiceSpec(f"worker-g{replica}-pp{pp}-tp{tp}", "worker_svc.main",
+                        [*common, *worker, *layout, *group, "--tp-rank", str(tp),
+                         "--pp-rank", str(pp), "--device", device(replica, pp, tp)])
+            for pp in range(args.pp) for tp in range(args.tp)
+        ]
+        specs.append(ServiceSpec(f"scheduler-g{replica}", "scheduler_svc.main",
+                                 [*common, *scheduler, *layout, *group]))
+    specs.append(ServiceSpec("router", "router.main", [*common, *router]))
+    return specs
 
 
 def _router_serving(address: str) -> bool:
@@ -121,17 +127,25 @@ def run_up(args: argparse.Namespace) -> int:
         for spec in service_specs(args, model, redis_url):
             supervisor.start(spec)
         address = f"{args.host}:{args.port}"
-        if _wait_until_ready(supervisor, address, stop):
+        ready = _wait_until_ready(supervisor, address, stop)
+        if ready:
+            http = (f"  HTTP  http://{args.host}:{args.http_port}/v1  (OpenAI-compatible)\n"
+                    if args.http_port else "")
             print(f"pagemesh is up: model {model}\n"
-                  f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n"
+                  f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n{http}"
                   f"  try   pagemesh generate --chat \"What is the capital of France?\"\n"
                   f"  Redis {redis_url}\nCtrl-C stops every process.", flush=True)
+        reported: set[str] = set()
         while not stop:
             dead = supervisor.dead_children()
-            if dead:
+            if "router" in dead or not ready:
                 logger.error("service(s) exited: %s; stopping the mesh", dead)
                 exit_code = 1
                 break
+            for name in set(dead) - reported:  # the rest of the mesh serves on, degraded
+                logger.error("%s exited with status %s; the mesh continues without it",
+                             name, dead[name])
+                reported.add(name)
             time.sleep(0.2)
     finally:
         supervisor.stop()

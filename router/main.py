@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable, Iterator
+
+import uvicorn
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
+from router.routing import POLICIES, RoutingConfig
+from router.http_api import build_http_app
 from router.scheduler_client import SchedulerPool
 from router.servicer import GenerationServicer
 from router.tokenizer import load_tokenizer
@@ -28,8 +34,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--model", required=False, default=None,
              help="model folder or .gguf file whose tokenizer the router uses")
     add_flag(parser, "--router-id", default=None, help="id in the registry (default: host-pid)")
+    add_flag(parser, "--routing", default="prefix_aware", choices=list(POLICIES),
+             help="how requests are spread over engine groups")
+    add_flag(parser, "--balance-abs-threshold-tokens", type=int, default=4096,
+             help="prefix_aware yields to least_load when its group has this many more "
+                  "outstanding tokens than the least loaded one ...")
+    add_flag(parser, "--balance-rel-threshold", type=float, default=1.5,
+             help="... and this many times as many")
     add_flag(parser, "--discovery-interval-s", type=float, default=1.0,
              help="seconds between registry polls for engine groups")
+    add_flag(parser, "--http-port", type=int, default=8000,
+             help="port of the OpenAI-compatible HTTP API on --host (0 = disabled)")
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or PAGEMESH_MODEL) is required")
@@ -47,7 +62,8 @@ async def serve(args: argparse.Namespace) -> None:
         if server is not None:
             asyncio.get_running_loop().create_task(server.set_serving(num_groups > 0))
 
-    pool = SchedulerPool(registry, args.discovery_interval_s, on_groups_changed)
+    routing = RoutingConfig(args.routing, args.balance_abs_threshold_tokens, args.balance_rel_threshold)
+    pool = SchedulerPool(registry, args.discovery_interval_s, on_groups_changed, routing)
     servicer = GenerationServicer(tokenizer, pool)
     server = GrpcServer(
         server_config(args),
@@ -60,16 +76,54 @@ async def serve(args: argparse.Namespace) -> None:
     await pool.refresh()
     await server.set_serving(pool.num_groups > 0)
     pool_task = asyncio.create_task(pool.run())
+    http = _start_http(args, servicer, lambda: pool.num_groups > 0)
     router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
     await registry.start_heartbeat(
         "router", router_id, lambda: {"address": server.address, "num_groups": pool.num_groups}
     )
     logger.info("router %s serving %s on %s", router_id, args.model, server.address)
     await server.wait_for_stop()
+    await _stop_http(http)
     await registry.close(deregister=[("router", router_id)])
     await server.stop()
     pool_task.cancel()
     await pool.close()
+
+
+# --- OpenAI-compatible HTTP API (router/http_api.py), served by uvicorn in this event loop.
+
+
+def _start_http(args: argparse.Namespace, servicer: GenerationServicer,
+                is_serving: Callable[[], bool]) -> tuple[uvicorn.Server, asyncio.Task[None]] | None:
+    if not args.http_port:
+        return None
+    config = uvicorn.Config(build_http_app(servicer, is_serving), host=args.host, port=args.http_port,
+                            log_level="warning", log_config=None, timeout_graceful_shutdown=5)
+    http_server = _HttpServer(config)
+    logger.info("OpenAI HTTP API on http://%s:%d/v1", args.host, args.http_port)
+    return http_server, asyncio.create_task(_serve_http(http_server))
+
+
+async def _serve_http(http_server: uvicorn.Server) -> None:
+    try:
+        await http_server.serve()
+    except SystemExit:  # uvicorn exits when it cannot bind; the gRPC API keeps serving
+        logger.error("the HTTP API could not start on port %d; serving gRPC only",
+                     http_server.config.port)
+
+
+async def _stop_http(http: tuple[uvicorn.Server, asyncio.Task[None]] | None) -> None:
+    if http is not None:
+        http[0].should_exit = True
+        await http[1]
+
+
+class _HttpServer(uvicorn.Server):
+    """Leaves SIGINT/SIGTERM to the gRPC server's handlers, which stop both servers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from pagemesh.registry import Registry
 from pagemesh.serving import ServiceError, unavailable
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
-from router.routing import GroupLoad, LeastLoadRouter
+from protos.block_hash import hash_request_blocks
+from router.routing import GroupLoad, Router, RoutingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +33,15 @@ class SchedulerPool:
     """Keeps one channel per live scheduler, refreshed from the registry every poll."""
 
     def __init__(self, registry: Registry, poll_interval_s: float,
-                 on_change: Callable[[int], object] | None = None) -> None:
+                 on_change: Callable[[int], object] | None = None,
+                 routing: RoutingConfig | None = None) -> None:
         self.registry = registry
         self.poll_interval_s = poll_interval_s
         self._on_change = on_change
         self._groups: dict[str, _Group] = {}
-        self._router = LeastLoadRouter()
+        self._router = Router(routing or RoutingConfig())
+        # Tokens (prompt + still to generate) of this router's requests in flight per group.
+        self._outstanding: dict[str, int] = {}
         self._model_info: generate_pb2.GetModelInfoResponse | None = None
 
     @property
@@ -57,6 +62,7 @@ class SchedulerPool:
         for scheduler_id, info in entries.items():
             load = GroupLoad(scheduler_id, info.get("num_running", 0), info.get("num_waiting", 0),
                              info.get("num_free_blocks", 0))
+            self._outstanding.setdefault(scheduler_id, 0)
             group = self._groups.get(scheduler_id)
             if group is None or group.address != info["address"]:
                 if group is not None:
@@ -70,6 +76,7 @@ class SchedulerPool:
         for scheduler_id in set(self._groups) - set(entries):
             logger.warning("engine group %s left (heartbeat expired)", scheduler_id)
             await self._groups.pop(scheduler_id).channel.close()
+            self._router.index.forget_group(scheduler_id)
         if set(self._groups) != before and self._on_change is not None:
             self._on_change(len(self._groups))
 
@@ -87,20 +94,32 @@ class SchedulerPool:
                 logger.warning("GetModelInfo on %s failed: %s", group.scheduler_id, exc.details())
         raise unavailable("no engine group is available yet; retry shortly")
 
+    def _loads(self) -> list[GroupLoad]:
+        return [dataclasses.replace(g.load, outstanding_tokens=self._outstanding.get(g.scheduler_id, 0))
+                for g in self._groups.values()]
+
     async def submit(self, request: scheduler_pb2.SubmitRequest,
                      max_attempts: int = 3) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
-        """Streams a request's tokens from one group.
+        """Streams a request's tokens from one group, chosen by the routing policy.
 
         A group that fails before the first token is replaced by another, transparently;
         after the first token a failure reaches the caller (resume comes with fault tolerance).
         """
+        info = await self.model_info()
+        block_hashes = hash_request_blocks(list(request.prompt_token_ids), info.block_size)
+        num_tokens = len(request.prompt_token_ids) + request.stopping.max_tokens * max(request.n, 1)
         tried: set[str] = set()
         for _ in range(max_attempts):
-            scheduler_id = self._router.pick([g.load for g in self._groups.values()], frozenset(tried))
+            scheduler_id = self._router.pick(self._loads(), block_hashes, frozenset(tried))
             if scheduler_id is None:
                 break
             tried.add(scheduler_id)
-            call = self._groups[scheduler_id].stub.Submit(request)
+            group = self._groups.get(scheduler_id)
+            if group is None:  # left while we were choosing
+                continue
+            self._router.record(block_hashes, scheduler_id)
+            self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + num_tokens
+            call = group.stub.Submit(request)
             received_any = False
             try:
                 async for response in call:
@@ -115,6 +134,8 @@ class SchedulerPool:
                 raise ServiceError(exc.code(), exc.details() or str(exc.code())) from exc
             finally:
                 call.cancel()
+                if scheduler_id in self._outstanding:
+                    self._outstanding[scheduler_id] -= num_tokens
         raise unavailable("no engine group could take the request; retry shortly")
 
     async def close(self) -> None:

@@ -68,13 +68,24 @@ class Tokenizer:
 
         Raises TokenizerError when the model has no chat template.
         """
+        return self.apply_chat_messages([{"role": "user", "content": user_text}])
+
+    def apply_chat_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat (`{"role", "content"}` dicts, oldest first), ending with the
+        prompt that starts the assistant's turn. The template supplies its own BOS.
+
+        Raises TokenizerError when the model has no chat template or the template rejects the
+        messages (e.g. roles that do not alternate).
+        """
         if not self.has_chat_template:
             raise TokenizerError(
                 f"the model at {self.source} has no chat template; send a plain prompt instead "
                 "of chat messages"
             )
-        messages = [{"role": "user", "content": user_text}]
-        text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja raises TemplateError (and friends) from the template
+            raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
         return list(self._hf.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -44,6 +44,10 @@ class Mesh:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
+        # HTTP off unless a test asks for it: parallel meshes would all want port 8000.
+        extra_args = extra_args or []
+        if "--http-port" not in extra_args:
+            extra_args = [*extra_args, "--http-port", "0"]
         argv = [sys.executable, "-m", "pagemesh.cli", "up", "--port", str(self.port),
                 "--cluster", cluster, "--log-level", "WARNING", *(extra_args or [])]
         if model is not None:

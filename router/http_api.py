@@ -1,0 +1,256 @@
+"""The router's OpenAI-compatible HTTP API: a thin Starlette adapter over `GenerationServicer`.
+
+Every generation goes through `servicer.Generate`, the gRPC code path, so HTTP and gRPC give the
+same tokens and reject the same requests. `router.openai_protocol` does the JSON <-> proto work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from pagemesh.serving import ServiceError
+from protos.pagemesh.v1 import generate_pb2
+from router import openai_protocol as oai
+from router.servicer import GenerationServicer
+from router.tokenizer import TokenizerError
+
+logger = logging.getLogger(__name__)
+
+_STATUS_FOR_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+def build_http_app(servicer: GenerationServicer, is_serving: Callable[[], bool]) -> Starlette:
+    """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 engine group)."""
+    api = _OpenAIApi(servicer, is_serving)
+    return Starlette(
+        routes=[
+            Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/health", api.health, methods=["GET"]),
+        ],
+        exception_handlers={
+            oai.ProtocolError: _protocol_error,
+            ServiceError: _service_error,
+        },
+    )
+
+
+def protocol_error_for(exc: ServiceError) -> oai.ProtocolError:
+    """OpenAI's status and error type for a servicer error."""
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT and "is not served here" in exc.message:
+        return oai.ProtocolError(exc.message, "model", 404, "invalid_request_error", "model_not_found")
+    status, type = _STATUS_FOR_CODE.get(exc.code, (500, "internal_error"))
+    return oai.ProtocolError(exc.message, None, status, type)
+
+
+async def _protocol_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, oai.ProtocolError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _service_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ServiceError)
+    return await _protocol_error(request, protocol_error_for(exc))
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    text_offset: int = 0  # characters of token text sent so far (completions logprobs)
+    started: bool = False  # chat streams: the role chunk was sent
+
+
+class _OpenAIApi:
+    def __init__(self, servicer: GenerationServicer, is_serving: Callable[[], bool]) -> None:
+        self.servicer = servicer
+        self.is_serving = is_serving
+        self.created = int(time.time())
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.is_serving() else 503)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(oai.models_object(await self._model_info(), self.created))
+
+    async def completions(self, request: Request) -> Response:
+        parsed = oai.parse_completion(await _json_body(request))
+        return await self._generate(parsed, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        parsed = oai.parse_chat(await _json_body(request))
+        try:
+            prompt_ids = self.servicer.tokenizer.apply_chat_messages(parsed.messages)
+        except TokenizerError as exc:
+            raise oai.ProtocolError(str(exc), "messages") from exc
+        parsed.generate.token_ids.ids.extend(prompt_ids)
+        return await self._generate(parsed, chat=True)
+
+    async def _model_info(self) -> generate_pb2.GetModelInfoResponse:
+        return await self.servicer.GetModelInfo(generate_pb2.GetModelInfoRequest(), None)
+
+    async def _generate(self, parsed: oai.ParsedRequest, chat: bool) -> Response:
+        model = (await self._model_info()).model
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        parsed.generate.request_id = response_id
+        chunks = self.servicer.Generate(parsed.generate, None)
+        try:
+            # Validation happens on the first step: pull it here so that errors are 4xx replies.
+            first = await anext(chunks)
+        except BaseException:
+            await chunks.aclose()
+            raise
+        stream = _Stream(self.servicer, parsed, chat, response_id, model, int(time.time()))
+        if parsed.stream:
+            return _EventStream(stream.events(first, chunks), media_type="text/event-stream")
+        return JSONResponse(await stream.collect(first, chunks))
+
+
+class _Stream:
+    """Turns one request's `GenerateResponse` chunks into OpenAI objects."""
+
+    def __init__(self, servicer: GenerationServicer, parsed: oai.ParsedRequest, chat: bool,
+                 response_id: str, model: str, created: int) -> None:
+        self.tokenizer = servicer.tokenizer
+        self.parsed = parsed
+        self.chat = chat
+        self.build = oai.chat_object if chat else oai.completion_object
+        self.head = (response_id, created, model)
+        self.choices = [_Choice() for _ in range(parsed.generate.n or 1)]
+        self.token_text: dict[int, str] = {}
+        self.usage: dict[str, int] | None = None
+
+    async def collect(self, first: generate_pb2.GenerateResponse,
+                      chunks: AsyncIterator[generate_pb2.GenerateResponse]) -> dict[str, Any]:
+        async with contextlib.aclosing(chunks):
+            async for chunk in _prepend(first, chunks):
+                self._absorb(chunk)
+        choices = []
+        for index, choice in enumerate(self.choices):
+            logprobs = self._logprobs(choice.logprobs, 0)
+            make = oai.chat_choice if self.chat else oai.completion_choice
+            choices.append(make(index, choice.text, logprobs, choice.finish_reason))
+        return self.build(*self.head, choices, self.usage)
+
+    async def events(self, first: generate_pb2.GenerateResponse,
+                     chunks: AsyncIterator[generate_pb2.GenerateResponse]) -> AsyncIterator[str]:
+        # Closing `chunks` (also when the client goes away) cancels the request down the mesh.
+        async with contextlib.aclosing(chunks):
+            try:
+                async for chunk in _prepend(first, chunks):
+                    for event in self._chunk_events(chunk):
+                        yield _sse(event)
+            except ServiceError as exc:
+                yield _sse(protocol_error_for(exc).body())
+                return
+        if self.parsed.include_usage:
+            yield _sse(self.build(*self.head, [], self.usage, chunk=True))
+        yield "data: [DONE]\n\n"
+
+    def _absorb(self, chunk: generate_pb2.GenerateResponse) -> oai.ChoiceDelta:
+        delta = oai.choice_delta(chunk, self.parsed.num_top_logprobs)
+        if delta.logprobs:
+            self.token_text.update(self._token_texts(chunk))
+        choice = self.choices[delta.index]
+        choice.text += delta.text
+        choice.logprobs.extend(delta.logprobs)
+        choice.finish_reason = delta.finish_reason or choice.finish_reason
+        if chunk.usage.prompt_tokens:
+            self.usage = oai.usage(chunk)
+        return delta
+
+    def _chunk_events(self, chunk: generate_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        delta = self._absorb(chunk)
+        choice = self.choices[delta.index]
+        events = []
+        if self.chat and not choice.started:
+            choice.started = True
+            role = oai.chat_chunk_choice(delta.index, {"role": "assistant", "content": ""}, None, None)
+            events.append(self.build(*self.head, [role], None, chunk=True))
+        if not (delta.text or delta.logprobs or delta.finish_reason):
+            return events
+        logprobs = self._logprobs(delta.logprobs, choice.text_offset)
+        choice.text_offset += sum(len(self.token_text.get(e["token_id"], "")) for e in delta.logprobs)
+        if self.chat:
+            content = {"content": delta.text} if delta.text else {}
+            out = oai.chat_chunk_choice(delta.index, content, logprobs, delta.finish_reason)
+        else:
+            out = oai.completion_choice(delta.index, delta.text, logprobs, delta.finish_reason)
+        events.append(self.build(*self.head, [out], None, chunk=True))
+        return events
+
+    def _logprobs(self, entries: list[dict[str, Any]], text_offset: int) -> dict[str, Any] | None:
+        if self.parsed.num_top_logprobs is None:
+            return None
+        if self.chat:
+            return oai.chat_logprobs(entries, self.token_text)
+        return oai.completion_logprobs(entries, self.token_text, text_offset)
+
+    def _token_texts(self, chunk: generate_pb2.GenerateResponse) -> dict[int, str]:
+        texts = {t.token_id: t.token for lp in chunk.logprobs for t in lp.top}
+        for token_id in chunk.token_ids:
+            if token_id not in texts:
+                texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return texts
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-event stream that stops generating as soon as the client goes away.
+
+    Starlette only notices a disconnect on its next write under ASGI 2.4; listening for
+    `http.disconnect` too cancels the body at once, and closing the body closes
+    `servicer.Generate`, which cancels the scheduler call.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as task_group:
+
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                task_group.cancel_scope.cancel()
+
+            task_group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            task_group.cancel_scope.cancel()
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError as exc:
+        raise oai.ProtocolError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

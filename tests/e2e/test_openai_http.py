@@ -1,0 +1,172 @@
+"""The OpenAI HTTP API, driven by the official `openai` client, against a real mesh: it gives
+the same tokens as gRPC `Generate` and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from protos.pagemesh.v1 import generate_pb2
+from tests.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
+
+MODEL = "tiny-llama"
+PROMPT_IDS = [5, 6, 7, 8, 9]
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def http_url(tiny_llama_mesh: Mesh, tiny_llama_dir: Path, redis_url: str,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # A second, stateless router on the mesh's cluster, serving HTTP on a free port.
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("logs") / "http-router.log"
+    log = open(log_path, "wb")
+    router = subprocess.Popen(
+        [sys.executable, "-m", "router.main", "--model", str(tiny_llama_dir),
+         "--port", str(free_port()), "--http-port", str(port), "--redis-url", redis_url,
+         "--cluster", "e2e-llama", "--log-level", "WARNING"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert router.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.3)
+        yield url
+    finally:
+        router.terminate()
+        assert router.wait(timeout=30) == 0, log_path.read_text()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(http_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def test_completion_equals_grpc_generate(client: openai.OpenAI, tiny_llama_mesh: Mesh) -> None:
+    expected = tiny_llama_mesh.generate(greedy_request(PROMPT_IDS, 12))
+    result = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, **GREEDY)
+    assert result.id.startswith("cmpl-") and result.object == "text_completion"
+    assert result.model == MODEL
+    assert [c.text for c in result.choices] == [expected.text]
+    assert result.choices[0].finish_reason == "length"
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (
+        len(PROMPT_IDS), 12, len(PROMPT_IDS) + 12)
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_equals_grpc_chat_template(client: openai.OpenAI, tiny_llama_mesh: Mesh) -> None:
+    request = generate_pb2.GenerateRequest(text="Hello there", apply_chat_template=True)
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = 10
+    request.stopping.ignore_eos = True
+    expected = tiny_llama_mesh.generate(request)
+    messages = [{"role": "user", "content": "Hello there"}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **GREEDY)
+    assert result.id.startswith("chatcmpl-") and result.object == "chat.completion"
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == expected.text
+    assert result.usage.prompt_tokens == expected.prompt_tokens
+
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages,
+                                                 max_completion_tokens=10, stream=True, **GREEDY))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_seeded_n2_stop_strings_and_logprobs(client: openai.OpenAI) -> None:
+    sampled = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, n=2, seed=7,
+                                        temperature=1.0, extra_body={"ignore_eos": True})
+    again = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, n=2, seed=7,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in sampled.choices) == [0, 1]
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]
+
+    full = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, **GREEDY).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, stop=[stop], **GREEDY)
+    assert stopped.choices[0].text == full[:full.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+    with_lp = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=4, logprobs=2, **GREEDY)
+    lp = with_lp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == with_lp.choices[0].text
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+
+
+def test_models_and_health(client: openai.OpenAI, http_url: str) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{http_url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("case", ["max_tokens 0", "negative temperature", "several prompts", "echo"])
+def test_bad_requests_are_openai_400s(client: openai.OpenAI, case: str) -> None:
+    kwargs: dict = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+    kwargs.update({
+        "max_tokens 0": {"max_tokens": 0},
+        "negative temperature": {"temperature": -1},
+        "several prompts": {"prompt": ["a", "b"]},
+        "echo": {"echo": True},
+    }[case])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs)
+    assert info.value.body["message"] and info.value.body["type"] == "invalid_request_error"
+
+
+def test_unknown_model_and_bad_json(client: openai.OpenAI, http_url: str) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "Hi"}])
+    assert info.value.code == "model_not_found"
+    response = httpx.post(f"{http_url}/v1/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    response = httpx.post(f"{http_url}/v1/completions", json={"prompt": "Hi", "max_tokens": "4"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+def test_client_disconnect_mid_stream_cancels_the_request(http_url: str, redis_url: str) -> None:
+    from tests.e2e.test_mesh_api import scheduler_stats
+
+    body = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 400, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{http_url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert scheduler_stats(redis_url, "e2e-llama").num_running == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = scheduler_stats(redis_url, "e2e-llama")
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+            break
+        time.sleep(0.05)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks, stats
