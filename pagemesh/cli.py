@@ -7,7 +7,7 @@ import logging
 import sys
 
 from pagemesh import client, local_mesh
-from pagemesh.config import add_flag
+from pagemesh.config import add_flag, add_tls_flags
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="decoder layers per stage, e.g. 16,14 (default: as even as possible)")
     add_flag(up, "--attention-backend", default="auto", help="auto | torch | triton")
     add_flag(up, "--log-level", default="INFO", help="logging level of every service")
+    add_flag(up, "--api-key", action="append", default=None,
+             help="API key the router requires as `authorization: Bearer <key>` (repeatable)")
+    add_flag(up, "--api-keys-file", default=None,
+             help="file of API keys the router accepts, one a line, `#` comments")
+    add_tls_flags(up)  # every service gets them; the certificate must name --host
     up.set_defaults(func=local_mesh.run_up)
 
 
@@ -75,6 +80,8 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(gen, "--chat", type=bool, default=False,
              help="send the prompt as one user message through the chat template")
     add_flag(gen, "--usage", type=bool, default=False, help="print token counts at the end")
+    add_flag(gen, "--api-key", default=None, help="sent as `authorization: Bearer <key>`")
+    add_tls_flags(gen)  # --tls-ca: dial TLS; --tls-cert/--tls-key: the client certificate
     gen.set_defaults(func=client.run_generate)
 
 

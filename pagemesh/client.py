@@ -7,6 +7,7 @@ import sys
 
 import grpc
 
+from pagemesh.config import tls_config
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
 
@@ -25,11 +26,12 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+    with tls_config(args).channel(args.address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         try:
             last = None
-            for chunk in stub.Generate(build_request(args)):
+            for chunk in stub.Generate(build_request(args), metadata=metadata):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk

@@ -12,6 +12,7 @@ from typing import Any
 
 from pagemesh.registry import RegistryConfig
 from pagemesh.serving import ServerConfig
+from pagemesh.tls import TlsConfig
 
 
 def env_name(flag: str) -> str:
@@ -49,10 +50,13 @@ def add_flag(
         )
         return
     value = os.environ.get(env)
+    if value is not None:
+        # A repeatable flag's variable gives one item.
+        default = [type(value)] if kwargs.get("action") == "append" else type(value)
     parser.add_argument(
         flag,
         type=type,
-        default=type(value) if value is not None else default,
+        default=default,
         help=f"{help} (default: {default}) [env {env}]",
         **kwargs,
     )
@@ -86,6 +90,20 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     add_flag(parser, "--shutdown-grace-s", type=float, default=5.0,
              help="seconds in-flight calls get to finish on SIGTERM")
     add_flag(parser, "--log-level", default="INFO", help="logging level")
+    add_tls_flags(parser)
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--tls-cert", default=None,
+             help="PEM certificate this service presents; with --tls-key it serves TLS")
+    add_flag(parser, "--tls-key", default=None, help="PEM private key of --tls-cert")
+    add_flag(parser, "--tls-ca", default=None,
+             help="PEM CA: servers require client certificates signed by it (mTLS) and "
+                  "clients dial other services over TLS, verified against it")
+
+
+def tls_config(args: argparse.Namespace) -> TlsConfig:
+    return TlsConfig(cert_path=args.tls_cert, key_path=args.tls_key, ca_path=args.tls_ca)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -94,4 +112,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         advertise_host=args.advertise_host,
         grace_s=args.shutdown_grace_s,
+        tls=tls_config(args),
     )

@@ -16,9 +16,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh.config import tls_config
 from pagemesh.logs import setup_logging
 from pagemesh.models import default_model_path
 from pagemesh.supervisor import ServiceSpec, Supervisor
+from pagemesh.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     """`--replicas` engine groups (each tp x pp workers and a scheduler) and the router, with
     the flags the compose files use too."""
     common = ["--redis-url", redis_url, "--cluster", args.cluster, "--host", args.host,
-              "--log-level", args.log_level]
+              "--log-level", args.log_level, *tls_config(args).flags()]
     name = args.served_model_name or served_model_name(model)
     worker = ["--model", model, "--served-model-name", name, "--dtype", args.dtype,
               "--block-size", str(args.block_size),
@@ -54,6 +56,10 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
                  "--preemption-mode", args.preemption_mode]
     router = ["--model", model, "--port", str(args.port), "--http-port", str(args.http_port),
               "--routing", args.routing]
+    for key in args.api_key or []:
+        router += ["--api-key", key]
+    if args.api_keys_file:
+        router += ["--api-keys-file", args.api_keys_file]
     layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
     num_workers = args.tp * args.pp * args.replicas
     if num_workers > 1 and args.device == "cpu":  # share the cores, don't each claim all
@@ -80,8 +86,8 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     return specs
 
 
-def _router_serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _router_serving(address: str, tls: TlsConfig) -> bool:
+    with tls.channel(address) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=1.0
@@ -91,12 +97,12 @@ def _router_serving(address: str) -> bool:
     return response.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _wait_until_ready(supervisor: Supervisor, address: str, stop: list[bool]) -> bool:
+def _wait_until_ready(supervisor: Supervisor, address: str, tls: TlsConfig, stop: list[bool]) -> bool:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and not stop:
         if supervisor.dead_children():
             return False
-        if _router_serving(address):
+        if _router_serving(address, tls):
             return True
         time.sleep(0.5)
     return False
@@ -105,6 +111,7 @@ def _wait_until_ready(supervisor: Supervisor, address: str, stop: list[bool]) ->
 def run_up(args: argparse.Namespace) -> int:
     setup_logging("pagemesh", args.log_level)
     model = args.model or default_model_path()
+    tls = tls_config(args)  # fails early on a missing file, before anything starts
     embedded = None
     redis_url = args.redis_url
     if redis_url is None:
@@ -127,9 +134,9 @@ def run_up(args: argparse.Namespace) -> int:
         for spec in service_specs(args, model, redis_url):
             supervisor.start(spec)
         address = f"{args.host}:{args.port}"
-        ready = _wait_until_ready(supervisor, address, stop)
+        ready = _wait_until_ready(supervisor, address, tls, stop)
         if ready:
-            http = (f"  HTTP  http://{args.host}:{args.http_port}/v1  (OpenAI-compatible)\n"
+            http = (f"  HTTP  {'https' if tls.serves_tls else 'http'}://{args.host}:{args.http_port}/v1  (OpenAI-compatible)\n"
                     if args.http_port else "")
             print(f"pagemesh is up: model {model}\n"
                   f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n{http}"

@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagemesh.logs import setup_logging
+from pagemesh.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +100,16 @@ class ServerConfig:
     port: int = 0  # 0 = any free port; the bound one is published in the registry
     advertise_host: str | None = None  # what others dial; defaults to host
     grace_s: float = 5.0
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    max_receive_message_bytes: int = MAX_MESSAGE_BYTES  # largest request message accepted
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.grace_s < 0:
             raise ValueError("grace_s must be >= 0")
+        if self.max_receive_message_bytes < 1:
+            raise ValueError("max_receive_message_bytes must be >= 1")
 
 
 class GrpcServer:
@@ -116,13 +121,15 @@ class GrpcServer:
         service_names: Sequence[str],
         add_servicers: Sequence[Callable[[grpc.aio.Server], None]],
         reflection_enabled: bool = False,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
+        """`interceptors` run before the error mapping, in order (e.g. authentication)."""
         self.config = config
         self.service_names = list(service_names)
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
+            interceptors=[*interceptors, ErrorInterceptor()],
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", config.max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
@@ -144,12 +151,18 @@ class GrpcServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        bind = f"{self.config.host}:{self.config.port}"
+        credentials = self.config.tls.server_credentials()
+        if credentials is None:
+            self.port = self.server.add_insecure_port(bind)
+        else:
+            self.port = self.server.add_secure_port(bind, credentials)
         if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+            raise OSError(f"could not bind {bind}")
         await self.set_serving(False)
         await self.server.start()
-        logger.info("gRPC listening on %s", self.address)
+        mode = ("mTLS" if self.config.tls.requires_client_cert else "TLS") if credentials else "plaintext"
+        logger.info("gRPC listening on %s (%s)", self.address, mode)
 
     async def set_serving(self, serving: bool) -> None:
         status = (

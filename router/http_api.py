@@ -18,11 +18,13 @@ from typing import Any
 import anyio
 import grpc
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from pagemesh.auth import HTTP_HOW_TO, ApiKeys, missing_key_message
 from pagemesh.serving import ServiceError
 from protos.pagemesh.v1 import generate_pb2
 from router import openai_protocol as oai
@@ -40,10 +42,14 @@ _STATUS_FOR_CODE = {
 }
 
 
-def build_http_app(servicer: GenerationServicer, is_serving: Callable[[], bool]) -> Starlette:
-    """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 engine group)."""
+def build_http_app(servicer: GenerationServicer, is_serving: Callable[[], bool],
+                   api_keys: ApiKeys | None = None) -> Starlette:
+    """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 engine group).
+    With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` stays open."""
     api = _OpenAIApi(servicer, is_serving)
+    middleware = [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []
     return Starlette(
+        middleware=middleware,
         routes=[
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -55,6 +61,26 @@ def build_http_app(servicer: GenerationServicer, is_serving: Callable[[], bool])
             ServiceError: _service_error,
         },
     )
+
+
+class _ApiKeyMiddleware:
+    """Answers 401 `invalid_api_key`, as OpenAI does, to `/v1/*` requests without a valid key."""
+
+    def __init__(self, app: Any, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            value = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            if not self.keys.check_authorization(value):
+                error = oai.ProtocolError(missing_key_message(value, HTTP_HOW_TO), None, 401,
+                                          "invalid_request_error", "invalid_api_key")
+                response = JSONResponse(error.body(), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def protocol_error_for(exc: ServiceError) -> oai.ProtocolError:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
+import ssl
 from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from pagemesh.auth import ApiKeyInterceptor, ApiKeys
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
@@ -19,7 +22,7 @@ from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router.routing import POLICIES, RoutingConfig
 from router.http_api import build_http_app
 from router.scheduler_client import SchedulerPool
-from router.servicer import GenerationServicer
+from router.servicer import AdmissionLimits, GenerationServicer
 from router.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="seconds between registry polls for engine groups")
     add_flag(parser, "--http-port", type=int, default=8000,
              help="port of the OpenAI-compatible HTTP API on --host (0 = disabled)")
+    add_flag(parser, "--api-key", action="append", default=None,
+             help="API key clients must send as `authorization: Bearer <key>` (repeatable); "
+                  "no key and no --api-keys-file = open access")
+    add_flag(parser, "--api-keys-file", default=None,
+             help="file of accepted API keys, one a line, `#` starts a comment")
+    add_flag(parser, "--max-queued-requests", type=int, default=1024,
+             help="requests in flight through this router; more are refused "
+                  "(RESOURCE_EXHAUSTED / HTTP 429)")
+    add_flag(parser, "--max-prompt-tokens", type=int, default=0,
+             help="longest prompt accepted, tokens; 0 = the model's context")
+    add_flag(parser, "--max-message-bytes", type=int, default=16 * 1024 * 1024,
+             help="largest gRPC request message the public port accepts, bytes")
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or PAGEMESH_MODEL) is required")
@@ -63,20 +78,25 @@ async def serve(args: argparse.Namespace) -> None:
             asyncio.get_running_loop().create_task(server.set_serving(num_groups > 0))
 
     routing = RoutingConfig(args.routing, args.balance_abs_threshold_tokens, args.balance_rel_threshold)
-    pool = SchedulerPool(registry, args.discovery_interval_s, on_groups_changed, routing)
-    servicer = GenerationServicer(tokenizer, pool)
+    config = dataclasses.replace(server_config(args), max_receive_message_bytes=args.max_message_bytes)
+    api_keys = ApiKeys.load(args.api_key, args.api_keys_file)
+    logger.info("API keys: %s", f"{len(api_keys)} accepted" if api_keys.enabled else "off (open access)")
+    pool = SchedulerPool(registry, args.discovery_interval_s, on_groups_changed, routing, config.tls)
+    limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens)
+    servicer = GenerationServicer(tokenizer, pool, limits)
     server = GrpcServer(
-        server_config(args),
+        config,
         [SERVICE_NAME],
         [lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
         reflection_enabled=True,
+        interceptors=[ApiKeyInterceptor(api_keys)] if api_keys.enabled else [],
     )
     await server.start()
     server.install_signal_handlers()
     await pool.refresh()
     await server.set_serving(pool.num_groups > 0)
     pool_task = asyncio.create_task(pool.run())
-    http = _start_http(args, servicer, lambda: pool.num_groups > 0)
+    http = _start_http(args, servicer, lambda: pool.num_groups > 0, api_keys)
     router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
     await registry.start_heartbeat(
         "router", router_id, lambda: {"address": server.address, "num_groups": pool.num_groups}
@@ -93,14 +113,22 @@ async def serve(args: argparse.Namespace) -> None:
 # --- OpenAI-compatible HTTP API (router/http_api.py), served by uvicorn in this event loop.
 
 
-def _start_http(args: argparse.Namespace, servicer: GenerationServicer,
-                is_serving: Callable[[], bool]) -> tuple[uvicorn.Server, asyncio.Task[None]] | None:
+def _start_http(args: argparse.Namespace, servicer: GenerationServicer, is_serving: Callable[[], bool],
+                api_keys: ApiKeys) -> tuple[uvicorn.Server, asyncio.Task[None]] | None:
     if not args.http_port:
         return None
-    config = uvicorn.Config(build_http_app(servicer, is_serving), host=args.host, port=args.http_port,
-                            log_level="warning", log_config=None, timeout_graceful_shutdown=5)
+    # The same certificate as the gRPC port, and the same rule: a CA means client certificates.
+    tls = {}
+    if args.tls_cert:
+        tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
+        if args.tls_ca:
+            tls |= {"ssl_ca_certs": args.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    config = uvicorn.Config(build_http_app(servicer, is_serving, api_keys), host=args.host,
+                            port=args.http_port, log_level="warning", log_config=None,
+                            timeout_graceful_shutdown=5, **tls)
     http_server = _HttpServer(config)
-    logger.info("OpenAI HTTP API on http://%s:%d/v1", args.host, args.http_port)
+    scheme = "https" if tls else "http"
+    logger.info("OpenAI HTTP API on %s://%s:%d/v1", scheme, args.host, args.http_port)
     return http_server, asyncio.create_task(_serve_http(http_server))
 
 

@@ -12,6 +12,7 @@ import grpc
 
 from pagemesh.registry import Registry
 from pagemesh.serving import ServiceError, unavailable
+from pagemesh.tls import TlsConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from protos.block_hash import hash_request_blocks
@@ -34,8 +35,9 @@ class SchedulerPool:
 
     def __init__(self, registry: Registry, poll_interval_s: float,
                  on_change: Callable[[int], object] | None = None,
-                 routing: RoutingConfig | None = None) -> None:
+                 routing: RoutingConfig | None = None, tls: TlsConfig | None = None) -> None:
         self.registry = registry
+        self.tls = tls or TlsConfig()
         self.poll_interval_s = poll_interval_s
         self._on_change = on_change
         self._groups: dict[str, _Group] = {}
@@ -67,7 +69,7 @@ class SchedulerPool:
             if group is None or group.address != info["address"]:
                 if group is not None:
                     await group.channel.close()
-                channel = grpc.aio.insecure_channel(info["address"])
+                channel = self.tls.aio_channel(info["address"])
                 group = _Group(scheduler_id, info["address"], channel,
                                scheduler_pb2_grpc.SchedulerStub(channel), load)
                 self._groups[scheduler_id] = group

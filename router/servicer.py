@@ -7,12 +7,13 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from pagemesh.logs import request_id_var
-from pagemesh.serving import invalid_argument
+from pagemesh.serving import ServiceError, invalid_argument
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router import convert
 from router.detokenizer import IncrementalDetokenizer
@@ -24,10 +25,25 @@ from router.validation import ValidatedRequest, ValidationError, validate
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_queued_requests: int = 1024  # Generate calls in flight through this router
+    max_prompt_tokens: int = 0  # 0 = up to the model's context
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_prompt_tokens < 0:
+            raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
+
+
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: Tokenizer, pool: SchedulerPool) -> None:
+    def __init__(self, tokenizer: Tokenizer, pool: SchedulerPool,
+                 limits: AdmissionLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.pool = pool
+        self.limits = limits or AdmissionLimits()
+        self.num_in_flight = 0
         self._seeds = random.SystemRandom()
 
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
@@ -46,6 +62,23 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
+        if self.num_in_flight >= self.limits.max_queued_requests:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this router already has {self.num_in_flight} requests in flight "
+                f"(--max-queued-requests {self.limits.max_queued_requests}); retry later",
+            )
+        self.num_in_flight += 1
+        try:
+            # Closing this stream must close the inner one at once: that cancels the scheduler call.
+            async with contextlib.aclosing(self._generate(request_id, request)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self.num_in_flight -= 1
+
+    async def _generate(self, request_id: str, request: generate_pb2.GenerateRequest
+                        ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         validated = await self._validate(request)
         submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
         samples = [_SampleStream(self.tokenizer, validated) for _ in range(validated.n)]
@@ -75,6 +108,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise invalid_argument("apply_chat_template needs a `text` prompt, not `token_ids`")
         else:
             prompt_ids = list(request.token_ids.ids)
+        max_prompt_tokens = self.limits.max_prompt_tokens
+        if max_prompt_tokens and len(prompt_ids) > max_prompt_tokens:
+            raise invalid_argument(
+                f"prompt has {len(prompt_ids)} tokens but this router accepts at most "
+                f"{max_prompt_tokens} (--max-prompt-tokens); shorten the prompt"
+            )
         limits = convert.limits_from_pb(await self.pool.model_info())
         try:
             return validate(

@@ -57,7 +57,7 @@ async def serve(args: argparse.Namespace) -> None:
     registry = Registry(registry_config(args))
     await registry.ping()
     endpoints = await form_group(registry, args.group, args.tp, args.pp, args.worker_wait_s)
-    workers = WorkerGroupClient(endpoints, args.step_timeout_s)
+    workers = WorkerGroupClient(endpoints, args.step_timeout_s, server_config(args).tls)
     infos = await workers.get_info()
     lead = infos[workers.driver_index]
     num_blocks = min(info.num_blocks for info in infos)

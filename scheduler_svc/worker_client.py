@@ -6,8 +6,7 @@ import asyncio
 import logging
 import uuid
 
-import grpc
-
+from pagemesh.tls import TlsConfig
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.group_formation import WorkerEndpoint
 
@@ -17,11 +16,13 @@ logger = logging.getLogger(__name__)
 class WorkerGroupClient:
     """Sends each step to every worker of the group and returns the sampling rank's answer."""
 
-    def __init__(self, endpoints: list[WorkerEndpoint], step_timeout_s: float) -> None:
+    def __init__(self, endpoints: list[WorkerEndpoint], step_timeout_s: float,
+                 tls: TlsConfig | None = None) -> None:
         self.endpoints = endpoints
         self.step_timeout_s = step_timeout_s
+        tls = tls or TlsConfig()
         self._channels = [
-            grpc.aio.insecure_channel(
+            tls.aio_channel(
                 e.address,
                 options=[
                     ("grpc.max_receive_message_length", 64 * 1024 * 1024),

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,9 @@ class Mesh:
     """One `pagemesh up` process tree; `stop()` sends SIGTERM like Ctrl-C would."""
 
     def __init__(self, model: str | None, log_path: Path, *, redis_url: str | None = None,
-                 cluster: str = "pagemesh", extra_args: list[str] | None = None) -> None:
+                 cluster: str = "pagemesh", extra_args: list[str] | None = None,
+                 client_tls: TlsConfig | None = None) -> None:
+        """`client_tls`: how this harness dials the router (plaintext by default)."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -58,7 +61,7 @@ class Mesh:
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                         start_new_session=True)
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (client_tls or TlsConfig()).channel(self.address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
 
     def wait_ready(self, timeout_s: float = 300.0) -> Mesh:
