@@ -61,6 +61,12 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(up, "--log-level", default="INFO", help="logging level of every service")
     add_flag(up, "--api-key", action="append", default=None,
              help="API key the router requires as `authorization: Bearer <key>` (repeatable)")
+    add_flag(up, "--max-queued-requests", type=int, default=1024,
+             help="requests in flight through the router before RESOURCE_EXHAUSTED / 429")
+    add_flag(up, "--max-prompt-tokens", type=int, default=0,
+             help="longest prompt the router accepts (0 = the model's context)")
+    add_flag(up, "--max-message-bytes", type=int, default=16 * 1024 * 1024,
+             help="largest gRPC request the router's public port accepts")
     add_flag(up, "--api-keys-file", default=None,
              help="file of API keys the router accepts, one a line, `#` comments")
     add_tls_flags(up)  # every service gets them; the certificate must name --host
