@@ -64,6 +64,23 @@ def dot(a, b, DOT_FP32: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, positions, in_context, kv_head, dims,
+                 dim_mask, stride_cache_block, stride_cache_token, stride_cache_head,
+                 BLOCK_SIZE: tl.constexpr):
+    """K and V of one kv head at `positions` of a sequence, read through its block table
+    (zeros where `in_context` is false or past the head dim)."""
+    block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=in_context, other=0)
+    token_offsets = (block_ids.to(tl.int64) * stride_cache_block
+                     + (positions % BLOCK_SIZE) * stride_cache_token
+                     + kv_head * stride_cache_head)
+    kv_offsets = token_offsets[:, None] + dims[None, :]
+    kv_mask = in_context[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    return k, v
+
+
 def check_on_kernel_device(device: torch.device, kernel) -> None:
     if device.type == "cpu" and not interpreted(kernel):
         raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
@@ -155,14 +172,9 @@ def _decode_partition_kernel(
     for tile_start in range(part_start, part_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_context = positions < part_end
-        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=in_context, other=0)
-        token_offsets = (block_ids.to(tl.int64) * stride_cache_block
-                         + (positions % BLOCK_SIZE) * stride_cache_token
-                         + kv_head * stride_cache_head)
-        kv_offsets = token_offsets[:, None] + dims[None, :]
-        kv_mask = in_context[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, positions, in_context,
+                            kv_head, dims, dim_mask, stride_cache_block, stride_cache_token,
+                            stride_cache_head, BLOCK_SIZE)
         scores = dot(q, tl.trans(k), DOT_FP32) * scale_log2
         scores = tl.where(in_context[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))

@@ -28,6 +28,7 @@ from kernels.paged_attention import (
     check_block_tables_cover,
     dot,
     dot_in_fp32,
+    load_kv_tile,
 )
 
 # (query rows = tokens x heads of one group, context tokens) per tile. fp16/bf16 at 64 x 64
@@ -79,14 +80,9 @@ def _prefill_kernel(
     for tile_start in range(context_start, context_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_context = positions < context_end
-        block_ids = tl.load(block_table + positions // BLOCK_SIZE, mask=in_context, other=0)
-        token_offsets = (block_ids.to(tl.int64) * stride_cache_block
-                         + (positions % BLOCK_SIZE) * stride_cache_token
-                         + kv_head * stride_cache_head)
-        kv_offsets = token_offsets[:, None] + dims[None, :]
-        kv_mask = in_context[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, positions, in_context,
+                            kv_head, dims, dim_mask, stride_cache_block, stride_cache_token,
+                            stride_cache_head, BLOCK_SIZE)
         scores = dot(q, tl.trans(k), DOT_FP32) * scale_log2
         visible = (in_context[None, :] & (positions[None, :] <= query_pos[:, None])
                    & (positions[None, :] > query_pos[:, None] - sliding_window))
