@@ -28,6 +28,16 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+class _AppendReplacingDefault(argparse._AppendAction):
+    """`action="append"` whose first use on the command line drops the default list."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_flag(
     parser: argparse.ArgumentParser,
     flag: str,
@@ -50,9 +60,13 @@ def add_flag(
         )
         return
     value = os.environ.get(env)
-    if value is not None:
-        # A repeatable flag's variable gives one item.
-        default = [type(value)] if kwargs.get("action") == "append" else type(value)
+    if kwargs.get("action") == "append":
+        # Flags given on the command line replace the variable's item, not add to it.
+        kwargs["action"] = _AppendReplacingDefault
+        if value is not None:
+            default = [type(value)]
+    elif value is not None:
+        default = type(value)
     parser.add_argument(
         flag,
         type=type,
