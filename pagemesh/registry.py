@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from pagemesh.checkpoints import CheckpointStore
 from pagemesh.serving import FatalStartupError
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,13 @@ class Registry:
         self.config = config
         self._redis = aioredis.from_url(config.redis_url, decode_responses=True)
         self._heartbeats: list[asyncio.Task[None]] = []
+        self.checkpoints = CheckpointStore(self._redis, config.cluster)
+        # Called (no arguments) after Redis came back empty-handed: a restarted server, whose
+        # keys are gone. Services re-publish what they own (checkpoints) there.
+        self.on_redis_restart: list[Any] = []
+        self._run_id: str | None = None
+        # Told apart from a dead predecessor that had the same id (a restarted container).
+        self.instance = uuid.uuid4().hex
 
     def key(self, kind: str, service_id: str) -> str:
         return f"{self.config.cluster}:{kind}:{service_id}"
@@ -55,7 +64,8 @@ class Registry:
 
     async def put(self, kind: str, service_id: str, info: dict[str, Any]) -> None:
         ttl_ms = int(self.config.ttl_s * 1000)
-        await self._redis.set(self.key(kind, service_id), json.dumps(info), px=ttl_ms)
+        await self._redis.set(self.key(kind, service_id),
+                              json.dumps({"instance": self.instance, **info}), px=ttl_ms)
 
     async def remove(self, kind: str, service_id: str) -> None:
         await self._redis.delete(self.key(kind, service_id))
@@ -77,11 +87,19 @@ class Registry:
         """Registers a service id that no live service holds, or raises RegistryConflict.
 
         Two live services under one id would overwrite each other's entry and receive
-        each other's traffic; the second one must not start.
+        each other's traffic; the second one must not start. A key left by a dead process
+        (a restarted container keeps its id) expires within one TTL, so the claim waits
+        that long before it gives up.
         """
         ttl_ms = int(self.config.ttl_s * 1000)
         key = self.key(kind, service_id)
-        if not await self._redis.set(key, json.dumps(info), px=ttl_ms, nx=True):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.ttl_s + self.config.heartbeat_interval_s
+        value = json.dumps({"instance": self.instance, **info})
+        while not await self._redis.set(key, value, px=ttl_ms, nx=True):
+            if loop.time() < deadline:
+                await asyncio.sleep(min(0.2, self.config.heartbeat_interval_s))
+                continue
             holder = await self._redis.get(key)
             raise RegistryConflict(
                 f"{kind} id {service_id!r} is already registered in cluster "
@@ -98,12 +116,38 @@ class Registry:
         self._heartbeats.append(asyncio.create_task(self._beat(kind, service_id, info_fn)))
 
     async def _beat(self, kind: str, service_id: str, info_fn: Any) -> None:
+        """Refreshes the key every interval. While Redis is away, retries with a backoff
+        (0.1 s doubling up to the interval) and re-registers as soon as it answers."""
+        backoff = 0.1
+        failing = False
         while True:
             try:
                 await self.put(kind, service_id, info_fn())
+                if len(self._heartbeats) and self._heartbeats[0] is asyncio.current_task():
+                    await self._check_restart()
+                if failing:
+                    logger.warning("Redis is back: %s %s registered again", kind, service_id)
+                failing, backoff = False, 0.1
+                await asyncio.sleep(self.config.heartbeat_interval_s)
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:  # Redis away for a moment: keep trying, loudly
-                logger.warning("heartbeat of %s %s failed: %s", kind, service_id, exc)
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+                if not failing:
+                    logger.warning("heartbeat of %s %s failed (%s); retrying with backoff",
+                                   kind, service_id, exc)
+                failing = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.heartbeat_interval_s)
+
+    async def _check_restart(self) -> None:
+        """Notices a restarted Redis by its run id and tells the `on_redis_restart` hooks."""
+        run_id = (await self._redis.info("server")).get("run_id")
+        restarted = self._run_id is not None and run_id != self._run_id
+        self._run_id = run_id
+        if restarted:
+            logger.warning("Redis restarted (run id %s): re-publishing state", run_id)
+            for hook in self.on_redis_restart:
+                await hook()
 
     async def publish_rendezvous(self, group: str, plan: dict[str, Any]) -> None:
         """Publishes how an engine group's workers form their torch.distributed group."""

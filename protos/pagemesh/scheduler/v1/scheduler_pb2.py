@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pagemesh.v1 import generate_pb2 as protos_dot_pagemesh_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/pagemesh/scheduler/v1/scheduler.proto\x12\x15pagemesh.scheduler.v1\x1a!protos/pagemesh/v1/generate.proto\"\x11\n\x0fGetStatsRequest\"\xcf\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\"\xcc\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x04 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\"G\n\x0eSampledLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"\xb8\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x37\n\x08logprobs\x18\x02 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r2\x96\x02\n\tScheduler\x12W\n\x06Submit\x12$.pagemesh.scheduler.v1.SubmitRequest\x1a%.pagemesh.scheduler.v1.SubmitResponse0\x01\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponse\x12[\n\x08GetStats\x12&.pagemesh.scheduler.v1.GetStatsRequest\x1a\'.pagemesh.scheduler.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/pagemesh/scheduler/v1/scheduler.proto\x12\x15pagemesh.scheduler.v1\x1a!protos/pagemesh/v1/generate.proto\"\x11\n\x0fGetStatsRequest\"\xf7\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\x12\x0e\n\x06status\x18\t \x01(\t\x12\x16\n\x0enum_recoveries\x18\n \x01(\x04\"\x85\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x04 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x37\n\x08progress\x18\x08 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampleProgress\"D\n\x0eSampleProgress\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"G\n\x0eSampledLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"\xb8\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x37\n\x08logprobs\x18\x02 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r2\x96\x02\n\tScheduler\x12W\n\x06Submit\x12$.pagemesh.scheduler.v1.SubmitRequest\x1a%.pagemesh.scheduler.v1.SubmitResponse0\x01\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponse\x12[\n\x08GetStats\x12&.pagemesh.scheduler.v1.GetStatsRequest\x1a\'.pagemesh.scheduler.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=106
   _globals['_GETSTATSREQUEST']._serialized_end=123
   _globals['_GETSTATSRESPONSE']._serialized_start=126
-  _globals['_GETSTATSRESPONSE']._serialized_end=333
-  _globals['_SUBMITREQUEST']._serialized_start=336
-  _globals['_SUBMITREQUEST']._serialized_end=540
-  _globals['_SAMPLEDLOGPROB']._serialized_start=542
-  _globals['_SAMPLEDLOGPROB']._serialized_end=613
-  _globals['_SUBMITRESPONSE']._serialized_start=616
-  _globals['_SUBMITRESPONSE']._serialized_end=800
-  _globals['_SCHEDULER']._serialized_start=803
-  _globals['_SCHEDULER']._serialized_end=1081
+  _globals['_GETSTATSRESPONSE']._serialized_end=373
+  _globals['_SUBMITREQUEST']._serialized_start=376
+  _globals['_SUBMITREQUEST']._serialized_end=637
+  _globals['_SAMPLEPROGRESS']._serialized_start=639
+  _globals['_SAMPLEPROGRESS']._serialized_end=707
+  _globals['_SAMPLEDLOGPROB']._serialized_start=709
+  _globals['_SAMPLEDLOGPROB']._serialized_end=780
+  _globals['_SUBMITRESPONSE']._serialized_start=783
+  _globals['_SUBMITRESPONSE']._serialized_end=967
+  _globals['_SCHEDULER']._serialized_start=970
+  _globals['_SCHEDULER']._serialized_end=1248
 # @@protoc_insertion_point(module_scope)
