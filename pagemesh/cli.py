@@ -53,6 +53,14 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="how the router spreads requests over the replicas")
     add_flag(up, "--device", default="cpu", choices=["cpu", "cuda"],
              help="where workers run; with cuda, worker i of this host takes GPU i")
+    add_flag(up, "--checkpoint-interval", type=int, default=None,
+             help="scheduler steps between request checkpoints in Redis; 0 = none "
+                  "(default: the scheduler's)")
+    add_flag(up, "--resume-window-s", type=float, default=None,
+             help="seconds a finished or orphaned request stays resumable (default: the "
+                  "scheduler's)")
+    add_flag(up, "--standby", type=int, default=0,
+             help="spare workers per engine group, taking over from one that dies")
     add_flag(up, "--tp", type=int, default=1, help="tensor-parallel workers per pipeline stage")
     add_flag(up, "--pp", type=int, default=1, help="pipeline stages")
     add_flag(up, "--pp-layer-split", default=None,

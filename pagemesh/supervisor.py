@@ -25,11 +25,20 @@ class ServiceSpec:
 
 
 class Supervisor:
-    """Owns child processes; `stop()` ends every one of them (SIGTERM, then SIGKILL)."""
+    """Owns child processes; `restart_dead()` brings back those that died (as compose's
+    `restart: unless-stopped` does), `stop()` ends every one (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, grace_s: float = 10.0) -> None:
+    def __init__(self, grace_s: float = 10.0, max_restarts: int = 5,
+                 restart_window_s: float = 60.0) -> None:
         self.grace_s = grace_s
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.specs: dict[str, ServiceSpec] = {}
+        # A child that dies more than `max_restarts` times within `restart_window_s` is
+        # broken, not unlucky: it stays down.
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self._restarts: dict[str, list[float]] = {}
+        self.given_up: set[str] = set()
 
     def start(self, spec: ServiceSpec) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
@@ -37,7 +46,28 @@ class Supervisor:
         logger.info("starting %s: %s", spec.name, " ".join(argv))
         proc = subprocess.Popen(argv, env=env)
         self.children[spec.name] = proc
+        self.specs[spec.name] = spec
         return proc
+
+    def restart_dead(self) -> dict[str, int]:
+        """Restarts every child that exited (unless it keeps dying); returns those restarted
+        with their exit codes."""
+        restarted = {}
+        now = time.monotonic()
+        for name, code in self.dead_children().items():
+            if name in self.given_up:
+                continue
+            recent = [t for t in self._restarts.get(name, []) if now - t < self.restart_window_s]
+            if len(recent) >= self.max_restarts:
+                logger.error("%s died %d times in %.0f s; leaving it down", name,
+                             len(recent) + 1, self.restart_window_s)
+                self.given_up.add(name)
+                continue
+            self._restarts[name] = [*recent, now]
+            logger.warning("%s exited with status %s; restarting it", name, code)
+            self.start(self.specs[name])
+            restarted[name] = code
+        return restarted
 
     def dead_children(self) -> dict[str, int]:
         """Children that exited, with their exit codes."""

@@ -34,6 +34,8 @@ def requests_from_pb(
     """One core request per sample: `<id>` for n = 1, else `<id>#<i>` forking from sample 0
     with seed + i. `seed` is used when the router left the seed unset."""
     leader = _request_from_pb(pb, eos_token_ids, arrival_time_s, seed)
+    if pb.progress:
+        return _resumed_samples(pb, leader)
     if pb.n <= 1:
         return [leader]
     leader.request_id = RequestId(f"{pb.request_id}#0")
@@ -44,6 +46,36 @@ def requests_from_pb(
             leader, request_id=RequestId(f"{pb.request_id}#{i}"), sampling=sampling,
             prompt_token_ids=list(leader.prompt_token_ids), output_token_ids=[], block_ids=[],
             fork_of=leader.request_id,
+        ))
+    return samples
+
+
+def sample_index(request_id: str, n: int) -> int:
+    """Which sample a core request id (`<id>` or `<id>#<i>`) stands for."""
+    return int(request_id.rsplit("#", 1)[1]) if n > 1 else 0
+
+
+def _resumed_samples(pb: scheduler_pb2.SubmitRequest, base: Request) -> list[Request]:
+    """A resumed request: each unfinished sample with the outputs it already has (its KV
+    is recomputed; its next draw is at the same position with the same seed as before).
+    No forks: each sample's prompt blocks come from the prefix cache instead."""
+    n = max(pb.n, 1)
+    progress = {p.index: p for p in pb.progress}
+    if any(i >= n for i in progress):
+        raise ValueError(f"progress names sample {max(progress)} but the request has n={n}")
+    samples = []
+    for i in range(n):
+        done = progress.get(i)
+        if done is not None and done.finished:
+            continue
+        outputs = list(done.token_ids) if done is not None else []
+        if len(outputs) >= base.max_tokens:
+            raise ValueError(f"sample {i} already has {len(outputs)} of max_tokens "
+                             f"{base.max_tokens} tokens: mark it finished")
+        samples.append(dataclasses.replace(
+            base, request_id=RequestId(pb.request_id if n == 1 else f"{pb.request_id}#{i}"),
+            sampling=dataclasses.replace(base.sampling, seed=(base.sampling.seed + i) % 2**64),
+            prompt_token_ids=list(base.prompt_token_ids), output_token_ids=outputs, block_ids=[],
         ))
     return samples
 
@@ -182,7 +214,8 @@ def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int) ->
     )
 
 
-def stats_to_pb(stats: SchedulerStats, num_steps: int) -> scheduler_pb2.GetStatsResponse:
+def stats_to_pb(stats: SchedulerStats, num_steps: int, status: str = "ready",
+                num_recoveries: int = 0) -> scheduler_pb2.GetStatsResponse:
     return scheduler_pb2.GetStatsResponse(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
@@ -192,4 +225,6 @@ def stats_to_pb(stats: SchedulerStats, num_steps: int) -> scheduler_pb2.GetStats
         num_steps=num_steps,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         num_cached_blocks=stats.num_cached_blocks,
+        status=status,
+        num_recoveries=num_recoveries,
     )

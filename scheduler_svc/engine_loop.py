@@ -1,4 +1,5 @@
-"""The step loop: schedule, run the step on the workers, update, stream tokens out."""
+"""The step loop: schedule, run the step on the workers, update, stream tokens out — and,
+when a worker dies, re-form the engine group and carry every request over to it."""
 
 from __future__ import annotations
 
@@ -6,45 +7,77 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 from protos.pagemesh.worker.v1 import worker_pb2
 from scheduler_svc import convert
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent, RequestId, SchedulerOutput, StepResult
+from scheduler_svc.engine_group import EngineGroup, FormedGroup
 from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 
+READY, DEGRADED, DRAINING = "ready", "degraded", "draining"
+MAX_RECOVERIES_WITHOUT_PROGRESS = 3
+
 
 class StepFailed(Exception):
-    """The engine group could not run a step; the request cannot continue here."""
+    """The request cannot continue here (no engine group could be re-formed in time, or the
+    scheduler is draining); the router resumes it elsewhere."""
 
 
 class EngineLoop:
     """Owns the scheduler core on the event loop; one step at a time.
 
     Each submitted request gets a queue that receives its `RequestEvent`s, or a
-    `StepFailed` when the workers fail.
+    `StepFailed` when it cannot go on here. A failed step does not end requests: the loop
+    marks the group degraded, re-forms it (`group`), rebuilds the core on the new workers
+    and re-queues every request with the tokens it already has; their streams just pause.
     """
 
     def __init__(self, scheduler: Scheduler, workers: WorkerGroupClient,
-                 max_steps_in_flight: int = 1) -> None:
+                 max_steps_in_flight: int = 1, group: EngineGroup | None = None,
+                 recovery_timeout_s: float = 300.0) -> None:
         self.scheduler = scheduler
         self.workers = workers
         self.max_steps_in_flight = max_steps_in_flight
+        self.group = group
+        self.recovery_timeout_s = recovery_timeout_s
         self._streams: dict[RequestId, asyncio.Queue[RequestEvent | StepFailed]] = {}
         self._wakeup = asyncio.Event()
         self.num_steps = 0
         self.last_step_time_ms = 0.0
+        self.status = READY
+        self.num_recoveries = 0
+        self._recovery_reason: str | None = None
+        # Recoveries since the last step that succeeded: a step that fails again and again
+        # on fresh workers is not a dead worker but a request the group cannot run.
+        self._recoveries_without_progress = 0
+        self.on_status: list[Callable[[str], Awaitable[None]]] = []
+        self.on_step: list[Callable[[], None]] = []
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
 
     def submit(self, requests: list[Request]) -> asyncio.Queue[RequestEvent | StepFailed]:
-        """Admits one request, or n > 1 samples of one prompt (the first one leads, the
-        others fork from its computed prompt). Every sample's events arrive on the one
-        queue returned. Raises ValueError when they can never be served here."""
-        if len(requests) == 1:
-            self.scheduler.add_request(requests[0])
-        else:
+        """Admits one request, or n > 1 samples of one prompt (with `fork_of` set, the
+        first one leads and the others fork from its computed prompt; resumed samples come
+        without). Every sample's events arrive on the one queue returned. Raises ValueError
+        when they can never be served here."""
+        if any(r.fork_of is not None for r in requests):
             self.scheduler.add_request_group(requests)
+        else:
+            added: list[Request] = []
+            try:
+                for request in requests:
+                    self.scheduler.add_request(request)
+                    added.append(request)
+            except ValueError:
+                for request in added:
+                    self.scheduler.abort(request.request_id)
+                raise
         queue: asyncio.Queue[RequestEvent | StepFailed] = asyncio.Queue()
         for request in requests:
             self._streams[request.request_id] = queue
@@ -57,11 +90,35 @@ class EngineLoop:
         self.scheduler.abort(request_id)
         self._wakeup.set()
 
+    def request_recovery(self, reason: str) -> None:
+        """A member was found dead between steps: re-form before the next one."""
+        if self._recovery_reason is None:
+            self._recovery_reason = reason
+            self._wakeup.set()
+
+    def fail_all(self, message: str) -> None:
+        """Ends every stream with StepFailed (the router resumes them elsewhere)."""
+        for request_id, queue in list(self._streams.items()):
+            self.scheduler.abort(request_id)
+            queue.put_nowait(StepFailed(message))
+        self._streams.clear()
+
+    async def set_status(self, status: str) -> None:
+        if status != self.status:
+            logger.warning("engine group status: %s -> %s", self.status, status)
+            self.status = status
+            for hook in self.on_status:
+                await hook(status)
+
     async def run(self) -> None:
         """Schedules up to `max_steps_in_flight` steps ahead (pipeline parallelism keeps one
         per stage in flight so no stage idles), then updates with the oldest as it returns."""
         pending: deque[tuple[SchedulerOutput, asyncio.Task[worker_pb2.ExecuteStepResponse]]] = deque()
         while True:
+            if self._recovery_reason is not None:
+                self._abandon(pending)
+                await self._recover()
+                continue
             while len(pending) < self.max_steps_in_flight and self.scheduler.has_work():
                 output = self.scheduler.schedule()
                 if output.is_empty:  # e.g. everything runnable is already in flight
@@ -75,17 +132,25 @@ class EngineLoop:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 continue
-            output, task = pending.popleft()
+            output, task = pending[0]
             started = time.perf_counter()
             try:
                 response = await task
             except Exception as exc:
-                self._fail_all([output, *(o for o, _ in pending)], [t for _, t in pending], exc)
-                pending.clear()
+                if self.group is None:
+                    self._abandon(pending)
+                    self.scheduler.reset_prefix_cache()
+                    self.fail_all(f"engine group step failed: {exc}")
+                    continue
+                self._recovery_reason = f"step {output.step_id} failed: {exc}"
                 continue
+            pending.popleft()
+            self._recoveries_without_progress = 0
             self.last_step_time_ms = (time.perf_counter() - started) * 1000
             self.num_steps += 1
             self._deliver(self.scheduler.update(output, convert.step_result_from_pb(response)))
+            for hook in self.on_step:
+                hook()
 
     def _deliver(self, events: list[RequestEvent]) -> None:
         for event in events:
@@ -96,18 +161,66 @@ class EngineLoop:
             if event.finish_reason is not None:
                 del self._streams[event.request_id]
 
-    def _fail_all(self, outputs: list[SchedulerOutput], later: list[asyncio.Task[object]],
-                  exc: Exception) -> None:
-        """A failed step leaves the workers' state unknown: end every request with an error."""
-        logger.error("step failed, ending %d requests: %s", len(self._streams), exc)
-        for task in later:
+    def _abandon(self, pending: deque[tuple[SchedulerOutput, asyncio.Task[object]]]) -> None:
+        """Drops the steps in flight: no token of theirs is delivered. Their requests keep
+        the tokens they had, so nothing is lost or repeated."""
+        for output, task in pending:
             task.cancel()
-        for output in outputs:
-            self.scheduler.update(output, StepResult(step_id=output.step_id))
-        # update() cached the failed step's blocks, whose KV may never have been written.
-        self.scheduler.reset_prefix_cache()
-        for request_id, queue in list(self._streams.items()):
-            self.scheduler.abort(request_id)
-            queue.put_nowait(StepFailed(f"engine group step failed: {exc}"))
-        self._streams.clear()
+            self._deliver(self.scheduler.update(output, StepResult(step_id=output.step_id)))
+        pending.clear()
 
+    async def _recover(self) -> None:
+        assert self.group is not None
+        logger.error("engine group failed (%s); re-forming it with %d requests in flight",
+                     self._recovery_reason, len(self.scheduler.requests))
+        await self.set_status(DEGRADED)
+        started = time.monotonic()
+        formed: FormedGroup | None = None
+        previous: WorkerGroupClient | None = self.workers
+        while formed is None:
+            try:
+                formed = await self.group.form(previous, timeout_s=self.recovery_timeout_s)
+            except Exception as exc:
+                logger.error("could not re-form the engine group: %s", exc)
+                if self._streams:
+                    self.fail_all(f"engine group down for {time.monotonic() - started:.0f} s: {exc}")
+                await asyncio.sleep(1.0)
+            previous = None
+        carried = [_fresh_copy(r) for r in self.scheduler.requests.values()
+                   if not r.status.is_finished]
+        self.workers = formed.workers
+        self.scheduler = Scheduler(formed.config)
+        for request in carried:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as exc:  # the new group's cache is smaller than the old one's
+                queue = self._streams.pop(request.request_id, None)
+                if queue is not None:
+                    queue.put_nowait(StepFailed(f"cannot resume on the re-formed group: {exc}"))
+        self._recovery_reason = None
+        self.num_recoveries += 1
+        self._recoveries_without_progress += 1
+        if self._recoveries_without_progress > MAX_RECOVERIES_WITHOUT_PROGRESS:
+            logger.error("%d recoveries without one good step: ending the requests in flight",
+                         self._recoveries_without_progress)
+            self.fail_all("the engine group fails every step of these requests")
+            self._recoveries_without_progress = 0
+        logger.warning("engine group re-formed in %.1f s; %d requests resume from their tokens",
+                       time.monotonic() - started, len(carried))
+        await self.set_status(READY)
+
+
+def _fresh_copy(request: Request) -> Request:
+    """The request as if just admitted with its outputs so far: the new workers hold
+    nothing, so its KV is recomputed from prompt + outputs (prefix caching shares blocks)."""
+    return Request(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        sampling=request.sampling,
+        max_tokens=request.max_tokens,
+        min_tokens=request.min_tokens,
+        stop_token_ids=request.stop_token_ids,
+        arrival_time_s=request.arrival_time_s,
+        output_token_ids=list(request.output_token_ids),
+        priority=request.priority,
+    )

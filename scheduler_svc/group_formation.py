@@ -26,37 +26,61 @@ class WorkerEndpoint:
     address: str
     tp_rank: int
     pp_rank: int
+    instance: str = ""  # the process behind the id (a restarted one keeps the id)
 
 
-def choose_members(entries: dict[str, dict[str, Any]], group: str, tp_size: int,
-                   pp_size: int) -> dict[tuple[int, int], str] | None:
+_CANDIDATE = ("joining", "loading", "ready")
+
+
+def choose_members(entries: dict[str, dict[str, Any]], group: str, tp_size: int, pp_size: int,
+                   exclude: frozenset[str] = frozenset(),
+                   prefer: frozenset[str] = frozenset()) -> dict[tuple[int, int], str] | None:
     """One live worker per (pp_rank, tp_rank) slot of the layout, or None while a slot is
-    empty. Workers of another layout are ignored; among several candidates for a slot the
-    smallest id wins, so every scheduler picks the same ones."""
+    empty. Workers of another layout, and those whose `instance` is in `exclude` (found
+    dead), are ignored. For a slot, a worker in `prefer` (the last members: they keep their
+    state) wins, then a ready one, then the smallest id, so every scheduler picks the same.
+    Slots still empty take `standby` workers (no rank of their own), smallest id first."""
     slots: dict[tuple[int, int], str] = {}
-    for worker_id in sorted(entries):
+    standbys: list[str] = []
+
+    def rank(worker_id: str) -> tuple[int, int, str]:
+        return (worker_id not in prefer, entries[worker_id].get("status") != "ready", worker_id)
+
+    for worker_id in sorted(entries, key=rank):
         info = entries[worker_id]
-        if info.get("group") != group or info.get("status") not in ("joining", "loading", "ready"):
+        if info.get("group") != group or info.get("instance", "") in exclude:
             continue
         if (info.get("tp_size", 1), info.get("pp_size", 1)) != (tp_size, pp_size):
             logger.warning("worker %s has layout tp=%s pp=%s, group wants tp=%d pp=%d",
                            worker_id, info.get("tp_size"), info.get("pp_size"), tp_size, pp_size)
             continue
-        slots.setdefault((info.get("pp_rank", 0), info.get("tp_rank", 0)), worker_id)
+        if info.get("status") == "standby":
+            standbys.append(worker_id)
+        elif info.get("status") in _CANDIDATE:
+            slots.setdefault((info.get("pp_rank", 0), info.get("tp_rank", 0)), worker_id)
+    empty = [(pp, tp) for pp in range(pp_size) for tp in range(tp_size) if (pp, tp) not in slots]
+    for slot, worker_id in zip(empty, sorted(standbys)):
+        slots[slot] = worker_id
     if len(slots) < tp_size * pp_size:
         return None
     return slots
 
 
 async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
-                     timeout_s: float) -> list[WorkerEndpoint]:
-    """Returns the group's workers sorted by (pp_rank, tp_rank) once every one is ready."""
+                     timeout_s: float, exclude: frozenset[str] = frozenset(),
+                     prefer: frozenset[str] = frozenset()) -> list[WorkerEndpoint]:
+    """Returns the group's workers sorted by (pp_rank, tp_rank) once every one is ready.
+
+    A multi-worker group gets a new rendezvous plan (epoch) unless the chosen members are
+    exactly those of the current plan and all still ready in it (a restarted scheduler
+    finds its workers intact). Raises TimeoutError after `timeout_s`.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     members = None
     while members is None:
         entries = await registry.list("worker")
-        members = choose_members(entries, group, tp_size, pp_size)
+        members = choose_members(entries, group, tp_size, pp_size, exclude, prefer)
         if members is None:
             if loop.time() > deadline:
                 raise TimeoutError(
@@ -65,28 +89,44 @@ async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
                     f"{sum(1 for e in entries.values() if e.get('group') == group)} "
                     f"after {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
-    epoch = ""
-    if tp_size * pp_size > 1:
-        epoch = uuid.uuid4().hex
-        master = entries[members[(0, 0)]]["dist_addr"]
-        host, port = master.rsplit(":", 1)
-        plan = {"epoch": epoch, "world_size": tp_size * pp_size, "master_addr": host,
-                "master_port": int(port),
-                "members": {wid: pp * tp_size + tp for (pp, tp), wid in members.items()}}
-        await registry.publish_rendezvous(group, plan)
-        logger.info("published rendezvous of group %s: %s", group, plan)
+    epoch = await _publish_plan(registry, group, tp_size, members, entries)
     while True:
         entries = await registry.list("worker")
         ready = [wid for wid in members.values()
                  if entries.get(wid, {}).get("status") == "ready"
-                 and entries[wid].get("epoch", "") == epoch]
+                 and (not epoch or entries[wid].get("epoch", "") == epoch)]
         if len(ready) == len(members):
             break
         if loop.time() > deadline:
             raise TimeoutError(f"workers of group {group!r} not ready after {timeout_s:.0f} s: "
                                f"{sorted(set(members.values()) - set(ready))}")
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.1)
     return sorted(
-        (WorkerEndpoint(wid, entries[wid]["address"], tp, pp) for (pp, tp), wid in members.items()),
+        (WorkerEndpoint(wid, entries[wid]["address"], tp, pp, entries[wid].get("instance", ""))
+         for (pp, tp), wid in members.items()),
         key=lambda e: (e.pp_rank, e.tp_rank),
     )
+
+
+async def _publish_plan(registry: Registry, group: str, tp_size: int,
+                        members: dict[tuple[int, int], str],
+                        entries: dict[str, dict[str, Any]]) -> str:
+    """The epoch the members must reach: the current plan's when it still holds, a new
+    one published otherwise; "" for a single worker that needs no process group."""
+    ranks = {wid: pp * tp_size + tp for (pp, tp), wid in members.items()}
+    standby = any(entries[wid].get("status") == "standby" for wid in ranks)
+    if len(ranks) == 1 and not standby:
+        return ""
+    current = await registry.get_rendezvous(group)
+    if (current is not None and current.get("members") == ranks
+            and all(entries[wid].get("status") == "ready"
+                    and entries[wid].get("epoch") == current["epoch"] for wid in ranks)):
+        logger.info("group %s: members unchanged, keeping epoch %s", group, current["epoch"])
+        return "" if len(ranks) == 1 else current["epoch"]
+    master = entries[members[(0, 0)]]["dist_addr"]
+    host, port = master.rsplit(":", 1)
+    plan = {"epoch": uuid.uuid4().hex, "world_size": len(ranks), "master_addr": host,
+            "master_port": int(port), "members": ranks}
+    await registry.publish_rendezvous(group, plan)
+    logger.info("published rendezvous of group %s: %s", group, plan)
+    return "" if len(ranks) == 1 else plan["epoch"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import time
 from dataclasses import asdict
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
@@ -15,12 +17,15 @@ from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import convert
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.checkpoint import Checkpointer
+from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
+from scheduler_svc.engine_loop import DRAINING, READY, EngineLoop
 from scheduler_svc.servicer import SchedulerServicer
-from scheduler_svc.group_formation import form_group
-from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
+
+# Measured by bench/fault_tolerance.py: see bench/README.md.
+CHECKPOINT_INTERVAL = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,41 +55,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="seconds to wait for the group's workers to register")
     add_flag(parser, "--step-timeout-s", type=float, default=300.0,
              help="seconds one step may take before it counts as failed")
+    add_flag(parser, "--recovery-timeout-s", type=float, default=300.0,
+             help="seconds to wait for a dead worker's replacement (or a standby) before the "
+                  "requests in flight are handed back to the routers")
+    add_flag(parser, "--checkpoint-interval", type=int, default=CHECKPOINT_INTERVAL,
+             help="steps between checkpoint writes of the requests in flight (also written on "
+                  "admission and finish); 0 = no checkpoints")
+    add_flag(parser, "--resume-window-s", type=float, default=300.0,
+             help="seconds a finished or orphaned request's checkpoint is kept for a client "
+                  "to resume it")
+    add_flag(parser, "--drain-timeout-s", type=float, default=30.0,
+             help="on SIGTERM, seconds to let requests finish before handing the rest over")
     return parser.parse_args(argv)
+
+
+def config_for(args: argparse.Namespace) -> ConfigFor:
+    """How the scheduler is sized from what its workers report (at start and after a
+    re-formation, whose workers may have a different cache)."""
+    def build(infos: list, driver_index: int) -> SchedulerConfig:
+        lead = infos[driver_index]
+        num_swap_blocks = min(info.num_swap_blocks for info in infos)
+        preemption_mode = args.preemption_mode
+        if preemption_mode == "swap" and num_swap_blocks == 0:
+            logger.warning("--preemption-mode swap but the workers have no swap space: recomputing")
+            preemption_mode = "recompute"
+        return SchedulerConfig(
+            num_blocks=min(info.num_blocks for info in infos),
+            block_size=lead.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=lead.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            enable_prefix_caching=args.enable_prefix_caching,
+            policy=args.scheduling_policy,
+            preemption_mode=preemption_mode,
+            num_swap_blocks=num_swap_blocks,
+            num_microbatches=args.pp,
+        )
+    return build
 
 
 async def serve(args: argparse.Namespace) -> None:
     registry = Registry(registry_config(args))
     await registry.ping()
-    endpoints = await form_group(registry, args.group, args.tp, args.pp, args.worker_wait_s)
-    workers = WorkerGroupClient(endpoints, args.step_timeout_s, server_config(args).tls)
-    infos = await workers.get_info()
-    lead = infos[workers.driver_index]
-    num_blocks = min(info.num_blocks for info in infos)
-    num_swap_blocks = min(info.num_swap_blocks for info in infos)
-    preemption_mode = args.preemption_mode
-    if preemption_mode == "swap" and num_swap_blocks == 0:
-        logger.warning("--preemption-mode swap but the workers have no swap space: recomputing")
-        preemption_mode = "recompute"
-    config = SchedulerConfig(
-        num_blocks=num_blocks,
-        block_size=lead.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=lead.max_model_len,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        enable_prefix_caching=args.enable_prefix_caching,
-        policy=args.scheduling_policy,
-        preemption_mode=preemption_mode,
-        num_swap_blocks=num_swap_blocks,
-        num_microbatches=args.pp,
-    )
-    logger.info("workers %s; scheduler config %s", [e.address for e in endpoints], asdict(config))
-    scheduler = Scheduler(config)
-    loop = EngineLoop(scheduler, workers, max_steps_in_flight=args.pp)
-    model_info = convert.model_info_to_pb(lead, num_blocks)
-    servicer = SchedulerServicer(loop, model_info)
+    spec = GroupSpec(args.group, args.tp, args.pp, args.worker_wait_s, args.step_timeout_s,
+                     server_config(args).tls)
+    group = EngineGroup(registry, spec, config_for(args))
+    formed = await group.form()
+    logger.info("scheduler config %s", asdict(formed.config))
+    loop = EngineLoop(Scheduler(formed.config), formed.workers, max_steps_in_flight=args.pp,
+                      group=group, recovery_timeout_s=args.recovery_timeout_s)
+    checkpointer = Checkpointer(registry.checkpoints, args.group, args.checkpoint_interval,
+                                args.resume_window_s)
+    loop.on_step.append(checkpointer.on_step)
+    registry.on_redis_restart.append(checkpointer.rewrite_all)
+    await checkpointer.adopt_orphans()
+    model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks)
+    servicer = SchedulerServicer(loop, model_info, checkpointer)
     server = GrpcServer(
         server_config(args),
         [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
@@ -95,25 +123,55 @@ async def serve(args: argparse.Namespace) -> None:
     scheduler_id = args.scheduler_id or args.group
 
     def registry_info() -> dict[str, object]:
-        stats = scheduler.stats()
-        return {
-            "address": server.address,
-            "group": args.group,
-            "model": model_info.model,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            **asdict(stats),
-        }
+        return {"address": server.address, "group": args.group, "model": model_info.model,
+                "pid": os.getpid(), "host": socket.gethostname(), "status": loop.status,
+                "num_recoveries": loop.num_recoveries, "num_steps": loop.num_steps,
+                "checkpoint_writes": checkpointer.num_writes,
+                "checkpoint_write_s": round(checkpointer.write_time_s, 6),
+                **asdict(loop.scheduler.stats())}
 
+    async def on_status(status: str) -> None:
+        await server.set_serving(status == READY)
+        with contextlib.suppress(Exception):  # the next heartbeat publishes it anyway
+            await registry.put("scheduler", scheduler_id, registry_info())
+
+    loop.on_status.append(on_status)
     loop_task = asyncio.create_task(loop.run())
     loop_task.add_done_callback(lambda task: _on_loop_exit(task, server))
     await server.set_serving(True)
     await registry.start_heartbeat("scheduler", scheduler_id, registry_info)
+    watch = asyncio.create_task(_watch_members(loop, group, registry.config.heartbeat_interval_s))
     await server.wait_for_stop()
+    watch.cancel()
+    await _drain(loop, checkpointer, args.drain_timeout_s)
     await registry.close(deregister=[("scheduler", scheduler_id)])
     await server.stop()
     loop_task.cancel()
-    await workers.close()
+    await checkpointer.close()
+    await loop.workers.close()
+
+
+async def _watch_members(loop: EngineLoop, group: EngineGroup, interval_s: float) -> None:
+    """Notices a dead worker between steps too (an idle group has no step to fail), so
+    health turns NOT_SERVING within one heartbeat TTL of the death."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if loop.status == READY and not await group.members_alive(loop.workers):
+            loop.request_recovery("a worker's heartbeat expired and it does not answer")
+
+
+async def _drain(loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float) -> None:
+    """SIGTERM: NOT_SERVING, no admissions, let the requests in flight finish for up to
+    `timeout_s`, then hand the rest over: their streams end UNAVAILABLE with their
+    checkpoints written, and the routers resume them on another group."""
+    await loop.set_status(DRAINING)
+    deadline = time.monotonic() + timeout_s
+    while loop.num_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    if loop.num_streams:
+        logger.warning("drain: handing %d requests over to other groups", loop.num_streams)
+        loop.fail_all("this scheduler is shutting down; resume on another group")
+        await asyncio.sleep(0.2)  # let the streams end (and orphan their checkpoints)
 
 
 def _on_loop_exit(task: asyncio.Task[None], server: GrpcServer) -> None:

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import uuid
 
+import grpc
+
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.group_formation import WorkerEndpoint
@@ -59,6 +61,23 @@ class WorkerGroupClient:
         )
         # The last pipeline stage samples; its first tensor-parallel rank answers for the group.
         return responses[self.driver_index]
+
+    async def probe(self, timeout_s: float = 2.0) -> list[grpc.StatusCode | None]:
+        """Each member's answer to GetWorkerInfo: None when it answered, else the status."""
+        async def ask(stub: worker_pb2_grpc.WorkerStub) -> grpc.StatusCode | None:
+            try:
+                await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=timeout_s)
+                return None
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+        return list(await asyncio.gather(*(ask(stub) for stub in self._stubs)))
+
+    async def find_dead(self, timeout_s: float = 2.0) -> list[WorkerEndpoint]:
+        """Members that do not answer within `timeout_s` (after a failed step: the dead one,
+        not its peers whose step failed because of it)."""
+        codes = await self.probe(timeout_s)
+        return [e for e, code in zip(self.endpoints, codes) if code is not None]
 
     async def close(self) -> None:
         for channel in self._channels:

@@ -1,0 +1,145 @@
+"""The scheduler's checkpoints: every in-flight request's progress, kept in Redis so that
+whatever dies (router, scheduler, worker), the request resumes where it was.
+
+Written on admission, every `interval` steps (the requests that got tokens since), when a
+request finishes (before its last message goes out, so the record is complete when the
+router reads it) and when it loses its router (orphaned). Finished and orphaned records
+expire after the resume window; the router deletes a record once its client has it all.
+Writes never hold up the step loop: periodic ones run in the background, one at a time,
+and every write is bounded by a timeout — Redis being away costs checkpoints, not steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
+
+logger = logging.getLogger(__name__)
+
+WRITE_TIMEOUT_S = 1.0
+
+
+@dataclass
+class _Tracked:
+    checkpoint: Checkpoint
+    dirty: bool = True
+
+
+class Checkpointer:
+    def __init__(self, store: CheckpointStore | None, group: str, interval_steps: int,
+                 resume_window_s: float) -> None:
+        """`store` None or `interval_steps` 0: checkpoints off."""
+        self.store = store if interval_steps > 0 else None
+        self.group = group
+        self.interval_steps = interval_steps
+        self.resume_window_s = resume_window_s
+        self._tracked: dict[str, _Tracked] = {}
+        self._steps = 0
+        self._flushing: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.num_writes = 0  # records written
+        self.write_time_s = 0.0  # wall time of the writes, for the benchmark
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    def track(self, request_id: str, submit: bytes, samples: list[SampleState]) -> None:
+        """Admission: the record is written now, in the background."""
+        if self.store is None:
+            return
+        ckpt = Checkpoint(request_id, self.group, submit, samples, RUNNING)
+        self._tracked[request_id] = _Tracked(ckpt)
+        self._spawn(self._write([ckpt], None))
+
+    def record(self, request_id: str, index: int, token_ids: list[int], finish_reason: int) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return
+        sample = tracked.checkpoint.samples[index]
+        sample.token_ids.extend(token_ids)
+        if finish_reason:
+            sample.finished, sample.finish_reason = True, finish_reason
+        tracked.dirty = True
+
+    async def finish(self, request_id: str) -> None:
+        """Every sample ended: the complete record, with the resume window as its TTL."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            tracked.checkpoint.state = FINISHED
+            await self._write([tracked.checkpoint], self.resume_window_s)
+
+    def orphan(self, request_id: str) -> None:
+        """Its router went away (or this scheduler drains): kept for the resume window."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            tracked.checkpoint.state = ORPHANED
+            self._spawn(self._write([tracked.checkpoint], self.resume_window_s))
+
+    def on_step(self) -> None:
+        """Counts a step; every `interval_steps` writes the records that changed."""
+        if self.store is None:
+            return
+        self._steps += 1
+        if self._steps % self.interval_steps or (self._flushing and not self._flushing.done()):
+            return
+        dirty = [t for t in self._tracked.values() if t.dirty]
+        for tracked in dirty:
+            tracked.dirty = False
+        if dirty:
+            self._flushing = self._spawn(self._write([t.checkpoint for t in dirty], None))
+
+    async def rewrite_all(self) -> None:
+        """Redis restarted empty: every live record again."""
+        await self._write([t.checkpoint for t in self._tracked.values()], None)
+
+    async def adopt_orphans(self) -> int:
+        """At start: records of this group that a dead predecessor left running get the
+        resume window; the routers that were streaming them resume them."""
+        if self.store is None:
+            return 0
+        try:
+            left = [c for c in await self.store.load_group(self.group) if c.state == RUNNING]
+            for ckpt in left:
+                ckpt.state = ORPHANED
+            await self.store.save(left, self.resume_window_s)
+        except Exception as exc:
+            logger.warning("could not read the checkpoints of group %s: %s", self.group, exc)
+            return 0
+        if left:
+            logger.warning("%d requests of this group's previous scheduler await resumption",
+                           len(left))
+        return len(left)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _write(self, checkpoints: list[Checkpoint], ttl_s: float | None) -> None:
+        if self.store is None or not checkpoints:
+            return
+        started = time.perf_counter()
+        now = time.time()
+        for ckpt in checkpoints:
+            ckpt.updated_at = now
+        try:
+            await asyncio.wait_for(self.store.save(checkpoints, ttl_s), WRITE_TIMEOUT_S)
+            self.num_writes += len(checkpoints)
+        except Exception as exc:  # Redis away: the next write (or rewrite_all) catches up
+            logger.warning("checkpoint write of %d requests failed: %s", len(checkpoints), exc)
+            for ckpt in checkpoints:
+                tracked = self._tracked.get(ckpt.request_id)
+                if tracked is not None:
+                    tracked.dirty = True
+        finally:
+            self.write_time_s += time.perf_counter() - started

@@ -1,0 +1,91 @@
+"""The workers one scheduler drives: formed from the registry at start, re-formed after one
+of them dies, watched in between."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from pagemesh.registry import Registry
+from pagemesh.tls import TlsConfig
+from protos.pagemesh.worker.v1 import worker_pb2
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.group_formation import form_group
+from scheduler_svc.worker_client import WorkerGroupClient
+
+logger = logging.getLogger(__name__)
+
+ConfigFor = Callable[[list[worker_pb2.GetWorkerInfoResponse], int], SchedulerConfig]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    group: str
+    tp: int
+    pp: int
+    worker_wait_s: float
+    step_timeout_s: float
+    tls: TlsConfig
+
+
+@dataclass
+class FormedGroup:
+    workers: WorkerGroupClient
+    config: SchedulerConfig
+    lead: worker_pb2.GetWorkerInfoResponse  # the driver's info: model, vocabulary, block size
+
+
+class EngineGroup:
+    def __init__(self, registry: Registry, spec: GroupSpec, config_for: ConfigFor) -> None:
+        self.registry = registry
+        self.spec = spec
+        self.config_for = config_for
+        # Instances found dead: never chosen again (a restarted worker is a new instance).
+        self.dead_instances: set[str] = set()
+
+    async def form(self, previous: WorkerGroupClient | None = None,
+                   timeout_s: float | None = None) -> FormedGroup:
+        """Chooses live workers (keeping the previous members that still answer), waits until
+        they are ready, and sizes the scheduler from what they report."""
+        prefer: frozenset[str] = frozenset()
+        if previous is not None:
+            dead = await previous.find_dead()
+            self.dead_instances.update(e.instance for e in dead if e.instance)
+            for endpoint in dead:
+                logger.warning("worker %s (%s) is dead", endpoint.worker_id, endpoint.address)
+            prefer = frozenset(e.worker_id for e in previous.endpoints if e not in dead)
+            await previous.close()
+        spec = self.spec
+        endpoints = await form_group(self.registry, spec.group, spec.tp, spec.pp,
+                                     timeout_s or spec.worker_wait_s,
+                                     frozenset(self.dead_instances), prefer)
+        workers = WorkerGroupClient(endpoints, spec.step_timeout_s, spec.tls)
+        try:
+            infos = await workers.get_info()
+        except Exception:
+            await workers.close()
+            raise
+        config = self.config_for(infos, workers.driver_index)
+        logger.info("engine group %s formed: %s", spec.group,
+                    [f"{e.worker_id}@{e.address}" for e in endpoints])
+        return FormedGroup(workers, config, infos[workers.driver_index])
+
+    async def members_alive(self, workers: WorkerGroupClient) -> bool:
+        """False when a member refuses connections (its process is gone), or does not answer
+        and its registry entry expired or belongs to another process. Redis being away, or
+        emptied by a restart, is not a death; neither is a member merely slow to answer."""
+        codes = await workers.probe(timeout_s=2.0)
+        if all(code is None for code in codes):
+            return True
+        if any(code == grpc.StatusCode.UNAVAILABLE for code in codes):
+            return False
+        try:
+            entries = await self.registry.list("worker")
+        except Exception as exc:
+            logger.debug("registry unreadable, not judging slow workers: %s", exc)
+            return True
+        return all(code is None or entries.get(e.worker_id, {}).get("instance") == e.instance
+                   for e, code in zip(workers.endpoints, codes))

@@ -1,0 +1,122 @@
+"""Checkpoints in a real Valkey: what the scheduler writes when, and how a resumed request
+is rebuilt from one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
+from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from protos.pagemesh.v1 import generate_pb2
+from scheduler_svc import convert
+from scheduler_svc.checkpoint import Checkpointer
+
+
+def submit(n: int = 1) -> scheduler_pb2.SubmitRequest:
+    return scheduler_pb2.SubmitRequest(
+        request_id="r1", prompt_token_ids=[1, 2, 3], n=n,
+        sampling=generate_pb2.SamplingParams(temperature=0.7, seed=42),
+        stopping=generate_pb2.StoppingCriteria(max_tokens=8),
+    )
+
+
+async def with_store(redis_url: str, cluster: str, body) -> None:  # type: ignore[no-untyped-def]
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    try:
+        await body(CheckpointStore(client, cluster), client)
+    finally:
+        await client.aclose()
+
+
+def test_written_on_admission_every_interval_and_on_finish(redis_url: str) -> None:
+    async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
+        ckpt = Checkpointer(store, "g0", interval_steps=2, resume_window_s=30)
+        ckpt.track("r1", submit().SerializeToString(), [SampleState()])
+        await asyncio.sleep(0.05)
+        first = await store.load("r1")
+        assert first.state == RUNNING and first.samples[0].token_ids == []
+        assert await client.pttl(store.key("r1")) == -1  # in flight: no expiry
+
+        ckpt.record("r1", 0, [7], 0)
+        ckpt.on_step()  # step 1 of 2: nothing written
+        await asyncio.sleep(0.05)
+        assert (await store.load("r1")).samples[0].token_ids == []
+        ckpt.record("r1", 0, [8], 0)
+        ckpt.on_step()
+        await asyncio.sleep(0.05)
+        assert (await store.load("r1")).samples[0].token_ids == [7, 8]
+
+        ckpt.record("r1", 0, [9], generate_pb2.FINISH_REASON_LENGTH)
+        await ckpt.finish("r1")
+        done = await store.load("r1")
+        assert done.state == FINISHED and done.samples[0].finished
+        assert done.samples[0].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert 0 < await client.pttl(store.key("r1")) <= 30_000
+        assert [c.request_id for c in await store.load_group("g0")] == ["r1"]
+        assert ckpt.num_writes == 3
+
+    asyncio.run(with_store(redis_url, "ckpt-a", body))
+
+
+def test_orphans_expire_and_a_successor_adopts_what_was_running(redis_url: str) -> None:
+    async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
+        await store.save([Checkpoint("dead-1", "g1", b"", [SampleState([4, 5])], RUNNING)])
+        successor = Checkpointer(store, "g1", interval_steps=16, resume_window_s=60)
+        assert await successor.adopt_orphans() == 1
+        adopted = await store.load("dead-1")
+        assert adopted.state == ORPHANED and adopted.samples[0].token_ids == [4, 5]
+        assert 0 < await client.pttl(store.key("dead-1")) <= 60_000
+
+        successor.track("r2", b"", [SampleState()])
+        successor.orphan("r2")  # its router went away
+        await asyncio.sleep(0.05)
+        assert (await store.load("r2")).state == ORPHANED
+        await store.delete("r2", "g1")
+        assert await store.load("r2") is None
+
+    asyncio.run(with_store(redis_url, "ckpt-b", body))
+
+
+def test_redis_away_costs_checkpoints_not_the_caller() -> None:
+    async def body() -> None:
+        client = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+        ckpt = Checkpointer(CheckpointStore(client, "x"), "g0", interval_steps=1,
+                            resume_window_s=30)
+        ckpt.track("r1", b"", [SampleState()])
+        ckpt.on_step()
+        await ckpt.finish("r1")  # bounded, and no exception
+        assert ckpt.num_writes == 0
+        await client.aclose()
+
+    asyncio.run(body())
+
+
+def test_off_writes_nothing(redis_url: str) -> None:
+    async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
+        ckpt = Checkpointer(store, "g0", interval_steps=0, resume_window_s=30)
+        ckpt.track("r1", b"", [SampleState()])
+        ckpt.on_step()
+        await ckpt.finish("r1")
+        assert await store.load("r1") is None and not ckpt.enabled
+
+    asyncio.run(with_store(redis_url, "ckpt-c", body))
+
+
+def test_resumed_request_keeps_outputs_seeds_and_skips_finished_samples() -> None:
+    request = submit(n=3)
+    request.progress.add(index=0, token_ids=[10, 11], finished=True)
+    request.progress.add(index=1, token_ids=[20, 21, 22])
+    samples = convert.requests_from_pb(request, [0], 0.0, seed=1)
+    assert [s.request_id for s in samples] == ["r1#1", "r1#2"]
+    assert samples[0].output_token_ids == [20, 21, 22] and samples[1].output_token_ids == []
+    assert [s.sampling.seed for s in samples] == [43, 44]  # seed + index, as before the failure
+    assert all(s.fork_of is None for s in samples)
+    assert [convert.sample_index(s.request_id, 3) for s in samples] == [1, 2]
+
+    single = submit()
+    single.progress.add(index=0, token_ids=[5] * 8)
+    with pytest.raises(ValueError, match="mark it finished"):
+        convert.requests_from_pb(single, [0], 0.0, seed=1)
