@@ -7,6 +7,7 @@ Shutdown follows one order: SIGTERM or SIGINT -> health NOT_SERVING -> stop admi
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import sys
@@ -76,7 +77,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, handler.request_deserializer, handler.response_serializer
             )
-        if handler.unary_stream is not None:
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -91,6 +92,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer
             )
+        # Anything else passes untouched: e.g. Health/Watch streams by `context.write()` from
+        # a coroutine, which a generator wrapper would break.
         return handler
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
+from router.resume import Progress
 from router.validation import ModelLimits, SamplingOptions, StoppingOptions, ValidatedRequest
 
 
@@ -40,7 +41,10 @@ def limits_from_pb(info: generate_pb2.GetModelInfoResponse) -> ModelLimits:
 
 
 def submit_request(request_id: str, validated: ValidatedRequest, seed: int) -> scheduler_pb2.SubmitRequest:
-    """The scheduler's request; `seed` replaces an unset one so every request is replayable."""
+    """The scheduler's request; `seed` replaces an unset one so every request is replayable.
+
+    The stop strings travel too, though the scheduler ignores them: its checkpoint keeps this
+    message, and a router resuming the request after this one died reads them from there."""
     s = validated.sampling
     stopping = validated.stopping
     return scheduler_pb2.SubmitRequest(
@@ -59,6 +63,7 @@ def submit_request(request_id: str, validated: ValidatedRequest, seed: int) -> s
         stopping=generate_pb2.StoppingCriteria(
             max_tokens=stopping.max_tokens,
             min_tokens=stopping.min_tokens,
+            stop=stopping.stop,
             stop_token_ids=stopping.stop_token_ids,
             ignore_eos=stopping.ignore_eos,
         ),
@@ -66,6 +71,40 @@ def submit_request(request_id: str, validated: ValidatedRequest, seed: int) -> s
         n=validated.n,
         priority=validated.priority,
     )
+
+
+def with_progress(request: scheduler_pb2.SubmitRequest, progress: Progress) -> scheduler_pb2.SubmitRequest:
+    """`request` resumed: every sample's output so far (and whether it ended) as `progress`."""
+    resumed = scheduler_pb2.SubmitRequest()
+    resumed.CopyFrom(request)
+    del resumed.progress[:]
+    resumed.progress.extend(
+        scheduler_pb2.SampleProgress(index=i, token_ids=s.token_ids, finished=s.finished)
+        for i, s in enumerate(progress.samples)
+    )
+    return resumed
+
+
+def submit_from_checkpoint(raw: bytes) -> scheduler_pb2.SubmitRequest:
+    """The `SubmitRequest` a checkpoint stores, as the router first sent it (no progress)."""
+    request = scheduler_pb2.SubmitRequest.FromString(raw)
+    del request.progress[:]
+    return request
+
+
+def replayed_response(index: int, token_ids: list[int], finish_reason: int) -> scheduler_pb2.SubmitResponse:
+    """Checkpointed tokens of one sample, replayed as if its scheduler had just sent them."""
+    return scheduler_pb2.SubmitResponse(index=index, token_ids=token_ids, finish_reason=finish_reason)
+
+
+def without_leading_tokens(response: scheduler_pb2.SubmitResponse, num_tokens: int
+                           ) -> scheduler_pb2.SubmitResponse:
+    """`response` less its first `num_tokens` tokens (and their logprobs)."""
+    rest = scheduler_pb2.SubmitResponse()
+    rest.CopyFrom(response)
+    del rest.token_ids[:num_tokens]
+    del rest.logprobs[:num_tokens]
+    return rest
 
 
 def token_logprobs(

@@ -44,7 +44,7 @@ _STATUS_FOR_CODE = {
 
 def build_http_app(servicer: GenerationServicer, is_serving: Callable[[], bool],
                    api_keys: ApiKeys | None = None) -> Starlette:
-    """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 engine group).
+    """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 ready engine group).
     With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` stays open."""
     api = _OpenAIApi(servicer, is_serving)
     middleware = [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []

@@ -19,8 +19,9 @@ from pagemesh.config import add_flag, add_registry_flags, add_server_flags, regi
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
-from router.routing import POLICIES, RoutingConfig
 from router.http_api import build_http_app
+from router.resume import ResumeConfig
+from router.routing import POLICIES, RoutingConfig
 from router.scheduler_client import SchedulerPool
 from router.servicer import AdmissionLimits, GenerationServicer
 from router.tokenizer import load_tokenizer
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="... and this many times as many")
     add_flag(parser, "--discovery-interval-s", type=float, default=1.0,
              help="seconds between registry polls for engine groups")
+    add_flag(parser, "--resume-timeout-s", type=float, default=120.0,
+             help="how long a request whose engine group failed mid-stream waits for another "
+                  "group (or the failed one's replacement) to take it back, seconds")
     add_flag(parser, "--http-port", type=int, default=8000,
              help="port of the OpenAI-compatible HTTP API on --host (0 = disabled)")
     add_flag(parser, "--api-key", action="append", default=None,
@@ -72,16 +76,18 @@ async def serve(args: argparse.Namespace) -> None:
     await registry.ping()
     server: GrpcServer | None = None
 
-    def on_groups_changed(num_groups: int) -> None:
-        # Health tells the truth: no engine group, no serving.
+    def on_serving_changed(serving: bool) -> None:
+        # Health tells the truth: no ready engine group, no serving.
         if server is not None:
-            asyncio.get_running_loop().create_task(server.set_serving(num_groups > 0))
+            asyncio.get_running_loop().create_task(server.set_serving(serving))
 
     routing = RoutingConfig(args.routing, args.balance_abs_threshold_tokens, args.balance_rel_threshold)
     config = dataclasses.replace(server_config(args), max_receive_message_bytes=args.max_message_bytes)
     api_keys = ApiKeys.load(args.api_key, args.api_keys_file)
     logger.info("API keys: %s", f"{len(api_keys)} accepted" if api_keys.enabled else "off (open access)")
-    pool = SchedulerPool(registry, args.discovery_interval_s, on_groups_changed, routing, config.tls)
+    resume = ResumeConfig(timeout_s=args.resume_timeout_s)
+    pool = SchedulerPool(registry, args.discovery_interval_s, on_serving_changed, routing, config.tls,
+                         resume)
     limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens)
     servicer = GenerationServicer(tokenizer, pool, limits)
     server = GrpcServer(
@@ -94,12 +100,14 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     server.install_signal_handlers()
     await pool.refresh()
-    await server.set_serving(pool.num_groups > 0)
+    await server.set_serving(pool.serving)
     pool_task = asyncio.create_task(pool.run())
-    http = _start_http(args, servicer, lambda: pool.num_groups > 0, api_keys)
+    http = _start_http(args, servicer, lambda: pool.serving, api_keys)
     router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
     await registry.start_heartbeat(
-        "router", router_id, lambda: {"address": server.address, "num_groups": pool.num_groups}
+        "router", router_id, lambda: {"address": server.address, "num_groups": pool.num_groups,
+                                      "serving": pool.serving, "pid": os.getpid(),
+                                      "host": socket.gethostname()}
     )
     logger.info("router %s serving %s on %s", router_id, args.model, server.address)
     await server.wait_for_stop()

@@ -1,7 +1,18 @@
-"""The public `Generation` service: validate, tokenize, route, detokenize, stop strings."""
+"""The public `Generation` service: validate, tokenize, route, detokenize, stop strings.
+
+Fault tolerance, as the client sees it: a stream never shows a gap or a repeated token.
+- An engine group failing mid-stream: `SchedulerPool.submit` resumes the request elsewhere
+  (router/resume.py); this module never sees the failure.
+- This router dying: the client sends the same request_id with `resume_from` to any router,
+  which continues from the request's checkpoint (router/replay.py).
+- Checkpoint lifetime: once the final response (every sample finished, a stop string too) has
+  been yielded, the checkpoint is deleted in the background. A client that goes away does not
+  delete it: it expires by itself after the resume window, and until then the client can resume.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import random
@@ -11,14 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from redis.exceptions import RedisError
 
 from pagemesh.logs import request_id_var
-from pagemesh.serving import ServiceError, invalid_argument
+from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
-from router import convert
-from router.detokenizer import IncrementalDetokenizer
+from router import convert, replay
 from router.scheduler_client import SchedulerPool
-from router.stop import StopChecker
 from router.tokenizer import Tokenizer, TokenizerError
 from router.validation import ValidatedRequest, ValidationError, validate
 
@@ -45,6 +55,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.limits = limits or AdmissionLimits()
         self.num_in_flight = 0
         self._seeds = random.SystemRandom()
+        self._background: set[asyncio.Task[None]] = set()
 
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
@@ -79,16 +90,26 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request_id: str, request: generate_pb2.GenerateRequest
                         ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        validated = await self._validate(request)
-        submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
-        samples = [_SampleStream(self.tokenizer, validated) for _ in range(validated.n)]
-        num_prompt_tokens = len(validated.prompt_token_ids)
-        async with contextlib.aclosing(self.pool.submit(submit)) as chunks:
+        plan = await self._resume_plan(request_id, request)
+        if plan is None:
+            validated = await self._validate(request)
+            submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
+            plan = replay.fresh(self.tokenizer, submit)
+        samples, progress = plan.samples, plan.progress
+        num_prompt_tokens = len(plan.submit.prompt_token_ids)
+        cut_short = False  # a stop string ended a sample its scheduler was still running
+        async with contextlib.aclosing(self._chunks(plan)) as chunks:
             async for chunk in chunks:
                 sample = samples[chunk.index]
                 if sample.finished:
                     continue  # a stop string ended this sample here; the rest is dropped
-                token_ids, text, finish_reason, logprobs = sample.process(chunk)
+                processed = sample.process(chunk)
+                if processed is None:
+                    continue  # tokens the client already has (a resume)
+                token_ids, text, finish_reason, logprobs = processed
+                if sample.finished and not progress.samples[chunk.index].finished:
+                    progress.finish(chunk.index)
+                    cut_short = True
                 done = all(s.finished for s in samples)
                 num_completion_tokens = sum(s.num_completion_tokens for s in samples)
                 yield convert.generate_response(
@@ -96,7 +117,68 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     num_prompt_tokens if done else 0, num_completion_tokens,
                 )
                 if done:
+                    # The client has everything: its checkpoint is garbage now.
+                    self._forget_checkpoint(request_id, progress.groups, cut_short)
                     break  # closing `chunks` cancels the scheduler call when a stop string hit
+
+    async def _chunks(self, plan: replay.StreamPlan) -> AsyncIterator[Any]:
+        """The replayed checkpoint tokens, then the scheduler's (resumed across failures)."""
+        for chunk in plan.replay:
+            yield chunk
+        if plan.progress.all_finished:
+            return
+        async with contextlib.aclosing(self.pool.submit(plan.submit, plan.progress)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _resume_plan(self, request_id: str, request: generate_pb2.GenerateRequest
+                           ) -> replay.StreamPlan | None:
+        """A resume (router/replay.py) when the request's checkpoint exists; None for a new
+        request. NOT_FOUND for `resume_from` > 0 without a checkpoint."""
+        resume_from = request.resume_from
+        if not request.request_id:
+            if resume_from:
+                raise invalid_argument("resume_from needs the request_id of the stream to resume")
+            return None
+        try:
+            ckpt = await self.pool.checkpoints.load(request_id)
+        except (RedisError, OSError) as exc:
+            if resume_from:
+                raise unavailable(f"the checkpoint store is unreachable ({exc}); retry shortly") from exc
+            logger.debug("no checkpoint lookup (%s); a new request", exc)
+            return None
+        if ckpt is None:
+            if resume_from:
+                raise ServiceError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"request {request_id!r} has no checkpoint to resume from: it finished and "
+                    "its output was delivered, or it ended long enough ago that its checkpoint "
+                    "expired (or the id is wrong); send it again as a new request",
+                )
+            return None
+        logger.warning("request %s resumed from its checkpoint (group %s, %s, %s output tokens "
+                       "per sample) after %d tokens the client has", request_id, ckpt.group,
+                       ckpt.state, [len(s.token_ids) for s in ckpt.samples], resume_from)
+        return replay.from_checkpoint(self.tokenizer, ckpt, resume_from)
+
+    def _forget_checkpoint(self, request_id: str, groups: list[str], cut_short: bool) -> None:
+        """Deletes the request's checkpoint in the background, never delaying the client.
+        When the router cut the scheduler call short (a stop string), the scheduler may still
+        write the checkpoint once more as it notices: delete it again a TTL later."""
+        task = asyncio.get_running_loop().create_task(
+            self._delete_checkpoint(request_id, groups, cut_short))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _delete_checkpoint(self, request_id: str, groups: list[str], cut_short: bool) -> None:
+        try:
+            for attempt in range(2 if cut_short else 1):
+                if attempt:
+                    await asyncio.sleep(self.pool.registry.config.ttl_s)
+                for group in groups or [None]:
+                    await self.pool.checkpoints.delete(request_id, group)
+        except Exception as exc:  # it expires by itself; Redis being away is logged by the poll
+            logger.debug("could not delete the checkpoint of request %s: %s", request_id, exc)
 
     async def _validate(self, request: generate_pb2.GenerateRequest) -> ValidatedRequest:
         prompt = request.WhichOneof("prompt")
@@ -138,36 +220,3 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             return self.tokenizer.encode(text)
         except TokenizerError as exc:
             raise invalid_argument(str(exc)) from exc
-
-
-class _SampleStream:
-    """One sample's text: incremental detokenization, stop strings, token count."""
-
-    def __init__(self, tokenizer: Tokenizer, validated: ValidatedRequest) -> None:
-        self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer, validated.prompt_token_ids)
-        self.stop = StopChecker(validated.stopping.stop)
-        self.num_completion_tokens = 0
-        self.finished = False
-
-    def process(self, chunk: Any) -> tuple[list[int], str, int, list[generate_pb2.TokenLogprob]]:
-        """(new token ids, new text, finish reason, logprobs) of one scheduler message."""
-        token_ids = list(chunk.token_ids)
-        self.num_completion_tokens += len(token_ids)
-        finish_reason = chunk.finish_reason
-        text, stopped = self.stop.feed(self.detokenizer.add(token_ids))
-        if not stopped and finish_reason != convert.FINISH_REASON_UNSPECIFIED:
-            tail, stopped = self.stop.feed(self.detokenizer.flush())
-            text += tail
-            if not stopped:
-                text += self.stop.flush()
-        if stopped:
-            finish_reason = convert.FINISH_REASON_STOP
-        self.finished = finish_reason != convert.FINISH_REASON_UNSPECIFIED
-        logprobs = convert.token_logprobs(chunk, self._token_texts(chunk)) if chunk.logprobs else []
-        return token_ids, text, finish_reason, logprobs
-
-    def _token_texts(self, chunk: Any) -> dict[int, str]:
-        ids = {t.token_id for lp in chunk.logprobs for t in lp.top}
-        ids.update(chunk.token_ids)
-        return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}

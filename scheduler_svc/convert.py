@@ -69,15 +69,31 @@ def _resumed_samples(pb: scheduler_pb2.SubmitRequest, base: Request) -> list[Req
         if done is not None and done.finished:
             continue
         outputs = list(done.token_ids) if done is not None else []
-        if len(outputs) >= base.max_tokens:
-            raise ValueError(f"sample {i} already has {len(outputs)} of max_tokens "
-                             f"{base.max_tokens} tokens: mark it finished")
+        if _ended(base, outputs) is not None:
+            continue  # see ended_samples
         samples.append(dataclasses.replace(
             base, request_id=RequestId(pb.request_id if n == 1 else f"{pb.request_id}#{i}"),
             sampling=dataclasses.replace(base.sampling, seed=(base.sampling.seed + i) % 2**64),
             prompt_token_ids=list(base.prompt_token_ids), output_token_ids=outputs, block_ids=[],
         ))
     return samples
+
+
+def ended_samples(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]
+                  ) -> list[tuple[int, FinishReason]]:
+    """Resumed samples not marked finished whose tokens already end them (the router lost
+    the last message): each gets its final message at once instead of running."""
+    base = _request_from_pb(pb, eos_token_ids, 0.0, 0)
+    return [(p.index, reason) for p in pb.progress if not p.finished
+            and (reason := _ended(base, list(p.token_ids))) is not None]
+
+
+def _ended(request: Request, outputs: list[int]) -> FinishReason | None:
+    if len(outputs) >= request.max_tokens:
+        return FinishReason.LENGTH
+    if outputs and outputs[-1] in request.stop_token_ids and len(outputs) >= request.min_tokens:
+        return FinishReason.STOP
+    return None
 
 
 def _request_from_pb(
@@ -176,6 +192,10 @@ def step_result_from_pb(pb: worker_pb2.ExecuteStepResponse) -> StepResult:
             for s in pb.sampled
         },
     )
+
+
+def finish_reason_to_pb(reason: FinishReason | None) -> int:
+    return _FINISH_REASON_TO_PB[reason]
 
 
 def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool) -> scheduler_pb2.SubmitResponse:

@@ -90,6 +90,18 @@ class EngineLoop:
         self.scheduler.abort(request_id)
         self._wakeup.set()
 
+    def supersede(self, request_ids: list[RequestId]) -> bool:
+        """A resumed Submit for requests still live here (their router died, the new one
+        resumed before this one noticed): the old streams end and the requests are aborted.
+        Returns False while an abort waits for the step in flight."""
+        for request_id in request_ids:
+            queue = self._streams.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(StepFailed("superseded by a resumed stream of this request"))
+            self.scheduler.abort(request_id)
+        self._wakeup.set()
+        return not any(r in self.scheduler.requests for r in request_ids)
+
     def request_recovery(self, reason: str) -> None:
         """A member was found dead between steps: re-form before the next one."""
         if self._recovery_reason is None:

@@ -18,6 +18,7 @@ from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import CapacityError
+from scheduler_svc.core.types import RequestEvent, RequestId
 from scheduler_svc.engine_loop import DRAINING, EngineLoop, StepFailed
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             requests = convert.requests_from_pb(
                 request, self._eos_token_ids, time.time(), self._seeds.getrandbits(63)
             )
+            live = [r.request_id for r in requests if r.request_id in self.loop.scheduler.requests]
+            if live and request.progress and not self.loop.supersede(live):
+                raise ServiceError(grpc.StatusCode.ABORTED,
+                                   "the request's previous stream is still ending here; retry")
             queue = self.loop.submit(requests)
         except CapacityError as exc:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
@@ -63,6 +68,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         [len(p.token_ids) for p in request.progress])
         self.checkpointer.track(request.request_id, _original(request), _samples(request, n))
         unfinished = {r.request_id for r in requests}
+        for index, reason in convert.ended_samples(request, self._eos_token_ids):
+            event = RequestEvent(RequestId(request.request_id), (), reason,
+                                 len(request.prompt_token_ids))
+            self.checkpointer.record(request.request_id, index, [], convert.finish_reason_to_pb(reason))
+            yield convert.event_to_pb(event, index, with_logprobs=False)
+        if not unfinished:
+            await self.checkpointer.finish(request.request_id)
         try:
             while unfinished:
                 event = await queue.get()

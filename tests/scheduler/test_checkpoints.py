@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import redis.asyncio as aioredis
 
 from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
@@ -13,6 +12,7 @@ from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
+from scheduler_svc.core.types import FinishReason
 
 
 def submit(n: int = 1) -> scheduler_pb2.SubmitRequest:
@@ -116,7 +116,9 @@ def test_resumed_request_keeps_outputs_seeds_and_skips_finished_samples() -> Non
     assert all(s.fork_of is None for s in samples)
     assert [convert.sample_index(s.request_id, 3) for s in samples] == [1, 2]
 
-    single = submit()
-    single.progress.add(index=0, token_ids=[5] * 8)
-    with pytest.raises(ValueError, match="mark it finished"):
-        convert.requests_from_pb(single, [0], 0.0, seed=1)
+    # The router lost the last message of samples whose tokens already end them.
+    ended = submit(n=2)
+    ended.progress.add(index=0, token_ids=[5] * 8)  # max_tokens reached
+    ended.progress.add(index=1, token_ids=[5, 0])  # EOS (id 0) last
+    assert convert.requests_from_pb(ended, [0], 0.0, seed=1) == []
+    assert convert.ended_samples(ended, [0]) == [(0, FinishReason.LENGTH), (1, FinishReason.STOP)]

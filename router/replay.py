@@ -1,0 +1,77 @@
+"""Where a Generate stream starts: a fresh request, or `resume_from` on a checkpoint.
+
+A client whose stream broke off (its router died, its connection dropped) sends the same
+`request_id` with `resume_from` = the output tokens of each sample it already received, to
+any router. The request's checkpoint (pagemesh/checkpoints.py, written by the schedulers)
+holds the `SubmitRequest` as first sent, stop strings included, and each sample's outputs so
+far. For each sample, with k = resume_from and the checkpoint's L tokens:
+
+- the first min(k, L) tokens prime the detokenizer and stop checker (their text is the
+  client's already), so the text and stop strings after them come out as in the unbroken run;
+- k < L: tokens k..L are replayed to the client, with the stored finish reason when the
+  sample had finished;
+- k >= L: a finished sample gets its final message again, with no tokens and no text (the
+  client may have missed only that); an unfinished one skips the first k - L tokens of the
+  resumed stream (still fed through the detokenizer and stop checker).
+
+Then the request is submitted with `progress` = the checkpoint's tokens and finished flags
+(plus samples a stop string ended during the replay), and the stream goes on. A checkpoint
+whose samples all finished just replays and ends with the stored finish reasons. Logprobs
+are not checkpointed: replayed tokens come without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagemesh.checkpoints import Checkpoint, SampleState
+from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from router import convert
+from router.resume import Progress, SampleProgress
+from router.sample_stream import SampleStream
+from router.tokenizer import Tokenizer
+
+
+@dataclass
+class StreamPlan:
+    submit: scheduler_pb2.SubmitRequest  # without progress: `Progress` is added per attempt
+    samples: list[SampleStream]
+    progress: Progress
+    # Scheduler-like messages to process before anything is submitted (checkpointed tokens).
+    replay: list[scheduler_pb2.SubmitResponse] = field(default_factory=list)
+
+
+def fresh(tokenizer: Tokenizer, submit: scheduler_pb2.SubmitRequest) -> StreamPlan:
+    n = max(submit.n, 1)
+    samples = [_sample_stream(tokenizer, submit) for _ in range(n)]
+    return StreamPlan(submit, samples, Progress.fresh(n))
+
+
+def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint, resume_from: int) -> StreamPlan:
+    """The plan for a client that has `resume_from` output tokens of each sample."""
+    submit = convert.submit_from_checkpoint(ckpt.submit)
+    n = max(submit.n, 1)
+    states = (list(ckpt.samples) + [SampleState() for _ in range(n)])[:n]
+    samples: list[SampleStream] = []
+    replay: list[scheduler_pb2.SubmitResponse] = []
+    for index, state in enumerate(states):
+        sample = _sample_stream(tokenizer, submit)
+        num_known = len(state.token_ids)
+        finish_reason = (state.finish_reason or convert.FINISH_REASON_STOP) if state.finished else 0
+        sample.prime(state.token_ids[:resume_from], final=state.finished and resume_from >= num_known)
+        if sample.stop.stopped:  # a stop string ended it within what the client has
+            replay.append(convert.replayed_response(index, [], convert.FINISH_REASON_STOP))
+        elif resume_from < num_known:
+            replay.append(convert.replayed_response(index, state.token_ids[resume_from:], finish_reason))
+        elif state.finished:
+            replay.append(convert.replayed_response(index, [], finish_reason))
+        else:
+            sample.num_tokens_to_skip = resume_from - num_known
+        samples.append(sample)
+    progress = Progress([SampleProgress(list(s.token_ids), s.finished) for s in states], [ckpt.group],
+                        resumed=True)
+    return StreamPlan(submit, samples, progress, replay)
+
+
+def _sample_stream(tokenizer: Tokenizer, submit: scheduler_pb2.SubmitRequest) -> SampleStream:
+    return SampleStream(tokenizer, list(submit.prompt_token_ids), list(submit.stopping.stop))
