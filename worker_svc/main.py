@@ -8,13 +8,16 @@ import dataclasses
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import torch
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
 from pagemesh.registry import Registry
-from pagemesh.serving import FatalStartupError, GrpcServer, run_service
+from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.distributed import DistributedContext, init_distributed
+from worker_svc.membership import Membership, Plan
 from worker_svc.parallel import ParallelConfig
 from worker_svc.runner import ModelRunner, RunnerConfig
 from worker_svc.servicer import WorkerServicer
@@ -48,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank")
     add_flag(parser, "--pp", type=int, default=1, help="pipeline stages")
     add_flag(parser, "--pp-rank", type=int, default=0, help="this worker's pipeline stage")
+    add_flag(parser, "--standby", type=bool, default=False,
+             help="start without a rank (ignores --tp-rank/--pp-rank): wait until a "
+                  "rendezvous plan gives this worker a dead one's place, then load that shard")
     add_flag(parser, "--pp-layer-split", default=None,
              help="layers per stage, e.g. 12,10 (default: as even as possible)")
     add_flag(parser, "--torch-threads", type=int, default=0,
@@ -55,17 +61,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--dist-port", type=int, default=0,
              help="torch.distributed port if this worker is rank 0 (0 = any free port)")
     add_flag(parser, "--dist-timeout-s", type=float, default=300.0,
-             help="seconds to wait for the group's process group to form")
+             help="seconds to wait for the group's process group to form; also bounds "
+                  "every collective, so a silent peer fails a step after this long")
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or PAGEMESH_MODEL) is required")
     return args
 
 
-def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+def parallel_config(args: argparse.Namespace, rank: int | None = None) -> ParallelConfig:
+    """This worker's place: from --tp-rank/--pp-rank, or from a global `rank` (a standby's,
+    given by the rendezvous plan)."""
     split = tuple(int(n) for n in args.pp_layer_split.split(",")) if args.pp_layer_split else None
-    return ParallelConfig(tp_size=args.tp, tp_rank=args.tp_rank, pp_size=args.pp,
-                          pp_rank=args.pp_rank, pp_layer_split=split)
+    tp_rank, pp_rank = (args.tp_rank, args.pp_rank) if rank is None else (rank % args.tp,
+                                                                           rank // args.tp)
+    return ParallelConfig(tp_size=args.tp, tp_rank=tp_rank, pp_size=args.pp,
+                          pp_rank=pp_rank, pp_layer_split=split)
 
 
 def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerConfig:
@@ -86,10 +97,11 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
 async def serve(args: argparse.Namespace) -> None:
     registry = Registry(registry_config(args))
     await registry.ping()
-    parallel = parallel_config(args)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    layout = {"tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size,
-              "pp_rank": parallel.pp_rank, "pp_size": parallel.pp_size}
+    parallel = parallel_config(args)
+    # A standby publishes rank -1 until a plan gives it one (changed in place then).
+    layout = {"tp_rank": -1 if args.standby else parallel.tp_rank, "tp_size": parallel.tp_size,
+              "pp_rank": -1 if args.standby else parallel.pp_rank, "pp_size": parallel.pp_size}
     servicer = WorkerServicer(worker_id, layout)
     server = GrpcServer(
         server_config(args),
@@ -98,7 +110,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     await server.start()
     server.install_signal_handlers()
-    state: dict[str, object] = {"status": "joining", "epoch": ""}
+    state: dict[str, object] = {"status": "standby" if args.standby else "joining", "epoch": "",
+                                "num_reforms": 0}
     dist_host = args.advertise_host or args.host
     dist_addr = f"{dist_host}:{args.dist_port or free_port(args.host)}"
 
@@ -107,60 +120,66 @@ async def serve(args: argparse.Namespace) -> None:
                 "model": args.served_model_name or args.model, "pid": os.getpid(),
                 **layout, **state, **servicer.stats()}
 
+    membership = Membership(registry, args.group, worker_id, parallel.world_size, state,
+                            lambda: registry.put("worker", worker_id, registry_info()))
+    await membership.skip_current_plan()  # before registering: see there
     await registry.start_heartbeat("worker", worker_id, registry_info)
-    loading = asyncio.create_task(_join_and_load(args, registry, worker_id, parallel, state))
+    loading = asyncio.create_task(_join_and_load(args, membership, layout))
     stop = asyncio.create_task(server.wait_for_stop())
+    following: asyncio.Task[None] | None = None
     try:
         done, _ = await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
         if loading in done:
-            servicer.runner = loading.result()  # raises what failed the load
-            state["status"] = "ready"
-            await registry.put("worker", worker_id, registry_info())
+            runner = servicer.runner = loading.result()  # raises what failed the load
+            await membership.set_status("ready")
             await server.set_serving(True)
-            logger.info("ready: %s", servicer.runner.info())
+            logger.info("ready: %s", runner.info())
+            if not runner.dist.is_single:
+                following = asyncio.create_task(
+                    membership.follow(servicer, runner, args.dist_timeout_s))
             await stop
     finally:
-        loading.cancel()
-        stop.cancel()
+        for task in (loading, stop, following):
+            if task is not None:
+                task.cancel()
         await registry.close(deregister=[("worker", worker_id)])
         await server.stop()
         servicer.close()
 
 
-async def _join_and_load(args: argparse.Namespace, registry: Registry, worker_id: str,
-                         parallel: ParallelConfig, state: dict[str, object]) -> ModelRunner:
-    """Joins the group's torch.distributed rendezvous (when it has several workers), then
-    loads this rank's shard of the model."""
+async def _join_and_load(args: argparse.Namespace, membership: Membership,
+                         layout: dict[str, int]) -> ModelRunner:
+    """Joins the group's torch.distributed rendezvous (when it has several workers, or this
+    worker is a standby waiting for its rank), then loads this rank's shard of the model."""
+    parallel = parallel_config(args)
     dist = None
-    if parallel.world_size > 1:
-        from worker_svc.distributed import init_distributed  # only multi-worker groups need it
+    if parallel.world_size > 1 or args.standby:
+        async def join(plan: Plan, should_abort: Callable[[], bool]) -> DistributedContext:
+            place = parallel_config(args, plan.members[membership.worker_id])
+            if args.standby:
+                layout.update(tp_rank=place.tp_rank, pp_rank=place.pp_rank)
+                await membership.set_status("joining")
+            try:
+                return await asyncio.to_thread(
+                    init_distributed, place, plan.master_addr, plan.master_port, None,
+                    args.dist_timeout_s, device=args.device, tag=plan.epoch,
+                    should_abort=should_abort)
+            except Exception:
+                if args.standby:  # in no group yet: free again to take any rank
+                    layout.update(tp_rank=-1, pp_rank=-1)
+                    await membership.set_status("standby")
+                raise
 
-        plan = await _wait_for_rendezvous(registry, args.group, worker_id)
-        if plan["members"][worker_id] != parallel.rank:
-            raise FatalStartupError(f"rendezvous gives rank {plan['members'][worker_id]}, "
-                                    f"this worker is rank {parallel.rank}")
-        logger.info("joining group %s epoch %s via %s:%s", args.group, plan["epoch"],
-                    plan["master_addr"], plan["master_port"])
-        dist = await asyncio.to_thread(init_distributed, parallel, plan["master_addr"],
-                                       plan["master_port"], None, args.dist_timeout_s,
-                                       device=args.device)
-        state["epoch"] = plan["epoch"]
-    state["status"] = "loading"
+        plan, dist = await membership.join(None if args.standby else parallel.rank, join)
+        parallel = parallel_config(args, plan.members[membership.worker_id])
+        membership.state["epoch"] = plan.epoch
+    await membership.set_status("loading")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     runner = await asyncio.to_thread(ModelRunner.from_config, runner_config(args, parallel), dist)
     if args.served_model_name:
         runner.metadata = dataclasses.replace(runner.metadata, name=args.served_model_name)
     return runner
-
-
-async def _wait_for_rendezvous(registry: Registry, group: str, worker_id: str) -> dict:
-    """The scheduler's plan that names this worker (it publishes one once all ranks are up)."""
-    while True:
-        plan = await registry.get_rendezvous(group)
-        if plan is not None and worker_id in plan.get("members", {}):
-            return plan
-        await asyncio.sleep(0.2)
 
 
 def free_port(host: str) -> int:

@@ -152,6 +152,11 @@ class ModelRunner:
             num_swap_blocks=num_swap_blocks, dist=dist,
         )
 
+    def reset_requests(self) -> None:
+        """Forget every request: a new scheduler session (or a re-formed group) re-sends each
+        one in full. The KV cache stays as it is; the scheduler owns which blocks are used."""
+        self.requests.clear()
+
     def info(self) -> RunnerInfo:
         config = self.model.config
         return RunnerInfo(

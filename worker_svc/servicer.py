@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 
@@ -17,6 +19,9 @@ from worker_svc.runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 STEP_ORDER_TIMEOUT_S = 60.0
+REFORMING = "re-forming the engine group"
+
+T = TypeVar("T")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -33,6 +38,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._order = asyncio.Condition()
         self._session_id = ""
         self._next_sequence = 0
+        # False while the engine group re-forms; each stop bumps the generation, so a step
+        # that was waiting for its turn across a re-formation is refused, not run on the new
+        # group with the old session's numbering.
+        self._accepting = True
+        self._generation = 0
 
     def _ready_runner(self) -> ModelRunner:
         if self.runner is None:
@@ -46,9 +56,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ExecuteStep(self, request: worker_pb2.ExecuteStepRequest,
                           context: grpc.aio.ServicerContext) -> worker_pb2.ExecuteStepResponse:
         runner = self._ready_runner()
+        if not self._accepting:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, REFORMING)
         step = convert.step_input_from_pb(request)
-        await self._wait_for_turn(request.session_id, request.sequence)
+        new_session = await self._wait_for_turn(request.session_id, request.sequence)
         loop = asyncio.get_running_loop()
+        if new_session:
+            # A new scheduler re-sends every request in full; the old session's must not
+            # linger. Queued ahead of the step, after any step of the old session.
+            self._executor.submit(runner.reset_requests)
         # Queued on the one model thread in sequence order; the next step may queue behind
         # it at once, so a pipeline stage starts step k+1 as soon as it finishes step k.
         future = loop.run_in_executor(self._executor, runner.execute_step, step)
@@ -59,7 +75,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             output = await future
         except ValueError as exc:  # an inconsistent step plan: the scheduler's bug, said plainly
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
-        except GroupStepError as exc:  # the ranks disagreed on the step, or a stage failed
+        except GroupStepError as exc:  # ranks disagreed, a stage failed, a peer was lost
             raise ServiceError(grpc.StatusCode.ABORTED, str(exc)) from exc
         self.num_steps += 1
         self.busy_time_s += output.forward_time_ms / 1000
@@ -76,10 +92,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                          pp_recv_time_s=round(dist.pp_recv_time_s, 6))
         return stats
 
-    async def _wait_for_turn(self, session_id: str, sequence: int) -> None:
+    async def stop_steps(self) -> None:
+        """Refuse steps (UNAVAILABLE) until `resume_steps`, including those waiting for their
+        turn. Steps already handed to the model thread still run (or fail) first."""
+        async with self._order:
+            self._accepting = False
+            self._generation += 1
+            self._order.notify_all()
+
+    async def resume_steps(self) -> None:
+        """Accept steps again, from step 0 of a scheduler session, as a fresh worker does."""
+        async with self._order:
+            self._session_id = ""
+            self._next_sequence = 0
+            self._accepting = True
+
+    async def run_on_model_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the model thread, after every step handed to it before."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _wait_for_turn(self, session_id: str, sequence: int) -> bool:
         """Waits until every earlier step of this scheduler session was handed to the model
-        thread. A new session (a restarted scheduler) starts at sequence 0."""
+        thread. A new session (a restarted scheduler) starts at sequence 0; returns whether
+        this step starts one."""
+        generation = self._generation
+
         def my_turn() -> bool:
+            if generation != self._generation:
+                return True  # steps stopped meanwhile
             if session_id != self._session_id:
                 return sequence == 0
             return sequence == self._next_sequence
@@ -93,9 +133,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     f"step {sequence} of session {session_id} never got its turn: expected "
                     f"step {self._next_sequence} of session {self._session_id or '(none)'}",
                 ) from exc
-            if session_id != self._session_id:
-                logger.info("new scheduler session %s", session_id)
-                self._session_id = session_id
+            if generation != self._generation or not self._accepting:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, REFORMING)
+            if session_id == self._session_id:
+                return False
+            logger.info("new scheduler session %s", session_id)
+            self._session_id = session_id
+            return True
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

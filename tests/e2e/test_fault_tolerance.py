@@ -194,3 +194,35 @@ def test_sigterm_drains_the_scheduler(mesh: Mesh, valkey: RestartableValkey, und
                           lambda: os.kill(victim, signal.SIGTERM), after_tokens=NUM_STREAMS * 6)
     assert_same_streams(streams, undisturbed, MAX_TOKENS, hf_model)
     assert pid_of(valkey, "scheduler") != victim
+
+
+@pytest.fixture(scope="module")
+def tp2_mesh(tiny_llama_dir: Path, valkey: RestartableValkey,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    log = tmp_path_factory.mktemp("logs") / "chaos-tp2.log"
+    mesh = Mesh(str(tiny_llama_dir), log, redis_url=valkey.url, cluster=TP2_CLUSTER,
+                extra_args=["--num-kv-blocks", "512", "--tp", "2", "--log-level", "INFO"])
+    try:
+        yield mesh.wait_ready()
+    finally:
+        mesh.stop()
+
+
+TP2_CLUSTER = "e2e-chaos-tp2"
+
+
+def test_tp2_worker_killed_mid_stream(tp2_mesh: Mesh, valkey: RestartableValkey,
+                                      hf_model: torch.nn.Module) -> None:
+    """One of two tensor-parallel ranks dies: the survivor re-forms its process group with
+    the restarted rank (no reload of its own shard) and every stream completes."""
+    calm = run_streams(tp2_mesh, prompts(NUM_STREAMS), MAX_TOKENS, "tp2-calm")
+    workers = entries(valkey.url, TP2_CLUSTER, "worker")
+    victim = next(e["pid"] for e in workers.values() if e["tp_rank"] == 1)
+    streams = run_streams(tp2_mesh, prompts(NUM_STREAMS), MAX_TOKENS, "tp2-kill",
+                          lambda: kill(victim), after_tokens=NUM_STREAMS * 6)
+    assert_same_streams(streams, calm, MAX_TOKENS, hf_model)
+    survivor = next(e for e in entries(valkey.url, TP2_CLUSTER, "worker").values()
+                    if e["tp_rank"] == 0)
+    assert survivor["num_reforms"] >= 1
+    scheduler = next(iter(entries(valkey.url, TP2_CLUSTER, "scheduler").values()))
+    assert scheduler["num_recoveries"] >= 1
