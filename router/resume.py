@@ -58,7 +58,7 @@ class ResumeConfig:
     timeout_s: float = 120.0
     # Backoff between attempts when no other group is there to try at once, seconds.
     initial_backoff_s: float = 0.1
-    max_backoff_s: float = 2.0
+    max_backoff_s: float = 0.5
     # Failures with a suspect status (UNKNOWN, INTERNAL, early end) retried in a row.
     max_suspect_retries: int = 2
 

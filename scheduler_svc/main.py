@@ -126,6 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
         return {"address": server.address, "group": args.group, "model": model_info.model,
                 "pid": os.getpid(), "host": socket.gethostname(), "status": loop.status,
                 "num_recoveries": loop.num_recoveries, "num_steps": loop.num_steps,
+                "members": [e.worker_id for e in loop.workers.endpoints],
                 "checkpoint_writes": checkpointer.num_writes,
                 "checkpoint_write_s": round(checkpointer.write_time_s, 6),
                 **asdict(loop.scheduler.stats())}

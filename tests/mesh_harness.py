@@ -116,13 +116,13 @@ class Mesh:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
-        survivors = [pid for pid in children if _alive(pid)]
+        survivors = [pid for pid in children if alive(pid)]
         if survivors:
             raise AssertionError(f"processes outlived `pagemesh up`: {survivors}")
         return self.process.returncode
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie awaiting its parent's wait() does not count)."""
     try:
         with open(f"/proc/{pid}/stat") as f:

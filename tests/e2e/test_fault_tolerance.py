@@ -25,7 +25,7 @@ from tests.e2e.chaos import (
     run_streams,
     wait_until,
 )
-from tests.mesh_harness import Mesh, free_port, greedy_request
+from tests.mesh_harness import Mesh, alive, free_port, greedy_request
 
 CLUSTER = "e2e-chaos"
 NUM_STREAMS = 32
@@ -93,20 +93,11 @@ def pid_of(valkey: RestartableValkey, kind: str, timeout_s: float = 60) -> int:
 
     def live() -> bool:
         found[:] = [e["pid"] for e in entries(valkey.url, CLUSTER, kind).values()
-                    if e.get("status", "ready") == "ready" and _alive(e["pid"])]
+                    if e.get("status", "ready") == "ready" and alive(e["pid"])]
         return bool(found)
 
     wait_until(live, timeout_s, f"a live {kind}")
     return found[0]
-
-
-def _alive(pid: int) -> bool:
-    """Running, and not a zombie its supervisor has yet to reap."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def kill(pid: int) -> None:

