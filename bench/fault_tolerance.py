@@ -54,6 +54,31 @@ def registered(redis_url: str, cluster: str, kind: str, timeout_s: float = 120) 
         client.close()
 
 
+def checkpoint_cost(model: str, redis_url: str, intervals: list[int], prompts: list[list[int]],
+                    max_tokens: int, rounds: int) -> list[dict]:
+    """Each round starts one mesh per setting in turn (only one alive at a time: idle
+    meshes on the same cores skew each other), warms it up and runs the workload."""
+    rates: dict[int, list[float]] = {i: [] for i in [0, *intervals]}
+    stats: dict[int, dict] = {}
+    for round_ in range(rounds):
+        for interval in rates:
+            name = f"ckpt{interval}-{round_}"
+            mesh = start_mesh(model, name, redis_url, ["--checkpoint-interval", str(interval)])
+            try:
+                run_mesh(mesh, prompts[:4], 8, 4)  # warm-up
+                rates[interval].append(
+                    run_mesh(mesh, prompts, max_tokens, len(prompts)).output_tokens_per_s)
+                info = registered(redis_url, f"bench-{name}", "scheduler")
+                for key in ("checkpoint_writes", "checkpoint_write_s", "num_steps"):
+                    stats.setdefault(interval, {}).setdefault(key, []).append(info.get(key, 0))
+            finally:
+                mesh.stop()
+    return [{"interval": i, "tok_s": statistics.median(r), "runs": r,
+             "writes": statistics.median(stats[i]["checkpoint_writes"]),
+             "write_s": statistics.median(stats[i]["checkpoint_write_s"]),
+             "steps": statistics.median(stats[i]["num_steps"])} for i, r in rates.items()]
+
+
 def checkpoint_cpu_ms_per_step(redis_url: str, interval: int, num_requests: int,
                                prompt_len: int, num_steps: int) -> float:
     """The scheduler process's CPU time that checkpointing adds per decode step, measured
