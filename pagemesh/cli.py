@@ -1,4 +1,5 @@
-"""The `pagemesh` command: `up` starts a local mesh, `generate` streams from a router."""
+"""The `pagemesh` command: `up` starts a local mesh, `generate` streams from a router,
+`top` shows a running cluster."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 from pagemesh import client, local_mesh
 from pagemesh.config import add_flag, add_tls_flags
+from pagemesh.top import add_top_parser
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="decoder layers per stage, e.g. 16,14 (default: as even as possible)")
     add_flag(up, "--attention-backend", default="auto", help="auto | torch | triton")
     add_flag(up, "--log-level", default="INFO", help="logging level of every service")
+    add_flag(up, "--otlp-traces-endpoint", default=None,
+             help="OTLP gRPC receiver of every service's trace spans, e.g. "
+                  "http://127.0.0.1:4317 (unset = the standard OTEL_EXPORTER_OTLP_* "
+                  "variables, which the services inherit; none = tracing off)")
     add_flag(up, "--api-key", action="append", default=None,
              help="API key the router requires as `authorization: Bearer <key>` (repeatable)")
     add_flag(up, "--max-queued-requests", type=int, default=1024,
@@ -104,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up_parser(sub)
     _add_generate_parser(sub)
+    add_top_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from pagemesh.metrics import MetricsConfig
 from pagemesh.registry import RegistryConfig
 from pagemesh.serving import ServerConfig
 from pagemesh.tls import TlsConfig
@@ -104,6 +105,14 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     add_flag(parser, "--shutdown-grace-s", type=float, default=5.0,
              help="seconds in-flight calls get to finish on SIGTERM")
     add_flag(parser, "--log-level", default="INFO", help="logging level")
+    add_flag(parser, "--otlp-traces-endpoint", default=None,
+             help="OTLP gRPC receiver of this service's trace spans, e.g. http://127.0.0.1:4317 "
+                  "(a bare host:port is plaintext); unset = the standard "
+                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, "
+                  "none of them = tracing off")
+    add_flag(parser, "--metrics-port", type=int, default=0,
+             help="port of the Prometheus /metrics endpoint on --host (plain HTTP); "
+                  "0 = any free port (published in the registry), -1 = off")
     add_tls_flags(parser)
 
 
@@ -118,6 +127,10 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
 
 def tls_config(args: argparse.Namespace) -> TlsConfig:
     return TlsConfig(cert_path=args.tls_cert, key_path=args.tls_key, ca_path=args.tls_ca)
+
+
+def metrics_config(args: argparse.Namespace) -> MetricsConfig:
+    return MetricsConfig(host=args.host, port=args.metrics_port, advertise_host=args.advertise_host)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -38,6 +38,8 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     the flags the compose files use too."""
     common = ["--redis-url", redis_url, "--cluster", args.cluster, "--host", args.host,
               "--log-level", args.log_level, *tls_config(args).flags()]
+    if args.otlp_traces_endpoint:
+        common += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     name = args.served_model_name or served_model_name(model)
     worker = ["--model", model, "--served-model-name", name, "--dtype", args.dtype,
               "--block-size", str(args.block_size),

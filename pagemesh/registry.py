@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,9 @@ class Registry:
         self._run_id: str | None = None
         # Told apart from a dead predecessor that had the same id (a restarted container).
         self.instance = uuid.uuid4().hex
+        # time.monotonic() of the last successful write of a service key (claim, heartbeat):
+        # the heartbeat age each service exports (pagemesh/metrics.py). None before the first.
+        self.last_heartbeat_s: float | None = None
 
     def key(self, kind: str, service_id: str) -> str:
         return f"{self.config.cluster}:{kind}:{service_id}"
@@ -66,6 +70,7 @@ class Registry:
         ttl_ms = int(self.config.ttl_s * 1000)
         await self._redis.set(self.key(kind, service_id),
                               json.dumps({"instance": self.instance, **info}), px=ttl_ms)
+        self.last_heartbeat_s = time.monotonic()
 
     async def remove(self, kind: str, service_id: str) -> None:
         await self._redis.delete(self.key(kind, service_id))
@@ -106,6 +111,7 @@ class Registry:
                 f"{self.config.cluster!r} by a live service ({holder}); pick another id "
                 "or cluster, or wait for its heartbeat to expire"
             )
+        self.last_heartbeat_s = time.monotonic()
 
     async def start_heartbeat(self, kind: str, service_id: str, info_fn: Any) -> None:
         """Claims the id, then publishes `info_fn()` every heartbeat until `close()`.

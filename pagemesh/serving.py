@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagemesh.logs import setup_logging
+from pagemesh.telemetry import server_interceptors, setup_tracing, shutdown_tracing
 from pagemesh.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class GrpcServer:
         self.config = config
         self.service_names = list(service_names)
         self.server = grpc.aio.server(
-            interceptors=[*interceptors, ErrorInterceptor()],
+            interceptors=[*server_interceptors(), *interceptors, ErrorInterceptor()],
             options=[
                 ("grpc.max_receive_message_length", config.max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -203,6 +204,7 @@ def run_service(service: str, args: Any, serve: Callable[[Any], Any]) -> None:
     one clear log line instead of a traceback through asyncio."""
     setup_logging(service, args.log_level)
     logger.info("%s config %s", service, vars(args))
+    tracer_provider = setup_tracing(f"pagemesh-{service}", getattr(args, "otlp_traces_endpoint", None))
     try:
         asyncio.run(serve(args))
     except KeyboardInterrupt:
@@ -210,3 +212,5 @@ def run_service(service: str, args: Any, serve: Callable[[Any], Any]) -> None:
     except (FatalStartupError, TimeoutError, OSError, ValueError) as exc:
         logger.error("fatal: %s", exc)
         sys.exit(1)
+    finally:
+        shutdown_tracing(tracer_provider)

@@ -129,6 +129,11 @@ FINISH_REASON_STOP = generate_pb2.FINISH_REASON_STOP
 FINISH_REASON_UNSPECIFIED = generate_pb2.FINISH_REASON_UNSPECIFIED
 
 
+def finish_reason_name(finish_reason: int) -> str:
+    """"stop", "length" or "abort", as OpenAI and the GenAI trace conventions spell them."""
+    return generate_pb2.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
 def generate_response(
     request_id: str,
     index: int,

@@ -25,11 +25,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pagemesh.auth import HTTP_HOW_TO, ApiKeys, missing_key_message
+from pagemesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagemesh.serving import ServiceError
+from pagemesh.telemetry import tracing_enabled
 from protos.pagemesh.v1 import generate_pb2
 from router import openai_protocol as oai
 from router.servicer import GenerationServicer
 from router.tokenizer import TokenizerError
+from router.tracing import TraceContextMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +48,12 @@ _STATUS_FOR_CODE = {
 def build_http_app(servicer: GenerationServicer, is_serving: Callable[[], bool],
                    api_keys: ApiKeys | None = None) -> Starlette:
     """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 ready engine group).
-    With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` stays open."""
+    With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` and
+    `/metrics` stay open."""
     api = _OpenAIApi(servicer, is_serving)
     middleware = [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []
+    if tracing_enabled():  # a `traceparent` header parents the request's Generate span
+        middleware.insert(0, Middleware(TraceContextMiddleware))
     return Starlette(
         middleware=middleware,
         routes=[
@@ -55,6 +61,7 @@ def build_http_app(servicer: GenerationServicer, is_serving: Callable[[], bool],
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
+            Route("/metrics", api.metrics, methods=["GET"]),
         ],
         exception_handlers={
             oai.ProtocolError: _protocol_error,
@@ -118,6 +125,10 @@ class _OpenAIApi:
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200 if self.is_serving() else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text format, as on the router's --metrics-port (open, like /health)."""
+        return Response(self.servicer.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(oai.models_object(await self._model_info(), self.created))

@@ -16,6 +16,8 @@ import uvicorn
 
 from pagemesh.auth import ApiKeyInterceptor, ApiKeys
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
+from pagemesh.config import metrics_config
+from pagemesh.metrics import RouterMetrics, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
@@ -89,7 +91,11 @@ async def serve(args: argparse.Namespace) -> None:
     pool = SchedulerPool(registry, args.discovery_interval_s, on_serving_changed, routing, config.tls,
                          resume)
     limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens)
-    servicer = GenerationServicer(tokenizer, pool, limits)
+    metrics = RouterMetrics()
+    servicer = GenerationServicer(tokenizer, pool, limits, metrics)
+    metrics.follow_router(lambda: pool.model_name, lambda: servicer.num_in_flight,
+                          lambda: pool.num_groups, lambda: pool.num_resumes)
+    metrics.follow_heartbeat(lambda: registry.last_heartbeat_s)
     server = GrpcServer(
         config,
         [SERVICE_NAME],
@@ -99,6 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     await server.start()
     server.install_signal_handlers()
+    metrics_server = await serve_metrics(metrics, metrics_config(args))
     await pool.refresh()
     await server.set_serving(pool.serving)
     pool_task = asyncio.create_task(pool.run())
@@ -107,7 +114,8 @@ async def serve(args: argparse.Namespace) -> None:
     await registry.start_heartbeat(
         "router", router_id, lambda: {"address": server.address, "num_groups": pool.num_groups,
                                       "serving": pool.serving, "pid": os.getpid(),
-                                      "host": socket.gethostname()}
+                                      "host": socket.gethostname(),
+                                      **metrics_server.registry_info()}
     )
     logger.info("router %s serving %s on %s", router_id, args.model, server.address)
     await server.wait_for_stop()
@@ -116,6 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.stop()
     pool_task.cancel()
     await pool.close()
+    await metrics_server.close()
 
 
 # --- OpenAI-compatible HTTP API (router/http_api.py), served by uvicorn in this event loop.

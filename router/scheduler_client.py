@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
 from pagemesh.checkpoints import CheckpointStore
 from pagemesh.registry import Registry
 from pagemesh.serving import ServiceError, unavailable
+from pagemesh.telemetry import grpc_metadata
 from pagemesh.tls import TlsConfig
 from protos.block_hash import hash_request_blocks
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -39,6 +41,7 @@ from protos.pagemesh.v1 import generate_pb2
 from router import convert
 from router.resume import Attempts, Progress, ResumeConfig, retry_kind
 from router.routing import GroupLoad, Router, RoutingConfig
+from router.tracing import group_failed_event, resume_event
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +119,19 @@ class SchedulerPool:
         self._outstanding: dict[str, int] = {}
         self._model_info: generate_pb2.GetModelInfoResponse | None = None
         self._serving = False
+        # Streams resumed on a group after the one serving them failed (router metrics).
+        self.num_resumes = 0
 
     @property
     def num_groups(self) -> int:
         """Ready groups: the replicas serving now (not degraded, draining, unreachable or
         dead ones kept while missing from the registry)."""
         return sum(g.ready and g.missing_since is None for g in self._groups.values())
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name once a group was asked (`model_info`), else ""."""
+        return self._model_info.model if self._model_info is not None else ""
 
     @property
     def serving(self) -> bool:
@@ -288,8 +298,8 @@ class SchedulerPool:
             await asyncio.sleep(attempts.next_backoff_s())
             exclude = frozenset()
 
-    async def submit(self, request: scheduler_pb2.SubmitRequest,
-                     progress: Progress | None = None) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+    async def submit(self, request: scheduler_pb2.SubmitRequest, progress: Progress | None = None,
+                     span: trace.Span | None = None) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         """Streams a request's new tokens as one continuous stream, whatever fails underneath.
 
         `progress` (updated in place as tokens arrive) is what each sample already produced:
@@ -298,20 +308,25 @@ class SchedulerPool:
         `progress` goes to another group (or the failed one's replacement) and the stream goes
         on after the last token received. A group that fails before the first token is
         replaced the same way. Mark samples a stop string ended with `progress.finish(i)`.
+        `span` (the request's Generate span) goes to every attempt as its parent; failures
+        and resumes are its events.
         """
         progress = progress or Progress.fresh(request.n)
+        metadata = grpc_metadata(span)
         info = await self.model_info()
         block_hashes = hash_request_blocks(list(request.prompt_token_ids), info.block_size)
         attempts = Attempts(self.resume, asyncio.get_running_loop().time, progress.started)
         while not progress.all_finished:
             group = await self._choose(block_hashes, attempts)
             if attempts.num_failures:
+                self.num_resumes += 1
                 logger.warning("request %s resumed on engine group %s with %s output tokens "
                                "already received (per sample)", request.request_id,
                                group.scheduler_id, progress.num_tokens())
+                resume_event(span, group.scheduler_id, progress.num_tokens())
             try:
                 async with contextlib.aclosing(
-                    self._stream(group, request, progress, block_hashes, attempts)
+                    self._stream(group, request, progress, block_hashes, attempts, metadata)
                 ) as responses:
                     async for response in responses:
                         yield response
@@ -322,6 +337,7 @@ class SchedulerPool:
                 code, details = exc.code(), exc.details() or str(exc.code())
             except grpc.aio.UsageError as exc:  # its channel was closed under it
                 code, details = grpc.StatusCode.CANCELLED, str(exc)
+            group_failed_event(span, group.scheduler_id, code, details)
             self._failed(group, request, progress, attempts, code, details)
 
     def _failed(self, group: _Group, request: scheduler_pb2.SubmitRequest, progress: Progress,
@@ -344,7 +360,8 @@ class SchedulerPool:
                        code.name if code else "early end", details, progress.num_tokens())
 
     async def _stream(self, group: _Group, request: scheduler_pb2.SubmitRequest, progress: Progress,
-                      block_hashes: list, attempts: Attempts
+                      block_hashes: list, attempts: Attempts,
+                      metadata: tuple[tuple[str, str], ...] | None = None
                       ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         """One attempt on one group; `_outstanding` counts prompt + max_tokens of each
         unfinished sample while it lasts (recomputed outputs are bounded by max_tokens too)."""
@@ -355,7 +372,7 @@ class SchedulerPool:
         self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + num_tokens
         progress.served_by(group.name)
         conn.num_calls += 1
-        call = conn.stub.Submit(submit)
+        call = conn.stub.Submit(submit, metadata=metadata)
         try:
             async for response in call:
                 progress.record(response.index, list(response.token_ids),

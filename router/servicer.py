@@ -22,17 +22,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 from redis.exceptions import RedisError
 
 from pagemesh.logs import request_id_var
+from pagemesh.metrics import ABORT, ERROR, RouterMetrics
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router import convert, replay
 from router.scheduler_client import SchedulerPool
+from router.tracing import describe_request, traced_generate
 from router.tokenizer import Tokenizer, TokenizerError
 from router.validation import ValidatedRequest, ValidationError, validate
 
 logger = logging.getLogger(__name__)
+
+
+# Finish reasons as vLLM's metrics name them.
+_FINISH_REASONS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
+                   generate_pb2.FINISH_REASON_ABORT: ABORT}
 
 
 @dataclass(frozen=True)
@@ -49,11 +57,12 @@ class AdmissionLimits:
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, pool: SchedulerPool,
-                 limits: AdmissionLimits | None = None) -> None:
+                 limits: AdmissionLimits | None = None, metrics: RouterMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.pool = pool
         self.limits = limits or AdmissionLimits()
         self.num_in_flight = 0
+        self.metrics = metrics or RouterMetrics()
         self._seeds = random.SystemRandom()
         self._background: set[asyncio.Task[None]] = set()
 
@@ -69,6 +78,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         token_ids = self._tokenize(request.text, request.apply_chat_template)
         return convert.tokenize_response(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids))
 
+    @traced_generate  # the request's span, router/tracing.py
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
@@ -80,11 +90,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 f"(--max-queued-requests {self.limits.max_queued_requests}); retry later",
             )
         self.num_in_flight += 1
+        timer = self.metrics.request(lambda: self.pool.model_name, request.n)
         try:
             # Closing this stream must close the inner one at once: that cancels the scheduler call.
             async with contextlib.aclosing(self._generate(request_id, request)) as responses:
                 async for response in responses:
+                    timer.observe(response.index, len(response.token_ids),
+                                  _FINISH_REASONS.get(response.finish_reason),
+                                  response.usage.prompt_tokens)
                     yield response
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            timer.end(ABORT)
+            raise
+        except Exception:
+            timer.end(ERROR)
+            raise
         finally:
             self.num_in_flight -= 1
 
@@ -96,9 +116,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
             plan = replay.fresh(self.tokenizer, submit)
         samples, progress = plan.samples, plan.progress
+        span = trace.get_current_span()  # Generate's (router/tracing.py), or a no-op one
+        if span.is_recording():
+            describe_request(span, plan.submit, progress.resumed, request.model,
+                             (await self.pool.model_info()).model)
         num_prompt_tokens = len(plan.submit.prompt_token_ids)
         cut_short = False  # a stop string ended a sample its scheduler was still running
-        async with contextlib.aclosing(self._chunks(plan)) as chunks:
+        async with contextlib.aclosing(self._chunks(plan, span)) as chunks:
             async for chunk in chunks:
                 sample = samples[chunk.index]
                 if sample.finished:
@@ -121,13 +145,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     self._forget_checkpoint(request_id, progress.groups, cut_short)
                     break  # closing `chunks` cancels the scheduler call when a stop string hit
 
-    async def _chunks(self, plan: replay.StreamPlan) -> AsyncIterator[Any]:
+    async def _chunks(self, plan: replay.StreamPlan, span: trace.Span) -> AsyncIterator[Any]:
         """The replayed checkpoint tokens, then the scheduler's (resumed across failures)."""
         for chunk in plan.replay:
             yield chunk
         if plan.progress.all_finished:
             return
-        async with contextlib.aclosing(self.pool.submit(plan.submit, plan.progress)) as chunks:
+        async with contextlib.aclosing(self.pool.submit(plan.submit, plan.progress, span)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

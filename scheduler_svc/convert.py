@@ -145,8 +145,10 @@ def _sampling_to_pb(new: NewRequestSchedule) -> worker_pb2.SamplingParams:
     )
 
 
-def step_to_pb(output: SchedulerOutput) -> worker_pb2.ExecuteStepRequest:
-    return worker_pb2.ExecuteStepRequest(
+def step_to_pb(output: SchedulerOutput, traceparents: dict[str, str] | None = None
+               ) -> worker_pb2.ExecuteStepRequest:
+    """The step for the workers; `traceparents`: the traced requests' span contexts."""
+    step = worker_pb2.ExecuteStepRequest(
         step_id=output.step_id,
         new_requests=[
             worker_pb2.NewRequest(
@@ -174,6 +176,9 @@ def step_to_pb(output: SchedulerOutput) -> worker_pb2.ExecuteStepRequest:
         blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
         blocks_to_copy=_pairs(output.blocks_to_copy),
     )
+    if traceparents:
+        step.traceparents.update(traceparents)
+    return step
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockPair]:

@@ -14,6 +14,7 @@ from scheduler_svc import convert
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent, RequestId, SchedulerOutput, StepResult
 from scheduler_svc.engine_group import EngineGroup, FormedGroup
+from scheduler_svc.tracing import RequestTracing
 from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class EngineLoop:
         self._recoveries_without_progress = 0
         self.on_status: list[Callable[[str], Awaitable[None]]] = []
         self.on_step: list[Callable[[], None]] = []
+        self.tracing = RequestTracing()  # the requests' spans, fed from every step
+        # Called with each non-empty step as it is scheduled, before it is sent (metrics).
+        self.on_schedule: list[Callable[[SchedulerOutput], None]] = []
 
     @property
     def num_streams(self) -> int:
@@ -135,7 +139,11 @@ class EngineLoop:
                 output = self.scheduler.schedule()
                 if output.is_empty:  # e.g. everything runnable is already in flight
                     break
-                task = asyncio.create_task(self.workers.execute_step(convert.step_to_pb(output)))
+                for hook in self.on_schedule:
+                    hook(output)
+                traceparents = self.tracing.on_scheduled(output, self.scheduler.requests)
+                step = convert.step_to_pb(output, traceparents)
+                task = asyncio.create_task(self.workers.execute_step(step))
                 pending.append((output, task))
             if not pending:
                 if self.scheduler.has_work():
@@ -165,6 +173,7 @@ class EngineLoop:
                 hook()
 
     def _deliver(self, events: list[RequestEvent]) -> None:
+        self.tracing.on_events(events)
         for event in events:
             queue = self._streams.get(event.request_id)
             if queue is None:
@@ -209,6 +218,7 @@ class EngineLoop:
                 queue = self._streams.pop(request.request_id, None)
                 if queue is not None:
                     queue.put_nowait(StepFailed(f"cannot resume on the re-formed group: {exc}"))
+        self.tracing.on_recovery(self._recovery_reason or "", time.monotonic() - started)
         self._recovery_reason = None
         self.num_recoveries += 1
         self._recoveries_without_progress += 1

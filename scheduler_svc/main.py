@@ -12,6 +12,8 @@ import time
 from dataclasses import asdict
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
+from pagemesh.config import metrics_config
+from pagemesh.metrics import SchedulerMetrics, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -20,6 +22,7 @@ from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
 from scheduler_svc.engine_loop import DRAINING, READY, EngineLoop
+from scheduler_svc.engine_metrics import observe_engine
 from scheduler_svc.servicer import SchedulerServicer
 
 logger = logging.getLogger(__name__)
@@ -120,6 +123,9 @@ async def serve(args: argparse.Namespace) -> None:
     )
     await server.start()
     server.install_signal_handlers()
+    metrics = SchedulerMetrics(args.group)
+    observe_engine(metrics, loop, checkpointer, registry)
+    metrics_server = await serve_metrics(metrics, metrics_config(args))
     scheduler_id = args.scheduler_id or args.group
 
     def registry_info() -> dict[str, object]:
@@ -129,7 +135,7 @@ async def serve(args: argparse.Namespace) -> None:
                 "members": [e.worker_id for e in loop.workers.endpoints],
                 "checkpoint_writes": checkpointer.num_writes,
                 "checkpoint_write_s": round(checkpointer.write_time_s, 6),
-                **asdict(loop.scheduler.stats())}
+                **asdict(loop.scheduler.stats()), **metrics_server.registry_info()}
 
     async def on_status(status: str) -> None:
         await server.set_serving(status == READY)
@@ -150,6 +156,7 @@ async def serve(args: argparse.Namespace) -> None:
     loop_task.cancel()
     await checkpointer.close()
     await loop.workers.close()
+    await metrics_server.close()
 
 
 async def _watch_members(loop: EngineLoop, group: EngineGroup, interval_s: float) -> None:

@@ -75,10 +75,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             yield convert.event_to_pb(event, index, with_logprobs=False)
         if not unfinished:
             await self.checkpointer.finish(request.request_id)
+        request_trace = self.loop.tracing.start(request.request_id, requests,
+                                                len(request.prompt_token_ids), bool(request.progress))
         try:
             while unfinished:
                 event = await queue.get()
                 if isinstance(event, StepFailed):
+                    self.loop.tracing.fail(request_trace, str(event))
                     raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(event))
                 index = convert.sample_index(event.request_id, n)
                 response = convert.event_to_pb(event, index, with_logprobs=request.logprobs > 0)
@@ -95,6 +98,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.checkpointer.orphan(request.request_id)
                 for request_id in unfinished:
                     self.loop.abort(request_id)
+            self.loop.tracing.end(request_trace)
 
 
 def _original(request: scheduler_pb2.SubmitRequest) -> bytes:

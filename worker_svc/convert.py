@@ -59,6 +59,16 @@ def step_input_from_pb(pb: worker_pb2.ExecuteStepRequest) -> StepInput:
     )
 
 
+def step_trace_from_pb(pb: worker_pb2.ExecuteStepRequest) -> tuple[list[str], int, int]:
+    """(`traceparent` of each traced request, cached requests first then new ones in step
+    order; requests computed; tokens computed) of one step."""
+    traceparents = pb.traceparents
+    ordered = [traceparents[r.request_id] for requests in (pb.cached_requests, pb.new_requests)
+               for r in requests if r.request_id in traceparents]
+    scheduled = pb.num_scheduled_tokens
+    return ordered, len(scheduled), sum(scheduled.values())
+
+
 def step_output_to_pb(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
     return worker_pb2.ExecuteStepResponse(
         step_id=output.step_id,

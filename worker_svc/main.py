@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
+from pagemesh.config import metrics_config
+from pagemesh.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -110,6 +112,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     await server.start()
     server.install_signal_handlers()
+    metrics_server = await serve_metrics(worker_metrics(args.group, layout, servicer, registry),
+                                         metrics_config(args))
     state: dict[str, object] = {"status": "standby" if args.standby else "joining", "epoch": "",
                                 "num_reforms": 0}
     dist_host = args.advertise_host or args.host
@@ -118,7 +122,7 @@ async def serve(args: argparse.Namespace) -> None:
     def registry_info() -> dict[str, object]:
         return {"address": server.address, "group": args.group, "dist_addr": dist_addr,
                 "model": args.served_model_name or args.model, "pid": os.getpid(),
-                **layout, **state, **servicer.stats()}
+                **layout, **state, **servicer.stats(), **metrics_server.registry_info()}
 
     membership = Membership(registry, args.group, worker_id, parallel.world_size, state,
                             lambda: registry.put("worker", worker_id, registry_info()))
@@ -145,6 +149,26 @@ async def serve(args: argparse.Namespace) -> None:
         await registry.close(deregister=[("worker", worker_id)])
         await server.stop()
         servicer.close()
+        await metrics_server.close()
+
+
+def worker_metrics(group: str, layout: dict[str, int], servicer: WorkerServicer,
+                   registry: Registry) -> WorkerMetrics:
+    """This worker's Prometheus metrics: forward times as steps end, counters at scrape."""
+    metrics = WorkerMetrics(group, layout)
+    metrics.follow_heartbeat(lambda: registry.last_heartbeat_s)
+    servicer.on_step.append(metrics.observe_forward)
+
+    def snapshot() -> WorkerSnapshot:
+        # The process group's timers are cumulative and survive a re-formation (same object).
+        if servicer.runner is None:  # still loading
+            return WorkerSnapshot(servicer.num_steps, 0.0, 0.0, 0.0)
+        dist = servicer.runner.dist
+        return WorkerSnapshot(servicer.num_steps, dist.tp_collective_time_s, dist.pp_send_time_s,
+                              dist.pp_recv_time_s)
+
+    metrics.follow_worker(snapshot)
+    return metrics
 
 
 async def _join_and_load(args: argparse.Namespace, membership: Membership,

@@ -15,6 +15,7 @@ from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc import convert
 from worker_svc.distributed import GroupStepError
 from worker_svc.runner import ModelRunner
+from worker_svc.tracing import traced_step
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.num_steps = 0
         self.busy_time_s = 0.0  # in execute_step, from the model thread's point of view
+        # Called with each step's forward time, seconds, once it succeeded (metrics).
+        self.on_step: list[Callable[[float], None]] = []
         # Step order: (session, next sequence number) of the scheduler driving this worker.
         self._order = asyncio.Condition()
         self._session_id = ""
@@ -53,6 +56,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             context: grpc.aio.ServicerContext) -> worker_pb2.GetWorkerInfoResponse:
         return convert.worker_info_to_pb(self._ready_runner().info(), self.worker_id, self.layout)
 
+    @traced_step  # the step's span, worker_svc/tracing.py
     async def ExecuteStep(self, request: worker_pb2.ExecuteStepRequest,
                           context: grpc.aio.ServicerContext) -> worker_pb2.ExecuteStepResponse:
         runner = self._ready_runner()
@@ -79,6 +83,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise ServiceError(grpc.StatusCode.ABORTED, str(exc)) from exc
         self.num_steps += 1
         self.busy_time_s += output.forward_time_ms / 1000
+        for hook in self.on_step:
+            hook(output.forward_time_ms / 1000)
         return convert.step_output_to_pb(output)
 
     def stats(self) -> dict[str, float | int]:

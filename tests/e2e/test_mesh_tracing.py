@@ -1,0 +1,151 @@
+"""One OpenTelemetry trace per request through a real mesh (`pagemesh up`), exported over
+OTLP/gRPC to a real receiver in this test: router, scheduler and worker spans share the trace
+id, with the right parents, links and GenAI attributes; an incoming `traceparent` (gRPC
+metadata or the HTTP header) becomes the router span's parent."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from tests.mesh_harness import Mesh, free_port, greedy_request
+from tests.otlp_receiver import SPAN_KIND_SERVER, STATUS_CODE_ERROR, OtlpReceiver, ReceivedSpan
+
+PROMPT_IDS = list(range(5, 25))  # 20 tokens: one full KV block of 16, shared by equal prompts
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def http_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def traced_mesh(tiny_llama_dir: Path, redis_url: str, receiver: OtlpReceiver, http_port: int,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    log = tmp_path_factory.mktemp("logs") / "traced-mesh.log"
+    with pytest.MonkeyPatch.context() as env:  # the services inherit it at start
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms: spans reach the receiver quickly
+        mesh = Mesh(str(tiny_llama_dir), log, redis_url=redis_url, cluster="e2e-traced",
+                    extra_args=["--num-kv-blocks", "64", "--http-port", str(http_port),
+                                "--otlp-traces-endpoint", receiver.endpoint])
+    try:
+        yield mesh.wait_ready()
+    finally:
+        mesh.stop()
+
+
+def _traceparent() -> tuple[str, str, str]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+def _complete(spans: list[ReceivedSpan]) -> bool:
+    names = {(s.service, s.name) for s in spans}
+    return {("pagemesh-router", "Generate"), ("pagemesh-scheduler", "Submit"),
+            ("pagemesh-scheduler", "decode"), ("pagemesh-worker", "execute_step")} <= names
+
+
+def _one(spans: list[ReceivedSpan], service: str, name: str) -> ReceivedSpan:
+    found = [s for s in spans if s.service == service and s.name == name]
+    assert len(found) == 1, [(s.service, s.name) for s in spans]
+    return found[0]
+
+
+def test_grpc_request_is_one_trace_across_router_scheduler_and_worker(
+        traced_mesh: Mesh, receiver: OtlpReceiver) -> None:
+    header, trace_id, caller_span_id = _traceparent()
+    request = greedy_request(PROMPT_IDS, MAX_TOKENS, request_id="traced-grpc-1")
+    request.sampling.seed = 7
+    chunks = list(traced_mesh.stub.Generate(request, timeout=120, metadata=[("traceparent", header)]))
+    assert sum(len(c.token_ids) for c in chunks) == MAX_TOKENS
+
+    spans = receiver.wait_for(_complete, trace_id)
+    generate = _one(spans, "pagemesh-router", "Generate")
+    assert generate.parent_span_id == caller_span_id and generate.kind == SPAN_KIND_SERVER
+    attributes = generate.attributes
+    assert attributes["gen_ai.operation.name"] == "text_completion"
+    assert attributes["gen_ai.request.model"] == attributes["gen_ai.response.model"] == "tiny-llama"
+    assert attributes["gen_ai.request.max_tokens"] == MAX_TOKENS
+    assert attributes["gen_ai.request.temperature"] == 0.0
+    assert attributes["gen_ai.request.seed"] == 7
+    assert attributes["gen_ai.usage.input_tokens"] == len(PROMPT_IDS)
+    assert attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
+    assert attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert attributes["gen_ai.response.id"] == attributes["pagemesh.request_id"] == "traced-grpc-1"
+    assert not any(key.startswith("gen_ai.usage.prompt") for key in attributes)
+
+    submit = _one(spans, "pagemesh-scheduler", "Submit")
+    assert submit.parent_span_id == generate.span_id and submit.kind == SPAN_KIND_SERVER
+    assert submit.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
+    phases = {name: _one(spans, "pagemesh-scheduler", name) for name in ("queue", "prefill", "decode")}
+    assert all(p.parent_span_id == submit.span_id for p in phases.values())
+
+    steps = [s for s in spans if s.service == "pagemesh-worker" and s.name == "execute_step"]
+    assert len(steps) >= MAX_TOKENS  # one prefill step, then a decode step per further token
+    for step in steps:
+        assert step.parent_span_id == submit.span_id
+        assert (trace_id, submit.span_id) in step.links
+        assert step.attributes["pagemesh.step.num_tokens"] >= 1
+        assert step.attributes["pagemesh.step.forward_time_ms"] > 0
+    assert {s.trace_id for s in spans} == {trace_id}
+
+
+def test_without_traceparent_the_router_span_starts_the_trace(
+        traced_mesh: Mesh, receiver: OtlpReceiver) -> None:
+    prompt = [3, *PROMPT_IDS]  # not the other tests' prompt: the first request misses the cache
+    for request_id in ("traced-root-a", "traced-root-b"):
+        list(traced_mesh.stub.Generate(greedy_request(prompt, 2, request_id=request_id), timeout=120))
+
+    def generate_span(spans: list[ReceivedSpan]) -> ReceivedSpan | None:
+        return next((s for s in spans if s.name == "Generate"
+                     and s.attributes.get("pagemesh.request_id") == "traced-root-b"), None)
+
+    root = generate_span(receiver.wait_for(lambda spans: generate_span(spans) is not None))
+    assert root is not None and root.parent_span_id == ""
+    spans = receiver.wait_for(_complete, root.trace_id)
+    assert _one(spans, "pagemesh-scheduler", "Submit").parent_span_id == root.span_id
+    # The second request's first block comes from the prefix cache.
+    prefill = _one(spans, "pagemesh-scheduler", "prefill")
+    assert ("prefix_cache_hit", {"pagemesh.cached_tokens": 16}) in prefill.events
+
+
+def test_http_traceparent_header_parents_the_chat_span(traced_mesh: Mesh, receiver: OtlpReceiver,
+                                                       http_port: int) -> None:
+    header, trace_id, caller_span_id = _traceparent()
+    reply = httpx.post(
+        f"http://127.0.0.1:{http_port}/v1/chat/completions",
+        json={"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        headers={"traceparent": header}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    spans = receiver.wait_for(_complete, trace_id)
+    generate = _one(spans, "pagemesh-router", "Generate")
+    assert generate.parent_span_id == caller_span_id
+    assert generate.attributes["gen_ai.operation.name"] == "chat"
+    assert generate.attributes["gen_ai.response.id"] == reply.json()["id"]
+    assert generate.attributes["gen_ai.usage.output_tokens"] == 4
+    assert _one(spans, "pagemesh-scheduler", "Submit").parent_span_id == generate.span_id
+
+
+def test_a_refused_request_is_an_error_span(traced_mesh: Mesh, receiver: OtlpReceiver) -> None:
+    header, trace_id, caller_span_id = _traceparent()
+    request = greedy_request(PROMPT_IDS, 10**6, request_id="traced-refused")  # past the context
+    with pytest.raises(grpc.RpcError) as refused:
+        list(traced_mesh.stub.Generate(request, timeout=60, metadata=[("traceparent", header)]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (generate,) = receiver.wait_for(lambda spans: any(s.name == "Generate" for s in spans), trace_id)
+    assert generate.parent_span_id == caller_span_id
+    assert generate.status_code == STATUS_CODE_ERROR
+    assert generate.attributes["error.type"] == "INVALID_ARGUMENT"
