@@ -346,7 +346,7 @@ def test_a_stream_resumed_after_a_group_failed_is_counted_and_timed_as_one(redis
                                                                            tmp_path) -> None:
     from router.tokenizer import load_tokenizer
     from tests.bpe_folder import write_bpe_folder
-    from tests.router.test_resume import Router, request, run
+    from tests.router.scripted_router import Router, request, run
 
     tokenizer = load_tokenizer(str(write_bpe_folder(tmp_path / "bpe")))
 

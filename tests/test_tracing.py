@@ -25,8 +25,8 @@ from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.types import SchedulerOutput
 from scheduler_svc.tracing import RequestTracing
 from tests.bpe_folder import write_bpe_folder
-from tests.router.test_resume import Router, ScriptedScheduler, run
-from tests.router.test_resume import request as resume_request
+from tests.router.scripted_router import Router, ScriptedScheduler, run
+from tests.router.scripted_router import request as resume_request
 from tests.scheduler.core_harness import fake_step, make_request
 from worker_svc.tracing import start_step_span
 
