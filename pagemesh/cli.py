@@ -1,5 +1,5 @@
 """The `pagemesh` command: `up` starts a local mesh, `generate` streams from a router,
-`top` shows a running cluster."""
+`top` shows a running cluster, `health` checks one service (for container health checks)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 from pagemesh import client, local_mesh
 from pagemesh.config import add_flag, add_tls_flags
+from pagemesh.health import add_health_parser
 from pagemesh.top import add_top_parser
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_up_parser(sub)
     _add_generate_parser(sub)
     add_top_parser(sub)
+    add_health_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
