@@ -29,6 +29,9 @@ class GroupSpec:
     worker_wait_s: float
     step_timeout_s: float
     tls: TlsConfig
+    # At the first formation, seconds before a standby may take a slot whose worker has
+    # not registered yet (re-formations use standbys at once).
+    standby_grace_s: float = 60.0
 
 
 @dataclass
@@ -61,7 +64,8 @@ class EngineGroup:
         spec = self.spec
         endpoints = await form_group(self.registry, spec.group, spec.tp, spec.pp,
                                      timeout_s or spec.worker_wait_s,
-                                     frozenset(self.dead_instances), prefer)
+                                     frozenset(self.dead_instances), prefer,
+                                     standby_after_s=0.0 if previous else spec.standby_grace_s)
         workers = WorkerGroupClient(endpoints, spec.step_timeout_s, spec.tls)
         try:
             infos = await workers.get_info()

@@ -34,12 +34,14 @@ _CANDIDATE = ("joining", "loading", "ready")
 
 def choose_members(entries: dict[str, dict[str, Any]], group: str, tp_size: int, pp_size: int,
                    exclude: frozenset[str] = frozenset(),
-                   prefer: frozenset[str] = frozenset()) -> dict[tuple[int, int], str] | None:
+                   prefer: frozenset[str] = frozenset(),
+                   use_standby: bool = True) -> dict[tuple[int, int], str] | None:
     """One live worker per (pp_rank, tp_rank) slot of the layout, or None while a slot is
     empty. Workers of another layout, and those whose `instance` is in `exclude` (found
     dead), are ignored. For a slot, a worker in `prefer` (the last members: they keep their
     state) wins, then a ready one, then the smallest id, so every scheduler picks the same.
-    Slots still empty take `standby` workers (no rank of their own), smallest id first."""
+    With `use_standby`, slots still empty take `standby` workers (no rank of their own),
+    smallest id first."""
     slots: dict[tuple[int, int], str] = {}
     standbys: list[str] = []
 
@@ -59,7 +61,7 @@ def choose_members(entries: dict[str, dict[str, Any]], group: str, tp_size: int,
         elif info.get("status") in _CANDIDATE:
             slots.setdefault((info.get("pp_rank", 0), info.get("tp_rank", 0)), worker_id)
     empty = [(pp, tp) for pp in range(pp_size) for tp in range(tp_size) if (pp, tp) not in slots]
-    for slot, worker_id in zip(empty, sorted(standbys)):
+    for slot, worker_id in zip(empty, sorted(standbys) if use_standby else []):
         slots[slot] = worker_id
     if len(slots) < tp_size * pp_size:
         return None
@@ -68,8 +70,12 @@ def choose_members(entries: dict[str, dict[str, Any]], group: str, tp_size: int,
 
 async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
                      timeout_s: float, exclude: frozenset[str] = frozenset(),
-                     prefer: frozenset[str] = frozenset()) -> list[WorkerEndpoint]:
+                     prefer: frozenset[str] = frozenset(),
+                     standby_after_s: float = 0.0) -> list[WorkerEndpoint]:
     """Returns the group's workers sorted by (pp_rank, tp_rank) once every one is ready.
+
+    Standbys fill empty slots only after `standby_after_s`: at a first formation, workers
+    still starting must not lose their rank to a standby that happened to register first.
 
     A multi-worker group gets a new rendezvous plan (epoch) unless the chosen members are
     exactly those of the current plan and all still ready in it (a restarted scheduler
@@ -77,10 +83,12 @@ async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    standby_from = loop.time() + standby_after_s
     members = None
     while members is None:
         entries = await registry.list("worker")
-        members = choose_members(entries, group, tp_size, pp_size, exclude, prefer)
+        members = choose_members(entries, group, tp_size, pp_size, exclude, prefer,
+                                 use_standby=loop.time() >= standby_from)
         if members is None:
             if loop.time() > deadline:
                 raise TimeoutError(

@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="seconds to wait for the group's workers to register")
     add_flag(parser, "--step-timeout-s", type=float, default=300.0,
              help="seconds one step may take before it counts as failed")
+    add_flag(parser, "--standby-grace-s", type=float, default=60.0,
+             help="at start, seconds before a standby worker may take the rank of a worker "
+                  "that has not registered yet")
     add_flag(parser, "--recovery-timeout-s", type=float, default=300.0,
              help="seconds to wait for a dead worker's replacement (or a standby) before the "
                   "requests in flight are handed back to the routers")
@@ -103,7 +106,7 @@ async def serve(args: argparse.Namespace) -> None:
     registry = Registry(registry_config(args))
     await registry.ping()
     spec = GroupSpec(args.group, args.tp, args.pp, args.worker_wait_s, args.step_timeout_s,
-                     server_config(args).tls)
+                     server_config(args).tls, args.standby_grace_s)
     group = EngineGroup(registry, spec, config_for(args))
     formed = await group.form()
     logger.info("scheduler config %s", asdict(formed.config))

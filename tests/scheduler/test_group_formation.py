@@ -24,3 +24,11 @@ def test_missing_slot_other_group_or_layout_means_not_yet() -> None:
     entries["wrong-layout"] = entry(pp=1, tp_size=1)
     assert choose_members(entries, "g0", 2, 2) is None
     assert choose_members({"w": entry(tp_size=1, pp_size=1, status="ready")}, "g0", 1, 1) == {(0, 0): "w"}
+
+
+def test_standbys_fill_empty_slots_only_when_allowed() -> None:
+    entries = {"w0": entry(tp=0, tp_size=2, pp_size=1, status="ready"),
+               "s1": {**entry(tp=-1, pp=-1, tp_size=2, pp_size=1), "status": "standby"}}
+    # At a first formation a standby must not take the rank of a worker still starting.
+    assert choose_members(entries, "g0", 2, 1, use_standby=False) is None
+    assert choose_members(entries, "g0", 2, 1) == {(0, 0): "w0", (0, 1): "s1"}
