@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.compose.compose_files import REPO_ROOT
+from tests.mesh_harness import free_port
 from tests.netns import Host
 
 URL_VARIABLES = {"PAGEMESH_REDIS_URL", "PAGEMESH_OTLP_TRACES_ENDPOINT",
@@ -51,12 +52,6 @@ REDIS_PORT = 6379
 
 class ComposeTranslationError(ValueError):
     """A compose service says something a local run cannot map: most likely a typo."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
