@@ -13,11 +13,11 @@ from typing import Protocol
 
 import torch
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,22 @@ class TorchAttentionBackend:
         scale: float, sliding_window: int | None = None,
     ) -> torch.Tensor:
         return reference.paged_attention(
+            query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, scale, sliding_window=sliding_window,
+        )
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """`kernels/cpu_attention.py`: the reference's math, arranged for CPU speed (one gather
+    and two batched matmuls per layer for a batch of decodes)."""
+
+    name = "cpu"
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+        scale: float, sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        return cpu_attention.paged_attention(
             query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, scale, sliding_window=sliding_window,
         )
@@ -123,13 +139,18 @@ class TritonAttentionBackend:
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """"torch" (the reference ops) anywhere; "triton" anywhere (on CPU through Triton's
-    interpreter, for tests); "auto" is triton on CUDA and torch elsewhere."""
+    """"torch" (the reference ops) anywhere; "cpu" (the same math arranged for speed) on CPU;
+    "triton" anywhere (on CPU through Triton's interpreter, for tests); "auto" is triton on
+    CUDA, cpu on CPU and torch elsewhere."""
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"the 'cpu' attention backend runs on CPU only, not {device}")
+        return CpuAttentionBackend()
     if name == "triton":
         return TritonAttentionBackend(device)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")

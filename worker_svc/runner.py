@@ -45,6 +45,7 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.loader import ModelMetadata, load_model
 from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.matmul import pack_linear_weights
 from worker_svc.parallel import ParallelConfig, global_rank
 from worker_svc.types import SampledToken, StepInput, StepOutput
 
@@ -68,6 +69,7 @@ class RunnerConfig:
     swap_space_bytes: int = 0  # CPU memory for preempted requests' KV; 0 = no swapping
     max_model_len: int | None = None  # tokens; default: the model's own limit
     attention_backend: str = "auto"  # auto | torch | triton
+    cpu_linear: str = "auto"  # auto | onednn | torch: how linear layers multiply on CPU
     parallel: ParallelConfig = ParallelConfig()  # this rank's place in its engine group
 
     def __post_init__(self) -> None:
@@ -112,8 +114,10 @@ class ModelRunner:
         attention_backend: str = "auto",
         num_swap_blocks: int = 0,
         dist: DistributedContext | None = None,
+        cpu_linear: str = "auto",
     ) -> None:
         self.model = model
+        self.cpu_linear = pack_linear_weights(model, cpu_linear)
         self.metadata = metadata
         self.device = torch.device(device)
         self.parallel = model.parallel
@@ -149,7 +153,7 @@ class ModelRunner:
         return cls(
             model, metadata, num_blocks=num_blocks, block_size=config.block_size,
             device=config.device, attention_backend=config.attention_backend,
-            num_swap_blocks=num_swap_blocks, dist=dist,
+            num_swap_blocks=num_swap_blocks, dist=dist, cpu_linear=config.cpu_linear,
         )
 
     def reset_requests(self) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker_svc.model.config import RopeConfig
+from worker_svc.model.matmul import linear
 
 
 class RMSNorm(nn.Module):
@@ -115,6 +116,7 @@ class MergedLinear(nn.Linear):
     def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool,
                  part_row_starts: dict[str, int] | None = None) -> None:
         super().__init__(in_features, sum(part_sizes.values()), bias=bias)
+        self.packed_weight: torch.Tensor | None = None  # see matmul.pack_linear_weights
         self.part_sizes = dict(part_sizes)
         self.part_row_starts = {name: 0 for name in part_sizes} | dict(part_row_starts or {})
         self.part_offsets: dict[str, int] = {}
@@ -122,6 +124,9 @@ class MergedLinear(nn.Linear):
         for name, size in part_sizes.items():
             self.part_offsets[name] = offset
             offset += size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
     def checkpoint_slice(self, part: str) -> tuple[slice, ...]:
         """The rows of the checkpoint's `part` tensor (weight or bias) this module holds."""

@@ -208,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
                                    parallel.tp_rank, comm)
             if needs_head else None
         )
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        if parallel.is_last_stage and head is not None:
+            head.packed_weight = None  # the logits matmul may be packed (matmul.py)
 
     @property
     def num_local_layers(self) -> int:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.matmul import linear
 
 Index = tuple[slice, ...]  # what the loader applies to a checkpoint tensor
 FULL: Index = (slice(None),)
@@ -109,11 +110,12 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.weight = nn.Parameter(torch.empty(out_features, in_size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # see matmul.pack_linear_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # one fused op, as nn.Linear (and transformers) round it
-            return F.linear(x, self.weight, self.bias)
-        out = self.comm.tp_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        out = self.comm.tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
         return out if self.bias is None else out + self.bias
 
     def checkpoint_slice(self, param_name: str) -> Index:
@@ -143,6 +145,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_stop = max(self.vocab_start,
                               min(self.vocab_start + self.num_local_rows, vocab_size))
         self.weight = nn.Parameter(torch.empty(self.num_local_rows, hidden_size))
+        # The embedding lookup reads the plain rows, so packing (matmul.pack_linear_weights)
+        # keeps them; only the module that computes logits opts in to packing (the model
+        # sets its `packed_weight` to None).
+        self.keeps_plain_weight = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -155,7 +161,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> fp32 logits [num_rows, vocab_size]."""
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight, None, getattr(self, "packed_weight", None))
         if self.tp_size == 1:
             return local.float()
         return self.comm.tp_all_gather(local, dim=-1)[:, : self.vocab_size].float()

@@ -1,0 +1,129 @@
+"""Paged attention for CPU: plain torch ops, arranged so each layer costs one gather and two
+batched matmuls instead of the reference's per-head copies.
+
+Same signatures and cache layout as `kernels/reference.py` (read its docstring first); the
+reference stays the readable definition that every kernel, this one included, is tested
+against. What differs:
+
+- Decodes (q_len == 1) of the whole batch go together: K and V are gathered once per layer
+  (whole blocks, one `index_select` each) and attended by one
+  `F.scaled_dot_product_attention` call (a fused flash kernel on CPU, GQA without copies)
+  with a key-padding mask. Measured at 64 sequences x 144 tokens, 8 heads / 4 KV heads,
+  one thread: 2.8 ms per layer against the reference's 19 ms.
+- Prefills and chunked prefills run one sequence at a time through the same kernel with
+  a causal mask offset by the cached context.
+- Everything stays in the cache's dtype (bf16 runs bf16, accumulating in fp32 inside the
+  kernel) except fp16, which is computed in fp32.
+
+Like the reference, slots past a sequence's length must hold finite values (the cache is
+allocated zeroed): they get probability 0, and 0 x NaN would still be NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from kernels.reference import store_kv  # noqa: F401  (index_copy_: already one op per layer)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """As `reference.paged_attention`: [num_tokens, num_heads, head_dim] in the query's dtype."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads != 0 or k_cache.shape[3] != head_dim:
+        raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {num_kv_heads} "
+                         f"kv heads x {k_cache.shape[3]}")
+    starts = query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    if all(q_len == 1 for q_len in q_lens):  # the steady state: no index juggling at all
+        return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    out = torch.empty_like(query)
+    decode_rows = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    if decode_rows:
+        rows = torch.tensor(decode_rows)
+        token_rows = torch.tensor([starts[i] for i in decode_rows])
+        out[token_rows] = _decode(query[token_rows], k_cache, v_cache, block_tables[rows],
+                                  seq_lens[rows], scale, sliding_window)
+    lens = seq_lens.tolist()
+    for i, q_len in enumerate(q_lens):
+        if q_len > 1:
+            start = starts[i]
+            out[start:start + q_len] = _extend(query[start:start + q_len], k_cache, v_cache,
+                                               block_tables[i], lens[i], scale, sliding_window)
+    return out
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache [num_blocks, block_size, kv_heads, D], blocks [S, n] ->
+    [S, n * block_size, kv_heads, D] in `dtype`: one contiguous copy of whole blocks."""
+    num_seqs, num_blocks = blocks.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    # On a 2-D view each block is one contiguous row: index_select copies rows with memcpy
+    # (4x faster than on the 4-D cache).
+    flat = cache.view(cache.shape[0], block_size * num_kv_heads * head_dim)
+    gathered = flat.index_select(0, blocks.reshape(-1)).to(dtype)
+    return gathered.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+
+
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+            sliding_window: int | None) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    dtype = _compute_dtype(query.dtype)
+    lens = seq_lens.to(torch.long)
+    num_blocks = -(-int(lens.max()) // block_size)
+    blocks = block_tables[:, :num_blocks].to(torch.long)
+    # [S, C, KVH, D] seen as [S, KVH, C, D]: SDPA's CPU kernel reads the strides in place.
+    k = _gather(k_cache, blocks, dtype).transpose(1, 2)
+    v = _gather(v_cache, blocks, dtype).transpose(1, 2)
+    keys = torch.arange(k.shape[2])
+    visible = keys[None, :] < lens[:, None]  # [S, C]
+    if sliding_window is not None:
+        visible &= keys[None, :] > (lens - 1 - sliding_window)[:, None]
+    out = F.scaled_dot_product_attention(
+        query.to(dtype)[:, :, None], k, v, attn_mask=visible[:, None, None, :], scale=scale,
+        enable_gqa=num_heads != num_kv_heads)
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _extend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_table: torch.Tensor, seq_len: int, scale: float,
+            sliding_window: int | None) -> torch.Tensor:
+    """One sequence's q_len (> 1) newest tokens over its seq_len tokens of context."""
+    q_len, num_heads, head_dim = query.shape
+    if q_len > seq_len:
+        raise ValueError(f"{q_len} query tokens cannot exceed a context of {seq_len}")
+    block_size = k_cache.shape[1]
+    dtype = _compute_dtype(query.dtype)
+    blocks = block_table[: -(-seq_len // block_size)].to(torch.long)[None]
+    k = _gather(k_cache, blocks, dtype)[0, :seq_len].transpose(0, 1)  # [KVH, C, D]
+    v = _gather(v_cache, blocks, dtype)[0, :seq_len].transpose(0, 1)
+    q = query.to(dtype).transpose(0, 1)  # [H, Q, D]
+    mask = None
+    if sliding_window is not None or q_len != seq_len:
+        positions = torch.arange(seq_len - q_len, seq_len)[:, None]
+        keys = torch.arange(seq_len)[None, :]
+        visible = keys <= positions
+        if sliding_window is not None:
+            visible &= keys > positions - sliding_window
+        mask = visible
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=num_heads != k.shape[0])
+    return out[0].transpose(0, 1).to(query.dtype)

@@ -1,0 +1,48 @@
+"""The CPU attention backend (`kernels/cpu_attention.py`) against the reference ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_attention, reference
+from tests.kernels.paged_batch import assert_matches_reference, build_paged_batch
+from worker_svc.attention import get_attention_backend
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+# Ragged contexts with partly filled last blocks; all-decode batches (the fast path), mixed
+# decode + chunked-prefill + fresh-prefill batches, GQA / MQA / MHA, sliding windows.
+@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size,dtype,window", [
+    ([1, 8, 13, 30], [1, 1, 1, 1], 4, 4, 64, 8, F32, None),
+    ([17, 5, 48], [1, 5, 10], 8, 2, 96, 16, F32, None),
+    ([33, 64, 7], [33, 1, 3], 4, 1, 128, 32, BF16, None),
+    ([130, 3], [1, 3], 2, 1, 64, 128, F16, None),
+    ([9, 21, 40], [9, 1, 40], 6, 2, 24, 4, F32, 5),
+    ([9, 21, 40], [1, 1, 1], 6, 2, 24, 4, F32, 7),
+    ([144] * 16, [1] * 16, 8, 4, 64, 16, BF16, None),
+])
+def test_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
+                           dtype, window):
+    batch = build_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
+                              dtype, seed=len(seq_lens))
+    scale = head_dim**-0.5
+    # Like the reference, this backend needs finite values in unused slots (the cache is
+    # allocated zeroed), so both get the copy with NaN zeroed.
+    out = cpu_attention.paged_attention(*batch.reference_args(), scale, sliding_window=window)
+    expected = reference.paged_attention(*batch.reference_args(), scale, sliding_window=window)
+    assert_matches_reference(out, expected)
+
+
+def test_rejects_heads_that_do_not_fit_the_cache():
+    batch = build_paged_batch([4], [1], 3, 2, 8, 4)
+    with pytest.raises(ValueError, match="does not fit a cache of 2 kv heads"):
+        cpu_attention.paged_attention(*batch.reference_args(), 1.0)
+
+
+def test_auto_backend_is_cpu_on_cpu():
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("fast", "cpu")

@@ -1,0 +1,79 @@
+"""Packing linear weights for oneDNN (`worker_svc/model/matmul.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_svc.model.config import parse_hf_config
+from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.matmul import (
+    onednn_linear_available,
+    pack_linear_weights,
+    packed_weight_bytes,
+    resolve_cpu_linear,
+)
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(torch.float32),
+                                  reason="this torch build has no oneDNN linear kernels")
+
+
+def tiny_llama(dtype: torch.dtype, tie: bool = True) -> LlamaForCausalLM:
+    config = parse_hf_config({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100, "max_position_embeddings": 64, "tie_word_embeddings": tie,
+    })
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
+    for param in model.parameters():
+        param.data.normal_(0, 0.1)
+    return model.eval()
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_compute_what_f_linear_does(dtype):
+    if not onednn_linear_available(dtype):
+        pytest.skip(f"no oneDNN {dtype} linear here")
+    model = tiny_llama(dtype)
+    layers = [model.model.layers[0].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj,
+              model.model.embed_tokens]
+    x = torch.randn(5, 64, dtype=dtype)
+    x_mlp = torch.randn(5, 128, dtype=dtype)
+    before = [layers[0](x), layers[1](x_mlp), model.model.embed_tokens.logits(x)]
+    plain_bytes = packed_weight_bytes(model)
+    assert pack_linear_weights(model, "auto") == "onednn"
+    after = [layers[0](x), layers[1](x_mlp), model.model.embed_tokens.logits(x)]
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+    # The linear layers' plain weights are freed; the tied embedding keeps its rows (lookups
+    # read them) next to the packed LM head.
+    assert layers[0].weight.numel() == 0 and layers[0].packed_weight is not None
+    assert model.model.embed_tokens.weight.numel() == 100 * 64
+    embed_bytes = 100 * 64 * torch.empty((), dtype=dtype).element_size()
+    assert packed_weight_bytes(model) == plain_bytes + embed_bytes
+    assert pack_linear_weights(model, "auto") == "onednn"  # idempotent: nothing packed twice
+
+
+@needs_onednn
+def test_an_untied_embedding_is_not_packed():
+    model = tiny_llama(torch.float32, tie=False)
+    pack_linear_weights(model)
+    assert not hasattr(model.model.embed_tokens, "packed_weight")
+    assert model.lm_head.packed_weight is not None
+
+
+def test_torch_choice_leaves_the_model_alone():
+    model = tiny_llama(torch.float32)
+    assert pack_linear_weights(model, "torch") == "torch"
+    assert model.model.layers[0].mlp.gate_up_proj.packed_weight is None
+    assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (256, 64)
+
+
+def test_choices_are_checked():
+    with pytest.raises(ValueError, match="unknown cpu linear backend 'mkl'"):
+        resolve_cpu_linear("mkl", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="needs a CPU device"):
+        resolve_cpu_linear("onednn", torch.device("meta"), torch.float32)
+    assert resolve_cpu_linear("auto", torch.device("cpu"), torch.float16) == "torch"
