@@ -51,17 +51,38 @@ class SamplingRequest:
 
 
 def sample(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[SampledToken]:
-    """logits [num_rows, vocab_size] (any float dtype) -> one token per row."""
+    """logits [num_rows, vocab_size] (any float dtype) -> one token per row.
+
+    Rows without penalties or stop masking are not copied, and greedy rows share one
+    argmax: a batch of 64 plain greedy decodes costs three batched ops, not 64 per-row ones.
+    """
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
     logits = logits.to(torch.float32)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    processed = logits.clone()
+    processed = logits
+    to_process = [row for row, request in enumerate(requests) if _needs_processing(request)]
+    if to_process:
+        processed = logits.clone()
+        for row in to_process:
+            _apply_penalties(processed[row], requests[row])
+            _mask_stop_tokens(processed[row], requests[row])
+    token_ids = [0] * len(requests)
+    greedy = [row for row, request in enumerate(requests) if request.params.temperature == 0.0]
+    if greedy:
+        rows = processed if len(greedy) == len(requests) else processed[greedy]
+        for row, token_id in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            token_ids[row] = token_id
     for row, request in enumerate(requests):
-        _apply_penalties(processed[row], request)
-        _mask_stop_tokens(processed[row], request)
-    token_ids = [_choose(processed[row], request) for row, request in enumerate(requests)]
-    return _with_logprobs(logprobs, token_ids, requests)
+        if request.params.temperature != 0.0:
+            token_ids[row] = _choose(processed[row], request)
+    return _with_logprobs(logits, token_ids, requests)
+
+
+def _needs_processing(request: SamplingRequest) -> bool:
+    params = request.params
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or (bool(params.stop_token_ids) and request.num_output_tokens < params.min_tokens))
 
 
 def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
@@ -127,14 +148,17 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _with_logprobs(
-    logprobs: torch.Tensor, token_ids: list[int], requests: Sequence[SamplingRequest]
+    logits: torch.Tensor, token_ids: list[int], requests: Sequence[SamplingRequest]
 ) -> list[SampledToken]:
+    """Logprobs under the raw distribution: logit - logsumexp(row), without writing out
+    the whole [rows, vocab] log_softmax."""
+    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     max_top = max((r.params.num_logprobs for r in requests), default=0)
     top_values = top_ids = None
     if max_top > 0:
-        top = torch.topk(logprobs, min(max_top, logprobs.shape[-1]), dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
+        top = torch.topk(logits, min(max_top, logits.shape[-1]), dim=-1)
+        top_values, top_ids = (top.values - log_norm).tolist(), top.indices.tolist()
+    chosen = logits.gather(1, torch.tensor(token_ids, device=logits.device)[:, None]) - log_norm
     chosen_values = chosen[:, 0].tolist()
     sampled = []
     for row, (token_id, request) in enumerate(zip(token_ids, requests, strict=True)):
