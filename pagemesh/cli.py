@@ -1,5 +1,6 @@
 """The `pagemesh` command: `up` starts a local mesh, `generate` streams from a router,
-`top` shows a running cluster, `health` checks one service (for container health checks)."""
+`top` shows a running cluster, `health` checks one service (for container health checks),
+`bench` loads a running router with a named workload (code in bench/loadgen)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import logging
 import sys
 
+from bench.loadgen.cli import add_bench_parser
 from pagemesh import client, local_mesh
 from pagemesh.config import add_flag, add_tls_flags
 from pagemesh.health import add_health_parser
@@ -68,7 +70,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(up, "--pp", type=int, default=1, help="pipeline stages")
     add_flag(up, "--pp-layer-split", default=None,
              help="decoder layers per stage, e.g. 16,14 (default: as even as possible)")
-    add_flag(up, "--attention-backend", default="auto", help="auto | torch | triton")
+    add_flag(up, "--attention-backend", default="auto", help="auto | torch | cpu | triton")
+    add_flag(up, "--cpu-linear", default="auto", help="auto | onednn | torch (see worker --help)")
     add_flag(up, "--log-level", default="INFO", help="logging level of every service")
     add_flag(up, "--otlp-traces-endpoint", default=None,
              help="OTLP gRPC receiver of every service's trace spans, e.g. "
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_parser(sub)
     add_top_parser(sub)
     add_health_parser(sub)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -1,0 +1,1 @@
+"""Benchmarks: `pagemesh bench` (bench/loadgen), the peers (bench/peers), and the scripts."""
