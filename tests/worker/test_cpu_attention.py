@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_native, reference
 from tests.kernels.paged_batch import assert_matches_reference, build_paged_batch
 from worker_svc.attention import get_attention_backend
 
@@ -23,8 +23,10 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     ([9, 21, 40], [1, 1, 1], 6, 2, 24, 4, F32, 7),
     ([144] * 16, [1] * 16, 8, 4, 64, 16, BF16, None),
 ])
+@pytest.mark.parametrize("native", ["1", "0"], ids=["c-kernel", "torch-only"])
 def test_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
-                           dtype, window):
+                           dtype, window, native, monkeypatch):
+    monkeypatch.setenv("PAGEMESH_NATIVE_KERNELS", native)
     batch = build_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
                               dtype, seed=len(seq_lens))
     scale = head_dim**-0.5
@@ -33,6 +35,26 @@ def test_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, 
     out = cpu_attention.paged_attention(*batch.reference_args(), scale, sliding_window=window)
     expected = reference.paged_attention(*batch.reference_args(), scale, sliding_window=window)
     assert_matches_reference(out, expected)
+
+
+@pytest.mark.skipif(not cpu_native.available(torch.float32), reason="no C compiler here")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_c_kernel_never_reads_past_a_context(dtype):
+    # NaN in every slot no sequence owns (paged_batch): one read past a context shows.
+    batch = build_paged_batch([1, 16, 17, 50, 33], [1] * 5, 8, 2, 64, 16, dtype, seed=3)
+    for window in (None, 9):
+        out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache,
+                                      batch.block_tables, batch.seq_lens, 0.125, window)
+        expected = reference.paged_attention(*batch.reference_args(), 0.125,
+                                             sliding_window=window)
+        assert_matches_reference(out, expected)
+
+
+def test_without_a_compiler_the_build_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PAGEMESH_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises((RuntimeError, OSError)):
+        cpu_native._build()
 
 
 def test_rejects_heads_that_do_not_fit_the_cache():
