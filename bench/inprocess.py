@@ -1,0 +1,109 @@
+"""The engine core in one process: the scheduler core and the model runner, no gRPC.
+
+It runs what one pagemesh step runs — `Scheduler.schedule()`, the step converted to the
+worker's protobuf and back (as the services do), `ModelRunner.execute_step`, the result
+converted back, `Scheduler.update()` — in a loop, with every request submitted at once.
+Against `pagemesh bench` on a mesh with the same settings, the difference is what the mesh
+costs: processes, two gRPC hops, streaming to clients.
+
+    .venv/bin/python -m bench.inprocess [--dtype bfloat16] [--num-requests 64]
+
+TTFT and ITL come from the engine's clock: a token "arrives" when `update()` returns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from bench.result import RunResult
+from scheduler_svc import convert as scheduler_convert
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.types import Request, RequestId, SamplingSpec
+from worker_svc import convert as worker_convert
+from worker_svc.runner import ModelRunner, RunnerConfig
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # `pagemesh up`'s --kv-cache-memory-gib 1
+
+
+def build_engine(model: str, dtype: str = "float32", max_num_seqs: int = 128,
+                 max_num_batched_tokens: int = 2048, threads: int = 0,
+                 enable_prefix_caching: bool = True) -> tuple[Scheduler, ModelRunner]:
+    """A scheduler core sized from a runner, as `pagemesh up` sizes them by default."""
+    if threads:
+        torch.set_num_threads(threads)
+    runner = ModelRunner.from_config(RunnerConfig(
+        model_path=model, dtype=dtype, kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES))
+    info = runner.info()
+    scheduler = Scheduler(SchedulerConfig(
+        num_blocks=info.num_blocks, block_size=info.block_size,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_model_len=info.max_model_len, enable_prefix_caching=enable_prefix_caching))
+    return scheduler, runner
+
+
+def run_requests(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[int]],
+                 max_tokens: int, engine: str = "engine core in-process",
+                 workload: str = "w64") -> RunResult:
+    """Greedy, EOS ignored, all requests at once; returns the run's figures."""
+    start = time.perf_counter()
+    arrivals: dict[str, list[float]] = {}
+    for i, prompt in enumerate(prompts):
+        request_id = RequestId(f"bench-{i}")
+        scheduler.add_request(Request(request_id=request_id, prompt_token_ids=list(prompt),
+                                      sampling=SamplingSpec(temperature=0.0, seed=i),
+                                      max_tokens=max_tokens, arrival_time_s=start))
+        arrivals[request_id] = []
+    while scheduler.has_work():
+        output = scheduler.schedule()
+        if output.is_empty:
+            continue
+        step = worker_convert.step_input_from_pb(scheduler_convert.step_to_pb(output))
+        response = worker_convert.step_output_to_pb(runner.execute_step(step))
+        events = scheduler.update(output, scheduler_convert.step_result_from_pb(response))
+        now = time.perf_counter()
+        for event in events:
+            arrivals[event.request_id].extend([now] * len(event.new_tokens))
+    duration = time.perf_counter() - start
+    return RunResult(
+        engine=engine, workload=workload, dtype=runner.info().dtype, concurrency=0,
+        num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
+        output_tokens=sum(map(len, arrivals.values())), duration_s=duration,
+        ttft_ms=[1000 * (times[0] - start) for times in arrivals.values() if times],
+        itl_ms=[1000 * (b - a) for times in arrivals.values() for a, b in zip(times, times[1:])],
+        e2e_ms=[1000 * (times[-1] - start) for times in arrivals.values() if times])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.common import REPO_ROOT, write_w64_model
+    from bench.loadgen.workloads import build_workload
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the W64 random Llama")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument("--json", default=None, help="write the RunResult here")
+    args = parser.parse_args(argv)
+    model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
+    workload = build_workload("w64", num_requests=args.num_requests, max_tokens=args.max_tokens)
+    prompts = [r.prompt_token_ids for r in workload.requests]
+    scheduler, runner = build_engine(model, args.dtype, threads=args.threads)
+    run_requests(scheduler, runner, [p[:8] for p in prompts[:4]], 4, workload="warm-up")
+    result = run_requests(scheduler, runner, prompts, args.max_tokens)
+    summary = result.summary()
+    print(f"{result.engine} {result.dtype}: {result.output_tok_s:.1f} tok/s, "
+          f"TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, ITL p50 {summary['itl_ms']['p50']:.1f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f)
+
+
+if __name__ == "__main__":
+    main()
