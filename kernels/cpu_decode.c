@@ -1,9 +1,9 @@
 /* Paged decode attention for CPU, straight from the block tables: no gather.
  *
- * One query token per sequence. For each (sequence, KV head) the kernel walks the
- * sequence's blocks once, scoring all the query heads of that KV head's GQA group against
- * each key and folding each value in with an online softmax (running max and sum), so K
- * and V are read exactly once, in place. Accumulation is fp32 whatever the cache dtype.
+ * One query token per sequence. For each sequence the kernel walks its blocks once, scoring
+ * every query head against its KV head's keys and folding the values in with an online
+ * softmax (running max and sum per head), so K and V are read exactly once, in place and
+ * in order. Accumulation is fp32 whatever the cache dtype.
  *
  * Layout (kernels/reference.py): cache [num_blocks, block_size, num_kv_heads, head_dim];
  * query and out [num_seqs, num_heads, head_dim]; heads h = kv * group + g share KV head kv.
@@ -30,103 +30,114 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)(bits >> 16);
 }
 
-/* One (sequence, kv head): q [group][head_dim] fp32 in, acc [group][head_dim] fp32 out. */
-#define DEFINE_ONE_HEAD(NAME, T, LOAD)                                                       \
+/* One sequence, all heads: q [num_heads][head_dim] fp32 in, acc [num_heads][head_dim] fp32
+ * out. Walking whole tokens (every KV head of a token is one contiguous row) keeps the
+ * reads sequential within a block, which is what lets the hardware prefetcher stream the
+ * cache from memory; the next block is prefetched by hand while this one is computed. */
+#define DEFINE_ONE_SEQ(NAME, T, LOAD)                                                        \
 static void NAME(const float *q, const T *k_cache, const T *v_cache,                         \
                  const int32_t *blocks, int first, int last, int block_size,                 \
-                 int num_kv_heads, int head_dim, int group, int kv, float scale,             \
+                 int num_heads, int num_kv_heads, int head_dim, float scale,                 \
                  float *acc, float *scores, float *row_max, float *row_sum) {                \
-    for (int g = 0; g < group; g++) { row_max[g] = -INFINITY; row_sum[g] = 0.0f; }           \
-    memset(acc, 0, sizeof(float) * group * head_dim);                                        \
+    const int group = num_heads / num_kv_heads;                                              \
     const long token_stride = (long)num_kv_heads * head_dim;                                 \
+    for (int h = 0; h < num_heads; h++) { row_max[h] = -INFINITY; row_sum[h] = 0.0f; }       \
+    memset(acc, 0, sizeof(float) * num_heads * head_dim);                                    \
     for (int pos = first; pos < last; ) {                                                    \
         const int block = blocks[pos / block_size];                                          \
         const int offset = pos % block_size;                                                 \
         const int count = (block_size - offset < last - pos) ? block_size - offset : last - pos; \
-        const T *k = k_cache + ((long)block * block_size + offset) * token_stride + (long)kv * head_dim; \
-        const T *v = v_cache + ((long)block * block_size + offset) * token_stride + (long)kv * head_dim; \
-        for (int g = 0; g < group; g++) {                                                    \
-            const float *qg = q + g * head_dim;                                              \
-            float block_max = -INFINITY;                                                     \
-            for (int t = 0; t < count; t++) {                                                \
-                const T *kt = k + t * token_stride;                                          \
+        const T *k = k_cache + ((long)block * block_size + offset) * token_stride;           \
+        const T *v = v_cache + ((long)block * block_size + offset) * token_stride;           \
+        if (pos + count < last) {                                                            \
+            const long next = (long)blocks[(pos + count) / block_size] * block_size * token_stride; \
+            for (long b = 0; b < (long)block_size * token_stride * (long)sizeof(T); b += 64) { \
+                __builtin_prefetch((const char *)(k_cache + next) + b);                      \
+                __builtin_prefetch((const char *)(v_cache + next) + b);                      \
+            }                                                                                \
+        }                                                                                    \
+        for (int t = 0; t < count; t++) {                                                    \
+            const T *kt = k + t * token_stride;                                              \
+            for (int h = 0; h < num_heads; h++) {                                            \
+                const T *kh = kt + (h / group) * head_dim;                                   \
+                const float *qh = q + h * head_dim;                                          \
                 float dot = 0.0f;                                                            \
-                for (int d = 0; d < head_dim; d++) dot += qg[d] * LOAD(kt[d]);               \
-                dot *= scale;                                                                \
-                scores[g * block_size + t] = dot;                                            \
-                if (dot > block_max) block_max = dot;                                        \
+                for (int d = 0; d < head_dim; d++) dot += qh[d] * LOAD(kh[d]);               \
+                scores[h * block_size + t] = dot * scale;                                    \
             }                                                                                \
-            float new_max = row_max[g] > block_max ? row_max[g] : block_max;                 \
-            float rescale = expf(row_max[g] - new_max);  /* 0 on the first block */          \
-            float *ag = acc + g * head_dim;                                                  \
+        }                                                                                    \
+        for (int h = 0; h < num_heads; h++) {                                                \
+            float *sh = scores + h * block_size;                                             \
+            float block_max = sh[0];                                                         \
+            for (int t = 1; t < count; t++) if (sh[t] > block_max) block_max = sh[t];        \
+            const float new_max = row_max[h] > block_max ? row_max[h] : block_max;           \
+            const float rescale = expf(row_max[h] - new_max);  /* 0 on the first block */    \
+            float sum = row_sum[h] * rescale;                                                \
+            for (int t = 0; t < count; t++) { sh[t] = expf(sh[t] - new_max); sum += sh[t]; } \
+            row_max[h] = new_max;                                                            \
+            row_sum[h] = sum;                                                                \
             if (rescale != 1.0f) {                                                           \
-                for (int d = 0; d < head_dim; d++) ag[d] *= rescale;                         \
+                float *ah = acc + h * head_dim;                                              \
+                for (int d = 0; d < head_dim; d++) ah[d] *= rescale;                         \
             }                                                                                \
-            float sum = row_sum[g] * rescale;                                                \
-            for (int t = 0; t < count; t++) {                                                \
-                float p = expf(scores[g * block_size + t] - new_max);                        \
-                sum += p;                                                                    \
-                const T *vt = v + t * token_stride;                                          \
-                for (int d = 0; d < head_dim; d++) ag[d] += p * LOAD(vt[d]);                 \
+        }                                                                                    \
+        for (int t = 0; t < count; t++) {                                                    \
+            const T *vt = v + t * token_stride;                                              \
+            for (int h = 0; h < num_heads; h++) {                                            \
+                const T *vh = vt + (h / group) * head_dim;                                   \
+                const float p = scores[h * block_size + t];                                  \
+                float *ah = acc + h * head_dim;                                              \
+                for (int d = 0; d < head_dim; d++) ah[d] += p * LOAD(vh[d]);                 \
             }                                                                                \
-            row_max[g] = new_max;                                                            \
-            row_sum[g] = sum;                                                                \
         }                                                                                    \
         pos += count;                                                                        \
     }                                                                                        \
-    for (int g = 0; g < group; g++) {                                                        \
-        float inv = 1.0f / row_sum[g];                                                       \
-        for (int d = 0; d < head_dim; d++) acc[g * head_dim + d] *= inv;                     \
+    for (int h = 0; h < num_heads; h++) {                                                    \
+        const float inv = 1.0f / row_sum[h];                                                 \
+        for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] *= inv;                     \
     }                                                                                        \
 }
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_ONE_HEAD(one_head_f32, float, LOAD_F32)
-DEFINE_ONE_HEAD(one_head_bf16, uint16_t, LOAD_BF16)
+DEFINE_ONE_SEQ(one_seq_f32, float, LOAD_F32)
+DEFINE_ONE_SEQ(one_seq_bf16, uint16_t, LOAD_BF16)
 
-/* dtype: 0 = fp32, 1 = bf16 (query, caches and out share it). The (sequence, KV head)
- * pairs are split across `num_threads` OpenMP threads. Built with -fopenmp, this library
- * needs libgomp.so.1, which the loader resolves to the copy torch already loaded: the
- * kernel runs on torch's own thread pool instead of competing with it for the cores.
- * Returns 0, or -1 when out of memory. */
+/* dtype: 0 = fp32, 1 = bf16 (query, caches and out share it). Sequences are split across
+ * `num_threads` OpenMP threads. Built with -fopenmp, this library needs libgomp.so.1, which
+ * the loader resolves to the copy torch already loaded: the kernel runs on torch's own
+ * thread pool instead of competing with it for the cores. Returns 0, or -1 when out of
+ * memory. */
 int paged_decode(int dtype, const void *query, const void *k_cache, const void *v_cache,
                  const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
                  void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                  int block_size, float scale, int window, int num_threads) {
-    const int group = num_heads / num_kv_heads;
-    const long num_pairs = (long)num_seqs * num_kv_heads;
+    const long width = (long)num_heads * head_dim;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
-        float *work = malloc(sizeof(float) * (2 * group * head_dim + group * block_size + 2 * group));
-        if (work == NULL) {
-            failed = 1;
-        }
-        float *q = work, *acc = q + group * head_dim, *scores = acc + group * head_dim;
-        float *row_max = scores + group * block_size, *row_sum = row_max + group;
-        #pragma omp for schedule(static)
-        for (long pair = 0; pair < num_pairs; pair++) {
+        float *work = malloc(sizeof(float) * (2 * width + (long)num_heads * block_size + 2 * num_heads));
+        if (work == NULL) failed = 1;
+        float *q = work, *acc = q + width, *scores = acc + width;
+        float *row_max = scores + (long)num_heads * block_size, *row_sum = row_max + num_heads;
+        #pragma omp for schedule(dynamic, 1)
+        for (int s = 0; s < num_seqs; s++) {
             if (work == NULL) continue;
-            const int s = (int)(pair / num_kv_heads), kv = (int)(pair % num_kv_heads);
             const int last = seq_lens[s];
             const int first = (window > 0 && last - window > 0) ? last - window : 0;
             const int32_t *blocks = block_tables + (long)s * max_blocks;
-            const long head0 = ((long)s * num_heads + (long)kv * group) * head_dim;
             if (dtype == 0) {
-                memcpy(q, (const float *)query + head0, sizeof(float) * group * head_dim);
-                one_head_f32(q, k_cache, v_cache, blocks, first, last, block_size,
-                             num_kv_heads, head_dim, group, kv, scale, acc, scores, row_max,
-                             row_sum);
-                memcpy((float *)out + head0, acc, sizeof(float) * group * head_dim);
+                memcpy(q, (const float *)query + s * width, sizeof(float) * width);
+                one_seq_f32(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
+                            num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum);
+                memcpy((float *)out + s * width, acc, sizeof(float) * width);
             } else {
-                const uint16_t *qs = (const uint16_t *)query + head0;
-                for (int i = 0; i < group * head_dim; i++) q[i] = bf16_to_f32(qs[i]);
-                one_head_bf16(q, k_cache, v_cache, blocks, first, last, block_size,
-                              num_kv_heads, head_dim, group, kv, scale, acc, scores, row_max,
-                              row_sum);
-                uint16_t *os = (uint16_t *)out + head0;
-                for (int i = 0; i < group * head_dim; i++) os[i] = f32_to_bf16(acc[i]);
+                const uint16_t *qs = (const uint16_t *)query + s * width;
+                for (long i = 0; i < width; i++) q[i] = bf16_to_f32(qs[i]);
+                one_seq_bf16(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
+                             num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum);
+                uint16_t *os = (uint16_t *)out + s * width;
+                for (long i = 0; i < width; i++) os[i] = f32_to_bf16(acc[i]);
             }
         }
         free(work);
