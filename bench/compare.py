@@ -117,7 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--no-vllm-server", action="store_true")
     parser.add_argument("--name", default="compare")
+    parser.add_argument("--from-json", default=None,
+                        help="only render the report again from a <name>-runs.json")
     args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        report([RunResult.from_json(r) for r in saved["runs"]], saved["peak"], saved["meta"],
+               args.name)
+        return
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
     workload = build_workload("w64", num_requests=args.num_requests, max_tokens=args.max_tokens)
     idle = build_workload("w64", num_requests=IDLE_TTFT_REQUESTS, max_tokens=16, seed=1)
@@ -128,47 +135,95 @@ def main(argv: list[str] | None = None) -> None:
     print(format_peak(peak), flush=True)
     results: list[RunResult] = []
     for dtype in args.dtypes.split(","):
-        results += mesh_runs(model, dtype, workload, idle)
-        results.append(inprocess_run(model, dtype, args.num_requests, args.max_tokens))
-        results += run_peers(model, prompts, args.max_tokens, dtypes=(dtype,), names=peers)
+        runs = mesh_runs(model, dtype, workload, idle)
+        runs.append(inprocess_run(model, dtype, args.num_requests, args.max_tokens))
+        runs += run_peers(model, prompts, args.max_tokens, dtypes=(dtype,), names=peers)
         if "vllm" in peers and not args.no_vllm_server and not available_peers()["vllm"]:
-            results += vllm_server_runs(model, dtype, workload, idle)
+            runs += vllm_server_runs(model, dtype, workload, idle)
+        for run in runs:  # over HTTP the server does not say; peers spell it their way
+            run.dtype = dtype
+        results += runs
         print(f"compare: {dtype} done", flush=True)
-    report(results, peak, model, args)
-
-
-def report(results: list[RunResult], peak: dict, model: str, args: argparse.Namespace) -> None:
     import torch
 
-    flop = matmul_flop_per_token(model)
+    meta = {"machine": f"{platform.machine()}, {_cpu_model()}, {torch.get_num_threads()} threads",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "model": Path(model).name, "flop_per_token": matmul_flop_per_token(model),
+            "num_requests": args.num_requests, "max_tokens": args.max_tokens}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}-runs.json").write_text(json.dumps(
+        {"meta": meta, "peak": peak, "runs": [r.to_json() for r in results]}))
+    report(results, peak, meta, args.name)
+
+
+def _is_idle(run: RunResult) -> bool:
+    return "idle" in run.engine or run.workload.endswith("idle-ttft")
+
+
+def summary_table(results: list[RunResult], peak: dict, flop: float) -> list[str]:
+    """One row per engine and dtype: throughput, its ratio to pagemesh's mesh over gRPC,
+    the matmul GFLOP/s that throughput means and its share of the dtype's oneDNN peak at
+    the decode shape, and the engine's idle TTFT."""
+    decode_peak = {c["dtype"]: c["gflop_s"] for c in peak["cases"]
+                   if c["impl"] == "oneDNN" and c["m"] == 64}
+    lines = ["| engine | dtype | output tok/s | vs pagemesh mesh (gRPC) | matmul GFLOP/s "
+             "| % of oneDNN peak | ITL p50 ms | idle TTFT p50 ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in results:
+        if _is_idle(run) or "one at a time" in run.engine:
+            continue
+        mesh = next(r for r in results if r.engine == f"pagemesh mesh, gRPC ({run.dtype})")
+        gflop = run.output_tok_s * flop / 1e9
+        idle = _idle_ttft(results, run)
+        lines.append(
+            f"| {run.engine} | {run.dtype} | {run.output_tok_s:,.0f} | "
+            f"{run.output_tok_s / mesh.output_tok_s:.2f}x | {gflop:,.0f} | "
+            f"{100 * gflop / decode_peak.get(run.dtype, float('nan')):.0f}% | "
+            f"{_fmt(run.summary()['itl_ms']['p50'])} | {_fmt(idle)} |")
+    return lines
+
+
+def _idle_ttft(results: list[RunResult], run: RunResult) -> float:
+    """TTFT p50 of the same engine's idle run (same dtype, same protocol), NaN when it has
+    none (pagemesh's idle run is over gRPC only)."""
+    if "OpenAI HTTP" in run.engine:
+        return float("nan")
+    stem = run.engine.split(",")[0].split(" all at once")[0].split(" static")[0]
+    for other in results:
+        if other.dtype == run.dtype and _is_idle(other) and other.engine.startswith(stem):
+            return other.summary()["ttft_ms"]["p50"]
+    return float("nan")
+
+
+def _fmt(value: float) -> str:
+    return "–" if value != value else f"{value:,.1f}"
+
+
+def report(results: list[RunResult], peak: dict, meta: dict, name: str) -> None:
+    """bench/results/<name>.md: the summary over both dtypes; <name>-<dtype>.md/.json/.png:
+    every run of one dtype with its full latency percentiles, vs pagemesh's mesh."""
     header = [
-        f"Machine: {platform.machine()}, {_cpu_model()}, {torch.get_num_threads()} threads; "
-        f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}.",
-        f"Workload: W64 ({args.num_requests} requests x 128 prompt ids x {args.max_tokens} new "
-        f"tokens, greedy, EOS ignored; `python -m bench.compare`); model {model} "
-        f"({flop / 1e6:.1f} MFLOP of matmul per token).",
-        "", format_peak(peak), "",
-        "Ratio column: each row's output tok/s over pagemesh's full mesh over gRPC in the same "
-        "dtype. Decode GFLOP/s: running requests x matmul FLOP/token / ITL p50 (rows with ITL).",
+        f"Machine: {meta['machine']}; torch {meta['torch']}; {meta['date']}. One engine at a "
+        "time; figures vary about ±10% from run to run on this machine.",
+        f"Workload: W64 ({meta['num_requests']} requests x 128 prompt ids x "
+        f"{meta['max_tokens']} new tokens, greedy, EOS ignored), random Llama "
+        f"{meta['model']} ({meta['flop_per_token'] / 1e6:.1f} MFLOP of matmul per token). "
+        "Command: `python -m bench.compare` (peers: `make bench-peers`).",
     ]
-    markdown = write_report(results, RESULTS, args.name,
-                            title="pagemesh vs peers, same machine, same model, same run",
-                            baseline=None, extra_header_lines=header)
-    lines = ["", "| engine | output tok/s | vs pagemesh gRPC | decode GFLOP/s | % of peak |",
-             "|---|---|---|---|---|"]
-    best = {c["dtype"]: max(x["gflop_s"] for x in peak["cases"] if x["dtype"] == c["dtype"])
-            for c in peak["cases"]}
-    for r in results:
-        mesh = next((m for m in results if m.engine == f"pagemesh mesh, gRPC ({r.dtype})"), None)
-        ratio = r.output_tok_s / mesh.output_tok_s if mesh and mesh.output_tok_s else float("nan")
-        itl = r.summary()["itl_ms"]["p50"]
-        gflop = (r.concurrency or r.num_requests) * flop / (itl / 1000) / 1e9 if itl and itl > 0 else float("nan")
-        share = 100 * gflop / best.get(r.dtype, float("nan"))
-        lines.append(f"| {r.engine} | {r.output_tok_s:,.1f} | {ratio:.2f}x | {gflop:,.0f} | "
-                     f"{share:.0f}% |")
-    with open(RESULTS / f"{args.name}.md", "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print(markdown + "\n" + "\n".join(lines))
+    lines = ["# pagemesh vs peers, same machine, same model, same run", "", *header, "",
+             format_peak(peak), "",
+             "Matmul GFLOP/s: output tok/s x matmul FLOP per token (prefill included in the "
+             "time, not in the FLOPs). Idle TTFT: one request at a time on an idle engine.", ""]
+    lines += summary_table(results, peak, meta["flop_per_token"])
+    for dtype in dict.fromkeys(r.dtype for r in results):
+        group = [r for r in results if r.dtype == dtype]
+        detail = f"{name}-{dtype}"
+        write_report(group, RESULTS, detail, title=f"pagemesh vs peers, {dtype}",
+                     baseline=f"pagemesh mesh, gRPC ({dtype})", extra_header_lines=header)
+        lines += ["", f"Every {dtype} run with TTFT/ITL/E2E p50/p90/p99: [{detail}.md]({detail}.md)"]
+    text = "\n".join(lines) + "\n"
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
 
 
 def _cpu_model() -> str:

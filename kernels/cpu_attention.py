@@ -8,9 +8,9 @@ against. What differs:
   kernel of `cpu_native.py`, which reads K and V in place through the block tables.
   Without a C compiler (or in fp16): K and V are gathered once per layer (whole blocks,
   one `index_select` each) and attended by one `F.scaled_dot_product_attention` call (a
-  fused flash kernel on CPU, GQA without copies) with a key-padding mask. At 64 sequences
-  x 140 tokens, 8 heads / 4 KV heads, one thread, per layer: reference 19 ms, gather + SDPA
-  3.0 ms, C kernel 1.7 ms (fp32); in bf16 SDPA takes 9.1 ms and the C kernel 1.0 ms.
+  fused flash kernel on CPU, GQA without copies) with a key-padding mask. A whole W64
+  decode step (64 sequences, `python -m bench.decode_step`): reference 84 ms, gather + SDPA
+  31 ms, C kernel 25 ms in fp32; in bf16 gather + SDPA 51 ms, C kernel 18.5 ms.
 - Prefills and chunked prefills run one sequence at a time through SDPA with a causal
   mask offset by the cached context.
 - Everything stays in the cache's dtype (bf16 runs bf16, accumulating in fp32 inside the

@@ -1,8 +1,9 @@
 """Builds and calls the C decode-attention kernel (`kernels/cpu_decode.c`) on CPU.
 
 The kernel reads K and V in place through the block tables, where the torch path
-(`cpu_attention.py`) first gathers every sequence's blocks into a contiguous copy: at 64
-sequences of ~140 tokens that copy is a third of the attention time.
+(`cpu_attention.py`) first gathers every sequence's blocks into a contiguous copy and then
+runs SDPA: a W64 decode step takes 25 ms with it against 31 ms (fp32), 18.5 against 51 ms
+(bf16; `python -m bench.decode_step`).
 
 It is plain C with OpenMP and no torch headers, so building it takes about a second with
 the system's C compiler (`cc`, or `$CC`): the library is cached under
