@@ -16,6 +16,7 @@ measured.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -37,12 +38,23 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
     return hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+class PreparedWeight(Protocol):
+    """A layer's weight in another form than a plain tensor (quantized, say): it multiplies
+    by itself. Set as the layer's `packed_weight`; `nbytes` counts its memory."""
+
+    nbytes: int
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, through the packed oneDNN weight when the layer has one."""
-    if packed is not None:
+           packed: torch.Tensor | PreparedWeight | None = None) -> torch.Tensor:
+    """x W^T + b, through the layer's packed oneDNN weight or prepared weight if it has one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if isinstance(packed, torch.Tensor):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    return packed.apply(x, bias)
 
 
 def resolve_cpu_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -91,6 +103,8 @@ def packed_weight_bytes(model: nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         packed = getattr(module, "packed_weight", None)
-        if packed is not None:
+        if isinstance(packed, torch.Tensor):
             total += packed.numel() * packed.element_size()
+        elif packed is not None:
+            total += packed.nbytes
     return total
