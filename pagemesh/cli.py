@@ -72,6 +72,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="decoder layers per stage, e.g. 16,14 (default: as even as possible)")
     add_flag(up, "--attention-backend", default="auto", help="auto | torch | cpu | triton")
     add_flag(up, "--cpu-linear", default="auto", help="auto | onednn | torch (see worker --help)")
+    add_flag(up, "--quantization", default="auto", choices=["auto", "none", "fp8", "awq"],
+             help="weights of the linear layers (see worker --help)")
     add_flag(up, "--log-level", default="INFO", help="logging level of every service")
     add_flag(up, "--otlp-traces-endpoint", default=None,
              help="OTLP gRPC receiver of every service's trace spans, e.g. "

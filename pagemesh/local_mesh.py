@@ -46,7 +46,8 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
               "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
               "--swap-space", str(args.swap_space),
               "--attention-backend", args.attention_backend,
-              "--cpu-linear", args.cpu_linear]
+              "--cpu-linear", args.cpu_linear,
+              "--quantization", args.quantization]
     if args.num_kv_blocks is not None:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len is not None:

@@ -99,5 +99,7 @@ def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> w
         num_blocks=info.num_blocks,
         num_swap_blocks=info.num_swap_blocks,
         block_size=info.block_size,
+        quantization=info.quantization,
+        weight_bytes=info.weight_bytes,
         **layout,
     )

@@ -24,6 +24,8 @@ from worker_svc.model.config import ModelConfig, RopeConfig, parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.parallel_layers import Index, TPComm
 from worker_svc.parallel import ParallelConfig
+from worker_svc.quant.config import resolve_quantization
+from worker_svc.quant.loading import QuantizedLoad
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class ModelMetadata:
     eos_token_ids: tuple[int, ...]
     max_model_len: int  # tokens: prompt + output
     dtype: torch.dtype
+    quantization: str = "none"  # none | fp8 | awq: how the linear layers' weights are held
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class ModelSource:
     architecture: str
     eos_token_ids: tuple[int, ...]
     weights: WeightStream
+    quantization_config: dict | None = None  # config.json's, when the checkpoint has one
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -95,13 +99,17 @@ def load_model(
     max_model_len: int | None = None,
     parallel: ParallelConfig | None = None,
     comm: TPComm | None = None,
+    quantization: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelMetadata]:
     """Build this rank's part of the model (`parallel`; default: the whole model) on
     `device` in `dtype` and fill it from the checkpoint at `path`, reading only that part.
-    `comm` carries the tensor-parallel collectives (the rank's DistributedContext)."""
+    `comm` carries the tensor-parallel collectives (the rank's DistributedContext).
+    `quantization` (auto | none | fp8 | awq; auto = what the checkpoint says) chooses how
+    the decoder's linear layers hold their weights (worker_svc/quant)."""
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
     source = open_source(path)
+    quant = resolve_quantization(quantization, source.quantization_config)
     config = source.config
     limit = config.max_position_embeddings
     if max_model_len is not None and not 0 < max_model_len <= limit:
@@ -113,9 +121,15 @@ def load_model(
     # directly in the target dtype on the target device.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_model_len or limit, parallel, comm)
+    quantized = QuantizedLoad(model, quant) if quant.method != "none" else None
+    if quantized is not None:
+        quantized.free_weights()  # before materialising: plain copies never take memory
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.model.rotary.build_tables(device)  # fp32 tables, whatever the weights' dtype
-    model.load_weights(source.weights(model.checkpoint_slice))
+    if quantized is None:
+        model.load_weights(source.weights(model.checkpoint_slice))
+    else:
+        model.load_weights(quantized.wrap(source.weights(quantized.select)))
     model.eval()
     metadata = ModelMetadata(
         name=source.name,
@@ -124,9 +138,10 @@ def load_model(
         eos_token_ids=source.eos_token_ids,
         max_model_len=max_model_len or limit,
         dtype=torch_dtype,
+        quantization=quant.method,
     )
-    logger.info("loaded %s (%s) from %s as %s on %s (%s)", metadata.name,
-                metadata.architecture, path, torch_dtype, device, model.parallel)
+    logger.info("loaded %s (%s) from %s as %s (quantization %s) on %s (%s)", metadata.name,
+                metadata.architecture, path, torch_dtype, quant.method, device, model.parallel)
     return model, metadata
 
 
@@ -164,6 +179,7 @@ def _open_hf_folder(folder: Path) -> ModelSource:
         architecture=architectures[0],
         eos_token_ids=_hf_eos_token_ids(folder, hf_config),
         weights=weights,
+        quantization_config=hf_config.get("quantization_config"),
     )
 
 

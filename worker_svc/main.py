@@ -21,6 +21,7 @@ from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.distributed import DistributedContext, init_distributed
 from worker_svc.membership import Membership, Plan
 from worker_svc.parallel import ParallelConfig
+from worker_svc.quant import QUANTIZATION_CHOICES
 from worker_svc.runner import ModelRunner, RunnerConfig
 from worker_svc.servicer import WorkerServicer
 
@@ -50,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--cpu-linear", default="auto",
              help="auto | onednn | torch: on CPU, auto packs linear weights for oneDNN "
                   "(2-2.5x MKL's fp32 speed on AMD); torch keeps F.linear")
+    add_flag(parser, "--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+             help="weights of the decoder's linear layers: auto = as the checkpoint's "
+                  "quantization_config says (FP8 from vLLM / llm-compressor, AWQ from AutoAWQ); "
+                  "fp8 also quantizes a plain checkpoint at load (per-channel scales)")
     add_flag(parser, "--group", default="g0", help="engine group this worker belongs to")
     add_flag(parser, "--worker-id", default=None, help="id in the registry (default: host-pid)")
     add_flag(parser, "--tp", type=int, default=1, help="tensor-parallel ranks per stage")
@@ -97,6 +102,7 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         cpu_linear=args.cpu_linear,
+        quantization=args.quantization,
     )
 
 

@@ -45,8 +45,9 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.loader import ModelMetadata, load_model
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.model.matmul import pack_linear_weights
+from worker_svc.model.matmul import pack_linear_weights, packed_weight_bytes
 from worker_svc.parallel import ParallelConfig, global_rank
+from worker_svc.quant import QUANTIZATION_CHOICES
 from worker_svc.types import SampledToken, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class RunnerConfig:
     max_model_len: int | None = None  # tokens; default: the model's own limit
     attention_backend: str = "auto"  # auto | torch | triton
     cpu_linear: str = "auto"  # auto | onednn | torch: how linear layers multiply on CPU
+    # auto | none | fp8 | awq; auto = what the checkpoint's config says (worker_svc/quant)
+    quantization: str = "auto"
     parallel: ParallelConfig = ParallelConfig()  # this rank's place in its engine group
 
     def __post_init__(self) -> None:
@@ -77,6 +80,9 @@ class RunnerConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, "
+                             f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class RunnerInfo:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    quantization: str = "none"  # none | fp8 | awq: how the linear layers hold their weights
+    weight_bytes: int = 0  # this rank's weights in memory, quantized or packed as they are
 
 
 class ModelRunner:
@@ -144,6 +152,7 @@ class ModelRunner:
         model, metadata = load_model(
             config.model_path, dtype=config.dtype, device=config.device,
             max_model_len=config.max_model_len, parallel=config.parallel, comm=dist,
+            quantization=config.quantization,
         )
         spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
         num_blocks = num_blocks_for_budget(spec, config.kv_cache_memory_bytes, config.num_blocks)
@@ -181,6 +190,8 @@ class ModelRunner:
             tp_size=self.parallel.tp_size,
             pp_rank=self.parallel.pp_rank,
             pp_size=self.parallel.pp_size,
+            quantization=self.metadata.quantization,
+            weight_bytes=packed_weight_bytes(self.model),
         )
 
     @torch.inference_mode()

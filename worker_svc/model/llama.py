@@ -315,9 +315,16 @@ class LlamaForCausalLM(nn.Module):
         missing = []
         for name in params:
             module = self.get_submodule(name.rpartition(".")[0])
+            if name.endswith(".weight") and _holds_prepared_weight(module):
+                continue  # loaded in another form (quantized): see worker_svc/quant
             if isinstance(module, MergedLinear):
                 missing += [f"{name}/{p}" for p in module.part_sizes if f"{name}/{p}" not in loaded]
             elif name not in loaded:
                 missing.append(name)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _holds_prepared_weight(module: nn.Module) -> bool:
+    packed = getattr(module, "packed_weight", None)
+    return packed is not None and not isinstance(packed, torch.Tensor)
