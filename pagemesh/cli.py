@@ -74,6 +74,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(up, "--cpu-linear", default="auto", help="auto | onednn | torch (see worker --help)")
     add_flag(up, "--quantization", default="auto", choices=["auto", "none", "fp8", "awq"],
              help="weights of the linear layers (see worker --help)")
+    add_flag(up, "--gguf-keep-quantized", type=bool, default=False,
+             help="GGUF: keep quantized blocks, dequantize per matmul (see worker --help)")
     add_flag(up, "--log-level", default="INFO", help="logging level of every service")
     add_flag(up, "--otlp-traces-endpoint", default=None,
              help="OTLP gRPC receiver of every service's trace spans, e.g. "

@@ -48,6 +48,8 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
               "--attention-backend", args.attention_backend,
               "--cpu-linear", args.cpu_linear,
               "--quantization", args.quantization]
+    if args.gguf_keep_quantized:
+        worker.append("--gguf-keep-quantized")
     if args.num_kv_blocks is not None:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len is not None:

@@ -25,6 +25,7 @@ from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.parallel_layers import Index, TPComm
 from worker_svc.parallel import ParallelConfig
 from worker_svc.quant.config import resolve_quantization
+from worker_svc.quant.gguf import GgufKeptLoad
 from worker_svc.quant.loading import QuantizedLoad
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ ARCHITECTURE_BY_MODEL_TYPE = {
 # Checkpoint name -> the slice this rank reads, or None to skip the tensor.
 WeightSelector = Callable[[str], Index | None]
 WeightStream = Callable[[WeightSelector], Iterator[tuple[str, torch.Tensor]]]
+# GGUF raw blocks: (name, GGML type name) -> the slice of uint8 [rows, bytes per row], or None.
+BlockSelector = Callable[[str, str], Index | None]
+BlockStream = Callable[[BlockSelector], Iterator[tuple[str, str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class ModelMetadata:
     eos_token_ids: tuple[int, ...]
     max_model_len: int  # tokens: prompt + output
     dtype: torch.dtype
-    quantization: str = "none"  # none | fp8 | awq: how the linear layers' weights are held
+    # none | fp8 | awq | gguf-<types> (e.g. gguf-q4_1): how the linear layers' weights are held
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class ModelSource:
     eos_token_ids: tuple[int, ...]
     weights: WeightStream
     quantization_config: dict | None = None  # config.json's, when the checkpoint has one
+    gguf_tensor_types: dict[str, str] | None = None  # GGUF: HF name -> GGML type name
+    gguf_blocks: BlockStream | None = None  # GGUF: the raw blocks of quantized tensors
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -100,16 +107,22 @@ def load_model(
     parallel: ParallelConfig | None = None,
     comm: TPComm | None = None,
     quantization: str = "auto",
+    gguf_keep_quantized: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelMetadata]:
     """Build this rank's part of the model (`parallel`; default: the whole model) on
     `device` in `dtype` and fill it from the checkpoint at `path`, reading only that part.
     `comm` carries the tensor-parallel collectives (the rank's DistributedContext).
     `quantization` (auto | none | fp8 | awq; auto = what the checkpoint says) chooses how
-    the decoder's linear layers hold their weights (worker_svc/quant)."""
+    the decoder's linear layers hold their weights (worker_svc/quant);
+    `gguf_keep_quantized` keeps a GGUF's quantized linear layers in their blocks
+    (worker_svc/quant/gguf.py) instead of dequantizing them here."""
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
     source = open_source(path)
     quant = resolve_quantization(quantization, source.quantization_config)
+    if gguf_keep_quantized and (source.gguf_blocks is None or quant.method != "none"):
+        raise ValueError("--gguf-keep-quantized needs a .gguf model and --quantization "
+                         f"auto or none (got {path}, quantization {quant.method})")
     config = source.config
     limit = config.max_position_embeddings
     if max_model_len is not None and not 0 < max_model_len <= limit:
@@ -122,14 +135,19 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_model_len or limit, parallel, comm)
     quantized = QuantizedLoad(model, quant) if quant.method != "none" else None
-    if quantized is not None:
-        quantized.free_weights()  # before materialising: plain copies never take memory
+    kept = GgufKeptLoad(model, source.gguf_tensor_types) if gguf_keep_quantized else None
+    for load in (quantized, kept):
+        if load is not None:
+            load.free_weights()  # before materialising: plain copies never take memory
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.model.rotary.build_tables(device)  # fp32 tables, whatever the weights' dtype
-    if quantized is None:
-        model.load_weights(source.weights(model.checkpoint_slice))
-    else:
+    if quantized is not None:
         model.load_weights(quantized.wrap(source.weights(quantized.select)))
+    elif kept is not None:
+        kept.fill(source.gguf_blocks(kept.select_blocks))  # before: load_weights checks
+        model.load_weights(source.weights(kept.select))
+    else:
+        model.load_weights(source.weights(model.checkpoint_slice))
     model.eval()
     metadata = ModelMetadata(
         name=source.name,
@@ -138,10 +156,11 @@ def load_model(
         eos_token_ids=source.eos_token_ids,
         max_model_len=max_model_len or limit,
         dtype=torch_dtype,
-        quantization=quant.method,
+        quantization=kept.quantization if kept is not None else quant.method,
     )
     logger.info("loaded %s (%s) from %s as %s (quantization %s) on %s (%s)", metadata.name,
-                metadata.architecture, path, torch_dtype, quant.method, device, model.parallel)
+                metadata.architecture, path, torch_dtype, metadata.quantization, device,
+                model.parallel)
     return model, metadata
 
 
@@ -319,6 +338,8 @@ def _open_gguf(path: Path) -> ModelSource:
     eos_ids = [_gguf_value(reader, "tokenizer.ggml.eos_token_id")]
     # End-of-turn (e.g. <|eot_id|>) also ends generation in llama.cpp.
     eos_ids.append(_gguf_value(reader, "tokenizer.ggml.eot_token_id"))
+    tensor_types = {hf_name: t.tensor_type.name for t in reader.tensors
+                    if (hf_name := gguf_to_hf_name(t.name)) is not None}
     return ModelSource(
         config=config,
         name=path.stem,
@@ -326,6 +347,9 @@ def _open_gguf(path: Path) -> ModelSource:
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         weights=lambda select: _gguf_weights(reader, config, select,
                                              permuted_rotary=arch == "llama"),
+        gguf_tensor_types=tensor_types,
+        gguf_blocks=lambda select: _gguf_blocks(reader, config, select,
+                                                permuted_rotary=arch == "llama"),
     )
 
 
@@ -352,3 +376,25 @@ def _gguf_weights(
         elif permuted_rotary and ".self_attn.k_proj." in hf_name:
             weight = reverse_rotary_permutation(weight, config.num_kv_heads)
         yield hf_name, weight[index]
+
+
+def _gguf_blocks(
+    reader, config: ModelConfig, select: BlockSelector, *, permuted_rotary: bool
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """The selected tensors' raw blocks, uint8 [rows, bytes per row], q/k rows put back in
+    Hugging Face order (a row holds whole blocks, so rows permute like the dequantized
+    weight's) and then cut to `select`'s slice."""
+    import numpy as np
+
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        type_name = tensor.tensor_type.name
+        index = None if hf_name is None else select(hf_name, type_name)
+        if index is None:
+            continue
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        if permuted_rotary and ".self_attn.q_proj." in hf_name:
+            blocks = reverse_rotary_permutation(blocks, config.num_heads)
+        elif permuted_rotary and ".self_attn.k_proj." in hf_name:
+            blocks = reverse_rotary_permutation(blocks, config.num_kv_heads)
+        yield hf_name, type_name, blocks[index].clone()  # not a view of the whole tensor

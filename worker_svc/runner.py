@@ -73,6 +73,8 @@ class RunnerConfig:
     cpu_linear: str = "auto"  # auto | onednn | torch: how linear layers multiply on CPU
     # auto | none | fp8 | awq; auto = what the checkpoint's config says (worker_svc/quant)
     quantization: str = "auto"
+    # GGUF: keep the linear layers' quantized blocks, dequantize per matmul (quant/gguf.py)
+    gguf_keep_quantized: bool = False
     parallel: ParallelConfig = ParallelConfig()  # this rank's place in its engine group
 
     def __post_init__(self) -> None:
@@ -106,7 +108,8 @@ class RunnerInfo:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
-    quantization: str = "none"  # none | fp8 | awq: how the linear layers hold their weights
+    # none | fp8 | awq | gguf-<types> (e.g. gguf-q4_1): how the linear layers hold their weights
+    quantization: str = "none"
     weight_bytes: int = 0  # this rank's weights in memory, quantized or packed as they are
 
 
@@ -152,7 +155,7 @@ class ModelRunner:
         model, metadata = load_model(
             config.model_path, dtype=config.dtype, device=config.device,
             max_model_len=config.max_model_len, parallel=config.parallel, comm=dist,
-            quantization=config.quantization,
+            quantization=config.quantization, gguf_keep_quantized=config.gguf_keep_quantized,
         )
         spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
         num_blocks = num_blocks_for_budget(spec, config.kv_cache_memory_bytes, config.num_blocks)
