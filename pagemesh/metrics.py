@@ -324,6 +324,24 @@ class WorkerMetrics(ServiceMetrics):
             PREFIX + "worker_forward_time_seconds", "Seconds one step's forward pass (and "
             "sampling) took on this worker", ["group", "tp_rank", "pp_rank"],
             buckets=STEP_TIME_BUCKETS_S, registry=self.registry)
+        self._weights: tuple[str, int] | None = None  # (quantization, bytes) once loaded
+        self.add_collector(self._collect_weights)
+
+    def set_weights(self, quantization: str, weight_bytes: int) -> None:
+        """The loaded model's weights: how its linear layers hold them ("none", "fp8",
+        "awq") and this worker's bytes of them in memory."""
+        self._weights = (quantization, weight_bytes)
+
+    def _collect_weights(self) -> Iterable[Metric]:
+        if self._weights is None:
+            return []  # still loading
+        quantization, weight_bytes = self._weights
+        return [
+            gauge("worker_weight_bytes", "Bytes of this worker's model weights in memory, as "
+                  "they are held (quantized or packed)", self.labels(), weight_bytes),
+            gauge("model_quantization_info", "How the linear layers hold their weights "
+                  "(always 1)", {"group": self.group, "quantization": quantization}, 1),
+        ]
 
     def labels(self) -> dict[str, str]:
         return {"group": self.group, "tp_rank": str(self.layout["tp_rank"]),

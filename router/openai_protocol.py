@@ -364,5 +364,5 @@ def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any
 def models_object(info: generate_pb2.GetModelInfoResponse, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": info.model, "object": "model", "created": created, "owned_by": "pagemesh",
-        "max_model_len": info.max_model_len,
+        "max_model_len": info.max_model_len, "quantization": info.quantization,
     }]}

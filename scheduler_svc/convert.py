@@ -221,7 +221,10 @@ def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool) -> schedul
     return response
 
 
-def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int) -> generate_pb2.GetModelInfoResponse:
+def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int,
+                     weight_bytes: int | None = None) -> generate_pb2.GetModelInfoResponse:
+    """`info`: the group driver's; `weight_bytes`: the group's total over its ranks (None =
+    the driver's own, for a group of one)."""
     return generate_pb2.GetModelInfoResponse(
         model=info.model,
         max_model_len=info.max_model_len,
@@ -231,6 +234,8 @@ def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int) ->
         architecture=info.architecture,
         block_size=info.block_size,
         num_kv_blocks=num_blocks,
+        quantization=info.quantization,
+        weight_bytes=info.weight_bytes if weight_bytes is None else weight_bytes,
         layout=generate_pb2.ParallelLayout(
             tensor_parallel_size=info.tp_size,
             pipeline_parallel_size=info.pp_size,

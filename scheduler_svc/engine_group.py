@@ -39,6 +39,12 @@ class FormedGroup:
     workers: WorkerGroupClient
     config: SchedulerConfig
     lead: worker_pb2.GetWorkerInfoResponse  # the driver's info: model, vocabulary, block size
+    infos: list[worker_pb2.GetWorkerInfoResponse]  # every member's, in endpoint order
+
+    @property
+    def weight_bytes(self) -> int:
+        """The group's weights in memory, summed over its ranks."""
+        return sum(info.weight_bytes for info in self.infos)
 
 
 class EngineGroup:
@@ -75,7 +81,7 @@ class EngineGroup:
         config = self.config_for(infos, workers.driver_index)
         logger.info("engine group %s formed: %s", spec.group,
                     [f"{e.worker_id}@{e.address}" for e in endpoints])
-        return FormedGroup(workers, config, infos[workers.driver_index])
+        return FormedGroup(workers, config, infos[workers.driver_index], infos)
 
     async def members_alive(self, workers: WorkerGroupClient) -> bool:
         """False when a member refuses connections (its process is gone), or does not answer

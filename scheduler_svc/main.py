@@ -117,7 +117,8 @@ async def serve(args: argparse.Namespace) -> None:
     loop.on_step.append(checkpointer.on_step)
     registry.on_redis_restart.append(checkpointer.rewrite_all)
     await checkpointer.adopt_orphans()
-    model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks)
+    model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks,
+                                          formed.weight_bytes)
     servicer = SchedulerServicer(loop, model_info, checkpointer)
     server = GrpcServer(
         server_config(args),

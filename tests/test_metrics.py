@@ -41,7 +41,8 @@ SCHEDULER_NAMES = {
 WORKER_NAMES = {
     "pagemesh:worker_forward_time_seconds": "histogram", "pagemesh:worker_steps": "counter",
     "pagemesh:worker_tp_collective_seconds": "counter", "pagemesh:worker_pp_send_seconds": "counter",
-    "pagemesh:worker_pp_recv_seconds": "counter",
+    "pagemesh:worker_pp_recv_seconds": "counter", "pagemesh:worker_weight_bytes": "gauge",
+    "pagemesh:model_quantization_info": "gauge",
 }
 EVERY_SERVICE = {"pagemesh:heartbeat_age_seconds": "gauge", "pagemesh:build_info": "gauge"}
 
@@ -93,6 +94,7 @@ def test_every_service_exports_the_agreed_names_and_types() -> None:
     worker = WorkerMetrics("g0", {"tp_rank": 1, "pp_rank": 0})
     worker.follow_worker(lambda: WorkerSnapshot(0, 0.0, 0.0, 0.0))
     worker.observe_forward(0.01)
+    worker.set_weights("awq", 1000)
     worker.follow_heartbeat(lambda: time.monotonic())
     assert families(worker) == {**WORKER_NAMES, **EVERY_SERVICE}
 
@@ -263,6 +265,19 @@ def test_worker_counters_are_read_not_accumulated_and_ranks_follow_the_layout() 
         assert value(scrape, "pagemesh:worker_pp_send_seconds_total", **labels) == 0.5
         assert value(scrape, "pagemesh:worker_pp_recv_seconds_total", **labels) == 0.75
         assert value(scrape, "pagemesh:worker_forward_time_seconds_count", **labels) == 1
+
+
+def test_weight_memory_and_quantization_appear_once_the_model_is_loaded() -> None:
+    layout = {"tp_rank": -1, "pp_rank": -1}
+    metrics = WorkerMetrics("g0", layout)
+    names = {name for name, _ in samples(metrics.exposition())}
+    assert not names & {"pagemesh:worker_weight_bytes", "pagemesh:model_quantization_info"}
+    layout.update(tp_rank=1, pp_rank=0)  # a standby took a place, then loaded
+    metrics.set_weights("fp8", 123_456_789)
+    scrape = samples(metrics.exposition())
+    assert value(scrape, "pagemesh:worker_weight_bytes", group="g0", tp_rank="1",
+                 pp_rank="0") == 123_456_789
+    assert value(scrape, "pagemesh:model_quantization_info", group="g0", quantization="fp8") == 1
 
 
 # --- the endpoint ------------------------------------------------------------------------

@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="weights of the decoder's linear layers: auto = as the checkpoint's "
                   "quantization_config says (FP8 from vLLM / llm-compressor, AWQ from AutoAWQ); "
                   "fp8 also quantizes a plain checkpoint at load (per-channel scales)")
+    add_flag(parser, "--gguf-keep-quantized", type=bool, default=False,
+             help="GGUF: keep the linear layers' Q8_0/Q4_0/Q4_1/Q5_x/Q4_K/Q6_K blocks in "
+                  "memory and dequantize them per matmul (less memory, slower steps)")
     add_flag(parser, "--group", default="g0", help="engine group this worker belongs to")
     add_flag(parser, "--worker-id", default=None, help="id in the registry (default: host-pid)")
     add_flag(parser, "--tp", type=int, default=1, help="tensor-parallel ranks per stage")
@@ -103,6 +106,7 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
         attention_backend=args.attention_backend,
         cpu_linear=args.cpu_linear,
         quantization=args.quantization,
+        gguf_keep_quantized=args.gguf_keep_quantized,
     )
 
 
@@ -122,8 +126,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     await server.start()
     server.install_signal_handlers()
-    metrics_server = await serve_metrics(worker_metrics(args.group, layout, servicer, registry),
-                                         metrics_config(args))
+    metrics = worker_metrics(args.group, layout, servicer, registry)
+    metrics_server = await serve_metrics(metrics, metrics_config(args))
     state: dict[str, object] = {"status": "standby" if args.standby else "joining", "epoch": "",
                                 "num_reforms": 0}
     dist_host = args.advertise_host or args.host
@@ -145,9 +149,13 @@ async def serve(args: argparse.Namespace) -> None:
         done, _ = await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
         if loading in done:
             runner = servicer.runner = loading.result()  # raises what failed the load
+            info = runner.info()
+            # Published with the registry entry (for `pagemesh top`) and as gauges.
+            state.update(quantization=info.quantization, weight_bytes=info.weight_bytes)
+            metrics.set_weights(info.quantization, info.weight_bytes)
             await membership.set_status("ready")
             await server.set_serving(True)
-            logger.info("ready: %s", runner.info())
+            logger.info("ready: %s", info)
             if not runner.dist.is_single:
                 following = asyncio.create_task(
                     membership.follow(servicer, runner, args.dist_timeout_s))
