@@ -32,16 +32,28 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("cpu_decode.c")  # and its sibling C files (SOURCES)
 # Reassociation lets the compiler vectorize the dot products; -ffast-math as a whole would
 # also assume no infinities, and the online softmax starts from -inf.
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
+# The C files and what each needs beyond CFLAGS. cpu_gguf.c dequantizes with gguf's exact
+# fp32 arithmetic, so no multiply-add may be fused there.
+SOURCES = {"cpu_decode": [], "cpu_gguf": ["-ffp-contract=off"]}
+_SIGNATURES = {
+    "paged_decode": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    "gguf_matmul": [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                    ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int],
+}
+
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failed: str | None = None
+_libraries: dict[str, ctypes.CDLL] = {}
+_failed: dict[str, str] = {}
 
 
 def _cpu_flags() -> str:
@@ -54,15 +66,17 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build() -> ctypes.CDLL:
+def _build(name: str = "cpu_decode") -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+    source = SOURCE.with_name(f"{name}.c")
+    flags = [*CFLAGS, *SOURCES[name]]  # later flags win (-ffp-contract)
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEMESH_KERNEL_CACHE",
                                 Path.home() / ".cache" / "pagemesh" / "kernels"))
-    library = cache / f"cpu_decode-{key}.so"
+    library = cache / f"{name}-{key}.so"
     if not library.exists():
         cache.mkdir(parents=True, exist_ok=True)
         # Built beside its final name and renamed: processes starting together never load
@@ -70,7 +84,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+            subprocess.run([compiler, *flags, "-o", str(partial), str(source), "-lm"],
                            check=True, capture_output=True, text=True, timeout=120)
             partial.replace(library)
         except subprocess.CalledProcessError as error:
@@ -78,32 +92,31 @@ def _build() -> ctypes.CDLL:
         finally:
             partial.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(library))
-    lib.paged_decode.restype = ctypes.c_int
-    lib.paged_decode.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-    ]
+    for function, argtypes in _SIGNATURES.items():
+        if hasattr(lib, function):
+            getattr(lib, function).restype = ctypes.c_int
+            getattr(lib, function).argtypes = argtypes
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The built kernel, or None (once logged) when it cannot be built here."""
-    global _library, _failed
+def library(name: str = "cpu_decode") -> ctypes.CDLL | None:
+    """The built kernel library `name` (a key of SOURCES), or None (once logged) when it
+    cannot be built here or PAGEMESH_NATIVE_KERNELS=0."""
+    if os.environ.get("PAGEMESH_NATIVE_KERNELS", "1") == "0":
+        return None
     with _lock:
-        if _library is None and _failed is None:
+        if name not in _libraries and name not in _failed:
             try:
-                _library = _build()
+                _libraries[name] = _build(name)
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                _failed = str(error)
-                logger.warning("native CPU decode attention unavailable (%s); using torch ops",
-                               _failed)
-        return _library
+                _failed[name] = str(error)
+                logger.warning("native CPU kernels %s unavailable (%s); using torch ops",
+                               name, _failed[name])
+        return _libraries.get(name)
 
 
 def available(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPES and os.environ.get("PAGEMESH_NATIVE_KERNELS", "1") != "0" \
-        and library() is not None
+    return dtype in _DTYPES and library() is not None
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -130,3 +143,21 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if code:
         raise MemoryError("the native decode kernel could not allocate its scratch memory")
     return out
+
+
+GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+GGUF_MAX_ROWS = 16  # cpu_gguf.c's MAX_ROWS: more rows are compute-bound, better dequantized
+
+
+def gguf_matmul(type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """out[:, :rows] = x @ W^T for W in GGUF blocks (uint8 [rows, bytes]); x and out fp32,
+    contiguous, x with at most GGUF_MAX_ROWS rows. False (nothing written) when the kernel
+    cannot do it here: no compiler, another type, too many rows."""
+    lib = library("cpu_gguf")
+    if (lib is None or type_name not in GGUF_TYPES or not 0 < x.shape[0] <= GGUF_MAX_ROWS
+            or x.dtype != torch.float32 or out.dtype != torch.float32):
+        return False
+    code = lib.gguf_matmul(GGUF_TYPES[type_name], blocks.data_ptr(), blocks.shape[0],
+                           x.shape[1], x.data_ptr(), x.shape[0], out.data_ptr(),
+                           out.stride(0), max(1, torch.get_num_threads()))
+    return code == 0

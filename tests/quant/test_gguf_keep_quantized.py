@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 from tests.tiny_models import write_tiny_model
 from tests.worker.parallel_harness import EngineGroup
@@ -113,7 +115,10 @@ def test_keep_quantized_equals_dequantize_at_load(tiny_hf: Path, tmp_path: Path,
     expected_label = ("gguf-q4_0+q4_1+q5_0+q5_1+q8_0" if types == "mixed"
                       else f"gguf-{types.lower()}")
     assert kept_meta.quantization == expected_label
-    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    # 17 rows: dequantized then F.linear, bit for bit the plain path. 5 rows (decoding):
+    # the fused C kernel (kernels/cpu_gguf.c) where it builds, with gguf's exact weights
+    # but its own summation order.
+    x = torch.randn(17, 96, generator=torch.Generator().manual_seed(1))
     for (name, module), (_, kept_module) in zip(plain.named_modules(), kept.named_modules()):
         if not hasattr(module, "packed_weight") or not name.startswith("model.layers"):
             continue
@@ -121,7 +126,9 @@ def test_keep_quantized_equals_dequantize_at_load(tiny_hf: Path, tmp_path: Path,
         assert torch.equal(kept_module.packed_weight.dequantize(), module.weight), name
         inputs = x[:, : module.weight.shape[1]]
         assert torch.equal(kept_module(inputs), module(inputs)), name
-    # Same matmul (F.linear) on both sides: the same tokens.
+        torch.testing.assert_close(kept_module(inputs[:5]), module(inputs[:5]),
+                                   rtol=1e-5, atol=1e-5, msg=name)
+    # The tiny models keep their top logits well apart: the same tokens.
     runners = [ModelRunner(model, meta, num_blocks=8, block_size=4, cpu_linear="torch")
                for model, meta in ((plain, plain_meta), (kept, kept_meta))]
     tokens = [greedy_tokens(runner, PROMPT, NUM_NEW_TOKENS) for runner in runners]
@@ -193,3 +200,24 @@ def test_row_parallel_shard_off_block_boundaries_is_dequantized_at_load(
 def test_keep_quantized_needs_a_gguf(tiny_hf: Path) -> None:
     with pytest.raises(ValueError, match="needs a .gguf model"):
         load_model(tiny_hf, gguf_keep_quantized=True)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_fused_cpu_kernel_matches_dequantize_then_linear(type_name: str, rows: int) -> None:
+    from kernels import cpu_native
+
+    if cpu_native.library("cpu_gguf") is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(rows)
+    weights = rng.standard_normal((40, 256)).astype(np.float32) * 0.05
+    blocks = gguf.quants.quantize(weights, getattr(gguf.GGMLQuantizationType, type_name))
+    layer = GgufWeight([(type_name, torch.from_numpy(blocks.view(np.uint8).reshape(40, -1)))],
+                       256)
+    x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32))
+    bias = torch.arange(40, dtype=torch.float32)
+    fused = layer._fused_matmul(x)
+    assert fused is not None
+    torch.testing.assert_close(layer.apply(x, bias), F.linear(x, layer.dequantize(), bias),
+                               rtol=1e-5, atol=1e-5)
+    assert layer._fused_matmul(torch.zeros(17, 256)) is None  # many rows: dequantized

@@ -3,7 +3,9 @@
 By default the loader dequantizes every GGUF tensor to the model dtype. With the flag, the
 decoder's linear layers keep llama.cpp's raw blocks (a uint8 [rows, bytes per row] tensor)
 and a `GgufWeight` dequantizes them per matmul: a Q4_1 layer takes 0.625 bytes per weight
-instead of 4 (fp32). Each dequantizer here repeats `gguf.quants.dequantize`'s fp32
+instead of 4 (fp32). For a few rows (decoding), Q8_0/Q4_0/Q4_1 layers go to the C kernel
+`kernels/cpu_gguf.c` instead, which dequantizes block by block inside the matmul and so
+reads each block once; its weights are gguf's exactly, its sums in its own order. Each dequantizer here repeats `gguf.quants.dequantize`'s fp32
 arithmetic op for op, so the values, and the matmul results, equal the dequantize-at-load
 path exactly.
 
@@ -21,6 +23,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from kernels import cpu_native
 
 from worker_svc.model.layers import MergedLinear
 from worker_svc.model.llama import _STACKED_PARTS, LlamaForCausalLM
@@ -166,8 +170,27 @@ class GgufWeight:
         return weights[0] if len(weights) == 1 else torch.cat(weights)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        fused = self._fused_matmul(x)
+        if fused is not None:
+            return fused if bias is None else fused + bias
         # One layer's dequantized copy lives only for this call.
         return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def _fused_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A few rows of x (decoding) on CPU: `kernels/cpu_gguf.c` reads each block once and
+        never writes the dequantized layer out; None where it does not apply (then the
+        layer is dequantized: many rows are compute-bound and go to BLAS)."""
+        if (x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > cpu_native.GGUF_MAX_ROWS
+                or any(name not in cpu_native.GGUF_TYPES for name, _ in self.parts)):
+            return None
+        x32 = x.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], sum(b.shape[0] for _, b in self.parts))
+        start = 0
+        for name, blocks in self.parts:
+            if not cpu_native.gguf_matmul(name, blocks, x32, out[:, start:start + blocks.shape[0]]):
+                return None
+            start += blocks.shape[0]
+        return out.to(x.dtype)
 
 
 class GgufKeptLoad:
