@@ -1,6 +1,7 @@
-"""Builds and calls the C decode-attention kernel (`kernels/cpu_decode.c`) on CPU.
+"""Builds and calls the CPU C kernels: decode attention (`kernels/cpu_decode.c`) and the
+GGUF dequant-matmul for decoding (`kernels/cpu_gguf.c`, see `gguf_matmul` below).
 
-The kernel reads K and V in place through the block tables, where the torch path
+The decode kernel reads K and V in place through the block tables, where the torch path
 (`cpu_attention.py`) first gathers every sequence's blocks into a contiguous copy and then
 runs SDPA: a W64 decode step takes 25 ms with it against 31 ms (fp32), 18.5 against 51 ms
 (bf16; `python -m bench.decode_step`).

