@@ -37,6 +37,34 @@ def test_heartbeat_keeps_an_entry_alive_and_expiry_reports_death(redis_url: str)
     asyncio.run(scenario())
 
 
+def test_a_cancelled_heartbeat_stops_whenever_it_is_cancelled(redis_url: str) -> None:
+    # A heartbeat cancelled mid-command must stop: a dead-looking process that still beats
+    # keeps its id (its replacement cannot claim it), and a shutdown awaiting it hangs.
+    # redis-py 8.0-8.1 swallowed the cancellation of a command in flight in ~half the runs.
+    async def scenario() -> None:
+        config = RegistryConfig(redis_url, cluster="t-cancel", heartbeat_interval_s=0.001,
+                                ttl_s=0.4)
+        survivors = 0
+        for i in range(40):
+            registry = Registry(config)
+            await registry.start_heartbeat("worker", f"w{i}", lambda: {"address": "x"})
+            await asyncio.sleep(0.0002 * i)  # land the cancel at many points of a beat
+            for task in registry._heartbeats:
+                task.cancel()
+            await asyncio.wait(registry._heartbeats, timeout=0.5)
+            survivors += sum(not task.done() for task in registry._heartbeats)
+            await registry.close()
+        return survivors
+
+    # Not asyncio.run: its teardown would wait forever on a heartbeat that ignores cancel.
+    loop = asyncio.new_event_loop()
+    try:
+        survivors = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert survivors == 0, f"{survivors} of 40 heartbeats went on after cancel()"
+
+
 def test_config_rejects_a_ttl_shorter_than_the_heartbeat() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         RegistryConfig("redis://127.0.0.1:1", heartbeat_interval_s=2.0, ttl_s=1.0)
