@@ -44,31 +44,50 @@ class Mesh:
                  cluster: str = "pagemesh", extra_args: list[str] | None = None,
                  client_tls: TlsConfig | None = None) -> None:
         """`client_tls`: how this harness dials the router (plaintext by default)."""
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
+        self._client_tls = client_tls or TlsConfig()
         # HTTP off unless a test asks for it: parallel meshes would all want port 8000.
         extra_args = extra_args or []
         if "--http-port" not in extra_args:
             extra_args = [*extra_args, "--http-port", "0"]
-        argv = [sys.executable, "-m", "pagemesh.cli", "up", "--port", str(self.port),
-                "--cluster", cluster, "--log-level", "WARNING", *(extra_args or [])]
+        self._args = ["--cluster", cluster, "--log-level", "WARNING", *extra_args]
         if model is not None:
-            argv += ["--model", model]
+            self._args += ["--model", model]
         if redis_url is not None:
-            argv += ["--redis-url", redis_url]
+            self._args += ["--redis-url", redis_url]
         self._log = open(log_path, "wb")
+        self._start()
+
+    def _start(self) -> None:
+        # The router's port is chosen here, free now; the services `pagemesh up` starts
+        # before the router bind port 0 and can be handed it first (see wait_ready).
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "pagemesh.cli", "up", "--port", str(self.port), *self._args]
+        self._log_start = self._log.tell()
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                         start_new_session=True)
-        self.channel = (client_tls or TlsConfig()).channel(self.address)
+        self.channel = self._client_tls.channel(self.address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
 
-    def wait_ready(self, timeout_s: float = 300.0) -> Mesh:
+    def _lost_its_port(self) -> bool:
+        """Whether `pagemesh up` exited because the router's port was taken meanwhile."""
+        self._log.flush()
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            text = log.read().decode(errors="replace")
+        return f"Failed to bind to address {self.address}" in text
+
+    def wait_ready(self, timeout_s: float = 300.0, port_retries: int = 2) -> Mesh:
         health = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if port_retries > 0 and self._lost_its_port():
+                    self.channel.close()
+                    self._start()  # a new free port; the log keeps both runs
+                    return self.wait_ready(deadline - time.monotonic(), port_retries - 1)
                 raise RuntimeError(f"pagemesh up exited with {self.process.returncode}:\n{self.log()}")
             try:
                 status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
