@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_features import CpuFeatures, cpu_features
 from worker_svc.model.config import ModelConfig, RopeConfig, parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.parallel_layers import Index, TPComm
@@ -70,14 +71,35 @@ class ModelSource:
     quantization_config: dict | None = None  # config.json's, when the checkpoint has one
     gguf_tensor_types: dict[str, str] | None = None  # GGUF: HF name -> GGML type name
     gguf_blocks: BlockStream | None = None  # GGUF: the raw blocks of quantized tensors
+    # The dtype the weights are stored in (config.json's dtype / torch_dtype, a GGUF's float
+    # tensors); None when unknown or quantized.
+    stored_dtype: torch.dtype | None = None
 
 
-def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """"auto" is float32 on CPU (fast and exact there) and bfloat16 on accelerators."""
+def resolve_dtype(name: str, device: torch.device | str, stored: torch.dtype | None = None,
+                  features: CpuFeatures | None = None) -> torch.dtype:
+    """The compute dtype for `--dtype name`. "auto" is bfloat16 on accelerators; on CPU it is
+    what is fast on *this* CPU (`features`, default the probed one): bfloat16 only where the
+    CPU multiplies bf16 natively (AVX512_BF16 or AMX; elsewhere bf16 is emulated, ~5x slower
+    than fp32) and oneDNN runs bf16 linear layers, and the checkpoint is not stored in fp32
+    (`stored`; an fp32 checkpoint stays exact). Otherwise float32."""
     if name == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+        if torch.device(device).type != "cpu":
+            return torch.bfloat16
+        features = features or cpu_features()
+        fast_bf16 = features.native_bf16 and features.onednn_bf16_linear
+        chosen = torch.bfloat16 if fast_bf16 and stored != torch.float32 else torch.float32
+        logger.info("dtype auto -> %s on CPU (%s; native bf16 %s, checkpoint %s)",
+                    str(chosen).removeprefix("torch."), features.one_line(), fast_bf16,
+                    "unknown/quantized" if stored is None else str(stored).removeprefix("torch."))
+        return chosen
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    if name == "bfloat16" and torch.device(device).type == "cpu":
+        slow = (features or cpu_features()).why_bf16_is_slow()
+        if slow:
+            logger.warning("--dtype bfloat16 as asked, but %s; --dtype auto picks float32 here",
+                           slow)
     return DTYPES[name]
 
 
@@ -117,8 +139,8 @@ def load_model(
     `gguf_keep_quantized` keeps a GGUF's quantized linear layers in their blocks
     (worker_svc/quant/gguf.py) instead of dequantizing them here."""
     device = torch.device(device)
-    torch_dtype = resolve_dtype(dtype, device)
     source = open_source(path)
+    torch_dtype = resolve_dtype(dtype, device, source.stored_dtype)
     quant = resolve_quantization(quantization, source.quantization_config)
     if gguf_keep_quantized and (source.gguf_blocks is None or quant.method != "none"):
         raise ValueError("--gguf-keep-quantized needs a .gguf model and --quantization "
@@ -199,6 +221,7 @@ def _open_hf_folder(folder: Path) -> ModelSource:
         eos_token_ids=_hf_eos_token_ids(folder, hf_config),
         weights=weights,
         quantization_config=hf_config.get("quantization_config"),
+        stored_dtype=DTYPES.get(hf_config.get("dtype") or hf_config.get("torch_dtype") or ""),
     )
 
 
@@ -350,7 +373,21 @@ def _open_gguf(path: Path) -> ModelSource:
         gguf_tensor_types=tensor_types,
         gguf_blocks=lambda select: _gguf_blocks(reader, config, select,
                                                 permuted_rotary=arch == "llama"),
+        stored_dtype=_gguf_stored_dtype(tensor_types),
     )
+
+
+def _gguf_stored_dtype(tensor_types: dict[str, str]) -> torch.dtype | None:
+    """The float type of the linear layers (the bulk of the weights and of the compute);
+    None when they are quantized."""
+    linear = {t for name, t in tensor_types.items() if name.endswith("_proj.weight")}
+    if linear == {"F32"}:
+        return torch.float32
+    if linear <= {"BF16", "F32"} and "BF16" in linear:
+        return torch.bfloat16
+    if linear <= {"F16", "F32"} and "F16" in linear:
+        return torch.float16
+    return None
 
 
 def _gguf_weights(

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.cpu_features import CpuFeatures, cpu_features
 from tests.tiny_models import write_tiny_model
 from worker_svc.attention import TorchAttentionBackend, get_attention_backend
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
-from worker_svc.loader import load_model, resolve_dtype
+from worker_svc.loader import load_model, open_source, resolve_dtype
 from worker_svc.model.config import parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.runner import ModelRunner, RunnerConfig
@@ -132,6 +133,13 @@ def test_metadata_eos_ids_and_max_model_len(tmp_path: Path) -> None:
         load_model(path / "nowhere")
 
 
+def test_checkpoints_say_their_stored_dtype(tiny_llama: Path, tmp_path: Path) -> None:
+    assert open_source(tiny_llama).stored_dtype == torch.float32  # config.json's dtype
+    assert open_source(write_tiny_gguf(tiny_llama, tmp_path / "f32.gguf")).stored_dtype == torch.float32
+    # The tiny checkpoints are fp32, so auto is fp32 on every CPU and matches transformers'.
+    assert load_model(tiny_llama)[1].dtype == torch.float32
+
+
 def test_bfloat16_weights_keep_fp32_rotary(tiny_llama: Path) -> None:
     model, metadata = load_model(tiny_llama, dtype="bfloat16")
     assert metadata.dtype == torch.bfloat16
@@ -139,8 +147,29 @@ def test_bfloat16_weights_keep_fp32_rotary(tiny_llama: Path) -> None:
     assert model.model.rotary.cos_cache.dtype == torch.float32
 
 
+def _cpu(flags: tuple[str, ...], onednn_bf16: bool) -> CpuFeatures:
+    return CpuFeatures(model="test CPU", arch="x86_64", flags=flags, torch_version="2.13.0",
+                       torch_cpu_capability="AVX2", onednn_fp32_linear=True,
+                       onednn_bf16_linear=onednn_bf16)
+
+
 def test_resolve_dtype() -> None:
-    assert resolve_dtype("auto", "cpu") == torch.float32
+    zen3 = _cpu(("avx2", "fma"), onednn_bf16=False)
+    skylake = _cpu(("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"), onednn_bf16=True)
+    zen4 = _cpu(("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+                onednn_bf16=True)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    # auto on CPU: bf16 only where it is native and oneDNN runs it, and the checkpoint is
+    # not fp32; emulated bf16 (AVX2, AVX-512 without BF16) is slower than fp32.
+    for stored in (bf16, torch.float16, None):
+        assert resolve_dtype("auto", "cpu", stored, zen4) == bf16
+        assert resolve_dtype("auto", "cpu", stored, zen3) == fp32
+        assert resolve_dtype("auto", "cpu", stored, skylake) == fp32
+    assert resolve_dtype("auto", "cpu", fp32, zen4) == fp32
+    assert resolve_dtype("auto", "cpu", bf16, _cpu(("avx512_bf16",), onednn_bf16=False)) == fp32
+    here = cpu_features()
+    assert resolve_dtype("auto", "cpu", bf16) == (
+        bf16 if here.native_bf16 and here.onednn_bf16_linear else fp32)
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
     assert resolve_dtype("float16", "cpu") == torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -319,7 +348,9 @@ def test_default_smollm2_gguf_matches_transformers() -> None:
     assert path is not None
     tokenizer, prompt = smollm2_chat_prompt(path)
     num_new_tokens = 20
-    runner = ModelRunner.from_config(RunnerConfig(model_path=str(path), num_blocks=8))
+    # fp32 named: the reference is fp32, and auto is bf16 on a CPU with native bf16.
+    runner = ModelRunner.from_config(RunnerConfig(model_path=str(path), num_blocks=8,
+                                                  dtype="float32"))
     info = runner.info()
     assert info.architecture == "LlamaForCausalLM"
     assert (info.eos_token_ids, info.max_model_len) == ((2,), 8192)
@@ -329,7 +360,7 @@ def test_default_smollm2_gguf_matches_transformers() -> None:
     hf_state = hf_model.state_dict()
     # The runner packs its linear weights for oneDNN (freeing the plain ones): compare what
     # the loader reads.
-    loaded, _ = load_model(str(path))
+    loaded, _ = load_model(str(path), dtype="float32")
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
                  "model.embed_tokens.weight"):
         torch.testing.assert_close(our_tensor(loaded, name), hf_state[name], rtol=0, atol=0)
@@ -338,3 +369,6 @@ def test_default_smollm2_gguf_matches_transformers() -> None:
                             do_sample=False, eos_token_id=None)
     assert ours == out[0, len(prompt):].tolist()
     assert "Paris" in tokenizer.decode(ours)
+    # What `make run` computes in: the quantized default model follows the CPU.
+    assert open_source(path).stored_dtype is None
+    assert load_model(str(path))[1].dtype == resolve_dtype("auto", "cpu", None)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from kernels.cpu_features import cpu_features
 from worker_svc.model.config import parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import (
@@ -35,7 +38,9 @@ def tiny_llama(dtype: torch.dtype, tie: bool = True) -> LlamaForCausalLM:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_layers_compute_what_f_linear_does(dtype):
     if not onednn_linear_available(dtype):
-        pytest.skip(f"no oneDNN {dtype} linear here")
+        pytest.skip(f"oneDNN {dtype} linear cannot run on this CPU "
+                    f"[{cpu_features().isa_summary}]: it needs avx512bw+avx512vl+avx512dq "
+                    "or avx_ne_convert")
     model = tiny_llama(dtype)
     layers = [model.model.layers[0].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj,
               model.model.embed_tokens]
@@ -69,6 +74,16 @@ def test_torch_choice_leaves_the_model_alone():
     assert pack_linear_weights(model, "torch") == "torch"
     assert model.model.layers[0].mlp.gate_up_proj.packed_weight is None
     assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (256, 64)
+
+
+def test_bf16_auto_packs_only_where_onednn_runs_bf16():
+    # On an AVX2-only CPU oneDNN's bf16 packing raises; auto must fall back, never raise.
+    model = tiny_llama(torch.bfloat16)
+    expected = "onednn" if cpu_features().onednn_bf16_linear else "torch"
+    assert pack_linear_weights(model, "auto") == expected
+    if expected == "torch":
+        with pytest.raises(ValueError, match=re.escape(cpu_features().isa_summary)):
+            resolve_cpu_linear("onednn", torch.device("cpu"), torch.bfloat16)
 
 
 def test_choices_are_checked():

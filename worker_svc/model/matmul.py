@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kernels.cpu_features import cpu_features
+
 logger = logging.getLogger(__name__)
 
 CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
@@ -30,12 +32,12 @@ _PACK_FOR_ROWS = 64
 
 
 def onednn_linear_available(dtype: torch.dtype) -> bool:
-    """Whether this torch build can pack and run oneDNN linear layers in `dtype` on CPU."""
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    return hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether this CPU and torch build pack and run oneDNN linear layers in `dtype`: probed
+    once (`kernels/cpu_features.py`), since oneDNN's bf16 packing raises on an AVX2-only CPU."""
+    features = cpu_features()
+    if dtype == torch.float32:
+        return features.onednn_fp32_linear
+    return dtype == torch.bfloat16 and features.onednn_bf16_linear
 
 
 class PreparedWeight(Protocol):
@@ -64,11 +66,17 @@ def resolve_cpu_linear(choice: str, device: torch.device, dtype: torch.dtype) ->
                          f"{CPU_LINEAR_CHOICES}")
     usable = device.type == "cpu" and onednn_linear_available(dtype)
     if choice == "onednn" and not usable:
-        raise ValueError(f"--cpu-linear onednn needs a CPU device and a torch build with "
-                         f"oneDNN {dtype} linear kernels (device {device}, dtype {dtype}); "
-                         "use --cpu-linear torch")
+        where = (f"CPU {cpu_features().isa_summary}, torch {torch.__version__}"
+                 if device.type == "cpu" else f"device {device}")
+        raise ValueError(f"--cpu-linear onednn needs a CPU device whose torch build runs "
+                         f"oneDNN {dtype} linear kernels ({where}); use --cpu-linear torch")
     if choice == "auto":
-        return "onednn" if usable else "torch"
+        resolved = "onednn" if usable else "torch"
+        if device.type == "cpu":
+            logger.info("cpu linear auto -> %s for %s (oneDNN %s linear %s on %s)", resolved,
+                        dtype, dtype, "runs" if usable else "does not run",
+                        cpu_features().one_line())
+        return resolved
     return choice
 
 
