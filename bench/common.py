@@ -15,6 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.machine import machine_markdown, machine_record  # noqa: E402
 from tests.mesh_harness import Mesh, greedy_request  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -88,11 +89,16 @@ def w64_workload(args: argparse.Namespace) -> tuple[str, list[list[int]]]:
 
 def write_results(name: str, header: str, columns: list[str], rows: list[list[str]],
                   data: object) -> str:
-    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    """bench/results/<name>.md (the machine line, `header`, the table) and <name>.json
+    ({"machine": ..., "results": data})."""
+    machine = machine_record()
+    lines = [header, "", machine_markdown(machine), "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     table = "\n".join(lines)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.md").write_text(table + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2, default=asdict) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine, "results": data},
+                                                     indent=2, default=asdict) + "\n")
     print(table)
     return table

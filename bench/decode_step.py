@@ -81,6 +81,22 @@ def measure(config: str, steps: int) -> dict:
             "step_ms": median_ms, "tok_s": NUM_REQUESTS / median_ms * 1000}
 
 
+def unavailable(config: str) -> str | None:
+    """Why `config` cannot run on this CPU, or None."""
+    import torch
+
+    from kernels.cpu_features import cpu_features
+    from worker_svc.model.matmul import onednn_linear_available
+
+    dtype, _, linear, _, _ = CONFIGS[config]
+    if linear == "onednn" and not onednn_linear_available(getattr(torch, dtype)):
+        return f"oneDNN {dtype} linear does not run on this CPU [{cpu_features().isa_summary}]"
+    if dtype == "bfloat16" and cpu_features().why_bf16_is_slow():
+        # W64's 8,192 prompt tokens alone would take many minutes at the emulated rate.
+        return cpu_features().why_bf16_is_slow()
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,11 +104,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args()
+    import torch
+
     if args.one:
         print(json.dumps(measure(args.one, args.steps)))
         return
     rows, data, first_of = [], [], {}
     for config in args.configs.split(","):
+        reason = unavailable(config)
+        if reason:  # e.g. oneDNN bf16 on an AVX2-only CPU: a row that says so, no crash
+            rows.append([config, CONFIGS[config][4], "—", "—", f"skipped: {reason}"])
+            data.append({"config": config, "dtype": CONFIGS[config][0], "skipped": reason})
+            print(rows[-1], flush=True)
+            continue
         env = {**os.environ, "PAGEMESH_NATIVE_KERNELS": CONFIGS[config][3]}
         line = subprocess.run([sys.executable, "-m", "bench.decode_step", "--one", config,
                                "--steps", str(args.steps)], env=env, cwd=REPO_ROOT,
@@ -105,7 +129,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     write_results("decode_step",
                   f"W64 decode step, {NUM_REQUESTS} running requests, in-process ModelRunner, "
-                  f"median of {args.steps} steps, {data[0]['threads']} threads "
+                  f"median of {args.steps} steps, {torch.get_num_threads()} threads "
                   "(`python -m bench.decode_step`)",
                   ["config", "what", "ms/step", "decode tok/s", "vs first of its dtype"],
                   rows, data)

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from bench.machine import machine_record
 from bench.result import RunResult
 from scheduler_svc import convert as scheduler_convert
 from scheduler_svc.core.config import SchedulerConfig
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
           f"TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, ITL p50 {summary['itl_ms']['p50']:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result.to_json(), f)
+            json.dump({**result.to_json(), "machine": machine_record()}, f)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.machine import machine_markdown, machine_record  # noqa: E402
+
 RESULTS = REPO_ROOT / "bench" / "results"
 # Peak HBM bandwidth in GB/s (1e9 bytes/s) from the vendors' data sheets, matched as a
 # substring of torch.cuda.get_device_name(); the first match wins, so specific names first.
@@ -186,17 +188,18 @@ def main() -> None:
                 rows.append(measure(batch, context, dtype_name, args, peak))
                 print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
                 torch.cuda.empty_cache()
+    machine = machine_record()
     peak_text = "unknown (pass --peak-gbps)" if peak is None else f"{peak:.0f} GB/s"
     header = (f"Paged decode attention on {device_name} (peak {peak_text}): {args.num_heads} "
               f"heads / {args.num_kv_heads} KV heads x {args.head_dim}, blocks of "
               f"{args.block_size} tokens; medians of triton.testing.do_bench.")
-    table = markdown(rows, header)
+    table = markdown(rows, f"{header}\n\n{machine_markdown(machine)}")
     print("\n" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "kernels.md").write_text(table)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     (args.out_dir / "kernels.json").write_text(json.dumps(
-        {"device": device_name, "peak_gbps": peak, "config": config,
+        {"device": device_name, "machine": machine, "peak_gbps": peak, "config": config,
          "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.machine import machine_markdown, machine_record  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_svc.core.types import (  # noqa: E402
     Request,
@@ -136,14 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"Scheduler core, one step = schedule() + update() with N running decode requests "
               f"(block_size {BLOCK_SIZE}, {PROMPT_LEN}-token prompts sharing {SHARED_PREFIX_LEN}); "
               f"mean of {args.steps} steps, median of {args.repeats} runs; "
-              f"Python {platform.python_version()} on {platform.machine()}.")
-    markdown = to_markdown(rows, header)
+              f"Python {platform.python_version()}.")
+    machine = machine_record()
+    markdown = to_markdown(rows, f"{header}\n\n{machine_markdown(machine)}")
     print(markdown)
     results = REPO_ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "scheduler_core.md").write_text(markdown)
     (results / "scheduler_core.json").write_text(json.dumps(
-        {"steps": args.steps, "repeats": args.repeats, "rows": [asdict(r) for r in rows]},
+        {"machine": machine, "steps": args.steps, "repeats": args.repeats, "rows": [asdict(r) for r in rows]},
         indent=2) + "\n")
 
 

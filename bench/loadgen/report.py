@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.machine import machine_markdown, machine_record
 from bench.result import RunResult, percentiles
 
 METRICS = (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
@@ -115,7 +116,8 @@ def _finite(value: Any) -> Any:
 def results_json(results: Sequence[RunResult], title: str = "",
                  header: Sequence[str] = ()) -> dict[str, Any]:
     runs = [{**r.to_json(), "summary": r.summary()} for r in results]
-    return _finite({"title": title, "header": list(header), "runs": runs})
+    return _finite({"title": title, "header": list(header), "machine": machine_record(),
+                    "runs": runs})
 
 
 def load_results(path: str | Path) -> list[RunResult]:
@@ -130,6 +132,8 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, name: str, t
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"# {title}", ""] if title else []
+    # The measuring process's machine (the client's, where the router runs elsewhere).
+    parts += [machine_markdown(), ""]
     if extra_header_lines:
         parts += [*extra_header_lines, ""]
     parts.append(markdown_table(results, baseline))

@@ -20,7 +20,9 @@ from bench.loadgen.report import load_results, markdown_table, write_report
 from bench.loadgen.runner import Level, fetch_model_info, run_sweep, run_workload, token_samples
 from bench.loadgen.workloads import (BenchRequest, Workload, build_workload, poisson_arrivals,
                                      shared_prefix, sharegpt_like)
+from bench.machine import machine_markdown
 from bench.result import RunResult
+from kernels.cpu_features import cpu_features
 from tests.mesh_harness import Mesh, free_port
 from tests.tls_certs import CertFiles, make_certs
 from tests.tiny_models import write_tiny_model
@@ -129,9 +131,11 @@ def test_report_files_without_a_mesh(tmp_path: Path) -> None:
     runs = [_result("a", 1, 50.0), _result("a", 4, 90.0),
             RunResult("offline", "w64", "bf16", 0, 10, 1280, 1280, 0.0)]  # NaN tok/s
     markdown = write_report(runs, tmp_path, "r", "T", extra_header_lines=["- header"])
-    assert markdown.startswith("# T\n\n- header\n\n| engine")
+    # The machine that measured comes first: CPU model, ISA flags, torch.
+    assert markdown.startswith(f"# T\n\n{machine_markdown()}\n\n- header\n\n| engine")
     assert load_results(tmp_path / "r.json") == runs
-    json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail)  # no NaN
+    data = json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail)  # no NaN
+    assert data["machine"]["isa"] == cpu_features().isa_summary
     assert {p.name for p in tmp_path.iterdir()} == {"r.md", "r.json", "r-latency.png",
                                                     "r-throughput.png"}
 

@@ -13,7 +13,8 @@ import random
 import pytest
 
 from bench.peers import suite
-from bench.peers.peak import measure_peak
+from bench.peers.peak import format_peak, measure_peak, skip_reason
+from kernels.cpu_features import cpu_features
 from bench.peers.transformers_runner import run_transformers
 from tests.tiny_models import write_tiny_model
 
@@ -65,12 +66,26 @@ def test_transformers_bfloat16_batched(tiny_model):
     assert batched.output_tokens == len(PROMPTS) * MAX_TOKENS
 
 
-def test_peak_reports_positive_rates():
+def test_peak_reports_positive_rates_or_why_not():
     peak = measure_peak(num_threads=2, budget_s=0.05)
-    cases = {(c["impl"], c["dtype"], c["m"]) for c in peak["cases"]}
-    assert cases == {(impl, dtype, m) for impl in ("torch.mm", "oneDNN")
-                     for dtype in ("float32", "bfloat16") for m in (2048, 64)}
-    assert all(c["gflop_s"] > 0 and math.isfinite(c["gflop_s"]) for c in peak["cases"])
+    cases = {(c["impl"], c["dtype"], c["m"]): c for c in peak["cases"]}
+    assert set(cases) == {(impl, dtype, m) for impl in ("torch.mm", "oneDNN")
+                          for dtype in ("float32", "bfloat16") for m in (2048, 64)}
+    features = cpu_features()
+    assert peak["machine"] == features.describe()
+    for (impl, dtype, m), case in cases.items():
+        # What the CPU can run is measured; what it cannot is skipped, saying what it lacks.
+        assert (case["gflop_s"] is None) == (skip_reason(impl, dtype, m, features) is not None)
+        if case["gflop_s"] is None:
+            assert "avx" in case["skipped"] and dtype == "bfloat16", case
+        else:
+            assert case["gflop_s"] > 0 and math.isfinite(case["gflop_s"]), case
+    # fp32 always runs; so does bf16 at the decode shape through torch.mm (emulated or not).
+    assert cases[("torch.mm", "bfloat16", 64)]["gflop_s"] is not None
+    assert cases[("oneDNN", "float32", 64)]["gflop_s"] is not None
+    if not features.onednn_bf16_linear:
+        assert cases[("oneDNN", "bfloat16", 64)]["gflop_s"] is None
+    assert features.isa_summary in format_peak(peak)
 
 
 def test_suite_runs_transformers_as_a_subprocess(tiny_model, hf_fp32):
