@@ -1,9 +1,11 @@
 """How the model's linear layers multiply: `F.linear`, or oneDNN with weights packed once.
 
 On CPU, `F.linear` in fp32 goes to MKL, which takes its AVX2 path on AMD processors: about
-200 GFLOP/s on the 2-core machines this project runs on, where oneDNN's fp32 kernel (what
-vLLM's CPU backend calls) reaches ~500 GFLOP/s at decode shapes (64x512x2816) and its bf16
-kernel ~950 (`python -m bench.peers.peak` measures both). oneDNN wants its weights in its own blocked
+200 GFLOP/s on a 2-core AVX-512 + AVX512_BF16 EPYC, where oneDNN's fp32 kernel (what vLLM's
+CPU backend calls) reaches ~500 GFLOP/s at decode shapes (64x512x2816) and its bf16 kernel
+~950 (`python -m bench.peers.peak` measures both). On an AVX2-only Zen 3 the gap is small
+(the W64 decode step 1.13x faster packed) and oneDNN's bf16 packing does not run at all:
+what runs is probed once (`kernels/cpu_features.py`), never assumed. oneDNN wants its weights in its own blocked
 layout; packing them once after loading, instead of per call, is what makes it pay.
 
 Packing replaces each linear layer's `weight` with the packed copy (the plain one is
