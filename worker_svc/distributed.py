@@ -347,11 +347,17 @@ def _rendezvous(parallel: ParallelConfig, master_addr: str, master_port: int, ti
         _check_join(should_abort, deadline, timeout_s, "reach the rendezvous store")
         store = _open_store(parallel, master_addr, master_port, timeout_s)
         if store is not None:
-            if parallel.rank == 0:
-                store.set(opened, "1")
-                break
-            if store.check([opened]):
-                break
+            try:
+                if parallel.rank == 0:
+                    store.set(opened, "1")
+                    break
+                if store.check([opened]):
+                    break
+            except dist.DistNetworkError as exc:
+                # The earlier formation's store, closed between the connect and this look
+                # (a rank-0 survivor leaving its old group): the new one comes next.
+                logger.debug("rendezvous store at %s:%d went away: %s", master_addr,
+                             master_port, exc)
             del store  # an earlier formation's store, not yet closed: wait for the new one
         time.sleep(_POLL_INTERVAL_S)
     arrived = f"{prefix}/arrived"
