@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="default: the W64 random Llama")
     parser.add_argument("--dtypes", default=None,
                         help="comma list; default float32, and bfloat16 where the CPU has "
-                             "native bf16 (emulated bf16 is ~5x slower and takes long)")
+                             "native bf16 (emulated bf16 is far slower: bench.peers.peak)")
     parser.add_argument("--peers", default=",".join(PEER_NAMES),
                         help="comma list of " + ", ".join(PEER_NAMES) + "; '' for none")
     parser.add_argument("--num-requests", type=int, default=64)

@@ -1,7 +1,7 @@
 """The machine line every benchmark result carries beside its figures.
 
 Figures from an AVX2-only CPU and an AVX-512 + AVX512_BF16 one differ by more than any change
-being measured (bf16 is emulated on the first: ~5x slower than fp32), so every result file
+being measured (bf16 is emulated on the first, far slower than fp32), so every result file
 records the CPU model, its relevant ISA flags and the torch version
 (`kernels/cpu_features.py`), and every Markdown table starts from the same line.
 """

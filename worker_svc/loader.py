@@ -80,8 +80,8 @@ def resolve_dtype(name: str, device: torch.device | str, stored: torch.dtype | N
                   features: CpuFeatures | None = None) -> torch.dtype:
     """The compute dtype for `--dtype name`. "auto" is bfloat16 on accelerators; on CPU it is
     what is fast on *this* CPU (`features`, default the probed one): bfloat16 only where the
-    CPU multiplies bf16 natively (AVX512_BF16 or AMX; elsewhere bf16 is emulated, ~5x slower
-    than fp32) and oneDNN runs bf16 linear layers, and the checkpoint is not stored in fp32
+    CPU multiplies bf16 natively (AVX512_BF16 or AMX; elsewhere bf16 is emulated, far slower
+    than fp32: `python -m bench.peers.peak`) and oneDNN runs bf16 linear layers, and the checkpoint is not stored in fp32
     (`stored`; an fp32 checkpoint stays exact). Otherwise float32."""
     if name == "auto":
         if torch.device(device).type != "cpu":
