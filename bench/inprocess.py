@@ -88,14 +88,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="default: the W64 random Llama")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     parser.add_argument("--json", default=None, help="write the RunResult here")
     args = parser.parse_args(argv)
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
-    workload = build_workload("w64", num_requests=args.num_requests, max_tokens=args.max_tokens)
+    workload = build_workload("w64", num_requests=args.num_requests, prompt_len=args.prompt_len,
+                              max_tokens=args.max_tokens)
     prompts = [r.prompt_token_ids for r in workload.requests]
-    scheduler, runner = build_engine(model, args.dtype, threads=args.threads)
+    scheduler, runner = build_engine(model, args.dtype, max_num_seqs=args.max_num_seqs,
+                                     threads=args.threads)
     run_requests(scheduler, runner, [p[:8] for p in prompts[:4]], 4, workload="warm-up")
     result = run_requests(scheduler, runner, prompts, args.max_tokens)
     summary = result.summary()

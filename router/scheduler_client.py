@@ -41,6 +41,7 @@ from protos.pagemesh.v1 import generate_pb2
 from router import convert
 from router.resume import Attempts, Progress, ResumeConfig, retry_kind
 from router.routing import GroupLoad, Router, RoutingConfig
+from router.scheduler_stream import SchedulerStream
 from router.tracing import group_failed_event, resume_event
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class _Connection:
 
     channel: grpc.aio.Channel
     stub: scheduler_pb2_grpc.SchedulerStub
+    stream: SchedulerStream  # every request to this scheduler, multiplexed on one call
     num_calls: int = 0
     retired: bool = False
     # The scheduler's gRPC health: True SERVING, False NOT_SERVING or unreachable,
@@ -76,7 +78,11 @@ class _Connection:
         if self.health_task is not None:
             self.health_task.cancel()
         if self.num_calls == 0:
-            asyncio.get_running_loop().create_task(self.channel.close())
+            asyncio.get_running_loop().create_task(self.close())
+
+    async def close(self) -> None:
+        await self.stream.close()
+        await self.channel.close()
 
 
 @dataclass
@@ -184,7 +190,8 @@ class SchedulerPool:
         address, instance = info["address"], info.get("instance")
         if group is None or group.address != address or group.instance != instance:
             channel = self.tls.aio_channel(address, options=_CHANNEL_OPTIONS)
-            conn = _Connection(channel, scheduler_pb2_grpc.SchedulerStub(channel))
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            conn = _Connection(channel, stub, SchedulerStream(stub, scheduler_id))
             conn.health_task = asyncio.get_running_loop().create_task(self._follow_health(scheduler_id, conn))
             name = info.get("group") or scheduler_id
             if group is not None:
@@ -372,20 +379,19 @@ class SchedulerPool:
         self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + num_tokens
         progress.served_by(group.name)
         conn.num_calls += 1
-        call = conn.stub.Submit(submit, metadata=metadata)
         try:
-            async for response in call:
-                progress.record(response.index, list(response.token_ids),
-                                response.finish_reason != convert.FINISH_REASON_UNSPECIFIED)
-                if response.token_ids or response.finish_reason:
-                    attempts.progressed()
-                    group.suspect_until = 0.0
-                yield response
+            async with contextlib.aclosing(conn.stream.submit(submit, metadata)) as responses:
+                async for response in responses:
+                    progress.record(response.index, list(response.token_ids),
+                                    response.finish_reason != convert.FINISH_REASON_UNSPECIFIED)
+                    if response.token_ids or response.finish_reason:
+                        attempts.progressed()
+                        group.suspect_until = 0.0
+                    yield response
         finally:
-            call.cancel()
             conn.num_calls -= 1
             if conn.retired and conn.num_calls == 0:
-                asyncio.get_running_loop().create_task(conn.channel.close())
+                asyncio.get_running_loop().create_task(conn.close())
             if scheduler_id in self._outstanding:
                 self._outstanding[scheduler_id] -= num_tokens
 
@@ -393,4 +399,4 @@ class SchedulerPool:
         for group in self._groups.values():
             if group.conn.health_task is not None:
                 group.conn.health_task.cancel()
-            await group.conn.channel.close()
+            await group.conn.close()

@@ -8,6 +8,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from protos.pagemesh.worker.v1 import worker_pb2
 from scheduler_svc import convert
@@ -28,11 +29,35 @@ class StepFailed(Exception):
     scheduler is draining); the router resumes it elsewhere."""
 
 
+class RequestSink(Protocol):
+    """Where a request's events go: a Submit call's queue, or a router's Connect stream
+    (which turns each step's events of all its requests into one message)."""
+
+    def deliver(self, events: list[RequestEvent]) -> None:
+        """One step's events of this sink's requests, in the core's order."""
+
+    def fail(self, request_id: RequestId, message: str) -> None:
+        """The request cannot go on here (the router resumes it elsewhere); no event follows."""
+
+
+class QueueSink:
+    """A sink for one Submit call: each step's events (a list), or a StepFailed, on a queue."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[list[RequestEvent] | StepFailed] = asyncio.Queue()
+
+    def deliver(self, events: list[RequestEvent]) -> None:
+        self.queue.put_nowait(events)
+
+    def fail(self, request_id: RequestId, message: str) -> None:
+        self.queue.put_nowait(StepFailed(message))
+
+
 class EngineLoop:
     """Owns the scheduler core on the event loop; one step at a time.
 
-    Each submitted request gets a queue that receives its `RequestEvent`s, or a
-    `StepFailed` when it cannot go on here. A failed step does not end requests: the loop
+    Each submitted request names a `RequestSink` that receives its `RequestEvent`s, grouped
+    per step and sink, or a failure when it cannot go on here. A failed step does not end requests: the loop
     marks the group degraded, re-forms it (`group`), rebuilds the core on the new workers
     and re-queues every request with the tokens it already has; their streams just pause.
     """
@@ -45,7 +70,7 @@ class EngineLoop:
         self.max_steps_in_flight = max_steps_in_flight
         self.group = group
         self.recovery_timeout_s = recovery_timeout_s
-        self._streams: dict[RequestId, asyncio.Queue[RequestEvent | StepFailed]] = {}
+        self._streams: dict[RequestId, RequestSink] = {}
         self._wakeup = asyncio.Event()
         self.num_steps = 0
         self.last_step_time_ms = 0.0
@@ -65,11 +90,11 @@ class EngineLoop:
     def num_streams(self) -> int:
         return len(self._streams)
 
-    def submit(self, requests: list[Request]) -> asyncio.Queue[RequestEvent | StepFailed]:
+    def submit(self, requests: list[Request], sink: RequestSink) -> None:
         """Admits one request, or n > 1 samples of one prompt (with `fork_of` set, the
         first one leads and the others fork from its computed prompt; resumed samples come
-        without). Every sample's events arrive on the one queue returned. Raises ValueError
-        when they can never be served here."""
+        without). Every sample's events go to `sink`. Raises ValueError when they can never
+        be served here."""
         if any(r.fork_of is not None for r in requests):
             self.scheduler.add_request_group(requests)
         else:
@@ -82,11 +107,9 @@ class EngineLoop:
                 for request in added:
                     self.scheduler.abort(request.request_id)
                 raise
-        queue: asyncio.Queue[RequestEvent | StepFailed] = asyncio.Queue()
         for request in requests:
-            self._streams[request.request_id] = queue
+            self._streams[request.request_id] = sink
         self._wakeup.set()
-        return queue
 
     def abort(self, request_id: RequestId) -> None:
         """Aborts a request whose client went away; its blocks are freed before the next step."""
@@ -99,9 +122,9 @@ class EngineLoop:
         resumed before this one noticed): the old streams end and the requests are aborted.
         Returns False while an abort waits for the step in flight."""
         for request_id in request_ids:
-            queue = self._streams.pop(request_id, None)
-            if queue is not None:
-                queue.put_nowait(StepFailed("superseded by a resumed stream of this request"))
+            sink = self._streams.pop(request_id, None)
+            if sink is not None:
+                sink.fail(request_id, "superseded by a resumed stream of this request")
             self.scheduler.abort(request_id)
         self._wakeup.set()
         return not any(r in self.scheduler.requests for r in request_ids)
@@ -113,11 +136,11 @@ class EngineLoop:
             self._wakeup.set()
 
     def fail_all(self, message: str) -> None:
-        """Ends every stream with StepFailed (the router resumes them elsewhere)."""
-        for request_id, queue in list(self._streams.items()):
+        """Fails every request (the router resumes them elsewhere)."""
+        streams, self._streams = self._streams, {}
+        for request_id, sink in streams.items():
             self.scheduler.abort(request_id)
-            queue.put_nowait(StepFailed(message))
-        self._streams.clear()
+            sink.fail(request_id, message)
 
     async def set_status(self, status: str) -> None:
         if status != self.status:
@@ -173,14 +196,23 @@ class EngineLoop:
                 hook()
 
     def _deliver(self, events: list[RequestEvent]) -> None:
+        """Hands one step's events to their sinks: one call per sink, not per event."""
         self.tracing.on_events(events)
+        streams = self._streams
+        by_sink: dict[int, tuple[RequestSink, list[RequestEvent]]] = {}
         for event in events:
-            queue = self._streams.get(event.request_id)
-            if queue is None:
+            sink = streams.get(event.request_id)
+            if sink is None:
                 continue
-            queue.put_nowait(event)
+            entry = by_sink.get(id(sink))
+            if entry is None:
+                by_sink[id(sink)] = (sink, [event])
+            else:
+                entry[1].append(event)
             if event.finish_reason is not None:
-                del self._streams[event.request_id]
+                del streams[event.request_id]
+        for sink, sink_events in by_sink.values():
+            sink.deliver(sink_events)
 
     def _abandon(self, pending: deque[tuple[SchedulerOutput, asyncio.Task[object]]]) -> None:
         """Drops the steps in flight: no token of theirs is delivered. Their requests keep
@@ -215,9 +247,9 @@ class EngineLoop:
             try:
                 self.scheduler.add_request(request)
             except ValueError as exc:  # the new group's cache is smaller than the old one's
-                queue = self._streams.pop(request.request_id, None)
-                if queue is not None:
-                    queue.put_nowait(StepFailed(f"cannot resume on the re-formed group: {exc}"))
+                sink = self._streams.pop(request.request_id, None)
+                if sink is not None:
+                    sink.fail(request.request_id, f"cannot resume on the re-formed group: {exc}")
         self.tracing.on_recovery(self._recovery_reason or "", time.monotonic() - started)
         self._recovery_reason = None
         self.num_recoveries += 1

@@ -1,37 +1,38 @@
-"""Scheduler gRPC servicer: converts, hands requests to the engine loop, streams events,
-keeps each request's checkpoint current."""
+"""Scheduler gRPC servicer: converts, hands requests to the engine loop, streams events out.
+
+Two ways in, one request life (`request_streams.py`): `Submit`, one call per request, and
+`Connect`, a router's one stream for all its requests (`connection.py`), which the router
+uses."""
 
 from __future__ import annotations
 
-import logging
-import random
-import time
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 
-from pagemesh.checkpoints import SampleState
 from pagemesh.logs import request_id_var
-from pagemesh.serving import ServiceError, invalid_argument
+from pagemesh.serving import ServiceError
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
-from scheduler_svc.core.scheduler import CapacityError
-from scheduler_svc.core.types import RequestEvent, RequestId
-from scheduler_svc.engine_loop import DRAINING, EngineLoop, StepFailed
-
-logger = logging.getLogger(__name__)
+from scheduler_svc.connection import DEFAULT_MAX_BUFFERED_TOKENS, ConnectionCutOff, RouterConnection
+from scheduler_svc.engine_loop import EngineLoop, QueueSink, StepFailed
+from scheduler_svc.request_streams import RequestStreams
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, loop: EngineLoop, model_info: generate_pb2.GetModelInfoResponse,
-                 checkpointer: Checkpointer | None = None) -> None:
+                 checkpointer: Checkpointer | None = None,
+                 max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> None:
         self.loop = loop
         self.model_info = model_info
-        self.checkpointer = checkpointer or Checkpointer(None, "", 0, 0.0)
-        self._eos_token_ids = list(model_info.eos_token_ids)
-        self._seeds = random.SystemRandom()
+        self.streams = RequestStreams(loop, list(model_info.eos_token_ids), checkpointer)
+        self.checkpointer = self.streams.checkpointer
+        self.max_buffered_tokens = max_buffered_tokens
+        self.connections: set[RouterConnection] = set()
 
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
@@ -46,71 +47,65 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request: scheduler_pb2.SubmitRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         request_id_var.set(request.request_id)
-        if self.loop.status == DRAINING:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "this scheduler is draining; send the request to another group")
+        sink = QueueSink()
+        opened = self.streams.admit(request, sink)
         try:
-            requests = convert.requests_from_pb(
-                request, self._eos_token_ids, time.time(), self._seeds.getrandbits(63)
-            )
-            live = [r.request_id for r in requests if r.request_id in self.loop.scheduler.requests]
-            if live and request.progress and not self.loop.supersede(live):
-                raise ServiceError(grpc.StatusCode.ABORTED,
-                                   "the request's previous stream is still ending here; retry")
-            queue = self.loop.submit(requests)
-        except CapacityError as exc:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        except ValueError as exc:
-            raise invalid_argument(str(exc)) from exc
-        n = max(request.n, 1)
-        if request.progress:
-            logger.info("resuming request %s after %s tokens", request.request_id,
-                        [len(p.token_ids) for p in request.progress])
-        self.checkpointer.track(request.request_id, _original(request), _samples(request, n))
-        unfinished = {r.request_id for r in requests}
-        for index, reason in convert.ended_samples(request, self._eos_token_ids):
-            event = RequestEvent(RequestId(request.request_id), (), reason,
-                                 len(request.prompt_token_ids))
-            self.checkpointer.record(request.request_id, index, [], convert.finish_reason_to_pb(reason))
-            yield convert.event_to_pb(event, index, with_logprobs=False)
-        if not unfinished:
-            await self.checkpointer.finish(request.request_id)
-        request_trace = self.loop.tracing.start(request.request_id, requests,
-                                                len(request.prompt_token_ids), bool(request.progress))
-        try:
-            while unfinished:
-                event = await queue.get()
-                if isinstance(event, StepFailed):
-                    self.loop.tracing.fail(request_trace, str(event))
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(event))
-                index = convert.sample_index(event.request_id, n)
-                response = convert.event_to_pb(event, index, with_logprobs=request.logprobs > 0)
-                self.checkpointer.record(request.request_id, index, list(response.token_ids),
-                                         response.finish_reason)
-                if event.finish_reason is not None:
-                    unfinished.discard(event.request_id)
-                    if not unfinished:  # the record is complete before the last message leaves
-                        await self.checkpointer.finish(request.request_id)
+            for response in opened.initial:
                 yield response
+            if opened.finished:
+                await self.streams.finish([opened])
+            while not opened.finished:
+                events = await sink.queue.get()
+                if isinstance(events, StepFailed):
+                    self.streams.failed(opened, str(events))
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(events))
+                for event in events:
+                    response = self.streams.output(opened, event)
+                    if opened.finished:  # the record is complete before the last message leaves
+                        await self.streams.finish([opened])
+                    yield response
         finally:
-            if unfinished:  # the router cancelled or went away, or this group gave up
-                logger.info("request %s left unfinished", request.request_id)
-                self.checkpointer.orphan(request.request_id)
-                for request_id in unfinished:
-                    self.loop.abort(request_id)
-            self.loop.tracing.end(request_trace)
+            self.streams.close(opened)
+
+    async def Connect(self, request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
+        connection = RouterConnection(self.streams, self.max_buffered_tokens)
+        self.connections.add(connection)
+        handler = asyncio.current_task()
+
+        def cut_off(message: str) -> None:  # the writer may be stuck in a write: end the call
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(message)
+            if handler is not None:
+                handler.cancel()
+
+        connection.on_cut_off = cut_off
+        reader = asyncio.get_running_loop().create_task(connection.read(request_iterator))
+        try:
+            while True:
+                message = await _next_or_reader_failure(connection, reader)
+                if message is None:
+                    return
+                yield message
+        except ConnectionCutOff as exc:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        finally:
+            reader.cancel()
+            connection.close()
+            self.connections.discard(connection)
 
 
-def _original(request: scheduler_pb2.SubmitRequest) -> bytes:
-    """The request as first submitted: the checkpoint keeps progress apart."""
-    original = scheduler_pb2.SubmitRequest()
-    original.CopyFrom(request)
-    original.ClearField("progress")
-    return original.SerializeToString()
-
-
-def _samples(request: scheduler_pb2.SubmitRequest, n: int) -> list[SampleState]:
-    samples = [SampleState() for _ in range(n)]
-    for progress in request.progress:
-        samples[progress.index] = SampleState(list(progress.token_ids), progress.finished)
-    return samples
+async def _next_or_reader_failure(connection: RouterConnection, reader: asyncio.Task[None]
+                                  ) -> scheduler_pb2.ConnectResponse | None:
+    """The next message; a reader that failed (the stream broke) ends the call."""
+    message = asyncio.ensure_future(connection.next_message())
+    await asyncio.wait({message, reader}, return_when=asyncio.FIRST_COMPLETED)
+    if message.done():
+        return message.result()
+    if reader.exception() is None:  # the router closed its side: what is left still goes
+        return await message
+    message.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await message
+    raise reader.exception()

@@ -22,10 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pagemesh.telemetry import make_current, traceparent
+from pagemesh.telemetry import make_current as make_current_context
+from pagemesh.telemetry import traceparent
 from scheduler_svc.core.types import Request, RequestEvent, RequestId, RequestStatus, SchedulerOutput
 
 QUEUE, PREFILL, DECODE = "queue", "prefill", "decode"
@@ -54,18 +56,22 @@ class RequestTracing:
         self._traces: dict[RequestId, RequestTrace] = {}  # core request id -> its Submit's trace
 
     def start(self, request_id: str, requests: list[Request], num_prompt_tokens: int,
-              resumed: bool) -> RequestTrace | None:
-        """Starts the span of one admitted Submit (`requests`: its samples), the child of the
-        current context, and makes it current for the calling task (its logs). Returns what
+              resumed: bool, context: otel_context.Context | None = None,
+              make_current: bool = True) -> RequestTrace | None:
+        """Starts the span of one admitted request (`requests`: its samples), the child of
+        `context` (default: the current one), and with `make_current` makes it current for
+        the calling task (its logs; not on a stream shared by many requests). Returns what
         `end` takes; None when the request is not traced."""
         attributes: dict[str, Any] = {"pagemesh.request_id": request_id,
                                       "gen_ai.usage.input_tokens": num_prompt_tokens}
         if resumed:
             attributes["pagemesh.resumed"] = True
-        span = self._tracer.start_span("Submit", kind=SpanKind.SERVER, attributes=attributes)
+        span = self._tracer.start_span("Submit", context=context, kind=SpanKind.SERVER,
+                                       attributes=attributes)
         if not span.is_recording():
             return None
-        make_current(trace.set_span_in_context(span))
+        if make_current:
+            make_current_context(trace.set_span_in_context(span))
         request_ids = [r.request_id for r in requests]
         state = RequestTrace(span, traceparent(span), request_ids, QUEUE, self._child(span, QUEUE))
         for core_id in request_ids:

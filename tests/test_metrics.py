@@ -17,7 +17,7 @@ from pagemesh.metrics import (ABORT, ERROR, MetricsConfig, RouterMetrics, Schedu
 from pagemesh.registry import Registry, RegistryConfig
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.engine_loop import DEGRADED, READY, EngineLoop
+from scheduler_svc.engine_loop import DEGRADED, READY, EngineLoop, QueueSink
 from scheduler_svc.engine_metrics import observe_engine
 from tests.scheduler.core_harness import fake_step, make_request
 
@@ -200,8 +200,8 @@ def test_scheduler_metrics_follow_the_core_and_survive_its_replacement() -> None
     metrics = SchedulerMetrics("g0")
     observe_engine(metrics, loop, Checkpointer(None, "g0", 0, 0.0), beating())
     arrival_s = time.time() - 0.5
-    loop.submit([make_request("a", 8, max_tokens=4, arrival_time_s=arrival_s)])
-    loop.submit([make_request("b", 6, max_tokens=4, arrival_time_s=arrival_s)])
+    loop.submit([make_request("a", 8, max_tokens=4, arrival_time_s=arrival_s)], QueueSink())
+    loop.submit([make_request("b", 6, max_tokens=4, arrival_time_s=arrival_s)], QueueSink())
     step(loop, 20.0)
     scrape = samples(metrics.exposition())
     assert value(scrape, "pagemesh:num_requests_running", group="g0") == 2
@@ -222,7 +222,7 @@ def test_scheduler_metrics_follow_the_core_and_survive_its_replacement() -> None
     asyncio.run(loop.set_status(DEGRADED))
     loop.scheduler, loop.num_recoveries = Scheduler(config), 1
     asyncio.run(loop.set_status(READY))
-    loop.submit([make_request("c", 4, max_tokens=2)])
+    loop.submit([make_request("c", 4, max_tokens=2)], QueueSink())
     step(loop, 10.0)
     scrape = samples(metrics.exposition())
     assert value(scrape, "pagemesh:prefix_cache_queries_total", group="g0") == 14 + 4
@@ -236,8 +236,8 @@ def test_preemptions_and_swapped_requests_are_counted() -> None:
     loop = EngineLoop(Scheduler(config), workers=None)
     metrics = SchedulerMetrics("g1")
     observe_engine(metrics, loop, Checkpointer(None, "g1", 0, 0.0), beating())
-    loop.submit([make_request("a", 3, max_tokens=5)])
-    loop.submit([make_request("b", 3, max_tokens=5)])
+    loop.submit([make_request("a", 3, max_tokens=5)], QueueSink())
+    loop.submit([make_request("b", 3, max_tokens=5)], QueueSink())
     for _ in range(4):
         step(loop, 1.0)
     scrape = samples(metrics.exposition())

@@ -108,6 +108,37 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 yield scheduler_pb2.SubmitResponse(index=i, token_ids=[token], finish_reason=reason)
                 await asyncio.sleep(self.delay_s)
 
+    async def Connect(self, request_iterator, context):
+        """The router's multiplexed stream, served by running `Submit` per request: its
+        `context.abort` becomes that request's in-band error; `die` breaks the stream."""
+        out: asyncio.Queue[scheduler_pb2.ConnectResponse] = asyncio.Queue()
+        running: dict[str, asyncio.Task[None]] = {}
+
+        async def serve(submit: scheduler_pb2.SubmitRequest) -> None:
+            try:
+                async for response in self.Submit(submit, _InBandContext(dict(submit.trace_context))):
+                    response.request_id = submit.request_id
+                    out.put_nowait(scheduler_pb2.ConnectResponse(outputs=[response]))
+            except _InBandAbort as exc:
+                out.put_nowait(scheduler_pb2.ConnectResponse(errors=[scheduler_pb2.RequestError(
+                    request_id=submit.request_id, code=exc.code.value[0], message=exc.details)]))
+
+        async def read() -> None:
+            async for message in request_iterator:
+                if message.HasField("submit"):
+                    running[message.submit.request_id] = asyncio.create_task(serve(message.submit))
+                elif message.HasField("abort") and message.abort.request_id in running:
+                    running.pop(message.abort.request_id).cancel()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield await out.get()
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+
     async def _checkpoint(self, request, outputs, finished, state) -> None:
         if not self.write_checkpoints:
             return
@@ -118,6 +149,26 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
                    for i in sorted(outputs)]
         await self.registry.checkpoints.save([Checkpoint(
             request.request_id, self.scheduler_id, original.SerializeToString(), samples, state)])
+
+
+class _InBandAbort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _InBandContext:
+    """What `Submit` needs of a servicer context when it runs inside `Connect`: the
+    request's trace context stands for the call's metadata."""
+
+    def __init__(self, trace_context: dict[str, str]) -> None:
+        self._metadata = tuple(trace_context.items())
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _InBandAbort(code, details)
 
 
 @dataclass

@@ -40,6 +40,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/pagemesh.scheduler.v1.Scheduler/Connect',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ConnectResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pagemesh.scheduler.v1.Scheduler/GetModelInfo',
                 request_serializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
@@ -58,6 +63,17 @@ class SchedulerServicer:
     def Submit(self, request, context):
         """Admits one tokenized, validated request and streams its tokens as they are sampled.
         Cancelling the call aborts the request and frees its KV blocks before the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Connect(self, request_iterator, context):
+        """One long-lived stream per router, multiplexing every request of that router: submits and
+        aborts travel up it; each step sends one message down it with every new token of the
+        router's requests. A request's failure is in-band (`ConnectResponse.errors`) and ends
+        that request only; the stream failing fails every request on it (the router resumes
+        them). Closing the stream aborts every request still on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +100,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitResponse.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ConnectRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ConnectResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -123,6 +144,33 @@ class Scheduler:
             '/pagemesh.scheduler.v1.Scheduler/Submit',
             protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/Connect',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ConnectRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,
