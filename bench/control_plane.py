@@ -24,7 +24,10 @@ import tempfile
 from pathlib import Path
 
 from bench.common import REPO_ROOT, write_results
+import psutil
+
 from bench.loadgen import Target, build_workload, run_workload
+from bench.mesh_profile import cpu_seconds
 from bench.result import RunResult
 from tests.mesh_harness import Mesh, free_port
 
@@ -81,8 +84,17 @@ def mesh_runs(model: str, num_streams: int, extra_args: list[str]) -> list[RunRe
                             "--max-queued-requests", str(max(1024, 2 * num_streams)),
                             *extra_args]).wait_ready()
     try:
-        results = [run_workload(Target(mesh.address), workload(num_streams, 0), warmup=2,
+        run_workload(Target(mesh.address), workload(8, 3), warmup=0)
+        root = psutil.Process(mesh.process.pid)
+        processes = [root, *root.children(recursive=True), psutil.Process()]
+        before = cpu_seconds(processes)
+        results = [run_workload(Target(mesh.address), workload(num_streams, 0), warmup=0,
                                 engine=f"pagemesh mesh, gRPC ({num_streams} streams)")]
+        used = cpu_seconds(processes)
+        results[0].notes = ", ".join(
+            f"{name} {1e6 * (seconds - before.get(name, 0.0)) / results[0].output_tokens:.0f}"
+            for name, seconds in sorted(used.items())) + " µs CPU per token"
+        print(f"control_plane: {results[0].notes}", flush=True)
         results.append(run_workload(Target(http_url=f"http://127.0.0.1:{http_port}"),
                                     workload(num_streams, 1), warmup=0,
                                     engine=f"pagemesh mesh, OpenAI HTTP ({num_streams} streams)"))

@@ -1,19 +1,21 @@
-"""The engine core in one process: the scheduler core and the model runner, no gRPC.
+"""The engine core in one process: the engine loop the scheduler service runs, driving the
+model runner in this process (`InprocExecutor`), no gRPC and no other process.
 
-It runs what one pagemesh step runs — `Scheduler.schedule()`, the step converted to the
-worker's protobuf and back (as the services do), `ModelRunner.execute_step`, the result
-converted back, `Scheduler.update()` — in a loop, with every request submitted at once.
-Against `pagemesh bench` on a mesh with the same settings, the difference is what the mesh
-costs: processes, two gRPC hops, streaming to clients.
+Each step is what a pagemesh step is — `Scheduler.schedule()`, the step as the worker's
+protobuf, `ModelRunner.execute_step` on the model thread, `Scheduler.update()`, the events
+handed to their sink — with every request submitted at once. Against `pagemesh bench` on a
+mesh with the same settings, the difference is what the mesh costs: processes, two gRPC
+hops, streaming to clients.
 
     .venv/bin/python -m bench.inprocess [--dtype bfloat16] [--num-requests 64]
 
-TTFT and ITL come from the engine's clock: a token "arrives" when `update()` returns it.
+TTFT and ITL come from the engine's clock: a token "arrives" when its sink gets it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 
@@ -21,11 +23,12 @@ import torch
 
 from bench.machine import machine_record
 from bench.result import RunResult
-from scheduler_svc import convert as scheduler_convert
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.types import Request, RequestId, SamplingSpec
-from worker_svc import convert as worker_convert
+from scheduler_svc.core.types import Request, RequestEvent, RequestId, SamplingSpec
+from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.executor import InprocExecutor
+from worker_svc.inproc import step_function
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # `pagemesh up`'s --kv-cache-memory-gib 1
@@ -47,28 +50,50 @@ def build_engine(model: str, dtype: str = "float32", max_num_seqs: int = 128,
     return scheduler, runner
 
 
+class _Arrivals:
+    """The sink of every benchmark request: token arrival times, and when all ended."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.times: dict[str, list[float]] = {}
+        self.num_unfinished = num_requests
+        self.done = asyncio.Event()
+
+    def deliver(self, events: list[RequestEvent]) -> None:
+        now = time.perf_counter()
+        for event in events:
+            self.times.setdefault(event.request_id, []).extend([now] * len(event.new_tokens))
+            if event.finish_reason is not None:
+                self.num_unfinished -= 1
+        if self.num_unfinished <= 0:
+            self.done.set()
+
+    def fail(self, request_id: RequestId, message: str) -> None:
+        raise RuntimeError(f"request {request_id} failed in-process: {message}")
+
+
+async def _run(loop: EngineLoop, requests: list[Request]) -> _Arrivals:
+    arrivals = _Arrivals(len(requests))
+    for request in requests:
+        loop.submit([request], arrivals)
+    task = asyncio.create_task(loop.run())
+    try:
+        await arrivals.done.wait()
+    finally:
+        task.cancel()
+        await loop.workers.close()
+    return arrivals
+
+
 def run_requests(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[int]],
                  max_tokens: int, engine: str = "engine core in-process",
                  workload: str = "w64") -> RunResult:
-    """Greedy, EOS ignored, all requests at once; returns the run's figures."""
+    """Greedy, EOS ignored, all requests at once, through one EngineLoop."""
     start = time.perf_counter()
-    arrivals: dict[str, list[float]] = {}
-    for i, prompt in enumerate(prompts):
-        request_id = RequestId(f"bench-{i}")
-        scheduler.add_request(Request(request_id=request_id, prompt_token_ids=list(prompt),
-                                      sampling=SamplingSpec(temperature=0.0, seed=i),
-                                      max_tokens=max_tokens, arrival_time_s=start))
-        arrivals[request_id] = []
-    while scheduler.has_work():
-        output = scheduler.schedule()
-        if output.is_empty:
-            continue
-        step = worker_convert.step_input_from_pb(scheduler_convert.step_to_pb(output))
-        response = worker_convert.step_output_to_pb(runner.execute_step(step))
-        events = scheduler.update(output, scheduler_convert.step_result_from_pb(response))
-        now = time.perf_counter()
-        for event in events:
-            arrivals[event.request_id].extend([now] * len(event.new_tokens))
+    requests = [Request(request_id=RequestId(f"bench-{i}"), prompt_token_ids=list(prompt),
+                        sampling=SamplingSpec(temperature=0.0, seed=i), max_tokens=max_tokens,
+                        arrival_time_s=start) for i, prompt in enumerate(prompts)]
+    loop = EngineLoop(scheduler, InprocExecutor(step_function(runner)))
+    arrivals = asyncio.run(_run(loop, requests)).times
     duration = time.perf_counter() - start
     return RunResult(
         engine=engine, workload=workload, dtype=runner.info().dtype, concurrency=0,

@@ -93,6 +93,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer
             )
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for response in inner_ss(requests, context):
+                        yield response
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await _abort_for(exc, context, method)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, handler.request_deserializer, handler.response_serializer
+            )
         # Anything else passes untouched: e.g. Health/Watch streams by `context.write()` from
         # a coroutine, which a generator wrapper would break.
         return handler

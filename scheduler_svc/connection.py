@@ -9,9 +9,10 @@ gets several steps merged into one message rather than a queue of them.
 
 Failures: a malformed or refused submit is an in-band `RequestError` for that request
 alone. A router that stops reading stops the writer (gRPC flow control); once more than
-`max_buffered_tokens` wait in the outbox, the connection is cut off: the stream ends
-RESOURCE_EXHAUSTED, every request on it is aborted (their checkpoints stay, for a resume),
-and the scheduler's memory stays bounded. The stream ending for any reason aborts every
+`max_buffered_tokens` wait in the outbox, the connection is cut off: every request on it
+is aborted (their checkpoints stay, for a resume), the outbox is dropped and later submits
+are ignored, so the scheduler's memory stays bounded; once the router reads what gRPC
+already holds for it, the stream ends RESOURCE_EXHAUSTED. The stream ending for any reason aborts every
 request still on it, as a cancelled Submit does.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -51,8 +52,6 @@ class RouterConnection:
         self._ready = asyncio.Event()
         self._reading_done = False
         self.cut_off: str | None = None
-        # Called with the reason when cut off (the servicer ends the call even mid-write).
-        self.on_cut_off: Callable[[str], None] | None = None
 
     @property
     def num_open(self) -> int:
@@ -76,6 +75,8 @@ class RouterConnection:
             self._ready.set()
 
     def submit(self, request: scheduler_pb2.SubmitRequest) -> None:
+        if self.cut_off is not None:  # nothing more is buffered for a router that never reads
+            return
         if request.request_id in self._open:
             self._error(request.request_id, grpc.StatusCode.ALREADY_EXISTS,
                         f"request {request.request_id!r} is already streaming on this "
@@ -183,5 +184,3 @@ class RouterConnection:
         logger.error("%s", self.cut_off)
         self.close()
         self._ready.set()
-        if self.on_cut_off is not None:
-            self.on_cut_off(self.cut_off)

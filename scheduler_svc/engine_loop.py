@@ -10,11 +10,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from protos.pagemesh.worker.v1 import worker_pb2
-from scheduler_svc import convert
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent, RequestId, SchedulerOutput, StepResult
 from scheduler_svc.engine_group import EngineGroup, FormedGroup
+from scheduler_svc.executor import Executor
 from scheduler_svc.tracing import RequestTracing
 from scheduler_svc.worker_client import WorkerGroupClient
 
@@ -62,7 +61,7 @@ class EngineLoop:
     and re-queues every request with the tokens it already has; their streams just pause.
     """
 
-    def __init__(self, scheduler: Scheduler, workers: WorkerGroupClient,
+    def __init__(self, scheduler: Scheduler, workers: Executor,
                  max_steps_in_flight: int = 1, group: EngineGroup | None = None,
                  recovery_timeout_s: float = 300.0) -> None:
         self.scheduler = scheduler
@@ -152,7 +151,7 @@ class EngineLoop:
     async def run(self) -> None:
         """Schedules up to `max_steps_in_flight` steps ahead (pipeline parallelism keeps one
         per stage in flight so no stage idles), then updates with the oldest as it returns."""
-        pending: deque[tuple[SchedulerOutput, asyncio.Task[worker_pb2.ExecuteStepResponse]]] = deque()
+        pending: deque[tuple[SchedulerOutput, asyncio.Task[StepResult]]] = deque()
         while True:
             if self._recovery_reason is not None:
                 self._abandon(pending)
@@ -165,8 +164,7 @@ class EngineLoop:
                 for hook in self.on_schedule:
                     hook(output)
                 traceparents = self.tracing.on_scheduled(output, self.scheduler.requests)
-                step = convert.step_to_pb(output, traceparents)
-                task = asyncio.create_task(self.workers.execute_step(step))
+                task = asyncio.create_task(self.workers.execute(output, traceparents))
                 pending.append((output, task))
             if not pending:
                 if self.scheduler.has_work():
@@ -178,7 +176,7 @@ class EngineLoop:
             output, task = pending[0]
             started = time.perf_counter()
             try:
-                response = await task
+                result = await task
             except Exception as exc:
                 if self.group is None:
                     self._abandon(pending)
@@ -191,7 +189,7 @@ class EngineLoop:
             self._recoveries_without_progress = 0
             self.last_step_time_ms = (time.perf_counter() - started) * 1000
             self.num_steps += 1
-            self._deliver(self.scheduler.update(output, convert.step_result_from_pb(response)))
+            self._deliver(self.scheduler.update(output, result))
             for hook in self.on_step:
                 hook()
 
@@ -229,6 +227,7 @@ class EngineLoop:
         await self.set_status(DEGRADED)
         started = time.monotonic()
         formed: FormedGroup | None = None
+        assert isinstance(self.workers, WorkerGroupClient)  # only a gRPC group re-forms
         previous: WorkerGroupClient | None = self.workers
         while formed is None:
             try:

@@ -72,15 +72,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                       ) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
         connection = RouterConnection(self.streams, self.max_buffered_tokens)
         self.connections.add(connection)
-        handler = asyncio.current_task()
-
-        def cut_off(message: str) -> None:  # the writer may be stuck in a write: end the call
-            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            context.set_details(message)
-            if handler is not None:
-                handler.cancel()
-
-        connection.on_cut_off = cut_off
         reader = asyncio.get_running_loop().create_task(connection.read(request_iterator))
         try:
             while True:

@@ -10,13 +10,16 @@ import grpc
 
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc import convert
+from scheduler_svc.core.types import SchedulerOutput, StepResult
 from scheduler_svc.group_formation import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerGroupClient:
-    """Sends each step to every worker of the group and returns the sampling rank's answer."""
+    """Sends each step to every worker of the group and returns the sampling rank's answer:
+    the engine loop's gRPC executor (scheduler_svc/executor.py)."""
 
     def __init__(self, endpoints: list[WorkerEndpoint], step_timeout_s: float,
                  tls: TlsConfig | None = None) -> None:
@@ -49,6 +52,10 @@ class WorkerGroupClient:
                 )
             )
         )
+
+    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> StepResult:
+        response = await self.execute_step(convert.step_to_pb(output, traceparents))
+        return convert.step_result_from_pb(response)
 
     async def execute_step(self, request: worker_pb2.ExecuteStepRequest) -> worker_pb2.ExecuteStepResponse:
         """Runs one step on every worker. Calls may overlap (pipeline parallelism): the
