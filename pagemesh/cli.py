@@ -45,6 +45,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="largest prefill chunk of one request per step; 0 = the whole budget")
     add_flag(up, "--enable-prefix-caching", type=bool, default=True,
              help="reuse the KV of prompt blocks computed before")
+    add_flag(up, "--async-scheduling", type=bool, default=True,
+             help="plan the next step while one runs (groups of one rank; larger ones "
+                  "keep one step in flight, or one per pipeline stage)")
     add_flag(up, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
              help="admission order and preemption victim")
     add_flag(up, "--preemption-mode", default="swap", choices=["recompute", "swap"],

@@ -59,6 +59,7 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
                  "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
                  "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
                  "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
+                 "--async-scheduling" if args.async_scheduling else "--no-async-scheduling",
                  "--scheduling-policy", args.scheduling_policy,
                  "--preemption-mode", args.preemption_mode]
     if args.checkpoint_interval is not None:

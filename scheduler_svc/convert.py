@@ -175,6 +175,7 @@ def step_to_pb(output: SchedulerOutput, traceparents: dict[str, str] | None = No
         blocks_to_swap_out=_pairs(output.blocks_to_swap_out),
         blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
         blocks_to_copy=_pairs(output.blocks_to_copy),
+        append_sampled_tokens=output.append_sampled_tokens,
     )
     if traceparents:
         step.traceparents.update(traceparents)

@@ -66,6 +66,9 @@ class EngineLoop:
                  recovery_timeout_s: float = 300.0) -> None:
         self.scheduler = scheduler
         self.workers = workers
+        # One per pipeline stage; async scheduling keeps the next step planned ahead.
+        if scheduler.config.async_scheduling:
+            max_steps_in_flight = max(max_steps_in_flight, 2)
         self.max_steps_in_flight = max_steps_in_flight
         self.group = group
         self.recovery_timeout_s = recovery_timeout_s

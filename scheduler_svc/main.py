@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="largest prefill chunk of one request per step; 0 = no limit but the budget")
     add_flag(parser, "--enable-prefix-caching", type=bool, default=True,
              help="reuse the KV of prompt blocks computed before")
+    add_flag(parser, "--async-scheduling", type=bool, default=True,
+             help="plan the next step while one runs (groups of one rank; larger ones "
+                  "keep one step in flight, or one per pipeline stage)")
     add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
              help="admission order and preemption victim: arrival, or request priority")
     add_flag(parser, "--preemption-mode", default="swap", choices=["recompute", "swap"],
@@ -75,6 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def async_scheduling(args: argparse.Namespace) -> bool:
+    """Only a group of one rank can fill in its own sampled tokens."""
+    return args.async_scheduling and args.tp * args.pp == 1
+
+
 def config_for(args: argparse.Namespace) -> ConfigFor:
     """How the scheduler is sized from what its workers report (at start and after a
     re-formation, whose workers may have a different cache)."""
@@ -98,6 +106,7 @@ def config_for(args: argparse.Namespace) -> ConfigFor:
             preemption_mode=preemption_mode,
             num_swap_blocks=num_swap_blocks,
             num_microbatches=args.pp,
+            async_scheduling=async_scheduling(args),
         )
     return build
 

@@ -56,6 +56,7 @@ def step_input_from_pb(pb: worker_pb2.ExecuteStepRequest) -> StepInput:
         blocks_to_swap_out=[(p.src, p.dst) for p in pb.blocks_to_swap_out],
         blocks_to_swap_in=[(p.src, p.dst) for p in pb.blocks_to_swap_in],
         blocks_to_copy=[(p.src, p.dst) for p in pb.blocks_to_copy],
+        append_sampled_tokens=pb.append_sampled_tokens,
     )
 
 

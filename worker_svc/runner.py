@@ -213,6 +213,9 @@ class ModelRunner:
         return self._execute_in_group(step)
 
     def _validate(self, step: StepInput) -> None:
+        if step.append_sampled_tokens and not self.dist.is_single:
+            raise ValueError("append_sampled_tokens (async scheduling) needs an engine group "
+                             "of one rank: the other ranks would never learn the tokens")
         validate_step(
             step, self.requests, num_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.metadata.max_model_len, vocab_size=self.metadata.vocab_size,
@@ -297,6 +300,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows], residual[rows])
             if self.parallel.is_driver:
                 sampled = self._sample(logits, batch.sample_request_ids)
+                if step.append_sampled_tokens:
+                    for request_id, token in sampled.items():
+                        self.requests[request_id].token_ids.append(token.token_id)
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0

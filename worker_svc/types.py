@@ -81,6 +81,9 @@ class StepInput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # The driver appends the tokens it samples to each request itself (async scheduling,
+    # a group of one rank); `new_token_ids` then carry none of them.
+    append_sampled_tokens: bool = False
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,11 @@ class SchedulerConfig:
     # Steps in flight at once (pipeline stages). The running requests are spread over that
     # many micro-batches, so each stage has work while the others compute.
     num_microbatches: int = 1
+    # Async scheduling (vLLM's): the next step is planned while this one runs. A decode
+    # whose previous step is still in flight is scheduled again, assuming the one token
+    # that step samples; the workers fill it in themselves (`SchedulerOutput.
+    # append_sampled_tokens`), so only an engine group of one rank can do it.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
@@ -59,6 +64,8 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.async_scheduling and self.num_microbatches > 1:
+            raise ValueError("async_scheduling needs num_microbatches 1 (a group of one rank)")
         if self.preemption_mode == "swap" and self.num_swap_blocks == 0:
             raise ValueError("preemption_mode 'swap' needs num_swap_blocks > 0")
 

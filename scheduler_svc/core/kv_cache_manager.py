@@ -140,16 +140,21 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Offers the request's full blocks below `num_computed_tokens` to the prefix cache.
+    def cache_computed_blocks(self, request: Request, num_computed_tokens: int | None = None
+                              ) -> None:
+        """Offers the request's full blocks below `num_computed_tokens` (default: the
+        request's) to the prefix cache.
 
         Call only when those tokens' KV is really computed: after `update()` of the step
-        that scheduled them. Each block is offered once per block table.
+        that scheduled them (a step still in flight has not). Each block is offered once per
+        block table.
         """
         state = self._state.get(request.request_id)
         if state is None:
             state = self._state_of(request)
-        num_full = request.num_computed_tokens // self.block_size
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        num_full = num_computed_tokens // self.block_size
         if num_full <= state.num_offered_blocks or not self.enable_prefix_caching:
             return
         hashes = state.block_hashes

@@ -129,7 +129,8 @@ class Scheduler:
         Advances each scheduled request's `num_computed_tokens` as if the step succeeds. The
         output's swap and copy lists must be applied by the workers before its forward.
         """
-        output = SchedulerOutput(step_id=self._next_step_id)
+        output = SchedulerOutput(step_id=self._next_step_id,
+                                 append_sampled_tokens=self.config.async_scheduling)
         self._next_step_id += 1
         self._preempted_this_step = False
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
@@ -142,8 +143,14 @@ class Scheduler:
             self.kv.swap.free(self._swap_blocks_to_free)
             self._swap_blocks_to_free = []
         in_flight = self._in_flight
-        for request_id in output.num_scheduled_tokens:
+        requests = self.requests
+        for request_id, num_new in output.num_scheduled_tokens.items():
             in_flight[request_id] = in_flight.get(request_id, 0) + 1
+            request = requests[request_id]
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1  # this step samples its next token
+                if output.append_sampled_tokens:
+                    request.num_tokens_on_workers += 1
         return output
 
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestEvent]:
@@ -159,16 +166,24 @@ class Scheduler:
         if self.kv.enable_prefix_caching:
             cache_computed_blocks = self.kv.cache_computed_blocks
             for request_id in scheduled:
-                cache_computed_blocks(requests[request_id])  # aborts wait: all still live
+                request = requests.get(request_id)  # aborts wait; a stop while in flight doesn't
+                if request is not None:  # less the token a step still in flight computes
+                    cache_computed_blocks(request, request.num_computed_tokens
+                                          - max(request.num_pending_tokens - 1, 0))
         events: list[RequestEvent] = []
         any_finished = False
         for request_id, sampled in result.sampled.items():
-            request = requests.get(request_id)
-            if request is None or request_id not in scheduled:
+            if request_id not in scheduled:
                 raise ValueError(f"step {output.step_id} sampled unscheduled request {request_id}")
+            request = requests.get(request_id)
+            if request is None:  # it ended in the step before (async scheduling): a token too many
+                continue
             output_token_ids = request.output_token_ids
-            if request.num_computed_tokens != len(request.prompt_token_ids) + len(output_token_ids):
+            # The steps in flight after this one have computed their assumed tokens too.
+            if request.num_computed_tokens != (len(request.prompt_token_ids) + len(output_token_ids)
+                                               + request.num_pending_tokens - 1):
                 raise ValueError(f"request {request_id} sampled before its prompt was computed")
+            request.num_pending_tokens -= 1
             output_token_ids.append(sampled.token_id)
             status = stop_status(request, sampled.token_id)
             finish_reason = None
@@ -227,12 +242,13 @@ class Scheduler:
         num_scheduled_running = 0
         while index < len(running) and budget > 0 and num_scheduled_running < max_scheduled:
             request = running[index]
-            if request.request_id in in_flight:  # its previous step has not returned yet
+            ahead = request.request_id in in_flight  # its previous step has not returned yet
+            if ahead and not self._may_schedule_ahead(request):
                 index += 1
                 continue
             num_computed = request.num_computed_tokens
             num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
-                          - num_computed, budget)
+                          + request.num_pending_tokens - num_computed, budget)
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new <= 0:  # nothing to compute until a token arrives
@@ -242,14 +258,18 @@ class Scheduler:
                 new_blocks = []  # the common decode: the last block has room
             else:
                 new_blocks = allocate_slots(request, num_new)
+                if new_blocks is None and ahead:  # it waits for its step; nothing is preempted
+                    index += 1
+                    continue
                 if new_blocks is None:
                     new_blocks = self._allocate_or_preempt(request, num_new, output)
                     if new_blocks is None:  # the request itself was preempted (it was last)
                         continue
             num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
             num_unsent = num_known - request.num_tokens_on_workers  # sampled since last sent
-            new_token_ids = request.output_token_ids[-num_unsent:] if num_unsent else []
-            request.num_tokens_on_workers = num_known
+            new_token_ids = request.output_token_ids[-num_unsent:] if num_unsent > 0 else []
+            if num_unsent > 0:
+                request.num_tokens_on_workers = num_known
             cached_requests.append(CachedRequestSchedule(
                 request.request_id, new_blocks, num_computed, new_token_ids))
             num_scheduled_running += 1
@@ -258,6 +278,14 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _may_schedule_ahead(self, request: Request) -> bool:
+        """Async scheduling: a decode whose one step in flight samples its next token, which
+        will not be its last by length, is scheduled again now, assuming that token."""
+        return (self.config.async_scheduling and self._in_flight[request.request_id] == 1
+                and request.num_pending_tokens == 1
+                and request.num_computed_tokens == request.num_tokens
+                and len(request.output_token_ids) + 1 < request.max_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              output: SchedulerOutput) -> list[BlockId] | None:

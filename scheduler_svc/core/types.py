@@ -80,7 +80,10 @@ class Request:
     # copies its partly filled last block); None for ordinary requests and group leaders.
     fork_of: RequestId | None = None
     # How many of `all_token_ids` the workers hold; the rest travel in the next step's diff.
+    # With async scheduling it counts the tokens steps in flight will sample too.
     num_tokens_on_workers: int = 0
+    # Tokens that steps in flight will sample for it (async scheduling: up to 2), not known yet.
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -154,6 +157,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
     blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    # The workers append each token they sample to the request themselves, and
+    # `new_token_ids` carry none of those (async scheduling, a group of one rank).
+    append_sampled_tokens: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:
