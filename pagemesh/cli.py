@@ -86,6 +86,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                   "variables, which the services inherit; none = tracing off)")
     add_flag(up, "--api-key", action="append", default=None,
              help="API key the router requires as `authorization: Bearer <key>` (repeatable)")
+    add_flag(up, "--stream-interval", type=int, default=1,
+             help="tokens per streamed client message: 1 sends each token as it comes, N "
+                  "coalesces N (fewer, larger messages for clients that prefer throughput)")
     add_flag(up, "--max-queued-requests", type=int, default=1024,
              help="requests in flight through the router before RESOURCE_EXHAUSTED / 429")
     add_flag(up, "--max-prompt-tokens", type=int, default=0,

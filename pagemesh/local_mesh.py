@@ -72,7 +72,8 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
         router += ["--api-key", key]
     if args.api_keys_file:
         router += ["--api-keys-file", args.api_keys_file]
-    router += ["--max-queued-requests", str(args.max_queued_requests),
+    router += ["--stream-interval", str(args.stream_interval),
+               "--max-queued-requests", str(args.max_queued_requests),
                "--max-prompt-tokens", str(args.max_prompt_tokens),
                "--max-message-bytes", str(args.max_message_bytes)]
     layout = ["--tp", str(args.tp), "--pp", str(args.pp)]

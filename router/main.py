@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                   "no key and no --api-keys-file = open access")
     add_flag(parser, "--api-keys-file", default=None,
              help="file of accepted API keys, one a line, `#` starts a comment")
+    add_flag(parser, "--stream-interval", type=int, default=1,
+             help="tokens per streamed client message: 1 sends each token as it comes, N "
+                  "coalesces N (fewer, larger messages for clients that prefer throughput)")
     add_flag(parser, "--max-queued-requests", type=int, default=1024,
              help="requests in flight through this router; more are refused "
                   "(RESOURCE_EXHAUSTED / HTTP 429)")
@@ -90,7 +93,8 @@ async def serve(args: argparse.Namespace) -> None:
     resume = ResumeConfig(timeout_s=args.resume_timeout_s)
     pool = SchedulerPool(registry, args.discovery_interval_s, on_serving_changed, routing, config.tls,
                          resume)
-    limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens)
+    limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens,
+                             args.stream_interval)
     metrics = RouterMetrics()
     servicer = GenerationServicer(tokenizer, pool, limits, metrics)
     metrics.follow_router(lambda: pool.model_name, lambda: servicer.num_in_flight,

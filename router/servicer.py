@@ -18,7 +18,7 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -47,12 +47,33 @@ _FINISH_REASONS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_
 class AdmissionLimits:
     max_queued_requests: int = 1024  # Generate calls in flight through this router
     max_prompt_tokens: int = 0  # 0 = up to the model's context
+    # Tokens coalesced per client message (vLLM's --stream-interval): 1 streams each token
+    # as it comes; N sends every N tokens of a sample (and its end) in one message.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_prompt_tokens < 0:
             raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
+
+
+@dataclass
+class _Held:
+    """One sample's output not sent yet, under --stream-interval."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[Any] = field(default_factory=list)
+
+    def add(self, token_ids: list[int], text: str, logprobs: list[Any]
+            ) -> tuple[list[int], str, list[Any]]:
+        self.token_ids += token_ids
+        self.text += text
+        self.logprobs += logprobs
+        return self.token_ids, self.text, self.logprobs
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -122,6 +143,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                              (await self.pool.model_info()).model)
         num_prompt_tokens = len(plan.submit.prompt_token_ids)
         cut_short = False  # a stop string ended a sample its scheduler was still running
+        interval = self.limits.stream_interval
+        held: dict[int, _Held] = {}  # per sample, tokens not sent yet (stream_interval > 1)
         async with contextlib.aclosing(self._chunks(plan, span)) as chunks:
             async for chunk in chunks:
                 sample = samples[chunk.index]
@@ -135,6 +158,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     progress.finish(chunk.index)
                     cut_short = True
                 done = all(s.finished for s in samples)
+                if interval > 1:
+                    token_ids, text, logprobs = held.setdefault(chunk.index, _Held()).add(
+                        token_ids, text, logprobs)
+                    if len(token_ids) < interval and not finish_reason and not done:
+                        continue
+                    del held[chunk.index]
                 num_completion_tokens = sum(s.num_completion_tokens for s in samples)
                 yield convert.generate_response(
                     request_id, chunk.index, token_ids, text, logprobs, finish_reason,

@@ -19,7 +19,7 @@ from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router.resume import ResumeConfig
 from router.scheduler_client import SchedulerPool
-from router.servicer import GenerationServicer
+from router.servicer import AdmissionLimits, GenerationServicer
 from router.tokenizer import Tokenizer
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -181,6 +181,7 @@ class Router:
     ttl_s: float = 0.4  # of registry entries (heartbeats every quarter of it)
     cluster: str = field(default_factory=lambda: f"t-resume-{uuid.uuid4().hex[:8]}")
     schedulers: list[ScriptedScheduler] = field(default_factory=list)
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
 
     def registry_config(self) -> RegistryConfig:
         return RegistryConfig(self.redis_url, cluster=self.cluster,
@@ -193,7 +194,7 @@ class Router:
             asyncio.get_running_loop().create_task(self.server.set_serving(serving))
 
         self.pool = SchedulerPool(self.registry, 0.05, on_change, resume=self.resume)
-        self.servicer = GenerationServicer(self.tokenizer, self.pool)
+        self.servicer = GenerationServicer(self.tokenizer, self.pool, self.limits)
         self.server = GrpcServer(ServerConfig(), [SERVICE], [
             lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, s)])
         await self.server.start()
