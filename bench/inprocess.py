@@ -36,7 +36,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # `pagemesh up`'s --kv-cache-memory-gib 1
 
 def build_engine(model: str, dtype: str = "float32", max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 2048, threads: int = 0,
-                 enable_prefix_caching: bool = True) -> tuple[Scheduler, ModelRunner]:
+                 enable_prefix_caching: bool = True, async_scheduling: bool = True
+                 ) -> tuple[Scheduler, ModelRunner]:
     """A scheduler core sized from a runner, as `pagemesh up` sizes them by default."""
     if threads:
         torch.set_num_threads(threads)
@@ -46,7 +47,8 @@ def build_engine(model: str, dtype: str = "float32", max_num_seqs: int = 128,
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=info.num_blocks, block_size=info.block_size,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        max_model_len=info.max_model_len, enable_prefix_caching=enable_prefix_caching))
+        max_model_len=info.max_model_len, enable_prefix_caching=enable_prefix_caching,
+        async_scheduling=async_scheduling))
     return scheduler, runner
 
 
