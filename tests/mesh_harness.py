@@ -42,8 +42,10 @@ class Mesh:
 
     def __init__(self, model: str | None, log_path: Path, *, redis_url: str | None = None,
                  cluster: str = "pagemesh", extra_args: list[str] | None = None,
-                 client_tls: TlsConfig | None = None) -> None:
-        """`client_tls`: how this harness dials the router (plaintext by default)."""
+                 client_tls: TlsConfig | None = None, repo_root: Path = REPO_ROOT) -> None:
+        """`client_tls`: how this harness dials the router (plaintext by default);
+        `repo_root`: the checkout whose services run (another one: a before/after benchmark)."""
+        self.repo_root = repo_root
         self.log_path = log_path
         self._client_tls = client_tls or TlsConfig()
         # HTTP off unless a test asks for it: parallel meshes would all want port 8000.
@@ -66,7 +68,8 @@ class Mesh:
         argv = [sys.executable, "-m", "pagemesh.cli", "up", "--port", str(self.port), *self._args]
         self._log_start = self._log.tell()
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                        cwd=self.repo_root,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                         start_new_session=True)
         self.channel = self._client_tls.channel(self.address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
