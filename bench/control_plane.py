@@ -71,6 +71,10 @@ def write_smollm2_folder(folder: Path) -> Path:
     gguf = Path(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  torch_dtype=torch.float32)
+    # Dequantized on load: what is saved is plain fp32 (transformers refuses to save a model
+    # it thinks is still GGUF-quantized).
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
     return folder
