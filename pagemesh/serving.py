@@ -52,6 +52,21 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+def _aborting_stream(inner: Any, method: str) -> Any:
+    """A response-streaming handler (its request one message or a stream of them) whose
+    exceptions become the call's status."""
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in inner(request, context):
+                yield response
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _abort_for(exc, context, method)
+
+    return handler
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions raised by servicers into gRPC status codes.
 
@@ -79,34 +94,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 unary_unary, handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                try:
-                    async for response in inner_us(request, context):
-                        yield response
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort_for(exc, context, method)
-
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
+                _aborting_stream(handler.unary_stream, method),
+                handler.request_deserializer, handler.response_serializer
             )
         if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
-            inner_ss = handler.stream_stream
-
-            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                try:
-                    async for response in inner_ss(requests, context):
-                        yield response
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort_for(exc, context, method)
-
             return grpc.stream_stream_rpc_method_handler(
-                stream_stream, handler.request_deserializer, handler.response_serializer
+                _aborting_stream(handler.stream_stream, method),
+                handler.request_deserializer, handler.response_serializer
             )
         # Anything else passes untouched: e.g. Health/Watch streams by `context.write()` from
         # a coroutine, which a generator wrapper would break.

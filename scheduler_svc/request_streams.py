@@ -87,7 +87,7 @@ class RequestStreams:
             event = RequestEvent(RequestId(request.request_id), (), reason,
                                  len(request.prompt_token_ids))
             self.checkpointer.record(request.request_id, index, [], convert.finish_reason_to_pb(reason))
-            opened.initial.append(self._response(opened, event, index))
+            opened.initial.append(convert.event_to_pb(event, index, opened.with_logprobs))
         context = (propagate.extract(dict(request.trace_context))
                    if traced_from_message and request.trace_context else None)
         opened.trace = self.loop.tracing.start(request.request_id, requests,
@@ -100,16 +100,12 @@ class RequestStreams:
         """One event as its message; records it in the checkpoint. The caller finishes the
         checkpoint (`finish`) before the message of the request's last sample goes out."""
         index = convert.sample_index(event.request_id, opened.n)
-        response = self._response(opened, event, index)
+        response = convert.event_to_pb(event, index, opened.with_logprobs)
         self.checkpointer.record(opened.request_id, index, list(response.token_ids),
                                  response.finish_reason)
         if event.finish_reason is not None:
             opened.unfinished.discard(event.request_id)
         return response
-
-    def _response(self, opened: OpenRequest, event: RequestEvent, index: int
-                  ) -> scheduler_pb2.SubmitResponse:
-        return convert.event_to_pb(event, index, opened.with_logprobs)
 
     async def finish(self, opened: list[OpenRequest]) -> None:
         """Requests whose every sample ended: their complete checkpoints, in one write."""

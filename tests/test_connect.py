@@ -99,8 +99,8 @@ async def collect(call, num_requests: int) -> tuple[dict, dict, int]:
             if output.finish_reason:
                 num_ended += 1
         for error in message.errors:
-            errors[error.request_id] = (grpc.StatusCode.__members__[
-                next(c.name for c in grpc.StatusCode if c.value[0] == error.code)], error.message)
+            code = next(c for c in grpc.StatusCode if c.value[0] == error.code)
+            errors[error.request_id] = (code, error.message)
             num_ended += 1
     return tokens, errors, num_messages
 

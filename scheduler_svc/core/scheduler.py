@@ -144,7 +144,7 @@ class Scheduler:
             self._swap_blocks_to_free = []
         in_flight = self._in_flight
         requests = self.requests
-        for request_id, num_new in output.num_scheduled_tokens.items():
+        for request_id in output.num_scheduled_tokens:
             in_flight[request_id] = in_flight.get(request_id, 0) + 1
             request = requests[request_id]
             if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
