@@ -192,14 +192,19 @@ class RequestTimer:
 
     def _model_label(self) -> str:
         if self._label is None:
-            self._label = self._model()
+            self._label = label = self._model()
+            # Bound once per call, not per message: `labels()` is a locked dict lookup.
+            metrics = self.metrics
+            self._ttft = metrics.time_to_first_token.labels(label)
+            self._itl = metrics.inter_token_latency.labels(label)
+            self._tokens = metrics.generation_tokens.labels(label)
         return self._label
 
     def observe(self, index: int, num_tokens: int, finish_reason: str | None,
                 num_prompt_tokens: int = 0) -> None:
         """One message to the client: `num_tokens` new tokens of sample `index`, its finish
         reason when it is the sample's last, and the request's prompt tokens on its last."""
-        metrics, model, now = self.metrics, self._model_label(), self._clock()
+        model, now = self._model_label(), self._clock()
         if index >= len(self._finished):  # more samples than announced: grow, never fail
             extra = index + 1 - len(self._finished)
             self._last_token_s += [None] * extra
@@ -207,13 +212,13 @@ class RequestTimer:
         if num_tokens:
             last_s = self._last_token_s[index]
             if last_s is None:
-                metrics.time_to_first_token.labels(model).observe(now - self._start_s)
+                self._ttft.observe(now - self._start_s)
             else:
-                metrics.inter_token_latency.labels(model).observe(now - last_s)
+                self._itl.observe(now - last_s)
             self._last_token_s[index] = now
-            metrics.generation_tokens.labels(model).inc(num_tokens)
+            self._tokens.inc(num_tokens)
         if num_prompt_tokens:
-            metrics.prompt_tokens.labels(model).inc(num_prompt_tokens)
+            self.metrics.prompt_tokens.labels(model).inc(num_prompt_tokens)
         if finish_reason is not None and not self._finished[index]:
             self._finish(index, finish_reason, now)
 

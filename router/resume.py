@@ -155,6 +155,8 @@ class Attempts:
         return self._started or self.num_failures > 0
 
     def progressed(self) -> None:
+        if self._deadline is None:  # no failure since the last progress: nothing to reset
+            return
         self.num_failures = self._num_suspect = 0
         self._failed.clear()
         self._deadline = None

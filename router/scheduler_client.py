@@ -23,8 +23,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +40,7 @@ from protos.block_hash import hash_request_blocks
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from router import convert
+from router.request_feed import RequestFeed
 from router.resume import Attempts, Progress, ResumeConfig, retry_kind
 from router.routing import GroupLoad, Router, RoutingConfig
 from router.scheduler_stream import SchedulerStream
@@ -47,6 +49,7 @@ from router.tracing import group_failed_event, resume_event
 logger = logging.getLogger(__name__)
 
 READY, DEGRADED, DRAINING = "ready", "degraded", "draining"
+T = TypeVar("T")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _HEALTH_CHECK_INTERVAL_S = 0.2
 # Health checks failing with these say nothing either way (other than UNAVAILABLE: no health).
@@ -100,6 +103,10 @@ class _Group:
     @property
     def ready(self) -> bool:
         return self.status == READY and self.conn.healthy is not False
+
+    def not_suspect(self) -> None:
+        """A request made progress here."""
+        self.suspect_until = 0.0
 
 
 class SchedulerPool:
@@ -305,24 +312,30 @@ class SchedulerPool:
             await asyncio.sleep(attempts.next_backoff_s())
             exclude = frozenset()
 
-    async def submit(self, request: scheduler_pb2.SubmitRequest, progress: Progress | None = None,
-                     span: trace.Span | None = None) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
-        """Streams a request's new tokens as one continuous stream, whatever fails underneath.
+    async def stream(self, request: scheduler_pb2.SubmitRequest,
+                     process: Callable[[scheduler_pb2.SubmitResponse], T | None],
+                     progress: Progress | None = None, span: trace.Span | None = None
+                     ) -> AsyncIterator[list[T]]:
+        """Streams a request as one continuous stream, whatever fails underneath: for each
+        step, the list of what `process` returned for the request's outputs in it (Nones
+        left out). `process` runs in the stream reader's pass over the step
+        (router/request_feed.py): it must not await, and it marks samples a stop string
+        ended with `progress.finish(i)`. The stream ends once every sample finished.
 
         `progress` (updated in place as tokens arrive) is what each sample already produced:
         empty for a fresh request, a checkpoint's for a resume on a new router. When a group
         fails the stream with a retryable status (router/resume.py), the same request plus
         `progress` goes to another group (or the failed one's replacement) and the stream goes
         on after the last token received. A group that fails before the first token is
-        replaced the same way. Mark samples a stop string ended with `progress.finish(i)`.
-        `span` (the request's Generate span) goes to every attempt as its parent; failures
-        and resumes are its events.
+        replaced the same way. `span` (the request's Generate span) goes to every attempt as
+        its parent; failures and resumes are its events.
         """
         progress = progress or Progress.fresh(request.n)
         metadata = grpc_metadata(span)
         info = await self.model_info()
         block_hashes = hash_request_blocks(list(request.prompt_token_ids), info.block_size)
         attempts = Attempts(self.resume, asyncio.get_running_loop().time, progress.started)
+        feed: RequestFeed[T] = RequestFeed(progress, attempts, process)
         while not progress.all_finished:
             group = await self._choose(block_hashes, attempts)
             if attempts.num_failures:
@@ -332,14 +345,10 @@ class SchedulerPool:
                                group.scheduler_id, progress.num_tokens())
                 resume_event(span, group.scheduler_id, progress.num_tokens())
             try:
-                async with contextlib.aclosing(
-                    self._stream(group, request, progress, block_hashes, attempts, metadata)
-                ) as responses:
-                    async for response in responses:
-                        yield response
-                if progress.all_finished:
-                    return
-                code, details = None, "the stream ended before every sample finished"
+                with self._attempt(group, request, progress, feed, block_hashes, metadata):
+                    while (batch := await feed.next_batch()) is not None:
+                        yield batch
+                return
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or str(exc.code())
             except grpc.aio.UsageError as exc:  # its channel was closed under it
@@ -366,29 +375,28 @@ class SchedulerPool:
                        "(per sample); resuming", request.request_id, group.scheduler_id,
                        code.name if code else "early end", details, progress.num_tokens())
 
-    async def _stream(self, group: _Group, request: scheduler_pb2.SubmitRequest, progress: Progress,
-                      block_hashes: list, attempts: Attempts,
-                      metadata: tuple[tuple[str, str], ...] | None = None
-                      ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
-        """One attempt on one group; `_outstanding` counts prompt + max_tokens of each
-        unfinished sample while it lasts (recomputed outputs are bounded by max_tokens too)."""
+    @contextlib.contextmanager
+    def _attempt(self, group: _Group, request: scheduler_pb2.SubmitRequest, progress: Progress,
+                 feed: RequestFeed[T], block_hashes: list,
+                 metadata: tuple[tuple[str, str], ...] | None) -> Iterator[None]:
+        """One attempt on one group: the request on its stream, its outputs into `feed`.
+        `_outstanding` counts prompt + max_tokens of each unfinished sample while it lasts
+        (recomputed outputs are bounded by max_tokens too)."""
         submit = convert.with_progress(request, progress) if progress.started else request
         num_tokens = len(request.prompt_token_ids) + request.stopping.max_tokens * progress.num_unfinished
         scheduler_id, conn = group.scheduler_id, group.conn
         self._router.record(block_hashes, scheduler_id)
         self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + num_tokens
         progress.served_by(group.name)
+        feed.on_progress = group.not_suspect
         conn.num_calls += 1
+        opened = None
         try:
-            async with contextlib.aclosing(conn.stream.submit(submit, metadata)) as responses:
-                async for response in responses:
-                    progress.record(response.index, list(response.token_ids),
-                                    response.finish_reason != convert.FINISH_REASON_UNSPECIFIED)
-                    if response.token_ids or response.finish_reason:
-                        attempts.progressed()
-                        group.suspect_until = 0.0
-                    yield response
+            opened = conn.stream.submit(submit, feed, metadata)
+            yield
         finally:
+            if opened is not None:
+                conn.stream.release(opened)
             conn.num_calls -= 1
             if conn.retired and conn.num_calls == 0:
                 asyncio.get_running_loop().create_task(conn.close())

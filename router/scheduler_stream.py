@@ -2,10 +2,11 @@
 
 Every request the router sends that scheduler travels on it: a submit up the stream, then
 its outputs come down inside the scheduler's per-step messages, and leaving early sends an
-abort. To its caller `submit` looks exactly like a `Submit` call: an async iterator of the
-request's `SubmitResponse`s that ends once every sample finished, or raises the
-`grpc.aio.AioRpcError` the request failed with — in-band for that request alone, or the
-stream's own error for every request on it when the stream breaks (the caller resumes them
+abort. The reader hands each message to its requests in one pass, without awaiting: every
+output of a request goes to that request's `RequestSink.add`, then each sink the message
+touched gets one `flush` — so a request's own task wakes once per step, not per token.
+A request failing in-band gets `fail` with the `grpc.aio.AioRpcError` a `Submit` call would
+have raised; a broken stream fails every request on it the same way (the caller resumes them
 all, router/resume.py). The next submit after a break opens a new stream.
 """
 
@@ -16,6 +17,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -32,13 +34,35 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+class RequestSink(Protocol):
+    """Where one request's outputs go. Called from the stream's reader: never awaits."""
+
+    def add(self, output: scheduler_pb2.SubmitResponse) -> None:
+        """One output of one of the request's samples, in the order the scheduler sent them."""
+
+    def flush(self) -> None:
+        """The end of a step's message that carried outputs of this request."""
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        """The request failed on this stream; nothing more comes for it here."""
+
+
+@dataclass(eq=False)
+class OpenRequest:
+    """One request submitted on one stream (a resume on the same scheduler is a new one)."""
+
+    request_id: str
+    sink: RequestSink
+    session: _Session
+    num_unfinished: int  # samples the scheduler has still to finish
+
+
 @dataclass
 class _Session:
     """One Connect call: its queue of messages up, and the requests streaming on it."""
 
     up: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = field(default_factory=asyncio.Queue)
-    requests: dict[str, asyncio.Queue[scheduler_pb2.SubmitResponse | BaseException]] = \
-        field(default_factory=dict)
+    requests: dict[str, OpenRequest] = field(default_factory=dict)
     call: grpc.aio.StreamStreamCall | None = None
     reader: asyncio.Task[None] | None = None
     broken: bool = False
@@ -54,10 +78,11 @@ class SchedulerStream:
     def num_requests(self) -> int:
         return len(self._session.requests) if self._session is not None else 0
 
-    async def submit(self, request: scheduler_pb2.SubmitRequest,
-                     metadata: tuple[tuple[str, str], ...] | None = None
-                     ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
-        """The request's responses, as a Submit call with `metadata` would stream them."""
+    def submit(self, request: scheduler_pb2.SubmitRequest, sink: RequestSink,
+               metadata: tuple[tuple[str, str], ...] | None = None) -> OpenRequest:
+        """Sends `request` (its trace context from `metadata`, as a Submit call's); its outputs
+        go to `sink` until every sample finished or it failed. Raises ALREADY_EXISTS when the
+        id is streaming on this stream already. `release` the result once done with it."""
         session = self._open()
         request_id = request.request_id
         if request_id in session.requests:
@@ -65,24 +90,20 @@ class SchedulerStream:
                             f"request {request_id!r} is already streaming from this scheduler")
         if metadata:
             request.trace_context.update(dict(metadata))
-        num_samples = max(request.n, 1) - sum(p.finished for p in request.progress)
-        queue: asyncio.Queue[scheduler_pb2.SubmitResponse | BaseException] = asyncio.Queue()
-        session.requests[request_id] = queue
+        num_unfinished = max(request.n, 1) - sum(p.finished for p in request.progress)
+        opened = OpenRequest(request_id, sink, session, num_unfinished)
+        session.requests[request_id] = opened
         session.up.put_nowait(scheduler_pb2.ConnectRequest(submit=request))
-        finished: set[int] = set()
-        try:
-            while len(finished) < num_samples:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason != _UNSPECIFIED:
-                    finished.add(item.index)
-                yield item
-        finally:
-            if session.requests.pop(request_id, None) is not None and len(finished) < num_samples \
-                    and not session.broken:
+        return opened
+
+    def release(self, opened: OpenRequest) -> None:
+        """The caller is done with the request: aborted when its scheduler still runs it."""
+        session = opened.session
+        if session.requests.get(opened.request_id) is opened:
+            del session.requests[opened.request_id]
+            if not session.broken:
                 session.up.put_nowait(scheduler_pb2.ConnectRequest(
-                    abort=scheduler_pb2.AbortRequest(request_id=request_id)))
+                    abort=scheduler_pb2.AbortRequest(request_id=opened.request_id)))
 
     async def close(self) -> None:
         session, self._session = self._session, None
@@ -104,20 +125,12 @@ class SchedulerStream:
         return session
 
     async def _read(self, session: _Session) -> None:
-        """Fans each step's message out to its requests; a broken stream fails them all."""
+        """Hands each step's message to its requests; a broken stream fails them all."""
         assert session.call is not None
         requests = session.requests
         try:
             async for message in session.call:
-                for output in message.outputs:
-                    queue = requests.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-                for error in message.errors:
-                    queue = requests.pop(error.request_id, None)
-                    if queue is not None:
-                        code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-                        queue.put_nowait(rpc_error(code, error.message))
+                _dispatch(message, requests)
             failure = rpc_error(grpc.StatusCode.UNAVAILABLE,
                                 f"the scheduler {self._name} ended this router's stream")
         except grpc.aio.AioRpcError as exc:
@@ -126,6 +139,7 @@ class SchedulerStream:
             failure = rpc_error(grpc.StatusCode.CANCELLED, "the router closed its stream")
             raise
         except Exception as exc:  # a channel closed under it, a malformed message
+            logger.exception("stream to scheduler %s failed", self._name)
             failure = rpc_error(grpc.StatusCode.UNKNOWN, f"stream to {self._name} failed: {exc}")
         finally:
             session.broken = True
@@ -133,9 +147,34 @@ class SchedulerStream:
             if requests:
                 logger.warning("stream to scheduler %s ended (%s); %d requests on it fail over",
                                self._name, failure.details(), len(requests))
-            for queue in requests.values():
-                queue.put_nowait(failure)
+            failed = list(requests.values())
             requests.clear()
+            for opened in failed:
+                opened.sink.fail(failure)
+
+
+def _dispatch(message: scheduler_pb2.ConnectResponse, requests: dict[str, OpenRequest]) -> None:
+    """One step's message, in one pass: outputs to their sinks, one flush per sink touched,
+    then the in-band errors. A request whose samples all finished leaves `requests` here."""
+    touched: dict[str, RequestSink] = {}
+    for output in message.outputs:
+        request_id = output.request_id
+        opened = requests.get(request_id)
+        if opened is None:
+            continue  # aborted by the router meanwhile
+        if output.finish_reason != _UNSPECIFIED:
+            opened.num_unfinished -= 1
+            if opened.num_unfinished <= 0:
+                del requests[request_id]
+        touched[request_id] = opened.sink
+        opened.sink.add(output)
+    for sink in touched.values():
+        sink.flush()
+    for error in message.errors:
+        opened = requests.pop(error.request_id, None)
+        if opened is not None:
+            code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+            opened.sink.fail(rpc_error(code, error.message))
 
 
 async def _messages_up(queue: asyncio.Queue[scheduler_pb2.ConnectRequest | None]

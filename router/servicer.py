@@ -18,8 +18,7 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -30,6 +29,7 @@ from pagemesh.metrics import ABORT, ERROR, RouterMetrics
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router import convert, replay
+from router.client_stream import ClientStream
 from router.scheduler_client import SchedulerPool
 from router.tracing import describe_request, traced_generate
 from router.tokenizer import Tokenizer, TokenizerError
@@ -58,22 +58,6 @@ class AdmissionLimits:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_prompt_tokens < 0:
             raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
-
-
-@dataclass
-class _Held:
-    """One sample's output not sent yet, under --stream-interval."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[Any] = field(default_factory=list)
-
-    def add(self, token_ids: list[int], text: str, logprobs: list[Any]
-            ) -> tuple[list[int], str, list[Any]]:
-        self.token_ids += token_ids
-        self.text += text
-        self.logprobs += logprobs
-        return self.token_ids, self.text, self.logprobs
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -114,12 +98,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         timer = self.metrics.request(lambda: self.pool.model_name, request.n)
         try:
             # Closing this stream must close the inner one at once: that cancels the scheduler call.
-            async with contextlib.aclosing(self._generate(request_id, request)) as responses:
-                async for response in responses:
-                    timer.observe(response.index, len(response.token_ids),
-                                  _FINISH_REASONS.get(response.finish_reason),
-                                  response.usage.prompt_tokens)
-                    yield response
+            async with contextlib.aclosing(self._generate(request_id, request)) as batches:
+                async for batch in batches:
+                    for response in batch:
+                        timer.observe(response.index, len(response.token_ids),
+                                      _FINISH_REASONS.get(response.finish_reason),
+                                      response.usage.prompt_tokens)
+                        yield response
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             timer.end(ABORT)
             raise
@@ -130,59 +115,32 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self.num_in_flight -= 1
 
     async def _generate(self, request_id: str, request: generate_pb2.GenerateRequest
-                        ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+                        ) -> AsyncIterator[list[generate_pb2.GenerateResponse]]:
+        """The client's messages, one list per scheduler step (router/client_stream.py)."""
         plan = await self._resume_plan(request_id, request)
         if plan is None:
             validated = await self._validate(request)
             submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
             plan = replay.fresh(self.tokenizer, submit)
-        samples, progress = plan.samples, plan.progress
+        progress = plan.progress
         span = trace.get_current_span()  # Generate's (router/tracing.py), or a no-op one
         if span.is_recording():
             describe_request(span, plan.submit, progress.resumed, request.model,
                              (await self.pool.model_info()).model)
-        num_prompt_tokens = len(plan.submit.prompt_token_ids)
-        cut_short = False  # a stop string ended a sample its scheduler was still running
-        interval = self.limits.stream_interval
-        held: dict[int, _Held] = {}  # per sample, tokens not sent yet (stream_interval > 1)
-        async with contextlib.aclosing(self._chunks(plan, span)) as chunks:
-            async for chunk in chunks:
-                sample = samples[chunk.index]
-                if sample.finished:
-                    continue  # a stop string ended this sample here; the rest is dropped
-                processed = sample.process(chunk)
-                if processed is None:
-                    continue  # tokens the client already has (a resume)
-                token_ids, text, finish_reason, logprobs = processed
-                if sample.finished and not progress.samples[chunk.index].finished:
-                    progress.finish(chunk.index)
-                    cut_short = True
-                done = all(s.finished for s in samples)
-                if interval > 1:
-                    token_ids, text, logprobs = held.setdefault(chunk.index, _Held()).add(
-                        token_ids, text, logprobs)
-                    if len(token_ids) < interval and not finish_reason and not done:
-                        continue
-                    del held[chunk.index]
-                num_completion_tokens = sum(s.num_completion_tokens for s in samples)
-                yield convert.generate_response(
-                    request_id, chunk.index, token_ids, text, logprobs, finish_reason,
-                    num_prompt_tokens if done else 0, num_completion_tokens,
-                )
-                if done:
-                    # The client has everything: its checkpoint is garbage now.
-                    self._forget_checkpoint(request_id, progress.groups, cut_short)
-                    break  # closing `chunks` cancels the scheduler call when a stop string hit
-
-    async def _chunks(self, plan: replay.StreamPlan, span: trace.Span) -> AsyncIterator[Any]:
-        """The replayed checkpoint tokens, then the scheduler's (resumed across failures)."""
-        for chunk in plan.replay:
-            yield chunk
-        if plan.progress.all_finished:
-            return
-        async with contextlib.aclosing(self.pool.submit(plan.submit, plan.progress, span)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        client = ClientStream(request_id, plan, self.limits.stream_interval)
+        replayed = [r for chunk in plan.replay if (r := client.process(chunk)) is not None]
+        if replayed:
+            yield replayed
+        if not client.done:
+            # Closing `batches` cancels the scheduler call (when a stop string hit, say).
+            async with contextlib.aclosing(
+                self.pool.stream(plan.submit, client.process, progress, span)
+            ) as batches:
+                async for batch in batches:
+                    yield batch
+        if client.done:
+            # The client has everything: its checkpoint is garbage now.
+            self._forget_checkpoint(request_id, progress.groups, client.cut_short)
 
     async def _resume_plan(self, request_id: str, request: generate_pb2.GenerateRequest
                            ) -> replay.StreamPlan | None:

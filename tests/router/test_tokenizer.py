@@ -1,4 +1,5 @@
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,22 @@ def test_smollm2_chat_template(smollm2):
     assert text.startswith("<|im_start|>system\n")
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert ids[-4:] == [1, 520, 9531, 198]  # <|im_start|>assistant\n
+
+
+@pytest.mark.parametrize("which", ["bpe", "smollm2"])
+def test_decode_is_transformers_decode_without_space_clean_up(which, request):
+    """`decode` calls the fast tokenizer's Rust core directly; it must give exactly what
+    transformers' `decode(..., clean_up_tokenization_spaces=False)` gives: special tokens
+    kept or skipped, broken UTF-8 as U+FFFD, any ids."""
+    tokenizer = request.getfixturevalue(which)
+    hf = tokenizer._hf
+    assert tokenizer._rust is not None  # both are fast tokenizers: the direct path is tested
+    rng = random.Random(0)
+    text_ids = tokenizer.encode("Hello 你好 😀, ça va? <|im_end|>\n  spaces  ")
+    cases = [text_ids, text_ids[1:], text_ids[:-1], [], *(
+        [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 9))]
+        for _ in range(300))]
+    for ids in cases:
+        for skip in (True, False):
+            expected = hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == expected, (ids, skip)
