@@ -112,8 +112,14 @@ class CheckpointStore:
         await pipe.execute()
 
     async def delete(self, request_id: str, group: str | None = None) -> None:
+        await self.delete_many([(request_id, group)])
+
+    async def delete_many(self, entries: Iterable[tuple[str, str | None]]) -> None:
+        """Deletes (request id, its group or None) checkpoints in one round trip."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.delete(self.key(request_id))
-        if group is not None:
-            pipe.srem(self.group_key(group), request_id)
-        await pipe.execute()
+        for request_id, group in entries:
+            pipe.delete(self.key(request_id))
+            if group is not None:
+                pipe.srem(self.group_key(group), request_id)
+        if len(pipe):
+            await pipe.execute()

@@ -69,7 +69,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.num_in_flight = 0
         self.metrics = metrics or RouterMetrics()
         self._seeds = random.SystemRandom()
-        self._background: set[asyncio.Task[None]] = set()
+        self._to_delete: list[tuple[str, str | None]] = []  # checkpoints of ended requests
+        self._deleter: asyncio.Task[None] | None = None
 
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
@@ -173,23 +174,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return replay.from_checkpoint(self.tokenizer, ckpt, resume_from)
 
     def _forget_checkpoint(self, request_id: str, groups: list[str], cut_short: bool) -> None:
-        """Deletes the request's checkpoint in the background, never delaying the client.
-        When the router cut the scheduler call short (a stop string), the scheduler may still
-        write the checkpoint once more as it notices: delete it again a TTL later."""
-        task = asyncio.get_running_loop().create_task(
-            self._delete_checkpoint(request_id, groups, cut_short))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        """Deletes the request's checkpoint in the background, never delaying the client;
+        the deletes of every request that ended meanwhile go in one round trip. When the
+        router cut the scheduler call short (a stop string), the scheduler may still write
+        the checkpoint once more as it notices: delete it again a TTL later."""
+        entries = [(request_id, group) for group in groups or [None]]
+        self._queue_deletes(entries)
+        if cut_short:
+            asyncio.get_running_loop().call_later(self.pool.registry.config.ttl_s,
+                                                  self._queue_deletes, entries)
 
-    async def _delete_checkpoint(self, request_id: str, groups: list[str], cut_short: bool) -> None:
+    def _queue_deletes(self, entries: list[tuple[str, str | None]]) -> None:
+        self._to_delete += entries
+        if self._deleter is None:
+            self._deleter = asyncio.get_running_loop().create_task(self._delete_checkpoints())
+
+    async def _delete_checkpoints(self) -> None:
         try:
-            for attempt in range(2 if cut_short else 1):
-                if attempt:
-                    await asyncio.sleep(self.pool.registry.config.ttl_s)
-                for group in groups or [None]:
-                    await self.pool.checkpoints.delete(request_id, group)
-        except Exception as exc:  # it expires by itself; Redis being away is logged by the poll
-            logger.debug("could not delete the checkpoint of request %s: %s", request_id, exc)
+            while self._to_delete:
+                entries, self._to_delete = self._to_delete, []
+                try:
+                    await self.pool.checkpoints.delete_many(entries)
+                except Exception as exc:  # they expire by themselves; the poll logs Redis away
+                    logger.debug("could not delete %d checkpoints: %s", len(entries), exc)
+        finally:
+            self._deleter = None
 
     async def _validate(self, request: generate_pb2.GenerateRequest) -> ValidatedRequest:
         prompt = request.WhichOneof("prompt")

@@ -122,3 +122,17 @@ def test_resumed_request_keeps_outputs_seeds_and_skips_finished_samples() -> Non
     ended.progress.add(index=1, token_ids=[5, 0])  # EOS (id 0) last
     assert convert.requests_from_pb(ended, [0], 0.0, seed=1) == []
     assert convert.ended_samples(ended, [0]) == [(0, FinishReason.LENGTH), (1, FinishReason.STOP)]
+
+
+def test_delete_many_removes_every_checkpoint_and_group_entry_in_one_call(redis_url: str) -> None:
+    async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
+        await store.save([Checkpoint("m1", "g1", b"", [SampleState([1])], RUNNING),
+                          Checkpoint("m2", "g2", b"", [SampleState([2])], RUNNING),
+                          Checkpoint("m3", "g1", b"", [SampleState([3])], RUNNING)])
+        await store.delete_many([("m1", "g1"), ("m2", "g2"), ("m2", None), ("gone", "g1")])
+        await store.delete_many([])
+        assert await store.load("m1") is None and await store.load("m2") is None
+        assert await client.smembers(store.group_key("g1")) == {"m3"}
+        assert await client.smembers(store.group_key("g2")) == set()
+
+    asyncio.run(with_store(redis_url, "ckpt-many", body))
