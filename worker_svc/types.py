@@ -37,8 +37,8 @@ class SamplingParams:
     # Token ids that end the request (EOS unless ignored, plus stop_token_ids); masked
     # while fewer than `min_tokens` tokens have been generated.
     stop_token_ids: tuple[int, ...] = ()
-    # How many top alternatives to return per sampled token; 0 = none, but the chosen
-    # token's logprob is always returned.
+    # How many top alternatives to return per sampled token, with the chosen token's
+    # logprob; 0 = neither (what the client gets then carries no logprobs).
     num_logprobs: int = 0
 
 
@@ -89,7 +89,9 @@ class StepInput:
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
-    logprob: float  # of the chosen token under the model's raw distribution
+    # Of the chosen token under the model's raw distribution; 0.0 (not computed) when the
+    # request asked for no logprobs (num_logprobs 0: the client gets none).
+    logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
