@@ -100,3 +100,21 @@ def test_running_requests_split_into_microbatches() -> None:
         scheduler.update(output, sample_all(output, scheduler))
     run_pipelined(scheduler, depth=2)
     assert not scheduler.requests  # every request finished
+
+
+def test_async_scheduling_plans_ahead_of_decodes_but_not_of_the_prefill() -> None:
+    """A step queued behind a prefill would delay the first token its client waits for; a
+    decode in flight is scheduled again at once, assuming its one sampled token."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64,
+                                          max_num_batched_tokens=16, async_scheduling=True))
+    scheduler.add_request(make_request("r", prompt_len=6, max_tokens=8))
+    prefill = scheduler.schedule()
+    assert prefill.num_scheduled_tokens == {"r": 6}
+    assert scheduler.schedule().is_empty  # not ahead of its prefill
+    scheduler.update(prefill, sample_all(prefill, scheduler))
+    decode = scheduler.schedule()
+    assert decode.num_scheduled_tokens == {"r": 1}
+    ahead = scheduler.schedule()  # ahead of the decode in flight
+    assert ahead.num_scheduled_tokens == {"r": 1}
+    scheduler.update(decode, sample_all(decode, scheduler))
+    check_invariants(scheduler)
