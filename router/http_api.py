@@ -153,7 +153,8 @@ class _OpenAIApi:
         model = (await self._model_info()).model
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         parsed.generate.request_id = response_id
-        chunks = self.servicer.Generate(parsed.generate, None)
+        # A fresh id: no checkpoint to look up in Redis (OpenAI HTTP has no resume).
+        chunks = self.servicer.Generate(parsed.generate, None, new_request=True)
         try:
             # Validation happens on the first step: pull it here so that errors are 4xx replies.
             first = await anext(chunks)

@@ -86,7 +86,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     @traced_generate  # the request's span, router/tracing.py
     async def Generate(self, request: generate_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+                       context: grpc.aio.ServicerContext | None, *, new_request: bool = False
+                       ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """`new_request`: the caller made the request id up just now (the HTTP API), so no
+        checkpoint can exist for it and none is looked up."""
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
         if self.num_in_flight >= self.limits.max_queued_requests:
@@ -99,7 +102,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         timer = self.metrics.request(lambda: self.pool.model_name, request.n)
         try:
             # Closing this stream must close the inner one at once: that cancels the scheduler call.
-            async with contextlib.aclosing(self._generate(request_id, request)) as batches:
+            async with contextlib.aclosing(self._generate(request_id, request, new_request)) as batches:
                 async for batch in batches:
                     for response in batch:
                         timer.observe(response.index, len(response.token_ids),
@@ -115,10 +118,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             self.num_in_flight -= 1
 
-    async def _generate(self, request_id: str, request: generate_pb2.GenerateRequest
+    async def _generate(self, request_id: str, request: generate_pb2.GenerateRequest,
+                        new_request: bool = False
                         ) -> AsyncIterator[list[generate_pb2.GenerateResponse]]:
         """The client's messages, one list per scheduler step (router/client_stream.py)."""
-        plan = await self._resume_plan(request_id, request)
+        plan = None if new_request else await self._resume_plan(request_id, request)
         if plan is None:
             validated = await self._validate(request)
             submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))

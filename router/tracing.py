@@ -45,10 +45,10 @@ def traced_generate(generate: Callable[..., AsyncIterator[Any]]) -> Callable[...
     id), ended with the stream. The span's parent is the current context: the caller's."""
 
     @functools.wraps(generate)
-    async def traced(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+    async def traced(self: Any, request: Any, context: Any, **kwargs: Any) -> AsyncIterator[Any]:
         span = _tracer.start_span("Generate", kind=SpanKind.SERVER,
                                   attributes=_start_attributes(request))
-        responses = generate(self, request, context)
+        responses = generate(self, request, context, **kwargs)
         if not span.is_recording():
             async with contextlib.aclosing(responses):
                 async for response in responses:

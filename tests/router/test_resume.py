@@ -235,6 +235,27 @@ def test_resume_from_an_unknown_request_is_not_found_and_zero_is_a_new_request(
     run(scenario())
 
 
+def test_a_new_request_of_the_http_api_looks_up_no_checkpoint(tokenizer: Tokenizer,
+                                                             redis_url: str) -> None:
+    """The HTTP API makes its request ids up (`new_request=True`): even an id that has a
+    checkpoint is a new request there, and Redis is not asked."""
+    async def scenario() -> None:
+        async with Router(tokenizer, redis_url) as router:
+            await router.add_scheduler("a")
+            full = expected(tokenizer, 9)
+            await save_checkpoint(router, "same-id", [SampleState(full[:4])], ORPHANED, 9)
+            loads = []
+            store = router.registry.checkpoints
+            original = store.load
+            store.load = lambda request_id: loads.append(request_id) or original(request_id)
+            fresh = request(tokenizer, 3, request_id="same-id")
+            responses = [r async for r in router.servicer.Generate(fresh, None, new_request=True)]
+            assert per_sample(responses, 1)[0][0] == expected(tokenizer, 3)  # not the replay
+            assert loads == []
+
+    run(scenario())
+
+
 # --- checkpoint deletion ---------------------------------------------------------------
 
 
