@@ -122,7 +122,8 @@ def mesh_runs(model: str, num_streams: int, extra_args: list[str], tree: Path = 
         results.append(run_workload(Target(http_url=f"http://127.0.0.1:{http_port}"),
                                     workload(num_streams, 1), warmup=0,
                                     engine=f"pagemesh{label} mesh, OpenAI HTTP ({num_streams} streams)"))
-        results.append(run_workload(Target(mesh.address), workload(16, 2), concurrency=1,
+        # Enough requests one at a time for a p50 of TTFT that two runs agree on.
+        results.append(run_workload(Target(mesh.address), workload(48, 2), concurrency=1,
                                     warmup=0, engine=f"pagemesh{label} mesh, idle, one at a time"))
         return results
     finally:
