@@ -17,10 +17,10 @@ from typing import Generic, TypeVar
 import grpc
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from router.convert import FINISH_REASON_UNSPECIFIED
 from router.resume import Attempts, Progress
 
 T = TypeVar("T")
-_UNSPECIFIED = 0  # FINISH_REASON_UNSPECIFIED
 _END = object()
 
 
@@ -49,7 +49,7 @@ class RequestFeed(Generic[T]):
     def add(self, output: scheduler_pb2.SubmitResponse) -> None:
         if self._error is not None:
             return
-        finished = output.finish_reason != _UNSPECIFIED
+        finished = output.finish_reason != FINISH_REASON_UNSPECIFIED
         self.progress.record(output.index, output.token_ids, finished)
         if output.token_ids or finished:
             self.attempts.progressed()

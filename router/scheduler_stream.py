@@ -22,11 +22,11 @@ from typing import Protocol
 import grpc
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from router.convert import FINISH_REASON_UNSPECIFIED
 
 logger = logging.getLogger(__name__)
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-_UNSPECIFIED = 0  # FINISH_REASON_UNSPECIFIED
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -162,7 +162,7 @@ def _dispatch(message: scheduler_pb2.ConnectResponse, requests: dict[str, OpenRe
         opened = requests.get(request_id)
         if opened is None:
             continue  # aborted by the router meanwhile
-        if output.finish_reason != _UNSPECIFIED:
+        if output.finish_reason != FINISH_REASON_UNSPECIFIED:
             opened.num_unfinished -= 1
             if opened.num_unfinished <= 0:
                 del requests[request_id]
