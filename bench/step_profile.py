@@ -1,0 +1,303 @@
+"""Where a worker's step goes, per step kind, against the machine's matmul limit.
+
+    .venv/bin/python -m bench.step_profile                  # SmolLM2 fp32, every kind
+    .venv/bin/python -m bench.step_profile --kinds decode64 --threads 1
+
+A ModelRunner in this process (no gRPC) on the default model as an fp32 HF folder (written
+once, as `bench.control_plane --write-smollm2-folder` does). Step kinds:
+
+- `prefill2048`: 16 new requests x 128 prompt tokens in one step (W64's prefill chunk);
+- `prefill2048x1`: one request's 2,048-token prompt in one step (a long-prompt chunk);
+- `decode64`: 64 running requests, one token each, contexts ~128-160 (W64's decode);
+- `mixed`: those 64 decodes plus one 1,024-token prefill chunk.
+
+For each kind: the median wall time of `execute_step` over `--steps` steps, then one step
+under the torch profiler split into matmul (the LM head apart), attention (the backend's
+`store_kv` and `forward`, the C kernel included), other torch ops (norms, rotary, SiLU·mul,
+adds, embedding, sampling's ops), and Python (what no op accounts for: batch building, the
+model's module calls, the sampler's bookkeeping). The profiler adds its own cost per op, so
+the split is of the profiled step and its total is above the median.
+
+The matmul limit is the step's linear-layer FLOPs at the peak rate measured in this run:
+`torch.mm` at 2048^3 (the issue's yardstick), and the same linear layers timed alone at the
+step's own shapes through the model's own `linear` path (oneDNN-packed where chosen).
+Writes bench/results/step_profile.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.common import REPO_ROOT, write_results
+
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+              "mkldnn::_linear_pointwise", "aten::mkldnn_linear"}
+KINDS = ("prefill2048", "prefill2048x1", "decode64", "mixed")
+SCOPES = ("attention", "lm_head")
+
+
+@dataclass
+class Step:
+    """One step to time: the requests it adds and what it schedules."""
+
+    new: list  # NewRequestData
+    num_scheduled_tokens: dict[str, int]
+    sample_rows: int
+
+
+def mm_peak_gflops(size: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / min(times) / 1e9
+
+
+class Workload:
+    """Requests on a runner: fresh ones for prefills, a running set for decodes."""
+
+    def __init__(self, runner, vocab_size: int, seed: int = 0) -> None:
+        self.runner = runner
+        self.vocab = vocab_size
+        self.rng = random.Random(seed)
+        self.next_block = 0
+        self.next_id = 0
+        self.step_id = 0
+        self.running: dict[str, tuple[int, int]] = {}  # id -> (num_computed, last token)
+
+    def _new(self, prompt_len: int):
+        from worker_svc.types import NewRequestData, SamplingParams
+
+        num_blocks = -(-(prompt_len + 64) // self.runner.block_size)
+        if self.next_block + num_blocks > self.runner.num_blocks:
+            raise RuntimeError("the KV cache is too small for this profile")
+        blocks = list(range(self.next_block, self.next_block + num_blocks))
+        self.next_block += num_blocks
+        self.next_id += 1
+        return NewRequestData(f"r{self.next_id}", [self.rng.randrange(1, self.vocab)
+                                                   for _ in range(prompt_len)],
+                              prompt_len, blocks, 0, SamplingParams(temperature=0.0))
+
+    def run(self, prompts: list[int], decode: bool, finish_new: bool = True):
+        """One step: new requests of `prompts` lengths, plus one token of every running
+        request if `decode`. Returns the StepInput (already executed) and its wall time."""
+        from worker_svc.types import CachedRequestData, StepInput
+
+        new = [self._new(n) for n in prompts]
+        cached = ([CachedRequestData(r, [], computed, [token])
+                   for r, (computed, token) in self.running.items()] if decode else [])
+        scheduled = {r.request_id: len(r.token_ids) for r in new}
+        scheduled |= {c.request_id: 1 for c in cached}
+        self.step_id += 1
+        step = StepInput(step_id=self.step_id, new_requests=new, cached_requests=cached,
+                         num_scheduled_tokens=scheduled)
+        start = time.perf_counter()
+        out = self.runner.execute_step(step)
+        wall = time.perf_counter() - start
+        for c in cached:
+            self.running[c.request_id] = (c.num_computed_tokens + 1,
+                                          out.sampled[c.request_id].token_id)
+        self._forget([r.request_id for r in new] if finish_new else [])
+        if not finish_new:
+            for r in new:
+                self.running[r.request_id] = (len(r.token_ids), out.sampled[r.request_id].token_id)
+        return step, wall
+
+    def _forget(self, request_ids: list[str]) -> None:
+        from worker_svc.types import StepInput
+
+        if request_ids:
+            self.step_id += 1
+            # Their blocks are not reused: the cache is sized for the whole run.
+            self.runner.execute_step(StepInput(step_id=self.step_id,
+                                               finished_request_ids=request_ids))
+
+
+def _wrap_scopes(runner):
+    """Profiler ranges around the attention backend's ops and the LM head."""
+    backend, model = runner.backend, runner.model
+
+    def scoped(name, fn):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return call
+
+    backend.store_kv = scoped("attention", backend.store_kv)
+    backend.forward = scoped("attention", backend.forward)
+    model.compute_logits = scoped("lm_head", model.compute_logits)
+
+
+def breakdown(events, wall_ms: float) -> dict[str, float]:
+    """Self CPU time (ms) of a profiled step's events by category; Python is the rest."""
+    totals = {"matmul": 0.0, "lm_head_matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
+    for event in events:
+        scope = None
+        parent = event
+        while parent is not None:
+            if parent.name in SCOPES:
+                scope = parent.name
+                break
+            parent = parent.cpu_parent
+        self_ms = event.self_cpu_time_total / 1000.0
+        if scope == "attention":
+            totals["attention"] += self_ms
+        elif event.name in MATMUL_OPS:
+            totals["lm_head_matmul" if scope == "lm_head" else "matmul"] += self_ms
+        elif event.name not in SCOPES:
+            totals["other_ops"] += self_ms
+        else:
+            totals["other_ops"] += self_ms  # a scope's own self time outside any op
+    totals["python"] = max(0.0, wall_ms - sum(totals.values()))
+    totals["profiled_wall"] = wall_ms
+    return totals
+
+
+def linear_flops(config, num_tokens: int, sample_rows: int) -> float:
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    h, inter = config.hidden_size, config.intermediate_size
+    per_token = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * 2 * inter + 2 * inter * h
+    return config.num_layers * num_tokens * per_token + 2 * h * config.vocab_size * sample_rows
+
+
+@torch.inference_mode()
+def linear_only_ms(runner, num_tokens: int, sample_rows: int, reps: int = 3) -> float:
+    """The step's linear layers alone, at its shapes, through the model's own path."""
+    model = runner.model
+    config = model.config
+    layer = model.model.layers[model.model.layer_range[0]]
+    attn, mlp = layer.self_attn, layer.mlp
+    dtype = runner.metadata.dtype
+    x = torch.randn(num_tokens, config.hidden_size, dtype=dtype)
+    xq = torch.randn(num_tokens, attn.num_heads * attn.head_dim, dtype=dtype)
+    xi = torch.randn(num_tokens, mlp.intermediate_size, dtype=dtype)
+    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+    xs = torch.randn(max(1, sample_rows), config.hidden_size, dtype=dtype)
+
+    def once() -> float:
+        start = time.perf_counter()
+        attn.qkv_proj(x)
+        attn.o_proj(xq)
+        mlp.gate_up_proj(x)
+        mlp.down_proj(xi)
+        layers_s = (time.perf_counter() - start) * config.num_layers
+        start = time.perf_counter()
+        if sample_rows:
+            head.logits(xs)
+        return layers_s + time.perf_counter() - start
+
+    once()
+    return 1000 * min(once() for _ in range(reps))
+
+
+def profile_kind(runner, kind: str, steps: int, top_ops: int = 12) -> dict:
+    work = Workload(runner, runner.metadata.vocab_size)
+    if kind in ("decode64", "mixed"):
+        for _ in range(4):  # 64 running requests, prefilled in chunks of 16 x 128
+            work.run([128] * 16, decode=False, finish_new=False)
+
+    def one():
+        if kind == "prefill2048":
+            return work.run([128] * 16, decode=False)
+        if kind == "prefill2048x1":
+            return work.run([2048], decode=False)
+        if kind == "decode64":
+            return work.run([], decode=True)
+        return work.run([1024], decode=True)
+
+    one()  # warm-up: oneDNN primitives, allocator
+    walls = [one()[1] for _ in range(steps)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step, profiled = one()
+    split = breakdown(prof.events(), 1000 * profiled)
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top_ops]
+    num_tokens = sum(step.num_scheduled_tokens.values())
+    sample_rows = len(step.num_scheduled_tokens)
+    return {
+        "kind": kind, "tokens": num_tokens, "sample_rows": sample_rows,
+        "median_ms": 1000 * statistics.median(walls),
+        "flops": linear_flops(runner.model.config, num_tokens, sample_rows),
+        "linear_only_ms": linear_only_ms(runner, num_tokens, sample_rows),
+        "split_ms": split,
+        "top_ops": [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1000}
+                    for e in top],
+    }
+
+
+def build_runner(model: str, dtype: str, attention: str, cpu_linear: str):
+    from worker_svc.runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner.from_config(RunnerConfig(
+        model_path=model, dtype=dtype, attention_backend=attention, cpu_linear=cpu_linear,
+        kv_cache_memory_bytes=4 << 30))
+    _wrap_scopes(runner)
+    return runner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="HF model folder (default: SmolLM2 fp32, written to .cache)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--cpu-linear", default="auto")
+    parser.add_argument("--name", default="step_profile")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model
+    if model is None:
+        from bench.control_plane import write_smollm2_folder
+
+        model = str(write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf"))
+    peak = mm_peak_gflops()
+    runner = build_runner(model, args.dtype, args.attention_backend, args.cpu_linear)
+    results = []
+    for kind in args.kinds.split(","):
+        with contextlib.suppress(KeyboardInterrupt):
+            results.append(profile_kind(runner, kind, args.steps))
+    rows = []
+    for r in results:
+        s = r["split_ms"]
+        limit_ms = r["flops"] / (peak * 1e9) * 1000
+
+        def pct(ms: float) -> str:
+            return f"{ms:.1f} ({100 * ms / s['profiled_wall']:.0f}%)"
+
+        rows.append([
+            r["kind"], str(r["tokens"]), f"{r['median_ms']:.1f}",
+            f"{limit_ms:.1f} ({100 * limit_ms / r['median_ms']:.0f}%)",
+            f"{r['linear_only_ms']:.1f} ({100 * r['linear_only_ms'] / r['median_ms']:.0f}%)",
+            pct(s["matmul"]), pct(s["lm_head_matmul"]), pct(s["attention"]),
+            pct(s["other_ops"]), pct(s["python"]), f"{s['profiled_wall']:.1f}",
+        ])
+    header = (f"# One worker step by kind: {Path(model).name} {args.dtype}, attention "
+              f"{runner.backend.name}, linear {runner.cpu_linear}; torch.mm 2048^3 peak "
+              f"{peak:.0f} GFLOP/s in this run")
+    for r in results:
+        print(f"{r['kind']}: top ops by self time (ms, calls): " + ", ".join(
+            f"{o['op']} {o['self_ms']:.1f} ({o['calls']})" for o in r["top_ops"]))
+    write_results(args.name, header, [
+        "step", "tokens", "median ms", "matmul limit at mm peak ms (% of step)",
+        "linear layers alone ms (% of step)", "matmul", "LM head matmul", "attention",
+        "other ops", "Python", "profiled ms"], rows,
+        {"mm_peak_gflops": peak, "model": model, "dtype": args.dtype, "kinds": results})
+
+
+if __name__ == "__main__":
+    main()
