@@ -13,8 +13,8 @@ once, as `bench.control_plane --write-smollm2-folder` does). Step kinds:
 
 For each kind: the median wall time of `execute_step` over `--steps` steps, then one step
 under the torch profiler split into matmul (the LM head apart), attention (the backend's
-`store_kv` and `forward`, the C kernel included), other torch ops (norms, rotary, SiLU·mul,
-adds, embedding, sampling's ops), and Python (what no op accounts for: batch building, the
+`store_kv` and `forward`, the C kernel included), other ops (norms, rotary, SiLU·mul and
+adds, in C or torch; embedding, sampling's ops), and Python (what no op accounts for: batch building, the
 model's module calls, the sampler's bookkeeping). The profiler adds its own cost per op, so
 the split is of the profiled step and its total is above the median.
 
@@ -37,11 +37,12 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO_ROOT, write_results
+from kernels import cpu_fused
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
               "mkldnn::_linear_pointwise", "aten::mkldnn_linear"}
 KINDS = ("prefill2048", "prefill2048x1", "decode64", "mixed")
-SCOPES = ("attention", "lm_head")
+SCOPES = ("attention", "lm_head", "fused_ops")
 
 
 @dataclass
@@ -137,6 +138,12 @@ def _wrap_scopes(runner):
     backend.store_kv = scoped("attention", backend.store_kv)
     backend.forward = scoped("attention", backend.forward)
     model.compute_logits = scoped("lm_head", model.compute_logits)
+    # The fused C kernels are no torch ops: a range makes their time "other ops", not Python.
+    for name in ("add_rms_norm", "rotary_", "silu_mul"):
+        if not hasattr(getattr(cpu_fused, name), "__wrapped_scope__"):
+            wrapped = scoped("fused_ops", getattr(cpu_fused, name))
+            wrapped.__wrapped_scope__ = True
+            setattr(cpu_fused, name, wrapped)
 
 
 def breakdown(events, wall_ms: float) -> dict[str, float]:

@@ -10,47 +10,9 @@
  * Keys of a sequence at positions >= seq_len, and < seq_len - window when window > 0, are
  * never read. Built by kernels/cpu_native.py with the system C compiler.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* exp(x) to within 2 ulp of expf for x in [-87, 88] (x is clamped there, so -inf gives
- * ~1e-38 where every use multiplies it by 0), written without branches or calls so the
- * compiler vectorizes the softmax's loop over tokens: Cody-Waite reduction by ln 2 and
- * Cephes' degree-5 polynomial. Scalar expf was half of the kernel's time (a 16-token
- * block of 9 heads is 144 calls). */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float e = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return e * two_n;
-}
+#include "cpu_common.h"
 
 /* One sequence, all heads: q [num_heads][head_dim] fp32 in, acc [num_heads][head_dim] fp32
  * out. Walking whole tokens (every KV head of a token is one contiguous row) keeps the

@@ -48,8 +48,12 @@ NATIVE_ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # The C files and what each needs beyond CFLAGS. cpu_gguf.c dequantizes with gguf's exact
-# fp32 arithmetic, so no multiply-add may be fused there.
-SOURCES = {"cpu_decode": [], "cpu_gguf": ["-ffp-contract=off"]}
+# fp32 arithmetic, and the fused elementwise ops (`cpu_fused.py`) round as torch's separate
+# ops do, so no multiply-add may be fused there.
+_TORCH_ROUNDING = ["-ffp-contract=off"]
+SOURCES = {"cpu_decode": [], "cpu_gguf": _TORCH_ROUNDING, "cpu_rmsnorm": _TORCH_ROUNDING,
+           "cpu_rotary": _TORCH_ROUNDING, "cpu_silu_mul": []}
+HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))  # part of every library's cache key
 _SIGNATURES = {
     "paged_decode": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -57,6 +61,13 @@ _SIGNATURES = {
                      ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "gguf_matmul": [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                     ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int],
+    "add_rms_norm": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_int],
+    "rotary_inplace": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_long, ctypes.c_int],
+    "silu_mul": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                 ctypes.c_int],
 }
 
 _lock = threading.Lock()
@@ -97,8 +108,8 @@ def _build(name: str = "cpu_decode", arch_flags: tuple[str, ...] | None = None) 
 def _build_with(cc: str, name: str, arch_flags: tuple[str, ...]) -> ctypes.CDLL:
     source = SOURCE.with_name(f"{name}.c")
     flags = [*CFLAGS, *arch_flags, *SOURCES[name]]  # later flags win (-ffp-contract)
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
-                         + cpu_identity().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+                         + " ".join(flags).encode() + cpu_identity().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEMESH_KERNEL_CACHE",
                                 Path.home() / ".cache" / "pagemesh" / "kernels"))
     library = cache / f"{name}-{key}.so"

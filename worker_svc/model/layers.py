@@ -1,13 +1,19 @@
-"""Building blocks of the Llama-family decoder, numerically matched to transformers."""
+"""Building blocks of the Llama-family decoder, numerically matched to transformers.
+
+The elementwise ops (RMSNorm with its residual add, rotary, SiLU·mul) are
+`kernels/cpu_fused.py`'s: one C pass each on CPU in fp32/bf16, their torch references
+(transformers' formulas, the same rounding) anywhere else.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from kernels import cpu_fused
 from worker_svc.model.config import RopeConfig
 from worker_svc.model.matmul import linear
 
@@ -19,12 +25,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight multiply, exactly like
-        # LlamaRMSNorm, so bf16 results round the same way as the HF reference.
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        """Normalised in fp32 and cast back before the weight multiply, like LlamaRMSNorm,
+        so bf16 results round the same way as the HF reference. x [..., hidden]."""
+        if x.dim() != 2:
+            return cpu_fused.add_rms_norm_reference(x, None, self.weight, self.eps)[0]
+        return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), the sum in the model's dtype as transformers
+        adds it; `residual` None means x itself. The sum may be written into `residual`."""
+        return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -83,26 +94,29 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = emb.cos()
         self.sin_cache = emb.sin()
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] in `dtype`."""
-        # Cast before use like transformers, so bf16 q*cos rounds the same way.
-        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
-        return cos, sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:
+        """positions [num_tokens] -> what every layer of the step rotates q and k with."""
+        return StepRotary(positions, self.cos_cache, self.sin_cache, dtype)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+@dataclass
+class StepRotary:
+    """One step's rotary: positions and the fp32 tables, shared by every layer. The C
+    kernel reads the tables by position; the torch path gets their rows cast to the
+    model's dtype (as transformers casts them), gathered once per step, not per layer."""
 
+    positions: torch.Tensor  # [num_tokens] int64
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    dtype: torch.dtype
+    _tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def apply_(self, x: torch.Tensor) -> None:
+        """x [num_tokens, heads, head_dim] <- x * cos + rotate_half(x) * sin, in place."""
+        if self._tables is None and not cpu_fused.has_rotary_kernel(x):
+            self._tables = cpu_fused.rotary_tables(self.cos_cache, self.sin_cache,
+                                                   self.positions, self.dtype)
+        cpu_fused.rotary_(x, self.positions, self.cos_cache, self.sin_cache, self._tables)
 
 
 class MergedLinear(nn.Linear):
@@ -149,6 +163,6 @@ class MergedLinear(nn.Linear):
         return list(out.split(list(self.part_sizes.values()), dim=-1))
 
 
-def silu_and_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
-    gate, up = gate_up.split(intermediate_size, dim=-1)
-    return F.silu(gate) * up
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate|up [num_tokens, 2 * intermediate] -> silu(gate) * up."""
+    return cpu_fused.silu_mul(gate_up)

@@ -26,7 +26,7 @@ from worker_svc.model.layers import (
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
+    StepRotary,
     silu_and_mul,
 )
 from worker_svc.model.parallel_layers import (
@@ -41,9 +41,6 @@ from worker_svc.model.parallel_layers import (
     shard_range,
 )
 from worker_svc.parallel import ParallelConfig
-
-Rotary = tuple[torch.Tensor, torch.Tensor]
-
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelConfig,
@@ -71,7 +68,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, rotary: Rotary, hidden: torch.Tensor,
+        self, rotary: StepRotary, hidden: torch.Tensor,
         kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -81,7 +78,8 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rotary)
+        rotary.apply_(q)  # in place: q and k are views of the qkv output
+        rotary.apply_(k)
         # Store first: this step's tokens attend to themselves through the cache.
         backend.store_kv(k, v, kv_cache, metadata)
         attn = backend.forward(q, kv_cache, metadata, self.scale, self.sliding_window)
@@ -104,7 +102,7 @@ class LlamaMLP(nn.Module):
                                            config.mlp_bias, parallel.tp_size, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.intermediate_size))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -117,19 +115,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, parallel, comm)
 
     def forward(
-        self, rotary: Rotary, hidden: torch.Tensor, residual: torch.Tensor | None,
+        self, rotary: StepRotary, hidden: torch.Tensor, residual: torch.Tensor | None,
         kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(previous MLP output, residual before it) -> (this MLP's output, its residual).
 
-        Unfused residual adds in the model dtype, `residual + hidden` as transformers
-        writes them, so bf16 rounds alike. The first layer gets residual None.
+        Each residual add is fused into the norm after it, in the model dtype as
+        transformers adds `residual + hidden`, so bf16 rounds alike; `residual` may be
+        added into in place. The first layer gets residual None.
         """
-        residual = hidden if residual is None else residual + hidden
-        hidden = self.self_attn(rotary, self.input_layernorm(residual), kv_cache, metadata,
-                                backend)
-        residual = residual + hidden
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(rotary, normed, kv_cache, metadata, backend)
+        normed, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class PPMissingLayer(nn.Identity):
@@ -241,11 +239,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Last stage: [num_rows, hidden] x2 -> fp32 logits [num_rows, vocab_size]. The final
-        residual add and norm run here, on the sampled rows only (both are per row)."""
+        residual add and norm run here, on the sampled rows only (both are per row); the
+        sum may be written into `residual`."""
         if self.model.norm is None:
             raise ValueError("only the last pipeline stage computes logits")
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return head.logits(self.model.norm(residual + hidden))
+        return head.logits(self.model.norm.add_forward(hidden, residual)[0])
 
     def checkpoint_slice(self, name: str) -> Index | None:
         """Which part of checkpoint tensor `name` this rank loads; None when it loads none
