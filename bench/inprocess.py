@@ -31,7 +31,6 @@ from scheduler_svc.executor import InprocExecutor
 from worker_svc.inproc import step_function
 from worker_svc.runner import ModelRunner, RunnerConfig
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # `pagemesh up`'s --kv-cache-memory-gib 1
 
 
 def build_engine(model: str, dtype: str = "float32", max_num_seqs: int = 128,
@@ -42,7 +41,7 @@ def build_engine(model: str, dtype: str = "float32", max_num_seqs: int = 128,
     if threads:
         torch.set_num_threads(threads)
     runner = ModelRunner.from_config(RunnerConfig(
-        model_path=model, dtype=dtype, kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES))
+        model_path=model, dtype=dtype))  # the KV cache sized as `pagemesh up` sizes it
     info = runner.info()
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=info.num_blocks, block_size=info.block_size,

@@ -31,8 +31,16 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(up, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
     add_flag(up, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     add_flag(up, "--block-size", type=int, default=16, help="tokens per KV block")
-    add_flag(up, "--kv-cache-memory-gib", type=float, default=1.0,
-             help="memory for the KV cache per worker, GiB")
+    add_flag(up, "--kv-cache-memory-gib", type=float, default=None,
+             help="memory for the KV cache per worker, GiB (default: sized from the device: "
+                  "--gpu-memory-utilization on CUDA, --cpu-kv-cache-fraction of the "
+                  "available memory on CPU, shared by the host's workers)")
+    add_flag(up, "--gpu-memory-utilization", type=float, default=0.9,
+             help="CUDA: share of each device's memory for its worker (weights, profiled "
+                  "peak activations, KV cache)")
+    add_flag(up, "--cpu-kv-cache-fraction", type=float, default=0.4,
+             help="CPU: share of the available memory for the KV caches of all the workers "
+                  "this command starts")
     add_flag(up, "--num-kv-blocks", type=int, default=None,
              help="exact number of KV blocks (overrides --kv-cache-memory-gib)")
     add_flag(up, "--max-model-len", type=int, default=None,

@@ -48,10 +48,11 @@ def add_flag(
     help: str = "",
     **kwargs: Any,
 ) -> None:
-    """Adds `--flag` whose default comes from `PAGEMESH_FLAG` when that is set."""
+    """Adds `--flag` whose default comes from `PAGEMESH_FLAG` when that is set and not empty
+    (compose's `${VAR:-}` leaves a flag at its default)."""
     env = env_name(flag)
+    value = os.environ.get(env) or None
     if type is bool:
-        value = os.environ.get(env)
         parser.add_argument(
             flag,
             action=argparse.BooleanOptionalAction,
@@ -60,7 +61,6 @@ def add_flag(
             **kwargs,
         )
         return
-    value = os.environ.get(env)
     if kwargs.get("action") == "append":
         # Flags given on the command line replace the variable's item, not add to it.
         kwargs["action"] = _AppendReplacingDefault

@@ -43,13 +43,17 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     name = args.served_model_name or served_model_name(model)
     worker = ["--model", model, "--served-model-name", name, "--dtype", args.dtype,
               "--block-size", str(args.block_size),
-              "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
               "--swap-space", str(args.swap_space),
+              "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--max-num-seqs", str(args.max_num_seqs),
               "--attention-backend", args.attention_backend,
               "--cpu-linear", args.cpu_linear,
               "--quantization", args.quantization]
     if args.gguf_keep_quantized:
         worker.append("--gguf-keep-quantized")
+    if args.kv_cache_memory_gib is not None:
+        worker += ["--kv-cache-memory-gib", str(args.kv_cache_memory_gib)]
     if args.num_kv_blocks is not None:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len is not None:
@@ -78,6 +82,8 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
                "--max-message-bytes", str(args.max_message_bytes)]
     layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
     num_workers = (args.tp * args.pp + args.standby) * args.replicas
+    if args.device == "cpu":  # the host's memory is shared: each worker sizes its own part
+        worker += ["--cpu-kv-cache-fraction", f"{args.cpu_kv_cache_fraction / num_workers:g}"]
     if num_workers > 1 and args.device == "cpu":  # share the cores, don't each claim all
         worker += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // num_workers))]
     if args.pp_layer_split:

@@ -223,9 +223,10 @@ def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool) -> schedul
 
 
 def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int,
-                     weight_bytes: int | None = None) -> generate_pb2.GetModelInfoResponse:
-    """`info`: the group driver's; `weight_bytes`: the group's total over its ranks (None =
-    the driver's own, for a group of one)."""
+                     weight_bytes: int | None = None, kv_cache_bytes: int | None = None
+                     ) -> generate_pb2.GetModelInfoResponse:
+    """`info`: the group driver's; `weight_bytes`, `kv_cache_bytes`: the group's totals over
+    its ranks (None = the driver's own, for a group of one)."""
     return generate_pb2.GetModelInfoResponse(
         model=info.model,
         max_model_len=info.max_model_len,
@@ -237,6 +238,8 @@ def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int,
         num_kv_blocks=num_blocks,
         quantization=info.quantization,
         weight_bytes=info.weight_bytes if weight_bytes is None else weight_bytes,
+        kv_cache_bytes=info.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes,
+        kv_cache_sizing=info.kv_cache_sizing,
         layout=generate_pb2.ParallelLayout(
             tensor_parallel_size=info.tp_size,
             pipeline_parallel_size=info.pp_size,

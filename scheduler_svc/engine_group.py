@@ -46,6 +46,13 @@ class FormedGroup:
         """The group's weights in memory, summed over its ranks."""
         return sum(info.weight_bytes for info in self.infos)
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The group's KV caches as used: each rank's bytes per block times the group's
+        block count (the smallest rank's), summed over its ranks."""
+        return sum(info.kv_cache_bytes * self.config.num_blocks // max(1, info.num_blocks)
+                   for info in self.infos)
+
 
 class EngineGroup:
     def __init__(self, registry: Registry, spec: GroupSpec, config_for: ConfigFor) -> None:

@@ -127,7 +127,7 @@ async def serve(args: argparse.Namespace) -> None:
     registry.on_redis_restart.append(checkpointer.rewrite_all)
     await checkpointer.adopt_orphans()
     model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks,
-                                          formed.weight_bytes)
+                                          formed.weight_bytes, formed.kv_cache_bytes)
     servicer = SchedulerServicer(loop, model_info, checkpointer)
     server = GrpcServer(
         server_config(args),

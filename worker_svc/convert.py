@@ -102,5 +102,7 @@ def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> w
         block_size=info.block_size,
         quantization=info.quantization,
         weight_bytes=info.weight_bytes,
+        kv_cache_bytes=info.kv_cache_bytes,
+        kv_cache_sizing=info.kv_cache_sizing,
         **layout,
     )

@@ -7,6 +7,8 @@ allocates the tensors.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +57,28 @@ def allocate_kv_caches(
     spec: KVCacheSpec, num_blocks: int, device: torch.device | str
 ) -> list[torch.Tensor]:
     """Zeroed, because attention over a partial block still multiplies its unused slots by a
-    zero probability, and uninitialised memory may hold NaN (NaN * 0 = NaN)."""
+    zero probability, and uninitialised memory may hold NaN (NaN * 0 = NaN).
+
+    On CPU the zeros are the kernel's: anonymous pages, zeroed on first write, so a cache
+    sized from the host's memory costs neither start-up time nor memory until its blocks
+    are used (`torch.zeros` writes every page: 0.4 s and all the memory per GiB up front).
+    Transparent huge pages are asked for (fewer faults and TLB misses) where the kernel
+    offers them on request."""
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    if torch.device(device).type != "cpu":
+        return [torch.zeros(shape, dtype=spec.dtype, device=device)
+                for _ in range(spec.num_layers)]
+    return [_zeroed_pages(shape, spec.dtype) for _ in range(spec.num_layers)]
+
+
+def _zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor keeps the mapping alive; it is unmapped when the last view is gone.
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 def allocate_swap_caches(spec: KVCacheSpec, num_swap_blocks: int,

@@ -19,6 +19,7 @@ from pagemesh.registry import Registry
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.distributed import DistributedContext, init_distributed
+from worker_svc.kv_budget import DEFAULT_CPU_KV_CACHE_FRACTION, DEFAULT_GPU_MEMORY_UTILIZATION
 from worker_svc.membership import Membership, Plan
 from worker_svc.parallel import ParallelConfig
 from worker_svc.quant import QUANTIZATION_CHOICES
@@ -39,8 +40,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     add_flag(parser, "--device", default="cpu", help="cpu | cuda | cuda:N")
     add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
-    add_flag(parser, "--kv-cache-memory-gib", type=float, default=1.0,
-             help="memory for the KV cache, GiB")
+    add_flag(parser, "--kv-cache-memory-gib", type=float, default=None,
+             help="memory for the KV cache, GiB (default: sized from the device, see "
+                  "--gpu-memory-utilization and --cpu-kv-cache-fraction)")
+    add_flag(parser, "--gpu-memory-utilization", type=float,
+             default=DEFAULT_GPU_MEMORY_UTILIZATION,
+             help="CUDA: share of the device's memory for this worker's weights, peak "
+                  "activations (profiled at start) and KV cache")
+    add_flag(parser, "--cpu-kv-cache-fraction", type=float,
+             default=DEFAULT_CPU_KV_CACHE_FRACTION,
+             help="CPU: share of the host's available memory for this worker's KV cache")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,
+             help="the scheduler's tokens per step: the size of the CUDA profiling pass")
+    add_flag(parser, "--max-num-seqs", type=int, default=128,
+             help="the scheduler's running requests per step: LM head rows of that pass")
     add_flag(parser, "--num-kv-blocks", type=int, default=None,
              help="exact number of KV blocks (overrides --kv-cache-memory-gib)")
     add_flag(parser, "--swap-space", type=float, default=4.0,
@@ -99,7 +112,12 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
-        kv_cache_memory_bytes=int(args.kv_cache_memory_gib * GIB),
+        kv_cache_memory_bytes=(None if args.kv_cache_memory_gib is None
+                               else int(args.kv_cache_memory_gib * GIB)),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_fraction=args.cpu_kv_cache_fraction,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         num_blocks=args.num_kv_blocks,
         swap_space_bytes=int(args.swap_space * GIB),
         max_model_len=args.max_model_len,

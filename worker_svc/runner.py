@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_svc import sampler
-from worker_svc.attention import AttentionBackend, get_attention_backend
+from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from worker_svc.batch import (
     RequestState,
     build_batch,
@@ -35,6 +35,14 @@ from worker_svc.distributed import (
     StepMismatchError,
     UpstreamStageError,
     format_digest,
+)
+from worker_svc.kv_budget import (
+    DEFAULT_CPU_KV_CACHE_FRACTION,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    KVBudget,
+    cpu_budget,
+    cuda_budget,
+    explicit_budget,
 )
 from worker_svc.kv_cache import (
     KVCacheSpec,
@@ -52,8 +60,6 @@ from worker_svc.types import SampledToken, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
-
 __all__ = ["ModelRunner", "RunnerConfig", "RunnerInfo", "RequestState", "validate_step"]
 
 
@@ -64,9 +70,15 @@ class RunnerConfig:
     device: str = "cpu"
     block_size: int = 16  # tokens per KV block
     # KV cache size per rank: `num_blocks` wins when set, else as many blocks as fit the
-    # budget (a rank's blocks hold only its layers and KV heads).
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    # budget (a rank's blocks hold only its layers and KV heads); None sizes the budget from
+    # the device (worker_svc/kv_budget.py) with the three settings after it.
+    kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    cpu_kv_cache_fraction: float = DEFAULT_CPU_KV_CACHE_FRACTION
+    # The largest step the scheduler sends: the CUDA profiling pass runs one this big.
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
     swap_space_bytes: int = 0  # CPU memory for preempted requests' KV; 0 = no swapping
     max_model_len: int | None = None  # tokens; default: the model's own limit
     attention_backend: str = "auto"  # auto | torch | triton
@@ -80,7 +92,7 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, "
@@ -111,6 +123,8 @@ class RunnerInfo:
     # none | fp8 | awq | gguf-<types> (e.g. gguf-q4_1): how the linear layers hold their weights
     quantization: str = "none"
     weight_bytes: int = 0  # this rank's weights in memory, quantized or packed as they are
+    kv_cache_bytes: int = 0  # this rank's KV cache (num_blocks of its layers and heads)
+    kv_cache_sizing: str = ""  # how its size was chosen (worker_svc/kv_budget.py)
 
 
 class ModelRunner:
@@ -126,6 +140,7 @@ class ModelRunner:
         num_swap_blocks: int = 0,
         dist: DistributedContext | None = None,
         cpu_linear: str = "auto",
+        kv_cache_sizing: str = "",
     ) -> None:
         self.model = model
         self.cpu_linear = pack_linear_weights(model, cpu_linear)
@@ -138,6 +153,7 @@ class ModelRunner:
         self.backend: AttentionBackend = get_attention_backend(attention_backend, self.device)
         self.kv_spec = _kv_cache_spec(model, block_size, metadata.dtype)
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+        self.kv_cache_sizing = kv_cache_sizing or f"{num_blocks} blocks, as given"
         self.num_swap_blocks = num_swap_blocks
         self.swap_caches = allocate_swap_caches(self.kv_spec, num_swap_blocks, self.device)
         self.requests: dict[str, RequestState] = {}
@@ -158,14 +174,17 @@ class ModelRunner:
             quantization=config.quantization, gguf_keep_quantized=config.gguf_keep_quantized,
         )
         spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
-        num_blocks = num_blocks_for_budget(spec, config.kv_cache_memory_bytes, config.num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%d bytes each)",
-                    num_blocks, config.block_size, spec.bytes_per_block)
+        budget = _kv_budget(config, model, metadata, spec)
+        num_blocks = num_blocks_for_budget(spec, budget.bytes, config.num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d bytes each, %.2f GiB); %s",
+                    num_blocks, config.block_size, spec.bytes_per_block,
+                    num_blocks * spec.bytes_per_block / (1 << 30), budget.sizing)
         num_swap_blocks = config.swap_space_bytes // spec.bytes_per_block
         return cls(
             model, metadata, num_blocks=num_blocks, block_size=config.block_size,
             device=config.device, attention_backend=config.attention_backend,
             num_swap_blocks=num_swap_blocks, dist=dist, cpu_linear=config.cpu_linear,
+            kv_cache_sizing=budget.sizing,
         )
 
     def reset_requests(self) -> None:
@@ -195,6 +214,8 @@ class ModelRunner:
             pp_size=self.parallel.pp_size,
             quantization=self.metadata.quantization,
             weight_bytes=packed_weight_bytes(self.model),
+            kv_cache_bytes=self.num_blocks * self.kv_spec.bytes_per_block,
+            kv_cache_sizing=self.kv_cache_sizing,
         )
 
     @torch.inference_mode()
@@ -360,6 +381,51 @@ def _checked_context(config: RunnerConfig, dist: DistributedContext | None) -> D
                          f"{config.device}: pass device= to init_distributed (NCCL needs "
                          "CUDA tensors, gloo CPU ones)")
     return dist
+
+
+def _kv_budget(config: RunnerConfig, model: LlamaForCausalLM, metadata: ModelMetadata,
+               spec: KVCacheSpec) -> KVBudget:
+    """What this rank's KV cache may take, and why (worker_svc/kv_budget.py)."""
+    if config.num_blocks is not None:
+        return KVBudget(config.num_blocks * spec.bytes_per_block,
+                        f"--num-kv-blocks {config.num_blocks}, as given")
+    if config.kv_cache_memory_bytes is not None:
+        return explicit_budget(config.kv_cache_memory_bytes)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        return cuda_budget(device, config.gpu_memory_utilization,
+                           lambda: profile_forward(model, metadata, spec, config))
+    return cpu_budget(config.cpu_kv_cache_fraction)
+
+
+@torch.inference_mode()
+def profile_forward(model: LlamaForCausalLM, metadata: ModelMetadata, spec: KVCacheSpec,
+                    config: RunnerConfig) -> None:
+    """One forward pass as large as a step gets: a single sequence of max_num_batched_tokens
+    (capped at max_model_len) tokens over a cache of just its blocks, then the LM head over
+    max_num_seqs rows. Every TP rank runs it at once (its collectives pair up)."""
+    device = torch.device(config.device)
+    num_tokens = min(config.max_num_batched_tokens, metadata.max_model_len)
+    num_blocks = -(-num_tokens // config.block_size)
+    caches = allocate_kv_caches(spec, num_blocks, device)
+    attention = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+    )
+    intermediate = None
+    if not model.parallel.is_first_stage:
+        zeros = torch.zeros(num_tokens, model.config.hidden_size, dtype=metadata.dtype,
+                            device=device)
+        intermediate = (zeros, zeros.clone())
+    hidden, residual = model(torch.zeros(num_tokens, dtype=torch.long, device=device),
+                             torch.arange(num_tokens, device=device), caches, attention,
+                             get_attention_backend(config.attention_backend, device),
+                             intermediate)
+    if model.parallel.is_last_stage:
+        rows = min(config.max_num_seqs, num_tokens)
+        model.compute_logits(hidden[:rows], residual[:rows])
 
 
 def _kv_cache_spec(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> KVCacheSpec:

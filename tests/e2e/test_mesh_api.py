@@ -135,6 +135,8 @@ def test_logprobs_tokenize_and_model_info(tiny_llama_mesh: Mesh) -> None:
     info = tiny_llama_mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
     assert info.model == "tiny-llama" and info.max_model_len == MAX_MODEL_LEN
     assert info.dtype == "float32" and info.layout.tensor_parallel_size == 1
+    assert info.num_kv_blocks == 64 and info.kv_cache_sizing == "--num-kv-blocks 64, as given"
+    assert info.kv_cache_bytes > 0 and info.kv_cache_bytes % 64 == 0
     named = tiny_llama_mesh.generate(greedy_request([5, 6], 2, model="tiny-llama"))
     assert len(named.token_ids) == 2
 

@@ -86,3 +86,6 @@ def test_layout_matches_transformers_and_one_worker(
         info = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
         tp, pp, _ = LAYOUTS[name]
         assert (info.layout.tensor_parallel_size, info.layout.pipeline_parallel_size) == (tp, pp)
+        # Sized from the host's memory: the fraction shared by the tp x pp workers.
+        assert info.kv_cache_sizing.startswith(f"cpu: {0.4 / (tp * pp):g} of ")
+        assert info.kv_cache_bytes > 0

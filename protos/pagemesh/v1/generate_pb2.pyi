@@ -161,7 +161,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_replicas: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "layout", "architecture", "block_size", "num_kv_blocks", "quantization", "weight_bytes")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "layout", "architecture", "block_size", "num_kv_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,8 @@ class GetModelInfoResponse(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SIZING_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -184,4 +186,6 @@ class GetModelInfoResponse(_message.Message):
     num_kv_blocks: int
     quantization: str
     weight_bytes: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    kv_cache_bytes: int
+    kv_cache_sizing: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ...) -> None: ...

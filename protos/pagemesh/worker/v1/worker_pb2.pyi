@@ -11,7 +11,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("worker_id", "model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "dtype", "num_blocks", "block_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "num_swap_blocks", "quantization", "weight_bytes")
+    __slots__ = ("worker_id", "model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "dtype", "num_blocks", "block_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "num_swap_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class GetWorkerInfoResponse(_message.Message):
     NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SIZING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     architecture: str
@@ -44,7 +46,9 @@ class GetWorkerInfoResponse(_message.Message):
     num_swap_blocks: int
     quantization: str
     weight_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    kv_cache_bytes: int
+    kv_cache_sizing: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "min_tokens", "stop_token_ids", "num_logprobs")
