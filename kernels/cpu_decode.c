@@ -17,12 +17,20 @@
 /* One sequence, all heads: q [num_heads][head_dim] fp32 in, acc [num_heads][head_dim] fp32
  * out. Walking whole tokens (every KV head of a token is one contiguous row) keeps the
  * reads sequential within a block, which is what lets the hardware prefetcher stream the
- * cache from memory; the next block is prefetched by hand while this one is computed. */
-#define DEFINE_ONE_SEQ(NAME, T, LOAD)                                                        \
+ * cache from memory; the next block is prefetched by hand while this one is computed.
+ *
+ * The work is arranged for instruction-level parallelism, not just vectors: scores are
+ * computed four tokens at a time (four independent dot products share each q load, where
+ * one dot at a time is a chain of dependent multiply-adds), and each head's output row is
+ * accumulated over a block's tokens in registers (HD, the head dim, a compile-time
+ * constant for the common sizes) instead of through memory once per token. */
+#define DEFINE_ONE_SEQ(NAME, T, LOAD, HD)                                                    \
 static void NAME(const float *q, const T *k_cache, const T *v_cache,                         \
                  const int32_t *blocks, int first, int last, int block_size,                 \
-                 int num_heads, int num_kv_heads, int head_dim, float scale,                 \
+                 int num_heads, int num_kv_heads, int head_dim_arg, float scale,             \
                  float *acc, float *scores, float *row_max, float *row_sum) {                \
+    const int head_dim = HD;                                                                 \
+    (void)head_dim_arg;                                                                      \
     const int group = num_heads / num_kv_heads;                                              \
     const long token_stride = (long)num_kv_heads * head_dim;                                 \
     for (int h = 0; h < num_heads; h++) { row_max[h] = -INFINITY; row_sum[h] = 0.0f; }       \
@@ -40,39 +48,50 @@ static void NAME(const float *q, const T *k_cache, const T *v_cache,            
                 __builtin_prefetch((const char *)(v_cache + next) + b);                      \
             }                                                                                \
         }                                                                                    \
-        for (int t = 0; t < count; t++) {                                                    \
-            const T *kt = k + t * token_stride;                                              \
-            for (int h = 0; h < num_heads; h++) {                                            \
-                const T *kh = kt + (h / group) * head_dim;                                   \
-                const float *qh = q + h * head_dim;                                          \
+        for (int h = 0; h < num_heads; h++) {                                                \
+            const float *qh = q + h * head_dim;                                              \
+            const T *kh = k + (h / group) * head_dim;                                        \
+            float *sh = scores + h * block_size;                                             \
+            int t = 0;                                                                       \
+            for (; t + 4 <= count; t += 4) {                                                 \
+                const T *k0 = kh + t * token_stride, *k1 = k0 + token_stride;                \
+                const T *k2 = k1 + token_stride, *k3 = k2 + token_stride;                    \
+                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;                            \
+                for (int d = 0; d < head_dim; d++) {                                         \
+                    const float x = qh[d];                                                   \
+                    a0 += x * LOAD(k0[d]); a1 += x * LOAD(k1[d]);                            \
+                    a2 += x * LOAD(k2[d]); a3 += x * LOAD(k3[d]);                            \
+                }                                                                            \
+                sh[t] = a0 * scale; sh[t + 1] = a1 * scale;                                  \
+                sh[t + 2] = a2 * scale; sh[t + 3] = a3 * scale;                              \
+            }                                                                                \
+            for (; t < count; t++) {                                                         \
+                const T *kt = kh + t * token_stride;                                         \
                 float dot = 0.0f;                                                            \
-                for (int d = 0; d < head_dim; d++) dot += qh[d] * LOAD(kh[d]);               \
-                scores[h * block_size + t] = dot * scale;                                    \
+                for (int d = 0; d < head_dim; d++) dot += qh[d] * LOAD(kt[d]);               \
+                sh[t] = dot * scale;                                                         \
             }                                                                                \
         }                                                                                    \
         for (int h = 0; h < num_heads; h++) {                                                \
             float *sh = scores + h * block_size;                                             \
             float block_max = sh[0];                                                         \
-            for (int t = 1; t < count; t++) if (sh[t] > block_max) block_max = sh[t];        \
+            for (int t = 1; t < count; t++) block_max = sh[t] > block_max ? sh[t] : block_max; \
             const float new_max = row_max[h] > block_max ? row_max[h] : block_max;           \
-            const float rescale = exp_approx(row_max[h] - new_max);  /* 0 on the first block */    \
-            float sum = row_sum[h] * rescale;                                                \
+            const float rescale = exp_approx(row_max[h] - new_max);  /* ~0 on the first block */ \
+            float sum = 0.0f;                                                                \
             for (int t = 0; t < count; t++) { sh[t] = exp_approx(sh[t] - new_max); sum += sh[t]; } \
             row_max[h] = new_max;                                                            \
-            row_sum[h] = sum;                                                                \
-            if (rescale != 1.0f) {                                                           \
-                float *ah = acc + h * head_dim;                                              \
-                for (int d = 0; d < head_dim; d++) ah[d] *= rescale;                         \
+            row_sum[h] = row_sum[h] * rescale + sum;                                         \
+            const T *vh = v + (h / group) * head_dim;                                        \
+            float *ah = acc + h * head_dim;                                                  \
+            float out[HD];                                                                   \
+            for (int d = 0; d < head_dim; d++) out[d] = ah[d] * rescale;                     \
+            for (int t = 0; t < count; t++) {                                                \
+                const T *vt = vh + t * token_stride;                                         \
+                const float p = sh[t];                                                       \
+                for (int d = 0; d < head_dim; d++) out[d] += p * LOAD(vt[d]);                \
             }                                                                                \
-        }                                                                                    \
-        for (int t = 0; t < count; t++) {                                                    \
-            const T *vt = v + t * token_stride;                                              \
-            for (int h = 0; h < num_heads; h++) {                                            \
-                const T *vh = vt + (h / group) * head_dim;                                   \
-                const float p = scores[h * block_size + t];                                  \
-                float *ah = acc + h * head_dim;                                              \
-                for (int d = 0; d < head_dim; d++) ah[d] += p * LOAD(vh[d]);                 \
-            }                                                                                \
+            for (int d = 0; d < head_dim; d++) ah[d] = out[d];                               \
         }                                                                                    \
         pos += count;                                                                        \
     }                                                                                        \
@@ -84,8 +103,14 @@ static void NAME(const float *q, const T *k_cache, const T *v_cache,            
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_ONE_SEQ(one_seq_f32, float, LOAD_F32)
-DEFINE_ONE_SEQ(one_seq_bf16, uint16_t, LOAD_BF16)
+/* The head dims most models have get their own code (HD constant: the output row lives in
+ * registers); any other head dim takes the generic one (the row a variable-length array). */
+DEFINE_ONE_SEQ(one_seq_f32_64, float, LOAD_F32, 64)
+DEFINE_ONE_SEQ(one_seq_f32_128, float, LOAD_F32, 128)
+DEFINE_ONE_SEQ(one_seq_f32_any, float, LOAD_F32, head_dim_arg)
+DEFINE_ONE_SEQ(one_seq_bf16_64, uint16_t, LOAD_BF16, 64)
+DEFINE_ONE_SEQ(one_seq_bf16_128, uint16_t, LOAD_BF16, 128)
+DEFINE_ONE_SEQ(one_seq_bf16_any, uint16_t, LOAD_BF16, head_dim_arg)
 
 /* dtype: 0 = fp32, 1 = bf16 (query, caches and out share it). Sequences are split across
  * `num_threads` OpenMP threads. Built with -fopenmp, this library needs libgomp.so.1, which
@@ -112,13 +137,15 @@ int paged_decode(int dtype, const void *query, const void *k_cache, const void *
             const int32_t *blocks = block_tables + (long)s * max_blocks;
             if (dtype == 0) {
                 memcpy(q, (const float *)query + s * width, sizeof(float) * width);
-                one_seq_f32(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
+                (head_dim == 64 ? one_seq_f32_64 : head_dim == 128 ? one_seq_f32_128
+                 : one_seq_f32_any)(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
                             num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum);
                 memcpy((float *)out + s * width, acc, sizeof(float) * width);
             } else {
                 const uint16_t *qs = (const uint16_t *)query + s * width;
                 for (long i = 0; i < width; i++) q[i] = bf16_to_f32(qs[i]);
-                one_seq_bf16(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
+                (head_dim == 64 ? one_seq_bf16_64 : head_dim == 128 ? one_seq_bf16_128
+                 : one_seq_bf16_any)(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
                              num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum);
                 uint16_t *os = (uint16_t *)out + s * width;
                 for (long i = 0; i < width; i++) os[i] = f32_to_bf16(acc[i]);
