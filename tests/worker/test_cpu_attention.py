@@ -39,9 +39,12 @@ def test_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, 
 
 @pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler (cc/gcc/$CC) on PATH")
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_c_kernel_never_reads_past_a_context(dtype):
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 64 and 128 have their own code
+def test_c_kernel_never_reads_past_a_context(dtype, head_dim):
     # NaN in every slot no sequence owns (paged_batch): one read past a context shows.
-    batch = build_paged_batch([1, 16, 17, 50, 33], [1] * 5, 8, 2, 64, 16, dtype, seed=3)
+    # Lengths cover partial blocks and a block's 4-token groups with 1-3 left over.
+    batch = build_paged_batch([1, 16, 17, 50, 33, 7], [1] * 6, 8, 2, head_dim, 16, dtype,
+                              seed=3)
     for window in (None, 9):
         out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache,
                                       batch.block_tables, batch.seq_lens, 0.125, window)
