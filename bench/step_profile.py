@@ -72,7 +72,11 @@ class Workload:
         self.runner = runner
         self.vocab = vocab_size
         self.rng = random.Random(seed)
-        self.next_block = 0
+        # Blocks of finished requests are handed out again first: measured steps reuse the
+        # warm-up's, as a serving worker's steady state does (a block's first use faults its
+        # pages in: the cache is lazily zeroed memory).
+        self.free_blocks = list(range(runner.num_blocks - 1, -1, -1))
+        self.blocks: dict[str, list[int]] = {}
         self.next_id = 0
         self.step_id = 0
         self.running: dict[str, tuple[int, int]] = {}  # id -> (num_computed, last token)
@@ -81,11 +85,11 @@ class Workload:
         from worker_svc.types import NewRequestData, SamplingParams
 
         num_blocks = -(-(prompt_len + 64) // self.runner.block_size)
-        if self.next_block + num_blocks > self.runner.num_blocks:
+        if num_blocks > len(self.free_blocks):
             raise RuntimeError("the KV cache is too small for this profile")
-        blocks = list(range(self.next_block, self.next_block + num_blocks))
-        self.next_block += num_blocks
+        blocks = [self.free_blocks.pop() for _ in range(num_blocks)]
         self.next_id += 1
+        self.blocks[f"r{self.next_id}"] = blocks
         return NewRequestData(f"r{self.next_id}", [self.rng.randrange(1, self.vocab)
                                                    for _ in range(prompt_len)],
                               prompt_len, blocks, 0, SamplingParams(temperature=0.0))
@@ -119,8 +123,9 @@ class Workload:
         from worker_svc.types import StepInput
 
         if request_ids:
+            for request_id in request_ids:
+                self.free_blocks += reversed(self.blocks.pop(request_id))
             self.step_id += 1
-            # Their blocks are not reused: the cache is sized for the whole run.
             self.runner.execute_step(StepInput(step_id=self.step_id,
                                                finished_request_ids=request_ids))
 
@@ -248,7 +253,7 @@ def build_runner(model: str, dtype: str, attention: str, cpu_linear: str):
 
     runner = ModelRunner.from_config(RunnerConfig(
         model_path=model, dtype=dtype, attention_backend=attention, cpu_linear=cpu_linear,
-        kv_cache_memory_bytes=4 << 30))
+        kv_cache_memory_bytes=1 << 30))
     _wrap_scopes(runner)
     return runner
 

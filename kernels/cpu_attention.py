@@ -11,8 +11,12 @@ against. What differs:
   fused flash kernel on CPU, GQA without copies) with a key-padding mask. A whole W64
   decode step (64 sequences, `python -m bench.decode_step`): reference 84 ms, gather + SDPA
   31 ms, C kernel 25 ms in fp32; in bf16 gather + SDPA 51 ms, C kernel 18.5 ms.
-- Prefills and chunked prefills run one sequence at a time through SDPA with a causal
-  mask offset by the cached context.
+- Prefills of whole prompts (no cached context: q_len == seq_len), when the caller passes
+  this step's `key` and `value`, attend to those directly, with no gather from the cache:
+  sequences of the same length go through one batched causal SDPA call (W64's 16 prompts
+  of 128 tokens: one call per layer instead of 16 gathers and 16 calls).
+- Chunked prefills and prefills after a prefix-cache hit run one sequence at a time
+  through SDPA with a causal mask offset by the cached context.
 - Everything stays in the cache's dtype (bf16 runs bf16, accumulating in fp32 inside the
   kernels) except fp16, which is computed in fp32.
 
@@ -27,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from kernels import cpu_native
-from kernels.reference import store_kv  # noqa: F401  (index_copy_: already one op per layer)
+from kernels.cpu_fused import store_kv  # noqa: F401  (one row copy per token, in C)
 
 
 def paged_attention(
@@ -40,8 +44,12 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As `reference.paged_attention`: [num_tokens, num_heads, head_dim] in the query's dtype."""
+    """As `reference.paged_attention`: [num_tokens, num_heads, head_dim] in the query's dtype.
+    `key`, `value` [num_tokens, num_kv_heads, head_dim]: this step's own, the ones `store_kv`
+    just wrote (optional; whole-prompt prefills then read them instead of the cache)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0 or k_cache.shape[3] != head_dim:
@@ -59,8 +67,17 @@ def paged_attention(
         out[token_rows] = _decode(query[token_rows], k_cache, v_cache, block_tables[rows],
                                   seq_lens[rows], scale, sliding_window)
     lens = seq_lens.tolist()
+    fresh: dict[int, list[int]] = {}  # q_len -> sequences whose prompt is all new
+    if key is not None and value is not None and sliding_window is None:
+        for i, q_len in enumerate(q_lens):
+            if q_len > 1 and q_len == lens[i]:
+                fresh.setdefault(q_len, []).append(i)
+    for q_len, seqs in fresh.items():
+        rows = torch.cat([torch.arange(starts[i], starts[i] + q_len) for i in seqs])
+        out[rows] = _fresh_prefill(query, key, value, rows, len(seqs), q_len, scale)
+    done = {i for seqs in fresh.values() for i in seqs}
     for i, q_len in enumerate(q_lens):
-        if q_len > 1:
+        if q_len > 1 and i not in done:
             start = starts[i]
             out[start:start + q_len] = _extend(query[start:start + q_len], k_cache, v_cache,
                                                block_tables[i], lens[i], scale, sliding_window)
@@ -106,6 +123,22 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         query.to(dtype)[:, :, None], k, v, attn_mask=visible[:, None, None, :], scale=scale,
         enable_gqa=num_heads != num_kv_heads)
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _fresh_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   rows: torch.Tensor, num_seqs: int, q_len: int, scale: float) -> torch.Tensor:
+    """`num_seqs` whole prompts of q_len tokens each (their token rows `rows`), causal over
+    their own keys: one batched SDPA call. Returns [num_seqs * q_len, heads, head_dim]."""
+    num_heads, head_dim = query.shape[1:]
+    dtype = _compute_dtype(query.dtype)
+
+    def batched(x: torch.Tensor) -> torch.Tensor:  # [S * L, heads, D] -> [S, heads, L, D]
+        return x[rows].to(dtype).view(num_seqs, q_len, x.shape[1], head_dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        batched(query), batched(key), batched(value), is_causal=True, scale=scale,
+        enable_gqa=num_heads != key.shape[1])
+    return out.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim).to(query.dtype)
 
 
 def _extend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,6 +12,7 @@ tensor: a tenth of a 2,048-token prefill step and of a decode step at 64 request
 | `add_rms_norm` | `cpu_rmsnorm.c` | `add_rms_norm_reference` |
 | `rotary_` | `cpu_rotary.c` | `rotary_reference_` |
 | `silu_mul` | `cpu_silu_mul.c` | `silu_mul_reference` |
+| `store_kv` | `cpu_store_kv.c` | `kernels/reference.py`'s `store_kv` |
 
 The references are the definitions, written as transformers computes (LlamaRMSNorm,
 `apply_rotary_pos_emb`, `act_fn(gate) * up`), and every kernel is tested against them
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_native
+from kernels import cpu_native, reference
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -141,3 +142,26 @@ def silu_mul(gate_up: torch.Tensor, *, lib=None) -> torch.Tensor:
     lib.silu_mul(_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, width,
                  _threads())
     return out
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, lib=None) -> None:
+    """As `reference.store_kv`. key/value may be views (k and v inside the qkv output):
+    each token's heads contiguous, tokens any stride apart."""
+    lib = _library("cpu_store_kv", key, value, k_cache, v_cache, lib=lib)
+    num_tokens = key.shape[0]
+    row = key.shape[1] * key.shape[2]
+    if (lib is None or key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]
+            or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (key, value))
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    size = key.element_size()
+    code = lib.store_kv(key.data_ptr(), value.data_ptr(), key.stride(0) * size,
+                        value.stride(0) * size, k_cache.data_ptr(), v_cache.data_ptr(),
+                        slot_mapping.data_ptr(), num_tokens, row * size,
+                        k_cache.shape[0] * k_cache.shape[1], _threads())
+    if code:
+        raise ValueError(f"store_kv: a slot is outside the cache's "
+                         f"{k_cache.shape[0] * k_cache.shape[1]} slots")

@@ -40,8 +40,12 @@ class AttentionBackend(Protocol):
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, sliding_window: int | None = None,
-    ) -> torch.Tensor: ...
+        scale: float, sliding_window: int | None = None, key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`key`, `value`: the step's own (what store_kv just wrote), which a backend may
+        read instead of the cache where a sequence has no cached context; optional."""
+        ...
 
 
 class TorchAttentionBackend:
@@ -57,7 +61,8 @@ class TorchAttentionBackend:
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, sliding_window: int | None = None,
+        scale: float, sliding_window: int | None = None, key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return reference.paged_attention(
             query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
@@ -66,18 +71,26 @@ class TorchAttentionBackend:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """`kernels/cpu_attention.py`: the reference's math, arranged for CPU speed (one gather
-    and two batched matmuls per layer for a batch of decodes)."""
+    """`kernels/cpu_attention.py`: the reference's math, arranged for CPU speed (the C
+    decode kernel, batched SDPA for whole prompts, a C row copy into the cache)."""
 
     name = "cpu"
 
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        cpu_attention.store_kv(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
+
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, sliding_window: int | None = None,
+        scale: float, sliding_window: int | None = None, key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return cpu_attention.paged_attention(
             query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, scale, sliding_window=sliding_window,
+            metadata.query_start_loc, scale, sliding_window=sliding_window, key=key,
+            value=value,
         )
 
 
@@ -124,7 +137,8 @@ class TritonAttentionBackend:
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, sliding_window: int | None = None,
+        scale: float, sliding_window: int | None = None, key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self._planned_for is not metadata:
             self._plan = self._ops.plan_attention(

@@ -71,3 +71,28 @@ def test_auto_backend_is_cpu_on_cpu():
     assert get_attention_backend("torch", "cpu").name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("fast", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_whole_prompt_prefills_attend_to_the_steps_own_keys(dtype):
+    # Three prompts with no cached context (two of one length: one batched call), a chunk
+    # after a cached prefix, a decode. The fresh prompts' cache slots are then poisoned: a
+    # finite, matching result shows they were read from `key` / `value`, not the cache.
+    seq_lens, q_lens = [5, 40, 40, 17, 9], [5, 40, 40, 3, 1]
+    batch = build_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, dtype, seed=11)
+    args = list(batch.reference_args())
+    k_cache, v_cache, tables, block_size = args[1].clone(), args[2].clone(), args[3], 16
+    expected = reference.paged_attention(*args, 0.125)
+    slots = []
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(tables[i, pos // block_size]) * block_size + pos % block_size)
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    key, value = flat_k[slots].clone(), flat_v[slots].clone()
+    fresh_slots = slots[: 5 + 40 + 40]
+    flat_k[fresh_slots] = float("nan")
+    flat_v[fresh_slots] = float("nan")
+    args[1], args[2] = k_cache, v_cache
+    out = cpu_attention.paged_attention(*args, 0.125, key=key, value=value)
+    assert_matches_reference(out, expected)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_fused, cpu_native
+from kernels import cpu_fused, cpu_native, reference
 from tests.worker.test_cpu_native_builds import (
     X86_LEVELS,
     _skip_unless_runnable,
@@ -106,7 +106,7 @@ def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_pa
     monkeypatch.setenv("PAGEMESH_KERNEL_CACHE", str(tmp_path))
     arch = (f"-march={level}",)
     libs = {name: cpu_native._build(name, arch)
-            for name in ("cpu_rmsnorm", "cpu_rotary", "cpu_silu_mul")}
+            for name in ("cpu_rmsnorm", "cpu_rotary", "cpu_silu_mul", "cpu_store_kv")}
     _skip_unless_runnable(level)
     for dtype in DTYPES:
         x, residual, weight = _norm_case(70, 576, dtype, seed=4)
@@ -120,6 +120,34 @@ def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_pa
         cpu_fused.rotary_reference_(expected_q, positions, cos, sin)
         cpu_fused.rotary_(q, positions, cos, sin, lib=libs["cpu_rotary"])
         assert torch.equal(q, expected_q)
+        k, v = torch.randn(5, 2, 32).to(dtype), torch.randn(5, 2, 32).to(dtype)
+        caches = [torch.zeros(4, 4, 2, 32, dtype=dtype) for _ in range(4)]
+        slots = torch.tensor([3, 0, 15, -1, 7])
+        reference.store_kv(k, v, caches[0], caches[1], slots)
+        cpu_fused.store_kv(k, v, caches[2], caches[3], slots, lib=libs["cpu_store_kv"])
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
         gate_up = torch.randn(70, 1152).to(dtype)
         torch.testing.assert_close(cpu_fused.silu_mul(gate_up, lib=libs["cpu_silu_mul"]),
                                    cpu_fused.silu_mul_reference(gate_up), **_close(dtype))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [3, 700])  # 700 rows use the threads
+def test_store_kv_from_qkv_views_equals_the_reference(dtype, num_tokens):
+    heads, kv_heads, head_dim, num_blocks, block_size = 6, 2, 64, 64, 16
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    _, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    k, v = k.view(num_tokens, kv_heads, head_dim), v.view(num_tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[1] = -1  # padding: not stored
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+              for _ in range(4)]
+    reference.store_kv(k, v, caches[0], caches[1], slots)
+    cpu_fused.store_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[2].any()
+    slots[0] = num_blocks * block_size
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_fused.store_kv(k, v, caches[2], caches[3], slots)

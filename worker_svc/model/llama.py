@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
         rotary.apply_(k)
         # Store first: this step's tokens attend to themselves through the cache.
         backend.store_kv(k, v, kv_cache, metadata)
-        attn = backend.forward(q, kv_cache, metadata, self.scale, self.sliding_window)
+        attn = backend.forward(q, kv_cache, metadata, self.scale, self.sliding_window, k, v)
         return self.o_proj(attn.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
