@@ -13,6 +13,7 @@ tensor: a tenth of a 2,048-token prefill step and of a decode step at 64 request
 | `rotary_` | `cpu_rotary.c` | `rotary_reference_` |
 | `silu_mul` | `cpu_silu_mul.c` | `silu_mul_reference` |
 | `store_kv` | `cpu_store_kv.c` | `kernels/reference.py`'s `store_kv` |
+| `argmax` (greedy sampling) | `cpu_argmax.c` | `torch.argmax(x, dim=-1)` |
 
 The references are the definitions, written as transformers computes (LlamaRMSNorm,
 `apply_rotary_pos_emb`, `act_fn(gate) * up`), and every kernel is tested against them
@@ -165,3 +166,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if code:
         raise ValueError(f"store_kv: a slot is outside the cache's "
                          f"{k_cache.shape[0] * k_cache.shape[1]} slots")
+
+
+def argmax(logits: torch.Tensor, *, lib=None) -> torch.Tensor:
+    """As `logits.argmax(dim=-1)` for fp32 [rows, vocab] (rows may be strided): int64 [rows]."""
+    lib = _library("cpu_argmax", logits, lib=lib)
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                    out.data_ptr(), _threads())
+    return out

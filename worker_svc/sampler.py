@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_fused
 from worker_svc.types import SampledToken, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -70,7 +71,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[Sa
     greedy = [row for row, request in enumerate(requests) if request.params.temperature == 0.0]
     if greedy:
         rows = processed if len(greedy) == len(requests) else processed[greedy]
-        for row, token_id in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+        for row, token_id in zip(greedy, cpu_fused.argmax(rows).tolist(), strict=True):
             token_ids[row] = token_id
     for row, request in enumerate(requests):
         if request.params.temperature != 0.0:

@@ -106,7 +106,8 @@ def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_pa
     monkeypatch.setenv("PAGEMESH_KERNEL_CACHE", str(tmp_path))
     arch = (f"-march={level}",)
     libs = {name: cpu_native._build(name, arch)
-            for name in ("cpu_rmsnorm", "cpu_rotary", "cpu_silu_mul", "cpu_store_kv")}
+            for name in ("cpu_rmsnorm", "cpu_rotary", "cpu_silu_mul", "cpu_store_kv",
+                                                         "cpu_argmax")}
     _skip_unless_runnable(level)
     for dtype in DTYPES:
         x, residual, weight = _norm_case(70, 576, dtype, seed=4)
@@ -126,6 +127,9 @@ def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_pa
         reference.store_kv(k, v, caches[0], caches[1], slots)
         cpu_fused.store_kv(k, v, caches[2], caches[3], slots, lib=libs["cpu_store_kv"])
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        logits = torch.randn(9, 1000)
+        logits[0, 3:] = 9.0
+        assert torch.equal(cpu_fused.argmax(logits, lib=libs["cpu_argmax"]), logits.argmax(-1))
         gate_up = torch.randn(70, 1152).to(dtype)
         torch.testing.assert_close(cpu_fused.silu_mul(gate_up, lib=libs["cpu_silu_mul"]),
                                    cpu_fused.silu_mul_reference(gate_up), **_close(dtype))
@@ -151,3 +155,18 @@ def test_store_kv_from_qkv_views_equals_the_reference(dtype, num_tokens):
     slots[0] = num_blocks * block_size
     with pytest.raises(ValueError, match="outside the cache"):
         cpu_fused.store_kv(k, v, caches[2], caches[3], slots)
+
+
+@needs_compiler
+@pytest.mark.parametrize("vocab", [1, 7, 49152])
+def test_argmax_is_torchs_first_maximum(vocab):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(70, vocab, generator=g)
+    logits[1] = 0.5  # a whole row tied: the first index
+    logits[2] = float("-inf")
+    if vocab > 3:
+        logits[3, 2:] = logits[3].max() + 1  # ties between lanes and in the tail
+        logits[4, vocab // 2] = float("nan")  # NaN beats everything, as in torch
+        logits[4, vocab - 1] = float("nan")
+    assert torch.equal(cpu_fused.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(cpu_fused.argmax(logits[::3]), logits[::3].argmax(dim=-1))  # strided
