@@ -37,7 +37,11 @@ from worker_svc.types import NewRequestData, SamplingParams, StepInput
 
 BLOCK_SIZE = 4
 NUM_NEW_TOKENS = 10
-LAYER_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+# Layer outputs reach ~250 here: fp32 noise through three quantized layers is a few 1e-4
+# in absolute terms (the fused RMSNorm sums squares in another order than torch, which
+# alone moves it from 1.1e-4 to 2.6e-4), so atol scales with the output's magnitude.
+# A real bug (a wrong scale, eps or rotary) moves outputs by 1e-2 and more.
+LAYER_RTOL, LAYER_ATOL_PER_MAGNITUDE = 1e-4, 4e-6
 
 CHECKPOINTS = {
     "fp8_per_tensor": lambda plain, out: write_fp8_checkpoint(plain, out, per_channel=False),
@@ -108,7 +112,9 @@ def test_decoder_layer_outputs_within_tolerance(quantized) -> None:
     hf_model(torch.tensor([prompt]))
     assert len(ours) == len(theirs) == 3
     for index, (a, b) in enumerate(zip(ours, theirs)):
-        torch.testing.assert_close(a, b, **LAYER_TOLERANCE, msg=f"layer {index}")
+        torch.testing.assert_close(a, b, rtol=LAYER_RTOL,
+                                   atol=LAYER_ATOL_PER_MAGNITUDE * float(b.abs().max()),
+                                   msg=f"layer {index}")
 
 
 def test_fp8_quantized_at_load_matches_its_dequantization(plain, tmp_path) -> None:
