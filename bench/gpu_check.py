@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from common import REPO_ROOT, run_mesh, write_results, write_w64_model
 
+from protos.pagemesh.v1 import generate_pb2
 from tests.mesh_harness import Mesh, greedy_request
 
 
@@ -18,12 +19,14 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 32000) for _ in range(128)] for _ in range(16)]
     layouts = [1, 2] if torch.cuda.device_count() >= 2 else [1]
-    rows, tokens = [], {}
+    rows, tokens, sizing = [], {}, {}
     for tp in layouts:
         mesh = Mesh(model, Path(tempfile.mkdtemp()) / f"tp{tp}.log", cluster=f"gpu-tp{tp}",
                     extra_args=["--device", "cuda", "--dtype", "bfloat16", "--tp", str(tp)]).wait_ready()
         try:
             tokens[tp] = [mesh.generate(greedy_request(p, 32)).token_ids for p in prompts[:4]]
+            # The KV cache sized from the GPU (profiled peak, --gpu-memory-utilization 0.9).
+            sizing[tp] = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).kv_cache_sizing
             for concurrency in (1, 16):
                 row = run_mesh(mesh, prompts, 128, concurrency, engine=f"pagemesh tp={tp} cuda bf16")
                 rows.append([row.engine, str(concurrency), f"{row.output_tokens_per_s:.1f}",
@@ -32,7 +35,8 @@ def main() -> None:
             mesh.stop()
     agree = "n/a (1 GPU)" if len(tokens) == 1 else str(tokens[1] == tokens[2])
     write_results("gpu_check", f"GPU: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; "
-                  f"W64 model, 16 requests x 128 + 128 tokens; tp=1 and tp=2 tokens equal: {agree}",
+                  f"W64 model, 16 requests x 128 + 128 tokens; tp=1 and tp=2 tokens equal: {agree}; "
+                  f"KV cache sizing: {sizing}",
                   ["engine", "concurrency", "output tok/s", "TTFT p50 ms", "ITL p50 ms"], rows, rows)
 
 

@@ -42,49 +42,111 @@ def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
     return sorted(num_scheduled_tokens)
 
 
-def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[str, int],
-                block_size: int, device: torch.device) -> StepBatch:
-    input_ids, positions, slots = [], [], []
-    seq_lens, query_start_loc = [], [0]
-    block_rows: list[list[int]] = []
-    sample_rows, sample_request_ids = [], []
-    for request_id in batch_order(num_scheduled_tokens):
-        num_tokens = num_scheduled_tokens[request_id]
-        state = requests[request_id]
-        start = state.num_computed_tokens
-        end = start + num_tokens
-        token_positions = np.arange(start, end)
-        block_ids = np.asarray(state.block_ids, dtype=np.int64)
-        input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
-        positions.append(token_positions)
-        slots.append(block_ids[token_positions // block_size] * block_size
-                     + token_positions % block_size)
-        seq_lens.append(end)
-        query_start_loc.append(query_start_loc[-1] + num_tokens)
-        block_rows.append(state.block_ids[: -(-end // block_size)])
-        if end == len(state.token_ids):
-            sample_rows.append(query_start_loc[-1] - 1)
-            sample_request_ids.append(request_id)
-    max_blocks = max(len(row) for row in block_rows)
-    block_tables = np.zeros((len(block_rows), max_blocks), dtype=np.int32)
-    for i, row in enumerate(block_rows):
-        block_tables[i, : len(row)] = row
+class BlockTables:
+    """Every request's block table in one persistent numpy array, updated from the step diff
+    (a new request's blocks, a cached one's new blocks, a finished one's row freed), so that
+    a step's slot mapping and block tables are a few vectorized gathers instead of list
+    conversions per request per step. Row i of `table` holds request `rows[id]`'s block ids,
+    zero past its last (the padding block_tables always had)."""
 
-    def to_device(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(array), dtype=dtype).to(device)
+    def __init__(self, num_rows: int = 64, width: int = 16) -> None:
+        self.table = np.zeros((num_rows, width), dtype=np.int32)
+        self.lengths = np.zeros(num_rows, dtype=np.int64)
+        self.rows: dict[str, int] = {}
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def set(self, request_id: str, block_ids: list[int]) -> None:
+        """A new (or rebuilt) request's whole block list."""
+        row = self.rows.get(request_id)
+        if row is None:
+            if not self._free:
+                self._grow_rows()
+            row = self.rows[request_id] = self._free.pop()
+        self.table[row] = 0
+        self.lengths[row] = 0
+        self.extend(request_id, block_ids)
+
+    def extend(self, request_id: str, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        row = self.rows[request_id]
+        start = int(self.lengths[row])
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            wider = np.zeros((self.table.shape[0], max(end, 2 * self.table.shape[1])),
+                             dtype=np.int32)
+            wider[:, : self.table.shape[1]] = self.table
+            self.table = wider
+        self.table[row, start:end] = block_ids
+        self.lengths[row] = end
+
+    def remove(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def clear(self) -> None:
+        for request_id in list(self.rows):
+            self.remove(request_id)
+
+    def _grow_rows(self) -> None:
+        old = self.table.shape[0]
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
+def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[str, int],
+                block_size: int, device: torch.device, tables: BlockTables) -> StepBatch:
+    """The step's flat batch. Per request only its counts are read in Python; positions,
+    slots and block tables are vectorized over `tables` (which must hold every scheduled
+    request's blocks)."""
+    order = batch_order(num_scheduled_tokens)
+    states = [requests[request_id] for request_id in order]
+    counts = np.fromiter((num_scheduled_tokens[r] for r in order), dtype=np.int64,
+                         count=len(order))
+    starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
+                         count=len(order))
+    ends = starts + counts
+    query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(counts, out=query_start_loc[1:])
+    if bool((counts == 1).all()):  # decodes: one known token each
+        input_ids = np.fromiter((s.token_ids[start] for s, start in zip(states, starts.tolist())),
+                                dtype=np.int64, count=len(order))
+        positions = starts
+        seq_of_token = np.arange(len(order))
+    else:
+        input_ids = np.concatenate([np.asarray(s.token_ids[a:b], dtype=np.int64)
+                                    for s, a, b in zip(states, starts.tolist(), ends.tolist())])
+        seq_of_token = np.repeat(np.arange(len(order)), counts)
+        positions = starts[seq_of_token] + (np.arange(len(input_ids))
+                                            - query_start_loc[:-1][seq_of_token])
+    rows = np.fromiter((tables.rows[r] for r in order), dtype=np.int64, count=len(order))
+    slots = (tables.table[rows[seq_of_token], positions // block_size].astype(np.int64)
+             * block_size + positions % block_size)
+    needed = -(-ends // block_size)  # blocks each sequence's context spans
+    max_blocks = int(needed.max())
+    # Blocks allocated ahead of the context read as 0, the padding they always had.
+    block_tables = np.where(np.arange(max_blocks)[None, :] < needed[:, None],
+                            tables.table[rows, :max_blocks], 0).astype(np.int32)
+    known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(order))
+    sampled = np.flatnonzero(ends == known)
+
+    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=dtype).to(device)
 
     metadata = AttentionMetadata(
-        slot_mapping=to_device(np.concatenate(slots), torch.int64),
+        slot_mapping=to_device(slots, torch.int64),
         block_tables=to_device(block_tables, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
+        seq_lens=to_device(ends, torch.int32),
         query_start_loc=to_device(query_start_loc, torch.int32),
     )
     return StepBatch(
-        input_ids=to_device(np.concatenate(input_ids), torch.int64),
-        positions=to_device(np.concatenate(positions), torch.int64),
+        input_ids=to_device(input_ids, torch.int64),
+        positions=to_device(positions, torch.int64),
         metadata=metadata,
-        sample_rows=sample_rows,
-        sample_request_ids=sample_request_ids,
+        sample_rows=(query_start_loc[1:][sampled] - 1).tolist(),
+        sample_request_ids=[order[i] for i in sampled.tolist()],
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from worker_svc import sampler
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from worker_svc.batch import (
+    BlockTables,
     RequestState,
     build_batch,
     check_block_moves,
@@ -157,6 +158,7 @@ class ModelRunner:
         self.num_swap_blocks = num_swap_blocks
         self.swap_caches = allocate_swap_caches(self.kv_spec, num_swap_blocks, self.device)
         self.requests: dict[str, RequestState] = {}
+        self.block_tables = BlockTables()  # the requests' block ids, as the batch reads them
         self._sent_downstream = False  # this step's activations went to the next stage
 
     @classmethod
@@ -191,6 +193,7 @@ class ModelRunner:
         """Forget every request: a new scheduler session (or a re-formed group) re-sends each
         one in full. The KV cache stays as it is; the scheduler owns which blocks are used."""
         self.requests.clear()
+        self.block_tables.clear()
 
     def info(self) -> RunnerInfo:
         config = self.model.config
@@ -308,7 +311,7 @@ class ModelRunner:
             return StepOutput(step_id=step.step_id)
         start_s = time.perf_counter()
         batch = build_batch(self.requests, step.num_scheduled_tokens, self.block_size,
-                            self.device)
+                            self.device, self.block_tables)
         intermediate = None if inbound is None else (inbound.hidden, inbound.residual)
         hidden, residual = self.model(batch.input_ids, batch.positions, self.kv_caches,
                                       batch.metadata, self.backend, intermediate)
@@ -332,6 +335,7 @@ class ModelRunner:
     def _update_states(self, step: StepInput) -> None:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.block_tables.remove(request_id)
         for new in step.new_requests:
             # Sent in full: replaces any state kept under the same id (a rebuild).
             self.requests[new.request_id] = RequestState(
@@ -341,10 +345,12 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
             )
+            self.block_tables.set(new.request_id, new.block_ids)
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
+            self.block_tables.extend(cached.request_id, cached.new_block_ids)
             # The scheduler's count is authoritative (it may have rolled back on preemption).
             state.num_computed_tokens = cached.num_computed_tokens
 
