@@ -40,6 +40,36 @@ def plain_batch(requests: dict[str, RequestState], num_scheduled: dict[str, int]
             "sample_rows": sample_rows, "sample_request_ids": sample_ids}
 
 
+def per_request_batch(requests: dict[str, RequestState], num_scheduled: dict[str, int]) -> dict:
+    """How the runner built batches before the block tables: numpy per request, each
+    request's block list converted every step (`bench/worker_ops.py` times both)."""
+    input_ids, positions, slots, seq_lens, starts, rows = [], [], [], [], [0], []
+    sample_rows, sample_ids = [], []
+    for request_id in batch_order(num_scheduled):
+        state, n = requests[request_id], num_scheduled[request_id]
+        start, end = state.num_computed_tokens, state.num_computed_tokens + n
+        token_positions = np.arange(start, end)
+        block_ids = np.asarray(state.block_ids, dtype=np.int64)
+        input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
+        positions.append(token_positions)
+        slots.append(block_ids[token_positions // BLOCK_SIZE] * BLOCK_SIZE
+                     + token_positions % BLOCK_SIZE)
+        seq_lens.append(end)
+        starts.append(starts[-1] + n)
+        rows.append(state.block_ids[: -(-end // BLOCK_SIZE)])
+        if end == len(state.token_ids):
+            sample_rows.append(starts[-1] - 1)
+            sample_ids.append(request_id)
+    tables = np.zeros((len(rows), max(len(row) for row in rows)), dtype=np.int32)
+    for i, row in enumerate(rows):
+        tables[i, : len(row)] = row
+    return {"input_ids": np.concatenate(input_ids).tolist(),
+            "positions": np.concatenate(positions).tolist(),
+            "slots": np.concatenate(slots).tolist(), "seq_lens": seq_lens,
+            "query_start_loc": starts, "block_tables": tables.tolist(),
+            "sample_rows": sample_rows, "sample_request_ids": sample_ids}
+
+
 def as_dict(batch) -> dict:
     m = batch.metadata
     return {"input_ids": batch.input_ids.tolist(), "positions": batch.positions.tolist(),
@@ -83,7 +113,7 @@ def test_batches_from_persistent_tables_equal_the_plain_construction():
         if not scheduled:
             continue
         got = as_dict(build_batch(requests, scheduled, BLOCK_SIZE, torch.device("cpu"), tables))
-        assert got == plain_batch(requests, scheduled)
+        assert got == plain_batch(requests, scheduled) == per_request_batch(requests, scheduled)
         for request_id, n in scheduled.items():
             requests[request_id].num_computed_tokens += n
     # A step of decodes only (the vectorized fast path): one token each, the last known.
