@@ -15,6 +15,12 @@ from worker_svc.types import SamplingParams
 BLOCK_SIZE = 4
 
 
+def padded(rows: list[list[int]]) -> list[list[int]]:
+    """Block rows padded with block 0 to the longest."""
+    width = max(map(len, rows))
+    return [row + [0] * (width - len(row)) for row in rows]
+
+
 def plain_batch(requests: dict[str, RequestState], num_scheduled: dict[str, int]) -> dict:
     """The definition: one request at a time, lists and small arrays."""
     input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
@@ -32,11 +38,8 @@ def plain_batch(requests: dict[str, RequestState], num_scheduled: dict[str, int]
         if end == len(state.token_ids):
             sample_rows.append(starts[-1] - 1)
             sample_ids.append(request_id)
-    tables = np.zeros((len(rows), max(map(len, rows))), dtype=np.int32)
-    for i, row in enumerate(rows):
-        tables[i, : len(row)] = row
     return {"input_ids": input_ids, "positions": positions, "slots": slots,
-            "seq_lens": seq_lens, "query_start_loc": starts, "block_tables": tables.tolist(),
+            "seq_lens": seq_lens, "query_start_loc": starts, "block_tables": padded(rows),
             "sample_rows": sample_rows, "sample_request_ids": sample_ids}
 
 
@@ -60,13 +63,10 @@ def per_request_batch(requests: dict[str, RequestState], num_scheduled: dict[str
         if end == len(state.token_ids):
             sample_rows.append(starts[-1] - 1)
             sample_ids.append(request_id)
-    tables = np.zeros((len(rows), max(len(row) for row in rows)), dtype=np.int32)
-    for i, row in enumerate(rows):
-        tables[i, : len(row)] = row
     return {"input_ids": np.concatenate(input_ids).tolist(),
             "positions": np.concatenate(positions).tolist(),
             "slots": np.concatenate(slots).tolist(), "seq_lens": seq_lens,
-            "query_start_loc": starts, "block_tables": tables.tolist(),
+            "query_start_loc": starts, "block_tables": padded(rows),
             "sample_rows": sample_rows, "sample_request_ids": sample_ids}
 
 

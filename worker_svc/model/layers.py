@@ -26,9 +26,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised in fp32 and cast back before the weight multiply, like LlamaRMSNorm,
-        so bf16 results round the same way as the HF reference. x [..., hidden]."""
-        if x.dim() != 2:
-            return cpu_fused.add_rms_norm_reference(x, None, self.weight, self.eps)[0]
+        so bf16 results round the same way as the HF reference. x [..., hidden] (the C
+        kernel takes 2-D rows; per-head norms of [tokens, heads, dim] take the reference)."""
         return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[0]
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None
