@@ -1,1 +1,1 @@
-"""Benchmarks: `pagemesh bench` (bench/loadgen), the peers (bench/peers), and the scripts."""
+"""Benchmarks: `pagemesh bench` (pagemesh/loadgen), the peers (bench/peers), and the scripts."""

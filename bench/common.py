@@ -15,10 +15,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.machine import machine_markdown, machine_record  # noqa: E402
-from tests.mesh_harness import Mesh, greedy_request  # noqa: E402
+from pagemesh.loadgen.machine import machine_markdown, machine_record  # noqa: E402
+from pagemesh.mesh_process import Mesh, greedy_request  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
+# Raw samples (every TTFT, every gap): regenerable, megabytes, so ignored by git; the
+# committed files are the Markdown, the plots and summary JSON of the figures.
+RAW_RESULTS = RESULTS / "raw"
 
 
 @dataclass
@@ -58,7 +61,7 @@ def run_mesh(mesh: Mesh, prompts: list[list[int]], max_tokens: int, concurrency:
 def write_w64_model(folder: Path) -> Path:
     """The random Llama of PEERS.md's W64 figures: hidden 512, intermediate 1408, 8 layers,
     8 heads / 4 KV heads, vocab 32k (56M parameters)."""
-    from tests.tiny_models import write_tiny_model
+    from pagemesh.testing.tiny_models import write_tiny_model
 
     if (folder / "config.json").exists():
         return folder
@@ -88,9 +91,10 @@ def w64_workload(args: argparse.Namespace) -> tuple[str, list[list[int]]]:
 
 
 def write_results(name: str, header: str, columns: list[str], rows: list[list[str]],
-                  data: object) -> str:
+                  data: object, raw: object = None) -> str:
     """bench/results/<name>.md (the machine line, `header`, the table) and <name>.json
-    ({"machine": ..., "results": data})."""
+    ({"machine": ..., "results": data}: figures, not samples); `raw`, when given, to
+    bench/results/raw/<name>.json in the same shape."""
     machine = machine_record()
     lines = [header, "", machine_markdown(machine), "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -100,5 +104,9 @@ def write_results(name: str, header: str, columns: list[str], rows: list[list[st
     (RESULTS / f"{name}.md").write_text(table + "\n")
     (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine, "results": data},
                                                      indent=2, default=asdict) + "\n")
+    if raw is not None:
+        RAW_RESULTS.mkdir(parents=True, exist_ok=True)
+        (RAW_RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine, "results": raw},
+                                                             default=asdict) + "\n")
     print(table)
     return table

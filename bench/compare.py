@@ -15,7 +15,9 @@ For each dtype, one engine at a time (they would share the two cores otherwise):
 Before them, the machine's matmul peak (`bench/peers/peak.py`); the decode rows state the
 fraction of it they reach (matmul FLOPs per token from the model's shapes / ITL).
 
-Writes bench/results/compare.{md,json} and -latency.png; the README cites the table.
+Writes bench/results/compare.{md,json} and compare-<dtype>.{md,json} (figures) and
+-latency.png, the samples to bench/results/raw/ (ignored by git: `--from-json
+bench/results/raw/compare-runs.json` re-renders); the README cites the table.
 """
 
 from __future__ import annotations
@@ -27,15 +29,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import REPO_ROOT, write_w64_model
-from bench.machine import machine_markdown, machine_record
-from bench.loadgen import Target, build_workload, run_workload, write_report
+from bench.common import RAW_RESULTS, REPO_ROOT, RESULTS, write_w64_model
 from bench.peers.peak import format_peak, measure_peak
 from bench.peers.suite import PEER_NAMES, available_peers, run_peers
-from bench.result import RunResult
-from tests.mesh_harness import Mesh, free_port
+from pagemesh.loadgen import Target, build_workload, run_workload, write_report
+from pagemesh.loadgen.machine import machine_markdown, machine_record
+from pagemesh.loadgen.report import write_json
+from pagemesh.loadgen.result import RunResult
+from pagemesh.mesh_process import Mesh, free_port
 
-RESULTS = REPO_ROOT / "bench" / "results"
 IDLE_TTFT_REQUESTS = 8
 
 
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-vllm-server", action="store_true")
     parser.add_argument("--name", default="compare")
     parser.add_argument("--from-json", default=None,
-                        help="only render the report again from a <name>-runs.json")
+                        help="only render the report again from a raw/<name>-runs.json")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
@@ -151,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"compare: {dtype} done", flush=True)
     meta = {"machine": machine_record(), "model": Path(model).name, "flop_per_token": matmul_flop_per_token(model),
             "num_requests": args.num_requests, "max_tokens": args.max_tokens}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}-runs.json").write_text(json.dumps(
+    RAW_RESULTS.mkdir(parents=True, exist_ok=True)
+    (RAW_RESULTS / f"{args.name}-runs.json").write_text(json.dumps(
         {"meta": meta, "peak": peak, "runs": [r.to_json() for r in results]}))
     report(results, peak, meta, args.name)
 
@@ -161,29 +163,41 @@ def _is_idle(run: RunResult) -> bool:
     return "idle" in run.engine or run.workload.endswith("idle-ttft")
 
 
-def summary_table(results: list[RunResult], peak: dict, flop: float) -> list[str]:
+def summary_rows(results: list[RunResult], peak: dict, flop: float) -> list[dict]:
     """One row per engine and dtype: throughput, its ratio to pagemesh's mesh over gRPC,
     the matmul GFLOP/s that throughput means and its share of the dtype's oneDNN peak at
-    the decode shape, and the engine's idle TTFT."""
+    the decode shape, and the engine's idle TTFT (NaN where it has none)."""
     # Where oneDNN cannot run a dtype here (bf16 on an AVX2 CPU), torch.mm's rate is the peak.
     decode_peak: dict[str, float] = {}
     for impl in ("torch.mm", "oneDNN"):
         decode_peak.update({c["dtype"]: c["gflop_s"] for c in peak["cases"]
                             if c["impl"] == impl and c["m"] == 64 and c["gflop_s"]})
-    lines = ["| engine | dtype | output tok/s | vs pagemesh mesh (gRPC) | matmul GFLOP/s "
-             "| % of matmul peak | ITL p50 ms | idle TTFT p50 ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for run in results:
         if _is_idle(run) or "one at a time" in run.engine:
             continue
         mesh = next(r for r in results if r.engine == f"pagemesh mesh, gRPC ({run.dtype})")
-        gflop = run.output_tok_s * flop / 1e9
-        idle = _idle_ttft(results, run)
+        gflop_s = run.output_tok_s * flop / 1e9
+        rows.append({"engine": run.engine, "dtype": run.dtype, "output_tok_s": run.output_tok_s,
+                     "vs_pagemesh_mesh_grpc": run.output_tok_s / mesh.output_tok_s,
+                     "matmul_gflop_s": gflop_s,
+                     "matmul_peak_pct": 100 * gflop_s / decode_peak.get(run.dtype, float("nan")),
+                     "itl_p50_ms": run.summary()["itl_ms"]["p50"],
+                     "idle_ttft_p50_ms": _idle_ttft(results, run)})
+    return rows
+
+
+def summary_table(rows: list[dict]) -> list[str]:
+    """`summary_rows` as the Markdown table of <name>.md."""
+    lines = ["| engine | dtype | output tok/s | vs pagemesh mesh (gRPC) | matmul GFLOP/s "
+             "| % of matmul peak | ITL p50 ms | idle TTFT p50 ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
         lines.append(
-            f"| {run.engine} | {run.dtype} | {run.output_tok_s:,.0f} | "
-            f"{run.output_tok_s / mesh.output_tok_s:.2f}x | {gflop:,.0f} | "
-            f"{100 * gflop / decode_peak.get(run.dtype, float('nan')):.0f}% | "
-            f"{_fmt(run.summary()['itl_ms']['p50'])} | {_fmt(idle)} |")
+            f"| {row['engine']} | {row['dtype']} | {row['output_tok_s']:,.0f} | "
+            f"{row['vs_pagemesh_mesh_grpc']:.2f}x | {row['matmul_gflop_s']:,.0f} | "
+            f"{row['matmul_peak_pct']:.0f}% | "
+            f"{_fmt(row['itl_p50_ms'])} | {_fmt(row['idle_ttft_p50_ms'])} |")
     return lines
 
 
@@ -223,15 +237,20 @@ def report(results: list[RunResult], peak: dict, meta: dict, name: str) -> None:
              format_peak(peak), "",
              "Matmul GFLOP/s: output tok/s x matmul FLOP per token (prefill included in the "
              "time, not in the FLOPs). Idle TTFT: one request at a time on an idle engine.", ""]
-    lines += summary_table(results, peak, meta["flop_per_token"])
+    rows = summary_rows(results, peak, meta["flop_per_token"])
+    lines += summary_table(rows)
     for dtype in dict.fromkeys(r.dtype for r in results):
         group = [r for r in results if r.dtype == dtype]
         detail = f"{name}-{dtype}"
         write_report(group, RESULTS, detail, title=f"pagemesh vs peers, {dtype}",
-                     baseline=f"pagemesh mesh, gRPC ({dtype})", extra_header_lines=header)
+                     baseline=f"pagemesh mesh, gRPC ({dtype})", extra_header_lines=header,
+                     raw_dir=RAW_RESULTS)
         lines += ["", f"Every {dtype} run with TTFT/ITL/E2E p50/p90/p99: [{detail}.md]({detail}.md)"]
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{name}.md").write_text(text)
+    # The figures of the table; each run's percentiles are in <name>-<dtype>.json, the
+    # samples in raw/<name>-runs.json.
+    write_json(RESULTS / f"{name}.json", {"meta": meta, "peak": peak, "summary": rows})
     print(text)
 
 

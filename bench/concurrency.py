@@ -1,8 +1,8 @@
 """Continuous batching through the whole mesh vs one request at a time, and vs
 `transformers` generating the same requests in the same process, all in one run.
 
-    .venv/bin/python bench/concurrency.py                 # SmolLM2 (the default model)
-    .venv/bin/python bench/concurrency.py --model PATH
+    .venv/bin/python -m bench.concurrency                 # SmolLM2 (the default model)
+    .venv/bin/python -m bench.concurrency --model PATH
 
 Prints a table and writes bench/results/concurrency.{json,md}.
 """
@@ -16,10 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Row, run_mesh, write_results
-
+from bench.common import Row, run_mesh, write_results
+from pagemesh.mesh_process import Mesh, greedy_request
 from pagemesh.models import default_model_path
-from tests.mesh_harness import Mesh, greedy_request
 
 
 def run_transformers(model_path: str, prompts: list[list[int]], max_tokens: int) -> Row:

@@ -11,7 +11,7 @@ EOS ignored, one asyncio client process. In one run, against:
 
     .venv/bin/python -m bench.control_plane [--streams 256,1024] [--no-vllm] [--before DIR]
 
-Writes bench/results/control_plane.{md,json}.
+Writes bench/results/control_plane.{md,json} (figures) and raw/control_plane.json (samples).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import REPO_ROOT, write_results
 import psutil
 
-from bench.loadgen import Target, build_workload, run_workload
+from bench.common import REPO_ROOT, write_results
 from bench.mesh_profile import cpu_seconds
-from bench.result import RunResult
-from tests.mesh_harness import Mesh, free_port
+from pagemesh.loadgen import Target, build_workload, run_workload
+from pagemesh.loadgen.result import RunResult
+from pagemesh.mesh_process import Mesh, free_port
 
 PROMPT_LEN = 16
 MAX_TOKENS = 64
@@ -42,7 +42,7 @@ def write_zero_cost_model(folder: Path) -> Path:
     from transformers import AutoTokenizer
 
     from pagemesh.models import default_model_path
-    from tests.tiny_models import write_tiny_model
+    from pagemesh.testing.tiny_models import write_tiny_model
 
     gguf = Path(default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -183,12 +183,14 @@ def main(argv: list[str] | None = None) -> None:
                          f"{result.output_tok_s / vllm:.2f}" if vllm else "—",
                          f"{summary['ttft_ms']['p50']:.1f}", f"{summary['itl_ms']['p50']:.1f}",
                          str(result.num_errors), result.notes])
-            runs.append(result.to_json())
+            runs.append(result)
     write_results(args.name, "Control-plane ceiling: a near-zero-cost model (1 layer, hidden 64), "
                   f"{PROMPT_LEN}-token prompts, {MAX_TOKENS} new tokens, greedy, EOS ignored "
                   "(`python -m bench.control_plane`)",
                   ["engine", "tok/s", "× in-process", "× vLLM server", "TTFT p50 ms",
-                   "ITL p50 ms", "errors", "notes"], rows, {"runs": runs, "flags": args.extra})
+                   "ITL p50 ms", "errors", "notes"], rows,
+                  {"runs": [r.summary() for r in runs], "flags": args.extra},
+                  raw={"runs": [r.to_json() for r in runs], "flags": args.extra})
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import REPO_ROOT, run_mesh, write_results, write_w64_model
 
+from bench.common import REPO_ROOT, run_mesh, write_results, write_w64_model
+from pagemesh.mesh_process import Mesh, greedy_request
 from protos.pagemesh.v1 import generate_pb2
-from tests.mesh_harness import Mesh, greedy_request
 
 
 def main() -> None:

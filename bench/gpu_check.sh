@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 make install >/dev/null
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-exec .venv/bin/python bench/gpu_check.py "$@"
+exec .venv/bin/python -m bench.gpu_check "$@"

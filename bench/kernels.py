@@ -1,8 +1,8 @@
 """Paged decode attention on one CUDA GPU: achieved memory bandwidth, and time against
 torch SDPA over K/V gathered out of the paged cache.
 
-    .venv/bin/python bench/kernels.py                    # ~2-3 minutes on one H100/H200
-    .venv/bin/python bench/kernels.py --peak-gbps 3350   # a device missing from PEAK_GBPS
+    .venv/bin/python -m bench.kernels                    # ~2-3 minutes on one H100/H200
+    .venv/bin/python -m bench.kernels --peak-gbps 3350   # a device missing from PEAK_GBPS
 
 Shape: a Llama-3-8B layer (32 query heads, 8 KV heads, head_dim 128), blocks of 16 tokens
 handed out in shuffled order; every sequence of a batch has the same context. Decode is
@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.machine import machine_markdown, machine_record  # noqa: E402
+from pagemesh.loadgen.machine import machine_markdown, machine_record  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 # Peak HBM bandwidth in GB/s (1e9 bytes/s) from the vendors' data sheets, matched as a

@@ -17,8 +17,8 @@ import psutil
 
 from bench.common import REPO_ROOT
 from bench.control_plane import workload, write_zero_cost_model
-from bench.loadgen import Target, run_workload
-from tests.mesh_harness import Mesh, free_port
+from pagemesh.loadgen import Target, run_workload
+from pagemesh.mesh_process import Mesh, free_port
 
 SERVICES = ("router", "scheduler_svc", "worker_svc")
 

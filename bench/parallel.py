@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism through the whole mesh on this CPU: output tokens/s,
 per-step collective time and the pipeline bubble, tp=1 as the baseline of the same run.
 
-    .venv/bin/python bench/parallel.py [--model PATH] [--num-requests 16]
+    .venv/bin/python -m bench.parallel [--model PATH] [--num-requests 16]
 
 Collective and busy times come from the workers' own counters in their registry entries
 (published each heartbeat). The bubble of a stage is the share of the run's wall time it
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import redis
-from common import REPO_ROOT, run_mesh, write_results, write_w64_model
 
-from tests.mesh_harness import Mesh, greedy_request
+from bench.common import REPO_ROOT, run_mesh, write_results, write_w64_model
+from pagemesh.mesh_process import Mesh, greedy_request
 
 LAYOUTS = {"tp=1": (1, 1), "tp=2": (2, 1), "pp=2": (1, 2), "tp=2 x pp=2": (2, 2)}
 

@@ -4,7 +4,7 @@ Each rank reads only its shard (`worker_svc/loader.py`), so its peak should fall
 number of ranks sharing the weights; what does not shrink is the process itself (Python,
 torch: the "before load" column) and the replicated norms.
 
-    .venv/bin/python bench/parallel_memory.py [--model PATH] [--dtype float32]
+    .venv/bin/python -m bench.parallel_memory [--model PATH] [--dtype float32]
 
 The default model is PEERS.md's W64 random Llama (56M parameters, 214 MiB in fp32),
 written on first use. Every layout runs in fresh spawned processes (gloo on 127.0.0.1),
@@ -22,9 +22,8 @@ import math
 import statistics
 from pathlib import Path
 
-from common import REPO_ROOT, write_results, write_w64_model
-
-from tests.worker.parallel_harness import EngineGroup
+from bench.common import REPO_ROOT, write_results, write_w64_model
+from worker_svc.local_group import LocalWorkerGroup
 from worker_svc.loader import rank_weight_shapes
 from worker_svc.parallel import ParallelConfig
 from worker_svc.runner import RunnerConfig
@@ -38,7 +37,7 @@ def measure(model: Path, dtype: str, tp_size: int, pp_size: int) -> list[dict]:
     config = RunnerConfig(model_path=str(model), dtype=dtype, num_blocks=16)
     element_bytes = 2 if dtype in ("bfloat16", "float16") else 4
     rows = []
-    with EngineGroup(tp_size, pp_size, num_threads=1) as group:
+    with LocalWorkerGroup(tp_size, pp_size, num_threads=1) as group:
         group.load(config)
         for rank, memory in enumerate(group.call_ok("memory")):
             parallel = ParallelConfig(tp_size, rank % tp_size, pp_size, rank // tp_size)

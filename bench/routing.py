@@ -4,7 +4,7 @@
 shuffled) arrive 8 at a time. Round robin makes every replica compute every tenant's system
 prompt; prefix-aware sends a tenant to the replica that already holds it.
 
-    .venv/bin/python bench/routing.py [--model PATH]
+    .venv/bin/python -m bench.routing [--model PATH]
 
 Writes bench/results/routing.{json,md}.
 """
@@ -19,10 +19,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import REPO_ROOT, timed_stream, write_results, write_w64_model
-
+from bench.common import REPO_ROOT, timed_stream, write_results, write_w64_model
+from pagemesh.mesh_process import Mesh
 from protos.pagemesh.v1 import generate_pb2
-from tests.mesh_harness import Mesh
 
 NUM_TENANTS, SYSTEM_LEN, TURNS, TURN_LEN, MAX_TOKENS, CONCURRENCY = 8, 1000, 4, 16, 16, 8
 

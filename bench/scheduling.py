@@ -4,7 +4,7 @@
 - 64 concurrent requests (128-token prompts, 128 new tokens) vs the same one at a time;
 - preemption by recompute vs by swap, on a KV cache too small for the batch.
 
-    .venv/bin/python bench/scheduling.py [--model PATH] [--num-requests 64]
+    .venv/bin/python -m bench.scheduling [--model PATH] [--num-requests 64]
 
 The default model is PEERS.md's W64 random Llama (56M parameters), written on first use.
 Writes bench/results/scheduling.{json,md}.
@@ -19,9 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO_ROOT, run_mesh, write_results, write_w64_model
-
-from tests.mesh_harness import Mesh, greedy_request
+from bench.common import REPO_ROOT, run_mesh, write_results, write_w64_model
+from pagemesh.mesh_process import Mesh, greedy_request
 
 PREFIX_LEN = 1024
 

@@ -7,7 +7,7 @@
   (64 requests in the batch), measured in-process with a real SDK provider, batch processor
   and OTLP exporter to the same receiver: free of the whole-mesh noise (±15% run to run).
 
-    .venv/bin/python bench/tracing.py [--model PATH] [--rounds 3]
+    .venv/bin/python -m bench.tracing [--model PATH] [--rounds 3]
 
 The default model is PEERS.md's W64 random Llama, written on first use.
 Writes bench/results/tracing.{json,md}.
@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import add_w64_workload_args, run_mesh, w64_workload, write_results
-
-from tests.mesh_harness import Mesh, greedy_request
-from tests.otlp_receiver import OtlpReceiver
+from bench.common import add_w64_workload_args, run_mesh, w64_workload, write_results
+from pagemesh.mesh_process import Mesh, greedy_request
+from pagemesh.testing.otlp_receiver import OtlpReceiver
 
 
 def mesh_tok_s(model: str, prompts: list[list[int]], max_tokens: int,
@@ -59,9 +58,10 @@ def scheduler_cpu_ms_per_step(tracer: Any, num_requests: int, prompt_len: int,
                               max_tokens: int) -> tuple[float, int]:
     """CPU ms per step (all threads: the exporter's too) of the scheduler core driven through
     `num_requests` requests with the tracing hooks the engine loop calls; and the steps."""
+    from bench.scheduler_core import made_up_result
     from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+    from scheduler_svc.core.types import Request, RequestId, SamplingParams
     from scheduler_svc.tracing import RequestTracing
-    from tests.scheduler.core_harness import fake_step, make_request
 
     scheduler = Scheduler(SchedulerConfig(num_blocks=4096, block_size=16))
     tracing = RequestTracing(tracer)
@@ -69,8 +69,8 @@ def scheduler_cpu_ms_per_step(tracer: Any, num_requests: int, prompt_len: int,
     start = time.process_time()
     states = []
     for i in range(num_requests):
-        request = make_request(f"r{i}", max_tokens=max_tokens,
-                               prompt=[rng.randrange(3, 32000) for _ in range(prompt_len)])
+        request = Request(RequestId(f"r{i}"), [rng.randrange(3, 32000) for _ in range(prompt_len)],
+                          SamplingParams(), max_tokens=max_tokens)
         scheduler.add_request(request)
         states.append(contextvars.copy_context().run(
             tracing.start, f"r{i}", [request], prompt_len, False))
@@ -78,7 +78,7 @@ def scheduler_cpu_ms_per_step(tracer: Any, num_requests: int, prompt_len: int,
     while scheduler.has_work():
         output = scheduler.schedule()
         tracing.on_scheduled(output, scheduler.requests)
-        tracing.on_events(scheduler.update(output, fake_step(scheduler, output)))
+        tracing.on_events(scheduler.update(output, made_up_result(scheduler, output)))
         num_steps += 1
     for state in states:
         tracing.end(state)

@@ -6,7 +6,7 @@ At SmolLM2-135M's shapes (hidden 576, 9 heads / 3 KV heads of 64, intermediate 1
 vocabulary 49,152), for a decode step of 64 rows and a prefill step of 2,048: the fused
 ops of `kernels/cpu_fused.py` against their torch references, greedy argmax against
 `torch.argmax`, and the step batch from persistent block tables against the plain
-per-request numpy construction it replaced (kept in `tests/worker/test_batch_tables.py`),
+per-request numpy construction it replaced (kept in `bench/batch_before.py`),
 at 64 and 256 decodes.
 Each pair alternates over `--reps` rounds; medians. Writes bench/results/worker_ops.{md,json}.
 """
@@ -20,11 +20,11 @@ import time
 
 import torch
 
+from bench.batch_before import as_dict, per_request_batch
 from bench.common import write_results
 from kernels import cpu_fused, reference
-from tests.worker.test_batch_tables import BLOCK_SIZE, as_dict, per_request_batch
+from protos.step import SamplingParams
 from worker_svc.batch import BlockTables, RequestState, build_batch
-from worker_svc.types import SamplingParams
 
 
 def paired(new, old, reps: int, inner: int = 20) -> tuple[float, float]:
@@ -65,12 +65,15 @@ def op_cases(rows: int) -> list[tuple[str, object, object]]:
     ]
 
 
+BLOCK_SIZE = 4  # tokens; small, as the batch-table test's, so each request has many blocks
+
+
 def batch_case(num_requests: int):
     rng = random.Random(0)
     requests, tables = {}, BlockTables()
     for i in range(num_requests):
         tokens = [rng.randrange(1000) for _ in range(200)]
-        per = -(-len(tokens) // BLOCK_SIZE)  # the test's block size (4 tokens)
+        per = -(-len(tokens) // BLOCK_SIZE)
         blocks = list(range(i * per, (i + 1) * per))
         requests[f"r{i}"] = RequestState(tokens, 128, blocks, 199, SamplingParams())
         tables.set(f"r{i}", blocks)
@@ -78,7 +81,7 @@ def batch_case(num_requests: int):
     cpu = torch.device("cpu")
     # Both end in the same lists, so each side pays the same conversions.
     return (lambda: as_dict(build_batch(requests, decodes, BLOCK_SIZE, cpu, tables)),
-            lambda: per_request_batch(requests, decodes))
+            lambda: per_request_batch(requests, decodes, BLOCK_SIZE))
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""`pagemesh bench` (bench/loadgen): workloads, timing and reports as pure functions, then the
+"""`pagemesh bench` (pagemesh/loadgen): workloads, timing and reports as pure functions, then the
 load generator against a real mesh (tiny random Llama) over gRPC and over HTTP."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.loadgen import cli
-from bench.loadgen.client import Target, reconcile
-from bench.loadgen.report import load_results, markdown_table, write_report
-from bench.loadgen.runner import Level, fetch_model_info, run_sweep, run_workload, token_samples
-from bench.loadgen.workloads import (BenchRequest, Workload, build_workload, poisson_arrivals,
-                                     shared_prefix, sharegpt_like)
-from bench.machine import machine_markdown
-from bench.result import RunResult
 from kernels.cpu_features import cpu_features
+from pagemesh.loadgen import cli
+from pagemesh.loadgen.client import Target, reconcile
+from pagemesh.loadgen.machine import machine_markdown
+from pagemesh.loadgen.report import load_results, markdown_table, write_report
+from pagemesh.loadgen.result import RunResult
+from pagemesh.loadgen.runner import Level, fetch_model_info, run_sweep, run_workload, token_samples
+from pagemesh.loadgen.workloads import (BenchRequest, Workload, build_workload, poisson_arrivals,
+                                        shared_prefix, sharegpt_like)
 from tests.mesh_harness import Mesh, free_port
 from tests.tls_certs import CertFiles, make_certs
 from tests.tiny_models import write_tiny_model
@@ -138,6 +138,19 @@ def test_report_files_without_a_mesh(tmp_path: Path) -> None:
     assert data["machine"]["isa"] == cpu_features().isa_summary
     assert {p.name for p in tmp_path.iterdir()} == {"r.md", "r.json", "r-latency.png",
                                                     "r-throughput.png"}
+
+
+def test_report_with_raw_dir_commits_only_summaries(tmp_path: Path) -> None:
+    """bench/results keeps <name>.json small: the samples go to raw_dir, readable back."""
+    runs = [_result("a", 1, 50.0), _result("a", 4, 90.0)]
+    out, raw = tmp_path / "results", tmp_path / "results" / "raw"
+    write_report(runs, out, "r", "T", raw_dir=raw)
+    assert load_results(raw / "r.json") == runs
+    summary = json.loads((out / "r.json").read_text(), parse_constant=pytest.fail)
+    assert summary["runs"] == json.loads(json.dumps([r.summary() for r in runs]))
+    assert all(set(run["ttft_ms"]) == {"p50", "p90", "p99", "mean"} for run in summary["runs"])
+    assert {p.name for p in out.iterdir()} == {"r.md", "r.json", "r-latency.png",
+                                               "r-throughput.png", "raw"}
 
 
 # ---------------------------------------------------------------- against a real mesh

@@ -1,6 +1,6 @@
 """Quantized checkpoints through the full mesh: `pagemesh up` on an FP8 (llm-compressor
 layout) and an AWQ (AutoAWQ gemm) checkpoint of a tiny Qwen2, written by
-tests/quant/checkpoints.py. Greedy tokens equal `transformers` running the dequantized
+pagemesh/testing/quant_checkpoints.py. Greedy tokens equal `transformers` running the dequantized
 weights; GetModelInfo, the worker's registry entry and its gauges report the quantization
 and less weight memory than the plain model's; and a tp=2 mesh on the AWQ checkpoint gives
 the same tokens as tp=1."""
@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos.pagemesh.v1 import generate_pb2
 from tests.hf_reference import assert_greedy_match, hf_greedy
 from tests.mesh_harness import Mesh, greedy_request
-from tests.quant.checkpoints import (
+from pagemesh.testing.quant_checkpoints import (
     dequantized_hf_model,
     write_awq_checkpoint,
     write_fp8_checkpoint,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.quant.checkpoints import write_awq_checkpoint, write_fp8_checkpoint
+from pagemesh.testing.quant_checkpoints import write_awq_checkpoint, write_fp8_checkpoint
 from tests.tiny_models import write_tiny_model
-from tests.worker.parallel_harness import EngineGroup
+from tests.worker.parallel_harness import LocalWorkerGroup
 from tests.worker.test_runner_vs_hf import ScriptedRequest, drive, random_prompt
 from worker_svc.runner import ModelRunner, RunnerConfig
 
@@ -31,7 +31,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def tp2():
-    group = EngineGroup(2, 1)
+    group = LocalWorkerGroup(2, 1)
     yield group
     group.close()
 

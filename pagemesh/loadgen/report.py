@@ -1,12 +1,14 @@
 """Reports of any engine's RunResults: a Markdown table, JSON, and PNG plots.
 
 Nothing here knows who produced a result: `pagemesh bench`, a peer runner (vLLM,
-transformers, llama.cpp) or a script all hand in `bench.result.RunResult`s.
+transformers, llama.cpp) or a script all hand in `pagemesh.loadgen.result.RunResult`s.
 
 Files written by `write_report(results, out_dir, name, ...)`:
 - `<name>.md`: title, header lines and the table;
-- `<name>.json`: `{"title", "header", "runs": [to_json() + {"summary": summary()}]}`;
-  `load_results` (or `RunResult.from_json` on each run) reads it back;
+- `<name>.json`: `{"title", "header", "machine", "runs": [to_json() + {"summary": summary()}]}`;
+  `load_results` (or `RunResult.from_json` on each run) reads it back. With `raw_dir`, that
+  file goes to `<raw_dir>/<name>.json` and `<name>.json` keeps only each run's `summary()`
+  (percentiles, tok/s: a few KB, what a committed result needs);
 - `<name>-latency.png`: CDFs of TTFT, ITL and E2E, one line per run with samples;
 - `<name>-throughput.png`: output tok/s against concurrency, one line per engine and
   workload that ran at two or more concurrencies (closed loop only).
@@ -20,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_markdown, machine_record
-from bench.result import RunResult, percentiles
+from pagemesh.loadgen.machine import machine_markdown, machine_record
+from pagemesh.loadgen.result import RunResult, percentiles
 
 METRICS = (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 
@@ -115,9 +117,23 @@ def _finite(value: Any) -> Any:
 
 def results_json(results: Sequence[RunResult], title: str = "",
                  header: Sequence[str] = ()) -> dict[str, Any]:
+    """Every run's raw samples and its summary: what `load_results` reads back."""
     runs = [{**r.to_json(), "summary": r.summary()} for r in results]
     return _finite({"title": title, "header": list(header), "machine": machine_record(),
                     "runs": runs})
+
+
+def summary_json(results: Sequence[RunResult], title: str = "",
+                 header: Sequence[str] = ()) -> dict[str, Any]:
+    """`results_json` without the raw samples: each run's `summary()` only."""
+    return _finite({"title": title, "header": list(header), "machine": machine_record(),
+                    "runs": [r.summary() for r in results]})
+
+
+def write_json(path: Path, data: Any) -> None:
+    """One JSON file, indented by one space (diffs stay line-sized), NaN as null."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n")
 
 
 def load_results(path: str | Path) -> list[RunResult]:
@@ -127,8 +143,12 @@ def load_results(path: str | Path) -> list[RunResult]:
 
 
 def write_report(results: Sequence[RunResult], out_dir: str | Path, name: str, title: str = "",
-                 baseline: str | None = None, extra_header_lines: Sequence[str] = ()) -> str:
-    """Writes `<name>.md`, `<name>.json` and the PNGs into `out_dir`; returns the Markdown."""
+                 baseline: str | None = None, extra_header_lines: Sequence[str] = (),
+                 raw_dir: str | Path | None = None) -> str:
+    """Writes `<name>.md`, `<name>.json` and the PNGs into `out_dir`; returns the Markdown.
+
+    `raw_dir`: where the raw samples go (`<raw_dir>/<name>.json`), `<name>.json` then being
+    the summaries only; None: `<name>.json` holds both."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"# {title}", ""] if title else []
@@ -142,8 +162,12 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, name: str, t
         parts += ["", *notes]
     markdown = "\n".join(parts) + "\n"
     (out / f"{name}.md").write_text(markdown)
-    data = results_json(results, title, extra_header_lines)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+    raw = results_json(results, title, extra_header_lines)
+    if raw_dir is None:
+        write_json(out / f"{name}.json", raw)
+    else:
+        write_json(Path(raw_dir) / f"{name}.json", raw)
+        write_json(out / f"{name}.json", summary_json(results, title, extra_header_lines))
     write_plots(results, out, name, title)
     return markdown
 

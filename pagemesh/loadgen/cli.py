@@ -2,7 +2,7 @@
 
     pagemesh bench --workload w64 --concurrency 1,4,16,64
     pagemesh bench --http http://127.0.0.1:8000 --workload sharegpt-like --request-rate 2
-    python -m bench.loadgen ...        # the same, without the `pagemesh` command
+    python -m pagemesh.loadgen ...        # the same, without the `pagemesh` command
 
 Prints the Markdown table and writes <output-dir>/<name>.{md,json} and PNG plots.
 Every level re-sends the same prompts: with prefix caching on, later levels (and later
@@ -16,13 +16,14 @@ import itertools
 import sys
 from pathlib import Path
 
-from bench.loadgen.client import DEFAULT_ADDRESS, RequestError, Target
-from bench.loadgen.report import load_results, write_report
-from bench.loadgen.runner import Level, fetch_model_info, run_sweep
-from bench.loadgen.workloads import DEFAULT_VOCAB_SIZE, WORKLOADS, Workload, build_workload
+from pagemesh.loadgen.client import DEFAULT_ADDRESS, RequestError, Target
+from pagemesh.loadgen.report import load_results, write_report
+from pagemesh.loadgen.runner import Level, fetch_model_info, run_sweep
+from pagemesh.loadgen.workloads import DEFAULT_VOCAB_SIZE, WORKLOADS, Workload, build_workload
 from pagemesh.config import add_flag, add_tls_flags, tls_config
 
-DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parents[1] / "results" / "pagemesh-bench"
+# Relative, so reports land where the user runs the command, never inside the installed package.
+DEFAULT_OUTPUT_DIR = Path(".")
 
 
 def _int_list(text: str) -> list[int]:
@@ -71,7 +72,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
              help="engine label the ratio column compares with; unset = the first row")
     add_flag(parser, "--include", action="append", default=None,
              help="earlier results JSON whose runs join the report (repeatable)")
-    add_flag(parser, "--output-dir", default=str(DEFAULT_OUTPUT_DIR), help="where reports go")
+    add_flag(parser, "--output-dir", default=str(DEFAULT_OUTPUT_DIR),
+             help="where reports go (default: the current directory)")
     add_flag(parser, "--name", default=None,
              help="file stem of the reports; unset = <workload>-<grpc|http>")
     add_flag(parser, "--title", default=None, help="report title; unset = pagemesh bench: <workload>")
@@ -134,7 +136,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pagemesh.loadgen", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(parser)
     return run_bench(parser.parse_args(argv))

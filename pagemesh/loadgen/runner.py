@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from bench.loadgen.client import Arrivals, Driver, ModelInfo, Target, open_driver
-from bench.loadgen.workloads import BenchRequest, Workload, poisson_arrivals
-from bench.result import RunResult
+from pagemesh.loadgen.client import Arrivals, Driver, ModelInfo, Target, open_driver
+from pagemesh.loadgen.workloads import BenchRequest, Workload, poisson_arrivals
+from pagemesh.loadgen.result import RunResult
 
 MAX_ERRORS_IN_NOTES = 3
 

@@ -1,4 +1,4 @@
-"""Quantized checkpoints written from a tiny model by the published layouts (a helper).
+"""Quantized checkpoints written from a tiny model by the published layouts (tests, benchmarks).
 
 The packing here is written from the formats' descriptions, not with the code under test:
 - FP8 as vLLM writes it (`quant_method: fp8`, per-tensor `weight_scale`, static
