@@ -42,7 +42,7 @@ def measure(config: str, steps: int) -> dict:
     import torch
 
     from worker_svc.runner import ModelRunner, RunnerConfig
-    from worker_svc.types import CachedRequestData, NewRequestData, SamplingParams, StepInput
+    from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 
     dtype, attention, linear, _, _ = CONFIGS[config]
     model = str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
@@ -58,7 +58,7 @@ def measure(config: str, steps: int) -> dict:
                                                      (i + 1) * blocks_per_request)),
                               0, SamplingParams(temperature=0.0, seed=i))
                for i in range(first, first + 16)]
-        out = runner.execute_step(StepInput(step_id=first, new_requests=new,
+        out = runner.execute_step(SchedulerOutput(step_id=first, new_requests=new,
                                             num_scheduled_tokens={r.request_id: PROMPT_LEN
                                                                   for r in new}))
         sampled.update(out.sampled)
@@ -66,7 +66,7 @@ def measure(config: str, steps: int) -> dict:
     times = []
     for step_id in range(100, 100 + steps + 3):
         start = time.perf_counter()
-        out = runner.execute_step(StepInput(
+        out = runner.execute_step(SchedulerOutput(
             step_id=step_id,
             cached_requests=[CachedRequestData(r, [], computed[r], [sampled[r].token_id])
                              for r in sampled],
@@ -107,6 +107,10 @@ def main() -> None:
     import torch
 
     if args.one:
+        from kernels import cpu_native
+
+        # The parent sets PAGEMESH_NATIVE_KERNELS per configuration: read once, here.
+        cpu_native.configure(cpu_native.native_kernel_config_from_env(os.environ))
         print(json.dumps(measure(args.one, args.steps)))
         return
     rows, data, first_of = [], [], {}

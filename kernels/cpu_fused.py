@@ -20,8 +20,9 @@ The references are the definitions, written as transformers computes (LlamaRMSNo
 (`tests/kernels/test_cpu_fused.py`). The kernels round as those torch ops do, op by op, in
 bf16 too; what differs is only the order of a norm's sum of squares (~1e-7 relative) and
 SiLU's exp (within 2 ulp of expf). Each entry point takes the C kernel for CPU tensors in
-fp32 or bf16 when the kernels build here (`PAGEMESH_NATIVE_KERNELS=0` turns them off), and
-the reference otherwise (fp16, CUDA, no compiler).
+fp32 or bf16 when the kernels build here and are enabled (`cpu_native.configure`; the
+worker reads `PAGEMESH_NATIVE_KERNELS=0` to turn them off), and the reference otherwise
+(fp16, CUDA, no compiler).
 """
 
 from __future__ import annotations

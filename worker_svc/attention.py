@@ -94,13 +94,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
 
 
+def needs_triton_interpreter(backend: str, device: torch.device | str) -> bool:
+    """Whether attention `backend` on `device` runs Triton's kernels in its interpreter
+    (TRITON_INTERPRET=1): "triton" on CPU. "auto" never picks Triton on CPU."""
+    return backend == "triton" and torch.device(device).type == "cpu"
+
+
 class TritonAttentionBackend:
     """The Triton kernels (`kernels/attention.py`). On CPU they run in Triton's interpreter:
     correct, but far too slow for anything beyond tests.
 
-    Triton and the kernel modules are imported here, not at module import, so the torch
-    backend never loads Triton, and so TRITON_INTERPRET can still be set first on CPU (Triton
-    reads it when a kernel is decorated, i.e. when the kernel modules are imported).
+    Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the kernel modules
+    are imported, so on CPU it must be set before that, by whoever starts the process: the
+    worker's startup (`worker_svc/main.py`, from `needs_triton_interpreter`) or a test's
+    conftest. This backend only checks. The kernel modules are imported here, not at module
+    import, so the torch backend never loads Triton.
     """
 
     name = "triton"
@@ -108,7 +116,13 @@ class TritonAttentionBackend:
     def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            os.environ["TRITON_INTERPRET"] = "1"
+            # Checked before the import: importing the kernels compiled would leave this
+            # process unable to run them on CPU even once the variable is set.
+            raise RuntimeError(
+                "the 'triton' attention backend on CPU runs in Triton's interpreter, which "
+                "needs TRITON_INTERPRET=1 set before the kernels are imported (the worker sets "
+                "it at startup for --attention-backend triton on CPU); set it at process start "
+                "or use attention_backend='cpu' or 'torch' on CPU")
         try:
             from kernels import attention as ops
         except ImportError as error:

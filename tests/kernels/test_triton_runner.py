@@ -3,6 +3,7 @@ torch backend's greedy tokens through continuous batching and chunked prefill.""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from worker_svc.attention import (  # noqa: E402
     TorchAttentionBackend,
     TritonAttentionBackend,
     get_attention_backend,
+    needs_triton_interpreter,
 )
 from worker_svc.runner import ModelRunner, RunnerConfig  # noqa: E402
 
@@ -38,6 +40,35 @@ def test_backend_choice():
     assert get_attention_backend("torch", "cuda").name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    # The backend only checks: setting TRITON_INTERPRET is the process's startup's job.
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1 set before"):
+        get_attention_backend("triton", "cpu")
+    assert "TRITON_INTERPRET" not in os.environ
+
+
+def test_the_worker_startup_sets_the_interpreter_for_triton_on_cpu(monkeypatch, caplog):
+    from kernels import cpu_native
+    from worker_svc.main import configure_kernels
+
+    assert needs_triton_interpreter("triton", "cpu")
+    assert not needs_triton_interpreter("triton", "cuda")
+    assert not needs_triton_interpreter("auto", "cpu")
+    previous = cpu_native.current_config()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    try:
+        configure_kernels(argparse.Namespace(attention_backend="torch", device="cpu"))
+        assert "TRITON_INTERPRET" not in os.environ
+        with caplog.at_level("INFO", logger="worker_svc.main"):
+            configure_kernels(argparse.Namespace(attention_backend="triton", device="cpu"))
+    finally:
+        cpu_native.configure(previous)
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    assert "TRITON_INTERPRET=1" in caplog.text
+    assert isinstance(get_attention_backend("triton", "cpu"), TritonAttentionBackend)
 
 
 def test_missing_triton_is_a_clear_error(monkeypatch):

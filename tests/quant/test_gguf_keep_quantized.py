@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional as F
 
 from tests.tiny_models import write_tiny_model
-from tests.worker.parallel_harness import EngineGroup
+from tests.worker.parallel_harness import LocalWorkerGroup
 from tests.worker.test_loader import (
     greedy_tokens,
     hf_state_dict,
@@ -24,6 +24,7 @@ from tests.worker.test_loader import (
 )
 from tests.worker.test_runner_vs_hf import ScriptedRequest, drive, random_prompt
 from worker_svc.loader import load_model
+from worker_svc.model.matmul import PreparableLinear
 from worker_svc.quant.gguf import GGUF_KEEP_TYPES, GgufWeight, dequantize_gguf, gguf_block_size
 from worker_svc.runner import ModelRunner, RunnerConfig
 
@@ -123,7 +124,7 @@ def test_keep_quantized_equals_dequantize_at_load(tiny_hf: Path, tmp_path: Path,
     # but its own summation order.
     x = torch.randn(17, 96, generator=torch.Generator().manual_seed(1))
     for (name, module), (_, kept_module) in zip(plain.named_modules(), kept.named_modules()):
-        if not hasattr(module, "packed_weight") or not name.startswith("model.layers"):
+        if not isinstance(module, PreparableLinear) or not name.startswith("model.layers"):
             continue
         assert isinstance(kept_module.packed_weight, GgufWeight), name
         assert torch.equal(kept_module.packed_weight.dequantize(), module.weight), name
@@ -149,7 +150,7 @@ def test_tp2_tokens_equal_tp1(tiny_hf: Path, tmp_path: Path) -> None:
                                         prefill_chunk=5)]
     expected = requests()
     drive(ModelRunner.from_config(config), expected, 8)
-    with EngineGroup(2, 1) as group:
+    with LocalWorkerGroup(2, 1) as group:
         infos = group.load(config)
         assert {info.quantization for info in infos} == {"gguf-q4_1"}
         grouped = requests()

@@ -23,10 +23,10 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     ([9, 21, 40], [1, 1, 1], 6, 2, 24, 4, F32, 7),
     ([144] * 16, [1] * 16, 8, 4, 64, 16, BF16, None),
 ])
-@pytest.mark.parametrize("native", ["1", "0"], ids=["c-kernel", "torch-only"])
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "torch-only"])
 def test_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
-                           dtype, window, native, monkeypatch):
-    monkeypatch.setenv("PAGEMESH_NATIVE_KERNELS", native)
+                           dtype, window, native, native_kernels):
+    native_kernels(enabled=native)
     batch = build_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
                               dtype, seed=len(seq_lens))
     scale = head_dim**-0.5
@@ -53,11 +53,11 @@ def test_c_kernel_never_reads_past_a_context(dtype, head_dim):
         assert_matches_reference(out, expected)
 
 
-def test_without_a_compiler_the_build_says_so(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("PAGEMESH_KERNEL_CACHE", str(tmp_path / "cache"))
+def test_without_a_compiler_the_build_says_so(tmp_path):
+    config = cpu_native.NativeKernelConfig(compiler=str(tmp_path / "no-such-cc"),
+                                           cache_dir=tmp_path / "cache")
     with pytest.raises((RuntimeError, OSError)):
-        cpu_native._build()
+        cpu_native._build(config=config)
 
 
 def test_rejects_heads_that_do_not_fit_the_cache():

@@ -5,6 +5,8 @@ level this CPU can run."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,12 +102,11 @@ def test_what_no_kernel_covers_takes_the_reference():
 
 @needs_compiler
 @pytest.mark.parametrize("level", list(X86_LEVELS))
-def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_path,
-                                                                   monkeypatch):
+def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_path):
     _skip_unless_x86()
-    monkeypatch.setenv("PAGEMESH_KERNEL_CACHE", str(tmp_path))
+    config = dataclasses.replace(cpu_native.current_config(), cache_dir=tmp_path)
     arch = (f"-march={level}",)
-    libs = {name: cpu_native._build(name, arch)
+    libs = {name: cpu_native._build(name, arch, config)
             for name in ("cpu_rmsnorm", "cpu_rotary", "cpu_silu_mul", "cpu_store_kv",
                                                          "cpu_argmax")}
     _skip_unless_runnable(level)

@@ -9,6 +9,9 @@ where the CPU has its instructions; a level it lacks is skipped, naming what is 
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -49,17 +52,42 @@ def test_native_kernels_build_where_a_compiler_exists():
     assert cpu_native.available(torch.float32) and cpu_native.available(torch.bfloat16)
 
 
+def test_the_config_comes_from_the_variables_users_set(tmp_path):
+    config = cpu_native.native_kernel_config_from_env(
+        {"CC": "/opt/bin/cc", "PAGEMESH_KERNEL_CACHE": str(tmp_path),
+         "PAGEMESH_NATIVE_KERNELS": "0"})
+    assert config == cpu_native.NativeKernelConfig(compiler="/opt/bin/cc", cache_dir=tmp_path,
+                                                   enabled=False)
+    defaults = cpu_native.native_kernel_config_from_env({})
+    assert defaults == cpu_native.NativeKernelConfig()
+    assert defaults.cache_dir == Path.home() / ".cache" / "pagemesh" / "kernels"
+    assert defaults.enabled and defaults.compiler == cpu_native.find_compiler()
+    empty = {"CC": "", "PAGEMESH_KERNEL_CACHE": "", "PAGEMESH_NATIVE_KERNELS": "1"}
+    assert cpu_native.native_kernel_config_from_env(empty) == defaults
+
+
+@needs_compiler
+def test_the_kernels_follow_the_installed_config_not_the_environment(monkeypatch,
+                                                                     native_kernels):
+    # Read once by the entry point: a variable changed later does nothing.
+    native_kernels(enabled=True)
+    monkeypatch.setenv("PAGEMESH_NATIVE_KERNELS", "0")
+    assert cpu_native.library("cpu_decode") is not None
+    native_kernels(enabled=False)
+    assert cpu_native.library("cpu_decode") is None and not cpu_native.available(torch.float32)
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_backend_decodes_through_the_c_kernel(dtype, monkeypatch):
+def test_attention_backend_decodes_through_the_c_kernel(dtype, native_kernels):
     # NaN fills every cache slot no sequence owns: the torch path's gather reads them (NaN
     # out), the C kernel never does. A finite, correct result proves the C kernel ran.
-    monkeypatch.setenv("PAGEMESH_NATIVE_KERNELS", "1")
+    native_kernels(enabled=True)
     batch = build_paged_batch([1, 16, 17, 50, 33], [1] * 5, 8, 2, 64, 16, dtype, seed=5)
     args = (*batch.args(), 0.125)
     expected = reference.paged_attention(*batch.reference_args(), 0.125)
     assert_matches_reference(cpu_attention.paged_attention(*args), expected)
-    monkeypatch.setenv("PAGEMESH_NATIVE_KERNELS", "0")
+    native_kernels(enabled=False)
     assert torch.isnan(cpu_attention.paged_attention(*args)).any()  # the test can tell
 
 
@@ -75,14 +103,14 @@ def _gguf_case(type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 @needs_compiler
 @pytest.mark.parametrize("level", list(X86_LEVELS))
-def test_each_isa_level_matches_the_reference(level, tmp_path, monkeypatch):
+def test_each_isa_level_matches_the_reference(level, tmp_path):
     _skip_unless_x86()
-    monkeypatch.setenv("PAGEMESH_KERNEL_CACHE", str(tmp_path))
+    config = dataclasses.replace(cpu_native.current_config(), cache_dir=tmp_path)
     arch = (f"-march={level}",)
     # Every level compiles on any x86-64 machine (AVX-512 code included); it runs only where
     # the CPU has the instructions.
-    decode = cpu_native._build("cpu_decode", arch)
-    gguf_lib = cpu_native._build("cpu_gguf", arch)
+    decode = cpu_native._build("cpu_decode", arch, config)
+    gguf_lib = cpu_native._build("cpu_gguf", arch, config)
     _skip_unless_runnable(level)
     for dtype in (torch.float32, torch.bfloat16):
         for window in (None, 9):
@@ -102,7 +130,7 @@ def test_each_isa_level_matches_the_reference(level, tmp_path, monkeypatch):
 
 
 @needs_compiler
-def test_a_compiler_that_refuses_march_native_still_builds(tmp_path, monkeypatch, caplog):
+def test_a_compiler_that_refuses_march_native_still_builds(tmp_path, caplog):
     # Some compilers (older clang for ARM, say) have no -march=native: the build falls back
     # to -mcpu=native, then to the compiler's baseline, and says so.
     real = cpu_native.compiler()
@@ -112,10 +140,9 @@ def test_a_compiler_that_refuses_march_native_still_builds(tmp_path, monkeypatch
                        '{ echo "unsupported option -march=native" >&2; exit 1; }; done\n'
                        f'exec {real} "$@"\n')
     wrapper.chmod(0o755)
-    monkeypatch.setenv("CC", str(wrapper))
-    monkeypatch.setenv("PAGEMESH_KERNEL_CACHE", str(tmp_path / "cache"))
+    config = cpu_native.NativeKernelConfig(compiler=str(wrapper), cache_dir=tmp_path / "cache")
     with caplog.at_level("WARNING", logger="kernels.cpu_native"):
-        lib = cpu_native._build("cpu_decode")
+        lib = cpu_native._build("cpu_decode", config=config)
     assert "the compiler refused -march=native" in caplog.text
     batch = build_paged_batch([5, 40], [1, 1], 4, 2, 32, 8, torch.float32, seed=2)
     out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,

@@ -11,6 +11,7 @@ from kernels.cpu_features import cpu_features
 from worker_svc.model.config import parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import (
+    OneDnnWeight,
     onednn_linear_available,
     pack_linear_weights,
     packed_weight_bytes,
@@ -54,7 +55,7 @@ def test_packed_layers_compute_what_f_linear_does(dtype):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
     # The linear layers' plain weights are freed; the tied embedding keeps its rows (lookups
     # read them) next to the packed LM head.
-    assert layers[0].weight.numel() == 0 and layers[0].packed_weight is not None
+    assert layers[0].weight.numel() == 0 and isinstance(layers[0].packed_weight, OneDnnWeight)
     assert model.model.embed_tokens.weight.numel() == 100 * 64
     embed_bytes = 100 * 64 * torch.empty((), dtype=dtype).element_size()
     assert packed_weight_bytes(model) == plain_bytes + embed_bytes
@@ -65,7 +66,7 @@ def test_packed_layers_compute_what_f_linear_does(dtype):
 def test_an_untied_embedding_is_not_packed():
     model = tiny_llama(torch.float32, tie=False)
     pack_linear_weights(model)
-    assert not hasattr(model.model.embed_tokens, "packed_weight")
+    assert model.model.embed_tokens.packed_weight is None
     assert model.lm_head.packed_weight is not None
 
 

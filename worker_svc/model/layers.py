@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels import cpu_fused
 from worker_svc.model.config import RopeConfig
-from worker_svc.model.matmul import linear
+from worker_svc.model.matmul import PreparableLinear, PreparedWeight, linear
 
 
 class RMSNorm(nn.Module):
@@ -118,7 +118,7 @@ class StepRotary:
         cpu_fused.rotary_(x, self.positions, self.cos_cache, self.sin_cache, self._tables)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(nn.Linear, PreparableLinear):
     """Several projections of the same input stacked on the output dim (q|k|v, gate|up).
 
     Weights are still loaded per named part; under tensor parallelism each part holds
@@ -129,7 +129,7 @@ class MergedLinear(nn.Linear):
     def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool,
                  part_row_starts: dict[str, int] | None = None) -> None:
         super().__init__(in_features, sum(part_sizes.values()), bias=bias)
-        self.packed_weight: torch.Tensor | None = None  # see matmul.pack_linear_weights
+        self.packed_weight: PreparedWeight | None = None  # quantized or packed: see matmul.py
         self.part_sizes = dict(part_sizes)
         self.part_row_starts = {name: 0 for name in part_sizes} | dict(part_row_starts or {})
         self.part_offsets: dict[str, int] = {}

@@ -29,6 +29,7 @@ from worker_svc.model.layers import (
     StepRotary,
     silu_and_mul,
 )
+from worker_svc.model.matmul import PreparableLinear
 from worker_svc.model.parallel_layers import (
     FULL,
     Index,
@@ -216,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         )
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
         if parallel.is_last_stage and head is not None:
-            head.packed_weight = None  # the logits matmul may be packed (matmul.py)
+            head.packable = True  # the logits matmul may be packed (matmul.py)
 
     @property
     def num_local_layers(self) -> int:
@@ -333,5 +334,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _holds_prepared_weight(module: nn.Module) -> bool:
-    packed = getattr(module, "packed_weight", None)
-    return packed is not None and not isinstance(packed, torch.Tensor)
+    # While loading, a prepared weight is a quantized one: oneDNN packing comes after.
+    return isinstance(module, PreparableLinear) and module.packed_weight is not None

@@ -8,9 +8,12 @@ CPU backend calls) reaches ~500 GFLOP/s at decode shapes (64x512x2816) and its b
 what runs is probed once (`kernels/cpu_features.py`), never assumed. oneDNN wants its weights in its own blocked
 layout; packing them once after loading, instead of per call, is what makes it pay.
 
-Packing replaces each linear layer's `weight` with the packed copy (the plain one is
-freed: keeping both would double the weight memory) and is done by the model runner,
-so `load_model` still returns a plain module. The packed layout sums in a different order
+Packing sets each linear layer's `packed_weight` to the packed copy (a `OneDnnWeight`; the
+plain weight is freed: keeping both would double the weight memory) and is done by the
+model runner, so `load_model` still returns a plain module. Quantized loads fill the same
+attribute with their own `PreparedWeight` kinds (`worker_svc/quant`): every layer that
+multiplies through `linear` is a `PreparableLinear`, whose `packed_weight` is one of those
+or None. The packed layout sums in a different order
 from MKL: results agree to ~1e-6 relative in fp32 and exactly in bf16 on the machines
 measured.
 """
@@ -43,21 +46,52 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
 
 
 class PreparedWeight(Protocol):
-    """A layer's weight in another form than a plain tensor (quantized, say): it multiplies
-    by itself. Set as the layer's `packed_weight`; `nbytes` counts its memory."""
+    """A layer's weight in another form than a plain tensor (packed for oneDNN, quantized:
+    `OneDnnWeight`, `Fp8Weight`, `AwqWeight`, `GgufWeight`): it multiplies by itself. Set as
+    the layer's `packed_weight`."""
 
-    nbytes: int
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory it holds."""
+        ...
 
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b."""
+        ...
+
+
+class OneDnnWeight(PreparedWeight):
+    """A plain weight reordered once into oneDNN's blocked layout (a `PreparedWeight`)."""
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed  # mkldnn._reorder_linear_weight's result
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class PreparableLinear:
+    """Mixed into every layer that multiplies through `linear`, so each has a
+    `packed_weight` (None until a quantized load or oneDNN packing sets it)."""
+
+    weight: torch.Tensor  # plain [out, in]; freed to [0, in] where packed_weight replaces it
+    packed_weight: PreparedWeight | None
+    # Whether oneDNN packing may replace the plain weight: the embedding's lookup reads its
+    # rows, so only the module that also computes logits with them is packed.
+    packable: bool = True
+    # The plain weight is still read besides the packed copy (the tied embedding's lookup).
+    keeps_plain_weight: bool = False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | PreparedWeight | None = None) -> torch.Tensor:
-    """x W^T + b, through the layer's packed oneDNN weight or prepared weight if it has one."""
+           packed: PreparedWeight | None = None) -> torch.Tensor:
+    """x W^T + b, through the layer's prepared weight if it has one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, torch.Tensor):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return packed.apply(x, bias)
 
 
@@ -84,8 +118,8 @@ def resolve_cpu_linear(choice: str, device: torch.device, dtype: torch.dtype) ->
 
 def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
     """Pack every linear layer's weight for oneDNN (see the module docstring) when `choice`
-    resolves to "onednn"; returns what it resolved to. Layers opt in by having a
-    `packed_weight` attribute (None until packed) that their forward passes to `linear`."""
+    resolves to "onednn"; returns what it resolved to. Packed: each `PreparableLinear` that
+    is `packable` and has no prepared weight yet (a quantized one stays)."""
     params = list(model.parameters())
     if not params:
         return "torch"
@@ -94,12 +128,13 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
         return resolved
     count = 0
     for module in model.modules():
-        if not hasattr(module, "packed_weight") or module.packed_weight is not None:
+        if (not isinstance(module, PreparableLinear) or not module.packable
+                or module.packed_weight is not None):
             continue
         weight = module.weight
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach(), _PACK_FOR_ROWS)
-        if not getattr(module, "keeps_plain_weight", False):
+        module.packed_weight = OneDnnWeight(
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_FOR_ROWS))
+        if not module.keeps_plain_weight:
             # Only the shape survives; the packed copy is the weight from now on.
             module.weight = nn.Parameter(torch.empty((0, weight.shape[1]), dtype=weight.dtype),
                                          requires_grad=False)
@@ -112,9 +147,6 @@ def packed_weight_bytes(model: nn.Module) -> int:
     """Bytes of all weights in memory: parameters (freed ones are empty) plus packed copies."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
-        packed = getattr(module, "packed_weight", None)
-        if isinstance(packed, torch.Tensor):
-            total += packed.numel() * packed.element_size()
-        elif packed is not None:
-            total += packed.nbytes
+        if isinstance(module, PreparableLinear) and module.packed_weight is not None:
+            total += module.packed_weight.nbytes
     return total

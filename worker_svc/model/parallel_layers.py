@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.matmul import linear
+from worker_svc.model.matmul import PreparableLinear, PreparedWeight, linear
 
 Index = tuple[slice, ...]  # what the loader applies to a checkpoint tensor
 FULL: Index = (slice(None),)
@@ -95,7 +95,7 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     shard_range(config.intermediate_size, tp_size, 0, "intermediate_size")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Module, PreparableLinear):
     """y = x W^T + b where this rank holds input features [in_start, in_start + in_size).
 
     The partial products are summed across TP ranks; the bias, replicated, is added once
@@ -110,7 +110,7 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.weight = nn.Parameter(torch.empty(out_features, in_size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # see matmul.pack_linear_weights
+        self.packed_weight: PreparedWeight | None = None  # quantized or packed: see matmul.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # one fused op, as nn.Linear (and transformers) round it
@@ -124,7 +124,7 @@ class RowParallelLinear(nn.Module):
         return (slice(None), slice(self.in_start, self.in_start + self.weight.shape[1]))
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Module, PreparableLinear):
     """Vocabulary rows split across TP ranks: used as the input embedding and as the LM head.
 
     The vocabulary is padded up to a multiple of tp_size; each rank holds
@@ -147,7 +147,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_local_rows, hidden_size))
         # The embedding lookup reads the plain rows, so packing (matmul.pack_linear_weights)
         # keeps them; only the module that computes logits opts in to packing (the model
-        # sets its `packed_weight` to None).
+        # sets its `packable`).
+        self.packed_weight: PreparedWeight | None = None
+        self.packable = False
         self.keeps_plain_weight = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -161,7 +163,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> fp32 logits [num_rows, vocab_size]."""
-        local = linear(hidden, self.weight, None, getattr(self, "packed_weight", None))
+        local = linear(hidden, self.weight, None, self.packed_weight)
         if self.tp_size == 1:
             return local.float()
         return self.comm.tp_all_gather(local, dim=-1)[:, : self.vocab_size].float()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from worker_svc.model.matmul import PreparedWeight
+
 AWQ_BITS = 4
 AWQ_PACK = 32 // AWQ_BITS  # values per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i]
@@ -36,8 +38,8 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     return ((q - z).to(torch.float32) * s).to(dtype)
 
 
-class AwqWeight:
-    """A linear layer's weight in AWQ form (a `matmul.PreparedWeight`)."""
+class AwqWeight(PreparedWeight):
+    """A linear layer's weight in AWQ form."""
 
     def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  group_size: int) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from worker_svc.model.matmul import PreparedWeight
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 
@@ -32,8 +34,8 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
     return (weight.to(torch.float32) * scale[:, None]).to(dtype)
 
 
-class Fp8Weight:
-    """A linear layer's weight in FP8 (a `matmul.PreparedWeight`)."""
+class Fp8Weight(PreparedWeight):
+    """A linear layer's weight in FP8."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         if weight.dtype != FP8_DTYPE or weight.dim() != 2:

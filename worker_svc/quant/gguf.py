@@ -28,6 +28,7 @@ from kernels import cpu_native
 
 from worker_svc.model.layers import MergedLinear
 from worker_svc.model.llama import LlamaForCausalLM, checkpoint_leaf
+from worker_svc.model.matmul import PreparedWeight
 from worker_svc.model.parallel_layers import Index, RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -136,8 +137,8 @@ def dequantize_gguf(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     return out.reshape(rows, num_bytes // type_size * block_size)
 
 
-class GgufWeight:
-    """A linear layer's weight as GGUF blocks (a `matmul.PreparedWeight`): `parts` are
+class GgufWeight(PreparedWeight):
+    """A linear layer's weight as GGUF blocks: `parts` are
     (type name, uint8 [rows, bytes per row]) stacked along the output dim (q|k|v parts of
     one type are merged into one)."""
 
@@ -203,7 +204,8 @@ class GgufKeptLoad:
     def __init__(self, model: LlamaForCausalLM, tensor_types: dict[str, str]) -> None:
         self.model = model
         # module path -> (module, {part: (checkpoint weight name, rows)})
-        self.layers: dict[str, tuple[nn.Module, dict[str | None, tuple[str, int]]]] = {}
+        self.layers: dict[str, tuple[MergedLinear | RowParallelLinear,
+                                     dict[str | None, tuple[str, int]]]] = {}
         self.kept_names: dict[str, tuple[str, str | None]] = {}  # weight name -> (path, part)
         skipped: dict[str, list[str]] = {}
         for path, module in model.named_modules():

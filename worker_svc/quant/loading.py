@@ -31,7 +31,7 @@ AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
 class _QuantLayer:
     """One quantized module and the parts its checkpoint tensors fill."""
 
-    module: nn.Module
+    module: MergedLinear | RowParallelLinear
     in_features: int
     parts: dict[str | None, tuple[int, int]]  # part -> (row offset, rows) in the output dim
     in_start: int | None = None  # row-parallel: this rank's first input feature
