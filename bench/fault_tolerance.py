@@ -5,7 +5,7 @@
 - recovery time: SIGKILL a worker (or the scheduler) while requests stream; the longest
   pause in the token flow that follows (no token reaches any client meanwhile).
 
-    .venv/bin/python bench/fault_tolerance.py [--model PATH] [--intervals 16,1]
+    .venv/bin/python -m bench.fault_tolerance [--model PATH] [--intervals 16,1]
 
 The default model is PEERS.md's W64 random Llama, written on first use.
 Writes bench/results/fault_tolerance.{json,md}.
@@ -25,9 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import redis
-from common import add_w64_workload_args, run_mesh, w64_workload, write_results
+from bench.common import add_w64_workload_args, run_mesh, w64_workload, write_results
 
-from tests.mesh_harness import Mesh, alive, greedy_request
+from pagemesh.mesh_process import Mesh, alive, greedy_request
+from pagemesh.registry_entries import (GroupStatus, SchedulerEntry, WorkerEntry, WorkerStatus,
+                                       entry_from_json)
 
 
 def start_mesh(model: str, name: str, redis_url: str, extra: list[str]) -> Mesh:
@@ -35,18 +37,19 @@ def start_mesh(model: str, name: str, redis_url: str, extra: list[str]) -> Mesh:
                 cluster=f"bench-{name}", extra_args=extra).wait_ready()
 
 
-def registered(redis_url: str, cluster: str, kind: str, timeout_s: float = 120) -> dict:
-    """The registry entry of a live, ready `kind` process (a killed one's entry outlives
-    it by a TTL, so entries whose pid is gone or a zombie are skipped)."""
+def registered(redis_url: str, cluster: str, kind: str,
+               timeout_s: float = 120) -> SchedulerEntry | WorkerEntry:
+    """The registry entry of a live, ready `kind` process, "worker" or "scheduler" (a killed
+    one's entry outlives it by a TTL, so entries whose pid is gone or a zombie are skipped)."""
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
             for key in client.scan_iter(f"{cluster}:{kind}:*"):
                 raw = client.get(key)
-                info = json.loads(raw) if raw is not None else {}
-                if info.get("status", "ready") == "ready" and alive(info.get("pid", -1)):
-                    return info
+                entry = entry_from_json(kind, json.loads(raw) if raw is not None else {})
+                if entry.status in (GroupStatus.READY, WorkerStatus.READY) and alive(entry.pid):
+                    return entry
             time.sleep(0.1)
         raise TimeoutError(f"no live {kind} in {cluster}")
     finally:
@@ -69,7 +72,7 @@ def checkpoint_cost(model: str, redis_url: str, intervals: list[int], prompts: l
                     run_mesh(mesh, prompts, max_tokens, len(prompts)).output_tokens_per_s)
                 info = registered(redis_url, f"bench-{name}", "scheduler")
                 for key in ("checkpoint_writes", "checkpoint_write_s", "num_steps"):
-                    stats.setdefault(interval, {}).setdefault(key, []).append(info.get(key, 0))
+                    stats.setdefault(interval, {}).setdefault(key, []).append(getattr(info, key))
             finally:
                 mesh.stop()
     return [{"interval": i, "tok_s": statistics.median(r), "runs": r,
@@ -130,11 +133,11 @@ def recovery_s(mesh: Mesh, redis_url: str, cluster: str, kind: str,
                 if len(arrivals) >= 4 * len(prompts):
                     flowing.set()
 
-    pid = registered(redis_url, cluster, kind)["pid"]
+    pid = registered(redis_url, cluster, kind).pid
     if kind == "worker":  # a member of the group, not an idle standby
-        member = registered(redis_url, cluster, "scheduler")["members"][0]
+        member = registered(redis_url, cluster, "scheduler").members[0]
         client = redis.Redis.from_url(redis_url)
-        pid = json.loads(client.get(f"{cluster}:worker:{member}"))["pid"]
+        pid = WorkerEntry.from_json(json.loads(client.get(f"{cluster}:worker:{member}"))).pid
         client.close()
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(one, p) for p in prompts]

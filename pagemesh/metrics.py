@@ -33,6 +33,19 @@ from pagemesh import __version__
 logger = logging.getLogger(__name__)
 
 PREFIX = "pagemesh:"
+# The names read outside this module (`pagemesh top`), used below to declare them. Counters
+# are named without `_total`, as prometheus_client declares them; `counter_sample` gives the
+# name a scrape shows.
+GENERATION_TOKENS = PREFIX + "generation_tokens"
+PROMPT_TOKENS = PREFIX + "prompt_tokens"
+REQUEST_SUCCESS = PREFIX + "request_success"
+NUM_REQUESTS_IN_FLIGHT = PREFIX + "num_requests_in_flight"
+TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = PREFIX + "inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = PREFIX + "e2e_request_latency_seconds"
+KV_CACHE_USAGE = PREFIX + "kv_cache_usage_perc"
+NUM_REQUESTS_SWAPPED = PREFIX + "num_requests_swapped"
+HEARTBEAT_AGE = PREFIX + "heartbeat_age_seconds"
 # The classic text format, which every Prometheus reads (our names need no UTF-8 escaping).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -67,15 +80,20 @@ class _Callback(Collector):
         return []  # names are not known before the first scrape; registering reads nothing
 
 
+def counter_sample(name: str) -> str:
+    """The sample name of counter `name` in the exposition text."""
+    return name + "_total"
+
+
 def gauge(name: str, documentation: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(PREFIX + name, documentation, labels=list(labels))
+    family = GaugeMetricFamily(name, documentation, labels=list(labels))
     family.add_metric(list(labels.values()), value)
     return family
 
 
 def counter(name: str, documentation: str, labels: dict[str, str], value: float) -> CounterMetricFamily:
     """`name` without `_total` (the exposition appends it)."""
-    family = CounterMetricFamily(PREFIX + name, documentation, labels=list(labels))
+    family = CounterMetricFamily(name, documentation, labels=list(labels))
     family.add_metric(list(labels.values()), value)
     return family
 
@@ -109,7 +127,7 @@ class ServiceMetrics:
         last_s = self._last_heartbeat_s()
         if last_s is None:
             return []  # no heartbeat yet: no age rather than a made-up one
-        return [gauge("heartbeat_age_seconds",
+        return [gauge(HEARTBEAT_AGE,
                       "Seconds since this process last refreshed its registry key in Redis",
                       {"service": self.service}, max(0.0, time.monotonic() - last_s))]
 
@@ -128,21 +146,21 @@ class RouterMetrics(ServiceMetrics):
         super().__init__("router")
         registry = self.registry
         self.request_success = Counter(
-            PREFIX + "request_success", "Requests finished, by finish reason (each of n samples "
+            REQUEST_SUCCESS, "Requests finished, by finish reason (each of n samples "
             "counts as one request, as in vLLM)", ["model", "finished_reason"], registry=registry)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests",
+        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of finished requests",
                                      ["model"], registry=registry)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens",
+        self.generation_tokens = Counter(GENERATION_TOKENS,
                                          "Generated tokens streamed to clients", ["model"],
                                          registry=registry)
         self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Seconds from a request's arrival to its "
+            TIME_TO_FIRST_TOKEN, "Seconds from a request's arrival to its "
             "first token leaving the router", ["model"], buckets=TTFT_BUCKETS_S, registry=registry)
         self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Seconds between consecutive token messages "
+            INTER_TOKEN_LATENCY, "Seconds between consecutive token messages "
             "of one sample", ["model"], buckets=ITL_BUCKETS_S, registry=registry)
         self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Seconds from a request's arrival to its "
+            E2E_REQUEST_LATENCY, "Seconds from a request's arrival to its "
             "last message", ["model"], buckets=REQUEST_LATENCY_BUCKETS_S, registry=registry)
 
     def follow_router(self, model: Callable[[], str], num_in_flight: Callable[[], int],
@@ -152,12 +170,12 @@ class RouterMetrics(ServiceMetrics):
         def collect() -> Iterable[Metric]:
             labels = {"model": model()}
             return [
-                gauge("num_requests_in_flight", "Generate calls in flight through this router",
+                gauge(NUM_REQUESTS_IN_FLIGHT, "Generate calls in flight through this router",
                       labels, num_in_flight()),
-                gauge("engine_groups_ready", "Engine groups this router can send requests to",
-                      labels, num_groups_ready()),
-                counter("request_resumes", "Streams resumed on an engine group after the one "
-                        "serving them failed", labels, num_resumes()),
+                gauge(PREFIX + "engine_groups_ready",
+                      "Engine groups this router can send requests to", labels, num_groups_ready()),
+                counter(PREFIX + "request_resumes", "Streams resumed on an engine group after "
+                        "the one serving them failed", labels, num_resumes()),
             ]
         self.add_collector(collect)
 
@@ -281,24 +299,25 @@ class SchedulerMetrics(ServiceMetrics):
         def collect() -> Iterable[Metric]:
             s, labels = snapshot(), {"group": self.group}
             return [
-                gauge("num_requests_running", "Requests in the running batch", labels, s.num_running),
-                gauge("num_requests_waiting", "Requests queued (preempted ones too, not swapped)",
-                      labels, s.num_waiting),
-                gauge("num_requests_swapped", "Preempted requests whose KV is in CPU swap space",
+                gauge(PREFIX + "num_requests_running", "Requests in the running batch", labels,
+                      s.num_running),
+                gauge(PREFIX + "num_requests_waiting",
+                      "Requests queued (preempted ones too, not swapped)", labels, s.num_waiting),
+                gauge(NUM_REQUESTS_SWAPPED, "Preempted requests whose KV is in CPU swap space",
                       labels, s.num_swapped),
-                gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1",
+                gauge(KV_CACHE_USAGE, "Fraction of KV cache blocks in use, 0..1",
                       labels, s.kv_cache_usage),
-                counter("prefix_cache_queries", "Tokens looked up in the prefix cache",
+                counter(PREFIX + "prefix_cache_queries", "Tokens looked up in the prefix cache",
                         labels, s.prefix_cache_queries),
-                counter("prefix_cache_hits", "Tokens whose KV came from the prefix cache",
+                counter(PREFIX + "prefix_cache_hits", "Tokens whose KV came from the prefix cache",
                         labels, s.prefix_cache_hits),
-                counter("num_preemptions", "Requests preempted (swapped out or recomputed)",
-                        labels, s.num_preemptions),
-                counter("engine_recoveries", "Times the engine group was re-formed after a "
-                        "failure", labels, s.num_recoveries),
-                gauge("engine_group_ready", "1 when the engine group serves, 0 when degraded "
-                      "or draining", labels, 1.0 if s.ready else 0.0),
-                counter("checkpoint_writes", "Request checkpoints written to Redis",
+                counter(PREFIX + "num_preemptions", "Requests preempted (swapped out or "
+                        "recomputed)", labels, s.num_preemptions),
+                counter(PREFIX + "engine_recoveries", "Times the engine group was re-formed "
+                        "after a failure", labels, s.num_recoveries),
+                gauge(PREFIX + "engine_group_ready", "1 when the engine group serves, 0 when "
+                      "degraded or draining", labels, 1.0 if s.ready else 0.0),
+                counter(PREFIX + "checkpoint_writes", "Request checkpoints written to Redis",
                         labels, s.num_checkpoint_writes),
             ]
         self.add_collector(collect)
@@ -342,9 +361,9 @@ class WorkerMetrics(ServiceMetrics):
             return []  # still loading
         quantization, weight_bytes = self._weights
         return [
-            gauge("worker_weight_bytes", "Bytes of this worker's model weights in memory, as "
-                  "they are held (quantized or packed)", self.labels(), weight_bytes),
-            gauge("model_quantization_info", "How the linear layers hold their weights "
+            gauge(PREFIX + "worker_weight_bytes", "Bytes of this worker's model weights in "
+                  "memory, as they are held (quantized or packed)", self.labels(), weight_bytes),
+            gauge(PREFIX + "model_quantization_info", "How the linear layers hold their weights "
                   "(always 1)", {"group": self.group, "quantization": quantization}, 1),
         ]
 
@@ -359,13 +378,13 @@ class WorkerMetrics(ServiceMetrics):
         def collect() -> Iterable[Metric]:
             s, labels = snapshot(), self.labels()
             return [
-                counter("worker_steps", "Steps this worker executed", labels, s.num_steps),
-                counter("worker_tp_collective_seconds", "Seconds in tensor-parallel collectives",
-                        labels, s.tp_collective_s),
-                counter("worker_pp_send_seconds", "Seconds sending to the next pipeline stage",
-                        labels, s.pp_send_s),
-                counter("worker_pp_recv_seconds", "Seconds receiving from (and waiting for) the "
-                        "previous pipeline stage", labels, s.pp_recv_s),
+                counter(PREFIX + "worker_steps", "Steps this worker executed", labels, s.num_steps),
+                counter(PREFIX + "worker_tp_collective_seconds",
+                        "Seconds in tensor-parallel collectives", labels, s.tp_collective_s),
+                counter(PREFIX + "worker_pp_send_seconds",
+                        "Seconds sending to the next pipeline stage", labels, s.pp_send_s),
+                counter(PREFIX + "worker_pp_recv_seconds", "Seconds receiving from (and waiting "
+                        "for) the previous pipeline stage", labels, s.pp_recv_s),
             ]
         self.add_collector(collect)
 

@@ -3,6 +3,8 @@
 Each service writes `<prefix>:<kind>:<id>` = JSON of where it is and what it serves, with
 a TTL of a few heartbeats, and refreshes it every heartbeat. A key that expired is a
 service that died: membership is read from Redis, never from a hard-coded address.
+What an entry holds is typed in pagemesh.registry_entries: writers publish `entry.to_json()`,
+readers call `entries(WorkerEntry)` and the like.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
 from pagemesh.checkpoints import CheckpointStore
+from pagemesh.registry_entries import ServiceEntry
 from pagemesh.serving import FatalStartupError
 
 logger = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=ServiceEntry)
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,13 @@ class Registry:
 
     async def put(self, kind: str, service_id: str, info: dict[str, Any]) -> None:
         ttl_ms = int(self.config.ttl_s * 1000)
-        await self._redis.set(self.key(kind, service_id),
-                              json.dumps({"instance": self.instance, **info}), px=ttl_ms)
+        await self._redis.set(self.key(kind, service_id), self._dumps(info), px=ttl_ms)
         self.last_heartbeat_s = time.monotonic()
+
+    def _dumps(self, info: dict[str, Any]) -> str:
+        # The instance is this process's, whatever the info says (an entry read back and
+        # published again carries its reader's idea of it).
+        return json.dumps({**info, "instance": self.instance})
 
     async def remove(self, kind: str, service_id: str) -> None:
         await self._redis.delete(self.key(kind, service_id))
@@ -88,6 +97,17 @@ class Registry:
             if value is not None
         }
 
+    async def entries(self, entry_type: type[E]) -> dict[str, E]:
+        """Live services of one kind as typed entries: id -> entry. An entry this version
+        cannot read (a wrong type, an unknown status) is left out, with a warning."""
+        entries: dict[str, E] = {}
+        for service_id, raw in (await self.list(entry_type.KIND)).items():
+            try:
+                entries[service_id] = entry_type.from_json(raw)
+            except ValueError as exc:
+                logger.warning("ignoring the %s entry of %s: %s", entry_type.KIND, service_id, exc)
+        return entries
+
     async def claim(self, kind: str, service_id: str, info: dict[str, Any]) -> None:
         """Registers a service id that no live service holds, or raises RegistryConflict.
 
@@ -100,7 +120,7 @@ class Registry:
         key = self.key(kind, service_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.ttl_s + self.config.heartbeat_interval_s
-        value = json.dumps({"instance": self.instance, **info})
+        value = self._dumps(info)
         while not await self._redis.set(key, value, px=ttl_ms, nx=True):
             if loop.time() < deadline:
                 await asyncio.sleep(min(0.2, self.config.heartbeat_interval_s))

@@ -25,9 +25,9 @@ import redis
 from rich.console import Console
 
 from pagemesh.config import add_flag
+from pagemesh.registry_entries import KINDS, ServiceEntry, entry_from_json
 from pagemesh.top_render import render
 from pagemesh.top_snapshot import (
-    KINDS,
     ServiceRecord,
     Snapshot,
     build_snapshot,
@@ -90,7 +90,7 @@ class ClusterReader:
             replies = pipe.execute()
             now = time.time()
             for key, raw, pttl in zip(keys, replies[0::2], replies[1::2]):
-                entry = _load_entry(key, raw)
+                entry = _load_entry(kind, key, raw)
                 if entry is not None:
                     age = heartbeat_age(entry, pttl, self.ttl_s, now)
                     records.append(ServiceRecord(kind, key[len(prefix):], entry, age))
@@ -99,10 +99,10 @@ class ClusterReader:
     def scrape_all(self, records: list[ServiceRecord]) -> list[ServiceRecord]:
         """The records with the metrics text of every service that publishes an address."""
         def one(record: ServiceRecord) -> ServiceRecord:
-            address = record.entry.get("metrics_address")
+            address = record.entry.metrics_address
             if not address:
                 return record
-            text, error = scrape(str(address), self.scrape_timeout_s)
+            text, error = scrape(address, self.scrape_timeout_s)
             return ServiceRecord(record.kind, record.service_id, record.entry,
                                  record.heartbeat_age_s, text, error)
         return list(self._pool.map(one, records))
@@ -111,15 +111,14 @@ class ClusterReader:
         return build_snapshot(self.scrape_all(self.read_registry()), time.monotonic())
 
 
-def _load_entry(key: str, raw: str | None) -> dict[str, Any] | None:
+def _load_entry(kind: str, key: str, raw: str | None) -> ServiceEntry | None:
     if raw is None:  # expired between SCAN and GET
         return None
     try:
-        entry = json.loads(raw)
-    except ValueError:
-        logger.warning("registry entry %s is not JSON", key)
+        return entry_from_json(kind, json.loads(raw))
+    except ValueError as exc:  # not JSON, or not an entry this version can read
+        logger.warning("registry entry %s skipped: %s", key, exc)
         return None
-    return entry if isinstance(entry, dict) else None
 
 
 # --- the command ----------------------------------------------------------------------

@@ -7,10 +7,13 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from pagemesh.registry_entries import GroupStatus, WorkerStatus
 from pagemesh.top_snapshot import Rates, Snapshot
 
-_STATUS_STYLES = {"ready": "green", "degraded": "yellow", "draining": "cyan",
-                  "joining": "cyan", "standby": "blue"}
+# Groups' and workers' statuses (both "ready" are green); any other, "no scheduler" too, red.
+_STATUS_STYLES = {GroupStatus.READY: "green", GroupStatus.DEGRADED: "yellow",
+                  GroupStatus.DRAINING: "cyan", WorkerStatus.JOINING: "cyan",
+                  WorkerStatus.STANDBY: "blue"}
 
 
 def _status(status: str) -> Text:
@@ -52,14 +55,15 @@ def summary_table(snapshot: Snapshot, rates: Rates, cluster: str) -> Table:
     window = ("latencies since start" if rates.window_s is None
               else f"rates and latencies over the last {rates.window_s:.1f}s")
     table = _table(f"pagemesh cluster {cluster!r} ({window})")
-    ready = sum(1 for g in snapshot.groups if g.status == "ready")
+    ready = sum(1 for g in snapshot.groups if g.status == GroupStatus.READY)
     in_flight = [r.num_in_flight for r in snapshot.routers if r.num_in_flight is not None]
     for column in ("routers", "groups ready", "workers ready", "in flight", "out tok/s",
                    "prompt tok/s", "req/s", "TTFT p50", "ITL p50", "E2E p50"):
         table.add_column(column, justify="right", no_wrap=True)
     table.add_row(
         str(len(snapshot.routers)), f"{ready}/{len(snapshot.groups)}",
-        f"{sum(1 for w in snapshot.workers if w.status == 'ready')}/{len(snapshot.workers)}",
+        f"{sum(1 for w in snapshot.workers if w.status == WorkerStatus.READY)}"
+        f"/{len(snapshot.workers)}",
         str(sum(in_flight)) if in_flight else "-",
         fmt_rate(rates.output_tokens_per_s), fmt_rate(rates.prompt_tokens_per_s),
         fmt_rate(rates.requests_per_s), fmt_latency(rates.ttft_p50_s),

@@ -1,9 +1,11 @@
 """What `pagemesh top` shows, computed from plain data: no Redis, no HTTP, no terminal.
 
-The input is one `ServiceRecord` per registry entry (the entry's JSON, how old its heartbeat
-is, the text its `/metrics` endpoint returned). `build_snapshot` turns a list of them into a
-`Snapshot`; `compute_rates` turns two snapshots into per-second rates and latency quantiles
-over the window between them, the way Prometheus' `rate` and `histogram_quantile` would.
+The input is one `ServiceRecord` per registry entry (its typed entry from
+pagemesh.registry_entries, how old its heartbeat is, the text its `/metrics` endpoint
+returned). `build_snapshot` turns a list of them into a `Snapshot`; `compute_rates` turns two
+snapshots into per-second rates and latency quantiles over the window between them, the way
+Prometheus' `rate` and `histogram_quantile` would. The metric names it reads are those
+pagemesh.metrics declares the metrics with.
 """
 
 from __future__ import annotations
@@ -15,20 +17,28 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-KINDS = ("router", "scheduler", "worker")
+from pagemesh import metrics
+from pagemesh.registry_entries import (
+    KINDS,
+    RouterEntry,
+    SchedulerEntry,
+    ServiceEntry,
+    WorkerEntry,
+    WorkerStatus,
+)
 
-# Metric names this view reads (the contract with pagemesh.metrics). Sample names, as they
-# appear in the exposition text: counters with `_total`, histograms with `_bucket`.
-GENERATION_TOKENS = "pagemesh:generation_tokens_total"
-PROMPT_TOKENS = "pagemesh:prompt_tokens_total"
-REQUEST_SUCCESS = "pagemesh:request_success_total"
-REQUESTS_IN_FLIGHT = "pagemesh:num_requests_in_flight"
-TTFT = "pagemesh:time_to_first_token_seconds"
-ITL = "pagemesh:inter_token_latency_seconds"
-E2E = "pagemesh:e2e_request_latency_seconds"
-KV_CACHE_USAGE = "pagemesh:kv_cache_usage_perc"
-NUM_SWAPPED = "pagemesh:num_requests_swapped"
-HEARTBEAT_AGE = "pagemesh:heartbeat_age_seconds"
+# Metric names this view reads, from where pagemesh.metrics declares them. Sample names, as
+# they appear in the exposition text: counters with `_total` (histograms get `_bucket` below).
+GENERATION_TOKENS = metrics.counter_sample(metrics.GENERATION_TOKENS)
+PROMPT_TOKENS = metrics.counter_sample(metrics.PROMPT_TOKENS)
+REQUEST_SUCCESS = metrics.counter_sample(metrics.REQUEST_SUCCESS)
+REQUESTS_IN_FLIGHT = metrics.NUM_REQUESTS_IN_FLIGHT
+TTFT = metrics.TIME_TO_FIRST_TOKEN
+ITL = metrics.INTER_TOKEN_LATENCY
+E2E = metrics.E2E_REQUEST_LATENCY
+KV_CACHE_USAGE = metrics.KV_CACHE_USAGE
+NUM_SWAPPED = metrics.NUM_REQUESTS_SWAPPED
+HEARTBEAT_AGE = metrics.HEARTBEAT_AGE
 
 # A sample name -> every (labels, value) of it in one scrape.
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -40,7 +50,7 @@ class ServiceRecord:
 
     kind: str  # router | scheduler | worker
     service_id: str
-    entry: dict[str, Any]  # the JSON the service last published
+    entry: ServiceEntry  # what the service last published: a RouterEntry, SchedulerEntry, ...
     heartbeat_age_s: float | None = None  # None when unknown
     metrics_text: str | None = None  # the body of its /metrics, None when not scraped
     metrics_error: str | None = None  # why the scrape failed
@@ -187,7 +197,7 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 # --- snapshot -------------------------------------------------------------------------
 
 
-def heartbeat_age(entry: dict[str, Any], pttl_ms: int | None, ttl_s: float,
+def heartbeat_age(entry: ServiceEntry, pttl_ms: int | None, ttl_s: float,
                   now: float) -> float | None:
     """Seconds since a service last refreshed its entry.
 
@@ -195,13 +205,12 @@ def heartbeat_age(entry: dict[str, Any], pttl_ms: int | None, ttl_s: float,
     remaining TTL: every heartbeat resets it to the TTL (the entry's `heartbeat_ttl_s` when
     it says, else `ttl_s`), so no clocks of other hosts are involved.
     """
-    beat = entry.get("heartbeat_at")
-    if isinstance(beat, (int, float)):
-        return max(0.0, now - beat)
+    if entry.heartbeat_at is not None:
+        return max(0.0, now - entry.heartbeat_at)
     if pttl_ms is None or pttl_ms < 0:
         return None
-    ttl = entry.get("heartbeat_ttl_s")
-    ttl_s = float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else ttl_s
+    ttl = entry.heartbeat_ttl_s
+    ttl_s = ttl if ttl is not None and ttl > 0 else ttl_s
     return max(0.0, ttl_s - pttl_ms / 1000.0)
 
 
@@ -222,75 +231,94 @@ def _key(record: ServiceRecord) -> str:
     return f"{record.kind}:{record.service_id}"
 
 
-def _int(entry: dict[str, Any], name: str, default: int = 0) -> int:
-    value = entry.get(name)
-    return int(value) if isinstance(value, (int, float)) else default
-
-
-def _kv_usage(entry: dict[str, Any], samples: Samples | None) -> float | None:
-    num_blocks = _int(entry, "num_blocks")
-    if num_blocks > 0 and "num_free_blocks" in entry:
-        return (num_blocks - _int(entry, "num_free_blocks")) / num_blocks
+def _kv_usage(entry: SchedulerEntry, samples: Samples | None) -> float | None:
+    usage = entry.kv_cache_usage()
+    if usage is not None:
+        return usage
     # pagemesh:kv_cache_usage_perc is a fraction (1 = full), as vLLM's gauge of that name.
     return metric_sum(samples, KV_CACHE_USAGE) if samples else None
 
 
-def _expected_workers(entry: dict[str, Any], workers: list[ServiceRecord]) -> int:
-    if _int(entry, "tp_size") and _int(entry, "pp_size"):
-        return _int(entry, "tp_size") * _int(entry, "pp_size")
-    for worker in workers:
-        if _int(worker.entry, "tp_size") and _int(worker.entry, "pp_size"):
-            return _int(worker.entry, "tp_size") * _int(worker.entry, "pp_size")
-    return len(entry.get("members") or ())
+def _workers_ready(workers: list[ServiceRecord]) -> int:
+    return sum(1 for w in workers if _worker(w).status == WorkerStatus.READY)
+
+
+def _expected_workers(members: tuple[str, ...], workers: list[ServiceRecord]) -> int:
+    """tp_size x pp_size as the group's workers publish it, else its scheduler's members."""
+    if not workers:
+        return len(members)
+    layout = _worker(workers[0])
+    return layout.tp_size * layout.pp_size
 
 
 def _group_row(record: ServiceRecord, workers: list[ServiceRecord],
                parsed: dict[str, Samples]) -> GroupRow:
-    entry, samples = record.entry, parsed.get(_key(record))
-    swapped = entry.get("num_swapped")
+    entry, samples = _scheduler(record), parsed.get(_key(record))
+    swapped = entry.num_swapped
     if swapped is None and samples:
         swapped = metric_sum(samples, NUM_SWAPPED)
-    hit_rate = entry.get("prefix_cache_hit_rate")
     return GroupRow(
-        group=str(entry.get("group", "")), scheduler_id=record.service_id,
-        status=str(entry.get("status", "?")),
-        workers_alive=sum(1 for w in workers if w.entry.get("status") == "ready"),
-        workers_expected=_expected_workers(entry, workers),
-        num_waiting=_int(entry, "num_waiting"), num_running=_int(entry, "num_running"),
+        group=entry.group, scheduler_id=record.service_id, status=entry.status.value,
+        workers_alive=_workers_ready(workers),
+        workers_expected=_expected_workers(entry.members, workers),
+        num_waiting=entry.num_waiting, num_running=entry.num_running,
         num_swapped=int(swapped or 0), kv_usage=_kv_usage(entry, samples),
-        prefix_hit_rate=float(hit_rate) if isinstance(hit_rate, (int, float)) else None,
-        num_recoveries=_int(entry, "num_recoveries"),
-        num_preemptions=_int(entry, "num_preemptions"), num_steps=_int(entry, "num_steps"),
+        prefix_hit_rate=entry.prefix_cache_hit_rate, num_recoveries=entry.num_recoveries,
+        num_preemptions=entry.num_preemptions, num_steps=entry.num_steps,
         heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed))
 
 
 def _orphan_group_row(group: str, workers: list[ServiceRecord]) -> GroupRow:
     return GroupRow(
         group=group, scheduler_id="", status="no scheduler",
-        workers_alive=sum(1 for w in workers if w.entry.get("status") == "ready"),
-        workers_expected=_expected_workers({}, workers), num_waiting=0, num_running=0,
-        num_swapped=0, kv_usage=None, prefix_hit_rate=None, num_recoveries=0,
-        num_preemptions=0, num_steps=0, heartbeat_age_s=None, metrics="-")
+        workers_alive=_workers_ready(workers), workers_expected=_expected_workers((), workers),
+        num_waiting=0, num_running=0, num_swapped=0, kv_usage=None, prefix_hit_rate=None,
+        num_recoveries=0, num_preemptions=0, num_steps=0, heartbeat_age_s=None, metrics="-")
 
 
 def _worker_row(record: ServiceRecord, parsed: dict[str, Samples]) -> WorkerRow:
-    entry = record.entry
+    entry = _worker(record)
     return WorkerRow(
-        worker_id=record.service_id, group=str(entry.get("group", "")),
-        tp_rank=_int(entry, "tp_rank", -1), pp_rank=_int(entry, "pp_rank", -1),
-        status=str(entry.get("status", "?")), epoch=str(entry.get("epoch", "")),
-        num_steps=_int(entry, "num_steps"), busy_time_s=float(entry.get("busy_time_s") or 0.0),
+        worker_id=record.service_id, group=entry.group, tp_rank=entry.tp_rank,
+        pp_rank=entry.pp_rank, status=entry.status.value, epoch=entry.epoch,
+        num_steps=entry.num_steps, busy_time_s=entry.busy_time_s,
         heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed))
 
 
 def _router_row(record: ServiceRecord, parsed: dict[str, Samples]) -> RouterRow:
-    entry, samples = record.entry, parsed.get(_key(record))
+    entry, samples = _router(record), parsed.get(_key(record))
     in_flight = metric_sum(samples, REQUESTS_IN_FLIGHT) if samples else None
     return RouterRow(
-        router_id=record.service_id, address=str(entry.get("address", "")),
-        serving=bool(entry.get("serving", False)), num_groups=_int(entry, "num_groups"),
+        router_id=record.service_id, address=entry.address, serving=entry.serving,
+        num_groups=entry.num_groups,
         num_in_flight=int(in_flight) if in_flight is not None else None,
         heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed))
+
+
+# The entry of a record of that kind (a record's kind and entry type agree).
+def _worker(record: ServiceRecord) -> WorkerEntry:
+    assert isinstance(record.entry, WorkerEntry), record
+    return record.entry
+
+
+def _scheduler(record: ServiceRecord) -> SchedulerEntry:
+    assert isinstance(record.entry, SchedulerEntry), record
+    return record.entry
+
+
+def _router(record: ServiceRecord) -> RouterEntry:
+    assert isinstance(record.entry, RouterEntry), record
+    return record.entry
+
+
+def _counters(entry: ServiceEntry) -> dict[str, Any]:
+    """The entry's cumulative counters that become rates, and the instance they belong to."""
+    counters: dict[str, Any] = {"instance": entry.instance}
+    if isinstance(entry, WorkerEntry):
+        counters.update(num_steps=entry.num_steps, busy_time_s=entry.busy_time_s)
+    elif isinstance(entry, SchedulerEntry):
+        counters.update(num_steps=entry.num_steps, num_preemptions=entry.num_preemptions)
+    return counters
 
 
 def _parse_all(records: Iterable[ServiceRecord]) -> tuple[dict[str, Samples], dict[str, str]]:
@@ -307,9 +335,6 @@ def _parse_all(records: Iterable[ServiceRecord]) -> tuple[dict[str, Samples], di
     return parsed, errors
 
 
-_COUNTER_FIELDS = ("instance", "num_steps", "busy_time_s", "num_preemptions")
-
-
 def build_snapshot(records: Iterable[ServiceRecord], taken_at: float) -> Snapshot:
     """Registry entries and scraped metrics -> the rows top shows, sorted for display."""
     records = list(records)
@@ -319,8 +344,8 @@ def build_snapshot(records: Iterable[ServiceRecord], taken_at: float) -> Snapsho
     by_kind = {kind: [r for r in records if r.kind == kind] for kind in KINDS}
     workers_of: dict[str, list[ServiceRecord]] = {}
     for worker in by_kind["worker"]:
-        workers_of.setdefault(str(worker.entry.get("group", "")), []).append(worker)
-    groups = [_group_row(r, workers_of.get(str(r.entry.get("group", "")), []), parsed)
+        workers_of.setdefault(_worker(worker).group, []).append(worker)
+    groups = [_group_row(r, workers_of.get(_scheduler(r).group, []), parsed)
               for r in by_kind["scheduler"]]
     scheduled = {row.group for row in groups}
     groups += [_orphan_group_row(g, ws) for g, ws in workers_of.items() if g not in scheduled]
@@ -332,8 +357,7 @@ def build_snapshot(records: Iterable[ServiceRecord], taken_at: float) -> Snapsho
         routers=sorted((_router_row(r, parsed) for r in by_kind["router"]),
                        key=lambda r: r.router_id),
         metrics=parsed,
-        counters={_key(r): {name: r.entry.get(name) for name in _COUNTER_FIELDS}
-                  for r in records},
+        counters={_key(r): _counters(r.entry) for r in records},
     )
 
 
@@ -417,8 +441,8 @@ def prometheus_targets(records: Iterable[ServiceRecord]) -> list[dict[str, Any]]
     them to `exported_*`.
     """
     targets = [
-        {"targets": [str(r.entry["metrics_address"])],
+        {"targets": [r.entry.metrics_address],
          "labels": {"pagemesh_kind": r.kind, "pagemesh_id": r.service_id}}
-        for r in records if r.entry.get("metrics_address")
+        for r in records if r.entry.metrics_address
     ]
     return sorted(targets, key=lambda t: (t["labels"]["pagemesh_kind"], t["labels"]["pagemesh_id"]))

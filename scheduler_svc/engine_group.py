@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from pagemesh.registry import Registry
+from pagemesh.registry_entries import WorkerEntry
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.worker.v1 import worker_pb2
 from scheduler_svc.core.config import SchedulerConfig
@@ -100,9 +101,10 @@ class EngineGroup:
         if any(code == grpc.StatusCode.UNAVAILABLE for code in codes):
             return False
         try:
-            entries = await self.registry.list("worker")
+            entries = await self.registry.entries(WorkerEntry)
         except Exception as exc:
             logger.debug("registry unreadable, not judging slow workers: %s", exc)
             return True
-        return all(code is None or entries.get(e.worker_id, {}).get("instance") == e.instance
+        return all(code is None or (e.worker_id in entries
+                                    and entries[e.worker_id].instance == e.instance)
                    for e, code in zip(workers.endpoints, codes))

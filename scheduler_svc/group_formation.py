@@ -13,9 +13,9 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from pagemesh.registry import Registry
+from pagemesh.registry_entries import WorkerEntry, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +29,11 @@ class WorkerEndpoint:
     instance: str = ""  # the process behind the id (a restarted one keeps the id)
 
 
-_CANDIDATE = ("joining", "loading", "ready")
+# Workers that hold a rank of their own and can take their slot (a standby holds none).
+_CANDIDATE = (WorkerStatus.JOINING, WorkerStatus.LOADING, WorkerStatus.READY)
 
 
-def choose_members(entries: dict[str, dict[str, Any]], group: str, tp_size: int, pp_size: int,
+def choose_members(entries: dict[str, WorkerEntry], group: str, tp_size: int, pp_size: int,
                    exclude: frozenset[str] = frozenset(),
                    prefer: frozenset[str] = frozenset(),
                    use_standby: bool = True) -> dict[tuple[int, int], str] | None:
@@ -46,20 +47,21 @@ def choose_members(entries: dict[str, dict[str, Any]], group: str, tp_size: int,
     standbys: list[str] = []
 
     def rank(worker_id: str) -> tuple[int, int, str]:
-        return (worker_id not in prefer, entries[worker_id].get("status") != "ready", worker_id)
+        return (worker_id not in prefer, entries[worker_id].status != WorkerStatus.READY,
+                worker_id)
 
     for worker_id in sorted(entries, key=rank):
-        info = entries[worker_id]
-        if info.get("group") != group or info.get("instance", "") in exclude:
+        entry = entries[worker_id]
+        if entry.group != group or entry.instance in exclude:
             continue
-        if (info.get("tp_size", 1), info.get("pp_size", 1)) != (tp_size, pp_size):
+        if (entry.tp_size, entry.pp_size) != (tp_size, pp_size):
             logger.warning("worker %s has layout tp=%s pp=%s, group wants tp=%d pp=%d",
-                           worker_id, info.get("tp_size"), info.get("pp_size"), tp_size, pp_size)
+                           worker_id, entry.tp_size, entry.pp_size, tp_size, pp_size)
             continue
-        if info.get("status") == "standby":
+        if entry.status == WorkerStatus.STANDBY:
             standbys.append(worker_id)
-        elif info.get("status") in _CANDIDATE:
-            slots.setdefault((info.get("pp_rank", 0), info.get("tp_rank", 0)), worker_id)
+        elif entry.status in _CANDIDATE:
+            slots.setdefault((entry.pp_rank, entry.tp_rank), worker_id)
     empty = [(pp, tp) for pp in range(pp_size) for tp in range(tp_size) if (pp, tp) not in slots]
     for slot, worker_id in zip(empty, sorted(standbys) if use_standby else []):
         slots[slot] = worker_id
@@ -86,7 +88,7 @@ async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
     standby_from = loop.time() + standby_after_s
     members = None
     while members is None:
-        entries = await registry.list("worker")
+        entries = await registry.entries(WorkerEntry)
         members = choose_members(entries, group, tp_size, pp_size, exclude, prefer,
                                  use_standby=loop.time() >= standby_from)
         if members is None:
@@ -94,15 +96,15 @@ async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
                 raise TimeoutError(
                     f"engine group {group!r} needs {tp_size * pp_size} workers "
                     f"(tp={tp_size} x pp={pp_size}); found only "
-                    f"{sum(1 for e in entries.values() if e.get('group') == group)} "
+                    f"{sum(1 for e in entries.values() if e.group == group)} "
                     f"after {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
     epoch = await _publish_plan(registry, group, tp_size, members, entries)
     while True:
-        entries = await registry.list("worker")
+        entries = await registry.entries(WorkerEntry)
         ready = [wid for wid in members.values()
-                 if entries.get(wid, {}).get("status") == "ready"
-                 and (not epoch or entries[wid].get("epoch", "") == epoch)]
+                 if wid in entries and entries[wid].status == WorkerStatus.READY
+                 and (not epoch or entries[wid].epoch == epoch)]
         if len(ready) == len(members):
             break
         if loop.time() > deadline:
@@ -110,7 +112,7 @@ async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
                                f"{sorted(set(members.values()) - set(ready))}")
         await asyncio.sleep(0.1)
     return sorted(
-        (WorkerEndpoint(wid, entries[wid]["address"], tp, pp, entries[wid].get("instance", ""))
+        (WorkerEndpoint(wid, entries[wid].address, tp, pp, entries[wid].instance)
          for (pp, tp), wid in members.items()),
         key=lambda e: (e.pp_rank, e.tp_rank),
     )
@@ -118,20 +120,20 @@ async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
 
 async def _publish_plan(registry: Registry, group: str, tp_size: int,
                         members: dict[tuple[int, int], str],
-                        entries: dict[str, dict[str, Any]]) -> str:
+                        entries: dict[str, WorkerEntry]) -> str:
     """The epoch the members must reach: the current plan's when it still holds, a new
     one published otherwise; "" for a single worker that needs no process group."""
     ranks = {wid: pp * tp_size + tp for (pp, tp), wid in members.items()}
-    standby = any(entries[wid].get("status") == "standby" for wid in ranks)
+    standby = any(entries[wid].status == WorkerStatus.STANDBY for wid in ranks)
     if len(ranks) == 1 and not standby:
         return ""
     current = await registry.get_rendezvous(group)
     if (current is not None and current.get("members") == ranks
-            and all(entries[wid].get("status") == "ready"
-                    and entries[wid].get("epoch") == current["epoch"] for wid in ranks)):
+            and all(entries[wid].status == WorkerStatus.READY
+                    and entries[wid].epoch == current["epoch"] for wid in ranks)):
         logger.info("group %s: members unchanged, keeping epoch %s", group, current["epoch"])
         return "" if len(ranks) == 1 else current["epoch"]
-    master = entries[members[(0, 0)]]["dist_addr"]
+    master = entries[members[(0, 0)]].dist_addr
     host, port = master.rsplit(":", 1)
     plan = {"epoch": uuid.uuid4().hex, "world_size": len(ranks), "master_addr": host,
             "master_port": int(port), "members": ranks}

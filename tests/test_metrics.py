@@ -15,9 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagemesh.metrics import (ABORT, ERROR, MetricsConfig, RouterMetrics, SchedulerMetrics,
                               ServiceMetrics, WorkerMetrics, WorkerSnapshot, serve_metrics)
 from pagemesh.registry import Registry, RegistryConfig
+from pagemesh.registry_entries import GroupStatus
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.engine_loop import DEGRADED, READY, EngineLoop, QueueSink
+from scheduler_svc.engine_loop import EngineLoop, QueueSink
 from scheduler_svc.engine_metrics import observe_engine
 from tests.scheduler.core_harness import fake_step, make_request
 
@@ -97,6 +98,24 @@ def test_every_service_exports_the_agreed_names_and_types() -> None:
     worker.set_weights("awq", 1000)
     worker.follow_heartbeat(lambda: time.monotonic())
     assert families(worker) == {**WORKER_NAMES, **EVERY_SERVICE}
+
+
+def test_the_names_top_reads_are_exported() -> None:
+    from pagemesh import top_snapshot
+
+    router = RouterMetrics()
+    router.follow_router(lambda: "m", lambda: 0, lambda: 1, lambda: 0)
+    router.request(lambda: "m", 1).observe(0, 1, "length", 3)
+    router.follow_heartbeat(lambda: time.monotonic())
+    loop = EngineLoop(Scheduler(SchedulerConfig(num_blocks=8, block_size=4)), workers=None)
+    scheduler = SchedulerMetrics("g0")
+    observe_engine(scheduler, loop, Checkpointer(None, "g0", 0, 0.0), beating())
+    exported = {name for metrics in (router, scheduler) for name, _ in samples(metrics.exposition())}
+    read = [value for name, value in vars(top_snapshot).items()
+            if name.isupper() and isinstance(value, str) and value.startswith("pagemesh:")]
+    assert len(read) >= 9
+    for name in read:  # a histogram shows as its `_bucket` samples
+        assert name in exported or name + "_bucket" in exported, name
 
 
 def test_build_info_and_heartbeat_age_carry_the_service() -> None:
@@ -219,9 +238,9 @@ def test_scheduler_metrics_follow_the_core_and_survive_its_replacement() -> None
     assert value(scrape, "pagemesh:scheduled_tokens_per_step_count", group="g0") == 2
 
     # A recovery replaces the core: its counters start over, the exported ones go on.
-    asyncio.run(loop.set_status(DEGRADED))
+    asyncio.run(loop.set_status(GroupStatus.DEGRADED))
     loop.scheduler, loop.num_recoveries = Scheduler(config), 1
-    asyncio.run(loop.set_status(READY))
+    asyncio.run(loop.set_status(GroupStatus.READY))
     loop.submit([make_request("c", 4, max_tokens=2)], QueueSink())
     step(loop, 10.0)
     scrape = samples(metrics.exposition())
@@ -367,8 +386,8 @@ def test_a_stream_resumed_after_a_group_failed_is_counted_and_timed_as_one(redis
 
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
-            pool, metrics = router.pool, router.servicer.metrics
-            metrics.follow_router(lambda: pool.model_name, lambda: router.servicer.num_in_flight,
+            pool, metrics = router.pool, router.generation.metrics
+            metrics.follow_router(lambda: pool.model_name, lambda: router.generation.num_in_flight,
                                   lambda: pool.num_groups, lambda: pool.num_resumes)
             a = await router.add_scheduler("a")
             b = await router.add_scheduler("b")

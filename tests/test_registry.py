@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from pagemesh.registry import Registry, RegistryConfig, RegistryConflict
+from pagemesh.registry_entries import GroupStatus, SchedulerEntry
 
 
 def test_heartbeat_keeps_an_entry_alive_and_expiry_reports_death(redis_url: str) -> None:
@@ -68,3 +69,24 @@ def test_a_cancelled_heartbeat_stops_whenever_it_is_cancelled(redis_url: str) ->
 def test_config_rejects_a_ttl_shorter_than_the_heartbeat() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         RegistryConfig("redis://127.0.0.1:1", heartbeat_interval_s=2.0, ttl_s=1.0)
+
+
+def test_typed_entries_carry_the_writers_instance_and_skip_unreadable_ones(redis_url: str) -> None:
+    async def scenario() -> None:
+        config = RegistryConfig(redis_url, cluster="t-typed", heartbeat_interval_s=1.0, ttl_s=5.0)
+        writer, reader = Registry(config), Registry(config)
+        # An entry read back and published again names its reader's idea of the instance:
+        # the registry stamps the writer's own.
+        entry = SchedulerEntry(address="127.0.0.1:1", group="g0", status=GroupStatus.DEGRADED,
+                               instance="someone-else")
+        await writer.put("scheduler", "s1", entry.to_json())
+        await writer.put("scheduler", "s2", {"address": "127.0.0.1:2", "status": "paused"})
+        entries = await reader.entries(SchedulerEntry)
+        assert list(entries) == ["s1"]  # s2's status is unknown to this version: left out
+        assert entries["s1"] == SchedulerEntry(address="127.0.0.1:1", group="g0",
+                                               status=GroupStatus.DEGRADED,
+                                               instance=writer.instance)
+        await writer.close(deregister=[("scheduler", "s1"), ("scheduler", "s2")])
+        await reader.close()
+
+    asyncio.run(scenario())

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from pagemesh import top_snapshot
 from pagemesh.registry import Registry, RegistryConfig
+from pagemesh.registry_entries import RouterEntry, SchedulerEntry, WorkerEntry
 from pagemesh.top_render import render
 from pagemesh.top_snapshot import (
     ServiceRecord,
@@ -103,17 +104,19 @@ def worker_entry(tp_rank: int, **changes: object) -> dict:
 
 def records(router_text: str, *, w0_busy: float = 10.0, w1_instance: str = "w1",
             scheduler_steps: int = 500) -> list[ServiceRecord]:
+    router = RouterEntry(address="127.0.0.1:50051", serving=True, num_groups=1,
+                         metrics_address="127.0.0.1:9100")
     return [
-        ServiceRecord("router", "r0", {"address": "127.0.0.1:50051", "serving": True,
-                                       "num_groups": 1, "metrics_address": "127.0.0.1:9100"},
-                      0.4, router_text),
-        ServiceRecord("scheduler", "s0", scheduler_entry(num_steps=scheduler_steps), 0.2,
+        ServiceRecord("router", "r0", router, 0.4, router_text),
+        ServiceRecord("scheduler", "s0",
+                      SchedulerEntry.from_json(scheduler_entry(num_steps=scheduler_steps)), 0.2,
                       SCHEDULER_TEXT),
-        ServiceRecord("worker", "w0", worker_entry(0, busy_time_s=w0_busy), 0.1),
-        ServiceRecord("worker", "w1", worker_entry(1, instance=w1_instance), 0.3, None,
-                      "down: refused"),
-        ServiceRecord("worker", "w2", worker_entry(-1, group="g1", status="standby",
-                                                   tp_size=1, pp_size=1), 2.5),
+        ServiceRecord("worker", "w0", WorkerEntry.from_json(worker_entry(0, busy_time_s=w0_busy)),
+                      0.1),
+        ServiceRecord("worker", "w1", WorkerEntry.from_json(worker_entry(1, instance=w1_instance)),
+                      0.3, None, "down: refused"),
+        ServiceRecord("worker", "w2", WorkerEntry.from_json(
+            worker_entry(-1, group="g1", status="standby", tp_size=1, pp_size=1)), 2.5),
     ]
 
 
@@ -146,11 +149,11 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
 
 
 def test_heartbeat_age_from_timestamp_or_remaining_ttl() -> None:
-    assert heartbeat_age({"heartbeat_at": 100.0}, 2500, 3.0, now=101.5) == pytest.approx(1.5)
-    assert heartbeat_age({}, 2500, 3.0, now=0.0) == pytest.approx(0.5)
-    assert heartbeat_age({"heartbeat_ttl_s": 10.0}, 2500, 3.0, now=0.0) == pytest.approx(7.5)
-    assert heartbeat_age({}, -1, 3.0, now=0.0) is None  # a key without TTL
-    assert heartbeat_age({}, None, 3.0, now=0.0) is None
+    assert heartbeat_age(RouterEntry(heartbeat_at=100.0), 2500, 3.0, now=101.5) == pytest.approx(1.5)
+    assert heartbeat_age(RouterEntry(), 2500, 3.0, now=0.0) == pytest.approx(0.5)
+    assert heartbeat_age(RouterEntry(heartbeat_ttl_s=10.0), 2500, 3.0, now=0.0) == pytest.approx(7.5)
+    assert heartbeat_age(RouterEntry(), -1, 3.0, now=0.0) is None  # a key without TTL
+    assert heartbeat_age(RouterEntry(), None, 3.0, now=0.0) is None
 
 
 # --- snapshot and rates ----------------------------------------------------------------
@@ -178,8 +181,10 @@ def test_snapshot_rows_from_entries_and_metrics() -> None:
 def test_kv_usage_falls_back_to_the_metric_and_bad_text_is_reported() -> None:
     entry = scheduler_entry()
     del entry["num_free_blocks"]
-    snapshot = build_snapshot([ServiceRecord("scheduler", "s0", entry, None, SCHEDULER_TEXT),
-                               ServiceRecord("router", "r0", {}, None, "this is { not prometheus")],
+    snapshot = build_snapshot([ServiceRecord("scheduler", "s0", SchedulerEntry.from_json(entry),
+                                             None, SCHEDULER_TEXT),
+                               ServiceRecord("router", "r0", RouterEntry(), None,
+                                             "this is { not prometheus")],
                               taken_at=0.0)
     assert snapshot.groups[0].kv_usage == pytest.approx(0.75)
     # No age from Redis (heartbeat_age_s None): the one the service reports, if any.
@@ -217,7 +222,7 @@ def test_rates_without_a_previous_snapshot_use_all_observations() -> None:
 def test_counter_reset_counts_the_new_value_and_new_services_count_nothing() -> None:
     prev = build_snapshot(records(ROUTER_TEXT_1), taken_at=0.0)
     restarted = ROUTER_TEXT_1.replace("generation_tokens_total 1000.0", "generation_tokens_total 30.0")
-    newcomer = ServiceRecord("router", "r1", {}, None, ROUTER_TEXT_2)
+    newcomer = ServiceRecord("router", "r1", RouterEntry(), None, ROUTER_TEXT_2)
     cur = build_snapshot(records(restarted) + [newcomer], taken_at=1.0)
     assert compute_rates(prev, cur).output_tokens_per_s == pytest.approx(30.0)
 

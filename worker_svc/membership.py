@@ -9,9 +9,10 @@ re-sends every request in full, from step 0 of a session). A plan that leaves it
 gives it another rank, changes nothing; neither does a missing key (a restarted Redis).
 Each epoch is acted on at most once: a join that failed waits for the next plan.
 
-Statuses published in the registry entry: joining -> loading -> ready at start (standby ->
-joining -> loading -> ready for a --standby worker), ready -> joining -> ready on a
-re-form. `epoch` is the plan whose process group the worker is in ("" while in none).
+Statuses published in the registry entry (pagemesh.registry_entries.WorkerStatus): joining ->
+loading -> ready at start (standby -> joining -> loading -> ready for a --standby worker),
+ready -> joining -> ready on a re-form. `epoch` is the plan whose process group the worker
+is in ("" while in none).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagemesh.registry import Registry
+from pagemesh.registry_entries import WorkerStatus
 from worker_svc.runner import ModelRunner
 from worker_svc.servicer import WorkerServicer
 
@@ -56,15 +58,27 @@ class Plan:
         return plan
 
 
+@dataclass
+class WorkerState:
+    """The part of a worker's registry entry (pagemesh.registry_entries.WorkerEntry) that
+    changes while it runs; the heartbeat publishes it as it is then."""
+
+    status: WorkerStatus
+    epoch: str = ""  # the plan whose process group the worker is in, "" while in none
+    num_reforms: int = 0
+    quantization: str | None = None  # once the model is loaded
+    weight_bytes: int | None = None
+
+
 class Membership:
     """Follows one engine group's rendezvous plans on behalf of one worker.
 
-    `state` is the worker's published {"status", "epoch", ...} (changed in place);
-    `publish()` writes the registry entry at once instead of at the next heartbeat.
+    `state` is what the worker publishes about its place (changed in place); `publish()`
+    writes the registry entry at once instead of at the next heartbeat.
     """
 
     def __init__(self, registry: Registry, group: str, worker_id: str, world_size: int,
-                 state: dict[str, Any], publish: Callable[[], Awaitable[None]],
+                 state: WorkerState, publish: Callable[[], Awaitable[None]],
                  poll_interval_s: float = POLL_INTERVAL_S) -> None:
         self.registry = registry
         self.group = group
@@ -76,10 +90,10 @@ class Membership:
         self._acted_on: set[str] = set()  # epochs joined, failed or refused: never again
         self._redis_failing = False
 
-    async def set_status(self, status: str, epoch: str | None = None) -> None:
-        self.state["status"] = status
+    async def set_status(self, status: WorkerStatus, epoch: str | None = None) -> None:
+        self.state.status = status
         if epoch is not None:
-            self.state["epoch"] = epoch
+            self.state.epoch = epoch
         try:
             await self.publish()
         except Exception as exc:  # the heartbeat publishes it once Redis answers again
@@ -181,9 +195,9 @@ class Membership:
     async def _reform(self, servicer: WorkerServicer, runner: ModelRunner,
                       timeout_s: float) -> None:
         start_s = time.monotonic()
-        logger.info("group %s re-forms: leaving epoch %s", self.group, self.state["epoch"])
+        logger.info("group %s re-forms: leaving epoch %s", self.group, self.state.epoch)
         await servicer.stop_steps()
-        await self.set_status("joining", epoch="")
+        await self.set_status(WorkerStatus.JOINING, epoch="")
 
         async def rejoin(plan: Plan, should_abort: Callable[[], bool]) -> None:
             # On the model thread: after the step in progress, which a dead peer fails.
@@ -191,9 +205,9 @@ class Membership:
                                                should_abort)
 
         plan, _ = await self.join(runner.dist.parallel.rank, rejoin)
-        self.state["num_reforms"] = self.state.get("num_reforms", 0) + 1
-        await servicer.resume_steps()  # before "ready": the scheduler sends steps on seeing it
-        await self.set_status("ready", epoch=plan.epoch)
+        self.state.num_reforms += 1
+        await servicer.resume_steps()  # before ready: the scheduler sends steps on seeing it
+        await self.set_status(WorkerStatus.READY, epoch=plan.epoch)
         logger.info("re-formed group %s in epoch %s in %.2f s; weights kept", self.group,
                     plan.epoch, time.monotonic() - start_s)
 

@@ -1,5 +1,6 @@
 from protos.pagemesh.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,12 +8,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GroupStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_STATUS_UNSPECIFIED: _ClassVar[GroupStatus]
+    GROUP_STATUS_READY: _ClassVar[GroupStatus]
+    GROUP_STATUS_DEGRADED: _ClassVar[GroupStatus]
+    GROUP_STATUS_DRAINING: _ClassVar[GroupStatus]
+GROUP_STATUS_UNSPECIFIED: GroupStatus
+GROUP_STATUS_READY: GroupStatus
+GROUP_STATUS_DEGRADED: GroupStatus
+GROUP_STATUS_DRAINING: GroupStatus
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_preemptions", "num_steps", "prefix_cache_hit_rate", "num_cached_blocks", "status", "num_recoveries")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_preemptions", "num_steps", "prefix_cache_hit_rate", "num_cached_blocks", "num_recoveries", "group_status")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -21,8 +33,8 @@ class GetStatsResponse(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_STATUS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -31,9 +43,9 @@ class GetStatsResponse(_message.Message):
     num_steps: int
     prefix_cache_hit_rate: float
     num_cached_blocks: int
-    status: str
     num_recoveries: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., status: _Optional[str] = ..., num_recoveries: _Optional[int] = ...) -> None: ...
+    group_status: GroupStatus
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_recoveries: _Optional[int] = ..., group_status: _Optional[_Union[GroupStatus, str]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context")
