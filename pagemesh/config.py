@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagemesh.metrics import MetricsConfig
 from pagemesh.registry import RegistryConfig
+from pagemesh.service_flags import ServiceFlag
 from pagemesh.serving import ServerConfig
 from pagemesh.tls import TlsConfig
 
@@ -40,7 +41,7 @@ class _AppendReplacingDefault(argparse._AppendAction):
 
 
 def add_flag(
-    parser: argparse.ArgumentParser,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     flag: str,
     *,
     type: Callable[[str], Any] = str,
@@ -77,14 +78,26 @@ def add_flag(
     )
 
 
+def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                flags: Iterable[ServiceFlag]) -> None:
+    """Adds each of `flags` (pagemesh.service_flags) as `add_flag` would: a service's own
+    table, or every option on `pagemesh up`."""
+    for flag in flags:
+        kwargs: dict[str, Any] = {}
+        if flag.choices is not None:
+            kwargs["choices"] = list(flag.choices)
+        if flag.repeatable:
+            kwargs["action"] = "append"
+        add_flag(parser, flag.name, type=flag.type, default=flag.default, help=flag.help,
+                 **kwargs)
+
+
 def add_registry_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the registry is. The heartbeat flags `registry_config` reads come with every
+    service's options (pagemesh.service_flags)."""
     add_flag(parser, "--redis-url", default="redis://127.0.0.1:6379/0",
              help="Redis holding the registry and heartbeats")
     add_flag(parser, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
-    add_flag(parser, "--heartbeat-interval-s", type=float, default=1.0,
-             help="seconds between heartbeats")
-    add_flag(parser, "--heartbeat-ttl-s", type=float, default=3.0,
-             help="seconds after the last heartbeat before a service counts as dead")
 
 
 def registry_config(args: argparse.Namespace) -> RegistryConfig:
@@ -97,19 +110,13 @@ def registry_config(args: argparse.Namespace) -> RegistryConfig:
 
 
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """Where this process serves. `--shutdown-grace-s`, `--log-level` and
+    `--otlp-traces-endpoint` come with every service's options (pagemesh.service_flags)."""
     add_flag(parser, "--host", default="127.0.0.1", help="address to bind")
     add_flag(parser, "--port", type=int, default=default_port,
              help="port to bind; 0 = any free port")
     add_flag(parser, "--advertise-host", default=None,
              help="address other services dial (default: --host)")
-    add_flag(parser, "--shutdown-grace-s", type=float, default=5.0,
-             help="seconds in-flight calls get to finish on SIGTERM")
-    add_flag(parser, "--log-level", default="INFO", help="logging level")
-    add_flag(parser, "--otlp-traces-endpoint", default=None,
-             help="OTLP gRPC receiver of this service's trace spans, e.g. http://127.0.0.1:4317 "
-                  "(a bare host:port is plaintext); unset = the standard "
-                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, "
-                  "none of them = tracing off")
     add_flag(parser, "--metrics-port", type=int, default=0,
              help="port of the Prometheus /metrics endpoint on --host (plain HTTP); "
                   "0 = any free port (published in the registry), -1 = off")

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagemesh.config import tls_config
 from pagemesh.logs import setup_logging
 from pagemesh.models import default_model_path
+from pagemesh.service_flags import ROUTER_OPTIONS, SCHEDULER_OPTIONS, WORKER_OPTIONS, options_argv
 from pagemesh.supervisor import ServiceSpec, Supervisor
 from pagemesh.tls import TlsConfig
 
@@ -33,61 +34,36 @@ def served_model_name(model_path: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
-def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[ServiceSpec]:
-    """`--replicas` engine groups (each tp x pp workers and a scheduler) and the router, with
-    the flags the compose files use too."""
-    common = ["--redis-url", redis_url, "--cluster", args.cluster, "--host", args.host,
-              "--log-level", args.log_level, *tls_config(args).flags()]
-    if args.otlp_traces_endpoint:
-        common += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
-    name = args.served_model_name or served_model_name(model)
-    worker = ["--model", model, "--served-model-name", name, "--dtype", args.dtype,
-              "--block-size", str(args.block_size),
-              "--swap-space", str(args.swap_space),
-              "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-              "--max-num-seqs", str(args.max_num_seqs),
-              "--attention-backend", args.attention_backend,
-              "--cpu-linear", args.cpu_linear,
-              "--quantization", args.quantization]
-    if args.gguf_keep_quantized:
-        worker.append("--gguf-keep-quantized")
-    if args.kv_cache_memory_gib is not None:
-        worker += ["--kv-cache-memory-gib", str(args.kv_cache_memory_gib)]
-    if args.num_kv_blocks is not None:
-        worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.max_model_len is not None:
-        worker += ["--max-model-len", str(args.max_model_len)]
-    scheduler = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--max-num-seqs", str(args.max_num_seqs),
-                 "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-                 "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
-                 "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
-                 "--async-scheduling" if args.async_scheduling else "--no-async-scheduling",
-                 "--scheduling-policy", args.scheduling_policy,
-                 "--preemption-mode", args.preemption_mode]
-    if args.checkpoint_interval is not None:
-        scheduler += ["--checkpoint-interval", str(args.checkpoint_interval)]
-    if args.resume_window_s is not None:
-        scheduler += ["--resume-window-s", str(args.resume_window_s)]
-    router = ["--model", model, "--port", str(args.port), "--http-port", str(args.http_port),
-              "--routing", args.routing]
-    for key in args.api_key or []:
-        router += ["--api-key", key]
-    if args.api_keys_file:
-        router += ["--api-keys-file", args.api_keys_file]
-    router += ["--stream-interval", str(args.stream_interval),
-               "--max-queued-requests", str(args.max_queued_requests),
-               "--max-prompt-tokens", str(args.max_prompt_tokens),
-               "--max-message-bytes", str(args.max_message_bytes)]
-    layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
-    num_workers = (args.tp * args.pp + args.standby) * args.replicas
+def _num_workers(args: argparse.Namespace) -> int:
+    return (args.tp * args.pp + args.standby) * args.replicas
+
+
+def _option_values(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """`up`'s parsed options, with what `up` decides for its services: the model it
+    resolved and its name, and on CPU each worker's share of the host."""
+    values = {**vars(args), "model": model,
+              "served_model_name": args.served_model_name or served_model_name(model)}
+    num_workers = _num_workers(args)
     if args.device == "cpu":  # the host's memory is shared: each worker sizes its own part
-        worker += ["--cpu-kv-cache-fraction", f"{args.cpu_kv_cache_fraction / num_workers:g}"]
-    if num_workers > 1 and args.device == "cpu":  # share the cores, don't each claim all
-        worker += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // num_workers))]
-    if args.pp_layer_split:
-        worker += ["--pp-layer-split", args.pp_layer_split]
+        values["cpu_kv_cache_fraction"] = args.cpu_kv_cache_fraction / num_workers
+    if num_workers > 1 and args.device == "cpu" and not args.torch_threads:
+        # Share the cores, don't each claim all.
+        values["torch_threads"] = max(1, (os.cpu_count() or 1) // num_workers)
+    return values
+
+
+def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[ServiceSpec]:
+    """`--replicas` engine groups (each tp x pp workers and a scheduler) and the router.
+    Each service gets every option it takes (pagemesh.service_flags), as the compose files
+    pass them too, and the topology and identity `up` decides per process."""
+    values = _option_values(args, model)
+    common = ["--redis-url", redis_url, "--cluster", args.cluster, "--host", args.host,
+              *tls_config(args).flags()]
+    worker = options_argv(WORKER_OPTIONS, values)
+    scheduler = options_argv(SCHEDULER_OPTIONS, values)
+    router = [*options_argv(ROUTER_OPTIONS, values),
+              "--port", str(args.port), "--http-port", str(args.http_port)]
+    layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
     world = args.tp * args.pp
 
     def device(replica: int, pp: int, tp: int) -> str:

@@ -16,16 +16,19 @@ import uvicorn
 
 from pagemesh.auth import ApiKeyInterceptor, ApiKeys
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.config import metrics_config
+from pagemesh.config import add_options, metrics_config
 from pagemesh.metrics import RouterMetrics, serve_metrics
 from pagemesh.registry import Registry
+from pagemesh.registry_entries import RouterEntry
+from pagemesh.service_flags import ROUTER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router.http_api import build_http_app
 from router.resume import ResumeConfig
-from router.routing import POLICIES, RoutingConfig
+from router.routing import RoutingConfig
 from router.scheduler_client import SchedulerPool
-from router.servicer import AdmissionLimits, GenerationServicer
+from router.generation import AdmissionLimits, Generation
+from router.servicer import GenerationServicer
 from router.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,42 +36,19 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="router", description=__doc__)
     add_server_flags(parser, default_port=50051)
     add_registry_flags(parser)
-    add_flag(parser, "--model", required=False, default=None,
-             help="model folder or .gguf file whose tokenizer the router uses")
     add_flag(parser, "--router-id", default=None, help="id in the registry (default: host-pid)")
-    add_flag(parser, "--routing", default="prefix_aware", choices=list(POLICIES),
-             help="how requests are spread over engine groups")
-    add_flag(parser, "--balance-abs-threshold-tokens", type=int, default=4096,
-             help="prefix_aware yields to least_load when its group has this many more "
-                  "outstanding tokens than the least loaded one ...")
-    add_flag(parser, "--balance-rel-threshold", type=float, default=1.5,
-             help="... and this many times as many")
-    add_flag(parser, "--discovery-interval-s", type=float, default=1.0,
-             help="seconds between registry polls for engine groups")
-    add_flag(parser, "--resume-timeout-s", type=float, default=120.0,
-             help="how long a request whose engine group failed mid-stream waits for another "
-                  "group (or the failed one's replacement) to take it back, seconds")
     add_flag(parser, "--http-port", type=int, default=8000,
              help="port of the OpenAI-compatible HTTP API on --host (0 = disabled)")
-    add_flag(parser, "--api-key", action="append", default=None,
-             help="API key clients must send as `authorization: Bearer <key>` (repeatable); "
-                  "no key and no --api-keys-file = open access")
-    add_flag(parser, "--api-keys-file", default=None,
-             help="file of accepted API keys, one a line, `#` starts a comment")
-    add_flag(parser, "--stream-interval", type=int, default=1,
-             help="tokens per streamed client message: 1 sends each token as it comes, N "
-                  "coalesces N (fewer, larger messages for clients that prefer throughput)")
-    add_flag(parser, "--max-queued-requests", type=int, default=1024,
-             help="requests in flight through this router; more are refused "
-                  "(RESOURCE_EXHAUSTED / HTTP 429)")
-    add_flag(parser, "--max-prompt-tokens", type=int, default=0,
-             help="longest prompt accepted, tokens; 0 = the model's context")
-    add_flag(parser, "--max-message-bytes", type=int, default=16 * 1024 * 1024,
-             help="largest gRPC request message the public port accepts, bytes")
+    add_options(parser, ROUTER_OPTIONS)  # declared in pagemesh.service_flags, like `up`'s
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or PAGEMESH_MODEL) is required")
@@ -96,8 +76,9 @@ async def serve(args: argparse.Namespace) -> None:
     limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens,
                              args.stream_interval)
     metrics = RouterMetrics()
-    servicer = GenerationServicer(tokenizer, pool, limits, metrics)
-    metrics.follow_router(lambda: pool.model_name, lambda: servicer.num_in_flight,
+    generation = Generation(tokenizer, pool, limits, metrics)  # both APIs adapt this one
+    servicer = GenerationServicer(generation)
+    metrics.follow_router(lambda: pool.model_name, lambda: generation.num_in_flight,
                           lambda: pool.num_groups, lambda: pool.num_resumes)
     metrics.follow_heartbeat(lambda: registry.last_heartbeat_s)
     server = GrpcServer(
@@ -113,13 +94,13 @@ async def serve(args: argparse.Namespace) -> None:
     await pool.refresh()
     await server.set_serving(pool.serving)
     pool_task = asyncio.create_task(pool.run())
-    http = _start_http(args, servicer, lambda: pool.serving, api_keys)
+    http = _start_http(args, generation, lambda: pool.serving, api_keys)
     router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
     await registry.start_heartbeat(
-        "router", router_id, lambda: {"address": server.address, "num_groups": pool.num_groups,
-                                      "serving": pool.serving, "pid": os.getpid(),
-                                      "host": socket.gethostname(),
-                                      **metrics_server.registry_info()}
+        "router", router_id, lambda: RouterEntry(
+            address=server.address, num_groups=pool.num_groups, serving=pool.serving,
+            pid=os.getpid(), host=socket.gethostname(),
+            **metrics_server.registry_info()).to_json()
     )
     logger.info("router %s serving %s on %s", router_id, args.model, server.address)
     await server.wait_for_stop()
@@ -134,7 +115,7 @@ async def serve(args: argparse.Namespace) -> None:
 # --- OpenAI-compatible HTTP API (router/http_api.py), served by uvicorn in this event loop.
 
 
-def _start_http(args: argparse.Namespace, servicer: GenerationServicer, is_serving: Callable[[], bool],
+def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Callable[[], bool],
                 api_keys: ApiKeys) -> tuple[uvicorn.Server, asyncio.Task[None]] | None:
     if not args.http_port:
         return None
@@ -144,7 +125,7 @@ def _start_http(args: argparse.Namespace, servicer: GenerationServicer, is_servi
         tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
         if args.tls_ca:
             tls |= {"ssl_ca_certs": args.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    config = uvicorn.Config(build_http_app(servicer, is_serving, api_keys), host=args.host,
+    config = uvicorn.Config(build_http_app(generation, is_serving, api_keys), host=args.host,
                             port=args.http_port, log_level="warning", log_config=None,
                             timeout_graceful_shutdown=5, **tls)
     http_server = _HttpServer(config)

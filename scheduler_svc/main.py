@@ -12,26 +12,25 @@ import time
 from dataclasses import asdict
 
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.config import metrics_config
+from pagemesh.config import add_options, metrics_config
 from pagemesh.metrics import SchedulerMetrics, serve_metrics
 from pagemesh.registry import Registry
+from pagemesh.registry_entries import GroupStatus, SchedulerEntry
+from pagemesh.service_flags import SCHEDULER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import convert
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
-from scheduler_svc.engine_loop import DRAINING, READY, EngineLoop
+from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
 from scheduler_svc.servicer import SchedulerServicer
 
 logger = logging.getLogger(__name__)
 
-# Measured by bench/fault_tolerance.py: see bench/README.md.
-CHECKPOINT_INTERVAL = 16
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scheduler_svc", description=__doc__)
     add_server_flags(parser, default_port=0)
     add_registry_flags(parser)
@@ -39,43 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--scheduler-id", default=None, help="id in the registry (default: group)")
     add_flag(parser, "--tp", type=int, default=1, help="tensor-parallel workers per stage")
     add_flag(parser, "--pp", type=int, default=1, help="pipeline stages")
-    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,
-             help="tokens computed per step, over all requests")
-    add_flag(parser, "--max-num-seqs", type=int, default=128, help="running requests per step")
-    add_flag(parser, "--enable-chunked-prefill", type=bool, default=True,
-             help="split long prompts over several steps")
-    add_flag(parser, "--long-prefill-token-threshold", type=int, default=0,
-             help="largest prefill chunk of one request per step; 0 = no limit but the budget")
-    add_flag(parser, "--enable-prefix-caching", type=bool, default=True,
-             help="reuse the KV of prompt blocks computed before")
-    add_flag(parser, "--async-scheduling", type=bool, default=True,
-             help="plan the next step while one runs (groups of one rank; larger ones "
-                  "keep one step in flight, or one per pipeline stage)")
-    add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-             help="admission order and preemption victim: arrival, or request priority")
-    add_flag(parser, "--preemption-mode", default="swap", choices=["recompute", "swap"],
-             help="what a preempted request loses: its KV (recomputed later) or nothing "
-                  "(its KV moves to the workers' CPU swap space, see the worker's --swap-space; "
-                  "recompute when the workers have none). Swap measured 1.2x faster here")
-    add_flag(parser, "--worker-wait-s", type=float, default=600.0,
-             help="seconds to wait for the group's workers to register")
-    add_flag(parser, "--step-timeout-s", type=float, default=300.0,
-             help="seconds one step may take before it counts as failed")
-    add_flag(parser, "--standby-grace-s", type=float, default=60.0,
-             help="at start, seconds before a standby worker may take the rank of a worker "
-                  "that has not registered yet")
-    add_flag(parser, "--recovery-timeout-s", type=float, default=300.0,
-             help="seconds to wait for a dead worker's replacement (or a standby) before the "
-                  "requests in flight are handed back to the routers")
-    add_flag(parser, "--checkpoint-interval", type=int, default=CHECKPOINT_INTERVAL,
-             help="steps between checkpoint writes of the requests in flight (also written on "
-                  "admission and finish); 0 = no checkpoints")
-    add_flag(parser, "--resume-window-s", type=float, default=300.0,
-             help="seconds a finished or orphaned request's checkpoint is kept for a client "
-                  "to resume it")
-    add_flag(parser, "--drain-timeout-s", type=float, default=30.0,
-             help="on SIGTERM, seconds to let requests finish before handing the rest over")
-    return parser.parse_args(argv)
+    add_options(parser, SCHEDULER_OPTIONS)  # declared in pagemesh.service_flags, like `up`'s
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def async_scheduling(args: argparse.Namespace) -> bool:
@@ -142,16 +110,17 @@ async def serve(args: argparse.Namespace) -> None:
     scheduler_id = args.scheduler_id or args.group
 
     def registry_info() -> dict[str, object]:
-        return {"address": server.address, "group": args.group, "model": model_info.model,
-                "pid": os.getpid(), "host": socket.gethostname(), "status": loop.status,
-                "num_recoveries": loop.num_recoveries, "num_steps": loop.num_steps,
-                "members": [e.worker_id for e in loop.workers.endpoints],
-                "checkpoint_writes": checkpointer.num_writes,
-                "checkpoint_write_s": round(checkpointer.write_time_s, 6),
-                **asdict(loop.scheduler.stats()), **metrics_server.registry_info()}
+        return SchedulerEntry(
+            address=server.address, group=args.group, model=model_info.model,
+            pid=os.getpid(), host=socket.gethostname(), status=loop.status,
+            num_recoveries=loop.num_recoveries, num_steps=loop.num_steps,
+            members=tuple(e.worker_id for e in loop.workers.endpoints),
+            checkpoint_writes=checkpointer.num_writes,
+            checkpoint_write_s=round(checkpointer.write_time_s, 6),
+            **asdict(loop.scheduler.stats()), **metrics_server.registry_info()).to_json()
 
-    async def on_status(status: str) -> None:
-        await server.set_serving(status == READY)
+    async def on_status(status: GroupStatus) -> None:
+        await server.set_serving(status == GroupStatus.READY)
         with contextlib.suppress(Exception):  # the next heartbeat publishes it anyway
             await registry.put("scheduler", scheduler_id, registry_info())
 
@@ -177,7 +146,7 @@ async def _watch_members(loop: EngineLoop, group: EngineGroup, interval_s: float
     health turns NOT_SERVING within one heartbeat TTL of the death."""
     while True:
         await asyncio.sleep(interval_s)
-        if loop.status == READY and not await group.members_alive(loop.workers):
+        if loop.status == GroupStatus.READY and not await group.members_alive(loop.workers):
             loop.request_recovery("a worker's heartbeat expired and it does not answer")
 
 
@@ -185,7 +154,7 @@ async def _drain(loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float)
     """SIGTERM: NOT_SERVING, no admissions, let the requests in flight finish for up to
     `timeout_s`, then hand the rest over: their streams end UNAVAILABLE with their
     checkpoints written, and the routers resume them on another group."""
-    await loop.set_status(DRAINING)
+    await loop.set_status(GroupStatus.DRAINING)
     deadline = time.monotonic() + timeout_s
     while loop.num_streams and time.monotonic() < deadline:
         await asyncio.sleep(0.1)

@@ -12,17 +12,19 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import cpu_native
 from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.config import metrics_config
+from pagemesh.config import add_options, metrics_config
 from pagemesh.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
 from pagemesh.registry import Registry
+from pagemesh.registry_entries import WorkerEntry, WorkerStatus
+from pagemesh.service_flags import WORKER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.attention import needs_triton_interpreter
 from worker_svc.distributed import DistributedContext, init_distributed
-from worker_svc.kv_budget import DEFAULT_CPU_KV_CACHE_FRACTION, DEFAULT_GPU_MEMORY_UTILIZATION
-from worker_svc.membership import Membership, Plan
+from worker_svc.membership import Membership, Plan, WorkerState
 from worker_svc.parallel import ParallelConfig
-from worker_svc.quant import QUANTIZATION_CHOICES
 from worker_svc.runner import ModelRunner, RunnerConfig
 from worker_svc.servicer import WorkerServicer
 
@@ -31,46 +33,11 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="worker_svc", description=__doc__)
     add_server_flags(parser, default_port=0)
     add_registry_flags(parser)
-    add_flag(parser, "--model", default=None, help="HF model folder or .gguf file")
-    add_flag(parser, "--served-model-name", default=None, help="name clients use")
-    add_flag(parser, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     add_flag(parser, "--device", default="cpu", help="cpu | cuda | cuda:N")
-    add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
-    add_flag(parser, "--kv-cache-memory-gib", type=float, default=None,
-             help="memory for the KV cache, GiB (default: sized from the device, see "
-                  "--gpu-memory-utilization and --cpu-kv-cache-fraction)")
-    add_flag(parser, "--gpu-memory-utilization", type=float,
-             default=DEFAULT_GPU_MEMORY_UTILIZATION,
-             help="CUDA: share of the device's memory for this worker's weights, peak "
-                  "activations (profiled at start) and KV cache")
-    add_flag(parser, "--cpu-kv-cache-fraction", type=float,
-             default=DEFAULT_CPU_KV_CACHE_FRACTION,
-             help="CPU: share of the host's available memory for this worker's KV cache")
-    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,
-             help="the scheduler's tokens per step: the size of the CUDA profiling pass")
-    add_flag(parser, "--max-num-seqs", type=int, default=128,
-             help="the scheduler's running requests per step: LM head rows of that pass")
-    add_flag(parser, "--num-kv-blocks", type=int, default=None,
-             help="exact number of KV blocks (overrides --kv-cache-memory-gib)")
-    add_flag(parser, "--swap-space", type=float, default=4.0,
-             help="CPU memory, GiB, for the KV of requests preempted by swapping; 0 = none")
-    add_flag(parser, "--max-model-len", type=int, default=None,
-             help="cap on prompt + output tokens (default: the model's)")
-    add_flag(parser, "--attention-backend", default="auto", help="auto | torch | cpu | triton")
-    add_flag(parser, "--cpu-linear", default="auto",
-             help="auto | onednn | torch: on CPU, auto packs linear weights for oneDNN "
-                  "(2-2.5x MKL's fp32 speed on AMD); torch keeps F.linear")
-    add_flag(parser, "--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-             help="weights of the decoder's linear layers: auto = as the checkpoint's "
-                  "quantization_config says (FP8 from vLLM / llm-compressor, AWQ from AutoAWQ); "
-                  "fp8 also quantizes a plain checkpoint at load (per-channel scales)")
-    add_flag(parser, "--gguf-keep-quantized", type=bool, default=False,
-             help="GGUF: keep the linear layers' Q8_0/Q4_0/Q4_1/Q5_x/Q4_K/Q6_K blocks in "
-                  "memory and dequantize them per matmul (less memory, slower steps)")
     add_flag(parser, "--group", default="g0", help="engine group this worker belongs to")
     add_flag(parser, "--worker-id", default=None, help="id in the registry (default: host-pid)")
     add_flag(parser, "--tp", type=int, default=1, help="tensor-parallel ranks per stage")
@@ -80,15 +47,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--standby", type=bool, default=False,
              help="start without a rank (ignores --tp-rank/--pp-rank): wait until a "
                   "rendezvous plan gives this worker a dead one's place, then load that shard")
-    add_flag(parser, "--pp-layer-split", default=None,
-             help="layers per stage, e.g. 12,10 (default: as even as possible)")
-    add_flag(parser, "--torch-threads", type=int, default=0,
-             help="CPU threads of this worker's torch ops (0 = torch's default, all cores)")
     add_flag(parser, "--dist-port", type=int, default=0,
              help="torch.distributed port if this worker is rank 0 (0 = any free port)")
-    add_flag(parser, "--dist-timeout-s", type=float, default=300.0,
-             help="seconds to wait for the group's process group to form; also bounds "
-                  "every collective, so a silent peer fails a step after this long")
+    add_options(parser, WORKER_OPTIONS)  # declared in pagemesh.service_flags, like `up`'s
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or PAGEMESH_MODEL) is required")
@@ -129,6 +95,7 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
 
 
 async def serve(args: argparse.Namespace) -> None:
+    configure_kernels(args)  # first: before any kernel module is imported
     registry = Registry(registry_config(args))
     await registry.ping()
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -146,15 +113,16 @@ async def serve(args: argparse.Namespace) -> None:
     server.install_signal_handlers()
     metrics = worker_metrics(args.group, layout, servicer, registry)
     metrics_server = await serve_metrics(metrics, metrics_config(args))
-    state: dict[str, object] = {"status": "standby" if args.standby else "joining", "epoch": "",
-                                "num_reforms": 0}
+    state = WorkerState(WorkerStatus.STANDBY if args.standby else WorkerStatus.JOINING)
     dist_host = args.advertise_host or args.host
     dist_addr = f"{dist_host}:{args.dist_port or free_port(args.host)}"
 
     def registry_info() -> dict[str, object]:
-        return {"address": server.address, "group": args.group, "dist_addr": dist_addr,
-                "model": args.served_model_name or args.model, "pid": os.getpid(),
-                **layout, **state, **servicer.stats(), **metrics_server.registry_info()}
+        return WorkerEntry(
+            address=server.address, group=args.group, dist_addr=dist_addr,
+            model=args.served_model_name or args.model, pid=os.getpid(), **layout,
+            **dataclasses.asdict(state), **servicer.stats(),
+            **metrics_server.registry_info()).to_json()
 
     membership = Membership(registry, args.group, worker_id, parallel.world_size, state,
                             lambda: registry.put("worker", worker_id, registry_info()))
@@ -169,9 +137,9 @@ async def serve(args: argparse.Namespace) -> None:
             runner = servicer.runner = loading.result()  # raises what failed the load
             info = runner.info()
             # Published with the registry entry (for `pagemesh top`) and as gauges.
-            state.update(quantization=info.quantization, weight_bytes=info.weight_bytes)
+            state.quantization, state.weight_bytes = info.quantization, info.weight_bytes
             metrics.set_weights(info.quantization, info.weight_bytes)
-            await membership.set_status("ready")
+            await membership.set_status(WorkerStatus.READY)
             await server.set_serving(True)
             logger.info("ready: %s", info)
             if not runner.dist.is_single:
@@ -218,7 +186,7 @@ async def _join_and_load(args: argparse.Namespace, membership: Membership,
             place = parallel_config(args, plan.members[membership.worker_id])
             if args.standby:
                 layout.update(tp_rank=place.tp_rank, pp_rank=place.pp_rank)
-                await membership.set_status("joining")
+                await membership.set_status(WorkerStatus.JOINING)
             try:
                 return await asyncio.to_thread(
                     init_distributed, place, plan.master_addr, plan.master_port, None,
@@ -227,13 +195,13 @@ async def _join_and_load(args: argparse.Namespace, membership: Membership,
             except Exception:
                 if args.standby:  # in no group yet: free again to take any rank
                     layout.update(tp_rank=-1, pp_rank=-1)
-                    await membership.set_status("standby")
+                    await membership.set_status(WorkerStatus.STANDBY)
                 raise
 
         plan, dist = await membership.join(None if args.standby else parallel.rank, join)
         parallel = parallel_config(args, plan.members[membership.worker_id])
-        membership.state["epoch"] = plan.epoch
-    await membership.set_status("loading")
+        membership.state.epoch = plan.epoch
+    await membership.set_status(WorkerStatus.LOADING)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     runner = await asyncio.to_thread(ModelRunner.from_config, runner_config(args, parallel), dist)
@@ -247,6 +215,19 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def configure_kernels(args: argparse.Namespace) -> None:
+    """The process-wide kernel settings, decided once at startup and logged: the C kernels'
+    config from `CC`, `PAGEMESH_KERNEL_CACHE` and `PAGEMESH_NATIVE_KERNELS`, and Triton's
+    interpreter where the attention backend needs it. Called by `serve` (logging is set up
+    by then) before the model loads: Triton reads TRITON_INTERPRET when its kernel modules
+    are imported, which the attention backend does while the runner is built."""
+    cpu_native.configure(cpu_native.native_kernel_config_from_env(os.environ))
+    if needs_triton_interpreter(args.attention_backend, args.device):
+        os.environ["TRITON_INTERPRET"] = "1"
+        logger.info("TRITON_INTERPRET=1: --attention-backend triton on %s runs Triton's "
+                    "kernels in its interpreter", args.device)
 
 
 def main(argv: list[str] | None = None) -> None:
