@@ -32,20 +32,20 @@ def default_gguf() -> Path:
 def measure(keep: bool) -> dict:
     """Runs in the child process."""
     from worker_svc.runner import ModelRunner, RunnerConfig
-    from worker_svc.types import CachedRequestData, NewRequestData, SamplingParams, StepInput
+    from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 
     runner = ModelRunner.from_config(RunnerConfig(model_path=str(default_gguf()), num_blocks=16,
                                                   gguf_keep_quantized=keep))
     rss = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text()
                .splitlines() if line.startswith("VmRSS"))
     prompt = list(range(100, 132))
-    out = runner.execute_step(StepInput(0, new_requests=[NewRequestData(
+    out = runner.execute_step(SchedulerOutput(0, new_requests=[NewRequestData(
         "r", prompt, len(prompt), list(range(16)), 0, SamplingParams(temperature=0.0))],
         num_scheduled_tokens={"r": len(prompt)}))
     start = time.perf_counter()
     for step in range(1, 33):
         token = out.sampled["r"].token_id
-        out = runner.execute_step(StepInput(step, cached_requests=[
+        out = runner.execute_step(SchedulerOutput(step, cached_requests=[
             CachedRequestData("r", [], len(prompt) + step - 1, [token])],
             num_scheduled_tokens={"r": 1}))
     info = runner.info()

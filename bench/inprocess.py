@@ -21,11 +21,12 @@ import time
 
 import torch
 
-from bench.machine import machine_record
-from bench.result import RunResult
+from pagemesh.loadgen.machine import machine_record
+from pagemesh.loadgen.result import RunResult
+from protos.step import RequestId, SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.types import Request, RequestEvent, RequestId, SamplingSpec
+from scheduler_svc.core.types import Request, RequestEvent
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.executor import InprocExecutor
 from worker_svc.inproc import step_function
@@ -91,7 +92,7 @@ def run_requests(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[i
     """Greedy, EOS ignored, all requests at once, through one EngineLoop."""
     start = time.perf_counter()
     requests = [Request(request_id=RequestId(f"bench-{i}"), prompt_token_ids=list(prompt),
-                        sampling=SamplingSpec(temperature=0.0, seed=i), max_tokens=max_tokens,
+                        sampling=SamplingParams(temperature=0.0, seed=i), max_tokens=max_tokens,
                         arrival_time_s=start) for i, prompt in enumerate(prompts)]
     loop = EngineLoop(scheduler, InprocExecutor(step_function(runner)))
     arrivals = asyncio.run(_run(loop, requests)).times
@@ -107,7 +108,7 @@ def run_requests(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[i
 
 def main(argv: list[str] | None = None) -> None:
     from bench.common import REPO_ROOT, write_w64_model
-    from bench.loadgen.workloads import build_workload
+    from pagemesh.loadgen.workloads import build_workload
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

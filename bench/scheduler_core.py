@@ -1,7 +1,7 @@
 """The scheduler core's own cost per step: `schedule()` + `update()` with N running decodes.
 
-    .venv/bin/python bench/scheduler_core.py            # 16, 256, 1024 running requests
-    .venv/bin/python bench/scheduler_core.py --steps 64 --repeats 3
+    .venv/bin/python -m bench.scheduler_core            # 16, 256, 1024 running requests
+    .venv/bin/python -m bench.scheduler_core --steps 64 --repeats 3
 
 Each request has a 128-token prompt whose first 64 tokens are shared by all, so the prefix
 cache is live; all prompts are prefilled and a few decode steps taken before timing. The
@@ -24,15 +24,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.machine import machine_markdown, machine_record  # noqa: E402
+from pagemesh.loadgen.machine import machine_markdown, machine_record  # noqa: E402
+from protos.step import ModelRunnerOutput, RequestId, SampledToken, SamplingParams, SchedulerOutput  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_svc.core.types import (  # noqa: E402
-    Request,
-    RequestId,
-    SampledToken,
-    SamplingSpec,
-    StepResult,
-)
+from scheduler_svc.core.types import Request  # noqa: E402
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 128
@@ -65,7 +60,7 @@ def build(num_running: int, prefix_caching: bool, num_steps: int) -> Scheduler:
     shared = list(range(1000, 1000 + SHARED_PREFIX_LEN))
     for i in range(num_running):
         unique = [(i * 7919 + j) % 30000 + 2000 for j in range(PROMPT_LEN - SHARED_PREFIX_LEN)]
-        scheduler.add_request(Request(RequestId(f"r{i}"), shared + unique, SamplingSpec(),
+        scheduler.add_request(Request(RequestId(f"r{i}"), shared + unique, SamplingParams(),
                                       max_tokens=max_tokens))
     while len(scheduler.running) < num_running or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
@@ -75,15 +70,21 @@ def build(num_running: int, prefix_caching: bool, num_steps: int) -> Scheduler:
     return scheduler
 
 
+def made_up_result(scheduler: Scheduler, output: SchedulerOutput, token_id: int = 5) -> ModelRunnerOutput:
+    """What a worker would answer, without a model: `token_id` for every request whose
+    scheduled tokens reached its end."""
+    requests = scheduler.requests
+    sampled = {rid: SampledToken(token_id) for rid in output.num_scheduled_tokens
+               if requests[rid].num_computed_tokens == requests[rid].num_tokens}
+    return ModelRunnerOutput(output.step_id, sampled)
+
+
 def run_step(scheduler: Scheduler, token_id: int = 5) -> tuple[int, int]:
     """One step; returns the ns spent in schedule() and in update()."""
     start = time.perf_counter_ns()
     output = scheduler.schedule()
     mid = time.perf_counter_ns()
-    requests = scheduler.requests
-    sampled = {rid: SampledToken(token_id) for rid in output.num_scheduled_tokens
-               if requests[rid].num_computed_tokens == requests[rid].num_tokens}
-    result = StepResult(output.step_id, sampled)
+    result = made_up_result(scheduler, output, token_id)
     before_update = time.perf_counter_ns()
     scheduler.update(output, result)
     end = time.perf_counter_ns()

@@ -82,7 +82,7 @@ class Workload:
         self.running: dict[str, tuple[int, int]] = {}  # id -> (num_computed, last token)
 
     def _new(self, prompt_len: int):
-        from worker_svc.types import NewRequestData, SamplingParams
+        from protos.step import NewRequestData, SamplingParams
 
         num_blocks = -(-(prompt_len + 64) // self.runner.block_size)
         if num_blocks > len(self.free_blocks):
@@ -96,8 +96,8 @@ class Workload:
 
     def run(self, prompts: list[int], decode: bool, finish_new: bool = True):
         """One step: new requests of `prompts` lengths, plus one token of every running
-        request if `decode`. Returns the StepInput (already executed) and its wall time."""
-        from worker_svc.types import CachedRequestData, StepInput
+        request if `decode`. Returns the SchedulerOutput (already executed) and its wall time."""
+        from protos.step import CachedRequestData, SchedulerOutput
 
         new = [self._new(n) for n in prompts]
         cached = ([CachedRequestData(r, [], computed, [token])
@@ -105,7 +105,7 @@ class Workload:
         scheduled = {r.request_id: len(r.token_ids) for r in new}
         scheduled |= {c.request_id: 1 for c in cached}
         self.step_id += 1
-        step = StepInput(step_id=self.step_id, new_requests=new, cached_requests=cached,
+        step = SchedulerOutput(step_id=self.step_id, new_requests=new, cached_requests=cached,
                          num_scheduled_tokens=scheduled)
         start = time.perf_counter()
         out = self.runner.execute_step(step)
@@ -120,13 +120,13 @@ class Workload:
         return step, wall
 
     def _forget(self, request_ids: list[str]) -> None:
-        from worker_svc.types import StepInput
+        from protos.step import SchedulerOutput
 
         if request_ids:
             for request_id in request_ids:
                 self.free_blocks += reversed(self.blocks.pop(request_id))
             self.step_id += 1
-            self.runner.execute_step(StepInput(step_id=self.step_id,
+            self.runner.execute_step(SchedulerOutput(step_id=self.step_id,
                                                finished_request_ids=request_ids))
 
 

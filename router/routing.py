@@ -95,7 +95,7 @@ class PrefixIndex:
                 del self._groups[block_hash]
 
 
-class Router:
+class RoutingPolicy:
     """Picks a group for each request under one policy; `exclude` skips groups that
     already failed this request."""
 

@@ -10,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from protos.step import SamplingParams
+
 MAX_NUM_LOGPROBS = 20
 MAX_NUM_STOP_STRINGS = 16
 MAX_ABS_PENALTY = 2.0
@@ -209,11 +211,12 @@ def _check_stopping(stopping: StoppingOptions, max_tokens: int, limits: ModelLim
 
 
 def _with_sampling_defaults(sampling: SamplingOptions) -> SamplingOptions:
-    return dataclasses.replace(
-        sampling,
-        temperature=1.0 if sampling.temperature is None else sampling.temperature,
-        top_p=1.0 if sampling.top_p is None else sampling.top_p,
-        repetition_penalty=(
-            1.0 if sampling.repetition_penalty is None else sampling.repetition_penalty
-        ),
-    )
+    """Unset fields take `SamplingParams`' defaults, the one place they are written (the
+    scheduler applies the same ones to a field a router left unset). The seed stays unset:
+    the servicer draws it."""
+    unset = {f.name: getattr(_DEFAULTS, f.name) for f in dataclasses.fields(sampling)
+             if getattr(sampling, f.name) is None and f.name != "seed"}
+    return dataclasses.replace(sampling, **unset)
+
+
+_DEFAULTS = SamplingParams()

@@ -26,7 +26,8 @@ import grpc
 
 from pagemesh.serving import ServiceError
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
-from scheduler_svc.core.types import RequestEvent, RequestId
+from protos.step import RequestId
+from scheduler_svc.core.types import RequestEvent
 from scheduler_svc.request_streams import OpenRequest, RequestStreams
 
 logger = logging.getLogger(__name__)

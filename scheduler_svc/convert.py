@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+from pagemesh.registry_entries import GroupStatus
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
+from protos.step import ModelRunnerOutput, RequestId, SampledToken, SamplingParams, SchedulerOutput
+from scheduler_svc.core import admission
+from scheduler_svc.core.admission import expand_samples
 from scheduler_svc.core.scheduler import SchedulerStats
-from scheduler_svc.core.types import (
-    FinishReason,
-    NewRequestSchedule,
-    Request,
-    RequestEvent,
-    RequestId,
-    SampledToken,
-    SamplingSpec,
-    SchedulerOutput,
-    StepResult,
-)
+from scheduler_svc.core.types import FinishReason, Request, RequestEvent
 
 _FINISH_REASON_TO_PB = {
     None: generate_pb2.FINISH_REASON_UNSPECIFIED,
@@ -28,108 +20,61 @@ _FINISH_REASON_TO_PB = {
 }
 
 
-def requests_from_pb(
-    pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int], arrival_time_s: float, seed: int
-) -> list[Request]:
-    """One core request per sample: `<id>` for n = 1, else `<id>#<i>` forking from sample 0
-    with seed + i. `seed` is used when the router left the seed unset."""
-    leader = _request_from_pb(pb, eos_token_ids, arrival_time_s, seed)
-    if pb.progress:
-        return _resumed_samples(pb, leader)
-    if pb.n <= 1:
-        return [leader]
-    leader.request_id = RequestId(f"{pb.request_id}#0")
-    samples = [leader]
-    for i in range(1, pb.n):
-        sampling = dataclasses.replace(leader.sampling, seed=(leader.sampling.seed + i) % 2**64)
-        samples.append(dataclasses.replace(
-            leader, request_id=RequestId(f"{pb.request_id}#{i}"), sampling=sampling,
-            prompt_token_ids=list(leader.prompt_token_ids), output_token_ids=[], block_ids=[],
-            fork_of=leader.request_id,
-        ))
-    return samples
+# Fields the router may leave unset: SamplingParams' defaults (the one place they are
+# written) apply to them.
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty")
 
 
-def sample_index(request_id: str, n: int) -> int:
-    """Which sample a core request id (`<id>` or `<id>#<i>`) stands for."""
-    return int(request_id.rsplit("#", 1)[1]) if n > 1 else 0
-
-
-def _resumed_samples(pb: scheduler_pb2.SubmitRequest, base: Request) -> list[Request]:
-    """A resumed request: each unfinished sample with the outputs it already has (its KV
-    is recomputed; its next draw is at the same position with the same seed as before).
-    No forks: each sample's prompt blocks come from the prefix cache instead."""
-    n = max(pb.n, 1)
-    progress = {p.index: p for p in pb.progress}
-    if any(i >= n for i in progress):
-        raise ValueError(f"progress names sample {max(progress)} but the request has n={n}")
-    samples = []
-    for i in range(n):
-        done = progress.get(i)
-        if done is not None and done.finished:
-            continue
-        outputs = list(done.token_ids) if done is not None else []
-        if _ended(base, outputs) is not None:
-            continue  # see ended_samples
-        samples.append(dataclasses.replace(
-            base, request_id=RequestId(pb.request_id if n == 1 else f"{pb.request_id}#{i}"),
-            sampling=dataclasses.replace(base.sampling, seed=(base.sampling.seed + i) % 2**64),
-            prompt_token_ids=list(base.prompt_token_ids), output_token_ids=outputs, block_ids=[],
-        ))
-    return samples
+def requests_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
+                     arrival_time_s: float) -> list[Request]:
+    """One core request per sample that still has to run (see `admission.expand_samples`)."""
+    return expand_samples(_request_from_pb(pb, eos_token_ids, arrival_time_s), max(pb.n, 1),
+                          _progress(pb))
 
 
 def ended_samples(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]
                   ) -> list[tuple[int, FinishReason]]:
-    """Resumed samples not marked finished whose tokens already end them (the router lost
-    the last message): each gets its final message at once instead of running."""
-    base = _request_from_pb(pb, eos_token_ids, 0.0, 0)
-    return [(p.index, reason) for p in pb.progress if not p.finished
-            and (reason := _ended(base, list(p.token_ids))) is not None]
+    """Resumed samples whose tokens already end them (see `admission.ended_samples`)."""
+    return admission.ended_samples(_request_from_pb(pb, eos_token_ids, 0.0), _progress(pb))
 
 
-def _ended(request: Request, outputs: list[int]) -> FinishReason | None:
-    if len(outputs) >= request.max_tokens:
-        return FinishReason.LENGTH
-    if outputs and outputs[-1] in request.stop_token_ids and len(outputs) >= request.min_tokens:
-        return FinishReason.STOP
-    return None
+def _progress(pb: scheduler_pb2.SubmitRequest) -> dict[int, tuple[list[int], bool]]:
+    return {p.index: (list(p.token_ids), p.finished) for p in pb.progress}
 
 
-def _request_from_pb(
-    pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int], arrival_time_s: float, seed: int
-) -> Request:
+def _request_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
+                     arrival_time_s: float) -> Request:
     sampling = pb.sampling
+    if not sampling.HasField("seed"):
+        # The router draws every request's seed, so that any scheduler resumes it the same.
+        raise ValueError("sampling.seed is unset: send the seed the request draws with")
     stopping = pb.stopping
     stop_ids = set(stopping.stop_token_ids)
     if not stopping.ignore_eos:
         stop_ids.update(eos_token_ids)
+    unset_is_default = {name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING
+                        if sampling.HasField(name)}
     return Request(
         request_id=RequestId(pb.request_id),
         prompt_token_ids=list(pb.prompt_token_ids),
-        sampling=SamplingSpec(
-            temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
-            top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        sampling=SamplingParams(
             top_k=sampling.top_k,
             min_p=sampling.min_p,
-            repetition_penalty=(
-                sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
-            ),
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
-            seed=sampling.seed if sampling.HasField("seed") else seed,
+            seed=sampling.seed,
+            min_tokens=stopping.min_tokens,
+            stop_token_ids=tuple(sorted(stop_ids)),
             num_logprobs=pb.logprobs,
+            **unset_is_default,
         ),
         max_tokens=stopping.max_tokens,
-        min_tokens=stopping.min_tokens,
-        stop_token_ids=frozenset(stop_ids),
         arrival_time_s=arrival_time_s,
         priority=pb.priority,
     )
 
 
-def _sampling_to_pb(new: NewRequestSchedule) -> worker_pb2.SamplingParams:
-    s = new.sampling
+def _sampling_to_pb(s: SamplingParams) -> worker_pb2.SamplingParams:
     return worker_pb2.SamplingParams(
         temperature=s.temperature,
         top_p=s.top_p,
@@ -139,13 +84,13 @@ def _sampling_to_pb(new: NewRequestSchedule) -> worker_pb2.SamplingParams:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         seed=s.seed,
-        min_tokens=new.min_tokens,
-        stop_token_ids=sorted(new.stop_token_ids),
+        min_tokens=s.min_tokens,
+        stop_token_ids=s.stop_token_ids,
         num_logprobs=s.num_logprobs,
     )
 
 
-def step_to_pb(output: SchedulerOutput, traceparents: dict[str, str] | None = None
+def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str] | None = None
                ) -> worker_pb2.ExecuteStepRequest:
     """The step for the workers; `traceparents`: the traced requests' span contexts."""
     step = worker_pb2.ExecuteStepRequest(
@@ -157,7 +102,7 @@ def step_to_pb(output: SchedulerOutput, traceparents: dict[str, str] | None = No
                 num_prompt_tokens=new.num_prompt_tokens,
                 block_ids=new.block_ids,
                 num_computed_tokens=new.num_computed_tokens,
-                sampling=_sampling_to_pb(new),
+                sampling=_sampling_to_pb(new.sampling),
             )
             for new in output.new_requests
         ],
@@ -186,8 +131,8 @@ def _pairs(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockPair]:
     return [worker_pb2.BlockPair(src=src, dst=dst) for src, dst in pairs]
 
 
-def step_result_from_pb(pb: worker_pb2.ExecuteStepResponse) -> StepResult:
-    return StepResult(
+def model_runner_output_from_pb(pb: worker_pb2.ExecuteStepResponse) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
         step_id=pb.step_id,
         sampled={
             RequestId(s.request_id): SampledToken(
@@ -248,7 +193,15 @@ def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int,
     )
 
 
-def stats_to_pb(stats: SchedulerStats, num_steps: int, status: str = "ready",
+GROUP_STATUS_TO_PB = {
+    GroupStatus.READY: scheduler_pb2.GROUP_STATUS_READY,
+    GroupStatus.DEGRADED: scheduler_pb2.GROUP_STATUS_DEGRADED,
+    GroupStatus.DRAINING: scheduler_pb2.GROUP_STATUS_DRAINING,
+}
+
+
+def stats_to_pb(stats: SchedulerStats, num_steps: int,
+                status: GroupStatus = GroupStatus.READY,
                 num_recoveries: int = 0) -> scheduler_pb2.GetStatsResponse:
     return scheduler_pb2.GetStatsResponse(
         num_running=stats.num_running,
@@ -259,6 +212,6 @@ def stats_to_pb(stats: SchedulerStats, num_steps: int, status: str = "ready",
         num_steps=num_steps,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         num_cached_blocks=stats.num_cached_blocks,
-        status=status,
+        group_status=GROUP_STATUS_TO_PB[status],
         num_recoveries=num_recoveries,
     )

@@ -10,8 +10,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from pagemesh.registry_entries import GroupStatus
+from protos.step import ModelRunnerOutput, RequestId, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.types import Request, RequestEvent, RequestId, SchedulerOutput, StepResult
+from scheduler_svc.core.types import Request, RequestEvent
 from scheduler_svc.engine_group import EngineGroup, FormedGroup
 from scheduler_svc.executor import Executor
 from scheduler_svc.tracing import RequestTracing
@@ -19,7 +21,6 @@ from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 
-READY, DEGRADED, DRAINING = "ready", "degraded", "draining"
 MAX_RECOVERIES_WITHOUT_PROGRESS = 3
 
 
@@ -76,13 +77,13 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self.num_steps = 0
         self.last_step_time_ms = 0.0
-        self.status = READY
+        self.status = GroupStatus.READY
         self.num_recoveries = 0
         self._recovery_reason: str | None = None
         # Recoveries since the last step that succeeded: a step that fails again and again
         # on fresh workers is not a dead worker but a request the group cannot run.
         self._recoveries_without_progress = 0
-        self.on_status: list[Callable[[str], Awaitable[None]]] = []
+        self.on_status: list[Callable[[GroupStatus], Awaitable[None]]] = []
         self.on_step: list[Callable[[], None]] = []
         self.tracing = RequestTracing()  # the requests' spans, fed from every step
         # Called with each non-empty step as it is scheduled, before it is sent (metrics).
@@ -98,7 +99,7 @@ class EngineLoop:
         without). Every sample's events go to `sink`. Raises ValueError when they can never
         be served here."""
         if any(r.fork_of is not None for r in requests):
-            self.scheduler.add_request_group(requests)
+            self.scheduler.add_samples(requests)
         else:
             added: list[Request] = []
             try:
@@ -144,7 +145,7 @@ class EngineLoop:
             self.scheduler.abort(request_id)
             sink.fail(request_id, message)
 
-    async def set_status(self, status: str) -> None:
+    async def set_status(self, status: GroupStatus) -> None:
         if status != self.status:
             logger.warning("engine group status: %s -> %s", self.status, status)
             self.status = status
@@ -154,7 +155,7 @@ class EngineLoop:
     async def run(self) -> None:
         """Schedules up to `max_steps_in_flight` steps ahead (pipeline parallelism keeps one
         per stage in flight so no stage idles), then updates with the oldest as it returns."""
-        pending: deque[tuple[SchedulerOutput, asyncio.Task[StepResult]]] = deque()
+        pending: deque[tuple[SchedulerOutput, asyncio.Task[ModelRunnerOutput]]] = deque()
         while True:
             if self._recovery_reason is not None:
                 self._abandon(pending)
@@ -220,14 +221,14 @@ class EngineLoop:
         the tokens they had, so nothing is lost or repeated."""
         for output, task in pending:
             task.cancel()
-            self._deliver(self.scheduler.update(output, StepResult(step_id=output.step_id)))
+            self._deliver(self.scheduler.update(output, ModelRunnerOutput(step_id=output.step_id)))
         pending.clear()
 
     async def _recover(self) -> None:
         assert self.group is not None
         logger.error("engine group failed (%s); re-forming it with %d requests in flight",
                      self._recovery_reason, len(self.scheduler.requests))
-        await self.set_status(DEGRADED)
+        await self.set_status(GroupStatus.DEGRADED)
         started = time.monotonic()
         formed: FormedGroup | None = None
         assert isinstance(self.workers, WorkerGroupClient)  # only a gRPC group re-forms
@@ -263,7 +264,7 @@ class EngineLoop:
             self._recoveries_without_progress = 0
         logger.warning("engine group re-formed in %.1f s; %d requests resume from their tokens",
                        time.monotonic() - started, len(carried))
-        await self.set_status(READY)
+        await self.set_status(GroupStatus.READY)
 
 
 def _fresh_copy(request: Request) -> Request:
@@ -274,8 +275,6 @@ def _fresh_copy(request: Request) -> Request:
         prompt_token_ids=list(request.prompt_token_ids),
         sampling=request.sampling,
         max_tokens=request.max_tokens,
-        min_tokens=request.min_tokens,
-        stop_token_ids=request.stop_token_ids,
         arrival_time_s=request.arrival_time_s,
         output_token_ids=list(request.output_token_ids),
         priority=request.priority,

@@ -11,10 +11,11 @@ import time
 
 from pagemesh.metrics import EngineSnapshot, SchedulerMetrics
 from pagemesh.registry import Registry
+from pagemesh.registry_entries import GroupStatus
+from protos.step import SchedulerOutput
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.types import SchedulerOutput
-from scheduler_svc.engine_loop import READY, EngineLoop
+from scheduler_svc.engine_loop import EngineLoop
 
 _Counts = tuple[int, int, int]  # prefix-cache queries and hits (tokens), preemptions
 
@@ -41,7 +42,7 @@ class CoreTotals:
             self._core = core
         return tuple(a + b for a, b in zip(self._carried, _counts(core)))  # type: ignore[return-value]
 
-    async def on_status(self, status: str) -> None:
+    async def on_status(self, status: GroupStatus) -> None:
         """Every recovery ends with a status change to ready, right after the core was
         replaced: reading then carries the old core over even with no scrape in between."""
         self.read()
@@ -59,7 +60,7 @@ def snapshot(loop: EngineLoop, totals: CoreTotals, checkpointer: Checkpointer) -
         prefix_cache_hits=hits,
         num_preemptions=preemptions,
         num_recoveries=loop.num_recoveries,
-        ready=loop.status == READY,
+        ready=loop.status == GroupStatus.READY,
         num_checkpoint_writes=checkpointer.num_writes,
     )
 

@@ -1,4 +1,4 @@
-"""What the engine loop runs its steps on: `execute(SchedulerOutput) -> StepResult`.
+"""What the engine loop runs its steps on: `execute(SchedulerOutput) -> ModelRunnerOutput`.
 
 Two implementations, one loop (as vLLM's engine core runs behind its in-process and
 multiprocess clients alike):
@@ -18,14 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from protos.pagemesh.worker.v1 import worker_pb2
+from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
-from scheduler_svc.core.types import SchedulerOutput, StepResult
 
 StepFunction = Callable[[worker_pb2.ExecuteStepRequest], worker_pb2.ExecuteStepResponse]
 
 
 class Executor(Protocol):
-    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> StepResult:
+    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
         """Runs one step; steps run in call order even when calls overlap."""
 
     async def close(self) -> None: ...
@@ -40,11 +40,11 @@ class InprocExecutor:
         self._run_step = run_step
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
-    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> StepResult:
-        request = convert.step_to_pb(output, traceparents)
+    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
+        request = convert.scheduler_output_to_pb(output, traceparents)
         response = await asyncio.get_running_loop().run_in_executor(
             self._thread, self._run_step, request)
-        return convert.step_result_from_pb(response)
+        return convert.model_runner_output_from_pb(response)
 
     async def close(self) -> None:
         self._thread.shutdown(wait=False)

@@ -5,7 +5,6 @@ checkpoint, its spans. The servicer and the connection only move messages."""
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -13,13 +12,16 @@ import grpc
 from opentelemetry import propagate
 
 from pagemesh.checkpoints import SampleState
+from pagemesh.registry_entries import GroupStatus
 from pagemesh.serving import ServiceError, invalid_argument
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from protos.step import RequestId
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
+from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.scheduler import CapacityError
-from scheduler_svc.core.types import RequestEvent, RequestId
-from scheduler_svc.engine_loop import DRAINING, EngineLoop, RequestSink
+from scheduler_svc.core.types import Request, RequestEvent
+from scheduler_svc.engine_loop import EngineLoop, RequestSink
 from scheduler_svc.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -52,21 +54,39 @@ class RequestStreams:
         self.loop = loop
         self.checkpointer = checkpointer or Checkpointer(None, "", 0, 0.0)
         self._eos_token_ids = eos_token_ids
-        self._seeds = random.SystemRandom()
 
     def admit(self, request: scheduler_pb2.SubmitRequest, sink: RequestSink,
               traced_from_message: bool = False) -> OpenRequest:
         """Queues the request's samples with `sink` receiving their events. The trace
         parent is the caller's current context, or with `traced_from_message` the
         request's own `trace_context` (a multiplexed stream has one context for all)."""
-        if self.loop.status == DRAINING:
+        if self.loop.status == GroupStatus.DRAINING:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                "this scheduler is draining; send the request to another group")
         if not request.request_id:
             raise invalid_argument("request_id is empty: every request needs an id")
+        requests = self._queue(request, sink)
+        n = max(request.n, 1)
+        if request.progress:
+            logger.info("resuming request %s after %s tokens", request.request_id,
+                        [len(p.token_ids) for p in request.progress])
+        self.checkpointer.track(request.request_id, _original(request), _samples(request, n))
+        opened = OpenRequest(request.request_id, n, request.logprobs > 0,
+                             {r.request_id for r in requests})
+        opened.initial = self._ended_replies(request, opened)
+        context = (propagate.extract(dict(request.trace_context))
+                   if traced_from_message and request.trace_context else None)
+        opened.trace = self.loop.tracing.start(request.request_id, requests,
+                                               len(request.prompt_token_ids),
+                                               bool(request.progress), context,
+                                               make_current=not traced_from_message)
+        return opened
+
+    def _queue(self, request: scheduler_pb2.SubmitRequest, sink: RequestSink) -> list[Request]:
+        """The samples that still run, queued. A resume whose previous stream is still
+        ending here supersedes it (or fails ABORTED for the router to retry)."""
         try:
-            requests = convert.requests_from_pb(
-                request, self._eos_token_ids, time.time(), self._seeds.getrandbits(63))
+            requests = convert.requests_from_pb(request, self._eos_token_ids, time.time())
             live = [r.request_id for r in requests if r.request_id in self.loop.scheduler.requests]
             if live and request.progress and not self.loop.supersede(live):
                 raise ServiceError(grpc.StatusCode.ABORTED,
@@ -76,30 +96,24 @@ class RequestStreams:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except ValueError as exc:
             raise invalid_argument(str(exc)) from exc
-        n = max(request.n, 1)
-        if request.progress:
-            logger.info("resuming request %s after %s tokens", request.request_id,
-                        [len(p.token_ids) for p in request.progress])
-        self.checkpointer.track(request.request_id, _original(request), _samples(request, n))
-        opened = OpenRequest(request.request_id, n, request.logprobs > 0,
-                             {r.request_id for r in requests})
+        return requests
+
+    def _ended_replies(self, request: scheduler_pb2.SubmitRequest, opened: OpenRequest
+                       ) -> list[scheduler_pb2.SubmitResponse]:
+        """Final messages, at once, for resumed samples whose tokens already end them (the
+        router lost their last message), recorded in the checkpoint."""
+        replies = []
         for index, reason in convert.ended_samples(request, self._eos_token_ids):
             event = RequestEvent(RequestId(request.request_id), (), reason,
                                  len(request.prompt_token_ids))
             self.checkpointer.record(request.request_id, index, [], convert.finish_reason_to_pb(reason))
-            opened.initial.append(convert.event_to_pb(event, index, opened.with_logprobs))
-        context = (propagate.extract(dict(request.trace_context))
-                   if traced_from_message and request.trace_context else None)
-        opened.trace = self.loop.tracing.start(request.request_id, requests,
-                                               len(request.prompt_token_ids),
-                                               bool(request.progress), context,
-                                               make_current=not traced_from_message)
-        return opened
+            replies.append(convert.event_to_pb(event, index, opened.with_logprobs))
+        return replies
 
     def output(self, opened: OpenRequest, event: RequestEvent) -> scheduler_pb2.SubmitResponse:
         """One event as its message; records it in the checkpoint. The caller finishes the
         checkpoint (`finish`) before the message of the request's last sample goes out."""
-        index = convert.sample_index(event.request_id, opened.n)
+        index = sample_index(event.request_id, opened.n)
         response = convert.event_to_pb(event, index, opened.with_logprobs)
         self.checkpointer.record(opened.request_id, index, list(response.token_ids),
                                  response.finish_reason)

@@ -28,7 +28,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pagemesh.telemetry import make_current as make_current_context
 from pagemesh.telemetry import traceparent
-from scheduler_svc.core.types import Request, RequestEvent, RequestId, RequestStatus, SchedulerOutput
+from protos.step import RequestId, SchedulerOutput
+from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 
 QUEUE, PREFILL, DECODE = "queue", "prefill", "decode"
 _PREEMPTED = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)

@@ -10,8 +10,8 @@ import grpc
 
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
-from scheduler_svc.core.types import SchedulerOutput, StepResult
 from scheduler_svc.group_formation import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,9 @@ class WorkerGroupClient:
             )
         )
 
-    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> StepResult:
-        response = await self.execute_step(convert.step_to_pb(output, traceparents))
-        return convert.step_result_from_pb(response)
+    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
+        response = await self.execute_step(convert.scheduler_output_to_pb(output, traceparents))
+        return convert.model_runner_output_from_pb(response)
 
     async def execute_step(self, request: worker_pb2.ExecuteStepRequest) -> worker_pb2.ExecuteStepResponse:
         """Runs one step on every worker. Calls may overlap (pipeline parallelism): the

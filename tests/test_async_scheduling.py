@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from protos.step import RequestId, SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.types import Request, RequestEvent, RequestId, SamplingSpec
+from scheduler_svc.core.types import Request, RequestEvent
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.executor import InprocExecutor
 from tests.tiny_models import write_tiny_model
@@ -76,8 +77,8 @@ class CountingExecutor(InprocExecutor):
 def requests() -> list[list[Request]]:
     """Submits (a list is one submit: n > 1 samples of one prompt fork from the first)."""
     def one(name: str, prompt: list[int], max_tokens: int, **sampling: object) -> Request:
-        return Request(RequestId(name), prompt, SamplingSpec(**sampling), max_tokens,
-                       stop_token_ids=frozenset({EOS, 17}), min_tokens=2)
+        return Request(RequestId(name), prompt,
+                       SamplingParams(min_tokens=2, stop_token_ids=(EOS, 17), **sampling), max_tokens)
 
     shared = [3, 1, 4, 1, 5, 9, 2, 6] * 5  # prefix-cache hits between requests
     submits = [[one(f"greedy-{i}", shared + [i + 30], 12 + 7 * i, temperature=0.0)]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from worker_svc.attention import AttentionMetadata
-from worker_svc.types import CachedRequestData, NewRequestData, SamplingParams, StepInput
 
 
 @dataclass
@@ -150,7 +150,7 @@ def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[st
     )
 
 
-def step_digest(step: StepInput) -> int:
+def step_digest(step: SchedulerOutput) -> int:
     """A stable signed 64-bit digest of everything that shapes the step's batch and state.
 
     blake2b, never Python's `hash()` (salted per process). Costs O(size of the step
@@ -174,7 +174,7 @@ def step_digest(step: StepInput) -> int:
 
 
 def validate_step(
-    step: StepInput,
+    step: SchedulerOutput,
     requests: dict[str, RequestState],
     *,
     num_blocks: int,
@@ -213,7 +213,7 @@ def validate_step(
         _check_scheduled(request_id, num_tokens, shapes[request_id], block_size, max_model_len)
 
 
-def check_block_moves(step: StepInput, num_blocks: int, num_swap_blocks: int) -> None:
+def check_block_moves(step: SchedulerOutput, num_blocks: int, num_swap_blocks: int) -> None:
     """Raise ValueError if a block move names a block outside the device cache or swap space."""
     for name, pairs, src_limit, dst_limit in (
         ("swap-out", step.blocks_to_swap_out, num_blocks, num_swap_blocks),

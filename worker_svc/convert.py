@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from protos.pagemesh.worker.v1 import worker_pb2
-from worker_svc.types import (
+from protos.step import (
     CachedRequestData,
+    ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
-    StepInput,
-    StepOutput,
+    SchedulerOutput,
 )
 
 
@@ -28,8 +28,8 @@ def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def step_input_from_pb(pb: worker_pb2.ExecuteStepRequest) -> StepInput:
-    return StepInput(
+def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutput:
+    return SchedulerOutput(
         step_id=pb.step_id,
         new_requests=[
             NewRequestData(
@@ -70,7 +70,7 @@ def step_trace_from_pb(pb: worker_pb2.ExecuteStepRequest) -> tuple[list[str], in
     return ordered, len(scheduled), sum(scheduled.values())
 
 
-def step_output_to_pb(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
+def model_runner_output_to_pb(output: ModelRunnerOutput) -> worker_pb2.ExecuteStepResponse:
     return worker_pb2.ExecuteStepResponse(
         step_id=output.step_id,
         forward_time_ms=output.forward_time_ms,

@@ -13,6 +13,6 @@ from worker_svc.runner import ModelRunner
 def step_function(runner: ModelRunner
                   ) -> Callable[[worker_pb2.ExecuteStepRequest], worker_pb2.ExecuteStepResponse]:
     def run_step(request: worker_pb2.ExecuteStepRequest) -> worker_pb2.ExecuteStepResponse:
-        return convert.step_output_to_pb(runner.execute_step(convert.step_input_from_pb(request)))
+        return convert.model_runner_output_to_pb(runner.execute_step(convert.scheduler_output_from_pb(request)))
 
     return run_step

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker_svc import sampler
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from worker_svc.batch import (
@@ -57,7 +58,6 @@ from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import pack_linear_weights, packed_weight_bytes
 from worker_svc.parallel import ParallelConfig, global_rank
 from worker_svc.quant import QUANTIZATION_CHOICES
-from worker_svc.types import SampledToken, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_step(self, step: StepInput) -> StepOutput:
+    def execute_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's request changes, run one forward over every scheduled token,
         and sample for each request whose known tokens are now all computed.
 
@@ -236,7 +236,7 @@ class ModelRunner:
             return self._run(step, None, digest=0)
         return self._execute_in_group(step)
 
-    def _validate(self, step: StepInput) -> None:
+    def _validate(self, step: SchedulerOutput) -> None:
         if step.append_sampled_tokens and not self.dist.is_single:
             raise ValueError("append_sampled_tokens (async scheduling) needs an engine group "
                              "of one rank: the other ranks would never learn the tokens")
@@ -246,7 +246,7 @@ class ModelRunner:
         )
         check_block_moves(step, self.num_blocks, self.num_swap_blocks)
 
-    def _execute_in_group(self, step: StepInput) -> StepOutput:
+    def _execute_in_group(self, step: SchedulerOutput) -> ModelRunnerOutput:
         digest = step_digest(step)
         self._sent_downstream = False
         inbound = None
@@ -299,7 +299,7 @@ class ModelRunner:
         self._sent_downstream = True
         self.dist.send_stage_output(step_id, digest, hidden, residual)
 
-    def _run(self, step: StepInput, inbound: StageMessage | None, digest: int) -> StepOutput:
+    def _run(self, step: SchedulerOutput, inbound: StageMessage | None, digest: int) -> ModelRunnerOutput:
         """Execute a validated (and, in a group, agreed) step on this rank."""
         move_blocks(self.kv_caches, self.swap_caches, step.blocks_to_swap_out)
         move_blocks(self.swap_caches, self.kv_caches, step.blocks_to_swap_in)
@@ -308,7 +308,7 @@ class ModelRunner:
         if not step.num_scheduled_tokens:
             if not self.parallel.is_last_stage:
                 self._send_downstream(step.step_id, digest, None, None)
-            return StepOutput(step_id=step.step_id)
+            return ModelRunnerOutput(step_id=step.step_id)
         start_s = time.perf_counter()
         batch = build_batch(self.requests, step.num_scheduled_tokens, self.block_size,
                             self.device, self.block_tables)
@@ -330,9 +330,9 @@ class ModelRunner:
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
-        return StepOutput(step_id=step.step_id, sampled=sampled, forward_time_ms=forward_time_ms)
+        return ModelRunnerOutput(step_id=step.step_id, sampled=sampled, forward_time_ms=forward_time_ms)
 
-    def _update_states(self, step: StepInput) -> None:
+    def _update_states(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
             self.block_tables.remove(request_id)
@@ -359,7 +359,7 @@ class ModelRunner:
         for request_id in request_ids:
             state = self.requests[request_id]
             requests.append(
-                sampler.SamplingRequest(state.sampling, state.token_ids, state.num_prompt_tokens)
+                sampler.SamplingRow(state.sampling, state.token_ids, state.num_prompt_tokens)
             )
         tokens = sampler.sample(logits, requests)
         return dict(zip(request_ids, tokens, strict=True))

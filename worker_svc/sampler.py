@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_fused
-from worker_svc.types import SampledToken, SamplingParams
+from protos.step import SampledToken, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -35,7 +35,7 @@ def mix_seed(seed: int, output_index: int) -> int:
 
 
 @dataclass(frozen=True)
-class SamplingRequest:
+class SamplingRow:
     """One row of the batch: its settings and the tokens penalties look at."""
 
     params: SamplingParams
@@ -51,7 +51,7 @@ class SamplingRequest:
         return self.token_ids[self.num_prompt_tokens :]
 
 
-def sample(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[SampledToken]:
+def sample(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> list[SampledToken]:
     """logits [num_rows, vocab_size] (any float dtype) -> one token per row.
 
     Rows without penalties or stop masking are not copied, and greedy rows share one
@@ -79,14 +79,14 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[Sa
     return _with_logprobs(logits, token_ids, requests)
 
 
-def _needs_processing(request: SamplingRequest) -> bool:
+def _needs_processing(request: SamplingRow) -> bool:
     params = request.params
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
             or (bool(params.stop_token_ids) and request.num_output_tokens < params.min_tokens))
 
 
-def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
+def _apply_penalties(row: torch.Tensor, request: SamplingRow) -> None:
     params = request.params
     if params.repetition_penalty != 1.0:
         # transformers semantics: over prompt and output, shrink positive logits and grow
@@ -106,7 +106,7 @@ def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
             row -= params.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _mask_stop_tokens(row: torch.Tensor, request: SamplingRequest) -> None:
+def _mask_stop_tokens(row: torch.Tensor, request: SamplingRow) -> None:
     params = request.params
     if params.stop_token_ids and request.num_output_tokens < params.min_tokens:
         row[_ids_tensor(params.stop_token_ids, row)] = float("-inf")
@@ -116,7 +116,7 @@ def _ids_tensor(ids: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(list(ids), dtype=torch.long, device=like.device)
 
 
-def _choose(row: torch.Tensor, request: SamplingRequest) -> int:
+def _choose(row: torch.Tensor, request: SamplingRow) -> int:
     params = request.params
     if params.temperature == 0.0:
         return int(torch.argmax(row))
@@ -149,7 +149,7 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _with_logprobs(
-    logits: torch.Tensor, token_ids: list[int], requests: Sequence[SamplingRequest]
+    logits: torch.Tensor, token_ids: list[int], requests: Sequence[SamplingRow]
 ) -> list[SampledToken]:
     """Logprobs under the raw distribution, for the rows that asked for them (num_logprobs
     > 0: only those reach a client); other rows get logprob 0.0, not computed. A log_softmax

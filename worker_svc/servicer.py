@@ -62,7 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         runner = self._ready_runner()
         if not self._accepting:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, REFORMING)
-        step = convert.step_input_from_pb(request)
+        step = convert.scheduler_output_from_pb(request)
         new_session = await self._wait_for_turn(request.session_id, request.sequence)
         loop = asyncio.get_running_loop()
         if new_session:
@@ -85,7 +85,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.busy_time_s += output.forward_time_ms / 1000
         for hook in self.on_step:
             hook(output.forward_time_ms / 1000)
-        return convert.step_output_to_pb(output)
+        return convert.model_runner_output_to_pb(output)
 
     def stats(self) -> dict[str, float | int]:
         """Cumulative counters published with each heartbeat (seconds and steps)."""

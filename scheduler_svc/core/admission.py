@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+import dataclasses
+from collections.abc import Container, Mapping, Sequence
 
+from protos.step import RequestId
 from scheduler_svc.core.config import CapacityError, SchedulerConfig
-from scheduler_svc.core.types import Request, RequestId, RequestStatus
+from scheduler_svc.core.types import FINISHED_STATUS, FinishReason, Request, RequestStatus
+
+SEED_MODULUS = 2**64
 
 
 def check_admissible(request: Request, config: SchedulerConfig,
@@ -28,15 +32,16 @@ def check_admissible(request: Request, config: SchedulerConfig,
         )
 
 
-def check_group(requests: list[Request]) -> None:
-    """n > 1 samples: `requests[0]` leads; the others share its prompt and fork from it."""
+def check_samples(requests: list[Request]) -> None:
+    """The samples of one n > 1 request: `requests[0]` leads; the others share its prompt
+    and fork from it."""
     if not requests:
-        raise ValueError("empty request group")
+        raise ValueError("empty list of samples: a request has at least one")
     leader, forks = requests[0], requests[1:]
     if leader.fork_of is not None:
-        raise ValueError(f"group leader {leader.request_id} must not fork")
+        raise ValueError(f"sample 0 ({leader.request_id}) must not fork")
     if len({r.request_id for r in requests}) != len(requests):
-        raise ValueError("duplicate request ids in a group")
+        raise ValueError("duplicate request ids among the samples")
     for fork in forks:
         if fork.fork_of != leader.request_id:
             raise ValueError(f"request {fork.request_id} must fork from {leader.request_id}")
@@ -44,11 +49,70 @@ def check_group(requests: list[Request]) -> None:
             raise ValueError(f"request {fork.request_id}: a fork's prompt must be its leader's")
 
 
-def stop_status(request: Request, token_id: int) -> RequestStatus | None:
-    """How the request ends now that `token_id` was appended to its output, or None."""
-    num_output = len(request.output_token_ids)
-    if token_id in request.stop_token_ids and num_output >= request.min_tokens:
-        return RequestStatus.FINISHED_STOPPED
+def finish_reason(request: Request, output_token_ids: Sequence[int]) -> FinishReason | None:
+    """How `request` ends once `output_token_ids` are its outputs, or None while it runs.
+
+    The one stop rule, applied live and to a resumed request's outputs alike: a last token
+    that is a stop id (EOS unless ignored) ends it STOP once `min_tokens` exist, also when
+    it is the `max_tokens`-th token (vLLM's order); otherwise `max_tokens` outputs end it
+    LENGTH."""
+    num_output = len(output_token_ids)
+    if (num_output and output_token_ids[-1] in request.stop_token_ids
+            and num_output >= request.min_tokens):
+        return FinishReason.STOP
     if num_output >= request.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
+        return FinishReason.LENGTH
     return None
+
+
+def stop_status(request: Request) -> RequestStatus | None:
+    """The finished status a request reaches with the token just appended, or None."""
+    reason = finish_reason(request, request.output_token_ids)
+    return None if reason is None else FINISHED_STATUS[reason]
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> RequestId:
+    """The core request of sample `index` of `n`: `<id>` for n = 1, else `<id>#<index>`."""
+    return RequestId(request_id if n == 1 else f"{request_id}#{index}")
+
+
+def sample_index(request_id: str, n: int) -> int:
+    """Which sample a core request id (`<id>` or `<id>#<i>`) stands for."""
+    return int(request_id.rsplit("#", 1)[1]) if n > 1 else 0
+
+
+def expand_samples(base: Request, n: int,
+                   progress: Mapping[int, tuple[Sequence[int], bool]] | None = None
+                   ) -> list[Request]:
+    """The core requests of an `n`-sample request whose first sample is `base` (with the
+    client's id and seed): sample i draws with seed + i.
+
+    New (no `progress`): samples 1.. fork from sample 0's computed prompt. Resumed:
+    `progress` maps a sample index to (outputs so far, finished); each sample that has not
+    ended runs again with its outputs (its KV is recomputed, its next draw is at the same
+    position with the same seed as before), without forks, since each one's prompt blocks
+    come from the prefix cache. Samples the outputs already end are left out (see
+    `ended_samples`)."""
+    if progress and max(progress) >= n:
+        raise ValueError(f"progress names sample {max(progress)} but the request has n={n}")
+    leader_id = sample_request_id(base.request_id, 0, n)
+    samples = []
+    for i in range(n):
+        outputs, finished = (progress or {}).get(i, ((), False))
+        if finished or finish_reason(base, outputs) is not None:
+            continue
+        samples.append(dataclasses.replace(
+            base, request_id=sample_request_id(base.request_id, i, n),
+            sampling=dataclasses.replace(base.sampling, seed=(base.sampling.seed + i) % SEED_MODULUS),
+            prompt_token_ids=list(base.prompt_token_ids), output_token_ids=list(outputs),
+            block_ids=[], fork_of=leader_id if i > 0 and not progress else None,
+        ))
+    return samples
+
+
+def ended_samples(base: Request, progress: Mapping[int, tuple[Sequence[int], bool]]
+                  ) -> list[tuple[int, FinishReason]]:
+    """Resumed samples not marked finished whose outputs already end them (the router lost
+    their last message): each gets its final message at once instead of running."""
+    return [(i, reason) for i, (outputs, finished) in sorted(progress.items())
+            if not finished and (reason := finish_reason(base, outputs)) is not None]

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from protos.block_hash import BlockHash
-from scheduler_svc.core.types import BlockId
+from protos.step import BlockId
 
 
 class BlockPool:

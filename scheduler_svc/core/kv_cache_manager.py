@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos.block_hash import BlockHash, hash_block_tokens
+from protos.step import BlockId, RequestId
 from scheduler_svc.core.block_pool import BlockPool, SwapPool
-from scheduler_svc.core.types import BlockId, Request, RequestId
+from scheduler_svc.core.types import Request
 
 
 def cdiv(a: int, b: int) -> int:

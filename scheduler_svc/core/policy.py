@@ -14,7 +14,8 @@ import heapq
 import itertools
 from collections.abc import Iterator
 
-from scheduler_svc.core.types import Request, RequestId
+from protos.step import RequestId
+from scheduler_svc.core.types import Request
 
 POLICIES = ("fcfs", "priority")
 SortKey = tuple[float, ...]

@@ -9,7 +9,7 @@ runs out of blocks, the last running request (newest under fcfs; least important
 under priority) is preempted: its KV is dropped and recomputed later, or with
 `preemption_mode="swap"` copied to CPU swap space and back when it resumes.
 
-n > 1 (`add_request_group`): the forks wait until the leader's prompt is computed, then
+n > 1 (`add_samples`): the forks wait until the leader's prompt is computed, then
 share its full prompt blocks and copy its last prompt block (copy-on-write).
 """
 
@@ -18,21 +18,19 @@ from __future__ import annotations
 import bisect
 import logging
 
-from scheduler_svc.core.admission import check_admissible, check_group, stop_status
+from protos.step import (
+    BlockId,
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestId,
+    SchedulerOutput,
+)
+from scheduler_svc.core.admission import check_admissible, check_samples, stop_status
 from scheduler_svc.core.config import CapacityError, SchedulerConfig, SchedulerStats
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.policy import WaitingQueue
-from scheduler_svc.core.types import (
-    BlockId,
-    CachedRequestSchedule,
-    NewRequestSchedule,
-    Request,
-    RequestEvent,
-    RequestId,
-    RequestStatus,
-    SchedulerOutput,
-    StepResult,
-)
+from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 
 __all__ = ["CapacityError", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -81,16 +79,16 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a request. Raises ValueError (CapacityError) if it can never run here."""
         if request.fork_of is not None:
-            raise ValueError(f"request {request.request_id}: forks go through add_request_group")
+            raise ValueError(f"request {request.request_id}: forks go through add_samples")
         check_admissible(request, self.config, self.requests)
         self._enqueue(request)
 
-    def add_request_group(self, requests: list[Request]) -> None:
+    def add_samples(self, requests: list[Request]) -> None:
         """Queues n samples of one prompt: `requests[0]` leads; the others have the same
         prompt and `fork_of` = the leader's id. Each fork waits until the leader's prompt is
         computed, then shares its prompt blocks; if the leader ends first, the fork is admitted
-        like any request. All or none are queued; raises ValueError on a malformed group."""
-        check_group(requests)
+        like any request. All or none are queued; raises ValueError on malformed samples."""
+        check_samples(requests)
         leader, forks = requests[0], requests[1:]
         for request in requests:
             check_admissible(request, self.config, self.requests)
@@ -153,7 +151,7 @@ class Scheduler:
                     request.num_tokens_on_workers += 1
         return output
 
-    def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestEvent]:
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestEvent]:
         """Appends sampled tokens, finishes requests, and returns one event per request touched.
 
         The step's KV is computed now: full blocks below each scheduled request's
@@ -185,7 +183,7 @@ class Scheduler:
                 raise ValueError(f"request {request_id} sampled before its prompt was computed")
             request.num_pending_tokens -= 1
             output_token_ids.append(sampled.token_id)
-            status = stop_status(request, sampled.token_id)
+            status = stop_status(request)
             finish_reason = None
             if status is not None:
                 self._finish(request, status, remove_from_running=False)
@@ -270,7 +268,7 @@ class Scheduler:
             new_token_ids = request.output_token_ids[-num_unsent:] if num_unsent > 0 else []
             if num_unsent > 0:
                 request.num_tokens_on_workers = num_known
-            cached_requests.append(CachedRequestSchedule(
+            cached_requests.append(CachedRequestData(
                 request.request_id, new_blocks, num_computed, new_token_ids))
             num_scheduled_running += 1
             num_scheduled[request.request_id] = num_new
@@ -429,15 +427,13 @@ class Scheduler:
             self.running.append(request)
         self._on_workers.add(request.request_id)
         request.num_tokens_on_workers = request.num_tokens
-        output.new_requests.append(NewRequestSchedule(
+        output.new_requests.append(NewRequestData(
             request_id=request.request_id,
             token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
             block_ids=list(request.block_ids),
             num_computed_tokens=request.num_computed_tokens,
             sampling=request.sampling,
-            min_tokens=request.min_tokens,
-            stop_token_ids=request.stop_token_ids,
         ))
         output.num_scheduled_tokens[request.request_id] = num_new
         request.num_computed_tokens += num_new

@@ -1,4 +1,4 @@
-"""Requests and the step contract of the scheduler core.
+"""Requests of the scheduler core (the step contract itself is `protos.step`).
 
 Bookkeeping follows vLLM v1: a request has `num_computed_tokens` (tokens whose KV is in the
 cache) and `num_tokens` (prompt + output). There is no prefill or decode phase: a step
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
 
-RequestId = NewType("RequestId", str)
-BlockId = int
+from protos.step import BlockId, RequestId, SampledToken, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -43,31 +41,14 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-@dataclass(frozen=True)
-class SamplingSpec:
-    """What the workers need to sample a request; opaque to scheduling decisions."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = 0
-    num_logprobs: int = 0
-
-
 @dataclass
 class Request:
     request_id: RequestId
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    # With min_tokens and the stop ids (EOS unless ignored, and the client's): any of them
+    # ends the request once `min_tokens` tokens exist.
+    sampling: SamplingParams
     max_tokens: int
-    min_tokens: int = 0
-    # EOS (unless ignored) and requested stop ids: any of them ends the request once
-    # `min_tokens` tokens exist.
-    stop_token_ids: frozenset[int] = frozenset()
     arrival_time_s: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -92,6 +73,14 @@ class Request:
             raise ValueError(f"request {self.request_id}: max_tokens must be >= 1")
 
     @property
+    def min_tokens(self) -> int:
+        return self.sampling.min_tokens
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.sampling.stop_token_ids
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -114,76 +103,8 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
-
-
-@dataclass(frozen=True)
-class NewRequestSchedule:
-    """A request the workers do not hold yet (first time, or after a preemption)."""
-
-    request_id: RequestId
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[BlockId]
-    num_computed_tokens: int
-    sampling: SamplingSpec
-    min_tokens: int
-    stop_token_ids: frozenset[int]
-
-
-@dataclass(frozen=True)
-class CachedRequestSchedule:
-    """A request the workers hold: only the blocks and tokens added since they last saw it."""
-
-    request_id: RequestId
-    new_block_ids: list[BlockId]
-    num_computed_tokens: int
-    # Tokens sampled since the workers last heard of the request (usually one).
-    new_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    step_id: int
-    new_requests: list[NewRequestSchedule] = field(default_factory=list)
-    cached_requests: list[CachedRequestSchedule] = field(default_factory=list)
-    # request id -> tokens computed this step
-    num_scheduled_tokens: dict[RequestId, int] = field(default_factory=dict)
-    # Requests the workers must forget before this step (finished, aborted, preempted).
-    finished_request_ids: list[RequestId] = field(default_factory=list)
-    # KV block moves the workers apply before this step's forward, in this order:
-    # (device block, swap block) copies to CPU, (swap block, device block) copies back,
-    # then (source, destination) device copies (a fork's private copy of its leader's block
-    # holding the last prompt token).
-    blocks_to_swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
-    # The workers append each token they sample to the request themselves, and
-    # `new_token_ids` carry none of those (async scheduling, a group of one rank).
-    append_sampled_tokens: bool = False
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.num_scheduled_tokens or self.finished_request_ids
-                    or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float = 0.0
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass
-class StepResult:
-    """What the workers returned for one step."""
-
-    step_id: int
-    sampled: dict[RequestId, SampledToken] = field(default_factory=dict)
+# The same table read the other way: the status a request ends in for a reason.
+FINISHED_STATUS = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
 @dataclass(frozen=True)

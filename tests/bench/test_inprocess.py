@@ -38,17 +38,17 @@ def test_in_process_core_generates_what_transformers_does(tiny: Path) -> None:
 
 def _tokens(scheduler, runner, prompt: list[int], max_tokens: int) -> list[int]:
     from scheduler_svc import convert as scheduler_convert
-    from scheduler_svc.core.types import Request, RequestId, SamplingSpec
+    from scheduler_svc.core.types import Request, RequestId, SamplingParams
     from worker_svc import convert as worker_convert
 
-    request = Request(RequestId("one"), list(prompt), SamplingSpec(temperature=0.0),
+    request = Request(RequestId("one"), list(prompt), SamplingParams(temperature=0.0),
                       max_tokens=max_tokens)
     scheduler.add_request(request)
     while scheduler.has_work():
         output = scheduler.schedule()
-        step = worker_convert.step_input_from_pb(scheduler_convert.step_to_pb(output))
-        response = worker_convert.step_output_to_pb(runner.execute_step(step))
-        scheduler.update(output, scheduler_convert.step_result_from_pb(response))
+        step = worker_convert.scheduler_output_from_pb(scheduler_convert.scheduler_output_to_pb(output))
+        response = worker_convert.model_runner_output_to_pb(runner.execute_step(step))
+        scheduler.update(output, scheduler_convert.model_runner_output_from_pb(response))
     return request.output_token_ids
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.quant.checkpoints import (
+from pagemesh.testing.quant_checkpoints import (
     dequantized_hf_model,
     write_awq_checkpoint,
     write_fp8_checkpoint,
 )
+from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from tests.tiny_models import write_tiny_model
 from tests.worker.test_runner_vs_hf import (
     ScriptedRequest,
@@ -33,7 +34,6 @@ from worker_svc.model.matmul import packed_weight_bytes
 from worker_svc.parallel import ParallelConfig
 from worker_svc.quant import AwqWeight, Fp8Weight
 from worker_svc.runner import ModelRunner, RunnerConfig
-from worker_svc.types import NewRequestData, SamplingParams, StepInput
 
 BLOCK_SIZE = 4
 NUM_NEW_TOKENS = 10
@@ -108,7 +108,7 @@ def test_decoder_layer_outputs_within_tolerance(quantized) -> None:
     prompt = random_prompt(12, 512, 7)
     new = NewRequestData("p", prompt, len(prompt), list(range(3)), 0,
                          SamplingParams(temperature=0.0))
-    runner.execute_step(StepInput(0, [new], num_scheduled_tokens={"p": len(prompt)}))
+    runner.execute_step(SchedulerOutput(0, [new], num_scheduled_tokens={"p": len(prompt)}))
     hf_model(torch.tensor([prompt]))
     assert len(ours) == len(theirs) == 3
     for index, (a, b) in enumerate(zip(ours, theirs)):

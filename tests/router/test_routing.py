@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from protos.block_hash import hash_request_blocks
-from router.routing import GroupLoad, PrefixIndex, Router, RoutingConfig
+from router.routing import GroupLoad, PrefixIndex, RoutingConfig, RoutingPolicy
 
 
 def groups(**outstanding: int) -> list[GroupLoad]:
@@ -17,7 +17,7 @@ def hashes(tokens: list[int]) -> list:
 
 
 def test_round_robin_cycles_and_skips_excluded() -> None:
-    router = Router(RoutingConfig("round_robin"))
+    router = RoutingPolicy(RoutingConfig("round_robin"))
     picks = [router.pick(groups(a=0, b=0, c=0)) for _ in range(6)]
     assert sorted(picks) == ["a", "a", "b", "b", "c", "c"]
     assert router.pick(groups(a=0, b=0), exclude=frozenset({"a"})) == "b"
@@ -25,12 +25,12 @@ def test_round_robin_cycles_and_skips_excluded() -> None:
 
 
 def test_least_load_prefers_fewest_outstanding_tokens() -> None:
-    router = Router(RoutingConfig("least_load"))
+    router = RoutingPolicy(RoutingConfig("least_load"))
     assert router.pick(groups(a=500, b=20, c=300)) == "b"
 
 
 def test_prefix_aware_follows_the_longest_prefix() -> None:
-    router = Router(RoutingConfig("prefix_aware"))
+    router = RoutingPolicy(RoutingConfig("prefix_aware"))
     shared = list(range(100, 116))  # four blocks of 4
     router.record(hashes(shared + [1, 2, 3, 4]), "b")
     router.record(hashes(shared[:8] + [9, 9, 9, 9]), "a")
@@ -41,7 +41,7 @@ def test_prefix_aware_follows_the_longest_prefix() -> None:
 
 
 def test_prefix_aware_yields_when_its_group_is_overloaded() -> None:
-    router = Router(RoutingConfig("prefix_aware", balance_abs_threshold_tokens=1000,
+    router = RoutingPolicy(RoutingConfig("prefix_aware", balance_abs_threshold_tokens=1000,
                                   balance_rel_threshold=1.5))
     prompt = hashes(list(range(16)))
     router.record(prompt, "a")

@@ -6,38 +6,31 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 
 from protos.block_hash import BlockHash
+from protos.step import ModelRunnerOutput, RequestId, SampledToken, SamplingParams, SchedulerOutput
 from scheduler_svc.core import kv_cache_manager
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.types import (
-    Request,
-    RequestEvent,
-    RequestId,
-    RequestStatus,
-    SampledToken,
-    SamplingSpec,
-    SchedulerOutput,
-    StepResult,
-)
+from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 
 EOS = 2
 _WAITING_STATES = {RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED}
 
 
 def make_request(request_id: str, prompt_len: int = 0, max_tokens: int = 4,
-                 prompt: list[int] | None = None, **kwargs: object) -> Request:
-    """A request whose prompt is `prompt`, or `prompt_len` distinct tokens 10, 11, ..."""
+                 prompt: list[int] | None = None, min_tokens: int = 0,
+                 **kwargs: object) -> Request:
+    """A request whose prompt is `prompt`, or `prompt_len` distinct tokens 10, 11, ...,
+    that EOS ends (once `min_tokens` exist)."""
     return Request(
         request_id=RequestId(request_id),
         prompt_token_ids=list(prompt) if prompt is not None else list(range(10, 10 + prompt_len)),
-        sampling=SamplingSpec(),
+        sampling=SamplingParams(min_tokens=min_tokens, stop_token_ids=(EOS,)),
         max_tokens=max_tokens,
-        stop_token_ids=frozenset({EOS}),
         **kwargs,
     )
 
 
-def make_group(leader_id: str, n: int, prompt: list[int], max_tokens: int = 4,
+def make_samples(leader_id: str, n: int, prompt: list[int], max_tokens: int = 4,
                **kwargs: object) -> list[Request]:
     """n samples of one prompt: `leader_id` leads, `leader_id#i` fork from it."""
     leader = make_request(leader_id, prompt=prompt, max_tokens=max_tokens, **kwargs)
@@ -47,7 +40,7 @@ def make_group(leader_id: str, n: int, prompt: list[int], max_tokens: int = 4,
 
 
 def fake_step(scheduler: Scheduler, output: SchedulerOutput,
-              token_for: dict[str, int] | Callable[[str], int] | None = None) -> StepResult:
+              token_for: dict[str, int] | Callable[[str], int] | None = None) -> ModelRunnerOutput:
     """Samples a token for every request whose scheduled tokens reached its end (7 unless
     `token_for` says otherwise)."""
     sampled = {}
@@ -59,7 +52,7 @@ def fake_step(scheduler: Scheduler, output: SchedulerOutput,
             else:
                 token = (token_for or {}).get(request_id, 7)
             sampled[request_id] = SampledToken(token)
-    return StepResult(output.step_id, sampled)
+    return ModelRunnerOutput(output.step_id, sampled)
 
 
 def step(scheduler: Scheduler, token_for: dict[str, int] | Callable[[str], int] | None = None
@@ -207,7 +200,7 @@ class FakeWorker:
         self.tables: dict[RequestId, list[int]] = {}
         self.tokens: dict[RequestId, list[int]] = {}
 
-    def execute(self, output: SchedulerOutput, sample: Callable[[str], int]) -> StepResult:
+    def execute(self, output: SchedulerOutput, sample: Callable[[str], int]) -> ModelRunnerOutput:
         pool = self.scheduler.kv.pool
         for request_id in output.finished_request_ids:
             self.tables.pop(request_id)
@@ -245,7 +238,7 @@ class FakeWorker:
                 token = sample(request_id)
                 tokens.append(token)
                 sampled[request_id] = SampledToken(token)
-        return StepResult(output.step_id, sampled)
+        return ModelRunnerOutput(output.step_id, sampled)
 
     def _slot(self, table: list[int], pos: int) -> object:
         return self.kv[table[pos // self.block_size]][pos % self.block_size]

@@ -12,6 +12,7 @@ from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
+from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.types import FinishReason
 
 
@@ -109,18 +110,18 @@ def test_resumed_request_keeps_outputs_seeds_and_skips_finished_samples() -> Non
     request = submit(n=3)
     request.progress.add(index=0, token_ids=[10, 11], finished=True)
     request.progress.add(index=1, token_ids=[20, 21, 22])
-    samples = convert.requests_from_pb(request, [0], 0.0, seed=1)
+    samples = convert.requests_from_pb(request, [0], 0.0)
     assert [s.request_id for s in samples] == ["r1#1", "r1#2"]
     assert samples[0].output_token_ids == [20, 21, 22] and samples[1].output_token_ids == []
     assert [s.sampling.seed for s in samples] == [43, 44]  # seed + index, as before the failure
     assert all(s.fork_of is None for s in samples)
-    assert [convert.sample_index(s.request_id, 3) for s in samples] == [1, 2]
+    assert [sample_index(s.request_id, 3) for s in samples] == [1, 2]
 
     # The router lost the last message of samples whose tokens already end them.
     ended = submit(n=2)
     ended.progress.add(index=0, token_ids=[5] * 8)  # max_tokens reached
     ended.progress.add(index=1, token_ids=[5, 0])  # EOS (id 0) last
-    assert convert.requests_from_pb(ended, [0], 0.0, seed=1) == []
+    assert convert.requests_from_pb(ended, [0], 0.0) == []
     assert convert.ended_samples(ended, [0]) == [(0, FinishReason.LENGTH), (1, FinishReason.STOP)]
 
 

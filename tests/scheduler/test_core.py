@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from protos.pagemesh.v1 import generate_pb2
+from protos.step import RequestId
+from scheduler_svc import convert
 from scheduler_svc.core.scheduler import CapacityError, Scheduler, SchedulerConfig
-from scheduler_svc.core.types import FinishReason, RequestId
+from scheduler_svc.core.types import FinishReason
 from tests.scheduler.core_harness import (
     EOS,
     check_invariants,
@@ -54,6 +58,34 @@ def test_eos_stops_only_after_min_tokens() -> None:
         reasons.append(events[0].finish_reason)
     assert reasons == [None, FinishReason.STOP]
     assert not scheduler.has_work() or not scheduler.schedule().num_scheduled_tokens
+
+
+def test_eos_as_the_max_tokens_th_token_ends_stop_live_and_when_resumed() -> None:
+    """One stop rule: the live path and a resume over the same outputs agree (vLLM: STOP)."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=10, block_size=4, max_model_len=64))
+    scheduler.add_request(make_request("a", prompt_len=3, max_tokens=2))
+    reasons = []
+    for token in (7, EOS):
+        out = scheduler.schedule()
+        reasons.append(scheduler.update(out, fake_step(scheduler, out, {"a": token}))[0].finish_reason)
+    assert reasons == [None, FinishReason.STOP]
+
+    resumed = scheduler_pb2.SubmitRequest(
+        request_id="a", prompt_token_ids=[10, 11, 12], n=2,
+        sampling=generate_pb2.SamplingParams(seed=3),
+        stopping=generate_pb2.StoppingCriteria(max_tokens=2))
+    resumed.progress.add(index=0, token_ids=[7, EOS])  # its last message was lost
+    resumed.progress.add(index=1, token_ids=[7, 7])
+    assert convert.requests_from_pb(resumed, [EOS], 0.0) == []
+    assert convert.ended_samples(resumed, [EOS]) == [(0, FinishReason.STOP), (1, FinishReason.LENGTH)]
+
+
+def test_a_submit_without_a_seed_is_refused() -> None:
+    """The router draws every seed; a scheduler that drew its own could not resume the same."""
+    unseeded = scheduler_pb2.SubmitRequest(request_id="a", prompt_token_ids=[1],
+                                           stopping=generate_pb2.StoppingCriteria(max_tokens=2))
+    with pytest.raises(ValueError, match="seed"):
+        convert.requests_from_pb(unseeded, [EOS], 0.0)
 
 
 def test_token_budget_is_shared_and_prefill_is_chunked() -> None:
@@ -171,12 +203,16 @@ def _imported_modules(path: Path) -> list[str]:
 
 
 def test_core_imports_no_grpc_or_torch() -> None:
-    """The core is plain Python; of `protos` it may use only the stdlib-only block hash."""
+    """The core is plain Python; of `protos` it may use only the stdlib-only block hash and
+    step contract."""
     root = Path(__file__).resolve().parents[2]
+    pure = {"protos.block_hash", "protos.step"}
     for path in (root / "scheduler_svc" / "core").glob("*.py"):
         for name in _imported_modules(path):
-            if name == "protos.block_hash":
+            if name in pure:
                 continue
             assert name.split(".")[0] not in {"grpc", "torch", "redis", "protos"}, (path, name)
-    for name in _imported_modules(root / "protos" / "block_hash.py"):
-        assert name.split(".")[0] in {"__future__", "hashlib", "struct", "collections", "typing"}
+    for module in pure:
+        for name in _imported_modules(root / (module.replace(".", "/") + ".py")):
+            assert name.split(".")[0] in {"__future__", "hashlib", "struct", "collections",
+                                          "typing", "dataclasses"}, (module, name)

@@ -15,14 +15,15 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protos.step import RequestId
 from scheduler_svc.core.scheduler import CapacityError, Scheduler, SchedulerConfig
-from scheduler_svc.core.types import FinishReason, Request, RequestEvent, RequestId
+from scheduler_svc.core.types import FinishReason, Request, RequestEvent
 from tests.scheduler.core_harness import (
     EOS,
     FakeWorker,
     assert_all_free,
     check_invariants,
-    make_group,
+    make_samples,
     make_request,
 )
 
@@ -87,14 +88,14 @@ def arrivals(rng: random.Random, scheduler: Scheduler, ledger: Ledger, step_inde
                       priority=rng.randint(0, 2), arrival_time_s=step_index * 0.01)
         n = rng.choice([1, 1, 1, 2, 3])
         if n > 1:
-            group = make_group(name, n, prompt, **kwargs)
+            group = make_samples(name, n, prompt, **kwargs)
         else:
             group = [make_request(name, prompt=prompt, **kwargs)]
         config = scheduler.config
         too_big = -(-(len(prompt) + kwargs["max_tokens"]) // config.block_size) > config.num_blocks
         too_long = len(prompt) + kwargs["max_tokens"] > config.max_model_len
         try:
-            scheduler.add_request_group(group)
+            scheduler.add_samples(group)
         except CapacityError:
             assert too_big and not too_long
             continue

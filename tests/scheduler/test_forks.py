@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from protos.step import RequestId
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.core.types import FinishReason, RequestId
+from scheduler_svc.core.types import FinishReason
 from tests.scheduler.core_harness import (
     assert_all_free,
     fake_step,
-    make_group,
+    make_samples,
     make_request,
     run_to_completion,
     step,
@@ -25,7 +26,7 @@ def make_scheduler(num_blocks: int = 32, **kwargs: object) -> Scheduler:
 def test_forks_start_after_the_leader_samples_and_copy_the_last_prompt_block(
         prompt_len: int, num_shared: int) -> None:
     scheduler = make_scheduler()
-    scheduler.add_request_group(make_group("g", 3, prompt=list(range(100, 100 + prompt_len))))
+    scheduler.add_samples(make_samples("g", 3, prompt=list(range(100, 100 + prompt_len))))
     output, _ = step(scheduler)
     assert list(output.num_scheduled_tokens) == ["g"]  # forks wait for the leader's prompt
     assert not output.blocks_to_copy
@@ -55,7 +56,7 @@ def test_forks_start_after_the_leader_samples_and_copy_the_last_prompt_block(
 
 def test_every_sample_gets_max_tokens() -> None:
     scheduler = make_scheduler()
-    scheduler.add_request_group(make_group("g", 4, prompt=list(range(100, 109)), max_tokens=6))
+    scheduler.add_samples(make_samples("g", 4, prompt=list(range(100, 109)), max_tokens=6))
     outputs = run_to_completion(scheduler)
     assert {k: len(v) for k, v in outputs.items()} == {"g": 6, "g#1": 6, "g#2": 6, "g#3": 6}
     assert_all_free(scheduler)
@@ -63,7 +64,7 @@ def test_every_sample_gets_max_tokens() -> None:
 
 def test_aborting_a_waiting_fork() -> None:
     scheduler = make_scheduler()
-    scheduler.add_request_group(make_group("g", 3, prompt=list(range(100, 109))))
+    scheduler.add_samples(make_samples("g", 3, prompt=list(range(100, 109))))
     output = scheduler.schedule()
     event = scheduler.abort(RequestId("g#1"))  # not in flight: ends at once
     assert event is not None and event.finish_reason is FinishReason.ABORT
@@ -75,7 +76,7 @@ def test_aborting_a_waiting_fork() -> None:
 
 def test_leader_aborted_before_forks_start_falls_back_to_the_prefix_cache() -> None:
     scheduler = make_scheduler()
-    scheduler.add_request_group(make_group("g", 3, prompt=list(range(100, 110))))
+    scheduler.add_samples(make_samples("g", 3, prompt=list(range(100, 110))))
     output = scheduler.schedule()
     assert scheduler.abort(RequestId("g")) is None  # in flight: ends at update
     events = scheduler.update(output, fake_step(scheduler, output))
@@ -90,7 +91,7 @@ def test_leader_aborted_before_forks_start_falls_back_to_the_prefix_cache() -> N
 
 def test_leader_aborted_after_forks_started() -> None:
     scheduler = make_scheduler()
-    scheduler.add_request_group(make_group("g", 3, prompt=list(range(100, 110)), max_tokens=6))
+    scheduler.add_samples(make_samples("g", 3, prompt=list(range(100, 110)), max_tokens=6))
     step(scheduler)
     step(scheduler)  # forks started, sharing the leader's blocks
     shared = scheduler.requests["g"].block_ids[0]
@@ -104,7 +105,7 @@ def test_leader_aborted_after_forks_started() -> None:
 
 def test_leader_finishing_in_its_first_step_lets_forks_use_the_cache() -> None:
     scheduler = make_scheduler()
-    scheduler.add_request_group(make_group("g", 2, prompt=list(range(100, 110)), max_tokens=1))
+    scheduler.add_samples(make_samples("g", 2, prompt=list(range(100, 110)), max_tokens=1))
     outputs = run_to_completion(scheduler)
     assert {k: len(v) for k, v in outputs.items()} == {"g": 1, "g#1": 1}
     assert scheduler.stats().prefix_cache_hits == 8
@@ -116,25 +117,25 @@ def test_preempting_groups_keeps_invariants_and_finishes(mode: str) -> None:
     scheduler = make_scheduler(num_blocks=12, preemption_mode=mode,
                                num_swap_blocks=6 if mode == "swap" else 0)
     for g in range(3):
-        scheduler.add_request_group(make_group(f"g{g}", 3, prompt=[g, 1, 2, 3, 4, 5], max_tokens=9))
+        scheduler.add_samples(make_samples(f"g{g}", 3, prompt=[g, 1, 2, 3, 4, 5], max_tokens=9))
     outputs = run_to_completion(scheduler)
     assert scheduler.num_preemptions > 0
     assert sorted(len(v) for v in outputs.values()) == [9] * 9
     assert_all_free(scheduler)
 
 
-def test_malformed_groups_are_rejected_whole() -> None:
+def test_malformed_samples_are_rejected_whole() -> None:
     scheduler = make_scheduler()
     leader = make_request("g", prompt=[1, 2, 3])
     with pytest.raises(ValueError, match="prompt"):
-        scheduler.add_request_group(
+        scheduler.add_samples(
             [leader, make_request("f", prompt=[1, 2], fork_of=RequestId("g"))])
     with pytest.raises(ValueError, match="fork from"):
-        scheduler.add_request_group([leader, make_request("f", prompt=[1, 2, 3])])
-    with pytest.raises(ValueError, match="add_request_group"):
+        scheduler.add_samples([leader, make_request("f", prompt=[1, 2, 3])])
+    with pytest.raises(ValueError, match="add_samples"):
         scheduler.add_request(make_request("f", prompt=[1, 2, 3], fork_of=RequestId("g")))
     with pytest.raises(ValueError, match="empty"):
-        scheduler.add_request_group([])
+        scheduler.add_samples([])
     assert not scheduler.requests and not scheduler.has_work()
-    scheduler.add_request_group([leader])  # n = 1 is an ordinary request
+    scheduler.add_samples([leader])  # n = 1 is an ordinary request
     assert run_to_completion(scheduler) == {"g": [7, 7, 7, 7]}

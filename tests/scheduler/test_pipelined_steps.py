@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from protos.step import ModelRunnerOutput, RequestId, SampledToken
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.core.types import RequestId, SampledToken, StepResult
 from tests.scheduler.core_harness import check_invariants, make_request
 
 
-def sample_all(output, scheduler: Scheduler) -> StepResult:
+def sample_all(output, scheduler: Scheduler) -> ModelRunnerOutput:
     """Samples every request whose scheduled tokens reach the end of its known tokens.
 
     Computed before later steps are scheduled, as the worker would."""
@@ -20,7 +20,7 @@ def sample_all(output, scheduler: Scheduler) -> StepResult:
         request = scheduler.requests[request_id]
         if request.num_computed_tokens == request.num_tokens:
             sampled[request_id] = SampledToken(7)
-    return StepResult(output.step_id, sampled)
+    return ModelRunnerOutput(output.step_id, sampled)
 
 
 def run_pipelined(scheduler: Scheduler, depth: int, max_steps: int = 2000) -> dict[str, int]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from protos.step import RequestId
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.core.types import FinishReason, RequestId, RequestStatus
+from scheduler_svc.core.types import FinishReason, RequestStatus
 from tests.scheduler.core_harness import (
     assert_all_free,
     make_request,

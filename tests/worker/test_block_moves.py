@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from tests.tiny_models import write_tiny_model
 from worker_svc.runner import ModelRunner, RunnerConfig
-from worker_svc.types import CachedRequestData, NewRequestData, SamplingParams, StepInput
 
 BLOCK_SIZE = 4
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 61, 12, 3]  # 10 tokens: two full blocks and a partial one
@@ -34,14 +34,14 @@ def decode(runner: ModelRunner, request_id: str, step_id: int, num_computed: int
     tokens = [last_token]
     for i in range(num_steps):
         cached = CachedRequestData(request_id, new_blocks[i], num_computed + i, [tokens[-1]])
-        out = runner.execute_step(StepInput(step_id + i, cached_requests=[cached],
+        out = runner.execute_step(SchedulerOutput(step_id + i, cached_requests=[cached],
                                             num_scheduled_tokens={request_id: 1}))
         tokens.append(out.sampled[request_id].token_id)
     return tokens[1:]
 
 
 def prefill(runner: ModelRunner, request_id: str, blocks: list[int]) -> int:
-    out = runner.execute_step(StepInput(
+    out = runner.execute_step(SchedulerOutput(
         0, new_requests=[NewRequestData(request_id, list(PROMPT), len(PROMPT), blocks, 0, GREEDY)],
         num_scheduled_tokens={request_id: len(PROMPT)},
     ))
@@ -57,13 +57,13 @@ def test_swap_out_and_back_in_elsewhere_gives_the_same_tokens(model_dir: Path) -
     assert runner.num_swap_blocks > 3
     assert prefill(runner, "r", [0, 1, 2]) == first
     # Preempt by swapping: copy to swap blocks 7, 8, 9 and forget the request ...
-    runner.execute_step(StepInput(1, finished_request_ids=["r"],
+    runner.execute_step(SchedulerOutput(1, finished_request_ids=["r"],
                                   blocks_to_swap_out=[(0, 7), (1, 8), (2, 9)]))
     for cache in runner.kv_caches:  # ... and let other requests overwrite its device blocks
         cache[:, :3] = torch.randn_like(cache[:, :3])
     # Resume in other device blocks, sent in full with its computed tokens kept.
     tokens = [*PROMPT, first]
-    out = runner.execute_step(StepInput(
+    out = runner.execute_step(SchedulerOutput(
         2, new_requests=[NewRequestData("r", tokens, len(PROMPT), [10, 11, 12], len(PROMPT), GREEDY)],
         num_scheduled_tokens={"r": 1}, blocks_to_swap_in=[(7, 10), (8, 11), (9, 12)],
     ))
@@ -77,7 +77,7 @@ def test_copy_on_write_fork_continues_from_the_shared_prompt(model_dir: Path) ->
     first = prefill(runner, "leader", [0, 1, 2])
     # The fork shares blocks 0 and 1, copies the partly filled block 2 into 5, and
     # recomputes the last prompt token to get logits of its own.
-    out = runner.execute_step(StepInput(
+    out = runner.execute_step(SchedulerOutput(
         1, new_requests=[NewRequestData("fork", list(PROMPT), len(PROMPT), [0, 1, 5], len(PROMPT) - 1, GREEDY)],
         num_scheduled_tokens={"fork": 1}, blocks_to_copy=[(2, 5)],
     ))
@@ -87,6 +87,6 @@ def test_copy_on_write_fork_continues_from_the_shared_prompt(model_dir: Path) ->
 def test_moves_outside_the_cache_are_rejected(model_dir: Path) -> None:
     runner = make_runner(model_dir)
     with pytest.raises(ValueError, match="outside the cache"):
-        runner.execute_step(StepInput(0, blocks_to_copy=[(0, 99)]))
+        runner.execute_step(SchedulerOutput(0, blocks_to_copy=[(0, 99)]))
     with pytest.raises(ValueError, match="outside the cache"):
-        runner.execute_step(StepInput(0, blocks_to_swap_out=[(0, runner.num_swap_blocks)]))
+        runner.execute_step(SchedulerOutput(0, blocks_to_swap_out=[(0, runner.num_swap_blocks)]))

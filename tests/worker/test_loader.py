@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels.cpu_features import CpuFeatures, cpu_features
+from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from tests.tiny_models import write_tiny_model
 from worker_svc.attention import TorchAttentionBackend, get_attention_backend
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
@@ -18,7 +19,6 @@ from worker_svc.loader import load_model, open_source, resolve_dtype
 from worker_svc.model.config import parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.runner import ModelRunner, RunnerConfig
-from worker_svc.types import CachedRequestData, NewRequestData, SamplingParams, StepInput
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -65,11 +65,11 @@ def hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
 def greedy_tokens(runner: ModelRunner, prompt: list[int], num_new_tokens: int) -> list[int]:
     num_blocks = -(-(len(prompt) + num_new_tokens) // runner.block_size)
     new = NewRequestData("r", list(prompt), len(prompt), list(range(num_blocks)), 0, GREEDY)
-    output = runner.execute_step(StepInput(0, [new], num_scheduled_tokens={"r": len(prompt)}))
+    output = runner.execute_step(SchedulerOutput(0, [new], num_scheduled_tokens={"r": len(prompt)}))
     tokens = [output.sampled["r"].token_id]
     for i in range(1, num_new_tokens):
         cached = CachedRequestData("r", [], len(prompt) + i - 1, [tokens[-1]])
-        output = runner.execute_step(StepInput(i, cached_requests=[cached],
+        output = runner.execute_step(SchedulerOutput(i, cached_requests=[cached],
                                                num_scheduled_tokens={"r": 1}))
         tokens.append(output.sampled["r"].token_id)
     return tokens

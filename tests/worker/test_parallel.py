@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from tests.tiny_models import write_tiny_model
 from tests.worker import test_runner_vs_hf as vs_hf
-from tests.worker.parallel_harness import EngineGroup
+from tests.worker.parallel_harness import LocalWorkerGroup
 from tests.worker.test_runner_vs_hf import (
     BLOCK_SIZE,
     ScriptedRequest,
@@ -32,7 +33,6 @@ from worker_svc.model.config import ModelConfig
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.parallel import ParallelConfig
 from worker_svc.runner import ModelRunner, RunnerConfig
-from worker_svc.types import NewRequestData, SamplingParams, StepInput
 
 NUM_NEW_TOKENS = 10
 NUM_BLOCKS = 48
@@ -108,7 +108,7 @@ def reference(model_dir):
 
 
 def _group(tp_size: int, pp_size: int):
-    group = EngineGroup(tp_size, pp_size)
+    group = LocalWorkerGroup(tp_size, pp_size)
     yield group
     group.close()
 
@@ -131,7 +131,7 @@ def tp2pp2():
 @pytest.mark.parametrize(("group_name", "model", "layer_split"), CASES)
 def test_group_matches_transformers_and_tp1(request, group_name, model, layer_split,
                                             model_dir, reference) -> None:
-    group: EngineGroup = request.getfixturevalue(group_name)
+    group: LocalWorkerGroup = request.getfixturevalue(group_name)
     infos = group.load(runner_config(model_dir(model)), layer_split)
     assert [(i.tp_rank, i.tp_size, i.pp_rank, i.pp_size) for i in infos] == [
         (r % group.tp_size, group.tp_size, r // group.tp_size, group.pp_size)
@@ -178,12 +178,12 @@ def test_kv_cache_budget_is_per_rank(tp2pp2, model_dir) -> None:
 
 
 def _one_request_step(step_id: int, request_id: str, prompt: list[int],
-                      num_tokens: int | None = None) -> StepInput:
+                      num_tokens: int | None = None) -> SchedulerOutput:
     num_tokens = num_tokens or len(prompt)
     num_blocks = -(-len(prompt) // BLOCK_SIZE)
     block_ids = list(range(step_id * 8, step_id * 8 + num_blocks))
     new = NewRequestData(request_id, prompt, len(prompt), block_ids, 0, GREEDY)
-    return StepInput(step_id, [new], num_scheduled_tokens={request_id: num_tokens})
+    return SchedulerOutput(step_id, [new], num_scheduled_tokens={request_id: num_tokens})
 
 
 def test_tp_step_mismatch_raises_on_every_rank(tp2, model_dir) -> None:
@@ -234,7 +234,7 @@ def test_stage0_runs_ahead_of_stage1(pp2, model_dir, reference) -> None:
         token = answers[pp2.driver_rank].value.sampled[expected.request_id].token_id
         assert token == expected.outputs[0]
     # A step with nothing to compute still passes through every stage, in order.
-    finish = StepInput(len(steps), finished_request_ids=[s.new_requests[0].request_id
+    finish = SchedulerOutput(len(steps), finished_request_ids=[s.new_requests[0].request_id
                                                          for s in steps])
     outputs = pp2.call_ok("step", finish)
     assert all(not o.sampled for o in outputs)

@@ -13,14 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from tests.tiny_models import write_tiny_model
 from worker_svc.runner import ModelRunner, RunnerConfig
-from worker_svc.types import (
-    CachedRequestData,
-    NewRequestData,
-    SamplingParams,
-    StepInput,
-)
 
 BLOCK_SIZE = 4
 NUM_NEW_TOKENS = 12
@@ -82,7 +77,7 @@ def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: 
                 r.sent = True
             r.num_sent = len(known)
             scheduled[r.request_id] = num_tokens
-        output = runner.execute_step(StepInput(step_id, new, cached, scheduled, finished))
+        output = runner.execute_step(SchedulerOutput(step_id, new, cached, scheduled, finished))
         finished = []
         expect_sampled = set()
         for r in requests:
@@ -162,7 +157,7 @@ def test_rebuilt_request_continues_where_it_left_off(tiny_model: Path) -> None:
     prompt = random_prompt(7, runner.info().vocab_size, 6)
     first = ScriptedRequest("r", prompt, join_step=0)
     drive(runner, [first], NUM_NEW_TOKENS)
-    runner.execute_step(StepInput(100, finished_request_ids=["r"]))
+    runner.execute_step(SchedulerOutput(100, finished_request_ids=["r"]))
     assert not runner.requests
 
     resumed = ScriptedRequest("r", prompt, join_step=0, prefill_chunk=5,
@@ -176,25 +171,25 @@ def test_rebuilt_request_continues_where_it_left_off(tiny_model: Path) -> None:
 def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
     runner = make_runner(tiny_model, num_blocks=8)
     prompt = random_prompt(6, runner.info().vocab_size, 7)
-    runner.execute_step(StepInput(0, [NewRequestData("a", prompt, 6, [0, 1], 0, GREEDY)],
+    runner.execute_step(SchedulerOutput(0, [NewRequestData("a", prompt, 6, [0, 1], 0, GREEDY)],
                                   num_scheduled_tokens={"a": 6}))
     before = (list(runner.requests["a"].token_ids), list(runner.requests["a"].block_ids))
     cache_before = [c.clone() for c in runner.kv_caches]
     bad_steps = {
-        "unknown request": StepInput(1, num_scheduled_tokens={"zzz": 1}),
-        "unknown request 'zzz' in cached": StepInput(
+        "unknown request": SchedulerOutput(1, num_scheduled_tokens={"zzz": 1}),
+        "unknown request 'zzz' in cached": SchedulerOutput(
             1, cached_requests=[CachedRequestData("zzz", [], 0)]
         ),
-        "outside 0..7": StepInput(1, [NewRequestData("b", prompt, 6, [0, 8], 0, GREEDY)],
+        "outside 0..7": SchedulerOutput(1, [NewRequestData("b", prompt, 6, [0, 8], 0, GREEDY)],
                                   num_scheduled_tokens={"b": 6}),
-        "only 7 tokens are known": StepInput(1, cached_requests=[CachedRequestData("a", [], 6, [5])],
+        "only 7 tokens are known": SchedulerOutput(1, cached_requests=[CachedRequestData("a", [], 6, [5])],
                                              num_scheduled_tokens={"a": 2}),
-        "cannot hold": StepInput(1, [NewRequestData("b", prompt, 6, [2], 0, GREEDY)],
+        "cannot hold": SchedulerOutput(1, [NewRequestData("b", prompt, 6, [2], 0, GREEDY)],
                                  num_scheduled_tokens={"b": 6}),
-        "token id outside": StepInput(1, [NewRequestData("b", [10**6], 1, [2], 0, GREEDY)],
+        "token id outside": SchedulerOutput(1, [NewRequestData("b", [10**6], 1, [2], 0, GREEDY)],
                                       num_scheduled_tokens={"b": 1}),
         # "a" is dropped first, so continuing it in the same step is an unknown request.
-        "unknown request 'a'": StepInput(1, cached_requests=[CachedRequestData("a", [], 6)],
+        "unknown request 'a'": SchedulerOutput(1, cached_requests=[CachedRequestData("a", [], 6)],
                                          num_scheduled_tokens={"a": 1},
                                          finished_request_ids=["a"]),
     }
@@ -205,7 +200,7 @@ def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
     assert (runner.requests["a"].token_ids, runner.requests["a"].block_ids) == before
     assert all(torch.equal(a, b) for a, b in zip(cache_before, runner.kv_caches, strict=True))
     # And a valid continuation still works afterwards.
-    output = runner.execute_step(StepInput(2, cached_requests=[CachedRequestData("a", [], 6, [5])],
+    output = runner.execute_step(SchedulerOutput(2, cached_requests=[CachedRequestData("a", [], 6, [5])],
                                            num_scheduled_tokens={"a": 1}))
     assert set(output.sampled) == {"a"} and output.forward_time_ms > 0
 

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from worker_svc.sampler import SamplingRequest, _splitmix64, mix_seed, sample
-from worker_svc.types import SamplingParams
+from protos.step import SamplingParams
+from worker_svc.sampler import SamplingRow, _splitmix64, mix_seed, sample
 
 
-def req(params: SamplingParams, prompt=(), output=()) -> SamplingRequest:
-    return SamplingRequest(params, [*prompt, *output], num_prompt_tokens=len(prompt))
+def req(params: SamplingParams, prompt=(), output=()) -> SamplingRow:
+    return SamplingRow(params, [*prompt, *output], num_prompt_tokens=len(prompt))
 
 
 def random_logits(num_rows: int, vocab_size: int = 64, seed: int = 0) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""The step contract between a scheduler and its workers, as plain data (stdlib only).
+
+vLLM v1's vocabulary, on both sides of the wire: the scheduler core builds a
+`SchedulerOutput` each step, the workers run it and answer a `ModelRunnerOutput`. Each
+service's `convert.py` is the only bridge between these types and `worker.proto`; nothing
+else on either side sees the protobuf messages.
+
+Token bookkeeping: a request's known tokens are `prompt + output so far`;
+`num_computed_tokens` of them already have KV in the cache. A step computes
+`num_scheduled_tokens[request_id]` more, starting at `num_computed_tokens`. When that
+reaches the end of the known tokens the driver rank samples the next token and returns it;
+the scheduler sends it back to every rank in the next step's `CachedRequestData.new_token_ids`
+(unless `append_sampled_tokens`: then the driver, the only rank, appends it itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NewType
+
+RequestId = NewType("RequestId", str)
+BlockId = int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are drawn, with every default filled in.
+
+    `temperature == 0` means greedy. `seed` is always set (the router draws one for an
+    unseeded request) so that a request's randomness depends only on its seed and the index
+    of the token being drawn, never on the batch it shares or the scheduler that runs it.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0  # in (0, 1]; 1 = off
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    min_tokens: int = 0
+    # Token ids that end the request (EOS unless ignored, plus the client's stop ids), in
+    # ascending order; masked while fewer than `min_tokens` tokens have been generated.
+    stop_token_ids: tuple[int, ...] = ()
+    # Top alternatives returned per sampled token, with the chosen token's logprob;
+    # 0 = neither (the client gets no logprobs).
+    num_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the workers do not hold yet (first time, after a preemption, or a resume):
+    sent in full once."""
+
+    request_id: RequestId
+    token_ids: list[int]  # prompt + any output already generated
+    num_prompt_tokens: int
+    block_ids: list[BlockId]
+    num_computed_tokens: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the workers hold: only the blocks and tokens added since they last saw it."""
+
+    request_id: RequestId
+    new_block_ids: list[BlockId]
+    num_computed_tokens: int
+    # Tokens sampled since the workers last heard of the request (normally the one of its
+    # previous step). Every rank learns sampled tokens this way, so pipeline stages that
+    # never sample stay in step with the one that does.
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what every worker of the group computes."""
+
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id -> tokens computed this step (>= 1 for every scheduled request)
+    num_scheduled_tokens: dict[RequestId, int] = field(default_factory=dict)
+    # Requests the workers must forget before this step (finished, aborted, preempted).
+    finished_request_ids: list[RequestId] = field(default_factory=list)
+    # KV block moves applied before the forward, in this order: (device block, swap block)
+    # copies to CPU swap space, (swap block, device block) copies back, then (source,
+    # destination) device copies (a fork's private copy of its leader's last prompt block).
+    blocks_to_swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    # The driver appends each token it samples to the request itself, and `new_token_ids`
+    # carry none of those (async scheduling, a group of one rank).
+    append_sampled_tokens: bool = False
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.num_scheduled_tokens or self.finished_request_ids
+                    or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    # Of the chosen token under the model's raw distribution; 0.0 (not computed) when the
+    # request asked for no logprobs.
+    logprob: float = 0.0
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the workers return for one step."""
+
+    step_id: int
+    # Only requests whose scheduled tokens reached the end of their known tokens.
+    sampled: dict[RequestId, SampledToken] = field(default_factory=dict)
+    forward_time_ms: float = 0.0  # the driver's forward pass, for the step span
