@@ -10,10 +10,9 @@ held for `--stream-interval`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from protos.pagemesh.v1 import generate_pb2
-from router import convert, replay
+from router import replay
+from router.types import SampleOutput, TokenChunk, TokenLogprob, Usage
 
 
 @dataclass
@@ -22,10 +21,10 @@ class _Held:
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def add(self, token_ids: list[int], text: str, logprobs: list[Any]
-            ) -> tuple[list[int], str, list[Any]]:
+    def add(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob]
+            ) -> tuple[list[int], str, list[TokenLogprob]]:
         self.token_ids += token_ids
         self.text += text
         self.logprobs += logprobs
@@ -50,13 +49,13 @@ class ClientStream:
     def done(self) -> bool:
         return self.num_unfinished == 0
 
-    def process(self, chunk: Any) -> generate_pb2.GenerateResponse | None:
+    def process(self, output: SampleOutput) -> TokenChunk | None:
         """The client's message for one scheduler (or replayed) message of one sample."""
-        index = chunk.index
+        index = output.index
         sample = self.samples[index]
         if sample.finished:
             return None  # a stop string ended this sample here; the rest is dropped
-        processed = sample.process(chunk)
+        processed = sample.process(output)
         if processed is None:
             return None  # tokens the client already has (a resume)
         token_ids, text, finish_reason, logprobs = processed
@@ -73,8 +72,7 @@ class ClientStream:
                 return None
             del self._held[index]
         if not done:
-            return convert.generate_response(self.request_id, index, token_ids, text, logprobs,
-                                             finish_reason)
-        return convert.generate_response(  # the request's last message carries its usage
-            self.request_id, index, token_ids, text, logprobs, finish_reason,
-            self.num_prompt_tokens, sum(s.num_completion_tokens for s in self.samples))
+            return TokenChunk(self.request_id, index, token_ids, text, logprobs, finish_reason)
+        usage = Usage(self.num_prompt_tokens, sum(s.num_completion_tokens for s in self.samples))
+        # The request's last message carries its usage.
+        return TokenChunk(self.request_id, index, token_ids, text, logprobs, finish_reason, usage)

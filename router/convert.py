@@ -5,7 +5,31 @@ from __future__ import annotations
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from router.resume import Progress
+from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, TokenChunk,
+                          TokenLogprob)
 from router.validation import ModelLimits, SamplingOptions, StoppingOptions, ValidatedRequest
+
+
+def generation_request(pb: generate_pb2.GenerateRequest) -> GenerationRequest:
+    """A gRPC `Generate` call's request; unset fields stay unset (None) for validation."""
+    prompt_kind = pb.WhichOneof("prompt")
+    prompt: str | list[int] | None = None
+    if prompt_kind == "text":
+        prompt = pb.text
+    elif prompt_kind == "token_ids":
+        prompt = list(pb.token_ids.ids)
+    return GenerationRequest(
+        request_id=pb.request_id,
+        prompt=prompt,
+        apply_chat_template=pb.apply_chat_template,
+        sampling=sampling_from_pb(pb.sampling),
+        stopping=stopping_from_pb(pb.stopping),
+        num_logprobs=pb.logprobs or None,
+        n=pb.n or 1,
+        priority=pb.priority,
+        resume_from=pb.resume_from,
+        model=pb.model,
+    )
 
 
 def sampling_from_pb(pb: generate_pb2.SamplingParams) -> SamplingOptions:
@@ -92,66 +116,79 @@ def submit_from_checkpoint(raw: bytes) -> scheduler_pb2.SubmitRequest:
     return request
 
 
-def replayed_response(index: int, token_ids: list[int], finish_reason: int) -> scheduler_pb2.SubmitResponse:
-    """Checkpointed tokens of one sample, replayed as if its scheduler had just sent them."""
-    return scheduler_pb2.SubmitResponse(index=index, token_ids=token_ids, finish_reason=finish_reason)
-
-
-def without_leading_tokens(response: scheduler_pb2.SubmitResponse, num_tokens: int
-                           ) -> scheduler_pb2.SubmitResponse:
-    """`response` less its first `num_tokens` tokens (and their logprobs)."""
-    rest = scheduler_pb2.SubmitResponse()
-    rest.CopyFrom(response)
-    del rest.token_ids[:num_tokens]
-    del rest.logprobs[:num_tokens]
-    return rest
-
-
-def token_logprobs(
-    response: scheduler_pb2.SubmitResponse, token_text: dict[int, str]
-) -> list[generate_pb2.TokenLogprob]:
-    """Per-token logprobs of a scheduler message, with each token's text from `token_text`."""
-    return [
-        generate_pb2.TokenLogprob(
-            token_id=token_id,
-            logprob=lp.logprob,
-            top=[
-                generate_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob,
-                                        token=token_text.get(t.token_id, ""))
-                for t in lp.top
-            ],
-        )
-        for token_id, lp in zip(response.token_ids, response.logprobs)
-    ]
+def sample_output(pb: scheduler_pb2.SubmitResponse) -> SampleOutput:
+    """A scheduler message of one sample, converted once as it reaches the router."""
+    logprobs = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in pb.logprobs]
+    return SampleOutput(pb.index, list(pb.token_ids), finish_reason_from_pb(pb.finish_reason),
+                        logprobs)
 
 
 FINISH_REASON_STOP = generate_pb2.FINISH_REASON_STOP
 FINISH_REASON_UNSPECIFIED = generate_pb2.FINISH_REASON_UNSPECIFIED
 
+# The router's one finish-reason table: the wire's enum values and the domain's names.
+_FINISH_REASONS = {
+    generate_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    generate_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    generate_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
+_FINISH_REASON_VALUES = {reason: value for value, reason in _FINISH_REASONS.items()}
 
-def finish_reason_name(finish_reason: int) -> str:
-    """"stop", "length" or "abort", as OpenAI and the GenAI trace conventions spell them."""
-    return generate_pb2.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+
+def finish_reason_from_pb(finish_reason: int) -> FinishReason | None:
+    """None while the sample runs (FINISH_REASON_UNSPECIFIED)."""
+    return _FINISH_REASONS.get(finish_reason)
 
 
-def generate_response(
-    request_id: str,
-    index: int,
-    token_ids: list[int],
-    text: str,
-    logprobs: list[generate_pb2.TokenLogprob],
-    finish_reason: int = FINISH_REASON_UNSPECIFIED,
-    num_prompt_tokens: int = 0,
-    num_completion_tokens: int = 0,
-) -> generate_pb2.GenerateResponse:
+def finish_reason_to_pb(finish_reason: FinishReason | None) -> int:
+    return FINISH_REASON_UNSPECIFIED if finish_reason is None else _FINISH_REASON_VALUES[finish_reason]
+
+
+def generate_response(chunk: TokenChunk) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(
-        request_id=request_id, index=index, token_ids=token_ids, text=text, logprobs=logprobs,
-        finish_reason=finish_reason,
+        request_id=chunk.request_id, index=chunk.index, token_ids=chunk.token_ids, text=chunk.text,
+        finish_reason=finish_reason_to_pb(chunk.finish_reason),
     )
-    if num_prompt_tokens:
-        response.usage.prompt_tokens = num_prompt_tokens
-        response.usage.completion_tokens = num_completion_tokens
+    if chunk.logprobs:
+        response.logprobs.extend(_token_logprob(lp) for lp in chunk.logprobs)
+    if chunk.usage is not None:
+        response.usage.prompt_tokens = chunk.usage.num_prompt_tokens
+        response.usage.completion_tokens = chunk.usage.num_completion_tokens
     return response
+
+
+def _token_logprob(lp: TokenLogprob) -> generate_pb2.TokenLogprob:
+    return generate_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[generate_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
+             for t in lp.top])
+
+
+def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse, num_replicas: int) -> ModelInfo:
+    """The schedulers' model description, with the router's count of engine groups."""
+    return ModelInfo(
+        model=pb.model, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
+        eos_token_ids=list(pb.eos_token_ids), dtype=pb.dtype, architecture=pb.architecture,
+        block_size=pb.block_size, num_kv_blocks=pb.num_kv_blocks, quantization=pb.quantization,
+        weight_bytes=pb.weight_bytes, kv_cache_bytes=pb.kv_cache_bytes,
+        kv_cache_sizing=pb.kv_cache_sizing,
+        tensor_parallel_size=pb.layout.tensor_parallel_size,
+        pipeline_parallel_size=pb.layout.pipeline_parallel_size,
+        num_replicas=num_replicas,
+    )
+
+
+def model_info_response(info: ModelInfo) -> generate_pb2.GetModelInfoResponse:
+    return generate_pb2.GetModelInfoResponse(
+        model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids, dtype=info.dtype, architecture=info.architecture,
+        block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
+        quantization=info.quantization, weight_bytes=info.weight_bytes,
+        kv_cache_bytes=info.kv_cache_bytes, kv_cache_sizing=info.kv_cache_sizing,
+        layout=generate_pb2.ParallelLayout(tensor_parallel_size=info.tensor_parallel_size,
+                                           pipeline_parallel_size=info.pipeline_parallel_size,
+                                           num_replicas=info.num_replicas),
+    )
 
 
 def tokenize_response(token_ids: list[int], tokens: list[str]) -> generate_pb2.TokenizeResponse:

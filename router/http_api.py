@@ -1,12 +1,15 @@
-"""The router's OpenAI-compatible HTTP API: a thin Starlette adapter over `GenerationServicer`.
+"""The router's OpenAI-compatible HTTP API: a thin Starlette adapter over the router's data
+plane, `router.generation.Generation`.
 
-Every generation goes through `servicer.Generate`, the gRPC code path, so HTTP and gRPC give the
-same tokens and reject the same requests. `router.openai_protocol` does the JSON <-> proto work.
+The gRPC servicer adapts the same object, so HTTP and gRPC give the same tokens, reject the
+same requests and trace the same span. `router.openai_protocol` turns JSON into
+`GenerationRequest`s and `TokenChunk`s into OpenAI's objects.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -28,14 +31,15 @@ from pagemesh.auth import HTTP_HOW_TO, ApiKeys, missing_key_message
 from pagemesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagemesh.serving import ServiceError
 from pagemesh.telemetry import tracing_enabled
-from protos.pagemesh.v1 import generate_pb2
 from router import openai_protocol as oai
-from router.servicer import GenerationServicer
+from router.generation import Generation
 from router.tokenizer import TokenizerError
 from router.tracing import TraceContextMiddleware
+from router.types import TokenChunk
 
 logger = logging.getLogger(__name__)
 
+# ServiceError carries a gRPC status code (pagemesh/serving.py): OpenAI's status for each.
 _STATUS_FOR_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
@@ -45,12 +49,12 @@ _STATUS_FOR_CODE = {
 }
 
 
-def build_http_app(servicer: GenerationServicer, is_serving: Callable[[], bool],
+def build_http_app(generation: Generation, is_serving: Callable[[], bool],
                    api_keys: ApiKeys | None = None) -> Starlette:
     """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 ready engine group).
     With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` and
     `/metrics` stay open."""
-    api = _OpenAIApi(servicer, is_serving)
+    api = _OpenAIApi(generation, is_serving)
     middleware = [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []
     if tracing_enabled():  # a `traceparent` header parents the request's Generate span
         middleware.insert(0, Middleware(TraceContextMiddleware))
@@ -91,7 +95,7 @@ class _ApiKeyMiddleware:
 
 
 def protocol_error_for(exc: ServiceError) -> oai.ProtocolError:
-    """OpenAI's status and error type for a servicer error."""
+    """OpenAI's status and error type for a data plane error."""
     if exc.code == grpc.StatusCode.INVALID_ARGUMENT and "is not served here" in exc.message:
         return oai.ProtocolError(exc.message, "model", 404, "invalid_request_error", "model_not_found")
     status, type = _STATUS_FOR_CODE.get(exc.code, (500, "internal_error"))
@@ -118,8 +122,8 @@ class _Choice:
 
 
 class _OpenAIApi:
-    def __init__(self, servicer: GenerationServicer, is_serving: Callable[[], bool]) -> None:
-        self.servicer = servicer
+    def __init__(self, generation: Generation, is_serving: Callable[[], bool]) -> None:
+        self.generation = generation
         self.is_serving = is_serving
         self.created = int(time.time())
 
@@ -128,10 +132,10 @@ class _OpenAIApi:
 
     async def metrics(self, request: Request) -> Response:
         """Prometheus text format, as on the router's --metrics-port (open, like /health)."""
-        return Response(self.servicer.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+        return Response(self.generation.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(oai.models_object(await self._model_info(), self.created))
+        return JSONResponse(oai.models_object(await self.generation.model_info(), self.created))
 
     async def completions(self, request: Request) -> Response:
         parsed = oai.parse_completion(await _json_body(request))
@@ -140,52 +144,52 @@ class _OpenAIApi:
     async def chat_completions(self, request: Request) -> Response:
         parsed = oai.parse_chat(await _json_body(request))
         try:
-            prompt_ids = self.servicer.tokenizer.apply_chat_messages(parsed.messages)
+            prompt_ids = self.generation.tokenizer.apply_chat_messages(parsed.messages)
         except TokenizerError as exc:
             raise oai.ProtocolError(str(exc), "messages") from exc
-        parsed.generate.token_ids.ids.extend(prompt_ids)
+        parsed.generate = dataclasses.replace(parsed.generate, prompt=prompt_ids)
         return await self._generate(parsed, chat=True)
 
-    async def _model_info(self) -> generate_pb2.GetModelInfoResponse:
-        return await self.servicer.GetModelInfo(generate_pb2.GetModelInfoRequest(), None)
-
     async def _generate(self, parsed: oai.ParsedRequest, chat: bool) -> Response:
-        model = (await self._model_info()).model
+        model = (await self.generation.model_info()).model
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        parsed.generate.request_id = response_id
         # A fresh id: no checkpoint to look up in Redis (OpenAI HTTP has no resume).
-        chunks = self.servicer.Generate(parsed.generate, None, new_request=True)
+        request = dataclasses.replace(parsed.generate, request_id=response_id, new_request=True)
+        batches = self.generation.generate(request)
         try:
             # Validation happens on the first step: pull it here so that errors are 4xx replies.
-            first = await anext(chunks)
+            first = await anext(batches)
         except BaseException:
-            await chunks.aclose()
+            await batches.aclose()
             raise
-        stream = _Stream(self.servicer, parsed, chat, response_id, model, int(time.time()))
+        stream = _Stream(self.generation, parsed, chat, response_id, model, int(time.time()))
         if parsed.stream:
-            return _EventStream(stream.events(first, chunks), media_type="text/event-stream")
-        return JSONResponse(await stream.collect(first, chunks))
+            return _EventStream(stream.events(first, batches), media_type="text/event-stream")
+        return JSONResponse(await stream.collect(first, batches))
+
+
+Batches = AsyncIterator[list[TokenChunk]]
 
 
 class _Stream:
-    """Turns one request's `GenerateResponse` chunks into OpenAI objects."""
+    """Turns one request's `TokenChunk`s, a list per step, into OpenAI objects."""
 
-    def __init__(self, servicer: GenerationServicer, parsed: oai.ParsedRequest, chat: bool,
+    def __init__(self, generation: Generation, parsed: oai.ParsedRequest, chat: bool,
                  response_id: str, model: str, created: int) -> None:
-        self.tokenizer = servicer.tokenizer
+        self.tokenizer = generation.tokenizer
         self.parsed = parsed
         self.chat = chat
         self.build = oai.chat_object if chat else oai.completion_object
         self.head = (response_id, created, model)
-        self.choices = [_Choice() for _ in range(parsed.generate.n or 1)]
+        self.choices = [_Choice() for _ in range(parsed.generate.n)]
         self.token_text: dict[int, str] = {}
         self.usage: dict[str, int] | None = None
 
-    async def collect(self, first: generate_pb2.GenerateResponse,
-                      chunks: AsyncIterator[generate_pb2.GenerateResponse]) -> dict[str, Any]:
-        async with contextlib.aclosing(chunks):
-            async for chunk in _prepend(first, chunks):
-                self._absorb(chunk)
+    async def collect(self, first: list[TokenChunk], batches: Batches) -> dict[str, Any]:
+        async with contextlib.aclosing(batches):
+            async for batch in _prepend(first, batches):
+                for chunk in batch:
+                    self._absorb(chunk)
         choices = []
         for index, choice in enumerate(self.choices):
             logprobs = self._logprobs(choice.logprobs, 0)
@@ -193,14 +197,14 @@ class _Stream:
             choices.append(make(index, choice.text, logprobs, choice.finish_reason))
         return self.build(*self.head, choices, self.usage)
 
-    async def events(self, first: generate_pb2.GenerateResponse,
-                     chunks: AsyncIterator[generate_pb2.GenerateResponse]) -> AsyncIterator[str]:
-        # Closing `chunks` (also when the client goes away) cancels the request down the mesh.
-        async with contextlib.aclosing(chunks):
+    async def events(self, first: list[TokenChunk], batches: Batches) -> AsyncIterator[str]:
+        # Closing `batches` (also when the client goes away) cancels the request down the mesh.
+        async with contextlib.aclosing(batches):
             try:
-                async for chunk in _prepend(first, chunks):
-                    for event in self._chunk_events(chunk):
-                        yield _sse(event)
+                async for batch in _prepend(first, batches):
+                    for chunk in batch:
+                        for event in self._chunk_events(chunk):
+                            yield _sse(event)
             except ServiceError as exc:
                 yield _sse(protocol_error_for(exc).body())
                 return
@@ -208,7 +212,7 @@ class _Stream:
             yield _sse(self.build(*self.head, [], self.usage, chunk=True))
         yield "data: [DONE]\n\n"
 
-    def _absorb(self, chunk: generate_pb2.GenerateResponse) -> oai.ChoiceDelta:
+    def _absorb(self, chunk: TokenChunk) -> oai.ChoiceDelta:
         delta = oai.choice_delta(chunk, self.parsed.num_top_logprobs)
         if delta.logprobs:
             self.token_text.update(self._token_texts(chunk))
@@ -216,11 +220,11 @@ class _Stream:
         choice.text += delta.text
         choice.logprobs.extend(delta.logprobs)
         choice.finish_reason = delta.finish_reason or choice.finish_reason
-        if chunk.usage.prompt_tokens:
-            self.usage = oai.usage(chunk)
+        if chunk.usage is not None:
+            self.usage = oai.usage(chunk.usage)
         return delta
 
-    def _chunk_events(self, chunk: generate_pb2.GenerateResponse) -> list[dict[str, Any]]:
+    def _chunk_events(self, chunk: TokenChunk) -> list[dict[str, Any]]:
         delta = self._absorb(chunk)
         choice = self.choices[delta.index]
         events = []
@@ -247,7 +251,7 @@ class _Stream:
             return oai.chat_logprobs(entries, self.token_text)
         return oai.completion_logprobs(entries, self.token_text, text_offset)
 
-    def _token_texts(self, chunk: generate_pb2.GenerateResponse) -> dict[int, str]:
+    def _token_texts(self, chunk: TokenChunk) -> dict[int, str]:
         texts = {t.token_id: t.token for lp in chunk.logprobs for t in lp.top}
         for token_id in chunk.token_ids:
             if token_id not in texts:
@@ -266,7 +270,7 @@ class _EventStream(StreamingResponse):
 
     Starlette only notices a disconnect on its next write under ASGI 2.4; listening for
     `http.disconnect` too cancels the body at once, and closing the body closes
-    `servicer.Generate`, which cancels the scheduler call.
+    `Generation.generate`, which cancels the scheduler call.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

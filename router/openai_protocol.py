@@ -1,9 +1,9 @@
-"""OpenAI's HTTP API in pure functions: JSON bodies in, `GenerateRequest`s out, and
-`GenerateResponse` chunks back into OpenAI's completion / chat completion objects.
+"""OpenAI's HTTP API in pure functions: JSON bodies in, `GenerationRequest`s out, and
+`TokenChunk`s back into OpenAI's completion / chat completion objects (router/types.py).
 
 No I/O here: `router.http_api` owns the HTTP side. Parsing checks types and the fields OpenAI
 has that pagemesh does not serve; value ranges (temperature >= 0, max_tokens >= 1, ...) are left
-to the servicer's validation so that HTTP and gRPC reject the same requests with the same words.
+to the data plane's validation so that HTTP and gRPC reject the same requests with the same words.
 """
 
 from __future__ import annotations
@@ -12,17 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from protos.pagemesh.v1 import generate_pb2
+from router.types import GenerationRequest, ModelInfo, TokenChunk, Usage
+from router.validation import SamplingOptions, StoppingOptions
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-FINISH_REASONS = {
-    generate_pb2.FINISH_REASON_LENGTH: "length",
-    generate_pb2.FINISH_REASON_STOP: "stop",
-    generate_pb2.FINISH_REASON_ABORT: "abort",
-}
-
 
 class ProtocolError(ValueError):
     """A request OpenAI's API would reject; `status` is the HTTP status to answer with."""
@@ -47,9 +41,10 @@ def error_body(message: str, type: str, param: str | None = None,
 
 @dataclass
 class ParsedRequest:
-    """An OpenAI request turned into pagemesh's; chat messages are left for the tokenizer."""
+    """An OpenAI request turned into pagemesh's; chat messages are left for the tokenizer
+    (their token ids become `generate.prompt`)."""
 
-    generate: generate_pb2.GenerateRequest
+    generate: GenerationRequest
     stream: bool = False
     include_usage: bool = False
     # Alternatives per token the client asked for; None = no logprobs at all.
@@ -64,14 +59,13 @@ def parse_completion(body: Any) -> ParsedRequest:
     """A `/v1/completions` body. Raises ProtocolError saying what to fix."""
     body = _object(body)
     _reject_unsupported(body, {"echo": False, "suffix": None, "best_of": 1, "logit_bias": {}})
-    request = generate_pb2.GenerateRequest()
-    _set_prompt(request, body.get("prompt"))
+    prompt = _prompt(body.get("prompt"))
     max_tokens = _int(body, "max_tokens")
-    request.stopping.max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     num_top = _int(body, "logprobs")
     if num_top is not None and num_top < 0:
         raise ProtocolError(f"logprobs must be >= 0, got {num_top}", "logprobs")
-    return _parse_common(body, request, num_top)
+    return _parse_common(body, prompt, DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+                         num_top)
 
 
 def parse_chat(body: Any) -> ParsedRequest:
@@ -84,55 +78,59 @@ def parse_chat(body: Any) -> ParsedRequest:
     if response_format is not None and _object(response_format, "response_format").get("type") != "text":
         raise ProtocolError("only response_format {\"type\": \"text\"} is supported",
                             "response_format")
-    request = generate_pb2.GenerateRequest()
     max_tokens = _int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
-    if max_tokens is not None:
-        request.stopping.max_tokens = max_tokens
     num_top = _int(body, "top_logprobs")
     wants_logprobs = _bool(body, "logprobs")
     if num_top is not None and not wants_logprobs:
         raise ProtocolError("top_logprobs needs logprobs set to true", "top_logprobs")
     if num_top is not None and num_top < 0:
         raise ProtocolError(f"top_logprobs must be >= 0, got {num_top}", "top_logprobs")
-    parsed = _parse_common(body, request, (num_top or 0) if wants_logprobs else None)
+    parsed = _parse_common(body, None, max_tokens, (num_top or 0) if wants_logprobs else None)
     parsed.messages = _messages(body.get("messages"))
     return parsed
 
 
-def _parse_common(body: dict[str, Any], request: generate_pb2.GenerateRequest,
+def _parse_common(body: dict[str, Any], prompt: str | list[int] | None, max_tokens: int | None,
                   num_top: int | None) -> ParsedRequest:
     model = _str(body, "model")
-    if model:
-        request.model = model
-    sampling, stopping = request.sampling, request.stopping
-    for name in ("temperature", "top_p", "repetition_penalty"):
-        value = _number(body, name)
-        if value is not None:
-            setattr(sampling, name, value)
-    for name in ("presence_penalty", "frequency_penalty", "min_p"):
-        setattr(sampling, name, _number(body, name) or 0.0)
+    # Read in the order the fields' errors should be reported.
+    numbers = {name: _number(body, name) for name in (
+        "temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "min_p")}
     top_k = _int(body, "top_k")
-    sampling.top_k = 0 if top_k in (None, -1) else top_k  # vLLM's -1 = off; other negatives are rejected
     seed = _int(body, "seed")
-    if seed is not None:
-        if seed < 0:
-            raise ProtocolError(f"seed must be >= 0, got {seed}", "seed")
-        sampling.seed = seed
-    stopping.stop.extend(_stop(body.get("stop")))
-    stopping.stop_token_ids.extend(_int_list(body, "stop_token_ids"))
-    stopping.min_tokens = _non_negative(body, "min_tokens")
-    stopping.ignore_eos = bool(_bool(body, "ignore_eos"))
+    if seed is not None and seed < 0:
+        raise ProtocolError(f"seed must be >= 0, got {seed}", "seed")
+    sampling = SamplingOptions(
+        temperature=numbers["temperature"],
+        top_p=numbers["top_p"],
+        top_k=0 if top_k in (None, -1) else top_k,  # vLLM's -1 = off; other negatives are rejected
+        min_p=numbers["min_p"] or 0.0,
+        repetition_penalty=numbers["repetition_penalty"],
+        presence_penalty=numbers["presence_penalty"] or 0.0,
+        frequency_penalty=numbers["frequency_penalty"] or 0.0,
+        seed=seed,
+    )
+    stop = _stop(body.get("stop"))
+    stop_token_ids = _int_list(body, "stop_token_ids")
+    stopping = StoppingOptions(max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                               min_tokens=_non_negative(body, "min_tokens"),
+                               ignore_eos=bool(_bool(body, "ignore_eos")))
     n = _int(body, "n")
-    if n is not None:
-        if n < 1:
-            raise ProtocolError(f"n must be at least 1, got {n}", "n")
-        request.n = n
-    request.priority = _int(body, "priority") or 0
-    if num_top is not None:
+    if n is not None and n < 1:
+        raise ProtocolError(f"n must be at least 1, got {n}", "n")
+    request = GenerationRequest(
+        prompt=prompt,
+        sampling=sampling,
+        stopping=stopping,
         # The chosen token's logprob comes with any top-n > 0; extra alternatives are dropped.
-        request.logprobs = max(num_top, 1)
+        num_logprobs=None if num_top is None else max(num_top, 1),
+        n=1 if n is None else n,
+        priority=_int(body, "priority") or 0,
+        model=model or "",
+    )
     stream = bool(_bool(body, "stream"))
     options = body.get("stream_options")
     include_usage = False
@@ -143,24 +141,23 @@ def _parse_common(body: dict[str, Any], request: generate_pb2.GenerateRequest,
     return ParsedRequest(request, stream, include_usage, num_top)
 
 
-def _set_prompt(request: generate_pb2.GenerateRequest, prompt: Any) -> None:
+def _prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise ProtocolError("prompt is empty; send at least one character", "prompt")
-        request.text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if any(t < 0 for t in prompt):
             raise ProtocolError("prompt token ids must be >= 0", "prompt")
-        request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ProtocolError(
             f"prompt holds {len(prompt)} prompts; this server takes one prompt per request "
             "(send one request per prompt)", "prompt")
-    else:
-        raise ProtocolError(
-            "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    raise ProtocolError(
+        "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -272,7 +269,7 @@ def _str(body: dict[str, Any], name: str) -> str | None:
 
 @dataclass
 class ChoiceDelta:
-    """What one `GenerateResponse` chunk adds to one choice, logprobs already OpenAI-shaped."""
+    """What one `TokenChunk` adds to one choice, logprobs already OpenAI-shaped."""
 
     index: int
     text: str
@@ -281,7 +278,7 @@ class ChoiceDelta:
     finish_reason: str | None
 
 
-def choice_delta(chunk: generate_pb2.GenerateResponse, num_top_logprobs: int | None) -> ChoiceDelta:
+def choice_delta(chunk: TokenChunk, num_top_logprobs: int | None) -> ChoiceDelta:
     """Logprob entries are `{"token_id", "logprob", "top": [(token_id, logprob)]}`; the
     `*_logprobs` builders below turn them into OpenAI's shapes."""
     logprobs = []
@@ -289,12 +286,12 @@ def choice_delta(chunk: generate_pb2.GenerateResponse, num_top_logprobs: int | N
         for lp in chunk.logprobs:
             top = [(t.token_id, t.logprob) for t in lp.top[:num_top_logprobs]]
             logprobs.append({"token_id": lp.token_id, "logprob": lp.logprob, "top": top})
-    return ChoiceDelta(chunk.index, chunk.text, list(chunk.token_ids), logprobs,
-                       FINISH_REASONS.get(chunk.finish_reason))
+    finish_reason = None if chunk.finish_reason is None else chunk.finish_reason.value
+    return ChoiceDelta(chunk.index, chunk.text, chunk.token_ids, logprobs, finish_reason)
 
 
-def usage(chunk: generate_pb2.GenerateResponse) -> dict[str, int]:
-    prompt, completion = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+def usage(counts: Usage) -> dict[str, int]:
+    prompt, completion = counts.num_prompt_tokens, counts.num_completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -361,7 +358,7 @@ def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def models_object(info: generate_pb2.GetModelInfoResponse, created: int) -> dict[str, Any]:
+def models_object(info: ModelInfo, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": info.model, "object": "model", "created": created, "owned_by": "pagemesh",
         "max_model_len": info.max_model_len, "quantization": info.quantization,

@@ -30,6 +30,7 @@ from router import convert
 from router.resume import Progress, SampleProgress
 from router.sample_stream import SampleStream
 from router.tokenizer import Tokenizer
+from router.types import FinishReason, SampleOutput
 
 
 @dataclass
@@ -38,7 +39,7 @@ class StreamPlan:
     samples: list[SampleStream]
     progress: Progress
     # Scheduler-like messages to process before anything is submitted (checkpointed tokens).
-    replay: list[scheduler_pb2.SubmitResponse] = field(default_factory=list)
+    replay: list[SampleOutput] = field(default_factory=list)
 
 
 def fresh(tokenizer: Tokenizer, submit: scheduler_pb2.SubmitRequest) -> StreamPlan:
@@ -53,18 +54,20 @@ def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint, resume_from: int) ->
     n = max(submit.n, 1)
     states = (list(ckpt.samples) + [SampleState() for _ in range(n)])[:n]
     samples: list[SampleStream] = []
-    replay: list[scheduler_pb2.SubmitResponse] = []
+    replay: list[SampleOutput] = []
     for index, state in enumerate(states):
         sample = _sample_stream(tokenizer, submit)
         num_known = len(state.token_ids)
-        finish_reason = (state.finish_reason or convert.FINISH_REASON_STOP) if state.finished else 0
+        finish_reason = None
+        if state.finished:
+            finish_reason = convert.finish_reason_from_pb(state.finish_reason) or FinishReason.STOP
         sample.prime(state.token_ids[:resume_from], final=state.finished and resume_from >= num_known)
         if sample.stop.stopped:  # a stop string ended it within what the client has
-            replay.append(convert.replayed_response(index, [], convert.FINISH_REASON_STOP))
+            replay.append(SampleOutput(index, [], FinishReason.STOP))
         elif resume_from < num_known:
-            replay.append(convert.replayed_response(index, state.token_ids[resume_from:], finish_reason))
+            replay.append(SampleOutput(index, list(state.token_ids[resume_from:]), finish_reason))
         elif state.finished:
-            replay.append(convert.replayed_response(index, [], finish_reason))
+            replay.append(SampleOutput(index, [], finish_reason))
         else:
             sample.num_tokens_to_skip = resume_from - num_known
         samples.append(sample)

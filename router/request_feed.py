@@ -17,8 +17,9 @@ from typing import Generic, TypeVar
 import grpc
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
-from router.convert import FINISH_REASON_UNSPECIFIED
+from router import convert
 from router.resume import Attempts, Progress
+from router.types import SampleOutput
 
 T = TypeVar("T")
 _END = object()
@@ -37,7 +38,7 @@ class RequestFeed(Generic[T]):
     this request alone (raised from `next_batch`), never the stream."""
 
     def __init__(self, progress: Progress, attempts: Attempts,
-                 process: Callable[[scheduler_pb2.SubmitResponse], T | None]) -> None:
+                 process: Callable[[SampleOutput], T | None]) -> None:
         self.progress = progress
         self.attempts = attempts
         self.process = process
@@ -46,10 +47,11 @@ class RequestFeed(Generic[T]):
         self._queue: asyncio.Queue[list[T] | BaseException | object] = asyncio.Queue()
         self._error: BaseException | None = None
 
-    def add(self, output: scheduler_pb2.SubmitResponse) -> None:
+    def add(self, message: scheduler_pb2.SubmitResponse) -> None:
         if self._error is not None:
             return
-        finished = output.finish_reason != FINISH_REASON_UNSPECIFIED
+        output = convert.sample_output(message)  # the one conversion of a scheduler message
+        finished = output.finish_reason is not None
         self.progress.record(output.index, output.token_ids, finished)
         if output.token_ids or finished:
             self.attempts.progressed()

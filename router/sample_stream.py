@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
-from protos.pagemesh.v1 import generate_pb2
-from router import convert
 from router.detokenizer import IncrementalDetokenizer
 from router.stop import StopChecker
 from router.tokenizer import Tokenizer
+from router.types import FinishReason, SampleOutput, TokenLogprob, TopLogprob
 
-Processed = tuple[list[int], str, int, list[generate_pb2.TokenLogprob]]
+Processed = tuple[list[int], str, FinishReason | None, list[TokenLogprob]]
 
 
 class SampleStream:
@@ -40,32 +39,38 @@ class SampleStream:
             self.stop.feed(self.detokenizer.flush())
             self.stop.flush()
 
-    def process(self, chunk: Any) -> Processed | None:
+    def process(self, output: SampleOutput) -> Processed | None:
         """(new token ids, new text, finish reason, logprobs) of one scheduler message;
         None when the whole message was skipped (nothing new for the client)."""
-        if self.num_tokens_to_skip and chunk.token_ids:
-            num_skipped = min(self.num_tokens_to_skip, len(chunk.token_ids))
+        if self.num_tokens_to_skip and output.token_ids:
+            num_skipped = min(self.num_tokens_to_skip, len(output.token_ids))
             self.num_tokens_to_skip -= num_skipped
-            self.prime(list(chunk.token_ids[:num_skipped]))
-            chunk = convert.without_leading_tokens(chunk, num_skipped)
-            if not chunk.token_ids and chunk.finish_reason == convert.FINISH_REASON_UNSPECIFIED:
+            self.prime(output.token_ids[:num_skipped])
+            output = dataclasses.replace(output, token_ids=output.token_ids[num_skipped:],
+                                         logprobs=output.logprobs[num_skipped:])
+            if not output.token_ids and output.finish_reason is None:
                 return None
-        token_ids = list(chunk.token_ids)
+        token_ids = output.token_ids
         self.num_completion_tokens += len(token_ids)
-        finish_reason = chunk.finish_reason
+        finish_reason = output.finish_reason
         text, stopped = self.stop.feed(self.detokenizer.add(token_ids))
-        if not stopped and finish_reason != convert.FINISH_REASON_UNSPECIFIED:
+        if not stopped and finish_reason is not None:
             tail, stopped = self.stop.feed(self.detokenizer.flush())
             text += tail
             if not stopped:
                 text += self.stop.flush()
         if stopped:
-            finish_reason = convert.FINISH_REASON_STOP
-        self.finished = finish_reason != convert.FINISH_REASON_UNSPECIFIED
-        logprobs = convert.token_logprobs(chunk, self._token_texts(chunk)) if chunk.logprobs else []
+            finish_reason = FinishReason.STOP
+        self.finished = finish_reason is not None
+        logprobs = self._token_logprobs(output) if output.logprobs else []
         return token_ids, text, finish_reason, logprobs
 
-    def _token_texts(self, chunk: Any) -> dict[int, str]:
-        ids = {t.token_id for lp in chunk.logprobs for t in lp.top}
-        ids.update(chunk.token_ids)
-        return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}
+    def _token_logprobs(self, output: SampleOutput) -> list[TokenLogprob]:
+        """Per-token logprobs with each token's text (the chosen ones and the alternatives)."""
+        ids = {token_id for _, top in output.logprobs for token_id, _ in top}
+        ids.update(output.token_ids)
+        text = {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}
+        return [
+            TokenLogprob(token_id, logprob, [TopLogprob(i, lp, text[i]) for i, lp in top])
+            for token_id, (logprob, top) in zip(output.token_ids, output.logprobs)
+        ]

@@ -1,9 +1,10 @@
 """The router's view of the engine groups: discovered in Redis, dialled over gRPC.
 
-Groups' health comes from the `status` each scheduler publishes in its registry entry:
-"ready" (or none, from older schedulers) is a complete group; "degraded" (a worker is missing,
-the group is being re-formed; requests queue there) is a fallback used only when no ready group
-exists; "draining" is never picked. The router is SERVING iff at least one ready group exists.
+Groups' health comes from the `status` each scheduler publishes in its registry entry
+(pagemesh.registry_entries.GroupStatus): ready (or none, from older schedulers) is a complete
+group; degraded (a worker is missing, the group is being re-formed; requests queue there) is
+a fallback used only when no ready group exists; draining is never picked. The router is
+SERVING iff at least one ready group exists.
 
 Each scheduler's gRPC health (SERVING iff its status is ready) is checked as well, every
 0.2 s, so a group's readiness follows within that, not a heartbeat plus a poll: a group whose
@@ -33,6 +34,7 @@ from opentelemetry import trace
 
 from pagemesh.checkpoints import CheckpointStore
 from pagemesh.registry import Registry
+from pagemesh.registry_entries import GroupStatus, SchedulerEntry
 from pagemesh.serving import ServiceError, unavailable
 from pagemesh.telemetry import grpc_metadata
 from pagemesh.tls import TlsConfig
@@ -42,13 +44,12 @@ from protos.pagemesh.v1 import generate_pb2
 from router import convert
 from router.request_feed import RequestFeed
 from router.resume import Attempts, Progress, ResumeConfig, retry_kind
-from router.routing import GroupLoad, Router, RoutingConfig
+from router.routing import GroupLoad, RoutingConfig, RoutingPolicy
 from router.scheduler_stream import SchedulerStream
 from router.tracing import group_failed_event, resume_event
 
 logger = logging.getLogger(__name__)
 
-READY, DEGRADED, DRAINING = "ready", "degraded", "draining"
 T = TypeVar("T")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _HEALTH_CHECK_INTERVAL_S = 0.2
@@ -93,16 +94,16 @@ class _Group:
     scheduler_id: str
     name: str  # the engine group (registry "group"): checkpoints are listed under it
     address: str
-    instance: str | None  # the scheduler process (registry "instance"); a new one = a restart
+    instance: str  # the scheduler process (registry "instance"); a new one = a restart
     conn: _Connection
     load: GroupLoad
-    status: str = READY
+    status: GroupStatus = GroupStatus.READY
     missing_since: float | None = None  # loop time of the first poll it was missing from
     suspect_until: float = 0.0  # a Submit there failed: others first until then (loop time)
 
     @property
     def ready(self) -> bool:
-        return self.status == READY and self.conn.healthy is not False
+        return self.status == GroupStatus.READY and self.conn.healthy is not False
 
     def not_suspect(self) -> None:
         """A request made progress here."""
@@ -127,7 +128,7 @@ class SchedulerPool:
         self.resume = resume or ResumeConfig()
         self._on_change = on_change
         self._groups: dict[str, _Group] = {}
-        self._router = Router(routing or RoutingConfig())
+        self._policy = RoutingPolicy(routing or RoutingConfig())
         # Tokens (prompt + still to generate) of this router's requests in flight per group.
         self._outstanding: dict[str, int] = {}
         self._model_info: generate_pb2.GetModelInfoResponse | None = None
@@ -164,10 +165,12 @@ class SchedulerPool:
             await asyncio.sleep(self.poll_interval_s)
 
     async def refresh(self) -> None:
-        entries = await self.registry.list("scheduler")
+        # An entry without an address cannot be dialled: as good as absent.
+        entries = {scheduler_id: entry for scheduler_id, entry
+                   in (await self.registry.entries(SchedulerEntry)).items() if entry.address}
         now = asyncio.get_running_loop().time()
-        for scheduler_id, info in entries.items():
-            self._update(scheduler_id, info)
+        for scheduler_id, entry in entries.items():
+            self._update(scheduler_id, entry)
         for scheduler_id in set(self._groups) - set(entries):
             group = self._groups[scheduler_id]
             if group.missing_since is None:
@@ -188,22 +191,23 @@ class SchedulerPool:
         if self._on_change is not None:
             self._on_change(self._serving)
 
-    def _update(self, scheduler_id: str, info: dict) -> None:
-        load = GroupLoad(scheduler_id, info.get("num_running", 0), info.get("num_waiting", 0),
-                         info.get("num_free_blocks", 0))
+    def _update(self, scheduler_id: str, entry: SchedulerEntry) -> None:
+        # Free blocks not said: routed as if full, the least attractive.
+        load = GroupLoad(scheduler_id, entry.num_running, entry.num_waiting,
+                         entry.num_free_blocks or 0)
         self._outstanding.setdefault(scheduler_id, 0)
-        status = info.get("status") or READY
+        status = entry.status
         group = self._groups.get(scheduler_id)
-        address, instance = info["address"], info.get("instance")
+        address, instance = entry.address, entry.instance
         if group is None or group.address != address or group.instance != instance:
             channel = self.tls.aio_channel(address, options=_CHANNEL_OPTIONS)
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             conn = _Connection(channel, stub, SchedulerStream(stub, scheduler_id))
             conn.health_task = asyncio.get_running_loop().create_task(self._follow_health(scheduler_id, conn))
-            name = info.get("group") or scheduler_id
+            name = entry.group or scheduler_id
             if group is not None:
                 group.conn.retire()
-                self._router.index.forget_group(scheduler_id)  # a new process: an empty cache
+                self._policy.index.forget_group(scheduler_id)  # a new process: an empty cache
                 logger.warning("engine group %s restarted at %s", scheduler_id, address)
             else:
                 logger.info("engine group %s at %s joined", scheduler_id, address)
@@ -217,7 +221,7 @@ class SchedulerPool:
         logger.warning("engine group %s left (missing from the registry for over %.1f s)",
                        scheduler_id, self.registry.config.ttl_s)
         self._groups.pop(scheduler_id).conn.retire()
-        self._router.index.forget_group(scheduler_id)
+        self._policy.index.forget_group(scheduler_id)
         if self._outstanding.get(scheduler_id) == 0:
             del self._outstanding[scheduler_id]
 
@@ -278,7 +282,7 @@ class SchedulerPool:
         now = asyncio.get_running_loop().time()
         tiers: list[list[GroupLoad]] = [[], [], []]
         for group in self._groups.values():
-            if group.scheduler_id in exclude or group.status == DRAINING:
+            if group.scheduler_id in exclude or group.status == GroupStatus.DRAINING:
                 continue
             load = dataclasses.replace(
                 group.load, outstanding_tokens=self._outstanding.get(group.scheduler_id, 0))
@@ -290,7 +294,7 @@ class SchedulerPool:
                 tiers[0].append(load)
         for loads in tiers:
             if loads:
-                scheduler_id = self._router.pick(loads, block_hashes)
+                scheduler_id = self._policy.pick(loads, block_hashes)
                 return self._groups[scheduler_id] if scheduler_id is not None else None
         return None
 
@@ -385,7 +389,7 @@ class SchedulerPool:
         submit = convert.with_progress(request, progress) if progress.started else request
         num_tokens = len(request.prompt_token_ids) + request.stopping.max_tokens * progress.num_unfinished
         scheduler_id, conn = group.scheduler_id, group.conn
-        self._router.record(block_hashes, scheduler_id)
+        self._policy.record(block_hashes, scheduler_id)
         self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + num_tokens
         progress.served_by(group.name)
         feed.on_progress = group.not_suspect

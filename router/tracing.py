@@ -1,6 +1,7 @@
 """The router's span of each `Generate` call: OpenTelemetry GenAI attributes, resume events.
 
-One SERVER span per call (`traced_generate`), the child of the caller's W3C trace context:
+One SERVER span per generation (`traced_generate`, on `Generation.generate`, which the gRPC
+`Generate` call and the HTTP API both run), the child of the caller's W3C trace context:
 gRPC metadata (pagemesh.telemetry.TraceContextInterceptor) or the HTTP `traceparent` header
 (`TraceContextMiddleware`). Its context travels to the scheduler in `Submit`'s metadata, again
 on every resume. Attribute names follow the current GenAI semantic conventions
@@ -31,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagemesh.serving import ServiceError
 from pagemesh.telemetry import extract_headers, make_current
-from router import convert
+from router.types import GenerationRequest, TokenChunk
 
 # Set by the HTTP API: which GenAI operation the request is ("chat", "text_completion").
 OPERATION_KEY = otel_context.create_key("pagemesh.gen_ai.operation")
@@ -39,28 +40,33 @@ OPERATION_KEY = otel_context.create_key("pagemesh.gen_ai.operation")
 _tracer = trace.get_tracer("pagemesh.router")
 
 
-def traced_generate(generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    """Wraps `GenerationServicer.Generate` in its span: started before anything else runs (an
+Batches = AsyncIterator[list[TokenChunk]]
+
+
+def traced_generate(generate: Callable[[Any, GenerationRequest], Batches]
+                    ) -> Callable[[Any, GenerationRequest], Batches]:
+    """Wraps `Generation.generate` in its span: started before anything else runs (an
     admission refusal is traced too), current for the call's task (its logs carry the trace
     id), ended with the stream. The span's parent is the current context: the caller's."""
 
     @functools.wraps(generate)
-    async def traced(self: Any, request: Any, context: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def traced(self: Any, request: GenerationRequest) -> Batches:
         span = _tracer.start_span("Generate", kind=SpanKind.SERVER,
                                   attributes=_start_attributes(request))
-        responses = generate(self, request, context, **kwargs)
+        batches = generate(self, request)
         if not span.is_recording():
-            async with contextlib.aclosing(responses):
-                async for response in responses:
-                    yield response
+            async with contextlib.aclosing(batches):
+                async for batch in batches:
+                    yield batch
             return
         make_current(trace.set_span_in_context(span))
         outcome = _Outcome(span, request.request_id)
         try:
-            async with contextlib.aclosing(responses):
-                async for response in responses:
-                    outcome.observe(response)
-                    yield response
+            async with contextlib.aclosing(batches):
+                async for batch in batches:
+                    for chunk in batch:
+                        outcome.observe(chunk)
+                    yield batch
         except (GeneratorExit, asyncio.CancelledError):
             span.add_event("cancelled")  # the client went away, or stopped reading
             raise
@@ -137,13 +143,13 @@ class TraceContextMiddleware:
             otel_context.detach(token)
 
 
-def _start_attributes(request: Any) -> dict[str, Any]:
+def _start_attributes(request: GenerationRequest) -> dict[str, Any]:
     operation = otel_context.get_value(OPERATION_KEY) or (
         "chat" if request.apply_chat_template else "text_completion")
     attributes: dict[str, Any] = {"gen_ai.operation.name": operation}
     if request.model:
         attributes["gen_ai.request.model"] = request.model
-    if request.sampling.HasField("seed"):
+    if request.sampling.seed is not None:
         attributes["gen_ai.request.seed"] = request.sampling.seed
     if request.request_id:
         attributes["pagemesh.request_id"] = request.request_id
@@ -169,13 +175,13 @@ class _Outcome:
         self.finish_reasons: dict[int, str] = {}
         self.num_output_tokens: int | None = None
 
-    def observe(self, response: Any) -> None:
+    def observe(self, chunk: TokenChunk) -> None:
         if not self.request_id:
-            self.request_id = response.request_id
-        if response.finish_reason:
-            self.finish_reasons[response.index] = convert.finish_reason_name(response.finish_reason)
-        if response.usage.prompt_tokens:
-            self.num_output_tokens = response.usage.completion_tokens
+            self.request_id = chunk.request_id
+        if chunk.finish_reason is not None:
+            self.finish_reasons[chunk.index] = chunk.finish_reason.value
+        if chunk.usage is not None:
+            self.num_output_tokens = chunk.usage.num_completion_tokens
 
     def finish(self) -> None:
         attributes: dict[str, Any] = {}

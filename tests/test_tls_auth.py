@@ -10,7 +10,7 @@ from pagemesh.auth import ApiKeys, parse_api_keys_file
 from pagemesh.config import add_tls_flags, tls_config
 from pagemesh.tls import TlsConfig
 from router.main import parse_args
-from router.servicer import AdmissionLimits
+from router.generation import AdmissionLimits
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pagemesh import telemetry
 from pagemesh.logs import RequestIdFilter, request_id_var
 from protos.pagemesh.worker.v1 import worker_pb2
+from protos.step import SchedulerOutput
 from router import tracing as router_tracing
 from router.tokenizer import load_tokenizer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.core.types import SchedulerOutput
 from scheduler_svc.tracing import RequestTracing
 from tests.bpe_folder import write_bpe_folder
 from tests.router.scripted_router import Router, ScriptedScheduler, run

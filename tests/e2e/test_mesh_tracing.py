@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.mesh_harness import Mesh, free_port, greedy_request
-from tests.otlp_receiver import SPAN_KIND_SERVER, STATUS_CODE_ERROR, OtlpReceiver, ReceivedSpan
+from pagemesh.testing.otlp_receiver import SPAN_KIND_SERVER, STATUS_CODE_ERROR, OtlpReceiver, ReceivedSpan
 
 PROMPT_IDS = list(range(5, 25))  # 20 tokens: one full KV block of 16, shared by equal prompts
 MAX_TOKENS = 6

@@ -19,8 +19,10 @@ from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router.resume import ResumeConfig
 from router.scheduler_client import SchedulerPool
-from router.servicer import AdmissionLimits, GenerationServicer
+from router.generation import AdmissionLimits, Generation
+from router.servicer import GenerationServicer
 from router.tokenizer import Tokenizer
+from tests.support.eventually import eventually_async
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 LENGTH = generate_pb2.FINISH_REASON_LENGTH
@@ -173,7 +175,8 @@ class _InBandContext:
 
 @dataclass
 class Router:
-    """A real router (pool + GenerationServicer behind GrpcServer), wired like router.main."""
+    """A real router (pool + Generation + its GenerationServicer behind GrpcServer), wired like
+    router.main."""
 
     tokenizer: Tokenizer
     redis_url: str
@@ -194,7 +197,8 @@ class Router:
             asyncio.get_running_loop().create_task(self.server.set_serving(serving))
 
         self.pool = SchedulerPool(self.registry, 0.05, on_change, resume=self.resume)
-        self.servicer = GenerationServicer(self.tokenizer, self.pool, self.limits)
+        self.generation = Generation(self.tokenizer, self.pool, self.limits)
+        self.servicer = GenerationServicer(self.generation)
         self.server = GrpcServer(ServerConfig(), [SERVICE], [
             lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, s)])
         await self.server.start()
@@ -231,10 +235,7 @@ class Router:
 
 
 async def until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+    await eventually_async(predicate, timeout_s, "condition not met in time")
 
 
 def request(tokenizer: Tokenizer, max_tokens: int, **kwargs: object) -> generate_pb2.GenerateRequest:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from protos.pagemesh.v1 import generate_pb2
 from router import openai_protocol as oai
+from router.types import FinishReason, TokenChunk, TokenLogprob, TopLogprob, Usage
 
 
 def test_completion_defaults_and_fields() -> None:
     parsed = oai.parse_completion({"model": "m", "prompt": "Hi"})
     request = parsed.generate
-    assert request.text == "Hi" and request.model == "m"
+    assert request.prompt == "Hi" and request.model == "m"
     assert request.stopping.max_tokens == oai.DEFAULT_COMPLETION_MAX_TOKENS
-    assert not request.sampling.HasField("temperature") and not request.sampling.HasField("seed")
-    assert not parsed.stream and parsed.num_top_logprobs is None and request.logprobs == 0
+    assert request.sampling.temperature is None and request.sampling.seed is None
+    assert not parsed.stream and parsed.num_top_logprobs is None and request.num_logprobs is None
 
     parsed = oai.parse_completion({
         "prompt": [[1, 2, 3]], "max_tokens": 5, "temperature": 0, "top_p": 0.5, "n": 2,
@@ -23,13 +23,13 @@ def test_completion_defaults_and_fields() -> None:
         "stream": True, "stream_options": {"include_usage": True},
     })
     request = parsed.generate
-    assert list(request.token_ids.ids) == [1, 2, 3]
-    assert request.sampling.HasField("temperature") and request.sampling.temperature == 0
+    assert request.prompt == [1, 2, 3]
+    assert request.sampling.temperature is not None and request.sampling.temperature == 0
     assert request.sampling.top_k == 0 and request.sampling.seed == 3
     assert list(request.stopping.stop) == ["x"] and list(request.stopping.stop_token_ids) == [7]
     assert request.stopping.ignore_eos and request.stopping.min_tokens == 2 and request.n == 2
     # logprobs=0 still needs the chosen token's logprob: ask for one alternative, show none.
-    assert parsed.num_top_logprobs == 0 and request.logprobs == 1
+    assert parsed.num_top_logprobs == 0 and request.num_logprobs == 1
     assert parsed.stream and parsed.include_usage
 
 
@@ -62,9 +62,9 @@ def test_chat_messages_and_logprobs() -> None:
     assert parsed.messages == [{"role": "system", "content": "Be brief."},
                                {"role": "user", "content": "Hi there"}]
     assert parsed.generate.stopping.max_tokens == 4  # max_completion_tokens wins
-    assert parsed.num_top_logprobs == 2 and parsed.generate.logprobs == 2
+    assert parsed.num_top_logprobs == 2 and parsed.generate.num_logprobs == 2
     unset = oai.parse_chat({"messages": [{"role": "user", "content": "Hi"}]})
-    assert not unset.generate.stopping.HasField("max_tokens") and unset.num_top_logprobs is None
+    assert unset.generate.stopping.max_tokens is None and unset.num_top_logprobs is None
 
 
 @pytest.mark.parametrize("body", [
@@ -79,18 +79,15 @@ def test_bad_chat_requests(body: dict) -> None:
         oai.parse_chat(body)
 
 
-def _chunk(index: int, token_ids: list[int], text: str, finish: int = 0) -> generate_pb2.GenerateResponse:
-    chunk = generate_pb2.GenerateResponse(index=index, token_ids=token_ids, text=text, finish_reason=finish)
-    for token_id in token_ids:
-        chunk.logprobs.add(token_id=token_id, logprob=-0.5, top=[
-            generate_pb2.TopLogprob(token_id=token_id, logprob=-0.5, token="x"),
-            generate_pb2.TopLogprob(token_id=99, logprob=-1.5, token="y"),
-        ])
-    return chunk
+def _chunk(index: int, token_ids: list[int], text: str,
+           finish: FinishReason | None = None) -> TokenChunk:
+    logprobs = [TokenLogprob(token_id, -0.5, [TopLogprob(token_id, -0.5, "x"), TopLogprob(99, -1.5, "y")])
+                for token_id in token_ids]
+    return TokenChunk("r", index, token_ids, text, logprobs, finish)
 
 
 def test_response_shapes() -> None:
-    delta = oai.choice_delta(_chunk(1, [4, 5], "ab", generate_pb2.FINISH_REASON_LENGTH), 1)
+    delta = oai.choice_delta(_chunk(1, [4, 5], "ab", FinishReason.LENGTH), 1)
     assert delta.index == 1 and delta.finish_reason == "length" and delta.text == "ab"
     assert delta.logprobs[0] == {"token_id": 4, "logprob": -0.5, "top": [(4, -0.5)]}
     texts = {4: "a", 5: "bc"}
@@ -102,8 +99,7 @@ def test_response_shapes() -> None:
                        "top_logprobs": [{"token": "bc", "logprob": -0.5, "bytes": [98, 99]}]}
     assert oai.choice_delta(_chunk(0, [4], "a"), None).logprobs == []
 
-    last = generate_pb2.GenerateResponse(usage=generate_pb2.Usage(prompt_tokens=3, completion_tokens=4))
-    usage = oai.usage(last)
+    usage = oai.usage(Usage(num_prompt_tokens=3, num_completion_tokens=4))
     assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     body = oai.chat_object("chatcmpl-1", 10, "m", [oai.chat_choice(0, "hi", None, "stop")], usage)
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "hi"

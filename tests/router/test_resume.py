@@ -9,6 +9,7 @@ heartbeats into the registry like a scheduler, and samples a deterministic funct
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -248,9 +249,10 @@ def test_a_new_request_of_the_http_api_looks_up_no_checkpoint(tokenizer: Tokeniz
             store = router.registry.checkpoints
             original = store.load
             store.load = lambda request_id: loads.append(request_id) or original(request_id)
-            fresh = request(tokenizer, 3, request_id="same-id")
-            responses = [r async for r in router.servicer.Generate(fresh, None, new_request=True)]
-            assert per_sample(responses, 1)[0][0] == expected(tokenizer, 3)  # not the replay
+            fresh = dataclasses.replace(convert.generation_request(
+                request(tokenizer, 3, request_id="same-id")), new_request=True)
+            chunks = [c async for batch in router.generation.generate(fresh) for c in batch]
+            assert [t for c in chunks for t in c.token_ids] == expected(tokenizer, 3)  # not the replay
             assert loads == []
 
     run(scenario())

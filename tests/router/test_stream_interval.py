@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.servicer import AdmissionLimits
+from router.generation import AdmissionLimits
 from router.tokenizer import Tokenizer, load_tokenizer
 from tests.bpe_folder import write_bpe_folder
 from tests.router.scripted_router import LENGTH, Router, expected, per_sample, request, run

@@ -1,0 +1,228 @@
+"""The router's data plane, `Generation`: admit, validate, tokenize, route, detokenize, stop
+strings — on router/types.py's domain types, with no protocol in sight. The gRPC servicer
+(router/servicer.py) and the OpenAI HTTP API (router/http_api.py) are thin adapters over it,
+so both give the same tokens, reject the same requests and trace the same span. Failures are
+`ServiceError`s carrying the gRPC status code a caller should see.
+
+Fault tolerance, as the client sees it: a stream never shows a gap or a repeated token.
+- An engine group failing mid-stream: `SchedulerPool.stream` resumes the request elsewhere
+  (router/resume.py); this module never sees the failure.
+- This router dying: the client sends the same request_id with `resume_from` to any router,
+  which continues from the request's checkpoint (router/replay.py).
+- Checkpoint lifetime: once the final chunk (every sample finished, a stop string too) has
+  been yielded, the checkpoint is deleted in the background. A client that goes away does not
+  delete it: it expires by itself after the resume window, and until then the client can resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+from redis.exceptions import RedisError
+
+from pagemesh.logs import request_id_var
+from pagemesh.metrics import ABORT, ERROR, RouterMetrics
+from pagemesh.serving import ServiceError, invalid_argument, unavailable
+from router import convert, replay
+from router.client_stream import ClientStream
+from router.scheduler_client import SchedulerPool
+from router.tokenizer import Tokenizer, TokenizerError
+from router.tracing import describe_request, traced_generate
+from router.types import GenerationRequest, ModelInfo, TokenChunk
+from router.validation import ValidatedRequest, ValidationError, validate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_queued_requests: int = 1024  # generations in flight through this router
+    max_prompt_tokens: int = 0  # 0 = up to the model's context
+    # Tokens coalesced per client message (vLLM's --stream-interval): 1 streams each token
+    # as it comes; N sends every N tokens of a sample (and its end) in one message.
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_prompt_tokens < 0:
+            raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
+
+
+class Generation:
+    def __init__(self, tokenizer: Tokenizer, pool: SchedulerPool,
+                 limits: AdmissionLimits | None = None, metrics: RouterMetrics | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.limits = limits or AdmissionLimits()
+        self.num_in_flight = 0
+        self.metrics = metrics or RouterMetrics()
+        self._seeds = random.SystemRandom()
+        self._to_delete: list[tuple[str, str | None]] = []  # checkpoints of ended requests
+        self._deleter: asyncio.Task[None] | None = None
+
+    async def model_info(self) -> ModelInfo:
+        return convert.model_info_from_pb(await self.pool.model_info(), self.pool.num_groups)
+
+    def tokenize(self, text: str, apply_chat_template: bool) -> tuple[list[int], list[str]]:
+        """The text's token ids and each one's text piece. INVALID_ARGUMENT for empty text."""
+        token_ids = self._tokenize(text, apply_chat_template)
+        return token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    @traced_generate  # the request's span, router/tracing.py
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenChunk]]:
+        """The client's chunks, one list per scheduler step (router/client_stream.py).
+        RESOURCE_EXHAUSTED past --max-queued-requests; closing the stream cancels the request."""
+        request_id = request.request_id or uuid.uuid4().hex
+        request_id_var.set(request_id)
+        if self.num_in_flight >= self.limits.max_queued_requests:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this router already has {self.num_in_flight} requests in flight "
+                f"(--max-queued-requests {self.limits.max_queued_requests}); retry later",
+            )
+        self.num_in_flight += 1
+        timer = self.metrics.request(lambda: self.pool.model_name, request.n)
+        try:
+            # Closing this stream must close the inner one at once: that cancels the scheduler call.
+            async with contextlib.aclosing(self._generate(request_id, request)) as batches:
+                async for batch in batches:
+                    for chunk in batch:
+                        timer.observe(chunk.index, len(chunk.token_ids), chunk.finish_reason,
+                                      chunk.usage.num_prompt_tokens if chunk.usage else 0)
+                    yield batch
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            timer.end(ABORT)
+            raise
+        except Exception:
+            timer.end(ERROR)
+            raise
+        finally:
+            self.num_in_flight -= 1
+
+    async def _generate(self, request_id: str, request: GenerationRequest
+                        ) -> AsyncIterator[list[TokenChunk]]:
+        plan = None if request.new_request else await self._resume_plan(request_id, request)
+        if plan is None:
+            validated = await self._validate(request)
+            submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
+            plan = replay.fresh(self.tokenizer, submit)
+        progress = plan.progress
+        span = trace.get_current_span()  # generate's (router/tracing.py), or a no-op one
+        if span.is_recording():
+            describe_request(span, plan.submit, progress.resumed, request.model,
+                             (await self.pool.model_info()).model)
+        client = ClientStream(request_id, plan, self.limits.stream_interval)
+        replayed = [c for output in plan.replay if (c := client.process(output)) is not None]
+        if replayed:
+            yield replayed
+        if not client.done:
+            # Closing `batches` cancels the scheduler call (when a stop string hit, say).
+            async with contextlib.aclosing(
+                self.pool.stream(plan.submit, client.process, progress, span)
+            ) as batches:
+                async for batch in batches:
+                    yield batch
+        if client.done:
+            # The client has everything: its checkpoint is garbage now.
+            self._forget_checkpoint(request_id, progress.groups, client.cut_short)
+
+    async def _resume_plan(self, request_id: str, request: GenerationRequest
+                           ) -> replay.StreamPlan | None:
+        """A resume (router/replay.py) when the request's checkpoint exists; None for a new
+        request. NOT_FOUND for `resume_from` > 0 without a checkpoint."""
+        resume_from = request.resume_from
+        if not request.request_id:
+            if resume_from:
+                raise invalid_argument("resume_from needs the request_id of the stream to resume")
+            return None
+        try:
+            ckpt = await self.pool.checkpoints.load(request_id)
+        except (RedisError, OSError) as exc:
+            if resume_from:
+                raise unavailable(f"the checkpoint store is unreachable ({exc}); retry shortly") from exc
+            logger.debug("no checkpoint lookup (%s); a new request", exc)
+            return None
+        if ckpt is None:
+            if resume_from:
+                raise ServiceError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"request {request_id!r} has no checkpoint to resume from: it finished and "
+                    "its output was delivered, or it ended long enough ago that its checkpoint "
+                    "expired (or the id is wrong); send it again as a new request",
+                )
+            return None
+        logger.warning("request %s resumed from its checkpoint (group %s, %s, %s output tokens "
+                       "per sample) after %d tokens the client has", request_id, ckpt.group,
+                       ckpt.state, [len(s.token_ids) for s in ckpt.samples], resume_from)
+        return replay.from_checkpoint(self.tokenizer, ckpt, resume_from)
+
+    def _forget_checkpoint(self, request_id: str, groups: list[str], cut_short: bool) -> None:
+        """Deletes the request's checkpoint in the background, never delaying the client;
+        the deletes of every request that ended meanwhile go in one round trip. When the
+        router cut the scheduler call short (a stop string), the scheduler may still write
+        the checkpoint once more as it notices: delete it again a TTL later."""
+        entries = [(request_id, group) for group in groups or [None]]
+        self._queue_deletes(entries)
+        if cut_short:
+            asyncio.get_running_loop().call_later(self.pool.registry.config.ttl_s,
+                                                  self._queue_deletes, entries)
+
+    def _queue_deletes(self, entries: list[tuple[str, str | None]]) -> None:
+        self._to_delete += entries
+        if self._deleter is None:
+            self._deleter = asyncio.get_running_loop().create_task(self._delete_checkpoints())
+
+    async def _delete_checkpoints(self) -> None:
+        try:
+            while self._to_delete:
+                entries, self._to_delete = self._to_delete, []
+                try:
+                    await self.pool.checkpoints.delete_many(entries)
+                except Exception as exc:  # they expire by themselves; the poll logs Redis away
+                    logger.debug("could not delete %d checkpoints: %s", len(entries), exc)
+        finally:
+            self._deleter = None
+
+    async def _validate(self, request: GenerationRequest) -> ValidatedRequest:
+        prompt = request.prompt
+        if prompt is None:
+            raise invalid_argument("the request has no prompt: set `text` or `token_ids`")
+        if isinstance(prompt, str):
+            prompt_ids = self._tokenize(prompt, request.apply_chat_template)
+        elif request.apply_chat_template:
+            raise invalid_argument("apply_chat_template needs a `text` prompt, not `token_ids`")
+        else:
+            prompt_ids = prompt
+        max_prompt_tokens = self.limits.max_prompt_tokens
+        if max_prompt_tokens and len(prompt_ids) > max_prompt_tokens:
+            raise invalid_argument(
+                f"prompt has {len(prompt_ids)} tokens but this router accepts at most "
+                f"{max_prompt_tokens} (--max-prompt-tokens); shorten the prompt"
+            )
+        limits = convert.limits_from_pb(await self.pool.model_info())
+        try:
+            return validate(prompt_ids, request.sampling, request.stopping, request.num_logprobs,
+                            request.model, limits, n=request.n, priority=request.priority)
+        except ValidationError as exc:
+            raise invalid_argument(str(exc)) from exc
+
+    def _tokenize(self, text: str, apply_chat_template: bool) -> list[int]:
+        if not text:
+            raise invalid_argument("the prompt is empty: send at least one character or token")
+        try:
+            if apply_chat_template:
+                return self.tokenizer.apply_chat_template(text)
+            return self.tokenizer.encode(text)
+        except TokenizerError as exc:
+            raise invalid_argument(str(exc)) from exc

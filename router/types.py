@@ -1,0 +1,108 @@
+"""The router's own vocabulary: a generation request in, the client's token chunks out.
+
+Pure: no gRPC, no protobuf. `router.generation.Generation` works on these; the gRPC servicer
+(router/servicer.py, through router/convert.py) and the OpenAI HTTP API
+(router/openai_protocol.py) each translate their wire format to and from them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from router.validation import SamplingOptions, StoppingOptions
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sample ended, spelled as OpenAI, the GenAI trace conventions and the router's
+    metrics spell it."""
+
+    LENGTH = "length"  # max_tokens reached or the context is full
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    ABORT = "abort"  # the server aborted the request
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One client request, as either API states it. Unset options are None / 0 and get their
+    defaults from `router.validation.validate`."""
+
+    request_id: str = ""  # empty: the router makes one up
+    prompt: str | list[int] | None = None  # text (tokenized here) or token ids; None = missing
+    apply_chat_template: bool = False  # `prompt` text is one user message of a chat
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    stopping: StoppingOptions = field(default_factory=StoppingOptions)
+    num_logprobs: int | None = None  # alternatives per token, 0..20; None = no logprobs
+    n: int = 1  # independent samples of the prompt
+    priority: int = 0  # lower runs first under the priority policy
+    resume_from: int = 0  # output tokens per sample the client has (router/replay.py)
+    model: str = ""  # empty, or the served model's name
+    # The caller made `request_id` up just now (the HTTP API): no checkpoint can exist for
+    # it, so none is looked up.
+    new_request: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float  # natural log, under the model's unmodified distribution
+    token: str  # the token's text
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int  # the chosen token
+    logprob: float
+    top: list[TopLogprob]  # the most likely alternatives, best first
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    num_prompt_tokens: int
+    num_completion_tokens: int  # summed over every sample
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """One message to the client: what one sample produced since its previous message."""
+
+    request_id: str
+    index: int  # the sample, 0..n-1
+    token_ids: list[int]
+    text: str  # whole UTF-8 characters, stop strings cut off
+    logprobs: list[TokenLogprob]  # one per token when logprobs were asked for, else empty
+    finish_reason: FinishReason | None = None  # set on the sample's last message
+    usage: Usage | None = None  # set on the request's last message (every sample finished)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    """One scheduler message for one sample, converted once where it enters the router
+    (router/request_feed.py); checkpointed tokens are replayed as these too."""
+
+    index: int  # the sample, 0..n-1
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    # Per token, (chosen token's logprob, [(alternative id, logprob), ...]); empty without logprobs.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model and the mesh serving it (`Generation.model_info`)."""
+
+    model: str
+    max_model_len: int  # tokens, prompt + output
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    architecture: str
+    block_size: int  # tokens per KV cache block
+    num_kv_blocks: int  # per engine group
+    quantization: str
+    weight_bytes: int  # one engine group's weights
+    kv_cache_bytes: int  # one engine group's KV caches
+    kv_cache_sizing: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    num_replicas: int  # engine groups behind the router
