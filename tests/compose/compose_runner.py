@@ -39,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.compose.compose_files import REPO_ROOT
 from tests.mesh_harness import free_port
 from tests.netns import Host
+from tests.support.eventually import eventually
 
 URL_VARIABLES = {"PAGEMESH_REDIS_URL", "PAGEMESH_OTLP_TRACES_ENDPOINT",
                  "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
@@ -322,19 +323,15 @@ class LocalRun:
 
     def wait_serving(self, address: str, timeout_s: float = 120.0) -> None:
         """Until gRPC health at `address` says SERVING; raises when a process exits first."""
-        deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
+
+            def serving() -> bool:
                 self.check_alive()
-                try:
-                    response = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if response.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.3)
-        raise TimeoutError(f"{address} not SERVING after {timeout_s} s\n{self.log_tails()}")
+                response = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                return response.status == health_pb2.HealthCheckResponse.SERVING
+            eventually(serving, timeout_s, lambda: f"{address} not SERVING\n{self.log_tails()}",
+                       interval_s=0.3, ignoring=(grpc.RpcError,))
 
     def stop(self) -> None:
         for process in self.processes.values():

@@ -8,7 +8,6 @@ Tracing is off: Jaeger's address on the head has nothing standing in for it."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from tests.compose.compose_files import MULTI_HOST_DIR, compose_command, compose
 from tests.compose.compose_runner import LocalRun, LocalService, Localizer, Site, run_healthcheck
 from tests.mesh_harness import greedy_request
 from tests.netns import Host, HostNetwork, namespaces_unavailable
+from tests.support.eventually import eventually
 
 REASON = namespaces_unavailable() or (compose_command() is None and "no Compose CLI") or None
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host compose test: {REASON}")
@@ -100,12 +100,11 @@ def _workers(multi_host: MultiHost) -> dict[str, dict]:
 
 
 def _wait_for_worker(multi_host: MultiHost, worker_id: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while worker_id not in _workers(multi_host):
+    def registered() -> bool:
         multi_host.run.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{worker_id} never registered\n{multi_host.run.log_tails()}")
-        time.sleep(0.3)
+        return worker_id in _workers(multi_host)
+    eventually(registered, timeout_s,
+               lambda: f"{worker_id} never registered\n{multi_host.run.log_tails()}", interval_s=0.3)
 
 
 def test_workers_advertise_host_ip_and_the_standby_waits(multi_host: MultiHost) -> None:
@@ -123,13 +122,13 @@ def test_prometheus_targets_follow_the_registry(multi_host: MultiHost) -> None:
     gpu0, gpu1 = [h.address for h in multi_host.gpu_hosts]
     path = multi_host.run_dir / "head" / "volumes" / "prometheus-targets" / "pagemesh.json"
     expected = {f"{gpu0}:9102", f"{gpu1}:9102", f"{gpu1}:9111", f"{multi_host.head.address}:9101"}
-    deadline = time.monotonic() + 20
-    targets: set[str] = set()
-    while time.monotonic() < deadline and not expected <= targets:
-        if path.exists():
-            targets = {t for group in json.loads(path.read_text()) for t in group["targets"]}
-        time.sleep(0.5)
-    assert expected <= targets
+    def targets() -> set[str]:
+        if not path.exists():
+            return set()
+        return {t for group in json.loads(path.read_text()) for t in group["targets"]}
+    eventually(lambda: expected <= targets(), 20,
+               lambda: f"targets {sorted(targets())} lack {sorted(expected - targets())}",
+               interval_s=0.5)
 
 
 def test_healthchecks_pass(multi_host: MultiHost) -> None:

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from tests.hf_reference import assert_greedy_match, hf_greedy
 from tests.mesh_harness import Mesh, greedy_request
+from tests.support.eventually import eventually
 
 
 @dataclass
@@ -108,7 +109,5 @@ def health_status(mesh: Mesh) -> int:
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
     """Seconds it took for `predicate` to hold; fails after `timeout_s`."""
     start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
-        time.sleep(0.1)
+    eventually(predicate, timeout_s, what)
     return time.monotonic() - start

@@ -4,7 +4,6 @@ logprobs, tokenize, model info, health and reflection."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -16,6 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from tests.mesh_harness import Mesh, greedy_request
+from tests.support.eventually import eventually
 
 MAX_MODEL_LEN = 512  # the tiny models' max_position_embeddings
 
@@ -96,13 +96,11 @@ def test_cancelling_a_stream_returns_every_block(tiny_llama_mesh: Mesh, redis_ur
     stats = scheduler_stats(redis_url, "e2e-llama")
     assert stats.num_running == 1 and stats.num_free_blocks < stats.num_blocks
     call.cancel()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def freed() -> bool:
         stats = scheduler_stats(redis_url, "e2e-llama")
-        if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0:
-            break
-        time.sleep(0.05)
-    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0, stats
+        return stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+    eventually(freed, 10, lambda: f"blocks still held: {scheduler_stats(redis_url, 'e2e-llama')}",
+               interval_s=0.05)
     assert len(tiny_llama_mesh.generate(greedy_request([3, 4], 2)).token_ids) == 2
 
 

@@ -16,6 +16,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.mesh_harness import Mesh, free_port, greedy_request
+from tests.support.eventually import eventually
 
 CLUSTER = "e2e-metrics"
 PROMPT_LENGTHS = (5, 9, 17)  # 17: one full block of 16, found in the prefix cache next time
@@ -136,10 +137,8 @@ def check_worker(samples: dict, wall_s: float, num_scheduler_steps: float) -> No
 
 def wait_for_checkpoint_writes(address: str, minimum: int) -> None:
     """Checkpoints are written in the background: the last ones may trail the responses."""
-    deadline = time.monotonic() + 10
-    while value(scrape(address), "pagemesh:checkpoint_writes_total", **GROUP) < minimum:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    eventually(lambda: value(scrape(address), "pagemesh:checkpoint_writes_total", **GROUP) >= minimum,
+               10, f"fewer than {minimum} checkpoint writes")
 
 
 def test_a_known_workload_gives_exact_counts_on_every_service(mesh: Mesh, redis_url: str) -> None:

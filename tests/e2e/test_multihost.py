@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -22,6 +21,7 @@ from tests.hf_reference import assert_greedy_match, hf_greedy
 from tests.mesh_harness import REPO_ROOT, Generation, greedy_request
 from tests.netns import HostNetwork, namespaces_unavailable
 from tests.tiny_models import write_tiny_model
+from tests.support.eventually import eventually
 
 REASON = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host test: {REASON}")
@@ -34,19 +34,18 @@ def valkey_binary() -> str:
 
 
 def wait_serving(address: str, processes: list[subprocess.Popen], logs: Path, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
+    def log_tails() -> str:
+        return "".join(f.read_text()[-3000:] for f in logs.glob("*.log"))
+
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
+
+        def serving() -> bool:
             dead = [p.args for p in processes if p.poll() is not None]
-            assert not dead, f"exited: {dead}\n" + "".join(f.read_text()[-3000:] for f in logs.glob("*.log"))
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError("".join(f.read_text()[-3000:] for f in logs.glob("*.log")))
+            assert not dead, f"exited: {dead}\n" + log_tails()
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        eventually(serving, timeout_s, log_tails, interval_s=0.5, ignoring=(grpc.RpcError,))
 
 
 def test_two_workers_on_two_hosts_equal_transformers(tmp_path: Path) -> None:

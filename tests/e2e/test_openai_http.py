@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from protos.pagemesh.v1 import generate_pb2
 from tests.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
+from tests.support.eventually import eventually
 
 MODEL = "tiny-llama"
 PROMPT_IDS = [5, 6, 7, 8, 9]
@@ -36,16 +36,11 @@ def http_url(tiny_llama_mesh: Mesh, tiny_llama_dir: Path, redis_url: str,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def healthy() -> bool:
             assert router.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.3)
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        eventually(healthy, 60, log_path.read_text, interval_s=0.3,
+                   ignoring=(httpx.HTTPError,))
         yield url
     finally:
         router.terminate()
@@ -163,10 +158,8 @@ def test_client_disconnect_mid_stream_cancels_the_request(http_url: str, redis_u
         while not next(lines).startswith("data: "):
             pass
         assert scheduler_stats(redis_url, "e2e-llama").num_running == 1
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def freed() -> bool:
         stats = scheduler_stats(redis_url, "e2e-llama")
-        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
-            break
-        time.sleep(0.05)
-    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks, stats
+        return stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+    eventually(freed, 10, lambda: f"blocks still held: {scheduler_stats(redis_url, 'e2e-llama')}",
+               interval_s=0.05)

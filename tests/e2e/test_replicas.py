@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from tests.mesh_harness import Mesh, greedy_request
+from tests.support.eventually import eventually
 
 CLUSTER = "e2e-replicas"
 
@@ -32,13 +32,10 @@ def two_groups(tiny_llama_dir: Path, redis_url: str,
                 redis_url=redis_url, cluster=CLUSTER, extra_args=["--replicas", "2"])
     try:
         mesh.wait_ready()
-        deadline = time.monotonic() + 60
-        while len(schedulers(redis_url)) < 2:  # the router serves as soon as one group is up
-            assert time.monotonic() < deadline, mesh.log()
-            time.sleep(0.2)
-        while mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).layout.num_replicas < 2:
-            assert time.monotonic() < deadline, mesh.log()
-            time.sleep(0.2)
+        # The router serves as soon as one group is up.
+        eventually(lambda: len(schedulers(redis_url)) >= 2, 60, mesh.log, interval_s=0.2)
+        eventually(lambda: mesh.stub.GetModelInfo(
+            generate_pb2.GetModelInfoRequest()).layout.num_replicas >= 2, 60, mesh.log, interval_s=0.2)
         yield mesh
     finally:
         mesh.stop()
@@ -79,9 +76,8 @@ def test_a_dead_group_is_routed_around(two_groups: Mesh, redis_url: str) -> None
     for i in range(6):  # before and after its heartbeat expires: retried, never lost
         result = two_groups.generate(greedy_request([30 + i, 31, 32], 4))
         assert len(result.token_ids) == 4
-    deadline = time.monotonic() + 10
-    while two_groups.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).layout.num_replicas != 1:
-        assert time.monotonic() < deadline, "the router still counts the dead group"
-        time.sleep(0.3)
+    eventually(lambda: two_groups.stub.GetModelInfo(
+        generate_pb2.GetModelInfoRequest()).layout.num_replicas == 1, 10,
+        "the router still counts the dead group", interval_s=0.3)
     health = health_pb2_grpc.HealthStub(two_groups.channel)
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING

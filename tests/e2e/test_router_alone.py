@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -13,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.mesh_harness import free_port, greedy_request
+from tests.support.eventually import eventually
 
 
 def test_router_without_groups_is_not_serving_and_unavailable(
@@ -28,15 +28,10 @@ def test_router_without_groups_is_not_serving_and_unavailable(
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    break
-                except grpc.RpcError:
-                    assert time.monotonic() < deadline, (tmp_path / "router.log").read_text()
-                    time.sleep(0.3)
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            response = eventually(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=1),
+                                  60, (tmp_path / "router.log").read_text, interval_s=0.3,
+                                  ignoring=(grpc.RpcError,))
+            assert response.status == health_pb2.HealthCheckResponse.NOT_SERVING
             stub = generate_pb2_grpc.GenerationStub(channel)
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(greedy_request([1, 2], 2), timeout=10))

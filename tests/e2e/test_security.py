@@ -6,7 +6,6 @@ from __future__ import annotations
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from pagemesh.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
 from tests.tls_certs import CertFiles, make_certs
+from tests.support.eventually import eventually
 
 CLUSTER = "e2e-security"
 KEY = "sk-test-key"
@@ -100,14 +100,9 @@ def test_http_needs_key_and_client_cert(secure_mesh: tuple[Mesh, int], certs: Ce
     context = ssl.create_default_context(cafile=str(certs.ca))
     context.load_cert_chain(str(certs.client_cert), str(certs.client_key))
     with httpx.Client(verify=context, timeout=60) as http:
-        deadline = time.monotonic() + 30  # the HTTP server starts just after gRPC health
-        while True:
-            try:
-                assert http.get(f"{url}/health").status_code == 200  # open without a key
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.3)
+        # The HTTP server starts just after gRPC health; /health is open without a key.
+        assert eventually(lambda: http.get(f"{url}/health"), 30, "the HTTP server never answered",
+                          interval_s=0.3, ignoring=(httpx.TransportError,)).status_code == 200
         response = http.get(f"{url}/v1/models")
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
@@ -139,17 +134,11 @@ def limited_router(secure_mesh: tuple[Mesh, int], certs: CertFiles, tiny_llama_d
     channel = certs.client_tls().channel(f"127.0.0.1:{port}")
     try:
         health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 60
-        while True:
+        def serving() -> bool:
             assert router.poll() is None, log_path.read_text()
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.3)
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        eventually(serving, 60, log_path.read_text, interval_s=0.3, ignoring=(grpc.RpcError,))
         yield channel
     finally:
         channel.close()
@@ -169,14 +158,13 @@ def test_queue_limit_and_prompt_limit(limited_router: grpc.Channel) -> None:
         assert "--max-queued-requests 1" in info.value.details()
     finally:
         held.cancel()
-    deadline = time.monotonic() + 10
-    while True:  # the slot frees as soon as the router sees the cancellation
+    def admitted() -> list | None:  # the slot frees as soon as the router sees the cancellation
         try:
-            assert len(_generate(stub, None)) == 4
-            break
+            return _generate(stub, None)
         except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
-            time.sleep(0.1)
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+            return None
+    assert len(eventually(admitted, 10, "the cancelled request's slot never freed")) == 4
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(greedy_request(list(range(5, 14)), 2), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -29,6 +29,7 @@ from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.tiny_models import write_tiny_model
 from tests.worker.parallel_harness import CommRank, free_port
 from worker_svc.parallel import ParallelConfig
+from tests.support.eventually import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -173,22 +174,19 @@ class Workers:
         return json.loads(raw) if raw else {}
 
     def wait_for(self, worker_id: str, timeout_s: float = 60.0, **expected: Any) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def reached() -> dict | None:
             entry = self.entry(worker_id)
             if all(entry.get(key) == value for key, value in expected.items()):
                 return entry
-            process = self.processes[worker_id]
-            assert process.poll() is None, f"{worker_id} exited:\n{self.log(worker_id)}"
-            time.sleep(0.1)
-        raise AssertionError(f"{worker_id} never reached {expected}: {self.entry(worker_id)}"
-                             f"\n{self.log(worker_id)}")
+            assert self.processes[worker_id].poll() is None, \
+                f"{worker_id} exited:\n{self.log(worker_id)}"
+            return None
+        return eventually(reached, timeout_s, lambda: f"{worker_id} never reached {expected}: "
+                          f"{self.entry(worker_id)}\n{self.log(worker_id)}")
 
     def wait_for_log(self, worker_id: str, text: str, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while text not in self.log(worker_id):
-            assert time.monotonic() < deadline, f"{worker_id} never logged {text!r}"
-            time.sleep(0.05)
+        eventually(lambda: text in self.log(worker_id), timeout_s,
+                   f"{worker_id} never logged {text!r}", interval_s=0.05)
 
     def publish_plan(self, epoch: str, members: dict[str, int],
                      master_addr: str | None = None) -> None:
