@@ -39,7 +39,7 @@ class ClientStream:
         self.request_id = request_id
         self.samples = plan.samples
         self.progress = plan.progress
-        self.num_prompt_tokens = len(plan.submit.prompt_token_ids)
+        self.num_prompt_tokens = len(plan.submission.prompt_token_ids)
         self.stream_interval = stream_interval
         self.num_unfinished = sum(not s.finished for s in self.samples)
         self.cut_short = False

@@ -1,13 +1,22 @@
-"""The only place on the router that touches protobuf types."""
+"""The router's one bridge between protobuf and its domain types (router/types.py).
+
+Every conversion between a `generate.v1` or `scheduler.v1` message and a domain value
+happens here, and only the gRPC adapters call it: the servicer (router/servicer.py) for the
+public API, the scheduler stream (router/scheduler_stream.py) for each scheduler output, and
+the scheduler connection (router/scheduler_connection.py) for each request it sends and the
+model info. Those adapters still build their own RPC envelopes (`ConnectRequest`,
+`AbortRequest`, health and `GetModelInfo` requests) and read the stream's routing fields
+(a message's request ids, its in-band errors); nothing else on the router sees protobuf.
+"""
 
 from __future__ import annotations
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from router.resume import Progress
-from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, TokenChunk,
-                          TokenLogprob)
-from router.validation import ModelLimits, SamplingOptions, StoppingOptions, ValidatedRequest
+from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, Submission,
+                          TokenChunk, TokenLogprob)
+from router.validation import SamplingOptions, StoppingOptions
 
 
 def generation_request(pb: generate_pb2.GenerateRequest) -> GenerationRequest:
@@ -55,25 +64,15 @@ def stopping_from_pb(pb: generate_pb2.StoppingCriteria) -> StoppingOptions:
     )
 
 
-def limits_from_pb(info: generate_pb2.GetModelInfoResponse) -> ModelLimits:
-    return ModelLimits(
-        name=info.model,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids),
-    )
-
-
-def submit_request(request_id: str, validated: ValidatedRequest, seed: int) -> scheduler_pb2.SubmitRequest:
-    """The scheduler's request; `seed` replaces an unset one so every request is replayable.
-
-    The stop strings travel too, though the scheduler ignores them: its checkpoint keeps this
-    message, and a router resuming the request after this one died reads them from there."""
-    s = validated.sampling
-    stopping = validated.stopping
-    return scheduler_pb2.SubmitRequest(
-        request_id=request_id,
-        prompt_token_ids=validated.prompt_token_ids,
+def submit_request(submission: Submission, progress: Progress | None = None
+                   ) -> scheduler_pb2.SubmitRequest:
+    """The scheduler's request for one attempt; `progress`, when given, is what each sample
+    produced so far (and whether it ended): the scheduler continues after it."""
+    s = submission.sampling
+    stopping = submission.stopping
+    request = scheduler_pb2.SubmitRequest(
+        request_id=submission.request_id,
+        prompt_token_ids=submission.prompt_token_ids,
         sampling=generate_pb2.SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
@@ -82,7 +81,7 @@ def submit_request(request_id: str, validated: ValidatedRequest, seed: int) -> s
             repetition_penalty=s.repetition_penalty,
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
-            seed=s.seed if s.seed is not None else seed,
+            seed=s.seed,
         ),
         stopping=generate_pb2.StoppingCriteria(
             max_tokens=stopping.max_tokens,
@@ -91,29 +90,30 @@ def submit_request(request_id: str, validated: ValidatedRequest, seed: int) -> s
             stop_token_ids=stopping.stop_token_ids,
             ignore_eos=stopping.ignore_eos,
         ),
-        logprobs=validated.num_logprobs or 0,
-        n=validated.n,
-        priority=validated.priority,
+        logprobs=submission.num_logprobs,
+        n=submission.n,
+        priority=submission.priority,
     )
-
-
-def with_progress(request: scheduler_pb2.SubmitRequest, progress: Progress) -> scheduler_pb2.SubmitRequest:
-    """`request` resumed: every sample's output so far (and whether it ended) as `progress`."""
-    resumed = scheduler_pb2.SubmitRequest()
-    resumed.CopyFrom(request)
-    del resumed.progress[:]
-    resumed.progress.extend(
-        scheduler_pb2.SampleProgress(index=i, token_ids=s.token_ids, finished=s.finished)
-        for i, s in enumerate(progress.samples)
-    )
-    return resumed
-
-
-def submit_from_checkpoint(raw: bytes) -> scheduler_pb2.SubmitRequest:
-    """The `SubmitRequest` a checkpoint stores, as the router first sent it (no progress)."""
-    request = scheduler_pb2.SubmitRequest.FromString(raw)
-    del request.progress[:]
+    if progress is not None:
+        request.progress.extend(
+            scheduler_pb2.SampleProgress(index=i, token_ids=p.token_ids, finished=p.finished)
+            for i, p in enumerate(progress.samples))
     return request
+
+
+def submission_from_checkpoint(raw: bytes) -> Submission:
+    """The request a checkpoint stores (the `SubmitRequest` as the router first sent it);
+    its progress is the checkpoint's samples, read separately."""
+    pb = scheduler_pb2.SubmitRequest.FromString(raw)
+    return Submission(
+        request_id=pb.request_id,
+        prompt_token_ids=list(pb.prompt_token_ids),
+        sampling=sampling_from_pb(pb.sampling),
+        stopping=stopping_from_pb(pb.stopping),
+        num_logprobs=pb.logprobs,
+        n=pb.n,
+        priority=pb.priority,
+    )
 
 
 def sample_output(pb: scheduler_pb2.SubmitResponse) -> SampleOutput:
@@ -122,9 +122,6 @@ def sample_output(pb: scheduler_pb2.SubmitResponse) -> SampleOutput:
     return SampleOutput(pb.index, list(pb.token_ids), finish_reason_from_pb(pb.finish_reason),
                         logprobs)
 
-
-FINISH_REASON_STOP = generate_pb2.FINISH_REASON_STOP
-FINISH_REASON_UNSPECIFIED = generate_pb2.FINISH_REASON_UNSPECIFIED
 
 # The router's one finish-reason table: the wire's enum values and the domain's names.
 _FINISH_REASONS = {
@@ -141,7 +138,9 @@ def finish_reason_from_pb(finish_reason: int) -> FinishReason | None:
 
 
 def finish_reason_to_pb(finish_reason: FinishReason | None) -> int:
-    return FINISH_REASON_UNSPECIFIED if finish_reason is None else _FINISH_REASON_VALUES[finish_reason]
+    if finish_reason is None:
+        return generate_pb2.FINISH_REASON_UNSPECIFIED
+    return _FINISH_REASON_VALUES[finish_reason]
 
 
 def generate_response(chunk: TokenChunk) -> generate_pb2.GenerateResponse:
@@ -164,8 +163,9 @@ def _token_logprob(lp: TokenLogprob) -> generate_pb2.TokenLogprob:
              for t in lp.top])
 
 
-def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse, num_replicas: int) -> ModelInfo:
-    """The schedulers' model description, with the router's count of engine groups."""
+def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
+    """A scheduler's model description; its `num_replicas` is that scheduler's own count
+    (one group), which the router replaces with its own (router/group_directory.py)."""
     return ModelInfo(
         model=pb.model, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
         eos_token_ids=list(pb.eos_token_ids), dtype=pb.dtype, architecture=pb.architecture,
@@ -174,7 +174,7 @@ def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse, num_replicas: int)
         kv_cache_sizing=pb.kv_cache_sizing,
         tensor_parallel_size=pb.layout.tensor_parallel_size,
         pipeline_parallel_size=pb.layout.pipeline_parallel_size,
-        num_replicas=num_replicas,
+        num_replicas=pb.layout.num_replicas,
     )
 
 

@@ -5,7 +5,7 @@ so both give the same tokens, reject the same requests and trace the same span. 
 `ServiceError`s carrying the gRPC status code a caller should see.
 
 Fault tolerance, as the client sees it: a stream never shows a gap or a repeated token.
-- An engine group failing mid-stream: `SchedulerPool.stream` resumes the request elsewhere
+- An engine group failing mid-stream: `Dispatcher.stream` resumes the request elsewhere
   (router/resume.py); this module never sees the failure.
 - This router dying: the client sends the same request_id with `resume_from` to any router,
   which continues from the request's checkpoint (router/replay.py).
@@ -31,12 +31,12 @@ from redis.exceptions import RedisError
 from pagemesh.logs import request_id_var
 from pagemesh.metrics import ABORT, ERROR, RouterMetrics
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
-from router import convert, replay
+from router import replay
 from router.client_stream import ClientStream
-from router.scheduler_client import SchedulerPool
+from router.dispatcher import Dispatcher
 from router.tokenizer import Tokenizer, TokenizerError
 from router.tracing import describe_request, traced_generate
-from router.types import GenerationRequest, ModelInfo, TokenChunk
+from router.types import GenerationRequest, ModelInfo, Submission, TokenChunk
 from router.validation import ValidatedRequest, ValidationError, validate
 
 logger = logging.getLogger(__name__)
@@ -60,10 +60,12 @@ class AdmissionLimits:
 
 
 class Generation:
-    def __init__(self, tokenizer: Tokenizer, pool: SchedulerPool,
+    def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher,
                  limits: AdmissionLimits | None = None, metrics: RouterMetrics | None = None) -> None:
         self.tokenizer = tokenizer
-        self.pool = pool
+        self.dispatcher = dispatcher
+        self.directory = dispatcher.directory  # model info, ready groups, the registry
+        self.checkpoints = self.directory.registry.checkpoints
         self.limits = limits or AdmissionLimits()
         self.num_in_flight = 0
         self.metrics = metrics or RouterMetrics()
@@ -72,7 +74,7 @@ class Generation:
         self._deleter: asyncio.Task[None] | None = None
 
     async def model_info(self) -> ModelInfo:
-        return convert.model_info_from_pb(await self.pool.model_info(), self.pool.num_groups)
+        return await self.directory.model_info()
 
     def tokenize(self, text: str, apply_chat_template: bool) -> tuple[list[int], list[str]]:
         """The text's token ids and each one's text piece. INVALID_ARGUMENT for empty text."""
@@ -92,7 +94,7 @@ class Generation:
                 f"(--max-queued-requests {self.limits.max_queued_requests}); retry later",
             )
         self.num_in_flight += 1
-        timer = self.metrics.request(lambda: self.pool.model_name, request.n)
+        timer = self.metrics.request(lambda: self.directory.model_name, request.n)
         try:
             # Closing this stream must close the inner one at once: that cancels the scheduler call.
             async with contextlib.aclosing(self._generate(request_id, request)) as batches:
@@ -115,13 +117,13 @@ class Generation:
         plan = None if request.new_request else await self._resume_plan(request_id, request)
         if plan is None:
             validated = await self._validate(request)
-            submit = convert.submit_request(request_id, validated, self._seeds.getrandbits(63))
-            plan = replay.fresh(self.tokenizer, submit)
+            submission = Submission.fresh(request_id, validated, self._seeds.getrandbits(63))
+            plan = replay.fresh(self.tokenizer, submission)
         progress = plan.progress
         span = trace.get_current_span()  # generate's (router/tracing.py), or a no-op one
         if span.is_recording():
-            describe_request(span, plan.submit, progress.resumed, request.model,
-                             (await self.pool.model_info()).model)
+            describe_request(span, plan.submission, progress.resumed, request.model,
+                             (await self.directory.model_info()).model)
         client = ClientStream(request_id, plan, self.limits.stream_interval)
         replayed = [c for output in plan.replay if (c := client.process(output)) is not None]
         if replayed:
@@ -129,7 +131,7 @@ class Generation:
         if not client.done:
             # Closing `batches` cancels the scheduler call (when a stop string hit, say).
             async with contextlib.aclosing(
-                self.pool.stream(plan.submit, client.process, progress, span)
+                self.dispatcher.stream(plan.submission, client.process, progress, span)
             ) as batches:
                 async for batch in batches:
                     yield batch
@@ -147,7 +149,7 @@ class Generation:
                 raise invalid_argument("resume_from needs the request_id of the stream to resume")
             return None
         try:
-            ckpt = await self.pool.checkpoints.load(request_id)
+            ckpt = await self.checkpoints.load(request_id)
         except (RedisError, OSError) as exc:
             if resume_from:
                 raise unavailable(f"the checkpoint store is unreachable ({exc}); retry shortly") from exc
@@ -175,7 +177,7 @@ class Generation:
         entries = [(request_id, group) for group in groups or [None]]
         self._queue_deletes(entries)
         if cut_short:
-            asyncio.get_running_loop().call_later(self.pool.registry.config.ttl_s,
+            asyncio.get_running_loop().call_later(self.directory.ttl_s,
                                                   self._queue_deletes, entries)
 
     def _queue_deletes(self, entries: list[tuple[str, str | None]]) -> None:
@@ -188,7 +190,7 @@ class Generation:
             while self._to_delete:
                 entries, self._to_delete = self._to_delete, []
                 try:
-                    await self.pool.checkpoints.delete_many(entries)
+                    await self.checkpoints.delete_many(entries)
                 except Exception as exc:  # they expire by themselves; the poll logs Redis away
                     logger.debug("could not delete %d checkpoints: %s", len(entries), exc)
         finally:
@@ -210,7 +212,7 @@ class Generation:
                 f"prompt has {len(prompt_ids)} tokens but this router accepts at most "
                 f"{max_prompt_tokens} (--max-prompt-tokens); shorten the prompt"
             )
-        limits = convert.limits_from_pb(await self.pool.model_info())
+        limits = (await self.directory.model_info()).limits()
         try:
             return validate(prompt_ids, request.sampling, request.stopping, request.num_logprobs,
                             request.model, limits, n=request.n, priority=request.priority)

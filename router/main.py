@@ -26,8 +26,9 @@ from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router.http_api import build_http_app
 from router.resume import ResumeConfig
 from router.routing import RoutingConfig
-from router.scheduler_client import SchedulerPool
+from router.dispatcher import Dispatcher
 from router.generation import AdmissionLimits, Generation
+from router.group_directory import GroupDirectory
 from router.servicer import GenerationServicer
 from router.tokenizer import load_tokenizer
 
@@ -71,15 +72,15 @@ async def serve(args: argparse.Namespace) -> None:
     api_keys = ApiKeys.load(args.api_key, args.api_keys_file)
     logger.info("API keys: %s", f"{len(api_keys)} accepted" if api_keys.enabled else "off (open access)")
     resume = ResumeConfig(timeout_s=args.resume_timeout_s)
-    pool = SchedulerPool(registry, args.discovery_interval_s, on_serving_changed, routing, config.tls,
-                         resume)
+    directory = GroupDirectory(registry, args.discovery_interval_s, on_serving_changed, config.tls)
+    dispatcher = Dispatcher(directory, routing, resume)
     limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens,
                              args.stream_interval)
     metrics = RouterMetrics()
-    generation = Generation(tokenizer, pool, limits, metrics)  # both APIs adapt this one
+    generation = Generation(tokenizer, dispatcher, limits, metrics)  # both APIs adapt this one
     servicer = GenerationServicer(generation)
-    metrics.follow_router(lambda: pool.model_name, lambda: generation.num_in_flight,
-                          lambda: pool.num_groups, lambda: pool.num_resumes)
+    metrics.follow_router(lambda: directory.model_name, lambda: generation.num_in_flight,
+                          lambda: directory.num_groups, lambda: dispatcher.num_resumes)
     metrics.follow_heartbeat(lambda: registry.last_heartbeat_s)
     server = GrpcServer(
         config,
@@ -91,14 +92,14 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     server.install_signal_handlers()
     metrics_server = await serve_metrics(metrics, metrics_config(args))
-    await pool.refresh()
-    await server.set_serving(pool.serving)
-    pool_task = asyncio.create_task(pool.run())
-    http = _start_http(args, generation, lambda: pool.serving, api_keys)
+    await directory.refresh()
+    await server.set_serving(directory.serving)
+    directory_task = asyncio.create_task(directory.run())
+    http = _start_http(args, generation, lambda: directory.serving, api_keys)
     router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
     await registry.start_heartbeat(
         "router", router_id, lambda: RouterEntry(
-            address=server.address, num_groups=pool.num_groups, serving=pool.serving,
+            address=server.address, num_groups=directory.num_groups, serving=directory.serving,
             pid=os.getpid(), host=socket.gethostname(),
             **metrics_server.registry_info()).to_json()
     )
@@ -107,8 +108,8 @@ async def serve(args: argparse.Namespace) -> None:
     await _stop_http(http)
     await registry.close(deregister=[("router", router_id)])
     await server.stop()
-    pool_task.cancel()
-    await pool.close()
+    directory_task.cancel()
+    await directory.close()
     await metrics_server.close()
 
 

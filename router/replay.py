@@ -3,8 +3,9 @@
 A client whose stream broke off (its router died, its connection dropped) sends the same
 `request_id` with `resume_from` = the output tokens of each sample it already received, to
 any router. The request's checkpoint (pagemesh/checkpoints.py, written by the schedulers)
-holds the `SubmitRequest` as first sent, stop strings included, and each sample's outputs so
-far. For each sample, with k = resume_from and the checkpoint's L tokens:
+holds the request as first sent (a `SubmitRequest`, read back as a `Submission`), stop
+strings included, and each sample's outputs so far. For each sample, with k = resume_from
+and the checkpoint's L tokens:
 
 - the first min(k, L) tokens prime the detokenizer and stop checker (their text is the
   client's already), so the text and stop strings after them come out as in the unbroken run;
@@ -25,38 +26,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagemesh.checkpoints import Checkpoint, SampleState
-from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from router import convert
 from router.resume import Progress, SampleProgress
 from router.sample_stream import SampleStream
 from router.tokenizer import Tokenizer
-from router.types import FinishReason, SampleOutput
+from router.types import FinishReason, SampleOutput, Submission
 
 
 @dataclass
 class StreamPlan:
-    submit: scheduler_pb2.SubmitRequest  # without progress: `Progress` is added per attempt
+    submission: Submission  # the same for every attempt; each sends it with `progress`
     samples: list[SampleStream]
     progress: Progress
     # Scheduler-like messages to process before anything is submitted (checkpointed tokens).
     replay: list[SampleOutput] = field(default_factory=list)
 
 
-def fresh(tokenizer: Tokenizer, submit: scheduler_pb2.SubmitRequest) -> StreamPlan:
-    n = max(submit.n, 1)
-    samples = [_sample_stream(tokenizer, submit) for _ in range(n)]
-    return StreamPlan(submit, samples, Progress.fresh(n))
+def fresh(tokenizer: Tokenizer, submission: Submission) -> StreamPlan:
+    n = max(submission.n, 1)
+    samples = [_sample_stream(tokenizer, submission) for _ in range(n)]
+    return StreamPlan(submission, samples, Progress.fresh(n))
 
 
 def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint, resume_from: int) -> StreamPlan:
     """The plan for a client that has `resume_from` output tokens of each sample."""
-    submit = convert.submit_from_checkpoint(ckpt.submit)
-    n = max(submit.n, 1)
+    submission = convert.submission_from_checkpoint(ckpt.submit)
+    n = max(submission.n, 1)
     states = (list(ckpt.samples) + [SampleState() for _ in range(n)])[:n]
     samples: list[SampleStream] = []
     replay: list[SampleOutput] = []
     for index, state in enumerate(states):
-        sample = _sample_stream(tokenizer, submit)
+        sample = _sample_stream(tokenizer, submission)
         num_known = len(state.token_ids)
         finish_reason = None
         if state.finished:
@@ -73,8 +73,9 @@ def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint, resume_from: int) ->
         samples.append(sample)
     progress = Progress([SampleProgress(list(s.token_ids), s.finished) for s in states], [ckpt.group],
                         resumed=True)
-    return StreamPlan(submit, samples, progress, replay)
+    return StreamPlan(submission, samples, progress, replay)
 
 
-def _sample_stream(tokenizer: Tokenizer, submit: scheduler_pb2.SubmitRequest) -> SampleStream:
-    return SampleStream(tokenizer, list(submit.prompt_token_ids), list(submit.stopping.stop))
+def _sample_stream(tokenizer: Tokenizer, submission: Submission) -> SampleStream:
+    return SampleStream(tokenizer, list(submission.prompt_token_ids),
+                        list(submission.stopping.stop))

@@ -16,8 +16,6 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from protos.pagemesh.scheduler.v1 import scheduler_pb2
-from router import convert
 from router.resume import Attempts, Progress
 from router.types import SampleOutput
 
@@ -47,10 +45,9 @@ class RequestFeed(Generic[T]):
         self._queue: asyncio.Queue[list[T] | BaseException | object] = asyncio.Queue()
         self._error: BaseException | None = None
 
-    def add(self, message: scheduler_pb2.SubmitResponse) -> None:
+    def add(self, output: SampleOutput) -> None:
         if self._error is not None:
             return
-        output = convert.sample_output(message)  # the one conversion of a scheduler message
         finished = output.finish_reason is not None
         self.progress.record(output.index, output.token_ids, finished)
         if output.token_ids or finished:

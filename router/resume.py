@@ -1,10 +1,11 @@
 """Resuming a request's stream after the engine group serving it failed: pure decisions.
 
 Sampling is deterministic given (seed, token position), and the router always sets the seed
-(`convert.submit_request`). So the router only has to remember, per sample, the output token
-ids it has received (`Progress`): re-submitting the same `SubmitRequest` with those as
-`progress` to any group continues exactly as the undisturbed run would, and the caller of
-`SchedulerPool.submit` sees one continuous stream, with no gap and no repeated token.
+(`Submission.fresh`). So the router only has to remember, per sample, the output token ids
+it has received (`Progress`): re-submitting the same `Submission` with those as `progress`
+to any group continues exactly as the undisturbed run would, and the caller of
+`Dispatcher.stream` (router/dispatcher.py) sees one continuous stream, with no gap and no
+repeated token.
 
 Which failures are resumed (`retry_kind`):
 

@@ -3,8 +3,9 @@
 Every request the router sends that scheduler travels on it: a submit up the stream, then
 its outputs come down inside the scheduler's per-step messages, and leaving early sends an
 abort. The reader hands each message to its requests in one pass, without awaiting: every
-output of a request goes to that request's `RequestSink.add`, then each sink the message
-touched gets one `flush` — so a request's own task wakes once per step, not per token.
+output of a request goes, converted to a `SampleOutput` (its one conversion), to that
+request's `RequestSink.add`, then each sink the message touched gets one `flush` — so a
+request's own task wakes once per step, not per token.
 A request failing in-band gets `fail` with the `grpc.aio.AioRpcError` a `Submit` call would
 have raised; a broken stream fails every request on it the same way (the caller resumes them
 all, router/resume.py). The next submit after a break opens a new stream.
@@ -22,7 +23,8 @@ from typing import Protocol
 import grpc
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from router.convert import FINISH_REASON_UNSPECIFIED
+from router import convert
+from router.types import SampleOutput
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class RequestSink(Protocol):
     """Where one request's outputs go. Called from the stream's reader: never awaits."""
 
-    def add(self, output: scheduler_pb2.SubmitResponse) -> None:
+    def add(self, output: SampleOutput) -> None:
         """One output of one of the request's samples, in the order the scheduler sent them."""
 
     def flush(self) -> None:
@@ -154,15 +156,17 @@ class SchedulerStream:
 
 
 def _dispatch(message: scheduler_pb2.ConnectResponse, requests: dict[str, OpenRequest]) -> None:
-    """One step's message, in one pass: outputs to their sinks, one flush per sink touched,
-    then the in-band errors. A request whose samples all finished leaves `requests` here."""
+    """One step's message, in one pass: outputs to their sinks (each converted once, here, as
+    it enters the router), one flush per sink touched, then the in-band errors. A request
+    whose samples all finished leaves `requests` here."""
     touched: dict[str, RequestSink] = {}
-    for output in message.outputs:
-        request_id = output.request_id
+    for message_output in message.outputs:
+        request_id = message_output.request_id
         opened = requests.get(request_id)
         if opened is None:
             continue  # aborted by the router meanwhile
-        if output.finish_reason != FINISH_REASON_UNSPECIFIED:
+        output = convert.sample_output(message_output)
+        if output.finish_reason is not None:
             opened.num_unfinished -= 1
             if opened.num_unfinished <= 0:
                 del requests[request_id]

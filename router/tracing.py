@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagemesh.serving import ServiceError
 from pagemesh.telemetry import extract_headers, make_current
-from router.types import GenerationRequest, TokenChunk
+from router.types import GenerationRequest, Submission, TokenChunk
 
 # Set by the HTTP API: which GenAI operation the request is ("chat", "text_completion").
 OPERATION_KEY = otel_context.create_key("pagemesh.gen_ai.operation")
@@ -80,27 +80,27 @@ def traced_generate(generate: Callable[[Any, GenerationRequest], Batches]
     return traced
 
 
-def describe_request(span: trace.Span, submit: Any, resumed: bool, requested_model: str,
-                     served_model: str) -> None:
-    """Attributes of the request as the scheduler gets it (`SubmitRequest`: the router's
-    defaults filled in, or a checkpoint's parameters on a resume)."""
+def describe_request(span: trace.Span, submission: Submission, resumed: bool,
+                     requested_model: str, served_model: str) -> None:
+    """Attributes of the request as the scheduler gets it (the router's defaults filled in,
+    or a checkpoint's parameters on a resume)."""
     if not span.is_recording():
         return
-    sampling = submit.sampling
+    sampling = submission.sampling
     attributes: dict[str, Any] = {
         "gen_ai.request.model": requested_model or served_model,
-        "gen_ai.request.max_tokens": submit.stopping.max_tokens,
+        "gen_ai.request.max_tokens": submission.max_tokens,
         "gen_ai.response.model": served_model,
-        "gen_ai.usage.input_tokens": len(submit.prompt_token_ids),
+        "gen_ai.usage.input_tokens": len(submission.prompt_token_ids),
     }
-    if sampling.HasField("temperature"):
+    if sampling.temperature is not None:
         attributes["gen_ai.request.temperature"] = sampling.temperature
-    if sampling.HasField("top_p"):
+    if sampling.top_p is not None:
         attributes["gen_ai.request.top_p"] = sampling.top_p
     if sampling.top_k:
         attributes["gen_ai.request.top_k"] = sampling.top_k
-    if submit.n > 1:
-        attributes["gen_ai.request.choice.count"] = submit.n
+    if submission.n > 1:
+        attributes["gen_ai.request.choice.count"] = submission.n
     span.set_attributes(attributes)
     if resumed:
         span.add_event("resumed_from_checkpoint")

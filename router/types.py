@@ -7,10 +7,11 @@ Pure: no gRPC, no protobuf. `router.generation.Generation` works on these; the g
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from router.validation import SamplingOptions, StoppingOptions
+from router.validation import ModelLimits, SamplingOptions, StoppingOptions, ValidatedRequest
 
 
 class FinishReason(enum.StrEnum):
@@ -40,6 +41,38 @@ class GenerationRequest:
     # The caller made `request_id` up just now (the HTTP API): no checkpoint can exist for
     # it, so none is looked up.
     new_request: bool = False
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What the router asks an engine group to run for one request, as first sent: a fresh
+    request's validated parameters with its seed drawn (`fresh`), or a checkpoint's
+    (router/replay.py). The same for every attempt; router/convert.py `submit_request` makes
+    it the scheduler's `SubmitRequest`, with the attempt's progress, where it is sent."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions  # defaults filled in, seed always set
+    # max_tokens always set; the stop strings travel though the scheduler ignores them: its
+    # checkpoint keeps them for a router resuming the request after this one died.
+    stopping: StoppingOptions
+    num_logprobs: int = 0  # top alternatives per token, 0..20; 0 = no logprobs
+    n: int = 1  # independent samples of the prompt; sample i uses seed + i
+    priority: int = 0  # lower runs first under the priority policy
+
+    @classmethod
+    def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int) -> Submission:
+        """`seed` replaces an unset one, so that every request is replayable (router/resume.py)."""
+        sampling = validated.sampling
+        if sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=seed)
+        return cls(request_id, validated.prompt_token_ids, sampling, validated.stopping,
+                   validated.num_logprobs or 0, validated.n, validated.priority)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens each sample may produce (0 only for a checkpoint that lacked it)."""
+        return self.stopping.max_tokens or 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +139,8 @@ class ModelInfo:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     num_replicas: int  # engine groups behind the router
+
+    def limits(self) -> ModelLimits:
+        """What `router.validation.validate` checks a request against."""
+        return ModelLimits(name=self.model, max_model_len=self.max_model_len,
+                           vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids))

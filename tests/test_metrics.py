@@ -386,9 +386,9 @@ def test_a_stream_resumed_after_a_group_failed_is_counted_and_timed_as_one(redis
 
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
-            pool, metrics = router.pool, router.generation.metrics
-            metrics.follow_router(lambda: pool.model_name, lambda: router.generation.num_in_flight,
-                                  lambda: pool.num_groups, lambda: pool.num_resumes)
+            directory, metrics = router.directory, router.generation.metrics
+            metrics.follow_router(lambda: directory.model_name, lambda: router.generation.num_in_flight,
+                                  lambda: directory.num_groups, lambda: router.dispatcher.num_resumes)
             a = await router.add_scheduler("a")
             b = await router.add_scheduler("b")
             a.fail_after_tokens = b.fail_after_tokens = 3  # whichever is picked fails once

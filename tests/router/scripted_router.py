@@ -17,9 +17,10 @@ from pagemesh.registry import Registry, RegistryConfig
 from pagemesh.serving import GrpcServer, ServerConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
-from router.resume import ResumeConfig
-from router.scheduler_client import SchedulerPool
+from router.dispatcher import Dispatcher
 from router.generation import AdmissionLimits, Generation
+from router.group_directory import GroupDirectory
+from router.resume import ResumeConfig
 from router.servicer import GenerationServicer
 from router.tokenizer import Tokenizer
 from tests.support.eventually import eventually_async
@@ -175,7 +176,8 @@ class _InBandContext:
 
 @dataclass
 class Router:
-    """A real router (pool + Generation + its GenerationServicer behind GrpcServer), wired like
+    """A real router (directory + dispatcher + Generation + its GenerationServicer behind
+    GrpcServer), wired like
     router.main."""
 
     tokenizer: Tokenizer
@@ -196,22 +198,23 @@ class Router:
         def on_change(serving: bool) -> None:
             asyncio.get_running_loop().create_task(self.server.set_serving(serving))
 
-        self.pool = SchedulerPool(self.registry, 0.05, on_change, resume=self.resume)
-        self.generation = Generation(self.tokenizer, self.pool, self.limits)
+        self.directory = GroupDirectory(self.registry, 0.05, on_change)
+        self.dispatcher = Dispatcher(self.directory, resume=self.resume)
+        self.generation = Generation(self.tokenizer, self.dispatcher, self.limits)
         self.servicer = GenerationServicer(self.generation)
         self.server = GrpcServer(ServerConfig(), [SERVICE], [
             lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, s)])
         await self.server.start()
-        self.pool_task = asyncio.create_task(self.pool.run())
+        self.directory_task = asyncio.create_task(self.directory.run())
         self.channel = grpc.aio.insecure_channel(self.server.address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.channel.close()
-        self.pool_task.cancel()
+        self.directory_task.cancel()
         await self.server.server.stop(0)
-        await self.pool.close()
+        await self.directory.close()
         for scheduler in self.schedulers:
             await scheduler.server.server.stop(0)
             await scheduler.registry.close()
@@ -222,8 +225,9 @@ class Router:
         await scheduler.start()
         self.schedulers.append(scheduler)
         if wait:
-            await until(lambda: scheduler_id in self.pool._groups
-                        and self.pool._groups[scheduler_id].address == scheduler.server.address)
+            await until(lambda: any(g.scheduler_id == scheduler_id
+                                    and g.address == scheduler.server.address
+                                    for g in self.directory.groups))
         return scheduler
 
     async def generate(self, request: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateResponse]:

@@ -1,12 +1,15 @@
-"""The gRPC edge of the router's data plane: `GenerateRequest` -> `GenerationRequest` and
-`TokenChunk` -> `GenerateResponse`, field by field (router/convert.py)."""
+"""The gRPC edges of the router's data plane, field by field (router/convert.py):
+`GenerateRequest` -> `GenerationRequest`, `TokenChunk` -> `GenerateResponse`, and a
+`Submission` -> the scheduler's `SubmitRequest` (with an attempt's progress) -> a checkpoint."""
 
 from __future__ import annotations
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from router import convert
-from router.types import FinishReason, TokenChunk, TokenLogprob, TopLogprob, Usage
+from router.resume import Progress, SampleProgress
+from router.types import FinishReason, Submission, TokenChunk, TokenLogprob, TopLogprob, Usage
+from router.validation import SamplingOptions, StoppingOptions, ValidatedRequest
 
 
 def test_unset_fields_stay_unset_for_validation() -> None:
@@ -50,3 +53,35 @@ def test_scheduler_messages_become_sample_outputs() -> None:
     message = scheduler_pb2.SubmitResponse(index=2, token_ids=[7, 8], finish_reason=generate_pb2.FINISH_REASON_STOP)
     output = convert.sample_output(message)
     assert (output.index, output.token_ids, output.finish_reason, output.logprobs) == (2, [7, 8], "stop", [])
+
+
+def submission(seed: int | None = None) -> Submission:
+    validated = ValidatedRequest([3, 4, 5], SamplingOptions(temperature=0.5, top_p=1.0, top_k=4,
+                                                            repetition_penalty=1.0, seed=seed),
+                                 StoppingOptions(max_tokens=6, stop=["x"], stop_token_ids=[9]),
+                                 num_logprobs=2, n=2, priority=-1)
+    return Submission.fresh("r", validated, 42)
+
+
+def test_a_submission_draws_its_seed_only_when_unset() -> None:
+    assert submission().sampling.seed == 42 and submission(seed=7).sampling.seed == 7
+    assert submission().max_tokens == 6 and submission().num_logprobs == 2
+
+
+def test_a_submission_becomes_a_submit_request_with_each_attempts_progress() -> None:
+    fresh = convert.submit_request(submission())
+    assert (fresh.request_id, list(fresh.prompt_token_ids), fresh.n, fresh.priority, fresh.logprobs) \
+        == ("r", [3, 4, 5], 2, -1, 2)
+    assert fresh.sampling.seed == 42 and fresh.sampling.top_k == 4 and fresh.sampling.temperature == 0.5
+    assert fresh.stopping.max_tokens == 6 and list(fresh.stopping.stop) == ["x"]
+    assert not fresh.progress and not fresh.trace_context
+    resumed = convert.submit_request(submission(), Progress([SampleProgress([1, 2], True),
+                                                             SampleProgress([6])]))
+    assert [(p.index, list(p.token_ids), p.finished) for p in resumed.progress] \
+        == [(0, [1, 2], True), (1, [6], False)]
+
+
+def test_a_checkpointed_submit_request_reads_back_as_the_same_submission() -> None:
+    sent = submission()
+    stored = convert.submit_request(sent, Progress([SampleProgress([1]), SampleProgress()]))
+    assert convert.submission_from_checkpoint(stored.SerializeToString()) == sent

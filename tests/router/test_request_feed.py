@@ -11,13 +11,19 @@ from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from router.request_feed import RequestFeed
 from router.resume import Attempts, Progress, ResumeConfig
 from router.scheduler_stream import OpenRequest, _dispatch, _Session, rpc_error
+from router.types import FinishReason, SampleOutput
 
-STOP, LENGTH = 1, 2  # FinishReason values
+STOP, LENGTH = 1, 2  # the wire's FinishReason values
 
 
 def output(request_id: str, index: int, token_ids: list[int], finish_reason: int = 0):
     return scheduler_pb2.SubmitResponse(request_id=request_id, index=index, token_ids=token_ids,
                                         finish_reason=finish_reason)
+
+
+def sample(index: int, token_ids: list[int], finish_reason: FinishReason | None = None):
+    """A scheduler output as the stream hands it to a feed (converted once, in `_dispatch`)."""
+    return SampleOutput(index, token_ids, finish_reason)
 
 
 def message(*outputs, errors=()):
@@ -87,11 +93,11 @@ def feed(num_samples: int = 1, process=lambda out: list(out.token_ids)) -> Reque
 
 def test_feed_hands_over_one_batch_per_step_and_records_progress():
     f = feed(2)
-    f.add(output("a", 0, [1, 2]))
-    f.add(output("a", 1, [3]))
+    f.add(sample(0, [1, 2]))
+    f.add(sample(1, [3]))
     f.flush()
-    f.add(output("a", 0, [], STOP))
-    f.add(output("a", 1, [4], LENGTH))
+    f.add(sample(0, [], FinishReason.STOP))
+    f.add(sample(1, [4], FinishReason.LENGTH))
     f.flush()
 
     async def drain():
@@ -111,7 +117,7 @@ def test_feed_ends_when_process_finishes_the_last_sample_itself():
         return "last"
 
     f.process = process
-    f.add(output("a", 0, [1]))
+    f.add(sample(0, [1]))
     f.flush()
 
     async def drain():
@@ -127,11 +133,11 @@ def test_a_bug_in_processing_fails_its_request_once_and_drops_the_rest():
         return out.token_ids[0]
 
     f = feed(1, process)
-    f.add(output("a", 0, [1]))
-    f.add(output("a", 0, [2]))
-    f.add(output("a", 0, [3]))  # dropped: the request failed
+    f.add(sample(0, [1]))
+    f.add(sample(0, [2]))
+    f.add(sample(0, [3]))  # dropped: the request failed
     f.flush()
-    f.add(output("a", 0, [4], LENGTH))
+    f.add(sample(0, [4], FinishReason.LENGTH))
     f.flush()
 
     async def drain():
@@ -145,7 +151,7 @@ def test_a_bug_in_processing_fails_its_request_once_and_drops_the_rest():
 
 def test_a_failure_comes_after_what_was_already_received():
     f = feed(1)
-    f.add(output("a", 0, [1]))
+    f.add(sample(0, [1]))
     f.fail(rpc_error(grpc.StatusCode.UNAVAILABLE, "scheduler gone"))
 
     async def drain():

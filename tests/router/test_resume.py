@@ -20,6 +20,7 @@ from protos.pagemesh.v1 import generate_pb2
 from router import convert
 from router.resume import Attempts, ResumeConfig, retry_kind
 from router.tokenizer import Tokenizer, load_tokenizer
+from router.types import Submission
 from router.validation import SamplingOptions, StoppingOptions, ValidatedRequest
 from tests.bpe_folder import write_bpe_folder
 from tests.router.scripted_router import (
@@ -67,7 +68,7 @@ def test_a_group_failing_mid_stream_is_resumed_elsewhere_without_gap_or_repeat(
                     assert progress.index == i and not progress.finished
                     assert list(progress.token_ids) == samples[i][0][:len(progress.token_ids)]
             assert responses[-1].usage.completion_tokens == 8 * n
-            assert set(router.pool._outstanding.values()) == {0}
+            assert router.dispatcher._outstanding == {}, "every attempt gave its tokens back"
 
     run(scenario())
 
@@ -133,7 +134,7 @@ def test_no_group_coming_back_within_the_resume_timeout_is_unavailable(
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "took it back within --resume-timeout-s 0.8" in info.value.details()
             assert 0.7 < asyncio.get_running_loop().time() - started < 5
-            assert set(router.pool._outstanding.values()) <= {0}
+            assert router.dispatcher._outstanding == {}, "every attempt gave its tokens back"
 
     run(scenario())
 
@@ -145,7 +146,7 @@ async def save_checkpoint(router: Router, request_id: str, samples: list[SampleS
                           max_tokens: int, stop: list[str] = (), n: int = 1) -> None:
     validated = ValidatedRequest(tokenizer_prompt(router.tokenizer), SamplingOptions(seed=SEED),
                                  StoppingOptions(max_tokens=max_tokens, stop=list(stop)), None, n=n)
-    submit = convert.submit_request(request_id, validated, 0)
+    submit = convert.submit_request(Submission.fresh(request_id, validated, 0))
     assert list(submit.stopping.stop) == list(stop), "stop strings must travel in the SubmitRequest"
     await router.registry.checkpoints.save(
         [Checkpoint(request_id, "a", submit.SerializeToString(), samples, state)], ttl_s=30)
@@ -347,15 +348,15 @@ def test_a_schedulers_own_health_counts_before_its_registry_entry_does(
     async def scenario() -> None:
         async with Router(tokenizer, redis_url, ttl_s=3.0) as router:
             a = await router.add_scheduler("a")
-            await until(lambda: router.pool.serving)
+            await until(lambda: router.directory.serving)
             await a.server.set_serving(False)  # its registry entry still says "ready"
-            await until(lambda: not router.pool.serving, 1.0)
+            await until(lambda: not router.directory.serving, 1.0)
             assert await router.health() == not_serving
             await a.server.set_serving(True)
-            await until(lambda: router.pool.serving, 1.0)
+            await until(lambda: router.directory.serving, 1.0)
             assert await router.health() == serving
             await a.kill()  # unreachable: not ready long before its entry expires
-            await until(lambda: not router.pool.serving, 1.0)
+            await until(lambda: not router.directory.serving, 1.0)
             assert "a" in await router.registry.list("scheduler")  # its entry lives on
 
     run(scenario())
@@ -366,21 +367,22 @@ def test_a_group_missing_from_one_poll_is_kept_until_the_ttl_passes(
 ) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
-            router.pool_task.cancel()  # polls by hand
+            router.directory_task.cancel()  # polls by hand
             a = await router.add_scheduler("a", wait=False)
-            await router.pool.refresh()
-            assert router.pool.serving
+            await router.directory.refresh()
+            assert router.directory.serving
             for task in a.registry._heartbeats:
                 task.cancel()
             await a.registry.remove("scheduler", "a")  # as after a Redis restart
-            await router.pool.refresh()
-            assert "a" in router.pool._groups and router.pool.serving
-            assert router.pool.num_groups == 0  # as a replica count: not in the registry now
+            await router.directory.refresh()
+            assert [g.scheduler_id for g in router.directory.groups] == ["a"]
+            assert router.directory.serving
+            assert router.directory.num_groups == 0  # as a replica count: not in the registry now
             responses = await router.generate(request(tokenizer, 2))  # still routed there
             assert per_sample(responses, 1)[0][0] == expected(tokenizer, 2)
             await asyncio.sleep(router.registry.config.ttl_s + 0.05)
-            await router.pool.refresh()
-            assert not router.pool._groups and not router.pool.serving
+            await router.directory.refresh()
+            assert not router.directory.groups and not router.directory.serving
 
     run(scenario())
 
