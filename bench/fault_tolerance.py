@@ -93,17 +93,21 @@ def checkpoint_cpu_ms_per_step(redis_url: str, interval: int, num_requests: int,
 
     from pagemesh.checkpoints import CheckpointStore, SampleState
     from scheduler_svc.checkpoint import Checkpointer
+    from scheduler_svc.core.types import RequestEvent, SampledToken
 
     async def run() -> float:
         client = aioredis.from_url(redis_url, decode_responses=True)
         ckpt = Checkpointer(CheckpointStore(client, "bench-cpu"), "g0", interval, 60)
         submit = bytes(4 * prompt_len)  # a SubmitRequest of this many prompt ids, roughly
+        # The engine loop's events exist anyway: built before the clock starts.
+        events = [[RequestEvent(f"r{i}", (SampledToken(step),)) for i in range(num_requests)]
+                  for step in range(num_steps)]
         start = time.process_time()
         for i in range(num_requests):
             ckpt.track(f"r{i}", submit, [SampleState()])
         for step in range(num_steps):
             for i in range(num_requests):
-                ckpt.record(f"r{i}", 0, [step], 0)
+                ckpt.record(f"r{i}", 0, events[step][i])
             ckpt.on_step()
             await asyncio.sleep(0)  # the step loop yields between steps
         for i in range(num_requests):

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 
 from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
+from scheduler_svc import convert
+from scheduler_svc.core.types import RequestEvent
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +58,17 @@ class Checkpointer:
         self._tracked[request_id] = _Tracked(ckpt)
         self._spawn(self._write([ckpt], None))
 
-    def record(self, request_id: str, index: int, token_ids: list[int], finish_reason: int) -> None:
+    def record(self, request_id: str, index: int, event: RequestEvent) -> None:
+        """Sample `index`'s new tokens, and its end (kept as the protobuf enum's value,
+        which the router reads back)."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return
         sample = tracked.checkpoint.samples[index]
-        sample.token_ids.extend(token_ids)
-        if finish_reason:
-            sample.finished, sample.finish_reason = True, finish_reason
+        sample.token_ids.extend([t.token_id for t in event.new_tokens])
+        if event.finish_reason is not None:
+            sample.finished = True
+            sample.finish_reason = convert.finish_reason_to_pb(event.finish_reason)
         tracked.dirty = True
 
     async def finish(self, request_id: str) -> None:

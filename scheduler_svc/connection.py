@@ -3,9 +3,10 @@
 Up the stream come submits and aborts; down it goes, per step, one `ConnectResponse` with
 every new token of the router's requests — the cost of this hop grows with steps, not with
 tokens × requests. The connection is the engine loop's sink for all of them: `deliver`
-turns a step's events into responses in an outbox, and the writer (the servicer's
-generator) sends whatever the outbox holds as one message, so a router that reads slowly
-gets several steps merged into one message rather than a queue of them.
+puts a step's events in an outbox, and the writer (the servicer's generator) sends
+whatever the outbox holds as one message, so a router that reads slowly gets several steps
+merged into one message rather than a queue of them. Both ways it sees plain messages
+(`messages.py`); the servicer converts.
 
 Failures: a malformed or refused submit is an in-band `RequestError` for that request
 alone. A router that stops reading stops the writer (gRPC flow control); once more than
@@ -25,9 +26,17 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pagemesh.serving import ServiceError
-from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.step import RequestId
 from scheduler_svc.core.types import RequestEvent
+from scheduler_svc.messages import (
+    Abort,
+    ConnectAction,
+    ConnectBatch,
+    InvalidSubmit,
+    RequestError,
+    SampleOutput,
+    Submission,
+)
 from scheduler_svc.request_streams import OpenRequest, RequestStreams
 
 logger = logging.getLogger(__name__)
@@ -46,8 +55,8 @@ class RouterConnection:
         self.max_buffered_tokens = max_buffered_tokens
         self._open: dict[str, OpenRequest] = {}  # router request id -> its stream
         self._by_core_id: dict[RequestId, OpenRequest] = {}
-        self._outputs: list[scheduler_pb2.SubmitResponse] = []
-        self._errors: list[scheduler_pb2.RequestError] = []
+        self._outputs: list[SampleOutput] = []
+        self._errors: list[RequestError] = []
         self._finishing: list[OpenRequest] = []  # checkpoints to finish before the next send
         self._num_buffered_tokens = 0
         self._ready = asyncio.Event()
@@ -60,35 +69,39 @@ class RouterConnection:
 
     # ---- up the stream ------------------------------------------------------------------
 
-    async def read(self, requests: AsyncIterator[scheduler_pb2.ConnectRequest]) -> None:
+    async def read(self, actions: AsyncIterator[ConnectAction]) -> None:
         """Applies the router's submits and aborts until it closes its side."""
         try:
-            async for message in requests:
-                action = message.WhichOneof("action")
-                if action == "submit":
-                    self.submit(message.submit)
-                elif action == "abort":
-                    self.abort(message.abort.request_id)
+            async for action in actions:
+                if isinstance(action, Abort):
+                    self.abort(action.request_id)
+                elif action is not None:
+                    self.submit(action)
                 else:
                     logger.warning("a ConnectRequest with no action; ignored")
         finally:
             self._reading_done = True
             self._ready.set()
 
-    def submit(self, request: scheduler_pb2.SubmitRequest) -> None:
+    def submit(self, submission: Submission | InvalidSubmit) -> None:
         if self.cut_off is not None:  # nothing more is buffered for a router that never reads
             return
-        if request.request_id in self._open:
-            self._error(request.request_id, grpc.StatusCode.ALREADY_EXISTS,
-                        f"request {request.request_id!r} is already streaming on this "
+        request_id = submission.request_id
+        if request_id in self._open:
+            self._error(request_id, grpc.StatusCode.ALREADY_EXISTS,
+                        f"request {request_id!r} is already streaming on this "
                         "connection; abort it first or use another id")
             return
-        try:
-            opened = self.streams.admit(request, self, traced_from_message=True)
-        except ServiceError as exc:
-            self._error(request.request_id, exc.code, exc.message)
+        if isinstance(submission, InvalidSubmit):
+            self._error(request_id, grpc.StatusCode.INVALID_ARGUMENT, submission.message)
             return
-        self._outputs.extend(opened.initial)
+        try:
+            opened = self.streams.admit(submission, self, traced_from_message=True)
+        except ServiceError as exc:
+            self._error(request_id, exc.code, exc.message)
+            return
+        self._outputs.extend((request_id, index, event, opened.with_logprobs)
+                             for index, event in opened.ended)
         if opened.finished:
             self._finishing.append(opened)
             self.streams.close(opened)
@@ -107,15 +120,13 @@ class RouterConnection:
     # ---- the engine loop's sink ---------------------------------------------------------
 
     def deliver(self, events: list[RequestEvent]) -> None:
-        output, outputs = self.streams.output, self._outputs
+        record, outputs = self.streams.record, self._outputs
         num_tokens = 0
         for event in events:
             opened = self._by_core_id.get(event.request_id)
             if opened is None:
                 continue
-            response = output(opened, event)
-            response.request_id = opened.request_id
-            outputs.append(response)
+            outputs.append((opened.request_id, record(opened, event), event, opened.with_logprobs))
             num_tokens += len(event.new_tokens)
             if event.finish_reason is not None:
                 del self._by_core_id[event.request_id]
@@ -140,7 +151,7 @@ class RouterConnection:
 
     # ---- down the stream ----------------------------------------------------------------
 
-    async def next_message(self) -> scheduler_pb2.ConnectResponse | None:
+    async def next_message(self) -> ConnectBatch | None:
         """Everything the outbox holds, as one message, once something is there (and the
         checkpoints of requests it ends are written); None once the router closed its side
         and nothing is left to send. Raises ConnectionCutOff when cut off."""
@@ -156,7 +167,7 @@ class RouterConnection:
         if self._finishing:
             finishing, self._finishing = self._finishing, []
             await self.streams.finish(finishing)
-        message = scheduler_pb2.ConnectResponse(outputs=self._outputs, errors=self._errors)
+        message = ConnectBatch(self._outputs, self._errors)
         self._outputs, self._errors = [], []
         self._num_buffered_tokens = 0
         return message
@@ -170,8 +181,7 @@ class RouterConnection:
         self._outputs, self._errors, self._finishing = [], [], []
 
     def _error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
-        self._errors.append(scheduler_pb2.RequestError(
-            request_id=request_id, code=code.value[0], message=message))
+        self._errors.append(RequestError(request_id, code, message))
         self._ready.set()
 
     def _forget(self, opened: OpenRequest) -> None:

@@ -1,6 +1,16 @@
-"""The only place on the scheduler that touches protobuf types."""
+"""The only place on the scheduler that builds or reads protobuf messages: the router's
+submits and the replies to them (`scheduler.proto`), the steps and worker infos of the
+engine group (`worker.proto`), model info and stats (`generate.proto`). Everything else
+works on plain types: `messages.py` (this service's), `protos/step.py` (the step contract)
+and the core's. Two other files import generated modules, for the gRPC plumbing alone
+(tests/scheduler/test_protobuf_edge.py holds them to it): `servicer.py`, the adapter,
+implements and registers the generated service and hands what it receives to these
+functions (it reads only the request id it logs under and the model's EOS ids);
+`worker_client.py` holds the workers' stubs and sends what these functions build."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from pagemesh.registry_entries import GroupStatus
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
@@ -11,6 +21,14 @@ from scheduler_svc.core import admission
 from scheduler_svc.core.admission import expand_samples
 from scheduler_svc.core.scheduler import SchedulerStats
 from scheduler_svc.core.types import FinishReason, Request, RequestEvent
+from scheduler_svc.messages import (
+    Abort,
+    ConnectAction,
+    ConnectBatch,
+    InvalidSubmit,
+    Submission,
+    WorkerInfo,
+)
 
 _FINISH_REASON_TO_PB = {
     None: generate_pb2.FINISH_REASON_UNSPECIFIED,
@@ -19,23 +37,61 @@ _FINISH_REASON_TO_PB = {
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 
+# A worker's step as the wire carries it: what an in-process executor runs
+# (`worker_svc.inproc.step_function(runner)`).
+StepFunction = Callable[[worker_pb2.ExecuteStepRequest], worker_pb2.ExecuteStepResponse]
+
 
 # Fields the router may leave unset: SamplingParams' defaults (the one place they are
 # written) apply to them.
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty")
 
 
-def requests_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
-                     arrival_time_s: float) -> list[Request]:
-    """One core request per sample that still has to run (see `admission.expand_samples`)."""
-    return expand_samples(_request_from_pb(pb, eos_token_ids, arrival_time_s), max(pb.n, 1),
-                          _progress(pb))
+def submission_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
+                       arrival_time_s: float) -> Submission:
+    """The request as admitted: one core request per sample that still has to run (see
+    `admission.expand_samples`), and the resumed samples already ended (see
+    `admission.ended_samples`). Raises ValueError for a message that cannot run."""
+    if not pb.request_id:
+        raise ValueError("request_id is empty: every request needs an id")
+    base = _request_from_pb(pb, eos_token_ids, arrival_time_s)
+    n = max(pb.n, 1)
+    progress = _progress(pb)
+    return Submission(
+        request_id=pb.request_id,
+        requests=expand_samples(base, n, progress),
+        n=n,
+        with_logprobs=pb.logprobs > 0,
+        num_prompt_tokens=len(pb.prompt_token_ids),
+        progress=progress,
+        ended=admission.ended_samples(base, progress),
+        trace_context=dict(pb.trace_context),
+        original=_original(pb),
+    )
 
 
-def ended_samples(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]
-                  ) -> list[tuple[int, FinishReason]]:
-    """Resumed samples whose tokens already end them (see `admission.ended_samples`)."""
-    return admission.ended_samples(_request_from_pb(pb, eos_token_ids, 0.0), _progress(pb))
+def connect_action_from_pb(pb: scheduler_pb2.ConnectRequest, eos_token_ids: list[int],
+                           arrival_time_s: float) -> ConnectAction:
+    """What one message up a Connect stream asks for; a submit that does not convert is
+    an `InvalidSubmit`, refused for that request alone."""
+    action = pb.WhichOneof("action")
+    if action == "submit":
+        try:
+            return submission_from_pb(pb.submit, eos_token_ids, arrival_time_s)
+        except ValueError as exc:
+            return InvalidSubmit(pb.submit.request_id, str(exc))
+    if action == "abort":
+        return Abort(pb.abort.request_id)
+    return None
+
+
+def _original(pb: scheduler_pb2.SubmitRequest) -> bytes:
+    """The request as first submitted: the checkpoint keeps progress apart."""
+    original = scheduler_pb2.SubmitRequest()
+    original.CopyFrom(pb)
+    original.ClearField("progress")
+    original.ClearField("trace_context")
+    return original.SerializeToString()
 
 
 def _progress(pb: scheduler_pb2.SubmitRequest) -> dict[int, tuple[list[int], bool]]:
@@ -90,11 +146,15 @@ def _sampling_to_pb(s: SamplingParams) -> worker_pb2.SamplingParams:
     )
 
 
-def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str] | None = None
-               ) -> worker_pb2.ExecuteStepRequest:
-    """The step for the workers; `traceparents`: the traced requests' span contexts."""
+def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str] | None = None,
+                           session_id: str = "", sequence: int = 0
+                           ) -> worker_pb2.ExecuteStepRequest:
+    """The step for the workers; `traceparents`: the traced requests' span contexts;
+    `session_id`, `sequence`: the order a group's workers run overlapping steps in."""
     step = worker_pb2.ExecuteStepRequest(
         step_id=output.step_id,
+        session_id=session_id,
+        sequence=sequence,
         new_requests=[
             worker_pb2.NewRequest(
                 request_id=new.request_id,
@@ -149,8 +209,11 @@ def finish_reason_to_pb(reason: FinishReason | None) -> int:
     return _FINISH_REASON_TO_PB[reason]
 
 
-def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool) -> scheduler_pb2.SubmitResponse:
+def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool, request_id: str = ""
+                ) -> scheduler_pb2.SubmitResponse:
+    """One sample's event (`index`: the sample); `request_id` is set on a Connect stream."""
     response = scheduler_pb2.SubmitResponse(
+        request_id=request_id,
         index=index,
         token_ids=[t.token_id for t in event.new_tokens],
         finish_reason=_FINISH_REASON_TO_PB[event.finish_reason],
@@ -167,7 +230,43 @@ def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool) -> schedul
     return response
 
 
-def model_info_to_pb(info: worker_pb2.GetWorkerInfoResponse, num_blocks: int,
+def connect_batch_to_pb(batch: ConnectBatch) -> scheduler_pb2.ConnectResponse:
+    return scheduler_pb2.ConnectResponse(
+        outputs=[event_to_pb(event, index, with_logprobs, request_id)
+                 for request_id, index, event, with_logprobs in batch.outputs],
+        errors=[scheduler_pb2.RequestError(request_id=e.request_id, code=e.code.value[0],
+                                           message=e.message) for e in batch.errors],
+    )
+
+
+def worker_info_request_pb() -> worker_pb2.GetWorkerInfoRequest:
+    return worker_pb2.GetWorkerInfoRequest()
+
+
+def worker_info_from_pb(pb: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=pb.worker_id,
+        model=pb.model,
+        architecture=pb.architecture,
+        vocab_size=pb.vocab_size,
+        eos_token_ids=tuple(pb.eos_token_ids),
+        max_model_len=pb.max_model_len,
+        dtype=pb.dtype,
+        num_blocks=pb.num_blocks,
+        block_size=pb.block_size,
+        tp_rank=pb.tp_rank,
+        tp_size=pb.tp_size,
+        pp_rank=pb.pp_rank,
+        pp_size=pb.pp_size,
+        num_swap_blocks=pb.num_swap_blocks,
+        quantization=pb.quantization,
+        weight_bytes=pb.weight_bytes,
+        kv_cache_bytes=pb.kv_cache_bytes,
+        kv_cache_sizing=pb.kv_cache_sizing,
+    )
+
+
+def model_info_to_pb(info: WorkerInfo, num_blocks: int,
                      weight_bytes: int | None = None, kv_cache_bytes: int | None = None
                      ) -> generate_pb2.GetModelInfoResponse:
     """`info`: the group driver's; `weight_bytes`, `kv_cache_bytes`: the group's totals over

@@ -12,14 +12,14 @@ import grpc
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import WorkerEntry
 from pagemesh.tls import TlsConfig
-from protos.pagemesh.worker.v1 import worker_pb2
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.group_formation import form_group
+from scheduler_svc.messages import WorkerInfo
 from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 
-ConfigFor = Callable[[list[worker_pb2.GetWorkerInfoResponse], int], SchedulerConfig]
+ConfigFor = Callable[[list[WorkerInfo], int], SchedulerConfig]
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class GroupSpec:
 class FormedGroup:
     workers: WorkerGroupClient
     config: SchedulerConfig
-    lead: worker_pb2.GetWorkerInfoResponse  # the driver's info: model, vocabulary, block size
-    infos: list[worker_pb2.GetWorkerInfoResponse]  # every member's, in endpoint order
+    lead: WorkerInfo  # the driver's: model, vocabulary, block size
+    infos: list[WorkerInfo]  # every member's, in endpoint order
 
     @property
     def weight_bytes(self) -> int:

@@ -7,21 +7,19 @@ multiprocess clients alike):
   worker's own protobuf with no network in between. The runner comes from whoever builds
   the loop (bench/inprocess.py, tests), so this service still imports no torch.
 
-Protobuf stays inside the executors; the loop sees only the core's types.
+Protobuf stays inside the executors, built and read by `convert.py`; the loop sees only
+the step contract's types (`protos/step.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from protos.pagemesh.worker.v1 import worker_pb2
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
-
-StepFunction = Callable[[worker_pb2.ExecuteStepRequest], worker_pb2.ExecuteStepResponse]
+from scheduler_svc.convert import StepFunction
 
 
 class Executor(Protocol):

@@ -18,14 +18,14 @@ from pagemesh.registry import Registry
 from pagemesh.registry_entries import GroupStatus, SchedulerEntry
 from pagemesh.service_flags import SCHEDULER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
-from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import convert
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
-from scheduler_svc.servicer import SchedulerServicer
+from scheduler_svc.messages import WorkerInfo
+from scheduler_svc.servicer import SERVICE_NAMES, SchedulerServicer, add_to_server
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def async_scheduling(args: argparse.Namespace) -> bool:
 def config_for(args: argparse.Namespace) -> ConfigFor:
     """How the scheduler is sized from what its workers report (at start and after a
     re-formation, whose workers may have a different cache)."""
-    def build(infos: list, driver_index: int) -> SchedulerConfig:
+    def build(infos: list[WorkerInfo], driver_index: int) -> SchedulerConfig:
         lead = infos[driver_index]
         num_swap_blocks = min(info.num_swap_blocks for info in infos)
         preemption_mode = args.preemption_mode
@@ -97,11 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
     model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks,
                                           formed.weight_bytes, formed.kv_cache_bytes)
     servicer = SchedulerServicer(loop, model_info, checkpointer)
-    server = GrpcServer(
-        server_config(args),
-        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
-        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
-    )
+    server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)])
     await server.start()
     server.install_signal_handlers()
     metrics = SchedulerMetrics(args.group)
@@ -111,7 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     def registry_info() -> dict[str, object]:
         return SchedulerEntry(
-            address=server.address, group=args.group, model=model_info.model,
+            address=server.address, group=args.group, model=formed.lead.model,
             pid=os.getpid(), host=socket.gethostname(), status=loop.status,
             num_recoveries=loop.num_recoveries, num_steps=loop.num_steps,
             members=tuple(e.worker_id for e in loop.workers.endpoints),

@@ -1,11 +1,10 @@
 """One router request's life on the scheduler, whichever call carries it (a `Submit` of its
-own, or a router's multiplexed `Connect`): admission, its outputs as protobuf, its
-checkpoint, its spans. The servicer and the connection only move messages."""
+own, or a router's multiplexed `Connect`): admission, its events, its checkpoint, its
+spans. The servicer and the connection convert and move messages (`convert.py`)."""
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -14,14 +13,13 @@ from opentelemetry import propagate
 from pagemesh.checkpoints import SampleState
 from pagemesh.registry_entries import GroupStatus
 from pagemesh.serving import ServiceError, invalid_argument
-from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.step import RequestId
-from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.scheduler import CapacityError
-from scheduler_svc.core.types import Request, RequestEvent
+from scheduler_svc.core.types import RequestEvent
 from scheduler_svc.engine_loop import EngineLoop, RequestSink
+from scheduler_svc.messages import Submission
 from scheduler_svc.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -36,8 +34,9 @@ class OpenRequest:
     with_logprobs: bool
     unfinished: set[RequestId]  # core ids (`<id>` or `<id>#<i>`) not ended yet
     trace: RequestTrace | None = None
-    # Final messages of samples that ended while admitted (a resume that lost the end).
-    initial: list[scheduler_pb2.SubmitResponse] = field(default_factory=list)
+    # (sample index, final event) of samples that ended while admitted (a resume that
+    # lost the end): sent at once.
+    ended: list[tuple[int, RequestEvent]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -45,17 +44,15 @@ class OpenRequest:
 
 
 class RequestStreams:
-    """Admits requests into the engine loop and turns their events into `SubmitResponse`s,
-    keeping each request's checkpoint current. Raises `ServiceError`s with the status the
-    request (alone) fails with."""
+    """Admits requests into the engine loop and follows their events, keeping each
+    request's checkpoint current. Raises `ServiceError`s with the status the request
+    (alone) fails with."""
 
-    def __init__(self, loop: EngineLoop, eos_token_ids: list[int],
-                 checkpointer: Checkpointer | None = None) -> None:
+    def __init__(self, loop: EngineLoop, checkpointer: Checkpointer | None = None) -> None:
         self.loop = loop
         self.checkpointer = checkpointer or Checkpointer(None, "", 0, 0.0)
-        self._eos_token_ids = eos_token_ids
 
-    def admit(self, request: scheduler_pb2.SubmitRequest, sink: RequestSink,
+    def admit(self, submission: Submission, sink: RequestSink,
               traced_from_message: bool = False) -> OpenRequest:
         """Queues the request's samples with `sink` receiving their events. The trace
         parent is the caller's current context, or with `traced_from_message` the
@@ -63,32 +60,30 @@ class RequestStreams:
         if self.loop.status == GroupStatus.DRAINING:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                "this scheduler is draining; send the request to another group")
-        if not request.request_id:
-            raise invalid_argument("request_id is empty: every request needs an id")
-        requests = self._queue(request, sink)
-        n = max(request.n, 1)
-        if request.progress:
-            logger.info("resuming request %s after %s tokens", request.request_id,
-                        [len(p.token_ids) for p in request.progress])
-        self.checkpointer.track(request.request_id, _original(request), _samples(request, n))
-        opened = OpenRequest(request.request_id, n, request.logprobs > 0,
-                             {r.request_id for r in requests})
-        opened.initial = self._ended_replies(request, opened)
-        context = (propagate.extract(dict(request.trace_context))
-                   if traced_from_message and request.trace_context else None)
-        opened.trace = self.loop.tracing.start(request.request_id, requests,
-                                               len(request.prompt_token_ids),
-                                               bool(request.progress), context,
+        self._queue(submission, sink)
+        request_id = submission.request_id
+        if submission.resumed:
+            logger.info("resuming request %s after %s tokens", request_id,
+                        [len(token_ids) for token_ids, _ in submission.progress.values()])
+        self.checkpointer.track(request_id, submission.original, _samples(submission))
+        opened = OpenRequest(request_id, submission.n, submission.with_logprobs,
+                             {r.request_id for r in submission.requests})
+        opened.ended = self._ended(submission)
+        context = (propagate.extract(submission.trace_context)
+                   if traced_from_message and submission.trace_context else None)
+        opened.trace = self.loop.tracing.start(request_id, submission.requests,
+                                               submission.num_prompt_tokens,
+                                               submission.resumed, context,
                                                make_current=not traced_from_message)
         return opened
 
-    def _queue(self, request: scheduler_pb2.SubmitRequest, sink: RequestSink) -> list[Request]:
+    def _queue(self, submission: Submission, sink: RequestSink) -> None:
         """The samples that still run, queued. A resume whose previous stream is still
         ending here supersedes it (or fails ABORTED for the router to retry)."""
+        requests = submission.requests
         try:
-            requests = convert.requests_from_pb(request, self._eos_token_ids, time.time())
             live = [r.request_id for r in requests if r.request_id in self.loop.scheduler.requests]
-            if live and request.progress and not self.loop.supersede(live):
+            if live and submission.resumed and not self.loop.supersede(live):
                 raise ServiceError(grpc.StatusCode.ABORTED,
                                    "the request's previous stream is still ending here; retry")
             self.loop.submit(requests, sink)
@@ -96,30 +91,27 @@ class RequestStreams:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except ValueError as exc:
             raise invalid_argument(str(exc)) from exc
-        return requests
 
-    def _ended_replies(self, request: scheduler_pb2.SubmitRequest, opened: OpenRequest
-                       ) -> list[scheduler_pb2.SubmitResponse]:
-        """Final messages, at once, for resumed samples whose tokens already end them (the
-        router lost their last message), recorded in the checkpoint."""
-        replies = []
-        for index, reason in convert.ended_samples(request, self._eos_token_ids):
-            event = RequestEvent(RequestId(request.request_id), (), reason,
-                                 len(request.prompt_token_ids))
-            self.checkpointer.record(request.request_id, index, [], convert.finish_reason_to_pb(reason))
-            replies.append(convert.event_to_pb(event, index, opened.with_logprobs))
-        return replies
+    def _ended(self, submission: Submission) -> list[tuple[int, RequestEvent]]:
+        """Final events for resumed samples whose tokens already end them (the router lost
+        their last message), recorded in the checkpoint."""
+        ended = []
+        for index, reason in submission.ended:
+            event = RequestEvent(RequestId(submission.request_id), (), reason,
+                                 submission.num_prompt_tokens)
+            self.checkpointer.record(submission.request_id, index, event)
+            ended.append((index, event))
+        return ended
 
-    def output(self, opened: OpenRequest, event: RequestEvent) -> scheduler_pb2.SubmitResponse:
-        """One event as its message; records it in the checkpoint. The caller finishes the
-        checkpoint (`finish`) before the message of the request's last sample goes out."""
+    def record(self, opened: OpenRequest, event: RequestEvent) -> int:
+        """Records one event in the checkpoint; returns its sample's index. The caller
+        finishes the checkpoint (`finish`) before the message of the request's last sample
+        goes out."""
         index = sample_index(event.request_id, opened.n)
-        response = convert.event_to_pb(event, index, opened.with_logprobs)
-        self.checkpointer.record(opened.request_id, index, list(response.token_ids),
-                                 response.finish_reason)
+        self.checkpointer.record(opened.request_id, index, event)
         if event.finish_reason is not None:
             opened.unfinished.discard(event.request_id)
-        return response
+        return index
 
     async def finish(self, opened: list[OpenRequest]) -> None:
         """Requests whose every sample ended: their complete checkpoints, in one write."""
@@ -142,17 +134,8 @@ class RequestStreams:
         opened.trace = None
 
 
-def _original(request: scheduler_pb2.SubmitRequest) -> bytes:
-    """The request as first submitted: the checkpoint keeps progress apart."""
-    original = scheduler_pb2.SubmitRequest()
-    original.CopyFrom(request)
-    original.ClearField("progress")
-    original.ClearField("trace_context")
-    return original.SerializeToString()
-
-
-def _samples(request: scheduler_pb2.SubmitRequest, n: int) -> list[SampleState]:
-    samples = [SampleState() for _ in range(n)]
-    for progress in request.progress:
-        samples[progress.index] = SampleState(list(progress.token_ids), progress.finished)
+def _samples(submission: Submission) -> list[SampleState]:
+    samples = [SampleState() for _ in range(submission.n)]
+    for index, (token_ids, finished) in submission.progress.items():
+        samples[index] = SampleState(list(token_ids), finished)
     return samples

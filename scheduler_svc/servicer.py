@@ -1,26 +1,36 @@
-"""Scheduler gRPC servicer: converts, hands requests to the engine loop, streams events out.
+"""Scheduler gRPC servicer: converts (`convert.py`), hands requests to the engine loop,
+converts their events back.
 
 Two ways in, one request life (`request_streams.py`): `Submit`, one call per request, and
 `Connect`, a router's one stream for all its requests (`connection.py`), which the router
-uses."""
+uses. Neither sees protobuf past this file."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from pagemesh.logs import request_id_var
-from pagemesh.serving import ServiceError
+from pagemesh.serving import ServiceError, invalid_argument
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.connection import DEFAULT_MAX_BUFFERED_TOKENS, ConnectionCutOff, RouterConnection
 from scheduler_svc.engine_loop import EngineLoop, QueueSink, StepFailed
+from scheduler_svc.messages import ConnectAction, ConnectBatch, Submission
 from scheduler_svc.request_streams import RequestStreams
+
+# What a server registering this servicer names for health and reflection.
+SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
+
+
+def add_to_server(servicer: SchedulerServicer, server: grpc.aio.Server) -> None:
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -29,7 +39,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> None:
         self.loop = loop
         self.model_info = model_info
-        self.streams = RequestStreams(loop, list(model_info.eos_token_ids), checkpointer)
+        self.eos_token_ids = list(model_info.eos_token_ids)
+        self.streams = RequestStreams(loop, checkpointer)
         self.checkpointer = self.streams.checkpointer
         self.max_buffered_tokens = max_buffered_tokens
         self.connections: set[RouterConnection] = set()
@@ -48,10 +59,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         request_id_var.set(request.request_id)
         sink = QueueSink()
-        opened = self.streams.admit(request, sink)
+        opened = self.streams.admit(self._submission(request), sink)
+        with_logprobs = opened.with_logprobs
         try:
-            for response in opened.initial:
-                yield response
+            for index, event in opened.ended:
+                yield convert.event_to_pb(event, index, with_logprobs)
             if opened.finished:
                 await self.streams.finish([opened])
             while not opened.finished:
@@ -60,10 +72,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self.streams.failed(opened, str(events))
                     raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(events))
                 for event in events:
-                    response = self.streams.output(opened, event)
+                    index = self.streams.record(opened, event)
                     if opened.finished:  # the record is complete before the last message leaves
                         await self.streams.finish([opened])
-                    yield response
+                    yield convert.event_to_pb(event, index, with_logprobs)
         finally:
             self.streams.close(opened)
 
@@ -72,13 +84,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                       ) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
         connection = RouterConnection(self.streams, self.max_buffered_tokens)
         self.connections.add(connection)
-        reader = asyncio.get_running_loop().create_task(connection.read(request_iterator))
+        reader = asyncio.get_running_loop().create_task(
+            connection.read(self._actions(request_iterator)))
         try:
             while True:
-                message = await _next_or_reader_failure(connection, reader)
-                if message is None:
+                batch = await _next_or_reader_failure(connection, reader)
+                if batch is None:
                     return
-                yield message
+                yield convert.connect_batch_to_pb(batch)  # built as it leaves: once per message
         except ConnectionCutOff as exc:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         finally:
@@ -86,9 +99,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             connection.close()
             self.connections.discard(connection)
 
+    def _submission(self, request: scheduler_pb2.SubmitRequest) -> Submission:
+        """The message as admitted; one that cannot run is INVALID_ARGUMENT (checked before
+        admission, so a draining group says so too: the request is invalid on any group)."""
+        try:
+            return convert.submission_from_pb(request, self.eos_token_ids, time.time())
+        except ValueError as exc:
+            raise invalid_argument(str(exc)) from exc
+
+    async def _actions(self, messages: AsyncIterator[scheduler_pb2.ConnectRequest]
+                       ) -> AsyncIterator[ConnectAction]:
+        async for message in messages:
+            yield convert.connect_action_from_pb(message, self.eos_token_ids, time.time())
+
 
 async def _next_or_reader_failure(connection: RouterConnection, reader: asyncio.Task[None]
-                                  ) -> scheduler_pb2.ConnectResponse | None:
+                                  ) -> ConnectBatch | None:
     """The next message; a reader that failed (the stream broke) ends the call."""
     message = asyncio.ensure_future(connection.next_message())
     await asyncio.wait({message, reader}, return_when=asyncio.FIRST_COMPLETED)

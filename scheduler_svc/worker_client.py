@@ -9,10 +9,11 @@ import uuid
 import grpc
 
 from pagemesh.tls import TlsConfig
-from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from protos.pagemesh.worker.v1 import worker_pb2_grpc
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
 from scheduler_svc.group_formation import WorkerEndpoint
+from scheduler_svc.messages import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -43,37 +44,29 @@ class WorkerGroupClient:
         self._session_id = uuid.uuid4().hex
         self._next_sequence = 0
 
-    async def get_info(self) -> list[worker_pb2.GetWorkerInfoResponse]:
-        return list(
-            await asyncio.gather(
-                *(
-                    stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=30, wait_for_ready=True)
-                    for stub in self._stubs
-                )
-            )
-        )
+    async def get_info(self) -> list[WorkerInfo]:
+        request = convert.worker_info_request_pb()
+        responses = await asyncio.gather(
+            *(stub.GetWorkerInfo(request, timeout=30, wait_for_ready=True) for stub in self._stubs))
+        return [convert.worker_info_from_pb(response) for response in responses]
 
     async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
-        response = await self.execute_step(convert.scheduler_output_to_pb(output, traceparents))
-        return convert.model_runner_output_from_pb(response)
-
-    async def execute_step(self, request: worker_pb2.ExecuteStepRequest) -> worker_pb2.ExecuteStepResponse:
         """Runs one step on every worker. Calls may overlap (pipeline parallelism): the
         sequence number stamped here, in call order, is the order workers run them in."""
-        request.session_id = self._session_id
-        request.sequence = self._next_sequence
+        sequence = self._next_sequence
         self._next_sequence += 1
+        request = convert.scheduler_output_to_pb(output, traceparents, self._session_id, sequence)
         responses = await asyncio.gather(
             *(stub.ExecuteStep(request, timeout=self.step_timeout_s) for stub in self._stubs)
         )
         # The last pipeline stage samples; its first tensor-parallel rank answers for the group.
-        return responses[self.driver_index]
+        return convert.model_runner_output_from_pb(responses[self.driver_index])
 
     async def probe(self, timeout_s: float = 2.0) -> list[grpc.StatusCode | None]:
         """Each member's answer to GetWorkerInfo: None when it answered, else the status."""
         async def ask(stub: worker_pb2_grpc.WorkerStub) -> grpc.StatusCode | None:
             try:
-                await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=timeout_s)
+                await stub.GetWorkerInfo(convert.worker_info_request_pb(), timeout=timeout_s)
                 return None
             except grpc.aio.AioRpcError as exc:
                 return exc.code()

@@ -13,7 +13,7 @@ from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.admission import sample_index
-from scheduler_svc.core.types import FinishReason
+from scheduler_svc.core.types import FinishReason, RequestEvent, SampledToken
 
 
 def submit(n: int = 1) -> scheduler_pb2.SubmitRequest:
@@ -22,6 +22,10 @@ def submit(n: int = 1) -> scheduler_pb2.SubmitRequest:
         sampling=generate_pb2.SamplingParams(temperature=0.7, seed=42),
         stopping=generate_pb2.StoppingCriteria(max_tokens=8),
     )
+
+
+def event(token_ids: list[int], reason: FinishReason | None = None) -> RequestEvent:
+    return RequestEvent("r1", tuple(SampledToken(t, 0.0) for t in token_ids), reason, 3)
 
 
 async def with_store(redis_url: str, cluster: str, body) -> None:  # type: ignore[no-untyped-def]
@@ -41,16 +45,16 @@ def test_written_on_admission_every_interval_and_on_finish(redis_url: str) -> No
         assert first.state == RUNNING and first.samples[0].token_ids == []
         assert await client.pttl(store.key("r1")) == -1  # in flight: no expiry
 
-        ckpt.record("r1", 0, [7], 0)
+        ckpt.record("r1", 0, event([7]))
         ckpt.on_step()  # step 1 of 2: nothing written
         await asyncio.sleep(0.05)
         assert (await store.load("r1")).samples[0].token_ids == []
-        ckpt.record("r1", 0, [8], 0)
+        ckpt.record("r1", 0, event([8]))
         ckpt.on_step()
         await asyncio.sleep(0.05)
         assert (await store.load("r1")).samples[0].token_ids == [7, 8]
 
-        ckpt.record("r1", 0, [9], generate_pb2.FINISH_REASON_LENGTH)
+        ckpt.record("r1", 0, event([9], FinishReason.LENGTH))
         await ckpt.finish("r1")
         done = await store.load("r1")
         assert done.state == FINISHED and done.samples[0].finished
@@ -110,7 +114,7 @@ def test_resumed_request_keeps_outputs_seeds_and_skips_finished_samples() -> Non
     request = submit(n=3)
     request.progress.add(index=0, token_ids=[10, 11], finished=True)
     request.progress.add(index=1, token_ids=[20, 21, 22])
-    samples = convert.requests_from_pb(request, [0], 0.0)
+    samples = convert.submission_from_pb(request, [0], 0.0).requests
     assert [s.request_id for s in samples] == ["r1#1", "r1#2"]
     assert samples[0].output_token_ids == [20, 21, 22] and samples[1].output_token_ids == []
     assert [s.sampling.seed for s in samples] == [43, 44]  # seed + index, as before the failure
@@ -121,8 +125,28 @@ def test_resumed_request_keeps_outputs_seeds_and_skips_finished_samples() -> Non
     ended = submit(n=2)
     ended.progress.add(index=0, token_ids=[5] * 8)  # max_tokens reached
     ended.progress.add(index=1, token_ids=[5, 0])  # EOS (id 0) last
-    assert convert.requests_from_pb(ended, [0], 0.0) == []
-    assert convert.ended_samples(ended, [0]) == [(0, FinishReason.LENGTH), (1, FinishReason.STOP)]
+    submission = convert.submission_from_pb(ended, [0], 0.0)
+    assert submission.requests == []
+    assert submission.ended == [(0, FinishReason.LENGTH), (1, FinishReason.STOP)]
+
+
+def test_a_submission_carries_what_admission_and_the_checkpoint_need() -> None:
+    request = submit(n=2)
+    request.logprobs = 2
+    request.trace_context["traceparent"] = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+    request.progress.add(index=1, token_ids=[20, 21])
+    submission = convert.submission_from_pb(request, [0], 5.0)
+    assert (submission.request_id, submission.n, submission.with_logprobs) == ("r1", 2, True)
+    assert submission.num_prompt_tokens == 3 and submission.resumed
+    assert submission.progress == {1: ([20, 21], False)}
+    assert submission.trace_context == dict(request.trace_context)
+    assert [r.arrival_time_s for r in submission.requests] == [5.0, 5.0]
+    # The checkpoint keeps the request as first submitted (its format is the router's too).
+    original = scheduler_pb2.SubmitRequest.FromString(submission.original)
+    assert not original.progress and not original.trace_context
+    request.ClearField("progress")
+    request.ClearField("trace_context")
+    assert original == request
 
 
 def test_delete_many_removes_every_checkpoint_and_group_entry_in_one_call(redis_url: str) -> None:

@@ -76,8 +76,9 @@ def test_eos_as_the_max_tokens_th_token_ends_stop_live_and_when_resumed() -> Non
         stopping=generate_pb2.StoppingCriteria(max_tokens=2))
     resumed.progress.add(index=0, token_ids=[7, EOS])  # its last message was lost
     resumed.progress.add(index=1, token_ids=[7, 7])
-    assert convert.requests_from_pb(resumed, [EOS], 0.0) == []
-    assert convert.ended_samples(resumed, [EOS]) == [(0, FinishReason.STOP), (1, FinishReason.LENGTH)]
+    submission = convert.submission_from_pb(resumed, [EOS], 0.0)
+    assert submission.requests == []
+    assert submission.ended == [(0, FinishReason.STOP), (1, FinishReason.LENGTH)]
 
 
 def test_a_submit_without_a_seed_is_refused() -> None:
@@ -85,7 +86,7 @@ def test_a_submit_without_a_seed_is_refused() -> None:
     unseeded = scheduler_pb2.SubmitRequest(request_id="a", prompt_token_ids=[1],
                                            stopping=generate_pb2.StoppingCriteria(max_tokens=2))
     with pytest.raises(ValueError, match="seed"):
-        convert.requests_from_pb(unseeded, [EOS], 0.0)
+        convert.submission_from_pb(unseeded, [EOS], 0.0)
 
 
 def test_token_budget_is_shared_and_prefill_is_chunked() -> None:

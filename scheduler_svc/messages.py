@@ -1,0 +1,103 @@
+"""The scheduler service's own messages, as plain data: what `convert.py` makes of the
+protobuf that comes in (a router's submit, a worker's info) and what it turns into the
+protobuf that goes out (a sample's tokens, an in-band error). The servicer, the request
+streams and the router connection work on these; none of them builds a protobuf message.
+
+The step contract with the workers has its own plain types in `protos/step.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from scheduler_svc.core.types import FinishReason, Request, RequestEvent
+
+# One sample's event on its way to a router, as the Connect stream's outbox holds it:
+# (router request id, sample index, the event, whether its logprobs go along). A plain
+# tuple, not a class: one is built per event of every step.
+SampleOutput = tuple[str, int, RequestEvent, bool]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One router request as admitted: its samples, and what a resume carries."""
+
+    request_id: str
+    requests: list[Request]  # core requests of the samples that still have to run
+    n: int  # samples of the request, >= 1
+    with_logprobs: bool
+    num_prompt_tokens: int
+    # A resume's outputs so far: sample index -> (token ids, finished). Empty when new.
+    progress: dict[int, tuple[list[int], bool]]
+    # Resumed samples whose outputs already end them (the router lost their last message).
+    ended: list[tuple[int, FinishReason]]
+    trace_context: dict[str, str]  # the W3C carrier the message came with (may be empty)
+    # The SubmitRequest as first submitted (no progress, no trace context), serialized:
+    # what the checkpoint keeps to resume it (pagemesh/checkpoints.py).
+    original: bytes
+
+    @property
+    def resumed(self) -> bool:
+        return bool(self.progress)
+
+
+@dataclass(frozen=True)
+class InvalidSubmit:
+    """A submit on a Connect stream that does not convert: refused in-band, alone."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A router gives up a request on its Connect stream."""
+
+    request_id: str
+
+
+# What a router's Connect stream sends up, converted (None: a message with no action).
+ConnectAction = Submission | InvalidSubmit | Abort | None
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """One request's in-band failure on a Connect stream."""
+
+    request_id: str
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class ConnectBatch:
+    """One message down a Connect stream: everything the outbox held."""
+
+    outputs: list[SampleOutput]
+    errors: list[RequestError]
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What one worker reports of itself (`Worker.GetWorkerInfo`)."""
+
+    worker_id: str
+    model: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int  # tokens of one request, prompt + output
+    dtype: str
+    num_blocks: int  # this rank's KV blocks; the group uses the minimum over its ranks
+    block_size: int  # tokens per block
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    num_swap_blocks: int  # 0 = swapping off
+    quantization: str
+    weight_bytes: int  # this rank's weights in memory
+    kv_cache_bytes: int  # this rank's KV cache
+    kv_cache_sizing: str  # how that size was chosen, with the figures
