@@ -11,7 +11,7 @@
 #
 # It installs exactly as `make install` does, through scripts/install.sh, one layer per step,
 # the slowest to change first: torch, the default model, pyproject's dependencies, then the
-# source (tests/test_dockerfile.py holds both files to that).
+# source (tests/deploy/test_dockerfile.py holds both files to that).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

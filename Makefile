@@ -23,11 +23,11 @@ test: install
 # The developer's fast lane (under 2 minutes on 2 cores): the pure scheduler and router cores,
 # the protos, config and registry, the CPU kernels and sampler in-process; no mesh, no model
 # process, no compose. `make test` stays the whole suite, and it is what CI runs.
-FAST_TESTS := tests/scheduler tests/router tests/test_protos.py tests/test_config.py \
-	tests/test_step_diffs.py tests/test_registry.py tests/test_serving.py \
-	tests/kernels/test_cpu_features.py tests/worker/test_sampler.py \
-	tests/worker/test_reference_attention.py tests/worker/test_cpu_attention.py \
-	tests/worker/test_cpu_native_builds.py tests/worker/test_matmul.py
+FAST_TESTS := tests/scheduler_svc tests/router tests/protos/test_protos.py tests/pagemesh/test_config.py \
+	tests/scheduler_svc/test_step_diffs.py tests/pagemesh/test_registry.py tests/pagemesh/test_serving.py \
+	tests/kernels/test_cpu_features.py tests/worker_svc/test_sampler.py \
+	tests/worker_svc/test_reference_attention.py tests/worker_svc/test_cpu_attention.py \
+	tests/worker_svc/test_cpu_native_builds.py tests/worker_svc/test_matmul.py
 test-fast: install
 	$(PY) -m pytest -q $(FAST_TESTS) $(PYTEST_ARGS)
 

@@ -2,7 +2,7 @@
 each request's block list converted every step.
 
 Kept as the baseline `bench/worker_ops.py` times `worker_svc.batch.build_batch` against, and
-as a second reference `tests/worker/test_batch_tables.py` checks `build_batch` with.
+as a second reference `tests/worker_svc/test_batch_tables.py` checks `build_batch` with.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ tensor: a tenth of a 2,048-token prefill step and of a decode step at 64 request
 
 The references are the definitions, written as transformers computes (LlamaRMSNorm,
 `apply_rotary_pos_emb`, `act_fn(gate) * up`), and every kernel is tested against them
-(`tests/kernels/test_cpu_fused.py`). The kernels round as those torch ops do, op by op, in
+(`tests/worker_svc/test_cpu_fused.py`). The kernels round as those torch ops do, op by op, in
 bf16 too; what differs is only the order of a norm's sum of squares (~1e-7 relative) and
 SiLU's exp (within 2 ulp of expf). Each entry point takes the C kernel for CPU tensors in
 fp32 or bf16 when the kernels build here and are enabled (`cpu_native.configure`; the

@@ -13,7 +13,7 @@ themselves, because `up` decides them per process.
 Pure (no torch, no grpc, no service package): services import `pagemesh`, never the other
 way round. The choice lists the services' cores define too (scheduling and routing
 policies, preemption modes, quantization) are checked against these by
-tests/test_service_flags.py.
+tests/pagemesh/test_service_flags.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ submits and the replies to them (`scheduler.proto`), the steps and worker infos 
 engine group (`worker.proto`), model info and stats (`generate.proto`). Everything else
 works on plain types: `messages.py` (this service's), `protos/step.py` (the step contract)
 and the core's. Two other files import generated modules, for the gRPC plumbing alone
-(tests/scheduler/test_protobuf_edge.py holds them to it): `servicer.py`, the adapter,
+(tests/scheduler_svc/test_protobuf_edge.py holds them to it): `servicer.py`, the adapter,
 implements and registers the generated service and hands what it receives to these
 functions (it reads only the request id it logs under and the model's EOS ids);
 `worker_client.py` holds the workers' stubs and sends what these functions build."""

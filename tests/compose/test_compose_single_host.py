@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
-from tests.compose.compose_files import COMPOSE_DIR, compose_command, compose_config, write_env_file
-from tests.compose.compose_runner import LocalRun, LocalService, Localizer, Site, run_healthcheck
-from tests.mesh_harness import greedy_request
+from tests.support.compose_files import COMPOSE_DIR, compose_command, compose_config, write_env_file
+from tests.support.compose_runner import LocalRun, LocalService, Localizer, Site, run_healthcheck
+from tests.support.mesh_harness import greedy_request
 from pagemesh.testing.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.skipif(compose_command() is None,

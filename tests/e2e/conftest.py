@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.mesh_harness import Mesh
-from tests.tiny_models import write_tiny_model
+from tests.support.mesh_harness import Mesh
+from pagemesh.testing.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="session")

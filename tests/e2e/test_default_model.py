@@ -14,8 +14,8 @@ import torch
 
 from pagemesh.models import default_model_path
 from protos.pagemesh.v1 import generate_pb2
-from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.mesh_harness import Mesh, greedy_request
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
+from tests.support.mesh_harness import Mesh, greedy_request
 
 PROMPTS = [
     "The capital of France is",

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from transformers import AutoModelForCausalLM
 
 from protos.pagemesh.v1 import generate_pb2
-from tests.e2e.chaos import (
+from tests.support.chaos import (
     assert_same_streams,
     entries,
     health_status,
@@ -25,7 +25,7 @@ from tests.e2e.chaos import (
     run_streams,
     wait_until,
 )
-from tests.mesh_harness import Mesh, alive, free_port, greedy_request
+from tests.support.mesh_harness import Mesh, alive, free_port, greedy_request
 
 CLUSTER = "e2e-chaos"
 NUM_STREAMS = 32

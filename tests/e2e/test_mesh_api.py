@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
-from tests.mesh_harness import Mesh, greedy_request
+from tests.support.mesh_harness import Mesh, greedy_request
 from tests.support.eventually import eventually
 
 MAX_MODEL_LEN = 512  # the tiny models' max_position_embeddings

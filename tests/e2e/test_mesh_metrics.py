@@ -15,7 +15,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.mesh_harness import Mesh, free_port, greedy_request
+from tests.support.mesh_harness import Mesh, free_port, greedy_request
 from tests.support.eventually import eventually
 
 CLUSTER = "e2e-metrics"

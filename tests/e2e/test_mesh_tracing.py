@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.mesh_harness import Mesh, free_port, greedy_request
+from tests.support.mesh_harness import Mesh, free_port, greedy_request
 from pagemesh.testing.otlp_receiver import SPAN_KIND_SERVER, STATUS_CODE_ERROR, OtlpReceiver, ReceivedSpan
 
 PROMPT_IDS = list(range(5, 25))  # 20 tokens: one full KV block of 16, shared by equal prompts

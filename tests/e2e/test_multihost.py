@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from protos.pagemesh.v1 import generate_pb2_grpc
-from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.mesh_harness import REPO_ROOT, Generation, greedy_request
-from tests.netns import HostNetwork, namespaces_unavailable
-from tests.tiny_models import write_tiny_model
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
+from tests.support.mesh_harness import REPO_ROOT, Generation, greedy_request
+from tests.support.netns import HostNetwork, namespaces_unavailable
+from pagemesh.testing.tiny_models import write_tiny_model
 from tests.support.eventually import eventually
 
 REASON = namespaces_unavailable()

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from protos.pagemesh.v1 import generate_pb2
-from tests.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
+from tests.support.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
 from tests.support.eventually import eventually
 
 MODEL = "tiny-llama"

@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protos.pagemesh.v1 import generate_pb2
-from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.mesh_harness import Mesh, greedy_request
-from tests.tiny_models import write_tiny_model
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
+from tests.support.mesh_harness import Mesh, greedy_request
+from pagemesh.testing.tiny_models import write_tiny_model
 
 LAYOUTS = {  # name: (tp, pp, extra flags)
     "tp1": (1, 1, []),

@@ -20,14 +20,14 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.pagemesh.v1 import generate_pb2
-from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.mesh_harness import Mesh, greedy_request
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
+from tests.support.mesh_harness import Mesh, greedy_request
 from pagemesh.testing.quant_checkpoints import (
     dequantized_hf_model,
     write_awq_checkpoint,
     write_fp8_checkpoint,
 )
-from tests.tiny_models import write_tiny_model
+from pagemesh.testing.tiny_models import write_tiny_model
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 NUM_NEW_TOKENS = 10

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
-from tests.mesh_harness import Mesh, greedy_request
+from tests.support.mesh_harness import Mesh, greedy_request
 from tests.support.eventually import eventually
 
 CLUSTER = "e2e-replicas"

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
-from tests.mesh_harness import free_port, greedy_request
+from tests.support.mesh_harness import free_port, greedy_request
 from tests.support.eventually import eventually
 
 

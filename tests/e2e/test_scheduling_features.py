@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
-from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.mesh_harness import Mesh, greedy_request
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
+from tests.support.mesh_harness import Mesh, greedy_request
 
 LAYOUTS = {
     # name: flags of `pagemesh up`

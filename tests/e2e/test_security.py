@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
-from tests.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
-from tests.tls_certs import CertFiles, make_certs
+from tests.support.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
+from tests.support.tls_certs import CertFiles, make_certs
 from tests.support.eventually import eventually
 
 CLUSTER = "e2e-security"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.mesh_harness import Mesh, greedy_request
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
+from tests.support.mesh_harness import Mesh, greedy_request
 
 
 @pytest.fixture(scope="module")

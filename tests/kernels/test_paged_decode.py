@@ -14,7 +14,7 @@ from kernels.paged_attention import (  # noqa: E402
     choose_partition_size,
     paged_decode_attention,
 )
-from tests.kernels.paged_batch import assert_matches_reference, build_paged_batch  # noqa: E402
+from tests.support.paged_batch import assert_matches_reference, build_paged_batch  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from kernels import reference  # noqa: E402
 from kernels.attention import paged_attention, plan_attention  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
-from tests.kernels.paged_batch import assert_matches_reference, build_paged_batch  # noqa: E402
+from tests.support.paged_batch import assert_matches_reference, build_paged_batch  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.support.paths import REPO_ROOT
 
 triton = pytest.importorskip("triton")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 

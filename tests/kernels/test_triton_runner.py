@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.tiny_models import write_tiny_model  # noqa: E402
-from tests.worker.test_runner_vs_hf import (  # noqa: E402
+from pagemesh.testing.tiny_models import write_tiny_model  # noqa: E402
+from tests.support.runner_script import (  # noqa: E402
     BLOCK_SIZE,
     ScriptedRequest,
     drive,

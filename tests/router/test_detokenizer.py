@@ -5,7 +5,7 @@ import pytest
 from pagemesh.models import default_model_path
 from router.detokenizer import IncrementalDetokenizer
 from router.tokenizer import Tokenizer, load_tokenizer
-from tests.bpe_folder import write_bpe_folder
+from tests.support.bpe_folder import write_bpe_folder
 
 TEXTS = ["Hello 你好世界 😀🎉 café", "👍🏽 naïve 世界!", "plain ascii text", "🎉🎉🎉 中文 ok"]
 

@@ -22,8 +22,8 @@ from router.resume import Attempts, ResumeConfig, retry_kind
 from router.tokenizer import Tokenizer, load_tokenizer
 from router.types import Submission
 from router.validation import SamplingOptions, StoppingOptions, ValidatedRequest
-from tests.bpe_folder import write_bpe_folder
-from tests.router.scripted_router import (
+from tests.support.bpe_folder import write_bpe_folder
+from tests.support.scripted_router import (
     LENGTH,
     SEED,
     STOP,

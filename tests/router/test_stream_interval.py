@@ -8,8 +8,8 @@ import pytest
 
 from router.generation import AdmissionLimits
 from router.tokenizer import Tokenizer, load_tokenizer
-from tests.bpe_folder import write_bpe_folder
-from tests.router.scripted_router import LENGTH, Router, expected, per_sample, request, run
+from tests.support.bpe_folder import write_bpe_folder
+from tests.support.scripted_router import LENGTH, Router, expected, per_sample, request, run
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pagemesh.models import default_model_path
-from tests.bpe_folder import write_bpe_folder
+from tests.support.bpe_folder import write_bpe_folder
 
 from router.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 

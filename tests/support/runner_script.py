@@ -1,0 +1,105 @@
+"""Driving a `ModelRunner` step by step as a scheduler would, and the transformers
+reference it is compared with: shared by the runner, parallel, Triton and quantization
+tests."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from worker_svc.runner import ModelRunner
+
+BLOCK_SIZE = 4
+NUM_NEW_TOKENS = 12
+NEAR_TIE = 1e-4
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class ScriptedRequest:
+    """One request as a toy scheduler sees it."""
+
+    request_id: str
+    prompt: list[int]
+    join_step: int
+    prefill_chunk: int | None = None  # at most this many prompt tokens per step
+    outputs: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    sent: bool = False
+    num_sent: int = 0  # tokens the runner has been told about
+
+
+def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: int) -> None:
+    """Schedule `requests` like a continuous-batching scheduler until each has
+    `num_new_tokens` outputs: joins at `join_step`, chunked prefill, block allocation from
+    a shuffled free list, and freeing (and reuse) of finished requests' blocks."""
+    free_blocks = list(range(runner.num_blocks))
+    random.Random(0).shuffle(free_blocks)
+    finished: list[str] = []
+    step_id = 0
+    while any(len(r.outputs) < num_new_tokens for r in requests):
+        new, cached, scheduled = [], [], {}
+        for r in requests:
+            if r.join_step > step_id or len(r.outputs) >= num_new_tokens:
+                continue
+            num_tokens = len(r.prompt) + len(r.outputs) - r.num_computed
+            if r.prefill_chunk is not None:
+                num_tokens = min(num_tokens, r.prefill_chunk)
+            num_blocks_needed = -(-(r.num_computed + num_tokens) // BLOCK_SIZE)
+            new_blocks = [free_blocks.pop() for _ in range(num_blocks_needed - len(r.block_ids))]
+            r.block_ids += new_blocks
+            known = r.prompt + r.outputs
+            if r.sent:
+                cached.append(CachedRequestData(r.request_id, new_blocks, r.num_computed,
+                                                known[r.num_sent:]))
+            else:
+                new.append(NewRequestData(r.request_id, known, len(r.prompt),
+                                          list(r.block_ids), r.num_computed, GREEDY))
+                r.sent = True
+            r.num_sent = len(known)
+            scheduled[r.request_id] = num_tokens
+        output = runner.execute_step(SchedulerOutput(step_id, new, cached, scheduled, finished))
+        finished = []
+        expect_sampled = set()
+        for r in requests:
+            if r.request_id not in scheduled:
+                continue
+            r.num_computed += scheduled[r.request_id]
+            if r.num_computed == len(r.prompt) + len(r.outputs):
+                expect_sampled.add(r.request_id)
+                r.outputs.append(output.sampled[r.request_id].token_id)
+            if len(r.outputs) >= num_new_tokens:
+                finished.append(r.request_id)
+                free_blocks += r.block_ids
+        assert set(output.sampled) == expect_sampled, f"step {step_id}"
+        step_id += 1
+
+
+def hf_greedy(hf_model, prompt: list[int], num_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    out = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=num_new_tokens, do_sample=False,
+        eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    assert len(tokens) == num_new_tokens
+    return tokens, torch.stack([step_logits[0] for step_logits in out.logits])
+
+
+def assert_greedy_close(ours: list[int], hf_tokens: list[int], hf_logits: torch.Tensor) -> None:
+    """Token-for-token equality; only a divergence at a near-tie (after which the two
+    continuations are unrelated) is forgiven."""
+    for i, (a, b) in enumerate(zip(ours, hf_tokens, strict=True)):
+        if a != b:
+            top2 = hf_logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < NEAR_TIE, f"token {i}: ours {a} != HF {b} with top-2 gap {gap}"
+            return
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (length,), generator=generator).tolist()

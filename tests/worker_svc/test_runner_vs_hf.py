@@ -1,0 +1,139 @@
+"""The runner, driven step by step like the scheduler would, against transformers.
+
+Greedy tokens must equal `generate(do_sample=False)` token for token; a divergence is
+accepted only at a demonstrated near-tie (HF's top-2 logits within 1e-4 there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from protos.step import CachedRequestData, NewRequestData, SchedulerOutput
+from tests.support.runner_script import (
+    BLOCK_SIZE,
+    GREEDY,
+    NUM_NEW_TOKENS,
+    ScriptedRequest,
+    assert_greedy_close,
+    drive,
+    hf_greedy,
+    random_prompt,
+)
+from pagemesh.testing.tiny_models import write_tiny_model
+from worker_svc.runner import ModelRunner, RunnerConfig
+
+VARIANTS = {
+    "llama": dict(arch="llama"),
+    "llama3_rope": dict(arch="llama", llama3_rope=True),
+    "llama_tied": dict(arch="llama", tie_word_embeddings=True),
+    "qwen2": dict(arch="qwen2"),
+    "qwen3": dict(arch="qwen3"),
+    "mistral": dict(arch="mistral"),
+    "mistral_sliding_window": dict(arch="mistral", sliding_window=6),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny_model(request, tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+
+
+def make_runner(path: Path, num_blocks: int = 48) -> ModelRunner:
+    return ModelRunner.from_config(
+        RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE, num_blocks=num_blocks)
+    )
+
+
+def test_continuous_batching_matches_hf_generate(tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    runner = make_runner(tiny_model)
+    vocab_size = runner.info().vocab_size
+    requests = [
+        ScriptedRequest("a", random_prompt(9, vocab_size, 1), join_step=0),
+        ScriptedRequest("b", random_prompt(21, vocab_size, 2), join_step=0, prefill_chunk=8),
+        ScriptedRequest("c", random_prompt(5, vocab_size, 3), join_step=2),
+        ScriptedRequest("d", random_prompt(16, vocab_size, 4), join_step=4, prefill_chunk=7),
+        ScriptedRequest("e", random_prompt(1, vocab_size, 5), join_step=13),
+    ]
+    drive(runner, requests, NUM_NEW_TOKENS)
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
+    for r in requests:
+        hf_tokens, hf_logits = hf_greedy(hf_model, r.prompt, NUM_NEW_TOKENS)
+        assert_greedy_close(r.outputs, hf_tokens, hf_logits)
+    assert runner.requests.keys() == {"e"}  # the others were dropped via finished ids
+
+
+def test_rebuilt_request_continues_where_it_left_off(tiny_model: Path) -> None:
+    """A preempted request comes back as a new request carrying its outputs so far."""
+    runner = make_runner(tiny_model)
+    prompt = random_prompt(7, runner.info().vocab_size, 6)
+    first = ScriptedRequest("r", prompt, join_step=0)
+    drive(runner, [first], NUM_NEW_TOKENS)
+    runner.execute_step(SchedulerOutput(100, finished_request_ids=["r"]))
+    assert not runner.requests
+
+    resumed = ScriptedRequest("r", prompt, join_step=0, prefill_chunk=5,
+                              outputs=list(first.outputs[:5]))
+    drive(runner, [resumed], NUM_NEW_TOKENS)
+    assert resumed.outputs == first.outputs
+    assert runner.requests["r"].num_prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
+    runner = make_runner(tiny_model, num_blocks=8)
+    prompt = random_prompt(6, runner.info().vocab_size, 7)
+    runner.execute_step(SchedulerOutput(0, [NewRequestData("a", prompt, 6, [0, 1], 0, GREEDY)],
+                                  num_scheduled_tokens={"a": 6}))
+    before = (list(runner.requests["a"].token_ids), list(runner.requests["a"].block_ids))
+    cache_before = [c.clone() for c in runner.kv_caches]
+    bad_steps = {
+        "unknown request": SchedulerOutput(1, num_scheduled_tokens={"zzz": 1}),
+        "unknown request 'zzz' in cached": SchedulerOutput(
+            1, cached_requests=[CachedRequestData("zzz", [], 0)]
+        ),
+        "outside 0..7": SchedulerOutput(1, [NewRequestData("b", prompt, 6, [0, 8], 0, GREEDY)],
+                                  num_scheduled_tokens={"b": 6}),
+        "only 7 tokens are known": SchedulerOutput(1, cached_requests=[CachedRequestData("a", [], 6, [5])],
+                                             num_scheduled_tokens={"a": 2}),
+        "cannot hold": SchedulerOutput(1, [NewRequestData("b", prompt, 6, [2], 0, GREEDY)],
+                                 num_scheduled_tokens={"b": 6}),
+        "token id outside": SchedulerOutput(1, [NewRequestData("b", [10**6], 1, [2], 0, GREEDY)],
+                                      num_scheduled_tokens={"b": 1}),
+        # "a" is dropped first, so continuing it in the same step is an unknown request.
+        "unknown request 'a'": SchedulerOutput(1, cached_requests=[CachedRequestData("a", [], 6)],
+                                         num_scheduled_tokens={"a": 1},
+                                         finished_request_ids=["a"]),
+    }
+    for message, step in bad_steps.items():
+        with pytest.raises(ValueError, match=message):
+            runner.execute_step(step)
+    assert runner.requests.keys() == {"a"}
+    assert (runner.requests["a"].token_ids, runner.requests["a"].block_ids) == before
+    assert all(torch.equal(a, b) for a, b in zip(cache_before, runner.kv_caches, strict=True))
+    # And a valid continuation still works afterwards.
+    output = runner.execute_step(SchedulerOutput(2, cached_requests=[CachedRequestData("a", [], 6, [5])],
+                                           num_scheduled_tokens={"a": 1}))
+    assert set(output.sampled) == {"a"} and output.forward_time_ms > 0
+
+
+@pytest.mark.parametrize("tiny_model", ["qwen3"], indirect=True)
+def test_bfloat16_runner_serves_a_batch(tiny_model: Path) -> None:
+    """bf16 is not compared token for token: with this large-std init, bf16 rounding
+    moves logits by ~1 in HF too. It must run end to end and keep its cache in bf16."""
+    runner = ModelRunner.from_config(RunnerConfig(
+        model_path=str(tiny_model), dtype="bfloat16", block_size=BLOCK_SIZE, num_blocks=48,
+    ))
+    vocab_size = runner.info().vocab_size
+    requests = [
+        ScriptedRequest("a", random_prompt(11, vocab_size, 8), join_step=0, prefill_chunk=6),
+        ScriptedRequest("b", random_prompt(4, vocab_size, 9), join_step=1),
+    ]
+    drive(runner, requests, 4)
+    assert runner.info().dtype == "bfloat16"
+    assert all(cache.dtype == torch.bfloat16 for cache in runner.kv_caches)
+    assert all(0 <= t < vocab_size for r in requests for t in r.outputs)
