@@ -8,6 +8,7 @@ import pytest
 
 from pagemesh.registry import Registry, RegistryConfig, RegistryConflict
 from pagemesh.registry_entries import GroupStatus, SchedulerEntry
+from tests.support.eventually import eventually_async
 
 
 def test_heartbeat_keeps_an_entry_alive_and_expiry_reports_death(redis_url: str) -> None:
@@ -28,8 +29,9 @@ def test_heartbeat_keeps_an_entry_alive_and_expiry_reports_death(redis_url: str)
             await observer.start_heartbeat("worker", "w1", info)
         for task in alive._heartbeats:  # the process "dies": no more heartbeats, no goodbye
             task.cancel()
-        await asyncio.sleep(0.5)
-        assert "w1" not in await observer.list("worker")
+        async def expired() -> bool:
+            return "w1" not in await observer.list("worker")
+        await eventually_async(expired, 5, "w1 outlived its TTL without heartbeats")
         await observer.start_heartbeat("worker", "w1", info)  # the id is free again
         await observer.close(deregister=[("worker", "w1")])
         assert await alive.list("worker") == {}

@@ -14,6 +14,7 @@ from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.types import FinishReason, RequestEvent, SampledToken
+from tests.support.eventually import eventually_async
 
 
 def submit(n: int = 1) -> scheduler_pb2.SubmitRequest:
@@ -40,8 +41,7 @@ def test_written_on_admission_every_interval_and_on_finish(redis_url: str) -> No
     async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
         ckpt = Checkpointer(store, "g0", interval_steps=2, resume_window_s=30)
         ckpt.track("r1", submit().SerializeToString(), [SampleState()])
-        await asyncio.sleep(0.05)
-        first = await store.load("r1")
+        first = await eventually_async(lambda: store.load("r1"), 5, "r1 never checkpointed")
         assert first.state == RUNNING and first.samples[0].token_ids == []
         assert await client.pttl(store.key("r1")) == -1  # in flight: no expiry
 
@@ -51,8 +51,11 @@ def test_written_on_admission_every_interval_and_on_finish(redis_url: str) -> No
         assert (await store.load("r1")).samples[0].token_ids == []
         ckpt.record("r1", 0, event([8]))
         ckpt.on_step()
-        await asyncio.sleep(0.05)
-        assert (await store.load("r1")).samples[0].token_ids == [7, 8]
+
+        async def both_tokens() -> bool:
+            stored = await store.load("r1")
+            return stored is not None and stored.samples[0].token_ids == [7, 8]
+        await eventually_async(both_tokens, 5, "step 2 of 2 wrote no checkpoint")
 
         ckpt.record("r1", 0, event([9], FinishReason.LENGTH))
         await ckpt.finish("r1")
@@ -77,8 +80,11 @@ def test_orphans_expire_and_a_successor_adopts_what_was_running(redis_url: str) 
 
         successor.track("r2", b"", [SampleState()])
         successor.orphan("r2")  # its router went away
-        await asyncio.sleep(0.05)
-        assert (await store.load("r2")).state == ORPHANED
+
+        async def orphaned() -> bool:
+            stored = await store.load("r2")
+            return stored is not None and stored.state == ORPHANED
+        await eventually_async(orphaned, 5, "r2 never marked orphaned")
         await store.delete("r2", "g1")
         assert await store.load("r2") is None
 
