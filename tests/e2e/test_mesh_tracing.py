@@ -99,7 +99,15 @@ def test_grpc_request_is_one_trace_across_router_scheduler_and_worker(
         assert (trace_id, submit.span_id) in step.links
         assert step.attributes["pagemesh.step.num_tokens"] >= 1
         assert step.attributes["pagemesh.step.forward_time_ms"] > 0
-    assert {s.trace_id for s in spans} == {trace_id}
+    # Nothing of this request went to another trace: look at every span received, not only
+    # this trace's (`spans` is already filtered by its id).
+    ours = [s for s in receiver.spans()
+            if s.attributes.get("pagemesh.request_id") == "traced-grpc-1"
+            or any(span_id == submit.span_id for _, span_id in s.links)]
+    assert {(s.service, s.name) for s in ours} >= {("pagemesh-router", "Generate"),
+                                                   ("pagemesh-scheduler", "Submit"),
+                                                   ("pagemesh-worker", "execute_step")}
+    assert {s.trace_id for s in ours} == {trace_id}
 
 
 def test_without_traceparent_the_router_span_starts_the_trace(

@@ -7,6 +7,7 @@ the same tokens as tp=1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections.abc import Iterator
@@ -63,8 +64,10 @@ def scrape(address: str) -> dict[tuple[str, frozenset], float]:
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+@contextlib.contextmanager
 def start_mesh(model: Path, name: str, redis_url: str, log_dir: Path, tp: int = 1
                ) -> Iterator[Mesh]:
+    """Stopped when the `with` block ends, however it ends."""
     mesh = Mesh(str(model), log_dir / f"{name}.log", redis_url=redis_url,
                 cluster=f"e2e-quant-{name}",
                 extra_args=["--tp", str(tp), "--dtype", "float32", "--num-kv-blocks", "64"])
@@ -95,7 +98,7 @@ def quantized(request: pytest.FixtureRequest, plain: Path, redis_url: str,
     method = request.param
     out = tmp_path_factory.mktemp(method) / f"tiny-qwen2-{method}"
     hf_model = dequantized_hf_model(plain, WRITERS[method](plain, out))
-    for mesh in start_mesh(out, method, redis_url, tmp_path_factory.mktemp("logs")):
+    with start_mesh(out, method, redis_url, tmp_path_factory.mktemp("logs")) as mesh:
         yield method, out, hf_model, mesh
 
 
@@ -130,7 +133,7 @@ def test_awq_on_two_tensor_ranks_gives_the_same_tokens(
         pytest.skip("one tp=2 mesh, on the AWQ checkpoint")
     expected = generate_all(tp1_mesh)
     tp1_info = tp1_mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
-    for mesh in start_mesh(checkpoint, "awq-tp2", redis_url, tmp_path, tp=2):
+    with start_mesh(checkpoint, "awq-tp2", redis_url, tmp_path, tp=2) as mesh:
         assert generate_all(mesh) == expected
         info = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
         assert (info.quantization, info.layout.tensor_parallel_size) == ("awq", 2)

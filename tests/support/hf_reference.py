@@ -23,21 +23,52 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
 
 
 @torch.inference_mode()
+def hf_greedy_with_logits(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
+                          ) -> tuple[list[int], torch.Tensor]:
+    """`hf_greedy`, with the logits of every step ([max_new_tokens, vocab_size])."""
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens, torch.stack([step_logits[0] for step_logits in out.logits])
+
+
+def assert_near_tie(index: int, ours: int, reference: int, reference_logits: torch.Tensor,
+                    bound: float = NEAR_TIE, context: str = "") -> None:
+    """The one near-tie rule (as vLLM's check_logprobs_close): where our greedy token differs
+    from the reference's, the reference's top-2 logits there must be within `bound` and our
+    token must be one of those two."""
+    top = torch.topk(reference_logits.float(), 2)
+    gap = float(top.values[0] - top.values[1])
+    assert gap < bound and ours in top.indices.tolist(), (
+        f"diverged at output token {index}: ours {ours}, transformers {reference}; top-2 "
+        f"{top.indices.tolist()} with gap {gap:.3g} is not a near-tie (bound {bound:g}){context}"
+    )
+
+
+def first_divergence(ours: list[int], reference: list[int]) -> int | None:
+    assert len(ours) == len(reference), f"{len(ours)} tokens vs {len(reference)}"
+    return next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), None)
+
+
+def assert_greedy_close(ours: list[int], reference: list[int], reference_logits: torch.Tensor
+                        ) -> None:
+    """Token-for-token equality up to a near-tie at the first divergence, given the
+    reference's logits per step; nothing after it is compared (the continuations differ)."""
+    i = first_divergence(ours, reference)
+    if i is not None:
+        assert_near_tie(i, ours[i], reference[i], reference_logits[i],
+                        context=f"\nours: {ours}\nref:  {reference}")
+
+
+@torch.inference_mode()
 def assert_greedy_match(model: torch.nn.Module, prompt_ids: list[int], ours: list[int],
                         reference: list[int]) -> None:
-    """Equal token for token, or equal up to a demonstrated near-tie (as vLLM's
-    check_logprobs_close): at the first divergence the reference's top-2 logits must be
-    within NEAR_TIE and our token must be one of them. Nothing after it is compared.
-    """
-    assert len(ours) == len(reference), f"{len(ours)} tokens vs {len(reference)}"
-    for i, (a, b) in enumerate(zip(ours, reference)):
-        if a == b:
-            continue
-        logits = model(torch.tensor([prompt_ids + reference[:i]])).logits[0, -1].float()
-        top = torch.topk(logits, 2)
-        gap = float(top.values[0] - top.values[1])
-        assert gap < NEAR_TIE and a in top.indices.tolist(), (
-            f"diverged at output token {i}: ours {a}, transformers {b}; top-2 gap {gap:.3g} "
-            f"is not a near-tie\nours: {ours}\nref:  {reference}"
-        )
-        return
+    """`assert_greedy_close`, computing the reference's logits at the divergence only."""
+    i = first_divergence(ours, reference)
+    if i is not None:
+        logits = model(torch.tensor([prompt_ids + reference[:i]])).logits[0, -1]
+        assert_near_tie(i, ours[i], reference[i], logits,
+                        context=f"\nours: {ours}\nref:  {reference}")

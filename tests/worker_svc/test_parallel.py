@@ -20,14 +20,8 @@ from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from pagemesh.testing.tiny_models import write_tiny_model
 from tests.support import runner_script
 from tests.support.parallel_harness import LocalWorkerGroup
-from tests.support.runner_script import (
-    BLOCK_SIZE,
-    ScriptedRequest,
-    assert_greedy_close,
-    drive,
-    hf_greedy,
-    random_prompt,
-)
+from tests.support.hf_reference import assert_greedy_close, hf_greedy_with_logits
+from tests.support.runner_script import BLOCK_SIZE, ScriptedRequest, drive, random_prompt
 from worker_svc.loader import load_model, rank_weight_shapes
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.llama import LlamaForCausalLM
@@ -100,7 +94,7 @@ def reference(model_dir):
             requests = scripted_requests(MODELS[name].get("vocab_size", 512))
             drive(ModelRunner.from_config(runner_config(path)), requests, NUM_NEW_TOKENS)
             hf_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-            cache[name] = requests, [hf_greedy(hf_model, r.prompt, NUM_NEW_TOKENS)
+            cache[name] = requests, [hf_greedy_with_logits(hf_model, r.prompt, NUM_NEW_TOKENS)
                                      for r in requests]
         return cache[name]
 

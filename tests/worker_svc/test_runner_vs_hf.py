@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from protos.step import CachedRequestData, NewRequestData, SchedulerOutput
+from tests.support.hf_reference import assert_greedy_close, hf_greedy_with_logits
 from tests.support.runner_script import (
     BLOCK_SIZE,
     GREEDY,
     NUM_NEW_TOKENS,
     ScriptedRequest,
-    assert_greedy_close,
     drive,
-    hf_greedy,
     random_prompt,
 )
 from pagemesh.testing.tiny_models import write_tiny_model
@@ -62,7 +61,7 @@ def test_continuous_batching_matches_hf_generate(tiny_model: Path) -> None:
     drive(runner, requests, NUM_NEW_TOKENS)
     hf_model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
     for r in requests:
-        hf_tokens, hf_logits = hf_greedy(hf_model, r.prompt, NUM_NEW_TOKENS)
+        hf_tokens, hf_logits = hf_greedy_with_logits(hf_model, r.prompt, NUM_NEW_TOKENS)
         assert_greedy_close(r.outputs, hf_tokens, hf_logits)
     assert runner.requests.keys() == {"e"}  # the others were dropped via finished ids
 

@@ -21,13 +21,8 @@ from pagemesh.testing.quant_checkpoints import (
 )
 from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from pagemesh.testing.tiny_models import write_tiny_model
-from tests.support.runner_script import (
-    ScriptedRequest,
-    assert_greedy_close,
-    drive,
-    hf_greedy,
-    random_prompt,
-)
+from tests.support.hf_reference import assert_greedy_close, hf_greedy_with_logits
+from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from worker_svc.convert import worker_info_to_pb
 from worker_svc.loader import load_model
 from worker_svc.model.matmul import packed_weight_bytes
@@ -80,7 +75,7 @@ def assert_matches_hf(runner: ModelRunner, hf_model) -> None:
     requests = scripted_requests()
     drive(runner, requests, NUM_NEW_TOKENS)
     for request in requests:
-        assert_greedy_close(request.outputs, *hf_greedy(hf_model, request.prompt,
+        assert_greedy_close(request.outputs, *hf_greedy_with_logits(hf_model, request.prompt,
                                                         NUM_NEW_TOKENS))
 
 
