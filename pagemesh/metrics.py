@@ -272,6 +272,8 @@ class EngineSnapshot:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int
+    num_swap_outs: int  # preemptions that swapped the KV out (the others recomputed)
+    num_swap_ins: int  # swapped requests whose KV came back
     num_recoveries: int
     ready: bool  # the group serves (not degraded, not draining)
     num_checkpoint_writes: int
@@ -313,6 +315,10 @@ class SchedulerMetrics(ServiceMetrics):
                         labels, s.prefix_cache_hits),
                 counter(PREFIX + "num_preemptions", "Requests preempted (swapped out or "
                         "recomputed)", labels, s.num_preemptions),
+                counter(PREFIX + "num_swap_outs", "Preemptions whose KV was copied to CPU swap "
+                        "space (the rest were recomputed)", labels, s.num_swap_outs),
+                counter(PREFIX + "num_swap_ins", "Swapped requests whose KV was copied back "
+                        "from CPU swap space", labels, s.num_swap_ins),
                 counter(PREFIX + "engine_recoveries", "Times the engine group was re-formed "
                         "after a failure", labels, s.num_recoveries),
                 gauge(PREFIX + "engine_group_ready", "1 when the engine group serves, 0 when "

@@ -136,6 +136,8 @@ class SchedulerEntry(ServiceEntry):
     num_free_blocks: int | None = None  # device KV blocks free; None: not said
     num_blocks: int = 0
     num_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
     num_swapped: int | None = None  # None: not said (`pagemesh top` asks the metrics)
     num_free_swap_blocks: int = 0
     num_cached_blocks: int = 0

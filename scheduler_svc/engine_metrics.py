@@ -17,11 +17,13 @@ from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_loop import EngineLoop
 
-_Counts = tuple[int, int, int]  # prefix-cache queries and hits (tokens), preemptions
+# Prefix-cache queries and hits (tokens), preemptions, swap-outs, swap-ins.
+_Counts = tuple[int, int, int, int, int]
 
 
 def _counts(core: Scheduler) -> _Counts:
-    return core.kv.prefix_cache_queries, core.kv.prefix_cache_hits, core.num_preemptions
+    return (core.kv.prefix_cache_queries, core.kv.prefix_cache_hits, core.num_preemptions,
+            core.num_swap_outs, core.num_swap_ins)
 
 
 class CoreTotals:
@@ -32,7 +34,7 @@ class CoreTotals:
     def __init__(self, loop: EngineLoop) -> None:
         self._loop = loop
         self._core = loop.scheduler
-        self._carried: _Counts = (0, 0, 0)
+        self._carried: _Counts = (0, 0, 0, 0, 0)
 
     def read(self) -> _Counts:
         core = self._loop.scheduler
@@ -50,7 +52,7 @@ class CoreTotals:
 
 def snapshot(loop: EngineLoop, totals: CoreTotals, checkpointer: Checkpointer) -> EngineSnapshot:
     stats = loop.scheduler.stats()
-    queries, hits, preemptions = totals.read()
+    queries, hits, preemptions, swap_outs, swap_ins = totals.read()
     return EngineSnapshot(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting - stats.num_swapped,
@@ -59,6 +61,8 @@ def snapshot(loop: EngineLoop, totals: CoreTotals, checkpointer: Checkpointer) -
         prefix_cache_queries=queries,
         prefix_cache_hits=hits,
         num_preemptions=preemptions,
+        num_swap_outs=swap_outs,
+        num_swap_ins=swap_ins,
         num_recoveries=loop.num_recoveries,
         ready=loop.status == GroupStatus.READY,
         num_checkpoint_writes=checkpointer.num_writes,

@@ -88,7 +88,9 @@ class SchedulerStats:
     num_waiting: int  # includes preempted and swapped requests
     num_free_blocks: int  # device blocks no request holds, cached ones included
     num_blocks: int
-    num_preemptions: int
+    num_preemptions: int  # swapped out or recomputed, since start
+    num_swap_outs: int = 0  # of those preemptions, the ones whose KV went to swap space
+    num_swap_ins: int = 0  # swapped requests whose KV came back (not recomputed)
     num_swapped: int = 0  # waiting requests whose KV is in swap space
     num_free_swap_blocks: int = 0
     num_cached_blocks: int = 0  # device blocks the prefix cache can hand out, used or free

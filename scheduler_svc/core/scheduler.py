@@ -73,6 +73,10 @@ class Scheduler:
         self._next_step_id = 0
         self._preempted_this_step = False
         self.num_preemptions = 0
+        # Preemptions that swapped the KV out, and swap-ins that brought it back: proof that
+        # swap mode swapped rather than falling back to recompute.
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
 
     # ---- admission and abort -------------------------------------------------------------
 
@@ -215,6 +219,8 @@ class Scheduler:
             num_free_blocks=kv.pool.num_free_blocks,
             num_blocks=kv.pool.num_blocks,
             num_preemptions=self.num_preemptions,
+            num_swap_outs=self.num_swap_outs,
+            num_swap_ins=self.num_swap_ins,
             num_swapped=sum(r.status is RequestStatus.SWAPPED for r in self.requests.values()),
             num_free_swap_blocks=kv.swap.num_free_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks,
@@ -323,6 +329,7 @@ class Scheduler:
         if swap_pairs is not None:
             output.blocks_to_swap_out.extend(swap_pairs)
             request.status = RequestStatus.SWAPPED
+            self.num_swap_outs += 1
         else:
             self.kv.free(request)
             request.num_computed_tokens = 0
@@ -404,6 +411,7 @@ class Scheduler:
             return 0
         pairs, swap_ids = swapped_in
         output.blocks_to_swap_in.extend(pairs)
+        self.num_swap_ins += 1
         self._swap_blocks_to_free.extend(swap_ids)
         self._start_running(request, output, num_new)
         return num_new

@@ -30,6 +30,7 @@ CONTRACT = {
     "pagemesh:num_requests_swapped", "pagemesh:kv_cache_usage_perc",
     "pagemesh:prefix_cache_queries_total", "pagemesh:prefix_cache_hits_total",
     "pagemesh:num_preemptions_total", "pagemesh:request_queue_time_seconds",
+    "pagemesh:num_swap_outs_total", "pagemesh:num_swap_ins_total",
     "pagemesh:step_time_seconds", "pagemesh:scheduled_tokens_per_step",
     "pagemesh:engine_recoveries_total", "pagemesh:engine_group_ready",
     "pagemesh:checkpoint_writes_total",

@@ -91,6 +91,10 @@ def test_greedy_equals_transformers_under_each_layout(
         assert stats.prefix_cache_hit_rate == 0
     if name.startswith("tiny-cache"):
         assert stats.num_preemptions > 0, "the cache was meant to run out"
+    if name == "tiny-cache-swap":  # swapped, every time, and every swapped request came back
+        assert stats.num_swap_outs == stats.num_preemptions == stats.num_swap_ins, stats
+    if name == "tiny-cache-recompute":
+        assert stats.num_swap_outs == stats.num_swap_ins == 0, stats
 
 
 def n_request(prompt: list[int], n: int, temperature: float, seed: int | None) -> generate_pb2.GenerateRequest:

@@ -36,6 +36,7 @@ SCHEDULER_NAMES = {
     "pagemesh:num_requests_swapped": "gauge", "pagemesh:kv_cache_usage_perc": "gauge",
     "pagemesh:prefix_cache_queries": "counter", "pagemesh:prefix_cache_hits": "counter",
     "pagemesh:num_preemptions": "counter", "pagemesh:request_queue_time_seconds": "histogram",
+    "pagemesh:num_swap_outs": "counter", "pagemesh:num_swap_ins": "counter",
     "pagemesh:step_time_seconds": "histogram", "pagemesh:scheduled_tokens_per_step": "histogram",
     "pagemesh:engine_recoveries": "counter", "pagemesh:engine_group_ready": "gauge",
     "pagemesh:checkpoint_writes": "counter",
@@ -263,6 +264,9 @@ def test_preemptions_and_swapped_requests_are_counted() -> None:
     scrape = samples(metrics.exposition())
     assert value(scrape, "pagemesh:num_preemptions_total", group="g1") >= 1
     assert value(scrape, "pagemesh:num_preemptions_total", group="g1") == loop.scheduler.num_preemptions
+    # No swap space (recompute): no preemption swapped.
+    assert value(scrape, "pagemesh:num_swap_outs_total", group="g1") == 0
+    assert value(scrape, "pagemesh:num_swap_ins_total", group="g1") == 0
     stats = loop.scheduler.stats()
     assert value(scrape, "pagemesh:num_requests_waiting", group="g1") == stats.num_waiting - stats.num_swapped
 

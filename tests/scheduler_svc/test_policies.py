@@ -169,6 +169,8 @@ def test_swap_out_then_in_keeps_the_computed_tokens() -> None:
     assert swap_in.blocks_to_swap_in == list(zip(swap_ids, resumed.block_ids))
     assert resumed.token_ids == scheduler.requests["b"].all_token_ids[:len(resumed.token_ids)]
     assert swap_in.num_scheduled_tokens["b"] == 1  # just the next decode: nothing recomputed
+    stats = scheduler.stats()  # the counters say so too (GetStats, /metrics)
+    assert stats.num_swap_outs == stats.num_swap_ins == stats.num_preemptions == 1
     for request_id, tokens in run_to_completion(scheduler).items():
         num_tokens[request_id] += len(tokens)
     assert num_tokens == {"a": 8, "b": 8}
@@ -188,6 +190,8 @@ def test_swap_falls_back_to_recompute_when_swap_space_is_short() -> None:
         counts[request_id] = counts.get(request_id, 0) + len(tokens)
     assert counts == {"a": 8, "b": 8}
     assert_all_free(scheduler)
+    stats = scheduler.stats()
+    assert stats.num_preemptions >= 1 and stats.num_swap_outs == stats.num_swap_ins == 0
 
 
 def test_abort_of_a_swapped_request_frees_its_swap_blocks() -> None:

@@ -24,7 +24,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_preemptions", "num_steps", "prefix_cache_hit_rate", "num_cached_blocks", "num_recoveries", "group_status")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_preemptions", "num_steps", "prefix_cache_hit_rate", "num_cached_blocks", "num_recoveries", "group_status", "num_swap_outs", "num_swap_ins")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class GetStatsResponse(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     GROUP_STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_INS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -45,7 +47,9 @@ class GetStatsResponse(_message.Message):
     num_cached_blocks: int
     num_recoveries: int
     group_status: GroupStatus
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_recoveries: _Optional[int] = ..., group_status: _Optional[_Union[GroupStatus, str]] = ...) -> None: ...
+    num_swap_outs: int
+    num_swap_ins: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_recoveries: _Optional[int] = ..., group_status: _Optional[_Union[GroupStatus, str]] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context")
