@@ -72,3 +72,40 @@ def assert_greedy_match(model: torch.nn.Module, prompt_ids: list[int], ours: lis
         logits = model(torch.tensor([prompt_ids + reference[:i]])).logits[0, -1]
         assert_near_tie(i, ours[i], reference[i], logits,
                         context=f"\nours: {ours}\nref:  {reference}")
+
+
+LOGPROB_BOUND_FP32 = 1e-4  # |our logprob - transformers'| in fp32 (nats)
+
+
+def assert_logprobs_close(ours: list[int], our_logprobs: list, reference: list[int],
+                          reference_logits: torch.Tensor, bound: float = LOGPROB_BOUND_FP32,
+                          tie_bound: float = NEAR_TIE) -> float:
+    """Our greedy tokens with their logprobs (`TokenLogprob`s: the chosen token's logprob and
+    the top alternatives) against transformers' tokens and per-step logits.
+
+    Up to the first divergence every step's logprobs must equal `log_softmax` of the
+    reference's logits within `bound`: the chosen token's, and each of our top-k, both by id
+    and rank by rank (so the top-k ids agree up to ties within `bound`). At the divergence
+    the near-tie rule applies; after it the contexts differ and nothing is compared.
+    Returns the worst difference seen."""
+    assert len(our_logprobs) == len(ours), f"{len(our_logprobs)} logprob entries, {len(ours)} tokens"
+    diverged = first_divergence(ours, reference)
+    worst = 0.0
+    for i in range(len(ours) if diverged is None else diverged):
+        ref = torch.log_softmax(reference_logits[i].double(), dim=-1)
+        entry = our_logprobs[i]
+        assert entry.token_id == ours[i], (i, entry.token_id, ours[i])
+        diffs = [abs(entry.logprob - float(ref[ours[i]]))]
+        top = [(t.token_id, t.logprob) for t in entry.top]
+        ref_values = ref.topk(len(top)).values.tolist() if top else []
+        for (token_id, logprob), ref_value in zip(top, ref_values):
+            diffs += [abs(logprob - float(ref[token_id])), abs(logprob - ref_value)]
+        worst = max(worst, *diffs)
+        assert max(diffs) <= bound, (
+            f"output token {i}: logprobs differ from transformers' by {max(diffs):.3g} "
+            f"(bound {bound:g}); ours {entry.logprob:.6f} top {top}, "
+            f"transformers {float(ref[ours[i]]):.6f} top {ref_values}")
+    if diverged is not None:
+        assert_near_tie(diverged, ours[diverged], reference[diverged], reference_logits[diverged],
+                        tie_bound, f"\nours: {ours}\nref:  {reference}")
+    return worst
