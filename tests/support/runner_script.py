@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from protos.step import (
+    CachedRequestData,
+    NewRequestData,
+    SampledToken,
+    SamplingParams,
+    SchedulerOutput,
+)
 from worker_svc.runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -26,13 +32,15 @@ class ScriptedRequest:
     join_step: int
     prefill_chunk: int | None = None  # at most this many prompt tokens per step
     outputs: list[int] = field(default_factory=list)
+    sampled: list[SampledToken] = field(default_factory=list)  # with logprobs when asked
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     sent: bool = False
     num_sent: int = 0  # tokens the runner has been told about
 
 
-def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: int) -> None:
+def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: int,
+          sampling: SamplingParams | None = None) -> None:
     """Schedule `requests` like a continuous-batching scheduler until each has
     `num_new_tokens` outputs: joins at `join_step`, chunked prefill, block allocation from
     a shuffled free list, and freeing (and reuse) of finished requests' blocks."""
@@ -57,7 +65,8 @@ def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: 
                                                 known[r.num_sent:]))
             else:
                 new.append(NewRequestData(r.request_id, known, len(r.prompt),
-                                          list(r.block_ids), r.num_computed, GREEDY))
+                                          list(r.block_ids), r.num_computed,
+                                          sampling or GREEDY))
                 r.sent = True
             r.num_sent = len(known)
             scheduled[r.request_id] = num_tokens
@@ -70,7 +79,8 @@ def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: 
             r.num_computed += scheduled[r.request_id]
             if r.num_computed == len(r.prompt) + len(r.outputs):
                 expect_sampled.add(r.request_id)
-                r.outputs.append(output.sampled[r.request_id].token_id)
+                r.sampled.append(output.sampled[r.request_id])
+                r.outputs.append(r.sampled[-1].token_id)
             if len(r.outputs) >= num_new_tokens:
                 finished.append(r.request_id)
                 free_blocks += r.block_ids
