@@ -28,6 +28,9 @@ LAYOUTS = {
                                     "--max-num-batched-tokens", "512"],
     "tiny-cache-recompute": ["--num-kv-blocks", "24", "--preemption-mode", "recompute"],
     "tiny-cache-swap": ["--num-kv-blocks", "24", "--preemption-mode", "swap"],
+    # Priorities 0-2 (the concurrent requests'): admission order and preemption victims by
+    # priority, under the same cache pressure.
+    "tiny-cache-priority": ["--num-kv-blocks", "24", "--scheduling-policy", "priority"],
 }
 SHARED_PREFIX_LEN = 40
 NUM_REQUESTS = 12
@@ -79,7 +82,9 @@ def test_greedy_equals_transformers_under_each_layout(
     for (prompt, _), ours, reference in zip(requests, solo, references):
         assert_greedy_match(hf_model, prompt, ours, reference)
     with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(lambda pn: mesh.generate(greedy_request(*pn)).token_ids, requests))
+        together = list(pool.map(
+            lambda i: mesh.generate(greedy_request(*requests[i], priority=i % 3)).token_ids,
+            range(len(requests))))
     for (prompt, _), ours, reference in zip(requests, together, references):
         assert_greedy_match(hf_model, prompt, ours, reference)
 
