@@ -87,6 +87,33 @@ def test_rebuilt_request_continues_where_it_left_off(tiny_model: Path) -> None:
     assert runner.requests["r"].num_prompt_tokens == len(prompt)
 
 
+@pytest.mark.parametrize("tiny_model", ["llama", "qwen3"], indirect=True)
+def test_a_seed_gives_the_same_tokens_alone_batched_and_resumed(tiny_model: Path) -> None:
+    """Seeded sampling (with every filter) is a function of seed and position only: the same
+    tokens alone, in a batch with other requests joining at other steps, and when the request
+    is rebuilt half-way with its outputs so far (what a resume on another group does)."""
+    seeded = SamplingParams(temperature=1.3, top_k=50, top_p=0.9, min_p=0.01,
+                            repetition_penalty=1.2, presence_penalty=0.5,
+                            frequency_penalty=0.3, seed=2024)
+    runner = make_runner(tiny_model)
+    vocab_size = runner.info().vocab_size
+    prompt = random_prompt(9, vocab_size, 31)
+    alone = ScriptedRequest("s", prompt, join_step=0)
+    drive(runner, [alone], NUM_NEW_TOKENS, seeded)
+    runner.execute_step(SchedulerOutput(100, finished_request_ids=["s"]))
+
+    batched = [ScriptedRequest("s", prompt, join_step=1, prefill_chunk=4),
+               *(ScriptedRequest(f"other{i}", random_prompt(5 + 3 * i, vocab_size, 40 + i),
+                                 join_step=i) for i in range(3))]
+    drive(make_runner(tiny_model), batched, NUM_NEW_TOKENS, seeded)
+    assert batched[0].outputs == alone.outputs
+
+    resumed = ScriptedRequest("s", prompt, join_step=0, outputs=list(alone.outputs[:5]))
+    drive(make_runner(tiny_model), [resumed], NUM_NEW_TOKENS, seeded)
+    assert resumed.outputs == alone.outputs
+    assert len(set(alone.outputs)) > 1  # sampled, not a greedy rut
+
+
 @pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
 def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
     runner = make_runner(tiny_model, num_blocks=8)
