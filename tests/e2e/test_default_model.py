@@ -16,7 +16,7 @@ import torch
 from pagemesh.models import default_model_path
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_logprobs_close, hf_greedy_with_logits
-from tests.support.mesh_harness import Mesh, greedy_request
+from tests.support.mesh_harness import Generation, Mesh, greedy_request
 
 PROMPTS = [
     "The capital of France is",
@@ -48,6 +48,19 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 @pytest.fixture(scope="module")
+def kept_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The default model with its linear layers kept as GGUF Q4_1 blocks, dequantized per
+    matmul (`--gguf-keep-quantized`), beside the dequantized one."""
+    mesh = Mesh(None, tmp_path_factory.mktemp("logs") / "smollm2-kept.log",
+                cluster="e2e-smollm2-kept", extra_args=["--dtype", "float32",
+                                                        "--gguf-keep-quantized"])
+    try:
+        yield mesh.wait_ready()
+    finally:
+        assert mesh.stop() == 0, mesh.log()
+
+
+@pytest.fixture(scope="module")
 def hf_model_and_tokenizer(model_path: str) -> tuple[torch.nn.Module, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,10 +70,18 @@ def hf_model_and_tokenizer(model_path: str) -> tuple[torch.nn.Module, object]:
     return model.eval(), tokenizer
 
 
-def test_greedy_equals_transformers_alone_and_concurrent(mesh: Mesh, hf_model_and_tokenizer: tuple) -> None:
+@pytest.fixture(scope="module")
+def solo(mesh: Mesh, hf_model_and_tokenizer: tuple) -> list[Generation]:
+    """PROMPTS one at a time through the dequantized mesh, with top-5 logprobs."""
+    _, tokenizer = hf_model_and_tokenizer
+    return [mesh.generate(greedy_request(tokenizer(p)["input_ids"], MAX_TOKENS, logprobs=5))
+            for p in PROMPTS]
+
+
+def test_greedy_equals_transformers_alone_and_concurrent(
+        mesh: Mesh, hf_model_and_tokenizer: tuple, solo: list[Generation]) -> None:
     model, tokenizer = hf_model_and_tokenizer
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    solo = [mesh.generate(greedy_request(p, MAX_TOKENS, logprobs=5)) for p in prompts]
     worst = 0.0
     for prompt, result in zip(prompts, solo):
         worst = max(worst, assert_logprobs_close(result.token_ids, list(result.logprobs),
@@ -89,3 +110,23 @@ def test_text_prompt_ends_at_eos_with_usage(mesh: Mesh) -> None:
     assert result.finish_reason == generate_pb2.FINISH_REASON_STOP
     assert result.completion_tokens == len(result.token_ids) > 0
     assert "<|im_end|>" not in result.text
+
+
+def test_gguf_kept_quantized_through_the_mesh_equals_the_dequantized_model(
+        mesh: Mesh, kept_mesh: Mesh, hf_model_and_tokenizer: tuple,
+        solo: list[Generation]) -> None:
+    """The same tokens from Q4_1 blocks kept in memory as from the weights dequantized at
+    load, through the whole mesh, at a fraction of the weight memory."""
+    _, tokenizer = hf_model_and_tokenizer
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    kept = [kept_mesh.generate(greedy_request(p, MAX_TOKENS)).token_ids for p in prompts]
+    assert kept == [result.token_ids for result in solo]
+    infos = [m.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()) for m in (mesh, kept_mesh)]
+    assert [info.quantization for info in infos] == ["none", "gguf-q4_1"]
+    # 30 layers' linear weights: fp32 (4 bytes a weight) -> Q4_1 (20 bytes per 32).
+    assert infos[0].weight_bytes - infos[1].weight_bytes > 350_000_000
+    chat = generate_pb2.GenerateRequest(text="What is the capital of France?",
+                                        apply_chat_template=True)
+    chat.sampling.temperature = 0
+    chat.stopping.max_tokens = 20
+    assert "Paris" in kept_mesh.generate(chat).text

