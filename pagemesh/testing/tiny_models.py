@@ -2,8 +2,17 @@
 
 `write_tiny_model(path, arch)` saves a transformers model folder (config.json,
 model.safetensors, generation_config.json) plus a byte-level BPE tokenizer trained on a
-fixed English text. Weights are drawn with a large std so greedy steps have top-2 logits
-well apart: HF and pagemesh then agree token for token instead of flipping at near-ties.
+fixed English text. Two weight scales:
+
+- `PEAKY_STD` (the default, 0.4): greedy steps have top-2 logits well apart, so HF and
+  pagemesh agree token for token; for tests of plumbing, where a near-tie would be noise.
+- realistic (`write_realistic_model`): weights of std 0.02, as trained checkpoints have, so
+  logits lie close and near-ties really occur; and query/key projections of std 0.2, so
+  attention is as peaked as a trained model's (the mean row's largest weight is ~0.6, not
+  the ~0.14 of uniform-ish attention that std 0.02 alone gives). A small numerical error
+  then moves logprobs past the fp32 bound: a norm epsilon x10 by ~1e-2, a rotary theta +1%
+  by ~2e-3 (which attention at std 0.02 would shrink to 1e-5). For the tests of numerical
+  parity.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ _ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),  # != hidden / heads, as real Qwen3 does
 }
+PEAKY_STD = 0.4
+REALISTIC_STD = 0.02
+REALISTIC_ATTENTION_STD = 0.2  # query and key projections
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,
@@ -84,7 +96,7 @@ def _write_tokenizer(path: Path, vocab_size: int) -> int:
     return tokenizer.get_vocab_size()
 
 
-def _randomise(model: torch.nn.Module, seed: int, std: float) -> None:
+def _randomise(model: torch.nn.Module, seed: int, std: float, attention_std: float) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -92,6 +104,8 @@ def _randomise(model: torch.nn.Module, seed: int, std: float) -> None:
             if "norm" in name:
                 # Around 1 so layers keep their scale, but not 1 so norm loading is tested.
                 param.copy_(1.0 + 0.2 * noise)
+            elif "q_proj" in name or "k_proj" in name:
+                param.copy_(attention_std * noise)
             else:
                 param.copy_(std * noise)
 
@@ -103,11 +117,14 @@ def write_tiny_model(
     *,
     tie_word_embeddings: bool = False,
     llama3_rope: bool = False,
-    std: float = 0.4,
+    std: float = PEAKY_STD,
+    attention_std: float | None = None,
     max_shard_size: str | None = None,
     **overrides: Any,
 ) -> Path:
-    """Write a tiny random `arch` model + tokenizer to `path`; deterministic given `seed`."""
+    """Write a tiny random `arch` model + tokenizer to `path`; deterministic given `seed`.
+    `std`: the weights' standard deviation (norms excepted, drawn around 1);
+    `attention_std`: the query and key projections' (None: `std`)."""
     import transformers
 
     path = Path(path)
@@ -135,9 +152,17 @@ def write_tiny_model(
     config_kwargs.update(overrides)
     config = getattr(transformers, config_class_name)(**config_kwargs)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    _randomise(model, seed, std)
+    _randomise(model, seed, std, std if attention_std is None else attention_std)
     save_kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(path, **save_kwargs)
     return path
+
+
+def write_realistic_model(path: str | Path, arch: str = "llama", seed: int = 0,
+                          **overrides: Any) -> Path:
+    """`write_tiny_model` at a trained checkpoint's scales (see the module's docstring):
+    for the tests of numerical parity with transformers."""
+    return write_tiny_model(path, arch, seed, std=REALISTIC_STD,
+                            attention_std=REALISTIC_ATTENTION_STD, **overrides)

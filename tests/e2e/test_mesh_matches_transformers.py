@@ -1,9 +1,10 @@
 """Through the full mesh, greedy tokens and their logprobs equal `transformers` on the same
 weights, for every architecture: alone, and as 16 concurrent streams of different lengths.
 
-The models are realistic random ones (weights of std 0.02, as trained checkpoints have, not
-the peaky 0.4 of the other tests), so top-2 logits lie close and a small numerical error
-(a norm epsilon, a rotary detail, a softmax scale) would move tokens and logprobs."""
+The models are realistic random ones (`write_realistic_model`: weights of std 0.02 and
+attention as peaked as a trained model's, not the peaky std 0.4 of the plumbing tests), so
+top-2 logits lie close and a small numerical error (a norm epsilon, a rotary detail, a
+softmax scale) would move tokens and logprobs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protos.pagemesh.v1 import generate_pb2
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.testing.tiny_models import write_realistic_model
 from tests.support.hf_reference import (
     LOGPROB_BOUND_FP32,
     assert_logprobs_close,
@@ -27,7 +28,6 @@ from tests.support.mesh_harness import Mesh, greedy_request
 
 NUM_CONCURRENT = 16
 NUM_TOP_LOGPROBS = 5
-REALISTIC_STD = 0.02
 
 
 def prompts_for(vocab_size: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -39,8 +39,7 @@ def prompts_for(vocab_size: int, lengths: list[int], seed: int) -> list[list[int
 def arch_mesh(request: pytest.FixtureRequest, redis_url: str,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Mesh]]:
     arch = request.param
-    folder = write_tiny_model(tmp_path_factory.mktemp(arch) / f"tiny-{arch}", arch, seed=7,
-                              std=REALISTIC_STD)
+    folder = write_realistic_model(tmp_path_factory.mktemp(arch) / f"tiny-{arch}", arch, seed=7)
     mesh = Mesh(str(folder), tmp_path_factory.mktemp("logs") / f"{arch}.log",
                 redis_url=redis_url, cluster=f"e2e-match-{arch}")
     try:

@@ -1,6 +1,10 @@
-"""The correctness bar: greedy tokens from Hugging Face `transformers` on the same weights."""
+"""The correctness bar: greedy tokens and logprobs from Hugging Face `transformers` on the
+same weights, and the bounds within which ours must lie (fp32, and bf16/fp16 derived from
+transformers' own rounding)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -109,3 +113,39 @@ def assert_logprobs_close(ours: list[int], our_logprobs: list, reference: list[i
         assert_near_tie(diverged, ours[diverged], reference[diverged], reference_logits[diverged],
                         tie_bound, f"\nours: {ours}\nref:  {reference}")
     return worst
+
+
+@dataclass(frozen=True)
+class HalfPrecisionReference:
+    """transformers' greedy run in bf16/fp16 and the bounds ours is held to.
+
+    The bounds are derived, not guessed: `noise` is how far transformers' half-precision
+    logprobs (and logits) lie from its own fp32 run on the same context, over every step and
+    the whole vocabulary. Ours and theirs round independently, so an implementation as exact
+    as theirs lies within 2 x noise of theirs (+ 1e-5 for our fp32 log_softmax)."""
+
+    tokens: list[int]
+    logits: torch.Tensor  # [num_tokens, vocab_size], transformers' in the half dtype
+    logprob_bound: float  # nats
+    tie_bound: float  # a logit gap: a divergence under it is a near-tie
+
+
+@torch.inference_mode()
+def half_precision_reference(hf32: torch.nn.Module, hf_half: torch.nn.Module,
+                             prompt_ids: list[int], max_new_tokens: int) -> HalfPrecisionReference:
+    """`hf_half`'s greedy tokens and logits, bounded by its distance from `hf32` (the same
+    weights in fp32) teacher-forced on the half-precision continuation."""
+    tokens, logits = hf_greedy_with_logits(hf_half, prompt_ids, max_new_tokens)
+    logits32 = hf32(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1:-1].double()
+    half = logits.double()
+    logprob_noise = (torch.log_softmax(half, -1) - torch.log_softmax(logits32, -1)).abs().max()
+    logit_noise = (half - logits32).abs().max()
+    return HalfPrecisionReference(tokens, logits, 2 * float(logprob_noise) + 1e-5,
+                                  2 * float(logit_noise))
+
+
+def assert_half_precision_close(ours: list[int], our_logprobs: list,
+                                reference: HalfPrecisionReference) -> float:
+    """`assert_logprobs_close` within the reference's derived bounds; the worst difference."""
+    return assert_logprobs_close(ours, our_logprobs, reference.tokens, reference.logits,
+                                 reference.logprob_bound, reference.tie_bound)

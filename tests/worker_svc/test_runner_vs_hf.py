@@ -6,6 +6,8 @@ accepted only at a demonstrated near-tie (HF's top-2 logits within 1e-4 there).
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,9 @@ import torch
 from protos.step import CachedRequestData, NewRequestData, SampledToken, SamplingParams, SchedulerOutput
 from tests.support.hf_reference import (
     assert_greedy_close,
+    assert_half_precision_close,
     assert_logprobs_close,
+    half_precision_reference,
     hf_greedy_with_logits,
 )
 from tests.support.runner_script import (
@@ -26,7 +30,7 @@ from tests.support.runner_script import (
     drive,
     random_prompt,
 )
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.testing.tiny_models import write_realistic_model, write_tiny_model
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 VARIANTS = {
@@ -152,53 +156,20 @@ def test_invalid_steps_raise_and_change_nothing(tiny_model: Path) -> None:
     assert set(output.sampled) == {"a"} and output.forward_time_ms > 0
 
 
-@pytest.mark.parametrize("tiny_model", ["qwen3"], indirect=True)
-def test_bfloat16_runner_serves_a_batch(tiny_model: Path) -> None:
-    """bf16 is not compared token for token: with this large-std init, bf16 rounding
-    moves logits by ~1 in HF too. It must run end to end and keep its cache in bf16."""
-    runner = ModelRunner.from_config(RunnerConfig(
-        model_path=str(tiny_model), dtype="bfloat16", block_size=BLOCK_SIZE, num_blocks=48,
-    ))
-    vocab_size = runner.info().vocab_size
-    requests = [
-        ScriptedRequest("a", random_prompt(11, vocab_size, 8), join_step=0, prefill_chunk=6),
-        ScriptedRequest("b", random_prompt(4, vocab_size, 9), join_step=1),
-    ]
-    drive(runner, requests, 4)
-    assert runner.info().dtype == "bfloat16"
-    assert all(cache.dtype == torch.bfloat16 for cache in runner.kv_caches)
-    assert all(0 <= t < vocab_size for r in requests for t in r.outputs)
-
-
-REALISTIC_STD = 0.02  # trained checkpoints' scale: top-2 logits lie close
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@torch.inference_mode()
-def _half_noise(hf32, hf_half, prompt: list[int], tokens: list[int], logits_half: torch.Tensor,
-                ) -> tuple[float, float]:
-    """How far transformers' own half-precision run lies from its fp32 run on the same
-    context (fp32 teacher-forced on the half-precision continuation): the largest logprob
-    and logit differences over every step and the whole vocabulary."""
-    logits32 = hf32(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
-    half = logits_half.double()
-    logprob_gap = (torch.log_softmax(half, -1) - torch.log_softmax(logits32, -1)).abs().max()
-    return float(logprob_gap), float((half - logits32).abs().max())
 
 
 @pytest.mark.parametrize("dtype", list(HALF_DTYPES))
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_half_precision_logprobs_match_transformers_within_its_own_rounding(
         arch: str, dtype: str, tmp_path: Path) -> None:
-    """bf16/fp16 against transformers in the same dtype. The bound is derived, not guessed:
-    transformers' half-precision run differs from its fp32 run by `noise` (measured here, on
-    the same weights and prompts); ours and theirs round independently, so an implementation
-    as exact as theirs lies within 2 x noise of theirs. Greedy tokens may part only at a
-    near-tie under 2 x the logit noise, with our token in their top 2. The worst case is
-    printed."""
+    """bf16/fp16 against transformers in the same dtype, within twice transformers' own
+    distance from its fp32 run (`half_precision_reference` derives the bounds). Greedy
+    tokens may part only at a near-tie under 2 x the logit noise, with our token in their
+    top 2. The worst case is printed."""
     from transformers import AutoModelForCausalLM
 
-    folder = write_tiny_model(tmp_path / arch, arch, seed=11, std=REALISTIC_STD)
+    folder = write_realistic_model(tmp_path / arch, arch, seed=11)
     runner = ModelRunner.from_config(RunnerConfig(
         model_path=str(folder), dtype=dtype, block_size=BLOCK_SIZE, num_blocks=48))
     assert runner.info().dtype == dtype
@@ -212,14 +183,54 @@ def test_half_precision_logprobs_match_transformers_within_its_own_rounding(
     drive(runner, requests, NUM_NEW_TOKENS, SamplingParams(temperature=0.0, num_logprobs=5))
     worst, worst_bound = 0.0, 0.0
     for r in requests:
-        tokens, logits = hf_greedy_with_logits(hf_half, r.prompt, NUM_NEW_TOKENS)
-        logprob_noise, logit_noise = _half_noise(hf32, hf_half, r.prompt, tokens, logits)
-        bound = 2 * logprob_noise + 1e-5  # + fp32 log_softmax rounding of our own
+        reference = half_precision_reference(hf32, hf_half, r.prompt, NUM_NEW_TOKENS)
         entries = [_as_token_logprob(s) for s in r.sampled]
-        worst = max(worst, assert_logprobs_close(r.outputs, entries, tokens, logits, bound,
-                                                 tie_bound=2 * logit_noise))
-        worst_bound = max(worst_bound, bound)
+        worst = max(worst, assert_half_precision_close(r.outputs, entries, reference))
+        worst_bound = max(worst_bound, reference.logprob_bound)
     print(f"{arch} {dtype}: worst logprob difference {worst:.2e}, bound 2 x noise {worst_bound:.2e}")
+
+
+def _with_rope_theta_scaled(config: dict, factor: float) -> None:
+    config["rope_parameters"]["rope_theta"] *= factor
+
+
+SMALL_BUGS = {  # a config our loader could misread, each a change of ~1% or less in a layer
+    "norm epsilon x10": lambda config: config.update(rms_norm_eps=10 * config["rms_norm_eps"]),
+    "rotary theta +1%": lambda config: _with_rope_theta_scaled(config, 1.01),
+}
+
+
+@pytest.mark.parametrize("bug", list(SMALL_BUGS))
+def test_the_parity_check_catches_a_small_numerical_bug(bug: str, tmp_path: Path) -> None:
+    """The check is only worth its bound if it fails on a real but small error: the runner
+    given a subtly wrong config (as a loader bug would) must fail `assert_logprobs_close`
+    against transformers on the true one, on realistic weights, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    folder = write_realistic_model(tmp_path / "true", "llama", seed=11)
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    config = json.loads((broken / "config.json").read_text())
+    SMALL_BUGS[bug](config)
+    (broken / "config.json").write_text(json.dumps(config))
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def runs(path: Path) -> list[ScriptedRequest]:
+        vocab_size = hf_model.config.vocab_size
+        requests = [ScriptedRequest(f"r{i}", random_prompt(n, vocab_size, 60 + i), join_step=0)
+                    for i, n in enumerate((13, 29))]
+        drive(make_runner(path), requests, NUM_NEW_TOKENS,
+              SamplingParams(temperature=0.0, num_logprobs=5))
+        return requests
+
+    def check(requests: list[ScriptedRequest]) -> None:
+        for r in requests:
+            assert_logprobs_close(r.outputs, [_as_token_logprob(s) for s in r.sampled],
+                                  *hf_greedy_with_logits(hf_model, r.prompt, NUM_NEW_TOKENS))
+
+    check(runs(folder))  # the true config passes
+    with pytest.raises(AssertionError, match="logprobs differ from transformers|near-tie"):
+        check(runs(broken))
 
 
 @dataclass(frozen=True)
