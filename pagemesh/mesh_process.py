@@ -121,17 +121,7 @@ class Mesh:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def generate(self, request: generate_pb2.GenerateRequest, timeout_s: float = 300) -> Generation:
-        result = Generation()
-        for chunk in self.stub.Generate(request, timeout=timeout_s):
-            result.num_chunks += 1
-            result.token_ids.extend(chunk.token_ids)
-            result.text += chunk.text
-            result.logprobs.extend(chunk.logprobs)
-            if chunk.finish_reason:
-                result.finish_reason = chunk.finish_reason
-                result.prompt_tokens = chunk.usage.prompt_tokens
-                result.completion_tokens = chunk.usage.completion_tokens
-        return result
+        return generate(self.stub, request, timeout_s)
 
     def child_pids(self) -> list[int]:
         """Processes `pagemesh up` started (services and the embedded Valkey)."""
@@ -157,6 +147,22 @@ class Mesh:
         if survivors:
             raise AssertionError(f"processes outlived `pagemesh up`: {survivors}")
         return self.process.returncode
+
+
+def generate(stub: generate_pb2_grpc.GenerationStub, request: generate_pb2.GenerateRequest,
+             timeout_s: float = 300) -> Generation:
+    """One `Generate` stream through a router, its chunks joined."""
+    result = Generation()
+    for chunk in stub.Generate(request, timeout=timeout_s):
+        result.num_chunks += 1
+        result.token_ids.extend(chunk.token_ids)
+        result.text += chunk.text
+        result.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason:
+            result.finish_reason = chunk.finish_reason
+            result.prompt_tokens = chunk.usage.prompt_tokens
+            result.completion_tokens = chunk.usage.completion_tokens
+    return result
 
 
 def alive(pid: int) -> bool:

@@ -3,18 +3,15 @@ logprobs, tokenize, model info, health and reflection."""
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
-from tests.support.mesh_harness import Mesh, greedy_request
+from tests.support.mesh_harness import Mesh, greedy_request, scheduler_stats
 from tests.support.eventually import eventually
 
 MAX_MODEL_LEN = 512  # the tiny models' max_position_embeddings
@@ -75,14 +72,6 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(tiny_llama_mesh
     assert results[0].token_ids == first
     different = [tiny_llama_mesh.generate(sampled_request(prompt, seed=s)).token_ids for s in (1, 2, 3)]
     assert any(tokens != first for tokens in different), "the seed has no effect"
-
-
-def scheduler_stats(redis_url: str, cluster: str) -> scheduler_pb2.GetStatsResponse:
-    """Asks the scheduler directly, found where the router finds it: in Redis."""
-    raw = redis.Redis.from_url(redis_url).get(f"{cluster}:scheduler:g0")
-    assert raw is not None, "scheduler is not registered"
-    with grpc.insecure_channel(json.loads(raw)["address"]) as channel:
-        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest())
 
 
 def test_cancelling_a_stream_returns_every_block(tiny_llama_mesh: Mesh, redis_url: str) -> None:

@@ -4,22 +4,18 @@ preemption (recompute and swap) must happen, and n > 1 samples."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import pytest
-import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
-from tests.support.mesh_harness import Mesh, greedy_request
+from tests.support.mesh_harness import Mesh, greedy_request, scheduler_stats
 
 LAYOUTS = {
     # name: flags of `pagemesh up`
@@ -46,12 +42,6 @@ def workload(vocab_size: int) -> list[tuple[list[int], int]]:
         prompt = prefix + tail if i % 3 else tail * 2
         requests.append((prompt, 12 + (5 * i) % 20))
     return requests
-
-
-def scheduler_stats(redis_url: str, cluster: str) -> scheduler_pb2.GetStatsResponse:
-    raw = redis.Redis.from_url(redis_url).get(f"{cluster}:scheduler:g0")
-    with grpc.insecure_channel(json.loads(raw)["address"]) as channel:
-        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest())
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,26 @@ this layer only runs its meshes from this checkout, whatever pytest's working di
 
 from __future__ import annotations
 
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+import redis
+
 from pagemesh import mesh_process
-from pagemesh.mesh_process import Generation, alive, free_port, greedy_request
+from pagemesh.mesh_process import Generation, alive, free_port, generate, greedy_request
+from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.support.paths import REPO_ROOT
 
 
-__all__ = ["REPO_ROOT", "Generation", "Mesh", "alive", "free_port", "greedy_request"]
+__all__ = ["REPO_ROOT", "Generation", "Mesh", "RouterProcess", "alive", "free_port",
+           "generate", "greedy_request", "router_process", "scheduler_stats", "scheduler_stats_at"]
 
 
 class Mesh(mesh_process.Mesh):
@@ -22,3 +34,53 @@ class Mesh(mesh_process.Mesh):
     def __init__(self, model: str | None, log_path: Path, *, repo_root: Path = REPO_ROOT,
                  **kwargs: object) -> None:
         super().__init__(model, log_path, repo_root=repo_root, **kwargs)
+
+
+def scheduler_stats_at(address: str) -> scheduler_pb2.GetStatsResponse:
+    """`GetStats` of the scheduler at `address`."""
+    with grpc.insecure_channel(address) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest())
+
+
+def scheduler_stats(redis_url: str, cluster: str, group: str = "g0") -> scheduler_pb2.GetStatsResponse:
+    """Asks a group's scheduler directly, found where the router finds it: in Redis."""
+    raw = redis.Redis.from_url(redis_url).get(f"{cluster}:scheduler:{group}")
+    assert raw is not None, f"scheduler {group} of {cluster} is not registered"
+    return scheduler_stats_at(json.loads(raw)["address"])
+
+
+@dataclass
+class RouterProcess:
+    """A router started on its own (`python -m router.main`), beside a mesh's."""
+
+    process: subprocess.Popen
+    channel: grpc.Channel
+    stub: generate_pb2_grpc.GenerationStub
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def generate(self, request: generate_pb2.GenerateRequest, timeout_s: float = 300) -> Generation:
+        return generate(self.stub, request, timeout_s)
+
+
+@contextlib.contextmanager
+def router_process(model: Path, redis_url: str, cluster: str, log_path: Path,
+                   *args: str) -> Iterator[RouterProcess]:
+    """One more router for `cluster`'s engine groups (found in Redis, as every router finds
+    them), with its own flags; stopped with SIGTERM when the block ends, which it must
+    survive with exit status 0."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "router.main", "--model", str(model), "--port", str(port),
+             "--redis-url", redis_url, "--cluster", cluster, "--http-port", "0", *args],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            yield RouterProcess(process, channel, generate_pb2_grpc.GenerationStub(channel), log_path)
+        finally:
+            channel.close()
+            process.terminate()
+            assert process.wait(timeout=30) == 0, log_path.read_text(errors="replace")[-3000:]
