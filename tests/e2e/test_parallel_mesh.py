@@ -5,9 +5,7 @@ equal across layouts."""
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,14 +16,8 @@ from transformers import AutoModelForCausalLM
 from pagemesh.testing.tiny_models import write_tiny_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
-from tests.support.mesh_harness import Mesh, greedy_request
-
-LAYOUTS = {  # name: (tp, pp, extra flags)
-    "tp1": (1, 1, []),
-    "tp2": (2, 1, []),
-    "pp2-uneven": (1, 2, ["--pp-layer-split", "1,2"]),
-    "tp2xpp2": (2, 2, []),
-}
+from tests.support.mesh_harness import greedy_request
+from tests.support.parallel_layouts import LAYOUTS, run_layout
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +44,12 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(1, 509) for _ in range(n)] for n in (1, 7, 16, 33, 50)]
 
 
-@contextlib.contextmanager
-def run_layout(name: str, model: Path, redis_url: str, log_dir: Path) -> Iterator[Mesh]:
-    """A mesh of the layout, stopped when the `with` block ends, however it ends (a test
-    that returns or fails inside it must not leave processes behind)."""
-    tp, pp, extra = LAYOUTS[name]
-    mesh = Mesh(str(model), log_dir / f"{name}.log", redis_url=redis_url,
-                cluster=f"e2e-par-{name}", extra_args=["--tp", str(tp), "--pp", str(pp), *extra])
-    try:
-        yield mesh.wait_ready()
-    finally:
-        mesh.stop()
-
-
 @pytest.fixture(scope="module")
 def seeded_reference(edge_model: Path, redis_url: str,
                      tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """Seeded samples from the one-worker layout, which every other layout must reproduce."""
-    with run_layout("tp1", edge_model, redis_url, tmp_path_factory.mktemp("logs")) as mesh:
+    with run_layout("tp1", edge_model, redis_url, tmp_path_factory.mktemp("logs"),
+                    cluster="e2e-par-tp1") as mesh:
         return [mesh.generate(seeded_request(p, seed=i)).token_ids for i, p in enumerate(prompts())]
 
 
@@ -78,7 +58,7 @@ def test_layout_matches_transformers_and_one_worker(
     name: str, edge_model: Path, hf_model: torch.nn.Module, redis_url: str,
     seeded_reference: list[list[int]], tmp_path: Path,
 ) -> None:
-    with run_layout(name, edge_model, redis_url, tmp_path) as mesh:
+    with run_layout(name, edge_model, redis_url, tmp_path, cluster=f"e2e-par-{name}") as mesh:
         requests = [(p, 12) for p in prompts()]
         with ThreadPoolExecutor(len(requests)) as pool:
             results = list(pool.map(lambda pn: mesh.generate(greedy_request(*pn)).token_ids, requests))

@@ -1,0 +1,118 @@
+"""bf16 and fp16 through the whole mesh, against transformers in the same dtype, for every
+parallel layout (tp=1, tp=2, pp=2, tp=2 x pp=2), each with the scheduling features on and
+happening: a shared prefix hits the prefix cache, long prompts are chunked, and the cache is
+small enough that requests are preempted (by swap in bf16, by recompute in fp16).
+
+The chosen tokens' logprobs and the top-5 must lie within the bound that
+`half_precision_reference` derives from transformers' own rounding (twice its distance from
+its fp32 run), and greedy tokens may part from transformers' only at a near-tie under twice
+its logit noise. The models are realistic (std 0.02, peaked attention) with the parallel
+edge shapes: a vocabulary of 509 (odd, so the vocab-parallel head pads), one KV head for
+two tensor ranks, three layers over two stages. Worst cases are printed (`pytest -s`)."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagemesh.testing.tiny_models import write_realistic_model
+from protos.pagemesh.v1 import generate_pb2
+from tests.support.hf_reference import (
+    HalfPrecisionReference,
+    assert_half_precision_close,
+    first_divergence,
+    half_precision_reference,
+)
+from tests.support.mesh_harness import greedy_request, scheduler_stats
+from tests.support.parallel_layouts import LAYOUTS, run_layout
+
+
+@dataclass(frozen=True)
+class HalfSetting:
+    torch_dtype: torch.dtype
+    arch: str  # one architecture per dtype: the runner test covers every pair in-process
+    preemption_mode: str
+
+
+SETTINGS = {
+    "bfloat16": HalfSetting(torch.bfloat16, "llama", "swap"),
+    "float16": HalfSetting(torch.float16, "qwen3", "recompute"),
+}
+VOCAB_SIZE = 509
+# Blocks of 16 tokens: 12 cannot hold the seven requests at once (about 20 blocks without
+# sharing), so some are preempted; 16-token chunks and a 32-token budget split the prompts.
+SCHEDULING_ARGS = ["--num-kv-blocks", "12", "--max-num-batched-tokens", "32",
+                   "--long-prefill-token-threshold", "16"]
+SHARED_PREFIX_LEN = 40
+MAX_TOKENS = 14
+NUM_TOP_LOGPROBS = 5
+
+
+def workload() -> list[list[int]]:
+    """Three prompts behind one 40-token prefix (two whole blocks of it can be shared) and
+    four unrelated ones, 1 to 60 tokens long."""
+    rng = random.Random(23)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, VOCAB_SIZE) for _ in range(n)]
+
+    prefix = tokens(SHARED_PREFIX_LEN)
+    return [prefix + tokens(n) for n in (3, 11, 20)] + [tokens(n) for n in (1, 9, 30, 57)]
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def half_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> tuple[str, Path, list[HalfPrecisionReference]]:
+    """The dtype's model, and transformers' reference for every prompt of the workload."""
+    dtype, setting = request.param, SETTINGS[request.param]
+    folder = write_realistic_model(tmp_path_factory.mktemp(dtype) / f"edge-{setting.arch}",
+                                   setting.arch, seed=13, vocab_size=VOCAB_SIZE,
+                                   num_key_value_heads=1, num_hidden_layers=3)
+    hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_half = AutoModelForCausalLM.from_pretrained(folder, dtype=setting.torch_dtype).eval()
+    references = [half_precision_reference(hf32, hf_half, prompt, MAX_TOKENS)
+                  for prompt in workload()]
+    return dtype, folder, references
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_half_precision_layout_matches_transformers(
+        layout: str, half_model: tuple[str, Path, list[HalfPrecisionReference]],
+        redis_url: str, tmp_path: Path) -> None:
+    dtype, folder, references = half_model
+    cluster = f"e2e-half-{dtype}-{layout}"
+    args = ["--dtype", dtype, "--preemption-mode", SETTINGS[dtype].preemption_mode,
+            *SCHEDULING_ARGS]
+    prompts = workload()
+    with run_layout(layout, folder, redis_url, tmp_path, cluster=cluster, extra_args=args) as mesh:
+        info = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+        assert info.dtype == dtype
+        mesh.generate(greedy_request(prompts[0], MAX_TOKENS))  # its prefix is cached now
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(
+                lambda p: mesh.generate(greedy_request(p, MAX_TOKENS, logprobs=NUM_TOP_LOGPROBS)),
+                prompts))
+        stats = scheduler_stats(redis_url, cluster)
+
+    worst, worst_bound, near_ties = 0.0, 0.0, 0
+    for result, reference in zip(results, references):
+        assert result.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert all(len(entry.top) == NUM_TOP_LOGPROBS for entry in result.logprobs)
+        worst = max(worst, assert_half_precision_close(result.token_ids, list(result.logprobs),
+                                                       reference))
+        worst_bound = max(worst_bound, reference.logprob_bound)
+        near_ties += first_divergence(result.token_ids, reference.tokens) is not None
+    print(f"{dtype} {layout}: worst logprob difference {worst:.2e} (bound {worst_bound:.2e}), "
+          f"{near_ties} of {len(prompts)} streams parted at a near-tie; "
+          f"{stats.num_preemptions} preemptions, prefix hit rate {stats.prefix_cache_hit_rate:.2f}")
+    assert stats.prefix_cache_hit_rate > 0, stats
+    assert stats.num_preemptions > 0, "the cache was meant to run out"
+    swapped = stats.num_preemptions if SETTINGS[dtype].preemption_mode == "swap" else 0
+    assert stats.num_swap_outs == swapped == stats.num_swap_ins, stats
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0, stats
