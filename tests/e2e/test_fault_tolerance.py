@@ -18,9 +18,11 @@ from transformers import AutoModelForCausalLM
 
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.chaos import (
+    Stream,
     assert_same_streams,
     entries,
     health_status,
+    make_streams,
     prompts,
     run_streams,
     wait_until,
@@ -85,6 +87,18 @@ def hf_model(tiny_llama_dir: Path) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def undisturbed(mesh: Mesh) -> list:
     return run_streams(mesh, prompts(NUM_STREAMS), MAX_TOKENS, "calm")
+
+
+def test_a_seed_gives_the_same_tokens_alone_and_among_32_streams(mesh: Mesh, undisturbed: list
+                                                                  ) -> None:
+    """The seeded streams of the 32-stream run, each again on its own: same tokens whatever
+    else was in the batch."""
+    seeded = [s for s in make_streams(prompts(NUM_STREAMS), "alone") if s.seed is not None]
+    assert len(seeded) == NUM_STREAMS // 4
+    for alone in seeded:
+        batched = next(s for s in undisturbed if s.seed == alone.seed)
+        assert mesh.generate(alone.request(MAX_TOKENS)).token_ids == batched.token_ids
+    assert len({tuple(s.token_ids) for s in undisturbed if s.seed is not None}) == len(seeded)
 
 
 def pid_of(valkey: RestartableValkey, kind: str, timeout_s: float = 60) -> int:
@@ -154,9 +168,23 @@ def test_redis_restarted_mid_stream(mesh: Mesh, valkey: RestartableValkey, undis
 def test_router_killed_client_resumes_with_its_request_id(
         mesh: Mesh, valkey: RestartableValkey, undisturbed: list, hf_model: torch.nn.Module) -> None:
     """The client holds what it received; after the router died it retries on the restarted
-    router with the same request_id and `resume_from`, and gets exactly the rest."""
-    prompt = prompts(NUM_STREAMS)[3]
-    request = greedy_request(prompt, MAX_TOKENS, request_id="router-kill-3")
+    router with the same request_id and `resume_from`, and gets exactly the rest, for a
+    greedy stream and a seeded one (every filter and penalty on)."""
+    for calm in undisturbed[3:5]:
+        resumed = resume_after_router_kill(mesh, valkey, calm)
+        assert resumed == calm.token_ids, (calm.request_id, calm.seed)
+    missing = generate_pb2.GenerateRequest(request_id="never-seen", resume_from=5)
+    with pytest.raises(grpc.RpcError) as info:
+        list(mesh.stub.Generate(missing, timeout=30))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def resume_after_router_kill(mesh: Mesh, valkey: RestartableValkey, calm: Stream) -> list[int]:
+    """`calm`'s request under a new id: 8 tokens received, the router killed, the rest
+    asked of its replacement by request id; every token the client ended with."""
+    request_id = f"router-kill-{calm.request_id}"
+    request = calm.request(MAX_TOKENS)
+    request.request_id = request_id
     received: list[int] = []
     stream = mesh.stub.Generate(request, timeout=300)
     for chunk in stream:
@@ -166,14 +194,10 @@ def test_router_killed_client_resumes_with_its_request_id(
     kill(pid_of(valkey, "router"))
     stream.cancel()
     wait_until(lambda: health_status(mesh) == SERVING, 60, "the restarted router serving")
-    resume = generate_pb2.GenerateRequest(request_id="router-kill-3", resume_from=len(received))
+    resume = generate_pb2.GenerateRequest(request_id=request_id, resume_from=len(received))
     for chunk in mesh.stub.Generate(resume, timeout=300):
         received.extend(chunk.token_ids)
-    assert received == undisturbed[3].token_ids
-    missing = generate_pb2.GenerateRequest(request_id="never-seen", resume_from=5)
-    with pytest.raises(grpc.RpcError) as info:
-        list(mesh.stub.Generate(missing, timeout=30))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    return received
 
 
 def test_sigterm_drains_the_scheduler(mesh: Mesh, valkey: RestartableValkey, undisturbed: list,
