@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from protos.pagemesh.v1 import generate_pb2
-from tests.support.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
+from tests.support.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request, scheduler_stats
 from tests.support.eventually import eventually
 
 MODEL = "tiny-llama"
@@ -149,7 +149,6 @@ def test_unknown_model_and_bad_json(client: openai.OpenAI, http_url: str) -> Non
 
 
 def test_client_disconnect_mid_stream_cancels_the_request(http_url: str, redis_url: str) -> None:
-    from tests.e2e.test_mesh_api import scheduler_stats
 
     body = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 400, "stream": True,
             "temperature": 0, "ignore_eos": True}
