@@ -8,12 +8,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-import torch
 
-from pagemesh.models import default_model_path
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_logprobs_close, hf_greedy_with_logits
 from tests.support.mesh_harness import Generation, Mesh, greedy_request
@@ -25,14 +22,6 @@ PROMPTS = [
     "List three colours:",
 ]
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    try:
-        return default_model_path()
-    except FileNotFoundError as exc:
-        pytest.fail(f"`make install` should have installed the default model: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -61,26 +50,16 @@ def kept_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 @pytest.fixture(scope="module")
-def hf_model_and_tokenizer(model_path: str) -> tuple[torch.nn.Module, object]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(Path(model_path).parent), Path(model_path).name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval(), tokenizer
-
-
-@pytest.fixture(scope="module")
-def solo(mesh: Mesh, hf_model_and_tokenizer: tuple) -> list[Generation]:
+def solo(mesh: Mesh, smollm2_hf: tuple) -> list[Generation]:
     """PROMPTS one at a time through the dequantized mesh, with top-5 logprobs."""
-    _, tokenizer = hf_model_and_tokenizer
+    _, tokenizer = smollm2_hf
     return [mesh.generate(greedy_request(tokenizer(p)["input_ids"], MAX_TOKENS, logprobs=5))
             for p in PROMPTS]
 
 
 def test_greedy_equals_transformers_alone_and_concurrent(
-        mesh: Mesh, hf_model_and_tokenizer: tuple, solo: list[Generation]) -> None:
-    model, tokenizer = hf_model_and_tokenizer
+        mesh: Mesh, smollm2_hf: tuple, solo: list[Generation]) -> None:
+    model, tokenizer = smollm2_hf
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     worst = 0.0
     for prompt, result in zip(prompts, solo):
@@ -113,11 +92,11 @@ def test_text_prompt_ends_at_eos_with_usage(mesh: Mesh) -> None:
 
 
 def test_gguf_kept_quantized_through_the_mesh_equals_the_dequantized_model(
-        mesh: Mesh, kept_mesh: Mesh, hf_model_and_tokenizer: tuple,
+        mesh: Mesh, kept_mesh: Mesh, smollm2_hf: tuple,
         solo: list[Generation]) -> None:
     """The same tokens from Q4_1 blocks kept in memory as from the weights dequantized at
     load, through the whole mesh, at a fraction of the weight memory."""
-    _, tokenizer = hf_model_and_tokenizer
+    _, tokenizer = smollm2_hf
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     kept = [kept_mesh.generate(greedy_request(p, MAX_TOKENS)).token_ids for p in prompts]
     assert kept == [result.token_ids for result in solo]

