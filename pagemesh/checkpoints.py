@@ -7,6 +7,11 @@ is the whole state: recomputing the KV and sampling on gives the tokens the undi
 would have given. A set `<cluster>:ckpts:<group>` lists the requests of one engine group, so
 a replacement scheduler finds its predecessor's.
 
+When the request asks for logprobs, each sample also keeps its tokens' logprobs (the chosen
+token's and the top alternatives, float32 as the wire carries them, packed): a router
+resuming the stream replays them exactly as the live stream sent them. Without logprobs the
+record holds no logprob data at all; a record without the field (an older one) has none.
+
 Lifetime: the scheduler writes a checkpoint on admission, every `--checkpoint-interval`
 steps and when the request finishes or loses its router; a request in flight has no TTL, a
 finished or orphaned one expires after the resume window. The router deletes the checkpoint
@@ -17,8 +22,9 @@ from __future__ import annotations
 
 import base64
 import json
+import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -28,11 +34,33 @@ FINISHED = "finished"  # every sample ended; the client may not have the last to
 ORPHANED = "orphaned"  # its router or scheduler went away before the end
 
 
+# One token's logprobs: (the chosen token's, [(alternative id, its logprob), ...] best first).
+TokenLogprobs = tuple[float, Sequence[tuple[int, float]]]
+
+
 @dataclass
 class SampleState:
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: int = 0  # pagemesh.v1.FinishReason of a finished sample
+    # One per token of `token_ids`, or None: the request asked for no logprobs, or they are
+    # not known for every token (an older record, or a resume that came without them).
+    logprobs: list[TokenLogprobs] | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        data: dict[str, object] = {"token_ids": self.token_ids, "finished": self.finished,
+                                   "finish_reason": self.finish_reason}
+        if self.logprobs is not None:
+            data["logprobs"] = pack_logprobs(self.logprobs)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SampleState:
+        token_ids = list(data["token_ids"])
+        logprobs = unpack_logprobs(data["logprobs"]) if "logprobs" in data else None
+        if logprobs is not None and len(logprobs) != len(token_ids):
+            logprobs = None  # not one per token: not trusted
+        return cls(token_ids, bool(data["finished"]), int(data.get("finish_reason", 0)), logprobs)
 
 
 @dataclass
@@ -48,8 +76,7 @@ class Checkpoint:
         return json.dumps({
             "request_id": self.request_id, "group": self.group,
             "submit": base64.b64encode(self.submit).decode(),
-            "samples": [{"token_ids": s.token_ids, "finished": s.finished,
-                         "finish_reason": s.finish_reason} for s in self.samples],
+            "samples": [s.to_dict() for s in self.samples],
             "state": self.state, "updated_at": self.updated_at or time.time(),
         })
 
@@ -59,10 +86,43 @@ class Checkpoint:
         return cls(
             request_id=data["request_id"], group=data["group"],
             submit=base64.b64decode(data["submit"]),
-            samples=[SampleState(list(s["token_ids"]), bool(s["finished"]), int(s.get("finish_reason", 0)))
-                     for s in data["samples"]],
+            samples=[SampleState.from_dict(s) for s in data["samples"]],
             state=data["state"], updated_at=float(data["updated_at"]),
         )
+
+
+def pack_logprobs(logprobs: Sequence[TokenLogprobs]) -> dict[str, object]:
+    """A sample's logprobs as little-endian float32 / uint32 arrays in base64 (a quarter of
+    the size of JSON numbers, and exact: the values crossed the wire as float32)."""
+    top = [pair for _, alternatives in logprobs for pair in alternatives]
+    return {
+        "chosen": _pack("f", [chosen for chosen, _ in logprobs]),
+        "num_top": [len(alternatives) for _, alternatives in logprobs],
+        "top_ids": _pack("I", [token_id for token_id, _ in top]),
+        "top": _pack("f", [logprob for _, logprob in top]),
+    }
+
+
+def unpack_logprobs(data: dict) -> list[TokenLogprobs]:
+    chosen = _unpack("f", data["chosen"])
+    top_ids = _unpack("I", data["top_ids"])
+    top = _unpack("f", data["top"])
+    logprobs: list[TokenLogprobs] = []
+    start = 0
+    for logprob, num_top in zip(chosen, data["num_top"]):
+        end = start + int(num_top)
+        logprobs.append((logprob, list(zip(top_ids[start:end], top[start:end]))))
+        start = end
+    return logprobs
+
+
+def _pack(kind: str, values: list) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}{kind}", *values)).decode()
+
+
+def _unpack(kind: str, encoded: str) -> list:
+    raw = base64.b64decode(encoded)
+    return list(struct.unpack(f"<{len(raw) // 4}{kind}", raw))
 
 
 class CheckpointStore:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
-from router.resume import Progress
+from router.resume import Progress, SampleProgress
 from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, Submission,
                           TokenChunk, TokenLogprob)
 from router.validation import SamplingOptions, StoppingOptions
@@ -95,10 +95,23 @@ def submit_request(submission: Submission, progress: Progress | None = None
         priority=submission.priority,
     )
     if progress is not None:
-        request.progress.extend(
-            scheduler_pb2.SampleProgress(index=i, token_ids=p.token_ids, finished=p.finished)
-            for i, p in enumerate(progress.samples))
+        request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
+                                for i, p in enumerate(progress.samples))
     return request
+
+
+def _sample_progress(index: int, progress: SampleProgress, with_logprobs: bool
+                     ) -> scheduler_pb2.SampleProgress:
+    """One sample's progress, with its logprobs when the request asks for them and there is
+    one per token (the scheduler's checkpoint keeps them for a later resume)."""
+    pb = scheduler_pb2.SampleProgress(index=index, token_ids=progress.token_ids,
+                                      finished=progress.finished)
+    if with_logprobs and len(progress.logprobs) == len(progress.token_ids):
+        pb.logprobs.extend(
+            scheduler_pb2.SampledLogprob(
+                logprob=logprob, top=[generate_pb2.TopLogprob(token_id=i, logprob=lp) for i, lp in top])
+            for logprob, top in progress.logprobs)
+    return pb
 
 
 def submission_from_checkpoint(raw: bytes) -> Submission:

@@ -17,8 +17,11 @@ and the checkpoint's L tokens:
 
 Then the request is submitted with `progress` = the checkpoint's tokens and finished flags
 (plus samples a stop string ended during the replay), and the stream goes on. A checkpoint
-whose samples all finished just replays and ends with the stored finish reasons. Logprobs
-are not checkpointed: replayed tokens come without them.
+whose samples all finished just replays and ends with the stored finish reasons. When the
+request asked for logprobs, the checkpoint keeps each token's (the chosen token's and the
+top alternatives, as the live stream carried them): replayed tokens come with exactly those,
+and the resubmitted progress carries them on, for the next checkpoint. A record that lacks
+them (written before they were kept) replays its tokens without logprobs.
 """
 
 from __future__ import annotations
@@ -65,15 +68,25 @@ def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint, resume_from: int) ->
         if sample.stop.stopped:  # a stop string ended it within what the client has
             replay.append(SampleOutput(index, [], FinishReason.STOP))
         elif resume_from < num_known:
-            replay.append(SampleOutput(index, list(state.token_ids[resume_from:]), finish_reason))
+            replay.append(SampleOutput(index, list(state.token_ids[resume_from:]), finish_reason,
+                                       _logprobs(state, submission)[resume_from:]))
         elif state.finished:
             replay.append(SampleOutput(index, [], finish_reason))
         else:
             sample.num_tokens_to_skip = resume_from - num_known
         samples.append(sample)
-    progress = Progress([SampleProgress(list(s.token_ids), s.finished) for s in states], [ckpt.group],
-                        resumed=True)
+    progress = Progress([SampleProgress(list(s.token_ids), s.finished, _logprobs(s, submission))
+                         for s in states], [ckpt.group], resumed=True)
     return StreamPlan(submission, samples, progress, replay)
+
+
+def _logprobs(state: SampleState, submission: Submission
+              ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """A checkpointed sample's logprobs, one per token; empty when the request asked for
+    none or the record does not have them."""
+    if not submission.num_logprobs or state.logprobs is None:
+        return []
+    return [(logprob, list(top)) for logprob, top in state.logprobs]
 
 
 def _sample_stream(tokenizer: Tokenizer, submission: Submission) -> SampleStream:

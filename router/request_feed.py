@@ -49,7 +49,7 @@ class RequestFeed(Generic[T]):
         if self._error is not None:
             return
         finished = output.finish_reason is not None
-        self.progress.record(output.index, output.token_ids, finished)
+        self.progress.record(output.index, output.token_ids, finished, output.logprobs)
         if output.token_ids or finished:
             self.attempts.progressed()
             if self.on_progress is not None:

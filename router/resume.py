@@ -2,7 +2,8 @@
 
 Sampling is deterministic given (seed, token position), and the router always sets the seed
 (`Submission.fresh`). So the router only has to remember, per sample, the output token ids
-it has received (`Progress`): re-submitting the same `Submission` with those as `progress`
+it has received (`Progress`; their logprobs too when asked, which only the checkpoint needs):
+re-submitting the same `Submission` with those as `progress`
 to any group continues exactly as the undisturbed run would, and the caller of
 `Dispatcher.stream` (router/dispatcher.py) sees one continuous stream, with no gap and no
 repeated token.
@@ -76,6 +77,9 @@ class ResumeConfig:
 class SampleProgress:
     token_ids: list[int] = field(default_factory=list)  # output ids received, in order
     finished: bool = False  # its last message arrived (or a stop string ended it here)
+    # Per token received, (chosen logprob, [(alternative id, logprob), ...]) when the request
+    # asked for logprobs; a resume sends them along for the checkpoint to keep.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -113,9 +117,12 @@ class Progress:
     def num_tokens(self) -> list[int]:
         return [len(s.token_ids) for s in self.samples]
 
-    def record(self, index: int, token_ids: list[int], finished: bool) -> None:
+    def record(self, index: int, token_ids: list[int], finished: bool,
+               logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> None:
         sample = self.samples[index]
         sample.token_ids.extend(token_ids)
+        if logprobs:
+            sample.logprobs.extend(logprobs)
         sample.finished = sample.finished or finished
 
     def finish(self, index: int) -> None:

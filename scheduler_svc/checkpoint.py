@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
 from scheduler_svc import convert
 from scheduler_svc.core.types import RequestEvent
+from scheduler_svc.messages import Submission
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,17 @@ WRITE_TIMEOUT_S = 1.0
 class _Tracked:
     checkpoint: Checkpoint
     dirty: bool = True
+
+
+def admitted_samples(submission: Submission) -> list[SampleState]:
+    """A request's checkpoint samples at admission: a resume's progress, with its logprobs
+    when the request asks for them and they came for every token (else none are kept)."""
+    with_logprobs = submission.with_logprobs
+    samples = [SampleState(logprobs=[] if with_logprobs else None) for _ in range(submission.n)]
+    for index, (token_ids, finished) in submission.progress.items():
+        logprobs = submission.progress_logprobs.get(index) if with_logprobs else None
+        samples[index] = SampleState(list(token_ids), finished, logprobs=logprobs)
+    return samples
 
 
 class Checkpointer:
@@ -59,13 +71,15 @@ class Checkpointer:
         self._spawn(self._write([ckpt], None))
 
     def record(self, request_id: str, index: int, event: RequestEvent) -> None:
-        """Sample `index`'s new tokens, and its end (kept as the protobuf enum's value,
-        which the router reads back)."""
+        """Sample `index`'s new tokens (with their logprobs when the sample keeps them), and
+        its end (kept as the protobuf enum's value, which the router reads back)."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return
         sample = tracked.checkpoint.samples[index]
         sample.token_ids.extend([t.token_id for t in event.new_tokens])
+        if sample.logprobs is not None:  # the request asked for them
+            sample.logprobs.extend([(t.logprob, t.top_logprobs) for t in event.new_tokens])
         if event.finish_reason is not None:
             sample.finished = True
             sample.finish_reason = convert.finish_reason_to_pb(event.finish_reason)

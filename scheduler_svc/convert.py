@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pagemesh.checkpoints import TokenLogprobs
 from pagemesh.registry_entries import GroupStatus
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
@@ -67,6 +68,7 @@ def submission_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]
         ended=admission.ended_samples(base, progress),
         trace_context=dict(pb.trace_context),
         original=_original(pb),
+        progress_logprobs=_progress_logprobs(pb) if pb.logprobs > 0 else {},
     )
 
 
@@ -96,6 +98,12 @@ def _original(pb: scheduler_pb2.SubmitRequest) -> bytes:
 
 def _progress(pb: scheduler_pb2.SubmitRequest) -> dict[int, tuple[list[int], bool]]:
     return {p.index: (list(p.token_ids), p.finished) for p in pb.progress}
+
+
+def _progress_logprobs(pb: scheduler_pb2.SubmitRequest) -> dict[int, list[TokenLogprobs]]:
+    """Per sample, the logprobs its progress came with, when there is one per token."""
+    return {p.index: [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in p.logprobs]
+            for p in pb.progress if len(p.logprobs) == len(p.token_ids)}
 
 
 def _request_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],

@@ -8,10 +8,11 @@ The step contract with the workers has its own plain types in `protos/step.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from pagemesh.checkpoints import TokenLogprobs
 from scheduler_svc.core.types import FinishReason, Request, RequestEvent
 
 # One sample's event on its way to a router, as the Connect stream's outbox holds it:
@@ -37,6 +38,9 @@ class Submission:
     # The SubmitRequest as first submitted (no progress, no trace context), serialized:
     # what the checkpoint keeps to resume it (pagemesh/checkpoints.py).
     original: bytes
+    # A resume's logprobs so far, for the checkpoint: sample index -> one per token of its
+    # progress. Only samples whose progress came with logprobs for every token.
+    progress_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
     @property
     def resumed(self) -> bool:

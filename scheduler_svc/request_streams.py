@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import propagate
 
-from pagemesh.checkpoints import SampleState
 from pagemesh.registry_entries import GroupStatus
 from pagemesh.serving import ServiceError, invalid_argument
 from protos.step import RequestId
-from scheduler_svc.checkpoint import Checkpointer
+from scheduler_svc.checkpoint import Checkpointer, admitted_samples
 from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.scheduler import CapacityError
 from scheduler_svc.core.types import RequestEvent
@@ -65,7 +64,7 @@ class RequestStreams:
         if submission.resumed:
             logger.info("resuming request %s after %s tokens", request_id,
                         [len(token_ids) for token_ids, _ in submission.progress.values()])
-        self.checkpointer.track(request_id, submission.original, _samples(submission))
+        self.checkpointer.track(request_id, submission.original, admitted_samples(submission))
         opened = OpenRequest(request_id, submission.n, submission.with_logprobs,
                              {r.request_id for r in submission.requests})
         opened.ended = self._ended(submission)
@@ -132,10 +131,3 @@ class RequestStreams:
             opened.unfinished = set()
         self.loop.tracing.end(opened.trace)
         opened.trace = None
-
-
-def _samples(submission: Submission) -> list[SampleState]:
-    samples = [SampleState() for _ in range(submission.n)]
-    for index, (token_ids, finished) in submission.progress.items():
-        samples[index] = SampleState(list(token_ids), finished)
-    return samples

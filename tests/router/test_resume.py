@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, SampleState
 from protos.pagemesh.v1 import generate_pb2
 from router import convert
-from router.resume import Attempts, ResumeConfig, retry_kind
+from router.resume import Attempts, Progress, ResumeConfig, retry_kind
 from router.tokenizer import Tokenizer, load_tokenizer
 from router.types import Submission
 from router.validation import SamplingOptions, StoppingOptions, ValidatedRequest
@@ -143,9 +143,11 @@ def test_no_group_coming_back_within_the_resume_timeout_is_unavailable(
 
 
 async def save_checkpoint(router: Router, request_id: str, samples: list[SampleState], state: str,
-                          max_tokens: int, stop: list[str] = (), n: int = 1) -> None:
+                          max_tokens: int, stop: list[str] = (), n: int = 1,
+                          num_logprobs: int | None = None) -> None:
     validated = ValidatedRequest(tokenizer_prompt(router.tokenizer), SamplingOptions(seed=SEED),
-                                 StoppingOptions(max_tokens=max_tokens, stop=list(stop)), None, n=n)
+                                 StoppingOptions(max_tokens=max_tokens, stop=list(stop)),
+                                 num_logprobs, n=n)
     submit = convert.submit_request(Submission.fresh(request_id, validated, 0))
     assert list(submit.stopping.stop) == list(stop), "stop strings must travel in the SubmitRequest"
     await router.registry.checkpoints.save(
@@ -219,6 +221,63 @@ def test_resume_from_with_several_samples_treats_each_on_its_own(
             assert responses[-1].usage.completion_tokens == 10
 
     run(scenario())
+
+
+def stored_logprobs(token_ids: list[int], num_top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Made-up logprobs, exact in float32 as the wire carries them."""
+    return [(-0.25 * (p + 1), [(token_ids[p] if i == 0 else i, -0.25 * (p + 1) - 0.5 * i)
+                               for i in range(num_top)]) for p in range(len(token_ids))]
+
+
+def replayed_logprobs(responses: list[generate_pb2.GenerateResponse], num_tokens: int
+                      ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """The logprobs of the first `num_tokens` tokens the client got."""
+    got = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for r in responses for lp in r.logprobs]
+    assert len(got) >= num_tokens, "replayed tokens came without logprobs"
+    return got[:num_tokens]
+
+
+def test_replayed_tokens_carry_their_checkpointed_logprobs(tokenizer: Tokenizer, redis_url: str) -> None:
+    async def scenario() -> None:
+        async with Router(tokenizer, redis_url) as router:
+            a = await router.add_scheduler("a")
+            full = expected(tokenizer, 9)
+            logprobs = stored_logprobs(full[:6], 3)
+            await save_checkpoint(router, "lp", [SampleState(full[:6], logprobs=logprobs)], ORPHANED, 9,
+                                  num_logprobs=3)
+            responses = await router.generate(generate_pb2.GenerateRequest(request_id="lp", resume_from=2))
+            assert per_sample(responses, 1)[0][0] == full[2:]
+            assert replayed_logprobs(responses, 4) == logprobs[2:]
+            texts = [t.token for r in responses for lp in r.logprobs for t in lp.top]
+            assert texts[0] == tokenizer.decode([full[2]]), "the alternatives' texts come along"
+            # The resubmitted progress carries them on, for the next checkpoint.
+            progress = a.requests[0].progress[0]
+            assert list(progress.token_ids) == full[:6]
+            assert [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+                    for lp in progress.logprobs] == logprobs
+
+            # A record written before logprobs were kept: its tokens replay without them.
+            await save_checkpoint(router, "old", [SampleState(full[:6])], ORPHANED, 9, num_logprobs=3)
+            responses = await router.generate(generate_pb2.GenerateRequest(request_id="old", resume_from=2))
+            assert per_sample(responses, 1)[0][0] == full[2:]
+            assert not any(r.logprobs for r in responses)
+            assert not a.requests[1].progress[0].logprobs
+
+    run(scenario())
+
+
+def test_the_logprobs_a_stream_delivered_travel_with_its_progress(tokenizer: Tokenizer) -> None:
+    validated = ValidatedRequest([1, 2], SamplingOptions(seed=SEED), StoppingOptions(max_tokens=9), 2, n=2)
+    submission = Submission.fresh("r", validated, 0)
+    progress = Progress.fresh(2)
+    progress.record(0, [5, 6], False, [(-0.5, [(5, -0.5), (1, -1.0)]), (-0.25, [(6, -0.25), (2, -2.0)])])
+    progress.record(1, [7], False, [])  # its logprobs are not known: none are sent
+    sent = convert.submit_request(submission, progress).progress
+    assert [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in sent[0].logprobs] == \
+        progress.samples[0].logprobs
+    assert list(sent[1].token_ids) == [7] and not sent[1].logprobs
+    without = Submission.fresh("r", dataclasses.replace(validated, num_logprobs=None), 0)
+    assert not any(p.logprobs for p in convert.submit_request(without, progress).progress)
 
 
 def test_resume_from_an_unknown_request_is_not_found_and_zero_is_a_new_request(

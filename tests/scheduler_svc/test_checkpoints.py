@@ -11,7 +11,7 @@ from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, Checkp
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
-from scheduler_svc.checkpoint import Checkpointer
+from scheduler_svc.checkpoint import Checkpointer, admitted_samples
 from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.types import FinishReason, RequestEvent, SampledToken
 from tests.support.eventually import eventually_async
@@ -167,3 +167,43 @@ def test_delete_many_removes_every_checkpoint_and_group_entry_in_one_call(redis_
         assert await client.smembers(store.group_key("g2")) == set()
 
     asyncio.run(with_store(redis_url, "ckpt-many", body))
+
+
+def test_the_checkpoint_keeps_logprobs_only_when_the_request_asks_for_them(redis_url: str) -> None:
+    chosen = [SampledToken(7, -0.5, ((7, -0.5), (3, -1.25))), SampledToken(8, -0.75, ((8, -0.75), (1, -2.0)))]
+
+    async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
+        ckpt = Checkpointer(store, "g0", interval_steps=16, resume_window_s=30)
+        asked = submit()
+        asked.logprobs = 2
+        ckpt.track("r1", asked.SerializeToString(),
+                   admitted_samples(convert.submission_from_pb(asked, [0], 0.0)))
+        ckpt.track("plain", submit().SerializeToString(),
+                   admitted_samples(convert.submission_from_pb(submit(), [0], 0.0)))
+        for request_id in ("r1", "plain"):
+            ckpt.record(request_id, 0, RequestEvent(request_id, tuple(chosen), FinishReason.LENGTH, 3))
+        await ckpt.finish_many(["r1", "plain"])
+        stored = (await store.load("r1")).samples[0]
+        assert stored.token_ids == [7, 8]
+        assert stored.logprobs == [(-0.5, [(7, -0.5), (3, -1.25)]), (-0.75, [(8, -0.75), (1, -2.0)])]
+        assert (await store.load("plain")).samples[0].logprobs is None
+        assert "logprobs" not in await client.get(store.key("plain"))
+
+    asyncio.run(with_store(redis_url, "ckpt-logprobs", body))
+
+
+def test_a_resume_keeps_the_logprobs_its_progress_came_with() -> None:
+    request = submit(n=3)
+    request.logprobs = 1
+    request.progress.add(index=0, token_ids=[10, 11], logprobs=[
+        scheduler_pb2.SampledLogprob(logprob=-0.5, top=[generate_pb2.TopLogprob(token_id=10, logprob=-0.5)]),
+        scheduler_pb2.SampledLogprob(logprob=-1.5, top=[generate_pb2.TopLogprob(token_id=4, logprob=-0.25)])])
+    request.progress.add(index=1, token_ids=[20, 21])  # a router that sent none: not known
+    samples = admitted_samples(convert.submission_from_pb(request, [0], 0.0))
+    assert [(s.token_ids, s.logprobs) for s in samples] == [
+        ([10, 11], [(-0.5, [(10, -0.5)]), (-1.5, [(4, -0.25)])]),
+        ([20, 21], None),
+        ([], []),  # not started: its logprobs are kept from its first token
+    ]
+    request.logprobs = 0  # logprobs that came with a request that asks for none are dropped
+    assert all(s.logprobs is None for s in admitted_samples(convert.submission_from_pb(request, [0], 0.0)))

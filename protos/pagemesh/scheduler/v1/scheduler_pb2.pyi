@@ -113,14 +113,16 @@ class ConnectResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[SubmitResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
 
 class SampleProgress(_message.Message):
-    __slots__ = ("index", "token_ids", "finished")
+    __slots__ = ("index", "token_ids", "finished", "logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprob]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprob, _Mapping]]] = ...) -> None: ...
 
 class SampledLogprob(_message.Message):
     __slots__ = ("logprob", "top")
