@@ -15,21 +15,32 @@ states and the residual stream (`[num_tokens, hidden_size]` each, the model's dt
 Exactly one header per step per (stage, tp_rank) pair, failure or not, so a receiver is
 never left waiting and a sender never blocks on a payload nobody will read.
 
-Joining: rank 0 hosts a TCPStore at the group's master address; every rank connects, counts
-itself in under the formation's tag (the scheduler's epoch) and, once all are in, creates
-the process group from that store. Keys live under the tag, so a straggler of an earlier
-formation on the same address cannot be counted in a later one, and a join can be called
-off (`should_abort`) until the last rank arrived. `DistributedContext.reform` leaves a
-(possibly broken) group and joins a new one in place: the model's layers keep the object.
+Joining: rank 0 hosts a TCPStore at the group's master address, for as long as its process
+lives (every formation it leads uses the same server); every rank connects, counts itself in
+under the formation's tag (the scheduler's epoch) and, once all are in, creates the groups
+from that store. Keys live under the tag, so a straggler of an earlier formation on the same
+address cannot be counted in a later one, and a join can be called off (`should_abort`)
+until the last rank arrived. `DistributedContext.reform` leaves a (possibly broken) group
+and joins a new one in place: the model's layers keep the object.
+
+The groups are torch's backend objects (ProcessGroupGloo / ProcessGroupNCCL) held here, not
+torch's global default group: a group left with an op still waiting on a frozen peer
+cannot be destroyed (gloo's destructor waits for the op), so it is handed to a daemon
+thread that lets go of it whenever it can, and the next formation starts at once.
 A dead peer makes an op raise: gloo reports a closed connection at once when the peer's
 process dies (its kernel closes the sockets), and a silent peer after the group's timeout.
+A frozen or cut-off peer closes nothing, so the group's timeout would be the only bound: a
+rank told to leave its group (`abandon`, when the scheduler has declared a peer failed and
+re-forms) stops waiting at once instead. Every op waits in short slices and gives up
+between two (gloo); on NCCL, `abandon` aborts the communicators, which is what unblocks a
+collective stuck on a silent peer there.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +61,7 @@ _MASK64 = (1 << 64) - 1
 
 _POLL_INTERVAL_S = 0.05  # how often a joining rank looks at the store
 _PROBE_TIMEOUT_S = 0.5
+_WAIT_SLICE = timedelta(seconds=0.2)  # an op in progress checks `abandon` this often
 
 
 class JoinAborted(RuntimeError):
@@ -63,6 +75,11 @@ class GroupStepError(RuntimeError):
 class GroupCommError(GroupStepError):
     """A collective or transfer failed: a peer died (connection closed) or stayed silent
     past the group's timeout. The group is unusable until it is re-formed."""
+
+
+class GroupAbandoned(GroupCommError):
+    """This rank was told to leave its group (`DistributedContext.abandon`) while an op
+    waited for a peer: the scheduler declared a member failed and re-forms the group."""
 
 
 class StepMismatchError(GroupStepError):
@@ -92,15 +109,18 @@ def format_digest(digest: int) -> str:
 class DistributedContext:
     """This rank's process groups and the few communication ops the worker needs."""
 
-    def __init__(self, parallel: ParallelConfig, device: torch.device | str = "cpu",
-                 tp_group: dist.ProcessGroup | None = None, *, initialized: bool = False,
+    def __init__(self, parallel: ParallelConfig, device: torch.device | str = "cpu", *,
                  backend: str | None = None) -> None:
         self.parallel = parallel
         self.device = torch.device(device)
         self.backend = backend or default_backend(self.device)
-        self.tp_group = tp_group
-        self._initialized = initialized
-        self._store: dist.Store | None = None  # rank 0's keeps the rendezvous server alive
+        self.world: dist.Backend | None = None  # every rank of the engine group: p2p
+        self.tp_group: dist.Backend | None = None  # this stage's tensor-parallel ranks
+        # Rank 0's rendezvous server, (address, port, store): kept across formations.
+        self._store_server: tuple[str, int, dist.TCPStore] | None = None
+        # Set from another thread to make the op in progress, and every later one, give up;
+        # cleared when a new group is joined.
+        self._abandoned = threading.Event()
         # Cumulative seconds, for metrics and benchmarks (on CUDA, NCCL ops are asynchronous:
         # these then measure the launch, not the transfer).
         self.tp_collective_time_s = 0.0  # all-reduce, all-gather, step agreement
@@ -122,7 +142,7 @@ class DistributedContext:
         """Sum over the stage's TP ranks, in place; returns `tensor`."""
         if self.parallel.tp_size > 1:
             start_s = time.perf_counter()
-            self._comm("all-reduce", lambda: dist.all_reduce(tensor, group=self.tp_group))
+            self._comm("all-reduce", lambda: [self._tp().allreduce([tensor])])
             self.tp_collective_time_s += time.perf_counter() - start_s
         return tensor
 
@@ -133,7 +153,7 @@ class DistributedContext:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.parallel.tp_size)]
         start_s = time.perf_counter()
-        self._comm("all-gather", lambda: dist.all_gather(parts, tensor, group=self.tp_group))
+        self._comm("all-gather", lambda: [self._tp().allgather([parts], [tensor])])
         self.tp_collective_time_s += time.perf_counter() - start_s
         return torch.cat(parts, dim=dim)
 
@@ -149,7 +169,7 @@ class DistributedContext:
         mine = torch.tensor([digest, int(ok)], dtype=torch.int64, device=self.device)
         parts = [torch.empty_like(mine) for _ in range(self.parallel.tp_size)]
         start_s = time.perf_counter()
-        self._comm("step agreement", lambda: dist.all_gather(parts, mine, group=self.tp_group))
+        self._comm("step agreement", lambda: [self._tp().allgather([parts], [mine])])
         self.tp_collective_time_s += time.perf_counter() - start_s
         rows = [tuple(int(x) for x in part.tolist()) for part in parts]
         ranks = tp_group_ranks(self.parallel, self.parallel.pp_rank)
@@ -174,11 +194,8 @@ class DistributedContext:
         """Blocking sends to the same tp_rank of stage `dst_stage`, in list order."""
         peer = self._stage_peer(dst_stage)
         start_s = time.perf_counter()
-        def send() -> None:
-            for tensor in tensors:
-                dist.send(tensor.contiguous(), dst=peer)
-
-        self._comm(f"send to rank {peer}", send)
+        self._comm(f"send to rank {peer}",
+                   lambda: [self._world().send([tensor.contiguous()], peer, 0) for tensor in tensors])
         self.pp_send_time_s += time.perf_counter() - start_s
 
     def pp_recv(self, shapes: Sequence[Sequence[int]],
@@ -190,12 +207,9 @@ class DistributedContext:
         tensors = [torch.empty(tuple(shape), dtype=tensor_dtype, device=self.device)
                    for shape, tensor_dtype in zip(shapes, dtypes, strict=True)]
 
-        def receive() -> None:
-            for tensor in tensors:
-                dist.recv(tensor, src=peer)
-
         start_s = time.perf_counter()
-        self._comm(f"receive from rank {peer}", receive)
+        self._comm(f"receive from rank {peer}",
+                   lambda: [self._world().recv([tensor], peer, 0) for tensor in tensors])
         self.pp_recv_time_s += time.perf_counter() - start_s
         return tensors
 
@@ -228,31 +242,78 @@ class DistributedContext:
         return torch.tensor([step_id, digest, num_tokens, status], dtype=torch.int64,
                             device=self.device)
 
-    def _comm(self, what: str, op: Callable[[], object]) -> None:
-        """Runs torch.distributed calls; their failure (a lost peer) becomes GroupCommError."""
+    def abandon(self) -> None:
+        """Leave the group's ops: the one in progress (on another thread) raises
+        GroupAbandoned within a wait slice, and so does every later one until a new group
+        is joined. Called when the group re-forms without waiting for a peer that may never
+        answer (frozen, or cut off from the network)."""
+        self._abandoned.set()
+        if self.backend == "nccl":
+            # NCCL ops do not wait on the CPU: aborting the communicators is what frees a
+            # kernel stuck on a silent peer (the group is re-formed from scratch anyway).
+            for group in (self.tp_group, self.world):
+                if group is not None:
+                    try:
+                        group.abort()
+                    except Exception:
+                        logger.warning("aborting an NCCL communicator failed", exc_info=True)
+
+    def _comm(self, what: str, start: Callable[[], list[dist.Work]]) -> None:
+        """Starts torch.distributed ops and waits for each, in slices, so that `abandon`
+        can end the wait; their failure (a lost peer) becomes GroupCommError."""
+        error = self._run_ops(what, start)
+        # Raised here, where no frame holds an op: a traceback that held torch's error or a
+        # pending `Work` would keep the process group alive, through it rank 0's store, and
+        # so the port the next formation reuses. (For the same reason `start` reads the
+        # group inside, not as an argument.)
+        if error is not None:
+            raise error
+
+    def _run_ops(self, what: str, start: Callable[[], list[dist.Work]]) -> GroupCommError | None:
+        rank = self.parallel.rank
+        if self._abandoned.is_set():
+            return GroupAbandoned(f"rank {rank}: {what}: the group is being left")
         try:
-            op()
-            return
+            for work in start():
+                if not self._wait(work):
+                    return GroupAbandoned(f"rank {rank}: {what} abandoned: the group is "
+                                          "re-forming without a peer this op waited for")
         except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError
-            message = f"rank {self.parallel.rank}: {what} failed: {exc}"
-        # Raised outside the handler so that torch's error is not chained: its traceback holds
-        # the process group, through it rank 0's store, and so the port the next formation
-        # reuses. (For the same reason `op` reads the group inside, not as an argument.)
-        raise GroupCommError(message)
+            return GroupCommError(f"rank {rank}: {what} failed: {exc}")
+        return None
+
+    def _wait(self, work: dist.Work) -> bool:
+        """`work.wait()`, one slice at a time; False once `abandon` was called. A slice that
+        ends leaves the op incomplete; an op that failed (a lost peer, the group's own
+        timeout) is complete and raises."""
+        while True:
+            try:
+                work.wait(timeout=_WAIT_SLICE)
+                return True
+            except RuntimeError:
+                if work.is_completed():
+                    raise
+            if self._abandoned.is_set():
+                return False
+
+    def _world(self) -> dist.Backend:
+        if self.world is None:
+            raise GroupCommError(f"rank {self.parallel.rank}: not in a process group")
+        return self.world
+
+    def _tp(self) -> dist.Backend:
+        if self.tp_group is None:
+            raise GroupCommError(f"rank {self.parallel.rank}: not in a tensor-parallel group")
+        return self.tp_group
 
     def destroy(self) -> None:
-        """Leave the process group; a broken one (a dead peer) is torn down all the same."""
-        self.tp_group = None
-        self._store = None
-        if self._initialized and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a group with a dead peer may fail to shut down cleanly
-                logger.warning("error while leaving the process group", exc_info=True)
-        self._initialized = False
-        # Tracebacks of failed collectives can hold the old groups, and through them rank 0's
-        # store server, whose port the next formation may reuse.
-        gc.collect()
+        """Leave the process groups, broken or not. They are let go of on a daemon thread:
+        an op still waiting on a frozen peer keeps gloo's destructor waiting, maybe for
+        ever, and the next formation must not wait with it."""
+        groups = [g for g in (self.tp_group, self.world) if g is not None]
+        self.tp_group = self.world = None
+        if groups:
+            threading.Thread(target=groups.clear, name="left-process-groups", daemon=True).start()
 
     def reform(self, master_addr: str, master_port: int, timeout_s: float,
                parallel: ParallelConfig | None = None, *, tag: str = "",
@@ -275,27 +336,52 @@ class DistributedContext:
     def _join(self, master_addr: str, master_port: int, timeout_s: float, tag: str,
               should_abort: Callable[[], bool] | None) -> None:
         parallel = self.parallel
+        self._abandoned.clear()
         timeout = timedelta(seconds=timeout_s)
-        store, self._store = _rendezvous(parallel, master_addr, master_port, timeout_s, tag,
-                                         should_abort or (lambda: False))
-        kwargs = {}
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.device)
-            kwargs["device_id"] = self.device  # eager NCCL init: errors show here, not mid-step
-        dist.init_process_group(self.backend, store=store, rank=parallel.rank,
-                                world_size=parallel.world_size, timeout=timeout, **kwargs)
-        self._initialized = True
+        if parallel.rank == 0:
+            def open_store() -> dist.Store | None:
+                return self._rendezvous_server(master_addr, master_port, timeout)
+        else:
+            def open_store() -> dist.Store | None:
+                return _connect_store(parallel, master_addr, master_port, timeout)
+        store = _rendezvous(parallel, tag, timeout_s, should_abort or (lambda: False),
+                            open_store)
+        self.world = self._new_group(dist.PrefixStore("world/", store), parallel.rank,
+                                     parallel.world_size, timeout)
         if parallel.tp_size > 1:
-            # new_group is collective over the whole world: every rank creates every stage's
-            # group, in stage order, and keeps its own.
-            for pp_rank in range(parallel.pp_size):
-                group = dist.new_group(tp_group_ranks(parallel, pp_rank), timeout=timeout)
-                if pp_rank == parallel.pp_rank:
-                    self.tp_group = group
+            self.tp_group = self._new_group(dist.PrefixStore(f"tp{parallel.pp_rank}/", store),
+                                            parallel.tp_rank, parallel.tp_size, timeout)
         logger.info("joined engine group%s as rank %d of %d (tp %d/%d, pp %d/%d) over %s",
                     f" (epoch {tag})" if tag else "", parallel.rank, parallel.world_size,
                     parallel.tp_rank, parallel.tp_size, parallel.pp_rank, parallel.pp_size,
                     self.backend)
+
+    def _rendezvous_server(self, address: str, port: int, timeout: timedelta) -> dist.TCPStore | None:
+        """Rank 0's store server at address:port, made once and kept; None while the port
+        cannot be bound yet (its previous holder, another process, still has it)."""
+        if self._store_server is not None and self._store_server[:2] == (address, port):
+            return self._store_server[2]
+        try:
+            store = dist.TCPStore(address, port, self.parallel.world_size, True, timeout,
+                                  wait_for_workers=False)
+        except dist.DistNetworkError as exc:
+            logger.debug("rendezvous port %d not free yet: %s", port, exc)
+            return None
+        self._store_server = (address, port, store)
+        return store
+
+    def _new_group(self, store: dist.Store, rank: int, size: int,
+                   timeout: timedelta) -> dist.Backend:
+        """A process group of `size` ranks meeting at `store`, owned by this object."""
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, rank, size, options)
+            group.eager_connect_single_device(self.device)  # errors show here, not mid-step
+            return group
+        return dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
 
 
 def default_backend(device: torch.device | str) -> str:
@@ -334,18 +420,18 @@ def init_distributed(
     return context
 
 
-def _rendezvous(parallel: ParallelConfig, master_addr: str, master_port: int, timeout_s: float,
-                tag: str, should_abort: Callable[[], bool]) -> tuple[dist.Store, dist.Store]:
-    """Every rank of `parallel`'s group at rank 0's store, counted in under `tag`.
-
-    Returns (the tag's view of the store for init_process_group, the store itself).
-    """
+def _rendezvous(parallel: ParallelConfig, tag: str, timeout_s: float,
+                should_abort: Callable[[], bool],
+                open_store: Callable[[], dist.Store | None]) -> dist.Store:
+    """Every rank of `parallel`'s group at rank 0's store, counted in under `tag`; returns
+    the tag's view of the store. `open_store()` is rank 0's server or another rank's client
+    of it, None while not possible yet (retried until the deadline)."""
     deadline = time.monotonic() + timeout_s
     prefix = f"pagemesh/{tag}"
-    opened = f"{prefix}/open"  # set by rank 0 on a fresh store: this formation's store
+    opened = f"{prefix}/open"  # set by rank 0 once it serves this formation
     while True:
         _check_join(should_abort, deadline, timeout_s, "reach the rendezvous store")
-        store = _open_store(parallel, master_addr, master_port, timeout_s)
+        store = open_store()
         if store is not None:
             try:
                 if parallel.rank == 0:
@@ -354,11 +440,10 @@ def _rendezvous(parallel: ParallelConfig, master_addr: str, master_port: int, ti
                 if store.check([opened]):
                     break
             except dist.DistNetworkError as exc:
-                # The earlier formation's store, closed between the connect and this look
-                # (a rank-0 survivor leaving its old group): the new one comes next.
-                logger.debug("rendezvous store at %s:%d went away: %s", master_addr,
-                             master_port, exc)
-            del store  # an earlier formation's store, not yet closed: wait for the new one
+                # An earlier rank 0's store (another process), gone between the connect and
+                # this look: the new one comes next.
+                logger.debug("rendezvous store went away: %s", exc)
+            del store  # not this formation's store yet: wait for it
         time.sleep(_POLL_INTERVAL_S)
     arrived = f"{prefix}/arrived"
     store.add(arrived, 1)
@@ -370,23 +455,12 @@ def _rendezvous(parallel: ParallelConfig, master_addr: str, master_port: int, ti
                 raise
             break  # the last rank arrived meanwhile: the others count on this one now
         time.sleep(_POLL_INTERVAL_S)
-    return dist.PrefixStore(prefix, store), store
+    return dist.PrefixStore(prefix, store)
 
 
-def _open_store(parallel: ParallelConfig, master_addr: str, master_port: int,
-                timeout_s: float) -> dist.Store | None:
-    """Rank 0: the store server; other ranks: a client. None while that is not possible yet
-    (the port still held by the previous formation, or nobody listening)."""
-    timeout = timedelta(seconds=timeout_s)
-    if parallel.rank == 0:
-        try:
-            return dist.TCPStore(master_addr, master_port, parallel.world_size, True, timeout,
-                                 wait_for_workers=False)
-        except dist.DistNetworkError as exc:
-            # Still held by the last formation's store: an error's traceback kept its group.
-            logger.debug("rendezvous port %d not free yet: %s", master_port, exc)
-            gc.collect()
-            return None
+def _connect_store(parallel: ParallelConfig, master_addr: str, master_port: int,
+                   timeout: timedelta) -> dist.Store | None:
+    """A client of rank 0's store; None while nobody listens there yet."""
     # A plain probe first: a TCPStore client logs a stack trace for every failed attempt.
     try:
         socket.create_connection((master_addr, master_port), timeout=_PROBE_TIMEOUT_S).close()

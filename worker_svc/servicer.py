@@ -100,11 +100,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def stop_steps(self) -> None:
         """Refuse steps (UNAVAILABLE) until `resume_steps`, including those waiting for their
-        turn. Steps already handed to the model thread still run (or fail) first."""
+        turn. A step already on the model thread that waits on a peer (a collective, a
+        stage's activations) gives up at once: the group re-forms, perhaps without that
+        peer, which may be frozen or cut off and never answer."""
         async with self._order:
             self._accepting = False
             self._generation += 1
             self._order.notify_all()
+        if self.runner is not None:
+            self.runner.dist.abandon()
 
     async def resume_steps(self) -> None:
         """Accept steps again, from step 0 of a scheduler session, as a fresh worker does."""

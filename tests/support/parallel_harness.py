@@ -17,6 +17,7 @@ __all__ = ["CommRank", "LocalWorkerGroup", "RankAnswer", "RankFailed", "free_por
 
 
 def _comm_rank_main(conn) -> None:
+    import threading
     import time
 
     import torch
@@ -45,7 +46,10 @@ def _comm_rank_main(conn) -> None:
                                    should_abort=should_abort)
                 result: Any = None
             elif command == "all_reduce":
-                tensor = torch.full((4,), float(payload))
+                value, abandon_after_s = payload
+                if abandon_after_s is not None:  # as the servicer does when the group re-forms
+                    threading.Timer(abandon_after_s, context.abandon).start()
+                tensor = torch.full((4,), float(value))
                 result = context.tp_all_reduce(tensor).tolist()
             else:
                 raise ValueError(f"unknown command {command!r}")
@@ -77,9 +81,10 @@ class CommRank:
                abort_after_s: float | None = None) -> None:
         self._conn.send(("reform", (parallel, port, tag, timeout_s, abort_after_s)))
 
-    def all_reduce(self, value: float) -> None:
-        """Sum `[value] * 4` over the rank's TP group."""
-        self._conn.send(("all_reduce", value))
+    def all_reduce(self, value: float, abandon_after_s: float | None = None) -> None:
+        """Sum `[value] * 4` over the rank's TP group; with `abandon_after_s`, another thread
+        of the rank abandons the group that long after the op started."""
+        self._conn.send(("all_reduce", (value, abandon_after_s)))
 
     def answer(self, timeout_s: float = ANSWER_TIMEOUT_S) -> RankAnswer:
         if not self._conn.poll(timeout_s):

@@ -126,6 +126,30 @@ def test_a_frozen_peer_fails_the_collective_after_the_group_timeout(spawn) -> No
     assert 2.5 < answer.value[1] < 10.0
 
 
+def test_a_rank_abandons_a_collective_on_a_frozen_peer_and_reforms_at_once(spawn) -> None:
+    """The scheduler declared the frozen peer failed: the survivor is told to leave (as its
+    servicer does on a new plan). Its collective ends at once, not at the group's timeout,
+    and it re-forms on the same port with a replacement while the frozen one still holds
+    its sockets open."""
+    survivor, frozen, replacement = spawn(3)
+    port = free_port()
+    for rank, parallel in zip((survivor, frozen), TP2):
+        rank.init(parallel, port, tag="e1", timeout_s=60.0)
+    [rank.answer_ok() for rank in (survivor, frozen)]
+    os.kill(frozen.process.pid, signal.SIGSTOP)
+    try:
+        survivor.all_reduce(1.0, abandon_after_s=0.5)
+        answer = survivor.answer(timeout_s=20)
+        assert answer.error_type == "GroupAbandoned", answer
+        assert answer.value[1] < 2.0, answer  # 0.5 s + one wait slice, not 60 s
+        survivor.reform(port, tag="e2", timeout_s=20.0)
+        replacement.init(TP2[1], port, tag="e2", timeout_s=20.0)
+        assert survivor.answer_ok() is None and replacement.answer_ok() is None
+        assert all_reduce([survivor, replacement], [2, 5]) == [[7.0] * 4] * 2
+    finally:
+        frozen.kill()
+
+
 def test_a_join_is_called_off_or_times_out_and_the_port_is_free_again(spawn) -> None:
     host, client = spawn(2)
     port = free_port()
