@@ -246,6 +246,9 @@ class Scheduler:
         num_scheduled_running = 0
         while index < len(running) and budget > 0 and num_scheduled_running < max_scheduled:
             request = running[index]
+            if request.request_id in self._pending_aborts:  # it ends when its step returns
+                index += 1
+                continue
             ahead = request.request_id in in_flight  # its previous step has not returned yet
             if ahead and not self._may_schedule_ahead(request):
                 index += 1

@@ -118,3 +118,29 @@ def test_async_scheduling_plans_ahead_of_decodes_but_not_of_the_prefill() -> Non
     assert ahead.num_scheduled_tokens == {"r": 1}
     scheduler.update(decode, sample_all(decode, scheduler))
     check_invariants(scheduler)
+
+
+def test_an_abort_under_async_scheduling_lands_when_the_step_in_flight_returns() -> None:
+    """With a decode always planned ahead, a request is never out of flight: an abort that
+    waited for that (the one an HTTP client's disconnect sends) waited for the request to
+    finish, its blocks held. A request whose abort is pending is not scheduled again."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=256,
+                                          async_scheduling=True))
+    scheduler.add_request(make_request("r", prompt_len=5, max_tokens=200))
+    in_flight: deque = deque()
+    num_updates_after_abort = 0
+    for step in range(20):
+        while len(in_flight) < 2 and not (output := scheduler.schedule()).is_empty:
+            sampled = {r: SampledToken(7) for r in output.num_scheduled_tokens}  # decodes
+            in_flight.append((output, ModelRunnerOutput(output.step_id, sampled)))
+        if step == 4:
+            assert len(in_flight) == 2, "a decode is planned ahead of the one in flight"
+            assert scheduler.abort(RequestId("r")) is None  # it waits for its steps
+        if "r" not in scheduler.requests:
+            break
+        output, result = in_flight.popleft()
+        scheduler.update(output, result)
+        num_updates_after_abort += step >= 4
+    assert num_updates_after_abort == 2  # the two steps in flight, not one more
+    assert "r" not in scheduler.requests and scheduler.stats().num_free_blocks == 64
+    check_invariants(scheduler)
