@@ -67,11 +67,35 @@ def _aborting_stream(inner: Any, method: str) -> Any:
     return handler
 
 
+def _decoding(inner: Any, deserializer: Callable[[bytes], Any] | None, method: str) -> Any:
+    """A handler of one request message that takes its bytes and parses them itself: a
+    message that does not parse is the caller's INVALID_ARGUMENT (gRPC would answer
+    UNKNOWN for a deserializer's exception)."""
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserializer(raw) if deserializer is not None else raw
+        except Exception as exc:
+            raise invalid_argument(f"the request message of {method} does not parse: {exc}") from exc
+
+    if inspect.isasyncgenfunction(inner):
+        async def streaming(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in inner(decode(raw), context):
+                yield response
+
+        return streaming
+
+    async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await inner(decode(raw), context)
+
+    return unary
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions raised by servicers into gRPC status codes.
 
     `ServiceError` carries its own code; anything else is a bug and becomes INTERNAL
-    with the exception's text, logged with its traceback.
+    with the exception's text, logged with its traceback. A request message that does not
+    parse (one request, not a stream of them) is INVALID_ARGUMENT.
     """
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
@@ -80,7 +104,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = details.method
         if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
+            inner_uu = _decoding(handler.unary_unary, handler.request_deserializer, method)
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
@@ -90,13 +114,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as exc:
                     await _abort_for(exc, context, method)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
-                _aborting_stream(handler.unary_stream, method),
-                handler.request_deserializer, handler.response_serializer
+                _aborting_stream(_decoding(handler.unary_stream, handler.request_deserializer, method),
+                                 method),
+                None, handler.response_serializer
             )
         if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
             return grpc.stream_stream_rpc_method_handler(

@@ -30,3 +30,31 @@ def test_health_watch_streams_every_change() -> None:
             await server.server.stop(0)
 
     asyncio.run(body())
+
+
+def test_a_request_message_that_does_not_parse_is_invalid_argument() -> None:
+    """Bytes no serializer writes (cut, wrongly typed, invalid UTF-8) are the caller's
+    mistake: INVALID_ARGUMENT naming the method, not gRPC's UNKNOWN "Unexpected
+    DecodeError" (found by bench/fuzz)."""
+    async def body() -> None:
+        server = GrpcServer(ServerConfig(), ["pagemesh.test.Nothing"], [])
+        await server.start()
+        try:
+            await server.set_serving(True)
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                check = channel.unary_unary("/grpc.health.v1.Health/Check")  # bytes in, bytes out
+                for raw in (b"\x0a\x7f" + b"a" * 5, b"\x0a\x02\xff\xfe", b"\xff"):
+                    try:
+                        await check(raw)
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (raw, exc)
+                        assert "/grpc.health.v1.Health/Check does not parse" in exc.details()
+                    else:
+                        raise AssertionError(f"{raw!r} was accepted")
+                answer = health_pb2.HealthCheckResponse.FromString(
+                    await check(health_pb2.HealthCheckRequest().SerializeToString()))
+                assert answer.status == SERVING  # what parses is served as before
+        finally:
+            await server.server.stop(0)
+
+    asyncio.run(body())
