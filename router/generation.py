@@ -7,8 +7,9 @@ so both give the same tokens, reject the same requests and trace the same span. 
 Fault tolerance, as the client sees it: a stream never shows a gap or a repeated token.
 - An engine group failing mid-stream: `Dispatcher.stream` resumes the request elsewhere
   (router/resume.py); this module never sees the failure.
-- This router dying: the client sends the same request_id with `resume_from` to any router,
-  which continues from the request's checkpoint (router/replay.py).
+- This router dying: the client sends the same request_id with `resume_from` (one count
+  for every sample, or over HTTP one per choice) to any router, which continues from the
+  request's checkpoint (router/replay.py).
 - Checkpoint lifetime: once the final chunk (every sample finished, a stop string too) has
   been yielded, the checkpoint is deleted in the background. A client that goes away does not
   delete it: it expires by itself after the resume window, and until then the client can resume.
@@ -28,6 +29,7 @@ import grpc
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
+from pagemesh.checkpoints import Checkpoint
 from pagemesh.logs import request_id_var
 from pagemesh.metrics import ABORT, ERROR, RouterMetrics
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
@@ -37,7 +39,8 @@ from router.dispatcher import Dispatcher
 from router.tokenizer import Tokenizer, TokenizerError
 from router.tracing import describe_request, traced_generate
 from router.types import GenerationRequest, ModelInfo, Submission, TokenChunk
-from router.validation import ValidatedRequest, ValidationError, validate
+from router.validation import (ValidatedRequest, ValidationError, check_identity, resume_offsets,
+                               validate)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,10 @@ class Generation:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenChunk]]:
         """The client's chunks, one list per scheduler step (router/client_stream.py).
         RESOURCE_EXHAUSTED past --max-queued-requests; closing the stream cancels the request."""
+        try:
+            check_identity(request.request_id, request.resume_from, request.n)
+        except ValidationError as exc:
+            raise invalid_argument(str(exc)) from exc
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
         if self.num_in_flight >= self.limits.max_queued_requests:
@@ -114,7 +121,7 @@ class Generation:
 
     async def _generate(self, request_id: str, request: GenerationRequest
                         ) -> AsyncIterator[list[TokenChunk]]:
-        plan = None if request.new_request else await self._resume_plan(request_id, request)
+        plan = await self._resume_plan(request_id, request)
         if plan is None:
             validated = await self._validate(request)
             submission = Submission.fresh(request_id, validated, self._seeds.getrandbits(63))
@@ -144,19 +151,21 @@ class Generation:
         """A resume (router/replay.py) when the request's checkpoint exists; None for a new
         request. NOT_FOUND for `resume_from` > 0 without a checkpoint."""
         resume_from = request.resume_from
-        if not request.request_id:
-            if resume_from:
-                raise invalid_argument("resume_from needs the request_id of the stream to resume")
+        wants_resume = any(resume_from) if isinstance(resume_from, list) else resume_from > 0
+        if not request.request_id or request.new_request:
+            if wants_resume:
+                raise invalid_argument("resume_from needs the id of the request to resume "
+                                       "(gRPC: request_id; HTTP: the X-Request-Id header)")
             return None
         try:
             ckpt = await self.checkpoints.load(request_id)
         except (RedisError, OSError) as exc:
-            if resume_from:
+            if wants_resume:
                 raise unavailable(f"the checkpoint store is unreachable ({exc}); retry shortly") from exc
             logger.debug("no checkpoint lookup (%s); a new request", exc)
             return None
         if ckpt is None:
-            if resume_from:
+            if wants_resume:
                 raise ServiceError(
                     grpc.StatusCode.NOT_FOUND,
                     f"request {request_id!r} has no checkpoint to resume from: it finished and "
@@ -165,9 +174,28 @@ class Generation:
                 )
             return None
         logger.warning("request %s resumed from its checkpoint (group %s, %s, %s output tokens "
-                       "per sample) after %d tokens the client has", request_id, ckpt.group,
+                       "per sample) after %s tokens the client has", request_id, ckpt.group,
                        ckpt.state, [len(s.token_ids) for s in ckpt.samples], resume_from)
-        return replay.from_checkpoint(self.tokenizer, ckpt, resume_from)
+        return self._plan_from_checkpoint(ckpt, resume_from)
+
+    def _plan_from_checkpoint(self, ckpt: Checkpoint, resume_from: int | list[int]
+                              ) -> replay.StreamPlan:
+        """router/replay.py's plan; with one count per sample, each sample (and its replayed
+        messages) comes from the plan for its own count."""
+        if not isinstance(resume_from, list):
+            return replay.from_checkpoint(self.tokenizer, ckpt, resume_from)
+        plan = replay.from_checkpoint(self.tokenizer, ckpt, resume_from[0] if resume_from else 0)
+        try:
+            offsets = resume_offsets(resume_from, len(plan.samples))
+        except ValidationError as exc:
+            raise invalid_argument(str(exc)) from exc
+        plans = {offset: replay.from_checkpoint(self.tokenizer, ckpt, offset)
+                 for offset in set(offsets) if offset != offsets[0]}
+        plans[offsets[0]] = plan
+        plan.samples = [plans[offset].samples[index] for index, offset in enumerate(offsets)]
+        plan.replay = [output for index, offset in enumerate(offsets)
+                       for output in plans[offset].replay if output.index == index]
+        return plan
 
     def _forget_checkpoint(self, request_id: str, groups: list[str], cut_short: bool) -> None:
         """Deletes the request's checkpoint in the background, never delaying the client;

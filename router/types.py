@@ -36,7 +36,9 @@ class GenerationRequest:
     num_logprobs: int | None = None  # alternatives per token, 0..20; None = no logprobs
     n: int = 1  # independent samples of the prompt
     priority: int = 0  # lower runs first under the priority policy
-    resume_from: int = 0  # output tokens per sample the client has (router/replay.py)
+    # Output tokens the client has (router/replay.py): one count for every sample, or one per
+    # sample (the HTTP API's per-choice offsets).
+    resume_from: int | list[int] = 0
     model: str = ""  # empty, or the served model's name
     # The caller made `request_id` up just now (the HTTP API): no checkpoint can exist for
     # it, so none is looked up.

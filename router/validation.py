@@ -17,6 +17,7 @@ MAX_NUM_STOP_STRINGS = 16
 MAX_ABS_PENALTY = 2.0
 MAX_SEED = 2**64 - 1
 MAX_N = 16
+MAX_REQUEST_ID_LEN = 256  # characters; the id keys the checkpoint in Redis and tags every log
 
 
 class ValidationError(ValueError):
@@ -101,8 +102,7 @@ def validate(
     _check_prompt(prompt_token_ids, limits)
     _check_sampling(sampling)
     _check_num_logprobs(num_logprobs)
-    if not 1 <= n <= MAX_N:
-        raise ValidationError(f"n must be in 1..{MAX_N} (samples of one prompt), got {n}")
+    check_num_samples(n)
     max_tokens = _resolve_max_tokens(len(prompt_token_ids), stopping, limits)
     _check_stopping(stopping, max_tokens, limits)
     return ValidatedRequest(
@@ -113,6 +113,57 @@ def validate(
         n=n,
         priority=priority,
     )
+
+
+def check_num_samples(n: int) -> None:
+    """`n` in 1..MAX_N. Checked before anything sizes a per-sample structure by it."""
+    if not 1 <= n <= MAX_N:
+        raise ValidationError(f"n must be in 1..{MAX_N} (samples of one prompt), got {n}")
+
+
+def check_identity(request_id: str, resume_from: int | list[int], n: int) -> None:
+    """What must hold before a request is counted or looked up: its id (empty = the router
+    makes one up), `resume_from`, and `n` (the router's metrics size a structure by it)."""
+    if request_id:
+        check_request_id(request_id)
+    check_resume_from(resume_from)
+    check_num_samples(n)
+
+
+def check_request_id(request_id: str) -> None:
+    """A client's request id: printable ASCII, at most MAX_REQUEST_ID_LEN characters (it
+    names the request's checkpoint, its logs and, over HTTP, a response header)."""
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise ValidationError(f"request_id has {len(request_id)} characters; use at most "
+                              f"{MAX_REQUEST_ID_LEN}")
+    if not (request_id.isascii() and request_id.isprintable()):
+        raise ValidationError(f"request_id must be printable ASCII characters, got {request_id!r}")
+
+
+def check_resume_from(resume_from: int | list[int]) -> None:
+    """Output tokens the client already has: one count for every sample, or one per sample;
+    none negative."""
+    per_sample = isinstance(resume_from, list)
+    for index, offset in enumerate(resume_from if per_sample else [resume_from]):
+        if offset < 0:
+            where = f" (sample {index})" if per_sample else ""
+            raise ValidationError(
+                f"resume_from must be >= 0 (output tokens already received){where}, got {offset}"
+            )
+
+
+def resume_offsets(resume_from: int | list[int], num_samples: int) -> list[int]:
+    """`resume_from` as one count per sample of a request with `num_samples` samples (a
+    stream can break between two samples' messages, so their counts may differ)."""
+    check_resume_from(resume_from)
+    if not isinstance(resume_from, list):
+        return [resume_from] * num_samples
+    if len(resume_from) != num_samples:
+        raise ValidationError(
+            f"resume_from has {len(resume_from)} counts but the request has {num_samples} "
+            "samples (n); send one count per sample, or a single count for every sample"
+        )
+    return list(resume_from)
 
 
 def _check_model(requested_model: str, limits: ModelLimits) -> None:

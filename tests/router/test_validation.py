@@ -7,6 +7,8 @@ from router.validation import (
     SamplingOptions,
     StoppingOptions,
     ValidationError,
+    check_identity,
+    resume_offsets,
     validate,
 )
 
@@ -139,3 +141,23 @@ def test_n_and_priority():
     for bad_n in (0, 17):
         with pytest.raises(ValidationError, match="n must be in 1..16"):
             validate([1, 2], SamplingOptions(), StoppingOptions(), None, "", LIMITS, n=bad_n)
+
+
+def test_identity_checks_come_before_anything_is_counted():
+    check_identity("", 0, 1)
+    check_identity("job-42", [0, 3], 16)
+    for args, message in [(("a" * 257, 0, 1), "at most 256"),
+                          (("x\n", 0, 1), "printable ASCII"),
+                          (("", -1, 1), r"resume_from must be >= 0 \(output tokens already received\), got -1"),
+                          (("", [2, -1], 2), r"\(sample 1\), got -1"),
+                          (("", 0, 0), r"n must be in 1..16"),
+                          (("", 0, 2**31), r"n must be in 1..16")]:
+        with pytest.raises(ValidationError, match=message):
+            check_identity(*args)
+
+
+def test_resume_offsets_are_one_count_per_sample():
+    assert resume_offsets(3, 2) == [3, 3]
+    assert resume_offsets([3, 1], 2) == [3, 1]
+    with pytest.raises(ValidationError, match="resume_from has 1 counts but the request has 2 samples"):
+        resume_offsets([3], 2)
