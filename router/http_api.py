@@ -4,23 +4,30 @@ plane, `router.generation.Generation`.
 The gRPC servicer adapts the same object, so HTTP and gRPC give the same tokens, reject the
 same requests and trace the same span. `router.openai_protocol` turns JSON into
 `GenerationRequest`s and `TokenChunk`s into OpenAI's objects.
+
+A client that closes its connection before its answer is complete cancels the request down
+the mesh, streaming or not. A client that sets `X-Request-Id` can get the rest of its answer
+from any router after this one died (`X-Resume-From`, README "Fault tolerance"): the data
+plane replays it from the request's checkpoint, as for gRPC's `resume_from`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import grpc
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -70,6 +77,7 @@ def build_http_app(generation: Generation, is_serving: Callable[[], bool],
         exception_handlers={
             oai.ProtocolError: _protocol_error,
             ServiceError: _service_error,
+            HTTPException: _http_error,  # an unknown path or method, in OpenAI's shape too
         },
     )
 
@@ -112,9 +120,17 @@ async def _service_error(request: Request, exc: Exception) -> Response:
     return await _protocol_error(request, protocol_error_for(exc))
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = oai.ProtocolError(f"{request.method} {request.url.path}: {exc.detail}", None,
+                              exc.status_code)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
 @dataclass
 class _Choice:
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     text_offset: int = 0  # characters of token text sent so far (completions logprobs)
@@ -138,23 +154,25 @@ class _OpenAIApi:
         return JSONResponse(oai.models_object(await self.generation.model_info(), self.created))
 
     async def completions(self, request: Request) -> Response:
-        parsed = oai.parse_completion(await _json_body(request))
-        return await self._generate(parsed, chat=False)
+        parsed = oai.parse_completion(await _json_body(request), request.headers)
+        return await _unless_client_leaves(request, self._generate(parsed, chat=False))
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = oai.parse_chat(await _json_body(request))
+        parsed = oai.parse_chat(await _json_body(request), request.headers)
         try:
             prompt_ids = self.generation.tokenizer.apply_chat_messages(parsed.messages)
         except TokenizerError as exc:
             raise oai.ProtocolError(str(exc), "messages") from exc
         parsed.generate = dataclasses.replace(parsed.generate, prompt=prompt_ids)
-        return await self._generate(parsed, chat=True)
+        return await _unless_client_leaves(request, self._generate(parsed, chat=True))
 
     async def _generate(self, parsed: oai.ParsedRequest, chat: bool) -> Response:
         model = (await self.generation.model_info()).model
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        # A fresh id: no checkpoint to look up in Redis (OpenAI HTTP has no resume).
-        request = dataclasses.replace(parsed.generate, request_id=response_id, new_request=True)
+        # The client's id, whose checkpoint (if any) the data plane resumes; or a fresh one,
+        # with no checkpoint to look up in Redis.
+        request_id = parsed.generate.request_id or uuid.uuid4().hex
+        request = dataclasses.replace(parsed.generate, request_id=request_id,
+                                      new_request=not parsed.generate.request_id)
         batches = self.generation.generate(request)
         try:
             # Validation happens on the first step: pull it here so that errors are 4xx replies.
@@ -162,10 +180,13 @@ class _OpenAIApi:
         except BaseException:
             await batches.aclose()
             raise
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"  # vLLM's ids
         stream = _Stream(self.generation, parsed, chat, response_id, model, int(time.time()))
+        headers = {oai.REQUEST_ID_HEADER: request_id}
         if parsed.stream:
-            return _EventStream(stream.events(first, batches), media_type="text/event-stream")
-        return JSONResponse(await stream.collect(first, batches))
+            return _EventStream(stream.events(first, batches), media_type="text/event-stream",
+                                headers=headers)
+        return JSONResponse(await stream.collect(first, batches), headers=headers)
 
 
 Batches = AsyncIterator[list[TokenChunk]]
@@ -181,7 +202,9 @@ class _Stream:
         self.chat = chat
         self.build = oai.chat_object if chat else oai.completion_object
         self.head = (response_id, created, model)
-        self.choices = [_Choice() for _ in range(parsed.generate.n)]
+        # By index, as chunks come: a resume has the checkpoint's samples, whatever its n says.
+        self.choices: dict[int, _Choice] = {}
+        self.resume_from = parsed.generate.resume_from
         self.token_text: dict[int, str] = {}
         self.usage: dict[str, int] | None = None
 
@@ -191,10 +214,11 @@ class _Stream:
                 for chunk in batch:
                     self._absorb(chunk)
         choices = []
-        for index, choice in enumerate(self.choices):
+        for index, choice in sorted(self.choices.items()):
             logprobs = self._logprobs(choice.logprobs, 0)
             make = oai.chat_choice if self.chat else oai.completion_choice
-            choices.append(make(index, choice.text, logprobs, choice.finish_reason))
+            out = make(index, choice.text, logprobs, choice.finish_reason)
+            choices.append(self._with_token_ids(out, choice.token_ids))
         return self.build(*self.head, choices, self.usage)
 
     async def events(self, first: list[TokenChunk], batches: Batches) -> AsyncIterator[str]:
@@ -216,8 +240,9 @@ class _Stream:
         delta = oai.choice_delta(chunk, self.parsed.num_top_logprobs)
         if delta.logprobs:
             self.token_text.update(self._token_texts(chunk))
-        choice = self.choices[delta.index]
+        choice = self._choice(delta.index)
         choice.text += delta.text
+        choice.token_ids += delta.token_ids
         choice.logprobs.extend(delta.logprobs)
         choice.finish_reason = delta.finish_reason or choice.finish_reason
         if chunk.usage is not None:
@@ -226,13 +251,16 @@ class _Stream:
 
     def _chunk_events(self, chunk: TokenChunk) -> list[dict[str, Any]]:
         delta = self._absorb(chunk)
-        choice = self.choices[delta.index]
+        choice = self._choice(delta.index)
         events = []
         if self.chat and not choice.started:
             choice.started = True
             role = oai.chat_chunk_choice(delta.index, {"role": "assistant", "content": ""}, None, None)
             events.append(self.build(*self.head, [role], None, chunk=True))
-        if not (delta.text or delta.logprobs or delta.finish_reason):
+        # A token whose text is not whole yet goes out with a later one, unless the client
+        # counts tokens (to resume): then every token goes out in the chunk that brought it.
+        counted = self.parsed.return_token_ids and delta.token_ids
+        if not (delta.text or counted or delta.logprobs or delta.finish_reason):
             return events
         logprobs = self._logprobs(delta.logprobs, choice.text_offset)
         choice.text_offset += sum(len(self.token_text.get(e["token_id"], "")) for e in delta.logprobs)
@@ -241,8 +269,25 @@ class _Stream:
             out = oai.chat_chunk_choice(delta.index, content, logprobs, delta.finish_reason)
         else:
             out = oai.completion_choice(delta.index, delta.text, logprobs, delta.finish_reason)
-        events.append(self.build(*self.head, [out], None, chunk=True))
+        events.append(self.build(*self.head, [self._with_token_ids(out, delta.token_ids)], None,
+                                 chunk=True))
         return events
+
+    def _with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        """vLLM's `return_token_ids`: the choice's (new) output token ids."""
+        if self.parsed.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def _choice(self, index: int) -> _Choice:
+        choice = self.choices.get(index)
+        if choice is None:
+            offset = self.resume_from
+            if isinstance(offset, list):
+                offset = offset[index] if index < len(offset) else 0
+            # A choice the client has tokens of had its role chunk with the first of them.
+            choice = self.choices[index] = _Choice(started=offset > 0)
+        return choice
 
     def _logprobs(self, entries: list[dict[str, Any]], text_offset: int) -> dict[str, Any] | None:
         if self.parsed.num_top_logprobs is None:
@@ -287,11 +332,40 @@ class _EventStream(StreamingResponse):
         await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
+async def _unless_client_leaves(request: Request, answer: Awaitable[Response]) -> Response:
+    """`answer`, unless the client closes its connection first: then `answer` is cancelled,
+    which cancels the generation down the mesh (its blocks are freed), and the reply goes
+    nowhere. A stream's own body then listens for the same (`_EventStream`)."""
+    task = asyncio.ensure_future(answer)
+    client_gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, client_gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        client_gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client closed the connection (the body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _json_body(request: Request) -> Any:
     try:
         return json.loads(await request.body())
-    except ValueError as exc:
-        raise oai.ProtocolError(f"the request body is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise oai.ProtocolError(f"the request body is not valid JSON: {_brief(exc)}") from exc
+
+
+def _brief(exc: BaseException) -> str:
+    return str(exc) if not isinstance(exc, RecursionError) else "nested too deeply"
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -1,14 +1,23 @@
 """OpenAI's HTTP API in pure functions: JSON bodies in, `GenerationRequest`s out, and
 `TokenChunk`s back into OpenAI's completion / chat completion objects (router/types.py).
 
-No I/O here: `router.http_api` owns the HTTP side. Parsing checks types and the fields OpenAI
-has that pagemesh does not serve; value ranges (temperature >= 0, max_tokens >= 1, ...) are left
-to the data plane's validation so that HTTP and gRPC reject the same requests with the same words.
+No I/O here: `router.http_api` owns the HTTP side. Parsing checks every field's type, that
+each integer fits the protobuf field it travels in (`WIRE_INTS`), and the fields OpenAI has
+that pagemesh does not serve. Value ranges (temperature >= 0, max_tokens >= 1, n <= 16, ...)
+are left to the data plane's validation (router/validation.py), so that HTTP and gRPC reject
+the same requests with the same words. Either way a bad request is a `ProtocolError` (4xx).
+
+Resuming after a router died (README, Fault tolerance): the client names its request with
+the `X-Request-Id` header (or vLLM's `request_id` body field) and, to resume, says how many
+output tokens of each choice it has with `X-Resume-From` (or a `resume_from` body field);
+`return_token_ids` (vLLM's extension) puts each chunk's token ids in its choices to count.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +26,62 @@ from router.validation import SamplingOptions, StoppingOptions
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+REQUEST_ID_HEADER = "X-Request-Id"  # vLLM's; the router echoes it on every answer
+RESUME_FROM_HEADER = "X-Resume-From"  # output tokens the client has: "12", or "12,11" per choice
+
+
+@dataclass(frozen=True)
+class WireInt:
+    """The integers a protobuf field can carry (protos/pagemesh/v1/generate.proto).
+
+    Only what no message could carry is refused at the HTTP edge. An unsigned field's
+    negatives are left to the data plane, which names the field's real lower bound
+    (max_tokens >= 1, seed >= 0, token ids in the vocabulary, ...) in gRPC's words."""
+
+    bits: int
+    signed: bool
+
+    @property
+    def proto_type(self) -> str:
+        return f"{'' if self.signed else 'u'}int{self.bits}"
+
+    @property
+    def max(self) -> int:
+        return 2 ** (self.bits - self.signed) - 1
+
+    def refuses(self, value: int) -> bool:
+        return value > self.max or (self.signed and value < -self.max - 1)
+
+    def bounds(self) -> str:
+        if self.signed:
+            return f"in [-2**{self.bits - 1}, 2**{self.bits - 1} - 1]"
+        return f"at most 2**{self.bits} - 1"
+
+
+INT32 = WireInt(32, signed=True)
+UINT32 = WireInt(32, signed=False)
+UINT64 = WireInt(64, signed=False)
+
+# Every integer a body (or header) can hold, as the wire carries it; list fields by element.
+WIRE_INTS = {
+    "max_tokens": UINT32, "max_completion_tokens": UINT32, "min_tokens": UINT32,
+    "n": UINT32, "logprobs": UINT32, "top_logprobs": UINT32, "seed": UINT64,
+    "top_k": INT32, "priority": INT32, "prompt": UINT32, "stop_token_ids": UINT32,
+    "resume_from": UINT32,
+}
+
+
+
+def _short_repr() -> reprlib.Repr:
+    """Quotes a bad value back in an error message: short, whatever the client sent."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict = 2, 4, 4
+    short.maxstring = short.maxlong = short.maxother = 40
+    return short
+
+
+_shown = _short_repr().repr
+
 
 class ProtocolError(ValueError):
     """A request OpenAI's API would reject; `status` is the HTTP status to answer with."""
@@ -42,7 +107,8 @@ def error_body(message: str, type: str, param: str | None = None,
 @dataclass
 class ParsedRequest:
     """An OpenAI request turned into pagemesh's; chat messages are left for the tokenizer
-    (their token ids become `generate.prompt`)."""
+    (their token ids become `generate.prompt`). `generate.request_id` is the client's id,
+    or empty (the API makes one up)."""
 
     generate: GenerationRequest
     stream: bool = False
@@ -50,13 +116,15 @@ class ParsedRequest:
     # Alternatives per token the client asked for; None = no logprobs at all.
     num_top_logprobs: int | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
+    return_token_ids: bool = False  # each choice carries its (new) token ids
 
 
 # ---------------------------------------------------------------- request parsing
 
 
-def parse_completion(body: Any) -> ParsedRequest:
-    """A `/v1/completions` body. Raises ProtocolError saying what to fix."""
+def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> ParsedRequest:
+    """A `/v1/completions` body and its headers (case-insensitive, as Starlette's, or
+    lower-case keys). Raises ProtocolError saying what to fix."""
     body = _object(body)
     _reject_unsupported(body, {"echo": False, "suffix": None, "best_of": 1, "logit_bias": {}})
     prompt = _prompt(body.get("prompt"))
@@ -64,11 +132,11 @@ def parse_completion(body: Any) -> ParsedRequest:
     num_top = _int(body, "logprobs")
     if num_top is not None and num_top < 0:
         raise ProtocolError(f"logprobs must be >= 0, got {num_top}", "logprobs")
-    return _parse_common(body, prompt, DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
-                         num_top)
+    return _parse_common(body, headers, prompt,
+                         DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, num_top)
 
 
-def parse_chat(body: Any) -> ParsedRequest:
+def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> ParsedRequest:
     """A `/v1/chat/completions` body; `messages` comes back normalized for the chat template."""
     body = _object(body)
     _reject_unsupported(body, {"tools": [], "logit_bias": {}})
@@ -87,12 +155,14 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise ProtocolError("top_logprobs needs logprobs set to true", "top_logprobs")
     if num_top is not None and num_top < 0:
         raise ProtocolError(f"top_logprobs must be >= 0, got {num_top}", "top_logprobs")
-    parsed = _parse_common(body, None, max_tokens, (num_top or 0) if wants_logprobs else None)
+    parsed = _parse_common(body, headers, None, max_tokens,
+                           (num_top or 0) if wants_logprobs else None)
     parsed.messages = _messages(body.get("messages"))
     return parsed
 
 
-def _parse_common(body: dict[str, Any], prompt: str | list[int] | None, max_tokens: int | None,
+def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None,
+                  prompt: str | list[int] | None, max_tokens: int | None,
                   num_top: int | None) -> ParsedRequest:
     model = _str(body, "model")
     # Read in the order the fields' errors should be reported.
@@ -100,9 +170,6 @@ def _parse_common(body: dict[str, Any], prompt: str | list[int] | None, max_toke
         "temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "min_p")}
     top_k = _int(body, "top_k")
-    seed = _int(body, "seed")
-    if seed is not None and seed < 0:
-        raise ProtocolError(f"seed must be >= 0, got {seed}", "seed")
     sampling = SamplingOptions(
         temperature=numbers["temperature"],
         top_p=numbers["top_p"],
@@ -111,17 +178,16 @@ def _parse_common(body: dict[str, Any], prompt: str | list[int] | None, max_toke
         repetition_penalty=numbers["repetition_penalty"],
         presence_penalty=numbers["presence_penalty"] or 0.0,
         frequency_penalty=numbers["frequency_penalty"] or 0.0,
-        seed=seed,
+        seed=_int(body, "seed"),
     )
-    stop = _stop(body.get("stop"))
-    stop_token_ids = _int_list(body, "stop_token_ids")
-    stopping = StoppingOptions(max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids,
-                               min_tokens=_non_negative(body, "min_tokens"),
+    stopping = StoppingOptions(max_tokens=max_tokens, stop=_stop(body.get("stop")),
+                               stop_token_ids=_int_list(body, "stop_token_ids"),
+                               min_tokens=_int(body, "min_tokens") or 0,
                                ignore_eos=bool(_bool(body, "ignore_eos")))
     n = _int(body, "n")
-    if n is not None and n < 1:
-        raise ProtocolError(f"n must be at least 1, got {n}", "n")
+    request_id, resume_from = _identity(body, headers or {})
     request = GenerationRequest(
+        request_id=request_id,
         prompt=prompt,
         sampling=sampling,
         stopping=stopping,
@@ -129,6 +195,7 @@ def _parse_common(body: dict[str, Any], prompt: str | list[int] | None, max_toke
         num_logprobs=None if num_top is None else max(num_top, 1),
         n=1 if n is None else n,
         priority=_int(body, "priority") or 0,
+        resume_from=resume_from,
         model=model or "",
     )
     stream = bool(_bool(body, "stream"))
@@ -138,7 +205,43 @@ def _parse_common(body: dict[str, Any], prompt: str | list[int] | None, max_toke
         if not stream:
             raise ProtocolError("stream_options needs stream set to true", "stream_options")
         include_usage = bool(_bool(_object(options, "stream_options"), "include_usage"))
-    return ParsedRequest(request, stream, include_usage, num_top)
+    return ParsedRequest(request, stream, include_usage, num_top,
+                         return_token_ids=bool(_bool(body, "return_token_ids")))
+
+
+def _identity(body: dict[str, Any], headers: Mapping[str, str]) -> tuple[str, int | list[int]]:
+    """The client's request id and resume offsets; a header wins over its body field, as
+    vLLM's X-Request-Id does over `request_id`."""
+    request_id = _header(headers, REQUEST_ID_HEADER) or _str(body, "request_id") or ""
+    text = _header(headers, RESUME_FROM_HEADER)
+    if text is not None:
+        return request_id, _resume_from_header(text)
+    value = body.get("resume_from")
+    if value is None:
+        return request_id, 0
+    if _is_int(value):
+        return request_id, _on_wire("resume_from", value)
+    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+        return request_id, [_on_wire("resume_from", v, f"resume_from[{i}]") for i, v in enumerate(value)]
+    raise ProtocolError("resume_from must be the number of output tokens received (one for every "
+                        f"choice, or a list with one per choice), got {_shown(value)}", "resume_from")
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name.lower())
+    return value if value is None else value.strip()
+
+
+def _resume_from_header(text: str) -> int | list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isascii() and part.isdigit() and len(part) <= 20 for part in parts):
+        raise ProtocolError(
+            f"{RESUME_FROM_HEADER} must be the number of output tokens received: one for every "
+            f"choice (e.g. 12) or one per choice, comma-separated (e.g. 12,11); got {_shown(text)}",
+            RESUME_FROM_HEADER)
+    offsets = [_on_wire("resume_from", int(part), RESUME_FROM_HEADER, RESUME_FROM_HEADER)
+               for part in parts]
+    return offsets[0] if len(offsets) == 1 else offsets
 
 
 def _prompt(prompt: Any) -> str | list[int]:
@@ -149,9 +252,7 @@ def _prompt(prompt: Any) -> str | list[int]:
             raise ProtocolError("prompt is empty; send at least one character", "prompt")
         return prompt
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise ProtocolError("prompt token ids must be >= 0", "prompt")
-        return list(prompt)
+        return [_on_wire("prompt", t, f"prompt token id at position {i}") for i, t in enumerate(prompt)]
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ProtocolError(
             f"prompt holds {len(prompt)} prompts; this server takes one prompt per request "
@@ -170,8 +271,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
         message = _object(message, where)
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise ProtocolError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                                f"{where}.role")
+            raise ProtocolError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
+                                f"got {_shown(role)}", f"{where}.role")
         messages.append({"role": role, "content": _content(message.get("content"), where)})
     return messages
 
@@ -220,15 +321,20 @@ def _is_int(value: Any) -> bool:
 
 def _int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
-    if value is None or _is_int(value):
-        return value
-    raise ProtocolError(f"{name} must be an integer, got {value!r}", name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise ProtocolError(f"{name} must be an integer, got {_shown(value)}", name)
+    return _on_wire(name, value)
 
 
-def _non_negative(body: dict[str, Any], name: str) -> int:
-    value = _int(body, name) or 0
-    if value < 0:
-        raise ProtocolError(f"{name} must be >= 0, got {value}", name)
+def _on_wire(name: str, value: int, what: str | None = None, param: str | None = None) -> int:
+    """`value` when its protobuf field (`WIRE_INTS[name]`) can carry it; `what` names it in
+    the error (an element of a list, say), `param` (default `name`) is the error's param."""
+    wire = WIRE_INTS[name]
+    if wire.refuses(value):
+        raise ProtocolError(f"{what or name} must be {wire.bounds()}, got {_shown(value)}",
+                            param or name)
     return value
 
 
@@ -236,32 +342,40 @@ def _int_list(body: dict[str, Any], name: str) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
-    if isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value):
-        return value
-    raise ProtocolError(f"{name} must be a list of token ids (integers >= 0)", name)
+    if isinstance(value, list) and all(_is_int(v) for v in value):
+        return [_on_wire(name, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    raise ProtocolError(f"{name} must be a list of token ids (integers)", name)
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and _is_finite(value):
         return float(value)
-    raise ProtocolError(f"{name} must be a finite number, got {value!r}", name)
+    raise ProtocolError(f"{name} must be a finite number, got {_shown(value)}", name)
+
+
+def _is_finite(value: int | float) -> bool:
+    """Also False for an integer too large for a float (json reads 1e400 as inf, 10**400 as int)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _bool(body: dict[str, Any], name: str) -> bool | None:
     value = body.get(name)
     if value is None or isinstance(value, bool):
         return value
-    raise ProtocolError(f"{name} must be true or false, got {value!r}", name)
+    raise ProtocolError(f"{name} must be true or false, got {_shown(value)}", name)
 
 
 def _str(body: dict[str, Any], name: str) -> str | None:
     value = body.get(name)
     if value is None or isinstance(value, str):
         return value
-    raise ProtocolError(f"{name} must be a string, got {value!r}", name)
+    raise ProtocolError(f"{name} must be a string, got {_shown(value)}", name)
 
 
 # ---------------------------------------------------------------- response building

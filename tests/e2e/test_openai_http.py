@@ -3,6 +3,8 @@ the same tokens as gRPC `Generate` and OpenAI-shaped errors."""
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request, scheduler_stats
 from tests.support.eventually import eventually
@@ -148,17 +151,121 @@ def test_unknown_model_and_bad_json(client: openai.OpenAI, http_url: str) -> Non
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
 
 
-def test_client_disconnect_mid_stream_cancels_the_request(http_url: str, redis_url: str) -> None:
+@pytest.mark.parametrize("body, param, message", [
+    ({"max_tokens": -1}, None, "max_tokens must be at least 1, got -1"),
+    ({"seed": -5}, None, "seed must be in [0, 2**64 - 1], got -5"),
+    ({"seed": 2**70}, "seed", "seed must be at most 2**64 - 1, got 1180591620717411303424"),
+    ({"seed": 2**64}, "seed", "seed must be at most 2**64 - 1"),
+    ({"messages": "notalist"}, "messages", "messages must be a non-empty list of {role, content}"),
+    ({"top_k": 2**40}, "top_k", "top_k must be in [-2**31, 2**31 - 1]"),
+    ({"priority": -2**40}, "priority", "priority must be in [-2**31, 2**31 - 1]"),
+    ({"n": 2**70}, "n", "n must be at most 2**32 - 1"),
+    ({"n": 2**31}, None, "n must be in 1..16 (samples of one prompt)"),
+    ({"max_tokens": 4.0}, "max_tokens", "max_tokens must be an integer, got 4.0"),
+    ({"temperature": True}, "temperature", "temperature must be a finite number, got True"),
+    ({"temperature": 10**400}, "temperature", "temperature must be a finite number"),
+    ({"stop": [["x"]]}, "stop", "stop must be a string or a list of strings"),
+    ({"request_id": "x" * 300}, None, "request_id has 300 characters; use at most 256"),
+    ({"resume_from": 3}, None, "resume_from needs the id of the request to resume"),
+])
+def test_bad_input_is_a_400_that_says_what_to_fix(http_url: str, body: dict, param: str | None,
+                                                  message: str) -> None:
+    """Issue 21's fuzzer found these as HTTP 500s (ValueError: Value out of range)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    response = httpx.post(f"{http_url}/v1/chat/completions", json={**chat, **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert message in error["message"]
 
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "not valid JSON"),
+    (b"\xff\xfe{", "not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON: nested too deeply"),
+    (b'{"prompt": "Hi", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),  # > Python's 4300 digits
+    (b"null", "the request body must be a JSON object"),
+    (b'["prompt"]', "the request body must be a JSON object"),
+    (b'{"prompt": "Hi", "temperature": NaN}', "temperature must be a finite number, got nan"),
+    (b'{"prompt": "Hi", "top_p": -Infinity}', "top_p must be a finite number, got -inf"),
+])
+def test_odd_bodies_are_400s(http_url: str, content: bytes, message: str) -> None:
+    response = httpx.post(f"{http_url}/v1/completions", content=content, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+def test_unknown_paths_and_methods_answer_in_openai_shape(http_url: str) -> None:
+    for response, status in [(httpx.get(f"{http_url}/v1/nothing"), 404),
+                             (httpx.get(f"{http_url}/v1/completions"), 405)]:
+        assert response.status_code == status
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.post(f"{http_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                          headers={"X-Resume-From": "two"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "X-Resume-From"
+
+
+def test_token_ids_and_the_request_id_header(client: openai.OpenAI, tiny_llama_mesh: Mesh) -> None:
+    """vLLM's `return_token_ids` and `X-Request-Id`: each chunk carries its choice's new token
+    ids, every token in the chunk that brought it (a client counts them to resume)."""
+    expected = tiny_llama_mesh.generate(greedy_request(PROMPT_IDS, 12))
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_headers={"X-Request-Id": "ids-1"})
+    assert raw.headers["x-request-id"] == "ids-1"
+    result = raw.parse()
+    assert result.id == "cmpl-ids-1" and result.choices[0].token_ids == expected.token_ids
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, n=2, seed=3,
+        stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+    token_ids: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in stream:
+        for choice in chunk.choices:
+            token_ids[choice.index] += choice.model_extra.get("token_ids") or []
+    assert [len(ids) for ids in token_ids.values()] == [12, 12]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra
+
+
+LONG_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story"}],
+             "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+def assert_cancelled_at_once(redis_url: str, num_steps_at_close: int) -> None:
+    """The request's blocks are freed soon after its client left, long before its 400
+    tokens would have been done: the scheduler ran few steps after that."""
+    def freed() -> scheduler_pb2.GetStatsResponse | None:
+        stats = scheduler_stats(redis_url, "e2e-llama")
+        return stats if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks else None
+    stats = eventually(freed, 10, lambda: f"blocks still held: {scheduler_stats(redis_url, 'e2e-llama')}",
+                       interval_s=0.05)
+    assert stats.num_steps - num_steps_at_close < 100, "the request ran on after its client left"
+
+
+def test_client_disconnect_mid_stream_cancels_the_request(http_url: str, redis_url: str) -> None:
     body = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 400, "stream": True,
             "temperature": 0, "ignore_eos": True}
     with httpx.stream("POST", f"{http_url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         while not next(lines).startswith("data: "):
             pass
-        assert scheduler_stats(redis_url, "e2e-llama").num_running == 1
-    def freed() -> bool:
         stats = scheduler_stats(redis_url, "e2e-llama")
-        return stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
-    eventually(freed, 10, lambda: f"blocks still held: {scheduler_stats(redis_url, 'e2e-llama')}",
-               interval_s=0.05)
+        assert stats.num_running == 1
+    assert_cancelled_at_once(redis_url, stats.num_steps)
+
+
+def test_client_disconnect_before_a_non_streaming_answer_cancels_the_request(
+        http_url: str, redis_url: str) -> None:
+    """Issue 21: a chat request whose client had closed the connection was still running 30 s
+    later, holding 7% of the KV cache. The client here hangs up while its answer computes."""
+    url = httpx.URL(http_url)
+    body = json.dumps({**LONG_CHAT, "stream": False}).encode()
+    with socket.create_connection((url.host, url.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        eventually(lambda: scheduler_stats(redis_url, "e2e-llama").num_running == 1, 30,
+                   "the request running", interval_s=0.02)
+        stats = scheduler_stats(redis_url, "e2e-llama")
+    assert_cancelled_at_once(redis_url, stats.num_steps)

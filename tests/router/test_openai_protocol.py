@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+import re
 
+import pytest
+from google.protobuf.descriptor import FieldDescriptor as FD
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from protos.pagemesh.v1 import generate_pb2
+from router import convert
 from router import openai_protocol as oai
-from router.types import FinishReason, TokenChunk, TokenLogprob, TopLogprob, Usage
+from router.types import FinishReason, Submission, TokenChunk, TokenLogprob, TopLogprob, Usage
+from router.validation import (ModelLimits, ValidationError, check_identity, resume_offsets,
+                               validate)
 
 
 def test_completion_defaults_and_fields() -> None:
@@ -43,8 +53,17 @@ def test_completion_defaults_and_fields() -> None:
     ({"prompt": "a", "echo": True}, "echo"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 1.0}, "n"),
+    ({"prompt": "a", "seed": True}, "seed"),
+    ({"prompt": "a", "temperature": 10**400}, "temperature"),
+    ({"prompt": "a", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "a", "resume_from": "3"}, "resume_from"),
+    ({"prompt": "a", "resume_from": []}, "resume_from"),
+    ({"prompt": "a", "request_id": 7}, "request_id"),
+    ({"prompt": "a", "return_token_ids": 1}, "return_token_ids"),
     ([1, 2], None),
+    (None, None),
+    ("{}", None),
 ])
 def test_bad_completion_requests_name_the_field(body: object, param: str | None) -> None:
     with pytest.raises(oai.ProtocolError) as info:
@@ -105,3 +124,189 @@ def test_response_shapes() -> None:
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "hi"
     chunk = oai.completion_object("cmpl-1", 10, "m", [], None, chunk=True)
     assert "usage" not in chunk and chunk["object"] == "text_completion"
+
+
+# ---------------------------------------------------------------- integers on the wire
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"top_k": 2**40}, "top_k", "top_k must be in [-2**31, 2**31 - 1], got 1099511627776"),
+    ({"priority": -2**31 - 1}, "priority", "priority must be in [-2**31, 2**31 - 1]"),
+    ({"seed": 2**70}, "seed", "seed must be at most 2**64 - 1, got 1180591620717411303424"),
+    ({"seed": 2**64}, "seed", "seed must be at most 2**64 - 1"),
+    ({"max_tokens": 2**32}, "max_tokens", "max_tokens must be at most 2**32 - 1"),
+    ({"n": 2**70}, "n", "n must be at most 2**32 - 1"),
+    ({"stop_token_ids": [1, 2**32]}, "stop_token_ids", "stop_token_ids[1] must be at most 2**32 - 1"),
+    ({"prompt": [5, 2**40]}, "prompt", "prompt token id at position 1 must be at most 2**32 - 1"),
+    ({"resume_from": [0, 2**32]}, "resume_from", "resume_from[1] must be at most 2**32 - 1"),
+    ({"seed": 10**4000}, "seed", "..."),  # quoted back in a few characters
+])
+def test_integers_no_message_could_carry_are_refused_at_the_edge(body: dict, param: str,
+                                                                  message: str) -> None:
+    with pytest.raises(oai.ProtocolError) as info:
+        oai.parse_completion({"prompt": "Hi", **body})
+    assert info.value.status == 400 and info.value.param == param
+    assert message in info.value.message and len(info.value.message) < 200
+
+
+def test_negatives_and_narrower_ranges_are_the_data_planes_in_grpcs_words() -> None:
+    """An unsigned field's negative passes the edge: the data plane names its real range."""
+    for body, message in [({"max_tokens": -1}, "max_tokens must be at least 1, got -1"),
+                          ({"seed": -5}, "seed must be in [0, 2**64 - 1], got -5"),
+                          ({"n": 0}, "n must be in 1..16"),
+                          ({"n": 2**31}, "n must be in 1..16"),
+                          ({"min_tokens": -1}, "min_tokens must be >= 0"),
+                          ({"top_k": -2}, "top_k must be >= 0"),
+                          ({"prompt": [-1]}, "prompt token id -1 at position 0 is out of range"),
+                          ({"resume_from": -1}, "resume_from must be >= 0")]:
+        parsed = oai.parse_completion({"prompt": "Hi", **body})
+        with pytest.raises(ValidationError, match=re.escape(message)):
+            admit(parsed)
+
+
+WIRE_FIELDS = {  # HTTP name -> the protobuf fields it travels in (router -> scheduler too)
+    "max_tokens": [generate_pb2.StoppingCriteria, "max_tokens"],
+    "max_completion_tokens": [generate_pb2.StoppingCriteria, "max_tokens"],
+    "min_tokens": [generate_pb2.StoppingCriteria, "min_tokens"],
+    "stop_token_ids": [generate_pb2.StoppingCriteria, "stop_token_ids"],
+    "seed": [generate_pb2.SamplingParams, "seed"],
+    "top_k": [generate_pb2.SamplingParams, "top_k"],
+    "n": [generate_pb2.GenerateRequest, "n", scheduler_pb2.SubmitRequest, "n"],
+    "logprobs": [generate_pb2.GenerateRequest, "logprobs", scheduler_pb2.SubmitRequest, "logprobs"],
+    "top_logprobs": [generate_pb2.GenerateRequest, "logprobs"],
+    "priority": [generate_pb2.GenerateRequest, "priority", scheduler_pb2.SubmitRequest, "priority"],
+    "prompt": [generate_pb2.TokenIds, "ids", scheduler_pb2.SubmitRequest, "prompt_token_ids"],
+    "resume_from": [generate_pb2.GenerateRequest, "resume_from"],
+}
+
+
+def test_wire_ints_are_the_protos_field_types() -> None:
+    assert set(oai.WIRE_INTS) == set(WIRE_FIELDS)
+    for name, pairs in WIRE_FIELDS.items():
+        for message, field_name in zip(pairs[::2], pairs[1::2]):
+            field = message.DESCRIPTOR.fields_by_name[field_name]
+            proto_type = {FD.TYPE_INT32: "int32", FD.TYPE_UINT32: "uint32",
+                          FD.TYPE_UINT64: "uint64"}[field.type]
+            assert oai.WIRE_INTS[name].proto_type == proto_type, (name, message, field_name)
+    assert oai.INT32.max == 2**31 - 1 and oai.UINT32.max == 2**32 - 1 and oai.UINT64.max == 2**64 - 1
+
+
+# ---------------------------------------------------------------- request ids and resumes
+
+
+def test_request_id_and_resume_from_headers_win_over_the_body() -> None:
+    body = {"prompt": "Hi", "request_id": "from-body", "resume_from": [4, 5], "n": 2,
+            "return_token_ids": True}
+    parsed = oai.parse_completion(body)
+    assert parsed.generate.request_id == "from-body" and parsed.generate.resume_from == [4, 5]
+    assert parsed.return_token_ids
+    headers = {"x-request-id": " job-42 ", "x-resume-from": "12, 11"}
+    parsed = oai.parse_completion(body, headers)
+    assert parsed.generate.request_id == "job-42" and parsed.generate.resume_from == [12, 11]
+    assert oai.parse_chat({"messages": [{"role": "user", "content": "Hi"}]},
+                          {"x-resume-from": "7"}).generate.resume_from == 7
+    unset = oai.parse_completion({"prompt": "Hi"}, {"x-request-id": ""})
+    assert unset.generate.request_id == "" and unset.generate.resume_from == 0
+    assert not unset.return_token_ids
+
+
+@pytest.mark.parametrize("value", ["", "x", "-1", "1.5", "1,,2", "١", "9" * 21, "4294967296"])
+def test_a_bad_resume_from_header_says_its_format(value: str) -> None:
+    with pytest.raises(oai.ProtocolError) as info:
+        oai.parse_completion({"prompt": "Hi"}, {"x-resume-from": value})
+    assert info.value.param == "X-Resume-From" and info.value.message.startswith("X-Resume-From must")
+
+
+def test_request_ids_are_checked_by_the_data_plane() -> None:
+    for request_id, message in [("a" * 257, "at most 256"), ("tab\there", "printable ASCII"),
+                                ("café", "printable ASCII")]:
+        with pytest.raises(ValidationError, match=message):
+            admit(oai.parse_completion({"prompt": "Hi", "request_id": request_id}))
+    admit(oai.parse_completion({"prompt": "Hi"}, {"x-request-id": "a" * 256}))
+
+
+# ---------------------------------------------------------------- no input is a 500
+
+
+LIMITS = ModelLimits(name="m", max_model_len=4096, vocab_size=50_000)
+
+
+def admit(parsed: oai.ParsedRequest) -> scheduler_pb2.SubmitRequest:
+    """What the router's data plane does with a parsed request before any I/O
+    (router/generation.py): its identity checks, validation, the seed, the protobuf."""
+    request = parsed.generate
+    check_identity(request.request_id, request.resume_from, request.n)
+    if request.request_id and request.resume_from:
+        resume_offsets(request.resume_from, request.n)
+    prompt_ids = request.prompt if isinstance(request.prompt, list) else [1, 2, 3]
+    validated = validate(prompt_ids, request.sampling, request.stopping, request.num_logprobs,
+                         request.model, LIMITS, n=request.n, priority=request.priority)
+    submit = convert.submit_request(Submission.fresh("r", validated, 5))
+    submit.SerializeToString()
+    return submit
+
+
+def parse_and_admit(parse: object, body: object, headers: dict[str, str]) -> None:
+    """Succeeds, or raises what the HTTP API answers with a 4xx; nothing else."""
+    try:
+        admit(parse(body, headers))
+    except oai.ProtocolError as exc:
+        assert 400 <= exc.status < 500 and exc.message
+    except ValidationError as exc:  # the HTTP API answers INVALID_ARGUMENT with a 400
+        assert str(exc)
+
+
+BOUNDARY_INTS = st.sampled_from([0, 1, -1, 2, 16, 17, 20, 21, 2**31 - 1, 2**31, -2**31, -2**31 - 1,
+                                 2**32 - 1, 2**32, 2**63, 2**64 - 1, 2**64, 2**70, -2**70, 10**400])
+SCALARS = (st.none() | st.booleans() | st.integers() | BOUNDARY_INTS
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+JSON_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+FIELD_NAMES = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+               "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
+               "stop_token_ids", "seed", "logprobs", "top_logprobs", "presence_penalty",
+               "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+               "priority", "echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice",
+               "response_format", "request_id", "resume_from", "return_token_ids", "user"]
+MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from([*oai.CHAT_ROLES, "wizard"]), "content": st.text(max_size=8) | JSON_VALUES}),
+    max_size=3)
+# Mostly values of the right kind (integers at the edges of every range, numbers, flags),
+# so that most bodies get past parsing to validation and the protobuf.
+FIELD_VALUES = st.one_of(BOUNDARY_INTS, BOUNDARY_INTS, st.integers(-3, 40), st.floats(-3, 3),
+                         st.booleans(), st.lists(BOUNDARY_INTS, min_size=1, max_size=3),
+                         MESSAGES, JSON_VALUES)
+HEADERS = st.just({}) | st.fixed_dictionaries({}, optional={
+    "x-request-id": st.text(max_size=12),
+    "x-resume-from": st.from_regex(r"\A[0-9]{1,11}(,[0-9]{1,11}){0,2}\Z") | st.text(max_size=8)})
+BASES = {"completion": {"model": "m", "prompt": "Hi"},
+         "chat": {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}}
+
+
+PARSERS = {"completion": oai.parse_completion, "chat": oai.parse_chat}
+
+
+@pytest.mark.parametrize("name", FIELD_NAMES)
+@pytest.mark.parametrize("kind", PARSERS)
+@settings(max_examples=80, deadline=None)
+@given(value=FIELD_VALUES)
+def test_any_value_of_any_field_parses_and_validates_or_is_a_4xx(kind: str, name: str,
+                                                                  value: object) -> None:
+    """A valid body with one of the real fields (the prompt or messages too) set to anything."""
+    parse_and_admit(PARSERS[kind], {**BASES[kind], name: value}, {})
+
+
+@pytest.mark.parametrize("kind", PARSERS)
+@settings(max_examples=500, deadline=None)
+@given(extra=st.dictionaries(st.sampled_from(FIELD_NAMES), FIELD_VALUES, max_size=4),
+       headers=HEADERS)
+def test_any_fields_and_headers_parse_and_validate_or_are_a_4xx(kind: str, extra: dict,
+                                                                 headers: dict[str, str]) -> None:
+    parse_and_admit(PARSERS[kind], {**BASES[kind], **extra}, headers)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=JSON_VALUES, headers=HEADERS)
+def test_any_json_value_is_parsed_or_refused(body: object, headers: dict[str, str]) -> None:
+    for parse in PARSERS.values():
+        parse_and_admit(parse, body, headers)
