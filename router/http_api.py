@@ -170,9 +170,9 @@ class _OpenAIApi:
         model = (await self.generation.model_info()).model
         # The client's id, whose checkpoint (if any) the data plane resumes; or a fresh one,
         # with no checkpoint to look up in Redis.
-        request_id = parsed.generate.request_id or uuid.uuid4().hex
-        request = dataclasses.replace(parsed.generate, request_id=request_id,
-                                      new_request=not parsed.generate.request_id)
+        client_id = parsed.client_request_id or uuid.uuid4().hex
+        request = dataclasses.replace(parsed.generate, request_id=parsed.id_prefix + client_id,
+                                      new_request=not parsed.client_request_id)
         batches = self.generation.generate(request)
         try:
             # Validation happens on the first step: pull it here so that errors are 4xx replies.
@@ -180,9 +180,8 @@ class _OpenAIApi:
         except BaseException:
             await batches.aclose()
             raise
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"  # vLLM's ids
-        stream = _Stream(self.generation, parsed, chat, response_id, model, int(time.time()))
-        headers = {oai.REQUEST_ID_HEADER: request_id}
+        stream = _Stream(self.generation, parsed, chat, request.request_id, model, int(time.time()))
+        headers = {oai.REQUEST_ID_HEADER: client_id}
         if parsed.stream:
             return _EventStream(stream.events(first, batches), media_type="text/event-stream",
                                 headers=headers)

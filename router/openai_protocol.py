@@ -22,12 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.types import GenerationRequest, ModelInfo, TokenChunk, Usage
-from router.validation import SamplingOptions, StoppingOptions
+from router.validation import (MAX_REQUEST_ID_LEN, SamplingOptions, StoppingOptions,
+                               ValidationError, check_request_id)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 REQUEST_ID_HEADER = "X-Request-Id"  # vLLM's; the router echoes it on every answer
 RESUME_FROM_HEADER = "X-Resume-From"  # output tokens the client has: "12", or "12,11" per choice
+# vLLM's response ids, "<prefix><request id>": the prefixed id is the request's id in the
+# mesh too (its checkpoint, its trace's gen_ai.response.id), so a client's id leaves room.
+CHAT_ID_PREFIX, COMPLETION_ID_PREFIX = "chatcmpl-", "cmpl-"
+MAX_CLIENT_REQUEST_ID_LEN = MAX_REQUEST_ID_LEN - len(CHAT_ID_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,8 @@ def error_body(message: str, type: str, param: str | None = None,
 @dataclass
 class ParsedRequest:
     """An OpenAI request turned into pagemesh's; chat messages are left for the tokenizer
-    (their token ids become `generate.prompt`). `generate.request_id` is the client's id,
-    or empty (the API makes one up)."""
+    (their token ids become `generate.prompt`). `client_request_id` is the id the client
+    set, or empty (the API makes one up); `generate.request_id` is it after `id_prefix`."""
 
     generate: GenerationRequest
     stream: bool = False
@@ -117,6 +122,8 @@ class ParsedRequest:
     num_top_logprobs: int | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
     return_token_ids: bool = False  # each choice carries its (new) token ids
+    client_request_id: str = ""
+    id_prefix: str = COMPLETION_ID_PREFIX
 
 
 # ---------------------------------------------------------------- request parsing
@@ -132,7 +139,7 @@ def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Par
     num_top = _int(body, "logprobs")
     if num_top is not None and num_top < 0:
         raise ProtocolError(f"logprobs must be >= 0, got {num_top}", "logprobs")
-    return _parse_common(body, headers, prompt,
+    return _parse_common(body, headers, COMPLETION_ID_PREFIX, prompt,
                          DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, num_top)
 
 
@@ -155,13 +162,13 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> ParsedReq
         raise ProtocolError("top_logprobs needs logprobs set to true", "top_logprobs")
     if num_top is not None and num_top < 0:
         raise ProtocolError(f"top_logprobs must be >= 0, got {num_top}", "top_logprobs")
-    parsed = _parse_common(body, headers, None, max_tokens,
+    parsed = _parse_common(body, headers, CHAT_ID_PREFIX, None, max_tokens,
                            (num_top or 0) if wants_logprobs else None)
     parsed.messages = _messages(body.get("messages"))
     return parsed
 
 
-def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None,
+def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_prefix: str,
                   prompt: str | list[int] | None, max_tokens: int | None,
                   num_top: int | None) -> ParsedRequest:
     model = _str(body, "model")
@@ -187,7 +194,7 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None,
     n = _int(body, "n")
     request_id, resume_from = _identity(body, headers or {})
     request = GenerationRequest(
-        request_id=request_id,
+        request_id=id_prefix + request_id if request_id else "",
         prompt=prompt,
         sampling=sampling,
         stopping=stopping,
@@ -206,13 +213,22 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None,
             raise ProtocolError("stream_options needs stream set to true", "stream_options")
         include_usage = bool(_bool(_object(options, "stream_options"), "include_usage"))
     return ParsedRequest(request, stream, include_usage, num_top,
-                         return_token_ids=bool(_bool(body, "return_token_ids")))
+                         return_token_ids=bool(_bool(body, "return_token_ids")),
+                         client_request_id=request_id, id_prefix=id_prefix)
 
 
 def _identity(body: dict[str, Any], headers: Mapping[str, str]) -> tuple[str, int | list[int]]:
     """The client's request id and resume offsets; a header wins over its body field, as
     vLLM's X-Request-Id does over `request_id`."""
-    request_id = _header(headers, REQUEST_ID_HEADER) or _str(body, "request_id") or ""
+    request_id = _header(headers, REQUEST_ID_HEADER)
+    what = REQUEST_ID_HEADER
+    if not request_id:
+        request_id, what = _str(body, "request_id") or "", "request_id"
+    if request_id:
+        try:  # the data plane's rule, for the id the client wrote
+            check_request_id(request_id, MAX_CLIENT_REQUEST_ID_LEN, what)
+        except ValidationError as exc:
+            raise ProtocolError(str(exc), what) from exc
     text = _header(headers, RESUME_FROM_HEADER)
     if text is not None:
         return request_id, _resume_from_header(text)

@@ -130,14 +130,14 @@ def check_identity(request_id: str, resume_from: int | list[int], n: int) -> Non
     check_num_samples(n)
 
 
-def check_request_id(request_id: str) -> None:
-    """A client's request id: printable ASCII, at most MAX_REQUEST_ID_LEN characters (it
-    names the request's checkpoint, its logs and, over HTTP, a response header)."""
-    if len(request_id) > MAX_REQUEST_ID_LEN:
-        raise ValidationError(f"request_id has {len(request_id)} characters; use at most "
-                              f"{MAX_REQUEST_ID_LEN}")
+def check_request_id(request_id: str, max_len: int = MAX_REQUEST_ID_LEN,
+                     what: str = "request_id") -> None:
+    """A client's request id: printable ASCII, at most `max_len` characters (it names the
+    request's checkpoint, its logs and, over HTTP, a response header)."""
+    if len(request_id) > max_len:
+        raise ValidationError(f"{what} has {len(request_id)} characters; use at most {max_len}")
     if not (request_id.isascii() and request_id.isprintable()):
-        raise ValidationError(f"request_id must be printable ASCII characters, got {request_id!r}")
+        raise ValidationError(f"{what} must be printable ASCII characters, got {request_id!r}")
 
 
 def check_resume_from(resume_from: int | list[int]) -> None:

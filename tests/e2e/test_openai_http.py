@@ -165,7 +165,7 @@ def test_unknown_model_and_bad_json(client: openai.OpenAI, http_url: str) -> Non
     ({"temperature": True}, "temperature", "temperature must be a finite number, got True"),
     ({"temperature": 10**400}, "temperature", "temperature must be a finite number"),
     ({"stop": [["x"]]}, "stop", "stop must be a string or a list of strings"),
-    ({"request_id": "x" * 300}, None, "request_id has 300 characters; use at most 256"),
+    ({"request_id": "x" * 300}, "request_id", "request_id has 300 characters; use at most 247"),
     ({"resume_from": 3}, None, "resume_from needs the id of the request to resume"),
 ])
 def test_bad_input_is_a_400_that_says_what_to_fix(http_url: str, body: dict, param: str | None,

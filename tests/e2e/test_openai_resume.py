@@ -65,7 +65,7 @@ def test_each_choice_resumes_from_its_own_count(tokenizer: Tokenizer, redis_url:
             await router.add_scheduler("a")
             full = [expected(tokenizer, 5, i) for i in range(2)]
             body = {"prompt": "ignored on a resume", "return_token_ids": True}
-            await save_checkpoint(router, "job-1", [SampleState(full[0], True, 1),
+            await save_checkpoint(router, "cmpl-job-1", [SampleState(full[0], True, 1),
                                                     SampleState(full[1][:2])], 5)
             reply = await http.post("/v1/completions", json={**body, "resume_from": [3, 1]},
                                     headers={"X-Request-Id": "job-1"})
@@ -77,7 +77,7 @@ def test_each_choice_resumes_from_its_own_count(tokenizer: Tokenizer, redis_url:
                 tokenizer.decode(f)[len(tokenizer.decode(f[:k])):] for f, k in zip(full, (3, 1))]
             assert reply.json()["usage"]["completion_tokens"] == 10
 
-            await save_checkpoint(router, "job-2", [SampleState(full[0][:4]), SampleState(full[1][:4])], 5)
+            await save_checkpoint(router, "cmpl-job-2", [SampleState(full[0][:4]), SampleState(full[1][:4])], 5)
             async with http.stream("POST", "/v1/completions", json={**body, "stream": True},
                                    headers={"X-Request-Id": "job-2", "X-Resume-From": "4,2"}) as stream:
                 events = [line async for line in stream.aiter_lines() if line.startswith("data: {")]
@@ -91,7 +91,7 @@ def test_each_choice_resumes_from_its_own_count(tokenizer: Tokenizer, redis_url:
                                       headers={"X-Request-Id": "never-seen"})
             assert missing.status_code == 404
             assert "has no checkpoint to resume from" in missing.json()["error"]["message"]
-            await save_checkpoint(router, "job-3", [SampleState(full[0][:4]), SampleState(full[1][:4])], 5)
+            await save_checkpoint(router, "cmpl-job-3", [SampleState(full[0][:4]), SampleState(full[1][:4])], 5)
             mismatch = await http.post("/v1/completions", json={**body, "resume_from": [1, 1, 1]},
                                        headers={"X-Request-Id": "job-3"})
             assert mismatch.status_code == 400
@@ -266,4 +266,4 @@ def test_resuming_an_unknown_request_is_a_404(live: LiveMesh) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(**CHAT, extra_headers={"X-Request-Id": "never-seen",
                                                               "X-Resume-From": "5,5"})
-    assert "request 'never-seen' has no checkpoint to resume from" in info.value.message
+    assert "request 'chatcmpl-never-seen' has no checkpoint to resume from" in info.value.message

@@ -198,15 +198,18 @@ def test_request_id_and_resume_from_headers_win_over_the_body() -> None:
     body = {"prompt": "Hi", "request_id": "from-body", "resume_from": [4, 5], "n": 2,
             "return_token_ids": True}
     parsed = oai.parse_completion(body)
-    assert parsed.generate.request_id == "from-body" and parsed.generate.resume_from == [4, 5]
-    assert parsed.return_token_ids
+    assert parsed.client_request_id == "from-body" and parsed.generate.request_id == "cmpl-from-body"
+    assert parsed.generate.resume_from == [4, 5] and parsed.return_token_ids
     headers = {"x-request-id": " job-42 ", "x-resume-from": "12, 11"}
     parsed = oai.parse_completion(body, headers)
-    assert parsed.generate.request_id == "job-42" and parsed.generate.resume_from == [12, 11]
+    assert parsed.client_request_id == "job-42" and parsed.generate.resume_from == [12, 11]
+    chat = oai.parse_chat({"messages": [{"role": "user", "content": "Hi"}]}, headers)
+    assert chat.generate.request_id == "chatcmpl-job-42"  # vLLM's ids, one namespace per API
     assert oai.parse_chat({"messages": [{"role": "user", "content": "Hi"}]},
                           {"x-resume-from": "7"}).generate.resume_from == 7
     unset = oai.parse_completion({"prompt": "Hi"}, {"x-request-id": ""})
-    assert unset.generate.request_id == "" and unset.generate.resume_from == 0
+    assert unset.generate.request_id == unset.client_request_id == ""
+    assert unset.generate.resume_from == 0
     assert not unset.return_token_ids
 
 
@@ -217,12 +220,16 @@ def test_a_bad_resume_from_header_says_its_format(value: str) -> None:
     assert info.value.param == "X-Resume-From" and info.value.message.startswith("X-Resume-From must")
 
 
-def test_request_ids_are_checked_by_the_data_plane() -> None:
-    for request_id, message in [("a" * 257, "at most 256"), ("tab\there", "printable ASCII"),
-                                ("café", "printable ASCII")]:
-        with pytest.raises(ValidationError, match=message):
-            admit(oai.parse_completion({"prompt": "Hi", "request_id": request_id}))
-    admit(oai.parse_completion({"prompt": "Hi"}, {"x-request-id": "a" * 256}))
+def test_request_ids_are_checked_by_the_data_planes_rule_with_room_for_the_prefix() -> None:
+    """The prefixed id (`chatcmpl-<id>`) must pass the data plane's 256 characters."""
+    for headers, body, param, message in [
+            ({"x-request-id": "a" * 248}, {}, "X-Request-Id", "X-Request-Id has 248 characters; use at most 247"),
+            ({}, {"request_id": "tab\there"}, "request_id", "request_id must be printable ASCII"),
+            ({"x-request-id": "caf\xc3\xa9"}, {}, "X-Request-Id", "printable ASCII")]:
+        with pytest.raises(oai.ProtocolError) as info:
+            oai.parse_chat({**BASES["chat"], **body}, headers)
+        assert info.value.param == param and message in info.value.message
+    admit(oai.parse_chat(BASES["chat"], {"x-request-id": "a" * 247}))
 
 
 # ---------------------------------------------------------------- no input is a 500
