@@ -131,6 +131,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+class _HealthServicer(health.aio.HealthServicer):
+    """gRPC's health service, whose NOT_FOUND for a service it has no status of says so
+    (the library's has no message)."""
+
+    def __init__(self, service_names: Sequence[str]) -> None:
+        super().__init__()
+        self.service_names = list(service_names)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,
+                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        if request.service not in self.service_names:
+            known = ", ".join(repr(name) for name in self.service_names)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no health status for service "
+                                f"{request.service!r}; this server reports {known}")
+        return await super().Check(request, context)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -173,7 +190,7 @@ class GrpcServer:
         )
         for add in add_servicers:
             add(self.server)
-        self.health = health.aio.HealthServicer()
+        self.health = _HealthServicer(["", *self.service_names])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection_enabled:
             names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -207,7 +224,7 @@ class GrpcServer:
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in ("", *self.service_names):
+        for name in self.health.service_names:
             await self.health.set(name, status)
 
     def install_signal_handlers(self) -> None:

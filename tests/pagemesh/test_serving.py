@@ -61,3 +61,22 @@ def test_a_request_message_that_does_not_parse_is_invalid_argument() -> None:
             assert answer.status == SERVING  # what parses is served as before
 
     asyncio.run(body())
+
+
+def test_health_of_an_unknown_service_is_not_found_with_a_message() -> None:
+    """gRPC's health servicer answers NOT_FOUND with no message; ours names the service
+    and those it reports (found by bench/fuzz: GenerateRequest bytes sent to Check)."""
+    async def body() -> None:
+        async with serving_server() as (_, channel):
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.NOT_FOUND
+                assert "'no.such.Service'" in exc.details() and "'pagemesh.test.Nothing'" in exc.details()
+            else:
+                raise AssertionError("an unknown service had a health status")
+            for known in ("", "pagemesh.test.Nothing"):
+                assert (await stub.Check(health_pb2.HealthCheckRequest(service=known))).status == SERVING
+
+    asyncio.run(body())
