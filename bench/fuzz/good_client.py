@@ -23,6 +23,7 @@ GOOD_MAX_TOKENS = 8
 NUM_CASES = 3
 MIN_TOP2_MARGIN = 0.05  # nats between the top two logprobs at every step: no near-tie to flip
 MAX_FAILURES_KEPT = 10
+BACKOFF_S = 0.25  # after a failure, so that a mesh that is down is not asked in a tight loop
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class GoodStats:
     latencies_s: list[float] = field(default_factory=list)
 
     def failed(self, message: str) -> None:
+        """Counts a failure (the client backs off before its next request)."""
         self.num_failures += 1
         if len(self.failures) < MAX_FAILURES_KEPT:
             self.failures.append(oc.short(message))
@@ -83,6 +85,7 @@ async def good_client(transport: str, targets: Targets, facts: ModelFacts, cases
     while not stop.is_set():
         case = cases[stats.num_requests % len(cases)]
         stats.num_requests += 1
+        num_failures = stats.num_failures
         start = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):
@@ -100,6 +103,8 @@ async def good_client(transport: str, targets: Targets, facts: ModelFacts, cases
         except (grpc.aio.AioRpcError, aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
             stats.failed(f"{exc!r}")
         stats.latencies_s.append(time.perf_counter() - start)
+        if stats.num_failures > num_failures:
+            await asyncio.sleep(BACKOFF_S)
     return stats
 
 

@@ -79,12 +79,13 @@ class ServiceProcess:
 @dataclass
 class ProcessWatch:
     """The service processes at the start, and each one seen to die since (a crash: nothing
-    here stops a service on purpose)."""
+    here stops a service on purpose); a restarted service's new process is watched too."""
 
     endpoints: Endpoints
     mesh: Mesh | None = None
     started: list[ServiceProcess] = field(default_factory=list)
     died: list[tuple[ServiceProcess, float]] = field(default_factory=list)  # and seconds into the run
+    _watched: dict[int, ServiceProcess] = field(default_factory=dict)
     _start_s: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -92,6 +93,7 @@ class ProcessWatch:
         if not self.started:
             raise RuntimeError(f"no service of cluster {self.endpoints.cluster} is registered "
                                f"in {self.endpoints.redis_url}")
+        self._watched = {p.pid: p for p in self.started}
 
     def current(self) -> list[ServiceProcess]:
         found = [ServiceProcess(kind, service_id, entry.pid)
@@ -103,11 +105,15 @@ class ProcessWatch:
         return found
 
     def check(self) -> None:
-        """Records every started process that is gone (or a zombie) now."""
-        gone = {p.pid for p, _ in self.died}
-        for process in self.started:
-            if process.pid not in gone and not alive(process.pid):
+        """Records every watched process that is gone (or a zombie) now, and starts
+        watching the processes that replaced them."""
+        for pid, process in list(self._watched.items()):
+            if not alive(pid):
                 self.died.append((process, time.monotonic() - self._start_s))
+                del self._watched[pid]
+        if self.died:
+            gone = {p.pid for p, _ in self.died}
+            self._watched |= {p.pid: p for p in self.current() if p.pid not in gone and alive(p.pid)}
 
 
 def registry(endpoints: Endpoints, kind: str) -> dict:

@@ -28,8 +28,8 @@ def checks(result: FuzzResult) -> list[tuple[str, str, bool]]:
     """(check, what was found, passed)."""
     rows = []
     died = ", ".join(f"{p.kind} {p.service_id} (pid {p.pid}) at {at:.0f} s" for p, at in result.died)
-    rows.append(("service processes that died", f"{len(result.died)} of {result.num_processes}"
-                 + (f": {died}" if died else ""), not result.died))
+    rows.append(("service processes that died", f"{len(result.died)} ({result.num_processes} at the start; "
+                 "a restarted one is watched too)" + (f": {died}" if died else ""), not result.died))
     total = sum(s.num_blocks for s in result.final_stats)
     settled = (f"quiet {result.settled_after_s:.1f} s after the last request" if result.settled_after_s is not None
                else "not quiet within the settle time: " + "; ".join(
