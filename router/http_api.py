@@ -168,11 +168,12 @@ class _OpenAIApi:
 
     async def _generate(self, parsed: oai.ParsedRequest, chat: bool) -> Response:
         model = (await self.generation.model_info()).model
-        # The client's id, whose checkpoint (if any) the data plane resumes; or a fresh one,
-        # with no checkpoint to look up in Redis.
+        # The client's id, whose checkpoint the data plane resumes when asked to; or a fresh
+        # one, with no checkpoint to look up.
         client_id = parsed.client_request_id or uuid.uuid4().hex
-        request = dataclasses.replace(parsed.generate, request_id=parsed.id_prefix + client_id,
-                                      new_request=not parsed.client_request_id)
+        request = dataclasses.replace(
+            parsed.generate, request_id=parsed.id_prefix + client_id,
+            new_request=parsed.generate.new_request or not parsed.client_request_id)
         batches = self.generation.generate(request)
         try:
             # Validation happens on the first step: pull it here so that errors are 4xx replies.

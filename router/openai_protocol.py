@@ -202,8 +202,11 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_pr
         num_logprobs=None if num_top is None else max(num_top, 1),
         n=1 if n is None else n,
         priority=_int(body, "priority") or 0,
-        resume_from=resume_from,
+        resume_from=0 if resume_from is None else resume_from,
         model=model or "",
+        # Only a resume looks a checkpoint up: an X-Request-Id alone (proxies add one to
+        # every request) is a new request, as in vLLM, and costs no Redis lookup.
+        new_request=resume_from is None,
     )
     stream = bool(_bool(body, "stream"))
     options = body.get("stream_options")
@@ -217,9 +220,10 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_pr
                          client_request_id=request_id, id_prefix=id_prefix)
 
 
-def _identity(body: dict[str, Any], headers: Mapping[str, str]) -> tuple[str, int | list[int]]:
-    """The client's request id and resume offsets; a header wins over its body field, as
-    vLLM's X-Request-Id does over `request_id`."""
+def _identity(body: dict[str, Any], headers: Mapping[str, str]
+              ) -> tuple[str, int | list[int] | None]:
+    """The client's request id and resume offsets (None: not a resume); a header wins over
+    its body field, as vLLM's X-Request-Id does over `request_id`."""
     request_id = _header(headers, REQUEST_ID_HEADER)
     what = REQUEST_ID_HEADER
     if not request_id:
@@ -234,7 +238,7 @@ def _identity(body: dict[str, Any], headers: Mapping[str, str]) -> tuple[str, in
         return request_id, _resume_from_header(text)
     value = body.get("resume_from")
     if value is None:
-        return request_id, 0
+        return request_id, None
     if _is_int(value):
         return request_id, _on_wire("resume_from", value)
     if isinstance(value, list) and value and all(_is_int(v) for v in value):

@@ -96,6 +96,11 @@ def test_each_choice_resumes_from_its_own_count(tokenizer: Tokenizer, redis_url:
                                        headers={"X-Request-Id": "job-3"})
             assert mismatch.status_code == 400
             assert "resume_from has 3 counts but the request has 2 samples" in mismatch.text
+            # Without a resume the same id is a new request: it runs, the checkpoint unread.
+            new = await http.post("/v1/completions", json={**body, "max_tokens": 3},
+                                  headers={"X-Request-Id": "job-3"})
+            assert len(new.json()["choices"][0]["token_ids"]) == 3
+            assert [r.request_id for r in router.schedulers[0].requests][-1] == "cmpl-job-3"
 
     run(scenario())
 
@@ -228,10 +233,10 @@ def test_a_stream_resumes_on_the_restarted_router_without_gap_or_repeat(live: Li
     assert chunks[-1].usage.completion_tokens == 2 * MAX_TOKENS
 
 
-def test_a_non_streaming_answer_is_had_again_by_its_request_id(live: LiveMesh) -> None:
+def test_a_non_streaming_answer_is_resumed_from_nothing(live: LiveMesh) -> None:
     """The router dies while computing a non-streaming answer (the client has nothing);
-    the same request again with the same X-Request-Id gets the whole answer, the part
-    computed before the kill replayed from the checkpoint."""
+    the same request again with its X-Request-Id and `resume_from: 0` gets the whole
+    answer, the part computed before the kill replayed from the checkpoint."""
     client = live.client()
     body = {**CHAT, "n": 2, "max_tokens": MAX_TOKENS}
     undisturbed = client.chat.completions.create(**body)
@@ -253,7 +258,8 @@ def test_a_non_streaming_answer_is_had_again_by_its_request_id(live: LiveMesh) -
     live.kill_router()
     asker.join(timeout=60)
     assert failures and isinstance(failures[0], openai.APIConnectionError), failures
-    again = client.chat.completions.create(**body, extra_headers={"X-Request-Id": "report-1"})
+    again = client.chat.completions.create(
+        **body, extra_headers={"X-Request-Id": "report-1", "X-Resume-From": "0"})
     for got, want in zip(again.choices, undisturbed.choices):
         assert got.model_extra["token_ids"] == want.model_extra["token_ids"]
         assert got.message.content == want.message.content

@@ -200,6 +200,7 @@ def test_request_id_and_resume_from_headers_win_over_the_body() -> None:
     parsed = oai.parse_completion(body)
     assert parsed.client_request_id == "from-body" and parsed.generate.request_id == "cmpl-from-body"
     assert parsed.generate.resume_from == [4, 5] and parsed.return_token_ids
+    assert not parsed.generate.new_request  # a resume looks its checkpoint up
     headers = {"x-request-id": " job-42 ", "x-resume-from": "12, 11"}
     parsed = oai.parse_completion(body, headers)
     assert parsed.client_request_id == "job-42" and parsed.generate.resume_from == [12, 11]
@@ -209,7 +210,11 @@ def test_request_id_and_resume_from_headers_win_over_the_body() -> None:
                           {"x-resume-from": "7"}).generate.resume_from == 7
     unset = oai.parse_completion({"prompt": "Hi"}, {"x-request-id": ""})
     assert unset.generate.request_id == unset.client_request_id == ""
-    assert unset.generate.resume_from == 0
+    assert unset.generate.resume_from == 0 and unset.generate.new_request
+    # An id alone (a proxy's, say) is a new request, as in vLLM: no checkpoint is looked up.
+    assert oai.parse_completion({"prompt": "Hi"}, {"x-request-id": "j"}).generate.new_request
+    assert not oai.parse_completion({"prompt": "Hi"}, {"x-request-id": "j",
+                                                       "x-resume-from": "0"}).generate.new_request
     assert not unset.return_token_ids
 
 
