@@ -124,13 +124,14 @@ async def _http_text(targets: Targets, facts: ModelFacts, case: GoodCase) -> str
 @dataclass(frozen=True)
 class AuditRow:
     what: str
-    result: str  # how the client left (the probe's class and detail)
+    left: bool  # the client left mid-stream as planned (else the row measured nothing)
+    result: str  # how the probe ended (its class and detail)
     freed_after_s: float | None  # None: still held at the limit
     limit_s: float
 
     @property
     def passed(self) -> bool:
-        return self.freed_after_s is not None
+        return self.left and self.freed_after_s is not None
 
 
 async def disconnect_audit(targets: Targets, endpoints: mesh_checks.Endpoints, facts: ModelFacts,
@@ -155,7 +156,8 @@ async def disconnect_audit(targets: Targets, endpoints: mesh_checks.Endpoints, f
         result, detail = (await send(spec, targets))[0]
         left_at = time.monotonic()
         freed = await _wait_quiet(endpoints, limit_s)
-        rows.append(AuditRow(what, f"{result}: {detail}", None if freed is None else freed - left_at, limit_s))
+        rows.append(AuditRow(what, result == oc.CANCELLED, f"{result}: {detail}",
+                             None if freed is None else freed - left_at, limit_s))
         if freed is None:  # let it end on its own before the next one is measured
             await _wait_quiet(endpoints, seconds_per_token * num_tokens * 4 + 30)
     return rows

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh.mesh_process import Mesh, alive, free_port
 from pagemesh.registry_entries import KINDS, SchedulerEntry, entry_from_json
@@ -100,8 +101,8 @@ class ProcessWatch:
                  for kind in KINDS for service_id, entry in registry(self.endpoints, kind).items()
                  if entry.pid > 0]
         if self.mesh is not None:
-            found += [ServiceProcess("child", "pagemesh up", pid) for pid in self.mesh.child_pids()
-                      if pid not in {p.pid for p in found}]
+            found += [ServiceProcess(_service_of(pid), "a child of pagemesh up", pid)
+                      for pid in self.mesh.child_pids() if pid not in {p.pid for p in found}]
         return found
 
     def check(self) -> None:
@@ -114,6 +115,18 @@ class ProcessWatch:
         if self.died:
             gone = {p.pid for p, _ in self.died}
             self._watched |= {p.pid: p for p in self.current() if p.pid not in gone and alive(p.pid)}
+
+
+def _service_of(pid: int) -> str:
+    """router, scheduler or worker for a `python -m <service>.main` process; else "process"."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return "process"
+    module = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"), "")
+    return {"router.main": "router", "scheduler_svc.main": "scheduler",
+            "worker_svc.main": "worker"}.get(module, "process")
 
 
 def registry(endpoints: Endpoints, kind: str) -> dict:
@@ -153,6 +166,16 @@ def group_stats(endpoints: Endpoints) -> list[GroupStats]:
         stats.append(GroupStats(group, reply.num_running, reply.num_waiting, reply.num_free_blocks,
                                 reply.num_blocks))
     return stats
+
+
+def router_serving(endpoints: Endpoints) -> bool:
+    """Whether the router answers its health check with SERVING."""
+    try:
+        with grpc.insecure_channel(endpoints.grpc_address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def model_info(endpoints: Endpoints) -> generate_pb2.GetModelInfoResponse:

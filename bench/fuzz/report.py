@@ -43,10 +43,15 @@ def checks(result: FuzzResult) -> list[tuple[str, str, bool]]:
         failures = f"; first: {good.failures[0]}" if good.failures else ""
         rows.append((f"good {good.transport} client", f"{good.num_requests:,} requests, {good.num_failures} "
                      f"failed ({figures}){failures}", good.num_requests > 0 and not good.num_failures))
+    if result.config.audit and not result.audit:
+        rows.append(("left mid-stream", "not measured: the mesh was not quiet, or the router not serving, "
+                     "after the run", False))
     for row in result.audit:
         freed = (f"freed {row.freed_after_s:.2f} s after it left" if row.freed_after_s is not None
                  else f"still held {row.limit_s:g} s after it left")
-        rows.append((f"left mid-stream: {row.what}", f"{freed} (limit {row.limit_s:g} s; {row.result})",
+        if not row.left:
+            freed = "the client could not leave mid-stream"
+        rows.append((f"left mid-stream: {row.what}", f"{freed} (limit {row.limit_s:.1f} s; {row.result})",
                      row.passed))
     return rows
 

@@ -70,7 +70,7 @@ class FuzzResult:
     def passed(self) -> bool:
         return (not self.failures and not self.died and self.settled_after_s is not None
                 and not self.blocks_leaked and all(not g.num_failures for g in self.good)
-                and all(row.passed for row in self.audit))
+                and (bool(self.audit) or not self.config.audit) and all(row.passed for row in self.audit))
 
 
 async def fuzz(endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh | None = None) -> FuzzResult:
@@ -92,7 +92,8 @@ async def fuzz(endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh 
         stop.set()
         result.good = list(await asyncio.gather(*good))
         result.settled_after_s, result.final_stats = await _settle(endpoints, config.settle_s)
-        if config.audit and result.settled_after_s is not None:
+        serving = await _router_serving(endpoints, config.settle_s)
+        if config.audit and result.settled_after_s is not None and serving:
             result.audit = await disconnect_audit(targets, endpoints, facts, seconds_per_token)
             result.final_stats = await asyncio.to_thread(mesh_checks.group_stats, endpoints)
         watching.cancel()
@@ -159,6 +160,16 @@ async def _watch(watch: mesh_checks.ProcessWatch) -> None:
     while True:
         await asyncio.to_thread(watch.check)
         await asyncio.sleep(1.0)
+
+
+async def _router_serving(endpoints: mesh_checks.Endpoints, timeout_s: float) -> bool:
+    """Waits for the router to serve (a restarted one takes seconds); False after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(mesh_checks.router_serving, endpoints):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.5)
+    return True
 
 
 async def _settle(endpoints: mesh_checks.Endpoints, timeout_s: float
