@@ -31,9 +31,9 @@ A dead peer makes an op raise: gloo reports a closed connection at once when the
 process dies (its kernel closes the sockets), and a silent peer after the group's timeout.
 A frozen or cut-off peer closes nothing, so the group's timeout would be the only bound: a
 rank told to leave its group (`abandon`, when the scheduler has declared a peer failed and
-re-forms) stops waiting at once instead. Every op waits in short slices and gives up
-between two (gloo); on NCCL, `abandon` aborts the communicators, which is what unblocks a
-collective stuck on a silent peer there.
+re-forms) stops waiting at once instead. Every op is waited on in short slices
+(worker_svc/op_wait.py) and given up between two (gloo); on NCCL, `abandon` aborts the
+communicators, which is what unblocks a collective stuck on a silent peer there.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from worker_svc.op_wait import OpWaiter
 from worker_svc.parallel import ParallelConfig, global_rank, tp_group_ranks
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ _MASK64 = (1 << 64) - 1
 
 _POLL_INTERVAL_S = 0.05  # how often a joining rank looks at the store
 _PROBE_TIMEOUT_S = 0.5
-_WAIT_SLICE = timedelta(seconds=0.2)  # an op in progress checks `abandon` this often
 
 
 class JoinAborted(RuntimeError):
@@ -118,9 +118,9 @@ class DistributedContext:
         self.tp_group: dist.Backend | None = None  # this stage's tensor-parallel ranks
         # Rank 0's rendezvous server, (address, port, store): kept across formations.
         self._store_server: tuple[str, int, dist.TCPStore] | None = None
-        # Set from another thread to make the op in progress, and every later one, give up;
-        # cleared when a new group is joined.
-        self._abandoned = threading.Event()
+        # Told from another thread to make the op in progress, and every later one, give
+        # up; reset when a new group is joined.
+        self._waiter = OpWaiter()
         # Cumulative seconds, for metrics and benchmarks (on CUDA, NCCL ops are asynchronous:
         # these then measure the launch, not the transfer).
         self.tp_collective_time_s = 0.0  # all-reduce, all-gather, step agreement
@@ -195,7 +195,8 @@ class DistributedContext:
         peer = self._stage_peer(dst_stage)
         start_s = time.perf_counter()
         self._comm(f"send to rank {peer}",
-                   lambda: [self._world().send([tensor.contiguous()], peer, 0) for tensor in tensors])
+                   lambda: [self._world().send([tensor.contiguous()], peer, 0) for tensor in tensors],
+                   p2p=True)
         self.pp_send_time_s += time.perf_counter() - start_s
 
     def pp_recv(self, shapes: Sequence[Sequence[int]],
@@ -209,7 +210,8 @@ class DistributedContext:
 
         start_s = time.perf_counter()
         self._comm(f"receive from rank {peer}",
-                   lambda: [self._world().recv([tensor], peer, 0) for tensor in tensors])
+                   lambda: [self._world().recv([tensor], peer, 0) for tensor in tensors],
+                   p2p=True)
         self.pp_recv_time_s += time.perf_counter() - start_s
         return tensors
 
@@ -247,7 +249,7 @@ class DistributedContext:
         GroupAbandoned within a wait slice, and so does every later one until a new group
         is joined. Called when the group re-forms without waiting for a peer that may never
         answer (frozen, or cut off from the network)."""
-        self._abandoned.set()
+        self._waiter.abandon()
         if self.backend == "nccl":
             # NCCL ops do not wait on the CPU: aborting the communicators is what frees a
             # kernel stuck on a silent peer (the group is re-formed from scratch anyway).
@@ -258,43 +260,30 @@ class DistributedContext:
                     except Exception:
                         logger.warning("aborting an NCCL communicator failed", exc_info=True)
 
-    def _comm(self, what: str, start: Callable[[], list[dist.Work]]) -> None:
-        """Starts torch.distributed ops and waits for each, in slices, so that `abandon`
-        can end the wait; their failure (a lost peer) becomes GroupCommError."""
-        error = self._run_ops(what, start)
+    def _comm(self, what: str, start: Callable[[], list[dist.Work]], p2p: bool = False) -> None:
+        """Starts torch.distributed ops (point-to-point ones with `p2p`) and waits for each
+        so that `abandon` can end the wait; their failure (a lost peer) becomes
+        GroupCommError."""
+        error = self._run_ops(what, start, p2p)
         # Raised here, where no frame holds an op: a traceback that held torch's error or a
-        # pending `Work` would keep the process group alive, through it rank 0's store, and
-        # so the port the next formation reuses. (For the same reason `start` reads the
-        # group inside, not as an argument.)
+        # pending `Work` would keep the left process group alive. (For the same reason
+        # `start` reads the group inside, not as an argument.)
         if error is not None:
             raise error
 
-    def _run_ops(self, what: str, start: Callable[[], list[dist.Work]]) -> GroupCommError | None:
+    def _run_ops(self, what: str, start: Callable[[], list[dist.Work]],
+                 p2p: bool) -> GroupCommError | None:
         rank = self.parallel.rank
-        if self._abandoned.is_set():
+        if self._waiter.abandoned:
             return GroupAbandoned(f"rank {rank}: {what}: the group is being left")
         try:
             for work in start():
-                if not self._wait(work):
+                if not self._waiter.wait(work, p2p):
                     return GroupAbandoned(f"rank {rank}: {what} abandoned: the group is "
                                           "re-forming without a peer this op waited for")
         except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError
             return GroupCommError(f"rank {rank}: {what} failed: {exc}")
         return None
-
-    def _wait(self, work: dist.Work) -> bool:
-        """`work.wait()`, one slice at a time; False once `abandon` was called. A slice that
-        ends leaves the op incomplete; an op that failed (a lost peer, the group's own
-        timeout) is complete and raises."""
-        while True:
-            try:
-                work.wait(timeout=_WAIT_SLICE)
-                return True
-            except RuntimeError:
-                if work.is_completed():
-                    raise
-            if self._abandoned.is_set():
-                return False
 
     def _world(self) -> dist.Backend:
         if self.world is None:
@@ -336,7 +325,7 @@ class DistributedContext:
     def _join(self, master_addr: str, master_port: int, timeout_s: float, tag: str,
               should_abort: Callable[[], bool] | None) -> None:
         parallel = self.parallel
-        self._abandoned.clear()
+        self._waiter.reset()
         timeout = timedelta(seconds=timeout_s)
         if parallel.rank == 0:
             def open_store() -> dist.Store | None:
