@@ -126,6 +126,8 @@ class SchedulerEntry(ServiceEntry):
     status: GroupStatus = GroupStatus.READY
     members: tuple[str, ...] = ()  # worker ids, in (pp_rank, tp_rank) order
     num_recoveries: int = 0  # times the group was re-formed after a failure
+    num_watchdog_probes: int = 0  # probes of the workers while a step ran long
+    num_slow_steps: int = 0  # long steps whose workers all answered: slow, not hung
     num_steps: int = 0
     checkpoint_writes: int = 0  # request checkpoints written to Redis
     checkpoint_write_s: float = 0.0  # seconds spent writing them

@@ -169,6 +169,11 @@ _SCHEDULER = (
                type=float, default=600.0),
     _scheduler("--step-timeout-s", "seconds one step may take before it counts as failed",
                type=float, default=300.0),
+    _scheduler("--step-watchdog-s",
+               "a step in flight longer than this (or than 10x the recent p99 step, if "
+               "shorter; at least 1 s) gets its workers probed: one that does not answer "
+               "within 2 s (frozen, cut off) fails the step and is replaced; a long step "
+               "whose workers all answer goes on", type=float, default=6.0),
     _scheduler("--standby-grace-s",
                "at start, seconds before a standby worker may take the rank of a worker that "
                "has not registered yet", type=float, default=60.0),

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagemesh import keepalive
 from pagemesh.logs import setup_logging
 from pagemesh.telemetry import server_interceptors, setup_tracing, shutdown_tracing
 from pagemesh.tls import TlsConfig
@@ -186,6 +187,7 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", config.max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                *keepalive.SERVER_OPTIONS,  # a frozen or cut-off client is noticed (5 s)
             ],
         )
         for add in add_servicers:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh import keepalive
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
@@ -35,9 +36,12 @@ _HEALTH_CHECK_INTERVAL_S = 0.2
 # Health checks failing with these say nothing either way (other than UNAVAILABLE: no health).
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 # Re-dial a restarted scheduler within about a second (gRPC's default backoff reaches 120 s).
+# A frozen or cut-off scheduler breaks the stream within 5 s (pagemesh/keepalive.py), and
+# its requests resume elsewhere, as after its death.
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000)]
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                    *keepalive.CHANNEL_OPTIONS]
 _MODEL_INFO_TIMEOUT_S = 10
 
 

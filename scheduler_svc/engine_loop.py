@@ -16,12 +16,18 @@ from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent
 from scheduler_svc.engine_group import EngineGroup, FormedGroup
 from scheduler_svc.executor import Executor
+from scheduler_svc.step_watchdog import StepWatchdog, WatchdogConfig
 from scheduler_svc.tracing import RequestTracing
 from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 
 MAX_RECOVERIES_WITHOUT_PROGRESS = 3
+
+
+class StepHung(Exception):
+    """A member of the group stopped answering while a step ran (frozen or cut off), or a
+    recovery was asked for while the step waited: the step is given up."""
 
 
 class StepFailed(Exception):
@@ -64,7 +70,8 @@ class EngineLoop:
 
     def __init__(self, scheduler: Scheduler, workers: Executor,
                  max_steps_in_flight: int = 1, group: EngineGroup | None = None,
-                 recovery_timeout_s: float = 300.0) -> None:
+                 recovery_timeout_s: float = 300.0,
+                 watchdog: WatchdogConfig | None = None) -> None:
         self.scheduler = scheduler
         self.workers = workers
         # One per pipeline stage; async scheduling keeps the next step planned ahead.
@@ -73,6 +80,7 @@ class EngineLoop:
         self.max_steps_in_flight = max_steps_in_flight
         self.group = group
         self.recovery_timeout_s = recovery_timeout_s
+        self.watchdog = StepWatchdog(watchdog)  # when a step in flight is suspect
         self._streams: dict[RequestId, RequestSink] = {}
         self._wakeup = asyncio.Event()
         self.num_steps = 0
@@ -180,7 +188,7 @@ class EngineLoop:
             output, task = pending[0]
             started = time.perf_counter()
             try:
-                result = await task
+                result = await self._await_step(output, task)
             except Exception as exc:
                 if self.group is None:
                     self._abandon(pending)
@@ -196,6 +204,43 @@ class EngineLoop:
             self._deliver(self.scheduler.update(output, result))
             for hook in self.on_step:
                 hook()
+
+    async def _await_step(self, output: SchedulerOutput,
+                          task: asyncio.Task[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """The step's result, watched (scheduler_svc/step_watchdog.py): once the step is
+        suspect, members that do not answer a probe fail it with StepHung; so does a
+        recovery asked for meanwhile (a member found dead between two probes)."""
+        watchdog = self.watchdog
+        started = time.monotonic()
+        check_at = started + watchdog.suspect_after_s()
+        probes = 0
+        while True:
+            # Wake at least twice a second: a recovery asked for must not wait for the step.
+            timeout = min(max(0.0, check_at - time.monotonic()), 0.5)
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if done:
+                watchdog.observe(time.monotonic() - started)
+                return task.result()
+            if self._recovery_reason is not None:
+                raise StepHung(self._recovery_reason)
+            if time.monotonic() < check_at:
+                continue
+            watchdog.num_probes += 1
+            probes += 1
+            silent = await self.workers.unresponsive(watchdog.config.probe_timeout_s)
+            if task.done():
+                continue  # it answered meanwhile
+            age_s = time.monotonic() - started
+            if silent:
+                raise StepHung(f"step {output.step_id} ran {age_s:.1f} s and "
+                               f"{', '.join(silent)} did not answer a probe within "
+                               f"{watchdog.config.probe_timeout_s:g} s")
+            if probes == 1:
+                watchdog.num_slow_steps += 1
+                logger.info("step %d has run %.1f s (recent p99 %.3f s); every member "
+                            "answers, so it is slow, not hung", output.step_id, age_s,
+                            watchdog.p99_s() or 0.0)
+            check_at = time.monotonic() + watchdog.config.probe_interval_s
 
     def _deliver(self, events: list[RequestEvent]) -> None:
         """Hands one step's events to their sinks: one call per sink, not per event."""

@@ -26,6 +26,10 @@ class Executor(Protocol):
     async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
         """Runs one step; steps run in call order even when calls overlap."""
 
+    async def unresponsive(self, timeout_s: float) -> list[str]:
+        """Members that do not answer a probe within `timeout_s`, described for a log line
+        (the step watchdog asks while a step runs long)."""
+
     async def close(self) -> None: ...
 
 
@@ -43,6 +47,9 @@ class InprocExecutor:
         response = await asyncio.get_running_loop().run_in_executor(
             self._thread, self._run_step, request)
         return convert.model_runner_output_from_pb(response)
+
+    async def unresponsive(self, timeout_s: float) -> list[str]:
+        return []  # the model runs in this process: nothing to ask
 
     async def close(self) -> None:
         self._thread.shutdown(wait=False)

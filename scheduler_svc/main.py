@@ -26,6 +26,7 @@ from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
 from scheduler_svc.messages import WorkerInfo
 from scheduler_svc.servicer import SERVICE_NAMES, SchedulerServicer, add_to_server
+from scheduler_svc.step_watchdog import WatchdogConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,10 @@ async def serve(args: argparse.Namespace) -> None:
     group = EngineGroup(registry, spec, config_for(args))
     formed = await group.form()
     logger.info("scheduler config %s", asdict(formed.config))
+    watchdog = WatchdogConfig(min_s=min(1.0, args.step_watchdog_s), max_s=args.step_watchdog_s)
     loop = EngineLoop(Scheduler(formed.config), formed.workers, max_steps_in_flight=args.pp,
-                      group=group, recovery_timeout_s=args.recovery_timeout_s)
+                      group=group, recovery_timeout_s=args.recovery_timeout_s,
+                      watchdog=watchdog)
     checkpointer = Checkpointer(registry.checkpoints, args.group, args.checkpoint_interval,
                                 args.resume_window_s)
     loop.on_step.append(checkpointer.on_step)
@@ -110,6 +113,8 @@ async def serve(args: argparse.Namespace) -> None:
             address=server.address, group=args.group, model=formed.lead.model,
             pid=os.getpid(), host=socket.gethostname(), status=loop.status,
             num_recoveries=loop.num_recoveries, num_steps=loop.num_steps,
+            num_watchdog_probes=loop.watchdog.num_probes,
+            num_slow_steps=loop.watchdog.num_slow_steps,
             members=tuple(e.worker_id for e in loop.workers.endpoints),
             checkpoint_writes=checkpointer.num_writes,
             checkpoint_write_s=round(checkpointer.write_time_s, 6),

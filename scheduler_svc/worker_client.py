@@ -8,6 +8,7 @@ import uuid
 
 import grpc
 
+from pagemesh import keepalive
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.worker.v1 import worker_pb2_grpc
 from protos.step import ModelRunnerOutput, SchedulerOutput
@@ -33,6 +34,9 @@ class WorkerGroupClient:
                 options=[
                     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                    # A frozen or cut-off worker fails its step within 5 s, not at the
+                    # step timeout (pagemesh/keepalive.py).
+                    *keepalive.CHANNEL_OPTIONS,
                 ],
             )
             for e in endpoints
@@ -78,6 +82,10 @@ class WorkerGroupClient:
         not its peers whose step failed because of it)."""
         codes = await self.probe(timeout_s)
         return [e for e, code in zip(self.endpoints, codes) if code is not None]
+
+    async def unresponsive(self, timeout_s: float) -> list[str]:
+        """Members that do not answer within `timeout_s`, as `worker <id> (<address>)`."""
+        return [f"worker {e.worker_id} ({e.address})" for e in await self.find_dead(timeout_s)]
 
     async def close(self) -> None:
         for channel in self._channels:
