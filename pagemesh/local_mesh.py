@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh.config import tls_config
+from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
 from pagemesh.models import default_model_path
 from pagemesh.service_flags import ROUTER_OPTIONS, SCHEDULER_OPTIONS, WORKER_OPTIONS, options_argv
@@ -142,9 +143,12 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     exit_code = 0
+    # A child alive but not running (frozen, wedged) is killed, then restarted below.
+    liveness = LivenessProbe(redis_url, args.cluster, supervisor.pids, tls)
     try:
         for spec in service_specs(args, model, redis_url):
             supervisor.start(spec)
+        liveness.start()
         address = f"{args.host}:{args.port}"
         ready = _wait_until_ready(supervisor, address, tls, stop)
         if ready:
@@ -169,6 +173,7 @@ def run_up(args: argparse.Namespace) -> int:
                          supervisor.dead_children())
             exit_code = 1
     finally:
+        liveness.stop()
         supervisor.stop()
         if embedded is not None:
             embedded.stop()

@@ -5,6 +5,14 @@ a TTL of a few heartbeats, and refreshes it every heartbeat. A key that expired 
 service that died: membership is read from Redis, never from a hard-coded address.
 What an entry holds is typed in pagemesh.registry_entries: writers publish `entry.to_json()`,
 readers call `entries(WorkerEntry)` and the like.
+
+Fencing: a scheduler that declares a worker failed (it stopped answering: frozen, or cut off
+by the network) writes `<prefix>:fenced:<instance>` for that process. Such a process may
+wake up or be reached again later, still thinking it holds its rank: before each heartbeat
+every service looks for its own fence, and a fenced one stops beating (so it cannot
+overwrite the entry of whoever took its place) and tells its `on_fenced` hooks, which end
+the process; its supervisor then starts a fresh one. `pagemesh up` also kills fenced
+children it sees (pagemesh/liveness.py).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from pagemesh.serving import FatalStartupError
 logger = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=ServiceEntry)
+FENCE_TTL_S = 3600.0  # a fence outlives any process that could still wake up and act on it
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,8 @@ class Registry:
         # Called (no arguments) after Redis came back empty-handed: a restarted server, whose
         # keys are gone. Services re-publish what they own (checkpoints) there.
         self.on_redis_restart: list[Any] = []
+        # Called with the fence record once this process finds itself fenced (see above).
+        self.on_fenced: list[Any] = []
         self._run_id: str | None = None
         # Told apart from a dead predecessor that had the same id (a restarted container).
         self.instance = uuid.uuid4().hex
@@ -143,11 +154,16 @@ class Registry:
 
     async def _beat(self, kind: str, service_id: str, info_fn: Any) -> None:
         """Refreshes the key every interval. While Redis is away, retries with a backoff
-        (0.1 s doubling up to the interval) and re-registers as soon as it answers."""
+        (0.1 s doubling up to the interval) and re-registers as soon as it answers. A
+        fenced process stops here, before writing anything."""
         backoff = 0.1
         failing = False
         while True:
             try:
+                fence = await self._redis.get(self.key("fenced", self.instance))
+                if fence is not None:
+                    await self._fenced(kind, service_id, json.loads(fence))
+                    return
                 await self.put(kind, service_id, info_fn())
                 if len(self._heartbeats) and self._heartbeats[0] is asyncio.current_task():
                     await self._check_restart()
@@ -164,6 +180,25 @@ class Registry:
                 failing = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.heartbeat_interval_s)
+
+    async def _fenced(self, kind: str, service_id: str, record: dict[str, Any]) -> None:
+        logger.error("%s %s (instance %s) was fenced out of its group: %s; it stops beating "
+                     "and exits so that a fresh process can take its place", kind, service_id,
+                     self.instance, record.get("reason", "no reason given"))
+        for hook in self.on_fenced:
+            result = hook(record)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def fence(self, instance: str, record: dict[str, Any]) -> None:
+        """Marks process `instance` as cut out of its group (see the module docstring);
+        `record` says why and where it runs (reason, pid, host, address)."""
+        await self._redis.set(self.key("fenced", instance),
+                              json.dumps({**record, "at": time.time()}), ex=int(FENCE_TTL_S))
+
+    async def fences(self) -> dict[str, dict[str, Any]]:
+        """Every fence in the cluster: instance -> record."""
+        return await self.list("fenced")
 
     async def _check_restart(self) -> None:
         """Notices a restarted Redis by its run id and tells the `on_redis_restart` hooks."""

@@ -69,6 +69,10 @@ class Supervisor:
             restarted[name] = code
         return restarted
 
+    def pids(self) -> dict[str, int]:
+        """Children running now: name -> pid."""
+        return {name: proc.pid for name, proc in self.children.items() if proc.poll() is None}
+
     def dead_children(self) -> dict[str, int]:
         """Children that exited, with their exit codes."""
         return {

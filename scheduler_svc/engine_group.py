@@ -13,7 +13,7 @@ from pagemesh.registry import Registry
 from pagemesh.registry_entries import WorkerEntry
 from pagemesh.tls import TlsConfig
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.group_formation import form_group
+from scheduler_svc.group_formation import WorkerEndpoint, form_group
 from scheduler_svc.messages import WorkerInfo
 from scheduler_svc.worker_client import WorkerGroupClient
 
@@ -73,6 +73,7 @@ class EngineGroup:
             self.dead_instances.update(e.instance for e in dead if e.instance)
             for endpoint in dead:
                 logger.warning("worker %s (%s) is dead", endpoint.worker_id, endpoint.address)
+                await self._fence(endpoint)
             prefer = frozenset(e.worker_id for e in previous.endpoints if e not in dead)
             await previous.close()
         spec = self.spec
@@ -90,6 +91,19 @@ class EngineGroup:
         logger.info("engine group %s formed: %s", spec.group,
                     [f"{e.worker_id}@{e.address}" for e in endpoints])
         return FormedGroup(workers, config, infos[workers.driver_index], infos)
+
+    async def _fence(self, endpoint: WorkerEndpoint) -> None:
+        """A member that does not answer may only be frozen or cut off: fence it, so that
+        if it comes back it leaves instead of acting on its old rank (pagemesh/registry.py)."""
+        if not endpoint.instance:
+            return
+        try:
+            await self.registry.fence(endpoint.instance, {
+                "reason": f"did not answer the scheduler of group {self.spec.group}",
+                "kind": "worker", "worker_id": endpoint.worker_id, "address": endpoint.address,
+                "pid": endpoint.pid, "host": endpoint.host})
+        except Exception as exc:  # Redis away: it is still never chosen again by this scheduler
+            logger.warning("could not fence worker %s: %s", endpoint.worker_id, exc)
 
     async def members_alive(self, workers: WorkerGroupClient) -> bool:
         """False when a member refuses connections (its process is gone), or does not answer

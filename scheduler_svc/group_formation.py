@@ -27,6 +27,8 @@ class WorkerEndpoint:
     tp_rank: int
     pp_rank: int
     instance: str = ""  # the process behind the id (a restarted one keeps the id)
+    pid: int = -1  # that process, on `host`
+    host: str = ""
 
 
 # Workers that hold a rank of their own and can take their slot (a standby holds none).
@@ -112,7 +114,8 @@ async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
                                f"{sorted(set(members.values()) - set(ready))}")
         await asyncio.sleep(0.1)
     return sorted(
-        (WorkerEndpoint(wid, entries[wid].address, tp, pp, entries[wid].instance)
+        (WorkerEndpoint(wid, entries[wid].address, tp, pp, entries[wid].instance,
+                        entries[wid].pid, entries[wid].host)
          for (pp, tp), wid in members.items()),
         key=lambda e: (e.pp_rank, e.tp_rank),
     )

@@ -120,13 +120,18 @@ async def serve(args: argparse.Namespace) -> None:
     def registry_info() -> dict[str, object]:
         return WorkerEntry(
             address=server.address, group=args.group, dist_addr=dist_addr,
-            model=args.served_model_name or args.model, pid=os.getpid(), **layout,
+            model=args.served_model_name or args.model, pid=os.getpid(),
+            host=socket.gethostname(), **layout,
             **dataclasses.asdict(state), **servicer.stats(),
             **metrics_server.registry_info()).to_json()
 
     membership = Membership(registry, args.group, worker_id, parallel.world_size, state,
                             lambda: registry.put("worker", worker_id, registry_info()))
     await membership.skip_current_plan()  # before registering: see there
+    # Fenced (its scheduler gave up on it while it was frozen or cut off): leave, without
+    # deregistering, for the id's entry may be a successor's by now.
+    fenced: list[dict[str, object]] = []
+    registry.on_fenced.append(lambda record: (fenced.append(record), server.request_stop()))
     await registry.start_heartbeat("worker", worker_id, registry_info)
     loading = asyncio.create_task(_join_and_load(args, membership, layout))
     stop = asyncio.create_task(server.wait_for_stop())
@@ -150,7 +155,7 @@ async def serve(args: argparse.Namespace) -> None:
         for task in (loading, stop, following):
             if task is not None:
                 task.cancel()
-        await registry.close(deregister=[("worker", worker_id)])
+        await registry.close(deregister=[] if fenced else [("worker", worker_id)])
         await server.stop()
         servicer.close()
         await metrics_server.close()
