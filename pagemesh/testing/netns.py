@@ -24,6 +24,15 @@ class Host:
     def argv(self, *command: str) -> list[str]:
         return ["ip", "netns", "exec", self.name, *command]
 
+    def partition(self) -> None:
+        """Cuts the host off the network: its link goes down, its packets are dropped (no
+        reset reaches anyone, as when a cable or a switch fails)."""
+        run(*self.argv("ip", "link", "set", self.interface, "down"))
+
+    def heal(self) -> None:
+        """Back on the network, address and route as before."""
+        run(*self.argv("ip", "link", "set", self.interface, "up"))
+
 
 @dataclass
 class HostNetwork:

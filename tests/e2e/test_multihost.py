@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from protos.pagemesh.v1 import generate_pb2_grpc
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import REPO_ROOT, Generation, greedy_request
-from tests.support.netns import HostNetwork, namespaces_unavailable
+from pagemesh.testing.netns import HostNetwork, namespaces_unavailable
 from pagemesh.testing.tiny_models import write_tiny_model
 from tests.support.eventually import eventually
 

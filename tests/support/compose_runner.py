@@ -38,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.compose_files import REPO_ROOT
 from tests.support.mesh_harness import free_port
-from tests.support.netns import Host
+from pagemesh.testing.netns import Host
 from tests.support.eventually import eventually
 
 URL_VARIABLES = {"PAGEMESH_REDIS_URL", "PAGEMESH_OTLP_TRACES_ENDPOINT",
