@@ -94,7 +94,8 @@ async def fuzz(endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh 
         result.settled_after_s, result.final_stats = await _settle(endpoints, config.settle_s)
         serving = await _router_serving(endpoints, config.settle_s)
         if config.audit and result.settled_after_s is not None and serving:
-            result.audit = await disconnect_audit(targets, endpoints, facts, seconds_per_token)
+            async with _targets(endpoints, 1) as fresh:  # the probes' channels may be backing off
+                result.audit = await disconnect_audit(fresh, endpoints, facts, seconds_per_token)
             result.final_stats = await asyncio.to_thread(mesh_checks.group_stats, endpoints)
         watching.cancel()
         await asyncio.to_thread(watch.check)
