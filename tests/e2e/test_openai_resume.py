@@ -27,9 +27,8 @@ from router.tokenizer import Tokenizer, load_tokenizer
 from router.types import Submission
 from router.validation import SamplingOptions, StoppingOptions, ValidatedRequest
 from tests.support.bpe_folder import write_bpe_folder
-from tests.support.chaos import entries
 from tests.support.eventually import eventually
-from tests.support.mesh_harness import Mesh, alive, free_port, scheduler_stats
+from tests.support.mesh_harness import Mesh, alive, entries, free_port, scheduler_stats
 from tests.support.scripted_router import SEED, Router, expected, run
 
 # --- a real router in-process over scripted schedulers ---------------------------------

@@ -15,9 +15,8 @@ from grpc_health.v1 import health_pb2
 
 from pagemesh.checkpoints import Checkpoint
 from protos.pagemesh.v1 import generate_pb2
-from tests.support.chaos import entries, health_status
 from tests.support.eventually import eventually
-from tests.support.mesh_harness import Mesh, alive, greedy_request
+from tests.support.mesh_harness import Mesh, alive, entries, greedy_request, health_status
 
 CLUSTER = "e2e-resume-logprobs"
 MAX_TOKENS = 64

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh import mesh_process
 from pagemesh.mesh_process import Generation, alive, free_port, generate, greedy_request
@@ -24,8 +25,9 @@ from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.support.paths import REPO_ROOT
 
 
-__all__ = ["REPO_ROOT", "Generation", "Mesh", "RouterProcess", "alive", "free_port",
-           "generate", "greedy_request", "router_process", "scheduler_stats", "scheduler_stats_at"]
+__all__ = ["REPO_ROOT", "Generation", "Mesh", "RouterProcess", "alive", "entries", "free_port",
+           "generate", "greedy_request", "health_status", "router_process", "scheduler_stats",
+           "scheduler_stats_at"]
 
 
 class Mesh(mesh_process.Mesh):
@@ -84,3 +86,26 @@ def router_process(model: Path, redis_url: str, cluster: str, log_path: Path,
             channel.close()
             process.terminate()
             assert process.wait(timeout=30) == 0, log_path.read_text(errors="replace")[-3000:]
+
+
+def entries(redis_url: str, cluster: str, kind: str) -> dict[str, dict]:
+    """Registry entries of `kind` (worker, scheduler, router) as raw JSON, by service id."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        found = {}
+        for key in client.scan_iter(f"{cluster}:{kind}:*"):
+            raw = client.get(key)
+            if raw is not None:
+                found[key.decode().rsplit(":", 1)[1]] = json.loads(raw)
+        return found
+    finally:
+        client.close()
+
+
+def health_status(mesh: Mesh) -> int:
+    """The router's gRPC health (UNKNOWN when it does not answer within a second)."""
+    try:
+        return health_pb2_grpc.HealthStub(mesh.channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=1).status
+    except grpc.RpcError:
+        return health_pb2.HealthCheckResponse.UNKNOWN
