@@ -108,7 +108,9 @@ def generate_request(fields: dict[str, Any]) -> generate_pb2.GenerateRequest:
 async def grpc_generate(channel: grpc.aio.Channel, request: generate_pb2.GenerateRequest,
                         cancel: Cancel | None, fields: dict[str, Any] | None = None) -> Result:
     call = generate_pb2_grpc.GenerationStub(channel).Generate(request)
-    check = _StreamCheck(with_logprobs=request.logprobs > 0 and not request.resume_from)
+    # A request with an id may be a resume (even with resume_from 0): the checkpoint's
+    # parameters apply then, logprobs or not, so only a request without one must have them.
+    check = _StreamCheck(with_logprobs=request.logprobs > 0 and not request.request_id)
     if cancel and cancel.after_chunks == 0:
         await asyncio.sleep(0.05)  # time for the request to leave
         call.cancel()

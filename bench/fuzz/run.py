@@ -163,14 +163,20 @@ async def _watch(watch: mesh_checks.ProcessWatch) -> None:
         await asyncio.sleep(1.0)
 
 
-async def _router_serving(endpoints: mesh_checks.Endpoints, timeout_s: float) -> bool:
-    """Waits for the router to serve (a restarted one takes seconds); False after `timeout_s`."""
+async def _router_serving(endpoints: mesh_checks.Endpoints, timeout_s: float, steady_s: float = 3.0) -> bool:
+    """Waits for the router to serve for `steady_s` on end (a restarted one takes seconds, and
+    one about to be killed may still answer once); False after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(mesh_checks.router_serving, endpoints):
-        if time.monotonic() > deadline:
-            return False
+    since = None
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(mesh_checks.router_serving, endpoints):
+            since = since or time.monotonic()
+            if time.monotonic() - since >= steady_s:
+                return True
+        else:
+            since = None
         await asyncio.sleep(0.5)
-    return True
+    return False
 
 
 async def _settle(endpoints: mesh_checks.Endpoints, timeout_s: float
