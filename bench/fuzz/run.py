@@ -107,7 +107,9 @@ async def fuzz(endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh 
 async def _targets(endpoints: mesh_checks.Endpoints, num_channels: int) -> AsyncIterator[Targets]:
     options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
     channels = [grpc.aio.insecure_channel(endpoints.grpc_address, options=options) for _ in range(num_channels)]
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    # A connection per request: a kept-alive one the server closes as idle just when it is
+    # reused breaks the request on the client's side, which is no finding of the server's.
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                     timeout=aiohttp.ClientTimeout(total=None))
     try:
         yield Targets(endpoints.grpc_address, endpoints.http_url, channels, session)
