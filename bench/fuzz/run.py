@@ -105,7 +105,10 @@ async def fuzz(endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh 
 
 @contextlib.asynccontextmanager
 async def _targets(endpoints: mesh_checks.Endpoints, num_channels: int) -> AsyncIterator[Targets]:
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    # A local subchannel pool: each channel its own connection, and a fresh one does not
+    # inherit another's reconnect backoff (after a router restart) from gRPC's shared pool.
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+               ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(endpoints.grpc_address, options=options) for _ in range(num_channels)]
     # A connection per request: a kept-alive one the server closes as idle just when it is
     # reused breaks the request on the client's side, which is no finding of the server's.
