@@ -141,7 +141,8 @@ _ROUTER = (
     _router("--max-prompt-tokens", "longest prompt accepted, tokens; 0 = the model's context",
             type=int, default=0),
     _router("--max-message-bytes",
-            "largest gRPC request message the router's public port accepts, bytes",
+            "largest request the router accepts, bytes: a gRPC message on its public port, "
+            "an HTTP body on the OpenAI API (413 past it)",
             type=int, default=16 * 1024 * 1024),
 )
 

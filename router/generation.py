@@ -22,8 +22,9 @@ import contextlib
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -43,6 +44,8 @@ from router.validation import (ValidatedRequest, ValidationError, check_identity
                                validate)
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,24 @@ class Generation:
     async def model_info(self) -> ModelInfo:
         return await self.directory.model_info()
 
-    def tokenize(self, text: str, apply_chat_template: bool) -> tuple[list[int], list[str]]:
+    async def tokenize(self, text: str, apply_chat_template: bool) -> tuple[list[int], list[str]]:
         """The text's token ids and each one's text piece. INVALID_ARGUMENT for empty text."""
-        token_ids = self._tokenize(text, apply_chat_template)
+        token_ids = await self._tokenize(text, apply_chat_template, max_num_tokens=None)
         return token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat `messages` through the model's template (the OpenAI chat API's
+        prompt). INVALID_ARGUMENT when the template rejects them, when they are not valid
+        Unicode, or when they cannot fit the model whatever they tokenize to."""
+        texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        for text in texts:
+            _check_unicode(text, "a message's content")
+        num_chars = sum(map(len, texts))
+        await self._check_fits(num_chars, len(messages), await self._max_prompt_tokens())
+        try:
+            return await _off_loop_if_long(num_chars, self.tokenizer.apply_chat_messages, messages)
+        except TokenizerError as exc:
+            raise invalid_argument(str(exc)) from exc
 
     @traced_generate  # the request's span, router/tracing.py
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenChunk]]:
@@ -229,7 +246,8 @@ class Generation:
         if prompt is None:
             raise invalid_argument("the request has no prompt: set `text` or `token_ids`")
         if isinstance(prompt, str):
-            prompt_ids = self._tokenize(prompt, request.apply_chat_template)
+            prompt_ids = await self._tokenize(prompt, request.apply_chat_template,
+                                              await self._max_prompt_tokens())
         elif request.apply_chat_template:
             raise invalid_argument("apply_chat_template needs a `text` prompt, not `token_ids`")
         else:
@@ -247,12 +265,58 @@ class Generation:
         except ValidationError as exc:
             raise invalid_argument(str(exc)) from exc
 
-    def _tokenize(self, text: str, apply_chat_template: bool) -> list[int]:
+    async def _tokenize(self, text: str, apply_chat_template: bool,
+                        max_num_tokens: int | None) -> list[int]:
+        """`text` tokenized (long texts off the event loop, so that the router keeps answering
+        meanwhile); refused before any work when it cannot fit `max_num_tokens`."""
         if not text:
             raise invalid_argument("the prompt is empty: send at least one character or token")
+        _check_unicode(text, "the prompt")
+        if max_num_tokens is not None:
+            await self._check_fits(len(text), 1, max_num_tokens)
+        encode = self.tokenizer.apply_chat_template if apply_chat_template else self.tokenizer.encode
         try:
-            if apply_chat_template:
-                return self.tokenizer.apply_chat_template(text)
-            return self.tokenizer.encode(text)
+            return await _off_loop_if_long(len(text), encode, text)
         except TokenizerError as exc:
             raise invalid_argument(str(exc)) from exc
+
+    async def _max_prompt_tokens(self) -> int:
+        """The most prompt tokens a request may have: the model's context, or less with
+        --max-prompt-tokens."""
+        max_model_len = (await self.directory.model_info()).limits().max_model_len
+        limit = self.limits.max_prompt_tokens
+        return min(max_model_len, limit) if limit else max_model_len
+
+    async def _check_fits(self, num_chars: int, num_parts: int, max_num_tokens: int) -> None:
+        """Refuses, before tokenizing, text that is too long whatever it tokenizes to."""
+        at_least = max(self.tokenizer.min_num_tokens(num_chars), num_parts)
+        if at_least > max_num_tokens:
+            raise invalid_argument(
+                f"the prompt ({num_chars:,} characters in {num_parts:,} part(s)) is at least "
+                f"{at_least:,} tokens for this tokenizer, whose longest token is "
+                f"{self.tokenizer.max_token_chars} characters, but at most {max_num_tokens:,} "
+                "are accepted (the model's context, or --max-prompt-tokens); shorten it")
+
+
+OFF_LOOP_CHARS = 16_384  # texts longer than this are tokenized on a worker thread
+
+
+async def _off_loop_if_long(num_chars: int, fn: Callable[[T], list[int]], arg: T) -> list[int]:
+    """`fn(arg)` here for short texts (a thread hand-off costs more than they take), on a
+    worker thread for long ones: a 16 MB prompt took 8 s to tokenize, and a router whose event
+    loop stops that long answers nothing, not even its health (and is then restarted as hung)."""
+    if num_chars <= OFF_LOOP_CHARS:
+        return fn(arg)
+    return await asyncio.to_thread(fn, arg)
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """JSON may carry lone surrogates (\\ud800), which no tokenizer can encode."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid_argument(
+            f"{what} is not valid Unicode: {exc.reason} at character {exc.start} "
+            f"({text[exc.start:exc.end]!a}); send UTF-8 text") from None

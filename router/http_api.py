@@ -29,22 +29,25 @@ import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pagemesh.auth import HTTP_HOW_TO, ApiKeys, missing_key_message
 from pagemesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pagemesh.service_flags import option
 from pagemesh.serving import ServiceError
 from pagemesh.telemetry import tracing_enabled
 from router import openai_protocol as oai
 from router.generation import Generation
-from router.tokenizer import TokenizerError
 from router.tracing import TraceContextMiddleware
 from router.types import TokenChunk
 
 logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES: int = option("--max-message-bytes").default  # as for a gRPC message
+_PARSE_OFF_LOOP_BYTES = 1024 * 1024  # larger bodies are parsed on a worker thread
 
 # ServiceError carries a gRPC status code (pagemesh/serving.py): OpenAI's status for each.
 _STATUS_FOR_CODE = {
@@ -57,11 +60,12 @@ _STATUS_FOR_CODE = {
 
 
 def build_http_app(generation: Generation, is_serving: Callable[[], bool],
-                   api_keys: ApiKeys | None = None) -> Starlette:
+                   api_keys: ApiKeys | None = None,
+                   max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 ready engine group).
     With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` and
     `/metrics` stay open."""
-    api = _OpenAIApi(generation, is_serving)
+    api = _OpenAIApi(generation, is_serving, max_body_bytes)
     middleware = [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []
     if tracing_enabled():  # a `traceparent` header parents the request's Generate span
         middleware.insert(0, Middleware(TraceContextMiddleware))
@@ -138,9 +142,11 @@ class _Choice:
 
 
 class _OpenAIApi:
-    def __init__(self, generation: Generation, is_serving: Callable[[], bool]) -> None:
+    def __init__(self, generation: Generation, is_serving: Callable[[], bool],
+                 max_body_bytes: int) -> None:
         self.generation = generation
         self.is_serving = is_serving
+        self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
 
     async def health(self, request: Request) -> Response:
@@ -154,15 +160,16 @@ class _OpenAIApi:
         return JSONResponse(oai.models_object(await self.generation.model_info(), self.created))
 
     async def completions(self, request: Request) -> Response:
-        parsed = oai.parse_completion(await _json_body(request), request.headers)
+        parsed = oai.parse_completion(await _json_body(request, self.max_body_bytes),
+                                      request.headers)
         return await _unless_client_leaves(request, self._generate(parsed, chat=False))
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = oai.parse_chat(await _json_body(request), request.headers)
+        parsed = oai.parse_chat(await _json_body(request, self.max_body_bytes), request.headers)
         try:
-            prompt_ids = self.generation.tokenizer.apply_chat_messages(parsed.messages)
-        except TokenizerError as exc:
-            raise oai.ProtocolError(str(exc), "messages") from exc
+            prompt_ids = await self.generation.tokenize_chat(parsed.messages)
+        except ServiceError as exc:
+            raise oai.ProtocolError(exc.message, "messages") from exc
         parsed.generate = dataclasses.replace(parsed.generate, prompt=prompt_ids)
         return await _unless_client_leaves(request, self._generate(parsed, chat=True))
 
@@ -357,11 +364,33 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: Request, max_bytes: int) -> Any:
+    """The body as JSON: 413 past `max_bytes` (said up front by Content-Length, or found
+    while reading), 400 when it does not parse. A large body is parsed off the event loop."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    body = bytearray()
     try:
-        return json.loads(await request.body())
+        async for part in request.stream():
+            body += part
+            if len(body) > max_bytes:
+                raise _too_large(len(body), max_bytes)
+    except ClientDisconnect:  # nobody reads the answer; no traceback in the log either
+        raise oai.ProtocolError("the client closed the connection while sending its body",
+                                status=400) from None
+    try:
+        if len(body) > _PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(json.loads, body)
+        return json.loads(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise oai.ProtocolError(f"the request body is not valid JSON: {_brief(exc)}") from exc
+
+
+def _too_large(num_bytes: int, max_bytes: int) -> oai.ProtocolError:
+    return oai.ProtocolError(
+        f"the request body is {num_bytes:,} bytes or more, past this router's limit of "
+        f"{max_bytes:,} (--max-message-bytes); send a shorter prompt", status=413)
 
 
 def _brief(exc: BaseException) -> str:

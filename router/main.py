@@ -126,7 +126,8 @@ def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Ca
         tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
         if args.tls_ca:
             tls |= {"ssl_ca_certs": args.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    config = uvicorn.Config(build_http_app(generation, is_serving, api_keys), host=args.host,
+    app = build_http_app(generation, is_serving, api_keys, max_body_bytes=args.max_message_bytes)
+    config = uvicorn.Config(app, host=args.host,
                             port=args.http_port, log_level="warning", log_config=None,
                             timeout_graceful_shutdown=5, **tls)
     http_server = _HttpServer(config)

@@ -27,7 +27,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
-        token_ids, tokens = self.generation.tokenize(request.text, request.apply_chat_template)
+        token_ids, tokens = await self.generation.tokenize(request.text, request.apply_chat_template)
         return convert.tokenize_response(token_ids, tokens)
 
     async def Generate(self, request: generate_pb2.GenerateRequest,

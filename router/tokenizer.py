@@ -7,6 +7,7 @@ a sequence in windows (see `router.detokenizer`) gives the same text as decoding
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -62,6 +63,18 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token string. No token covers more of a
+        text than its string is long (a byte-level token's string has one character per
+        byte), so a text of c characters is at least c / max_token_chars tokens."""
+        return max((len(token) for token in self._hf.get_vocab()), default=1) or 1
+
+    def min_num_tokens(self, num_chars: int) -> int:
+        """A lower bound on the tokens of a text of `num_chars` characters (see above):
+        known before a long text is tokenized at all."""
+        return -(-num_chars // self.max_token_chars)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the special tokens the model adds by default (e.g. BOS)."""
