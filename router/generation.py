@@ -40,8 +40,7 @@ from router.dispatcher import Dispatcher
 from router.tokenizer import Tokenizer, TokenizerError
 from router.tracing import describe_request, traced_generate
 from router.types import GenerationRequest, ModelInfo, Submission, TokenChunk
-from router.validation import (ValidatedRequest, ValidationError, check_identity, resume_offsets,
-                               validate)
+from router.validation import (ValidatedRequest, ValidationError, check_identity, validate)
 
 logger = logging.getLogger(__name__)
 
@@ -197,22 +196,10 @@ class Generation:
 
     def _plan_from_checkpoint(self, ckpt: Checkpoint, resume_from: int | list[int]
                               ) -> replay.StreamPlan:
-        """router/replay.py's plan; with one count per sample, each sample (and its replayed
-        messages) comes from the plan for its own count."""
-        if not isinstance(resume_from, list):
-            return replay.from_checkpoint(self.tokenizer, ckpt, resume_from)
-        plan = replay.from_checkpoint(self.tokenizer, ckpt, resume_from[0] if resume_from else 0)
         try:
-            offsets = resume_offsets(resume_from, len(plan.samples))
-        except ValidationError as exc:
+            return replay.from_checkpoint(self.tokenizer, ckpt, resume_from)
+        except ValidationError as exc:  # one count per sample, but not as many as samples
             raise invalid_argument(str(exc)) from exc
-        plans = {offset: replay.from_checkpoint(self.tokenizer, ckpt, offset)
-                 for offset in set(offsets) if offset != offsets[0]}
-        plans[offsets[0]] = plan
-        plan.samples = [plans[offset].samples[index] for index, offset in enumerate(offsets)]
-        plan.replay = [output for index, offset in enumerate(offsets)
-                       for output in plans[offset].replay if output.index == index]
-        return plan
 
     def _forget_checkpoint(self, request_id: str, groups: list[str], cut_short: bool) -> None:
         """Deletes the request's checkpoint in the background, never delaying the client;

@@ -34,6 +34,7 @@ from router.resume import Progress, SampleProgress
 from router.sample_stream import SampleStream
 from router.tokenizer import Tokenizer
 from router.types import FinishReason, SampleOutput, Submission
+from router.validation import resume_offsets
 
 
 @dataclass
@@ -51,14 +52,18 @@ def fresh(tokenizer: Tokenizer, submission: Submission) -> StreamPlan:
     return StreamPlan(submission, samples, Progress.fresh(n))
 
 
-def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint, resume_from: int) -> StreamPlan:
-    """The plan for a client that has `resume_from` output tokens of each sample."""
+def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint,
+                    resume_from: int | list[int]) -> StreamPlan:
+    """The plan for a client that has `resume_from` output tokens of each sample (one count
+    for all, or one per sample: a stream can break between two samples' messages). Raises
+    ValidationError for a list of the wrong length."""
     submission = convert.submission_from_checkpoint(ckpt.submit)
     n = max(submission.n, 1)
     states = (list(ckpt.samples) + [SampleState() for _ in range(n)])[:n]
+    offsets = resume_offsets(resume_from, n)
     samples: list[SampleStream] = []
     replay: list[SampleOutput] = []
-    for index, state in enumerate(states):
+    for index, (state, resume_from) in enumerate(zip(states, offsets)):
         sample = _sample_stream(tokenizer, submission)
         num_known = len(state.token_ids)
         finish_reason = None
