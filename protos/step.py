@@ -46,6 +46,10 @@ class SamplingParams:
     # Top alternatives returned per sampled token, with the chosen token's logprob;
     # 0 = neither (the client gets no logprobs).
     num_logprobs: int = 0
+    # The grammar the output must follow (llguidance's format: Lark text or its JSON; compiled and
+    # checked by the router); "" = free text. The sampler masks each draw to the tokens it
+    # allows after the output so far.
+    grammar: str = ""
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from router.resume import Progress, SampleProgress
-from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, Submission,
-                          TokenChunk, TokenLogprob)
+from router.types import (FinishReason, GenerationRequest, ModelInfo, OutputConstraint,
+                          SampleOutput, Submission, TokenChunk, TokenLogprob)
 from router.validation import SamplingOptions, StoppingOptions
 
 
@@ -38,7 +38,19 @@ def generation_request(pb: generate_pb2.GenerateRequest) -> GenerationRequest:
         priority=pb.priority,
         resume_from=pb.resume_from,
         model=pb.model,
+        constraint=constraint_from_pb(pb.constraint) if pb.HasField("constraint") else None,
     )
+
+
+def constraint_from_pb(pb: generate_pb2.OutputConstraint) -> OutputConstraint:
+    """A GenerateRequest's constraint; an empty one (no kind set) is `kind` "" and refused
+    by router/structured.py."""
+    kind = pb.WhichOneof("kind") or ""
+    if kind == "choice":
+        return OutputConstraint(kind, tuple(pb.choice.choices))
+    if kind == "json_object":
+        return OutputConstraint(kind)
+    return OutputConstraint(kind, getattr(pb, kind) if kind else "")
 
 
 def sampling_from_pb(pb: generate_pb2.SamplingParams) -> SamplingOptions:
@@ -93,6 +105,7 @@ def submit_request(submission: Submission, progress: Progress | None = None
         logprobs=submission.num_logprobs,
         n=submission.n,
         priority=submission.priority,
+        grammar=submission.grammar,
     )
     if progress is not None:
         request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
@@ -126,6 +139,7 @@ def submission_from_checkpoint(raw: bytes) -> Submission:
         num_logprobs=pb.logprobs,
         n=pb.n,
         priority=pb.priority,
+        grammar=pb.grammar,
     )
 
 

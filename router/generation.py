@@ -39,8 +39,10 @@ from router.client_stream import ClientStream
 from router.dispatcher import Dispatcher
 from router.tokenizer import Tokenizer, TokenizerError
 from router.tracing import describe_request, traced_generate
-from router.types import GenerationRequest, ModelInfo, Submission, TokenChunk
-from router.validation import (ValidatedRequest, ValidationError, check_identity, validate)
+from router.structured import ConstraintError, GrammarCompiler
+from router.types import GenerationRequest, ModelInfo, OutputConstraint, Submission, TokenChunk
+from router.validation import (ModelLimits, ValidatedRequest, ValidationError, check_identity,
+                               validate)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class Generation:
     def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher,
                  limits: AdmissionLimits | None = None, metrics: RouterMetrics | None = None) -> None:
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer)  # structured output (router/structured.py)
         self.dispatcher = dispatcher
         self.directory = dispatcher.directory  # model info, ready groups, the registry
         self.checkpoints = self.directory.registry.checkpoints
@@ -246,11 +249,25 @@ class Generation:
                 f"{max_prompt_tokens} (--max-prompt-tokens); shorten the prompt"
             )
         limits = (await self.directory.model_info()).limits()
+        grammar = await self._compile(request.constraint, limits)
         try:
             return validate(prompt_ids, request.sampling, request.stopping, request.num_logprobs,
-                            request.model, limits, n=request.n, priority=request.priority)
+                            request.model, limits, n=request.n, priority=request.priority,
+                            grammar=grammar)
         except ValidationError as exc:
             raise invalid_argument(str(exc)) from exc
+
+    async def _compile(self, constraint: OutputConstraint | None, limits: ModelLimits) -> str:
+        """The request's output constraint compiled and checked against the model's
+        vocabulary (on a worker thread: the first one builds that view, ~1 s); "" for none.
+        INVALID_ARGUMENT naming what is wrong, before anything is scheduled."""
+        if constraint is None:
+            return ""
+        try:
+            return await asyncio.to_thread(self.grammars.compile, constraint,
+                                           limits.vocab_size, limits.eos_token_ids)
+        except ConstraintError as exc:
+            raise invalid_argument(str(exc)) from None
 
     async def _tokenize(self, text: str, apply_chat_template: bool,
                         max_num_tokens: int | None) -> list[int]:

@@ -61,6 +61,12 @@ class Tokenizer:
         return list(self._eos_token_ids)
 
     @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The Hugging Face tokenizer itself (structured output builds its vocabulary view
+        from it, router/structured.py)."""
+        return self._hf
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 

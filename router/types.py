@@ -23,6 +23,19 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # the server aborted the request
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What the output must be (structured output), as a client states it: `kind` is one of
+    CONSTRAINT_KINDS; `value` is the schema's JSON text, the regex, the grammar (Lark or
+    GBNF), the choices, or "" for json_object. router/structured.py compiles it."""
+
+    kind: str
+    value: str | tuple[str, ...] = ""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One client request, as either API states it. Unset options are None / 0 and get their
@@ -43,6 +56,7 @@ class GenerationRequest:
     # The caller made `request_id` up just now (the HTTP API): no checkpoint can exist for
     # it, so none is looked up.
     new_request: bool = False
+    constraint: OutputConstraint | None = None  # None: free text
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,7 @@ class Submission:
     num_logprobs: int = 0  # top alternatives per token, 0..20; 0 = no logprobs
     n: int = 1  # independent samples of the prompt; sample i uses seed + i
     priority: int = 0  # lower runs first under the priority policy
+    grammar: str = ""  # the output's grammar, llguidance's format (router/structured.py); "" = free
 
     @classmethod
     def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int) -> Submission:
@@ -69,7 +84,8 @@ class Submission:
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=seed)
         return cls(request_id, validated.prompt_token_ids, sampling, validated.stopping,
-                   validated.num_logprobs or 0, validated.n, validated.priority)
+                   validated.num_logprobs or 0, validated.n, validated.priority,
+                   validated.grammar)
 
     @property
     def max_tokens(self) -> int:

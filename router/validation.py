@@ -76,6 +76,7 @@ class ValidatedRequest:
     num_logprobs: int | None  # top alternatives per token; None = no logprobs
     n: int = 1  # independent samples of the prompt
     priority: int = 0  # lower runs first under the priority policy
+    grammar: str = ""  # the compiled output constraint (router/structured.py); "" = none
 
     @property
     def max_tokens(self) -> int:
@@ -93,8 +94,10 @@ def validate(
     *,
     n: int = 1,
     priority: int = 0,
+    grammar: str = "",
 ) -> ValidatedRequest:
-    """Check a request against `limits` and fill defaults.
+    """Check a request against `limits` and fill defaults. `grammar`: its compiled output
+    constraint (router/structured.py), if any.
 
     Raises ValidationError naming the first bad parameter and its allowed range.
     """
@@ -105,6 +108,10 @@ def validate(
     check_num_samples(n)
     max_tokens = _resolve_max_tokens(len(prompt_token_ids), stopping, limits)
     _check_stopping(stopping, max_tokens, limits)
+    if grammar and stopping.ignore_eos:
+        raise ValidationError("ignore_eos cannot be combined with an output constraint: the "
+                              "output ends when the constraint is complete (EOS is all that "
+                              "is left then)")
     return ValidatedRequest(
         prompt_token_ids=list(prompt_token_ids),
         sampling=_with_sampling_defaults(sampling),
@@ -112,6 +119,7 @@ def validate(
         num_logprobs=num_logprobs,
         n=n,
         priority=priority,
+        grammar=grammar,
     )
 
 

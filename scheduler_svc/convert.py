@@ -130,6 +130,7 @@ def _request_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
             min_tokens=stopping.min_tokens,
             stop_token_ids=tuple(sorted(stop_ids)),
             num_logprobs=pb.logprobs,
+            grammar=pb.grammar,
             **unset_is_default,
         ),
         max_tokens=stopping.max_tokens,
@@ -151,6 +152,7 @@ def _sampling_to_pb(s: SamplingParams) -> worker_pb2.SamplingParams:
         min_tokens=s.min_tokens,
         stop_token_ids=s.stop_token_ids,
         num_logprobs=s.num_logprobs,
+        grammar=s.grammar,
     )
 
 

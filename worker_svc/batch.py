@@ -16,6 +16,7 @@ import torch
 
 from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from worker_svc.attention import AttentionMetadata
+from worker_svc.structured import GrammarState
 
 
 @dataclass
@@ -25,6 +26,9 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is in the cache
     sampling: SamplingParams
+    # The sampling rank's grammar matcher (worker_svc/structured.py), made at the first draw
+    # of a constrained request; None otherwise.
+    grammar: GrammarState | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
         min_tokens=pb.min_tokens,
         stop_token_ids=tuple(pb.stop_token_ids),
         num_logprobs=pb.num_logprobs,
+        grammar=pb.grammar,
     )
 
 

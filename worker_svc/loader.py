@@ -57,6 +57,7 @@ class ModelMetadata:
     dtype: torch.dtype
     # none | fp8 | awq | gguf-<types> (e.g. gguf-q4_1): how the linear layers' weights are held
     quantization: str = "none"
+    path: str = ""  # the folder or .gguf file it was loaded from (its tokenizer lives there)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ def load_model(
         max_model_len=max_model_len or limit,
         dtype=torch_dtype,
         quantization=kept.quantization if kept is not None else quant.method,
+        path=str(path),
     )
     logger.info("loaded %s (%s) from %s as %s (quantization %s) on %s (%s)", metadata.name,
                 metadata.architecture, path, torch_dtype, metadata.quantization, device,

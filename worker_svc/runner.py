@@ -22,6 +22,7 @@ import torch
 
 from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker_svc import sampler
+from worker_svc.structured import ConstrainedRow, GrammarVocabulary, allowed_tokens
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from worker_svc.batch import (
     BlockTables,
@@ -159,6 +160,7 @@ class ModelRunner:
         self.swap_caches = allocate_swap_caches(self.kv_spec, num_swap_blocks, self.device)
         self.requests: dict[str, RequestState] = {}
         self.block_tables = BlockTables()  # the requests' block ids, as the batch reads them
+        self.grammar_vocabulary: GrammarVocabulary | None = None  # structured output
         self._sent_downstream = False  # this step's activations went to the next stage
 
     @classmethod
@@ -356,13 +358,30 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, SampledToken]:
         requests = []
-        for request_id in request_ids:
+        constrained: list[ConstrainedRow] = []
+        for row, request_id in enumerate(request_ids):
             state = self.requests[request_id]
             requests.append(
                 sampler.SamplingRow(state.sampling, state.token_ids, state.num_prompt_tokens)
             )
-        tokens = sampler.sample(logits, requests)
+            if state.sampling.grammar:
+                if state.grammar is None:
+                    state.grammar = self._grammar_vocabulary().new_state(state.sampling.grammar)
+                constrained.append(ConstrainedRow(row, state.grammar,
+                                                  state.token_ids[state.num_prompt_tokens:]))
+        masks = None
+        if constrained:
+            masks = sampler.RowMasks([c.row for c in constrained],
+                                     allowed_tokens(self._grammar_vocabulary(), constrained))
+        tokens = sampler.sample(logits, requests, masks)
         return dict(zip(request_ids, tokens, strict=True))
+
+    def _grammar_vocabulary(self) -> GrammarVocabulary:
+        """Made at the first constrained request (structured output is opt-in per request)."""
+        if self.grammar_vocabulary is None:
+            self.grammar_vocabulary = GrammarVocabulary(
+                self.metadata.path, self.metadata.vocab_size, self.metadata.eos_token_ids)
+        return self.grammar_vocabulary
 
 
 def _checked_context(config: RunnerConfig, dist: DistributedContext | None) -> DistributedContext:

@@ -1,8 +1,9 @@
 """Turn a batch of logits into tokens, one request's settings per row.
 
 Order per row: raw logits -> logprobs (reported from the raw distribution) -> repetition,
-presence and frequency penalties -> min_tokens stop masking -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> one seeded draw (the transformers warper order).
+presence and frequency penalties -> min_tokens stop masking -> the output constraint's mask
+(structured output: only the tokens its grammar allows) -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> one seeded draw (the transformers warper order).
 
 Randomness is counter-based: the draw for a request's i-th output token uses a generator
 seeded with `mix_seed(seed, i)`, so a seed gives the same tokens whatever else shares the
@@ -51,22 +52,37 @@ class SamplingRow:
         return self.token_ids[self.num_prompt_tokens :]
 
 
-def sample(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> list[SampledToken]:
+@dataclass(frozen=True)
+class RowMasks:
+    """The tokens constrained rows may draw: `allowed[i]` ([vocab_size] bool) for row
+    `rows[i]` (worker_svc/structured.py computes them)."""
+
+    rows: list[int]
+    allowed: torch.Tensor  # [len(rows), vocab_size] bool
+
+
+def sample(logits: torch.Tensor, requests: Sequence[SamplingRow],
+           masks: RowMasks | None = None) -> list[SampledToken]:
     """logits [num_rows, vocab_size] (any float dtype) -> one token per row.
 
-    Rows without penalties or stop masking are not copied, and greedy rows share one
-    argmax: a batch of 64 plain greedy decodes costs a few batched ops, not 64 per-row ones.
+    Rows without penalties, stop masking or a constraint are not copied, and greedy rows
+    share one argmax: a batch of 64 plain greedy decodes costs a few batched ops, not 64
+    per-row ones.
     """
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
     logits = logits.to(torch.float32)
     processed = logits
     to_process = [row for row, request in enumerate(requests) if _needs_processing(request)]
-    if to_process:
+    if to_process or masks is not None:
         processed = logits.clone()
         for row in to_process:
             _apply_penalties(processed[row], requests[row])
             _mask_stop_tokens(processed[row], requests[row])
+    if masks is not None and masks.rows:
+        rows = torch.tensor(masks.rows, device=processed.device)
+        processed[rows] = processed[rows].masked_fill(~masks.allowed.to(processed.device),
+                                                      float("-inf"))
     token_ids = [0] * len(requests)
     greedy = [row for row, request in enumerate(requests) if request.params.temperature == 0.0]
     if greedy:
@@ -108,7 +124,9 @@ def _apply_penalties(row: torch.Tensor, request: SamplingRow) -> None:
 
 def _mask_stop_tokens(row: torch.Tensor, request: SamplingRow) -> None:
     params = request.params
-    if params.stop_token_ids and request.num_output_tokens < params.min_tokens:
+    # A constrained row's grammar decides when EOS may come (it may be all it allows).
+    if params.stop_token_ids and request.num_output_tokens < params.min_tokens \
+            and not params.grammar:
         row[_ids_tensor(params.stop_token_ids, row)] = float("-inf")
 
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/pagemesh/v1/generate.proto\x12\x0bpagemesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xff\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xbb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.pagemesh.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x13\n\x0bresume_from\x18\x0b \x01(\rB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pagemesh.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.pagemesh.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\"<\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"d\n\x0eParallelLayout\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_replicas\x18\x03 \x01(\r\"\xc1\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.pagemesh.v1.ParallelLayout\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x14\n\x0cquantization\x18\n \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\r \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf5\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.pagemesh.v1.GenerateRequest\x1a\x1d.pagemesh.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.pagemesh.v1.TokenizeRequest\x1a\x1d.pagemesh.v1.TokenizeResponse\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/pagemesh/v1/generate.proto\x12\x0bpagemesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xff\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xee\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.pagemesh.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x13\n\x0bresume_from\x18\x0b \x01(\r\x12\x31\n\nconstraint\x18\x0c \x01(\x0b\x32\x1d.pagemesh.v1.OutputConstraintB\x08\n\x06prompt\"\x94\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x14.pagemesh.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pagemesh.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.pagemesh.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\"<\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"d\n\x0eParallelLayout\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_replicas\x18\x03 \x01(\r\"\xc1\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.pagemesh.v1.ParallelLayout\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x14\n\x0cquantization\x18\n \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\r \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf5\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.pagemesh.v1.GenerateRequest\x1a\x1d.pagemesh.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.pagemesh.v1.TokenizeRequest\x1a\x1d.pagemesh.v1.TokenizeResponse\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pagemesh.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1787
-  _globals['_FINISHREASON']._serialized_end=1907
+  _globals['_FINISHREASON']._serialized_start=2017
+  _globals['_FINISHREASON']._serialized_end=2137
   _globals['_TOKENIDS']._serialized_start=50
   _globals['_TOKENIDS']._serialized_end=73
   _globals['_SAMPLINGPARAMS']._serialized_start=76
@@ -40,25 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIA']._serialized_start=334
   _globals['_STOPPINGCRITERIA']._serialized_end=470
   _globals['_GENERATEREQUEST']._serialized_start=473
-  _globals['_GENERATEREQUEST']._serialized_end=788
-  _globals['_TOPLOGPROB']._serialized_start=790
-  _globals['_TOPLOGPROB']._serialized_end=852
-  _globals['_TOKENLOGPROB']._serialized_start=854
-  _globals['_TOKENLOGPROB']._serialized_end=941
-  _globals['_USAGE']._serialized_start=943
-  _globals['_USAGE']._serialized_end=1000
-  _globals['_GENERATERESPONSE']._serialized_start=1003
-  _globals['_GENERATERESPONSE']._serialized_end=1219
-  _globals['_TOKENIZEREQUEST']._serialized_start=1221
-  _globals['_TOKENIZEREQUEST']._serialized_end=1281
-  _globals['_TOKENIZERESPONSE']._serialized_start=1283
-  _globals['_TOKENIZERESPONSE']._serialized_end=1336
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1338
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1359
-  _globals['_PARALLELLAYOUT']._serialized_start=1361
-  _globals['_PARALLELLAYOUT']._serialized_end=1461
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1464
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1785
-  _globals['_GENERATION']._serialized_start=1910
-  _globals['_GENERATION']._serialized_end=2155
+  _globals['_GENERATEREQUEST']._serialized_end=839
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=842
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=990
+  _globals['_CHOICES']._serialized_start=992
+  _globals['_CHOICES']._serialized_end=1018
+  _globals['_TOPLOGPROB']._serialized_start=1020
+  _globals['_TOPLOGPROB']._serialized_end=1082
+  _globals['_TOKENLOGPROB']._serialized_start=1084
+  _globals['_TOKENLOGPROB']._serialized_end=1171
+  _globals['_USAGE']._serialized_start=1173
+  _globals['_USAGE']._serialized_end=1230
+  _globals['_GENERATERESPONSE']._serialized_start=1233
+  _globals['_GENERATERESPONSE']._serialized_end=1449
+  _globals['_TOKENIZEREQUEST']._serialized_start=1451
+  _globals['_TOKENIZEREQUEST']._serialized_end=1511
+  _globals['_TOKENIZERESPONSE']._serialized_start=1513
+  _globals['_TOKENIZERESPONSE']._serialized_end=1566
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1568
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1589
+  _globals['_PARALLELLAYOUT']._serialized_start=1591
+  _globals['_PARALLELLAYOUT']._serialized_end=1691
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1694
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2015
+  _globals['_GENERATION']._serialized_start=2140
+  _globals['_GENERATION']._serialized_end=2385
 # @@protoc_insertion_point(module_scope)

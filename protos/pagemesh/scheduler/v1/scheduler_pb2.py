@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pagemesh.v1 import generate_pb2 as protos_dot_pagemesh_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/pagemesh/scheduler/v1/scheduler.proto\x12\x15pagemesh.scheduler.v1\x1a!protos/pagemesh/v1/generate.proto\"\x11\n\x0fGetStatsRequest\"\xdc\x02\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\x12\x16\n\x0enum_recoveries\x18\n \x01(\x04\x12\x38\n\x0cgroup_status\x18\x0b \x01(\x0e\x32\".pagemesh.scheduler.v1.GroupStatus\x12\x15\n\rnum_swap_outs\x18\x0c \x01(\x04\x12\x14\n\x0cnum_swap_ins\x18\r \x01(\x04J\x04\x08\t\x10\nR\x06status\"\x89\x03\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x04 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x37\n\x08progress\x18\x08 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampleProgress\x12M\n\rtrace_context\x18\t \x03(\x0b\x32\x36.pagemesh.scheduler.v1.SubmitRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x88\x01\n\x0e\x43onnectRequest\x12\x36\n\x06submit\x18\x01 \x01(\x0b\x32$.pagemesh.scheduler.v1.SubmitRequestH\x00\x12\x34\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32#.pagemesh.scheduler.v1.AbortRequestH\x00\x42\x08\n\x06\x61\x63tion\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"~\n\x0f\x43onnectResponse\x12\x36\n\x07outputs\x18\x01 \x03(\x0b\x32%.pagemesh.scheduler.v1.SubmitResponse\x12\x33\n\x06\x65rrors\x18\x02 \x03(\x0b\x32#.pagemesh.scheduler.v1.RequestError\"}\n\x0eSampleProgress\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\"G\n\x0eSampledLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"\xcc\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x37\n\x08logprobs\x18\x02 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t*y\n\x0bGroupStatus\x12\x1c\n\x18GROUP_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12GROUP_STATUS_READY\x10\x01\x12\x19\n\x15GROUP_STATUS_DEGRADED\x10\x02\x12\x19\n\x15GROUP_STATUS_DRAINING\x10\x03\x32\xf4\x02\n\tScheduler\x12W\n\x06Submit\x12$.pagemesh.scheduler.v1.SubmitRequest\x1a%.pagemesh.scheduler.v1.SubmitResponse0\x01\x12\\\n\x07\x43onnect\x12%.pagemesh.scheduler.v1.ConnectRequest\x1a&.pagemesh.scheduler.v1.ConnectResponse(\x01\x30\x01\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponse\x12[\n\x08GetStats\x12&.pagemesh.scheduler.v1.GetStatsRequest\x1a\'.pagemesh.scheduler.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/pagemesh/scheduler/v1/scheduler.proto\x12\x15pagemesh.scheduler.v1\x1a!protos/pagemesh/v1/generate.proto\"\x11\n\x0fGetStatsRequest\"\xdc\x02\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\x12\x16\n\x0enum_recoveries\x18\n \x01(\x04\x12\x38\n\x0cgroup_status\x18\x0b \x01(\x0e\x32\".pagemesh.scheduler.v1.GroupStatus\x12\x15\n\rnum_swap_outs\x18\x0c \x01(\x04\x12\x14\n\x0cnum_swap_ins\x18\r \x01(\x04J\x04\x08\t\x10\nR\x06status\"\x9a\x03\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x04 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x37\n\x08progress\x18\x08 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampleProgress\x12M\n\rtrace_context\x18\t \x03(\x0b\x32\x36.pagemesh.scheduler.v1.SubmitRequest.TraceContextEntry\x12\x0f\n\x07grammar\x18\n \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x88\x01\n\x0e\x43onnectRequest\x12\x36\n\x06submit\x18\x01 \x01(\x0b\x32$.pagemesh.scheduler.v1.SubmitRequestH\x00\x12\x34\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32#.pagemesh.scheduler.v1.AbortRequestH\x00\x42\x08\n\x06\x61\x63tion\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"~\n\x0f\x43onnectResponse\x12\x36\n\x07outputs\x18\x01 \x03(\x0b\x32%.pagemesh.scheduler.v1.SubmitResponse\x12\x33\n\x06\x65rrors\x18\x02 \x03(\x0b\x32#.pagemesh.scheduler.v1.RequestError\"}\n\x0eSampleProgress\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\"G\n\x0eSampledLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"\xcc\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x37\n\x08logprobs\x18\x02 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t*y\n\x0bGroupStatus\x12\x1c\n\x18GROUP_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12GROUP_STATUS_READY\x10\x01\x12\x19\n\x15GROUP_STATUS_DEGRADED\x10\x02\x12\x19\n\x15GROUP_STATUS_DRAINING\x10\x03\x32\xf4\x02\n\tScheduler\x12W\n\x06Submit\x12$.pagemesh.scheduler.v1.SubmitRequest\x1a%.pagemesh.scheduler.v1.SubmitResponse0\x01\x12\\\n\x07\x43onnect\x12%.pagemesh.scheduler.v1.ConnectRequest\x1a&.pagemesh.scheduler.v1.ConnectResponse(\x01\x30\x01\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponse\x12[\n\x08GetStats\x12&.pagemesh.scheduler.v1.GetStatsRequest\x1a\'.pagemesh.scheduler.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,30 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_GROUPSTATUS']._serialized_start=1649
-  _globals['_GROUPSTATUS']._serialized_end=1770
+  _globals['_GROUPSTATUS']._serialized_start=1666
+  _globals['_GROUPSTATUS']._serialized_end=1787
   _globals['_GETSTATSREQUEST']._serialized_start=106
   _globals['_GETSTATSREQUEST']._serialized_end=123
   _globals['_GETSTATSRESPONSE']._serialized_start=126
   _globals['_GETSTATSRESPONSE']._serialized_end=474
   _globals['_SUBMITREQUEST']._serialized_start=477
-  _globals['_SUBMITREQUEST']._serialized_end=870
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=819
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=870
-  _globals['_ABORTREQUEST']._serialized_start=872
-  _globals['_ABORTREQUEST']._serialized_end=906
-  _globals['_CONNECTREQUEST']._serialized_start=909
-  _globals['_CONNECTREQUEST']._serialized_end=1045
-  _globals['_REQUESTERROR']._serialized_start=1047
-  _globals['_REQUESTERROR']._serialized_end=1112
-  _globals['_CONNECTRESPONSE']._serialized_start=1114
-  _globals['_CONNECTRESPONSE']._serialized_end=1240
-  _globals['_SAMPLEPROGRESS']._serialized_start=1242
-  _globals['_SAMPLEPROGRESS']._serialized_end=1367
-  _globals['_SAMPLEDLOGPROB']._serialized_start=1369
-  _globals['_SAMPLEDLOGPROB']._serialized_end=1440
-  _globals['_SUBMITRESPONSE']._serialized_start=1443
-  _globals['_SUBMITRESPONSE']._serialized_end=1647
-  _globals['_SCHEDULER']._serialized_start=1773
-  _globals['_SCHEDULER']._serialized_end=2145
+  _globals['_SUBMITREQUEST']._serialized_end=887
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=836
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=887
+  _globals['_ABORTREQUEST']._serialized_start=889
+  _globals['_ABORTREQUEST']._serialized_end=923
+  _globals['_CONNECTREQUEST']._serialized_start=926
+  _globals['_CONNECTREQUEST']._serialized_end=1062
+  _globals['_REQUESTERROR']._serialized_start=1064
+  _globals['_REQUESTERROR']._serialized_end=1129
+  _globals['_CONNECTRESPONSE']._serialized_start=1131
+  _globals['_CONNECTRESPONSE']._serialized_end=1257
+  _globals['_SAMPLEPROGRESS']._serialized_start=1259
+  _globals['_SAMPLEPROGRESS']._serialized_end=1384
+  _globals['_SAMPLEDLOGPROB']._serialized_start=1386
+  _globals['_SAMPLEDLOGPROB']._serialized_end=1457
+  _globals['_SUBMITRESPONSE']._serialized_start=1460
+  _globals['_SUBMITRESPONSE']._serialized_end=1664
+  _globals['_SCHEDULER']._serialized_start=1790
+  _globals['_SCHEDULER']._serialized_end=2162
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_recoveries: _Optional[int] = ..., group_status: _Optional[_Union[GroupStatus, str]] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context", "grammar")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class SubmitRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -78,7 +79,8 @@ class SubmitRequest(_message.Message):
     priority: int
     progress: _containers.RepeatedCompositeFieldContainer[SampleProgress]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generate_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[SampleProgress, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    grammar: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generate_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[SampleProgress, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/pagemesh/worker/v1/worker.proto\x12\x12pagemesh.worker.v1\"\x16\n\x14GetWorkerInfoRequest\"\x82\x03\n\x15GetWorkerInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\x12\x0f\n\x07pp_rank\x18\x0c \x01(\r\x12\x0f\n\x07pp_size\x18\r \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x0e \x01(\r\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x14\n\x0cweight_bytes\x18\x10 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x11 \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\x12 \x01(\t\"\xf3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x14\n\x0cnum_logprobs\x18\x0b \x01(\r\"\xb4\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".pagemesh.worker.v1.SamplingParams\"n\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xc4\x05\n\x12\x45xecuteStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.pagemesh.worker.v1.NewRequest\x12:\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32!.pagemesh.worker.v1.CachedRequest\x12\\\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32>.pagemesh.worker.v1.ExecuteStepRequest.NumScheduledTokensEntry\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12\x39\n\x12\x62locks_to_swap_out\x18\x06 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x38\n\x11\x62locks_to_swap_in\x18\x07 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x35\n\x0e\x62locks_to_copy\x18\x08 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x10\n\x08sequence\x18\n \x01(\x04\x12N\n\x0ctraceparents\x18\x0b \x03(\x0b\x32\x38.pagemesh.worker.v1.ExecuteStepRequest.TraceparentsEntry\x12\x1d\n\x15\x61ppend_sampled_tokens\x18\x0c \x01(\x08\x1a\x39\n\x17NumScheduledTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x33\n\x11TraceparentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"{\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.pagemesh.worker.v1.TopLogprob\"r\n\x13\x45xecuteStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x07sampled\x18\x02 \x03(\x0b\x32 .pagemesh.worker.v1.SampledToken\x12\x17\n\x0f\x66orward_time_ms\x18\x03 \x01(\x02\x32\xce\x01\n\x06Worker\x12\x64\n\rGetWorkerInfo\x12(.pagemesh.worker.v1.GetWorkerInfoRequest\x1a).pagemesh.worker.v1.GetWorkerInfoResponse\x12^\n\x0b\x45xecuteStep\x12&.pagemesh.worker.v1.ExecuteStepRequest\x1a\'.pagemesh.worker.v1.ExecuteStepResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/pagemesh/worker/v1/worker.proto\x12\x12pagemesh.worker.v1\"\x16\n\x14GetWorkerInfoRequest\"\x82\x03\n\x15GetWorkerInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\x12\x0f\n\x07pp_rank\x18\x0c \x01(\r\x12\x0f\n\x07pp_size\x18\r \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x0e \x01(\r\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x14\n\x0cweight_bytes\x18\x10 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x11 \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\x12 \x01(\t\"\x84\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x14\n\x0cnum_logprobs\x18\x0b \x01(\r\x12\x0f\n\x07grammar\x18\x0c \x01(\t\"\xb4\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".pagemesh.worker.v1.SamplingParams\"n\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xc4\x05\n\x12\x45xecuteStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.pagemesh.worker.v1.NewRequest\x12:\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32!.pagemesh.worker.v1.CachedRequest\x12\\\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32>.pagemesh.worker.v1.ExecuteStepRequest.NumScheduledTokensEntry\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12\x39\n\x12\x62locks_to_swap_out\x18\x06 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x38\n\x11\x62locks_to_swap_in\x18\x07 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x35\n\x0e\x62locks_to_copy\x18\x08 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x10\n\x08sequence\x18\n \x01(\x04\x12N\n\x0ctraceparents\x18\x0b \x03(\x0b\x32\x38.pagemesh.worker.v1.ExecuteStepRequest.TraceparentsEntry\x12\x1d\n\x15\x61ppend_sampled_tokens\x18\x0c \x01(\x08\x1a\x39\n\x17NumScheduledTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x33\n\x11TraceparentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"{\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.pagemesh.worker.v1.TopLogprob\"r\n\x13\x45xecuteStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x07sampled\x18\x02 \x03(\x0b\x32 .pagemesh.worker.v1.SampledToken\x12\x17\n\x0f\x66orward_time_ms\x18\x03 \x01(\x02\x32\xce\x01\n\x06Worker\x12\x64\n\rGetWorkerInfo\x12(.pagemesh.worker.v1.GetWorkerInfoRequest\x1a).pagemesh.worker.v1.GetWorkerInfoResponse\x12^\n\x0b\x45xecuteStep\x12&.pagemesh.worker.v1.ExecuteStepRequest\x1a\'.pagemesh.worker.v1.ExecuteStepResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETWORKERINFORESPONSE']._serialized_start=87
   _globals['_GETWORKERINFORESPONSE']._serialized_end=473
   _globals['_SAMPLINGPARAMS']._serialized_start=476
-  _globals['_SAMPLINGPARAMS']._serialized_end=719
-  _globals['_NEWREQUEST']._serialized_start=722
-  _globals['_NEWREQUEST']._serialized_end=902
-  _globals['_CACHEDREQUEST']._serialized_start=904
-  _globals['_CACHEDREQUEST']._serialized_end=1014
-  _globals['_BLOCKPAIR']._serialized_start=1016
-  _globals['_BLOCKPAIR']._serialized_end=1053
-  _globals['_EXECUTESTEPREQUEST']._serialized_start=1056
-  _globals['_EXECUTESTEPREQUEST']._serialized_end=1764
-  _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_start=1654
-  _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_end=1711
-  _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_start=1713
-  _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_end=1764
-  _globals['_TOPLOGPROB']._serialized_start=1766
-  _globals['_TOPLOGPROB']._serialized_end=1813
-  _globals['_SAMPLEDTOKEN']._serialized_start=1815
-  _globals['_SAMPLEDTOKEN']._serialized_end=1938
-  _globals['_EXECUTESTEPRESPONSE']._serialized_start=1940
-  _globals['_EXECUTESTEPRESPONSE']._serialized_end=2054
-  _globals['_WORKER']._serialized_start=2057
-  _globals['_WORKER']._serialized_end=2263
+  _globals['_SAMPLINGPARAMS']._serialized_end=736
+  _globals['_NEWREQUEST']._serialized_start=739
+  _globals['_NEWREQUEST']._serialized_end=919
+  _globals['_CACHEDREQUEST']._serialized_start=921
+  _globals['_CACHEDREQUEST']._serialized_end=1031
+  _globals['_BLOCKPAIR']._serialized_start=1033
+  _globals['_BLOCKPAIR']._serialized_end=1070
+  _globals['_EXECUTESTEPREQUEST']._serialized_start=1073
+  _globals['_EXECUTESTEPREQUEST']._serialized_end=1781
+  _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_start=1671
+  _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_end=1728
+  _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_start=1730
+  _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_end=1781
+  _globals['_TOPLOGPROB']._serialized_start=1783
+  _globals['_TOPLOGPROB']._serialized_end=1830
+  _globals['_SAMPLEDTOKEN']._serialized_start=1832
+  _globals['_SAMPLEDTOKEN']._serialized_end=1955
+  _globals['_EXECUTESTEPRESPONSE']._serialized_start=1957
+  _globals['_EXECUTESTEPRESPONSE']._serialized_end=2071
+  _globals['_WORKER']._serialized_start=2074
+  _globals['_WORKER']._serialized_end=2280
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,140 @@
+"""Structured output in the runner: constrained greedy tokens equal transformers' with the
+same grammar's mask applied by a logits processor, every output validates, and a request
+rebuilt half-way from its outputs (a resume, a preemption) continues inside its grammar
+exactly as the undisturbed run did."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from pagemesh.testing.tiny_models import write_realistic_model
+from protos.step import SamplingParams, SchedulerOutput
+from router.structured import llguidance_tokenizer, to_grammar
+from router.types import OutputConstraint
+from tests.support.hf_reference import assert_greedy_close
+from tests.support.runner_script import ScriptedRequest, drive, random_prompt
+from worker_svc.runner import ModelRunner, RunnerConfig
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 2}},
+    "required": ["name", "age"], "additionalProperties": False}
+CONSTRAINTS = {
+    "json_schema": OutputConstraint("json_schema", json.dumps(SCHEMA)),
+    "regex": OutputConstraint("regex", r"(yes|no), [0-9]{2,4}\."),
+    "choice": OutputConstraint("choice", ("Paris", "Berlin", "Rome")),
+    "grammar": OutputConstraint("grammar", 'start: "(" num (" + " num)* ")"\nnum: /[1-9][0-9]?/'),
+}
+NUM_TOKENS = 80
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_realistic_model(tmp_path_factory.mktemp("structured") / "llama", "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+class GrammarProcessor:
+    """transformers' side: a logits processor masking with its own matcher (per row,
+    llguidance's plain compute_bitmask; the runner's batched path is what is tested)."""
+
+    def __init__(self, tokenizer: object, grammar: str, num_prompt_tokens: int) -> None:
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_consumed = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        output = input_ids[0, self.num_prompt_tokens:].tolist()
+        assert self.matcher.consume_tokens(output[self.num_consumed:])
+        self.num_consumed = len(output)
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:scores.shape[-1]].astype(bool)
+        return scores.masked_fill(~torch.from_numpy(allowed), float("-inf"))
+
+
+def hf_constrained(hf_model: torch.nn.Module, tokenizer: object, grammar: str,
+                   prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    from transformers import LogitsProcessorList
+
+    out = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=EOS,
+        pad_token_id=EOS, output_logits=True, return_dict_in_generate=True,
+        logits_processor=LogitsProcessorList([GrammarProcessor(tokenizer, grammar, len(prompt))]))
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, torch.stack([step[0] for step in out.logits])
+
+
+def up_to_eos(tokens: list[int]) -> list[int]:
+    return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
+def llg_tokenizer(model: Path, vocab_size: int) -> object:
+    from transformers import AutoTokenizer
+
+    return llguidance_tokenizer(AutoTokenizer.from_pretrained(model), vocab_size, [EOS])
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_constrained_greedy_equals_transformers_with_the_same_mask(
+        kind: str, model: Path, hf_model: torch.nn.Module) -> None:
+    runner = ModelRunner.from_config(RunnerConfig(model_path=str(model), block_size=4,
+                                                  num_blocks=96))
+    vocab_size = runner.info().vocab_size
+    grammar = to_grammar(CONSTRAINTS[kind])
+    sampling = SamplingParams(temperature=0.0, grammar=grammar, num_logprobs=0)
+    requests = [ScriptedRequest(f"r{i}", random_prompt(5 + 4 * i, vocab_size, 70 + i),
+                                join_step=i) for i in range(3)]
+    drive(runner, requests, NUM_TOKENS, sampling)
+    tokenizer = llg_tokenizer(model, vocab_size)
+    decode = tokenizer.decode_str  # type: ignore[attr-defined]
+    for r in requests:
+        ours = up_to_eos(r.outputs)
+        assert ours[-1] == EOS, f"{kind}: the grammar never completed in {NUM_TOKENS} tokens"
+        reference, logits = hf_constrained(hf_model, tokenizer, grammar, r.prompt)
+        reference = up_to_eos(reference)
+        if len(ours) == len(reference):
+            assert_greedy_close(ours, reference, logits)
+        else:
+            assert_greedy_close(ours[:len(reference)], reference, logits[:len(reference)])
+        text = decode(ours[:-1])
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif kind == "choice":
+            assert text in CONSTRAINTS["choice"].value
+
+
+def test_a_rebuilt_request_continues_inside_its_grammar(model: Path) -> None:
+    """Half-way, the request is dropped and sent again with its outputs (what a preemption
+    or a resume on another group does): the matcher catches up over them, and the rest is
+    the undisturbed run's, token for token."""
+    runner = ModelRunner.from_config(RunnerConfig(model_path=str(model), block_size=4,
+                                                  num_blocks=64))
+    sampling = SamplingParams(temperature=0.7, seed=11, top_k=20,
+                              grammar=to_grammar(CONSTRAINTS["json_schema"]))
+    prompt = random_prompt(9, runner.info().vocab_size, 90)
+    whole = ScriptedRequest("r", prompt, join_step=0)
+    drive(runner, [whole], NUM_TOKENS, sampling)
+    runner.execute_step(SchedulerOutput(999, finished_request_ids=["r"]))
+    resumed = ScriptedRequest("r", prompt, join_step=0, prefill_chunk=6,
+                              outputs=list(whole.outputs[:7]))
+    drive(runner, [resumed], NUM_TOKENS, sampling)
+    assert resumed.outputs == whole.outputs
+    text = llg_tokenizer(model, runner.info().vocab_size).decode_str(  # type: ignore[attr-defined]
+        up_to_eos(whole.outputs)[:-1])
+    jsonschema.validate(json.loads(text), SCHEMA)
