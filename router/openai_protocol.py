@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.openai_constraints import constraint_from_body
+from router.openai_errors import ProtocolError, error_body  # noqa: F401 (oai.ProtocolError)
 from router.types import GenerationRequest, ModelInfo, TokenChunk, Usage
 from router.validation import (MAX_REQUEST_ID_LEN, SamplingOptions, StoppingOptions,
                                ValidationError, check_request_id)
@@ -88,27 +90,6 @@ def _short_repr() -> reprlib.Repr:
 _shown = _short_repr().repr
 
 
-class ProtocolError(ValueError):
-    """A request OpenAI's API would reject; `status` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
 @dataclass
 class ParsedRequest:
     """An OpenAI request turned into pagemesh's; chat messages are left for the tokenizer
@@ -149,10 +130,6 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> ParsedReq
     _reject_unsupported(body, {"tools": [], "logit_bias": {}})
     if body.get("tool_choice") not in (None, "none"):
         raise ProtocolError("tool calls are not supported; remove tool_choice", "tool_choice")
-    response_format = body.get("response_format")
-    if response_format is not None and _object(response_format, "response_format").get("type") != "text":
-        raise ProtocolError("only response_format {\"type\": \"text\"} is supported",
-                            "response_format")
     max_tokens = _int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
@@ -207,6 +184,7 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_pr
         # Only a resume looks a checkpoint up: an X-Request-Id alone (proxies add one to
         # every request) is a new request, as in vLLM, and costs no Redis lookup.
         new_request=resume_from is None,
+        constraint=constraint_from_body(body),  # structured output (response_format, guided_*)
     )
     stream = bool(_bool(body, "stream"))
     options = body.get("stream_options")
