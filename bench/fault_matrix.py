@@ -14,7 +14,9 @@ breaks resumes it by request id, as pagemesh's clients are meant to. Per scenari
 - the longest stall: the longest any client waited between two chunks of one request;
 - time to detect and to recover, seconds after the fault, as judged from outside: the
   registry, the router's health, the processes (each scenario says how);
-- identical: every request gave the undisturbed run's tokens, and logprobs within 1e-4.
+- identical: every request gave the undisturbed run's tokens, and logprobs within 1e-4;
+- JSON valid: the constrained requests (a third, JSON-schema structured output) that ended
+  before max_tokens, out of all constrained ones, whose output validates against the schema.
 
 Writes bench/results/fault_matrix.{md,json}; tests/e2e/test_fault_matrix.py runs the same
 scenarios with fewer requests. The `partition` mesh needs root (network namespaces) and is
@@ -36,10 +38,11 @@ from bench.faults.targets import (RestartableValkey, Target, start_mesh, start_p
                                   write_model)
 from bench.faults.workload import Clients, RequestResult, plan
 from pagemesh.testing.netns import namespaces_unavailable
+from protos.pagemesh.v1 import generate_pb2
 
 WATCH_TIMEOUT_S = 120.0
 COLUMNS = ["scenario", "requests sent", "failed", "resumed", "longest client stall, s",
-           "time to detect, s", "time to recover, s", "tokens identical", "notes"]
+           "time to detect, s", "time to recover, s", "tokens identical", "JSON valid", "notes"]
 # How each target is started, and how many ready workers it has at rest.
 TARGETS = {
     "single": ([], 1),
@@ -61,6 +64,9 @@ class Row:
     detect_s: float | None
     recover_s: float | None
     identical: bool
+    constrained_valid: int  # constrained requests that ended and validate
+    constrained_ended: int  # constrained requests that ended (EOS), of `constrained`
+    constrained: int
     notes: str
     errors: list[str]
 
@@ -69,7 +75,9 @@ class Row:
             return "—" if value is None else f"{value:.1f}"
         return [self.scenario, str(self.sent), str(self.failed), str(self.resumed),
                 f"{self.longest_stall_s:.1f}", seconds(self.detect_s), seconds(self.recover_s),
-                "yes" if self.identical else "NO", self.notes]
+                "yes" if self.identical else "NO",
+                f"{self.constrained_valid}/{self.constrained_ended} of {self.constrained}",
+                self.notes]
 
 
 class Watcher:
@@ -120,13 +128,16 @@ def run_scenario(target: Target, scenario: Scenario, clients: Clients,
     watcher[0].done.wait(WATCH_TIMEOUT_S)
     scenario.after(target, base)
     failed = [r for r in run.results if r.error is not None]
+    constrained = [r for r in run.results if r.spec.constrained]
+    ended = [r for r in constrained if r.finish_reason == generate_pb2.FINISH_REASON_STOP]
     return Row(scenario.name, target.name, len(run.results), len(failed),
                sum(r.num_resumes > 0 for r in run.results),
                max(r.longest_gap_s for r in run.results),
                watcher[0].seconds(watcher[0].detected_at),
                watcher[0].seconds(watcher[0].recovered_at),
-               all(r.same_as(ref) for r, ref in zip(run.results, reference)), scenario.notes,
-               [f"{r.spec.request_id}: {r.error}" for r in failed][:5])
+               all(r.same_as(ref) for r, ref in zip(run.results, reference)),
+               sum(r.schema_valid() for r in ended), len(ended), len(constrained),
+               scenario.notes, [f"{r.spec.request_id}: {r.error}" for r in failed][:5])
 
 
 def start_target(name: str, model: Path, log_dir: Path) -> Target:

@@ -2,12 +2,15 @@
 when its stream breaks, as a client of pagemesh is meant to (README, Fault tolerance).
 
 Every request asks for its tokens' logprobs (top 2); every fourth samples with a seed and
-every filter and penalty on, the rest are greedy. Each chunk's arrival time is kept, so the
-longest a client waited between two chunks (a resume included) is known.
+every filter and penalty on, the rest are greedy; every third is constrained to a JSON schema
+(structured output), so that a grammar's state must survive each fault too. Each chunk's
+arrival time is kept, so the longest a client waited between two chunks (a resume
+included) is known.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -25,6 +28,11 @@ SEEDED_EVERY = 4
 SEEDED_SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02,
                        repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2)
 NUM_LOGPROBS = 2
+CONSTRAINED_EVERY = 3
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8},
+    "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}
 LOGPROB_TOLERANCE = 1e-4  # recomputed after a resume: fp32 noise, not a different token
 # A broken stream: the router died, or froze and keepalive gave up on it.
 _RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
@@ -41,13 +49,17 @@ class RequestSpec:
     prompt: list[int]
     max_tokens: int
     seed: int | None  # None: greedy
+    constrained: bool = False  # the output must be JSON valid against SCHEMA
 
     def to_pb(self) -> generate_pb2.GenerateRequest:
         request = generate_pb2.GenerateRequest(
             request_id=self.request_id, token_ids=generate_pb2.TokenIds(ids=self.prompt),
             logprobs=NUM_LOGPROBS)
         request.stopping.max_tokens = self.max_tokens
-        request.stopping.ignore_eos = True
+        if self.constrained:  # ends when the JSON is complete
+            request.constraint.json_schema = json.dumps(SCHEMA)
+        else:
+            request.stopping.ignore_eos = True
         request.sampling.temperature = 0.0
         if self.seed is not None:
             for name, value in SEEDED_SAMPLING.items():
@@ -63,9 +75,21 @@ class RequestResult:
     # Per token: (chosen logprob, ((token id, logprob) of the top alternatives)).
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # time.monotonic() of each chunk
+    text: str = ""
     num_resumes: int = 0
     finish_reason: int = 0
     error: str | None = None
+
+    def schema_valid(self) -> bool:
+        """A constrained request that ended (not cut at max_tokens) is JSON valid against
+        SCHEMA."""
+        import jsonschema
+
+        try:
+            jsonschema.validate(json.loads(self.text), SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
 
     @property
     def longest_gap_s(self) -> float:
@@ -97,7 +121,8 @@ def plan(num_clients: int, requests_per_client: int, max_tokens: int, tag: str,
             index = c * requests_per_client + r
             prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(8, 40))]
             requests.append(RequestSpec(f"{tag}-{index}", prompt, max_tokens,
-                                        1000 + index if index % SEEDED_EVERY == 0 else None))
+                                        1000 + index if index % SEEDED_EVERY == 0 else None,
+                                        index % CONSTRAINED_EVERY == 1))
         clients.append(requests)
     return clients
 
@@ -162,6 +187,7 @@ class Clients:
                 for chunk in self.stub.Generate(request, timeout=600):
                     result.chunk_times.append(time.monotonic())
                     result.token_ids += chunk.token_ids
+                    result.text += chunk.text
                     result.logprobs += [(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
                                         for lp in chunk.logprobs]
                     on_tokens(len(chunk.token_ids))

@@ -96,6 +96,7 @@ def test_scenario_loses_nothing_and_changes_nothing(scenario: Scenario,
     print(" | ".join(row.cells()))
     assert row.failed == 0, row.errors
     assert row.identical, "a stream differs from its undisturbed run"
+    assert row.constrained_valid == row.constrained_ended > 0, row  # structured output holds
     if scenario.no_fault:
         return
     assert row.detect_s is not None and row.recover_s is not None, row
