@@ -144,6 +144,11 @@ _ROUTER = (
             "largest request the router accepts, bytes: a gRPC message on its public port, "
             "an HTTP body on the OpenAI API (413 past it)",
             type=int, default=16 * 1024 * 1024),
+    _router("--tool-call-parser",
+            "how the model writes tool calls (OpenAI chat `tools`): hermes (Qwen2/Qwen3, "
+            "<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]); auto picks by the "
+            "model's architecture, then its chat template, else hermes",
+            default="auto", choices=("auto", "hermes", "llama3_json", "mistral")),
 )
 
 _SCHEDULER = (

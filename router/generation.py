@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 import random
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -89,17 +91,24 @@ class Generation:
         token_ids = await self._tokenize(text, apply_chat_template, max_num_tokens=None)
         return token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)
 
-    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def tokenize_chat(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of chat `messages` through the model's template (the OpenAI chat API's
-        prompt). INVALID_ARGUMENT when the template rejects them, when they are not valid
-        Unicode, or when they cannot fit the model whatever they tokenize to."""
+        prompt), with the `tools` it shows the model. INVALID_ARGUMENT when the template
+        rejects them, when they are not valid Unicode, or when they cannot fit the model
+        whatever they tokenize to."""
         texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
         for text in texts:
             _check_unicode(text, "a message's content")
+        # Tool definitions and calls' arguments reach the template too.
+        extra = json.dumps([tools or [], [m.get("tool_calls") for m in messages]],
+                           ensure_ascii=False)
+        _check_unicode(extra, "the tools or tool calls")
         num_chars = sum(map(len, texts))
         await self._check_fits(num_chars, len(messages), await self._max_prompt_tokens())
+        render = functools.partial(self.tokenizer.apply_chat_messages, tools=tools)
         try:
-            return await _off_loop_if_long(num_chars, self.tokenizer.apply_chat_messages, messages)
+            return await _off_loop_if_long(num_chars + len(extra), render, messages)
         except TokenizerError as exc:
             raise invalid_argument(str(exc)) from exc
 

@@ -41,6 +41,7 @@ from pagemesh.serving import ServiceError
 from pagemesh.telemetry import tracing_enabled
 from router import openai_protocol as oai
 from router.generation import Generation
+from router.tool_calls import HERMES, CallFormat, ToolCallStream, parse
 from router.tracing import TraceContextMiddleware
 from router.types import TokenChunk
 
@@ -61,11 +62,12 @@ _STATUS_FOR_CODE = {
 
 def build_http_app(generation: Generation, is_serving: Callable[[], bool],
                    api_keys: ApiKeys | None = None,
-                   max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+                   max_body_bytes: int = MAX_BODY_BYTES,
+                   tool_format: CallFormat = HERMES) -> Starlette:
     """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 ready engine group).
     With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` and
-    `/metrics` stay open."""
-    api = _OpenAIApi(generation, is_serving, max_body_bytes)
+    `/metrics` stay open. `tool_format`: how the model writes tool calls (--tool-call-parser)."""
+    api = _OpenAIApi(generation, is_serving, max_body_bytes, tool_format)
     middleware = [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []
     if tracing_enabled():  # a `traceparent` header parents the request's Generate span
         middleware.insert(0, Middleware(TraceContextMiddleware))
@@ -139,14 +141,16 @@ class _Choice:
     finish_reason: str | None = None
     text_offset: int = 0  # characters of token text sent so far (completions logprobs)
     started: bool = False  # chat streams: the role chunk was sent
+    tool_calls: ToolCallStream | None = None  # chat streams parsing tool calls
 
 
 class _OpenAIApi:
     def __init__(self, generation: Generation, is_serving: Callable[[], bool],
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, tool_format: CallFormat) -> None:
         self.generation = generation
         self.is_serving = is_serving
         self.max_body_bytes = max_body_bytes
+        self.tool_format = tool_format
         self.created = int(time.time())
 
     async def health(self, request: Request) -> Response:
@@ -165,9 +169,11 @@ class _OpenAIApi:
         return await _unless_client_leaves(request, self._generate(parsed, chat=False))
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = oai.parse_chat(await _json_body(request, self.max_body_bytes), request.headers)
+        parsed = oai.parse_chat(await _json_body(request, self.max_body_bytes), request.headers,
+                                self.tool_format)
+        tools = parsed.tools.tools if parsed.tools is not None else None
         try:
-            prompt_ids = await self.generation.tokenize_chat(parsed.messages)
+            prompt_ids = await self.generation.tokenize_chat(parsed.messages, tools)
         except ServiceError as exc:
             raise oai.ProtocolError(exc.message, "messages") from exc
         parsed.generate = dataclasses.replace(parsed.generate, prompt=prompt_ids)
@@ -223,10 +229,25 @@ class _Stream:
         choices = []
         for index, choice in sorted(self.choices.items()):
             logprobs = self._logprobs(choice.logprobs, 0)
-            make = oai.chat_choice if self.chat else oai.completion_choice
-            out = make(index, choice.text, logprobs, choice.finish_reason)
+            if self.chat:
+                out = self._chat_choice(index, choice, logprobs)
+            else:
+                out = oai.completion_choice(index, choice.text, logprobs, choice.finish_reason)
             choices.append(self._with_token_ids(out, choice.token_ids))
         return self.build(*self.head, choices, self.usage)
+
+    def _chat_choice(self, index: int, choice: _Choice,
+                     logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        """A whole chat reply; with tools, its calls parsed out of the text (a reply whose
+        markup does not parse stays content)."""
+        tool_format = self.parsed.tool_format
+        if tool_format is None:
+            return oai.chat_choice(index, choice.text, logprobs, choice.finish_reason)
+        content, calls = parse(tool_format, choice.text)
+        if not calls:
+            return oai.chat_choice(index, choice.text, logprobs, choice.finish_reason)
+        return oai.chat_choice(index, content, logprobs, _with_calls(choice.finish_reason),
+                               [call.to_openai() for call in calls])
 
     async def events(self, first: list[TokenChunk], batches: Batches) -> AsyncIterator[str]:
         # Closing `batches` (also when the client goes away) cancels the request down the mesh.
@@ -272,13 +293,34 @@ class _Stream:
         logprobs = self._logprobs(delta.logprobs, choice.text_offset)
         choice.text_offset += sum(len(self.token_text.get(e["token_id"], "")) for e in delta.logprobs)
         if self.chat:
-            content = {"content": delta.text} if delta.text else {}
-            out = oai.chat_chunk_choice(delta.index, content, logprobs, delta.finish_reason)
+            content, finish_reason = self._chat_delta(choice, delta)
+            if not (content or counted or logprobs or finish_reason):
+                return events  # all held back as possible tool call markup
+            out = oai.chat_chunk_choice(delta.index, content, logprobs, finish_reason)
         else:
             out = oai.completion_choice(delta.index, delta.text, logprobs, delta.finish_reason)
         events.append(self.build(*self.head, [self._with_token_ids(out, delta.token_ids)], None,
                                  chunk=True))
         return events
+
+    def _chat_delta(self, choice: _Choice, delta: oai.ChoiceDelta
+                    ) -> tuple[dict[str, Any], str | None]:
+        """A chat chunk's `delta` and finish reason; with tools, the text goes through the
+        choice's tool call parser, which holds back what may be markup."""
+        tool_format = self.parsed.tool_format
+        if tool_format is None:
+            return ({"content": delta.text} if delta.text else {}), delta.finish_reason
+        if choice.tool_calls is None:
+            choice.tool_calls = ToolCallStream(tool_format)
+        parsed = choice.tool_calls.feed(delta.text)
+        if delta.finish_reason is None:
+            return parsed.to_openai(), None
+        rest = choice.tool_calls.finish()
+        parsed.content += rest.content
+        finish_reason = delta.finish_reason
+        if choice.tool_calls.num_calls:
+            finish_reason = _with_calls(finish_reason)
+        return parsed.to_openai(), finish_reason
 
     def _with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
         """vLLM's `return_token_ids`: the choice's (new) output token ids."""
@@ -309,6 +351,12 @@ class _Stream:
             if token_id not in texts:
                 texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return texts
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    """OpenAI's finish reason for a reply that ended in tool calls (one cut off by
+    max_tokens stays "length")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

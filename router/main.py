@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import socket
 import ssl
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -30,7 +32,8 @@ from router.dispatcher import Dispatcher
 from router.generation import AdmissionLimits, Generation
 from router.group_directory import GroupDirectory
 from router.servicer import GenerationServicer
-from router.tokenizer import load_tokenizer
+from router.tokenizer import Tokenizer, load_tokenizer
+from router.tool_calls import CallFormat, choose_format
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,11 @@ def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Ca
         tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
         if args.tls_ca:
             tls |= {"ssl_ca_certs": args.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    app = build_http_app(generation, is_serving, api_keys, max_body_bytes=args.max_message_bytes)
+    tool_format = tool_call_format(args.tool_call_parser, args.model, generation.tokenizer)
+    logger.info("tool calls parsed as %s (--tool-call-parser %s)", tool_format.name,
+                args.tool_call_parser)
+    app = build_http_app(generation, is_serving, api_keys, max_body_bytes=args.max_message_bytes,
+                         tool_format=tool_format)
     config = uvicorn.Config(app, host=args.host,
                             port=args.http_port, log_level="warning", log_config=None,
                             timeout_graceful_shutdown=5, **tls)
@@ -134,6 +141,18 @@ def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Ca
     scheme = "https" if tls else "http"
     logger.info("OpenAI HTTP API on %s://%s:%d/v1", scheme, args.host, args.http_port)
     return http_server, asyncio.create_task(_serve_http(http_server))
+
+
+def tool_call_format(flag: str, model: str, tokenizer: Tokenizer) -> CallFormat:
+    """The tool call format for `--tool-call-parser`: `auto` looks at the model folder's
+    config.json `model_type` (a .gguf file has none) and the chat template."""
+    config = Path(model) / "config.json"
+    model_type = ""
+    if config.is_file():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            model_type = str(json.loads(config.read_text()).get("model_type") or "")
+    template = tokenizer.hf.chat_template
+    return choose_format(flag, model_type, template if isinstance(template, str) else "")
 
 
 async def _serve_http(http_server: uvicorn.Server) -> None:

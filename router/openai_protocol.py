@@ -15,6 +15,7 @@ output tokens of each choice it has with `X-Resume-From` (or a `resume_from` bod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
 from collections.abc import Mapping
@@ -23,6 +24,9 @@ from typing import Any
 
 from router.openai_constraints import constraint_from_body
 from router.openai_errors import ProtocolError, error_body  # noqa: F401 (oai.ProtocolError)
+from router.openai_tools import (ToolRequest, forced_call_constraint, tool_calls_for_template,
+                                 tool_request)
+from router.tool_calls import HERMES, CallFormat
 from router.types import GenerationRequest, ModelInfo, TokenChunk, Usage
 from router.validation import (MAX_REQUEST_ID_LEN, SamplingOptions, StoppingOptions,
                                ValidationError, check_request_id)
@@ -101,7 +105,10 @@ class ParsedRequest:
     include_usage: bool = False
     # Alternatives per token the client asked for; None = no logprobs at all.
     num_top_logprobs: int | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: ToolRequest | None = None  # chat: the tools the template shows the model
+    # chat: the format the reply's tool calls are parsed in; None = the reply is all content
+    tool_format: CallFormat | None = None
     return_token_ids: bool = False  # each choice carries its (new) token ids
     client_request_id: str = ""
     id_prefix: str = COMPLETION_ID_PREFIX
@@ -124,12 +131,13 @@ def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Par
                          DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, num_top)
 
 
-def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> ParsedRequest:
-    """A `/v1/chat/completions` body; `messages` comes back normalized for the chat template."""
+def parse_chat(body: Any, headers: Mapping[str, str] | None = None,
+               tool_format: CallFormat = HERMES) -> ParsedRequest:
+    """A `/v1/chat/completions` body; `messages` comes back normalized for the chat template.
+    `tool_format`: how the served model writes tool calls (router/tool_calls.py)."""
     body = _object(body)
-    _reject_unsupported(body, {"tools": [], "logit_bias": {}})
-    if body.get("tool_choice") not in (None, "none"):
-        raise ProtocolError("tool calls are not supported; remove tool_choice", "tool_choice")
+    _reject_unsupported(body, {"logit_bias": {}})
+    tools = tool_request(body)  # before the constraint: a forced call names what conflicts
     max_tokens = _int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
@@ -142,6 +150,12 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> ParsedReq
     parsed = _parse_common(body, headers, CHAT_ID_PREFIX, None, max_tokens,
                            (num_top or 0) if wants_logprobs else None)
     parsed.messages = _messages(body.get("messages"))
+    if tools is not None:
+        parsed.tools = tools
+        parsed.tool_format = tool_format if tools.parses_calls else None
+        forced = forced_call_constraint(tools, tool_format)
+        if forced is not None:
+            parsed.generate = dataclasses.replace(parsed.generate, constraint=forced)
     return parsed
 
 
@@ -259,7 +273,7 @@ def _prompt(prompt: Any) -> str | list[int]:
         "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise ProtocolError("messages must be a non-empty list of {role, content} objects",
                             "messages")
@@ -271,7 +285,18 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise ProtocolError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
                                 f"got {_shown(role)}", f"{where}.role")
-        messages.append({"role": role, "content": _content(message.get("content"), where)})
+        normalized: dict[str, Any] = {"role": role,
+                                      "content": _content(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            normalized["tool_calls"] = tool_calls_for_template(message["tool_calls"], where)
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                value = message.get(key)
+                if value is not None and not isinstance(value, str):
+                    raise ProtocolError(f"{where}.{key} must be a string", f"{where}.{key}")
+                if value is not None:
+                    normalized[key] = value
+        messages.append(normalized)
     return messages
 
 
@@ -459,10 +484,15 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None,
-                finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, logprobs: dict[str, Any] | None,
+                finish_reason: str | None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`text` is None for a reply that is only tool calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,

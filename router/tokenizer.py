@@ -94,9 +94,13 @@ class Tokenizer:
         """
         return self.apply_chat_messages([{"role": "user", "content": user_text}])
 
-    def apply_chat_messages(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat (`{"role", "content"}` dicts, oldest first), ending with the
-        prompt that starts the assistant's turn. The template supplies its own BOS.
+    def apply_chat_messages(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat (`{"role", "content"}` dicts, oldest first; an assistant's
+        may carry `tool_calls`, a tool's its `tool_call_id`), ending with the prompt that
+        starts the assistant's turn. The template supplies its own BOS. `tools`: OpenAI's
+        function definitions, which the template shows the model (as Hugging Face's
+        `apply_chat_template(tools=...)` takes them).
 
         Raises TokenizerError when the model has no chat template or the template rejects the
         messages (e.g. roles that do not alternate).
@@ -107,7 +111,8 @@ class Tokenizer:
                 "of chat messages"
             )
         try:
-            text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._hf.apply_chat_template(messages, tools=tools or None,
+                                                add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja raises TemplateError (and friends) from the template
             raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
         return list(self._hf.encode(text, add_special_tokens=False))
