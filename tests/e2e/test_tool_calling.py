@@ -19,8 +19,12 @@ from pagemesh.testing.tiny_models import write_tiny_model
 from router.tokenizer import load_tokenizer
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import Mesh, free_port, router_process
-from tests.support.tool_templates import (LLAMA3_TOOLS_TEMPLATE, QWEN2_TOOLS_TEMPLATE,
-                                          set_chat_template, tokenizer_folder)
+from tests.support.tool_templates import (
+    LLAMA3_TOOLS_TEMPLATE,
+    QWEN2_TOOLS_TEMPLATE,
+    set_chat_template,
+    tokenizer_folder,
+)
 
 MODEL = "tiny-qwen2"
 WEATHER = {"type": "object", "properties": {

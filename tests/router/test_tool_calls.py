@@ -17,8 +17,17 @@ from router import openai_protocol as oai
 from router.openai_tools import forced_call_constraint, tool_request
 from router.structured import GrammarCompiler
 from router.tokenizer import Tokenizer, load_tokenizer
-from router.tool_calls import (CALL_FORMATS, FORMATS, HERMES, LLAMA3_JSON, MISTRAL, CallFormat,
-                               ToolCallStream, choose_format, parse)
+from router.tool_calls import (
+    CALL_FORMATS,
+    FORMATS,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    CallFormat,
+    ToolCallStream,
+    choose_format,
+    parse,
+)
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.tool_templates import LLAMA3_TOOLS_TEMPLATE, QWEN2_TOOLS_TEMPLATE
 
@@ -35,16 +44,16 @@ REPLIES: dict[str, tuple[CallFormat, str, str | None, list[tuple[str, str]]]] = 
     "hermes one": (HERMES, f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>',
                    None, [("get_weather", ARGS)]),
     "hermes text before, two calls": (
-        HERMES, f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n'
-        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        HERMES, (f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
         "Let me look.\n", [("get_weather", ARGS), ("get_time", "{}")]),
     "llama3 tagged": (LLAMA3_JSON, f'<|python_tag|>{{"name": "get_weather", "parameters": {ARGS}}}',
                       None, [("get_weather", ARGS)]),
-    "llama3 two": (LLAMA3_JSON, f'{{"name": "get_weather", "parameters": {ARGS}}}; '
-                   '{"name": "get_time", "parameters": {}}', None,
+    "llama3 two": (LLAMA3_JSON, (f'{{"name": "get_weather", "parameters": {ARGS}}}; '
+                   '{"name": "get_time", "parameters": {}}'), None,
                    [("get_weather", ARGS), ("get_time", "{}")]),
-    "mistral": (MISTRAL, f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {ARGS}}}, '
-                '{"name": "get_time", "arguments": {}}]', None,
+    "mistral": (MISTRAL, (f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {ARGS}}}, '
+                '{"name": "get_time", "arguments": {}}]'), None,
                 [("get_weather", ARGS), ("get_time", "{}")]),
     "mistral marker dropped": (MISTRAL, f'[{{"name": "get_weather", "arguments": {ARGS}}}]', None,
                                [("get_weather", ARGS)]),
