@@ -14,6 +14,8 @@ tensor: a tenth of a 2,048-token prefill step and of a decode step at 64 request
 | `silu_mul` | `cpu_silu_mul.c` | `silu_mul_reference` |
 | `store_kv` | `cpu_store_kv.c` | `kernels/reference.py`'s `store_kv` |
 | `argmax` (greedy sampling) | `cpu_argmax.c` | `torch.argmax(x, dim=-1)` |
+| `apply_token_bitmask_` (structured output) | `cpu_token_mask.c` | `apply_token_bitmask_reference_` |
+| `argmax_masked` (constrained greedy sampling) | `cpu_token_mask.c` | `argmax_masked_reference` |
 
 The references are the definitions, written as transformers computes (LlamaRMSNorm,
 `apply_rotary_pos_emb`, `act_fn(gate) * up`), and every kernel is tested against them
@@ -179,3 +181,57 @@ def argmax(logits: torch.Tensor, *, lib=None) -> torch.Tensor:
     lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
                     out.data_ptr(), _threads())
     return out
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bits: torch.Tensor, *,
+                         lib=None) -> None:
+    """In place: in each row `rows[k]` of logits [num_rows, vocab], -inf for every token
+    whose bit is clear in bits[k] (int32 [len(rows), words], llguidance's layout: token i is
+    bit i % 32 of word i // 32) and for tokens past 32 * words."""
+    if not rows:
+        return
+    lib = _library("cpu_token_mask", logits, lib=lib)
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or bits.device.type != "cpu"):
+        apply_token_bitmask_reference_(logits, rows, bits)
+        return
+    bits = bits.to(torch.int32).contiguous()
+    index = torch.tensor(rows, dtype=torch.int64)
+    lib.apply_token_bitmask(logits.data_ptr(), logits.shape[1], logits.stride(0),
+                            index.data_ptr(), len(rows), bits.data_ptr(), bits.shape[1],
+                            _threads())
+
+
+def apply_token_bitmask_reference_(logits: torch.Tensor, rows: list[int],
+                                   bits: torch.Tensor) -> None:
+    """`apply_token_bitmask_` in torch ops, on any device (the bits are unpacked there)."""
+    vocab = logits.shape[1]
+    bits = bits.to(device=logits.device, dtype=torch.int32, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def argmax_masked(logits: torch.Tensor, rows: list[int], bits: torch.Tensor, *,
+                  lib=None) -> torch.Tensor:
+    """int64 [len(rows)]: `argmax` of each row `rows[k]` of fp32 logits after
+    `apply_token_bitmask_` with bits[k], without copying or changing the logits."""
+    lib = _library("cpu_token_mask", logits, lib=lib)
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or bits.device.type != "cpu" or not rows):
+        return argmax_masked_reference(logits, rows, bits)
+    bits = bits.to(torch.int32).contiguous()
+    index = torch.tensor(rows, dtype=torch.int64)
+    out = torch.empty(len(rows), dtype=torch.int64)
+    lib.argmax_masked_rows(logits.data_ptr(), logits.shape[1], logits.stride(0), index.data_ptr(),
+                           len(rows), bits.data_ptr(), bits.shape[1], out.data_ptr(), _threads())
+    return out
+
+
+def argmax_masked_reference(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> torch.Tensor:
+    masked = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+    apply_token_bitmask_reference_(masked, list(range(len(rows))), bits)
+    return masked.argmax(dim=-1)

@@ -63,7 +63,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _TORCH_ROUNDING = ["-ffp-contract=off"]
 SOURCES = {"cpu_decode": [], "cpu_gguf": _TORCH_ROUNDING, "cpu_rmsnorm": _TORCH_ROUNDING,
            "cpu_rotary": _TORCH_ROUNDING, "cpu_silu_mul": [], "cpu_store_kv": [],
-           "cpu_argmax": []}
+           "cpu_argmax": [], "cpu_token_mask": []}
 HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))  # part of every library's cache key
 _SIGNATURES = {
     "paged_decode": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -81,6 +81,11 @@ _SIGNATURES = {
                  ctypes.c_int],
     "argmax_rows": [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                     ctypes.c_int],
+    "apply_token_bitmask": [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                            ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int],
+    "argmax_masked_rows": [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                           ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                           ctypes.c_int],
     "store_kv": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                  ctypes.c_int],

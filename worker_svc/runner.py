@@ -22,7 +22,7 @@ import torch
 
 from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker_svc import sampler
-from worker_svc.structured import ConstrainedRow, GrammarVocabulary, allowed_tokens
+from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from worker_svc.batch import (
     BlockTables,
@@ -315,20 +315,26 @@ class ModelRunner:
         batch = build_batch(self.requests, step.num_scheduled_tokens, self.block_size,
                             self.device, self.block_tables)
         intermediate = None if inbound is None else (inbound.hidden, inbound.residual)
-        hidden, residual = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                      batch.metadata, self.backend, intermediate)
-        sampled: dict[str, SampledToken] = {}
-        if not self.parallel.is_last_stage:
-            self._send_downstream(step.step_id, digest, hidden, residual)
-        elif batch.sample_rows:
-            rows = torch.tensor(batch.sample_rows, device=self.device)
-            # Every TP rank of the last stage joins the LM head's all-gather.
-            logits = self.model.compute_logits(hidden[rows], residual[rows])
-            if self.parallel.is_driver:
-                sampled = self._sample(logits, batch.sample_request_ids)
-                if step.append_sampled_tokens:
-                    for request_id, token in sampled.items():
-                        self.requests[request_id].token_ids.append(token.token_id)
+        samples_here = self.parallel.is_last_stage and self.parallel.is_driver and batch.sample_rows
+        masks = self._start_masks(batch.sample_request_ids) if samples_here else None
+        try:
+            hidden, residual = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                                          batch.metadata, self.backend, intermediate)
+            sampled: dict[str, SampledToken] = {}
+            if not self.parallel.is_last_stage:
+                self._send_downstream(step.step_id, digest, hidden, residual)
+            elif batch.sample_rows:
+                rows = torch.tensor(batch.sample_rows, device=self.device)
+                # Every TP rank of the last stage joins the LM head's all-gather.
+                logits = self.model.compute_logits(hidden[rows], residual[rows])
+                if self.parallel.is_driver:
+                    sampled = self._sample(logits, batch.sample_request_ids, masks)
+                    if step.append_sampled_tokens:
+                        for request_id, token in sampled.items():
+                            self.requests[request_id].token_ids.append(token.token_id)
+        finally:
+            if masks is not None:
+                masks.settle()
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
@@ -356,23 +362,28 @@ class ModelRunner:
             # The scheduler's count is authoritative (it may have rolled back on preemption).
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, SampledToken]:
-        requests = []
+    def _start_masks(self, request_ids: list[str]) -> PendingMasks | None:
+        """The constrained rows' masks, started on the mask thread so that they are computed
+        while the forward runs; None when no row is constrained."""
         constrained: list[ConstrainedRow] = []
         for row, request_id in enumerate(request_ids):
             state = self.requests[request_id]
-            requests.append(
-                sampler.SamplingRow(state.sampling, state.token_ids, state.num_prompt_tokens)
-            )
             if state.sampling.grammar:
                 if state.grammar is None:
                     state.grammar = self._grammar_vocabulary().new_state(state.sampling.grammar)
                 constrained.append(ConstrainedRow(row, state.grammar,
                                                   state.token_ids[state.num_prompt_tokens:]))
-        masks = None
-        if constrained:
-            masks = sampler.RowMasks([c.row for c in constrained],
-                                     allowed_tokens(self._grammar_vocabulary(), constrained))
+        return PendingMasks.start(self._grammar_vocabulary(), constrained) if constrained else None
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str],
+                pending: PendingMasks | None) -> dict[str, SampledToken]:
+        requests = []
+        for request_id in request_ids:
+            state = self.requests[request_id]
+            requests.append(
+                sampler.SamplingRow(state.sampling, state.token_ids, state.num_prompt_tokens)
+            )
+        masks = None if pending is None else sampler.RowMasks(pending.rows, pending.bits.result())
         tokens = sampler.sample(logits, requests, masks)
         return dict(zip(request_ids, tokens, strict=True))
 

@@ -54,11 +54,18 @@ class SamplingRow:
 
 @dataclass(frozen=True)
 class RowMasks:
-    """The tokens constrained rows may draw: `allowed[i]` ([vocab_size] bool) for row
-    `rows[i]` (worker_svc/structured.py computes them)."""
+    """The tokens constrained rows may draw: bitmask `bits[i]` for row `rows[i]`
+    (worker_svc/structured.py computes them)."""
 
     rows: list[int]
-    allowed: torch.Tensor  # [len(rows), vocab_size] bool
+    bits: torch.Tensor  # int32 [len(rows), ceil(vocab_size / 32)]; token t is bit t % 32 of word t // 32
+
+    def bits_of(self, rows: list[int]) -> torch.Tensor:
+        """The bitmasks of `rows`, in that order (no copy when that is all of them)."""
+        if rows == self.rows:
+            return self.bits
+        position = {row: k for k, row in enumerate(self.rows)}
+        return self.bits[[position[row] for row in rows]]
 
 
 def sample(logits: torch.Tensor, requests: Sequence[SamplingRow],
@@ -67,24 +74,30 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow],
 
     Rows without penalties, stop masking or a constraint are not copied, and greedy rows
     share one argmax: a batch of 64 plain greedy decodes costs a few batched ops, not 64
-    per-row ones.
+    per-row ones. Constrained greedy rows are not copied either: one C kernel reads their
+    logits where their bits allow.
     """
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
     logits = logits.to(torch.float32)
-    processed = logits
     to_process = [row for row, request in enumerate(requests) if _needs_processing(request)]
-    if to_process or masks is not None:
+    direct, applied = _constrained_rows(requests, masks, set(to_process))
+    processed = logits
+    if to_process or applied:
         processed = logits.clone()
         for row in to_process:
             _apply_penalties(processed[row], requests[row])
             _mask_stop_tokens(processed[row], requests[row])
-    if masks is not None and masks.rows:
-        rows = torch.tensor(masks.rows, device=processed.device)
-        processed[rows] = processed[rows].masked_fill(~masks.allowed.to(processed.device),
-                                                      float("-inf"))
+        if applied:
+            cpu_fused.apply_token_bitmask_(processed, applied, masks.bits_of(applied))
     token_ids = [0] * len(requests)
-    greedy = [row for row, request in enumerate(requests) if request.params.temperature == 0.0]
+    if direct:  # straight from the logits and the bits, no copy
+        chosen = cpu_fused.argmax_masked(logits, direct, masks.bits_of(direct))
+        for row, token_id in zip(direct, chosen.tolist(), strict=True):
+            token_ids[row] = token_id
+    direct_set = set(direct)
+    greedy = [row for row, request in enumerate(requests)
+              if request.params.temperature == 0.0 and row not in direct_set]
     if greedy:
         rows = processed if len(greedy) == len(requests) else processed[greedy]
         for row, token_id in zip(greedy, cpu_fused.argmax(rows).tolist(), strict=True):
@@ -93,6 +106,18 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow],
         if request.params.temperature != 0.0:
             token_ids[row] = _choose(processed[row], request)
     return _with_logprobs(logits, token_ids, requests)
+
+
+def _constrained_rows(requests: Sequence[SamplingRow], masks: RowMasks | None,
+                      to_process: set[int]) -> tuple[list[int], list[int]]:
+    """Constrained rows split: greedy ones with nothing else to apply choose straight from
+    the logits and their bits; the others get the mask applied to a copy."""
+    if masks is None:
+        return [], []
+    direct = [row for row in masks.rows
+              if requests[row].params.temperature == 0.0 and row not in to_process]
+    chosen = set(direct)
+    return direct, [row for row in masks.rows if row not in chosen]
 
 
 def _needs_processing(request: SamplingRow) -> bool:

@@ -9,8 +9,8 @@ request rebuilt from its outputs. So a request resumed anywhere continues inside
 grammar exactly where it was, and the mask depends only on (grammar, output so far).
 
 Masks are computed for the whole batch at once, in parallel on llguidance's own threads
-(outside the GIL), as bits, then unpacked to the logits' width with numpy: no Python loop
-over the vocabulary.
+(outside the GIL), as bits, and applied to the logits as bits by a C kernel (torch ops on
+other devices): no Python loop over the vocabulary, no unpacked copy of it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class GrammarVocabulary:
     eos_token_ids: tuple[int, ...]
     _tokenizer: object | None = None
     _executor: object | None = None
+    _mask_thread: ThreadPoolExecutor | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def tokenizer(self) -> object:
@@ -61,6 +63,13 @@ class GrammarVocabulary:
 
             self._executor = llguidance.LLExecutor()
         return self._executor
+
+    def mask_thread(self) -> ThreadPoolExecutor:
+        """Where a step's masks are computed while its forward runs (one thread: a
+        matcher is only ever used by one step at a time)."""
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._mask_thread
 
     def new_state(self, grammar: str) -> GrammarState:
         import llguidance
@@ -94,8 +103,10 @@ class ConstrainedRow:
     output_token_ids: Sequence[int]
 
 
-def allowed_tokens(vocabulary: GrammarVocabulary, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
-    """[len(rows), vocab_size] bool: the tokens each row may draw next. Each matcher first
+def token_bitmask(vocabulary: GrammarVocabulary, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
+    """int32 [len(rows), ceil(vocab_size / 32)]: the tokens each row may draw next, as
+    llguidance writes them (token i is bit i % 32 of word i // 32); the sampler applies them
+    to the logits as they are (kernels/cpu_fused.apply_token_bitmask_). Each matcher first
     consumes the row's output tokens it has not seen yet."""
     for constrained in rows:
         _catch_up(constrained, vocabulary.eos_token_ids)
@@ -105,13 +116,33 @@ def allowed_tokens(vocabulary: GrammarVocabulary, rows: Sequence[ConstrainedRow]
     if live:
         vocabulary.executor().unsafe_compute_mask_ptr(  # type: ignore[attr-defined]
             live, bits.data_ptr(), words * 4, len(rows))
-    allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
-    allowed = torch.from_numpy(allowed[:, :vocabulary.vocab_size]).bool()
+    words_u32 = bits.numpy().view(np.uint32)  # the same memory, bit 31 without sign trouble
     for i, constrained in enumerate(rows):
-        if constrained.state.failed:
-            allowed[i] = False
-            allowed[i, list(vocabulary.eos_token_ids)] = True
-    return allowed
+        if constrained.state.failed:  # only EOS
+            words_u32[i] = 0
+            for eos in vocabulary.eos_token_ids:
+                words_u32[i, eos // 32] |= np.uint32(1 << (eos % 32))
+    return bits
+
+
+@dataclass
+class PendingMasks:
+    """A step's masks being computed (token_bitmask on the mask thread) while the forward
+    runs: they depend only on the tokens known when the step began. The runner waits for
+    them before sampling, and in any case before its next step (`settle`), so no matcher is
+    ever used by two steps at once."""
+
+    rows: list[int]
+    bits: Future[torch.Tensor]
+
+    @classmethod
+    def start(cls, vocabulary: GrammarVocabulary, rows: list[ConstrainedRow]) -> PendingMasks:
+        return cls([c.row for c in rows],
+                   vocabulary.mask_thread().submit(token_bitmask, vocabulary, rows))
+
+    def settle(self) -> None:
+        """Returns once the computation has ended (its error, if any, left to `result`)."""
+        wait([self.bits])
 
 
 def _catch_up(constrained: ConstrainedRow, eos_token_ids: tuple[int, ...]) -> None:

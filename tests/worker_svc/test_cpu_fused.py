@@ -108,7 +108,7 @@ def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_pa
     arch = (f"-march={level}",)
     libs = {name: cpu_native._build(name, arch, config)
             for name in ("cpu_rmsnorm", "cpu_rotary", "cpu_silu_mul", "cpu_store_kv",
-                                                         "cpu_argmax")}
+                                                         "cpu_argmax", "cpu_token_mask")}
     _skip_unless_runnable(level)
     for dtype in DTYPES:
         x, residual, weight = _norm_case(70, 576, dtype, seed=4)
@@ -131,6 +131,14 @@ def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_pa
         logits = torch.randn(9, 1000)
         logits[0, 3:] = 9.0
         assert torch.equal(cpu_fused.argmax(logits, lib=libs["cpu_argmax"]), logits.argmax(-1))
+        bits = torch.randint(-2**31, 2**31 - 1, (4, 32), dtype=torch.int32)
+        masked, expected_masked = logits.clone(), logits.clone()
+        cpu_fused.apply_token_bitmask_reference_(expected_masked, [0, 2, 5, 8], bits)
+        cpu_fused.apply_token_bitmask_(masked, [0, 2, 5, 8], bits, lib=libs["cpu_token_mask"])
+        assert torch.equal(masked, expected_masked)
+        assert torch.equal(cpu_fused.argmax_masked(logits, [0, 2, 5, 8], bits,
+                                                   lib=libs["cpu_token_mask"]),
+                           expected_masked[[0, 2, 5, 8]].argmax(-1))
         gate_up = torch.randn(70, 1152).to(dtype)
         torch.testing.assert_close(cpu_fused.silu_mul(gate_up, lib=libs["cpu_silu_mul"]),
                                    cpu_fused.silu_mul_reference(gate_up), **_close(dtype))
@@ -171,3 +179,50 @@ def test_argmax_is_torchs_first_maximum(vocab):
         logits[4, vocab - 1] = float("nan")
     assert torch.equal(cpu_fused.argmax(logits), logits.argmax(dim=-1))
     assert torch.equal(cpu_fused.argmax(logits[::3]), logits[::3].argmax(dim=-1))  # strided
+
+
+@needs_compiler
+@pytest.mark.parametrize("vocab,words", [(509, 16), (49152, 1536), (1000, 30)])
+def test_token_bitmask_equals_the_reference(vocab, words):
+    """Structured output's mask: every token whose bit is clear, and every token past the
+    mask's words (1000 > 30 * 32), becomes -inf in the chosen rows only; a word of all
+    ones or all zeros (the kernel's shortcuts) too."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(70, vocab, generator=g)
+    bits = torch.randint(-2**31, 2**31 - 1, (64, words), dtype=torch.int32, generator=g)
+    bits[0], bits[1] = -1, 0
+    bits[2] = 0
+    bits[2, 3] = -2**31  # only bit 31 of one word: the sign bit
+    rows = list(range(3, 67))  # past the threads' threshold at 49152
+    expected, masked = logits.clone(), logits.clone()
+    cpu_fused.apply_token_bitmask_reference_(expected, rows, bits)
+    cpu_fused.apply_token_bitmask_(masked, rows, bits)
+    assert torch.equal(masked, expected)
+    assert torch.equal(masked[:3], logits[:3]) and torch.equal(masked[67:], logits[67:])
+    kept = ~torch.isinf(expected[rows[2]])
+    assert kept.sum() == 1 and kept[3 * 32 + 31]  # the sign bit's token, alone
+    assert torch.isinf(expected[rows[1]]).all() and not torch.isinf(expected[rows[0]][:32 * words]).any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("vocab,words", [(509, 16), (49152, 1536), (1000, 30), (40, 2)])
+def test_masked_argmax_is_the_argmax_of_the_masked_logits(vocab, words):
+    """Without copying the logits: ties to the first index, the first allowed NaN, a row with
+    nothing allowed (0, as torch's argmax of all -inf), words all ones or all zeros, and
+    allowed bits past the vocabulary (40 < 2 * 32) never chosen."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(70, vocab, generator=g)
+    bits = torch.randint(-2**31, 2**31 - 1, (64, words), dtype=torch.int32, generator=g)
+    bits[0], bits[1] = -1, 0
+    rows = list(range(3, 67))
+    logits[rows[2]] = 0.25  # a whole row tied
+    logits[rows[3], 5:] = float("nan")
+    logits[rows[4], :] = float("-inf")
+    logits[rows[5], min(vocab, 32 * words) - 1] = 1e9  # the last allowed column, if allowed
+    if vocab < 32 * words:
+        bits[6, -1] = -1  # bits beyond the vocabulary set
+    original = logits.clone()
+    masked = logits.clone()
+    cpu_fused.apply_token_bitmask_reference_(masked, rows, bits)
+    assert torch.equal(cpu_fused.argmax_masked(logits, rows, bits), masked[rows].argmax(dim=-1))
+    torch.testing.assert_close(logits, original, rtol=0, atol=0, equal_nan=True)  # unchanged

@@ -162,3 +162,33 @@ def test_logprobs_come_from_raw_logits() -> None:
 def test_row_count_mismatch_raises() -> None:
     with pytest.raises(ValueError, match="2 logit rows for 1 requests"):
         sample(torch.zeros(2, 4), [req(SamplingParams())])
+
+
+def test_constrained_rows_draw_what_the_masked_logits_give_alone() -> None:
+    """A batch mixing every path: constrained greedy (read straight from the bits),
+    constrained greedy with a penalty and constrained sampled (mask applied to a copy), and
+    unconstrained rows, equals each row sampled alone from logits already masked; the
+    logprobs stay those of the unmasked logits."""
+    from kernels.cpu_fused import apply_token_bitmask_reference_
+    from worker_svc.sampler import RowMasks
+
+    logits = random_logits(5, vocab_size=100, seed=3)
+    params = [SamplingParams(temperature=0.0, num_logprobs=2),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.9, top_k=5, seed=8),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, seed=9)]
+    rows = [req(p, prompt=[1, 2], output=[4]) for p in params]
+    constrained = [0, 1, 2]
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(4))
+    batch = sample(logits, rows, RowMasks(constrained, bits))
+    masked = logits.clone()
+    apply_token_bitmask_reference_(masked, constrained, bits)
+    for row in range(5):
+        alone = sample(masked[row:row + 1], [rows[row]])[0]
+        assert batch[row].token_id == alone.token_id, row
+        if row in constrained:
+            assert not torch.isinf(masked[row, batch[row].token_id])
+    expected = torch.log_softmax(logits[0], -1)[batch[0].token_id].item()
+    assert batch[0].logprob == pytest.approx(expected, abs=1e-6)

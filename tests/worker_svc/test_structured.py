@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import pytest
 import torch
 
@@ -18,6 +17,7 @@ from protos.step import SamplingParams, SchedulerOutput
 from router.structured import llguidance_tokenizer, to_grammar
 from router.types import OutputConstraint
 from tests.support.hf_reference import assert_greedy_close
+from tests.support.structured_reference import hf_constrained
 from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from worker_svc.runner import ModelRunner, RunnerConfig
 
@@ -48,38 +48,6 @@ def hf_model(model: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
 
-class GrammarProcessor:
-    """transformers' side: a logits processor masking with its own matcher (per row,
-    llguidance's plain compute_bitmask; the runner's batched path is what is tested)."""
-
-    def __init__(self, tokenizer: object, grammar: str, num_prompt_tokens: int) -> None:
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_consumed = 0
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        output = input_ids[0, self.num_prompt_tokens:].tolist()
-        assert self.matcher.consume_tokens(output[self.num_consumed:])
-        self.num_consumed = len(output)
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[:scores.shape[-1]].astype(bool)
-        return scores.masked_fill(~torch.from_numpy(allowed), float("-inf"))
-
-
-def hf_constrained(hf_model: torch.nn.Module, tokenizer: object, grammar: str,
-                   prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    from transformers import LogitsProcessorList
-
-    out = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=EOS,
-        pad_token_id=EOS, output_logits=True, return_dict_in_generate=True,
-        logits_processor=LogitsProcessorList([GrammarProcessor(tokenizer, grammar, len(prompt))]))
-    tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, torch.stack([step[0] for step in out.logits])
-
-
 def up_to_eos(tokens: list[int]) -> list[int]:
     return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
 
@@ -106,8 +74,8 @@ def test_constrained_greedy_equals_transformers_with_the_same_mask(
     for r in requests:
         ours = up_to_eos(r.outputs)
         assert ours[-1] == EOS, f"{kind}: the grammar never completed in {NUM_TOKENS} tokens"
-        reference, logits = hf_constrained(hf_model, tokenizer, grammar, r.prompt)
-        reference = up_to_eos(reference)
+        reference, logits = hf_constrained(hf_model, tokenizer, grammar, r.prompt, NUM_TOKENS,
+                                           [EOS])
         if len(ours) == len(reference):
             assert_greedy_close(ours, reference, logits)
         else:
