@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.mesh_harness import Mesh
+from tests.support.mesh_harness import Mesh, free_port
 from pagemesh.testing.tiny_models import write_tiny_model
 
 
@@ -27,3 +27,19 @@ def tiny_llama_mesh(tiny_llama_dir: Path, redis_url: str,
         yield mesh.wait_ready()
     finally:
         mesh.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The default model through `pagemesh up` with no --model and no --redis-url (what
+    `make run` starts, its embedded Valkey included), but in fp32 on every CPU (auto is
+    bf16 where the CPU has native bf16, and the references are fp32). Its OpenAI HTTP API
+    is at `mesh.http_url`."""
+    http_port = free_port()
+    mesh = Mesh(None, tmp_path_factory.mktemp("logs") / "smollm2.log", cluster="e2e-smollm2",
+                extra_args=["--dtype", "float32", "--http-port", str(http_port)])
+    mesh.http_url = f"http://127.0.0.1:{http_port}"  # type: ignore[attr-defined]
+    try:
+        yield mesh.wait_ready()
+    finally:
+        assert mesh.stop() == 0, mesh.log()

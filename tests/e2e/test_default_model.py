@@ -33,15 +33,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    # No --model and no --redis-url: what `make run` starts, but in fp32 on every CPU (auto
-    # is bf16 where the CPU has native bf16, and the reference below is fp32).
-    mesh = Mesh(None, tmp_path_factory.mktemp("logs") / "smollm2.log", cluster="e2e-smollm2",
-                extra_args=["--dtype", "float32"])
-    try:
-        yield mesh.wait_ready()
-    finally:
-        assert mesh.stop() == 0, mesh.log()
+def mesh(smollm2_mesh: Mesh) -> Mesh:
+    return smollm2_mesh  # tests/e2e/conftest.py: the default model as `make run` starts it
 
 
 @pytest.fixture(scope="module")
