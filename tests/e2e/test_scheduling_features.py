@@ -4,14 +4,16 @@ preemption (recompute and swap) must happen, and n > 1 samples."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
@@ -122,3 +124,50 @@ def test_n_samples_share_the_prompt_and_are_reproducible(
     assert len({tuple(s) for s in sampled}) == 4, "n samples should differ"
     again, _ = samples_of(tiny_llama_mesh, n_request(prompt, 4, 1.0, seed=99))
     assert again == sampled
+
+
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8},
+    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["city", "days"], "additionalProperties": False}
+
+
+def constrained_request(prompt: list[int], seed: int | None, n: int = 1) -> generate_pb2.GenerateRequest:
+    request = greedy_request(prompt, 64, n=n)
+    request.stopping.ignore_eos = False  # the grammar ends it
+    request.constraint.json_schema = json.dumps(SCHEMA)
+    if seed is not None:
+        request.sampling.temperature = 0.9
+        request.sampling.seed = seed
+    return request
+
+
+def test_constrained_requests_are_exact_under_each_layout(
+    layout_mesh: tuple[str, str, Mesh], hf_model: torch.nn.Module, redis_url: str,
+    tiny_llama_dir: Path
+) -> None:
+    """JSON-schema requests (greedy, seeded, and seeded with n=2) give the same tokens alone
+    and among the workload that fills the cache: chunked, prefix-cached, preempted by
+    recompute or swapped out and back, their grammar state follows; every output validates."""
+    name, cluster, mesh = layout_mesh
+    vocab_size = hf_model.config.vocab_size
+    requests = [constrained_request(prompt, seed, n)
+                for (prompt, _), (seed, n) in zip(workload(vocab_size)[:4],
+                                                    [(None, 1), (3, 1), (4, 2), (None, 1)])]
+    alone = [samples_of(mesh, request)[0] for request in requests]
+    preemptions = scheduler_stats(redis_url, cluster).num_preemptions
+    load = [greedy_request(prompt, n) for prompt, n in workload(vocab_size)]
+    with ThreadPoolExecutor(len(load) + len(requests)) as pool:
+        background = [pool.submit(mesh.generate, r) for r in load]
+        together = list(pool.map(lambda r: samples_of(mesh, r)[0], requests))
+        for future in background:
+            future.result()
+    assert together == alone, name
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for samples in alone:
+        for tokens in samples:
+            assert tokens[-1] == hf_model.config.eos_token_id, tokens  # the JSON ended
+            jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), SCHEMA)
+    if name.startswith("tiny-cache"):  # the cache ran out while they ran
+        assert scheduler_stats(redis_url, cluster).num_preemptions > preemptions
