@@ -1,8 +1,10 @@
 """Run by bench/gpu_check.sh on a CUDA machine: tp=1 and (with 2 GPUs) tp=2 over NCCL,
-bf16, the same greedy tokens in both, output tokens/s with 1 and 16 concurrent requests."""
+bf16, the same greedy tokens in both, output tokens/s with 1 and 16 concurrent requests, and
+JSON-schema requests (the token masks applied on the GPU by the torch path) validating."""
 
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 from pathlib import Path
@@ -19,12 +21,13 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 32000) for _ in range(128)] for _ in range(16)]
     layouts = [1, 2] if torch.cuda.device_count() >= 2 else [1]
-    rows, tokens, sizing = [], {}, {}
+    rows, tokens, sizing, structured = [], {}, {}, {}
     for tp in layouts:
         mesh = Mesh(model, Path(tempfile.mkdtemp()) / f"tp{tp}.log", cluster=f"gpu-tp{tp}",
                     extra_args=["--device", "cuda", "--dtype", "bfloat16", "--tp", str(tp)]).wait_ready()
         try:
             tokens[tp] = [mesh.generate(greedy_request(p, 32)).token_ids for p in prompts[:4]]
+            structured[tp] = constrained_valid(mesh, prompts[:4])
             # The KV cache sized from the GPU (profiled peak, --gpu-memory-utilization 0.9).
             sizing[tp] = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).kv_cache_sizing
             for concurrency in (1, 16):
@@ -36,8 +39,29 @@ def main() -> None:
     agree = "n/a (1 GPU)" if len(tokens) == 1 else str(tokens[1] == tokens[2])
     write_results("gpu_check", f"GPU: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; "
                   f"W64 model, 16 requests x 128 + 128 tokens; tp=1 and tp=2 tokens equal: {agree}; "
-                  f"KV cache sizing: {sizing}",
+                  f"KV cache sizing: {sizing}; JSON-schema outputs valid: {structured}",
                   ["engine", "concurrency", "output tok/s", "TTFT p50 ms", "ITL p50 ms"], rows, rows)
+
+
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8},
+    "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}
+
+
+def constrained_valid(mesh: Mesh, prompts: list[list[int]]) -> str:
+    """How many of the prompts, held to SCHEMA, ended in a JSON value that has its keys."""
+    valid = 0
+    for prompt in prompts:
+        request = greedy_request(prompt, 64)
+        request.stopping.ignore_eos = False
+        request.constraint.json_schema = json.dumps(SCHEMA)
+        result = mesh.generate(request)
+        try:
+            valid += set(json.loads(result.text)) == {"city", "days"}
+        except ValueError:
+            pass
+    return f"{valid}/{len(prompts)}"
 
 
 if __name__ == "__main__":
