@@ -103,8 +103,8 @@ def validate(
     """
     _check_model(requested_model, limits)
     _check_prompt(prompt_token_ids, limits)
-    _check_sampling(sampling)
-    _check_num_logprobs(num_logprobs)
+    check_sampling(sampling)
+    check_num_logprobs(num_logprobs)
     check_num_samples(n)
     max_tokens = _resolve_max_tokens(len(prompt_token_ids), stopping, limits)
     _check_stopping(stopping, max_tokens, limits)
@@ -121,6 +121,19 @@ def validate(
         priority=priority,
         grammar=grammar,
     )
+
+
+def check_options(sampling: SamplingOptions, stopping: StoppingOptions,
+                  num_logprobs: int | None, n: int = 1) -> None:
+    """The checks of `validate` that need no model (its limits, its vocabulary), in the same
+    order and words: what a client can check before any model is loaded (the offline `LLM`'s
+    and the SDK's `SamplingParams`). `stopping.max_tokens` None (up to the context) passes."""
+    check_sampling(sampling)
+    check_num_logprobs(num_logprobs)
+    check_num_samples(n)
+    if stopping.max_tokens is not None:
+        _check_max_tokens(stopping.max_tokens)
+    _check_stop_rules(stopping, stopping.max_tokens)
 
 
 def check_num_samples(n: int) -> None:
@@ -203,7 +216,8 @@ def _check_token_ids(what: str, token_ids: list[int], vocab_size: int) -> None:
             )
 
 
-def _check_sampling(sampling: SamplingOptions) -> None:
+def check_sampling(sampling: SamplingOptions) -> None:
+    """Every sampling option in its range (NaN is out of every range)."""
     # Comparisons are written as "not (in range)" so that NaN is rejected too.
     if sampling.temperature is not None and not 0.0 <= sampling.temperature < math.inf:
         raise ValidationError(
@@ -230,7 +244,8 @@ def _check_sampling(sampling: SamplingOptions) -> None:
         raise ValidationError(f"seed must be in [0, 2**64 - 1], got {sampling.seed}")
 
 
-def _check_num_logprobs(num_logprobs: int | None) -> None:
+def check_num_logprobs(num_logprobs: int | None) -> None:
+    """Alternatives per token in 0..MAX_NUM_LOGPROBS, or None (no logprobs)."""
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_NUM_LOGPROBS:
         raise ValidationError(
             f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {num_logprobs}"
@@ -241,8 +256,7 @@ def _resolve_max_tokens(prompt_len: int, stopping: StoppingOptions, limits: Mode
     max_allowed = limits.max_model_len - prompt_len
     if stopping.max_tokens is None:
         return max_allowed
-    if stopping.max_tokens < 1:
-        raise ValidationError(f"max_tokens must be at least 1, got {stopping.max_tokens}")
+    _check_max_tokens(stopping.max_tokens)
     if stopping.max_tokens > max_allowed:
         raise ValidationError(
             f"prompt ({prompt_len} tokens) + max_tokens ({stopping.max_tokens}) exceeds the "
@@ -252,10 +266,21 @@ def _resolve_max_tokens(prompt_len: int, stopping: StoppingOptions, limits: Mode
     return stopping.max_tokens
 
 
+def _check_max_tokens(max_tokens: int) -> None:
+    if max_tokens < 1:
+        raise ValidationError(f"max_tokens must be at least 1, got {max_tokens}")
+
+
 def _check_stopping(stopping: StoppingOptions, max_tokens: int, limits: ModelLimits) -> None:
+    _check_stop_rules(stopping, max_tokens)
+    _check_token_ids("stop token id", stopping.stop_token_ids, limits.vocab_size)
+
+
+def _check_stop_rules(stopping: StoppingOptions, max_tokens: int | None) -> None:
+    """min_tokens and the stop strings; `max_tokens` None = not known yet."""
     if stopping.min_tokens < 0:
         raise ValidationError(f"min_tokens must be >= 0, got {stopping.min_tokens}")
-    if stopping.min_tokens > max_tokens:
+    if max_tokens is not None and stopping.min_tokens > max_tokens:
         raise ValidationError(
             f"min_tokens ({stopping.min_tokens}) must not exceed max_tokens ({max_tokens})"
         )
@@ -266,7 +291,6 @@ def _check_stopping(stopping: StoppingOptions, max_tokens: int, limits: ModelLim
     for index, stop in enumerate(stopping.stop):
         if not stop:
             raise ValidationError(f"stop string {index} is empty; remove it")
-    _check_token_ids("stop token id", stopping.stop_token_ids, limits.vocab_size)
 
 
 def _with_sampling_defaults(sampling: SamplingOptions) -> SamplingOptions:
