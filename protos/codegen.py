@@ -13,6 +13,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_FILES = (
     "protos/pagemesh/v1/generate.proto",
+    "protos/pagemesh/v1/admin.proto",
     "protos/pagemesh/scheduler/v1/scheduler.proto",
     "protos/pagemesh/worker/v1/worker.proto",
 )

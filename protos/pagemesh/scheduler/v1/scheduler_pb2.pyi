@@ -1,3 +1,4 @@
+from protos.pagemesh.v1 import admin_pb2 as _admin_pb2
 from protos.pagemesh.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -18,6 +19,64 @@ GROUP_STATUS_UNSPECIFIED: GroupStatus
 GROUP_STATUS_READY: GroupStatus
 GROUP_STATUS_DEGRADED: GroupStatus
 GROUP_STATUS_DRAINING: GroupStatus
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: _admin_pb2.GroupPrefixCacheReset
+    def __init__(self, group: _Optional[_Union[_admin_pb2.GroupPrefixCacheReset, _Mapping]] = ...) -> None: ...
+
+class GetMemoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMemoryResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: _admin_pb2.GroupMemory
+    def __init__(self, group: _Optional[_Union[_admin_pb2.GroupMemory, _Mapping]] = ...) -> None: ...
+
+class GetStepStatsRequest(_message.Message):
+    __slots__ = ("window_s",)
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    def __init__(self, window_s: _Optional[float] = ...) -> None: ...
+
+class GetStepStatsResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: _admin_pb2.GroupStepStats
+    def __init__(self, group: _Optional[_Union[_admin_pb2.GroupStepStats, _Mapping]] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ("out_dir", "record_shapes", "with_stack")
+    OUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    WITH_STACK_FIELD_NUMBER: _ClassVar[int]
+    out_dir: str
+    record_shapes: bool
+    with_stack: bool
+    def __init__(self, out_dir: _Optional[str] = ..., record_shapes: _Optional[bool] = ..., with_stack: _Optional[bool] = ...) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: _admin_pb2.GroupProfile
+    def __init__(self, group: _Optional[_Union[_admin_pb2.GroupProfile, _Mapping]] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: _admin_pb2.GroupProfile
+    def __init__(self, group: _Optional[_Union[_admin_pb2.GroupProfile, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

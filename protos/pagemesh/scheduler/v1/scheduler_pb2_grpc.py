@@ -55,6 +55,31 @@ class SchedulerStub:
                 request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/ResetPrefixCache',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.GetMemory = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/GetMemory',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMemoryRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMemoryResponse.FromString,
+                _registered_method=True)
+        self.GetStepStats = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/GetStepStats',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStepStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStepStatsResponse.FromString,
+                _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/StartProfile',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/StopProfile',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -93,6 +118,42 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Admin (pagemesh.v1.Admin, forwarded by the router to each group).
+        Drops the cached blocks no request holds from the prefix cache index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMemory(self, request, context):
+        """Each worker's memory, with the group's KV block occupancy filled in.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStepStats(self, request, context):
+        """Each worker's step statistics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartProfile(self, request, context):
+        """Starts / stops a torch.profiler trace on every worker of the group. A worker that
+        refuses fails the call with its status (FAILED_PRECONDITION: already tracing, or not).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +176,31 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'GetMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMemory,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMemoryRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMemoryResponse.SerializeToString,
+            ),
+            'GetStepStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStepStats,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStepStatsRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStepStatsResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StartProfileRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +311,141 @@ class Scheduler:
             '/pagemesh.scheduler.v1.Scheduler/GetStats',
             protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
             protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/ResetPrefixCache',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/GetMemory',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMemoryRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStepStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/GetStepStats',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStepStatsRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.GetStepStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/StartProfile',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StartProfileRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/StopProfile',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from protos.pagemesh.v1 import admin_pb2 as _admin_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -5,6 +6,54 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetMemoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMemoryResponse(_message.Message):
+    __slots__ = ("memory",)
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    memory: _admin_pb2.RankMemory
+    def __init__(self, memory: _Optional[_Union[_admin_pb2.RankMemory, _Mapping]] = ...) -> None: ...
+
+class GetStepStatsRequest(_message.Message):
+    __slots__ = ("window_s",)
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    def __init__(self, window_s: _Optional[float] = ...) -> None: ...
+
+class GetStepStatsResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: _admin_pb2.RankStepStats
+    def __init__(self, stats: _Optional[_Union[_admin_pb2.RankStepStats, _Mapping]] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ("out_dir", "trace_name", "record_shapes", "with_stack")
+    OUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    TRACE_NAME_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    WITH_STACK_FIELD_NUMBER: _ClassVar[int]
+    out_dir: str
+    trace_name: str
+    record_shapes: bool
+    with_stack: bool
+    def __init__(self, out_dir: _Optional[str] = ..., trace_name: _Optional[str] = ..., record_shapes: _Optional[bool] = ..., with_stack: _Optional[bool] = ...) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("trace",)
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    trace: _admin_pb2.ProfileTrace
+    def __init__(self, trace: _Optional[_Union[_admin_pb2.ProfileTrace, _Mapping]] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()

@@ -44,6 +44,26 @@ class WorkerStub:
                 request_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.ExecuteStepRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.ExecuteStepResponse.FromString,
                 _registered_method=True)
+        self.GetMemory = channel.unary_unary(
+                '/pagemesh.worker.v1.Worker/GetMemory',
+                request_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetMemoryRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetMemoryResponse.FromString,
+                _registered_method=True)
+        self.GetStepStats = channel.unary_unary(
+                '/pagemesh.worker.v1.Worker/GetStepStats',
+                request_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetStepStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetStepStatsResponse.FromString,
+                _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/pagemesh.worker.v1.Worker/StartProfile',
+                request_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/pagemesh.worker.v1.Worker/StopProfile',
+                request_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -63,6 +83,35 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMemory(self, request, context):
+        """Diagnostics (pagemesh.v1.Admin, forwarded by the scheduler; worker_svc/diagnostics.py).
+        This rank's memory; the group-wide block occupancy fields are left 0 (the scheduler's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStepStats(self, request, context):
+        """This rank's step statistics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartProfile(self, request, context):
+        """Starts a torch.profiler trace of this process; FAILED_PRECONDITION if one runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Stops it and writes the trace file; FAILED_PRECONDITION if none runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +124,26 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExecuteStep,
                     request_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.ExecuteStepRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.ExecuteStepResponse.SerializeToString,
+            ),
+            'GetMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMemory,
+                    request_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetMemoryRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetMemoryResponse.SerializeToString,
+            ),
+            'GetStepStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStepStats,
+                    request_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetStepStatsRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetStepStatsResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StartProfileRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +200,114 @@ class Worker:
             '/pagemesh.worker.v1.Worker/ExecuteStep',
             protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.ExecuteStepRequest.SerializeToString,
             protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.ExecuteStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.worker.v1.Worker/GetMemory',
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetMemoryRequest.SerializeToString,
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStepStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.worker.v1.Worker/GetStepStats',
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetStepStatsRequest.SerializeToString,
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.GetStepStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.worker.v1.Worker/StartProfile',
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StartProfileRequest.SerializeToString,
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.worker.v1.Worker/StopProfile',
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileRequest.SerializeToString,
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
