@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
 from protos.step import (
     CachedRequestData,
@@ -10,6 +11,7 @@ from protos.step import (
     SamplingParams,
     SchedulerOutput,
 )
+from worker_svc.diagnostics import ProfileTraceFile, RankMemory, StepStatsSnapshot
 
 
 def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
@@ -107,3 +109,39 @@ def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> w
         kv_cache_sizing=info.kv_cache_sizing,
         **layout,
     )
+
+
+# --- admin (pagemesh.v1.Admin's per-rank messages) ------------------------------------------
+
+
+def memory_to_pb(memory: RankMemory, worker_id: str, layout: dict[str, int]
+                 ) -> worker_pb2.GetMemoryResponse:
+    """This rank's memory; the group's block occupancy is the scheduler's to fill in."""
+    return worker_pb2.GetMemoryResponse(memory=admin_pb2.RankMemory(
+        worker_id=worker_id, tp_rank=max(0, layout["tp_rank"]), pp_rank=max(0, layout["pp_rank"]),
+        device=memory.device, weight_bytes=memory.weight_bytes,
+        num_allocated_kv_blocks=memory.num_allocated_kv_blocks,
+        kv_cache_bytes=memory.kv_cache_bytes, kv_bytes_per_block=memory.kv_bytes_per_block,
+        num_swap_blocks=memory.num_swap_blocks, swap_bytes=memory.swap_bytes,
+        rss_bytes=memory.rss_bytes, device_allocated_bytes=memory.device_allocated_bytes,
+        device_reserved_bytes=memory.device_reserved_bytes,
+        device_total_bytes=memory.device_total_bytes))
+
+
+def step_stats_to_pb(stats: StepStatsSnapshot, worker_id: str, layout: dict[str, int]
+                     ) -> worker_pb2.GetStepStatsResponse:
+    return worker_pb2.GetStepStatsResponse(stats=admin_pb2.RankStepStats(
+        worker_id=worker_id, tp_rank=max(0, layout["tp_rank"]), pp_rank=max(0, layout["pp_rank"]),
+        num_steps=stats.num_steps, busy_s=stats.busy_s, collective_s=stats.collective_s,
+        pp_send_s=stats.pp_send_s, pp_recv_s=stats.pp_recv_s, window_s=stats.window_s,
+        window_num_steps=stats.window_num_steps, window_busy_s=stats.window_busy_s,
+        window_communication_s=stats.window_communication_s, utilization=stats.utilization,
+        compute_fraction=stats.compute_fraction))
+
+
+def profile_trace_to_pb(trace: ProfileTraceFile, worker_id: str, layout: dict[str, int]
+                        ) -> worker_pb2.StopProfileResponse:
+    return worker_pb2.StopProfileResponse(trace=admin_pb2.ProfileTrace(
+        worker_id=worker_id, tp_rank=max(0, layout["tp_rank"]), pp_rank=max(0, layout["pp_rank"]),
+        host=trace.host, path=trace.path, duration_s=trace.duration_s,
+        num_steps=trace.num_steps))

@@ -1,9 +1,12 @@
-"""Worker gRPC servicer: converts, runs the step on the model thread, converts back."""
+"""Worker gRPC servicer: converts, runs the step on the model thread, converts back.
+
+Its admin RPCs (memory, step statistics, profiler traces) adapt worker_svc/diagnostics.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -12,7 +15,8 @@ import grpc
 
 from pagemesh.serving import ServiceError
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc import convert
+from worker_svc import convert, diagnostics
+from worker_svc.diagnostics import Profiler, ProfilerStateError, StepStats
 from worker_svc.distributed import GroupStepError
 from worker_svc.runner import ModelRunner
 from worker_svc.tracing import traced_step
@@ -33,8 +37,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # One thread owns the model: steps run strictly one after another, and the event
         # loop stays free for health checks while a forward pass runs.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self.num_steps = 0
-        self.busy_time_s = 0.0  # in execute_step, from the model thread's point of view
+        self.step_stats = StepStats()  # every step that succeeded: time, communication
+        self._profiler: Profiler | None = None  # made with the runner (it needs the device)
         # Called with each step's forward time, seconds, once it succeeded (metrics).
         self.on_step: list[Callable[[float], None]] = []
         # Step order: (session, next sequence number) of the scheduler driving this worker.
@@ -71,7 +75,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._executor.submit(runner.reset_requests)
         # Queued on the one model thread in sequence order; the next step may queue behind
         # it at once, so a pipeline stage starts step k+1 as soon as it finishes step k.
-        future = loop.run_in_executor(self._executor, runner.execute_step, step)
+        future = loop.run_in_executor(self._executor, diagnostics.run_step_recorded, runner,
+                                      step, self.step_stats)
         async with self._order:
             self._next_sequence = request.sequence + 1
             self._order.notify_all()
@@ -81,11 +86,62 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except GroupStepError as exc:  # ranks disagreed, a stage failed, a peer was lost
             raise ServiceError(grpc.StatusCode.ABORTED, str(exc)) from exc
-        self.num_steps += 1
-        self.busy_time_s += output.forward_time_ms / 1000
         for hook in self.on_step:
             hook(output.forward_time_ms / 1000)
         return convert.model_runner_output_to_pb(output)
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_stats.num_steps
+
+    @property
+    def busy_time_s(self) -> float:
+        """Seconds in steps (wall time on the model thread), since the process started."""
+        return self.step_stats.busy_s
+
+    # ---- admin (pagemesh.v1.Admin, forwarded by the scheduler) ----------------------------
+
+    async def GetMemory(self, request: worker_pb2.GetMemoryRequest,
+                        context: grpc.aio.ServicerContext) -> worker_pb2.GetMemoryResponse:
+        memory = diagnostics.memory_stats(self._ready_runner())
+        return convert.memory_to_pb(memory, self.worker_id, self.layout)
+
+    async def GetStepStats(self, request: worker_pb2.GetStepStatsRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.GetStepStatsResponse:
+        snapshot = self.step_stats.snapshot(request.window_s)
+        return convert.step_stats_to_pb(snapshot, self.worker_id, self.layout)
+
+    async def StartProfile(self, request: worker_pb2.StartProfileRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.StartProfileResponse:
+        profiler = self._ready_profiler()
+        layout = self.layout
+        name = (f"{request.trace_name or 'pagemesh'}-pp{layout['pp_rank']}-tp{layout['tp_rank']}"
+                f"-{self.worker_id}-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            await self.run_on_model_thread(profiler.start, request.out_dir, name,
+                                           request.record_shapes, request.with_stack)
+        except ProfilerStateError as exc:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+        except OSError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"cannot write traces to {request.out_dir!r}: {exc}") from exc
+        logger.info("profiler trace started (%s)", name)
+        return worker_pb2.StartProfileResponse()
+
+    async def StopProfile(self, request: worker_pb2.StopProfileRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.StopProfileResponse:
+        try:
+            trace = await self.run_on_model_thread(self._ready_profiler().stop)
+        except ProfilerStateError as exc:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+        logger.info("profiler trace written to %s (%.1f s, %d steps)", trace.path,
+                    trace.duration_s, trace.num_steps)
+        return convert.profile_trace_to_pb(trace, self.worker_id, self.layout)
+
+    def _ready_profiler(self) -> Profiler:
+        if self._profiler is None:
+            self._profiler = Profiler(self._ready_runner().device, self.step_stats)
+        return self._profiler
 
     def stats(self) -> dict[str, float | int]:
         """Cumulative counters published with each heartbeat (seconds and steps)."""
