@@ -192,7 +192,7 @@ class EngineLoop:
             except Exception as exc:
                 if self.group is None:
                     self._abandon(pending)
-                    self.scheduler.reset_prefix_cache()
+                    self.scheduler.invalidate_prefix_cache()
                     self.fail_all(f"engine group step failed: {exc}")
                     continue
                 self._recovery_reason = f"step {output.step_id} failed: {exc}"

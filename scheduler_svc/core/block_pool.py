@@ -139,6 +139,16 @@ class BlockPool:
         self._cached[block_hash] = block_id
         return True
 
+    def drop_free_cached(self) -> int:
+        """Forgets every cached block that no request holds (they become fresh, as after an
+        eviction); cached blocks in use stay cached. Returns how many were dropped."""
+        dropped = list(self._lru)
+        for block_id in dropped:
+            self._uncache(block_id)
+        self._fresh.extend(dropped)
+        self._lru.clear()
+        return len(dropped)
+
     def reset_cache(self) -> None:
         """Forgets every cached block (e.g. after the workers lost their KV): used blocks stay
         with their requests, free ones become fresh."""

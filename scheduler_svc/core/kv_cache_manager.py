@@ -215,8 +215,15 @@ class KVCacheManager:
         swap_ids, state.swap_block_ids = state.swap_block_ids, []
         return list(zip(swap_ids, blocks)), swap_ids
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached block; requests keep theirs (their KV is not re-offered)."""
+    def reset_prefix_cache(self) -> int:
+        """Forgets the cached blocks no request holds; returns how many. Safe between any
+        two calls: blocks in use keep their hash (their KV is valid, and a request sharing
+        them may still be admitted); they are dropped by a later reset once freed."""
+        return self.pool.drop_free_cached()
+
+    def invalidate_prefix_cache(self) -> None:
+        """Forgets every cached block, in use or not (the workers' KV is unknown); requests
+        keep their blocks, whose KV is not re-offered."""
         self.pool.reset_cache()
 
     # ---- hashing -------------------------------------------------------------------------

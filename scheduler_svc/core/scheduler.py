@@ -116,9 +116,17 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return RequestEvent(request_id, (), request.finish_reason, request.num_prompt_tokens)
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets all cached KV, e.g. after a failed step left the workers' caches unknown."""
-        self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached block no request holds from the prefix cache (an admin's
+        reset, as vLLM's `reset_prefix_cache`): later prompts recompute that KV. Blocks that
+        running requests hold stay theirs and stay cached (`stats().num_cached_blocks` after
+        the call counts them); nothing in flight changes. Returns the blocks dropped."""
+        return self.kv.reset_prefix_cache()
+
+    def invalidate_prefix_cache(self) -> None:
+        """Forgets all cached KV, in use or not, e.g. after a failed step left the workers'
+        caches unknown."""
+        self.kv.invalidate_prefix_cache()
 
     # ---- the two-call step contract ------------------------------------------------------
 

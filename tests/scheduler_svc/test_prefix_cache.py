@@ -9,6 +9,7 @@ from scheduler_svc.core import kv_cache_manager
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from tests.support.core_harness import (
     assert_all_free,
+    check_invariants,
     fake_step,
     make_request,
     run_to_completion,
@@ -191,11 +192,37 @@ def test_prefix_caching_off_never_shares() -> None:
     assert stats.num_cached_blocks == 0 and stats.prefix_cache_queries == 0
 
 
-def test_reset_prefix_cache_forgets_everything() -> None:
+def test_invalidate_prefix_cache_forgets_everything() -> None:
     scheduler = make_scheduler()
     finish(scheduler, "a", list(range(100, 109)))
-    scheduler.reset_prefix_cache()
+    scheduler.invalidate_prefix_cache()
     assert scheduler.stats().num_cached_blocks == 0
     scheduler.add_request(make_request("b", prompt=list(range(100, 109))))
     output, _ = step(scheduler)
     assert output.new_requests[0].num_computed_tokens == 0
+
+
+def test_reset_prefix_cache_drops_free_blocks_and_keeps_those_in_use() -> None:
+    """The admin's reset while a request runs: the finished request's cached blocks are
+    dropped (fresh again), the running one's stay its own and stay cached; it finishes as
+    it would have, and a second reset once it is done drops the rest."""
+    scheduler = make_scheduler()
+    finish(scheduler, "done", list(range(100, 109)))  # two full cached blocks, now free
+    running = make_request("running", prompt=list(range(200, 209)), max_tokens=6)
+    scheduler.add_request(running)
+    step(scheduler)  # its prompt is computed: its two full blocks are cached, in use
+    assert num_hit_blocks(scheduler, list(range(100, 109))) == 2
+    held = set(running.block_ids)
+    assert scheduler.reset_prefix_cache() == 2
+    check_invariants(scheduler)
+    assert num_hit_blocks(scheduler, list(range(100, 109))) == 0
+    assert scheduler.stats().num_cached_blocks == 2  # the running request's
+    assert set(running.block_ids) == held
+    # A prompt sharing the running request's prefix still shares its blocks.
+    assert num_hit_blocks(scheduler, list(range(200, 209))) == 2
+    outputs = run_to_completion(scheduler)
+    assert outputs["running"] == [7] * 5  # after the one its first step sampled
+    assert_all_free(scheduler)
+    assert scheduler.reset_prefix_cache() == 3  # 9 prompt + 5 output tokens: 3 full blocks
+    assert scheduler.stats().num_cached_blocks == 0
+    assert scheduler.reset_prefix_cache() == 0
