@@ -24,7 +24,8 @@ from pagemesh.registry import Registry
 from pagemesh.registry_entries import RouterEntry
 from pagemesh.service_flags import ROUTER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
-from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
+from protos.pagemesh.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
+from router.admin import AdminServicer
 from router.http_api import build_http_app
 from router.resume import ResumeConfig
 from router.routing import RoutingConfig
@@ -38,6 +39,7 @@ from router.tool_calls import CallFormat, choose_format
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +87,17 @@ async def serve(args: argparse.Namespace) -> None:
     metrics.follow_router(lambda: directory.model_name, lambda: generation.num_in_flight,
                           lambda: directory.num_groups, lambda: dispatcher.num_resumes)
     metrics.follow_heartbeat(lambda: registry.last_heartbeat_s)
+    admin = AdminServicer(directory)
+    # The API key guards both services alike; health and reflection stay open.
+    interceptors = [ApiKeyInterceptor(api_keys, f"/{name}/")
+                    for name in (SERVICE_NAME, ADMIN_SERVICE_NAME)] if api_keys.enabled else []
     server = GrpcServer(
         config,
-        [SERVICE_NAME],
-        [lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
+        [SERVICE_NAME, ADMIN_SERVICE_NAME],
+        [lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
         reflection_enabled=True,
-        interceptors=[ApiKeyInterceptor(api_keys)] if api_keys.enabled else [],
+        interceptors=interceptors,
     )
     await server.start()
     server.install_signal_handlers()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pagemesh.checkpoints import TokenLogprobs
 from pagemesh.registry_entries import GroupStatus
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
+from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
 from protos.step import ModelRunnerOutput, RequestId, SampledToken, SamplingParams, SchedulerOutput
@@ -326,3 +327,45 @@ def stats_to_pb(stats: SchedulerStats, num_steps: int,
         group_status=GROUP_STATUS_TO_PB[status],
         num_recoveries=num_recoveries,
     )
+
+
+# --- admin (pagemesh.v1.Admin, forwarded to the workers) ------------------------------------
+
+
+def prefix_cache_reset_to_pb(group: str, scheduler_id: str, num_dropped: int,
+                             stats: SchedulerStats) -> scheduler_pb2.ResetPrefixCacheResponse:
+    """After a reset every block still cached is held by a running request."""
+    return scheduler_pb2.ResetPrefixCacheResponse(group=admin_pb2.GroupPrefixCacheReset(
+        group=group, scheduler_id=scheduler_id, num_blocks_dropped=num_dropped,
+        num_blocks_kept_in_use=stats.num_cached_blocks))
+
+
+def group_memory_to_pb(group: str, scheduler_id: str, stats: SchedulerStats,
+                       num_swap_blocks: int, ranks: list[admin_pb2.RankMemory]
+                       ) -> scheduler_pb2.GetMemoryResponse:
+    """The workers' memory with the group's block occupancy (the core's) on every rank:
+    the block ids the core hands out are the same on each rank."""
+    num_used = stats.num_blocks - stats.num_free_blocks
+    num_used_swap = num_swap_blocks - stats.num_free_swap_blocks
+    for rank in ranks:  # the workers' replies, this call's own: filled in place
+        rank.num_kv_blocks = stats.num_blocks
+        rank.num_used_kv_blocks = num_used
+        rank.num_free_kv_blocks = stats.num_free_blocks
+        rank.kv_cache_used_bytes = num_used * rank.kv_bytes_per_block
+        rank.num_used_swap_blocks = num_used_swap
+    return scheduler_pb2.GetMemoryResponse(group=admin_pb2.GroupMemory(
+        group=group, scheduler_id=scheduler_id, num_running=stats.num_running,
+        num_cached_blocks=stats.num_cached_blocks, ranks=ranks))
+
+
+def group_step_stats_to_pb(group: str, scheduler_id: str, num_steps: int,
+                           ranks: list[admin_pb2.RankStepStats]
+                           ) -> scheduler_pb2.GetStepStatsResponse:
+    return scheduler_pb2.GetStepStatsResponse(group=admin_pb2.GroupStepStats(
+        group=group, scheduler_id=scheduler_id, num_steps=num_steps, ranks=ranks))
+
+
+def group_profile(group: str, scheduler_id: str, traces: list[admin_pb2.ProfileTrace],
+                  refusals: list[str]) -> admin_pb2.GroupProfile:
+    return admin_pb2.GroupProfile(group=group, scheduler_id=scheduler_id, traces=traces,
+                                  error="; ".join(refusals))

@@ -99,14 +99,15 @@ async def serve(args: argparse.Namespace) -> None:
     await checkpointer.adopt_orphans()
     model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks,
                                           formed.weight_bytes, formed.kv_cache_bytes)
-    servicer = SchedulerServicer(loop, model_info, checkpointer)
+    scheduler_id = args.scheduler_id or args.group
+    servicer = SchedulerServicer(loop, model_info, checkpointer, group=args.group,
+                                 scheduler_id=scheduler_id)
     server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)])
     await server.start()
     server.install_signal_handlers()
     metrics = SchedulerMetrics(args.group)
     observe_engine(metrics, loop, checkpointer, registry)
     metrics_server = await serve_metrics(metrics, metrics_config(args))
-    scheduler_id = args.scheduler_id or args.group
 
     def registry_info() -> dict[str, object]:
         return SchedulerEntry(

@@ -3,12 +3,16 @@ converts their events back.
 
 Two ways in, one request life (`request_streams.py`): `Submit`, one call per request, and
 `Connect`, a router's one stream for all its requests (`connection.py`), which the router
-uses. Neither sees protobuf past this file."""
+uses. Neither sees protobuf past this file.
+
+The admin RPCs act on the core (`ResetPrefixCache`) or ask every worker of the group
+(`WorkerGroupClient`'s admin calls) and add the group's figures."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -24,6 +28,9 @@ from scheduler_svc.connection import DEFAULT_MAX_BUFFERED_TOKENS, ConnectionCutO
 from scheduler_svc.engine_loop import EngineLoop, QueueSink, StepFailed
 from scheduler_svc.messages import ConnectAction, ConnectBatch, Submission
 from scheduler_svc.request_streams import RequestStreams
+from scheduler_svc.worker_client import WorkerGroupClient
+
+logger = logging.getLogger(__name__)
 
 # What a server registering this servicer names for health and reflection.
 SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
@@ -36,8 +43,11 @@ def add_to_server(servicer: SchedulerServicer, server: grpc.aio.Server) -> None:
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, loop: EngineLoop, model_info: generate_pb2.GetModelInfoResponse,
                  checkpointer: Checkpointer | None = None,
-                 max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> None:
+                 max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
+                 group: str = "", scheduler_id: str = "") -> None:
         self.loop = loop
+        self.group = group  # the engine group's name and this scheduler's id, for admin replies
+        self.scheduler_id = scheduler_id or group
         self.model_info = model_info
         self.eos_token_ids = list(model_info.eos_token_ids)
         self.streams = RequestStreams(loop, checkpointer)
@@ -98,6 +108,55 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             reader.cancel()
             connection.close()
             self.connections.discard(connection)
+
+    # ---- admin (pagemesh.v1.Admin, forwarded by the router) -------------------------------
+
+    async def ResetPrefixCache(self, request: scheduler_pb2.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> scheduler_pb2.ResetPrefixCacheResponse:
+        # On the event loop, between two calls of the core: never inside a step's update.
+        scheduler = self.loop.scheduler
+        num_dropped = scheduler.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks dropped, %d kept (in use)",
+                    num_dropped, scheduler.stats().num_cached_blocks)
+        return convert.prefix_cache_reset_to_pb(self.group, self.scheduler_id, num_dropped,
+                                                scheduler.stats())
+
+    async def GetMemory(self, request: scheduler_pb2.GetMemoryRequest,
+                        context: grpc.aio.ServicerContext) -> scheduler_pb2.GetMemoryResponse:
+        ranks = await self._workers().get_memory()
+        scheduler = self.loop.scheduler  # after the await: the core of the same workers
+        return convert.group_memory_to_pb(self.group, self.scheduler_id, scheduler.stats(),
+                                          scheduler.config.num_swap_blocks, ranks)
+
+    async def GetStepStats(self, request: scheduler_pb2.GetStepStatsRequest,
+                           context: grpc.aio.ServicerContext) -> scheduler_pb2.GetStepStatsResponse:
+        ranks = await self._workers().get_step_stats(request.window_s)
+        return convert.group_step_stats_to_pb(self.group, self.scheduler_id, self.loop.num_steps,
+                                              ranks)
+
+    async def StartProfile(self, request: scheduler_pb2.StartProfileRequest,
+                           context: grpc.aio.ServicerContext) -> scheduler_pb2.StartProfileResponse:
+        refusals = await self._workers().start_profile(
+            request.out_dir, self.group or self.scheduler_id or "pagemesh",
+            request.record_shapes, request.with_stack)
+        return scheduler_pb2.StartProfileResponse(
+            group=convert.group_profile(self.group, self.scheduler_id, [], refusals))
+
+    async def StopProfile(self, request: scheduler_pb2.StopProfileRequest,
+                          context: grpc.aio.ServicerContext) -> scheduler_pb2.StopProfileResponse:
+        traces, refusals = await self._workers().stop_profile()
+        return scheduler_pb2.StopProfileResponse(
+            group=convert.group_profile(self.group, self.scheduler_id, traces, refusals))
+
+    def _workers(self) -> WorkerGroupClient:
+        """The group's workers now (a re-formation replaces them)."""
+        workers = self.loop.workers
+        if not isinstance(workers, WorkerGroupClient):
+            raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
+                               "this engine runs its model in-process: ask the runner "
+                               "(worker_svc.diagnostics) directly")
+        return workers
 
     def _submission(self, request: scheduler_pb2.SubmitRequest) -> Submission:
         """The message as admitted; one that cannot run is INVALID_ARGUMENT (checked before

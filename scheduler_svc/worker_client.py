@@ -10,13 +10,17 @@ import grpc
 
 from pagemesh import keepalive
 from pagemesh.tls import TlsConfig
-from protos.pagemesh.worker.v1 import worker_pb2_grpc
+from protos.pagemesh.v1 import admin_pb2
+from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
 from scheduler_svc.group_formation import WorkerEndpoint
 from scheduler_svc.messages import WorkerInfo
 
 logger = logging.getLogger(__name__)
+
+_ADMIN_TIMEOUT_S = 10.0
+_STOP_PROFILE_TIMEOUT_S = 300.0  # writing a long trace takes a while
 
 
 class WorkerGroupClient:
@@ -86,6 +90,49 @@ class WorkerGroupClient:
     async def unresponsive(self, timeout_s: float) -> list[str]:
         """Members that do not answer within `timeout_s`, as `worker <id> (<address>)`."""
         return [f"worker {e.worker_id} ({e.address})" for e in await self.find_dead(timeout_s)]
+
+    # ---- admin: each member's report, passed through (pagemesh.v1.Admin's messages) -------
+
+    async def get_memory(self) -> list[admin_pb2.RankMemory]:
+        """Every member's memory, in endpoint ((pp_rank, tp_rank)) order. Raises
+        grpc.aio.AioRpcError when one does not answer."""
+        responses = await asyncio.gather(*(stub.GetMemory(
+            worker_pb2.GetMemoryRequest(), timeout=_ADMIN_TIMEOUT_S) for stub in self._stubs))
+        return [response.memory for response in responses]
+
+    async def get_step_stats(self, window_s: float) -> list[admin_pb2.RankStepStats]:
+        """Every member's step statistics over the last `window_s` seconds, in endpoint order."""
+        request = worker_pb2.GetStepStatsRequest(window_s=window_s)
+        responses = await asyncio.gather(*(stub.GetStepStats(request, timeout=_ADMIN_TIMEOUT_S)
+                                           for stub in self._stubs))
+        return [response.stats for response in responses]
+
+    async def start_profile(self, out_dir: str, trace_name: str, record_shapes: bool,
+                            with_stack: bool) -> list[str]:
+        """Starts a trace on every member; returns why each member that refused did."""
+        request = worker_pb2.StartProfileRequest(out_dir=out_dir, trace_name=trace_name,
+                                                 record_shapes=record_shapes, with_stack=with_stack)
+        results = await asyncio.gather(*(stub.StartProfile(request, timeout=_ADMIN_TIMEOUT_S)
+                                         for stub in self._stubs), return_exceptions=True)
+        return self._refusals(results)
+
+    async def stop_profile(self) -> tuple[list[admin_pb2.ProfileTrace], list[str]]:
+        """Stops every member's trace: the traces written, and why each other member failed."""
+        results = await asyncio.gather(*(stub.StopProfile(
+            worker_pb2.StopProfileRequest(), timeout=_STOP_PROFILE_TIMEOUT_S)
+            for stub in self._stubs), return_exceptions=True)
+        traces = [r.trace for r in results if isinstance(r, worker_pb2.StopProfileResponse)]
+        return traces, self._refusals(results)
+
+    def _refusals(self, results: list[object]) -> list[str]:
+        refusals = []
+        for endpoint, result in zip(self.endpoints, results):
+            if isinstance(result, grpc.aio.AioRpcError):
+                refusals.append(f"worker {endpoint.worker_id}: {result.code().name}: "
+                                f"{result.details()}")
+            elif isinstance(result, BaseException):
+                raise result
+        return refusals
 
     async def close(self) -> None:
         for channel in self._channels:

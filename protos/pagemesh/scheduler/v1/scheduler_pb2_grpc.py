@@ -142,7 +142,7 @@ class SchedulerServicer:
 
     def StartProfile(self, request, context):
         """Starts / stops a torch.profiler trace on every worker of the group. A worker that
-        refuses fails the call with its status (FAILED_PRECONDITION: already tracing, or not).
+        refuses (already tracing, or not) is named in the reply's `error`; the others act.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
