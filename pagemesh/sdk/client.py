@@ -98,6 +98,19 @@ class Client:
 
     # --- other calls ----------------------------------------------------------------------
 
+    def resume(self, request_id: str, resume_from: int, *, n: int = 1) -> CompletionStream:
+        """The rest of a stream begun elsewhere (another process, or before this one
+        restarted): what follows the first `resume_from` tokens of each of its `n` samples,
+        resumed again if it breaks. NotFound when the request has no checkpoint (it finished
+        and was delivered, or its resume window passed)."""
+        if resume_from < 0:
+            raise errors.InvalidArgument(f"resume_from must be >= 0, got {resume_from}")
+        state = StreamState.resuming(
+            request_id, resume_from, n, self.config.policy,
+            num_addresses=len(self.config.addresses), first_address=next(self._turns),
+            deadline=self._deadline(), clock=time.monotonic)
+        return CompletionStream(self, state)
+
     def tokenize(self, text: str, *, chat: bool = False) -> TokenizeResult:
         """The served model's token ids of `text` (`chat`: as one user message through the
         chat template)."""
@@ -132,10 +145,12 @@ class Client:
                 self._channels[index] = channel
         return generate_pb2_grpc.GenerationStub(channel)
 
+    def _deadline(self) -> float | None:
+        return None if self.config.timeout_s is None else time.monotonic() + self.config.timeout_s
+
     def _open(self, request: generate_pb2.GenerateRequest) -> CompletionStream:
-        deadline = None if self.config.timeout_s is None else time.monotonic() + self.config.timeout_s
         state = StreamState(request, self.config.policy, num_addresses=len(self.config.addresses),
-                            first_address=next(self._turns), deadline=deadline,
+                            first_address=next(self._turns), deadline=self._deadline(),
                             clock=time.monotonic)
         return CompletionStream(self, state)
 

@@ -105,6 +105,22 @@ class StreamState:
         self._suspect = 0  # suspect failures since the last new chunk
         self._give_up_at: float | None = None  # resume deadline of the current break
 
+    @classmethod
+    def resuming(cls, request_id: str, resume_from: int, n: int, policy: ResumePolicy, *,
+                 num_addresses: int, first_address: int = 0, deadline: float | None = None,
+                 clock: Callable[[], float]) -> StreamState:
+        """A stream another process (or an earlier life of this one) began: every sample
+        already has `resume_from` tokens, and what comes is what follows them."""
+        request = generate_pb2.GenerateRequest(request_id=request_id, resume_from=resume_from,
+                                               n=n)
+        state = cls(request, policy, num_addresses=num_addresses, first_address=first_address,
+                    deadline=deadline, clock=clock)
+        for sample in state._samples:
+            sample.num_tokens = resume_from
+            sample.boundaries = {resume_from: 0}  # their text is not ours: count from there
+        state._received = True
+        return state
+
     @property
     def complete(self) -> bool:
         """Every sample finished: the stream has nothing more to give."""

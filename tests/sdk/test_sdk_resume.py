@@ -224,3 +224,18 @@ def test_the_calls_own_deadline_is_not_resumed() -> None:
     assert s.remaining_s() == 0.0
     with pytest.raises(errors.DeadlineExceeded):
         s.failed(grpc.StatusCode.DEADLINE_EXCEEDED, "ours")
+
+
+def test_a_stream_begun_elsewhere_continues_after_its_count_and_resumes_again() -> None:
+    clock = Clock()
+    s = StreamState.resuming("r", 3, 2, ResumePolicy(), num_addresses=1, clock=clock)
+    first = s.next_request()
+    assert (first.request_id, first.resume_from, first.text) == ("r", 3, "")
+    completion = Completion.empty("r", 2)
+    stream = router(3, {0: 3, 1: 3})
+    feed(s, completion, stream[:3])  # sample 0 has 5 tokens, sample 1 has 4
+    s.failed(grpc.StatusCode.UNAVAILABLE, "")
+    assert s.next_request().resume_from == 4
+    feed(s, completion, router(4, {0: 5, 1: 4}))
+    assert [o.token_ids for o in completion.outputs] == [OUTPUTS[0][3:], OUTPUTS[1][3:]]
+    assert completion.outputs[1].text == "".join(map(text_of, OUTPUTS[1][3:]))
