@@ -1,0 +1,286 @@
+"""`pagemesh.LLM`: vLLM's offline API on pagemesh's engine core, in this process.
+
+    from pagemesh import LLM, SamplingParams
+
+    llm = LLM("path/to/model")  # a Hugging Face folder or a .gguf file
+    for output in llm.generate(["The capital of France is"], SamplingParams(max_tokens=8)):
+        print(output.outputs[0].text)
+
+A vLLM script runs with only its import changed: the names, defaults and shapes are vLLM's
+(`generate`, `chat`, `RequestOutput`, `CompletionOutput`, `SamplingParams`).
+
+With `tensor_parallel_size = pipeline_parallel_size = 1` the engine core runs in this
+process: the scheduler service's engine loop (pagemesh/offline/engine.py) over a model
+runner on a model thread; no Redis, no gRPC, no port. Larger groups start one worker
+process per rank on this machine (pagemesh/offline/local_workers.py), torn down by
+`close()`, by leaving a `with` block, or at interpreter exit. Requests are validated,
+seeded, detokenized and stopped by the router's own code (pagemesh/offline/batch.py), so
+the same model, prompt and parameters give the same tokens as the mesh (greedy, or with a
+seed) and the same errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pagemesh.offline.batch import BatchSink, Prompt, prepare
+from pagemesh.offline.engine import EngineCore
+from pagemesh.offline.outputs import RequestOutput
+from pagemesh.sampling_params import SamplingParams
+from router.openai_protocol import parse_chat
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+WAIT_SLICE_S = 0.2  # how often a waiting generate() wakes (so Ctrl-C is noticed)
+
+# vLLM engine arguments a script may pass that change nothing here.
+_IGNORED_VLLM_ARGS = frozenset({
+    "trust_remote_code", "enforce_eager", "disable_log_stats", "tokenizer_mode",
+    "disable_custom_all_reduce", "compilation_config", "load_format", "download_dir",
+})
+
+PromptInput = str | list[int] | dict[str, Any]
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation (vLLM's `LLM`).
+
+    - model: a Hugging Face folder (config.json, *.safetensors, tokenizer) or a .gguf
+      file; None = the default SmolLM2-135M-Instruct GGUF.
+    - tensor_parallel_size, pipeline_parallel_size: ranks per stage and stages; more than
+      one rank starts worker processes on this machine (one GPU each on CUDA).
+    - dtype: "auto" | "float32" | "bfloat16" | "float16" (auto: bf16 on GPUs, on CPU what
+      this CPU computes fastest).
+    - max_model_len: cap on prompt + output tokens (default: the model's).
+    - kv_cache_memory_gib: KV cache per rank, GiB (default: sized from the device, as
+      `pagemesh up` does: gpu_memory_utilization on CUDA, a share of free memory on CPU).
+    - swap_space: CPU memory per rank, GiB, for the KV of requests preempted by swapping
+      (vLLM's default, 4); 0 = preempted requests are recomputed.
+    - enable_prefix_caching: reuse the KV of prompt blocks computed before.
+    - seed: seeds the draws of requests whose SamplingParams have no seed, so a script
+      gives the same outputs run after run (vLLM's default 0); None = fresh randomness.
+    - gpu_memory_utilization: CUDA, share of the device's memory for weights, activations
+      and KV cache.
+    - max_num_seqs, max_num_batched_tokens: requests, and tokens, per step.
+    - device: "auto" (CUDA when available) | "cpu" | "cuda".
+
+    Raises FileNotFoundError for a missing model and ValueError for a model or layout it
+    cannot serve, before any weight is loaded or memory is set aside.
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 dtype: str = "auto", max_model_len: int | None = None,
+                 kv_cache_memory_gib: float | None = None, swap_space: float = 4.0,
+                 enable_prefix_caching: bool = True, seed: int | None = 0,
+                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int = 2048, block_size: int = 16,
+                 device: str = "auto", **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - _IGNORED_VLLM_ARGS)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}")
+        self._engine: EngineCore | None = None
+        self._workers: Any = None
+        from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
+
+        setup = EngineSetup(
+            model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, dtype=dtype,
+            max_model_len=max_model_len, kv_cache_memory_gib=kv_cache_memory_gib,
+            swap_space_gib=swap_space, enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            device=device)
+        checked = check_servable(setup)  # before anything is loaded or allocated
+        built = build_engine(setup, checked)
+        self.model_path = checked.model_path
+        self.tokenizer = built.tokenizer
+        self.info = built.info  # the driver rank's RunnerInfo
+        self.limits = built.limits
+        self.num_kv_blocks = built.num_kv_blocks
+        self._grammars = built.grammars
+        self._workers = built.workers
+        self._engine = built.engine
+        self._seeds: random.Random = random.SystemRandom() if seed is None else random.Random(seed)
+        self._next_request_id = 0
+
+    # ------------------------------------------------------------------ vLLM's API
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool | Callable[..., Any] = True,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None,
+                 priority: list[int] | None = None, **kwargs: Any) -> list[RequestOutput]:
+        """Generates for every prompt and returns one RequestOutput each, in order.
+
+        `prompts`: a string, a list of token ids, a `{"prompt": str}` or
+        `{"prompt_token_ids": [...]}` dict, or a list of these. `sampling_params`: one for
+        every prompt, or one per prompt (default `SamplingParams()`: 16 tokens at
+        temperature 1). `priority`: per prompt, lower runs first (it matters only when the
+        batch does not fit at once). Raises ValueError, before anything runs, for a prompt
+        or parameters the servers would refuse (their message; a note names the prompt)."""
+        _check_unused(kwargs, "generate")
+        if prompts is None:
+            prompts = prompt_token_ids  # vLLM's older keyword
+        parsed = [self._prompt(p) for p in _as_list(prompts)]
+        return self._run(parsed, sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, use_tqdm: bool | Callable[..., Any] = True,
+             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[RequestOutput]:
+        """Generates the assistant's reply to each conversation (`[{"role", "content"}, ...]`,
+        or a list of them) through the model's chat template, with the `tools` it shows the
+        model (OpenAI's function definitions). Messages are checked as the OpenAI API checks
+        them (ValueError with its message)."""
+        _check_unused(kwargs, "chat")
+        conversations = ([messages] if messages and isinstance(messages[0], dict)
+                         else list(messages))
+        parsed = []
+        for conversation in conversations:
+            normalized = parse_chat({"messages": conversation}).messages
+            token_ids = self.tokenizer.apply_chat_messages(normalized, tools=tools)
+            parsed.append(Prompt(self.tokenizer.decode(token_ids, skip_special_tokens=False),
+                                 token_ids))
+        return self._run(parsed, sampling_params, use_tqdm, None)
+
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer."""
+        return self.tokenizer.hf
+
+    def close(self) -> None:
+        """Stops the engine and any worker processes; idempotent. The LLM cannot generate
+        afterwards."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the finalizers stop the ranks
+            pass
+
+    # ------------------------------------------------------------------ internals
+
+    def _prompt(self, prompt: PromptInput) -> Prompt:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return Prompt(prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"]))
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: send at least one character or token")
+            return Prompt(prompt, self.tokenizer.encode(prompt))
+        return Prompt(None, _token_ids(prompt))
+
+    def _run(self, prompts: list[Prompt], sampling_params: Any,
+             use_tqdm: bool | Callable[..., Any], priority: list[int] | None
+             ) -> list[RequestOutput]:
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError("this LLM was closed")
+        params = _params_per_prompt(sampling_params, len(prompts))
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts")
+            for prompt, value in zip(prompts, priority):
+                prompt.priority = value
+        prepared = []
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            request_id = str(self._next_request_id + index)
+            try:
+                prepared.append(prepare(request_id, prompt, p, self.limits, self._grammars,
+                                        self._seeds.getrandbits(63)))
+            except ValueError as exc:  # the servers' message as it is; the index as a note
+                exc.add_note(f"(prompt {index} of this call)")
+                raise
+        self._next_request_id += len(prompts)
+        progress = _progress_bar(use_tqdm, len(prepared))
+        sink = BatchSink(prepared, self.tokenizer, engine.engine_loop.abort,
+                         progress.update if progress is not None else None)
+        submitted: list[str] = []
+        try:
+            for request in prepared:
+                engine.submit(request.core_requests, sink)
+                submitted += [r.request_id for r in request.core_requests]
+            while not sink.wait(WAIT_SLICE_S):
+                pass
+        except BaseException:  # Ctrl-C, or a request that can never fit: stop them all
+            engine.abort(submitted)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        if sink.error is not None:
+            engine.abort(submitted)
+            raise RuntimeError(f"generation failed: {sink.error}")
+        return sink.outputs()
+
+
+def _as_list(prompts: Any) -> list[Any]:
+    """One prompt (text, token ids, a dict) or a list of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]  # one prompt of token ids
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        return list(prompts)
+    raise ValueError("prompts must be a string, a list of token ids, a prompt dict, or a "
+                     f"list of these; got {type(prompts).__name__}")
+
+
+def _token_ids(value: Any) -> list[int]:
+    if (isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and value
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        return list(value)
+    raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+
+
+def _params_per_prompt(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} "
+                         "prompts; give one for all, or one per prompt")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+    return params
+
+
+def _check_unused(kwargs: dict[str, Any], method: str) -> None:
+    """vLLM's LoRA and multimodal arguments: refused when used, accepted when empty."""
+    used = sorted(name for name, value in kwargs.items() if value is not None)
+    if used:
+        raise ValueError(f"{method}() does not support {', '.join(used)} in pagemesh")
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    if not use_tqdm:
+        return None
+    factory = use_tqdm
+    if factory is True:
+        try:
+            from tqdm.auto import tqdm as factory
+        except ImportError:
+            return None
+    return factory(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,190 @@
+"""How the offline `LLM` checks what it was asked to serve, then builds its engine: the
+model runner(s) sized as `pagemesh up` sizes its workers, the scheduler core sized from
+what they report (as scheduler_svc/main.py does), the engine loop on its thread.
+
+`check_servable` reads only the checkpoint's config and the tokenizer, so a missing path,
+an architecture the loader does not know, or a tensor-parallel size the heads do not
+divide fails at once, before any weight is read or any memory is set aside.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagemesh.offline.engine import EngineCore
+from router.structured import GrammarCompiler
+from router.tokenizer import Tokenizer, load_tokenizer
+from router.validation import ModelLimits
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from worker_svc.runner import RunnerConfig, RunnerInfo
+
+GIB = 1 << 30
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+CPU_KV_CACHE_FRACTION = 0.4  # of the host's available memory, shared by the ranks
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What the LLM was asked for (units: GiB for memory, tokens for lengths)."""
+
+    model: str | None
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_memory_gib: float | None = None
+    swap_space_gib: float = 4.0
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    device: str = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class CheckedSetup:
+    model_path: str
+    device: str  # "cpu" or "cuda"
+    tokenizer: Tokenizer
+
+
+@dataclass
+class BuiltEngine:
+    engine: EngineCore
+    tokenizer: Tokenizer
+    info: RunnerInfo  # the driver rank's
+    limits: ModelLimits
+    num_kv_blocks: int
+    grammars: GrammarCompiler
+    workers: Any = None  # LocalWorkers for more than one rank
+
+
+def check_servable(setup: EngineSetup) -> CheckedSetup:
+    """Raises FileNotFoundError (no such model) or ValueError (what cannot be served, and
+    why) having read only configs and the tokenizer."""
+    _check_numbers(setup)
+    if setup.model is None:
+        from pagemesh.models import default_model_path
+
+        model_path = default_model_path()
+    else:
+        model_path = str(Path(os.path.expanduser(setup.model)))
+        if not Path(model_path).exists():
+            raise FileNotFoundError(f"model path {model_path} does not exist; pass a Hugging "
+                                    "Face model folder or a .gguf file")
+    device = _device(setup)
+    import torch  # noqa: F401  (the loader's imports)
+
+    from worker_svc.loader import open_source
+    from worker_svc.model.parallel_layers import check_tensor_parallel
+    from worker_svc.parallel import ParallelConfig
+
+    try:
+        source = open_source(model_path)
+    except FileNotFoundError:
+        raise
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"cannot serve {model_path}: {exc}") from exc
+    check_tensor_parallel(source.config, setup.tensor_parallel_size)
+    ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0
+                   ).layer_range(source.config.num_layers)
+    tokenizer = load_tokenizer(setup.tokenizer or model_path)  # TokenizerError: a ValueError
+    return CheckedSetup(model_path, device, tokenizer)
+
+
+def _check_numbers(setup: EngineSetup) -> None:
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs",
+                 "max_num_batched_tokens", "block_size"):
+        value = getattr(setup, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if setup.max_model_len is not None and setup.max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1 (tokens), got {setup.max_model_len}")
+    if setup.kv_cache_memory_gib is not None and not setup.kv_cache_memory_gib > 0:
+        raise ValueError(f"kv_cache_memory_gib must be > 0, got {setup.kv_cache_memory_gib}")
+    if not setup.swap_space_gib >= 0:
+        raise ValueError(f"swap_space must be >= 0 (GiB), got {setup.swap_space_gib}")
+    if not 0 < setup.gpu_memory_utilization <= 1:
+        raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                         f"{setup.gpu_memory_utilization}")
+    if setup.dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {setup.dtype!r}")
+    if setup.device not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {setup.device!r}")
+
+
+def _device(setup: EngineSetup) -> str:
+    import torch
+
+    device = setup.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        available = torch.cuda.device_count()
+        if available < setup.world_size:
+            raise ValueError(f"{setup.world_size} ranks need as many GPUs; this machine has "
+                             f"{available}")
+    return device
+
+
+def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
+    """Loads the model (one rank here, or one process per rank) and starts the engine."""
+    from kernels import cpu_native
+    from scheduler_svc.executor import InprocExecutor
+    from worker_svc.inproc import step_function
+    from worker_svc.parallel import ParallelConfig
+    from worker_svc.runner import ModelRunner
+
+    cpu_native.configure(cpu_native.native_kernel_config_from_env(os.environ))
+    world_size = setup.world_size
+    config = RunnerConfig(
+        model_path=checked.model_path, dtype=setup.dtype, device=checked.device,
+        block_size=setup.block_size,
+        kv_cache_memory_bytes=(None if setup.kv_cache_memory_gib is None
+                               else int(setup.kv_cache_memory_gib * GIB)),
+        gpu_memory_utilization=setup.gpu_memory_utilization,
+        cpu_kv_cache_fraction=CPU_KV_CACHE_FRACTION / world_size,
+        max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
+        swap_space_bytes=int(setup.swap_space_gib * GIB), max_model_len=setup.max_model_len,
+        parallel=ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0),
+    )
+    workers = None
+    if world_size == 1:
+        runner = ModelRunner.from_config(config)
+        infos = [runner.info()]
+        lead = infos[0]
+        executor: Any = InprocExecutor(step_function(runner))
+    else:
+        from pagemesh.offline.local_workers import (LocalWorkers, LocalWorkersExecutor,
+                                                    default_num_threads)
+
+        num_threads = default_num_threads(world_size) if checked.device == "cpu" else 0
+        workers = LocalWorkers(config, num_threads)
+        infos = workers.infos
+        lead = infos[workers.driver_rank]
+        executor = LocalWorkersExecutor(workers)
+    scheduler_config = SchedulerConfig(
+        num_blocks=min(info.num_blocks for info in infos), block_size=lead.block_size,
+        max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
+        max_model_len=lead.max_model_len, enable_prefix_caching=setup.enable_prefix_caching,
+        num_swap_blocks=min(info.num_swap_blocks for info in infos),
+        num_microbatches=setup.pipeline_parallel_size,
+        async_scheduling=world_size == 1,  # only a lone rank fills in its own tokens
+    )
+    engine = EngineCore(Scheduler(scheduler_config), executor,
+                        max_steps_in_flight=setup.pipeline_parallel_size)
+    limits = ModelLimits(name=lead.model_name, max_model_len=lead.max_model_len,
+                         vocab_size=lead.vocab_size, eos_token_ids=list(lead.eos_token_ids))
+    return BuiltEngine(engine, checked.tokenizer, lead, limits, scheduler_config.num_blocks,
+                       GrammarCompiler(checked.tokenizer), workers)
