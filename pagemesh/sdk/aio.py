@@ -186,6 +186,7 @@ class AsyncCompletionStream:
         while True:
             call = self._client._stub(state.address_index).Generate(
                 state.next_request(), metadata=metadata, timeout=state.remaining_s())
+            failure: tuple[grpc.StatusCode | None, str] = (None, "")  # an early clean end
             try:
                 async for response in call:
                     chunk = state.accept(response)
@@ -193,9 +194,8 @@ class AsyncCompletionStream:
                         yield chunk
                 if state.complete:
                     return
-                wait_s = state.failed(None, "")
             except grpc.aio.AioRpcError as exc:
-                wait_s = state.failed(exc.code(), exc.details() or "")
+                failure = (exc.code(), exc.details() or "")
             finally:
-                call.cancel()
-            await asyncio.sleep(wait_s)
+                call.cancel()  # no-op once ended; frees the router's work when the caller stops
+            await asyncio.sleep(state.failed(*failure))

@@ -217,6 +217,7 @@ class CompletionStream:
         while True:
             call = self._client._stub(state.address_index).Generate(
                 state.next_request(), metadata=metadata, timeout=state.remaining_s())
+            failure: tuple[grpc.StatusCode | None, str] = (None, "")  # an early clean end
             try:
                 for response in call:
                     chunk = state.accept(response)
@@ -224,9 +225,8 @@ class CompletionStream:
                         yield chunk
                 if state.complete:
                     return
-                wait_s = state.failed(None, "")
             except grpc.RpcError as exc:
-                wait_s = state.failed(exc.code(), exc.details() or "")
+                failure = (exc.code(), exc.details() or "")
             finally:
                 call.cancel()  # no-op once ended; frees the router's work when the caller stops
-            time.sleep(wait_s)
+            time.sleep(state.failed(*failure))
