@@ -19,13 +19,17 @@ How a resume is exact (each token and character reaches the caller once):
 - Nothing received yet: the request is sent again whole, under the same id; a router that
   has its checkpoint replays it, one that has not starts it.
 
-Which failures are resumed mirror router/resume.py's (the router resuming on engine groups):
-the peer gone (UNAVAILABLE, ABORTED, CANCELLED, DEADLINE_EXCEEDED not of our own deadline)
-until `resume_timeout_s` passes without a new chunk; a suspect failure (UNKNOWN, INTERNAL,
-a stream that ended before every sample finished) at most `max_suspect_retries` times in a
-row; anything else (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAUTHENTICATED, ...)
-never. A request that received nothing yet tries each router address once and then fails:
-no router to take a new request is an error to report, not to wait out.
+Which failures are resumed mirrors router/resume.py (the router resuming on engine groups):
+- the peer gone (UNAVAILABLE, ABORTED, CANCELLED, DEADLINE_EXCEEDED not of the call's own
+  deadline), until `resume_timeout_s` passes without a new chunk; so is a resume that a
+  router's admission limit refuses (RESOURCE_EXHAUSTED: every client of a dead router
+  arriving at once), as the request is owed its answer;
+- a suspect failure (UNKNOWN, INTERNAL, a stream that ended before every sample finished)
+  at most `max_suspect_retries` times in a row: a deterministic bug must not keep the
+  caller waiting for the whole timeout;
+- anything else (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, ...) never.
+A request that received nothing yet tries each router address once and then fails: no
+router to take a new request is an error to report, not to wait out.
 """
 
 from __future__ import annotations
@@ -195,7 +199,10 @@ class StreamState:
                 and now >= self.deadline:
             raise self._error(code, details)
         suspect = code in SUSPECT_CODES
-        if code not in PEER_GONE_CODES and not suspect:
+        # A resume refused by a router's admission limit (every client of a dead router
+        # arriving at once) is owed its answer: it waits like for a router that is down.
+        busy = code is grpc.StatusCode.RESOURCE_EXHAUSTED and self._received
+        if code not in PEER_GONE_CODES and not suspect and not busy:
             raise self._error(code, details)
         self._failures += 1
         self._suspect += suspect

@@ -239,3 +239,11 @@ def test_a_stream_begun_elsewhere_continues_after_its_count_and_resumes_again() 
     feed(s, completion, router(4, {0: 5, 1: 4}))
     assert [o.token_ids for o in completion.outputs] == [OUTPUTS[0][3:], OUTPUTS[1][3:]]
     assert completion.outputs[1].text == "".join(map(text_of, OUTPUTS[1][3:]))
+
+
+def test_a_resume_refused_by_the_admission_limit_waits_a_new_request_does_not() -> None:
+    s, _ = started()
+    assert s.failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full") == 0.1
+    fresh, _ = state(n=1)
+    with pytest.raises(errors.ResourceExhausted):
+        fresh.failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
