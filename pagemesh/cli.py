@@ -1,6 +1,8 @@
 """The `pagemesh` command: `up` starts a local mesh, `generate` streams from a router,
 `top` shows a running cluster, `health` checks one service (for container health checks),
-`bench` loads a running router with a named workload (code in pagemesh/loadgen)."""
+`admin` and `profile` call the router's Admin service (pagemesh/admin.py), `bench` loads a
+running router with a named workload (code in pagemesh/loadgen). `top`, `health`, `admin`
+and `profile` find a local `pagemesh up` with no flags (pagemesh/discovery.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import sys
 
 from pagemesh import client, local_mesh
+from pagemesh.admin import add_admin_parser, add_profile_parser
 from pagemesh.config import add_flag, add_options, add_tls_flags
 from pagemesh.health import add_health_parser
 from pagemesh.loadgen.cli import add_bench_parser
@@ -69,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     add_top_parser(sub)
     add_health_parser(sub)
+    add_admin_parser(sub)
+    add_profile_parser(sub)
     add_bench_parser(sub)
     return parser
 

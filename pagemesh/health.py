@@ -16,14 +16,16 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh import discovery
 from pagemesh.config import add_flag, add_tls_flags, tls_config
 from pagemesh.tls import TlsConfig
 
 
 def add_health_parser(sub: argparse._SubParsersAction) -> None:
     health = sub.add_parser("health", help="check a service's gRPC health: exit 0 if SERVING, else 1")
-    add_flag(health, "--address", default="127.0.0.1:50051",
-             help="host:port of a router, scheduler or worker")
+    add_flag(health, "--address", default=None,
+             help="host:port of a router, scheduler or worker (default: the local "
+                  f"`pagemesh up`'s router, else {discovery.DEFAULT_ROUTER_ADDRESS})")
     add_flag(health, "--service", default="",
              help="service name to ask about, e.g. pagemesh.v1.Generation ('' = the whole server)")
     add_flag(health, "--timeout-s", type=float, default=2.0,
@@ -72,6 +74,10 @@ def run_health(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a missing certificate file, a key without its certificate
         serving, seen = False, f"bad TLS flags: {exc}"
     else:
-        serving, seen = check(args.address, args.service, args.timeout_s, tls, args.tls_server_name)
+        where = discovery.resolve_router(args.address)
+        serving, seen = check(where.address, args.service, args.timeout_s, tls,
+                              args.tls_server_name)
+        if not serving and where.source != "--address":
+            seen += f" [address from {where.source}]"
     print(f"pagemesh health: {seen}", file=sys.stderr)
     return 0 if serving else 1

@@ -2,6 +2,9 @@
 
 Each service is its own process, started by module name with the same flags the compose
 files pass; they find each other through Redis. Ctrl-C (or SIGTERM) stops all of them.
+While it runs, it announces its Redis URL, cluster and router address in a state file
+(pagemesh/discovery.py), so that `pagemesh top`, `health`, `admin` and `profile` find it
+with no flags.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh import discovery
 from pagemesh.config import tls_config
 from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
@@ -124,6 +128,24 @@ def _start_valkey(port: int | None) -> Any:
     return server
 
 
+def _announce(args: argparse.Namespace, redis_url: str, tls: TlsConfig) -> Path | None:
+    """The state file the commands find this mesh by; None (and a warning) if it cannot be
+    written: the mesh serves anyway, the commands then need their flags."""
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    scheme = "https" if tls.serves_tls else "http"
+    mesh = discovery.LocalMesh(
+        pid=os.getpid(), redis_url=redis_url, cluster=args.cluster,
+        router_address=f"{host}:{args.port}",
+        http_url=f"{scheme}://{host}:{args.http_port}/v1" if args.http_port else "",
+        started_at=time.time())
+    try:
+        return discovery.announce(mesh)
+    except OSError as exc:
+        logger.warning("could not write the local mesh's state file (%s): `pagemesh top` and "
+                       "the admin commands will need --redis-url / --address", exc)
+        return None
+
+
 def run_up(args: argparse.Namespace) -> int:
     setup_logging("pagemesh", args.log_level)
     model = args.model or default_model_path()
@@ -145,7 +167,9 @@ def run_up(args: argparse.Namespace) -> int:
     exit_code = 0
     # A child alive but not running (frozen, wedged) is killed, then restarted below.
     liveness = LivenessProbe(redis_url, args.cluster, supervisor.pids, tls)
+    announced: Path | None = None
     try:
+        announced = _announce(args, redis_url, tls)
         for spec in service_specs(args, model, redis_url):
             supervisor.start(spec)
         liveness.start()
@@ -157,6 +181,7 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"pagemesh is up: model {model}\n"
                   f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n{http}"
                   f"  try   pagemesh generate --chat \"What is the capital of France?\"\n"
+                  f"        pagemesh top; pagemesh admin memory (found with no flags)\n"
                   f"  Redis {redis_url}\nCtrl-C stops every process.", flush=True)
         while ready and not stop:
             supervisor.restart_dead()  # the rest of the mesh serves on meanwhile
@@ -173,6 +198,8 @@ def run_up(args: argparse.Namespace) -> int:
                          supervisor.dead_children())
             exit_code = 1
     finally:
+        if announced is not None:
+            discovery.withdraw(announced)
         liveness.stop()
         supervisor.stop()
         if embedded is not None:

@@ -24,6 +24,7 @@ from typing import Any
 import redis
 from rich.console import Console
 
+from pagemesh import discovery
 from pagemesh.config import add_flag
 from pagemesh.registry_entries import KINDS, ServiceEntry, entry_from_json
 from pagemesh.top_render import render
@@ -126,9 +127,12 @@ def _load_entry(kind: str, key: str, raw: str | None) -> ServiceEntry | None:
 
 def add_top_parser(sub: argparse._SubParsersAction) -> None:
     top = sub.add_parser("top", help="live view of a cluster: groups, workers, routers, tokens/s")
-    add_flag(top, "--redis-url", default="redis://127.0.0.1:6379/0",
-             help="Redis holding the cluster's registry")
-    add_flag(top, "--cluster", default="pagemesh", help="key prefix of the mesh in Redis")
+    add_flag(top, "--redis-url", default=None,
+             help="Redis holding the cluster's registry (default: the local `pagemesh up`'s, "
+                  f"else {discovery.DEFAULT_REDIS_URL})")
+    add_flag(top, "--cluster", default=None,
+             help="key prefix of the mesh in Redis (default: the local `pagemesh up`'s, else "
+                  f"{discovery.DEFAULT_CLUSTER})")
     add_flag(top, "--interval", type=float, default=1.0,
              help="seconds between refreshes; with --once, the window rates are measured over "
                   "(0 = one read: no rates, latency medians since the services started)")
@@ -149,7 +153,8 @@ def add_top_parser(sub: argparse._SubParsersAction) -> None:
 def run_top(args: argparse.Namespace) -> int:
     if args.interval < 0:
         raise SystemExit("--interval must be >= 0")
-    reader = ClusterReader(args.redis_url, args.cluster, args.heartbeat_ttl_s,
+    where = discovery.resolve_registry(args.redis_url, args.cluster)
+    reader = ClusterReader(where.redis_url, where.cluster, args.heartbeat_ttl_s,
                            args.scrape_timeout_s)
     try:
         if args.prometheus_targets:
@@ -158,11 +163,11 @@ def run_top(args: argparse.Namespace) -> int:
             return print_once(reader, args.interval, args.format)
         from pagemesh.top_app import TopApp  # textual loads only for the live view
 
-        TopApp(reader.read, max(args.interval, 0.1), args.cluster).run()
+        TopApp(reader.read, max(args.interval, 0.1), where.cluster).run()
         return 0
     except redis.RedisError as exc:
-        print(f"pagemesh top: cannot read the registry at {args.redis_url}: {exc}",
-              file=sys.stderr)
+        print(f"pagemesh top: cannot read the registry at {where.redis_url} ({where.source}): "
+              f"{exc}; start a mesh with `pagemesh up`, or pass --redis-url", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C of the targets writer or of --once
         return 130
