@@ -340,6 +340,11 @@ class WorkerSnapshot:
     tp_collective_s: float  # all-reduce, all-gather, step agreement
     pp_send_s: float
     pp_recv_s: float  # includes waiting for the previous stage
+    busy_s: float = 0.0  # wall time in steps, communication included
+    # Memory, once the model is loaded (None before: no sample): the KV cache allocated
+    # and the process's resident set, bytes.
+    kv_cache_bytes: int | None = None
+    rss_bytes: int | None = None
 
 
 class WorkerMetrics(ServiceMetrics):
@@ -383,7 +388,7 @@ class WorkerMetrics(ServiceMetrics):
     def follow_worker(self, snapshot: Callable[[], WorkerSnapshot]) -> None:
         def collect() -> Iterable[Metric]:
             s, labels = snapshot(), self.labels()
-            return [
+            found: list[Metric] = [
                 counter(PREFIX + "worker_steps", "Steps this worker executed", labels, s.num_steps),
                 counter(PREFIX + "worker_tp_collective_seconds",
                         "Seconds in tensor-parallel collectives", labels, s.tp_collective_s),
@@ -391,7 +396,16 @@ class WorkerMetrics(ServiceMetrics):
                         "Seconds sending to the next pipeline stage", labels, s.pp_send_s),
                 counter(PREFIX + "worker_pp_recv_seconds", "Seconds receiving from (and waiting "
                         "for) the previous pipeline stage", labels, s.pp_recv_s),
+                counter(PREFIX + "worker_busy_seconds", "Seconds this worker spent executing "
+                        "steps (wall time, communication included)", labels, s.busy_s),
             ]
+            if s.kv_cache_bytes is not None:
+                found.append(gauge(PREFIX + "worker_kv_cache_bytes", "Bytes of the KV cache "
+                                   "this worker allocated", labels, s.kv_cache_bytes))
+            if s.rss_bytes is not None:
+                found.append(gauge(PREFIX + "worker_resident_memory_bytes", "Resident set size "
+                                   "of the worker process, bytes", labels, s.rss_bytes))
+            return found
         self.add_collector(collect)
 
 

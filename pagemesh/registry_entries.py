@@ -111,6 +111,9 @@ class WorkerEntry(ServiceEntry):
     tp_collective_time_s: float = 0.0
     pp_send_time_s: float = 0.0
     pp_recv_time_s: float = 0.0  # includes waiting for the previous stage
+    # Memory once loaded (None: not said): its KV cache as allocated and its resident set.
+    kv_cache_bytes: int | None = None
+    rss_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,18 @@ def fmt_latency(seconds: float | None) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1.0 else f"{seconds:.2f} s"
 
 
+def fmt_bytes(num_bytes: int | None) -> str:
+    """Binary units, 3 significant digits: 812M, 1.25G."""
+    if num_bytes is None:
+        return "-"
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "K", "M", "G", "T"):
+        if value < 1000 or unit == "T":
+            break
+        value /= 1024
+    return f"{value:.0f}{unit}" if value >= 100 or unit == "B" else f"{value:.3g}{unit}"
+
+
 def fmt_age(seconds: float | None) -> Text:
     if seconds is None:
         return Text("-")
@@ -95,7 +107,7 @@ def groups_table(snapshot: Snapshot, rates: Rates) -> Table:
 def workers_table(snapshot: Snapshot, rates: Rates) -> Table:
     table = _table("workers")
     for column in ("worker", "group", "pp", "tp", "status", "epoch", "steps", "steps/s",
-                   "busy", "hb age", "metrics"):
+                   "busy", "comm", "weights", "KV", "RSS", "hb age", "metrics"):
         table.add_column(column, justify="left" if column in ("worker", "group", "epoch", "metrics")
                          else "right", no_wrap=column != "metrics")
     for row in snapshot.workers:
@@ -104,6 +116,8 @@ def workers_table(snapshot: Snapshot, rates: Rates) -> Table:
             row.worker_id, row.group, _rank(row.pp_rank), _rank(row.tp_rank),
             _status(row.status), row.epoch[:8] or "-", str(row.num_steps),
             fmt_rate(rates.steps_per_s.get(key)), fmt_percent(rates.busy_fraction.get(key)),
+            fmt_percent(rates.communication_fraction.get(key)), fmt_bytes(row.weight_bytes),
+            fmt_bytes(row.kv_cache_bytes), fmt_bytes(row.rss_bytes),
             fmt_age(row.heartbeat_age_s), _metrics(row.metrics),
         )
     return table

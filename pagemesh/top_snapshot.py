@@ -89,6 +89,12 @@ class WorkerRow:
     busy_time_s: float  # seconds spent executing steps since the worker started
     heartbeat_age_s: float | None
     metrics: str
+    # Memory in bytes, None until the worker says (loaded, and new enough to publish it).
+    weight_bytes: int | None = None
+    kv_cache_bytes: int | None = None
+    rss_bytes: int | None = None
+    # Seconds in collectives and pipeline transfers since the worker started.
+    communication_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,8 @@ class Rates:
     # "<kind>:<id>" -> rate; only services seen in both snapshots (same instance).
     steps_per_s: dict[str, float] = field(default_factory=dict)
     busy_fraction: dict[str, float] = field(default_factory=dict)  # workers, 0..1
+    # Workers: of the window's busy time, the fraction spent communicating, 0..1.
+    communication_fraction: dict[str, float] = field(default_factory=dict)
     preemptions_per_s: dict[str, float] = field(default_factory=dict)  # schedulers
 
 
@@ -282,7 +290,13 @@ def _worker_row(record: ServiceRecord, parsed: dict[str, Samples]) -> WorkerRow:
         worker_id=record.service_id, group=entry.group, tp_rank=entry.tp_rank,
         pp_rank=entry.pp_rank, status=entry.status.value, epoch=entry.epoch,
         num_steps=entry.num_steps, busy_time_s=entry.busy_time_s,
-        heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed))
+        heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed),
+        weight_bytes=entry.weight_bytes, kv_cache_bytes=entry.kv_cache_bytes,
+        rss_bytes=entry.rss_bytes, communication_time_s=_communication_s(entry))
+
+
+def _communication_s(entry: WorkerEntry) -> float:
+    return entry.tp_collective_time_s + entry.pp_send_time_s + entry.pp_recv_time_s
 
 
 def _router_row(record: ServiceRecord, parsed: dict[str, Samples]) -> RouterRow:
@@ -315,7 +329,8 @@ def _counters(entry: ServiceEntry) -> dict[str, Any]:
     """The entry's cumulative counters that become rates, and the instance they belong to."""
     counters: dict[str, Any] = {"instance": entry.instance}
     if isinstance(entry, WorkerEntry):
-        counters.update(num_steps=entry.num_steps, busy_time_s=entry.busy_time_s)
+        counters.update(num_steps=entry.num_steps, busy_time_s=entry.busy_time_s,
+                        communication_time_s=_communication_s(entry))
     elif isinstance(entry, SchedulerEntry):
         counters.update(num_steps=entry.num_steps, num_preemptions=entry.num_preemptions)
     return counters
@@ -418,6 +433,7 @@ def compute_rates(prev: Snapshot | None, cur: Snapshot) -> Rates:
     if prev is None or window_s <= 0:
         return Rates(None, None, None, None, ttft, itl, e2e)
     busy = _entry_rates(prev, cur, "busy_time_s", window_s)
+    communication = _entry_rates(prev, cur, "communication_time_s", window_s)
     return Rates(
         window_s=window_s,
         output_tokens_per_s=counter_delta(prev, cur, GENERATION_TOKENS) / window_s,
@@ -426,6 +442,9 @@ def compute_rates(prev: Snapshot | None, cur: Snapshot) -> Rates:
         ttft_p50_s=ttft, itl_p50_s=itl, e2e_p50_s=e2e,
         steps_per_s=_entry_rates(prev, cur, "num_steps", window_s),
         busy_fraction={source: min(1.0, value) for source, value in busy.items()},
+        communication_fraction={source: min(1.0, communication[source] / value)
+                                for source, value in busy.items()
+                                if value > 0 and source in communication},
         preemptions_per_s=_entry_rates(prev, cur, "num_preemptions", window_s),
     )
 

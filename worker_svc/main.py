@@ -22,6 +22,7 @@ from pagemesh.service_flags import WORKER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.attention import needs_triton_interpreter
+from worker_svc.diagnostics import process_rss_bytes
 from worker_svc.distributed import DistributedContext, init_distributed
 from worker_svc.membership import Membership, Plan, WorkerState
 from worker_svc.parallel import ParallelConfig
@@ -171,10 +172,13 @@ def worker_metrics(group: str, layout: dict[str, int], servicer: WorkerServicer,
     def snapshot() -> WorkerSnapshot:
         # The process group's timers are cumulative and survive a re-formation (same object).
         if servicer.runner is None:  # still loading
-            return WorkerSnapshot(servicer.num_steps, 0.0, 0.0, 0.0)
-        dist = servicer.runner.dist
+            return WorkerSnapshot(servicer.num_steps, 0.0, 0.0, 0.0, servicer.busy_time_s)
+        runner = servicer.runner
+        dist = runner.dist
         return WorkerSnapshot(servicer.num_steps, dist.tp_collective_time_s, dist.pp_send_time_s,
-                              dist.pp_recv_time_s)
+                              dist.pp_recv_time_s, servicer.busy_time_s,
+                              kv_cache_bytes=runner.num_blocks * runner.kv_spec.bytes_per_block,
+                              rss_bytes=process_rss_bytes())
 
     metrics.follow_worker(snapshot)
     return metrics

@@ -144,14 +144,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._profiler
 
     def stats(self) -> dict[str, float | int]:
-        """Cumulative counters published with each heartbeat (seconds and steps)."""
+        """Cumulative counters published with each heartbeat (seconds and steps), and the
+        memory figures `pagemesh top` shows (bytes)."""
         stats: dict[str, float | int] = {"num_steps": self.num_steps,
                                          "busy_time_s": round(self.busy_time_s, 6)}
         if self.runner is not None:
             dist = self.runner.dist
             stats.update(tp_collective_time_s=round(dist.tp_collective_time_s, 6),
                          pp_send_time_s=round(dist.pp_send_time_s, 6),
-                         pp_recv_time_s=round(dist.pp_recv_time_s, 6))
+                         pp_recv_time_s=round(dist.pp_recv_time_s, 6),
+                         kv_cache_bytes=self.runner.num_blocks * self.runner.kv_spec.bytes_per_block,
+                         rss_bytes=diagnostics.process_rss_bytes())
         return stats
 
     async def stop_steps(self) -> None:

@@ -45,7 +45,8 @@ WORKER_NAMES = {
     "pagemesh:worker_forward_time_seconds": "histogram", "pagemesh:worker_steps": "counter",
     "pagemesh:worker_tp_collective_seconds": "counter", "pagemesh:worker_pp_send_seconds": "counter",
     "pagemesh:worker_pp_recv_seconds": "counter", "pagemesh:worker_weight_bytes": "gauge",
-    "pagemesh:model_quantization_info": "gauge",
+    "pagemesh:model_quantization_info": "gauge", "pagemesh:worker_busy_seconds": "counter",
+    "pagemesh:worker_kv_cache_bytes": "gauge", "pagemesh:worker_resident_memory_bytes": "gauge",
 }
 EVERY_SERVICE = {"pagemesh:heartbeat_age_seconds": "gauge", "pagemesh:build_info": "gauge"}
 
@@ -95,7 +96,8 @@ def test_every_service_exports_the_agreed_names_and_types() -> None:
     assert families(scheduler) == {**SCHEDULER_NAMES, **EVERY_SERVICE}
 
     worker = WorkerMetrics("g0", {"tp_rank": 1, "pp_rank": 0})
-    worker.follow_worker(lambda: WorkerSnapshot(0, 0.0, 0.0, 0.0))
+    worker.follow_worker(lambda: WorkerSnapshot(0, 0.0, 0.0, 0.0, 0.0, kv_cache_bytes=1 << 20,
+                                                rss_bytes=1 << 30))
     worker.observe_forward(0.01)
     worker.set_weights("awq", 1000)
     worker.follow_heartbeat(lambda: time.monotonic())
@@ -277,7 +279,7 @@ def test_preemptions_and_swapped_requests_are_counted() -> None:
 def test_worker_counters_are_read_not_accumulated_and_ranks_follow_the_layout() -> None:
     layout = {"tp_rank": -1, "pp_rank": -1}  # a standby, until it takes a place
     metrics = WorkerMetrics("g0", layout)
-    counts = WorkerSnapshot(3, 0.25, 0.5, 0.75)
+    counts = WorkerSnapshot(3, 0.25, 0.5, 0.75, busy_s=2.5)
     metrics.follow_worker(lambda: counts)
     layout.update(tp_rank=1, pp_rank=0)
     metrics.observe_forward(0.02)
@@ -288,6 +290,7 @@ def test_worker_counters_are_read_not_accumulated_and_ranks_follow_the_layout() 
         assert value(scrape, "pagemesh:worker_tp_collective_seconds_total", **labels) == 0.25
         assert value(scrape, "pagemesh:worker_pp_send_seconds_total", **labels) == 0.5
         assert value(scrape, "pagemesh:worker_pp_recv_seconds_total", **labels) == 0.75
+        assert value(scrape, "pagemesh:worker_busy_seconds_total", **labels) == 2.5
         assert value(scrape, "pagemesh:worker_forward_time_seconds_count", **labels) == 1
 
 
