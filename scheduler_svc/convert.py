@@ -324,6 +324,8 @@ def stats_to_pb(stats: SchedulerStats, num_steps: int,
         num_steps=num_steps,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         num_cached_blocks=stats.num_cached_blocks,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
         group_status=GROUP_STATUS_TO_PB[status],
         num_recoveries=num_recoveries,
     )

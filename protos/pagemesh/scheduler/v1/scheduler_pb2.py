@@ -26,7 +26,7 @@ from protos.pagemesh.v1 import admin_pb2 as protos_dot_pagemesh_dot_v1_dot_admin
 from protos.pagemesh.v1 import generate_pb2 as protos_dot_pagemesh_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/pagemesh/scheduler/v1/scheduler.proto\x12\x15pagemesh.scheduler.v1\x1a\x1eprotos/pagemesh/v1/admin.proto\x1a!protos/pagemesh/v1/generate.proto\"\x19\n\x17ResetPrefixCacheRequest\"M\n\x18ResetPrefixCacheResponse\x12\x31\n\x05group\x18\x01 \x01(\x0b\x32\".pagemesh.v1.GroupPrefixCacheReset\"\x12\n\x10GetMemoryRequest\"<\n\x11GetMemoryResponse\x12\'\n\x05group\x18\x01 \x01(\x0b\x32\x18.pagemesh.v1.GroupMemory\"\'\n\x13GetStepStatsRequest\x12\x10\n\x08window_s\x18\x01 \x01(\x01\"B\n\x14GetStepStatsResponse\x12*\n\x05group\x18\x01 \x01(\x0b\x32\x1b.pagemesh.v1.GroupStepStats\"Q\n\x13StartProfileRequest\x12\x0f\n\x07out_dir\x18\x01 \x01(\t\x12\x15\n\rrecord_shapes\x18\x02 \x01(\x08\x12\x12\n\nwith_stack\x18\x03 \x01(\x08\"@\n\x14StartProfileResponse\x12(\n\x05group\x18\x01 \x01(\x0b\x32\x19.pagemesh.v1.GroupProfile\"\x14\n\x12StopProfileRequest\"?\n\x13StopProfileResponse\x12(\n\x05group\x18\x01 \x01(\x0b\x32\x19.pagemesh.v1.GroupProfile\"\x11\n\x0fGetStatsRequest\"\xdc\x02\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\x12\x16\n\x0enum_recoveries\x18\n \x01(\x04\x12\x38\n\x0cgroup_status\x18\x0b \x01(\x0e\x32\".pagemesh.scheduler.v1.GroupStatus\x12\x15\n\rnum_swap_outs\x18\x0c \x01(\x04\x12\x14\n\x0cnum_swap_ins\x18\r \x01(\x04J\x04\x08\t\x10\nR\x06status\"\x9a\x03\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x04 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x37\n\x08progress\x18\x08 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampleProgress\x12M\n\rtrace_context\x18\t \x03(\x0b\x32\x36.pagemesh.scheduler.v1.SubmitRequest.TraceContextEntry\x12\x0f\n\x07grammar\x18\n \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x88\x01\n\x0e\x43onnectRequest\x12\x36\n\x06submit\x18\x01 \x01(\x0b\x32$.pagemesh.scheduler.v1.SubmitRequestH\x00\x12\x34\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32#.pagemesh.scheduler.v1.AbortRequestH\x00\x42\x08\n\x06\x61\x63tion\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"~\n\x0f\x43onnectResponse\x12\x36\n\x07outputs\x18\x01 \x03(\x0b\x32%.pagemesh.scheduler.v1.SubmitResponse\x12\x33\n\x06\x65rrors\x18\x02 \x03(\x0b\x32#.pagemesh.scheduler.v1.RequestError\"}\n\x0eSampleProgress\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\"G\n\x0eSampledLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"\xcc\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x37\n\x08logprobs\x18\x02 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t*y\n\x0bGroupStatus\x12\x1c\n\x18GROUP_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12GROUP_STATUS_READY\x10\x01\x12\x19\n\x15GROUP_STATUS_DEGRADED\x10\x02\x12\x19\n\x15GROUP_STATUS_DRAINING\x10\x03\x32\x81\x07\n\tScheduler\x12W\n\x06Submit\x12$.pagemesh.scheduler.v1.SubmitRequest\x1a%.pagemesh.scheduler.v1.SubmitResponse0\x01\x12\\\n\x07\x43onnect\x12%.pagemesh.scheduler.v1.ConnectRequest\x1a&.pagemesh.scheduler.v1.ConnectResponse(\x01\x30\x01\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponse\x12[\n\x08GetStats\x12&.pagemesh.scheduler.v1.GetStatsRequest\x1a\'.pagemesh.scheduler.v1.GetStatsResponse\x12s\n\x10ResetPrefixCache\x12..pagemesh.scheduler.v1.ResetPrefixCacheRequest\x1a/.pagemesh.scheduler.v1.ResetPrefixCacheResponse\x12^\n\tGetMemory\x12\'.pagemesh.scheduler.v1.GetMemoryRequest\x1a(.pagemesh.scheduler.v1.GetMemoryResponse\x12g\n\x0cGetStepStats\x12*.pagemesh.scheduler.v1.GetStepStatsRequest\x1a+.pagemesh.scheduler.v1.GetStepStatsResponse\x12g\n\x0cStartProfile\x12*.pagemesh.scheduler.v1.StartProfileRequest\x1a+.pagemesh.scheduler.v1.StartProfileResponse\x12\x64\n\x0bStopProfile\x12).pagemesh.scheduler.v1.StopProfileRequest\x1a*.pagemesh.scheduler.v1.StopProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/pagemesh/scheduler/v1/scheduler.proto\x12\x15pagemesh.scheduler.v1\x1a\x1eprotos/pagemesh/v1/admin.proto\x1a!protos/pagemesh/v1/generate.proto\"\x19\n\x17ResetPrefixCacheRequest\"M\n\x18ResetPrefixCacheResponse\x12\x31\n\x05group\x18\x01 \x01(\x0b\x32\".pagemesh.v1.GroupPrefixCacheReset\"\x12\n\x10GetMemoryRequest\"<\n\x11GetMemoryResponse\x12\'\n\x05group\x18\x01 \x01(\x0b\x32\x18.pagemesh.v1.GroupMemory\"\'\n\x13GetStepStatsRequest\x12\x10\n\x08window_s\x18\x01 \x01(\x01\"B\n\x14GetStepStatsResponse\x12*\n\x05group\x18\x01 \x01(\x0b\x32\x1b.pagemesh.v1.GroupStepStats\"Q\n\x13StartProfileRequest\x12\x0f\n\x07out_dir\x18\x01 \x01(\t\x12\x15\n\rrecord_shapes\x18\x02 \x01(\x08\x12\x12\n\nwith_stack\x18\x03 \x01(\x08\"@\n\x14StartProfileResponse\x12(\n\x05group\x18\x01 \x01(\x0b\x32\x19.pagemesh.v1.GroupProfile\"\x14\n\x12StopProfileRequest\"?\n\x13StopProfileResponse\x12(\n\x05group\x18\x01 \x01(\x0b\x32\x19.pagemesh.v1.GroupProfile\"\x11\n\x0fGetStatsRequest\"\x95\x03\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\x12\x16\n\x0enum_recoveries\x18\n \x01(\x04\x12\x38\n\x0cgroup_status\x18\x0b \x01(\x0e\x32\".pagemesh.scheduler.v1.GroupStatus\x12\x15\n\rnum_swap_outs\x18\x0c \x01(\x04\x12\x14\n\x0cnum_swap_ins\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04J\x04\x08\t\x10\nR\x06status\"\x9a\x03\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x04 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x37\n\x08progress\x18\x08 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampleProgress\x12M\n\rtrace_context\x18\t \x03(\x0b\x32\x36.pagemesh.scheduler.v1.SubmitRequest.TraceContextEntry\x12\x0f\n\x07grammar\x18\n \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x88\x01\n\x0e\x43onnectRequest\x12\x36\n\x06submit\x18\x01 \x01(\x0b\x32$.pagemesh.scheduler.v1.SubmitRequestH\x00\x12\x34\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32#.pagemesh.scheduler.v1.AbortRequestH\x00\x42\x08\n\x06\x61\x63tion\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"~\n\x0f\x43onnectResponse\x12\x36\n\x07outputs\x18\x01 \x03(\x0b\x32%.pagemesh.scheduler.v1.SubmitResponse\x12\x33\n\x06\x65rrors\x18\x02 \x03(\x0b\x32#.pagemesh.scheduler.v1.RequestError\"}\n\x0eSampleProgress\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\"G\n\x0eSampledLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"\xcc\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x37\n\x08logprobs\x18\x02 \x03(\x0b\x32%.pagemesh.scheduler.v1.SampledLogprob\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t*y\n\x0bGroupStatus\x12\x1c\n\x18GROUP_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12GROUP_STATUS_READY\x10\x01\x12\x19\n\x15GROUP_STATUS_DEGRADED\x10\x02\x12\x19\n\x15GROUP_STATUS_DRAINING\x10\x03\x32\x81\x07\n\tScheduler\x12W\n\x06Submit\x12$.pagemesh.scheduler.v1.SubmitRequest\x1a%.pagemesh.scheduler.v1.SubmitResponse0\x01\x12\\\n\x07\x43onnect\x12%.pagemesh.scheduler.v1.ConnectRequest\x1a&.pagemesh.scheduler.v1.ConnectResponse(\x01\x30\x01\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponse\x12[\n\x08GetStats\x12&.pagemesh.scheduler.v1.GetStatsRequest\x1a\'.pagemesh.scheduler.v1.GetStatsResponse\x12s\n\x10ResetPrefixCache\x12..pagemesh.scheduler.v1.ResetPrefixCacheRequest\x1a/.pagemesh.scheduler.v1.ResetPrefixCacheResponse\x12^\n\tGetMemory\x12\'.pagemesh.scheduler.v1.GetMemoryRequest\x1a(.pagemesh.scheduler.v1.GetMemoryResponse\x12g\n\x0cGetStepStats\x12*.pagemesh.scheduler.v1.GetStepStatsRequest\x1a+.pagemesh.scheduler.v1.GetStepStatsResponse\x12g\n\x0cStartProfile\x12*.pagemesh.scheduler.v1.StartProfileRequest\x1a+.pagemesh.scheduler.v1.StartProfileResponse\x12\x64\n\x0bStopProfile\x12).pagemesh.scheduler.v1.StopProfileRequest\x1a*.pagemesh.scheduler.v1.StopProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_GROUPSTATUS']._serialized_start=2231
-  _globals['_GROUPSTATUS']._serialized_end=2352
+  _globals['_GROUPSTATUS']._serialized_start=2288
+  _globals['_GROUPSTATUS']._serialized_end=2409
   _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=138
   _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=163
   _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=165
@@ -60,25 +60,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=671
   _globals['_GETSTATSREQUEST']._serialized_end=688
   _globals['_GETSTATSRESPONSE']._serialized_start=691
-  _globals['_GETSTATSRESPONSE']._serialized_end=1039
-  _globals['_SUBMITREQUEST']._serialized_start=1042
-  _globals['_SUBMITREQUEST']._serialized_end=1452
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=1401
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=1452
-  _globals['_ABORTREQUEST']._serialized_start=1454
-  _globals['_ABORTREQUEST']._serialized_end=1488
-  _globals['_CONNECTREQUEST']._serialized_start=1491
-  _globals['_CONNECTREQUEST']._serialized_end=1627
-  _globals['_REQUESTERROR']._serialized_start=1629
-  _globals['_REQUESTERROR']._serialized_end=1694
-  _globals['_CONNECTRESPONSE']._serialized_start=1696
-  _globals['_CONNECTRESPONSE']._serialized_end=1822
-  _globals['_SAMPLEPROGRESS']._serialized_start=1824
-  _globals['_SAMPLEPROGRESS']._serialized_end=1949
-  _globals['_SAMPLEDLOGPROB']._serialized_start=1951
-  _globals['_SAMPLEDLOGPROB']._serialized_end=2022
-  _globals['_SUBMITRESPONSE']._serialized_start=2025
-  _globals['_SUBMITRESPONSE']._serialized_end=2229
-  _globals['_SCHEDULER']._serialized_start=2355
-  _globals['_SCHEDULER']._serialized_end=3252
+  _globals['_GETSTATSRESPONSE']._serialized_end=1096
+  _globals['_SUBMITREQUEST']._serialized_start=1099
+  _globals['_SUBMITREQUEST']._serialized_end=1509
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=1458
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=1509
+  _globals['_ABORTREQUEST']._serialized_start=1511
+  _globals['_ABORTREQUEST']._serialized_end=1545
+  _globals['_CONNECTREQUEST']._serialized_start=1548
+  _globals['_CONNECTREQUEST']._serialized_end=1684
+  _globals['_REQUESTERROR']._serialized_start=1686
+  _globals['_REQUESTERROR']._serialized_end=1751
+  _globals['_CONNECTRESPONSE']._serialized_start=1753
+  _globals['_CONNECTRESPONSE']._serialized_end=1879
+  _globals['_SAMPLEPROGRESS']._serialized_start=1881
+  _globals['_SAMPLEPROGRESS']._serialized_end=2006
+  _globals['_SAMPLEDLOGPROB']._serialized_start=2008
+  _globals['_SAMPLEDLOGPROB']._serialized_end=2079
+  _globals['_SUBMITRESPONSE']._serialized_start=2082
+  _globals['_SUBMITRESPONSE']._serialized_end=2286
+  _globals['_SCHEDULER']._serialized_start=2412
+  _globals['_SCHEDULER']._serialized_end=3309
 # @@protoc_insertion_point(module_scope)
