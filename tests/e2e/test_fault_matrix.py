@@ -6,6 +6,8 @@ over within 20 s. Real processes, real signals, real network namespaces."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from bench.fault_matrix import run_scenario, select, start_target, wait_ready
 from bench.faults.scenarios import Scenario
 from bench.faults.targets import Target, write_model
-from bench.faults.workload import Clients, RequestResult, RequestSpec, plan
+from bench.faults.workload import Clients, RequestResult, plan
 from protos.pagemesh.v1 import generate_pb2
 
 NUM_CLIENTS, REQUESTS_PER_CLIENT, MAX_TOKENS = 32, 1, 32
@@ -71,8 +73,7 @@ def test_a_seed_gives_the_same_tokens_alone_as_among_32_streams(meshes: OneTarge
     seeded = [r for r in calm if r.spec.seed is not None]
     assert len(seeded) == NUM_CLIENTS // 4
     for batched in seeded[:4]:
-        spec = RequestSpec(f"alone-{batched.spec.request_id}", batched.spec.prompt, MAX_TOKENS,
-                           batched.spec.seed)
+        spec = dataclasses.replace(batched.spec, request_id=f"alone-{batched.spec.request_id}")
         alone = clients.request(spec, lambda count: None)
         assert alone.same_as(batched)
     assert len({tuple(r.token_ids) for r in seeded}) == len(seeded)
