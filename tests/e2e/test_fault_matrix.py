@@ -7,7 +7,6 @@ over within 20 s. Real processes, real signals, real network namespaces."""
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Iterator
 from pathlib import Path
 
