@@ -407,3 +407,24 @@ def test_top_says_when_redis_is_unreachable() -> None:
     done = run_top("--redis-url", f"redis://127.0.0.1:{closed_port()}/0", "--once")
     assert done.returncode == 1
     assert "cannot read the registry" in done.stderr
+
+
+def test_workers_show_memory_and_the_share_of_busy_time_communicating() -> None:
+    def worker(busy_s: float, collective_s: float, **memory: int) -> list[ServiceRecord]:
+        entry = WorkerEntry.from_json(worker_entry(0, busy_time_s=busy_s,
+                                                   tp_collective_time_s=collective_s, **memory))
+        return [ServiceRecord("worker", "w0", entry, 0.1)]
+
+    memory = {"weight_bytes": 812 << 20, "kv_cache_bytes": 3 << 30, "rss_bytes": 5 << 30}
+    prev = build_snapshot(worker(10.0, 2.0, **memory), taken_at=10.0)
+    cur = build_snapshot(worker(11.0, 2.25, **memory), taken_at=12.0)
+    (row,) = cur.workers
+    assert (row.weight_bytes, row.kv_cache_bytes, row.rss_bytes) == (812 << 20, 3 << 30, 5 << 30)
+    assert row.communication_time_s == 2.25
+    rates = compute_rates(prev, cur)
+    assert rates.communication_fraction == {"worker:w0": pytest.approx(0.25)}
+    text = render_text(render(cur, rates, "demo"))
+    for expected in ("comm", "RSS", "812M", "3G", "5G", "25.0%"):
+        assert expected in text, expected
+    (old,) = build_snapshot(worker(1.0, 0.0), taken_at=1.0).workers  # an older worker
+    assert old.weight_bytes is None and old.rss_bytes is None
