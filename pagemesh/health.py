@@ -5,7 +5,8 @@ SERVING and 1 for anything else (NOT_SERVING, UNKNOWN, an unknown service name, 
 listening, a timeout, a TLS mismatch) — Docker's HEALTHCHECK contract, where 2 is reserved.
 It prints one line on stderr saying what it saw. Every pagemesh service answers it: a router
 is SERVING while some engine group is ready, a scheduler while its group is complete, and any
-service turns NOT_SERVING as it starts to drain on SIGTERM.
+service turns NOT_SERVING as it starts to drain on SIGTERM. With no `--address` it checks
+the router of the local `pagemesh up` (pagemesh/discovery.py), else 127.0.0.1:50051.
 """
 
 from __future__ import annotations

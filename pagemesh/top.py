@@ -4,6 +4,7 @@
 published `metrics_address`); `pagemesh.top_snapshot` turns what it read into rows and rates;
 `pagemesh.top_render` draws them; `pagemesh.top_app` refreshes them in a terminal UI.
 With `--prometheus-targets FILE` it writes a Prometheus file_sd target list instead.
+With no `--redis-url` it reads the local `pagemesh up`'s registry (pagemesh/discovery.py).
 """
 
 from __future__ import annotations
