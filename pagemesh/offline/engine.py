@@ -100,11 +100,24 @@ class EngineCore:
         self._loop.call_soon_threadsafe(run)
         return future.result()
 
-    def submit(self, requests: list[Request], sink: RequestSink) -> None:
-        """Admits one prompt's core requests (its samples). Raises ValueError when they can
-        never run here (the KV cache cannot hold them)."""
-        assert self.engine_loop is not None
-        self.call(self.engine_loop.submit, requests, sink)
+    def submit(self, prompts: list[list[Request]], sink: RequestSink) -> None:
+        """Admits every prompt's core requests (each prompt's samples) at once, between two
+        steps, so that the first step can batch them all. Raises ValueError, having admitted
+        none, when one can never run here (the KV cache cannot hold it)."""
+        def submit_all() -> None:
+            loop = self.engine_loop
+            assert loop is not None
+            admitted: list[Request] = []
+            try:
+                for requests in prompts:
+                    loop.submit(requests, sink)
+                    admitted += requests
+            except ValueError:
+                for request in admitted:
+                    loop.abort(request.request_id)
+                raise
+
+        self.call(submit_all)
 
     def abort(self, request_ids: list[str]) -> None:
         def abort_all() -> None:

@@ -149,6 +149,13 @@ class LLM:
                                  token_ids))
         return self._run(parsed, sampling_params, use_tqdm, None)
 
+    def reset_prefix_cache(self) -> int:
+        """Drops the cached prompt blocks no request holds (vLLM's `reset_prefix_cache`):
+        later prompts recompute their KV. Returns the number of blocks dropped."""
+        engine = self._live_engine()
+        assert engine.engine_loop is not None
+        return engine.call(engine.engine_loop.scheduler.reset_prefix_cache)
+
     def get_tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer."""
         return self.tokenizer.hf
@@ -177,6 +184,11 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
 
+    def _live_engine(self) -> EngineCore:
+        if self._engine is None:
+            raise RuntimeError("this LLM was closed")
+        return self._engine
+
     def _prompt(self, prompt: PromptInput) -> Prompt:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -191,9 +203,7 @@ class LLM:
     def _run(self, prompts: list[Prompt], sampling_params: Any,
              use_tqdm: bool | Callable[..., Any], priority: list[int] | None
              ) -> list[RequestOutput]:
-        engine = self._engine
-        if engine is None:
-            raise RuntimeError("this LLM was closed")
+        engine = self._live_engine()
         params = _params_per_prompt(sampling_params, len(prompts))
         if priority is not None:
             if len(priority) != len(prompts):
@@ -213,11 +223,9 @@ class LLM:
         progress = _progress_bar(use_tqdm, len(prepared))
         sink = BatchSink(prepared, self.tokenizer, engine.engine_loop.abort,
                          progress.update if progress is not None else None)
-        submitted: list[str] = []
+        submitted = [r.request_id for request in prepared for r in request.core_requests]
         try:
-            for request in prepared:
-                engine.submit(request.core_requests, sink)
-                submitted += [r.request_id for r in request.core_requests]
+            engine.submit([request.core_requests for request in prepared], sink)
             while not sink.wait(WAIT_SLICE_S):
                 pass
         except BaseException:  # Ctrl-C, or a request that can never fit: stop them all

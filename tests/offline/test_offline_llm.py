@@ -219,3 +219,13 @@ def test_missing_or_unservable_model_fails_before_loading(tmp_path: Path,
     with pytest.raises(ValueError, match="dtype must be one of"):
         LLM(str(model_dir), dtype="float8")
     assert time.perf_counter() - started < 5.0
+
+
+def test_a_prompt_the_cache_cannot_hold_is_refused_and_the_rest_still_runs(model_dir: Path) -> None:
+    with LLM(str(model_dir), dtype="float32", kv_cache_memory_gib=0.0002, swap_space=0) as small:
+        capacity = small.num_kv_blocks * small.info.block_size  # tokens
+        assert capacity < small.limits.max_model_len
+        with pytest.raises(ValueError):
+            small.generate(["short", [1] * (capacity + 1)],
+                           SamplingParams(max_tokens=4), use_tqdm=False)
+        assert len(small.generate("short", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
