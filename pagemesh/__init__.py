@@ -35,13 +35,13 @@ _EXPORTS = {
 
 __all__ = ["__version__", *_EXPORTS]
 
-if TYPE_CHECKING:
-    from pagemesh.offline.llm import LLM
-    from pagemesh.offline.outputs import CompletionOutput, RequestOutput
-    from pagemesh.sampling_params import SamplingParams, StructuredOutputsParams
-    from pagemesh.sdk import (AsyncClient, Client, DeadlineExceeded, InvalidArgument,
-                              NotFound, PagemeshError, ResourceExhausted, Unauthenticated,
-                              Unavailable)
+if TYPE_CHECKING:  # for type checkers and editors: the names `__getattr__` loads
+    from pagemesh.offline.llm import LLM  # noqa: F401
+    from pagemesh.offline.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from pagemesh.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: F401
+    from pagemesh.sdk import (AsyncClient, Client, DeadlineExceeded,  # noqa: F401
+                              InvalidArgument, NotFound, PagemeshError, ResourceExhausted,
+                              Unauthenticated, Unavailable)
 
 
 def __getattr__(name: str) -> Any:

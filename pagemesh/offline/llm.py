@@ -29,6 +29,7 @@ from typing import Any
 from pagemesh.offline.batch import BatchSink, Prompt, prepare
 from pagemesh.offline.engine import EngineCore
 from pagemesh.offline.outputs import RequestOutput
+from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
 from pagemesh.sampling_params import SamplingParams
 from router.openai_protocol import parse_chat
 
@@ -63,7 +64,7 @@ class LLM:
       (vLLM's default, 4); 0 = preempted requests are recomputed.
     - enable_prefix_caching: reuse the KV of prompt blocks computed before.
     - seed: seeds the draws of requests whose SamplingParams have no seed, so a script
-      gives the same outputs run after run (vLLM's default 0); None = fresh randomness.
+      gives the same outputs run after run (default 0); None = fresh randomness.
     - gpu_memory_utilization: CUDA, share of the device's memory for weights, activations
       and KV cache.
     - max_num_seqs, max_num_batched_tokens: requests, and tokens, per step.
@@ -86,8 +87,6 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}")
         self._engine: EngineCore | None = None
         self._workers: Any = None
-        from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
-
         setup = EngineSetup(
             model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, dtype=dtype,

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from pagemesh import LLM, CompletionOutput, RequestOutput, SamplingParams
 from pagemesh.testing.tiny_models import write_realistic_model
-from router.validation import ModelLimits, SamplingOptions, StoppingOptions, ValidationError, validate
+from router.validation import (ModelLimits, SamplingOptions, StoppingOptions, ValidationError,
+                               validate)
 from tests.support.hf_reference import LOGPROB_BOUND_FP32, assert_greedy_match, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -88,7 +89,8 @@ def test_seeded_samples_repeat_and_n_samples_differ(llm: LLM) -> None:
 def test_unseeded_requests_repeat_across_engines_seeded_alike(model_dir: Path,
                                                              llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    with LLM(str(model_dir), seed=5, **ENGINE_ARGS) as a, LLM(str(model_dir), seed=5, **ENGINE_ARGS) as b:
+    with (LLM(str(model_dir), seed=5, **ENGINE_ARGS) as a,
+          LLM(str(model_dir), seed=5, **ENGINE_ARGS) as b):
         assert (a.generate(PROMPTS, params, use_tqdm=False)[2].outputs[0].token_ids
                 == b.generate(PROMPTS, params, use_tqdm=False)[2].outputs[0].token_ids)
 

@@ -63,7 +63,8 @@ def test_ranks_stop_at_interpreter_exit(model_dir: Path) -> None:
         f"llm = LLM({str(model_dir)!r}, tensor_parallel_size=2, dtype='float32', "
         "kv_cache_memory_gib=0.02, swap_space=0)\n"
         "print(*[p.pid for p in llm._workers.processes])\n"
-        "print(llm.generate('hi', SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids)\n"
+        "print(llm.generate('hi', SamplingParams(max_tokens=2), use_tqdm=False)[0]\n"
+        "      .outputs[0].token_ids)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, cwd=Path(__file__).parents[2])

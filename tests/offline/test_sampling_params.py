@@ -13,7 +13,8 @@ from router import convert
 from router.openai_errors import ProtocolError
 from router.openai_protocol import parse_completion
 from router.types import OutputConstraint
-from router.validation import ModelLimits, SamplingOptions, StoppingOptions, ValidationError, validate
+from router.validation import (ModelLimits, SamplingOptions, StoppingOptions, ValidationError,
+                               validate)
 
 LIMITS = ModelLimits("m", max_model_len=64, vocab_size=100, eos_token_ids=[0])
 
@@ -31,7 +32,8 @@ def _grpc_message(**fields: object) -> str:
     """What the gRPC API answers a request with these (range-checked) fields."""
     sampling_names = {f for f in SamplingOptions.__dataclass_fields__}
     sampling = SamplingOptions(**{k: v for k, v in fields.items() if k in sampling_names})
-    stopping = StoppingOptions(**{k: v for k, v in fields.items() if k in ("max_tokens", "min_tokens", "stop")})
+    stopping = StoppingOptions(**{k: v for k, v in fields.items()
+                                  if k in ("max_tokens", "min_tokens", "stop")})
     with pytest.raises(ValidationError) as caught:
         validate([1, 2], sampling, stopping, fields.get("logprobs"), "", LIMITS,
                  n=fields.get("n", 1))
