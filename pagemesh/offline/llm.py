@@ -59,7 +59,8 @@ class LLM:
       this CPU computes fastest).
     - max_model_len: cap on prompt + output tokens (default: the model's).
     - kv_cache_memory_gib: KV cache per rank, GiB (default: sized from the device, as
-      `pagemesh up` does: gpu_memory_utilization on CUDA, a share of free memory on CPU).
+      `pagemesh up` does: gpu_memory_utilization on CUDA, a share of free memory on CPU);
+      or kv_cache_memory_bytes, vLLM's name, in bytes.
     - swap_space: CPU memory per rank, GiB, for the KV of requests preempted by swapping
       (vLLM's default, 4); 0 = preempted requests are recomputed.
     - enable_prefix_caching: reuse the KV of prompt blocks computed before.
@@ -77,7 +78,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  dtype: str = "auto", max_model_len: int | None = None,
-                 kv_cache_memory_gib: float | None = None, swap_space: float = 4.0,
+                 kv_cache_memory_gib: float | None = None,
+                 kv_cache_memory_bytes: int | None = None, swap_space: float = 4.0,
                  enable_prefix_caching: bool = True, seed: int | None = 0,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
@@ -85,6 +87,10 @@ class LLM:
         unknown = sorted(set(kwargs) - _IGNORED_VLLM_ARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}")
+        if kv_cache_memory_bytes is not None:  # vLLM's name for the same budget
+            if kv_cache_memory_gib is not None:
+                raise ValueError("give kv_cache_memory_gib or kv_cache_memory_bytes, not both")
+            kv_cache_memory_gib = kv_cache_memory_bytes / GIB
         self._engine: EngineCore | None = None
         self._workers: Any = None
         setup = EngineSetup(
