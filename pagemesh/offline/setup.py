@@ -89,6 +89,7 @@ def check_servable(setup: EngineSetup) -> CheckedSetup:
     from worker_svc.loader import open_source
     from worker_svc.model.parallel_layers import check_tensor_parallel
     from worker_svc.parallel import ParallelConfig
+    from worker_svc.quant.config import resolve_quantization
 
     try:
         source = open_source(model_path)
@@ -96,6 +97,14 @@ def check_servable(setup: EngineSetup) -> CheckedSetup:
         raise
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"cannot serve {model_path}: {exc}") from exc
+    try:
+        resolve_quantization("auto", source.quantization_config)
+    except ValueError as exc:
+        raise ValueError(f"cannot serve {model_path}: {exc}") from exc
+    limit = source.config.max_position_embeddings
+    if setup.max_model_len is not None and setup.max_model_len > limit:
+        raise ValueError(f"max_model_len={setup.max_model_len} must be in 1..{limit} (the "
+                         "model's max_position_embeddings / context_length)")
     check_tensor_parallel(source.config, setup.tensor_parallel_size)
     ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0
                    ).layer_range(source.config.num_layers)

@@ -220,6 +220,8 @@ def test_missing_or_unservable_model_fails_before_loading(tmp_path: Path,
         LLM(str(model_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="dtype must be one of"):
         LLM(str(model_dir), dtype="float8")
+    with pytest.raises(ValueError, match="max_model_len=4096 must be in 1..512"):
+        LLM(str(model_dir), max_model_len=4096, pipeline_parallel_size=2)
     assert time.perf_counter() - started < 5.0
 
 
