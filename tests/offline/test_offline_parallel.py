@@ -1,5 +1,6 @@
 """`pagemesh.LLM` with tensor or pipeline parallelism: local worker processes (gloo on CPU)
-give the one-rank engine's greedy tokens, and nothing outlives `close()`."""
+give the one-rank engine's greedy tokens, a dead rank fails a call instead of hanging it,
+and nothing outlives `close()`."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def test_parallel_greedy_equals_one_rank_and_close_stops_the_ranks(
     assert [o.outputs[0].token_ids for o in outputs] == one_rank_tokens
     seeded = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=6, ignore_eos=True)
     assert len(llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs) == 2
+    # A rank that dies fails the next call at once (its peer's connection breaks), no hang.
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="generation failed"):
+        llm.generate("x", use_tqdm=False)
     llm.close()
     assert not any(_alive(pid) for pid in pids)
     with pytest.raises(RuntimeError, match="closed"):
