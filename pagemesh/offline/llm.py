@@ -69,6 +69,9 @@ class LLM:
     - gpu_memory_utilization: CUDA, share of the device's memory for weights, activations
       and KV cache.
     - max_num_seqs, max_num_batched_tokens: requests, and tokens, per step.
+    - block_size: tokens per KV cache block.
+    - scheduling_policy: "fcfs" (arrival order) or "priority" (`generate(priority=...)`,
+      lower first), as `pagemesh up --scheduling-policy`.
     - device: "auto" (CUDA when available) | "cpu" | "cuda".
 
     Raises FileNotFoundError for a missing model and ValueError for a model or layout it
@@ -83,7 +86,8 @@ class LLM:
                  enable_prefix_caching: bool = True, seed: int | None = 0,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 device: str = "auto", **kwargs: Any) -> None:
+                 scheduling_policy: str = "fcfs", device: str = "auto",
+                 **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - _IGNORED_VLLM_ARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}")
@@ -100,7 +104,7 @@ class LLM:
             swap_space_gib=swap_space, enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            device=device)
+            scheduling_policy=scheduling_policy, device=device)
         checked = check_servable(setup)  # before anything is loaded or allocated
         built = build_engine(setup, checked)
         self.model_path = checked.model_path
@@ -126,8 +130,8 @@ class LLM:
         `prompts`: a string, a list of token ids, a `{"prompt": str}` or
         `{"prompt_token_ids": [...]}` dict, or a list of these. `sampling_params`: one for
         every prompt, or one per prompt (default `SamplingParams()`: 16 tokens at
-        temperature 1). `priority`: per prompt, lower runs first (it matters only when the
-        batch does not fit at once). Raises ValueError, before anything runs, for a prompt
+        temperature 1). `priority`: per prompt, lower runs first and is preempted last under
+        `scheduling_policy="priority"` (ignored under fcfs, as in vLLM). Raises ValueError, before anything runs, for a prompt
         or parameters the servers would refuse (their message; a note names the prompt)."""
         _check_unused(kwargs, "generate")
         if prompts is None:

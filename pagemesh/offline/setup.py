@@ -19,6 +19,7 @@ from router.structured import GrammarCompiler
 from router.tokenizer import Tokenizer, load_tokenizer
 from router.validation import ModelLimits
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.policy import POLICIES
 from scheduler_svc.core.scheduler import Scheduler
 from worker_svc.runner import RunnerConfig, RunnerInfo
 
@@ -45,6 +46,7 @@ class EngineSetup:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    scheduling_policy: str = "fcfs"
     device: str = "auto"
 
     @property
@@ -129,6 +131,9 @@ def _check_numbers(setup: EngineSetup) -> None:
                          f"{setup.gpu_memory_utilization}")
     if setup.dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {setup.dtype!r}")
+    if setup.scheduling_policy not in POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, "
+                         f"got {setup.scheduling_policy!r}")
     if setup.device not in DEVICE_CHOICES:
         raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {setup.device!r}")
 
@@ -187,6 +192,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         num_blocks=min(info.num_blocks for info in infos), block_size=lead.block_size,
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
         max_model_len=lead.max_model_len, enable_prefix_caching=setup.enable_prefix_caching,
+        policy=setup.scheduling_policy,
         num_swap_blocks=min(info.num_swap_blocks for info in infos),
         num_microbatches=setup.pipeline_parallel_size,
         async_scheduling=world_size == 1,  # only a lone rank fills in its own tokens

@@ -233,3 +233,23 @@ def test_a_prompt_the_cache_cannot_hold_is_refused_and_the_rest_still_runs(model
             small.generate(["short", [1] * (capacity + 1)],
                            SamplingParams(max_tokens=4), use_tqdm=False)
         assert len(small.generate("short", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
+
+
+
+def test_priority_orders_admission_under_the_priority_policy(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request at a time (max_num_seqs=1): the lowest priority value runs first."""
+    from pagemesh.offline.batch import BatchSink
+
+    finished: list[str] = []
+    deliver = BatchSink.deliver
+
+    def recording(self: BatchSink, events: list) -> None:
+        finished.extend(e.request_id for e in events if e.finish_reason is not None)
+        deliver(self, events)
+
+    monkeypatch.setattr(BatchSink, "deliver", recording)
+    with LLM(str(model_dir), max_num_seqs=1, scheduling_policy="priority", **ENGINE_ARGS) as one:
+        outputs = one.generate(PROMPTS[:3], GREEDY, priority=[2, 0, 1], use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS[:3]  # returned in submission order
+    assert finished == ["1", "2", "0"]
