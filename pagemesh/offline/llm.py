@@ -131,8 +131,9 @@ class LLM:
         `{"prompt_token_ids": [...]}` dict, or a list of these. `sampling_params`: one for
         every prompt, or one per prompt (default `SamplingParams()`: 16 tokens at
         temperature 1). `priority`: per prompt, lower runs first and is preempted last under
-        `scheduling_policy="priority"` (ignored under fcfs, as in vLLM). Raises ValueError, before anything runs, for a prompt
-        or parameters the servers would refuse (their message; a note names the prompt)."""
+        `scheduling_policy="priority"` (ignored under fcfs, as in vLLM). Raises ValueError,
+        before anything runs, for a prompt or parameters the servers would refuse (their
+        message; a note names the prompt)."""
         _check_unused(kwargs, "generate")
         if prompts is None:
             prompts = prompt_token_ids  # vLLM's older keyword
