@@ -84,6 +84,8 @@ class SamplingParams:
     - presence_penalty, frequency_penalty: OpenAI's penalties, in [-2, 2].
     - repetition_penalty: multiplicative penalty on prompt and output tokens, > 0; 1 = off.
     - skip_special_tokens: leave special tokens out of the returned text.
+    - include_stop_str_in_output: the returned text ends with the stop string that ended it.
+    - detokenize: False returns token ids with empty text (no stop strings then).
     - structured_outputs: a `StructuredOutputsParams` (or a dict of its fields); None = free text.
     """
 
@@ -103,6 +105,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -116,6 +120,12 @@ class SamplingParams:
         if self.max_tokens is None:  # the completions API would default it to 16
             stopping = dataclasses.replace(stopping, max_tokens=None)
         check_options(parsed.sampling, stopping, parsed.num_logprobs, parsed.n)
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # the OpenAI API's words for a boolean
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+        if not self.detokenize and stopping.stop:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         return RequestOptions(parsed.sampling, stopping, parsed.num_logprobs, parsed.n,
                               parsed.constraint)
 
@@ -146,7 +156,9 @@ def to_generate_request(prompt: str | list[int], params: SamplingParams, *,
     """The router's `GenerateRequest` (protos/pagemesh/v1/generate.proto) for `prompt`
     (text, or token ids) with `params`. `chat`: the text is one user message, put through
     the model's chat template by the router. Raises ValueError for parameters the servers
-    would refuse (those that need the model are left to the router)."""
+    would refuse (those that need the model are left to the router). The text options
+    (skip_special_tokens, include_stop_str_in_output, detokenize) are the client's to
+    apply: the router's text skips special tokens and stops before a stop string."""
     from protos.pagemesh.v1 import generate_pb2  # protobuf only for the gRPC client
 
     options = params.options()

@@ -123,6 +123,11 @@ class BatchSink:
             sample = state.samples[index]
             if sample.finish_reason is not None:
                 continue
+            if not state.request.params.detokenize:  # ids alone: no text, no stop strings
+                sample.token_ids += [t.token_id for t in event.new_tokens]
+                if event.finish_reason is not None:
+                    self._finish(state, sample, FinishReason(event.finish_reason.value))
+                continue
             with_logprobs = state.request.num_logprobs is not None
             output = SampleOutput(
                 index, [t.token_id for t in event.new_tokens],
@@ -137,16 +142,19 @@ class BatchSink:
             sample.logprobs += logprobs
             if finish_reason is None:
                 continue
-            sample.finish_reason = finish_reason
             if event.finish_reason is None:  # a stop string ended it: the engine runs on
                 self._abort(event.request_id)
-            state.num_unfinished -= 1
-            if state.num_unfinished == 0:
-                self._num_unfinished -= 1
-                if self._on_request_done is not None:
-                    self._on_request_done()
+            self._finish(state, sample, finish_reason)
         if self._num_unfinished == 0:
             self._done.set()
+
+    def _finish(self, state: _RequestState, sample: _Sample, reason: FinishReason) -> None:
+        sample.finish_reason = reason
+        state.num_unfinished -= 1
+        if state.num_unfinished == 0:
+            self._num_unfinished -= 1
+            if self._on_request_done is not None:
+                self._on_request_done()
 
     def fail(self, request_id: str, message: str) -> None:
         self.error = message
@@ -175,8 +183,12 @@ class BatchSink:
             logprobs = [self._token_logprobs(lp, request.num_logprobs) for lp in sample.logprobs]
             cumulative = sum(lp.logprob for lp in sample.logprobs)
         reason = sample.finish_reason
+        text = "".join(sample.text)
+        matched = sample.stream.stop.matched_stop
+        if matched is not None and request.params.include_stop_str_in_output:
+            text += matched
         return CompletionOutput(
-            index=index, text="".join(sample.text), token_ids=list(sample.token_ids),
+            index=index, text=text, token_ids=list(sample.token_ids),
             cumulative_logprob=cumulative, logprobs=logprobs,
             finish_reason=reason.value if reason is not None else None,
             stop_reason=_stop_reason(sample, request.params))

@@ -135,6 +135,15 @@ def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
     assert cut.text == free.text[:at]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.token_ids == free.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 16
+    kept = llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=16,
+                                                   ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[:at] + stop and kept.token_ids == cut.token_ids
+    ids_only = llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=16,
+                                                       ignore_eos=True, detokenize=False),
+                            use_tqdm=False)[0].outputs[0]
+    assert ids_only.token_ids == free.token_ids and ids_only.text == ""
     stop_id = free.token_ids[4]
     by_id = llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=16,
                                                     ignore_eos=True, stop_token_ids=[stop_id]),

@@ -65,6 +65,13 @@ def test_wrong_type_is_the_http_servers_message(fields: dict) -> None:
     assert str(caught.value) == str(http.value)
 
 
+def test_text_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="detokenize must be true or false"):
+        SamplingParams(detokenize=1)
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(detokenize=False, stop="x")
+
+
 def test_generate_request_means_what_the_params_say() -> None:
     # Values a float32 holds exactly: the wire carries float32.
     params = SamplingParams(n=2, temperature=0.75, top_p=0.875, top_k=-1, min_p=0.0625, seed=11,
