@@ -333,6 +333,30 @@ def stats_to_pb(stats: SchedulerStats, num_steps: int,
 
 # --- admin (pagemesh.v1.Admin, forwarded to the workers) ------------------------------------
 
+# The workers' reports pass through the scheduler as the very messages they sent (the
+# router's Admin service returns the same types), with the group's figures filled in.
+RankMemoryReport = admin_pb2.RankMemory
+RankStepStatsReport = admin_pb2.RankStepStats
+ProfileTraceReport = admin_pb2.ProfileTrace
+
+
+def memory_request_pb() -> worker_pb2.GetMemoryRequest:
+    return worker_pb2.GetMemoryRequest()
+
+
+def step_stats_request_pb(window_s: float) -> worker_pb2.GetStepStatsRequest:
+    return worker_pb2.GetStepStatsRequest(window_s=window_s)
+
+
+def start_profile_request_pb(out_dir: str, trace_name: str, record_shapes: bool,
+                             with_stack: bool) -> worker_pb2.StartProfileRequest:
+    return worker_pb2.StartProfileRequest(out_dir=out_dir, trace_name=trace_name,
+                                          record_shapes=record_shapes, with_stack=with_stack)
+
+
+def stop_profile_request_pb() -> worker_pb2.StopProfileRequest:
+    return worker_pb2.StopProfileRequest()
+
 
 def prefix_cache_reset_to_pb(group: str, scheduler_id: str, num_dropped: int,
                              stats: SchedulerStats) -> scheduler_pb2.ResetPrefixCacheResponse:
@@ -343,7 +367,7 @@ def prefix_cache_reset_to_pb(group: str, scheduler_id: str, num_dropped: int,
 
 
 def group_memory_to_pb(group: str, scheduler_id: str, stats: SchedulerStats,
-                       num_swap_blocks: int, ranks: list[admin_pb2.RankMemory]
+                       num_swap_blocks: int, ranks: list[RankMemoryReport]
                        ) -> scheduler_pb2.GetMemoryResponse:
     """The workers' memory with the group's block occupancy (the core's) on every rank:
     the block ids the core hands out are the same on each rank."""
@@ -361,13 +385,13 @@ def group_memory_to_pb(group: str, scheduler_id: str, stats: SchedulerStats,
 
 
 def group_step_stats_to_pb(group: str, scheduler_id: str, num_steps: int,
-                           ranks: list[admin_pb2.RankStepStats]
+                           ranks: list[RankStepStatsReport]
                            ) -> scheduler_pb2.GetStepStatsResponse:
     return scheduler_pb2.GetStepStatsResponse(group=admin_pb2.GroupStepStats(
         group=group, scheduler_id=scheduler_id, num_steps=num_steps, ranks=ranks))
 
 
-def group_profile(group: str, scheduler_id: str, traces: list[admin_pb2.ProfileTrace],
+def group_profile(group: str, scheduler_id: str, traces: list[ProfileTraceReport],
                   refusals: list[str]) -> admin_pb2.GroupProfile:
     return admin_pb2.GroupProfile(group=group, scheduler_id=scheduler_id, traces=traces,
                                   error="; ".join(refusals))

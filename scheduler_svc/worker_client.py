@@ -10,10 +10,10 @@ import grpc
 
 from pagemesh import keepalive
 from pagemesh.tls import TlsConfig
-from protos.pagemesh.v1 import admin_pb2
-from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from protos.pagemesh.worker.v1 import worker_pb2_grpc
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
+from scheduler_svc.convert import ProfileTraceReport, RankMemoryReport, RankStepStatsReport
 from scheduler_svc.group_formation import WorkerEndpoint
 from scheduler_svc.messages import WorkerInfo
 
@@ -93,16 +93,17 @@ class WorkerGroupClient:
 
     # ---- admin: each member's report, passed through (pagemesh.v1.Admin's messages) -------
 
-    async def get_memory(self) -> list[admin_pb2.RankMemory]:
+    async def get_memory(self) -> list[RankMemoryReport]:
         """Every member's memory, in endpoint ((pp_rank, tp_rank)) order. Raises
         grpc.aio.AioRpcError when one does not answer."""
-        responses = await asyncio.gather(*(stub.GetMemory(
-            worker_pb2.GetMemoryRequest(), timeout=_ADMIN_TIMEOUT_S) for stub in self._stubs))
+        request = convert.memory_request_pb()
+        responses = await asyncio.gather(*(stub.GetMemory(request, timeout=_ADMIN_TIMEOUT_S)
+                                           for stub in self._stubs))
         return [response.memory for response in responses]
 
-    async def get_step_stats(self, window_s: float) -> list[admin_pb2.RankStepStats]:
+    async def get_step_stats(self, window_s: float) -> list[RankStepStatsReport]:
         """Every member's step statistics over the last `window_s` seconds, in endpoint order."""
-        request = worker_pb2.GetStepStatsRequest(window_s=window_s)
+        request = convert.step_stats_request_pb(window_s)
         responses = await asyncio.gather(*(stub.GetStepStats(request, timeout=_ADMIN_TIMEOUT_S)
                                            for stub in self._stubs))
         return [response.stats for response in responses]
@@ -110,18 +111,17 @@ class WorkerGroupClient:
     async def start_profile(self, out_dir: str, trace_name: str, record_shapes: bool,
                             with_stack: bool) -> list[str]:
         """Starts a trace on every member; returns why each member that refused did."""
-        request = worker_pb2.StartProfileRequest(out_dir=out_dir, trace_name=trace_name,
-                                                 record_shapes=record_shapes, with_stack=with_stack)
+        request = convert.start_profile_request_pb(out_dir, trace_name, record_shapes, with_stack)
         results = await asyncio.gather(*(stub.StartProfile(request, timeout=_ADMIN_TIMEOUT_S)
                                          for stub in self._stubs), return_exceptions=True)
         return self._refusals(results)
 
-    async def stop_profile(self) -> tuple[list[admin_pb2.ProfileTrace], list[str]]:
+    async def stop_profile(self) -> tuple[list[ProfileTraceReport], list[str]]:
         """Stops every member's trace: the traces written, and why each other member failed."""
-        results = await asyncio.gather(*(stub.StopProfile(
-            worker_pb2.StopProfileRequest(), timeout=_STOP_PROFILE_TIMEOUT_S)
-            for stub in self._stubs), return_exceptions=True)
-        traces = [r.trace for r in results if isinstance(r, worker_pb2.StopProfileResponse)]
+        request = convert.stop_profile_request_pb()
+        results = await asyncio.gather(*(stub.StopProfile(request, timeout=_STOP_PROFILE_TIMEOUT_S)
+                                         for stub in self._stubs), return_exceptions=True)
+        traces = [r.trace for r in results if not isinstance(r, BaseException)]
         return traces, self._refusals(results)
 
     def _refusals(self, results: list[object]) -> list[str]:
