@@ -214,6 +214,53 @@ def test_errors_are_typed(sdk_mesh: SdkMesh) -> None:
             nobody.tokenize("hi")
 
 
+def test_a_stream_left_by_its_client_is_resumed_by_another(sdk_mesh: SdkMesh) -> None:
+    """A client process that dies mid-stream (here: closes it) loses nothing: another one
+    resumes the request by its id and the count of tokens the first one had."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    with sdk_mesh.client() as client:
+        want = client.generate(PROMPT_IDS, params)
+        stream = client.stream(PROMPT_IDS, params)
+        first = [next(stream) for _ in range(5)]
+        stream.close()  # cancels the call; the checkpoint stays for the resume window
+    with sdk_mesh.client(sdk_mesh.second) as other:
+        rest = other.resume(stream.request_id, 5).collect()
+    assert [t for c in first for t in c.token_ids] + rest.token_ids == want.token_ids
+    assert "".join(c.text for c in first) + rest.text == want.text
+    assert rest.finish_reason == "length" and rest.usage == want.usage
+
+
+def test_the_async_client_answers_as_the_sync_one(sdk_mesh: SdkMesh) -> None:
+    with sdk_mesh.client() as client:
+        want = client.generate(PROMPT_IDS, temperature=0, max_tokens=12, ignore_eos=True, n=2)
+        want_tokens = client.tokenize("Hello there", chat=True)
+        want_info = client.model_info()
+
+    async def run() -> None:
+        async with sdk_mesh.async_client() as client:
+            got = await client.generate(PROMPT_IDS, temperature=0, max_tokens=12,
+                                        ignore_eos=True, n=2)
+            assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+            assert [o.text for o in got.outputs] == [o.text for o in want.outputs]
+            assert got.usage == want.usage
+            assert await client.tokenize("Hello there", chat=True) == want_tokens
+            assert await client.model_info() == want_info
+            chat = await client.chat("Say hi", temperature=0, max_tokens=4, ignore_eos=True)
+            assert len(chat.token_ids) == 4
+            with pytest.raises(InvalidArgument, match="stop token id"):
+                await client.generate(PROMPT_IDS, stop_token_ids=[10**6])
+            with pytest.raises(NotFound):
+                async for _ in client.resume("pm-never-sent", 2):
+                    pass
+        async with AsyncClient(sdk_mesh.mesh.address, tls=sdk_mesh.tls) as keyless:
+            with pytest.raises(Unauthenticated):
+                await keyless.model_info()
+            with pytest.raises(Unauthenticated):
+                await keyless.generate(PROMPT_IDS, max_tokens=2)
+
+    asyncio.run(run())
+
+
 def undisturbed(sdk: SdkMesh) -> Completion:
     with sdk.client() as client:
         return client.generate(PROMPT_IDS, SAMPLED)
@@ -263,3 +310,4 @@ def test_an_async_stream_waits_for_its_only_router_to_restart(sdk_mesh: SdkMesh)
     got, num_resumes = asyncio.run(run())
     assert num_resumes >= 1
     assert_same(got, want)
+
