@@ -14,8 +14,8 @@ How a resume is exact (each token and character reaches the caller once):
   two samples' chunks, so their counts differ. The client resumes from the largest k that
   every sample has passed *at a chunk boundary* (where it knows the text length after k
   tokens) and drops, per sample, the tokens and characters it already holds. With one token
-  per chunk (the router's default) k is the smallest count; it is 0 at worst, which replays
-  every sample from its start.
+  per chunk (the router's default) k is the smallest count, a replayed chunk aside; it is 0
+  at worst, which replays every sample from its start.
 - Nothing received yet: the request is sent again whole, under the same id; a router that
   has its checkpoint replays it, one that has not starts it.
 

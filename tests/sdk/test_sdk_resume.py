@@ -247,3 +247,13 @@ def test_a_resume_refused_by_the_admission_limit_waits_a_new_request_does_not() 
     fresh, _ = state(n=1)
     with pytest.raises(errors.ResourceExhausted):
         fresh.failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+
+
+def test_the_client_resumes_what_the_router_resumes() -> None:
+    """The router resuming on engine groups and the client resuming on routers classify
+    failures alike (router/resume.py; pagemesh/ does not import services)."""
+    from pagemesh.sdk import resume as client_resume
+    from router import resume as router_resume
+
+    assert client_resume.PEER_GONE_CODES == router_resume.PEER_GONE_CODES
+    assert client_resume.SUSPECT_CODES == router_resume.SUSPECT_CODES
