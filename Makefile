@@ -27,7 +27,9 @@ FAST_TESTS := tests/scheduler_svc tests/router tests/protos/test_protos.py tests
 	tests/scheduler_svc/test_step_diffs.py tests/pagemesh/test_registry.py tests/pagemesh/test_serving.py \
 	tests/kernels/test_cpu_features.py tests/worker_svc/test_sampler.py \
 	tests/worker_svc/test_reference_attention.py tests/worker_svc/test_cpu_attention.py \
-	tests/worker_svc/test_cpu_native_builds.py tests/worker_svc/test_matmul.py
+	tests/worker_svc/test_cpu_native_builds.py tests/worker_svc/test_matmul.py \
+	tests/pagemesh/test_discovery.py tests/worker_svc/test_diagnostics.py tests/sdk \
+	tests/worker_svc/test_cpu_fused.py tests/worker_svc/test_structured.py
 test-fast: install
 	$(PY) -m pytest -q $(FAST_TESTS) $(PYTEST_ARGS)
 
