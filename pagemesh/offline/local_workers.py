@@ -18,6 +18,14 @@ Each rank is started as `python -m pagemesh.offline.local_workers FD`, not with
 multiprocessing's spawn, which re-runs the caller's main module in every child: a vLLM
 script without an `if __name__ == "__main__"` guard, or a notebook, works as it is.
 
+Admin calls (`LLM.get_memory`, `get_step_stats`, `start_profile`, `stop_profile`) travel
+on the same connection as the steps, so a rank answers them in its step loop, between two
+steps, on the thread that runs them (torch.profiler's requirement): a message that starts
+with a NUL byte is a pickled `(name, *args)` call (a protobuf message never starts with a
+zero tag), an empty one means stop, anything else is a step. The parent sends a call and
+queues its collection on the same reader as the steps', under one lock, so answers stay in
+the order their messages went out.
+
 Teardown: `close()` asks each rank to stop, then kills what has not exited; a
 `weakref.finalize` does the same at interpreter exit (atexit) or when the group is
 collected. A rank also exits when its connection to the parent breaks.
@@ -28,9 +36,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import pickle
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +54,7 @@ from worker_svc.runner import RunnerConfig, RunnerInfo
 
 START_TIMEOUT_S = 600.0  # loading a rank's shard of a large checkpoint can take minutes
 STOP_TIMEOUT_S = 10.0  # for a rank to exit once asked; it is killed after that
+ADMIN_PREFIX = b"\x00"  # starts an admin call's message (see the module's docstring)
 
 
 class RankFailed(RuntimeError):
@@ -56,9 +67,9 @@ def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
     to stop (or until the parent is gone)."""
     import torch
 
+    from pagemesh.offline.diagnostics import RankDiagnostics
     from protos.pagemesh.worker.v1 import worker_pb2
     from worker_svc.distributed import init_distributed
-    from worker_svc.inproc import step_function
     from worker_svc.runner import ModelRunner
 
     if num_threads:
@@ -76,12 +87,16 @@ def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
     conn.send(("ok", runner.info()))
-    run_step = step_function(runner)
+    diagnostics = RankDiagnostics(runner)  # every step recorded; the rank's profiler
+    run_step = diagnostics.run_step
     try:
         while True:
             message = conn.recv_bytes()
             if not message:  # stop
                 break
+            if message.startswith(ADMIN_PREFIX):
+                _answer_admin(diagnostics, pickle.loads(message[len(ADMIN_PREFIX):]), conn)
+                continue
             try:
                 response = run_step(worker_pb2.ExecuteStepRequest.FromString(message))
                 conn.send(("ok", response.SerializeToString() if parallel.is_driver else b""))
@@ -93,6 +108,17 @@ def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
     # short (std::terminate's message on stderr); the whole group is going away anyway.
     conn.close()
     os._exit(0)
+
+
+def _answer_admin(diagnostics: Any, call: tuple[Any, ...], conn: Connection) -> None:
+    """Runs an admin call; its result, or the exception it raised (for the caller)."""
+    try:
+        conn.send(("ok", diagnostics.answer(call)))
+    except Exception as exc:
+        try:
+            conn.send(("raised", exc))
+        except Exception:  # an exception that does not pickle: its text, then
+            conn.send(("raised", RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
 def _stop(processes: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
@@ -136,6 +162,7 @@ class LocalWorkers:
                  dist_timeout_s: float = 300.0) -> None:
         parallel = config.parallel
         self.world_size = parallel.tp_size * parallel.pp_size
+        self.tp_size = parallel.tp_size
         self.driver_rank = (parallel.pp_size - 1) * parallel.tp_size
         port = free_port()
         self._conns: list[Connection] = []
@@ -153,6 +180,12 @@ class LocalWorkers:
             raise
 
     def _answer(self, rank: int, timeout_s: float | None = None) -> Any:
+        status, value = self._receive(rank, timeout_s)
+        if status != "ok":
+            raise RankFailed(f"rank {rank}: {value}")
+        return value
+
+    def _receive(self, rank: int, timeout_s: float | None = None) -> tuple[str, Any]:
         conn, process = self._conns[rank], self.processes[rank]
         while not conn.poll(1.0 if timeout_s is None else min(1.0, timeout_s)):
             if process.poll() is not None:
@@ -162,17 +195,21 @@ class LocalWorkers:
                 if timeout_s <= 0:
                     raise RankFailed(f"rank {rank} gave no answer in time")
         try:
-            status, value = conn.recv()
+            return conn.recv()
         except (EOFError, OSError) as exc:
             raise RankFailed(f"rank {rank} is gone: {exc!r}") from exc
-        if status != "ok":
-            raise RankFailed(f"rank {rank}: {value}")
-        return value
 
     def send_step(self, step: bytes) -> None:
+        self._send(step)
+
+    def send_admin(self, call: tuple[Any, ...]) -> None:
+        """`RankDiagnostics.answer(call)` on every rank, after the steps sent before."""
+        self._send(ADMIN_PREFIX + pickle.dumps(call))
+
+    def _send(self, message: bytes) -> None:
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send_bytes(step)
+                conn.send_bytes(message)
             except (BrokenPipeError, OSError) as exc:
                 raise RankFailed(f"rank {rank} is gone: {exc!r}") from exc
 
@@ -180,6 +217,21 @@ class LocalWorkers:
         """Every rank's answer to the oldest step sent; the driver's response."""
         answers = [self._answer(rank) for rank in range(self.world_size)]
         return answers[self.driver_rank]
+
+    def collect_admin(self) -> list[Any]:
+        """Every rank's answer to the oldest admin call sent, in rank order; raises the
+        first rank's exception once all have answered (the stream stays in step)."""
+        answers = [self._receive(rank) for rank in range(self.world_size)]
+        for rank, (status, value) in enumerate(answers):
+            if status == "raised":
+                raise value
+            if status != "ok":
+                raise RankFailed(f"rank {rank}: {value}")
+        return [value for _, value in answers]
+
+    def layout(self) -> list[tuple[int, int]]:
+        """(tp_rank, pp_rank) of each rank."""
+        return [(rank % self.tp_size, rank // self.tp_size) for rank in range(self.world_size)]
 
     def dead_ranks(self) -> list[str]:
         return [f"rank {r} (pid {p.pid})" for r, p in enumerate(self.processes)
@@ -192,22 +244,26 @@ class LocalWorkers:
 
 class LocalWorkersExecutor:
     """The engine loop's executor over `LocalWorkers`: steps go out as the worker's
-    protobuf in call order, answers are read in the same order on one thread."""
+    protobuf in call order, answers are read in the same order on one thread. Admin calls
+    (`call`, from any thread) join that order: a message and its collection are queued
+    under one lock (`RankAdmin` for the local workers)."""
 
     def __init__(self, workers: LocalWorkers) -> None:
         self.workers = workers
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranks")
         self._broken: str | None = None
+        self._send_lock = threading.Lock()  # a message and its collection, queued together
 
     async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]
                       ) -> ModelRunnerOutput:
         if self._broken is not None:  # answers would no longer match their steps
             raise RankFailed(self._broken)
-        self.workers.send_step(convert.scheduler_output_to_pb(output, traceparents)
-                               .SerializeToString())
+        step = convert.scheduler_output_to_pb(output, traceparents).SerializeToString()
+        with self._send_lock:
+            self.workers.send_step(step)
+            collected = self._reader.submit(self.workers.collect_step)
         try:
-            response = await asyncio.get_running_loop().run_in_executor(
-                self._reader, self.workers.collect_step)
+            response = await asyncio.wrap_future(collected)
         except RankFailed as exc:
             self._broken = str(exc)
             raise
@@ -218,6 +274,22 @@ class LocalWorkersExecutor:
 
     async def unresponsive(self, timeout_s: float) -> list[str]:
         return self.workers.dead_ranks()
+
+    def layout(self) -> list[tuple[int, int]]:
+        return self.workers.layout()
+
+    def call(self, name: str, *args: Any) -> list[Any]:
+        """`RankDiagnostics.<name>(*args)` on every rank, between its steps; rank order."""
+        if self._broken is not None:
+            raise RankFailed(self._broken)
+        with self._send_lock:
+            self.workers.send_admin((name, *args))
+            collected = self._reader.submit(self.workers.collect_admin)
+        try:
+            return collected.result()
+        except RankFailed as exc:  # answers would no longer match their messages
+            self._broken = str(exc)
+            raise
 
     async def close(self) -> None:
         self._reader.shutdown(wait=False)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagemesh.offline.diagnostics import RankAdmin
 from pagemesh.offline.engine import EngineCore
 from router.structured import GrammarCompiler
 from router.tokenizer import Tokenizer, load_tokenizer
@@ -69,6 +70,8 @@ class BuiltEngine:
     limits: ModelLimits
     num_kv_blocks: int
     grammars: GrammarCompiler
+    ranks: RankAdmin  # the ranks' diagnostics: the executor
+    num_swap_blocks: int  # the scheduler's swap space, blocks
     workers: Any = None  # LocalWorkers for more than one rank
 
 
@@ -155,8 +158,7 @@ def _device(setup: EngineSetup) -> str:
 def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
     """Loads the model (one rank here, or one process per rank) and starts the engine."""
     from kernels import cpu_native
-    from scheduler_svc.executor import InprocExecutor
-    from worker_svc.inproc import step_function
+    from pagemesh.offline.diagnostics import DiagnosedInprocExecutor, RankDiagnostics
     from worker_svc.parallel import ParallelConfig
     from worker_svc.runner import ModelRunner
 
@@ -178,7 +180,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         runner = ModelRunner.from_config(config)
         infos = [runner.info()]
         lead = infos[0]
-        executor: Any = InprocExecutor(step_function(runner))
+        executor: Any = DiagnosedInprocExecutor(RankDiagnostics(runner))
     else:
         from pagemesh.offline.local_workers import (LocalWorkers, LocalWorkersExecutor,
                                                     default_num_threads)
@@ -202,4 +204,5 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
     limits = ModelLimits(name=lead.model_name, max_model_len=lead.max_model_len,
                          vocab_size=lead.vocab_size, eos_token_ids=list(lead.eos_token_ids))
     return BuiltEngine(engine, checked.tokenizer, lead, limits, scheduler_config.num_blocks,
-                       GrammarCompiler(checked.tokenizer), workers)
+                       GrammarCompiler(checked.tokenizer), executor,
+                       scheduler_config.num_swap_blocks, workers)
