@@ -3,10 +3,17 @@ the default model with transformers' reference of it, loaded once."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Every `pagemesh up` the tests start announces itself for discovery (pagemesh/discovery.py);
+# in a folder of the test run's own, so that a developer's `pagemesh top` with no flags
+# never finds a test mesh, nor a test the developer's mesh. Child processes inherit it.
+os.environ.setdefault("PAGEMESH_STATE_DIR", tempfile.mkdtemp(prefix="pagemesh-test-meshes-"))
 
 
 @pytest.fixture(scope="session")
