@@ -1,0 +1,480 @@
+"""deploy/kubernetes: every overlay rendered by `kubectl kustomize`, every object validated
+against the Kubernetes API schemas of KUBERNETES_VERSION (kubernetes-validate, strict: an
+unknown field fails) or, for CRD kinds, the schema vendored in deploy/kubernetes/schemas/,
+then the mesh's own invariants: only the router is exposed, NetworkPolicies keep scheduler
+and worker ports internal, every container has resources, probes and a grace period, every
+PAGEMESH_* variable is a flag its service takes, one GPU per worker, ranks cover tp x pp."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pagemesh.config import _parse_bool
+from tests.support.compose_files import command_parser
+from tests.support.paths import REPO_ROOT
+
+KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
+SCHEMAS_DIR = KUBERNETES_DIR / "schemas"
+# The oldest API the manifests promise (README there): StatefulSet pod labels and the grpc
+# probe are GA by then; the schemas of 1.30 also hold every field used here.
+KUBERNETES_VERSION = "1.30.0"
+OVERLAYS = ("overlays/cpu", "overlays/gpu")
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
+               "servicemonitor-monitoring.coreos.com-v1.json"}
+SERVICE_MODULES = {"router.main", "scheduler_svc.main", "worker_svc.main"}
+PUBLIC_PORTS = {50051, 8000}
+INTERNAL_PORTS = {"scheduler": {50060}, "worker": {50070, 29500}, "standby": {50070, 29500},
+                  "redis": {6379}}
+SHUTDOWN_GRACE_S = 5.0  # --shutdown-grace-s default
+DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s default
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                reason="kubectl is not installed (renders with `kubectl kustomize`)")
+
+
+@functools.cache
+def render(path: str) -> tuple[dict[str, Any], ...]:
+    done = subprocess.run(["kubectl", "kustomize", str(KUBERNETES_DIR / path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
+
+
+def objects(overlay: str, kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in render(overlay) if obj["kind"] == kind]
+
+
+def workloads(overlay: str) -> list[dict[str, Any]]:
+    return [obj for obj in render(overlay) if obj["kind"] in ("Deployment", "StatefulSet")]
+
+
+def config_maps(overlay: str) -> dict[str, dict[str, str]]:
+    """Generated ConfigMaps by name, hash suffix and all."""
+    return {cm["metadata"]["name"]: cm.get("data", {}) for cm in objects(overlay, "ConfigMap")}
+
+
+def value_of(overlay: str, prefix: str, key: str) -> str:
+    (data,) = [data for name, data in config_maps(overlay).items()
+               if name.rsplit("-", 1)[0] == prefix]
+    return data[key]
+
+
+def component(obj: dict[str, Any]) -> str:
+    return obj["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def container_env(overlay: str, container: dict[str, Any]) -> dict[str, str | None]:
+    """Every variable the container gets: env (None for valueFrom) and its envFrom maps."""
+    env: dict[str, str | None] = {}
+    maps = config_maps(overlay)
+    for source in container.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]])
+    for item in container.get("env", []):
+        env[item["name"]] = item.get("value")
+    # What its command exports before exec (the worker's ranks).
+    env.update({name: None for name in re.findall(r"\b(PAGEMESH_\w+)=", " ".join(container.get("command", [])))})
+    return env
+
+
+def service_module(container: dict[str, Any]) -> str | None:
+    match = re.search(r"python -m (\S+)", " ".join(container.get("command", [])))
+    return match.group(1) if match else None
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+# --- schemas ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "monitoring"])
+def test_every_object_validates_against_the_api_schemas(overlay: str) -> None:
+    import jsonschema
+    import kubernetes_validate
+
+    rendered = render(overlay)
+    assert rendered
+    for obj in rendered:
+        crd = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+        if crd is not None:
+            jsonschema.validate(obj, json.loads((SCHEMAS_DIR / crd).read_text()))
+        else:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_validation_refuses_a_misspelt_field() -> None:
+    import kubernetes_validate
+
+    (router,) = [obj for obj in workloads("overlays/cpu") if component(obj) == "router"]
+    broken = json.loads(json.dumps(router))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["comand"] = ["x"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+# --- exposure and NetworkPolicies ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_router_is_exposed(overlay: str) -> None:
+    exposed = [svc["metadata"]["name"] for svc in objects(overlay, "Service")
+               if svc["spec"].get("type", "ClusterIP") in ("LoadBalancer", "NodePort")]
+    assert exposed in ([], ["pagemesh-router"])
+    assert not objects(overlay, "Ingress")
+    for obj in workloads(overlay):
+        pod = obj["spec"]["template"]["spec"]
+        assert not pod.get("hostNetwork"), obj["metadata"]["name"]
+        for container in pod["containers"]:
+            assert all("hostPort" not in p for p in container.get("ports", [])), obj["metadata"]["name"]
+    if overlay == "overlays/gpu":
+        assert exposed == ["pagemesh-router"]
+
+
+def _allowed_from(overlay: str, labels: dict[str, str], port: int) -> list[dict[str, Any] | None]:
+    """The `from` peers allowed to reach `port` of a pod with `labels` (None = anywhere)."""
+    policies = [p for p in objects(overlay, "NetworkPolicy") if selects(p["spec"]["podSelector"], labels)]
+    assert any("Ingress" in p["spec"]["policyTypes"] and not p["spec"].get("ingress")
+               for p in policies), f"no default-deny policy selects {labels}"
+    peers: list[dict[str, Any] | None] = []
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            ports = {p["port"] for p in rule.get("ports", [])}
+            if ports and port not in ports:
+                continue
+            peers += rule.get("from") or [None]
+    return peers
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_keep_scheduler_worker_and_redis_ports_internal(overlay: str) -> None:
+    for obj in workloads(overlay):
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        name = obj["metadata"]["name"]
+        if component(obj) == "router":
+            for port in PUBLIC_PORTS:
+                assert None in _allowed_from(overlay, labels, port), f"{name}: {port} closed"
+            continue
+        for port in INTERNAL_PORTS[component(obj)]:
+            peers = _allowed_from(overlay, labels, port)
+            assert peers, f"{name}: nothing may reach {port}"
+            # Who must reach it: routers dial schedulers, schedulers workers (and ranks each
+            # other), every service Redis.
+            caller = {"scheduler": "router", "redis": "worker"}.get(component(obj), "scheduler")
+            for peer in peers:
+                assert peer is not None and set(peer) == {"podSelector"}, f"{name}: {port} open to {peer}"
+                assert not selects(peer["podSelector"], {"app.kubernetes.io/name": "other"}), \
+                    f"{name}: {port} open to pods outside pagemesh"
+            assert any(selects(peer["podSelector"], {"app.kubernetes.io/part-of": "pagemesh",
+                                                     "app.kubernetes.io/component": caller})
+                       for peer in peers), f"{name}: {caller} pods cannot reach {port}"
+
+
+# --- containers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_has_resources_probes_and_a_grace_period(overlay: str) -> None:
+    for obj in workloads(overlay):
+        pod = obj["spec"]["template"]["spec"]
+        name = obj["metadata"]["name"]
+        assert "terminationGracePeriodSeconds" in pod, name
+        for container in pod["containers"]:
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]), name
+            assert "memory" in resources["limits"], name
+            assert "readinessProbe" in container and "livenessProbe" in container, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grace_periods_cover_the_sigterm_drain(overlay: str) -> None:
+    drain_s = float(value_of(overlay, "pagemesh-scheduler", "PAGEMESH_DRAIN_TIMEOUT_S"))
+    for obj in workloads(overlay):
+        pod = obj["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        grace_s = pod["terminationGracePeriodSeconds"]
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        pre_stop_s = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
+        needed = pre_stop_s + SHUTDOWN_GRACE_S
+        if component(obj) == "scheduler":
+            needed += drain_s
+        if component(obj) in ("worker", "standby"):
+            # Alive until its scheduler, evicted alongside, has drained.
+            assert pre_stop_s >= drain_s, obj["metadata"]["name"]
+        assert grace_s >= needed, f"{obj['metadata']['name']}: {grace_s} s < {needed} s"
+
+
+@functools.cache
+def _flag_actions(module: str) -> dict[str, Any]:
+    from pagemesh.config import env_name
+
+    parser = command_parser(["python", "-m", module])
+    return {env_name(a.option_strings[0]): a for a in parser._actions
+            if a.option_strings and a.dest != "help"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pagemesh_variable_is_a_flag_of_its_service(overlay: str) -> None:
+    seen = set()
+    for obj in workloads(overlay):
+        for container in obj["spec"]["template"]["spec"]["containers"]:
+            module = service_module(container)
+            if module is None:
+                continue
+            seen.add(module)
+            actions = _flag_actions(module)
+            for name, value in container_env(overlay, container).items():
+                if not name.startswith("PAGEMESH_"):
+                    continue
+                assert name in actions, f"{obj['metadata']['name']}: {module} takes no {name}"
+                action = actions[name]
+                if value is None:
+                    continue
+                if action.type is None:  # --flag/--no-flag
+                    _parse_bool(value)
+                else:
+                    parsed = action.type(value)
+                    assert action.choices is None or parsed in action.choices, (name, value)
+    assert seen == SERVICE_MODULES
+
+
+# --- engine groups ------------------------------------------------------------------------
+
+
+def groups(overlay: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """group -> component -> workload."""
+    found: dict[str, dict[str, dict[str, Any]]] = {}
+    for obj in workloads(overlay):
+        group = obj["spec"]["template"]["metadata"]["labels"].get("pagemesh.io/group")
+        if group is not None:
+            found.setdefault(group, {})[component(obj)] = obj
+    return found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_group_is_a_scheduler_tp_x_pp_workers_and_standbys(overlay: str) -> None:
+    tp = int(value_of(overlay, "pagemesh-layout", "PAGEMESH_TP"))
+    pp = int(value_of(overlay, "pagemesh-layout", "PAGEMESH_PP"))
+    found = groups(overlay)
+    assert found
+    for group, members in found.items():
+        assert set(members) == {"scheduler", "worker", "standby"}, group
+        assert members["scheduler"]["kind"] == "StatefulSet"
+        assert members["scheduler"]["spec"]["replicas"] == 1
+        workers = members["worker"]
+        assert workers["kind"] == "StatefulSet"
+        assert workers["metadata"]["name"] == f"pagemesh-worker-{group}"
+        assert workers["spec"]["replicas"] == tp * pp, f"{group}: replicas must be tp x pp"
+        assert workers["spec"]["podManagementPolicy"] == "Parallel"  # rank 0 waits for all
+        assert workers["spec"]["updateStrategy"]["type"] == "OnDelete"
+        for obj in members.values():
+            selector = obj["spec"]["selector"]["matchLabels"]
+            assert selector["pagemesh.io/group"] == group
+            (container,) = obj["spec"]["template"]["spec"]["containers"]
+            (group_env,) = [e for e in container["env"] if e["name"] == "PAGEMESH_GROUP"]
+            assert group_env["valueFrom"]["fieldRef"]["fieldPath"] == \
+                "metadata.labels['pagemesh.io/group']"
+        (standby,) = members["standby"]["spec"]["template"]["spec"]["containers"]
+        assert {"name": "PAGEMESH_STANDBY", "value": "true"} in standby["env"]
+
+
+def _ranks(container: dict[str, Any], pod_name: str, tp: int, pp: int) -> tuple[int, int]:
+    """(tp_rank, pp_rank) the worker's own command derives in pod `pod_name`."""
+    script = container["command"][2].replace("exec python -m worker_svc.main",
+                                             'echo "$PAGEMESH_TP_RANK $PAGEMESH_PP_RANK"')
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True,
+                          env={"PATH": os.environ["PATH"], "PAGEMESH_WORKER_ID": pod_name,
+                               "PAGEMESH_TP": str(tp), "PAGEMESH_PP": str(pp)})
+    tp_rank, pp_rank = done.stdout.split()
+    return int(tp_rank), int(pp_rank)
+
+
+def test_worker_pods_take_every_rank_once_from_their_ordinal() -> None:
+    (workers, *_) = [obj for obj in workloads("overlays/gpu") if component(obj) == "worker"]
+    (container,) = workers["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["sh", "-c"]
+    (worker_id,) = [e for e in container["env"] if e["name"] == "PAGEMESH_WORKER_ID"]
+    assert worker_id["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    tp, pp = 2, 3
+    ranks = [_ranks(container, f"pagemesh-worker-g12-{n}", tp, pp) for n in range(tp * pp)]
+    assert ranks == [(n % tp, n // tp) for n in range(tp * pp)]  # worker_svc.main.parallel_config
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_advertised_addresses_are_pod_ips(overlay: str) -> None:
+    for obj in workloads(overlay):
+        for container in obj["spec"]["template"]["spec"]["containers"]:
+            if service_module(container) is None:
+                continue
+            env = {e["name"]: e for e in container["env"]}
+            assert env["PAGEMESH_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            assert container_env(overlay, container)["PAGEMESH_HOST"] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_one_gpu_per_worker_and_none_elsewhere(overlay: str) -> None:
+    for obj in workloads(overlay):
+        (container,) = obj["spec"]["template"]["spec"]["containers"]
+        gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+        if overlay == "overlays/gpu" and component(obj) in ("worker", "standby"):
+            assert gpus == "1", obj["metadata"]["name"]
+            assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+        else:
+            assert gpus is None, obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_of_different_groups_avoid_each_others_nodes(overlay: str) -> None:
+    for group, members in groups(overlay).items():
+        for name in ("worker", "standby"):
+            template = members[name]["spec"]["template"]
+            terms = template["spec"]["affinity"]["podAntiAffinity"][
+                "preferredDuringSchedulingIgnoredDuringExecution"]
+            (term,) = [t["podAffinityTerm"] for t in terms]
+            assert term["topologyKey"] == "kubernetes.io/hostname"
+            other = dict(template["metadata"]["labels"], **{"pagemesh.io/group": "another"})
+            assert selects(term["labelSelector"], other), f"{group}: does not avoid other groups"
+            assert not selects(term["labelSelector"], template["metadata"]["labels"]), \
+                f"{group}: avoids its own group"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_disruption_budgets_cover_routers_and_every_groups_workers(overlay: str) -> None:
+    budgets = objects(overlay, "PodDisruptionBudget")
+    for obj in workloads(overlay):
+        if component(obj) in ("router", "worker"):
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+            covering = [b for b in budgets if selects(b["spec"]["selector"], labels)]
+            assert len(covering) == 1, obj["metadata"]["name"]
+    (workers,) = [b for b in budgets if b["metadata"]["name"] == "pagemesh-worker"]
+    assert workers["spec"]["maxUnavailable"] == 1  # one group down at a time, over all groups
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_reads_its_api_keys_from_a_secret_and_scales_on_a_pagemesh_metric(overlay: str) -> None:
+    (router,) = [obj for obj in workloads(overlay) if component(obj) == "router"]
+    pod = router["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    keys_file = container_env(overlay, container)["PAGEMESH_API_KEYS_FILE"]
+    (mount,) = [m for m in container["volumeMounts"] if keys_file.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "pagemesh-api-keys"
+    (hpa,) = objects(overlay, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "pagemesh-router"
+    assert any(m["type"] == "Pods" and m["pods"]["metric"]["name"].startswith("pagemesh_")
+               for m in hpa["spec"]["metrics"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pagemesh_pod_is_scraped(overlay: str) -> None:
+    (metrics_service,) = [s for s in objects(overlay, "Service") if s["metadata"]["name"] == "pagemesh-metrics"]
+    for obj in workloads(overlay):
+        if component(obj) == "redis":
+            continue
+        template = obj["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert template["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+        assert container_env(overlay, container)["PAGEMESH_METRICS_PORT"] == str(ports["metrics"])
+        assert selects({"matchLabels": metrics_service["spec"]["selector"]}, template["metadata"]["labels"])
+    (monitor,) = render("monitoring")
+    assert selects(monitor["spec"]["selector"], metrics_service["metadata"]["labels"])
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {p["name"] for p in metrics_service["spec"]["ports"]}
+
+
+# --- probes -------------------------------------------------------------------------------
+
+
+def _probe_commands(overlay: str) -> list[tuple[str, int, str, list[str]]]:
+    """(workload, its gRPC port, probe kind, exec command) of every pagemesh container."""
+    found = []
+    for obj in workloads(overlay):
+        for container in obj["spec"]["template"]["spec"]["containers"]:
+            if service_module(container) is None:
+                continue
+            port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+            assert container_env(overlay, container)["PAGEMESH_PORT"] == str(port)
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                found.append((obj["metadata"]["name"], port, kind, container[kind]["exec"]["command"]))
+    return found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_ask_the_containers_own_grpc_health(overlay: str) -> None:
+    for name, port, kind, command in _probe_commands(overlay):
+        assert f"pagemesh health --address 127.0.0.1:{port} " in " ".join(command), (name, kind)
+
+
+def _health_server(status: str) -> tuple[Any, int]:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", getattr(health_pb2.HealthCheckResponse, status))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_liveness_is_any_answer_and_readiness_is_serving() -> None:
+    """The probe commands themselves, against a health server that says SERVING, one that
+    says NOT_SERVING (a degraded scheduler, a loading worker: alive, not ready) and a port
+    nobody listens on."""
+    commands = {(name, kind): (port, command) for name, port, kind, command in _probe_commands("overlays/cpu")}
+    port, liveness = commands[("pagemesh-scheduler-g0", "livenessProbe")]
+    _, readiness = commands[("pagemesh-scheduler-g0", "readinessProbe")]
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/")}
+
+    def passes(command: list[str], target_port: int) -> bool:
+        argv = [word.replace(f"127.0.0.1:{port}", f"127.0.0.1:{target_port}") for word in command]
+        return subprocess.run(argv, env=env, capture_output=True, timeout=30).returncode == 0
+
+    serving, serving_port = _health_server("SERVING")
+    not_serving, not_serving_port = _health_server("NOT_SERVING")
+    try:
+        with futures.ThreadPoolExecutor(max_workers=6) as pool:
+            cases = {(probe, target): pool.submit(passes, command, target_port)
+                     for probe, command in (("liveness", liveness), ("readiness", readiness))
+                     for target, target_port in (("serving", serving_port),
+                                                 ("not_serving", not_serving_port),
+                                                 ("nothing", _free_port()))}
+            results = {case: future.result() for case, future in cases.items()}
+    finally:
+        serving.stop(0)
+        not_serving.stop(0)
+    assert results == {("liveness", "serving"): True, ("liveness", "not_serving"): True,
+                       ("liveness", "nothing"): False, ("readiness", "serving"): True,
+                       ("readiness", "not_serving"): False, ("readiness", "nothing"): False}
