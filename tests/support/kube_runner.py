@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -84,6 +85,7 @@ class Running:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
+    mounts: dict[str, Path]  # mountPath -> the local folder behind it
     process: subprocess.Popen | None = None
     restarts: int = 0
     ready: bool = False
@@ -264,7 +266,7 @@ class KubeRun:
                 str(cwd).startswith(str(m)) for m in mounts.values()):
             cwd = self.run_dir / "rootfs" / pod.name / str(cwd).lstrip("/")  # e.g. valkey's /data
             cwd.mkdir(parents=True, exist_ok=True)
-        return Running(pod, container, argv, env, cwd)
+        return Running(pod, container, argv, env, cwd, mounts)
 
     def _value(self, pod: Pod, container: Container, key: str, value: str,
                mounts: dict[str, Path]) -> str:
@@ -399,25 +401,27 @@ class KubeRun:
             return False
 
     def _probe_argv(self, running: Running, command: list[str]) -> list[str]:
-        return [self._arg(running.pod, running.container, arg, {}, host_like=i > 0 and bool(
+        return [self._arg(running.pod, running.container, arg, running.mounts, host_like=i > 0 and bool(
                     _HOST_FLAG.match(command[i - 1]))) for i, arg in enumerate(command)]
 
     def wait_ready(self, labels: list[str] | None = None, timeout_s: float = 60.0) -> None:
         """Until every container in `labels` (default: all) passes its readiness probe."""
         waiting = list(labels if labels is not None else self.running)
         deadline = time.monotonic() + timeout_s
-        while waiting:
-            for label in list(waiting):
-                running = self.running[label]
-                if running.restarts > 3:
-                    raise RuntimeError(f"{label} keeps exiting\n{self.log_tails()}")
-                if self.probe(running):
-                    running.ready = True
-                    waiting.remove(label)
-            if waiting and time.monotonic() > deadline:
-                raise TimeoutError(f"never ready: {waiting}\n{self.events}\n{self.log_tails()}")
-            if waiting:
-                time.sleep(0.3)
+        with ThreadPoolExecutor(max_workers=8) as pool:  # the kubelet probes pods side by side
+            while waiting:
+                for label in waiting:
+                    if self.running[label].restarts > 3:
+                        raise RuntimeError(f"{label} keeps exiting\n{self.log_tails()}")
+                results = dict(zip(waiting, pool.map(lambda l: self.probe(self.running[l]), waiting)))
+                for label, ready in results.items():
+                    if ready:
+                        self.running[label].ready = True
+                        waiting.remove(label)
+                if waiting and time.monotonic() > deadline:
+                    raise TimeoutError(f"never ready: {waiting}\n{self.events}\n{self.log_tails()}")
+                if waiting:
+                    time.sleep(0.3)
 
     # --- what a test does to it
 
@@ -468,7 +472,9 @@ class KubeRun:
             if running.process.poll() is None:
                 running.process.terminate()
         # A hook that used up the grace period leaves SIGTERM 2 s more, as the kubelet does.
-        deadline = max(started + pod.grace_s, time.monotonic() + 2.0)
+        deadline = started + pod.grace_s
+        if hooks and time.monotonic() >= deadline:
+            deadline = time.monotonic() + 2.0
         for running in containers:
             killed = False
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,55 @@ def test_a_missing_config_key_is_an_error(tmp_path: Path) -> None:
     objects = list(yaml.safe_load_all(MANIFEST.replace("key: PAGEMESH_REDIS_URL", "key: REDIS_URL")))
     with pytest.raises(KubeTranslationError, match="REDIS_URL"):
         KubeRun(Manifests(objects), tmp_path, use_namespaces=False).prepare()
+
+
+KUBELET = """
+apiVersion: v1
+kind: Pod
+metadata: {name: stubborn}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: main
+    image: pagemesh:cpu
+    command: ["python", "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: polite}
+spec:
+  replicas: 1
+  template:
+    spec:
+      terminationGracePeriodSeconds: 20
+      containers:
+      - name: main
+        image: pagemesh:cpu
+        command: ["python", "-c", "import time; time.sleep(60)"]
+        lifecycle: {preStop: {exec: {command: ["touch", "/work/stopped"]}}}
+        volumeMounts: [{name: work, mountPath: /work}]
+        readinessProbe: {exec: {command: ["test", "-d", "/work"]}}
+      volumes: [{name: work, emptyDir: {}}]
+"""
+
+
+def test_the_kubelet_restarts_and_stops(tmp_path: Path) -> None:
+    """A killed container comes back (restartPolicy Always); deletion runs preStop, then
+    SIGTERM, and SIGKILLs only what outlives its grace period; nothing is left."""
+    run = KubeRun(Manifests(list(yaml.safe_load_all(KUBELET))), tmp_path, use_namespaces=False)
+    try:
+        run.start()
+        run.wait_ready(timeout_s=30)
+        polite = next(label for label in run.running if label.startswith("polite-"))
+        run.kill("stubborn/main")
+        deadline = time.monotonic() + 10
+        while run.running["stubborn/main"].restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert run.running["stubborn/main"].restarts == 1, run.events
+        outcomes = run.stop()
+    finally:
+        run.close()
+    assert outcomes["stubborn/main"].killed and 1.0 <= outcomes["stubborn/main"].seconds < 3
+    assert not outcomes[polite].killed and outcomes[polite].seconds < 5
+    assert (tmp_path / "volumes" / polite.split("/")[0] / "work" / "stopped").exists()
+    assert run.leftovers() == []
