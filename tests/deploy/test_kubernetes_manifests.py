@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ SCHEMAS_DIR = KUBERNETES_DIR / "schemas"
 # The oldest API the manifests promise (README there): StatefulSet pod labels and the grpc
 # probe are GA by then; the schemas of 1.30 also hold every field used here.
 KUBERNETES_VERSION = "1.30.0"
-OVERLAYS = ("overlays/cpu", "overlays/gpu")
+# "+component": the overlay with a component of deploy/kubernetes/components added, as a user
+# adds it (`components:` in the overlay).
+OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/gpu+tls")
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
                "servicemonitor-monitoring.coreos.com-v1.json"}
 SERVICE_MODULES = {"router.main", "scheduler_svc.main", "worker_svc.main"}
@@ -47,8 +50,17 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
 
 @functools.cache
 def render(path: str) -> tuple[dict[str, Any], ...]:
-    done = subprocess.run(["kubectl", "kustomize", str(KUBERNETES_DIR / path)],
-                          capture_output=True, text=True, timeout=60)
+    overlay, *components = path.split("+")
+    with tempfile.TemporaryDirectory() as scratch:
+        target = KUBERNETES_DIR / overlay
+        if components:  # kustomize takes relative paths only
+            relative = lambda p: os.path.relpath(KUBERNETES_DIR / p, scratch)  # noqa: E731
+            kustomization = {"resources": [relative(overlay)],
+                             "components": [relative(f"components/{c}") for c in components]}
+            target = Path(scratch)
+            (target / "kustomization.yaml").write_text(json.dumps(kustomization))
+        done = subprocess.run(["kubectl", "kustomize", str(target)],
+                              capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
 
@@ -152,7 +164,7 @@ def test_only_the_router_is_exposed(overlay: str) -> None:
         assert not pod.get("hostNetwork"), obj["metadata"]["name"]
         for container in pod["containers"]:
             assert all("hostPort" not in p for p in container.get("ports", [])), obj["metadata"]["name"]
-    if overlay == "overlays/gpu":
+    if overlay.startswith("overlays/gpu"):
         assert exposed == ["pagemesh-router"]
 
 
@@ -341,7 +353,7 @@ def test_one_gpu_per_worker_and_none_elsewhere(overlay: str) -> None:
     for obj in workloads(overlay):
         (container,) = obj["spec"]["template"]["spec"]["containers"]
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
-        if overlay == "overlays/gpu" and component(obj) in ("worker", "standby"):
+        if overlay.startswith("overlays/gpu") and component(obj) in ("worker", "standby"):
             assert gpus == "1", obj["metadata"]["name"]
             assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
         else:
@@ -478,3 +490,18 @@ def test_liveness_is_any_answer_and_readiness_is_serving() -> None:
     assert results == {("liveness", "serving"): True, ("liveness", "not_serving"): True,
                        ("liveness", "nothing"): False, ("readiness", "serving"): True,
                        ("readiness", "not_serving"): False, ("readiness", "nothing"): False}
+
+
+def test_the_tls_component_serves_the_routers_ports_with_the_secrets_certificate() -> None:
+    (router,) = [obj for obj in workloads("overlays/gpu+tls") if component(obj) == "router"]
+    pod = router["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = container_env("overlays/gpu+tls", container)
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert volume["secret"]["secretName"] == "pagemesh-tls"
+    assert env["PAGEMESH_TLS_CERT"] == f"{mount['mountPath']}/tls.crt"
+    assert env["PAGEMESH_TLS_KEY"] == f"{mount['mountPath']}/tls.key"
+    assert "PAGEMESH_TLS_CA" not in env  # no client certificates asked of the public
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert f"--tls-ca {mount['mountPath']}/ca.crt" in " ".join(container[kind]["exec"]["command"])
