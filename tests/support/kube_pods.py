@@ -289,6 +289,66 @@ class Manifests:
         return [p for p in self.pods if selector and selector.items() <= p.labels.items()]
 
 
+    # --- NetworkPolicies (ingress; nothing here enforces them, a run checks what it saw)
+
+    def ingress_allowed(self, source: Pod | None, target: Pod, port: int) -> bool:
+        """Whether the NetworkPolicies admit a TCP connection from `source` (None: from
+        outside the cluster's pods) to `target`'s `port`."""
+        policies = [p for p in self.by_kind.get("NetworkPolicy", {}).values()
+                    if _namespace(p) == target.namespace
+                    and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                    and selects(p["spec"].get("podSelector") or {}, target.labels)]
+        if not policies:
+            return True
+        return any(_port_matches(rule.get("ports"), port, target)
+                   and _source_matches(rule.get("from"), source, _namespace(policy))
+                   for policy in policies for rule in policy["spec"].get("ingress") or [])
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions) against a set of labels."""
+    if not (selector.get("matchLabels") or {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+        matched = {"In": key in labels and labels[key] in values,
+                   "NotIn": key not in labels or labels[key] not in values,
+                   "Exists": key in labels, "DoesNotExist": key not in labels}[operator]
+        if not matched:
+            return False
+    return True
+
+
+def _port_matches(ports: list[dict[str, Any]] | None, port: int, target: Pod) -> bool:
+    if not ports:
+        return True
+    for rule in ports:
+        if "port" not in rule:
+            return True
+        first = target_port(target.spec, rule["port"])
+        if first <= port <= int(rule.get("endPort", first)):
+            return True
+    return False
+
+
+def _source_matches(peers: list[dict[str, Any]] | None, source: Pod | None, namespace: str) -> bool:
+    if not peers:
+        return True
+    for peer in peers:
+        if "ipBlock" in peer:
+            return True  # addresses outside the pod network, and any pod's: not told apart here
+        if source is None:
+            continue
+        namespace_labels = {"kubernetes.io/metadata.name": source.namespace}
+        if "namespaceSelector" in peer:
+            in_namespace = selects(peer["namespaceSelector"], namespace_labels)
+        else:
+            in_namespace = source.namespace == namespace
+        if in_namespace and selects(peer.get("podSelector") or {}, source.labels):
+            return True
+    return False
+
+
 def target_port(pod_spec: dict[str, Any], target: int | str) -> int:
     """A Service's targetPort on one pod: a number, or the name of one of its container ports."""
     if isinstance(target, int) or str(target).isdigit():

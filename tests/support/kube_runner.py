@@ -430,6 +430,26 @@ class KubeRun:
         pod, ports = self.dns[service]
         return f"{pod.ip}:{target_port(pod.spec, ports[port]) if ports else port}"
 
+    def connections(self) -> list[tuple[Pod | None, Pod, int]]:
+        """The TCP connections established into pods right now, as (source pod or None for
+        one from outside the pods, target pod, target port); loopback ones left out. Needs
+        the pods' namespaces."""
+        by_ip = {pod.ip: pod for pod in self.pods}
+        seen = []
+        for pod in self.pods:
+            namespace = self.namespaces[pod.name]
+            def ss(*args: str) -> list[list[str]]:
+                out = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-tnH", *args],
+                                     capture_output=True, text=True, check=True).stdout
+                return [line.split() for line in out.splitlines() if line.strip()]
+            listening = {int(row[3].rpartition(":")[2]) for row in ss("-l")}
+            for row in ss("state", "established"):
+                local, peer = row[2].rpartition(":"), row[3].rpartition(":")
+                if local[0] == peer[0] or peer[0].startswith("127.") or int(local[2]) not in listening:
+                    continue
+                seen.append((by_ip.get(peer[0].strip("[]")), pod, int(local[2])))
+        return seen
+
     def kill(self, label: str, sig: int = signal.SIGKILL) -> int:
         """Signals a container's process (as `kill -9` on the node would); returns its pid."""
         process = self.running[label].process

@@ -249,3 +249,20 @@ def test_the_kubelet_restarts_and_stops(tmp_path: Path) -> None:
     assert not outcomes[polite].killed and outcomes[polite].seconds < 5
     assert (tmp_path / "volumes" / polite.split("/")[0] / "work" / "stopped").exists()
     assert run.leftovers() == []
+
+
+def test_network_policies_admit_by_labels_and_ports(run: KubeRun) -> None:
+    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+              "metadata": {"name": "valkey", "namespace": "pm"},
+              "spec": {"podSelector": {"matchLabels": {"app": "valkey"}},
+                       "ingress": [{"from": [{"podSelector": {"matchExpressions": [
+                           {"key": "app", "operator": "In", "values": ["router"]}]}}],
+                                    "ports": [{"port": "redis"}]}]}}
+    manifests = Manifests(run.manifests.objects + [policy])
+    valkey, worker = manifests.pod("valkey-0"), manifests.pod("worker-0")
+    router = next(p for p in manifests.pods if p.name.startswith("router-"))
+    assert manifests.ingress_allowed(router, valkey, 6379)
+    assert not manifests.ingress_allowed(worker, valkey, 6379)
+    assert not manifests.ingress_allowed(router, valkey, 6380)
+    assert not manifests.ingress_allowed(None, valkey, 6379)
+    assert manifests.ingress_allowed(None, worker, 50070)  # no policy selects the workers
