@@ -231,7 +231,8 @@ class Manifests:
                 if obj is None:
                     if ref.get("optional"):
                         return {}
-                    raise KubeTranslationError(f"{pod.name}: envFrom {kind} {ref['name']!r} is not rendered")
+                    raise KubeTranslationError(
+                        f"{pod.name}: envFrom {kind} {ref['name']!r} is not rendered")
                 return data_of(obj)
         raise KubeTranslationError(f"{pod.name}: envFrom {source}")
 
@@ -250,7 +251,8 @@ class Manifests:
                     if ref.get("optional"):
                         return None
                     raise KubeTranslationError(
-                        f"{pod.name}: {var['name']} reads {kind} {ref['name']!r} key {ref['key']!r}, "
+                        f"{pod.name}: {var['name']} reads {kind} {ref['name']!r} "
+                        f"key {ref['key']!r}, "
                         "which is not rendered")
                 return data[ref["key"]]
         if "fieldRef" in source:
@@ -310,7 +312,8 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     if not (selector.get("matchLabels") or {}).items() <= labels.items():
         return False
     for expression in selector.get("matchExpressions") or []:
-        key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+        key, operator = expression["key"], expression["operator"]
+        values = expression.get("values") or []
         matched = {"In": key in labels and labels[key] in values,
                    "NotIn": key not in labels or labels[key] not in values,
                    "Exists": key in labels, "DoesNotExist": key not in labels}[operator]
@@ -422,7 +425,8 @@ def _hash(text: str, num_chars: int) -> str:
     """Kubernetes' name-safe alphabet (no vowels), deterministic here."""
     alphabet = "bcdfghjklmnpqrstvwxz2456789"
     value = int(hashlib.sha256(text.encode()).hexdigest(), 16)
-    return "".join(alphabet[(value // len(alphabet) ** i) % len(alphabet)] for i in range(num_chars))
+    base = len(alphabet)
+    return "".join(alphabet[(value // base ** i) % base] for i in range(num_chars))
 
 
 def _expand_lws(obj: dict[str, Any]) -> list[Pod]:
@@ -454,7 +458,8 @@ def _expand_lws(obj: dict[str, Any]) -> list[Pod]:
 
 
 def _with_env(pod_spec: dict[str, Any], extra: dict[str, str]) -> dict[str, Any]:
-    containers = [{**c, "env": [{"name": k, "value": v} for k, v in extra.items()] + list(c.get("env") or [])}
+    injected = [{"name": k, "value": v} for k, v in extra.items()]
+    containers = [{**c, "env": injected + list(c.get("env") or [])}
                   for c in pod_spec.get("containers") or []]
     return {**pod_spec, "containers": containers}
 

@@ -65,7 +65,10 @@ import socket, sys
 args, host, port = sys.argv[1:], "127.0.0.1", 6379
 while args and args[0].startswith("-"):
     flag, value, args = args[0], args[1], args[2:]
-    host, port = (value, port) if flag == "-h" else (host, int(value)) if flag == "-p" else (host, port)
+    if flag == "-h":
+        host = value
+    elif flag == "-p":
+        port = int(value)
 if [a.lower() for a in args] != ["ping"]:
     sys.exit(f"only `ping` is stood in for, not {args}")
 with socket.create_connection((host, port), timeout=3) as s:
@@ -106,7 +109,8 @@ class KubeRun:
     """The pods of `manifests`, run locally; `stop()` ends all of them."""
 
     def __init__(self, manifests: Manifests, run_dir: Path, *, model: Path | None = None,
-                 volume_dirs: dict[str, Path] | None = None, extra_env: dict[str, str] | None = None,
+                 volume_dirs: dict[str, Path] | None = None,
+                 extra_env: dict[str, str] | None = None,
                  use_namespaces: bool | None = None, prefix: str = "10.213.81") -> None:
         self.manifests = manifests
         self.run_dir = run_dir
@@ -197,8 +201,10 @@ class KubeRun:
                         ref = volume[key].get("name") or volume[key].get("secretName")
                         obj = self.manifests.by_kind.get(kind, {}).get(ref)
                         if obj is None and not volume[key].get("optional"):
-                            raise KubeTranslationError(f"{pod.name}: volume {name}: {kind} {ref!r} is not rendered")
-                        self._write_keys(folder, data_of(obj) if obj else {}, volume[key].get("items"))
+                            raise KubeTranslationError(
+                                f"{pod.name}: volume {name}: {kind} {ref!r} is not rendered")
+                        self._write_keys(folder, data_of(obj) if obj else {},
+                                         volume[key].get("items"))
             folders[name] = Path(folder)
         for template, claim in pod.claims.items():  # StatefulSet volumeClaimTemplates
             folder = self.volume_dirs.get(template) or self.volume_dirs.get(claim) \
@@ -220,7 +226,8 @@ class KubeRun:
                               cwd=running.cwd, stdout=log, stderr=subprocess.STDOUT, timeout=120)
         self.events.append(f"init {running.container.label} exited {done.returncode}")
         if done.returncode != 0:
-            raise RuntimeError(f"init container {running.container.label} failed:\n{self.log_tails()}")
+            raise RuntimeError(
+                f"init container {running.container.label} failed:\n{self.log_tails()}")
 
     def _spawn(self, running: Running) -> None:
         running.process = subprocess.Popen(
@@ -247,7 +254,8 @@ class KubeRun:
         mounts = {}
         for path, (volume, sub_path) in container.mounts.items():
             if volume not in volumes:
-                raise KubeTranslationError(f"{container.label}: mounts {volume!r}, which the pod lacks")
+                raise KubeTranslationError(
+                    f"{container.label}: mounts {volume!r}, which the pod lacks")
             mounts[path] = volumes[volume] / sub_path if sub_path else volumes[volume]
         env = {key: self._value(pod, container, key, value, mounts)
                for key, value in container.env.items()}
@@ -335,7 +343,8 @@ class KubeRun:
         if resolved is None:
             return url
         user = parts.netloc.rpartition("@")[0]
-        netloc = (f"{user}@" if user else "") + resolved[0] + (f":{resolved[1]}" if resolved[1] else "")
+        port = f":{resolved[1]}" if resolved[1] else ""
+        netloc = (f"{user}@" if user else "") + resolved[0] + port
         return urlunsplit(parts._replace(netloc=netloc))
 
     # --- the kubelet
@@ -380,8 +389,9 @@ class KubeRun:
         try:
             if "exec" in spec:
                 argv = self._probe_argv(running, spec["exec"]["command"])
-                done = subprocess.run(self._argv(pod, argv), env=self._env(running), cwd=running.cwd,
-                                      capture_output=True, timeout=max(timeout_s, MIN_EXEC_PROBE_TIMEOUT_S))
+                done = subprocess.run(self._argv(pod, argv), env=self._env(running),
+                                      cwd=running.cwd, capture_output=True,
+                                      timeout=max(timeout_s, MIN_EXEC_PROBE_TIMEOUT_S))
                 return done.returncode == 0
             if "grpc" in spec:
                 port = int(spec["grpc"]["port"])
@@ -401,8 +411,9 @@ class KubeRun:
             return False
 
     def _probe_argv(self, running: Running, command: list[str]) -> list[str]:
-        return [self._arg(running.pod, running.container, arg, running.mounts, host_like=i > 0 and bool(
-                    _HOST_FLAG.match(command[i - 1]))) for i, arg in enumerate(command)]
+        return [self._arg(running.pod, running.container, arg, running.mounts,
+                          host_like=i > 0 and bool(_HOST_FLAG.match(command[i - 1])))
+                for i, arg in enumerate(command)]
 
     def wait_ready(self, labels: list[str] | None = None, timeout_s: float = 60.0) -> None:
         """Until every container in `labels` (default: all) passes its readiness probe."""
@@ -413,7 +424,8 @@ class KubeRun:
                 for label in waiting:
                     if self.running[label].restarts > 3:
                         raise RuntimeError(f"{label} keeps exiting\n{self.log_tails()}")
-                results = dict(zip(waiting, pool.map(lambda l: self.probe(self.running[l]), waiting)))
+                results = dict(zip(waiting, pool.map(
+                    lambda label: self.probe(self.running[label]), waiting)))
                 for label, ready in results.items():
                     if ready:
                         self.running[label].ready = True
@@ -445,7 +457,8 @@ class KubeRun:
             listening = {int(row[3].rpartition(":")[2]) for row in ss("-l")}
             for row in ss("state", "established"):
                 local, peer = row[2].rpartition(":"), row[3].rpartition(":")
-                if local[0] == peer[0] or peer[0].startswith("127.") or int(local[2]) not in listening:
+                if local[0] == peer[0] or peer[0].startswith("127.") \
+                        or int(local[2]) not in listening:
                     continue
                 seen.append((by_ip.get(peer[0].strip("[]")), pod, int(local[2])))
         return seen
@@ -465,7 +478,8 @@ class KubeRun:
         if self._kubelet.is_alive():
             self._kubelet.join()
         outcomes: dict[str, Stopped] = {}
-        threads = [threading.Thread(target=self._stop_pod, args=(pod, outcomes)) for pod in self.pods]
+        threads = [threading.Thread(target=self._stop_pod, args=(pod, outcomes))
+                   for pod in self.pods]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -477,9 +491,11 @@ class KubeRun:
         containers = [r for r in self.running.values() if r.pod is pod and r.process is not None]
         hooks = []
         for running in containers:
-            hook = ((running.container.spec.get("lifecycle") or {}).get("preStop") or {}).get("exec")
+            lifecycle = running.container.spec.get("lifecycle") or {}
+            hook = (lifecycle.get("preStop") or {}).get("exec")
             if hook and running.process.poll() is None:
-                hooks.append(subprocess.Popen(self._argv(pod, self._probe_argv(running, hook["command"])),
+                argv = self._probe_argv(running, hook["command"])
+                hooks.append(subprocess.Popen(self._argv(pod, argv),
                                               env=self._env(running), cwd=running.cwd,
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for hook in hooks:

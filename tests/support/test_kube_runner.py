@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.kube_pods import KubeTranslationError, Manifests, container_argv, expand, image_config
+from tests.support.kube_pods import (KubeTranslationError, Manifests, container_argv, expand,
+                                     image_config)
 from tests.support.kube_runner import KubeRun
 from tests.support.paths import REPO_ROOT
 
@@ -118,7 +119,8 @@ spec:
           valueFrom: {{fieldRef: {{fieldPath: "metadata.labels['apps.kubernetes.io/pod-index']"}}}}
         - {{name: PAGEMESH_ADVERTISE_HOST, value: "$(PAGEMESH_WORKER_ID).worker"}}
         - {{name: PAGEMESH_DEVICE, value: "cuda:0"}}
-        - {{name: PAGEMESH_REDIS_URL, valueFrom: {{configMapKeyRef: {{name: pagemesh-config, key: PAGEMESH_REDIS_URL}}}}}}
+        - name: PAGEMESH_REDIS_URL
+          valueFrom: {{configMapKeyRef: {{name: pagemesh-config, key: PAGEMESH_REDIS_URL}}}}
         - {{name: ESCAPED, value: "$$(POD_IP)"}}
         - {{name: CPUS, valueFrom: {{resourceFieldRef: {{resource: limits.cpu}}}}}}
         resources: {{limits: {{cpu: 1500m}}}}
@@ -194,7 +196,8 @@ def test_an_unknown_service_name_is_an_error(tmp_path: Path) -> None:
 
 
 def test_a_missing_config_key_is_an_error(tmp_path: Path) -> None:
-    objects = list(yaml.safe_load_all(MANIFEST.replace("key: PAGEMESH_REDIS_URL", "key: REDIS_URL")))
+    typo = MANIFEST.replace("key: PAGEMESH_REDIS_URL", "key: REDIS_URL")
+    objects = list(yaml.safe_load_all(typo))
     with pytest.raises(KubeTranslationError, match="REDIS_URL"):
         KubeRun(Manifests(objects), tmp_path, use_namespaces=False).prepare()
 
@@ -208,7 +211,8 @@ spec:
   containers:
   - name: main
     image: pagemesh:cpu
-    command: ["python", "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+    command: ["python", "-c", "import signal, time;
+      signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
 ---
 apiVersion: apps/v1
 kind: Deployment
