@@ -505,3 +505,20 @@ def test_the_tls_component_serves_the_routers_ports_with_the_secrets_certificate
     assert "PAGEMESH_TLS_CA" not in env  # no client certificates asked of the public
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert f"--tls-ca {mount['mountPath']}/ca.crt" in " ".join(container[kind]["exec"]["command"])
+
+
+# --- docs/kubernetes.md -------------------------------------------------------------------
+
+
+def test_the_doc_names_files_and_objects_that_exist() -> None:
+    doc = (REPO_ROOT / "docs" / "kubernetes.md").read_text()
+    for path in set(re.findall(r"\b((?:deploy|compose|docs|tests)/[\w./-]*\w)", doc)):
+        if path.startswith("deploy/pagemesh-"):  # kubectl's deploy/<name>
+            continue
+        assert (REPO_ROOT / path).exists(), path
+    names = {obj["metadata"]["name"] for obj in render("overlays/gpu")}
+    names |= {name.rsplit("-", 1)[0] for name in names}  # generated ConfigMaps' hash suffix
+    for kind_name in set(re.findall(r"\b(?:deploy|sts|svc)/(pagemesh-[\w-]+)", doc)):
+        assert kind_name in names or kind_name.endswith("-g2"), kind_name  # g2: the added group
+    for variable in set(re.findall(r"\b(PAGEMESH_[A-Z_]+)", doc)):
+        assert any(variable in actions for actions in map(_flag_actions, SERVICE_MODULES)), variable
