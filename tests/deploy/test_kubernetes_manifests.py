@@ -241,6 +241,18 @@ def test_grace_periods_cover_the_sigterm_drain(overlay: str) -> None:
         assert grace_s >= needed, f"{obj['metadata']['name']}: {grace_s} s < {needed} s"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_scheduler_may_wait_for_its_workers_before_its_startup_probe_gives_up(overlay: str) -> None:
+    """The scheduler serves gRPC only once its group has formed (scheduler_svc.main.serve:
+    every worker registered within --worker-wait-s, and loaded)."""
+    wait_s = float(value_of(overlay, "pagemesh-scheduler", "PAGEMESH_WORKER_WAIT_S"))
+    for obj in workloads(overlay):
+        if component(obj) == "scheduler":
+            (container,) = obj["spec"]["template"]["spec"]["containers"]
+            probe = container["startupProbe"]
+            assert probe["periodSeconds"] * probe["failureThreshold"] > wait_s, obj["metadata"]["name"]
+
+
 @functools.cache
 def _flag_actions(module: str) -> dict[str, Any]:
     from pagemesh.config import env_name
