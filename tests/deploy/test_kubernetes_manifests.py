@@ -34,9 +34,13 @@ SCHEMAS_DIR = KUBERNETES_DIR / "schemas"
 KUBERNETES_VERSION = "1.30.0"
 # "+component": the overlay with a component of deploy/kubernetes/components added, as a user
 # adds it (`components:` in the overlay).
-OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/gpu+tls")
+OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/gpu+tls", "overlays/lws")
+GROUP_FOLDER_OVERLAYS = ("overlays/cpu", "overlays/gpu")  # engine groups from groups/gN
+GPU_OVERLAYS = ("overlays/gpu", "overlays/gpu+tls", "overlays/lws")
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
-               "servicemonitor-monitoring.coreos.com-v1.json"}
+               "servicemonitor-monitoring.coreos.com-v1.json",
+               ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"):
+               "leaderworkerset-leaderworkerset.x-k8s.io-v1.json"}
 SERVICE_MODULES = {"router.main", "scheduler_svc.main", "worker_svc.main"}
 PUBLIC_PORTS = {50051, 8000}
 INTERNAL_PORTS = {"scheduler": {50060}, "worker": {50070, 29500}, "standby": {50070, 29500},
@@ -70,7 +74,16 @@ def objects(overlay: str, kind: str) -> list[dict[str, Any]]:
 
 
 def workloads(overlay: str) -> list[dict[str, Any]]:
-    return [obj for obj in render(overlay) if obj["kind"] in ("Deployment", "StatefulSet")]
+    """Deployments and StatefulSets, and each LeaderWorkerSet as its leader and its workers
+    (each a workload-like object with its own spec.template)."""
+    found = [obj for obj in render(overlay) if obj["kind"] in ("Deployment", "StatefulSet")]
+    for lws in objects(overlay, "LeaderWorkerSet"):
+        for role in ("leader", "worker"):
+            template = lws["spec"]["leaderWorkerTemplate"][f"{role}Template"]
+            found.append({"kind": "LeaderWorkerSet", "lws": lws,
+                          "metadata": {"name": f"{lws['metadata']['name']} ({role})"},
+                          "spec": {"template": template}})
+    return found
 
 
 def config_maps(overlay: str) -> dict[str, dict[str, str]]:
@@ -136,6 +149,11 @@ def test_every_object_validates_against_the_api_schemas(overlay: str) -> None:
         crd = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
         if crd is not None:
             jsonschema.validate(obj, json.loads((SCHEMAS_DIR / crd).read_text()))
+            for template in obj["spec"].get("leaderWorkerTemplate", {}).values():
+                if isinstance(template, dict):  # a core PodTemplateSpec
+                    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
+                                                  "metadata": {"name": "t"}, "template": template},
+                                                 KUBERNETES_VERSION, strict=True)
         else:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
@@ -164,7 +182,7 @@ def test_only_the_router_is_exposed(overlay: str) -> None:
         assert not pod.get("hostNetwork"), obj["metadata"]["name"]
         for container in pod["containers"]:
             assert all("hostPort" not in p for p in container.get("ports", [])), obj["metadata"]["name"]
-    if overlay.startswith("overlays/gpu"):
+    if overlay in GPU_OVERLAYS:
         assert exposed == ["pagemesh-router"]
 
 
@@ -300,7 +318,7 @@ def groups(overlay: str) -> dict[str, dict[str, dict[str, Any]]]:
     return found
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", GROUP_FOLDER_OVERLAYS)
 def test_each_group_is_a_scheduler_tp_x_pp_workers_and_standbys(overlay: str) -> None:
     tp = int(value_of(overlay, "pagemesh-layout", "PAGEMESH_TP"))
     pp = int(value_of(overlay, "pagemesh-layout", "PAGEMESH_PP"))
@@ -327,13 +345,16 @@ def test_each_group_is_a_scheduler_tp_x_pp_workers_and_standbys(overlay: str) ->
         assert {"name": "PAGEMESH_STANDBY", "value": "true"} in standby["env"]
 
 
-def _ranks(container: dict[str, Any], pod_name: str, tp: int, pp: int) -> tuple[int, int]:
-    """(tp_rank, pp_rank) the worker's own command derives in pod `pod_name`."""
-    script = container["command"][2].replace("exec python -m worker_svc.main",
-                                             'echo "$PAGEMESH_TP_RANK $PAGEMESH_PP_RANK"')
+def _ranks(container: dict[str, Any], pod_name: str, tp: int, pp: int,
+           **env: str) -> tuple[int, int]:
+    """(tp_rank, pp_rank) the worker's own command derives in pod `pod_name`; (-1, -1) for
+    a standby."""
+    script = container["command"][2].replace(
+        "exec python -m worker_svc.main",
+        'if [ "$PAGEMESH_STANDBY" = true ]; then echo -1 -1; else echo "$PAGEMESH_TP_RANK $PAGEMESH_PP_RANK"; fi')
     done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True,
                           env={"PATH": os.environ["PATH"], "PAGEMESH_WORKER_ID": pod_name,
-                               "PAGEMESH_TP": str(tp), "PAGEMESH_PP": str(pp)})
+                               "PAGEMESH_TP": str(tp), "PAGEMESH_PP": str(pp), **env})
     tp_rank, pp_rank = done.stdout.split()
     return int(tp_rank), int(pp_rank)
 
@@ -347,6 +368,29 @@ def test_worker_pods_take_every_rank_once_from_their_ordinal() -> None:
     tp, pp = 2, 3
     ranks = [_ranks(container, f"pagemesh-worker-g12-{n}", tp, pp) for n in range(tp * pp)]
     assert ranks == [(n % tp, n // tp) for n in range(tp * pp)]  # worker_svc.main.parallel_config
+
+
+def test_a_leader_worker_set_group_is_its_scheduler_then_every_rank_then_standbys() -> None:
+    tp = int(value_of("overlays/lws", "pagemesh-layout", "PAGEMESH_TP"))
+    pp = int(value_of("overlays/lws", "pagemesh-layout", "PAGEMESH_PP"))
+    (lws,) = objects("overlays/lws", "LeaderWorkerSet")
+    spec = lws["spec"]["leaderWorkerTemplate"]
+    assert spec["restartPolicy"] == "None"  # pagemesh re-forms a group itself (README there)
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"  # the leader is ready only after its workers
+    num_standby = spec["size"] - 1 - tp * pp
+    assert num_standby >= 0, "size must be 1 + tp x pp + standbys"
+    (leader,) = spec["leaderTemplate"]["spec"]["containers"]
+    (worker,) = spec["workerTemplate"]["spec"]["containers"]
+    assert component({"spec": {"template": spec["leaderTemplate"]}}) == "scheduler"
+    assert service_module(leader) == "scheduler_svc.main"
+    for container in (leader, worker):
+        (index,) = [e for e in container["env"] if e["name"] == "GROUP_INDEX"]
+        assert index["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"
+        assert 'export PAGEMESH_GROUP="g${GROUP_INDEX}"' in container["command"][2]
+    # Worker pods are <lws>-<group>-<n>, n = 1 .. size-1.
+    ranks = [_ranks(worker, f"pagemesh-group-3-{n}", tp, pp) for n in range(1, spec["size"])]
+    assert ranks == [(n % tp, n // tp) for n in range(tp * pp)] + [(-1, -1)] * num_standby
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -365,14 +409,14 @@ def test_one_gpu_per_worker_and_none_elsewhere(overlay: str) -> None:
     for obj in workloads(overlay):
         (container,) = obj["spec"]["template"]["spec"]["containers"]
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
-        if overlay.startswith("overlays/gpu") and component(obj) in ("worker", "standby"):
+        if overlay in GPU_OVERLAYS and component(obj) in ("worker", "standby"):
             assert gpus == "1", obj["metadata"]["name"]
             assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
         else:
             assert gpus is None, obj["metadata"]["name"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", GROUP_FOLDER_OVERLAYS)
 def test_replicas_of_different_groups_avoid_each_others_nodes(overlay: str) -> None:
     for group, members in groups(overlay).items():
         for name in ("worker", "standby"):
