@@ -375,7 +375,8 @@ def test_a_leader_worker_set_group_is_its_scheduler_then_every_rank_then_standby
     pp = int(value_of("overlays/lws", "pagemesh-layout", "PAGEMESH_PP"))
     (lws,) = objects("overlays/lws", "LeaderWorkerSet")
     spec = lws["spec"]["leaderWorkerTemplate"]
-    assert spec["restartPolicy"] == "None"  # pagemesh re-forms a group itself (README there)
+    # Only the failed pod restarts: pagemesh re-forms a group itself (README there).
+    assert spec.get("restartPolicy", "Default") in ("Default", "None")
     assert lws["spec"]["startupPolicy"] == "LeaderCreated"  # the leader is ready only after its workers
     num_standby = spec["size"] - 1 - tp * pp
     assert num_standby >= 0, "size must be 1 + tp x pp + standbys"
