@@ -259,6 +259,27 @@ def test_grace_periods_cover_the_sigterm_drain(overlay: str) -> None:
         assert grace_s >= needed, f"{obj['metadata']['name']}: {grace_s} s < {needed} s"
 
 
+GIB = {"Gi": 1.0, "Mi": 1 / 1024}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_workers_host_memory_holds_its_swap_space_and_cpu_kv_cache(overlay: str) -> None:
+    """Past its memory limit a worker is OOM-killed: the limit must hold --swap-space and,
+    on CPU, the KV cache, which must be sized explicitly (the default fraction is of the
+    node's memory, not the pod's)."""
+    for obj in workloads(overlay):
+        if component(obj) not in ("worker", "standby"):
+            continue
+        (container,) = obj["spec"]["template"]["spec"]["containers"]
+        env = container_env(overlay, container)
+        limit = container["resources"]["limits"]["memory"]
+        limit_gib = float(limit[:-2]) * GIB[limit[-2:]]
+        needed_gib = float(env.get("PAGEMESH_SWAP_SPACE") or 4.0)
+        if env["PAGEMESH_DEVICE"] == "cpu":
+            needed_gib += float(env["PAGEMESH_KV_CACHE_MEMORY_GIB"])
+        assert needed_gib + 1 <= limit_gib, f"{obj['metadata']['name']}: {needed_gib} GiB in {limit}"
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_a_scheduler_may_wait_for_its_workers_before_its_startup_probe_gives_up(overlay: str) -> None:
     """The scheduler serves gRPC only once its group has formed (scheduler_svc.main.serve:
