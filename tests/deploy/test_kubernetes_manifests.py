@@ -58,13 +58,13 @@ def render(path: str) -> tuple[dict[str, Any], ...]:
     with tempfile.TemporaryDirectory() as scratch:
         target = KUBERNETES_DIR / overlay
         if components:  # kustomize takes relative paths only
-            relative = lambda p: os.path.relpath(KUBERNETES_DIR / p, scratch)  # noqa: E731
-            kustomization = {"resources": [relative(overlay)],
-                             "components": [relative(f"components/{c}") for c in components]}
+            kustomization = {"resources": [os.path.relpath(target, scratch)],
+                             "components": [os.path.relpath(KUBERNETES_DIR / "components" / c, scratch)
+                                            for c in components]}
             target = Path(scratch)
             (target / "kustomization.yaml").write_text(json.dumps(kustomization))
         done = subprocess.run(["kubectl", "kustomize", str(target)],
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
 
@@ -550,7 +550,7 @@ def test_liveness_is_any_answer_and_readiness_is_serving() -> None:
 
     def passes(command: list[str], target_port: int) -> bool:
         argv = [word.replace(f"127.0.0.1:{port}", f"127.0.0.1:{target_port}") for word in command]
-        return subprocess.run(argv, env=env, capture_output=True, timeout=30).returncode == 0
+        return subprocess.run(argv, env=env, capture_output=True, timeout=30, check=False).returncode == 0
 
     serving, serving_port = _health_server("SERVING")
     not_serving, not_serving_port = _health_server("NOT_SERVING")
