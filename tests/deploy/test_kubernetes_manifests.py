@@ -29,8 +29,7 @@ from tests.support.paths import REPO_ROOT
 
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
 SCHEMAS_DIR = KUBERNETES_DIR / "schemas"
-# The oldest API the manifests promise (README there): StatefulSet pod labels and the grpc
-# probe are GA by then; the schemas of 1.30 also hold every field used here.
+# The oldest Kubernetes the manifests promise (deploy/kubernetes/README.md, docs/kubernetes.md).
 KUBERNETES_VERSION = "1.30.0"
 # "+component": the overlay with a component of deploy/kubernetes/components added, as a user
 # adds it (`components:` in the overlay).
