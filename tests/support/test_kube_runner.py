@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from tests.support.kube_pods import (KubeTranslationError, Manifests, container_argv, expand,
-                                     image_config)
+                                     image_config, render)
 from tests.support.kube_runner import KubeRun
 from tests.support.paths import REPO_ROOT
 
@@ -270,3 +271,23 @@ def test_network_policies_admit_by_labels_and_ports(run: KubeRun) -> None:
     assert not manifests.ingress_allowed(router, valkey, 6380)
     assert not manifests.ingress_allowed(None, valkey, 6379)
     assert manifests.ingress_allowed(None, worker, 50070)  # no policy selects the workers
+
+
+OVERLAYS = REPO_ROOT / "deploy" / "kubernetes" / "overlays"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None or not OVERLAYS.exists(),
+                    reason="needs kubectl and deploy/kubernetes/overlays")
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "lws"])
+def test_every_overlay_translates(overlay: str, tmp_path: Path) -> None:
+    """Each overlay's pods resolve: every env source exists, every `*.svc` name is a Service,
+    every mount a volume (the API keys Secret is the operator's, as docs/kubernetes.md says)."""
+    if not (OVERLAYS / overlay / "kustomization.yaml").exists():
+        pytest.skip(f"no {overlay} overlay")
+    keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pagemesh-api-keys"},
+            "data": {"api-keys": ""}}
+    run = KubeRun(Manifests(render(OVERLAYS / overlay) + [keys]), tmp_path,
+                  model=tmp_path / "model", use_namespaces=False).prepare()
+    devices = {r.env.get("PAGEMESH_DEVICE") for r in run.running.values()} - {None}
+    assert devices == {"cpu"}, devices
+    assert any("router.main" in " ".join(r.argv) for r in run.running.values())
