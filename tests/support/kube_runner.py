@@ -79,6 +79,12 @@ sys.exit(0 if reply.startswith(b"+PONG") else 1)
 """
 
 
+def _endpoint(text: str) -> tuple[str, str, str]:
+    """ss's `ADDRESS:PORT` as (address, ":", port); `[::ffff:10.0.0.1]` is 10.0.0.1."""
+    address, colon, port = text.rpartition(":")
+    return address.strip("[]").removeprefix("::ffff:"), colon, port
+
+
 @dataclass
 class Running:
     """One container's process; `restarts` counts the kubelet's restarts of it."""
@@ -92,6 +98,7 @@ class Running:
     process: subprocess.Popen | None = None
     restarts: int = 0
     ready: bool = False
+    last_probe: str = ""  # what its last failed exec probe printed
     next_start: float | None = None  # when the kubelet restarts it, once it has exited
 
 
@@ -392,6 +399,7 @@ class KubeRun:
                 done = subprocess.run(self._argv(pod, argv), env=self._env(running),
                                       cwd=running.cwd, capture_output=True,
                                       timeout=max(timeout_s, MIN_EXEC_PROBE_TIMEOUT_S))
+                running.last_probe = (done.stdout + done.stderr).decode(errors="replace")[-1500:]
                 return done.returncode == 0
             if "grpc" in spec:
                 port = int(spec["grpc"]["port"])
@@ -431,7 +439,10 @@ class KubeRun:
                         self.running[label].ready = True
                         waiting.remove(label)
                 if waiting and time.monotonic() > deadline:
-                    raise TimeoutError(f"never ready: {waiting}\n{self.events}\n{self.log_tails()}")
+                    probes = "".join(f"--- {label}'s probe said:\n"
+                                     f"{self.running[label].last_probe}\n" for label in waiting)
+                    raise TimeoutError(f"never ready: {waiting}\n{self.events}\n{probes}"
+                                       f"{self.log_tails()}")
                 if waiting:
                     time.sleep(0.3)
 
@@ -454,13 +465,13 @@ class KubeRun:
                 out = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-tnH", *args],
                                      capture_output=True, text=True, check=True).stdout
                 return [line.split() for line in out.splitlines() if line.strip()]
-            listening = {int(row[3].rpartition(":")[2]) for row in ss("-l")}
+            listening = {int(_endpoint(row[3])[2]) for row in ss("-l")}
             for row in ss("state", "established"):
-                local, peer = row[2].rpartition(":"), row[3].rpartition(":")
+                local, peer = _endpoint(row[2]), _endpoint(row[3])
                 if local[0] == peer[0] or peer[0].startswith("127.") \
                         or int(local[2]) not in listening:
                     continue
-                seen.append((by_ip.get(peer[0].strip("[]")), pod, int(local[2])))
+                seen.append((by_ip.get(peer[0]), pod, int(local[2])))
         return seen
 
     def kill(self, label: str, sig: int = signal.SIGKILL) -> int:
