@@ -1,0 +1,120 @@
+"""deploy/kubernetes/overlays/cpu, run without a cluster (issue 24): the rendered manifests'
+pods as local processes, each container with its own command, args and environment, each pod
+in a network namespace of its own (tests/support/kube_runner.py says what is translated). A
+streamed request through the router Service's port has a worker pod's process SIGKILLed
+mid-answer and still ends with the undisturbed run's tokens; then every pod is deleted
+(preStop, SIGTERM, terminationGracePeriodSeconds) and nothing is left running."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from pagemesh.mesh_process import greedy_request
+from pagemesh.testing.tiny_models import write_tiny_model
+from protos.pagemesh.v1 import generate_pb2_grpc
+from tests.support.kube_pods import Manifests, render
+from tests.support.kube_runner import KubeRun
+from tests.support.paths import REPO_ROOT
+
+OVERLAY = REPO_ROOT / "deploy" / "kubernetes" / "overlays" / "cpu"
+REASON = ("no kubectl (it renders the overlay)" if shutil.which("kubectl") is None
+          else f"no overlay at {OVERLAY}" if not (OVERLAY / "kustomization.yaml").exists()
+          else None)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"Kubernetes processes test: {REASON}")
+
+# What docs/kubernetes.md has the operator create before applying: an empty keys file
+# (open access).
+API_KEYS_SECRET = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pagemesh-api-keys"},
+                   "data": {"api-keys": base64.b64encode(b"").decode()}}
+ROUTER_SERVICE, REDIS_SERVICE = "pagemesh-router", "pagemesh-redis"
+WORKER = "pagemesh-worker-g0-0/worker"
+PROMPT = [5, 9, 33, 2, 70, 11, 4]
+NUM_TOKENS = 160
+
+
+def _stream(address: str, on_token: Callable[[int], None] | None = None) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        token_ids: list[int] = []
+        for chunk in stub.Generate(greedy_request(PROMPT, NUM_TOKENS), timeout=60):
+            token_ids += chunk.token_ids
+            if on_token is not None:
+                on_token(len(token_ids))
+        return token_ids
+
+
+def _registry(run: KubeRun, kind: str) -> dict[str, dict]:
+    """The registry's entries of one kind (worker, scheduler), by id."""
+    host, port = run.address(REDIS_SERVICE, 6379).split(":")
+    client = redis.Redis(host=host, port=int(port), decode_responses=True)
+    cluster = run.running[WORKER].env["PAGEMESH_CLUSTER"]
+    try:
+        return {key.rsplit(":", 1)[1]: json.loads(client.get(key) or "{}")
+                for key in client.scan_iter(f"{cluster}:{kind}:*")}
+    finally:
+        client.close()
+
+
+def _check_network_policies(run: KubeRun) -> None:
+    """Every connection into a pod that the run holds open (router -> scheduler -> workers,
+    everyone -> Redis) is one the overlay's NetworkPolicies admit, were they enforced."""
+    component = "app.kubernetes.io/component"
+    seen = {(source.labels[component] if source else "outside", target.labels[component], port,
+             run.manifests.ingress_allowed(source, target, port))
+            for source, target, port in run.connections()}
+    assert ("router", "scheduler", 50060) in {s[:3] for s in seen}, seen
+    assert {s[:2] for s in seen} & {("scheduler", "worker"), ("scheduler", "standby")}, seen
+    assert all(allowed for *_, allowed in seen), sorted(seen)
+
+
+def test_a_request_survives_a_killed_worker_pod(tmp_path: Path) -> None:
+    started = time.monotonic()
+    model = tmp_path / "tiny-llama"
+    write_tiny_model(model, "llama", seed=1)
+    manifests = Manifests(render(OVERLAY) + [API_KEYS_SECRET])
+    run = KubeRun(manifests, tmp_path / "run", model=model,
+                  # One core per worker's torch: the overlay's 0 means all of the node's,
+                  # and three workers share this machine's two.
+                  extra_env={"PAGEMESH_TORCH_THREADS": "1", "OTEL_TRACES_EXPORTER": "none"})
+    try:
+        run.start()
+        run.wait_ready(timeout_s=60)
+        router = run.address(ROUTER_SERVICE, 50051)
+        expected = _stream(router)
+        assert len(expected) == NUM_TOKENS
+
+        killed_at: list[int] = []
+        def kill_once(num_tokens: int) -> None:
+            if not killed_at and num_tokens >= 4:
+                run.kill(WORKER)
+                killed_at.append(num_tokens)
+        assert _stream(router, kill_once) == expected, f"{run.events}\n{run.log_tails()}"
+        assert killed_at and killed_at[0] < NUM_TOKENS
+        assert run.running[WORKER].restarts == 1, run.events  # restartPolicy Always
+        if run.namespaces:
+            _check_network_policies(run)
+
+        # Who took rank 0 back: the standby (about a second) or the restarted pod (a reload).
+        standby = next(r.pod.name for r in run.running.values() if "standby" in r.pod.name)
+        scheduler = next(e for e in _registry(run, "scheduler").values() if e.get("group") == "g0")
+        print(f"g0 after the kill: members {scheduler['members']}, "
+              f"{scheduler['num_recoveries']} recovery; kubelet: {run.events}")
+        assert scheduler["num_recoveries"] == 1, scheduler
+        assert scheduler["members"] in ([standby], ["pagemesh-worker-g0-0"]), scheduler
+    finally:
+        outcomes = run.stop()
+        left = run.leftovers()
+        run.close()
+    assert left == [], left
+    # Every container ended on SIGTERM within its pod's grace period, none SIGKILLed.
+    assert not [label for label, o in outcomes.items() if o.killed], outcomes
+    print(f"stopped: {outcomes}\ntotal {time.monotonic() - started:.1f} s")
