@@ -36,7 +36,8 @@ from pagemesh.loadgen import Target, build_workload, run_workload, write_report
 from pagemesh.loadgen.machine import machine_markdown, machine_record
 from pagemesh.loadgen.report import write_json
 from pagemesh.loadgen.result import RunResult
-from pagemesh.mesh_process import Mesh, free_port
+from pagemesh.mesh_process import Mesh
+from pagemesh.ports import reserve_port
 
 IDLE_TTFT_REQUESTS = 8
 
@@ -54,7 +55,7 @@ def matmul_flop_per_token(model_dir: str) -> float:
 
 def mesh_runs(model: str, dtype: str, prompts_workload, idle_workload) -> list[RunResult]:
     """The full mesh: all at once over gRPC, over HTTP, and the idle TTFT over gRPC."""
-    http_port = free_port()
+    http_port = reserve_port()
     log = Path(tempfile.mkdtemp()) / f"mesh-{dtype}.log"
     mesh = Mesh(model, log, cluster=f"compare-{dtype}",
                 extra_args=["--dtype", dtype, "--http-port", str(http_port)]).wait_ready()

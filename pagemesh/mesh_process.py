@@ -11,9 +11,9 @@ What the end-to-end tests and the benchmarks both start meshes with (`pagemesh u
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +23,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh import discovery
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (another process may take it before it is bound)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# `pagemesh up` writes its state file once its embedded Valkey runs: a second or two.
+STATE_FILE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -73,38 +70,39 @@ class Mesh:
         self._start()
 
     def _start(self) -> None:
-        # The router's port is chosen here, free now; the services `pagemesh up` starts
-        # before the router bind port 0 and can be handed it first (see wait_ready).
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "pagemesh.cli", "up", "--port", str(self.port), *self._args]
-        self._log_start = self._log.tell()
+        # `up --port 0`: `up` chooses the router's port (pagemesh.ports) and announces it in
+        # its state file, which is read back here; no port is guessed on this side.
+        argv = [sys.executable, "-m", "pagemesh.cli", "up", "--port", "0", *self._args]
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         cwd=self.repo_root,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                         start_new_session=True)
+        announced = self._announced(STATE_FILE_TIMEOUT_S)
+        self.address = announced.router_address
+        self.port = int(self.address.rsplit(":", 1)[1])
         self.channel = self._client_tls.channel(self.address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
 
-    def _lost_its_port(self) -> bool:
-        """Whether `pagemesh up` exited because the router's port was taken meanwhile."""
-        self._log.flush()
-        with open(self.log_path, "rb") as log:
-            log.seek(self._log_start)
-            text = log.read().decode(errors="replace")
-        return f"Failed to bind to address {self.address}" in text
+    def _announced(self, timeout_s: float) -> discovery.LocalMesh:
+        """What `pagemesh up` wrote in its state file, once it has."""
+        path = discovery.state_dir() / f"{self.process.pid}.json"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagemesh up exited with {self.process.returncode} before "
+                                   f"announcing itself:\n{self.log()}")
+            try:
+                return discovery.LocalMesh.from_json(json.loads(path.read_text()), str(path))
+            except (OSError, ValueError):  # not written yet (it appears in one rename)
+                time.sleep(0.05)
+        raise TimeoutError(f"pagemesh up wrote no {path} in {timeout_s} s:\n{self.log()}")
 
-    def wait_ready(self, timeout_s: float = 300.0, port_retries: int = 2) -> Mesh:
-        """Waits for the router's health to say SERVING; restarts on a new port (at most
-        `port_retries` times) when another process took the router's port meanwhile."""
+    def wait_ready(self, timeout_s: float = 300.0) -> Mesh:
+        """Waits for the router's health to say SERVING."""
         health = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                if port_retries > 0 and self._lost_its_port():
-                    self.channel.close()
-                    self._start()  # a new free port; the log keeps both runs
-                    return self.wait_ready(deadline - time.monotonic(), port_retries - 1)
                 raise RuntimeError(f"pagemesh up exited with {self.process.returncode}:\n{self.log()}")
             try:
                 status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status

@@ -245,6 +245,12 @@ class GrpcServer:
         await self.set_serving(False)
         await self.server.stop(self.config.grace_s)
 
+    async def stop_now(self) -> None:
+        """Stops at once, without draining (a no-op once stopped): for a service's error
+        path, so that its grpc.aio server never outlives the event loop (its `__del__`
+        would then fail with 'Event loop is closed' after the service's own reason)."""
+        await self.server.stop(None)
+
 
 class FatalStartupError(RuntimeError):
     """A service cannot start as configured; the message says why."""

@@ -17,21 +17,33 @@ from pathlib import Path
 import uvicorn
 
 from pagemesh.auth import ApiKeyInterceptor, ApiKeys
-from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.config import add_options, metrics_config
+from pagemesh.config import (
+    add_flag,
+    add_options,
+    add_registry_flags,
+    add_server_flags,
+    metrics_config,
+    registry_config,
+    server_config,
+)
 from pagemesh.metrics import RouterMetrics, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import RouterEntry
 from pagemesh.service_flags import ROUTER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
-from protos.pagemesh.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
+from protos.pagemesh.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+)
 from router.admin import AdminServicer
-from router.http_api import build_http_app
-from router.resume import ResumeConfig
-from router.routing import RoutingConfig
 from router.dispatcher import Dispatcher
 from router.generation import AdmissionLimits, Generation
 from router.group_directory import GroupDirectory
+from router.http_api import build_http_app
+from router.resume import ResumeConfig
+from router.routing import RoutingConfig
 from router.servicer import GenerationServicer
 from router.tokenizer import Tokenizer, load_tokenizer
 from router.tool_calls import CallFormat, choose_format
@@ -100,27 +112,31 @@ async def serve(args: argparse.Namespace) -> None:
         interceptors=interceptors,
     )
     await server.start()
-    server.install_signal_handlers()
-    metrics_server = await serve_metrics(metrics, metrics_config(args))
-    await directory.refresh()
-    await server.set_serving(directory.serving)
-    directory_task = asyncio.create_task(directory.run())
-    http = _start_http(args, generation, lambda: directory.serving, api_keys)
-    router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
-    await registry.start_heartbeat(
-        "router", router_id, lambda: RouterEntry(
-            address=server.address, num_groups=directory.num_groups, serving=directory.serving,
-            pid=os.getpid(), host=socket.gethostname(),
-            **metrics_server.registry_info()).to_json()
-    )
-    logger.info("router %s serving %s on %s", router_id, args.model, server.address)
-    await server.wait_for_stop()
-    await _stop_http(http)
-    await registry.close(deregister=[("router", router_id)])
-    await server.stop()
-    directory_task.cancel()
-    await directory.close()
-    await metrics_server.close()
+    try:
+        server.install_signal_handlers()
+        metrics_server = await serve_metrics(metrics, metrics_config(args))
+        await directory.refresh()
+        await server.set_serving(directory.serving)
+        directory_task = asyncio.create_task(directory.run())
+        http = _start_http(args, generation, lambda: directory.serving, api_keys)
+        router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
+        await registry.start_heartbeat(
+            "router", router_id, lambda: RouterEntry(
+                address=server.address, num_groups=directory.num_groups, serving=directory.serving,
+                pid=os.getpid(), host=socket.gethostname(),
+                **metrics_server.registry_info()).to_json()
+        )
+        logger.info("router %s serving %s on %s", router_id, args.model, server.address)
+        await server.wait_for_stop()
+        await _stop_http(http)
+        await registry.close(deregister=[("router", router_id)])
+        await server.stop()
+        directory_task.cancel()
+        await directory.close()
+        await metrics_server.close()
+    except BaseException:  # failed midway: no grpc.aio server may outlive the loop
+        await server.stop_now()
+        raise
 
 
 # --- OpenAI-compatible HTTP API (router/http_api.py), served by uvicorn in this event loop.

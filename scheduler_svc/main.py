@@ -11,16 +11,23 @@ import socket
 import time
 from dataclasses import asdict
 
-from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.config import add_options, metrics_config
+from pagemesh.config import (
+    add_flag,
+    add_options,
+    add_registry_flags,
+    add_server_flags,
+    metrics_config,
+    registry_config,
+    server_config,
+)
 from pagemesh.metrics import SchedulerMetrics, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import GroupStatus, SchedulerEntry
 from pagemesh.service_flags import SCHEDULER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
 from scheduler_svc import convert
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.checkpoint import Checkpointer
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
@@ -104,42 +111,47 @@ async def serve(args: argparse.Namespace) -> None:
                                  scheduler_id=scheduler_id)
     server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)])
     await server.start()
-    server.install_signal_handlers()
-    metrics = SchedulerMetrics(args.group)
-    observe_engine(metrics, loop, checkpointer, registry)
-    metrics_server = await serve_metrics(metrics, metrics_config(args))
+    try:
+        server.install_signal_handlers()
+        metrics = SchedulerMetrics(args.group)
+        observe_engine(metrics, loop, checkpointer, registry)
+        metrics_server = await serve_metrics(metrics, metrics_config(args))
 
-    def registry_info() -> dict[str, object]:
-        return SchedulerEntry(
-            address=server.address, group=args.group, model=formed.lead.model,
-            pid=os.getpid(), host=socket.gethostname(), status=loop.status,
-            num_recoveries=loop.num_recoveries, num_steps=loop.num_steps,
-            num_watchdog_probes=loop.watchdog.num_probes,
-            num_slow_steps=loop.watchdog.num_slow_steps,
-            members=tuple(e.worker_id for e in loop.workers.endpoints),
-            checkpoint_writes=checkpointer.num_writes,
-            checkpoint_write_s=round(checkpointer.write_time_s, 6),
-            **asdict(loop.scheduler.stats()), **metrics_server.registry_info()).to_json()
+        def registry_info() -> dict[str, object]:
+            return SchedulerEntry(
+                address=server.address, group=args.group, model=formed.lead.model,
+                pid=os.getpid(), host=socket.gethostname(), status=loop.status,
+                num_recoveries=loop.num_recoveries, num_steps=loop.num_steps,
+                num_watchdog_probes=loop.watchdog.num_probes,
+                num_slow_steps=loop.watchdog.num_slow_steps,
+                members=tuple(e.worker_id for e in loop.workers.endpoints),
+                checkpoint_writes=checkpointer.num_writes,
+                checkpoint_write_s=round(checkpointer.write_time_s, 6),
+                **asdict(loop.scheduler.stats()), **metrics_server.registry_info()).to_json()
 
-    async def on_status(status: GroupStatus) -> None:
-        await server.set_serving(status == GroupStatus.READY)
-        with contextlib.suppress(Exception):  # the next heartbeat publishes it anyway
-            await registry.put("scheduler", scheduler_id, registry_info())
+        async def on_status(status: GroupStatus) -> None:
+            await server.set_serving(status == GroupStatus.READY)
+            with contextlib.suppress(Exception):  # the next heartbeat publishes it anyway
+                await registry.put("scheduler", scheduler_id, registry_info())
 
-    loop.on_status.append(on_status)
-    loop_task = asyncio.create_task(loop.run())
-    loop_task.add_done_callback(lambda task: _on_loop_exit(task, server))
-    await server.set_serving(True)
-    await registry.start_heartbeat("scheduler", scheduler_id, registry_info)
-    watch = asyncio.create_task(_watch_members(loop, group, registry.config.heartbeat_interval_s))
-    await server.wait_for_stop()
-    watch.cancel()
-    await _drain(loop, checkpointer, args.drain_timeout_s)
-    await registry.close(deregister=[("scheduler", scheduler_id)])
-    await server.stop()
-    loop_task.cancel()
-    await checkpointer.close()
-    await loop.workers.close()
+        loop.on_status.append(on_status)
+        loop_task = asyncio.create_task(loop.run())
+        loop_task.add_done_callback(lambda task: _on_loop_exit(task, server))
+        await server.set_serving(True)
+        await registry.start_heartbeat("scheduler", scheduler_id, registry_info)
+        watch = asyncio.create_task(
+            _watch_members(loop, group, registry.config.heartbeat_interval_s))
+        await server.wait_for_stop()
+        watch.cancel()
+        await _drain(loop, checkpointer, args.drain_timeout_s)
+        await registry.close(deregister=[("scheduler", scheduler_id)])
+        await server.stop()
+        loop_task.cancel()
+        await checkpointer.close()
+        await loop.workers.close()
+    except BaseException:  # failed midway: no grpc.aio server may outlive the loop
+        await server.stop_now()
+        raise
     await metrics_server.close()
 
 

@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from pagemesh.mesh_process import free_port
+from pagemesh.ports import reserve_port
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from worker_svc.runner import RunnerConfig, RunnerInfo
 
@@ -99,7 +99,7 @@ class LocalWorkerGroup:
         self.world_size = tp_size * pp_size
         self.infos: list[RunnerInfo] = []
         context = multiprocessing.get_context("spawn")
-        port = free_port()
+        port = reserve_port()
         self._conns, self._processes = [], []
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe()

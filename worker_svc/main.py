@@ -13,9 +13,17 @@ from collections.abc import Callable
 import torch
 
 from kernels import cpu_native
-from pagemesh.config import add_flag, add_registry_flags, add_server_flags, registry_config, server_config
-from pagemesh.config import add_options, metrics_config
+from pagemesh.config import (
+    add_flag,
+    add_options,
+    add_registry_flags,
+    add_server_flags,
+    metrics_config,
+    registry_config,
+    server_config,
+)
 from pagemesh.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
+from pagemesh.ports import reserve_port
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import WorkerEntry, WorkerStatus
 from pagemesh.service_flags import WORKER_OPTIONS
@@ -111,55 +119,59 @@ async def serve(args: argparse.Namespace) -> None:
         [lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s)],
     )
     await server.start()
-    server.install_signal_handlers()
-    metrics = worker_metrics(args.group, layout, servicer, registry)
-    metrics_server = await serve_metrics(metrics, metrics_config(args))
-    state = WorkerState(WorkerStatus.STANDBY if args.standby else WorkerStatus.JOINING)
-    dist_host = args.advertise_host or args.host
-    dist_addr = f"{dist_host}:{args.dist_port or free_port(args.host)}"
-
-    def registry_info() -> dict[str, object]:
-        return WorkerEntry(
-            address=server.address, group=args.group, dist_addr=dist_addr,
-            model=args.served_model_name or args.model, pid=os.getpid(),
-            host=socket.gethostname(), **layout,
-            **dataclasses.asdict(state), **servicer.stats(),
-            **metrics_server.registry_info()).to_json()
-
-    membership = Membership(registry, args.group, worker_id, parallel.world_size, state,
-                            lambda: registry.put("worker", worker_id, registry_info()))
-    await membership.skip_current_plan()  # before registering: see there
-    # Fenced (its scheduler gave up on it while it was frozen or cut off): leave, without
-    # deregistering, for the id's entry may be a successor's by now.
-    fenced: list[dict[str, object]] = []
-    registry.on_fenced.append(lambda record: (fenced.append(record), server.request_stop()))
-    await registry.start_heartbeat("worker", worker_id, registry_info)
-    loading = asyncio.create_task(_join_and_load(args, membership, layout))
-    stop = asyncio.create_task(server.wait_for_stop())
-    following: asyncio.Task[None] | None = None
     try:
-        done, _ = await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if loading in done:
-            runner = servicer.runner = loading.result()  # raises what failed the load
-            info = runner.info()
-            # Published with the registry entry (for `pagemesh top`) and as gauges.
-            state.quantization, state.weight_bytes = info.quantization, info.weight_bytes
-            metrics.set_weights(info.quantization, info.weight_bytes)
-            await membership.set_status(WorkerStatus.READY)
-            await server.set_serving(True)
-            logger.info("ready: %s", info)
-            if not runner.dist.is_single:
-                following = asyncio.create_task(
-                    membership.follow(servicer, runner, args.dist_timeout_s))
-            await stop
-    finally:
-        for task in (loading, stop, following):
-            if task is not None:
-                task.cancel()
-        await registry.close(deregister=[] if fenced else [("worker", worker_id)])
-        await server.stop()
-        servicer.close()
-        await metrics_server.close()
+        server.install_signal_handlers()
+        metrics = worker_metrics(args.group, layout, servicer, registry)
+        metrics_server = await serve_metrics(metrics, metrics_config(args))
+        state = WorkerState(WorkerStatus.STANDBY if args.standby else WorkerStatus.JOINING)
+        dist_host = args.advertise_host or args.host
+        dist_addr = f"{dist_host}:{args.dist_port or reserve_port(args.host)}"
+
+        def registry_info() -> dict[str, object]:
+            return WorkerEntry(
+                address=server.address, group=args.group, dist_addr=dist_addr,
+                model=args.served_model_name or args.model, pid=os.getpid(),
+                host=socket.gethostname(), **layout,
+                **dataclasses.asdict(state), **servicer.stats(),
+                **metrics_server.registry_info()).to_json()
+
+        membership = Membership(registry, args.group, worker_id, parallel.world_size, state,
+                                lambda: registry.put("worker", worker_id, registry_info()))
+        await membership.skip_current_plan()  # before registering: see there
+        # Fenced (its scheduler gave up on it while it was frozen or cut off): leave, without
+        # deregistering, for the id's entry may be a successor's by now.
+        fenced: list[dict[str, object]] = []
+        registry.on_fenced.append(lambda record: (fenced.append(record), server.request_stop()))
+        await registry.start_heartbeat("worker", worker_id, registry_info)
+        loading = asyncio.create_task(_join_and_load(args, membership, layout))
+        stop = asyncio.create_task(server.wait_for_stop())
+        following: asyncio.Task[None] | None = None
+        try:
+            done, _ = await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if loading in done:
+                runner = servicer.runner = loading.result()  # raises what failed the load
+                info = runner.info()
+                # Published with the registry entry (for `pagemesh top`) and as gauges.
+                state.quantization, state.weight_bytes = info.quantization, info.weight_bytes
+                metrics.set_weights(info.quantization, info.weight_bytes)
+                await membership.set_status(WorkerStatus.READY)
+                await server.set_serving(True)
+                logger.info("ready: %s", info)
+                if not runner.dist.is_single:
+                    following = asyncio.create_task(
+                        membership.follow(servicer, runner, args.dist_timeout_s))
+                await stop
+        finally:
+            for task in (loading, stop, following):
+                if task is not None:
+                    task.cancel()
+            await registry.close(deregister=[] if fenced else [("worker", worker_id)])
+            await server.stop()
+            servicer.close()
+            await metrics_server.close()
+    except BaseException:  # failed midway: no grpc.aio server may outlive the loop
+        await server.stop_now()
+        raise
 
 
 def worker_metrics(group: str, layout: dict[str, int], servicer: WorkerServicer,
@@ -217,13 +229,6 @@ async def _join_and_load(args: argparse.Namespace, membership: Membership,
     if args.served_model_name:
         runner.metadata = dataclasses.replace(runner.metadata, name=args.served_model_name)
     return runner
-
-
-def free_port(host: str) -> int:
-    """A port free right now on `host`, for the torch.distributed master (rank 0)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def configure_kernels(args: argparse.Namespace) -> None:

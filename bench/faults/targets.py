@@ -26,7 +26,8 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.mesh_process import Mesh, alive, free_port
+from pagemesh.mesh_process import Mesh, alive
+from pagemesh.ports import reserve_port
 from pagemesh.registry_entries import GroupStatus, ServiceEntry, entry_from_json
 from pagemesh.testing.netns import Host, HostNetwork
 
@@ -38,7 +39,7 @@ class RestartableValkey:
     """A real Valkey on a fixed port that can be killed (-9) and started again, empty."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self.port = reserve_port()
         self.server = None
         self.start()
 

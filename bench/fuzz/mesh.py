@@ -17,7 +17,8 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.mesh_process import Mesh, alive, free_port
+from pagemesh.mesh_process import Mesh, alive
+from pagemesh.ports import reserve_port
 from pagemesh.registry_entries import KINDS, SchedulerEntry, entry_from_json
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
@@ -52,7 +53,7 @@ def own_mesh(workdir: Path, cluster: str = "bench-fuzz",
         write_tiny_model(model, "llama", seed=1, max_position_embeddings=CONTEXT_TOKENS)
     valkey = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
     valkey.start()
-    http_port = free_port()
+    http_port = reserve_port()
     mesh = None
     try:
         mesh = Mesh(str(model), workdir / "mesh.log", redis_url=valkey.connection_url, cluster=cluster,

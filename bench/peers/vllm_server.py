@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from pagemesh.ports import reserve_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR = REPO_ROOT / ".peers"
@@ -57,12 +58,6 @@ def vllm_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class VllmServer:
     """A running vLLM OpenAI server on 127.0.0.1: `url` (root, e.g. for /health),
     `openai_base_url` (url + "/v1"), `model_name` (what requests must name).
@@ -75,7 +70,7 @@ class VllmServer:
                  log_path: str | Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.model_dir = str(Path(model_dir).resolve())  # also the served model's name
         self.dtype = dtype
-        self.port = port or free_port()
+        self.port = port or reserve_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.openai_base_url = f"{self.url}/v1"
         self.model_name = self.model_dir

@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pagemesh.mesh_process import free_port
+from pagemesh.ports import reserve_port
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
 from worker_svc.runner import RunnerConfig, RunnerInfo
@@ -164,7 +164,7 @@ class LocalWorkers:
         self.world_size = parallel.tp_size * parallel.pp_size
         self.tp_size = parallel.tp_size
         self.driver_rank = (parallel.pp_size - 1) * parallel.tp_size
-        port = free_port()
+        port = reserve_port()
         self._conns: list[Connection] = []
         self.processes: list[subprocess.Popen[bytes]] = []
         for rank in range(self.world_size):

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import pytest
 import yaml
 
 from pagemesh.config import _parse_bool
+from pagemesh.ports import reserve_port
 from tests.support.compose_files import command_parser
 from tests.support.paths import REPO_ROOT
 
@@ -532,12 +532,6 @@ def _health_server(status: str) -> tuple[Any, int]:
     return server, port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_liveness_is_any_answer_and_readiness_is_serving() -> None:
     """The probe commands themselves, against a health server that says SERVING, one that
     says NOT_SERVING (a degraded scheduler, a loading worker: alive, not ready) and a port
@@ -559,7 +553,7 @@ def test_liveness_is_any_answer_and_readiness_is_serving() -> None:
                      for probe, command in (("liveness", liveness), ("readiness", readiness))
                      for target, target_port in (("serving", serving_port),
                                                  ("not_serving", not_serving_port),
-                                                 ("nothing", _free_port()))}
+                                                 ("nothing", reserve_port()))}
             results = {case: future.result() for case, future in cases.items()}
     finally:
         serving.stop(0)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.mesh_harness import Mesh, free_port
+from pagemesh.ports import reserve_port
 from pagemesh.testing.tiny_models import write_tiny_model
+from tests.support.mesh_harness import Mesh
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +36,7 @@ def smollm2_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     `make run` starts, its embedded Valkey included), but in fp32 on every CPU (auto is
     bf16 where the CPU has native bf16, and the references are fp32). Its OpenAI HTTP API
     is at `mesh.http_url`."""
-    http_port = free_port()
+    http_port = reserve_port()
     mesh = Mesh(None, tmp_path_factory.mktemp("logs") / "smollm2.log", cluster="e2e-smollm2",
                 extra_args=["--dtype", "float32", "--http-port", str(http_port)])
     mesh.http_url = f"http://127.0.0.1:{http_port}"  # type: ignore[attr-defined]

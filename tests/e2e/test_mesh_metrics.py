@@ -15,8 +15,9 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.mesh_harness import Mesh, free_port, greedy_request
+from pagemesh.ports import reserve_port
 from tests.support.eventually import eventually
+from tests.support.mesh_harness import Mesh, greedy_request
 
 CLUSTER = "e2e-metrics"
 PROMPT_LENGTHS = (5, 9, 17)  # 17: one full block of 16, found in the prefix cache next time
@@ -31,7 +32,7 @@ def mesh(tiny_llama_dir: Path, redis_url: str,
     # Its own mesh and cluster: the counts below start from zero.
     log = tmp_path_factory.mktemp("logs") / "metrics-mesh.log"
     mesh = Mesh(str(tiny_llama_dir), log, redis_url=redis_url, cluster=CLUSTER,
-                extra_args=["--num-kv-blocks", "64", "--http-port", str(free_port())])
+                extra_args=["--num-kv-blocks", "64", "--http-port", str(reserve_port())])
     try:
         yield mesh.wait_ready()
     finally:

@@ -13,8 +13,14 @@ import grpc
 import httpx
 import pytest
 
-from tests.support.mesh_harness import Mesh, free_port, greedy_request
-from pagemesh.testing.otlp_receiver import SPAN_KIND_SERVER, STATUS_CODE_ERROR, OtlpReceiver, ReceivedSpan
+from pagemesh.ports import reserve_port
+from pagemesh.testing.otlp_receiver import (
+    SPAN_KIND_SERVER,
+    STATUS_CODE_ERROR,
+    OtlpReceiver,
+    ReceivedSpan,
+)
+from tests.support.mesh_harness import Mesh, greedy_request
 
 PROMPT_IDS = list(range(5, 25))  # 20 tokens: one full KV block of 16, shared by equal prompts
 MAX_TOKENS = 6
@@ -28,7 +34,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 @pytest.fixture(scope="module")
 def http_port() -> int:
-    return free_port()
+    return reserve_port()
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,11 @@ import httpx
 import openai
 import pytest
 
+from pagemesh.ports import reserve_port
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
-from tests.support.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request, scheduler_stats
 from tests.support.eventually import eventually
+from tests.support.mesh_harness import REPO_ROOT, Mesh, greedy_request, scheduler_stats
 
 MODEL = "tiny-llama"
 PROMPT_IDS = [5, 6, 7, 8, 9]
@@ -28,12 +29,12 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 def http_url(tiny_llama_mesh: Mesh, tiny_llama_dir: Path, redis_url: str,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # A second, stateless router on the mesh's cluster, serving HTTP on a free port.
-    port = free_port()
+    port = reserve_port()
     log_path = tmp_path_factory.mktemp("logs") / "http-router.log"
     log = open(log_path, "wb")
     router = subprocess.Popen(
         [sys.executable, "-m", "router.main", "--model", str(tiny_llama_dir),
-         "--port", str(free_port()), "--http-port", str(port), "--redis-url", redis_url,
+         "--port", str(reserve_port()), "--http-port", str(port), "--redis-url", redis_url,
          "--cluster", "e2e-llama", "--log-level", "WARNING"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
     )

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from pagemesh.checkpoints import FINISHED, ORPHANED, Checkpoint, SampleState
+from pagemesh.ports import reserve_port
 from router import convert
 from router.http_api import build_http_app
 from router.tokenizer import Tokenizer, load_tokenizer
@@ -28,7 +29,7 @@ from router.types import Submission
 from router.validation import SamplingOptions, StoppingOptions, ValidatedRequest
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.eventually import eventually
-from tests.support.mesh_harness import Mesh, alive, entries, free_port, scheduler_stats
+from tests.support.mesh_harness import Mesh, alive, entries, scheduler_stats
 from tests.support.scripted_router import SEED, Router, expected, run
 
 # --- a real router in-process over scripted schedulers ---------------------------------
@@ -147,7 +148,7 @@ class LiveMesh:
 @pytest.fixture(scope="module")
 def live(tiny_llama_dir: Path, redis_url: str,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveMesh]:
-    http_port = free_port()  # fixed: the restarted router serves on it again
+    http_port = reserve_port()  # fixed: the restarted router serves on it again
     log = tmp_path_factory.mktemp("logs") / "openai-resume.log"
     mesh = Mesh(str(tiny_llama_dir), log, redis_url=redis_url, cluster=CLUSTER,
                 extra_args=["--num-kv-blocks", "256", "--http-port", str(http_port)])

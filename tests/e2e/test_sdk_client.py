@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh.ports import reserve_port
 from pagemesh.sampling_params import SamplingParams
 from pagemesh.sdk import (
     AsyncClient,
@@ -33,7 +34,6 @@ from tests.support.mesh_harness import (
     Mesh,
     alive,
     entries,
-    free_port,
     greedy_request,
     router_process,
 )
@@ -207,7 +207,7 @@ def test_errors_are_typed(sdk_mesh: SdkMesh) -> None:
     no_cert = Client(sdk_mesh.mesh.address, api_key=KEY, ca_path=sdk_mesh.tls.ca_path)
     with no_cert, pytest.raises(Unavailable):  # mutual TLS: the router wants a certificate
         no_cert.model_info()
-    with Client(f"127.0.0.1:{free_port()}", timeout_s=10) as nobody:
+    with Client(f"127.0.0.1:{reserve_port()}", timeout_s=10) as nobody:
         with pytest.raises(Unavailable):
             nobody.generate(PROMPT_IDS, max_tokens=2)
         with pytest.raises(Unavailable):

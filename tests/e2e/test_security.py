@@ -15,11 +15,12 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh.ports import reserve_port
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
-from tests.support.mesh_harness import REPO_ROOT, Mesh, free_port, greedy_request
-from tests.support.tls_certs import CertFiles, make_certs
 from tests.support.eventually import eventually
+from tests.support.mesh_harness import REPO_ROOT, Mesh, greedy_request
+from tests.support.tls_certs import CertFiles, make_certs
 
 CLUSTER = "e2e-security"
 KEY = "sk-test-key"
@@ -35,7 +36,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
 @pytest.fixture(scope="module")
 def secure_mesh(certs: CertFiles, tiny_llama_dir: Path, redis_url: str,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, int]]:
-    http_port = free_port()
+    http_port = reserve_port()
     mesh = Mesh(str(tiny_llama_dir), tmp_path_factory.mktemp("logs") / "secure-mesh.log",
                 redis_url=redis_url, cluster=CLUSTER, client_tls=certs.client_tls(),
                 extra_args=["--num-kv-blocks", "64", "--http-port", str(http_port),
@@ -122,7 +123,7 @@ def test_http_needs_key_and_client_cert(secure_mesh: tuple[Mesh, int], certs: Ce
 def limited_router(secure_mesh: tuple[Mesh, int], certs: CertFiles, tiny_llama_dir: Path, redis_url: str,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpc.Channel]:
     """A second router on the secure mesh: one request in flight, prompts up to 8 tokens."""
-    port = free_port()
+    port = reserve_port()
     log_path = tmp_path_factory.mktemp("logs") / "limited-router.log"
     log = open(log_path, "wb")
     router = subprocess.Popen(

@@ -15,10 +15,11 @@ import jsonschema
 import openai
 import pytest
 
+from pagemesh.ports import reserve_port
 from pagemesh.testing.tiny_models import write_tiny_model
 from router.tokenizer import load_tokenizer
 from tests.support.eventually import eventually
-from tests.support.mesh_harness import Mesh, free_port, router_process
+from tests.support.mesh_harness import Mesh, router_process
 from tests.support.tool_templates import (
     LLAMA3_TOOLS_TEMPLATE,
     QWEN2_TOOLS_TEMPLATE,
@@ -55,7 +56,7 @@ def _client(url: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def mesh(model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[tuple[Mesh, str]]:
-    port = free_port()
+    port = reserve_port()
     mesh = Mesh(str(model_dir), tmp_path_factory.mktemp("logs") / "tools-mesh.log",
                 redis_url=redis_url, cluster="e2e-tools",
                 extra_args=["--num-kv-blocks", "128", "--http-port", str(port)])
@@ -170,7 +171,7 @@ def test_a_llama3_router_forces_calls_in_its_format(
     # Another router on the same engine group, whose tokenizer folder says Llama.
     folder = tokenizer_folder(model_dir, tmp_path_factory.mktemp("llama3") / MODEL,
                               LLAMA3_TOOLS_TEMPLATE, "llama")
-    port = free_port()
+    port = reserve_port()
     log_path = tmp_path_factory.mktemp("logs") / "llama3-router.log"
     with router_process(folder, redis_url, "e2e-tools", log_path, "--http-port", str(port)):
         url = f"http://127.0.0.1:{port}"

@@ -4,7 +4,6 @@ reads (0 = SERVING, 1 = anything else) and the one line it prints on stderr."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import threading
@@ -13,10 +12,11 @@ from collections.abc import Iterator
 import pytest
 
 from pagemesh.cli import main
+from pagemesh.ports import reserve_port
 from pagemesh.serving import GrpcServer, ServerConfig
 from pagemesh.tls import TlsConfig
-from tests.support.tls_certs import CertFiles, make_certs
 from tests.support.paths import REPO_ROOT
+from tests.support.tls_certs import CertFiles, make_certs
 
 SERVICE = "pagemesh.test.Thing"
 ROOT = REPO_ROOT
@@ -106,14 +106,8 @@ def test_unknown_service_exits_1(server: ServerThread, capsys: pytest.CaptureFix
     assert "unknown service name" in line
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_nothing_listening_exits_1_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{reserve_port()}"
     code, line = health(capsys, "--address", address, "--timeout-s", "2")
     assert code == 1
     assert line.startswith(f"pagemesh health: {address} (server, plaintext): unreachable:")

@@ -20,12 +20,25 @@ from pagemesh.loadgen.client import Target, reconcile
 from pagemesh.loadgen.machine import machine_markdown
 from pagemesh.loadgen.report import load_results, markdown_table, write_report
 from pagemesh.loadgen.result import RunResult
-from pagemesh.loadgen.runner import Level, fetch_model_info, run_sweep, run_workload, token_samples
-from pagemesh.loadgen.workloads import (BenchRequest, Workload, build_workload, poisson_arrivals,
-                                        shared_prefix, sharegpt_like)
-from tests.support.mesh_harness import Mesh, free_port
-from tests.support.tls_certs import CertFiles, make_certs
+from pagemesh.loadgen.runner import (
+    Level,
+    fetch_model_info,
+    run_sweep,
+    run_workload,
+    token_samples,
+)
+from pagemesh.loadgen.workloads import (
+    BenchRequest,
+    Workload,
+    build_workload,
+    poisson_arrivals,
+    shared_prefix,
+    sharegpt_like,
+)
+from pagemesh.ports import reserve_port
 from pagemesh.testing.tiny_models import write_tiny_model
+from tests.support.mesh_harness import Mesh
+from tests.support.tls_certs import CertFiles, make_certs
 
 # ---------------------------------------------------------------- workloads
 
@@ -172,7 +185,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, redis_url: str, certs: CertFi
     """The mesh and its HTTPS base URL."""
     model = write_tiny_model(tmp_path_factory.mktemp("loadgen") / "tiny-llama", "llama", seed=1)
     log = tmp_path_factory.mktemp("logs") / "loadgen-mesh.log"
-    http_port = free_port()
+    http_port = reserve_port()
     mesh = Mesh(str(model), log, redis_url=redis_url, cluster="bench-loadgen",
                 client_tls=certs.client_tls(),
                 extra_args=["--http-port", str(http_port), "--api-key", API_KEY,

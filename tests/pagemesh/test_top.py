@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import threading
@@ -15,10 +14,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 from rich.console import Console
 
 from pagemesh import top_snapshot
+from pagemesh.ports import reserve_port
 from pagemesh.registry import Registry, RegistryConfig
 from pagemesh.registry_entries import RouterEntry, SchedulerEntry, WorkerEntry
 from pagemesh.top_render import render
@@ -319,12 +325,6 @@ def router_metrics() -> Iterator[tuple[str, CollectorRegistry, Counter]]:
         thread.join(timeout=5)
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def register(redis_url: str, cluster: str, metrics_address: str) -> None:
     async def scenario() -> None:
         registry = Registry(RegistryConfig(redis_url, cluster=cluster, heartbeat_interval_s=1.0,
@@ -336,7 +336,7 @@ def register(redis_url: str, cluster: str, metrics_address: str) -> None:
             group="grp-a", members=["wk-a0", "wk-a1"], metrics_address=None))
         await registry.put("worker", "wk-a0", worker_entry(0, group="grp-a"))
         await registry.put("worker", "wk-a1", worker_entry(
-            1, group="grp-a", metrics_address=f"127.0.0.1:{closed_port()}"))
+            1, group="grp-a", metrics_address=f"127.0.0.1:{reserve_port()}"))
         await registry.close()
 
     asyncio.run(scenario())
@@ -404,7 +404,7 @@ def test_top_writes_prometheus_targets(redis_url: str, router_metrics, tmp_path:
 
 
 def test_top_says_when_redis_is_unreachable() -> None:
-    done = run_top("--redis-url", f"redis://127.0.0.1:{closed_port()}/0", "--once")
+    done = run_top("--redis-url", f"redis://127.0.0.1:{reserve_port()}/0", "--once")
     assert done.returncode == 1
     assert "cannot read the registry" in done.stderr
 

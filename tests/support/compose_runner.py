@@ -36,9 +36,9 @@ from urllib.parse import urlsplit, urlunsplit
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.compose_files import REPO_ROOT
-from tests.support.mesh_harness import free_port
+from pagemesh.ports import reserve_port
 from pagemesh.testing.netns import Host
+from tests.support.compose_files import REPO_ROOT
 from tests.support.eventually import eventually
 
 URL_VARIABLES = {"PAGEMESH_REDIS_URL", "PAGEMESH_OTLP_TRACES_ENDPOINT",
@@ -139,7 +139,7 @@ class Localizer:
     def __post_init__(self) -> None:
         self.services = self.config["services"]
         self.running = {name for name, s in self.services.items() if kind_of(s) is not None}
-        self.ports = {(name, port): free_port() if self.site.shares_ports else port
+        self.ports = {(name, port): reserve_port() if self.site.shares_ports else port
                       for name in self.running for port in container_ports(self.services[name])}
 
     def localize(self) -> dict[str, LocalService]:

@@ -10,6 +10,8 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +21,12 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh import mesh_process
-from pagemesh.mesh_process import Generation, alive, free_port, generate, greedy_request
+from pagemesh.mesh_process import Generation, alive, generate, greedy_request
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.support.paths import REPO_ROOT
 
-
-__all__ = ["REPO_ROOT", "Generation", "Mesh", "RouterProcess", "alive", "entries", "free_port",
+__all__ = ["REPO_ROOT", "Generation", "Mesh", "RouterProcess", "alive", "entries",
            "generate", "greedy_request", "health_status", "router_process", "scheduler_stats",
            "scheduler_stats_at"]
 
@@ -72,20 +73,43 @@ def router_process(model: Path, redis_url: str, cluster: str, log_path: Path,
                    *args: str) -> Iterator[RouterProcess]:
     """One more router for `cluster`'s engine groups (found in Redis, as every router finds
     them), with its own flags; stopped with SIGTERM when the block ends, which it must
-    survive with exit status 0."""
-    port = free_port()
+    survive with exit status 0. It binds port 0 and is dialled where its registry entry
+    says it serves."""
+    router_id = f"harness-{uuid.uuid4().hex[:8]}"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "router.main", "--model", str(model), "--port", str(port),
-             "--redis-url", redis_url, "--cluster", cluster, "--http-port", "0", *args],
+            [sys.executable, "-m", "router.main", "--model", str(model), "--port", "0",
+             "--router-id", router_id, "--redis-url", redis_url, "--cluster", cluster,
+             "--http-port", "0", *args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         try:
-            yield RouterProcess(process, channel, generate_pb2_grpc.GenerationStub(channel), log_path)
+            address = _registered_address(process, redis_url, cluster, "router", router_id,
+                                          log_path)
+            channel = grpc.insecure_channel(address)
+            try:
+                yield RouterProcess(process, channel, generate_pb2_grpc.GenerationStub(channel),
+                                    log_path)
+            finally:
+                channel.close()
         finally:
-            channel.close()
             process.terminate()
             assert process.wait(timeout=30) == 0, log_path.read_text(errors="replace")[-3000:]
+
+
+def _registered_address(process: subprocess.Popen, redis_url: str, cluster: str, kind: str,
+                        service_id: str, log_path: Path, timeout_s: float = 120.0) -> str:
+    """Where the service `kind:service_id` says it serves, once it has registered."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{kind} {service_id} exited with {process.returncode}:\n"
+                               + log_path.read_text(errors="replace")[-3000:])
+        entry = entries(redis_url, cluster, kind).get(service_id)
+        if entry is not None:
+            return entry["address"]
+        time.sleep(0.1)
+    raise TimeoutError(f"{kind} {service_id} did not register in {timeout_s} s:\n"
+                       + log_path.read_text(errors="replace")[-3000:])
 
 
 def entries(redis_url: str, cluster: str, kind: str) -> dict[str, dict]:

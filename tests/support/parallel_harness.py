@@ -10,10 +10,15 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-from pagemesh.mesh_process import free_port
-from worker_svc.local_group import ANSWER_TIMEOUT_S, LocalWorkerGroup, RankAnswer, RankFailed
+from pagemesh.ports import reserve_port
+from worker_svc.local_group import (
+    ANSWER_TIMEOUT_S,
+    LocalWorkerGroup,
+    RankAnswer,
+    RankFailed,
+)
 
-__all__ = ["CommRank", "LocalWorkerGroup", "RankAnswer", "RankFailed", "free_port"]
+__all__ = ["CommRank", "LocalWorkerGroup", "RankAnswer", "RankFailed", "reserve_port"]
 
 
 def _comm_rank_main(conn) -> None:

@@ -25,12 +25,13 @@ import grpc
 import pytest
 import redis
 
-from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from pagemesh.ports import reserve_port
 from pagemesh.testing.tiny_models import write_tiny_model
-from tests.support.parallel_harness import CommRank, free_port
-from worker_svc.parallel import ParallelConfig
+from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.eventually import eventually
+from tests.support.parallel_harness import CommRank
 from tests.support.paths import REPO_ROOT
+from worker_svc.parallel import ParallelConfig
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -59,13 +60,13 @@ def all_reduce(ranks: list[CommRank], values: list[float]) -> list[list[float]]:
 
 def test_group_reforms_on_a_new_port_then_on_the_same_one(spawn) -> None:
     ranks = spawn(2)
-    port = free_port()
+    port = reserve_port()
     for rank, parallel in zip(ranks, TP2):
         rank.init(parallel, port, tag="e1")
     assert [rank.answer_ok() for rank in ranks] == [None, None]
     assert all_reduce(ranks, [1, 2]) == [[3.0] * 4] * 2
 
-    new_port = free_port()
+    new_port = reserve_port()
     for rank in ranks:
         rank.reform(new_port, tag="e2")
     assert [rank.answer_ok() for rank in ranks] == [None, None]
@@ -85,7 +86,7 @@ def test_group_reforms_on_a_new_port_then_on_the_same_one(spawn) -> None:
 def test_a_killed_peer_fails_the_collective_and_the_survivor_reforms_with_a_new_one(
         spawn, victim: int) -> None:
     ranks = spawn(2)
-    port = free_port()
+    port = reserve_port()
     for rank, parallel in zip(ranks, TP2):
         rank.init(parallel, port, tag="e1", timeout_s=10.0)
     [rank.answer_ok() for rank in ranks]
@@ -100,7 +101,7 @@ def test_a_killed_peer_fails_the_collective_and_the_survivor_reforms_with_a_new_
     assert waited_s < 5.0, f"the collective took {waited_s:.1f} s to fail"
 
     (fresh,) = spawn(1)
-    new_port = free_port()
+    new_port = reserve_port()
     survivor.reform(new_port, tag="e2", timeout_s=30.0)
     fresh.init(TP2[victim], new_port, tag="e2", timeout_s=30.0)
     assert survivor.answer_ok() is None and fresh.answer_ok() is None
@@ -111,7 +112,7 @@ def test_a_killed_peer_fails_the_collective_and_the_survivor_reforms_with_a_new_
 
 def test_a_frozen_peer_fails_the_collective_after_the_group_timeout(spawn) -> None:
     ranks = spawn(2)
-    port = free_port()
+    port = reserve_port()
     for rank, parallel in zip(ranks, TP2):
         rank.init(parallel, port, tag="e1", timeout_s=3.0)
     [rank.answer_ok() for rank in ranks]
@@ -132,7 +133,7 @@ def test_a_rank_abandons_a_collective_on_a_frozen_peer_and_reforms_at_once(spawn
     and it re-forms on the same port with a replacement while the frozen one still holds
     its sockets open."""
     survivor, frozen, replacement = spawn(3)
-    port = free_port()
+    port = reserve_port()
     for rank, parallel in zip((survivor, frozen), TP2):
         rank.init(parallel, port, tag="e1", timeout_s=60.0)
     [rank.answer_ok() for rank in (survivor, frozen)]
@@ -152,9 +153,9 @@ def test_a_rank_abandons_a_collective_on_a_frozen_peer_and_reforms_at_once(spawn
 
 def test_a_join_is_called_off_or_times_out_and_the_port_is_free_again(spawn) -> None:
     host, client = spawn(2)
-    port = free_port()
+    port = reserve_port()
     host.init(TP2[0], port, tag="e1", abort_after_s=1.0)  # its peer never comes
-    client.init(TP2[1], free_port(), tag="e1", timeout_s=1.5)  # nobody listens there
+    client.init(TP2[1], reserve_port(), tag="e1", timeout_s=1.5)  # nobody listens there
     for rank, error in ((host, "JoinAborted"), (client, "TimeoutError")):
         answer = rank.answer(timeout_s=20)
         assert answer.error_type == error, answer
