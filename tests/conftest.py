@@ -84,6 +84,24 @@ def shared_group(test_file: Path) -> str | None:
                 None)
 
 
+# Under xdist the folders whose files start meshes go first, so that the run ends on short
+# files and neither worker is left alone with a long one (longest first).
+HEAVY_FOLDERS_FIRST = ("tests/e2e", "tests/compose", "tests/deploy", "tests/offline",
+                       "tests/worker_svc")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a run in one process keeps pytest's order
+
+    def rank(item: pytest.Item) -> int:
+        path = item.path.relative_to(config.rootpath).as_posix()
+        return next((i for i, folder in enumerate(HEAVY_FOLDERS_FIRST)
+                     if path.startswith(folder + "/")), len(HEAVY_FOLDERS_FIRST))
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Scopes by file, files sharing a session fixture as one scope. (xdist's own
     `--dist loadgroup` reads a node id suffix that pytest 9.2 no longer keeps.)"""
