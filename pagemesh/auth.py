@@ -54,17 +54,20 @@ class ApiKeys:
         """Whether an `authorization` value carries an accepted bearer key."""
         if not self.enabled:
             return True
-        if not value:
+        given = bearer_token(value).encode()
+        if not given:
             return False
-        scheme, _, token = value.strip().partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        given = token.strip().encode()
         # Compare with every key, without stopping early, so timing tells nothing.
         matched = False
         for key in self._keys:
             matched |= hmac.compare_digest(given, key)
         return matched
+
+
+def bearer_token(value: str | None) -> str:
+    """The key of an `authorization: Bearer <key>` value; "" for none or another scheme."""
+    scheme, _, token = (value or "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def missing_key_message(value: str | None, how_to: str) -> str:

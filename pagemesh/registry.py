@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -209,6 +210,18 @@ class Registry:
             logger.warning("Redis restarted (run id %s): re-publishing state", run_id)
             for hook in self.on_redis_restart:
                 await hook()
+
+    async def shared_secret(self, name: str) -> bytes:
+        """A secret every service of the cluster shares (`<cluster>:secret:<name>`, 32 random
+        bytes): the first caller creates it, everyone reads the same one."""
+        key = self.key("secret", name)
+        await self._redis.set(key, secrets.token_hex(32), nx=True)
+        return bytes.fromhex(await self._redis.get(key))
+
+    async def keep_secret(self, name: str, secret: bytes) -> None:
+        """Writes `secret` back unless one is there (a restarted Redis lost it): services
+        already running keep agreeing on it."""
+        await self._redis.set(self.key("secret", name), secret.hex(), nx=True)
 
     async def publish_rendezvous(self, group: str, plan: dict[str, Any]) -> None:
         """Publishes how an engine group's workers form their torch.distributed group."""

@@ -32,10 +32,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 class ServiceError(Exception):
     """An error with the gRPC status code a caller should see."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason  # a finer cause an HTTP adapter may map apart ("id_conflict")
 
 
 def invalid_argument(message: str) -> ServiceError:

@@ -106,6 +106,8 @@ def submit_request(submission: Submission, progress: Progress | None = None
         n=submission.n,
         priority=submission.priority,
         grammar=submission.grammar,
+        owner=submission.owner,
+        request_digest=submission.request_digest,
     )
     if progress is not None:
         request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
@@ -140,6 +142,8 @@ def submission_from_checkpoint(raw: bytes) -> Submission:
         n=pb.n,
         priority=pb.priority,
         grammar=pb.grammar,
+        owner=pb.owner,
+        request_digest=pb.request_digest,
     )
 
 

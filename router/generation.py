@@ -39,8 +39,9 @@ from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from router import replay
 from router.client_stream import ClientStream
 from router.dispatcher import Dispatcher
+from router.tenancy import Tenancy, request_digest
 from router.tokenizer import Tokenizer, TokenizerError
-from router.tracing import describe_request, traced_generate
+from router.tracing import describe_request, identify_request, traced_generate
 from router.structured import ConstraintError, GrammarCompiler
 from router.types import GenerationRequest, ModelInfo, OutputConstraint, Submission, TokenChunk
 from router.validation import (ModelLimits, ValidatedRequest, ValidationError, check_identity,
@@ -70,8 +71,12 @@ class AdmissionLimits:
 
 class Generation:
     def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher,
-                 limits: AdmissionLimits | None = None, metrics: RouterMetrics | None = None) -> None:
+                 limits: AdmissionLimits | None = None, metrics: RouterMetrics | None = None,
+                 tenancy: Tenancy | None = None) -> None:
         self.tokenizer = tokenizer
+        # Request ids scoped per API key (router/tenancy.py); the default's secret is this
+        # router's alone, for a router that is the only one (tests, the offline engine).
+        self.tenancy = tenancy or Tenancy(uuid.uuid4().bytes + uuid.uuid4().bytes)
         self.grammars = GrammarCompiler(tokenizer)  # structured output (router/structured.py)
         self.dispatcher = dispatcher
         self.directory = dispatcher.directory  # model info, ready groups, the registry
@@ -120,8 +125,10 @@ class Generation:
             check_identity(request.request_id, request.resume_from, request.n)
         except ValidationError as exc:
             raise invalid_argument(str(exc)) from exc
-        request_id = request.request_id or uuid.uuid4().hex
-        request_id_var.set(request_id)
+        request_id = request.request_id or uuid.uuid4().hex  # the client's name for it
+        mesh_id = self.tenancy.mesh_request_id(request.owner, request_id)  # the mesh's
+        request_id_var.set(mesh_id)
+        identify_request(mesh_id)
         if self.num_in_flight >= self.limits.max_queued_requests:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -132,7 +139,7 @@ class Generation:
         timer = self.metrics.request(lambda: self.directory.model_name, request.n)
         try:
             # Closing this stream must close the inner one at once: that cancels the scheduler call.
-            async with contextlib.aclosing(self._generate(request_id, request)) as batches:
+            async with contextlib.aclosing(self._generate(request_id, mesh_id, request)) as batches:
                 async for batch in batches:
                     for chunk in batch:
                         timer.observe(chunk.index, len(chunk.token_ids), chunk.finish_reason,
@@ -147,12 +154,16 @@ class Generation:
         finally:
             self.num_in_flight -= 1
 
-    async def _generate(self, request_id: str, request: GenerationRequest
+    async def _generate(self, request_id: str, mesh_id: str, request: GenerationRequest
                         ) -> AsyncIterator[list[TokenChunk]]:
-        plan = await self._resume_plan(request_id, request)
+        """`request_id` is the client's name for the request (its chunks carry it);
+        `mesh_id` the mesh's (the scheduler, the checkpoint, logs and spans carry it)."""
+        digest = request_digest(request)
+        plan = await self._resume_plan(request_id, mesh_id, request, digest)
         if plan is None:
             validated = await self._validate(request)
-            submission = Submission.fresh(request_id, validated, self._seeds.getrandbits(63))
+            submission = Submission.fresh(mesh_id, validated, self._seeds.getrandbits(63),
+                                          request.owner, digest)
             plan = replay.fresh(self.tokenizer, submission)
         progress = plan.progress
         span = trace.get_current_span()  # generate's (router/tracing.py), or a no-op one
@@ -165,19 +176,28 @@ class Generation:
             yield replayed
         if not client.done:
             # Closing `batches` cancels the scheduler call (when a stop string hit, say).
-            async with contextlib.aclosing(
-                self.dispatcher.stream(plan.submission, client.process, progress, span)
-            ) as batches:
-                async for batch in batches:
-                    yield batch
+            try:
+                async with contextlib.aclosing(
+                    self.dispatcher.stream(plan.submission, client.process, progress, span)
+                ) as batches:
+                    async for batch in batches:
+                        yield batch
+            except ServiceError as exc:
+                if exc.code != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                # Said with the client's id: the mesh's is nothing the client knows.
+                raise ServiceError(exc.code, f"request {request_id!r} is already streaming: wait "
+                                   "for its end, cancel it, or send this one under another id"
+                                   ) from None
         if client.done:
             # The client has everything: its checkpoint is garbage now.
-            self._forget_checkpoint(request_id, progress.groups, client.cut_short)
+            self._forget_checkpoint(mesh_id, progress.groups, client.cut_short)
 
-    async def _resume_plan(self, request_id: str, request: GenerationRequest
-                           ) -> replay.StreamPlan | None:
-        """A resume (router/replay.py) when the request's checkpoint exists; None for a new
-        request. NOT_FOUND for `resume_from` > 0 without a checkpoint."""
+    async def _resume_plan(self, request_id: str, mesh_id: str, request: GenerationRequest,
+                           digest: str) -> replay.StreamPlan | None:
+        """A resume (router/replay.py) when the caller's request has a checkpoint; None for a
+        new request. NOT_FOUND for `resume_from` > 0 without a checkpoint; INVALID_ARGUMENT
+        when the checkpoint is of another request the caller sent under the same id."""
         resume_from = request.resume_from
         wants_resume = any(resume_from) if isinstance(resume_from, list) else resume_from > 0
         if not request.request_id or request.new_request:
@@ -186,13 +206,15 @@ class Generation:
                                        "(gRPC: request_id; HTTP: the X-Request-Id header)")
             return None
         try:
-            ckpt = await self.checkpoints.load(request_id)
+            ckpt = await self.checkpoints.load(mesh_id)
         except (RedisError, OSError) as exc:
             if wants_resume:
                 raise unavailable(f"the checkpoint store is unreachable ({exc}); retry shortly") from exc
             logger.debug("no checkpoint lookup (%s); a new request", exc)
             return None
-        if ckpt is None:
+        plan = self._plan_from_checkpoint(ckpt, resume_from) if ckpt is not None else None
+        if plan is None or plan.submission.owner != request.owner:
+            # None, or another key's (a forged record: ids are scoped per key): as unknown.
             if wants_resume:
                 raise ServiceError(
                     grpc.StatusCode.NOT_FOUND,
@@ -201,10 +223,17 @@ class Generation:
                     "expired (or the id is wrong); send it again as a new request",
                 )
             return None
+        stored = plan.submission.request_digest
+        if digest and stored and digest != stored:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request id {request_id!r} is already taken by a different request of yours "
+                "(its checkpoint is kept for the resume window): send a new request under a "
+                "new id, or this id with the same request to resume it", reason="id_conflict")
         logger.warning("request %s resumed from its checkpoint (group %s, %s, %s output tokens "
-                       "per sample) after %s tokens the client has", request_id, ckpt.group,
+                       "per sample) after %s tokens the client has", mesh_id, ckpt.group,
                        ckpt.state, [len(s.token_ids) for s in ckpt.samples], resume_from)
-        return self._plan_from_checkpoint(ckpt, resume_from)
+        return plan
 
     def _plan_from_checkpoint(self, ckpt: Checkpoint, resume_from: int | list[int]
                               ) -> replay.StreamPlan:

@@ -54,6 +54,7 @@ _PARSE_OFF_LOOP_BYTES = 1024 * 1024  # larger bodies are parsed on a worker thre
 _STATUS_FOR_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict"),  # the id's own stream is running
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
@@ -112,6 +113,8 @@ def protocol_error_for(exc: ServiceError) -> oai.ProtocolError:
     """OpenAI's status and error type for a data plane error."""
     if exc.code == grpc.StatusCode.INVALID_ARGUMENT and "is not served here" in exc.message:
         return oai.ProtocolError(exc.message, "model", 404, "invalid_request_error", "model_not_found")
+    if exc.reason == "id_conflict":  # the id is taken by another request of the caller's
+        return oai.ProtocolError(exc.message, None, 409, "conflict", "request_id_conflict")
     status, type = _STATUS_FOR_CODE.get(exc.code, (500, "internal_error"))
     return oai.ProtocolError(exc.message, None, status, type)
 
@@ -166,7 +169,7 @@ class _OpenAIApi:
     async def completions(self, request: Request) -> Response:
         parsed = oai.parse_completion(await _json_body(request, self.max_body_bytes),
                                       request.headers)
-        return await _unless_client_leaves(request, self._generate(parsed, chat=False))
+        return await _unless_client_leaves(request, self._generate(request, parsed, chat=False))
 
     async def chat_completions(self, request: Request) -> Response:
         parsed = oai.parse_chat(await _json_body(request, self.max_body_bytes), request.headers,
@@ -177,16 +180,18 @@ class _OpenAIApi:
         except ServiceError as exc:
             raise oai.ProtocolError(exc.message, "messages") from exc
         parsed.generate = dataclasses.replace(parsed.generate, prompt=prompt_ids)
-        return await _unless_client_leaves(request, self._generate(parsed, chat=True))
+        return await _unless_client_leaves(request, self._generate(request, parsed, chat=True))
 
-    async def _generate(self, parsed: oai.ParsedRequest, chat: bool) -> Response:
+    async def _generate(self, http_request: Request, parsed: oai.ParsedRequest, chat: bool
+                        ) -> Response:
         model = (await self.generation.model_info()).model
         # The client's id, whose checkpoint the data plane resumes when asked to; or a fresh
         # one, with no checkpoint to look up.
         client_id = parsed.client_request_id or uuid.uuid4().hex
         request = dataclasses.replace(
             parsed.generate, request_id=parsed.id_prefix + client_id,
-            new_request=parsed.generate.new_request or not parsed.client_request_id)
+            new_request=parsed.generate.new_request or not parsed.client_request_id,
+            owner=self.generation.tenancy.owner(http_request.headers.get("authorization")))
         batches = self.generation.generate(request)
         try:
             # Validation happens on the first step: pull it here so that errors are 4xx replies.

@@ -45,6 +45,7 @@ from router.http_api import build_http_app
 from router.resume import ResumeConfig
 from router.routing import RoutingConfig
 from router.servicer import GenerationServicer
+from router.tenancy import SECRET_NAME, Tenancy
 from router.tokenizer import Tokenizer, load_tokenizer
 from router.tool_calls import CallFormat, choose_format
 
@@ -94,7 +95,10 @@ async def serve(args: argparse.Namespace) -> None:
     limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens,
                              args.stream_interval)
     metrics = RouterMetrics()
-    generation = Generation(tokenizer, dispatcher, limits, metrics)  # both APIs adapt this one
+    secret = await registry.shared_secret(SECRET_NAME)  # request ids scoped per key
+    registry.on_redis_restart.append(lambda: registry.keep_secret(SECRET_NAME, secret))
+    tenancy = Tenancy(secret, api_keys)
+    generation = Generation(tokenizer, dispatcher, limits, metrics, tenancy)  # both APIs adapt it
     servicer = GenerationServicer(generation)
     metrics.follow_router(lambda: directory.model_name, lambda: generation.num_in_flight,
                           lambda: directory.num_groups, lambda: dispatcher.num_resumes)

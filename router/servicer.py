@@ -8,6 +8,7 @@ object, so both APIs behave alike. `ServiceError`s become status codes in pageme
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -35,8 +36,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                        ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         # Closing this stream (the client went away) closes the data plane's: that cancels
         # the request down the mesh.
-        batches = self.generation.generate(convert.generation_request(request))
+        owner = self.generation.tenancy.owner(_authorization(context))
+        generation_request = dataclasses.replace(convert.generation_request(request), owner=owner)
+        batches = self.generation.generate(generation_request)
         async with contextlib.aclosing(batches):
             async for batch in batches:
                 for chunk in batch:
                     yield convert.generate_response(chunk)
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    """The caller's `authorization` metadata (checked by pagemesh.auth's interceptor)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None

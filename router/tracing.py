@@ -7,12 +7,14 @@ gRPC metadata (pagemesh.telemetry.TraceContextInterceptor) or the HTTP `tracepar
 on every resume. Attribute names follow the current GenAI semantic conventions
 (`gen_ai.usage.input_tokens`, not the deprecated `prompt_tokens`):
 
-- at the start: gen_ai.operation.name ("chat" for the chat template or /v1/chat/completions,
+- at the start: pagemesh.request_id and gen_ai.response.id, the mesh's id of the request (a
+  keyed hash of the caller's key and id, router/tenancy.py; never the client's id itself),
+  gen_ai.operation.name ("chat" for the chat template or /v1/chat/completions,
   else "text_completion"), gen_ai.request.model, gen_ai.request.seed when the client set it;
 - once the request is planned (`describe_request`): gen_ai.request.max_tokens, .temperature,
   .top_p, .top_k, .choice.count (n > 1), gen_ai.response.model, gen_ai.usage.input_tokens;
-- from the responses: gen_ai.response.id (the request id, also pagemesh.request_id),
-  gen_ai.response.finish_reasons (one per sample), gen_ai.usage.output_tokens.
+- from the responses: gen_ai.response.finish_reasons (one per sample),
+  gen_ai.usage.output_tokens.
 
 With tracing off the span is the API's non-recording one and none of this runs.
 """
@@ -60,7 +62,7 @@ def traced_generate(generate: Callable[[Any, GenerationRequest], Batches]
                     yield batch
             return
         make_current(trace.set_span_in_context(span))
-        outcome = _Outcome(span, request.request_id)
+        outcome = _Outcome(span)
         try:
             async with contextlib.aclosing(batches):
                 async for batch in batches:
@@ -104,6 +106,14 @@ def describe_request(span: trace.Span, submission: Submission, resumed: bool,
     span.set_attributes(attributes)
     if resumed:
         span.add_event("resumed_from_checkpoint")
+
+
+def identify_request(mesh_id: str) -> None:
+    """The current (Generate) span's request id: the mesh's, as logs and the scheduler's spans
+    carry it."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({"pagemesh.request_id": mesh_id, "gen_ai.response.id": mesh_id})
 
 
 def resume_event(span: trace.Span | None, scheduler_id: str, num_tokens: list[int]) -> None:
@@ -151,8 +161,6 @@ def _start_attributes(request: GenerationRequest) -> dict[str, Any]:
         attributes["gen_ai.request.model"] = request.model
     if request.sampling.seed is not None:
         attributes["gen_ai.request.seed"] = request.sampling.seed
-    if request.request_id:
-        attributes["pagemesh.request_id"] = request.request_id
     return attributes
 
 
@@ -167,17 +175,14 @@ def _record_error(span: trace.Span, exc: BaseException) -> None:
 
 
 class _Outcome:
-    """What the responses of one call say: its id, each sample's finish reason, usage."""
+    """What the responses of one call say: each sample's finish reason, usage."""
 
-    def __init__(self, span: trace.Span, request_id: str) -> None:
+    def __init__(self, span: trace.Span) -> None:
         self.span = span
-        self.request_id = request_id
         self.finish_reasons: dict[int, str] = {}
         self.num_output_tokens: int | None = None
 
     def observe(self, chunk: TokenChunk) -> None:
-        if not self.request_id:
-            self.request_id = chunk.request_id
         if chunk.finish_reason is not None:
             self.finish_reasons[chunk.index] = chunk.finish_reason.value
         if chunk.usage is not None:
@@ -185,9 +190,6 @@ class _Outcome:
 
     def finish(self) -> None:
         attributes: dict[str, Any] = {}
-        if self.request_id:
-            attributes["pagemesh.request_id"] = self.request_id
-            attributes["gen_ai.response.id"] = self.request_id
         if self.finish_reasons:
             attributes["gen_ai.response.finish_reasons"] = [
                 self.finish_reasons[i] for i in sorted(self.finish_reasons)]

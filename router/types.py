@@ -57,6 +57,8 @@ class GenerationRequest:
     # it, so none is looked up.
     new_request: bool = False
     constraint: OutputConstraint | None = None  # None: free text
+    # The caller's key fingerprint (router/tenancy.py), set by the API adapter; "" = keys off.
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,16 +78,21 @@ class Submission:
     n: int = 1  # independent samples of the prompt; sample i uses seed + i
     priority: int = 0  # lower runs first under the priority policy
     grammar: str = ""  # the output's grammar, llguidance's format (router/structured.py); "" = free
+    # Whose request it is (router/tenancy.py): the key's fingerprint, "" with keys off; and
+    # the request as the client stated it, to refuse the id's reuse for another request.
+    owner: str = ""
+    request_digest: str = ""
 
     @classmethod
-    def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int) -> Submission:
+    def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int,
+              owner: str = "", request_digest: str = "") -> Submission:
         """`seed` replaces an unset one, so that every request is replayable (router/resume.py)."""
         sampling = validated.sampling
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=seed)
         return cls(request_id, validated.prompt_token_ids, sampling, validated.stopping,
                    validated.num_logprobs or 0, validated.n, validated.priority,
-                   validated.grammar)
+                   validated.grammar, owner, request_digest)
 
     @property
     def max_tokens(self) -> int:

@@ -21,6 +21,7 @@ from pagemesh.testing.otlp_receiver import (
     ReceivedSpan,
 )
 from tests.support.mesh_harness import Mesh, greedy_request
+from tests.support.mesh_ids import mesh_request_id
 
 PROMPT_IDS = list(range(5, 25))  # 20 tokens: one full KV block of 16, shared by equal prompts
 MAX_TOKENS = 6
@@ -77,7 +78,7 @@ def _one(spans: list[ReceivedSpan], service: str, name: str) -> ReceivedSpan:
 
 
 def test_grpc_request_is_one_trace_across_router_scheduler_and_worker(
-        traced_mesh: Mesh, receiver: OtlpReceiver) -> None:
+        traced_mesh: Mesh, receiver: OtlpReceiver, redis_url: str) -> None:
     header, trace_id, caller_span_id = _traceparent()
     request = greedy_request(PROMPT_IDS, MAX_TOKENS, request_id="traced-grpc-1")
     request.sampling.seed = 7
@@ -96,7 +97,10 @@ def test_grpc_request_is_one_trace_across_router_scheduler_and_worker(
     assert attributes["gen_ai.usage.input_tokens"] == len(PROMPT_IDS)
     assert attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
     assert attributes["gen_ai.response.finish_reasons"] == ["length"]
-    assert attributes["gen_ai.response.id"] == attributes["pagemesh.request_id"] == "traced-grpc-1"
+    # The span carries the mesh's id of the request, a keyed hash: never the client's id.
+    mesh_id = mesh_request_id(redis_url, "e2e-traced", "traced-grpc-1")
+    assert attributes["gen_ai.response.id"] == attributes["pagemesh.request_id"] == mesh_id
+    assert not any("traced-grpc-1" in str(v) for s in receiver.spans() for v in s.attributes.values())
     assert not any(key.startswith("gen_ai.usage.prompt") for key in attributes)
 
     submit = _one(spans, "pagemesh-scheduler", "Submit")
@@ -115,7 +119,7 @@ def test_grpc_request_is_one_trace_across_router_scheduler_and_worker(
     # Nothing of this request went to another trace: look at every span received, not only
     # this trace's (`spans` is already filtered by its id).
     ours = [s for s in receiver.spans()
-            if s.attributes.get("pagemesh.request_id") == "traced-grpc-1"
+            if s.attributes.get("pagemesh.request_id") == mesh_id
             or any(span_id == submit.span_id for _, span_id in s.links)]
     assert {(s.service, s.name) for s in ours} >= {("pagemesh-router", "Generate"),
                                                    ("pagemesh-scheduler", "Submit"),
@@ -124,14 +128,15 @@ def test_grpc_request_is_one_trace_across_router_scheduler_and_worker(
 
 
 def test_without_traceparent_the_router_span_starts_the_trace(
-        traced_mesh: Mesh, receiver: OtlpReceiver) -> None:
+        traced_mesh: Mesh, receiver: OtlpReceiver, redis_url: str) -> None:
     prompt = [3, *PROMPT_IDS]  # not the other tests' prompt: the first request misses the cache
     for request_id in ("traced-root-a", "traced-root-b"):
         list(traced_mesh.stub.Generate(greedy_request(prompt, 2, request_id=request_id), timeout=120))
+    root_b = mesh_request_id(redis_url, "e2e-traced", "traced-root-b")
 
     def generate_span(spans: list[ReceivedSpan]) -> ReceivedSpan | None:
         return next((s for s in spans if s.name == "Generate"
-                     and s.attributes.get("pagemesh.request_id") == "traced-root-b"), None)
+                     and s.attributes.get("pagemesh.request_id") == root_b), None)
 
     root = generate_span(receiver.wait_for(lambda spans: generate_span(spans) is not None))
     assert root is not None and root.parent_span_id == ""
@@ -155,7 +160,9 @@ def test_http_traceparent_header_parents_the_chat_span(traced_mesh: Mesh, receiv
     generate = _one(spans, "pagemesh-router", "Generate")
     assert generate.parent_span_id == caller_span_id
     assert generate.attributes["gen_ai.operation.name"] == "chat"
-    assert generate.attributes["gen_ai.response.id"] == reply.json()["id"]
+    # The mesh's id of the request (hashed), not the id the client was given.
+    assert generate.attributes["gen_ai.response.id"] == generate.attributes["pagemesh.request_id"]
+    assert reply.json()["id"].removeprefix("chatcmpl-") not in str(generate.attributes)
     assert generate.attributes["gen_ai.usage.output_tokens"] == 4
     assert _one(spans, "pagemesh-scheduler", "Submit").parent_span_id == generate.span_id
 

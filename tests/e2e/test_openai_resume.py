@@ -46,9 +46,10 @@ async def save_checkpoint(router: Router, request_id: str, samples: list[SampleS
     tokens (seeded: the scripted scheduler continues them as the undisturbed run would)."""
     validated = ValidatedRequest(router.tokenizer.encode("Hello world"), SamplingOptions(seed=SEED),
                                  StoppingOptions(max_tokens=max_tokens), None, n=len(samples))
-    raw = convert.submit_request(Submission.fresh(request_id, validated, 0)).SerializeToString()
+    mesh_id = router.generation.tenancy.mesh_request_id("", request_id)  # keys off: no owner
+    raw = convert.submit_request(Submission.fresh(mesh_id, validated, 0)).SerializeToString()
     state = FINISHED if all(s.finished for s in samples) else ORPHANED
-    await router.registry.checkpoints.save([Checkpoint(request_id, "a", raw, samples, state)],
+    await router.registry.checkpoints.save([Checkpoint(mesh_id, "a", raw, samples, state)],
                                            ttl_s=30)
 
 
@@ -100,7 +101,8 @@ def test_each_choice_resumes_from_its_own_count(tokenizer: Tokenizer, redis_url:
             new = await http.post("/v1/completions", json={**body, "max_tokens": 3},
                                   headers={"X-Request-Id": "job-3"})
             assert len(new.json()["choices"][0]["token_ids"]) == 3
-            assert [r.request_id for r in router.schedulers[0].requests][-1] == "cmpl-job-3"
+            mesh_id = router.generation.tenancy.mesh_request_id("", "cmpl-job-3")
+            assert [r.request_id for r in router.schedulers[0].requests][-1] == mesh_id
 
     run(scenario())
 

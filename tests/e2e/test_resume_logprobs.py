@@ -16,7 +16,14 @@ from grpc_health.v1 import health_pb2
 from pagemesh.checkpoints import Checkpoint
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.eventually import eventually
-from tests.support.mesh_harness import Mesh, alive, entries, greedy_request, health_status
+from tests.support.mesh_harness import (
+    Mesh,
+    alive,
+    entries,
+    greedy_request,
+    health_status,
+)
+from tests.support.mesh_ids import mesh_request_id
 
 CLUSTER = "e2e-resume-logprobs"
 MAX_TOKENS = 64
@@ -46,7 +53,8 @@ def as_tuples(logprobs: list[generate_pb2.TokenLogprob]) -> list[tuple[int, floa
 
 
 def checkpoint(redis_url: str, request_id: str) -> Checkpoint | None:
-    raw = redis.Redis.from_url(redis_url).get(f"{CLUSTER}:ckpt:{request_id}")
+    mesh_id = mesh_request_id(redis_url, CLUSTER, request_id)  # checkpoints are by the mesh's id
+    raw = redis.Redis.from_url(redis_url).get(f"{CLUSTER}:ckpt:{mesh_id}")
     return Checkpoint.from_json(raw) if raw is not None else None
 
 

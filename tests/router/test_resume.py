@@ -148,10 +148,11 @@ async def save_checkpoint(router: Router, request_id: str, samples: list[SampleS
     validated = ValidatedRequest(tokenizer_prompt(router.tokenizer), SamplingOptions(seed=SEED),
                                  StoppingOptions(max_tokens=max_tokens, stop=list(stop)),
                                  num_logprobs, n=n)
-    submit = convert.submit_request(Submission.fresh(request_id, validated, 0))
+    mesh_id = router.generation.tenancy.mesh_request_id("", request_id)  # keys off: no owner
+    submit = convert.submit_request(Submission.fresh(mesh_id, validated, 0))
     assert list(submit.stopping.stop) == list(stop), "stop strings must travel in the SubmitRequest"
     await router.registry.checkpoints.save(
-        [Checkpoint(request_id, "a", submit.SerializeToString(), samples, state)], ttl_s=30)
+        [Checkpoint(mesh_id, "a", submit.SerializeToString(), samples, state)], ttl_s=30)
 
 
 def tokenizer_prompt(tokenizer: Tokenizer) -> list[int]:
@@ -329,24 +330,27 @@ def test_the_checkpoint_is_deleted_after_the_last_response_but_not_on_cancel(
             a = await router.add_scheduler("a")
             a.write_checkpoints = True
             store = router.registry.checkpoints
+
+            def mesh_id(request_id: str) -> str:  # checkpoints are by the mesh's id
+                return router.generation.tenancy.mesh_request_id("", request_id)
             await router.generate(request(tokenizer, 4, request_id="done"))
             await until(lambda: a.requests)
             for _ in range(100):
-                if await store.load("done") is None:
+                if await store.load(mesh_id("done")) is None:
                     break
                 await asyncio.sleep(0.02)
-            assert await store.load("done") is None
-            assert "done" not in await router.registry._redis.smembers(store.group_key("a"))
+            assert await store.load(mesh_id("done")) is None
+            assert mesh_id("done") not in await router.registry._redis.smembers(store.group_key("a"))
 
             # A stop string ends it while its scheduler still runs: deleted all the same.
             text = tokenizer.decode(expected(tokenizer, 12))
             stopped = await router.generate(request(tokenizer, 12, request_id="cut", stop=[text[8:11]]))
             assert stopped[-1].finish_reason == STOP
             for _ in range(100):
-                if await store.load("cut") is None:
+                if await store.load(mesh_id("cut")) is None:
                     break
                 await asyncio.sleep(0.02)
-            assert await store.load("cut") is None
+            assert await store.load(mesh_id("cut")) is None
 
             a.delay_s = 0.1
             call = router.stub.Generate(request(tokenizer, 50, request_id="gone"))
@@ -354,7 +358,7 @@ def test_the_checkpoint_is_deleted_after_the_last_response_but_not_on_cancel(
                 break
             call.cancel()
             await asyncio.sleep(0.3)
-            ckpt = await store.load("gone")
+            ckpt = await store.load(mesh_id("gone"))
             assert ckpt is not None and ckpt.state == RUNNING  # left for the client to resume
 
     run(scenario())

@@ -22,6 +22,7 @@ from router.generation import AdmissionLimits, Generation
 from router.group_directory import GroupDirectory
 from router.resume import ResumeConfig
 from router.servicer import GenerationServicer
+from router.tenancy import SECRET_NAME, Tenancy
 from router.tokenizer import Tokenizer
 from tests.support.eventually import eventually_async
 
@@ -200,7 +201,8 @@ class Router:
 
         self.directory = GroupDirectory(self.registry, 0.05, on_change)
         self.dispatcher = Dispatcher(self.directory, resume=self.resume)
-        self.generation = Generation(self.tokenizer, self.dispatcher, self.limits)
+        tenancy = Tenancy(await self.registry.shared_secret(SECRET_NAME))  # as router/main.py
+        self.generation = Generation(self.tokenizer, self.dispatcher, self.limits, tenancy=tenancy)
         self.servicer = GenerationServicer(self.generation)
         self.server = GrpcServer(ServerConfig(), [SERVICE], [
             lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, s)])

@@ -1,0 +1,165 @@
+"""Tenants that cannot see each other (docs/security.md), on a real mesh with two API keys:
+a request id is scoped to the key that sent it, so another key naming it reaches nothing,
+over gRPC and over HTTP; and a client reusing its own id for another request is refused
+instead of being replayed the old answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from pagemesh.checkpoints import ORPHANED
+from pagemesh.ports import reserve_port
+from protos.pagemesh.v1 import generate_pb2
+from tests.support.eventually import eventually
+from tests.support.mesh_harness import Mesh, greedy_request
+from tests.support.mesh_ids import mesh_request_id, redis_checkpoint
+
+CLUSTER = "e2e-tenancy"
+KEY_A, KEY_B = "sk-team-a", "sk-team-b"
+PROMPT_A = [5, 6, 7, 8, 9]
+PROMPT_B = [11, 12, 13]
+LONG = 48  # tokens: a stream that is still running while the other tenant calls
+
+
+def auth(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[tuple[Mesh, str]]:
+    folder = tmp_path_factory.mktemp("tenancy")
+    keys_file = folder / "keys"
+    keys_file.write_text(f"# two teams\n{KEY_A}\n{KEY_B}\n")
+    http_port = reserve_port()
+    mesh = Mesh(str(tiny_llama_dir), folder / "mesh.log", redis_url=redis_url, cluster=CLUSTER,
+                extra_args=["--num-kv-blocks", "96", "--http-port", str(http_port),
+                            "--api-keys-file", str(keys_file)])
+    try:
+        yield mesh.wait_ready(), f"http://127.0.0.1:{http_port}"
+    finally:
+        mesh.stop()
+
+
+def tokens(mesh: Mesh, request: generate_pb2.GenerateRequest, key: str) -> list[int]:
+    return [t for chunk in mesh.stub.Generate(request, metadata=auth(key), timeout=120)
+            for t in chunk.token_ids]
+
+
+def orphan(mesh: Mesh, redis_url: str, request_id: str, key: str, num_tokens: int) -> list[int]:
+    """Starts `request_id` as `key`, reads `num_tokens` and goes away: its checkpoint stays
+    for the resume window. Returns the tokens received."""
+    stream = mesh.stub.Generate(greedy_request(PROMPT_A, LONG, request_id=request_id),
+                                metadata=auth(key), timeout=120)
+    received: list[int] = []
+    for chunk in stream:
+        received.extend(chunk.token_ids)
+        if len(received) >= num_tokens:
+            break
+    stream.cancel()
+    mesh_id = mesh_request_id(redis_url, CLUSTER, request_id, key)
+    eventually(lambda: (c := redis_checkpoint(redis_url, CLUSTER, mesh_id)) is not None
+               and c.state == ORPHANED, 30, f"{request_id}'s checkpoint was never orphaned")
+    return received
+
+
+def orphan_http(http: str, redis_url: str, request_id: str, key: str) -> None:
+    """As `orphan`, over HTTP: a streamed completion left after its first event."""
+    body = {"model": "tiny-llama", "prompt": PROMPT_A, "max_tokens": LONG, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{http}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id}) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        next(lines)
+    mesh_id = mesh_request_id(redis_url, CLUSTER, "cmpl-" + request_id, key)  # HTTP ids: prefixed
+    eventually(lambda: (c := redis_checkpoint(redis_url, CLUSTER, mesh_id)) is not None
+               and c.state == ORPHANED, 30, f"{request_id}'s checkpoint was never orphaned")
+
+
+def test_another_key_cannot_resume_or_replay_an_orphaned_request(mesh: tuple[Mesh, str],
+                                                                   redis_url: str) -> None:
+    grpc_mesh, http = mesh
+    whole_a = tokens(grpc_mesh, greedy_request(PROMPT_A, LONG), KEY_A)
+    whole_b = tokens(grpc_mesh, greedy_request(PROMPT_B, 6), KEY_B)
+    received = orphan(grpc_mesh, redis_url, "job-a", KEY_A, 4)
+
+    # B resuming A's id: exactly as for an id nobody used (NOT_FOUND, 404).
+    with pytest.raises(grpc.RpcError) as info:
+        tokens(grpc_mesh, generate_pb2.GenerateRequest(request_id="job-a", resume_from=2), KEY_B)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    orphan_http(http, redis_url, "job-a-http", KEY_A)
+    headers = {"Authorization": f"Bearer {KEY_B}", "X-Request-Id": "job-a-http"}
+    reply = httpx.post(f"{http}/v1/completions", timeout=60, headers={**headers, "X-Resume-From": "1"},
+                       json={"model": "tiny-llama", "prompt": PROMPT_A, "max_tokens": LONG})
+    assert reply.status_code == 404, reply.text
+    # X-Resume-From 0 with no checkpoint of the caller's starts the request: B's own.
+    reply = httpx.post(f"{http}/v1/completions", timeout=60, headers={**headers, "X-Resume-From": "0"},
+                       json={"model": "tiny-llama", "prompt": PROMPT_B, "max_tokens": 6,
+                             "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == whole_b
+    # B sending A's id as a new request (resume_from 0) gets its own answer, not A's.
+    assert tokens(grpc_mesh, greedy_request(PROMPT_B, 6, request_id="job-a"), KEY_B) == whole_b
+
+    # A's checkpoint is untouched: A resumes and gets the undisturbed run's rest.
+    rest = tokens(grpc_mesh, generate_pb2.GenerateRequest(request_id="job-a",
+                                                          resume_from=len(received)), KEY_A)
+    assert received + rest == whole_a
+
+
+def test_another_key_naming_a_running_stream_gets_its_own_request(mesh: tuple[Mesh, str]) -> None:
+    grpc_mesh, http = mesh
+    whole_b = tokens(grpc_mesh, greedy_request(PROMPT_B, 6), KEY_B)
+    stream = grpc_mesh.stub.Generate(greedy_request(PROMPT_A, LONG, request_id="live-a"),
+                                     metadata=auth(KEY_A), timeout=120)
+    first = next(stream)  # A's stream is running now
+    assert first.token_ids
+    # Not ALREADY_EXISTS (which says the id exists), not a 500: B's own new request.
+    assert tokens(grpc_mesh, greedy_request(PROMPT_B, 6, request_id="live-a"), KEY_B) == whole_b
+    reply = httpx.post(f"{http}/v1/completions", timeout=60,
+                       json={"model": "tiny-llama", "prompt": PROMPT_B, "max_tokens": 6,
+                             "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                       headers={"Authorization": f"Bearer {KEY_B}", "X-Request-Id": "live-a"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == whole_b
+    stream.cancel()
+
+
+def test_reusing_ones_own_id_for_another_request_is_refused(mesh: tuple[Mesh, str],
+                                                            redis_url: str) -> None:
+    grpc_mesh, http = mesh
+    received = orphan(grpc_mesh, redis_url, "job-reused", KEY_A, 3)
+    with pytest.raises(grpc.RpcError) as info:
+        tokens(grpc_mesh, greedy_request(PROMPT_B, 6, request_id="job-reused"), KEY_A)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already taken by a different request" in info.value.details()
+    orphan_http(http, redis_url, "job-reused-http", KEY_A)
+    reply = httpx.post(f"{http}/v1/completions", timeout=60,
+                       json={"model": "tiny-llama", "prompt": PROMPT_B, "max_tokens": 6},
+                       headers={"Authorization": f"Bearer {KEY_A}", "X-Request-Id": "job-reused-http",
+                                "X-Resume-From": "0"})
+    assert reply.status_code == 409, reply.text
+    assert reply.json()["error"]["code"] == "request_id_conflict"
+    # The same request under the same id is a resume from nothing: the whole answer.
+    again = tokens(grpc_mesh, greedy_request(PROMPT_A, LONG, request_id="job-reused"), KEY_A)
+    assert again[:len(received)] == received and len(again) == LONG
+
+
+def test_ones_own_running_stream_named_again_is_a_409_over_http(mesh: tuple[Mesh, str]) -> None:
+    _, http = mesh
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Request-Id": "twice"}
+    body = {"model": "tiny-llama", "prompt": PROMPT_A, "max_tokens": 8 * LONG, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{http}/v1/completions", json={**body, "stream": True},
+                      headers=headers, timeout=60) as running:
+        lines = running.iter_lines()  # kept: a dropped iterator closes the response
+        assert next(lines).startswith("data:")  # its stream is running now
+        reply = httpx.post(f"{http}/v1/completions", json=body, headers=headers, timeout=60)
+        assert reply.status_code == 409, reply.text  # was a 500
+        assert "twice" in reply.json()["error"]["message"]
