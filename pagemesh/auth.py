@@ -38,7 +38,9 @@ class ApiKeys:
 
     @classmethod
     def load(cls, keys: Iterable[str] | None, keys_file: str | None) -> ApiKeys:
-        all_keys = list(keys or [])
+        """`keys` as given (--api-key, or PAGEMESH_API_KEY: several separated by spaces)
+        and the file's."""
+        all_keys = [key for item in keys or [] for key in item.split()]
         if keys_file:
             all_keys += parse_api_keys_file(Path(keys_file).read_text())
         return cls(all_keys)

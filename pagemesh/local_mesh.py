@@ -26,11 +26,13 @@ from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
 from pagemesh.models import default_model_path
 from pagemesh.ports import reserve_port
+from pagemesh.redact import redact_url
 from pagemesh.service_flags import (
     ROUTER_OPTIONS,
     SCHEDULER_OPTIONS,
     WORKER_OPTIONS,
     options_argv,
+    options_env,
 )
 from pagemesh.supervisor import ServiceSpec, Supervisor
 from pagemesh.tls import TlsConfig
@@ -100,7 +102,8 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
         ]
         specs.append(ServiceSpec(f"scheduler-g{replica}", "scheduler_svc.main",
                                  [*common, *scheduler, *layout, *group]))
-    specs.append(ServiceSpec("router", "router.main", [*common, *router]))
+    specs.append(ServiceSpec("router", "router.main", [*common, *router],
+                             env=options_env(ROUTER_OPTIONS, values)))  # API keys: not argv
     return specs
 
 
@@ -171,7 +174,7 @@ def run_up(args: argparse.Namespace) -> int:
     if redis_url is None:
         embedded = _start_valkey(reserve_port())
         redis_url = embedded.connection_url
-        logger.info("embedded Valkey at %s", redis_url)
+        logger.info("embedded Valkey at %s", redact_url(redis_url))
     supervisor = Supervisor()
     stop: list[bool] = []
 

@@ -49,8 +49,10 @@ class Mesh:
 
     def __init__(self, model: str | None, log_path: Path, *, redis_url: str | None = None,
                  cluster: str = "pagemesh", extra_args: list[str] | None = None,
-                 client_tls: TlsConfig | None = None, repo_root: Path | None = None) -> None:
+                 client_tls: TlsConfig | None = None, repo_root: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         """`client_tls`: how this client dials the router (plaintext by default);
+        `env`: variables added to `up`'s environment (PAGEMESH_API_KEY, say);
         `repo_root`: the checkout whose services run, as the working directory of
         `python -m pagemesh.cli up` (another one: a before/after benchmark); None: this
         process's working directory."""
@@ -66,6 +68,7 @@ class Mesh:
             self._args += ["--model", model]
         if redis_url is not None:
             self._args += ["--redis-url", redis_url]
+        self._env = env or {}
         self._log = open(log_path, "wb")
         self._start()
 
@@ -75,7 +78,7 @@ class Mesh:
         argv = [sys.executable, "-m", "pagemesh.cli", "up", "--port", "0", *self._args]
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         cwd=self.repo_root,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **self._env},
                                         start_new_session=True)
         announced = self._announced(STATE_FILE_TIMEOUT_S)
         self.address = announced.router_address

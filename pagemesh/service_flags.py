@@ -41,6 +41,9 @@ class ServiceFlag:
     default: Any = None  # None: not given on the command line (the service decides)
     choices: tuple[str, ...] | None = None
     repeatable: bool = False  # given once per item; the value is a list
+    # A credential: `pagemesh up` hands it to its children in the environment (`env`), never
+    # on a command line (every user of a host reads /proc/*/cmdline), and logs redact it.
+    secret: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.startswith("--"):
@@ -59,9 +62,15 @@ class ServiceFlag:
         """The attribute argparse stores it under: `--max-num-seqs` -> `max_num_seqs`."""
         return self.name[2:].replace("-", "_")
 
+    @property
+    def env(self) -> str:
+        """The variable a service reads this flag's default from (pagemesh.config.add_flag)."""
+        return "PAGEMESH_" + self.dest.upper()
+
     def argv(self, value: Any) -> list[str]:
-        """The command-line words that give this flag `value`; none for None (the default)."""
-        if value is None:
+        """The command-line words that give this flag `value`; none for None (the default)
+        or for a secret (it travels in the environment: `options_env`)."""
+        if value is None or self.secret:
             return []
         if self.type is bool:
             return [self.name if value else f"--no-{self.name[2:]}"]
@@ -129,7 +138,9 @@ _ROUTER = (
             type=float, default=120.0),
     _router("--api-key",
             "API key clients must send as `authorization: Bearer <key>` (repeatable); no key "
-            "and no --api-keys-file = open access", repeatable=True),
+            "and no --api-keys-file = open access. Prefer the file or PAGEMESH_API_KEY (keys "
+            "separated by spaces): a command line is readable by every user of the host",
+            repeatable=True, secret=True),
     _router("--api-keys-file", "file of accepted API keys, one a line, `#` starts a comment"),
     _router("--stream-interval",
             "tokens per streamed client message: 1 sends each token as it comes, N coalesces "
@@ -265,5 +276,19 @@ def option(name: str) -> ServiceFlag:
 
 def options_argv(flags: Iterable[ServiceFlag], values: Mapping[str, Any]) -> list[str]:
     """The command line that gives each of `flags` its value in `values` (keyed by dest,
-    as in `vars(args)`)."""
+    as in `vars(args)`); secrets are left to `options_env`."""
     return [word for flag in flags for word in flag.argv(values[flag.dest])]
+
+
+def options_env(flags: Iterable[ServiceFlag], values: Mapping[str, Any]) -> dict[str, str]:
+    """The environment that gives each secret of `flags` its value in `values`: a list
+    joined by spaces (a key holds none; pagemesh.auth splits them again)."""
+    env = {}
+    for flag in flags:
+        value = values.get(flag.dest)
+        if flag.secret and value:
+            env[flag.env] = " ".join(map(str, value)) if flag.repeatable else str(value)
+    return env
+
+
+SECRET_DESTS = frozenset(flag.dest for flag in OPTIONS if flag.secret)

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagemesh import keepalive
 from pagemesh.logs import setup_logging
+from pagemesh.redact import redacted_config
 from pagemesh.telemetry import server_interceptors, setup_tracing, shutdown_tracing
 from pagemesh.tls import TlsConfig
 
@@ -262,7 +263,7 @@ def run_service(service: str, args: Any, serve: Callable[[Any], Any]) -> None:
     `serve(args)` on a fresh event loop. A fatal error ends the process with status 1 and
     one clear log line instead of a traceback through asyncio."""
     setup_logging(service, args.log_level)
-    logger.info("%s config %s", service, vars(args))
+    logger.info("%s config %s", service, redacted_config(vars(args)))
     tracer_provider = setup_tracing(f"pagemesh-{service}", getattr(args, "otlp_traces_endpoint", None))
     try:
         asyncio.run(serve(args))

@@ -11,6 +11,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from pagemesh.redact import redacted_argv
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,7 +45,7 @@ class Supervisor:
     def start(self, spec: ServiceSpec) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         argv = [sys.executable, "-m", spec.module, *spec.args]
-        logger.info("starting %s: %s", spec.name, " ".join(argv))
+        logger.info("starting %s: %s", spec.name, " ".join(redacted_argv(argv)))
         proc = subprocess.Popen(argv, env=env)
         self.children[spec.name] = proc
         self.specs[spec.name] = spec

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import ssl
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -88,6 +89,11 @@ async def serve(args: argparse.Namespace) -> None:
     routing = RoutingConfig(args.routing, args.balance_abs_threshold_tokens, args.balance_rel_threshold)
     config = dataclasses.replace(server_config(args), max_receive_message_bytes=args.max_message_bytes)
     api_keys = ApiKeys.load(args.api_key, args.api_keys_file)
+    if any(word.startswith("--api-key") and not word.startswith("--api-keys-file")
+           for word in sys.argv):
+        logger.warning("an API key was given on the command line, which every user of this "
+                       "host can read (/proc/<pid>/cmdline): use --api-keys-file or "
+                       "PAGEMESH_API_KEY instead")
     logger.info("API keys: %s", f"{len(api_keys)} accepted" if api_keys.enabled else "off (open access)")
     resume = ResumeConfig(timeout_s=args.resume_timeout_s)
     directory = GroupDirectory(registry, args.discovery_interval_s, on_serving_changed, config.tls)

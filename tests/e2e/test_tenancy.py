@@ -21,6 +21,7 @@ from tests.support.mesh_ids import mesh_request_id, redis_checkpoint
 
 CLUSTER = "e2e-tenancy"
 KEY_A, KEY_B = "sk-team-a", "sk-team-b"
+KEY_C = "sk-team-c-from-the-environment"
 PROMPT_A = [5, 6, 7, 8, 9]
 PROMPT_B = [11, 12, 13]
 LONG = 48  # tokens: a stream that is still running while the other tenant calls
@@ -39,7 +40,8 @@ def mesh(tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPath
     http_port = reserve_port()
     mesh = Mesh(str(tiny_llama_dir), folder / "mesh.log", redis_url=redis_url, cluster=CLUSTER,
                 extra_args=["--num-kv-blocks", "96", "--http-port", str(http_port),
-                            "--api-keys-file", str(keys_file)])
+                            "--api-keys-file", str(keys_file), "--log-level", "INFO"],
+                env={"PAGEMESH_API_KEY": KEY_C})
     try:
         yield mesh.wait_ready(), f"http://127.0.0.1:{http_port}"
     finally:
@@ -163,3 +165,33 @@ def test_ones_own_running_stream_named_again_is_a_409_over_http(mesh: tuple[Mesh
         reply = httpx.post(f"{http}/v1/completions", json=body, headers=headers, timeout=60)
         assert reply.status_code == 409, reply.text  # was a 500
         assert "twice" in reply.json()["error"]["message"]
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every process under it."""
+    found, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        try:
+            todo += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def test_no_key_is_in_any_command_line_or_log_line(mesh: tuple[Mesh, str]) -> None:
+    grpc_mesh, _ = mesh
+    assert len(tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_C)) == 2  # the environment's key works
+    pids = _tree(grpc_mesh.process.pid)
+    assert len(pids) >= 4  # up, its worker, scheduler and router (and Valkey)
+    keys = (KEY_A, KEY_B, KEY_C)
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        assert not any(key in cmdline for key in keys), cmdline
+    log = grpc_mesh.log_path.read_text(errors="replace")  # all of it
+    assert "router config" in log  # the INFO line that used to print every key
+    assert not any(key in log for key in keys)
