@@ -50,7 +50,8 @@ def add_flag(
     **kwargs: Any,
 ) -> None:
     """Adds `--flag` whose default comes from `PAGEMESH_FLAG` when that is set and not empty
-    (compose's `${VAR:-}` leaves a flag at its default)."""
+    (compose's `${VAR:-}` leaves a flag at its default); a repeatable flag's items are
+    separated by spaces there."""
     env = env_name(flag)
     value = os.environ.get(env) or None
     if type is bool:
@@ -65,8 +66,8 @@ def add_flag(
     if kwargs.get("action") == "append":
         # Flags given on the command line replace the variable's item, not add to it.
         kwargs["action"] = _AppendReplacingDefault
-        if value is not None:
-            default = [type(value)]
+        if value is not None:  # items separated by spaces
+            default = [type(item) for item in value.split()]
     elif value is not None:
         default = type(value)
     parser.add_argument(

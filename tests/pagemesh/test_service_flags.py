@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from unittest import mock
 from typing import Any
 
 import pytest
@@ -156,13 +158,26 @@ def parse_up(argv: list[str]) -> argparse.Namespace:
 
 def parsed_specs(args: argparse.Namespace, model: str) -> list[tuple[str, str, argparse.Namespace]]:
     """(name, service, what that service's own parser makes of the argv `up` gives it)."""
-    return [(spec.name, MODULES[spec.module], MAINS[MODULES[spec.module]].parse_args(spec.args))
-            for spec in service_specs(args, model, "redis://127.0.0.1:1/0")]
+    parsed = []
+    for spec in service_specs(args, model, "redis://127.0.0.1:1/0"):
+        with mock.patch.dict(os.environ, spec.env):  # secrets come in the environment
+            parsed.append((spec.name, MODULES[spec.module],
+                           MAINS[MODULES[spec.module]].parse_args(spec.args)))
+        assert not any(word in spec.args for flag in OPTIONS if flag.secret
+                       for word in non_default(flag)), f"a secret on {spec.name}'s command line"
+    return parsed
+
+
+def up_argv(values: dict[str, Any]) -> list[str]:
+    """`up`'s command line for `values`, secrets included (a user may type them there)."""
+    secrets = [word for flag in OPTIONS if flag.secret
+               for word in dataclasses.replace(flag, secret=False).argv(values[flag.dest])]
+    return [*options_argv(OPTIONS, values), *secrets]
 
 
 def test_every_option_given_to_up_reaches_its_services() -> None:
     values = {flag.dest: non_default(flag) for flag in OPTIONS}
-    args = parse_up([*options_argv(OPTIONS, values), "--port", "50123", "--http-port", "0"])
+    args = parse_up([*up_argv(values), "--port", "50123", "--http-port", "0"])
     assert {flag.dest: getattr(args, flag.dest) for flag in OPTIONS} == values
     specs = parsed_specs(args, values["model"])
     assert sorted(service for _, service, _ in specs) == [ROUTER, SCHEDULER, WORKER]
