@@ -17,7 +17,6 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -131,8 +130,8 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     prof = sub.add_parser("profile", help="record a torch.profiler trace on every worker")
     add_flag(prof, "--seconds", type=float, default=5.0, help="how long to trace")
     add_flag(prof, "--out", default="pagemesh-traces",
-             help="folder for the traces, on each worker's host (made absolute here, so a "
-                  "local mesh writes where you are)")
+             help="folder for the traces inside each worker's --profile-dir (default "
+                  "<temp dir>/pagemesh-profiles); the reply lists every file written")
     add_flag(prof, "--record-shapes", type=bool, default=False, help="record op input shapes")
     add_flag(prof, "--with-stack", type=bool, default=False, help="record Python stacks")
     _add_client_flags(prof)
@@ -178,11 +177,11 @@ def _run_step_stats(client: AdminClient, args: argparse.Namespace) -> Message:
 
 
 def _run_profile(client: AdminClient, args: argparse.Namespace) -> Message:
-    out_dir = str(Path(args.out).expanduser().resolve())
     if args.format == "table":
         print(f"tracing every worker{f' of {args.group}' if args.group else ''} for "
-              f"{args.seconds:g} s into {out_dir} ...", file=sys.stderr)
-    return profile(client, args.seconds, out_dir, args.group, args.record_shapes, args.with_stack)
+              f"{args.seconds:g} s into {args.out} (in each worker's --profile-dir) ...",
+              file=sys.stderr)
+    return profile(client, args.seconds, args.out, args.group, args.record_shapes, args.with_stack)
 
 
 # --- tables ------------------------------------------------------------------------------

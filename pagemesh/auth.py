@@ -1,6 +1,9 @@
-"""API keys on the router: who may call `pagemesh.v1.Generation` (gRPC) and `/v1/*` (HTTP).
+"""API keys on the router: who may call `pagemesh.v1.Generation` (gRPC) and `/v1/*` (HTTP),
+and who `pagemesh.v1.Admin`.
 
-Clients send `authorization: Bearer <key>`. Health checks and reflection stay open so that
+Clients send `authorization: Bearer <key>`. A key has a scope: `inference` (generate,
+tokenize, model info) or `admin` (the Admin service: profiles, prefix cache resets, memory
+and step statistics; and inference too). Health checks and reflection stay open so that
 load balancers and tooling work without a key. Keys are compared in constant time.
 """
 
@@ -17,33 +20,49 @@ GRPC_HOW_TO = "send metadata `authorization: Bearer <api key>`"
 HTTP_HOW_TO = "send the header `Authorization: Bearer <api key>`"
 
 
-def parse_api_keys_file(text: str) -> list[str]:
-    """One key a line; blank lines and `#` comments (whole-line or trailing) are skipped."""
-    keys = []
-    for line in text.splitlines():
-        key = line.split("#", 1)[0].strip()
-        if key:
-            keys.append(key)
-    return keys
+INFERENCE = "inference"  # Generation: generate, tokenize, model info
+ADMIN = "admin"  # the Admin service (and inference too)
+SCOPES = (INFERENCE, ADMIN)
+
+
+def parse_api_keys_file(text: str) -> list[tuple[str, str]]:
+    """(key, scope) pairs: one key a line, optionally followed by its scope (`inference`,
+    the default, or `admin`); blank lines and `#` comments (whole-line or trailing) are
+    skipped."""
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2 or (len(words) == 2 and words[1] not in SCOPES):
+            raise ValueError(f"API keys file, line {number}: expected `<key> [{' | '.join(SCOPES)}]`"
+                             f" (the key itself is not shown)")
+        entries.append((words[0], words[1] if len(words) == 2 else INFERENCE))
+    return entries
 
 
 class ApiKeys:
-    """The set of accepted keys; empty = authentication off."""
+    """The accepted keys, each with its scope; none = authentication off (all open)."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = [k.encode() for k in dict.fromkeys(keys)]
-        for key in self._keys:
-            if not key or any(c in key for c in b" \t\r\n"):
+    def __init__(self, keys: Iterable[str], admin_keys: Iterable[str] = ()) -> None:
+        scopes: dict[str, str] = {key: INFERENCE for key in keys}
+        scopes |= {key: ADMIN for key in admin_keys}
+        for key in scopes:
+            if not key or any(c in key for c in " \t\r\n"):
                 raise ValueError("an API key must be non-empty and contain no whitespace")
+        self._keys = [(key.encode(), scope) for key, scope in scopes.items()]
 
     @classmethod
-    def load(cls, keys: Iterable[str] | None, keys_file: str | None) -> ApiKeys:
-        """`keys` as given (--api-key, or PAGEMESH_API_KEY: several separated by spaces)
-        and the file's."""
-        all_keys = [key for item in keys or [] for key in item.split()]
+    def load(cls, keys: Iterable[str] | None, keys_file: str | None,
+             admin_keys: Iterable[str] | None = None) -> ApiKeys:
+        """`keys` and `admin_keys` as given (--api-key / --admin-api-key, or their
+        PAGEMESH_ variables: several separated by spaces) and the file's."""
+        inference = [key for item in keys or [] for key in item.split()]
+        admin = [key for item in admin_keys or [] for key in item.split()]
         if keys_file:
-            all_keys += parse_api_keys_file(Path(keys_file).read_text())
-        return cls(all_keys)
+            for key, scope in parse_api_keys_file(Path(keys_file).read_text()):
+                (admin if scope == ADMIN else inference).append(key)
+        return cls(inference, admin)
 
     @property
     def enabled(self) -> bool:
@@ -52,18 +71,32 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def check_authorization(self, value: str | None) -> bool:
-        """Whether an `authorization` value carries an accepted bearer key."""
+    def count(self, scope: str) -> int:
+        return sum(s == scope for _, s in self._keys)
+
+    def scope_of(self, value: str | None) -> str | None:
+        """The scope of the bearer key an `authorization` value carries; None when it
+        carries none that is accepted. With keys off, every caller is an admin."""
         if not self.enabled:
-            return True
+            return ADMIN
         given = bearer_token(value).encode()
         if not given:
-            return False
+            return None
         # Compare with every key, without stopping early, so timing tells nothing.
-        matched = False
-        for key in self._keys:
-            matched |= hmac.compare_digest(given, key)
-        return matched
+        found = None
+        for key, scope in self._keys:
+            if hmac.compare_digest(given, key):
+                found = scope
+        return found
+
+    def check_authorization(self, value: str | None, scope: str = INFERENCE) -> bool:
+        """Whether an `authorization` value carries a key allowed `scope`."""
+        return allows(self.scope_of(value), scope)
+
+
+def allows(held: str | None, wanted: str) -> bool:
+    """Whether a key of scope `held` may do what `wanted` needs (admin includes inference)."""
+    return held == ADMIN or (held == INFERENCE and wanted == INFERENCE)
 
 
 def bearer_token(value: str | None) -> str:
@@ -80,11 +113,14 @@ def missing_key_message(value: str | None, how_to: str) -> str:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls to methods under `protected_prefix` without a valid key: UNAUTHENTICATED."""
+    """Guards the methods under `protected_prefix`: no valid key is UNAUTHENTICATED, a
+    valid key without `scope` (an inference key calling Admin) PERMISSION_DENIED."""
 
-    def __init__(self, keys: ApiKeys, protected_prefix: str = "/pagemesh.v1.Generation/") -> None:
+    def __init__(self, keys: ApiKeys, protected_prefix: str = "/pagemesh.v1.Generation/",
+                 scope: str = INFERENCE) -> None:
         self.keys = keys
         self.protected_prefix = protected_prefix
+        self.scope = scope
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
@@ -95,25 +131,37 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             if key == "authorization":
                 value = item if isinstance(item, str) else item.decode(errors="replace")
                 break
-        if self.keys.check_authorization(value):
+        held = self.keys.scope_of(value)
+        if allows(held, self.scope):
             return handler
-        message = missing_key_message(value, GRPC_HOW_TO)
+        if held is None:
+            code, message = grpc.StatusCode.UNAUTHENTICATED, missing_key_message(value, GRPC_HOW_TO)
+        else:
+            code = grpc.StatusCode.PERMISSION_DENIED
+            message = (f"this key may not call {self.protected_prefix.strip('/')}: it needs an "
+                       f"{self.scope} key (--admin-api-key, or `<key> {self.scope}` in "
+                       "--api-keys-file)")
+        return _denying(handler, code, message)
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            yield  # pragma: no cover - makes this an async generator
+def _denying(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of `handler`'s shape that fails every call with `code`."""
 
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                deny_stream, handler.request_deserializer, handler.response_serializer)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                deny, handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                deny, handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
             deny_stream, handler.request_deserializer, handler.response_serializer)
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            deny, handler.request_deserializer, handler.response_serializer)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(
+            deny, handler.request_deserializer, handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(
+        deny_stream, handler.request_deserializer, handler.response_serializer)

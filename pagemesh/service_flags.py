@@ -141,7 +141,14 @@ _ROUTER = (
             "and no --api-keys-file = open access. Prefer the file or PAGEMESH_API_KEY (keys "
             "separated by spaces): a command line is readable by every user of the host",
             repeatable=True, secret=True),
-    _router("--api-keys-file", "file of accepted API keys, one a line, `#` starts a comment"),
+    _router("--admin-api-key",
+            "API key that may also call the Admin service (profiles, prefix cache resets, "
+            "memory and step statistics), repeatable; inference keys get PERMISSION_DENIED "
+            "there. Prefer `<key> admin` in --api-keys-file or PAGEMESH_ADMIN_API_KEY",
+            repeatable=True, secret=True),
+    _router("--api-keys-file",
+            "file of accepted API keys, one a line, each optionally followed by its scope "
+            "(`inference`, the default, or `admin`); `#` starts a comment"),
     _router("--stream-interval",
             "tokens per streamed client message: 1 sends each token as it comes, N coalesces "
             "N (fewer, larger messages for clients that prefer throughput)",
@@ -210,6 +217,11 @@ _SCHEDULER = (
 )
 
 _WORKER = (
+    _worker("--profile-dir",
+            "the only folder profiler traces are written under (StartProfile's out_dir is "
+            "taken from it; a path outside it is refused); default: <temp dir>/pagemesh-profiles"),
+    _worker("--max-profile-s", "a profiler trace stops itself (and is written) after this "
+            "many seconds", type=float, default=300.0),
     _worker("--served-model-name", "name clients use (default: the folder or file name)"),
     _worker("--dtype", "auto | float32 | bfloat16 | float16", default="auto"),
     _worker("--block-size", "tokens per KV block", type=int, default=16),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
-from pagemesh.auth import ApiKeyInterceptor, ApiKeys
+from pagemesh.auth import ADMIN, INFERENCE, ApiKeyInterceptor, ApiKeys
 from pagemesh.config import (
     add_flag,
     add_options,
@@ -88,13 +88,13 @@ async def serve(args: argparse.Namespace) -> None:
 
     routing = RoutingConfig(args.routing, args.balance_abs_threshold_tokens, args.balance_rel_threshold)
     config = dataclasses.replace(server_config(args), max_receive_message_bytes=args.max_message_bytes)
-    api_keys = ApiKeys.load(args.api_key, args.api_keys_file)
-    if any(word.startswith("--api-key") and not word.startswith("--api-keys-file")
-           for word in sys.argv):
+    api_keys = ApiKeys.load(args.api_key, args.api_keys_file, args.admin_api_key)
+    if any(word.split("=", 1)[0] in ("--api-key", "--admin-api-key") for word in sys.argv):
         logger.warning("an API key was given on the command line, which every user of this "
                        "host can read (/proc/<pid>/cmdline): use --api-keys-file or "
                        "PAGEMESH_API_KEY instead")
-    logger.info("API keys: %s", f"{len(api_keys)} accepted" if api_keys.enabled else "off (open access)")
+    logger.info("API keys: %s", f"{api_keys.count(INFERENCE)} for inference, {api_keys.count(ADMIN)} "
+                "admin" if api_keys.enabled else "off (open access)")
     resume = ResumeConfig(timeout_s=args.resume_timeout_s)
     directory = GroupDirectory(registry, args.discovery_interval_s, on_serving_changed, config.tls)
     dispatcher = Dispatcher(directory, routing, resume)
@@ -110,9 +110,10 @@ async def serve(args: argparse.Namespace) -> None:
                           lambda: directory.num_groups, lambda: dispatcher.num_resumes)
     metrics.follow_heartbeat(lambda: registry.last_heartbeat_s)
     admin = AdminServicer(directory)
-    # The API key guards both services alike; health and reflection stay open.
-    interceptors = [ApiKeyInterceptor(api_keys, f"/{name}/")
-                    for name in (SERVICE_NAME, ADMIN_SERVICE_NAME)] if api_keys.enabled else []
+    # Inference keys open Generation, admin keys Admin too; health and reflection stay open.
+    interceptors = [ApiKeyInterceptor(api_keys, f"/{SERVICE_NAME}/", INFERENCE),
+                    ApiKeyInterceptor(api_keys, f"/{ADMIN_SERVICE_NAME}/", ADMIN)
+                    ] if api_keys.enabled else []
     server = GrpcServer(
         config,
         [SERVICE_NAME, ADMIN_SERVICE_NAME],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections import deque
@@ -226,15 +227,28 @@ class ProfileTraceFile:
     num_steps: int  # steps recorded meanwhile
 
 
+class ProfilerPathError(ValueError):
+    """A trace folder outside the worker's --profile-dir."""
+
+
+def default_profile_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "pagemesh-profiles"
+
+
 class Profiler:
     """One torch.profiler trace at a time: CPU activity, and CUDA on a CUDA device.
 
-    `start` and `stop` must run on the thread that runs the steps (the profiler records the
-    ops of the thread that started it)."""
+    Traces are written only under `base_dir` (--profile-dir): a caller names a folder in it
+    and cannot make the worker create folders or files anywhere else. `start` and `stop`
+    must run on the thread that runs the steps (the profiler records the ops of the thread
+    that started it)."""
 
-    def __init__(self, device: torch.device | str, stats: StepStats | None = None) -> None:
+    def __init__(self, device: torch.device | str, stats: StepStats | None = None,
+                 base_dir: Path | None = None) -> None:
         self.device = torch.device(device)
         self.stats = stats
+        self.base_dir = (base_dir or default_profile_dir()).expanduser().resolve()
+        self.num_started = 0  # which trace runs: an automatic stop stops only its own
         self._profile: torch.profiler.profile | None = None
         self._path: Path | None = None
         self._started_s = 0.0
@@ -244,14 +258,26 @@ class Profiler:
     def running(self) -> bool:
         return self._profile is not None
 
+    def folder(self, out_dir: str) -> Path:
+        """Where `out_dir` (relative to the base folder, or absolute inside it) resolves;
+        ProfilerPathError outside it (`..`, another absolute path, a symbolic link out)."""
+        folder = (self.base_dir / (out_dir or ".")).resolve()
+        if not folder.is_relative_to(self.base_dir):
+            raise ProfilerPathError(
+                f"traces are written only under this worker's --profile-dir {self.base_dir}; "
+                f"{out_dir!r} is outside it: name a folder inside it (relative paths are "
+                "taken from it)")
+        return folder
+
     def start(self, out_dir: str, trace_name: str, record_shapes: bool = False,
-              with_stack: bool = False) -> None:
-        """Starts tracing; the file will be `<out_dir>/<trace_name>.json` (the folder is
-        created now, so a folder that cannot be written fails here, not at `stop`).
-        Raises ProfilerStateError when a trace runs, OSError for an unusable folder."""
+              with_stack: bool = False) -> int:
+        """Starts tracing; the file will be `<out_dir>/<trace_name>.json` under the base
+        folder (created now, so a folder that cannot be written fails here, not at `stop`).
+        Returns the trace's number (`stop(only=...)`). Raises ProfilerStateError when a
+        trace runs, ProfilerPathError outside the base folder, OSError for an unusable one."""
         if self._profile is not None:
             raise ProfilerStateError(f"a profiler trace is already running (to {self._path})")
-        folder = Path(out_dir or ".").expanduser().resolve()
+        folder = self.folder(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK):
             raise PermissionError(f"cannot write to {folder}")
@@ -264,11 +290,14 @@ class Profiler:
         self._profile, self._path = profile, folder / f"{trace_name}.json"
         self._started_s = time.monotonic()
         self._steps_at_start = self.stats.num_steps if self.stats is not None else 0
+        self.num_started += 1
+        return self.num_started
 
-    def stop(self) -> ProfileTraceFile:
-        """Stops tracing and writes the trace. Raises ProfilerStateError when none runs."""
+    def stop(self, only: int | None = None) -> ProfileTraceFile:
+        """Stops tracing and writes the trace. Raises ProfilerStateError when none runs
+        (or, with `only`, when the one running is not trace number `only`)."""
         profile, path = self._profile, self._path
-        if profile is None or path is None:
+        if profile is None or path is None or (only is not None and only != self.num_started):
             raise ProfilerStateError("no profiler trace is running")
         self._profile = self._path = None
         profile.stop()

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -112,7 +113,8 @@ async def serve(args: argparse.Namespace) -> None:
     # A standby publishes rank -1 until a plan gives it one (changed in place then).
     layout = {"tp_rank": -1 if args.standby else parallel.tp_rank, "tp_size": parallel.tp_size,
               "pp_rank": -1 if args.standby else parallel.pp_rank, "pp_size": parallel.pp_size}
-    servicer = WorkerServicer(worker_id, layout)
+    servicer = WorkerServicer(worker_id, layout, Path(args.profile_dir) if args.profile_dir else None,
+                              args.max_profile_s)
     server = GrpcServer(
         server_config(args),
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -16,7 +17,12 @@ import grpc
 from pagemesh.serving import ServiceError
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc import convert, diagnostics
-from worker_svc.diagnostics import Profiler, ProfilerStateError, StepStats
+from worker_svc.diagnostics import (
+    Profiler,
+    ProfilerPathError,
+    ProfilerStateError,
+    StepStats,
+)
 from worker_svc.distributed import GroupStepError
 from worker_svc.runner import ModelRunner
 from worker_svc.tracing import traced_step
@@ -30,7 +36,8 @@ T = TypeVar("T")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, layout: dict[str, int]) -> None:
+    def __init__(self, worker_id: str, layout: dict[str, int], profile_dir: Path | None = None,
+                 max_profile_s: float = 300.0) -> None:
         self.runner: ModelRunner | None = None  # set once the model is loaded
         self.worker_id = worker_id
         self.layout = layout
@@ -39,6 +46,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.step_stats = StepStats()  # every step that succeeded: time, communication
         self._profiler: Profiler | None = None  # made with the runner (it needs the device)
+        self.profile_dir = profile_dir  # traces only under it (None: the default)
+        self.max_profile_s = max_profile_s  # a trace stops itself after this long
         # Called with each step's forward time, seconds, once it succeeded (metrics).
         self.on_step: list[Callable[[float], None]] = []
         # Step order: (session, next sequence number) of the scheduler driving this worker.
@@ -118,15 +127,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         name = (f"{request.trace_name or 'pagemesh'}-pp{layout['pp_rank']}-tp{layout['tp_rank']}"
                 f"-{self.worker_id}-{time.strftime('%Y%m%d-%H%M%S')}")
         try:
-            await self.run_on_model_thread(profiler.start, request.out_dir, name,
-                                           request.record_shapes, request.with_stack)
+            number = await self.run_on_model_thread(profiler.start, request.out_dir, name,
+                                                    request.record_shapes, request.with_stack)
         except ProfilerStateError as exc:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+        except ProfilerPathError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         except OSError as exc:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"cannot write traces to {request.out_dir!r}: {exc}") from exc
-        logger.info("profiler trace started (%s)", name)
+        logger.info("profiler trace started (%s); it stops itself after %g s (--max-profile-s)",
+                    name, self.max_profile_s)
+        asyncio.get_running_loop().call_later(
+            self.max_profile_s, lambda: asyncio.ensure_future(self._stop_profile(number)))
         return worker_pb2.StartProfileResponse()
+
+    async def _stop_profile(self, number: int) -> None:
+        """Ends trace `number` if it still runs: nobody may leave a trace running."""
+        try:
+            trace = await self.run_on_model_thread(self._ready_profiler().stop, number)
+        except ProfilerStateError:  # stopped already (and maybe another one started)
+            return
+        logger.warning("profiler trace stopped after --max-profile-s %g s; written to %s",
+                       self.max_profile_s, trace.path)
 
     async def StopProfile(self, request: worker_pb2.StopProfileRequest,
                           context: grpc.aio.ServicerContext) -> worker_pb2.StopProfileResponse:
@@ -140,7 +163,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _ready_profiler(self) -> Profiler:
         if self._profiler is None:
-            self._profiler = Profiler(self._ready_runner().device, self.step_stats)
+            self._profiler = Profiler(self._ready_runner().device, self.step_stats,
+                                      self.profile_dir)
         return self._profiler
 
     def stats(self) -> dict[str, float | int]:

@@ -23,6 +23,7 @@ from pagemesh.admin import AdminClient, profile
 from pagemesh.discovery import STATE_DIR_ENV, find_local_mesh
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2, generate_pb2
+from tests.support.eventually import eventually
 from tests.support.mesh_harness import REPO_ROOT, Mesh, greedy_request, scheduler_stats_at
 
 KEY = "admin-test-key"
@@ -37,24 +38,35 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def meshes(tiny_llama_dir: Path, redis_url: str, state_dir: Path,
+def profile_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles").resolve()
+
+
+MAX_PROFILE_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def meshes(tiny_llama_dir: Path, redis_url: str, state_dir: Path, profile_root: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Mesh]]:
     """A one-worker mesh started as a new user would (no --redis-url: the embedded Valkey;
-    the default cluster), announcing itself in its own state folder; and a tp=2 mesh with
-    an API key. Both start at once."""
+    the default cluster), announcing itself in its own state folder, its traces under
+    `profile_root`; and a tp=2 mesh with an admin API key (in the environment, as a secret
+    goes). Both start at once."""
     logs = tmp_path_factory.mktemp("logs")
     previous = os.environ.get(STATE_DIR_ENV)
     os.environ[STATE_DIR_ENV] = str(state_dir)  # what the `pagemesh up` process inherits
     try:
         local = Mesh(str(tiny_llama_dir), logs / "local.log",
-                     extra_args=["--num-kv-blocks", str(NUM_BLOCKS)])
+                     extra_args=["--num-kv-blocks", str(NUM_BLOCKS), "--profile-dir",
+                                 str(profile_root), "--max-profile-s", str(MAX_PROFILE_S)])
     finally:
         if previous is None:
             del os.environ[STATE_DIR_ENV]
         else:
             os.environ[STATE_DIR_ENV] = previous
     tp2 = Mesh(str(tiny_llama_dir), logs / "tp2.log", redis_url=redis_url, cluster="e2e-admin-tp2",
-               extra_args=["--tp", "2", "--num-kv-blocks", "32", "--api-key", KEY])
+               extra_args=["--tp", "2", "--num-kv-blocks", "32"],
+               env={"PAGEMESH_ADMIN_API_KEY": KEY})
     try:
         yield local.wait_ready(), tp2.wait_ready()
     finally:
@@ -96,7 +108,7 @@ def run_cli(state_dir: Path, *args: str, cwd: Path | None = None) -> subprocess.
 
 
 def test_commands_find_the_local_mesh_with_no_flags(local: Mesh, state_dir: Path,
-                                                    tmp_path: Path) -> None:
+                                                    profile_root: Path, tmp_path: Path) -> None:
     mesh = find_local_mesh(folder=state_dir)
     assert mesh is not None and mesh.cluster == "pagemesh"
     assert mesh.router_address == local.address and "6379" not in mesh.redis_url
@@ -118,7 +130,7 @@ def test_commands_find_the_local_mesh_with_no_flags(local: Mesh, state_dir: Path
                      "json", cwd=tmp_path)
     assert traced.returncode == 0, traced.stderr
     (trace,) = json.loads(traced.stdout)["groups"][0]["traces"]
-    assert Path(trace["path"]).parent == tmp_path / "traces" and Path(trace["path"]).is_file()
+    assert Path(trace["path"]).parent == profile_root / "traces" and Path(trace["path"]).is_file()
 
 
 def test_without_a_mesh_the_commands_say_what_they_tried(tmp_path: Path) -> None:
@@ -191,19 +203,40 @@ def test_step_stats_grow_with_requests(local: Mesh, admin: AdminClient) -> None:
 
 
 def test_profile_writes_a_trace_per_worker(local: Mesh, admin: AdminClient,
-                                           tmp_path: Path) -> None:
+                                           profile_root: Path) -> None:
     def generate_while_tracing(seconds: float) -> None:
         local.generate(greedy_request(PROMPT[:8], max_tokens=4))
 
-    reply = profile(admin, 0, str(tmp_path), sleep=generate_while_tracing)
+    reply = profile(admin, 0, "per-worker", sleep=generate_while_tracing)
     (group,) = reply.groups
     assert not group.error
     (trace,) = group.traces
     assert trace.num_steps >= 4 and trace.duration_s > 0
+    assert Path(trace.path).parent == profile_root / "per-worker"
     events = json.loads(Path(trace.path).read_text())["traceEvents"]
     assert any(str(e.get("name", "")).startswith("aten::") for e in events)
     stopped_twice = admin.stop_profile().groups[0]
     assert "no profiler trace is running" in stopped_twice.error
+
+
+def test_traces_are_written_only_under_the_profile_dir(admin: AdminClient, profile_root: Path,
+                                                      tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    for out_dir in (str(outside), "../escape", "a/../../escape"):
+        (group,) = admin.start_profile(out_dir).groups
+        assert "INVALID_ARGUMENT" in group.error and "--profile-dir" in group.error, group.error
+    assert not outside.exists() and not (profile_root.parent / "escape").exists()
+    (group,) = admin.stop_profile().groups
+    assert "no profiler trace is running" in group.error  # none was started
+
+
+def test_a_trace_nobody_stops_stops_itself(admin: AdminClient, profile_root: Path) -> None:
+    (group,) = admin.start_profile("forgotten").groups
+    assert not group.error
+    eventually(lambda: any((profile_root / "forgotten").glob("*.json")), 4 * MAX_PROFILE_S,
+               "the trace never stopped itself")
+    (group,) = admin.stop_profile().groups
+    assert "no profiler trace is running" in group.error
 
 
 def test_an_unknown_group_is_not_found(admin: AdminClient) -> None:

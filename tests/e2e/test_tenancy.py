@@ -12,6 +12,7 @@ import grpc
 import httpx
 import pytest
 
+from pagemesh.admin import AdminClient
 from pagemesh.checkpoints import ORPHANED
 from pagemesh.ports import reserve_port
 from protos.pagemesh.v1 import generate_pb2
@@ -22,6 +23,7 @@ from tests.support.mesh_ids import mesh_request_id, redis_checkpoint
 CLUSTER = "e2e-tenancy"
 KEY_A, KEY_B = "sk-team-a", "sk-team-b"
 KEY_C = "sk-team-c-from-the-environment"
+KEY_OPS = "sk-operators"  # an admin key
 PROMPT_A = [5, 6, 7, 8, 9]
 PROMPT_B = [11, 12, 13]
 LONG = 48  # tokens: a stream that is still running while the other tenant calls
@@ -36,7 +38,8 @@ def mesh(tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPath
          ) -> Iterator[tuple[Mesh, str]]:
     folder = tmp_path_factory.mktemp("tenancy")
     keys_file = folder / "keys"
-    keys_file.write_text(f"# two teams\n{KEY_A}\n{KEY_B}\n")
+    keys_file.write_text(f"# two teams and their operators\n{KEY_A}\n{KEY_B} inference\n"
+                         f"{KEY_OPS} admin\n")
     http_port = reserve_port()
     mesh = Mesh(str(tiny_llama_dir), folder / "mesh.log", redis_url=redis_url, cluster=CLUSTER,
                 extra_args=["--num-kv-blocks", "96", "--http-port", str(http_port),
@@ -185,7 +188,7 @@ def test_no_key_is_in_any_command_line_or_log_line(mesh: tuple[Mesh, str]) -> No
     assert len(tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_C)) == 2  # the environment's key works
     pids = _tree(grpc_mesh.process.pid)
     assert len(pids) >= 4  # up, its worker, scheduler and router (and Valkey)
-    keys = (KEY_A, KEY_B, KEY_C)
+    keys = (KEY_A, KEY_B, KEY_C, KEY_OPS)
     for pid in pids:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
@@ -195,3 +198,20 @@ def test_no_key_is_in_any_command_line_or_log_line(mesh: tuple[Mesh, str]) -> No
     log = grpc_mesh.log_path.read_text(errors="replace")  # all of it
     assert "router config" in log  # the INFO line that used to print every key
     assert not any(key in log for key in keys)
+
+
+def test_only_admin_keys_reach_the_admin_service(mesh: tuple[Mesh, str]) -> None:
+    grpc_mesh, _ = mesh
+    for key, code in ((KEY_A, grpc.StatusCode.PERMISSION_DENIED),
+                      (KEY_C, grpc.StatusCode.PERMISSION_DENIED),
+                      (None, grpc.StatusCode.UNAUTHENTICATED),
+                      ("sk-nobody", grpc.StatusCode.UNAUTHENTICATED)):
+        for call in (lambda c: c.memory(), lambda c: c.reset_prefix_cache(),
+                     lambda c: c.start_profile("x")):
+            with pytest.raises(grpc.RpcError) as info:
+                call(AdminClient(grpc_mesh.channel, api_key=key))
+            assert info.value.code() == code, (key, info.value.details())
+    assert "admin" in info.value.details() or code == grpc.StatusCode.UNAUTHENTICATED
+    admin = AdminClient(grpc_mesh.channel, api_key=KEY_OPS)
+    assert admin.memory().groups[0].ranks
+    assert len(tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_OPS)) == 2  # and inference

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh.auth import ApiKeys, parse_api_keys_file
+from pagemesh.auth import ADMIN, INFERENCE, ApiKeys, parse_api_keys_file
 from pagemesh.config import add_tls_flags, tls_config
 from pagemesh.tls import TlsConfig
 from router.main import parse_args
@@ -60,8 +60,24 @@ def test_tls_flags_read_environment(pem: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_api_keys_file_parsing() -> None:
-    text = "# keys of team a\nkey-1\n\n  key-2   # rotated 2024\n#key-3\n"
-    assert parse_api_keys_file(text) == ["key-1", "key-2"]
+    text = "# keys of team a\nkey-1\n\n  key-2   # rotated 2024\n#key-3\nops-1 admin\nkey-4 inference\n"
+    assert parse_api_keys_file(text) == [("key-1", INFERENCE), ("key-2", INFERENCE),
+                                         ("ops-1", ADMIN), ("key-4", INFERENCE)]
+    for bad in ("key-1 root\n", "key-1 admin extra\n"):
+        with pytest.raises(ValueError, match="line 1") as info:
+            parse_api_keys_file(bad)
+        assert "key-1" not in str(info.value)  # a key is never in a message
+
+
+def test_scopes_inference_keys_are_not_admins(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("ops admin\n")
+    keys = ApiKeys.load(["a b"], str(path), ["root"])  # "a b": two keys, as PAGEMESH_API_KEY gives them
+    assert [keys.scope_of(f"Bearer {k}") for k in ("a", "b", "ops", "root", "nope")] == \
+        [INFERENCE, INFERENCE, ADMIN, ADMIN, None]
+    assert keys.check_authorization("Bearer a") and not keys.check_authorization("Bearer a", ADMIN)
+    assert keys.check_authorization("Bearer ops") and keys.check_authorization("Bearer ops", ADMIN)
+    assert ApiKeys([]).check_authorization(None, ADMIN)  # keys off: everything open
 
 
 def test_api_keys_load_merges_flags_and_file(tmp_path: Path) -> None:

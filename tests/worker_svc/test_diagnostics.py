@@ -11,7 +11,7 @@ from pagemesh.testing.tiny_models import write_tiny_model
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from tests.support.runner_script import GREEDY, ScriptedRequest, drive
 from worker_svc import diagnostics
-from worker_svc.diagnostics import Profiler, ProfilerStateError, StepStats
+from worker_svc.diagnostics import Profiler, ProfilerPathError, ProfilerStateError, StepStats
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 
@@ -70,10 +70,14 @@ def test_step_stats_window_and_totals() -> None:
 
 def test_steps_are_recorded_and_traced(runner: ModelRunner, tmp_path: Path) -> None:
     stats = StepStats()
-    profiler = Profiler(runner.device, stats)
+    profiler = Profiler(runner.device, stats, base_dir=tmp_path)
     with pytest.raises(ProfilerStateError):
         profiler.stop()
-    profiler.start(str(tmp_path / "traces"), "rank0")
+    for outside in ("../elsewhere", "/etc", str(tmp_path.parent)):  # never outside the base
+        with pytest.raises(ProfilerPathError):
+            profiler.start(outside, "rank0")
+    assert not (tmp_path.parent / "elsewhere").exists()
+    profiler.start(str(tmp_path / "traces"), "rank0")  # absolute inside the base: fine
     with pytest.raises(ProfilerStateError):
         profiler.start(str(tmp_path / "traces"), "again")
     try:
