@@ -45,7 +45,7 @@ from router.tracing import describe_request, identify_request, traced_generate
 from router.structured import ConstraintError, GrammarCompiler
 from router.types import GenerationRequest, ModelInfo, OutputConstraint, Submission, TokenChunk
 from router.validation import (ModelLimits, ValidatedRequest, ValidationError, check_identity,
-                               validate)
+                               check_unicode, validate)
 
 logger = logging.getLogger(__name__)
 
@@ -353,12 +353,7 @@ async def _off_loop_if_long(num_chars: int, fn: Callable[[T], list[int]], arg: T
 
 
 def _check_unicode(text: str, what: str) -> None:
-    """JSON may carry lone surrogates (\\ud800), which no tokenizer can encode."""
-    if text.isascii():
-        return
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid_argument(
-            f"{what} is not valid Unicode: {exc.reason} at character {exc.start} "
-            f"({text[exc.start:exc.end]!a}); send UTF-8 text") from None
+        check_unicode(text, what)
+    except ValidationError as exc:
+        raise invalid_argument(str(exc)) from None

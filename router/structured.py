@@ -125,6 +125,16 @@ def _choices(value: object) -> tuple[str, ...]:
         raise ConstraintError(f"choice must have 1 to {MAX_CHOICES} strings, got {len(value)}")
     if not all(isinstance(c, str) and c for c in value):
         raise ConstraintError("every choice must be a non-empty string")
+    num_chars = sum(map(len, value))
+    if num_chars > MAX_CONSTRAINT_CHARS:
+        raise ConstraintError(f"the choices are {num_chars:,} characters together; at most "
+                              f"{MAX_CONSTRAINT_CHARS:,} are accepted")
+    for index, choice in enumerate(value):
+        try:
+            choice.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConstraintError(f"choice {index} is not valid Unicode ({exc.reason}); send "
+                                  "UTF-8 text") from None
     return tuple(value)
 
 

@@ -14,6 +14,10 @@ from protos.step import SamplingParams
 
 MAX_NUM_LOGPROBS = 20
 MAX_NUM_STOP_STRINGS = 16
+# Characters per stop string: the router holds back output that may begin one, and checks
+# each new piece against every suffix, so the cost grows with the square of this.
+MAX_STOP_STRING_CHARS = 512
+MAX_ABS_PRIORITY = 1_000_000  # priorities are small ranks, not timestamps
 MAX_ABS_PENALTY = 2.0
 MAX_SEED = 2**64 - 1
 MAX_N = 16
@@ -106,6 +110,7 @@ def validate(
     check_sampling(sampling)
     check_num_logprobs(num_logprobs)
     check_num_samples(n)
+    check_priority(priority)
     max_tokens = _resolve_max_tokens(len(prompt_token_ids), stopping, limits)
     _check_stopping(stopping, max_tokens, limits)
     if grammar and stopping.ignore_eos:
@@ -291,6 +296,28 @@ def _check_stop_rules(stopping: StoppingOptions, max_tokens: int | None) -> None
     for index, stop in enumerate(stopping.stop):
         if not stop:
             raise ValidationError(f"stop string {index} is empty; remove it")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise ValidationError(f"stop string {index} is {len(stop):,} characters; at most "
+                                  f"{MAX_STOP_STRING_CHARS} are accepted")
+        check_unicode(stop, f"stop string {index}")
+
+
+def check_priority(priority: int) -> None:
+    if not -MAX_ABS_PRIORITY <= priority <= MAX_ABS_PRIORITY:
+        raise ValidationError(f"priority must be in [-{MAX_ABS_PRIORITY:,}, {MAX_ABS_PRIORITY:,}] "
+                              f"(lower runs first), got {priority:,}")
+
+
+def check_unicode(text: str, what: str) -> None:
+    """JSON may carry lone surrogates (\\ud800), which no tokenizer can encode."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValidationError(
+            f"{what} is not valid Unicode: {exc.reason} at character {exc.start} "
+            f"({text[exc.start:exc.end]!a}); send UTF-8 text") from None
 
 
 def _with_sampling_defaults(sampling: SamplingOptions) -> SamplingOptions:

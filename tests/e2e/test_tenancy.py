@@ -215,3 +215,24 @@ def test_only_admin_keys_reach_the_admin_service(mesh: tuple[Mesh, str]) -> None
     admin = AdminClient(grpc_mesh.channel, api_key=KEY_OPS)
     assert admin.memory().groups[0].ranks
     assert len(tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_OPS)) == 2  # and inference
+
+
+def test_input_gaps_are_clear_400s(mesh: tuple[Mesh, str]) -> None:
+    grpc_mesh, http = mesh
+    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    base = '{"model": "tiny-llama", "prompt": "hello", "max_tokens": 2'
+    for extra, expected in (
+            (', "stop": ["' + "x" * 600 + '"]', "stop string 0 is 600 characters"),
+            (', "stop": ["ok\\ud800"]', "stop string 0 is not valid Unicode"),  # a lone surrogate
+            (', "priority": 10000000', "priority must be in"),
+            (', "structured_outputs": {"choice": ["' + "y" * 1_000_001 + '", "n"]}', "characters together"),
+            (', "structured_outputs": {"choice": ["yes", "no\\udc00"]}', "not valid Unicode")):
+        reply = httpx.post(f"{http}/v1/completions", content=base + extra + "}", headers=headers,
+                           timeout=60)
+        assert reply.status_code == 400, (extra[:40], reply.text[:300])
+        assert expected in reply.json()["error"]["message"], reply.text[:300]
+    request = greedy_request(PROMPT_B, 2, priority=-10_000_000)
+    with pytest.raises(grpc.RpcError) as info:
+        tokens(grpc_mesh, request, KEY_A)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_A)) == 2  # still serving

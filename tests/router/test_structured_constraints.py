@@ -89,3 +89,13 @@ def test_the_constraint_reaches_the_scheduler_and_a_bad_one_never_does(
             assert "ignore_eos cannot be combined" in info.value.details()
             assert len(scheduler.requests) == 1  # none of the bad ones was sent
     run(scenario())
+
+
+def test_choices_are_bounded_by_size_and_must_be_unicode() -> None:
+    from router.structured import MAX_CONSTRAINT_CHARS
+
+    with pytest.raises(ConstraintError, match="characters together"):
+        to_grammar(OutputConstraint("choice", ("a" * MAX_CONSTRAINT_CHARS, "b")))
+    with pytest.raises(ConstraintError, match="choice 1 is not valid Unicode"):
+        to_grammar(OutputConstraint("choice", ("yes", "no\ud800")))
+    assert to_grammar(OutputConstraint("choice", ("yes", "no")))

@@ -125,6 +125,21 @@ def test_stop_strings_count_and_empty():
     assert len(run(stopping=StoppingOptions(stop=["a"] * 16)).stopping.stop) == 16
 
 
+def test_stop_strings_length_and_unicode():
+    expect_error("stop string 1 is 513 characters; at most 512",
+                 stopping=StoppingOptions(stop=["a", "x" * 513]))
+    expect_error("stop string 0 is not valid Unicode", stopping=StoppingOptions(stop=["ok\ud800"]))
+    assert run(stopping=StoppingOptions(stop=["x" * 512, "é"])).stopping.stop[1] == "é"
+
+
+def test_priority_range():
+    for priority in (1_000_001, -1_000_001, 2**63):
+        with pytest.raises(ValidationError, match="priority must be in"):
+            validate([1, 2], SamplingOptions(), StoppingOptions(), None, "", LIMITS, priority=priority)
+    assert validate([1], SamplingOptions(), StoppingOptions(), None, "", LIMITS,
+                    priority=-1_000_000).priority == -1_000_000
+
+
 def test_validation_error_is_value_error():
     assert issubclass(ValidationError, ValueError)
 
