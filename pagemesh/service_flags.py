@@ -155,7 +155,12 @@ _ROUTER = (
             type=int, default=1),
     _router("--max-queued-requests",
             "requests in flight through the router; more are refused (RESOURCE_EXHAUSTED / "
-            "HTTP 429)", type=int, default=1024),
+            "HTTP 429); also bounds the gRPC streams one connection may open and the HTTP "
+            "connections served at once", type=int, default=1024),
+    _router("--max-requests-per-key",
+            "requests in flight per API key (generations, tokenizations, chat template "
+            "renderings); more are refused (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After). "
+            "0 = no per-key limit", type=int, default=0),
     _router("--max-prompt-tokens", "longest prompt accepted, tokens; 0 = the model's context",
             type=int, default=0),
     _router("--max-message-bytes",

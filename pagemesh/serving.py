@@ -159,6 +159,7 @@ class ServerConfig:
     grace_s: float = 5.0
     tls: TlsConfig = field(default_factory=TlsConfig)
     max_receive_message_bytes: int = MAX_MESSAGE_BYTES  # largest request message accepted
+    max_concurrent_streams: int = 0  # per client connection; 0 = gRPC's default (no limit)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -190,6 +191,8 @@ class GrpcServer:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
                 *keepalive.SERVER_OPTIONS,  # a frozen or cut-off client is noticed (5 s)
+                *([("grpc.max_concurrent_streams", config.max_concurrent_streams)]
+                  if config.max_concurrent_streams else []),
             ],
         )
         for add in add_servicers:

@@ -18,13 +18,14 @@ Fault tolerance, as the client sees it: a stream never shows a gap or a repeated
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -59,6 +60,9 @@ class AdmissionLimits:
     # Tokens coalesced per client message (vLLM's --stream-interval): 1 streams each token
     # as it comes; N sends every N tokens of a sample (and its end) in one message.
     stream_interval: int = 1
+    # Generations in flight per API key (0 = no per-key limit; keys off: not applied), so that
+    # one tenant cannot take every slot of --max-queued-requests.
+    max_requests_per_key: int = 0
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -67,6 +71,8 @@ class AdmissionLimits:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_prompt_tokens < 0:
             raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
+        if self.max_requests_per_key < 0:
+            raise ValueError(f"max_requests_per_key must be >= 0, got {self.max_requests_per_key}")
 
 
 class Generation:
@@ -83,6 +89,7 @@ class Generation:
         self.checkpoints = self.directory.registry.checkpoints
         self.limits = limits or AdmissionLimits()
         self.num_in_flight = 0
+        self._in_flight_per_owner: collections.Counter[str] = collections.Counter()
         self.metrics = metrics or RouterMetrics()
         self._seeds = random.SystemRandom()
         self._to_delete: list[tuple[str, str | None]] = []  # checkpoints of ended requests
@@ -91,31 +98,68 @@ class Generation:
     async def model_info(self) -> ModelInfo:
         return await self.directory.model_info()
 
-    async def tokenize(self, text: str, apply_chat_template: bool) -> tuple[list[int], list[str]]:
-        """The text's token ids and each one's text piece. INVALID_ARGUMENT for empty text."""
-        token_ids = await self._tokenize(text, apply_chat_template, max_num_tokens=None)
+    async def tokenize(self, text: str, apply_chat_template: bool, owner: str = ""
+                       ) -> tuple[list[int], list[str]]:
+        """The text's token ids and each one's text piece. INVALID_ARGUMENT for empty text;
+        it takes an admission slot meanwhile, as a generation does."""
+        with self._admitted(owner):
+            token_ids = await self._tokenize(text, apply_chat_template, max_num_tokens=None)
         return token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)
 
     async def tokenize_chat(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None, owner: str = ""
+                            ) -> list[int]:
         """Token ids of chat `messages` through the model's template (the OpenAI chat API's
         prompt), with the `tools` it shows the model. INVALID_ARGUMENT when the template
         rejects them, when they are not valid Unicode, or when they cannot fit the model
-        whatever they tokenize to."""
+        whatever they tokenize to (tools included: they are refused by size before any
+        rendering). It takes an admission slot meanwhile, as a generation does."""
         texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
-        for text in texts:
-            _check_unicode(text, "a message's content")
         # Tool definitions and calls' arguments reach the template too.
         extra = json.dumps([tools or [], [m.get("tool_calls") for m in messages]],
                            ensure_ascii=False)
-        _check_unicode(extra, "the tools or tool calls")
-        num_chars = sum(map(len, texts))
-        await self._check_fits(num_chars, len(messages), await self._max_prompt_tokens())
-        render = functools.partial(self.tokenizer.apply_chat_messages, tools=tools)
+        if len(extra) > MAX_TOOLS_CHARS:
+            raise invalid_argument(
+                f"the tools and tool calls are {len(extra):,} characters of JSON; at most "
+                f"{MAX_TOOLS_CHARS:,} are accepted: send fewer or shorter tool definitions")
+        with self._admitted(owner):
+            for text in texts:
+                _check_unicode(text, "a message's content")
+            _check_unicode(extra, "the tools or tool calls")
+            num_chars = sum(map(len, texts))
+            await self._check_fits(num_chars, len(messages), await self._max_prompt_tokens())
+            render = functools.partial(self.tokenizer.apply_chat_messages, tools=tools)
+            try:
+                return await _off_loop_if_long(num_chars + len(extra), render, messages)
+            except TokenizerError as exc:
+                raise invalid_argument(str(exc)) from exc
+
+    @contextlib.contextmanager
+    def _admitted(self, owner: str) -> Iterator[None]:
+        """One slot of --max-queued-requests, and of --max-requests-per-key for `owner`
+        (with keys on), held meanwhile; RESOURCE_EXHAUSTED when there is none free."""
+        if self.num_in_flight >= self.limits.max_queued_requests:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this router already has {self.num_in_flight} requests in flight "
+                f"(--max-queued-requests {self.limits.max_queued_requests}); retry later",
+            )
+        per_key = self.limits.max_requests_per_key
+        if owner and per_key and self._in_flight_per_owner[owner] >= per_key:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this API key already has {self._in_flight_per_owner[owner]} requests in "
+                f"flight (--max-requests-per-key {per_key}); retry when one has finished",
+            )
+        self.num_in_flight += 1
+        self._in_flight_per_owner[owner] += 1
         try:
-            return await _off_loop_if_long(num_chars + len(extra), render, messages)
-        except TokenizerError as exc:
-            raise invalid_argument(str(exc)) from exc
+            yield
+        finally:
+            self.num_in_flight -= 1
+            self._in_flight_per_owner[owner] -= 1
+            if not self._in_flight_per_owner[owner]:
+                del self._in_flight_per_owner[owner]
 
     @traced_generate  # the request's span, router/tracing.py
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenChunk]]:
@@ -129,30 +173,24 @@ class Generation:
         mesh_id = self.tenancy.mesh_request_id(request.owner, request_id)  # the mesh's
         request_id_var.set(mesh_id)
         identify_request(mesh_id)
-        if self.num_in_flight >= self.limits.max_queued_requests:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this router already has {self.num_in_flight} requests in flight "
-                f"(--max-queued-requests {self.limits.max_queued_requests}); retry later",
-            )
-        self.num_in_flight += 1
-        timer = self.metrics.request(lambda: self.directory.model_name, request.n)
-        try:
-            # Closing this stream must close the inner one at once: that cancels the scheduler call.
-            async with contextlib.aclosing(self._generate(request_id, mesh_id, request)) as batches:
-                async for batch in batches:
-                    for chunk in batch:
-                        timer.observe(chunk.index, len(chunk.token_ids), chunk.finish_reason,
-                                      chunk.usage.num_prompt_tokens if chunk.usage else 0)
-                    yield batch
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away
-            timer.end(ABORT)
-            raise
-        except Exception:
-            timer.end(ERROR)
-            raise
-        finally:
-            self.num_in_flight -= 1
+        with self._admitted(request.owner):
+            timer = self.metrics.request(lambda: self.directory.model_name, request.n)
+            try:
+                # Closing this stream must close the inner one at once: that cancels the
+                # scheduler call.
+                async with contextlib.aclosing(self._generate(request_id, mesh_id, request)
+                                               ) as batches:
+                    async for batch in batches:
+                        for chunk in batch:
+                            timer.observe(chunk.index, len(chunk.token_ids), chunk.finish_reason,
+                                          chunk.usage.num_prompt_tokens if chunk.usage else 0)
+                        yield batch
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away
+                timer.end(ABORT)
+                raise
+            except Exception:
+                timer.end(ERROR)
+                raise
 
     async def _generate(self, request_id: str, mesh_id: str, request: GenerationRequest
                         ) -> AsyncIterator[list[TokenChunk]]:
@@ -340,7 +378,10 @@ class Generation:
                 "are accepted (the model's context, or --max-prompt-tokens); shorten it")
 
 
-OFF_LOOP_CHARS = 16_384  # texts longer than this are tokenized on a worker thread
+OFF_LOOP_CHARS = 16_384
+# Characters of JSON of a chat request's tool definitions and calls, checked before the
+# template renders them (a 16 MB `tools` list took the router's CPU for seconds).
+MAX_TOOLS_CHARS = 1_000_000  # texts longer than this are tokenized on a worker thread
 
 
 async def _off_loop_if_long(num_chars: int, fn: Callable[[T], list[int]], arg: T) -> list[int]:

@@ -126,7 +126,13 @@ async def _protocol_error(request: Request, exc: Exception) -> Response:
 
 async def _service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
-    return await _protocol_error(request, protocol_error_for(exc))
+    error = protocol_error_for(exc)
+    # A client (OpenAI's SDK among them) waits this long, seconds, before it tries again.
+    headers = {"Retry-After": RETRY_AFTER_S} if error.status == 429 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+RETRY_AFTER_S = "1"
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -175,9 +181,12 @@ class _OpenAIApi:
         parsed = oai.parse_chat(await _json_body(request, self.max_body_bytes), request.headers,
                                 self.tool_format)
         tools = parsed.tools.tools if parsed.tools is not None else None
+        owner = self.generation.tenancy.owner(request.headers.get("authorization"))
         try:
-            prompt_ids = await self.generation.tokenize_chat(parsed.messages, tools)
+            prompt_ids = await self.generation.tokenize_chat(parsed.messages, tools, owner)
         except ServiceError as exc:
+            if exc.code != grpc.StatusCode.INVALID_ARGUMENT:  # the admission limits'
+                raise
             raise oai.ProtocolError(exc.message, "messages") from exc
         parsed.generate = dataclasses.replace(parsed.generate, prompt=prompt_ids)
         return await _unless_client_leaves(request, self._generate(request, parsed, chat=True))

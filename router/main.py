@@ -87,7 +87,10 @@ async def serve(args: argparse.Namespace) -> None:
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
     routing = RoutingConfig(args.routing, args.balance_abs_threshold_tokens, args.balance_rel_threshold)
-    config = dataclasses.replace(server_config(args), max_receive_message_bytes=args.max_message_bytes)
+    # One connection may not open more streams than the router admits requests (plus room
+    # for health checks and the Admin service).
+    config = dataclasses.replace(server_config(args), max_receive_message_bytes=args.max_message_bytes,
+                                 max_concurrent_streams=args.max_queued_requests + SPARE_STREAMS)
     api_keys = ApiKeys.load(args.api_key, args.api_keys_file, args.admin_api_key)
     if any(word.split("=", 1)[0] in ("--api-key", "--admin-api-key") for word in sys.argv):
         logger.warning("an API key was given on the command line, which every user of this "
@@ -99,7 +102,7 @@ async def serve(args: argparse.Namespace) -> None:
     directory = GroupDirectory(registry, args.discovery_interval_s, on_serving_changed, config.tls)
     dispatcher = Dispatcher(directory, routing, resume)
     limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens,
-                             args.stream_interval)
+                             args.stream_interval, args.max_requests_per_key)
     metrics = RouterMetrics()
     secret = await registry.shared_secret(SECRET_NAME)  # request ids scoped per key
     registry.on_redis_restart.append(lambda: registry.keep_secret(SECRET_NAME, secret))
@@ -153,6 +156,9 @@ async def serve(args: argparse.Namespace) -> None:
 # --- OpenAI-compatible HTTP API (router/http_api.py), served by uvicorn in this event loop.
 
 
+SPARE_STREAMS = 64  # beyond --max-queued-requests: health checks, model info, Admin
+
+
 def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Callable[[], bool],
                 api_keys: ApiKeys) -> tuple[uvicorn.Server, asyncio.Task[None]] | None:
     if not args.http_port:
@@ -170,6 +176,9 @@ def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Ca
                          tool_format=tool_format)
     config = uvicorn.Config(app, host=args.host,
                             port=args.http_port, log_level="warning", log_config=None,
+                            # Connections and requests served at once: past it uvicorn
+                            # answers 503 before reading a body.
+                            limit_concurrency=args.max_queued_requests + SPARE_STREAMS,
                             timeout_graceful_shutdown=5, **tls)
     http_server = _HttpServer(config)
     scheme = "https" if tls else "http"

@@ -28,7 +28,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
-        token_ids, tokens = await self.generation.tokenize(request.text, request.apply_chat_template)
+        owner = self.generation.tenancy.owner(_authorization(context))
+        token_ids, tokens = await self.generation.tokenize(request.text, request.apply_chat_template,
+                                                           owner)
         return convert.tokenize_response(token_ids, tokens)
 
     async def Generate(self, request: generate_pb2.GenerateRequest,

@@ -27,6 +27,7 @@ KEY_OPS = "sk-operators"  # an admin key
 PROMPT_A = [5, 6, 7, 8, 9]
 PROMPT_B = [11, 12, 13]
 LONG = 48  # tokens: a stream that is still running while the other tenant calls
+PER_KEY = 3  # --max-requests-per-key
 
 
 def auth(key: str) -> list[tuple[str, str]]:
@@ -43,7 +44,8 @@ def mesh(tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPath
     http_port = reserve_port()
     mesh = Mesh(str(tiny_llama_dir), folder / "mesh.log", redis_url=redis_url, cluster=CLUSTER,
                 extra_args=["--num-kv-blocks", "96", "--http-port", str(http_port),
-                            "--api-keys-file", str(keys_file), "--log-level", "INFO"],
+                            "--api-keys-file", str(keys_file), "--log-level", "INFO",
+                            "--max-requests-per-key", str(PER_KEY)],
                 env={"PAGEMESH_API_KEY": KEY_C})
     try:
         yield mesh.wait_ready(), f"http://127.0.0.1:{http_port}"
@@ -236,3 +238,52 @@ def test_input_gaps_are_clear_400s(mesh: tuple[Mesh, str]) -> None:
         tokens(grpc_mesh, request, KEY_A)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_A)) == 2  # still serving
+
+
+def test_one_key_cannot_take_every_slot(mesh: tuple[Mesh, str]) -> None:
+    grpc_mesh, http = mesh
+    streams = [grpc_mesh.stub.Generate(greedy_request(PROMPT_A, 8 * LONG), metadata=auth(KEY_A),
+                                       timeout=120) for _ in range(PER_KEY)]
+    try:
+        for stream in streams:
+            assert next(stream).token_ids  # all PER_KEY running
+        with pytest.raises(grpc.RpcError) as info:
+            tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_A)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-requests-per-key 3" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:  # tokenizing takes a slot too
+            grpc_mesh.stub.Tokenize(generate_pb2.TokenizeRequest(text="hi"), metadata=auth(KEY_A),
+                                    timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        reply = httpx.post(f"{http}/v1/chat/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {KEY_A}"},
+                           json={"model": "tiny-llama", "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 429 and reply.headers["Retry-After"] == "1", reply.text
+        # Another tenant is served meanwhile.
+        assert len(tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_B)) == 2
+    finally:
+        for stream in streams:
+            stream.cancel()
+    eventually(lambda: _served(grpc_mesh, KEY_A), 30, "key A's slots were never given back")
+
+
+def _served(mesh: Mesh, key: str) -> bool:
+    try:
+        return len(tokens(mesh, greedy_request(PROMPT_B, 2), key)) == 2
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+        return False
+
+
+def test_tools_are_refused_by_size_before_rendering(mesh: tuple[Mesh, str]) -> None:
+    _, http = mesh
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 1000,
+                                               "parameters": {"type": "object"}}}
+             for i in range(1100)]
+    reply = httpx.post(f"{http}/v1/chat/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEY_A}"},
+                       json={"model": "tiny-llama", "max_tokens": 2, "tools": tools,
+                             "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 400, reply.text[:300]
+    assert "tools and tool calls are" in reply.json()["error"]["message"]
