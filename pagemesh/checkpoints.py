@@ -13,9 +13,11 @@ resuming the stream replays them exactly as the live stream sent them. Without l
 record holds no logprob data at all; a record without the field (an older one) has none.
 
 Lifetime: the scheduler writes a checkpoint on admission, every `--checkpoint-interval`
-steps and when the request finishes or loses its router; a request in flight has no TTL, a
-finished or orphaned one expires after the resume window. The router deletes the checkpoint
-once its client has received everything.
+steps and when the request finishes or loses its router; every record expires a resume
+window after it was last written, and the scheduler renews the records of the requests it
+runs (so one whose scheduler is gone for good does not stay). The router deletes the
+checkpoint once its client has received everything; expired ids are pruned from the group
+sets.
 """
 
 from __future__ import annotations
@@ -163,6 +165,19 @@ class CheckpointStore:
         if gone:
             await self._redis.srem(self.group_key(group), *gone)
         return [Checkpoint.from_json(v) for v in values if v is not None]
+
+    async def prune_group(self, group: str) -> int:
+        """Drops the ids of expired records from the group's set; returns how many."""
+        ids = list(await self._redis.smembers(self.group_key(group)))
+        if not ids:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.exists(self.key(request_id))
+        gone = [i for i, exists in zip(ids, await pipe.execute()) if not exists]
+        if gone:
+            await self._redis.srem(self.group_key(group), *gone)
+        return len(gone)
 
     async def expire(self, checkpoints: Iterable[Checkpoint], ttl_s: float) -> None:
         """Gives checkpoints nobody is computing any more a deadline (the resume window)."""

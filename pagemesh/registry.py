@@ -44,15 +44,27 @@ class RegistryConfig:
     cluster: str = "pagemesh"
     heartbeat_interval_s: float = 1.0
     ttl_s: float = 3.0
+    call_timeout_s: float = 2.0  # the longest any Redis call may take
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
+        if self.call_timeout_s <= 0:
+            raise ValueError("call_timeout_s must be > 0")
         if self.ttl_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"ttl_s ({self.ttl_s}) must exceed heartbeat_interval_s "
                 f"({self.heartbeat_interval_s}) or live services would expire"
             )
+
+
+def raise_if_cancelled() -> None:
+    """A cancel that lands in a Redis call with a socket timeout can come out of redis-py as
+    a connection error, or be retried away (its default retry) so that the call returns:
+    the task is still being cancelled, and must stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class RegistryConflict(FatalStartupError):
@@ -62,7 +74,11 @@ class RegistryConflict(FatalStartupError):
 class Registry:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
-        self._redis = aioredis.from_url(config.redis_url, decode_responses=True)
+        # Every call is bounded: a frozen Redis (SIGSTOPped, partitioned away) must fail
+        # a call within seconds, not hold it (and the heartbeat, the request behind it) forever.
+        self._redis = aioredis.from_url(config.redis_url, decode_responses=True,
+                                        socket_timeout=config.call_timeout_s,
+                                        socket_connect_timeout=config.call_timeout_s)
         self._heartbeats: list[asyncio.Task[None]] = []
         self.checkpoints = CheckpointStore(self._redis, config.cluster)
         # Called (no arguments) after Redis came back empty-handed: a restarted server, whose
@@ -168,6 +184,7 @@ class Registry:
                 await self.put(kind, service_id, info_fn())
                 if len(self._heartbeats) and self._heartbeats[0] is asyncio.current_task():
                     await self._check_restart()
+                raise_if_cancelled()
                 if failing:
                     logger.warning("Redis is back: %s %s registered again", kind, service_id)
                 failing, backoff = False, 0.1
@@ -175,6 +192,7 @@ class Registry:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away for a moment: keep trying, loudly
+                raise_if_cancelled()
                 if not failing:
                     logger.warning("heartbeat of %s %s failed (%s); retrying with backoff",
                                    kind, service_id, exc)

@@ -244,8 +244,10 @@ class Generation:
                                        "(gRPC: request_id; HTTP: the X-Request-Id header)")
             return None
         try:
-            ckpt = await self.checkpoints.load(mesh_id)
-        except (RedisError, OSError) as exc:
+            # Bounded: a fresh request must not wait on a frozen Redis (a lookup that times
+            # out is "no checkpoint" for it, below).
+            ckpt = await asyncio.wait_for(self.checkpoints.load(mesh_id), CHECKPOINT_LOOKUP_S)
+        except (RedisError, OSError, TimeoutError) as exc:
             if wants_resume:
                 raise unavailable(f"the checkpoint store is unreachable ({exc}); retry shortly") from exc
             logger.debug("no checkpoint lookup (%s); a new request", exc)
@@ -378,6 +380,7 @@ class Generation:
                 "are accepted (the model's context, or --max-prompt-tokens); shorten it")
 
 
+CHECKPOINT_LOOKUP_S = 0.5  # the longest a request waits for its checkpoint lookup
 OFF_LOOP_CHARS = 16_384
 # Characters of JSON of a chat request's tool definitions and calls, checked before the
 # template renders them (a 16 MB `tools` list took the router's CPU for seconds).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagemesh.registry import Registry
+from pagemesh.registry import Registry, raise_if_cancelled
 from pagemesh.registry_entries import GroupStatus, SchedulerEntry
 from pagemesh.serving import unavailable
 from pagemesh.tls import TlsConfig
@@ -126,6 +126,7 @@ class GroupDirectory:
                 await self.refresh()
             except Exception as exc:
                 logger.warning("registry poll failed: %s", exc)
+            raise_if_cancelled()  # a cancel redis-py turned into an error, or retried away
             await asyncio.sleep(self.poll_interval_s)
 
     async def refresh(self) -> None:

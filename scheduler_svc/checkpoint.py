@@ -5,6 +5,10 @@ Written on admission, every `interval` steps (the requests that got tokens since
 request finishes (before its last message goes out, so the record is complete when the
 router reads it) and when it loses its router (orphaned). Finished and orphaned records
 expire after the resume window; the router deletes a record once its client has it all.
+A running request's record expires too, a resume window after it was last written or
+renewed: this scheduler renews its requests' records while they run, so the record of a
+request nobody runs any more (its scheduler gone for good) does not stay forever. The
+group's id set is pruned of expired ids as often.
 Writes never hold up the step loop: periodic ones run in the background, one at a time,
 and every write is bounded by a timeout — Redis being away costs checkpoints, not steps.
 """
@@ -55,6 +59,7 @@ class Checkpointer:
         self._steps = 0
         self._flushing: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._renewed_at = time.monotonic()
         self.num_writes = 0  # records written
         self.write_time_s = 0.0  # wall time of the writes, for the benchmark
 
@@ -68,7 +73,7 @@ class Checkpointer:
             return
         ckpt = Checkpoint(request_id, self.group, submit, samples, RUNNING)
         self._tracked[request_id] = _Tracked(ckpt)
-        self._spawn(self._write([ckpt], None))
+        self._spawn(self._write([ckpt], self.resume_window_s))
 
     def record(self, request_id: str, index: int, event: RequestEvent) -> None:
         """Sample `index`'s new tokens (with their logprobs when the sample keeps them), and
@@ -117,11 +122,27 @@ class Checkpointer:
         for tracked in dirty:
             tracked.dirty = False
         if dirty:
-            self._flushing = self._spawn(self._write([t.checkpoint for t in dirty], None))
+            self._flushing = self._spawn(self._write([t.checkpoint for t in dirty],
+                                                     self.resume_window_s))
+        if time.monotonic() - self._renewed_at > self.resume_window_s / 4:
+            self._renewed_at = time.monotonic()
+            self._spawn(self._renew())
+
+    async def _renew(self) -> None:
+        """The running records' TTL pushed back (they are alive), the group's set pruned."""
+        assert self.store is not None
+        try:
+            running = [t.checkpoint for t in self._tracked.values()]
+            if running:
+                await asyncio.wait_for(self.store.expire(running, self.resume_window_s),
+                                       WRITE_TIMEOUT_S)
+            await asyncio.wait_for(self.store.prune_group(self.group), WRITE_TIMEOUT_S)
+        except Exception as exc:  # next time
+            logger.warning("could not renew this group's checkpoints: %s", exc)
 
     async def rewrite_all(self) -> None:
         """Redis restarted empty: every live record again."""
-        await self._write([t.checkpoint for t in self._tracked.values()], None)
+        await self._write([t.checkpoint for t in self._tracked.values()], self.resume_window_s)
 
     async def adopt_orphans(self) -> int:
         """At start: records of this group that a dead predecessor left running get the

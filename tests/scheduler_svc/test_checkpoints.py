@@ -43,7 +43,8 @@ def test_written_on_admission_every_interval_and_on_finish(redis_url: str) -> No
         ckpt.track("r1", submit().SerializeToString(), [SampleState()])
         first = await eventually_async(lambda: store.load("r1"), 5, "r1 never checkpointed")
         assert first.state == RUNNING and first.samples[0].token_ids == []
-        assert await client.pttl(store.key("r1")) == -1  # in flight: no expiry
+        # In flight: it expires a resume window after its last write, unless renewed.
+        assert 25_000 < await client.pttl(store.key("r1")) <= 30_000
 
         ckpt.record("r1", 0, event([7]))
         ckpt.on_step()  # step 1 of 2: nothing written
@@ -89,6 +90,26 @@ def test_orphans_expire_and_a_successor_adopts_what_was_running(redis_url: str) 
         assert await store.load("r2") is None
 
     asyncio.run(with_store(redis_url, "ckpt-b", body))
+
+
+def test_running_records_are_renewed_and_expired_ids_pruned(redis_url: str) -> None:
+    async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
+        ckpt = Checkpointer(store, "g2", interval_steps=1, resume_window_s=4)
+        ckpt.track("alive", b"", [SampleState()])
+        await eventually_async(lambda: store.load("alive"), 5, "never checkpointed")
+        await store.save([Checkpoint("gone", "g2", b"", [SampleState()], RUNNING)], ttl_s=0.05)
+        await asyncio.sleep(0.1)  # "gone" expired; its id is still in the group's set
+        assert "gone" in await client.smembers(store.group_key("g2"))
+        await client.pexpire(store.key("alive"), 1500)
+        await asyncio.sleep(1.1)  # a quarter of the window: the next step renews
+        ckpt.on_step()
+
+        async def renewed() -> bool:
+            return await client.pttl(store.key("alive")) > 2000
+        await eventually_async(renewed, 5, "the running record was not renewed")
+        assert await client.smembers(store.group_key("g2")) == {"alive"}
+
+    asyncio.run(with_store(redis_url, "ckpt-c", body))
 
 
 def test_redis_away_costs_checkpoints_not_the_caller() -> None:
