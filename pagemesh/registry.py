@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -71,6 +73,25 @@ class RegistryConflict(FatalStartupError):
     """Another live service already holds this id."""
 
 
+class ClaimLost(RuntimeError):
+    """This process's registry entry is held by another instance now (split brain averted)."""
+
+
+# KEYS[1] = the entry; ARGV = its new value, this instance, the TTL in ms. Writes unless the
+# entry there names another instance; returns "" when written, else the holder's instance.
+_PUT_IF_MINE = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local ok, entry = pcall(cjson.decode, current)
+  if ok and type(entry) == 'table' and entry['instance'] and entry['instance'] ~= ARGV[2] then
+    return entry['instance']
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+return ''
+"""
+
+
 class Registry:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
@@ -100,8 +121,17 @@ class Registry:
         await self._redis.ping()
 
     async def put(self, kind: str, service_id: str, info: dict[str, Any]) -> None:
+        """Refreshes this process's entry: compare-and-set on the instance, in one Lua
+        script. An entry another instance holds (this one was cut off longer than the TTL
+        and was replaced) is left alone: ClaimLost."""
         ttl_ms = int(self.config.ttl_s * 1000)
-        await self._redis.set(self.key(kind, service_id), self._dumps(info), px=ttl_ms)
+        key = self.key(kind, service_id)
+        holder = await self._redis.eval(_PUT_IF_MINE, 1, key, self._dumps(info), self.instance,
+                                        ttl_ms)
+        if holder:
+            raise ClaimLost(f"{kind} {service_id!r} is held by another instance ({holder}) "
+                            f"since this one ({self.instance}) was cut off longer than the "
+                            "registry TTL")
         self.last_heartbeat_s = time.monotonic()
 
     def _dumps(self, info: dict[str, Any]) -> str:
@@ -181,7 +211,11 @@ class Registry:
                 if fence is not None:
                     await self._fenced(kind, service_id, json.loads(fence))
                     return
-                await self.put(kind, service_id, info_fn())
+                try:
+                    await self.put(kind, service_id, info_fn())
+                except ClaimLost as exc:
+                    await self._lost_claim(kind, service_id, str(exc))
+                    return
                 if len(self._heartbeats) and self._heartbeats[0] is asyncio.current_task():
                     await self._check_restart()
                 raise_if_cancelled()
@@ -199,6 +233,17 @@ class Registry:
                 failing = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.heartbeat_interval_s)
+
+    async def _lost_claim(self, kind: str, service_id: str, reason: str) -> None:
+        """Another instance holds our id: this one fences itself (so that `pagemesh up` and
+        anyone else see it must go) and stops as a fenced one does, never writing again."""
+        record = {"reason": f"lost its registry claim: {reason}", "pid": os.getpid(),
+                  "host": socket.gethostname(), "kind": kind, "id": service_id}
+        try:
+            await self.fence(self.instance, record)
+        except Exception as exc:  # Redis away again: stopping is what matters
+            logger.warning("could not write this process's own fence: %s", exc)
+        await self._fenced(kind, service_id, record)
 
     async def _fenced(self, kind: str, service_id: str, record: dict[str, Any]) -> None:
         logger.error("%s %s (instance %s) was fenced out of its group: %s; it stops beating "

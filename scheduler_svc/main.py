@@ -137,14 +137,21 @@ async def serve(args: argparse.Namespace) -> None:
         loop.on_status.append(on_status)
         loop_task = asyncio.create_task(loop.run())
         loop_task.add_done_callback(lambda task: _on_loop_exit(task, server))
+        # Another instance holds this group now (this one was cut off longer than the TTL,
+        # and was replaced), or this one was fenced: stop driving the workers at once, no
+        # drain, and leave the registry entry to its holder. No split brain.
+        fenced: list[dict[str, object]] = []
+        registry.on_fenced.append(
+            lambda record: (fenced.append(record), loop_task.cancel(), server.request_stop()))
         await server.set_serving(True)
         await registry.start_heartbeat("scheduler", scheduler_id, registry_info)
         watch = asyncio.create_task(
             _watch_members(loop, group, registry.config.heartbeat_interval_s))
         await server.wait_for_stop()
         watch.cancel()
-        await _drain(loop, checkpointer, args.drain_timeout_s)
-        await registry.close(deregister=[("scheduler", scheduler_id)])
+        if not fenced:
+            await _drain(loop, checkpointer, args.drain_timeout_s)
+        await registry.close(deregister=[] if fenced else [("scheduler", scheduler_id)])
         await server.stop()
         loop_task.cancel()
         await checkpointer.close()
