@@ -129,12 +129,19 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
              help="PEM certificate this service presents; with --tls-key it serves TLS")
     add_flag(parser, "--tls-key", default=None, help="PEM private key of --tls-cert")
     add_flag(parser, "--tls-ca", default=None,
-             help="PEM CA: servers require client certificates signed by it (mTLS) and "
-                  "clients dial other services over TLS, verified against it")
+             help="PEM CA: clients dial other services over TLS, verified against it, and "
+                  "(unless --tls-client-ca says otherwise) servers require client "
+                  "certificates signed by it (mTLS)")
+    add_flag(parser, "--tls-client-ca", default=None,
+             help="PEM CA that clients' certificates must chain to, when it is not --tls-ca; "
+                  "`none`: serve TLS without asking for client certificates (a public router "
+                  "that dials its schedulers with mTLS)")
 
 
 def tls_config(args: argparse.Namespace) -> TlsConfig:
-    return TlsConfig(cert_path=args.tls_cert, key_path=args.tls_key, ca_path=args.tls_ca)
+    return TlsConfig(cert_path=args.tls_cert, key_path=args.tls_key, ca_path=args.tls_ca,
+                     client_ca_path=getattr(args, "tls_client_ca", None),
+                     internal_token=getattr(args, "internal_token", None) or None)
 
 
 def metrics_config(args: argparse.Namespace) -> MetricsConfig:

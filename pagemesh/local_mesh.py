@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -72,8 +73,11 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     pass them too, and the topology and identity `up` decides per process."""
     values = _option_values(args, model)
     common = ["--cluster", args.cluster, "--host", args.host, *tls_config(args).flags()]
-    # The URL may carry a password (the embedded Valkey's does): the environment, not argv.
+    # The URL may carry a password (the embedded Valkey's does), and the secrets (API keys,
+    # the internal token) are secrets: the environment, not argv.
     env = {"PAGEMESH_REDIS_URL": redis_url}
+    worker_env = {**env, **options_env(WORKER_OPTIONS, values)}
+    scheduler_env = {**env, **options_env(SCHEDULER_OPTIONS, values)}
     worker = options_argv(WORKER_OPTIONS, values)
     scheduler = options_argv(SCHEDULER_OPTIONS, values)
     router = [*options_argv(ROUTER_OPTIONS, values),
@@ -90,7 +94,7 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
         specs += [
             ServiceSpec(f"worker-g{replica}-pp{pp}-tp{tp}", "worker_svc.main",
                         [*common, *worker, *layout, *group, "--tp-rank", str(tp),
-                         "--pp-rank", str(pp), "--device", device(replica, pp, tp)], env)
+                         "--pp-rank", str(pp), "--device", device(replica, pp, tp)], worker_env)
             for pp in range(args.pp) for tp in range(args.tp)
         ]
         # A standby of a one-worker group is just a second worker: loaded and ready, it is
@@ -99,11 +103,11 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
         specs += [
             ServiceSpec(f"worker-g{replica}-standby{i}", "worker_svc.main",
                         [*common, *worker, *layout, *group, *standby,
-                         "--device", device(replica, 0, 0)], env)
+                         "--device", device(replica, 0, 0)], worker_env)
             for i in range(args.standby)
         ]
         specs.append(ServiceSpec(f"scheduler-g{replica}", "scheduler_svc.main",
-                                 [*common, *scheduler, *layout, *group], env))
+                                 [*common, *scheduler, *layout, *group], scheduler_env))
     specs.append(ServiceSpec("router", "router.main", [*common, *router],
                              {**env, **options_env(ROUTER_OPTIONS, values)}))  # keys: not argv
     return specs
@@ -158,6 +162,8 @@ def run_up(args: argparse.Namespace) -> int:
     setup_logging("pagemesh", args.log_level)
     model = args.model or default_model_path()
     tls = tls_config(args)  # fails early on a missing file, before anything starts
+    if not args.internal_token:  # schedulers and workers answer only this mesh's services
+        args.internal_token = secrets.token_urlsafe(24)
     if args.port == 0:
         # Chosen once, here, not bound by the router: a restarted router (and so its
         # clients, resuming) must find the same port, and no bind(0) can take this one.

@@ -82,6 +82,8 @@ class Mesh:
                                         start_new_session=True)
         announced = self._announced(STATE_FILE_TIMEOUT_S)
         self.address = announced.router_address
+        # Its Redis, password included (the state file is the owner's alone; logs redact it).
+        self.redis_url = announced.redis_url
         self.port = int(self.address.rsplit(":", 1)[1])
         self.channel = self._client_tls.channel(self.address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)

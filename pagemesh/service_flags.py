@@ -100,6 +100,11 @@ CHECKPOINT_INTERVAL = 16
 
 _SHARED = (
     _everywhere("--log-level", "logging level", default="INFO"),
+    _everywhere("--internal-token",
+                "the mesh's internal token: schedulers and workers answer only calls that "
+                "carry it, and every service sends it to them (the same on every service; "
+                "`pagemesh up` makes one per run). Give it as PAGEMESH_INTERNAL_TOKEN: a "
+                "command line is readable by every user of the host", secret=True),
     _everywhere("--otlp-traces-endpoint",
                 "OTLP gRPC receiver of the trace spans, e.g. http://127.0.0.1:4317 (a bare "
                 "host:port is plaintext); unset = the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "

@@ -26,6 +26,7 @@ from pagemesh.config import (
     metrics_config,
     registry_config,
     server_config,
+    tls_config,
 )
 from pagemesh.metrics import RouterMetrics, serve_metrics
 from pagemesh.registry import Registry
@@ -163,12 +164,13 @@ def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Ca
                 api_keys: ApiKeys) -> tuple[uvicorn.Server, asyncio.Task[None]] | None:
     if not args.http_port:
         return None
-    # The same certificate as the gRPC port, and the same rule: a CA means client certificates.
+    # The same certificate as the gRPC port, and the same rule for client certificates.
     tls = {}
-    if args.tls_cert:
-        tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
-        if args.tls_ca:
-            tls |= {"ssl_ca_certs": args.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    config = tls_config(args)
+    if config.serves_tls:
+        tls = {"ssl_certfile": config.cert_path, "ssl_keyfile": config.key_path}
+        if config.verifying_ca:
+            tls |= {"ssl_ca_certs": config.verifying_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
     tool_format = tool_call_format(args.tool_call_parser, args.model, generation.tokenizer)
     logger.info("tool calls parsed as %s (--tool-call-parser %s)", tool_format.name,
                 args.tool_call_parser)

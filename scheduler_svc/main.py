@@ -20,6 +20,7 @@ from pagemesh.config import (
     registry_config,
     server_config,
 )
+from pagemesh.internal_auth import InternalTokenInterceptor
 from pagemesh.metrics import SchedulerMetrics, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import GroupStatus, SchedulerEntry
@@ -109,7 +110,8 @@ async def serve(args: argparse.Namespace) -> None:
     scheduler_id = args.scheduler_id or args.group
     servicer = SchedulerServicer(loop, model_info, checkpointer, group=args.group,
                                  scheduler_id=scheduler_id)
-    server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)])
+    server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)],
+                        interceptors=internal_auth(args))
     await server.start()
     try:
         server.install_signal_handlers()
@@ -183,6 +185,11 @@ async def _drain(loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float)
         logger.warning("drain: handing %d requests over to other groups", loop.num_streams)
         loop.fail_all("this scheduler is shutting down; resume on another group")
         await asyncio.sleep(0.2)  # let the streams end (and orphan their checkpoints)
+
+
+def internal_auth(args: argparse.Namespace) -> list[InternalTokenInterceptor]:
+    """Only the mesh's own routers may call this scheduler (pagemesh/internal_auth.py)."""
+    return [InternalTokenInterceptor(args.internal_token)] if args.internal_token else []
 
 
 def _on_loop_exit(task: asyncio.Task[None], server: GrpcServer) -> None:

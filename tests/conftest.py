@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import secrets
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,10 @@ _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _XDIST_WORKER or "PAGEMESH_STATE_DIR" not in os.environ:
     os.environ["PAGEMESH_STATE_DIR"] = tempfile.mkdtemp(
         prefix=f"pagemesh-test-meshes-{_XDIST_WORKER or 'main'}-")
+# Schedulers and workers answer only calls with the mesh's internal token
+# (pagemesh/internal_auth.py). Every mesh and service the tests start inherits this one, so
+# that a test may ask a scheduler directly (tests/support/mesh_harness.scheduler_stats_at).
+os.environ.setdefault("PAGEMESH_INTERNAL_TOKEN", secrets.token_urlsafe(16))
 # And the cores are shared out: each worker, and every process it starts (they inherit the
 # variable), computes on cores / workers threads. Left at torch's default, every process of
 # both workers runs one OpenMP thread per core, which spin-wait against each other's.

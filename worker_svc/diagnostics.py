@@ -238,8 +238,8 @@ def default_profile_dir() -> Path:
 class Profiler:
     """One torch.profiler trace at a time: CPU activity, and CUDA on a CUDA device.
 
-    Traces are written only under `base_dir` (--profile-dir): a caller names a folder in it
-    and cannot make the worker create folders or files anywhere else. `start` and `stop`
+    A worker's traces are written only under `base_dir` (--profile-dir): a caller names a
+    folder in it and cannot make the worker create folders or files anywhere else. `start` and `stop`
     must run on the thread that runs the steps (the profiler records the ops of the thread
     that started it)."""
 
@@ -247,7 +247,8 @@ class Profiler:
                  base_dir: Path | None = None) -> None:
         self.device = torch.device(device)
         self.stats = stats
-        self.base_dir = (base_dir or default_profile_dir()).expanduser().resolve()
+        # None: anywhere (the offline engine: its caller owns the process already).
+        self.base_dir = base_dir.expanduser().resolve() if base_dir is not None else None
         self.num_started = 0  # which trace runs: an automatic stop stops only its own
         self._profile: torch.profiler.profile | None = None
         self._path: Path | None = None
@@ -261,6 +262,8 @@ class Profiler:
     def folder(self, out_dir: str) -> Path:
         """Where `out_dir` (relative to the base folder, or absolute inside it) resolves;
         ProfilerPathError outside it (`..`, another absolute path, a symbolic link out)."""
+        if self.base_dir is None:
+            return Path(out_dir or ".").expanduser().resolve()
         folder = (self.base_dir / (out_dir or ".")).resolve()
         if not folder.is_relative_to(self.base_dir):
             raise ProfilerPathError(

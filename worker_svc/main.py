@@ -23,6 +23,7 @@ from pagemesh.config import (
     registry_config,
     server_config,
 )
+from pagemesh.internal_auth import InternalTokenInterceptor
 from pagemesh.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
 from pagemesh.ports import reserve_port
 from pagemesh.registry import Registry
@@ -115,10 +116,12 @@ async def serve(args: argparse.Namespace) -> None:
               "pp_rank": -1 if args.standby else parallel.pp_rank, "pp_size": parallel.pp_size}
     servicer = WorkerServicer(worker_id, layout, Path(args.profile_dir) if args.profile_dir else None,
                               args.max_profile_s)
+    # Only the mesh's own schedulers may call this worker (pagemesh/internal_auth.py).
     server = GrpcServer(
         server_config(args),
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
         [lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s)],
+        interceptors=[InternalTokenInterceptor(args.internal_token)] if args.internal_token else [],
     )
     await server.start()
     try:

@@ -22,6 +22,7 @@ from worker_svc.diagnostics import (
     ProfilerPathError,
     ProfilerStateError,
     StepStats,
+    default_profile_dir,
 )
 from worker_svc.distributed import GroupStepError
 from worker_svc.runner import ModelRunner
@@ -164,7 +165,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _ready_profiler(self) -> Profiler:
         if self._profiler is None:
             self._profiler = Profiler(self._ready_runner().device, self.step_stats,
-                                      self.profile_dir)
+                                      self.profile_dir or default_profile_dir())
         return self._profiler
 
     def stats(self) -> dict[str, float | int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -155,7 +154,7 @@ def start_mesh(name: str, model: Path, log_dir: Path, extra: list[str],
                 redis_url=valkey.url if valkey else None, extra_args=[*BASE_ARGS, *extra],
                 repo_root=REPO_ROOT)
     mesh.wait_ready()
-    redis_url = valkey.url if valkey else _embedded_redis_url(mesh)
+    redis_url = valkey.url if valkey else mesh.redis_url  # the embedded one's, from the state file
 
     def embedded_pid() -> int | None:
         return next((pid for pid in mesh.child_pids() if b"valkey" in _cmdline(pid)), None)
@@ -167,16 +166,6 @@ def start_mesh(name: str, model: Path, log_dir: Path, extra: list[str],
 
     return Target(name, mesh.address, redis_url, cluster, stop, mesh.log, valkey,
                   embedded_pid if valkey is None else (lambda: valkey.pid))
-
-
-def _embedded_redis_url(mesh: Mesh, timeout_s: float = 30) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = re.search(r"Redis (redis://\S+)", mesh.log())
-        if found:
-            return found.group(1)
-        time.sleep(0.2)
-    raise TimeoutError("`pagemesh up` did not print its Redis address")
 
 
 def _cmdline(pid: int) -> bytes:

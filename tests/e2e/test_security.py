@@ -19,7 +19,7 @@ from pagemesh.ports import reserve_port
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.support.eventually import eventually
-from tests.support.mesh_harness import REPO_ROOT, Mesh, greedy_request
+from tests.support.mesh_harness import REPO_ROOT, Mesh, greedy_request, router_process
 from tests.support.tls_certs import CertFiles, make_certs
 
 CLUSTER = "e2e-security"
@@ -92,6 +92,39 @@ def test_plaintext_and_certless_clients_fail(secure_mesh: tuple[Mesh, int], cert
             with pytest.raises(grpc.RpcError) as info:
                 stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), metadata=AUTH, timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, tls
+
+
+def test_public_tls_without_client_certs_beside_internal_mtls(
+        secure_mesh: tuple[Mesh, int], certs: CertFiles, tiny_llama_dir: Path, redis_url: str,
+        tmp_path: Path) -> None:
+    """A router that serves TLS to clients without certificates (`--tls-client-ca none`)
+    while it dials the mesh's schedulers, which require client certificates, with its own."""
+    with router_process(tiny_llama_dir, redis_url, CLUSTER, tmp_path / "public-router.log",
+                        *certs.server_tls().flags(), "--tls-client-ca", "none",
+                        "--api-keys-file", str(_keys_file(tmp_path))) as router:
+        public = TlsConfig(ca_path=str(certs.ca))  # TLS, but no client certificate
+        with public.channel(router.address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            eventually(lambda: _serves(stub), 60, "the public router never served")
+            assert len(_generate(stub, AUTH)) == 4
+        with TlsConfig().channel(router.address) as plaintext:  # TLS it is, still
+            with pytest.raises(grpc.RpcError) as info:
+                generate_pb2_grpc.GenerationStub(plaintext).GetModelInfo(
+                    generate_pb2.GetModelInfoRequest(), metadata=AUTH, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _keys_file(folder: Path) -> Path:
+    path = folder / "keys"
+    path.write_text(KEY + "\n")
+    return path
+
+
+def _serves(stub: generate_pb2_grpc.GenerationStub) -> bool:
+    try:
+        return len(_generate(stub, AUTH)) == 4
+    except grpc.RpcError:
+        return False
 
 
 def test_http_needs_key_and_client_cert(secure_mesh: tuple[Mesh, int], certs: CertFiles) -> None:

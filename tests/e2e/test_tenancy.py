@@ -77,7 +77,9 @@ def orphan(mesh: Mesh, redis_url: str, request_id: str, key: str, num_tokens: in
 
 def orphan_http(http: str, redis_url: str, request_id: str, key: str) -> None:
     """As `orphan`, over HTTP: a streamed completion left after its first event."""
-    body = {"model": "tiny-llama", "prompt": PROMPT_A, "max_tokens": LONG, "temperature": 0,
+    # Long enough to be running still when the router notices the client left (an HTTP
+    # client's leaving is seen only at the next write, or the next read of the socket).
+    body = {"model": "tiny-llama", "prompt": PROMPT_A, "max_tokens": 8 * LONG, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{http}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id}) as reply:
@@ -287,3 +289,26 @@ def test_tools_are_refused_by_size_before_rendering(mesh: tuple[Mesh, str]) -> N
                              "messages": [{"role": "user", "content": "hi"}]})
     assert reply.status_code == 400, reply.text[:300]
     assert "tools and tool calls are" in reply.json()["error"]["message"]
+
+
+def test_schedulers_and_workers_answer_only_their_mesh(mesh: tuple[Mesh, str],
+                                                       redis_url: str) -> None:
+    from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+    from tests.support.mesh_harness import entries, scheduler_stats_at
+
+    (scheduler,) = entries(redis_url, CLUSTER, "scheduler").values()
+    (worker,) = entries(redis_url, CLUSTER, "worker").values()
+    wrong = [("x-pagemesh-internal-token", "guessed")]
+    for metadata in (None, wrong):
+        with grpc.insecure_channel(scheduler["address"]) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                    scheduler_pb2.GetStatsRequest(), metadata=metadata, timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(worker["address"]) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                worker_pb2_grpc.WorkerStub(channel).GetMemory(
+                    worker_pb2.GetMemoryRequest(), metadata=metadata, timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert scheduler_stats_at(scheduler["address"]).num_steps >= 0  # with the mesh's token

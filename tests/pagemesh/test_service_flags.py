@@ -36,7 +36,7 @@ from worker_svc.quant import QUANTIZATION_CHOICES
 
 # What a service declares itself: where it serves, where the registry is, who it is.
 _SERVER = {"--host", "--port", "--advertise-host", "--metrics-port", "--tls-cert", "--tls-key",
-           "--tls-ca", "--redis-url", "--cluster"}
+           "--tls-ca", "--tls-client-ca", "--redis-url", "--cluster"}
 OWN_FLAGS = {
     ROUTER: _SERVER | {"--router-id", "--http-port"},
     SCHEDULER: _SERVER | {"--group", "--scheduler-id", "--tp", "--pp"},
@@ -45,7 +45,8 @@ OWN_FLAGS = {
 }
 # What `up` declares itself: the topology.
 UP_FLAGS = {"--port", "--http-port", "--host", "--redis-url", "--cluster", "--replicas",
-            "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key", "--tls-ca"}
+            "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key", "--tls-ca",
+            "--tls-client-ca"}
 TABLES = {ROUTER: ROUTER_OPTIONS, SCHEDULER: SCHEDULER_OPTIONS, WORKER: WORKER_OPTIONS}
 MAINS = {ROUTER: router_main, SCHEDULER: scheduler_main, WORKER: worker_main}
 MODULES = {"router.main": ROUTER, "scheduler_svc.main": SCHEDULER, "worker_svc.main": WORKER}

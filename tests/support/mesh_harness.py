@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh import mesh_process
+from pagemesh import internal_auth, mesh_process
 from pagemesh.mesh_process import Generation, alive, generate, greedy_request
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
@@ -41,8 +42,11 @@ class Mesh(mesh_process.Mesh):
 
 def scheduler_stats_at(address: str) -> scheduler_pb2.GetStatsResponse:
     """`GetStats` of the scheduler at `address`."""
+    token = os.environ.get("PAGEMESH_INTERNAL_TOKEN")  # tests/conftest.py's, every mesh's
+    metadata = [(internal_auth.METADATA_KEY, token)] if token else None
     with grpc.insecure_channel(address) as channel:
-        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest())
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(),
+                                                                  metadata=metadata)
 
 
 def scheduler_stats(redis_url: str, cluster: str, group: str = "g0") -> scheduler_pb2.GetStatsResponse:
@@ -60,6 +64,7 @@ class RouterProcess:
     channel: grpc.Channel
     stub: generate_pb2_grpc.GenerationStub
     log_path: Path
+    address: str = ""  # where it serves (host:port)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -88,7 +93,7 @@ def router_process(model: Path, redis_url: str, cluster: str, log_path: Path,
             channel = grpc.insecure_channel(address)
             try:
                 yield RouterProcess(process, channel, generate_pb2_grpc.GenerationStub(channel),
-                                    log_path)
+                                    log_path, address)
             finally:
                 channel.close()
         finally:
