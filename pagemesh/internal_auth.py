@@ -12,12 +12,14 @@ constant time.
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 METADATA_KEY = "x-pagemesh-internal-token"
+ENV = "PAGEMESH_INTERNAL_TOKEN"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -97,6 +99,13 @@ class _StreamStream(_Attach, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any,
                                       request_iterator: Any) -> Any:
         return await continuation(self._with_token(details), request_iterator)
+
+
+def token_metadata(token: str | None = None) -> list[tuple[str, str]] | None:
+    """Call metadata carrying `token` (default: PAGEMESH_INTERNAL_TOKEN), for a tool that
+    asks a scheduler or worker directly; None without one."""
+    token = token or os.environ.get(ENV)
+    return [(METADATA_KEY, token)] if token else None
 
 
 def client_interceptors(token: str | None) -> list[Any]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,6 +19,8 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh import internal_auth
+from pagemesh.internal_auth import token_metadata
 from pagemesh.mesh_process import Mesh, alive
 from pagemesh.ports import reserve_port
 from pagemesh.registry_entries import KINDS, SchedulerEntry, entry_from_json
@@ -54,6 +58,7 @@ def own_mesh(workdir: Path, cluster: str = "bench-fuzz",
     valkey = ValkeyServer(port=reserve_port(), host="127.0.0.1", save="", appendonly="no")
     valkey.start()
     http_port = reserve_port()
+    os.environ.setdefault(internal_auth.ENV, secrets.token_urlsafe(16))  # `up` inherits it
     mesh = None
     try:
         mesh = Mesh(str(model), workdir / "mesh.log", redis_url=valkey.connection_url, cluster=cluster,
@@ -163,7 +168,10 @@ def group_stats(endpoints: Endpoints) -> list[GroupStats]:
     stats = []
     for group, entry in registry(endpoints, SchedulerEntry.KIND).items():
         with grpc.insecure_channel(entry.address) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+            # The mesh's internal token: this process's PAGEMESH_INTERNAL_TOKEN (its own mesh
+            # inherits it; give a --target mesh's in the environment).
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=10, metadata=token_metadata())
         stats.append(GroupStats(group, reply.num_running, reply.num_waiting, reply.num_free_blocks,
                                 reply.num_blocks))
     return stats

@@ -25,6 +25,7 @@ import grpc
 import pytest
 import redis
 
+from pagemesh.internal_auth import token_metadata
 from pagemesh.ports import reserve_port
 from pagemesh.testing.tiny_models import write_tiny_model
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -230,7 +231,8 @@ class Workers:
 
     def step(self, worker_ids: list[str], request: worker_pb2.ExecuteStepRequest) -> list[Any]:
         """The same step to every worker at once: each response, or the RpcError raised."""
-        futures = [self.stub(wid).ExecuteStep.future(request, timeout=30) for wid in worker_ids]
+        futures = [self.stub(wid).ExecuteStep.future(request, timeout=30, metadata=token_metadata())
+                   for wid in worker_ids]
         results = []
         for future in futures:
             try:
@@ -315,7 +317,8 @@ def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
 
     # A step that w1 never gets blocks w0 until w1 leaves the old group to re-form: the step
     # fails, then w0 re-forms too.
-    blocked = workers.stub("w0").ExecuteStep.future(prefill("s5"), timeout=30)
+    blocked = workers.stub("w0").ExecuteStep.future(prefill("s5"), timeout=30,
+                                                      metadata=token_metadata())
     workers.wait_for_log("w0", "new scheduler session s5")  # handed to the model thread
     time.sleep(0.2)
     workers.publish_plan("e2b", {"w0": 0, "w1": 1})
@@ -329,7 +332,8 @@ def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
     assert workers.entry("w0")["status"] == "ready" and workers.entry("w0")["epoch"] == "e2b"
 
     # w1 dies in the middle of a step: w0's step fails at once, not after the group timeout.
-    blocked = workers.stub("w0").ExecuteStep.future(prefill("s6"), timeout=30)
+    blocked = workers.stub("w0").ExecuteStep.future(prefill("s6"), timeout=30,
+                                                      metadata=token_metadata())
     workers.wait_for_log("w0", "new scheduler session s6")
     time.sleep(0.2)
     w1_dist_addr = workers.entry("w1")["dist_addr"]
