@@ -93,6 +93,7 @@ class Generation:
         self.metrics = metrics or RouterMetrics()
         self._seeds = random.SystemRandom()
         self._to_delete: list[tuple[str, str | None]] = []  # checkpoints of ended requests
+        self._store_away_until = 0.0  # loop time: until then, no lookup for a new request
         self._deleter: asyncio.Task[None] | None = None
 
     async def model_info(self) -> ModelInfo:
@@ -243,11 +244,15 @@ class Generation:
                 raise invalid_argument("resume_from needs the id of the request to resume "
                                        "(gRPC: request_id; HTTP: the X-Request-Id header)")
             return None
+        loop = asyncio.get_running_loop()
+        if not wants_resume and loop.time() < self._store_away_until:
+            return None  # Redis just failed a lookup: a new request does not wait on it again
         try:
             # Bounded: a fresh request must not wait on a frozen Redis (a lookup that times
             # out is "no checkpoint" for it, below).
             ckpt = await asyncio.wait_for(self.checkpoints.load(mesh_id), CHECKPOINT_LOOKUP_S)
         except (RedisError, OSError, TimeoutError) as exc:
+            self._store_away_until = loop.time() + STORE_AWAY_S
             if wants_resume:
                 raise unavailable(f"the checkpoint store is unreachable ({exc}); retry shortly") from exc
             logger.debug("no checkpoint lookup (%s); a new request", exc)
@@ -381,6 +386,7 @@ class Generation:
 
 
 CHECKPOINT_LOOKUP_S = 0.5  # the longest a request waits for its checkpoint lookup
+STORE_AWAY_S = 2.0  # after a failed lookup, new requests skip theirs this long
 OFF_LOOP_CHARS = 16_384
 # Characters of JSON of a chat request's tool definitions and calls, checked before the
 # template renders them (a 16 MB `tools` list took the router's CPU for seconds).

@@ -60,6 +60,7 @@ class Checkpointer:
         self._flushing: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._renewed_at = time.monotonic()
+        self._failing = False  # the last write failed: Redis is away
         self.num_writes = 0  # records written
         self.write_time_s = 0.0  # wall time of the writes, for the benchmark
 
@@ -102,6 +103,9 @@ class Checkpointer:
             if tracked is not None:
                 tracked.checkpoint.state = FINISHED
                 done.append(tracked.checkpoint)
+        if self._failing:  # Redis away: the last messages must not wait a timeout for it
+            self._spawn(self._write(done, self.resume_window_s))
+            return
         await self._write(done, self.resume_window_s)
 
     def orphan(self, request_id: str) -> None:
@@ -182,7 +186,9 @@ class Checkpointer:
         try:
             await asyncio.wait_for(self.store.save(checkpoints, ttl_s), WRITE_TIMEOUT_S)
             self.num_writes += len(checkpoints)
+            self._failing = False
         except Exception as exc:  # Redis away: the next write (or rewrite_all) catches up
+            self._failing = True
             logger.warning("checkpoint write of %d requests failed: %s", len(checkpoints), exc)
             for ckpt in checkpoints:
                 tracked = self._tracked.get(ckpt.request_id)
