@@ -10,11 +10,13 @@ load balancers and tooling work without a key. Keys are compared in constant tim
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from pagemesh.internal_auth import denying_handler
 
 GRPC_HOW_TO = "send metadata `authorization: Bearer <api key>`"
 HTTP_HOW_TO = "send the header `Authorization: Bearer <api key>`"
@@ -141,27 +143,4 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             message = (f"this key may not call {self.protected_prefix.strip('/')}: it needs an "
                        f"{self.scope} key (--admin-api-key, or `<key> {self.scope}` in "
                        "--api-keys-file)")
-        return _denying(handler, code, message)
-
-
-def _denying(handler: Any, code: grpc.StatusCode, message: str) -> Any:
-    """A handler of `handler`'s shape that fails every call with `code`."""
-
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, message)
-
-    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(code, message)
-        yield  # pragma: no cover - makes this an async generator
-
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(
-            deny_stream, handler.request_deserializer, handler.response_serializer)
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(
-        deny_stream, handler.request_deserializer, handler.response_serializer)
+        return denying_handler(handler, code, message)

@@ -40,32 +40,33 @@ class InternalTokenInterceptor(grpc.aio.ServerInterceptor):
                 break
         if hmac.compare_digest(given, self._token):
             return handler
-        return _refusing(handler, "this service answers only its own mesh: the caller sent no "
+        return denying_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "this service answers only its own mesh: the caller sent no "
                          "valid internal token (--internal-token / PAGEMESH_INTERNAL_TOKEN, the "
                          "same on every service of the mesh)")
 
 
-def _refusing(handler: Any, message: str) -> Any:
-    code = grpc.StatusCode.UNAUTHENTICATED
+def denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of `handler`'s shape that fails every call with `code` (used by this
+    module's interceptor and by pagemesh.auth's)."""
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(code, message)
 
-    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer)
+            deny, handler.request_deserializer, handler.response_serializer)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
-            refuse_stream, handler.request_deserializer, handler.response_serializer)
+            deny_stream, handler.request_deserializer, handler.response_serializer)
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer)
+            deny, handler.request_deserializer, handler.response_serializer)
     return grpc.stream_stream_rpc_method_handler(
-        refuse_stream, handler.request_deserializer, handler.response_serializer)
+        deny_stream, handler.request_deserializer, handler.response_serializer)
 
 
 class _Attach:
