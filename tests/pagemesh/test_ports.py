@@ -57,16 +57,37 @@ def test_concurrent_services_never_share_a_reserved_port() -> None:
 def test_a_held_port_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A port something already listens on is never handed out, and the sequence wraps
     round its range."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]  # ephemeral: nothing of the suite reserves here
+    held, base = _three_free_ports()  # `base` held; base + 1 and base + 2 free just now
     monkeypatch.setenv(ports.PORT_RANGE_ENV, f"{base}-{base + 2}")
     monkeypatch.setenv(ports.PORT_STATE_ENV, str(tmp_path / "counter"))
     (tmp_path / "counter").write_text("0")
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", base))
-        held.listen()
+    with held:
         assert [reserve_port() for _ in range(4)] == [base + 1, base + 2, base + 1, base + 2]
+
+
+def _three_free_ports() -> tuple[socket.socket, int]:
+    """A listening socket on port `base`, and `base`; base + 1 and base + 2 were bound too
+    and released just now, so that they are free (an ephemeral port found by bind(0) says
+    nothing of its neighbours, which other processes' connections may hold)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        sockets = []
+        try:
+            for port in (base, base + 1, base + 2):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            for sock in sockets:
+                sock.close()
+            continue
+        sockets[0].listen()
+        for sock in sockets[1:]:
+            sock.close()
+        return sockets[0], base
+    raise AssertionError("no three consecutive free ports found")
 
 
 def test_port_range_setting_is_checked() -> None:
