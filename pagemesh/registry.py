@@ -179,11 +179,12 @@ class Registry:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.ttl_s + self.config.heartbeat_interval_s
         value = self._dumps(info)
-        while not await self._redis.set(key, value, px=ttl_ms, nx=True):
+        # Free, or this instance's own already (a scheduler publishes its entry before the
+        # first step of a session, which may precede this claim).
+        while holder := await self._redis.eval(_PUT_IF_MINE, 1, key, value, self.instance, ttl_ms):
             if loop.time() < deadline:
                 await asyncio.sleep(min(0.2, self.config.heartbeat_interval_s))
                 continue
-            holder = await self._redis.get(key)
             raise RegistryConflict(
                 f"{kind} id {service_id!r} is already registered in cluster "
                 f"{self.config.cluster!r} by a live service ({holder}); pick another id "

@@ -128,6 +128,11 @@ class SchedulerEntry(ServiceEntry):
     # registered.
     status: GroupStatus = GroupStatus.READY
     members: tuple[str, ...] = ()  # worker ids, in (pp_rank, tp_rank) order
+    # The step session it drives the members with, and their rendezvous epoch ("" for a
+    # single worker): a worker takes a new session only when its scheduler's entry names
+    # both (worker_svc/membership.py), so a replaced scheduler cannot drive it.
+    session: str = ""
+    epoch: str = ""
     num_recoveries: int = 0  # times the group was re-formed after a failure
     num_watchdog_probes: int = 0  # probes of the workers while a step ran long
     num_slow_steps: int = 0  # long steps whose workers all answered: slow, not hung

@@ -4,7 +4,7 @@ of them dies, watched in between."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -62,6 +62,13 @@ class EngineGroup:
         self.config_for = config_for
         # Instances found dead: never chosen again (a restarted worker is a new instance).
         self.dead_instances: set[str] = set()
+        # The step session and rendezvous epoch of the last formation: the scheduler
+        # publishes them in its registry entry, where each worker checks a new session.
+        self.session = ""
+        self.epoch = ""
+        # Awaited before the first step of each formation's session: the scheduler publishes
+        # its entry (compare-and-set on its claim), so that the workers accept the session.
+        self.on_new_session: list[Callable[[], Awaitable[None]]] = []
 
     async def form(self, previous: WorkerGroupClient | None = None,
                    timeout_s: float | None = None) -> FormedGroup:
@@ -77,20 +84,26 @@ class EngineGroup:
             prefer = frozenset(e.worker_id for e in previous.endpoints if e not in dead)
             await previous.close()
         spec = self.spec
-        endpoints = await form_group(self.registry, spec.group, spec.tp, spec.pp,
+        endpoints, epoch = await form_group(self.registry, spec.group, spec.tp, spec.pp,
                                      timeout_s or spec.worker_wait_s,
                                      frozenset(self.dead_instances), prefer,
                                      standby_after_s=0.0 if previous else spec.standby_grace_s)
-        workers = WorkerGroupClient(endpoints, spec.step_timeout_s, spec.tls)
+        workers = WorkerGroupClient(endpoints, spec.step_timeout_s, spec.tls,
+                                    announce=self._announce)
         try:
             infos = await workers.get_info()
         except Exception:
             await workers.close()
             raise
         config = self.config_for(infos, workers.driver_index)
+        self.session, self.epoch = workers.session_id, epoch
         logger.info("engine group %s formed: %s", spec.group,
                     [f"{e.worker_id}@{e.address}" for e in endpoints])
         return FormedGroup(workers, config, infos[workers.driver_index], infos)
+
+    async def _announce(self) -> None:
+        for hook in self.on_new_session:
+            await hook()
 
     async def _fence(self, endpoint: WorkerEndpoint) -> None:
         """A member that does not answer may only be frozen or cut off: fence it, so that

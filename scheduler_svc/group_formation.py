@@ -75,8 +75,9 @@ def choose_members(entries: dict[str, WorkerEntry], group: str, tp_size: int, pp
 async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
                      timeout_s: float, exclude: frozenset[str] = frozenset(),
                      prefer: frozenset[str] = frozenset(),
-                     standby_after_s: float = 0.0) -> list[WorkerEndpoint]:
-    """Returns the group's workers sorted by (pp_rank, tp_rank) once every one is ready.
+                     standby_after_s: float = 0.0) -> tuple[list[WorkerEndpoint], str]:
+    """Returns the group's workers sorted by (pp_rank, tp_rank) once every one is ready, and
+    the epoch of the rendezvous they are in ("" for a single worker).
 
     Standbys fill empty slots only after `standby_after_s`: at a first formation, workers
     still starting must not lose their rank to a standby that happened to register first.
@@ -113,12 +114,13 @@ async def form_group(registry: Registry, group: str, tp_size: int, pp_size: int,
             raise TimeoutError(f"workers of group {group!r} not ready after {timeout_s:.0f} s: "
                                f"{sorted(set(members.values()) - set(ready))}")
         await asyncio.sleep(0.1)
-    return sorted(
+    endpoints = sorted(
         (WorkerEndpoint(wid, entries[wid].address, tp, pp, entries[wid].instance,
                         entries[wid].pid, entries[wid].host)
          for (pp, tp), wid in members.items()),
         key=lambda e: (e.pp_rank, e.tp_rank),
     )
+    return endpoints, epoch
 
 
 async def _publish_plan(registry: Registry, group: str, tp_size: int,

@@ -127,6 +127,7 @@ async def serve(args: argparse.Namespace) -> None:
                 num_watchdog_probes=loop.watchdog.num_probes,
                 num_slow_steps=loop.watchdog.num_slow_steps,
                 members=tuple(e.worker_id for e in loop.workers.endpoints),
+                session=group.session, epoch=group.epoch,
                 checkpoint_writes=checkpointer.num_writes,
                 checkpoint_write_s=round(checkpointer.write_time_s, 6),
                 **asdict(loop.scheduler.stats()), **metrics_server.registry_info()).to_json()
@@ -137,6 +138,9 @@ async def serve(args: argparse.Namespace) -> None:
                 await registry.put("scheduler", scheduler_id, registry_info())
 
         loop.on_status.append(on_status)
+        # Before a formation's first step: the workers check the session against this entry.
+        group.on_new_session.append(
+            lambda: registry.put("scheduler", scheduler_id, registry_info()))
         loop_task = asyncio.create_task(loop.run())
         loop_task.add_done_callback(lambda task: _on_loop_exit(task, server))
         # Another instance holds this group now (this one was cut off longer than the TTL,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -28,7 +29,8 @@ class WorkerGroupClient:
     the engine loop's gRPC executor (scheduler_svc/executor.py)."""
 
     def __init__(self, endpoints: list[WorkerEndpoint], step_timeout_s: float,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None,
+                 announce: Callable[[], Awaitable[None]] | None = None) -> None:
         self.endpoints = endpoints
         self.step_timeout_s = step_timeout_s
         tls = tls or TlsConfig()
@@ -49,8 +51,13 @@ class WorkerGroupClient:
         last_stage = max(e.pp_rank for e in endpoints)
         self.driver_index = next(i for i, e in enumerate(endpoints)
                                   if e.pp_rank == last_stage and e.tp_rank == 0)
-        self._session_id = uuid.uuid4().hex
+        # Workers run steps in this session's order, and accept a new session only from
+        # the scheduler whose registry entry names it: `announce` publishes it, once,
+        # before the first step goes out (a failure fails the steps: the group re-forms).
+        self.session_id = uuid.uuid4().hex
         self._next_sequence = 0
+        self._announce = announce
+        self._announced: asyncio.Future[None] | None = None
 
     async def get_info(self) -> list[WorkerInfo]:
         request = convert.worker_info_request_pb()
@@ -63,7 +70,11 @@ class WorkerGroupClient:
         sequence number stamped here, in call order, is the order workers run them in."""
         sequence = self._next_sequence
         self._next_sequence += 1
-        request = convert.scheduler_output_to_pb(output, traceparents, self._session_id, sequence)
+        if self._announce is not None:
+            if self._announced is None:
+                self._announced = asyncio.ensure_future(self._announce())
+            await asyncio.shield(self._announced)  # one step's cancel leaves it to the others
+        request = convert.scheduler_output_to_pb(output, traceparents, self.session_id, sequence)
         responses = await asyncio.gather(
             *(stub.ExecuteStep(request, timeout=self.step_timeout_s) for stub in self._stubs)
         )

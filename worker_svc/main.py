@@ -143,6 +143,7 @@ async def serve(args: argparse.Namespace) -> None:
         membership = Membership(registry, args.group, worker_id, parallel.world_size, state,
                                 lambda: registry.put("worker", worker_id, registry_info()))
         await membership.skip_current_plan()  # before registering: see there
+        servicer.check_session = membership.check_session
         # Fenced (its scheduler gave up on it while it was frozen or cut off): leave, without
         # deregistering, for the id's entry may be a successor's by now.
         fenced: list[dict[str, object]] = []

@@ -9,6 +9,11 @@ re-sends every request in full, from step 0 of a session). A plan that leaves it
 gives it another rank, changes nothing; neither does a missing key (a restarted Redis).
 Each epoch is acted on at most once: a join that failed waits for the next plan.
 
+A step session (a scheduler's numbering of its steps) is taken only from the group's
+current scheduler: `check_session` looks for a scheduler entry of this group that names the
+session and this worker's epoch. A scheduler that lost its claim (replaced after a
+partition), or anyone else who reaches the port, cannot start driving the worker.
+
 Statuses published in the registry entry (pagemesh.registry_entries.WorkerStatus): joining ->
 loading -> ready at start (standby -> joining -> loading -> ready for a --standby worker),
 ready -> joining -> ready on a re-form. `epoch` is the plan whose process group the worker
@@ -25,14 +30,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import grpc
+
 from pagemesh.registry import Registry
-from pagemesh.registry_entries import WorkerStatus
+from pagemesh.registry_entries import SchedulerEntry, WorkerStatus
+from pagemesh.serving import ServiceError
 from worker_svc.runner import ModelRunner
 from worker_svc.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.25
+# How long a new step session may wait for its scheduler's entry to name it (a heartbeat
+# written just before the announcement may land after it, with the previous session).
+SESSION_WAIT_S = 5.0
 
 T = TypeVar("T")
 JoinFn = Callable[["Plan", Callable[[], bool]], Awaitable[T]]  # (plan, should_abort) -> joined
@@ -98,6 +109,36 @@ class Membership:
             await self.publish()
         except Exception as exc:  # the heartbeat publishes it once Redis answers again
             logger.warning("could not publish status %s: %s", status, exc)
+
+    async def check_session(self, session_id: str) -> None:
+        """Returns once a scheduler entry of this group names `session_id` and this worker's
+        epoch; raises ServiceError (PERMISSION_DENIED) after SESSION_WAIT_S if none does,
+        UNAVAILABLE if Redis cannot say."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SESSION_WAIT_S
+        while True:
+            try:
+                entries = await self.registry.entries(SchedulerEntry)
+            except Exception as exc:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                   f"cannot check step session {session_id} against the "
+                                   f"registry ({exc}); retry once Redis answers") from exc
+            mine = {sid: e for sid, e in entries.items() if (e.group or sid) == self.group}
+            # A single worker needs no process group: its scheduler publishes no epoch.
+            if any(e.session == session_id
+                   and (self.world_size == 1 or e.epoch == self.state.epoch)
+                   for e in mine.values()):
+                return
+            if loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+        held = ", ".join(f"{sid}: session {e.session or '-'} epoch {e.epoch or '-'}"
+                         for sid, e in mine.items()) or "no scheduler registered"
+        raise ServiceError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"step session {session_id} is not the one group {self.group}'s scheduler "
+            f"registered for epoch {self.state.epoch or '-'} ({held}): only the group's "
+            "current scheduler may drive this worker")
 
     async def skip_current_plan(self) -> None:
         """Call before registering: a plan already published is an earlier process's (this

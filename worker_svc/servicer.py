@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -60,6 +60,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # group with the old session's numbering.
         self._accepting = True
         self._generation = 0
+        # Set by the worker's main: raises unless the group's current scheduler registered
+        # this session (worker_svc/membership.py); None takes any (tests, no registry).
+        self.check_session: Callable[[str], Awaitable[None]] | None = None
 
     def _ready_runner(self) -> ModelRunner:
         if self.runner is None:
@@ -77,6 +80,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not self._accepting:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, REFORMING)
         step = convert.scheduler_output_from_pb(request)
+        if (self.check_session is not None and request.session_id != self._session_id
+                and request.sequence == 0):
+            await self.check_session(request.session_id)
         new_session = await self._wait_for_turn(request.session_id, request.sequence)
         loop = asyncio.get_running_loop()
         if new_session:

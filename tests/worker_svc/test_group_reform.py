@@ -229,8 +229,21 @@ class Workers:
         channel = grpc.insecure_channel(self.entry(worker_id)["address"])
         return worker_pb2_grpc.WorkerStub(channel)
 
-    def step(self, worker_ids: list[str], request: worker_pb2.ExecuteStepRequest) -> list[Any]:
-        """The same step to every worker at once: each response, or the RpcError raised."""
+    def drive(self, session: str, epoch: str | None = None, group: str = "g0") -> None:
+        """Registers a scheduler of `group` driving `session` in `epoch` (by default the one
+        w0 is in), as a scheduler does before a session's first step."""
+        if epoch is None:
+            epoch = self.entry("w0").get("epoch", "")
+        entry = {"address": "127.0.0.1:1", "group": group, "session": session, "epoch": epoch,
+                 "instance": f"scheduler-{session}"}
+        self.redis.set(f"{self.cluster}:scheduler:{group}", json.dumps(entry), px=60_000)
+
+    def step(self, worker_ids: list[str], request: worker_pb2.ExecuteStepRequest,
+             drive: bool = True) -> list[Any]:
+        """The same step to every worker at once: each response, or the RpcError raised. A
+        session's first step is announced first (`drive`) unless told not to."""
+        if drive and request.sequence == 0:
+            self.drive(request.session_id)
         futures = [self.stub(wid).ExecuteStep.future(request, timeout=30, metadata=token_metadata())
                    for wid in worker_ids]
         results = []
@@ -303,6 +316,19 @@ def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
     token = sampled_token(workers.step(["w0", "w1"], prefill("s1")))
     sampled_token(workers.step(["w0", "w1"], decode("s1", 1, token)))
 
+    # Only the group's registered scheduler starts a session: not one nobody registered, not
+    # one registered for another epoch or for another group (all refused at once, together).
+    workers.drive("x-epoch", epoch="e0")
+    workers.drive("x-group", epoch="e1", group="g1")
+    refused = [workers.stub("w0").ExecuteStep.future(prefill(session), timeout=30,
+                                                     metadata=token_metadata())
+               for session in ("x-epoch", "x-group", "x-nobody")]
+    for future in refused:
+        error = future.exception()
+        assert error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED, error
+        assert "only the group's current scheduler may drive this worker" in error.details()
+    assert "x-epoch" in refused[2].exception().details()  # names what is registered
+
     # Same members, new epoch: both re-form in place; rank 0's address (port) is reused.
     workers.publish_plan("e2", {"w0": 0, "w1": 1})
     for worker_id in ("w0", "w1"):
@@ -317,6 +343,7 @@ def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
 
     # A step that w1 never gets blocks w0 until w1 leaves the old group to re-form: the step
     # fails, then w0 re-forms too.
+    workers.drive("s5")
     blocked = workers.stub("w0").ExecuteStep.future(prefill("s5"), timeout=30,
                                                       metadata=token_metadata())
     workers.wait_for_log("w0", "new scheduler session s5")  # handed to the model thread
@@ -332,6 +359,7 @@ def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
     assert workers.entry("w0")["status"] == "ready" and workers.entry("w0")["epoch"] == "e2b"
 
     # w1 dies in the middle of a step: w0's step fails at once, not after the group timeout.
+    workers.drive("s6")
     blocked = workers.stub("w0").ExecuteStep.future(prefill("s6"), timeout=30,
                                                       metadata=token_metadata())
     workers.wait_for_log("w0", "new scheduler session s6")
