@@ -6,8 +6,10 @@
 #
 #   python -m router.main | python -m scheduler_svc.main | python -m worker_svc.main
 #
-# configured by PAGEMESH_* variables (every flag has one: --redis-url is PAGEMESH_REDIS_URL).
-# Without a command the image runs `pagemesh up`: the whole mesh with the default model.
+# configured by PAGEMESH_* variables (every flag has one: --redis-url is PAGEMESH_REDIS_URL;
+# PAGEMESH_X_FILE names a file holding X's value, for secrets). Without a command the image
+# runs `pagemesh up`: the whole mesh with the default model. Its `--host 0.0.0.0` opens the
+# router alone to the network: the scheduler, workers and embedded Valkey bind 127.0.0.1.
 #
 # It installs exactly as `make install` does, through scripts/install.sh, one layer per step,
 # the slowest to change first: torch, the default model, pyproject's dependencies, then the

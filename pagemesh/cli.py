@@ -1,7 +1,8 @@
 """The `pagemesh` command: `up` starts a local mesh, `generate` streams from a router,
 `top` shows a running cluster, `health` checks one service (for container health checks),
 `admin` and `profile` call the router's Admin service (pagemesh/admin.py), `bench` loads a
-running router with a named workload (code in pagemesh/loadgen). `top`, `health`, `admin`
+running router with a named workload (code in pagemesh/loadgen), `secrets` writes a deployed
+mesh's shared secrets (pagemesh/mesh_secrets.py). `top`, `health`, `admin`
 and `profile` find a local `pagemesh up` with no flags (pagemesh/discovery.py)."""
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import sys
 
 from pagemesh import client, local_mesh
 from pagemesh.admin import add_admin_parser, add_profile_parser
-from pagemesh.config import add_flag, add_options, add_tls_flags
+from pagemesh.config import add_flag, add_options, add_redis_password_flag, add_tls_flags
 from pagemesh.health import add_health_parser
 from pagemesh.loadgen.cli import add_bench_parser
+from pagemesh.mesh_secrets import add_secrets_parser
 from pagemesh.service_flags import OPTIONS, SERVICES
 from pagemesh.top import add_top_parser
 
@@ -32,7 +34,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(up, "--http-port", type=int, default=8000,
              help="router OpenAI-compatible HTTP port (0 = off)")
     add_flag(up, "--host", default="127.0.0.1", help="address the services bind")
-    add_flag(up, "--redis-url", default=None, help="use this Redis instead of an embedded Valkey")
+    add_flag(up, "--redis-url", default=None,
+             help="use this Redis instead of an embedded Valkey (redis:// or rediss://)")
+    add_redis_password_flag(up)
     add_flag(up, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
     add_flag(up, "--replicas", type=int, default=1,
              help="engine groups (data parallelism), each a scheduler and its tp x pp workers")
@@ -77,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin_parser(sub)
     add_profile_parser(sub)
     add_bench_parser(sub)
+    add_secrets_parser(sub)
     return parser
 
 

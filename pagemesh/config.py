@@ -1,4 +1,6 @@
-"""Flag parsing shared by the services: every flag also reads a `PAGEMESH_*` variable.
+"""Flag parsing shared by the services: every flag also reads a `PAGEMESH_*` variable, or,
+when that is unset, the file a `PAGEMESH_*_FILE` variable names (the container convention
+for secrets: PAGEMESH_INTERNAL_TOKEN_FILE=/run/secrets/internal_token).
 
 Variables are read when `main` parses its arguments, never at import time.
 """
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +31,22 @@ def _parse_bool(text: str) -> bool:
     if lowered in {"0", "false", "no", "off", ""}:
         return False
     raise ValueError(f"not a boolean: {text!r}")
+
+
+def env_value(env: str) -> str | None:
+    """The variable `env` when set and not empty, else the contents of the file that
+    `<env>_FILE` names (its trailing newline dropped), else None."""
+    value = os.environ.get(env)
+    if value:
+        return value
+    path = os.environ.get(env + "_FILE")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read().rstrip("\r\n") or None
+    except OSError as exc:
+        raise SystemExit(f"{env}_FILE={path}: cannot read it ({exc.strerror})") from exc
 
 
 class _AppendReplacingDefault(argparse._AppendAction):
@@ -53,7 +72,7 @@ def add_flag(
     (compose's `${VAR:-}` leaves a flag at its default); a repeatable flag's items are
     separated by spaces there."""
     env = env_name(flag)
-    value = os.environ.get(env) or None
+    value = env_value(env)
     if type is bool:
         parser.add_argument(
             flag,
@@ -97,13 +116,38 @@ def add_registry_flags(parser: argparse.ArgumentParser) -> None:
     """Where the registry is. The heartbeat flags `registry_config` reads come with every
     service's options (pagemesh.service_flags)."""
     add_flag(parser, "--redis-url", default="redis://127.0.0.1:6379/0",
-             help="Redis holding the registry and heartbeats")
+             help="Redis holding the registry and heartbeats: redis://[user[:password]@]host:"
+                  "port/db, or rediss:// for TLS")
+    add_redis_password_flag(parser)
     add_flag(parser, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
+
+
+def add_redis_password_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    add_flag(parser, "--redis-password", default=None,
+             help="password of --redis-url's user, when the URL does not carry it; give it as "
+                  "PAGEMESH_REDIS_PASSWORD or in a file named by PAGEMESH_REDIS_PASSWORD_FILE "
+                  "(a compose or Kubernetes secret), never on a command line")
+
+
+def with_password(url: str, password: str | None) -> str:
+    """`url` with `password` for its user (the default user when it names none); `url` as it
+    is without one."""
+    if not password:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    user = urllib.parse.quote(urllib.parse.unquote(parts.username or ""), safe="")
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{user}:{urllib.parse.quote(password, safe='')}@{host}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def registry_config(args: argparse.Namespace) -> RegistryConfig:
     return RegistryConfig(
-        redis_url=args.redis_url,
+        redis_url=with_password(args.redis_url, args.redis_password),
         cluster=args.cluster,
         heartbeat_interval_s=args.heartbeat_interval_s,
         ttl_s=args.heartbeat_ttl_s,

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -37,6 +38,14 @@ FROZEN_GRACE_S = float(os.environ.get("PAGEMESH_VALKEY_FROZEN_GRACE_S") or 30.0)
 PING_TIMEOUT_S = 0.5
 
 
+def valkey_acl(password: str) -> str:
+    """A Valkey ACL file: the user `pagemesh` with `password` (stored as its SHA-256, so the
+    file holds no secret), and a default user that may only PING (health checks)."""
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    return (f"user default on nopass resetchannels -@all +ping\n"
+            f"user {USER} on #{digest} ~* &* +@all\n")
+
+
 class EmbeddedValkey:
     def __init__(self, port: int, maxmemory: str = MAXMEMORY) -> None:
         self.port = port
@@ -45,8 +54,7 @@ class EmbeddedValkey:
         self._folder = Path(tempfile.mkdtemp(prefix="pagemesh-valkey-"))  # mode 0700
         self._acl = self._folder / "users.acl"
         self._acl.touch(mode=0o600)
-        self._acl.write_text(f"user default on nopass -@all +ping\n"
-                             f"user {USER} on >{self.password} ~* &* +@all\n")
+        self._acl.write_text(valkey_acl(self.password))
         self._server: Any = None
         self._unresponsive_since: float | None = None
 

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh import discovery
-from pagemesh.config import tls_config
+from pagemesh.config import tls_config, with_password
 from pagemesh.embedded_valkey import EmbeddedValkey
 from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
@@ -72,7 +72,10 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     Each service gets every option it takes (pagemesh.service_flags), as the compose files
     pass them too, and the topology and identity `up` decides per process."""
     values = _option_values(args, model)
-    common = ["--cluster", args.cluster, "--host", args.host, *tls_config(args).flags()]
+    # Only the router serves clients on --host; schedulers and workers bind the address they
+    # advertise (127.0.0.1 under `--host 0.0.0.0`): nobody else needs to reach them.
+    common = ["--cluster", args.cluster, *tls_config(args).flags()]
+    internal = [*common, "--host", _dial_host(args.host)]
     # The URL may carry a password (the embedded Valkey's does), and the secrets (API keys,
     # the internal token) are secrets: the environment, not argv.
     env = {"PAGEMESH_REDIS_URL": redis_url}
@@ -93,7 +96,7 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
         group = ["--group", f"g{replica}"]
         specs += [
             ServiceSpec(f"worker-g{replica}-pp{pp}-tp{tp}", "worker_svc.main",
-                        [*common, *worker, *layout, *group, "--tp-rank", str(tp),
+                        [*internal, *worker, *layout, *group, "--tp-rank", str(tp),
                          "--pp-rank", str(pp), "--device", device(replica, pp, tp)], worker_env)
             for pp in range(args.pp) for tp in range(args.tp)
         ]
@@ -102,13 +105,13 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
         standby = [] if world == 1 else ["--standby"]
         specs += [
             ServiceSpec(f"worker-g{replica}-standby{i}", "worker_svc.main",
-                        [*common, *worker, *layout, *group, *standby,
+                        [*internal, *worker, *layout, *group, *standby,
                          "--device", device(replica, 0, 0)], worker_env)
             for i in range(args.standby)
         ]
         specs.append(ServiceSpec(f"scheduler-g{replica}", "scheduler_svc.main",
-                                 [*common, *scheduler, *layout, *group], scheduler_env))
-    specs.append(ServiceSpec("router", "router.main", [*common, *router],
+                                 [*internal, *scheduler, *layout, *group], scheduler_env))
+    specs.append(ServiceSpec("router", "router.main", [*common, "--host", args.host, *router],
                              {**env, **options_env(ROUTER_OPTIONS, values)}))  # keys: not argv
     return specs
 
@@ -169,7 +172,10 @@ def run_up(args: argparse.Namespace) -> int:
         # clients, resuming) must find the same port, and no bind(0) can take this one.
         args.port = reserve_port(_dial_host(args.host))
     embedded = None
-    redis_url = args.redis_url
+    if args.redis_password and not args.redis_url:
+        raise SystemExit("--redis-password is the password of --redis-url's user: give the "
+                         "URL too (the embedded Valkey makes its own password)")
+    redis_url = with_password(args.redis_url, args.redis_password) if args.redis_url else None
     if redis_url is None:
         embedded = EmbeddedValkey(reserve_port()).start()
         redis_url = embedded.url

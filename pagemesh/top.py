@@ -26,7 +26,8 @@ import redis
 from rich.console import Console
 
 from pagemesh import discovery
-from pagemesh.config import add_flag
+from pagemesh.config import add_flag, add_redis_password_flag, with_password
+from pagemesh.redact import redact_url
 from pagemesh.registry_entries import KINDS, ServiceEntry, entry_from_json
 from pagemesh.top_render import render
 from pagemesh.top_snapshot import (
@@ -131,6 +132,7 @@ def add_top_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(top, "--redis-url", default=None,
              help="Redis holding the cluster's registry (default: the local `pagemesh up`'s, "
                   f"else {discovery.DEFAULT_REDIS_URL})")
+    add_redis_password_flag(top)
     add_flag(top, "--cluster", default=None,
              help="key prefix of the mesh in Redis (default: the local `pagemesh up`'s, else "
                   f"{discovery.DEFAULT_CLUSTER})")
@@ -154,7 +156,8 @@ def add_top_parser(sub: argparse._SubParsersAction) -> None:
 def run_top(args: argparse.Namespace) -> int:
     if args.interval < 0:
         raise SystemExit("--interval must be >= 0")
-    where = discovery.resolve_registry(args.redis_url, args.cluster)
+    url = with_password(args.redis_url, args.redis_password) if args.redis_url else None
+    where = discovery.resolve_registry(url, args.cluster)
     reader = ClusterReader(where.redis_url, where.cluster, args.heartbeat_ttl_s,
                            args.scrape_timeout_s)
     try:
@@ -167,7 +170,8 @@ def run_top(args: argparse.Namespace) -> int:
         TopApp(reader.read, max(args.interval, 0.1), where.cluster).run()
         return 0
     except redis.RedisError as exc:
-        print(f"pagemesh top: cannot read the registry at {where.redis_url} ({where.source}): "
+        print(f"pagemesh top: cannot read the registry at {redact_url(where.redis_url)} "
+              f"({where.source}): "
               f"{exc}; start a mesh with `pagemesh up`, or pass --redis-url", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C of the targets writer or of --once

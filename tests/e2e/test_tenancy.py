@@ -1,7 +1,10 @@
 """Tenants that cannot see each other (docs/security.md), on a real mesh with two API keys:
 a request id is scoped to the key that sent it, so another key naming it reaches nothing,
 over gRPC and over HTTP; and a client reusing its own id for another request is refused
-instead of being replayed the old answer."""
+instead of being replayed the old answer.
+
+The mesh keeps its registry in a Redis as a shared mesh would: an ACL user with a password
+(given in a file, as a compose or Kubernetes secret is), over TLS (`rediss://`)."""
 
 from __future__ import annotations
 
@@ -14,11 +17,15 @@ import pytest
 
 from pagemesh.admin import AdminClient
 from pagemesh.checkpoints import ORPHANED
+from pagemesh.config import with_password
+from pagemesh.embedded_valkey import EmbeddedValkey
 from pagemesh.ports import reserve_port
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import Mesh, greedy_request
 from tests.support.mesh_ids import mesh_request_id, redis_checkpoint
+from tests.support.tls_certs import make_certs
+from tests.support.tls_proxy import TlsProxy
 
 CLUSTER = "e2e-tenancy"
 KEY_A, KEY_B = "sk-team-a", "sk-team-b"
@@ -35,18 +42,42 @@ def auth(key: str) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[tuple[Mesh, str]]:
+def locked_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A Valkey that needs its user's password, behind TLS: (its URL without the password,
+    the password). The mesh trusts the test CA through the URL's `ssl_ca_certs`."""
+    certs = make_certs(tmp_path_factory.mktemp("redis-certs"))
+    valkey = EmbeddedValkey(reserve_port()).start()
+    try:
+        with TlsProxy(("127.0.0.1", valkey.port), certs.server_cert, certs.server_key) as proxy:
+            yield (f"rediss://pagemesh@127.0.0.1:{proxy.port}/0?ssl_ca_certs={certs.ca}",
+                   valkey.password)
+    finally:
+        valkey.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url(locked_redis: tuple[str, str]) -> str:
+    """This module's Redis (not the session's plain one), password included."""
+    return with_password(*locked_redis)
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama_dir: Path, locked_redis: tuple[str, str],
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str]]:
     folder = tmp_path_factory.mktemp("tenancy")
+    url, password = locked_redis
+    password_file = folder / "redis_password"
+    password_file.write_text(password + "\n")
     keys_file = folder / "keys"
     keys_file.write_text(f"# two teams and their operators\n{KEY_A}\n{KEY_B} inference\n"
                          f"{KEY_OPS} admin\n")
     http_port = reserve_port()
-    mesh = Mesh(str(tiny_llama_dir), folder / "mesh.log", redis_url=redis_url, cluster=CLUSTER,
+    mesh = Mesh(str(tiny_llama_dir), folder / "mesh.log", cluster=CLUSTER,
                 extra_args=["--num-kv-blocks", "96", "--http-port", str(http_port),
                             "--api-keys-file", str(keys_file), "--log-level", "INFO",
                             "--max-requests-per-key", str(PER_KEY)],
-                env={"PAGEMESH_API_KEY": KEY_C})
+                env={"PAGEMESH_API_KEY": KEY_C, "PAGEMESH_REDIS_URL": url,
+                     "PAGEMESH_REDIS_PASSWORD_FILE": str(password_file)})
     try:
         yield mesh.wait_ready(), f"http://127.0.0.1:{http_port}"
     finally:
@@ -174,6 +205,15 @@ def test_ones_own_running_stream_named_again_is_a_409_over_http(mesh: tuple[Mesh
         assert "twice" in reply.json()["error"]["message"]
 
 
+def _environment_value(pids: list[int], name: str) -> str:
+    """The variable `name` of the first of `pids` that has it (children get secrets there)."""
+    for pid in pids:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(name.encode() + b"="):
+                return item.split(b"=", 1)[1].decode()
+    raise AssertionError(f"no process has {name}")
+
+
 def _tree(pid: int) -> list[int]:
     """`pid` and every process under it."""
     found, todo = [], [pid]
@@ -187,12 +227,15 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def test_no_key_is_in_any_command_line_or_log_line(mesh: tuple[Mesh, str]) -> None:
+def test_no_secret_is_in_any_command_line_or_log_line(mesh: tuple[Mesh, str],
+                                                     locked_redis: tuple[str, str]) -> None:
     grpc_mesh, _ = mesh
     assert len(tokens(grpc_mesh, greedy_request(PROMPT_B, 2), KEY_C)) == 2  # the environment's key works
     pids = _tree(grpc_mesh.process.pid)
-    assert len(pids) >= 4  # up, its worker, scheduler and router (and Valkey)
-    keys = (KEY_A, KEY_B, KEY_C, KEY_OPS)
+    assert len(pids) >= 4  # up, its worker, scheduler and router
+    internal_token = _environment_value(pids, "PAGEMESH_INTERNAL_TOKEN")  # `up` made it
+    _, redis_password = locked_redis
+    keys = (KEY_A, KEY_B, KEY_C, KEY_OPS, redis_password, internal_token)
     for pid in pids:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")

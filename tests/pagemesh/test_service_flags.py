@@ -36,7 +36,7 @@ from worker_svc.quant import QUANTIZATION_CHOICES
 
 # What a service declares itself: where it serves, where the registry is, who it is.
 _SERVER = {"--host", "--port", "--advertise-host", "--metrics-port", "--tls-cert", "--tls-key",
-           "--tls-ca", "--tls-client-ca", "--redis-url", "--cluster"}
+           "--tls-ca", "--tls-client-ca", "--redis-url", "--redis-password", "--cluster"}
 OWN_FLAGS = {
     ROUTER: _SERVER | {"--router-id", "--http-port"},
     SCHEDULER: _SERVER | {"--group", "--scheduler-id", "--tp", "--pp"},
@@ -44,9 +44,9 @@ OWN_FLAGS = {
                        "--pp-rank", "--standby", "--dist-port"},
 }
 # What `up` declares itself: the topology.
-UP_FLAGS = {"--port", "--http-port", "--host", "--redis-url", "--cluster", "--replicas",
-            "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key", "--tls-ca",
-            "--tls-client-ca"}
+UP_FLAGS = {"--port", "--http-port", "--host", "--redis-url", "--redis-password", "--cluster",
+            "--replicas", "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key",
+            "--tls-ca", "--tls-client-ca"}
 TABLES = {ROUTER: ROUTER_OPTIONS, SCHEDULER: SCHEDULER_OPTIONS, WORKER: WORKER_OPTIONS}
 MAINS = {ROUTER: router_main, SCHEDULER: scheduler_main, WORKER: worker_main}
 MODULES = {"router.main": ROUTER, "scheduler_svc.main": SCHEDULER, "worker_svc.main": WORKER}
@@ -221,3 +221,12 @@ def test_replicas_get_their_own_groups_and_gpus() -> None:
               if name != "router"}
     assert groups == {"worker-g0-pp0-tp0": ("g0", "cuda:0"), "scheduler-g0": ("g0", None),
                       "worker-g1-pp0-tp0": ("g1", "cuda:1"), "scheduler-g1": ("g1", None)}
+
+
+def test_only_the_router_binds_the_wildcard_address() -> None:
+    """`up --host 0.0.0.0` (the image's command) opens the router to the network; schedulers
+    and workers bind the address they advertise, which nobody outside the host needs."""
+    for name, service, parsed in parsed_specs(parse_up(["--host", "0.0.0.0"]), "/models/tiny"):
+        assert parsed.host == ("0.0.0.0" if service == ROUTER else "127.0.0.1"), name
+    for name, _, parsed in parsed_specs(parse_up(["--host", "10.1.2.3"]), "/models/tiny"):
+        assert parsed.host == "10.1.2.3", name
