@@ -81,7 +81,8 @@ def test_env_example_names_every_variable(name: str) -> None:
 def test_required_variables_say_what_to_set() -> None:
     # Compose names whichever missing variable it meets first, in no fixed order.
     with pytest.raises(ComposeError,
-                       match=r"required variable (MODELS_DIR|MODEL) is missing a value: set \1 in \.env"):
+                       match=r"required variable (MODELS_DIR|MODEL|SECRETS_DIR) is missing a value: "
+                             r"set \1 in \.env"):
         compose_config(SINGLE)
     with pytest.raises(ComposeError, match=r"required variable \w+ is missing a value: set \w+ in \.env"):
         compose_config(GPU_HOST, COMPOSE_DIR / ".env.example")  # no HEAD_HOST, HOST_IP, ...
@@ -156,7 +157,7 @@ def test_gpu_host_workers() -> None:
     for name, worker in workers.items():
         env = worker["environment"]
         assert worker["network_mode"] == "host" and "ports" not in worker, name
-        assert env["PAGEMESH_REDIS_URL"] == f"redis://{env_example['HEAD_HOST']}:6379/0"
+        assert env["PAGEMESH_REDIS_URL"] == f"redis://pagemesh@{env_example['HEAD_HOST']}:6379/0"
         assert env["PAGEMESH_ADVERTISE_HOST"] == env_example["HOST_IP"]
         for variable in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_DEBUG",
                          "GLOO_SOCKET_IFNAME"):
@@ -219,3 +220,42 @@ def test_fixed_prometheus_targets_name_the_single_host_services() -> None:
     targets = {t for group in json.loads(targets_file.read_text()) for t in group["targets"]}
     for name, service in pagemesh_services(resolved("single-host")).items():
         assert f"{name}:{service['environment']['PAGEMESH_METRICS_PORT']}" in targets, name
+
+
+@needs_compose
+@pytest.mark.parametrize("name", ["single-host", "head"])
+def test_valkey_is_locked_and_bounded(name: str) -> None:
+    """Valkey takes its ACL from a secret (the user `pagemesh`, the password `pagemesh secrets`
+    wrote), never evicts a key, and every service signs in as that user with the password
+    from a secret file: no password in a file the user commits."""
+    config = resolved(name)
+    redis_service = config["services"]["redis"]
+    command = redis_service["command"]
+    assert command[command.index("--aclfile") + 1] == "/run/secrets/valkey_acl"
+    assert [s["source"] for s in redis_service["secrets"]] == ["valkey_acl"]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert config["secrets"]["valkey_acl"]["file"].endswith("/valkey.acl")
+    for service_name, service in pagemesh_services(config).items():
+        env = service["environment"]
+        secrets = {s["source"] for s in service["secrets"]}
+        assert env["PAGEMESH_REDIS_URL"].startswith("redis://pagemesh@"), service_name
+        assert env["PAGEMESH_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password", service_name
+        assert "redis_password" in secrets, service_name
+        if service["command"][:1] == ["python"]:  # the services (not `pagemesh top`)
+            assert env["PAGEMESH_INTERNAL_TOKEN_FILE"] == "/run/secrets/internal_token", service_name
+            assert "internal_token" in secrets, service_name
+
+
+@needs_compose
+@pytest.mark.parametrize("name", FILE_SETS)
+def test_only_the_router_binds_every_interface(name: str) -> None:
+    """Schedulers and workers bind the address they advertise; only the router, which clients
+    reach through published ports, binds 0.0.0.0."""
+    for service_name, service in pagemesh_services(resolved(name)).items():
+        env = service["environment"]
+        if "PAGEMESH_PORT" not in env:
+            continue  # no server (`pagemesh top`)
+        if service["command"] == ["python", "-m", "router.main"]:
+            assert env["PAGEMESH_HOST"] == "0.0.0.0", service_name
+        else:
+            assert env["PAGEMESH_HOST"] == env["PAGEMESH_ADVERTISE_HOST"] != "0.0.0.0", service_name

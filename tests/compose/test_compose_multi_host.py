@@ -36,6 +36,7 @@ class MultiHost:
     services: dict[str, LocalService]  # "<site address>/<service>"
     run: LocalRun
     run_dir: Path
+    redis_password: str  # of the user `pagemesh`, from the secrets every host was given
 
 
 def _project(file: str, env_file: Path, site: Site, run_dir: Path) -> dict[str, LocalService]:
@@ -65,7 +66,8 @@ def multi_host(model_env: dict[str, str],
         run.start(projects, timeout_s=180)
         run.wait_serving(f"{head.address}:50051", timeout_s=180)
         services = {f"{s.site.address}/{name}": s for project in projects for name, s in project.items()}
-        multi_host = MultiHost(head, gpu_hosts, services, run, tmp)
+        password = (Path(model_env["SECRETS_DIR"]) / "redis-password").read_text().strip()
+        multi_host = MultiHost(head, gpu_hosts, services, run, tmp, password)
         _wait_for_worker(multi_host, f"{gpu_hosts[1].address}-standby")  # it starts last
         yield multi_host
     finally:
@@ -91,7 +93,8 @@ def test_generate_through_the_head(multi_host: MultiHost) -> None:
 
 
 def _workers(multi_host: MultiHost) -> dict[str, dict]:
-    client = redis.Redis(host=multi_host.head.address, port=6379, decode_responses=True)
+    client = redis.Redis(host=multi_host.head.address, port=6379, username="pagemesh",
+                         password=multi_host.redis_password, decode_responses=True)
     try:
         return {key.rsplit(":", 1)[1]: json.loads(client.get(key))
                 for key in client.scan_iter(f"{CLUSTER}:worker:*")}

@@ -1,19 +1,24 @@
 """compose/docker-compose.yml, run: its router, scheduler and worker-0 as local processes with
 their own commands and environment (resolved by Docker Compose from an .env made from
 .env.example), a Valkey for its redis service and an OTLP receiver for Jaeger; then a
-request through the router, over gRPC and HTTP, with an API key from the compose secret."""
+request through the router, over gRPC and HTTP, with an API key from the compose secret; Valkey
+and the internal services admit only those holding the secrets `pagemesh secrets` wrote."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+import redis
 
+from pagemesh.config import with_password
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
+from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.compose_files import COMPOSE_DIR, compose_command, compose_config, write_env_file
 from tests.support.compose_runner import LocalRun, LocalService, Localizer, Site, run_healthcheck
 from tests.support.mesh_harness import greedy_request
@@ -31,6 +36,7 @@ class SingleHost:
     services: dict[str, LocalService]
     run: LocalRun
     receiver: OtlpReceiver
+    secrets_dir: str
 
     @property
     def router(self) -> LocalService:
@@ -55,7 +61,7 @@ def single_host(model_env: dict[str, str],
         try:
             run.start([services])
             run.wait_serving(services["router"].address(50051))
-            yield SingleHost(services, run, receiver)
+            yield SingleHost(services, run, receiver, model_env["SECRETS_DIR"])
         finally:
             run.stop()
 
@@ -116,3 +122,19 @@ def test_traces_reach_the_jaeger_address(single_host: SingleHost) -> None:
         return {"pagemesh-router", "pagemesh-scheduler", "pagemesh-worker"} <= {s.service for s in spans}
 
     single_host.receiver.wait_for(every_service, timeout_s=30)
+
+
+def test_valkey_and_the_internal_services_admit_only_the_mesh(single_host: SingleHost) -> None:
+    url = f"redis://pagemesh@{single_host.services['redis'].address(6379)}/0"
+    password = (Path(single_host.secrets_dir) / "redis-password").read_text().strip()
+    with redis.Redis.from_url(url.replace("pagemesh@", "")) as anonymous:
+        assert anonymous.ping()  # the health check's PING, and nothing else
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            anonymous.keys("*")
+    with redis.Redis.from_url(with_password(url, password)) as member:
+        assert member.keys("*:worker:worker-0")
+    worker = single_host.services["worker-0"]
+    with grpc.insecure_channel(worker.address(50070)) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            worker_pb2_grpc.WorkerStub(channel).GetMemory(worker_pb2.GetMemoryRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED

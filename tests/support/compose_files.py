@@ -180,9 +180,11 @@ def command_parser(command: list[str]) -> argparse.ArgumentParser:
 
 
 def flag_variables(parser: argparse.ArgumentParser) -> set[str]:
-    """The PAGEMESH_* variables `parser`'s flags read (pagemesh.config.add_flag)."""
-    return {env_name(action.option_strings[0])  # "--once", not its "--no-once"
-            for action in parser._actions if action.option_strings and action.dest != "help"}
+    """The PAGEMESH_* variables `parser`'s flags read (pagemesh.config.add_flag): each flag's,
+    and the `_FILE` one naming a file that holds its value."""
+    names = {env_name(action.option_strings[0])  # "--once", not its "--no-once"
+             for action in parser._actions if action.option_strings and action.dest != "help"}
+    return names | {name + "_FILE" for name in names}
 
 
 def unknown_pagemesh_variables(service: dict[str, Any]) -> set[str]:

@@ -213,6 +213,8 @@ class Localizer:
         raise ComposeTranslationError(f"{name}: {path} is under none of its volumes {sorted(mounts)}")
 
     def _value(self, name: str, key: str, value: str, mounts: dict[str, Path]) -> str:
+        if key.startswith("PAGEMESH_") and key.endswith("_FILE"):  # a secret's file
+            return self._path(name, value, mounts)
         if key in URL_VARIABLES:
             return self._url(name, value)
         if key in PORT_VARIABLES:
