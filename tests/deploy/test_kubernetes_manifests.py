@@ -2,8 +2,10 @@
 against the Kubernetes API schemas of KUBERNETES_VERSION (kubernetes-validate, strict: an
 unknown field fails) or, for CRD kinds, the schema vendored in deploy/kubernetes/schemas/,
 then the mesh's own invariants: only the router is exposed, NetworkPolicies keep scheduler
-and worker ports internal, every container has resources, probes and a grace period, every
-PAGEMESH_* variable is a flag its service takes, one GPU per worker, ranks cover tp x pp."""
+and worker ports internal, Valkey's ACL and the services' Redis password and internal token
+come from the Secret pagemesh-mesh, only the router binds 0.0.0.0, every container has
+resources, probes and a grace period, every PAGEMESH_* variable is a flag its service takes,
+one GPU per worker, ranks cover tp x pp."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -23,8 +26,10 @@ import pytest
 import yaml
 
 from pagemesh.config import _parse_bool
+from pagemesh.embedded_valkey import USER as VALKEY_USER
+from pagemesh.mesh_secrets import INTERNAL_TOKEN, REDIS_PASSWORD, VALKEY_ACL
 from pagemesh.ports import reserve_port
-from tests.support.compose_files import command_parser
+from tests.support.compose_files import command_parser, flag_variables
 from tests.support.paths import REPO_ROOT
 
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
@@ -45,6 +50,10 @@ PUBLIC_PORTS = {50051, 8000}
 INTERNAL_PORTS = {"scheduler": {50060}, "worker": {50070, 29500}, "standby": {50070, 29500},
                   "redis": {6379}}
 SHUTDOWN_GRACE_S = 5.0  # --shutdown-grace-s default
+MESH_SECRET = "pagemesh-mesh"  # `kubectl create secret generic pagemesh-mesh --from-file=DIR`
+# The flags every pagemesh container takes from that Secret, by file: flag variable -> key.
+MESH_SECRET_FILES = {"PAGEMESH_REDIS_PASSWORD": REDIS_PASSWORD,
+                     "PAGEMESH_INTERNAL_TOKEN": INTERNAL_TOKEN}
 DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s default
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
@@ -111,6 +120,19 @@ def container_env(overlay: str, container: dict[str, Any]) -> dict[str, str | No
     # What its command exports before exec (the worker's ranks).
     env.update({name: None for name in re.findall(r"\b(PAGEMESH_\w+)=", " ".join(container.get("command", [])))})
     return env
+
+
+def secret_file(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret, key) behind the file `path` in `container`: the read-only secret volume
+    mounted above it, and the key its `items` (or the key's own name) put at that path."""
+    (mount,) = [m for m in container.get("volumeMounts", [])
+                if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount.get("readOnly"), mount
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    relative = os.path.relpath(path, mount["mountPath"])
+    items = volume["secret"].get("items")
+    (key,) = [i["key"] for i in items if i["path"] == relative] if items else [relative]
+    return volume["secret"]["secretName"], key
 
 
 def service_module(container: dict[str, Any]) -> str | None:
@@ -300,6 +322,12 @@ def _flag_actions(module: str) -> dict[str, Any]:
             if a.option_strings and a.dest != "help"}
 
 
+@functools.cache
+def _flag_variables(module: str) -> set[str]:
+    """Every variable the service reads: each flag's, and its `_FILE` form."""
+    return flag_variables(command_parser(["python", "-m", module]))
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_pagemesh_variable_is_a_flag_of_its_service(overlay: str) -> None:
     seen = set()
@@ -313,7 +341,11 @@ def test_every_pagemesh_variable_is_a_flag_of_its_service(overlay: str) -> None:
             for name, value in container_env(overlay, container).items():
                 if not name.startswith("PAGEMESH_"):
                     continue
-                assert name in actions, f"{obj['metadata']['name']}: {module} takes no {name}"
+                assert name in _flag_variables(module), \
+                    f"{obj['metadata']['name']}: {module} takes no {name}"
+                if name not in actions:  # <FLAG>_FILE: the file holding the flag's value
+                    assert value is None or value.startswith("/"), (name, value)
+                    continue
                 action = actions[name]
                 if value is None:
                     continue
@@ -415,14 +447,27 @@ def test_a_leader_worker_set_group_is_its_scheduler_then_every_rank_then_standby
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_advertised_addresses_are_pod_ips(overlay: str) -> None:
+def test_only_the_router_binds_every_interface_the_others_their_pod_ip(overlay: str) -> None:
+    """The router binds 0.0.0.0 (clients, and port-forward and its probes at 127.0.0.1); a
+    scheduler or worker binds the pod IP it advertises, so nothing in it may dial loopback."""
+    assert not [name for name, data in config_maps(overlay).items() if "PAGEMESH_HOST" in data]
     for obj in workloads(overlay):
+        name = obj["metadata"]["name"]
         for container in obj["spec"]["template"]["spec"]["containers"]:
             if service_module(container) is None:
                 continue
             env = {e["name"]: e for e in container["env"]}
             assert env["PAGEMESH_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-            assert container_env(overlay, container)["PAGEMESH_HOST"] == "0.0.0.0"
+            if component(obj) == "router":
+                assert env["PAGEMESH_HOST"]["value"] == "0.0.0.0", name
+                continue
+            assert env["PAGEMESH_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", name
+            hooks = [container[kind]["exec"]["command"]
+                     for kind in ("startupProbe", "readinessProbe", "livenessProbe")]
+            hooks.append(container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", []))
+            for command in hooks:
+                assert not re.search(r"\b(127\.0\.0\.1|localhost|0\.0\.0\.0)\b", " ".join(command)), \
+                    (name, command)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -470,13 +515,59 @@ def test_router_reads_its_api_keys_from_a_secret_and_scales_on_a_pagemesh_metric
     pod = router["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     keys_file = container_env(overlay, container)["PAGEMESH_API_KEYS_FILE"]
-    (mount,) = [m for m in container["volumeMounts"] if keys_file.startswith(m["mountPath"] + "/")]
-    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert volume["secret"]["secretName"] == "pagemesh-api-keys"
+    assert secret_file(pod, container, keys_file) == ("pagemesh-api-keys", "api-keys")
     (hpa,) = objects(overlay, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "pagemesh-router"
     assert any(m["type"] == "Pods" and m["pods"]["metric"]["name"].startswith("pagemesh_")
                for m in hpa["spec"]["metrics"])
+
+
+# Kubernetes' quantities and Valkey's memory units (Valkey: `mb` is 1024^2, `m` 10^6).
+NUM_BYTES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "kb": 2**10, "mb": 2**20, "gb": 2**30}
+
+
+def _num_bytes(text: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", text).groups()
+    return int(number) * NUM_BYTES[unit]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_valkey_takes_its_acl_from_the_secret_and_never_evicts(overlay: str) -> None:
+    (redis,) = [obj for obj in workloads(overlay) if component(obj) == "redis"]
+    pod = redis["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][0] == "valkey-server"
+    flags = dict(zip(container["args"][1::2], container["args"][2::2]))
+    assert secret_file(pod, container, flags["--aclfile"]) == (MESH_SECRET, VALKEY_ACL)
+    # Only the ACL (a hash) reaches Valkey, and no password on its command line.
+    assert [v["secret"]["items"] for v in pod["volumes"]] == [[{"key": VALKEY_ACL, "path": VALKEY_ACL}]]
+    assert "--requirepass" not in flags
+    # Full, it refuses writes (the services retry) before the kernel OOM-kills it.
+    assert flags["--maxmemory-policy"] == "noeviction"
+    assert _num_bytes(flags["--maxmemory"]) < _num_bytes(container["resources"]["limits"]["memory"])
+    # The probes sign in as nobody: the ACL's default user may PING.
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert container[kind]["exec"]["command"] == ["valkey-cli", "ping"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pagemesh_container_reads_the_redis_password_and_token_from_the_secret(overlay: str) -> None:
+    for name, data in config_maps(overlay).items():
+        assert not set(data) & {v + s for v in MESH_SECRET_FILES for s in ("", "_FILE")}, name
+    url = urllib.parse.urlsplit(value_of(overlay, "pagemesh-common", "PAGEMESH_REDIS_URL"))
+    assert (url.username, url.password) == (VALKEY_USER, None)
+    seen = set()
+    for obj in workloads(overlay):
+        pod = obj["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            if service_module(container) is None:
+                continue
+            seen.add(component(obj))
+            env = container_env(overlay, container)
+            for variable, key in MESH_SECRET_FILES.items():
+                assert variable not in env, obj["metadata"]["name"]  # never the value itself
+                assert secret_file(pod, container, env[variable + "_FILE"]) == (MESH_SECRET, key)
+    assert seen >= {"router", "scheduler", "worker"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -501,6 +592,8 @@ def test_every_pagemesh_pod_is_scraped(overlay: str) -> None:
 
 def _probe_commands(overlay: str) -> list[tuple[str, int, str, list[str]]]:
     """(workload, its gRPC port, probe kind, exec command) of every pagemesh container."""
+    # The probes dial where the container binds (the test above): the router's 0.0.0.0 at
+    # 127.0.0.1, a scheduler's or worker's pod IP as $PAGEMESH_HOST, expanded by `sh -c`.
     found = []
     for obj in workloads(overlay):
         for container in obj["spec"]["template"]["spec"]["containers"]:
@@ -516,7 +609,10 @@ def _probe_commands(overlay: str) -> list[tuple[str, int, str, list[str]]]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_ask_the_containers_own_grpc_health(overlay: str) -> None:
     for name, port, kind, command in _probe_commands(overlay):
-        assert f"pagemesh health --address 127.0.0.1:{port} " in " ".join(command), (name, kind)
+        host = "127.0.0.1" if name.startswith("pagemesh-router") else "$PAGEMESH_HOST"
+        assert f"pagemesh health --address {host}:{port} " in " ".join(command), (name, kind)
+        if host.startswith("$"):
+            assert command[:2] == ["sh", "-c"], (name, kind)
 
 
 def _health_server(status: str) -> tuple[Any, int]:
@@ -539,10 +635,12 @@ def test_liveness_is_any_answer_and_readiness_is_serving() -> None:
     commands = {(name, kind): (port, command) for name, port, kind, command in _probe_commands("overlays/cpu")}
     port, liveness = commands[("pagemesh-scheduler-g0", "livenessProbe")]
     _, readiness = commands[("pagemesh-scheduler-g0", "readinessProbe")]
-    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/")}
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/"),
+           "PAGEMESH_HOST": "127.0.0.1"}  # the pod IP, which the scheduler binds
 
     def passes(command: list[str], target_port: int) -> bool:
-        argv = [word.replace(f"127.0.0.1:{port}", f"127.0.0.1:{target_port}") for word in command]
+        argv = [word.replace(f":{port} ", f":{target_port} ") for word in command]
+        assert argv != command, command
         return subprocess.run(argv, env=env, capture_output=True, timeout=30, check=False).returncode == 0
 
     serving, serving_port = _health_server("SERVING")
@@ -592,4 +690,4 @@ def test_the_doc_names_files_and_objects_that_exist() -> None:
     for kind_name in set(re.findall(r"\b(?:deploy|sts|svc)/(pagemesh-[\w-]+)", doc)):
         assert kind_name in names or kind_name.endswith("-g2"), kind_name  # g2: the added group
     for variable in set(re.findall(r"\b(PAGEMESH_[A-Z_]+)", doc)):
-        assert any(variable in actions for actions in map(_flag_actions, SERVICE_MODULES)), variable
+        assert any(variable in _flag_variables(module) for module in SERVICE_MODULES), variable

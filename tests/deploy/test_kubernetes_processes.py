@@ -3,7 +3,8 @@ pods as local processes, each container with its own command, args and environme
 in a network namespace of its own (tests/support/kube_runner.py says what is translated). A
 streamed request through the router Service's port has a worker pod's process SIGKILLed
 mid-answer and still ends with the undisturbed run's tokens; then every pod is deleted
-(preStop, SIGTERM, terminationGracePeriodSeconds) and nothing is left running."""
+(preStop, SIGTERM, terminationGracePeriodSeconds) and nothing is left running. On the way,
+Valkey and a worker refuse a client without the pagemesh-mesh Secret's password and token."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ import grpc
 import pytest
 import redis
 
+from pagemesh.embedded_valkey import USER as VALKEY_USER
 from pagemesh.mesh_process import greedy_request
+from pagemesh.mesh_secrets import REDIS_PASSWORD, write_secrets
 from pagemesh.testing.tiny_models import write_tiny_model
 from protos.pagemesh.v1 import generate_pb2_grpc
-from tests.support.kube_pods import Manifests, render
+from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.kube_pods import Manifests, data_of, render
 from tests.support.kube_runner import KubeRun
 from tests.support.paths import REPO_ROOT
 
@@ -35,10 +39,19 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"Kubernetes processe
 # (open access).
 API_KEYS_SECRET = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pagemesh-api-keys"},
                    "data": {"api-keys": base64.b64encode(b"").decode()}}
-ROUTER_SERVICE, REDIS_SERVICE = "pagemesh-router", "pagemesh-redis"
+MESH_SECRET = "pagemesh-mesh"
+ROUTER_SERVICE, REDIS_SERVICE, WORKER_SERVICE = "pagemesh-router", "pagemesh-redis", "pagemesh-worker-g0"
 WORKER = "pagemesh-worker-g0-0/worker"
 PROMPT = [5, 9, 33, 2, 70, 11, 4]
 NUM_TOKENS = 160
+
+
+def _mesh_secret(folder: Path) -> dict:
+    """The other Secret docs/kubernetes.md has the operator create: `pagemesh secrets DIR`,
+    then `kubectl create secret generic pagemesh-mesh --from-file=DIR` (a key per file)."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": MESH_SECRET},
+            "data": {name: base64.b64encode(path.read_bytes()).decode()
+                     for name, path in write_secrets(folder).items()}}
 
 
 def _stream(address: str, on_token: Callable[[int], None] | None = None) -> list[int]:
@@ -52,16 +65,36 @@ def _stream(address: str, on_token: Callable[[int], None] | None = None) -> list
         return token_ids
 
 
+def _redis(run: KubeRun, *, signed_in: bool = True) -> redis.Redis:
+    """A client of the registry: as the services sign in (user and Secret's password), or
+    as anyone."""
+    host, port = run.address(REDIS_SERVICE, 6379).split(":")
+    if not signed_in:
+        return redis.Redis(host=host, port=int(port))
+    password = data_of(run.manifests.by_kind["Secret"][MESH_SECRET])[REDIS_PASSWORD].strip()
+    return redis.Redis(host=host, port=int(port), username=VALKEY_USER, password=password,
+                       decode_responses=True)
+
+
 def _registry(run: KubeRun, kind: str) -> dict[str, dict]:
     """The registry's entries of one kind (worker, scheduler), by id."""
-    host, port = run.address(REDIS_SERVICE, 6379).split(":")
-    client = redis.Redis(host=host, port=int(port), decode_responses=True)
     cluster = run.running[WORKER].env["PAGEMESH_CLUSTER"]
-    try:
+    with _redis(run) as client:
         return {key.rsplit(":", 1)[1]: json.loads(client.get(key) or "{}")
                 for key in client.scan_iter(f"{cluster}:{kind}:*")}
-    finally:
-        client.close()
+
+
+def _check_only_the_mesh_is_admitted(run: KubeRun) -> None:
+    """Without the Secret's password Valkey answers PING (the probes) and nothing else;
+    without its internal token a worker answers nothing."""
+    with _redis(run, signed_in=False) as anonymous:
+        assert anonymous.ping()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            anonymous.keys("*")
+    with grpc.insecure_channel(run.address(WORKER_SERVICE, 50070)) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            worker_pb2_grpc.WorkerStub(channel).GetMemory(worker_pb2.GetMemoryRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
 
 
 def _check_network_policies(run: KubeRun) -> None:
@@ -93,7 +126,8 @@ def test_a_request_survives_a_killed_worker_pod(tmp_path: Path) -> None:
     started = time.monotonic()
     model = tmp_path / "tiny-llama"
     write_tiny_model(model, "llama", seed=1)
-    manifests = Manifests(_short_pre_stop_sleeps(render(OVERLAY)) + [API_KEYS_SECRET])
+    manifests = Manifests(_short_pre_stop_sleeps(render(OVERLAY))
+                          + [API_KEYS_SECRET, _mesh_secret(tmp_path / "secrets")])
     run = KubeRun(manifests, tmp_path / "run", model=model,
                   # One core per worker's torch: the overlay's 0 means all of the node's,
                   # and three workers share this machine's two.
@@ -101,6 +135,7 @@ def test_a_request_survives_a_killed_worker_pod(tmp_path: Path) -> None:
     try:
         run.start()
         run.wait_ready(timeout_s=60)
+        _check_only_the_mesh_is_admitted(run)
         router = run.address(ROUTER_SERVICE, 50051)
         expected = _stream(router)
         assert len(expected) == NUM_TOKENS

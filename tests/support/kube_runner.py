@@ -20,7 +20,9 @@ a manifest fails here:
   one; absolute paths under a mountPath are the local folder behind it. `model` replaces the
   value of PAGEMESH_MODEL / --model (the test's tiny model); devices `cuda*` are the CPU.
 - The kubelet's part: init containers run to completion first, in order; readiness probes
-  (exec, grpc, httpGet, tcpSocket) are run as the kubelet would, without its periods; a
+  (exec, grpc, httpGet, tcpSocket) are run as the kubelet would, without its periods, exec
+  probes and preStop hooks in the container's translated environment (so a `sh -c` probe
+  reads `$PAGEMESH_HOST` as the address the process binds); a
   container that exits is restarted per restartPolicy (at once, then a back-off from 10 s);
   `stop()` runs preStop, sends SIGTERM and SIGKILLs what outlives
   terminationGracePeriodSeconds.

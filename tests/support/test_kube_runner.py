@@ -281,12 +281,14 @@ OVERLAYS = REPO_ROOT / "deploy" / "kubernetes" / "overlays"
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "lws"])
 def test_every_overlay_translates(overlay: str, tmp_path: Path) -> None:
     """Each overlay's pods resolve: every env source exists, every `*.svc` name is a Service,
-    every mount a volume (the API keys Secret is the operator's, as docs/kubernetes.md says)."""
+    every mount a volume (the two Secrets are the operator's, as docs/kubernetes.md says)."""
     if not (OVERLAYS / overlay / "kustomization.yaml").exists():
         pytest.skip(f"no {overlay} overlay")
     keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pagemesh-api-keys"},
             "data": {"api-keys": ""}}
-    run = KubeRun(Manifests(render(OVERLAYS / overlay) + [keys]), tmp_path,
+    mesh = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pagemesh-mesh"},
+            "data": {"redis-password": "", "valkey.acl": "", "internal-token": ""}}
+    run = KubeRun(Manifests(render(OVERLAYS / overlay) + [keys, mesh]), tmp_path,
                   model=tmp_path / "model", use_namespaces=False).prepare()
     devices = {r.env.get("PAGEMESH_DEVICE") for r in run.running.values()} - {None}
     assert devices == {"cpu"}, devices
