@@ -12,7 +12,6 @@ constant time.
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -103,9 +102,12 @@ class _StreamStream(_Attach, grpc.aio.StreamStreamClientInterceptor):
 
 
 def token_metadata(token: str | None = None) -> list[tuple[str, str]] | None:
-    """Call metadata carrying `token` (default: PAGEMESH_INTERNAL_TOKEN), for a tool that
-    asks a scheduler or worker directly; None without one."""
-    token = token or os.environ.get(ENV)
+    """Call metadata carrying `token` (default: PAGEMESH_INTERNAL_TOKEN, or the file that
+    PAGEMESH_INTERNAL_TOKEN_FILE names), for a tool that asks a scheduler or worker
+    directly; None without one."""
+    from pagemesh.config import env_value  # config imports the TLS code, which imports this
+
+    token = token or env_value(ENV)
     return [(METADATA_KEY, token)] if token else None
 
 

@@ -138,9 +138,16 @@ async def serve(args: argparse.Namespace) -> None:
                 await registry.put("scheduler", scheduler_id, registry_info())
 
         loop.on_status.append(on_status)
-        # Before a formation's first step: the workers check the session against this entry.
-        group.on_new_session.append(
-            lambda: registry.put("scheduler", scheduler_id, registry_info()))
+        # Before a formation's first step the workers check its session against this entry,
+        # written once the id is claimed (a killed predecessor's entry may hold it until its
+        # TTL runs out: steps of requests that reach this one early wait for that).
+        claimed = asyncio.Event()
+
+        async def announce_session() -> None:
+            await claimed.wait()
+            await registry.put("scheduler", scheduler_id, registry_info())
+
+        group.on_new_session.append(announce_session)
         loop_task = asyncio.create_task(loop.run())
         loop_task.add_done_callback(lambda task: _on_loop_exit(task, server))
         # Another instance holds this group now (this one was cut off longer than the TTL,
@@ -151,6 +158,7 @@ async def serve(args: argparse.Namespace) -> None:
             lambda record: (fenced.append(record), loop_task.cancel(), server.request_stop()))
         await server.set_serving(True)
         await registry.start_heartbeat("scheduler", scheduler_id, registry_info)
+        claimed.set()
         watch = asyncio.create_task(
             _watch_members(loop, group, registry.config.heartbeat_interval_s))
         await server.wait_for_stop()
