@@ -2,10 +2,9 @@
 against the Kubernetes API schemas of KUBERNETES_VERSION (kubernetes-validate, strict: an
 unknown field fails) or, for CRD kinds, the schema vendored in deploy/kubernetes/schemas/,
 then the mesh's own invariants: only the router is exposed, NetworkPolicies keep scheduler
-and worker ports internal, Valkey's ACL and the services' Redis password and internal token
-come from the Secret pagemesh-mesh, only the router binds 0.0.0.0, every container has
-resources, probes and a grace period, every PAGEMESH_* variable is a flag its service takes,
-one GPU per worker, ranks cover tp x pp."""
+and worker ports internal, every container has resources, probes and a grace period, every
+PAGEMESH_* variable is a flag its service takes, one GPU per worker, ranks cover tp x pp.
+The secrets and bind addresses: test_kubernetes_secrets.py."""
 
 from __future__ import annotations
 
@@ -16,144 +15,40 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
-import urllib.parse
 from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from pagemesh.config import _parse_bool
-from pagemesh.embedded_valkey import USER as VALKEY_USER
-from pagemesh.mesh_secrets import INTERNAL_TOKEN, REDIS_PASSWORD, VALKEY_ACL
 from pagemesh.ports import reserve_port
 from tests.support.compose_files import command_parser, flag_variables
+from tests.support.kube_manifests import (
+    CRD_SCHEMAS,
+    GPU_OVERLAYS,
+    GROUP_FOLDER_OVERLAYS,
+    INTERNAL_PORTS,
+    KUBERNETES_VERSION,
+    OVERLAYS,
+    PUBLIC_PORTS,
+    SCHEMAS_DIR,
+    SERVICE_MODULES,
+    SHUTDOWN_GRACE_S,
+    component,
+    container_env,
+    objects,
+    render,
+    secret_file,
+    selects,
+    service_module,
+    value_of,
+    workloads,
+)
 from tests.support.paths import REPO_ROOT
-
-KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
-SCHEMAS_DIR = KUBERNETES_DIR / "schemas"
-# The oldest Kubernetes the manifests promise (deploy/kubernetes/README.md, docs/kubernetes.md).
-KUBERNETES_VERSION = "1.30.0"
-# "+component": the overlay with a component of deploy/kubernetes/components added, as a user
-# adds it (`components:` in the overlay).
-OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/gpu+tls", "overlays/lws")
-GROUP_FOLDER_OVERLAYS = ("overlays/cpu", "overlays/gpu")  # engine groups from groups/gN
-GPU_OVERLAYS = ("overlays/gpu", "overlays/gpu+tls", "overlays/lws")
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
-               "servicemonitor-monitoring.coreos.com-v1.json",
-               ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"):
-               "leaderworkerset-leaderworkerset.x-k8s.io-v1.json"}
-SERVICE_MODULES = {"router.main", "scheduler_svc.main", "worker_svc.main"}
-PUBLIC_PORTS = {50051, 8000}
-INTERNAL_PORTS = {"scheduler": {50060}, "worker": {50070, 29500}, "standby": {50070, 29500},
-                  "redis": {6379}}
-SHUTDOWN_GRACE_S = 5.0  # --shutdown-grace-s default
-MESH_SECRET = "pagemesh-mesh"  # `kubectl create secret generic pagemesh-mesh --from-file=DIR`
-# The flags every pagemesh container takes from that Secret, by file: flag variable -> key.
-MESH_SECRET_FILES = {"PAGEMESH_REDIS_PASSWORD": REDIS_PASSWORD,
-                     "PAGEMESH_INTERNAL_TOKEN": INTERNAL_TOKEN}
-DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s default
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
                                 reason="kubectl is not installed (renders with `kubectl kustomize`)")
-
-
-@functools.cache
-def render(path: str) -> tuple[dict[str, Any], ...]:
-    overlay, *components = path.split("+")
-    with tempfile.TemporaryDirectory() as scratch:
-        target = KUBERNETES_DIR / overlay
-        if components:  # kustomize takes relative paths only
-            kustomization = {"resources": [os.path.relpath(target, scratch)],
-                             "components": [os.path.relpath(KUBERNETES_DIR / "components" / c, scratch)
-                                            for c in components]}
-            target = Path(scratch)
-            (target / "kustomization.yaml").write_text(json.dumps(kustomization))
-        done = subprocess.run(["kubectl", "kustomize", str(target)],
-                              capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
-
-
-def objects(overlay: str, kind: str) -> list[dict[str, Any]]:
-    return [obj for obj in render(overlay) if obj["kind"] == kind]
-
-
-def workloads(overlay: str) -> list[dict[str, Any]]:
-    """Deployments and StatefulSets, and each LeaderWorkerSet as its leader and its workers
-    (each a workload-like object with its own spec.template)."""
-    found = [obj for obj in render(overlay) if obj["kind"] in ("Deployment", "StatefulSet")]
-    for lws in objects(overlay, "LeaderWorkerSet"):
-        for role in ("leader", "worker"):
-            template = lws["spec"]["leaderWorkerTemplate"][f"{role}Template"]
-            found.append({"kind": "LeaderWorkerSet", "lws": lws,
-                          "metadata": {"name": f"{lws['metadata']['name']} ({role})"},
-                          "spec": {"template": template}})
-    return found
-
-
-def config_maps(overlay: str) -> dict[str, dict[str, str]]:
-    """Generated ConfigMaps by name, hash suffix and all."""
-    return {cm["metadata"]["name"]: cm.get("data", {}) for cm in objects(overlay, "ConfigMap")}
-
-
-def value_of(overlay: str, prefix: str, key: str) -> str:
-    (data,) = [data for name, data in config_maps(overlay).items()
-               if name.rsplit("-", 1)[0] == prefix]
-    return data[key]
-
-
-def component(obj: dict[str, Any]) -> str:
-    return obj["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
-
-
-def container_env(overlay: str, container: dict[str, Any]) -> dict[str, str | None]:
-    """Every variable the container gets: env (None for valueFrom) and its envFrom maps."""
-    env: dict[str, str | None] = {}
-    maps = config_maps(overlay)
-    for source in container.get("envFrom", []):
-        env.update(maps[source["configMapRef"]["name"]])
-    for item in container.get("env", []):
-        env[item["name"]] = item.get("value")
-    # What its command exports before exec (the worker's ranks).
-    env.update({name: None for name in re.findall(r"\b(PAGEMESH_\w+)=", " ".join(container.get("command", [])))})
-    return env
-
-
-def secret_file(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
-    """(Secret, key) behind the file `path` in `container`: the read-only secret volume
-    mounted above it, and the key its `items` (or the key's own name) put at that path."""
-    (mount,) = [m for m in container.get("volumeMounts", [])
-                if path.startswith(m["mountPath"].rstrip("/") + "/")]
-    assert mount.get("readOnly"), mount
-    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    relative = os.path.relpath(path, mount["mountPath"])
-    items = volume["secret"].get("items")
-    (key,) = [i["key"] for i in items if i["path"] == relative] if items else [relative]
-    return volume["secret"]["secretName"], key
-
-
-def service_module(container: dict[str, Any]) -> str | None:
-    match = re.search(r"python -m (\S+)", " ".join(container.get("command", [])))
-    return match.group(1) if match else None
-
-
-def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for expr in selector.get("matchExpressions", []):
-        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
-        if op == "In" and labels.get(key) not in values:
-            return False
-        if op == "NotIn" and key in labels and labels[key] in values:
-            return False
-        if op == "Exists" and key not in labels:
-            return False
-        if op == "DoesNotExist" and key in labels:
-            return False
-    return True
 
 
 # --- schemas ------------------------------------------------------------------------------
@@ -447,30 +342,6 @@ def test_a_leader_worker_set_group_is_its_scheduler_then_every_rank_then_standby
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_only_the_router_binds_every_interface_the_others_their_pod_ip(overlay: str) -> None:
-    """The router binds 0.0.0.0 (clients, and port-forward and its probes at 127.0.0.1); a
-    scheduler or worker binds the pod IP it advertises, so nothing in it may dial loopback."""
-    assert not [name for name, data in config_maps(overlay).items() if "PAGEMESH_HOST" in data]
-    for obj in workloads(overlay):
-        name = obj["metadata"]["name"]
-        for container in obj["spec"]["template"]["spec"]["containers"]:
-            if service_module(container) is None:
-                continue
-            env = {e["name"]: e for e in container["env"]}
-            assert env["PAGEMESH_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-            if component(obj) == "router":
-                assert env["PAGEMESH_HOST"]["value"] == "0.0.0.0", name
-                continue
-            assert env["PAGEMESH_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", name
-            hooks = [container[kind]["exec"]["command"]
-                     for kind in ("startupProbe", "readinessProbe", "livenessProbe")]
-            hooks.append(container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", []))
-            for command in hooks:
-                assert not re.search(r"\b(127\.0\.0\.1|localhost|0\.0\.0\.0)\b", " ".join(command)), \
-                    (name, command)
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_one_gpu_per_worker_and_none_elsewhere(overlay: str) -> None:
     for obj in workloads(overlay):
         (container,) = obj["spec"]["template"]["spec"]["containers"]
@@ -520,54 +391,6 @@ def test_router_reads_its_api_keys_from_a_secret_and_scales_on_a_pagemesh_metric
     assert hpa["spec"]["scaleTargetRef"]["name"] == "pagemesh-router"
     assert any(m["type"] == "Pods" and m["pods"]["metric"]["name"].startswith("pagemesh_")
                for m in hpa["spec"]["metrics"])
-
-
-# Kubernetes' quantities and Valkey's memory units (Valkey: `mb` is 1024^2, `m` 10^6).
-NUM_BYTES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "kb": 2**10, "mb": 2**20, "gb": 2**30}
-
-
-def _num_bytes(text: str) -> int:
-    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", text).groups()
-    return int(number) * NUM_BYTES[unit]
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_valkey_takes_its_acl_from_the_secret_and_never_evicts(overlay: str) -> None:
-    (redis,) = [obj for obj in workloads(overlay) if component(obj) == "redis"]
-    pod = redis["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    assert container["args"][0] == "valkey-server"
-    flags = dict(zip(container["args"][1::2], container["args"][2::2]))
-    assert secret_file(pod, container, flags["--aclfile"]) == (MESH_SECRET, VALKEY_ACL)
-    # Only the ACL (a hash) reaches Valkey, and no password on its command line.
-    assert [v["secret"]["items"] for v in pod["volumes"]] == [[{"key": VALKEY_ACL, "path": VALKEY_ACL}]]
-    assert "--requirepass" not in flags
-    # Full, it refuses writes (the services retry) before the kernel OOM-kills it.
-    assert flags["--maxmemory-policy"] == "noeviction"
-    assert _num_bytes(flags["--maxmemory"]) < _num_bytes(container["resources"]["limits"]["memory"])
-    # The probes sign in as nobody: the ACL's default user may PING.
-    for kind in ("readinessProbe", "livenessProbe"):
-        assert container[kind]["exec"]["command"] == ["valkey-cli", "ping"]
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_pagemesh_container_reads_the_redis_password_and_token_from_the_secret(overlay: str) -> None:
-    for name, data in config_maps(overlay).items():
-        assert not set(data) & {v + s for v in MESH_SECRET_FILES for s in ("", "_FILE")}, name
-    url = urllib.parse.urlsplit(value_of(overlay, "pagemesh-common", "PAGEMESH_REDIS_URL"))
-    assert (url.username, url.password) == (VALKEY_USER, None)
-    seen = set()
-    for obj in workloads(overlay):
-        pod = obj["spec"]["template"]["spec"]
-        for container in pod["containers"]:
-            if service_module(container) is None:
-                continue
-            seen.add(component(obj))
-            env = container_env(overlay, container)
-            for variable, key in MESH_SECRET_FILES.items():
-                assert variable not in env, obj["metadata"]["name"]  # never the value itself
-                assert secret_file(pod, container, env[variable + "_FILE"]) == (MESH_SECRET, key)
-    assert seen >= {"router", "scheduler", "worker"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
