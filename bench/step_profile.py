@@ -9,6 +9,7 @@ once, as `bench.control_plane --write-smollm2-folder` does). Step kinds:
 - `prefill2048`: 16 new requests x 128 prompt tokens in one step (W64's prefill chunk);
 - `prefill2048x1`: one request's 2,048-token prompt in one step (a long-prompt chunk);
 - `decode64`: 64 running requests, one token each, contexts ~128-160 (W64's decode);
+  `decode1`, `decode4`, `decode16` (any `decodeN`): N running requests, the latency rows;
 - `mixed`: those 64 decodes plus one 1,024-token prefill chunk.
 
 For each kind: the median wall time of `execute_step` over `--steps` steps, then one step
@@ -18,7 +19,10 @@ adds, in C or torch; embedding, sampling's ops), and Python (what no op accounts
 model's module calls, the sampler's bookkeeping). The profiler adds its own cost per op, so
 the split is of the profiled step and its total is above the median.
 
-The matmul limit is the step's linear-layer FLOPs at the peak rate measured in this run:
+The bandwidth floor is the time to read the model's weights once (what a decode step at small
+batch must do) at the memory bandwidth measured in this run: `torch.sum` over a buffer of the
+weights' size. The matmul limit is the step's linear-layer FLOPs at the peak rate measured in
+this run:
 `torch.mm` at 2048^3 (the issue's yardstick), and the same linear layers timed alone at the
 step's own shapes through the model's own `linear` path (oneDNN-packed where chosen).
 Writes bench/results/step_profile.{md,json}.
@@ -37,12 +41,13 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO_ROOT, write_results
-from kernels import cpu_fused
+from kernels import cpu_fused, cpu_native
+from kernels.cpu_features import cpu_features
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
               "mkldnn::_linear_pointwise", "aten::mkldnn_linear"}
-KINDS = ("prefill2048", "prefill2048x1", "decode64", "mixed")
-SCOPES = ("attention", "lm_head", "fused_ops")
+KINDS = ("prefill2048", "prefill2048x1", "decode1", "decode4", "decode16", "decode64", "mixed")
+SCOPES = ("attention", "lm_head", "fused_ops", "native_linear")
 
 
 @dataclass
@@ -52,6 +57,19 @@ class Step:
     new: list  # NewRequestData
     num_scheduled_tokens: dict[str, int]
     sample_rows: int
+
+
+def read_ms(num_bytes: int, reps: int = 5) -> float:
+    """Milliseconds to read `num_bytes` from memory once: `torch.sum` over a buffer that
+    size (fp32), the best of `reps`."""
+    buffer = torch.ones(max(1, num_bytes // 4))
+    buffer.sum()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return 1000 * min(times)
 
 
 def mm_peak_gflops(size: int = 2048, reps: int = 5) -> float:
@@ -143,30 +161,34 @@ def _wrap_scopes(runner):
     backend.store_kv = scoped("attention", backend.store_kv)
     backend.forward = scoped("attention", backend.forward)
     model.compute_logits = scoped("lm_head", model.compute_logits)
-    # The fused C kernels are no torch ops: a range makes their time "other ops", not Python.
-    for name in ("add_rms_norm", "rotary_", "silu_mul"):
-        if not hasattr(getattr(cpu_fused, name), "__wrapped_scope__"):
-            wrapped = scoped("fused_ops", getattr(cpu_fused, name))
+    # The C kernels are no torch ops: a range makes their time "other ops" (the fused
+    # elementwise ones) or matmul (the linear layers' panels), not Python.
+    for module, name, scope in ((cpu_fused, "add_rms_norm", "fused_ops"),
+                                (cpu_fused, "rotary_", "fused_ops"),
+                                (cpu_fused, "silu_mul", "fused_ops"),
+                                (cpu_native, "linear_f32", "native_linear")):
+        if not hasattr(getattr(module, name), "__wrapped_scope__"):
+            wrapped = scoped(scope, getattr(module, name))
             wrapped.__wrapped_scope__ = True
-            setattr(cpu_fused, name, wrapped)
+            setattr(module, name, wrapped)
 
 
 def breakdown(events, wall_ms: float) -> dict[str, float]:
     """Self CPU time (ms) of a profiled step's events by category; Python is the rest."""
     totals = {"matmul": 0.0, "lm_head_matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
     for event in events:
-        scope = None
+        scopes = []  # the scopes around the event, innermost first (itself included)
         parent = event
         while parent is not None:
             if parent.name in SCOPES:
-                scope = parent.name
-                break
+                scopes.append(parent.name)
             parent = parent.cpu_parent
+        scope = scopes[0] if scopes else None
         self_ms = event.self_cpu_time_total / 1000.0
         if scope == "attention":
             totals["attention"] += self_ms
-        elif event.name in MATMUL_OPS:
-            totals["lm_head_matmul" if scope == "lm_head" else "matmul"] += self_ms
+        elif event.name in MATMUL_OPS or event.name == "native_linear":
+            totals["lm_head_matmul" if "lm_head" in scopes else "matmul"] += self_ms
         elif event.name not in SCOPES:
             totals["other_ops"] += self_ms
         else:
@@ -216,16 +238,16 @@ def linear_only_ms(runner, num_tokens: int, sample_rows: int, reps: int = 3) -> 
 
 def profile_kind(runner, kind: str, steps: int, top_ops: int = 12) -> dict:
     work = Workload(runner, runner.metadata.vocab_size)
-    if kind in ("decode64", "mixed"):
-        for _ in range(4):  # 64 running requests, prefilled in chunks of 16 x 128
-            work.run([128] * 16, decode=False, finish_new=False)
+    running = 64 if kind == "mixed" else int(kind[len("decode"):]) if kind.startswith("decode") else 0
+    for first in range(0, running, 16):  # the running requests, prefilled 16 x 128 at a time
+        work.run([128] * min(16, running - first), decode=False, finish_new=False)
 
     def one():
         if kind == "prefill2048":
             return work.run([128] * 16, decode=False)
         if kind == "prefill2048x1":
             return work.run([2048], decode=False)
-        if kind == "decode64":
+        if kind.startswith("decode"):
             return work.run([], decode=True)
         return work.run([1024], decode=True)
 
@@ -279,6 +301,13 @@ def main() -> None:
         model = str(write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf"))
     peak = mm_peak_gflops()
     runner = build_runner(model, args.dtype, args.attention_backend, args.cpu_linear)
+    from worker_svc.model.matmul import packed_weight_bytes
+
+    # What a step reads: every weight but the embedding table, whose rows are looked up
+    # (tied, the LM head reads it whole through its own packed copy).
+    embedding = runner.model.model.embed_tokens.weight
+    weight_bytes = packed_weight_bytes(runner.model) - embedding.numel() * embedding.element_size()
+    floor_ms = read_ms(weight_bytes)
     results = []
     for kind in args.kinds.split(","):
         with contextlib.suppress(KeyboardInterrupt):
@@ -293,6 +322,7 @@ def main() -> None:
 
         rows.append([
             r["kind"], str(r["tokens"]), f"{r['median_ms']:.1f}",
+            f"{floor_ms:.1f} ({r['median_ms'] / floor_ms:.2f}x)",
             f"{limit_ms:.1f} ({100 * limit_ms / r['median_ms']:.0f}%)",
             f"{r['linear_only_ms']:.1f} ({100 * r['linear_only_ms'] / r['median_ms']:.0f}%)",
             pct(s["matmul"]), pct(s["lm_head_matmul"]), pct(s["attention"]),
@@ -300,15 +330,18 @@ def main() -> None:
         ])
     header = (f"# One worker step by kind: {Path(model).name} {args.dtype}, attention "
               f"{runner.backend.name}, linear {runner.cpu_linear}; torch.mm 2048^3 peak "
-              f"{peak:.0f} GFLOP/s in this run")
+              f"{peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights read in "
+              f"{floor_ms:.1f} ms ({weight_bytes / floor_ms / 1e6:.1f} GB/s) in this run; "
+              f"{cpu_features().one_line()}")
     for r in results:
         print(f"{r['kind']}: top ops by self time (ms, calls): " + ", ".join(
             f"{o['op']} {o['self_ms']:.1f} ({o['calls']})" for o in r["top_ops"]))
     write_results(args.name, header, [
-        "step", "tokens", "median ms", "matmul limit at mm peak ms (% of step)",
+        "step", "tokens", "median ms", "weights read once ms (step / it)", "matmul limit at mm peak ms (% of step)",
         "linear layers alone ms (% of step)", "matmul", "LM head matmul", "attention",
         "other ops", "Python", "profiled ms"], rows,
-        {"mm_peak_gflops": peak, "model": model, "dtype": args.dtype, "kinds": results})
+        {"mm_peak_gflops": peak, "weight_bytes": weight_bytes, "weights_read_ms": floor_ms,
+         "cpu": cpu_features().describe(), "model": model, "dtype": args.dtype, "kinds": results})
 
 
 if __name__ == "__main__":

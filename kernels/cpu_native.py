@@ -1,5 +1,6 @@
-"""Builds and calls the CPU C kernels: decode attention (`kernels/cpu_decode.c`) and the
-GGUF dequant-matmul for decoding (`kernels/cpu_gguf.c`, see `gguf_matmul` below).
+"""Builds and calls the CPU C kernels: decode attention (`kernels/cpu_decode.c`), the
+GGUF dequant-matmul for decoding (`kernels/cpu_gguf.c`, see `gguf_matmul` below) and the fp32
+linear layer on packed weight panels (`kernels/cpu_linear.c`, `linear_f32`).
 
 The decode kernel reads K and V in place through the block tables, where the torch path
 (`cpu_attention.py`) first gathers every sequence's blocks into a contiguous copy and then
@@ -63,7 +64,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _TORCH_ROUNDING = ["-ffp-contract=off"]
 SOURCES = {"cpu_decode": [], "cpu_gguf": _TORCH_ROUNDING, "cpu_rmsnorm": _TORCH_ROUNDING,
            "cpu_rotary": _TORCH_ROUNDING, "cpu_silu_mul": [], "cpu_store_kv": [],
-           "cpu_argmax": [], "cpu_token_mask": []}
+           "cpu_argmax": [], "cpu_token_mask": [], "cpu_linear": []}
 HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))  # part of every library's cache key
 _SIGNATURES = {
     "paged_decode": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -86,6 +87,9 @@ _SIGNATURES = {
     "argmax_masked_rows": [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                            ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                            ctypes.c_int],
+    "linear_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p],
+    "pack_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p],
     "store_kv": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                  ctypes.c_int],
@@ -289,3 +293,38 @@ def gguf_matmul(type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torc
                            x.shape[1], x.data_ptr(), x.shape[0], out.data_ptr(),
                            out.stride(0), max(1, torch.get_num_threads()))
     return code == 0
+
+
+LINEAR_PANEL = 8  # cpu_linear.c's PANEL: output columns per packed panel
+
+
+def pack_linear_f32(weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """W [n, k] fp32 -> cpu_linear.c's panels (a flat fp32 tensor of ceil(n / 8) * k * 8),
+    for `linear_f32`. Raises when the kernel cannot be built here (`library("cpu_linear")`)."""
+    lib = lib or library("cpu_linear")
+    if lib is None or weight.dtype != torch.float32 or weight.dim() != 2:
+        raise RuntimeError("the native linear kernel is not available for this weight")
+    n, k = weight.shape
+    weight = weight.contiguous()
+    packed = torch.empty(-(-n // LINEAR_PANEL) * LINEAR_PANEL * k, dtype=torch.float32)
+    lib.pack_f32(max(1, torch.get_num_threads()), weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+               *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [..., k] W^T + bias for W packed by `pack_linear_f32` ([n, k]): [..., n], fp32."""
+    lib = lib or library("cpu_linear")
+    if lib is None:
+        raise RuntimeError("the native linear kernel is not available")
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.to(torch.float32).contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    lib.linear_f32(max(1, torch.get_num_threads()), rows.data_ptr(), rows.shape[0], k,
+                   packed.data_ptr(), n, bias.data_ptr() if bias is not None else None,
+                   out.data_ptr())
+    return out.reshape(*x.shape[:-1], n)

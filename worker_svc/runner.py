@@ -84,7 +84,7 @@ class RunnerConfig:
     swap_space_bytes: int = 0  # CPU memory for preempted requests' KV; 0 = no swapping
     max_model_len: int | None = None  # tokens; default: the model's own limit
     attention_backend: str = "auto"  # auto | torch | triton
-    cpu_linear: str = "auto"  # auto | onednn | torch: how linear layers multiply on CPU
+    cpu_linear: str = "auto"  # auto | native | onednn | torch: how linear layers multiply on CPU
     # auto | none | fp8 | awq; auto = what the checkpoint's config says (worker_svc/quant)
     quantization: str = "auto"
     # GGUF: keep the linear layers' quantized blocks, dequantize per matmul (quant/gguf.py)

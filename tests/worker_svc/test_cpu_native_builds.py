@@ -111,6 +111,7 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
     # the CPU has the instructions.
     decode = cpu_native._build("cpu_decode", arch, config)
     gguf_lib = cpu_native._build("cpu_gguf", arch, config)
+    linear_lib = cpu_native._build("cpu_linear", arch, config)
     _skip_unless_runnable(level)
     for dtype in (torch.float32, torch.bfloat16):
         for window in (None, 9):
@@ -127,6 +128,12 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
         out = torch.empty(x.shape[0], blocks.shape[0])
         assert cpu_native.gguf_matmul(type_name, blocks, x, out, lib=gguf_lib)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    for rows in (1, 2, 5, 13):  # each row tile, and 6-row tiles with a remainder
+        weight, x, bias = torch.randn(75, 96), torch.randn(rows, 96), torch.randn(75)
+        packed = cpu_native.pack_linear_f32(weight, lib=linear_lib)
+        out = cpu_native.linear_f32(x, packed, 75, bias, lib=linear_lib)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias),
+                                   rtol=1e-4, atol=1e-4)
 
 
 @needs_compiler

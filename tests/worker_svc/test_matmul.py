@@ -6,12 +6,15 @@ import re
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from kernels.cpu_features import cpu_features
 from worker_svc.model.config import parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import (
+    NativeWeight,
     OneDnnWeight,
+    native_linear_available,
     onednn_linear_available,
     pack_linear_weights,
     packed_weight_bytes,
@@ -49,7 +52,7 @@ def test_packed_layers_compute_what_f_linear_does(dtype):
     x_mlp = torch.randn(5, 128, dtype=dtype)
     before = [layers[0](x), layers[1](x_mlp), model.model.embed_tokens.logits(x)]
     plain_bytes = packed_weight_bytes(model)
-    assert pack_linear_weights(model, "auto") == "onednn"
+    assert pack_linear_weights(model, "onednn") == "onednn"
     after = [layers[0](x), layers[1](x_mlp), model.model.embed_tokens.logits(x)]
     for a, b in zip(before, after, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
@@ -59,7 +62,7 @@ def test_packed_layers_compute_what_f_linear_does(dtype):
     assert model.model.embed_tokens.weight.numel() == 100 * 64
     embed_bytes = 100 * 64 * torch.empty((), dtype=dtype).element_size()
     assert packed_weight_bytes(model) == plain_bytes + embed_bytes
-    assert pack_linear_weights(model, "auto") == "onednn"  # idempotent: nothing packed twice
+    assert pack_linear_weights(model, "onednn") == "onednn"  # idempotent: nothing packed twice
 
 
 @needs_onednn
@@ -93,3 +96,36 @@ def test_choices_are_checked():
     with pytest.raises(ValueError, match="needs a CPU device"):
         resolve_cpu_linear("onednn", torch.device("meta"), torch.float32)
     assert resolve_cpu_linear("auto", torch.device("cpu"), torch.float16) == "torch"
+
+
+@pytest.mark.skipif(not native_linear_available(torch.float32),
+                    reason="no C compiler builds kernels/cpu_linear.c here")
+def test_native_panels_compute_what_f_linear_does():
+    """Every row count the kernel tiles differently (1-6, then 6-row tiles and a remainder),
+    widths that leave a partial panel, a bias, and the model's layers once packed."""
+    for rows, out_features, in_features in [(1, 576, 576), (2, 13, 64), (3, 8, 7), (4, 100, 33),
+                                            (5, 9, 128), (6, 64, 64), (13, 250, 96), (0, 16, 8)]:
+        weight = torch.randn(out_features, in_features)
+        bias = torch.randn(out_features)
+        x = torch.randn(rows, in_features)
+        packed = NativeWeight(weight)
+        expected = F.linear(x.double(), weight.double(), bias.double()).float()
+        # fp32 sums in another order than the float64 reference: ~1e-5 of sqrt(k) terms.
+        torch.testing.assert_close(packed.apply(x, bias), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(packed.apply(x[None], None)[0],
+                                   F.linear(x.double(), weight.double()).float(),
+                                   rtol=1e-4, atol=1e-4)
+    model = tiny_llama(torch.float32)
+    x = torch.randn(5, 64)
+    layer = model.model.layers[0].self_attn.qkv_proj
+    before = [layer(x), model.model.embed_tokens.logits(x)]
+    assert pack_linear_weights(model, "native") == "native"
+    after = [layer(x), model.model.embed_tokens.logits(x)]
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert layer.weight.numel() == 0 and isinstance(layer.packed_weight, NativeWeight)
+    # Without AVX-512 (where it was measured to win) it is what auto picks for fp32.
+    if not cpu_features().has("avx512f"):
+        assert resolve_cpu_linear("auto", torch.device("cpu"), torch.float32) == "native"
+    with pytest.raises(ValueError, match="multiplies fp32 only"):
+        resolve_cpu_linear("native", torch.device("cpu"), torch.bfloat16)

@@ -1,5 +1,18 @@
-"""How the model's linear layers multiply: `F.linear`, or oneDNN with weights packed once.
+"""How the model's linear layers multiply: `F.linear`, or weights packed once for oneDNN or
+for pagemesh's own fp32 kernel (`kernels/cpu_linear.c`).
 
+**native** (fp32; the default on a CPU without AVX-512 wherever a C compiler builds the
+kernel, or where oneDNN does not run): weights in
+8-column panels, multiplied by register tiles whose shape follows the row count. At batch-1
+decode a linear layer is a matrix-vector product bound by memory bandwidth, and neither MKL
+nor oneDNN comes near it: SmolLM2-135M's 538 MB of linear weights (30 layers and the LM
+head) take 68 ms through F.linear, 64-72 ms through oneDNN and 18.4 ms through the panels,
+against 13 ms for `torch.sum` to read them (2-core AVX2 EPYC; `python -m bench.linear`). At
+64 rows the panels still win (168 against oneDNN's 189 ms) and at prefill sizes they match
+it (127-147 GFLOP/s). Measured on AVX2 only. An AVX-512 CPU would run the same 8-wide code,
+where oneDNN's fp32 kernel reaches ~500 GFLOP/s (below), so auto keeps oneDNN there.
+
+**onednn**:
 On CPU, `F.linear` in fp32 goes to MKL, which takes its AVX2 path on AMD processors: about
 200 GFLOP/s on a 2-core AVX-512 + AVX512_BF16 EPYC, where oneDNN's fp32 kernel (what vLLM's
 CPU backend calls) reaches ~500 GFLOP/s at decode shapes (64x512x2816) and its bf16 kernel
@@ -27,11 +40,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kernels import cpu_native
 from kernels.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
 
-CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
+CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
 # oneDNN chooses its blocking for this many rows; any row count works with the result.
 _PACK_FOR_ROWS = 64
 
@@ -74,6 +88,26 @@ class OneDnnWeight(PreparedWeight):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
+class NativeWeight(PreparedWeight):
+    """A plain fp32 weight in cpu_linear.c's panels (a `PreparedWeight`)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = cpu_native.pack_linear_f32(weight.detach())
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_native.linear_f32(x, self.packed, self.out_features, bias)
+
+
+def native_linear_available(dtype: torch.dtype) -> bool:
+    """Whether the C kernel multiplies `dtype` here: fp32, with a compiler that built it."""
+    return dtype == torch.float32 and cpu_native.library("cpu_linear") is not None
+
+
 class PreparableLinear:
     """Mixed into every layer that multiplies through `linear`, so each has a
     `packed_weight` (None until a quantized load or oneDNN packing sets it)."""
@@ -96,22 +130,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def resolve_cpu_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "onednn" on CPU when the build supports it for `dtype`, else "torch"."""
+    """"auto" -> "native" on CPU for fp32 when the C kernel builds and the CPU has no
+    AVX-512 (or oneDNN does not run), else "onednn" when the build supports it for `dtype`,
+    else "torch"."""
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"unknown cpu linear backend {choice!r}; choose one of "
                          f"{CPU_LINEAR_CHOICES}")
-    usable = device.type == "cpu" and onednn_linear_available(dtype)
-    if choice == "onednn" and not usable:
+    on_cpu = device.type == "cpu"
+    native = on_cpu and native_linear_available(dtype)
+    onednn = on_cpu and onednn_linear_available(dtype)
+    if choice == "native" and not native:
+        why = (cpu_native.build_error("cpu_linear") or "no C compiler, or disabled"
+               if dtype == torch.float32 else f"it multiplies fp32 only, not {dtype}")
+        raise ValueError(f"--cpu-linear native needs a CPU device and the C kernel "
+                         f"({'device ' + str(device) if not on_cpu else why}); use --cpu-linear "
+                         "torch")
+    if choice == "onednn" and not onednn:
         where = (f"CPU {cpu_features().isa_summary}, torch {torch.__version__}"
-                 if device.type == "cpu" else f"device {device}")
+                 if on_cpu else f"device {device}")
         raise ValueError(f"--cpu-linear onednn needs a CPU device whose torch build runs "
                          f"oneDNN {dtype} linear kernels ({where}); use --cpu-linear torch")
     if choice == "auto":
-        resolved = "onednn" if usable else "torch"
-        if device.type == "cpu":
-            logger.info("cpu linear auto -> %s for %s (oneDNN %s linear %s on %s)", resolved,
-                        dtype, dtype, "runs" if usable else "does not run",
-                        cpu_features().one_line())
+        prefer_native = native and not (onednn and cpu_features().has("avx512f"))
+        resolved = "native" if prefer_native else ("onednn" if onednn else "torch")
+        if on_cpu:
+            logger.info("cpu linear auto -> %s for %s (native kernel %s, oneDNN %s linear %s "
+                        "on %s)", resolved, dtype, "builds" if native else "does not apply",
+                        dtype, "runs" if onednn else "does not run", cpu_features().one_line())
         return resolved
     return choice
 
@@ -124,7 +169,7 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
     if not params:
         return "torch"
     resolved = resolve_cpu_linear(choice, params[0].device, params[0].dtype)
-    if resolved != "onednn":
+    if resolved not in ("native", "onednn"):
         return resolved
     count = 0
     for module in model.modules():
@@ -132,14 +177,15 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
                 or module.packed_weight is not None):
             continue
         weight = module.weight
-        module.packed_weight = OneDnnWeight(
-            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_FOR_ROWS))
+        module.packed_weight = (
+            NativeWeight(weight) if resolved == "native" else
+            OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_FOR_ROWS)))
         if not module.keeps_plain_weight:
             # Only the shape survives; the packed copy is the weight from now on.
             module.weight = nn.Parameter(torch.empty((0, weight.shape[1]), dtype=weight.dtype),
                                          requires_grad=False)
         count += 1
-    logger.info("packed %d linear weights for oneDNN (%s)", count, params[0].dtype)
+    logger.info("packed %d linear weights for %s (%s)", count, resolved, params[0].dtype)
     return resolved
 
 
