@@ -1,13 +1,13 @@
 """The engine core in one process: the engine loop the scheduler service runs, driving the
 model runner in this process (`InprocExecutor`), no gRPC and no other process.
 
-Each step is what a pagemesh step is — `Scheduler.schedule()`, the step as the worker's
-protobuf, `ModelRunner.execute_step` on the model thread, `Scheduler.update()`, the events
+Each step is what a pagemesh step is — `Scheduler.schedule()`, `ModelRunner.execute_step`
+on the model thread (the step's own types: no protobuf in one process), `Scheduler.update()`, the events
 handed to their sink — with every request submitted at once. Against `pagemesh bench` on a
 mesh with the same settings, the difference is what the mesh costs: processes, two gRPC
 hops, streaming to clients.
 
-    .venv/bin/python -m bench.inprocess [--dtype bfloat16] [--num-requests 64]
+    .venv/bin/python -m bench.inprocess [--dtype bfloat16] [--num-requests 64] [--cpu-linear onednn]
 
 TTFT and ITL come from the engine's clock: a token "arrives" when its sink gets it.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 
@@ -29,20 +30,19 @@ from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.executor import InprocExecutor
-from worker_svc.inproc import step_function
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 
 
 def build_engine(model: str, dtype: str = "float32", max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 2048, threads: int = 0,
-                 enable_prefix_caching: bool = True, async_scheduling: bool = True
-                 ) -> tuple[Scheduler, ModelRunner]:
+                 enable_prefix_caching: bool = True, async_scheduling: bool = True,
+                 cpu_linear: str = "auto") -> tuple[Scheduler, ModelRunner]:
     """A scheduler core sized from a runner, as `pagemesh up` sizes them by default."""
     if threads:
         torch.set_num_threads(threads)
     runner = ModelRunner.from_config(RunnerConfig(
-        model_path=model, dtype=dtype))  # the KV cache sized as `pagemesh up` sizes it
+        model_path=model, dtype=dtype, cpu_linear=cpu_linear))  # KV sized as `up` sizes it
     info = runner.info()
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=info.num_blocks, block_size=info.block_size,
@@ -82,6 +82,8 @@ async def _run(loop: EngineLoop, requests: list[Request]) -> _Arrivals:
         await arrivals.done.wait()
     finally:
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # its steps not yet started are cancelled with it
         await loop.workers.close()
     return arrivals
 
@@ -94,7 +96,7 @@ def run_requests(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[i
     requests = [Request(request_id=RequestId(f"bench-{i}"), prompt_token_ids=list(prompt),
                         sampling=SamplingParams(temperature=0.0, seed=i), max_tokens=max_tokens,
                         arrival_time_s=start) for i, prompt in enumerate(prompts)]
-    loop = EngineLoop(scheduler, InprocExecutor(step_function(runner)))
+    loop = EngineLoop(scheduler, InprocExecutor(runner.execute_step))
     arrivals = asyncio.run(_run(loop, requests)).times
     duration = time.perf_counter() - start
     return RunResult(
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument("--cpu-linear", default="auto", help="auto | native | onednn | torch")
     parser.add_argument("--json", default=None, help="write the RunResult here")
     args = parser.parse_args(argv)
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
@@ -126,11 +129,12 @@ def main(argv: list[str] | None = None) -> None:
                               max_tokens=args.max_tokens)
     prompts = [r.prompt_token_ids for r in workload.requests]
     scheduler, runner = build_engine(model, args.dtype, max_num_seqs=args.max_num_seqs,
-                                     threads=args.threads)
+                                     threads=args.threads, cpu_linear=args.cpu_linear)
     run_requests(scheduler, runner, [p[:8] for p in prompts[:4]], 4, workload="warm-up")
     result = run_requests(scheduler, runner, prompts, args.max_tokens)
     summary = result.summary()
-    print(f"{result.engine} {result.dtype}: {result.output_tok_s:.1f} tok/s, "
+    print(f"{result.engine} {result.dtype}, linear {runner.cpu_linear}: "
+          f"{result.output_tok_s:.1f} tok/s, "
           f"TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, ITL p50 {summary['itl_ms']['p50']:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:

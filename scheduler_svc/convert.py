@@ -10,7 +10,6 @@ functions (it reads only the request id it logs under and the model's EOS ids);
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 from pagemesh.checkpoints import TokenLogprobs
 from pagemesh.registry_entries import GroupStatus
@@ -38,11 +37,6 @@ _FINISH_REASON_TO_PB = {
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
-
-# A worker's step as the wire carries it: what an in-process executor runs
-# (`worker_svc.inproc.step_function(runner)`).
-StepFunction = Callable[[worker_pb2.ExecuteStepRequest], worker_pb2.ExecuteStepResponse]
-
 
 # Fields the router may leave unset: SamplingParams' defaults (the one place they are
 # written) apply to them.

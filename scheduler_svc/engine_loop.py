@@ -164,46 +164,52 @@ class EngineLoop:
         """Schedules up to `max_steps_in_flight` steps ahead (pipeline parallelism keeps one
         per stage in flight so no stage idles), then updates with the oldest as it returns."""
         pending: deque[tuple[SchedulerOutput, asyncio.Task[ModelRunnerOutput]]] = deque()
-        while True:
-            if self._recovery_reason is not None:
-                self._abandon(pending)
-                await self._recover()
-                continue
-            while len(pending) < self.max_steps_in_flight and self.scheduler.has_work():
-                output = self.scheduler.schedule()
-                if output.is_empty:  # e.g. everything runnable is already in flight
-                    break
-                for hook in self.on_schedule:
-                    hook(output)
-                traceparents = self.tracing.on_scheduled(output, self.scheduler.requests)
-                task = asyncio.create_task(self.workers.execute(output, traceparents))
-                pending.append((output, task))
-            if not pending:
-                if self.scheduler.has_work():
-                    await asyncio.sleep(0.001)  # nothing fits right now (just preempted)
-                else:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                continue
-            output, task = pending[0]
-            started = time.perf_counter()
-            try:
-                result = await self._await_step(output, task)
-            except Exception as exc:
-                if self.group is None:
+        try:
+            while True:
+                if self._recovery_reason is not None:
                     self._abandon(pending)
-                    self.scheduler.invalidate_prefix_cache()
-                    self.fail_all(f"engine group step failed: {exc}")
+                    await self._recover()
                     continue
-                self._recovery_reason = f"step {output.step_id} failed: {exc}"
-                continue
-            pending.popleft()
-            self._recoveries_without_progress = 0
-            self.last_step_time_ms = (time.perf_counter() - started) * 1000
-            self.num_steps += 1
-            self._deliver(self.scheduler.update(output, result))
-            for hook in self.on_step:
-                hook()
+                while len(pending) < self.max_steps_in_flight and self.scheduler.has_work():
+                    output = self.scheduler.schedule()
+                    if output.is_empty:  # e.g. everything runnable is already in flight
+                        break
+                    for hook in self.on_schedule:
+                        hook(output)
+                    traceparents = self.tracing.on_scheduled(output, self.scheduler.requests)
+                    task = asyncio.create_task(self.workers.execute(output, traceparents))
+                    pending.append((output, task))
+                if not pending:
+                    if self.scheduler.has_work():
+                        await asyncio.sleep(0.001)  # nothing fits right now (just preempted)
+                    else:
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                    continue
+                output, task = pending[0]
+                started = time.perf_counter()
+                try:
+                    result = await self._await_step(output, task)
+                except Exception as exc:
+                    if self.group is None:
+                        self._abandon(pending)
+                        self.scheduler.invalidate_prefix_cache()
+                        self.fail_all(f"engine group step failed: {exc}")
+                        continue
+                    self._recovery_reason = f"step {output.step_id} failed: {exc}"
+                    continue
+                pending.popleft()
+                self._recoveries_without_progress = 0
+                self.last_step_time_ms = (time.perf_counter() - started) * 1000
+                self.num_steps += 1
+                self._deliver(self.scheduler.update(output, result))
+                for hook in self.on_step:
+                    hook()
+        finally:
+            # Stopped (cancelled): steps not started yet must not start on an executor
+            # the caller closes next.
+            for _, task in pending:
+                task.cancel()
 
     async def _await_step(self, output: SchedulerOutput,
                           task: asyncio.Task[ModelRunnerOutput]) -> ModelRunnerOutput:

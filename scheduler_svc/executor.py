@@ -3,11 +3,13 @@
 Two implementations, one loop (as vLLM's engine core runs behind its in-process and
 multiprocess clients alike):
 - `WorkerGroupClient` (worker_client.py): the engine group's workers over gRPC;
-- `InprocExecutor` (here): a model runner in this very process, handed the step as the
-  worker's own protobuf with no network in between. The runner comes from whoever builds
-  the loop (bench/inprocess.py, tests), so this service still imports no torch.
+- `InprocExecutor` (here): a model runner in this very process, called with the step
+  contract's own types (`runner.execute_step`): no protobuf, as vLLM's in-process client
+  calls its engine core directly. The runner comes from whoever builds the loop
+  (bench/inprocess.py, the offline LLM, tests), so this service still imports no torch.
 
-Protobuf stays inside the executors, built and read by `convert.py`; the loop sees only
+Protobuf appears only where a step crosses a process boundary (the gRPC executor here, the
+offline LLM's local worker processes), built and read by `convert.py`; the loop sees only
 the step contract's types (`protos/step.py`).
 """
 
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Protocol
 
 from protos.step import ModelRunnerOutput, SchedulerOutput
-from scheduler_svc import convert
-from scheduler_svc.convert import StepFunction
+
+# What an in-process executor runs: a model runner's `execute_step`, or one around it.
+StepFunction = Callable[[SchedulerOutput], ModelRunnerOutput]
 
 
 class Executor(Protocol):
@@ -34,19 +38,18 @@ class Executor(Protocol):
 
 
 class InprocExecutor:
-    """Runs each step with `run_step` (e.g. `worker_svc.inproc.step_function(runner)`) on one
-    model thread, so steps keep their order and the event loop stays free to plan the next
-    step (and to stream tokens out) while a forward pass runs."""
+    """Runs each step with `run_step` (e.g. `runner.execute_step`) on one model thread, so
+    steps keep their order and the event loop stays free to plan the next step (and to
+    stream tokens out) while a forward pass runs. The runner copies what it keeps of a step
+    (token and block lists), so the scheduler may go on changing its requests meanwhile."""
 
     def __init__(self, run_step: StepFunction) -> None:
         self._run_step = run_step
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
-        request = convert.scheduler_output_to_pb(output, traceparents)
-        response = await asyncio.get_running_loop().run_in_executor(
-            self._thread, self._run_step, request)
-        return convert.model_runner_output_from_pb(response)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, self._run_step, output)
 
     async def unresponsive(self, timeout_s: float) -> list[str]:
         return []  # the model runs in this process: nothing to ask

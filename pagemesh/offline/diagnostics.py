@@ -24,7 +24,7 @@ from worker_svc.diagnostics import (ProfileTraceFile, Profiler, RankMemory, Step
                                     StepStatsSnapshot, memory_stats, run_step_recorded)
 
 if TYPE_CHECKING:
-    from protos.pagemesh.worker.v1 import worker_pb2
+    from protos.step import ModelRunnerOutput, SchedulerOutput
     from scheduler_svc.core.config import SchedulerStats
     from worker_svc.runner import ModelRunner
 
@@ -91,14 +91,9 @@ class RankDiagnostics:
         self.step_stats = StepStats()
         self.profiler = Profiler(runner.device, self.step_stats)
 
-    def run_step(self, request: worker_pb2.ExecuteStepRequest
-                 ) -> worker_pb2.ExecuteStepResponse:
-        """`worker_svc.inproc.step_function(runner)`, each step recorded."""
-        from worker_svc import convert
-
-        output = run_step_recorded(self.runner, convert.scheduler_output_from_pb(request),
-                                   self.step_stats)
-        return convert.model_runner_output_to_pb(output)
+    def run_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """`runner.execute_step`, each step recorded."""
+        return run_step_recorded(self.runner, step, self.step_stats)
 
     def memory(self) -> RankMemory:
         return memory_stats(self.runner)

@@ -3,8 +3,8 @@ this machine, driven by the engine loop in the parent.
 
 The design, and why: each rank is a spawned process that builds the same `ModelRunner` a
 `worker_svc.main` worker builds (`init_distributed` on 127.0.0.1: gloo on CPU, NCCL on
-CUDA, one GPU per rank) and runs each step with `worker_svc.inproc.step_function`: the
-worker's `ExecuteStep` on the step's protobuf, with no gRPC server, no Redis and no
+CUDA, one GPU per rank) and runs each step as the worker's `ExecuteStep` does: the step's
+protobuf (it crosses a process boundary) to the runner's `execute_step`, with no gRPC server, no Redis and no
 registry. The parent talks to each rank over a socket pair (a `multiprocessing`
 connection), as worker_svc/local_group.py does over pipes for tests and benchmarks, but in
 the step protocol of the
@@ -69,6 +69,7 @@ def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
 
     from pagemesh.offline.diagnostics import RankDiagnostics
     from protos.pagemesh.worker.v1 import worker_pb2
+    from worker_svc import convert as worker_convert
     from worker_svc.distributed import init_distributed
     from worker_svc.runner import ModelRunner
 
@@ -88,7 +89,11 @@ def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
         return
     conn.send(("ok", runner.info()))
     diagnostics = RankDiagnostics(runner)  # every step recorded; the rank's profiler
-    run_step = diagnostics.run_step
+    def run_step(message: bytes) -> bytes:
+        request = worker_pb2.ExecuteStepRequest.FromString(message)
+        output = diagnostics.run_step(worker_convert.scheduler_output_from_pb(request))
+        return worker_convert.model_runner_output_to_pb(output).SerializeToString()
+
     try:
         while True:
             message = conn.recv_bytes()
@@ -98,8 +103,8 @@ def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
                 _answer_admin(diagnostics, pickle.loads(message[len(ADMIN_PREFIX):]), conn)
                 continue
             try:
-                response = run_step(worker_pb2.ExecuteStepRequest.FromString(message))
-                conn.send(("ok", response.SerializeToString() if parallel.is_driver else b""))
+                response = run_step(message)
+                conn.send(("ok", response if parallel.is_driver else b""))
             except Exception as exc:  # the step failed on this rank: say so, keep serving
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
     except (EOFError, OSError):  # the parent went away

@@ -22,7 +22,6 @@ from pagemesh.testing.tiny_models import write_tiny_model
 
 pytest.importorskip("torch")
 
-from worker_svc.inproc import step_function  # noqa: E402
 from worker_svc.runner import ModelRunner, RunnerConfig  # noqa: E402
 
 EOS = 0
@@ -104,7 +103,7 @@ def run(model: Path, async_scheduling: bool, num_blocks: int) -> tuple[Outputs, 
                                           max_num_batched_tokens=64, max_num_seqs=16,
                                           max_model_len=info.max_model_len,
                                           async_scheduling=async_scheduling))
-    executor = CountingExecutor(step_function(runner))
+    executor = CountingExecutor(runner.execute_step)
     loop = EngineLoop(scheduler, executor)
     submits = requests()
     outputs = Outputs(sum(map(len, submits)))

@@ -21,7 +21,6 @@ from pagemesh.testing.tiny_models import write_tiny_model
 
 torch = pytest.importorskip("torch")
 
-from worker_svc.inproc import step_function  # noqa: E402
 from worker_svc.runner import ModelRunner, RunnerConfig  # noqa: E402
 
 
@@ -41,7 +40,7 @@ class Scheduled:
         config = SchedulerConfig(num_blocks=info.num_blocks, block_size=info.block_size,
                                  max_num_batched_tokens=2048, max_num_seqs=128,
                                  max_model_len=info.max_model_len)
-        self.loop = EngineLoop(Scheduler(config), InprocExecutor(step_function(runner)))
+        self.loop = EngineLoop(Scheduler(config), InprocExecutor(runner.execute_step))
         model_info = generate_pb2.GetModelInfoResponse(model="tiny", eos_token_ids=[0])
         self.servicer = SchedulerServicer(self.loop, model_info,
                                           max_buffered_tokens=max_buffered_tokens)
