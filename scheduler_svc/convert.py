@@ -38,8 +38,8 @@ _FINISH_REASON_TO_PB = {
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 
-# Fields the router may leave unset: SamplingParams' defaults (the one place they are
-# written) apply to them.
+# Fields the router may leave unset (None in the core's RequestSpec): SamplingParams'
+# defaults (the one place they are written) apply to them.
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty")
 
 
@@ -48,8 +48,6 @@ def submission_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]
     """The request as admitted: one core request per sample that still has to run (see
     `admission.expand_samples`), and the resumed samples already ended (see
     `admission.ended_samples`). Raises ValueError for a message that cannot run."""
-    if not pb.request_id:
-        raise ValueError("request_id is empty: every request needs an id")
     base = _request_from_pb(pb, eos_token_ids, arrival_time_s)
     n = max(pb.n, 1)
     progress = _progress(pb)
@@ -103,35 +101,19 @@ def _progress_logprobs(pb: scheduler_pb2.SubmitRequest) -> dict[int, list[TokenL
 
 def _request_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
                      arrival_time_s: float) -> Request:
-    sampling = pb.sampling
-    if not sampling.HasField("seed"):
-        # The router draws every request's seed, so that any scheduler resumes it the same.
-        raise ValueError("sampling.seed is unset: send the seed the request draws with")
-    stopping = pb.stopping
-    stop_ids = set(stopping.stop_token_ids)
-    if not stopping.ignore_eos:
-        stop_ids.update(eos_token_ids)
-    unset_is_default = {name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING
-                        if sampling.HasField(name)}
-    return Request(
-        request_id=RequestId(pb.request_id),
-        prompt_token_ids=list(pb.prompt_token_ids),
-        sampling=SamplingParams(
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
-            seed=sampling.seed,
-            min_tokens=stopping.min_tokens,
-            stop_token_ids=tuple(sorted(stop_ids)),
-            num_logprobs=pb.logprobs,
-            grammar=pb.grammar,
-            **unset_is_default,
-        ),
-        max_tokens=stopping.max_tokens,
-        arrival_time_s=arrival_time_s,
-        priority=pb.priority,
-    )
+    """Fields mapped to the core's door (`admission.core_request`), which holds the rules."""
+    sampling, stopping = pb.sampling, pb.stopping
+    unset_is_none = {name: getattr(sampling, name) if sampling.HasField(name) else None
+                     for name in _OPTIONAL_SAMPLING}
+    return admission.core_request(admission.RequestSpec(
+        request_id=pb.request_id, prompt_token_ids=pb.prompt_token_ids,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        max_tokens=stopping.max_tokens, top_k=sampling.top_k, min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty, min_tokens=stopping.min_tokens,
+        stop_token_ids=stopping.stop_token_ids, ignore_eos=stopping.ignore_eos,
+        num_logprobs=pb.logprobs, grammar=pb.grammar, priority=pb.priority, **unset_is_none),
+        eos_token_ids, arrival_time_s)
 
 
 def _sampling_to_pb(s: SamplingParams) -> worker_pb2.SamplingParams:

@@ -3,10 +3,10 @@ and the scheduler's own pieces so that a request means here what it means in the
 
 - `prepare`: the router's validation (router/validation.py `validate`, the servers'
   messages), its seed for unseeded requests (`Submission.fresh`), its compiled output
-  constraint (router/structured.py), then the scheduler's conversion of that submission
-  into core requests (scheduler_svc/convert.py: EOS and stop ids, one request per sample
-  with seed + i, samples forking from the first one's prompt) through the same
-  `SubmitRequest` the router sends;
+  constraint (router/structured.py), then the core's admission door
+  (scheduler_svc/core/admission.py `core_request`: EOS and stop ids, the defaults; one
+  request per sample with seed + i, samples forking from the first one's prompt), the
+  same rules the scheduler applies to the router's `SubmitRequest`, with no protobuf;
 - `BatchSink`: the engine loop's sink for the whole call; each sample's tokens go through
   the router's `SampleStream` (incremental detokenization, stop strings); a sample a stop
   string ends is aborted in the engine at once, as the router aborts it in the mesh.
@@ -21,14 +21,13 @@ from dataclasses import dataclass, field
 
 from pagemesh.offline.outputs import CompletionOutput, Logprob, RequestOutput
 from pagemesh.sampling_params import SamplingParams
-from router import convert as router_convert
 from router.detokenizer import IncrementalDetokenizer
 from router.sample_stream import SampleStream
 from router.structured import GrammarCompiler
 from router.tokenizer import Tokenizer
 from router.types import FinishReason, SampleOutput, Submission, TokenLogprob
 from router.validation import ModelLimits, validate
-from scheduler_svc import convert as scheduler_convert
+from scheduler_svc.core import admission
 from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.types import Request, RequestEvent
 
@@ -66,10 +65,25 @@ def prepare(request_id: str, prompt: Prompt, params: SamplingParams, limits: Mod
                          options.num_logprobs, "", limits, n=options.n,
                          priority=prompt.priority, grammar=grammar)
     submission = Submission.fresh(request_id, validated, seed)
-    admitted = scheduler_convert.submission_from_pb(
-        router_convert.submit_request(submission), limits.eos_token_ids, time.time())
-    return PreparedRequest(request_id, prompt, params, admitted.requests, submission.n,
+    base = admission.core_request(request_spec(submission), limits.eos_token_ids, time.time())
+    return PreparedRequest(request_id, prompt, params,
+                           admission.expand_samples(base, submission.n, {}), submission.n,
                            params.logprobs)
+
+
+def request_spec(submission: Submission) -> admission.RequestSpec:
+    """The core's door for a validated request, field for field what the router's
+    `SubmitRequest` carries to a scheduler, with no protobuf in between."""
+    sampling, stopping = submission.sampling, submission.stopping
+    return admission.RequestSpec(
+        request_id=submission.request_id, prompt_token_ids=submission.prompt_token_ids,
+        seed=sampling.seed, max_tokens=stopping.max_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p, repetition_penalty=sampling.repetition_penalty,
+        top_k=sampling.top_k, min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty, min_tokens=stopping.min_tokens,
+        stop_token_ids=stopping.stop_token_ids, ignore_eos=stopping.ignore_eos,
+        num_logprobs=submission.num_logprobs, grammar=submission.grammar,
+        priority=submission.priority)
 
 
 @dataclass

@@ -1,15 +1,86 @@
-"""Checks on arriving requests and on sampled tokens; pure functions of a request."""
+"""Checks on arriving requests and on sampled tokens; pure functions of a request.
+
+`core_request` is the door every caller uses, on plain types: the scheduler service maps a
+`SubmitRequest`'s fields to a `RequestSpec` (scheduler_svc/convert.py), the offline `LLM`
+builds one directly, and both get the same rules (an id, a seed, EOS among the stop ids
+unless ignored, the defaults of fields left unset)."""
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Container, Mapping, Sequence
 
-from protos.step import RequestId
+from protos.step import RequestId, SamplingParams
 from scheduler_svc.core.config import CapacityError, SchedulerConfig
-from scheduler_svc.core.types import FINISHED_STATUS, FinishReason, Request, RequestStatus
+from scheduler_svc.core.types import (
+    FINISHED_STATUS,
+    FinishReason,
+    Request,
+    RequestStatus,
+)
 
 SEED_MODULUS = 2**64
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    """What a caller asks the engine to run, before the admission rules: plain values, with
+    None where a field was left unset (its SamplingParams default applies)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    seed: int | None  # required: the caller draws it, so that any scheduler resumes alike
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    num_logprobs: int = 0
+    grammar: str = ""
+    priority: int = 0
+
+
+_DEFAULTED = ("temperature", "top_p", "repetition_penalty")  # None: SamplingParams' default
+
+
+def _f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def core_request(spec: RequestSpec, eos_token_ids: Sequence[int], arrival_time_s: float
+                 ) -> Request:
+    """The core request `spec` asks for; raises ValueError for one that cannot run."""
+    if not spec.request_id:
+        raise ValueError("request_id is empty: every request needs an id")
+    if spec.seed is None:
+        raise ValueError("sampling.seed is unset: send the seed the request draws with")
+    stop_ids = set(spec.stop_token_ids)
+    if not spec.ignore_eos:
+        stop_ids.update(eos_token_ids)
+    # Floats as float32, as the wire carries them and the sampler's tensors hold them: a
+    # request sampled in-process draws exactly what it draws through the mesh.
+    given = {name: _f32(getattr(spec, name)) for name in _DEFAULTED
+             if getattr(spec, name) is not None}
+    return Request(
+        request_id=RequestId(spec.request_id),
+        prompt_token_ids=list(spec.prompt_token_ids),
+        sampling=SamplingParams(
+            top_k=spec.top_k, min_p=_f32(spec.min_p),
+            presence_penalty=_f32(spec.presence_penalty),
+            frequency_penalty=_f32(spec.frequency_penalty), seed=spec.seed,
+            min_tokens=spec.min_tokens, stop_token_ids=tuple(sorted(stop_ids)),
+            num_logprobs=spec.num_logprobs, grammar=spec.grammar, **given),
+        max_tokens=spec.max_tokens,
+        arrival_time_s=arrival_time_s,
+        priority=spec.priority,
+    )
 
 
 def check_admissible(request: Request, config: SchedulerConfig,
