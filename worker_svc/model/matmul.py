@@ -2,15 +2,15 @@
 for pagemesh's own fp32 kernel (`kernels/cpu_linear.c`).
 
 **native** (fp32; the default on a CPU without AVX-512 wherever a C compiler builds the
-kernel, or where oneDNN does not run): weights in
-8-column panels, multiplied by register tiles whose shape follows the row count. At batch-1
+kernel, or where oneDNN does not run): weights in 8-column panels, multiplied by register
+tiles whose shape follows the row count. At batch-1
 decode a linear layer is a matrix-vector product bound by memory bandwidth, and neither MKL
 nor oneDNN comes near it: SmolLM2-135M's 538 MB of linear weights (30 layers and the LM
-head) take 68 ms through F.linear, 64-72 ms through oneDNN and 18.4 ms through the panels,
-against 13 ms for `torch.sum` to read them (2-core AVX2 EPYC; `python -m bench.linear`). At
-64 rows the panels still win (168 against oneDNN's 189 ms) and at prefill sizes they match
-it (127-147 GFLOP/s). Measured on AVX2 only. An AVX-512 CPU would run the same 8-wide code,
-where oneDNN's fp32 kernel reaches ~500 GFLOP/s (below), so auto keeps oneDNN there.
+head) take 47 ms through F.linear, 26-31 ms through oneDNN and 14-19 ms through the panels,
+1.2-1.4x the time `torch.sum` takes to read them (2-core AVX2 EPYC, `python -m
+bench.linear`). From 16 rows on the panels match oneDNN. Measured on AVX2 only. An AVX-512
+CPU would run the same 8-wide code, where oneDNN's fp32 kernel reaches ~500 GFLOP/s
+(below), so auto keeps oneDNN there.
 
 **onednn**:
 On CPU, `F.linear` in fp32 goes to MKL, which takes its AVX2 path on AMD processors: about
