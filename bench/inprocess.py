@@ -29,7 +29,7 @@ from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent
 from scheduler_svc.engine_loop import EngineLoop
-from scheduler_svc.executor import InprocExecutor
+from scheduler_svc.executor import InprocExecutor, model_thread
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 
@@ -41,8 +41,10 @@ def build_engine(model: str, dtype: str = "float32", max_num_seqs: int = 128,
     """A scheduler core sized from a runner, as `pagemesh up` sizes them by default."""
     if threads:
         torch.set_num_threads(threads)
-    runner = ModelRunner.from_config(RunnerConfig(
-        model_path=model, dtype=dtype, cpu_linear=cpu_linear))  # KV sized as `up` sizes it
+    thread = model_thread()  # the runner loads on the thread its steps run on
+    runner = thread.submit(ModelRunner.from_config, RunnerConfig(
+        model_path=model, dtype=dtype, cpu_linear=cpu_linear)).result()  # KV sized as `up`
+    runner.model_thread = thread
     info = runner.info()
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=info.num_blocks, block_size=info.block_size,
@@ -96,7 +98,8 @@ def run_requests(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[i
     requests = [Request(request_id=RequestId(f"bench-{i}"), prompt_token_ids=list(prompt),
                         sampling=SamplingParams(temperature=0.0, seed=i), max_tokens=max_tokens,
                         arrival_time_s=start) for i, prompt in enumerate(prompts)]
-    loop = EngineLoop(scheduler, InprocExecutor(runner.execute_step))
+    loop = EngineLoop(scheduler, InprocExecutor(runner.execute_step, runner.model_thread,
+                                                close_thread=False))  # the next run's too
     arrivals = asyncio.run(_run(loop, requests)).times
     duration = time.perf_counter() - start
     return RunResult(

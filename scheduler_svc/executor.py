@@ -37,15 +37,27 @@ class Executor(Protocol):
     async def close(self) -> None: ...
 
 
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread a model's torch work runs on in this process: its loading and its
+    steps alike. Two threads calling into OpenMP make two thread teams, and on a 2-core
+    machine a SmolLM2 decode step then took 58-72 ms instead of 35-40 (bench.step_profile's
+    step, run from a second thread after the first had used torch)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+
 class InprocExecutor:
     """Runs each step with `run_step` (e.g. `runner.execute_step`) on one model thread, so
     steps keep their order and the event loop stays free to plan the next step (and to
     stream tokens out) while a forward pass runs. The runner copies what it keeps of a step
     (token and block lists), so the scheduler may go on changing its requests meanwhile."""
 
-    def __init__(self, run_step: StepFunction) -> None:
+    def __init__(self, run_step: StepFunction, thread: ThreadPoolExecutor | None = None,
+                 close_thread: bool = True) -> None:
+        """`thread`: the `model_thread()` the runner was loaded on (a new one if None);
+        `close_thread` False leaves it running after `close()` (another executor's next)."""
         self._run_step = run_step
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._close_thread = close_thread
+        self._thread = thread or model_thread()
 
     async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
         return await asyncio.get_running_loop().run_in_executor(
@@ -55,4 +67,5 @@ class InprocExecutor:
         return []  # the model runs in this process: nothing to ask
 
     async def close(self) -> None:
-        self._thread.shutdown(wait=False)
+        if self._close_thread:
+            self._thread.shutdown(wait=False)

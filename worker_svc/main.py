@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -149,7 +151,8 @@ async def serve(args: argparse.Namespace) -> None:
         fenced: list[dict[str, object]] = []
         registry.on_fenced.append(lambda record: (fenced.append(record), server.request_stop()))
         await registry.start_heartbeat("worker", worker_id, registry_info)
-        loading = asyncio.create_task(_join_and_load(args, membership, layout))
+        loading = asyncio.create_task(
+            _join_and_load(args, membership, layout, servicer.run_on_model_thread))
         stop = asyncio.create_task(server.wait_for_stop())
         following: asyncio.Task[None] | None = None
         try:
@@ -203,9 +206,12 @@ def worker_metrics(group: str, layout: dict[str, int], servicer: WorkerServicer,
 
 
 async def _join_and_load(args: argparse.Namespace, membership: Membership,
-                         layout: dict[str, int]) -> ModelRunner:
+                         layout: dict[str, int],
+                         on_model_thread: Callable[..., Awaitable[Any]]) -> ModelRunner:
     """Joins the group's torch.distributed rendezvous (when it has several workers, or this
-    worker is a standby waiting for its rank), then loads this rank's shard of the model."""
+    worker is a standby waiting for its rank), then loads this rank's shard of the model.
+    Both on the model thread, where its steps run (scheduler_svc/executor.py `model_thread`
+    says why one thread)."""
     parallel = parallel_config(args)
     dist = None
     if parallel.world_size > 1 or args.standby:
@@ -215,10 +221,10 @@ async def _join_and_load(args: argparse.Namespace, membership: Membership,
                 layout.update(tp_rank=place.tp_rank, pp_rank=place.pp_rank)
                 await membership.set_status(WorkerStatus.JOINING)
             try:
-                return await asyncio.to_thread(
+                return await on_model_thread(functools.partial(
                     init_distributed, place, plan.master_addr, plan.master_port, None,
                     args.dist_timeout_s, device=args.device, tag=plan.epoch,
-                    should_abort=should_abort)
+                    should_abort=should_abort))
             except Exception:
                 if args.standby:  # in no group yet: free again to take any rank
                     layout.update(tp_rank=-1, pp_rank=-1)
@@ -231,7 +237,7 @@ async def _join_and_load(args: argparse.Namespace, membership: Membership,
     await membership.set_status(WorkerStatus.LOADING)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    runner = await asyncio.to_thread(ModelRunner.from_config, runner_config(args, parallel), dist)
+    runner = await on_model_thread(ModelRunner.from_config, runner_config(args, parallel), dist)
     if args.served_model_name:
         runner.metadata = dataclasses.replace(runner.metadata, name=args.served_model_name)
     return runner

@@ -133,8 +133,9 @@ class DiagnosedInprocExecutor(InprocExecutor):
     """`InprocExecutor` over a `RankDiagnostics`: every step recorded, and admin calls
     queued on the model thread between steps (`RankAdmin` for the one rank)."""
 
-    def __init__(self, diagnostics: RankDiagnostics) -> None:
-        super().__init__(diagnostics.run_step)
+    def __init__(self, diagnostics: RankDiagnostics,
+                 thread: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+        super().__init__(diagnostics.run_step, thread)
         self.diagnostics = diagnostics
 
     def layout(self) -> list[tuple[int, int]]:

@@ -159,6 +159,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
     """Loads the model (one rank here, or one process per rank) and starts the engine."""
     from kernels import cpu_native
     from pagemesh.offline.diagnostics import DiagnosedInprocExecutor, RankDiagnostics
+    from scheduler_svc.executor import model_thread
     from worker_svc.parallel import ParallelConfig
     from worker_svc.runner import ModelRunner
 
@@ -177,10 +178,11 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
     )
     workers = None
     if world_size == 1:
-        runner = ModelRunner.from_config(config)
+        thread = model_thread()  # loads here and steps here: one OpenMP team
+        runner = thread.submit(ModelRunner.from_config, config).result()
         infos = [runner.info()]
         lead = infos[0]
-        executor: Any = DiagnosedInprocExecutor(RankDiagnostics(runner))
+        executor: Any = DiagnosedInprocExecutor(RankDiagnostics(runner), thread)
     else:
         from pagemesh.offline.local_workers import (LocalWorkers, LocalWorkersExecutor,
                                                     default_num_threads)
