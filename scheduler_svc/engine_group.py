@@ -84,10 +84,10 @@ class EngineGroup:
             prefer = frozenset(e.worker_id for e in previous.endpoints if e not in dead)
             await previous.close()
         spec = self.spec
-        endpoints, epoch = await form_group(self.registry, spec.group, spec.tp, spec.pp,
-                                     timeout_s or spec.worker_wait_s,
-                                     frozenset(self.dead_instances), prefer,
-                                     standby_after_s=0.0 if previous else spec.standby_grace_s)
+        endpoints, epoch = await form_group(
+            self.registry, spec.group, spec.tp, spec.pp, timeout_s or spec.worker_wait_s,
+            frozenset(self.dead_instances), prefer,
+            standby_after_s=0.0 if previous else spec.standby_grace_s)
         workers = WorkerGroupClient(endpoints, spec.step_timeout_s, spec.tls,
                                     announce=self._announce)
         try:

@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from concurrent import futures
@@ -37,6 +36,7 @@ from tests.support.kube_manifests import (
     SHUTDOWN_GRACE_S,
     component,
     container_env,
+    needs_kubectl,
     objects,
     render,
     secret_file,
@@ -47,8 +47,7 @@ from tests.support.kube_manifests import (
 )
 from tests.support.paths import REPO_ROOT
 
-pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                reason="kubectl is not installed (renders with `kubectl kustomize`)")
+pytestmark = needs_kubectl
 
 
 # --- schemas ------------------------------------------------------------------------------

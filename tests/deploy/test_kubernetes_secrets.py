@@ -6,7 +6,6 @@ ConfigMap), and only the router binds 0.0.0.0: schedulers and workers bind their
 from __future__ import annotations
 
 import re
-import shutil
 import urllib.parse
 
 import pytest
@@ -20,14 +19,14 @@ from tests.support.kube_manifests import (
     component,
     config_maps,
     container_env,
+    needs_kubectl,
     secret_file,
     service_module,
     value_of,
     workloads,
 )
 
-pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                reason="kubectl is not installed (renders with `kubectl kustomize`)")
+pytestmark = needs_kubectl
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -9,11 +9,13 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from pagemesh.mesh_secrets import INTERNAL_TOKEN, REDIS_PASSWORD
@@ -137,3 +139,8 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         if op == "DoesNotExist" and key in labels:
             return False
     return True
+
+
+# The manifest tests render with `kubectl kustomize`: none runs without it.
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                   reason="kubectl is not installed (renders with `kubectl kustomize`)")
