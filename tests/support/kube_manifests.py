@@ -142,5 +142,6 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 # The manifest tests render with `kubectl kustomize`: none runs without it.
-needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                   reason="kubectl is not installed (renders with `kubectl kustomize`)")
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None,
+    reason="kubectl is not installed (renders with `kubectl kustomize`)")
