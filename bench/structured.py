@@ -104,8 +104,8 @@ def compile_grammars(tokenizer: object, vocab_size: int,
                      eos_token_ids: list[int]) -> tuple[list[str], float, float]:
     """The four schemas' grammars as the router makes them; cold and cached ms per schema
     (the vocabulary view, built once per model, is not in either)."""
+    from pagemesh.options.constraint import OutputConstraint
     from router.structured import GrammarCompiler
-    from router.types import OutputConstraint
 
     compiler = GrammarCompiler(tokenizer)  # type: ignore[arg-type]
     constraints = [OutputConstraint("json_schema", json.dumps(s)) for s in SCHEMAS]

@@ -4,9 +4,10 @@ and the Python gRPC client (`pagemesh.sdk`).
 A vLLM script keeps its `SamplingParams(...)` as written: the fields, their defaults
 (`max_tokens=16`, `top_k` 0 or -1 = off, `logprobs=None`) and their meaning are vLLM's.
 A bad value raises `ValueError` at construction, with the words the servers use: the
-types are checked by the OpenAI API's parser (router/openai_protocol.py) and the ranges by
-the data plane's validation (router/validation.py `check_options`), so the offline engine,
-the HTTP API and the gRPC API reject the same parameters the same way. What needs the model
+types are checked by the field readers the OpenAI API uses too (pagemesh/options/fields.py)
+and the ranges by the data plane's validation (pagemesh/options/validation.py
+`check_options`), so the offline engine, the HTTP API and the gRPC API reject the same
+parameters the same way. What needs the model
 (max_tokens against the context, stop token ids against the vocabulary) is checked when the
 request meets the model.
 
@@ -19,9 +20,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from router.openai_protocol import parse_completion
-from router.types import OutputConstraint
-from router.validation import SamplingOptions, StoppingOptions, check_options
+from pagemesh.options import fields
+from pagemesh.options.constraint import OutputConstraint, constraint_from_body
+from pagemesh.options.validation import (SamplingOptions, StoppingOptions, ValidationError,
+                                         check_options)
 
 __all__ = ["SamplingParams", "StructuredOutputsParams", "RequestOptions", "to_generate_request"]
 
@@ -50,7 +52,8 @@ class StructuredOutputsParams:
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """A `SamplingParams` in the router's vocabulary (router/validation.py), checked."""
+    """A `SamplingParams` in the data plane's vocabulary (pagemesh/options/validation.py),
+    checked."""
 
     sampling: SamplingOptions
     stopping: StoppingOptions  # max_tokens None = up to the end of the context
@@ -113,39 +116,30 @@ class SamplingParams:
         self.options()
 
     def options(self) -> RequestOptions:
-        """These parameters in the router's vocabulary. Raises ValueError (the servers'
+        """These parameters in the data plane's vocabulary. Raises ValueError (the servers'
         message) for a wrong type or a value out of range."""
-        parsed = parse_completion(self._openai_body()).generate
-        stopping = parsed.stopping
-        if self.max_tokens is None:  # the completions API would default it to 16
-            stopping = dataclasses.replace(stopping, max_tokens=None)
-        check_options(parsed.sampling, stopping, parsed.num_logprobs, parsed.n)
+        given = dataclasses.asdict(self)
+        sampling = fields.sampling_options(given)
+        stopping = fields.stopping_options(given, fields.integer(given, "max_tokens"))
+        num_top = fields.integer(given, "logprobs")
+        if num_top is not None and num_top < 0:
+            raise ValidationError(f"logprobs must be >= 0, got {num_top}")
+        # The chosen token's logprob comes with any count (vLLM's logprobs=0 included).
+        num_logprobs = None if num_top is None else max(num_top, 1)
+        n = fields.integer(given, "n")
+        n = 1 if n is None else n
+        check_options(sampling, stopping, num_logprobs, n)
         for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):  # the OpenAI API's words for a boolean
-                raise ValueError(f"{name} must be true or false, got {value!r}")
+            fields.boolean(given, name)
         if not self.detokenize and stopping.stop:
             raise ValueError("stop strings need detokenize=True (they are matched in the text)")
-        return RequestOptions(parsed.sampling, stopping, parsed.num_logprobs, parsed.n,
-                              parsed.constraint)
+        return RequestOptions(sampling, stopping, num_logprobs, n, self._constraint())
 
-    def _openai_body(self) -> dict[str, Any]:
-        """The OpenAI completion body asking for the same (its parser checks the types)."""
-        body: dict[str, Any] = {
-            "prompt": [0], "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
-            "max_tokens": self.max_tokens, "min_tokens": self.min_tokens, "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
-            "logprobs": self.logprobs, "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
+    def _constraint(self) -> OutputConstraint | None:
         structured = self.structured_outputs
         if isinstance(structured, StructuredOutputsParams):
             structured = structured.to_dict()
-        if structured is not None:
-            body["structured_outputs"] = structured
-        return body
+        return constraint_from_body({"structured_outputs": structured})
 
     def clone(self) -> SamplingParams:
         return dataclasses.replace(self)

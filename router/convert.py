@@ -11,12 +11,13 @@ model info. Those adapters still build their own RPC envelopes (`ConnectRequest`
 
 from __future__ import annotations
 
+from pagemesh.options.constraint import OutputConstraint
+from pagemesh.options.validation import SamplingOptions, StoppingOptions
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from router.resume import Progress, SampleProgress
-from router.types import (FinishReason, GenerationRequest, ModelInfo, OutputConstraint,
-                          SampleOutput, Submission, TokenChunk, TokenLogprob)
-from router.validation import SamplingOptions, StoppingOptions
+from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, Submission,
+                          TokenChunk, TokenLogprob)
 
 
 def generation_request(pb: generate_pb2.GenerateRequest) -> GenerationRequest:

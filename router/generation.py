@@ -36,17 +36,18 @@ from redis.exceptions import RedisError
 from pagemesh.checkpoints import Checkpoint
 from pagemesh.logs import request_id_var
 from pagemesh.metrics import ABORT, ERROR, RouterMetrics
+from pagemesh.options.constraint import OutputConstraint
+from pagemesh.options.validation import (ModelLimits, ValidatedRequest, ValidationError,
+                                         check_identity, check_unicode, validate)
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from router import replay
 from router.client_stream import ClientStream
 from router.dispatcher import Dispatcher
+from router.structured import ConstraintError, GrammarCompiler
 from router.tenancy import Tenancy, request_digest
 from router.tokenizer import Tokenizer, TokenizerError
 from router.tracing import describe_request, identify_request, traced_generate
-from router.structured import ConstraintError, GrammarCompiler
-from router.types import GenerationRequest, ModelInfo, OutputConstraint, Submission, TokenChunk
-from router.validation import (ModelLimits, ValidatedRequest, ValidationError, check_identity,
-                               check_unicode, validate)
+from router.types import GenerationRequest, ModelInfo, Submission, TokenChunk
 
 logger = logging.getLogger(__name__)
 

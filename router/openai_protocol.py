@@ -2,9 +2,9 @@
 `TokenChunk`s back into OpenAI's completion / chat completion objects (router/types.py).
 
 No I/O here: `router.http_api` owns the HTTP side. Parsing checks every field's type, that
-each integer fits the protobuf field it travels in (`WIRE_INTS`), and the fields OpenAI has
+each integer fits the protobuf field it travels in (pagemesh/options/fields.py), and the fields OpenAI has
 that pagemesh does not serve. Value ranges (temperature >= 0, max_tokens >= 1, n <= 16, ...)
-are left to the data plane's validation (router/validation.py), so that HTTP and gRPC reject
+are left to the data plane's validation (pagemesh/options/validation.py), so that HTTP and gRPC reject
 the same requests with the same words. Either way a bad request is a `ProtocolError` (4xx).
 
 Resuming after a router died (README, Fault tolerance): the client names its request with
@@ -16,20 +16,19 @@ output tokens of each choice it has with `X-Resume-From` (or a `resume_from` bod
 from __future__ import annotations
 
 import dataclasses
-import math
-import reprlib
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.openai_constraints import constraint_from_body
+from pagemesh.options import fields
+from pagemesh.options.constraint import constraint_from_body
+from pagemesh.options.validation import MAX_REQUEST_ID_LEN, ValidationError, check_request_id
 from router.openai_errors import ProtocolError, error_body  # noqa: F401 (oai.ProtocolError)
 from router.openai_tools import (ToolRequest, forced_call_constraint, tool_calls_for_template,
                                  tool_request)
 from router.tool_calls import HERMES, CallFormat
 from router.types import GenerationRequest, ModelInfo, TokenChunk, Usage
-from router.validation import (MAX_REQUEST_ID_LEN, SamplingOptions, StoppingOptions,
-                               ValidationError, check_request_id)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -41,57 +40,6 @@ CHAT_ID_PREFIX, COMPLETION_ID_PREFIX = "chatcmpl-", "cmpl-"
 MAX_CLIENT_REQUEST_ID_LEN = MAX_REQUEST_ID_LEN - len(CHAT_ID_PREFIX)
 
 
-@dataclass(frozen=True)
-class WireInt:
-    """The integers a protobuf field can carry (protos/pagemesh/v1/generate.proto).
-
-    Only what no message could carry is refused at the HTTP edge. An unsigned field's
-    negatives are left to the data plane, which names the field's real lower bound
-    (max_tokens >= 1, seed >= 0, token ids in the vocabulary, ...) in gRPC's words."""
-
-    bits: int
-    signed: bool
-
-    @property
-    def proto_type(self) -> str:
-        return f"{'' if self.signed else 'u'}int{self.bits}"
-
-    @property
-    def max(self) -> int:
-        return 2 ** (self.bits - self.signed) - 1
-
-    def refuses(self, value: int) -> bool:
-        return value > self.max or (self.signed and value < -self.max - 1)
-
-    def bounds(self) -> str:
-        if self.signed:
-            return f"in [-2**{self.bits - 1}, 2**{self.bits - 1} - 1]"
-        return f"at most 2**{self.bits} - 1"
-
-
-INT32 = WireInt(32, signed=True)
-UINT32 = WireInt(32, signed=False)
-UINT64 = WireInt(64, signed=False)
-
-# Every integer a body (or header) can hold, as the wire carries it; list fields by element.
-WIRE_INTS = {
-    "max_tokens": UINT32, "max_completion_tokens": UINT32, "min_tokens": UINT32,
-    "n": UINT32, "logprobs": UINT32, "top_logprobs": UINT32, "seed": UINT64,
-    "top_k": INT32, "priority": INT32, "prompt": UINT32, "stop_token_ids": UINT32,
-    "resume_from": UINT32,
-}
-
-
-
-def _short_repr() -> reprlib.Repr:
-    """Quotes a bad value back in an error message: short, whatever the client sent."""
-    short = reprlib.Repr()
-    short.maxlevel, short.maxlist, short.maxdict = 2, 4, 4
-    short.maxstring = short.maxlong = short.maxother = 40
-    return short
-
-
-_shown = _short_repr().repr
 
 
 @dataclass
@@ -117,20 +65,36 @@ class ParsedRequest:
 # ---------------------------------------------------------------- request parsing
 
 
+def _field_errors_as_protocol_errors(parse: Callable[..., ParsedRequest]
+                                      ) -> Callable[..., ParsedRequest]:
+    """A field of the wrong type (pagemesh/options/fields.py) is a 400 naming the field."""
+
+    @functools.wraps(parse)
+    def wrapped(*args: Any, **kwargs: Any) -> ParsedRequest:
+        try:
+            return parse(*args, **kwargs)
+        except fields.FieldError as exc:
+            raise ProtocolError(exc.message, exc.param) from None
+
+    return wrapped
+
+
+@_field_errors_as_protocol_errors
 def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> ParsedRequest:
     """A `/v1/completions` body and its headers (case-insensitive, as Starlette's, or
     lower-case keys). Raises ProtocolError saying what to fix."""
     body = _object(body)
     _reject_unsupported(body, {"echo": False, "suffix": None, "best_of": 1, "logit_bias": {}})
     prompt = _prompt(body.get("prompt"))
-    max_tokens = _int(body, "max_tokens")
-    num_top = _int(body, "logprobs")
+    max_tokens = fields.integer(body, "max_tokens")
+    num_top = fields.integer(body, "logprobs")
     if num_top is not None and num_top < 0:
         raise ProtocolError(f"logprobs must be >= 0, got {num_top}", "logprobs")
     return _parse_common(body, headers, COMPLETION_ID_PREFIX, prompt,
                          DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, num_top)
 
 
+@_field_errors_as_protocol_errors
 def parse_chat(body: Any, headers: Mapping[str, str] | None = None,
                tool_format: CallFormat = HERMES) -> ParsedRequest:
     """A `/v1/chat/completions` body; `messages` comes back normalized for the chat template.
@@ -138,11 +102,11 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None,
     body = _object(body)
     _reject_unsupported(body, {"logit_bias": {}})
     tools = tool_request(body)  # before the constraint: a forced call names what conflicts
-    max_tokens = _int(body, "max_completion_tokens")
+    max_tokens = fields.integer(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens")
-    num_top = _int(body, "top_logprobs")
-    wants_logprobs = _bool(body, "logprobs")
+        max_tokens = fields.integer(body, "max_tokens")
+    num_top = fields.integer(body, "top_logprobs")
+    wants_logprobs = fields.boolean(body, "logprobs")
     if num_top is not None and not wants_logprobs:
         raise ProtocolError("top_logprobs needs logprobs set to true", "top_logprobs")
     if num_top is not None and num_top < 0:
@@ -162,27 +126,10 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None,
 def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_prefix: str,
                   prompt: str | list[int] | None, max_tokens: int | None,
                   num_top: int | None) -> ParsedRequest:
-    model = _str(body, "model")
-    # Read in the order the fields' errors should be reported.
-    numbers = {name: _number(body, name) for name in (
-        "temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "min_p")}
-    top_k = _int(body, "top_k")
-    sampling = SamplingOptions(
-        temperature=numbers["temperature"],
-        top_p=numbers["top_p"],
-        top_k=0 if top_k in (None, -1) else top_k,  # vLLM's -1 = off; other negatives are rejected
-        min_p=numbers["min_p"] or 0.0,
-        repetition_penalty=numbers["repetition_penalty"],
-        presence_penalty=numbers["presence_penalty"] or 0.0,
-        frequency_penalty=numbers["frequency_penalty"] or 0.0,
-        seed=_int(body, "seed"),
-    )
-    stopping = StoppingOptions(max_tokens=max_tokens, stop=_stop(body.get("stop")),
-                               stop_token_ids=_int_list(body, "stop_token_ids"),
-                               min_tokens=_int(body, "min_tokens") or 0,
-                               ignore_eos=bool(_bool(body, "ignore_eos")))
-    n = _int(body, "n")
+    model = fields.string(body, "model")
+    sampling = fields.sampling_options(body)
+    stopping = fields.stopping_options(body, max_tokens)
+    n = fields.integer(body, "n")
     request_id, resume_from = _identity(body, headers or {})
     request = GenerationRequest(
         request_id=id_prefix + request_id if request_id else "",
@@ -192,7 +139,7 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_pr
         # The chosen token's logprob comes with any top-n > 0; extra alternatives are dropped.
         num_logprobs=None if num_top is None else max(num_top, 1),
         n=1 if n is None else n,
-        priority=_int(body, "priority") or 0,
+        priority=fields.integer(body, "priority") or 0,
         resume_from=0 if resume_from is None else resume_from,
         model=model or "",
         # Only a resume looks a checkpoint up: an X-Request-Id alone (proxies add one to
@@ -200,15 +147,15 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_pr
         new_request=resume_from is None,
         constraint=constraint_from_body(body),  # structured output (response_format, guided_*)
     )
-    stream = bool(_bool(body, "stream"))
+    stream = bool(fields.boolean(body, "stream"))
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
         if not stream:
             raise ProtocolError("stream_options needs stream set to true", "stream_options")
-        include_usage = bool(_bool(_object(options, "stream_options"), "include_usage"))
+        include_usage = bool(fields.boolean(_object(options, "stream_options"), "include_usage"))
     return ParsedRequest(request, stream, include_usage, num_top,
-                         return_token_ids=bool(_bool(body, "return_token_ids")),
+                         return_token_ids=bool(fields.boolean(body, "return_token_ids")),
                          client_request_id=request_id, id_prefix=id_prefix)
 
 
@@ -219,7 +166,7 @@ def _identity(body: dict[str, Any], headers: Mapping[str, str]
     request_id = _header(headers, REQUEST_ID_HEADER)
     what = REQUEST_ID_HEADER
     if not request_id:
-        request_id, what = _str(body, "request_id") or "", "request_id"
+        request_id, what = fields.string(body, "request_id") or "", "request_id"
     if request_id:
         try:  # the data plane's rule, for the id the client wrote
             check_request_id(request_id, MAX_CLIENT_REQUEST_ID_LEN, what)
@@ -231,12 +178,12 @@ def _identity(body: dict[str, Any], headers: Mapping[str, str]
     value = body.get("resume_from")
     if value is None:
         return request_id, None
-    if _is_int(value):
-        return request_id, _on_wire("resume_from", value)
-    if isinstance(value, list) and value and all(_is_int(v) for v in value):
-        return request_id, [_on_wire("resume_from", v, f"resume_from[{i}]") for i, v in enumerate(value)]
+    if fields.is_int(value):
+        return request_id, fields.on_wire("resume_from", value)
+    if isinstance(value, list) and value and all(fields.is_int(v) for v in value):
+        return request_id, [fields.on_wire("resume_from", v, f"resume_from[{i}]") for i, v in enumerate(value)]
     raise ProtocolError("resume_from must be the number of output tokens received (one for every "
-                        f"choice, or a list with one per choice), got {_shown(value)}", "resume_from")
+                        f"choice, or a list with one per choice), got {fields.shown(value)}", "resume_from")
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
@@ -249,9 +196,9 @@ def _resume_from_header(text: str) -> int | list[int]:
     if not all(part.isascii() and part.isdigit() and len(part) <= 20 for part in parts):
         raise ProtocolError(
             f"{RESUME_FROM_HEADER} must be the number of output tokens received: one for every "
-            f"choice (e.g. 12) or one per choice, comma-separated (e.g. 12,11); got {_shown(text)}",
+            f"choice (e.g. 12) or one per choice, comma-separated (e.g. 12,11); got {fields.shown(text)}",
             RESUME_FROM_HEADER)
-    offsets = [_on_wire("resume_from", int(part), RESUME_FROM_HEADER, RESUME_FROM_HEADER)
+    offsets = [fields.on_wire("resume_from", int(part), RESUME_FROM_HEADER, RESUME_FROM_HEADER)
                for part in parts]
     return offsets[0] if len(offsets) == 1 else offsets
 
@@ -263,8 +210,8 @@ def _prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise ProtocolError("prompt is empty; send at least one character", "prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return [_on_wire("prompt", t, f"prompt token id at position {i}") for i, t in enumerate(prompt)]
+    if isinstance(prompt, list) and prompt and all(fields.is_int(t) for t in prompt):
+        return [fields.on_wire("prompt", t, f"prompt token id at position {i}") for i, t in enumerate(prompt)]
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ProtocolError(
             f"prompt holds {len(prompt)} prompts; this server takes one prompt per request "
@@ -284,7 +231,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise ProtocolError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
-                                f"got {_shown(role)}", f"{where}.role")
+                                f"got {fields.shown(role)}", f"{where}.role")
         normalized: dict[str, Any] = {"role": role,
                                       "content": _content(message.get("content"), where)}
         if role == "assistant" and message.get("tool_calls") is not None:
@@ -315,16 +262,6 @@ def _content(content: Any, where: str) -> str:
                         f"{where}.content")
 
 
-def _stop(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return value
-    raise ProtocolError("stop must be a string or a list of strings", "stop")
-
-
 def _reject_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
     for name, default in defaults.items():
         value = body.get(name)
@@ -336,69 +273,6 @@ def _object(value: Any, what: str = "the request body") -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ProtocolError(f"{what} must be a JSON object", None if what == "the request body" else what)
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise ProtocolError(f"{name} must be an integer, got {_shown(value)}", name)
-    return _on_wire(name, value)
-
-
-def _on_wire(name: str, value: int, what: str | None = None, param: str | None = None) -> int:
-    """`value` when its protobuf field (`WIRE_INTS[name]`) can carry it; `what` names it in
-    the error (an element of a list, say), `param` (default `name`) is the error's param."""
-    wire = WIRE_INTS[name]
-    if wire.refuses(value):
-        raise ProtocolError(f"{what or name} must be {wire.bounds()}, got {_shown(value)}",
-                            param or name)
-    return value
-
-
-def _int_list(body: dict[str, Any], name: str) -> list[int]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if isinstance(value, list) and all(_is_int(v) for v in value):
-        return [_on_wire(name, v, f"{name}[{i}]") for i, v in enumerate(value)]
-    raise ProtocolError(f"{name} must be a list of token ids (integers)", name)
-
-
-def _number(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and _is_finite(value):
-        return float(value)
-    raise ProtocolError(f"{name} must be a finite number, got {_shown(value)}", name)
-
-
-def _is_finite(value: int | float) -> bool:
-    """Also False for an integer too large for a float (json reads 1e400 as inf, 10**400 as int)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _bool(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is None or isinstance(value, bool):
-        return value
-    raise ProtocolError(f"{name} must be true or false, got {_shown(value)}", name)
-
-
-def _str(body: dict[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is None or isinstance(value, str):
-        return value
-    raise ProtocolError(f"{name} must be a string, got {_shown(value)}", name)
 
 
 # ---------------------------------------------------------------- response building

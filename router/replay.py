@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagemesh.checkpoints import Checkpoint, SampleState
+from pagemesh.options.validation import resume_offsets
 from router import convert
 from router.resume import Progress, SampleProgress
 from router.sample_stream import SampleStream
 from router.tokenizer import Tokenizer
 from router.types import FinishReason, SampleOutput, Submission
-from router.validation import resume_offsets
 
 
 @dataclass

@@ -11,7 +11,9 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from router.validation import ModelLimits, SamplingOptions, StoppingOptions, ValidatedRequest
+from pagemesh.options.constraint import OutputConstraint
+from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
+                                         ValidatedRequest)
 
 
 class FinishReason(enum.StrEnum):
@@ -23,23 +25,10 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # the server aborted the request
 
 
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-
-
-@dataclass(frozen=True)
-class OutputConstraint:
-    """What the output must be (structured output), as a client states it: `kind` is one of
-    CONSTRAINT_KINDS; `value` is the schema's JSON text, the regex, the grammar (Lark or
-    GBNF), the choices, or "" for json_object. router/structured.py compiles it."""
-
-    kind: str
-    value: str | tuple[str, ...] = ""
-
-
 @dataclass(frozen=True)
 class GenerationRequest:
     """One client request, as either API states it. Unset options are None / 0 and get their
-    defaults from `router.validation.validate`."""
+    defaults from `pagemesh.options.validation.validate`."""
 
     request_id: str = ""  # empty: the router makes one up
     prompt: str | list[int] | None = None  # text (tokenized here) or token ids; None = missing
@@ -166,6 +155,6 @@ class ModelInfo:
     num_replicas: int  # engine groups behind the router
 
     def limits(self) -> ModelLimits:
-        """What `router.validation.validate` checks a request against."""
+        """What `pagemesh.options.validation.validate` checks a request against."""
         return ModelLimits(name=self.model, max_model_len=self.max_model_len,
                            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids))

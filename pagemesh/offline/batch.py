@@ -1,7 +1,7 @@
 """One `LLM.generate` call's requests, from prompts to `RequestOutput`s, with the router's
 and the scheduler's own pieces so that a request means here what it means in the mesh:
 
-- `prepare`: the router's validation (router/validation.py `validate`, the servers'
+- `prepare`: the data plane's validation (pagemesh/options/validation.py `validate`, the servers'
   messages), its seed for unseeded requests (`Submission.fresh`), its compiled output
   constraint (router/structured.py), then the core's admission door
   (scheduler_svc/core/admission.py `core_request`: EOS and stop ids, the defaults; one
@@ -20,13 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagemesh.offline.outputs import CompletionOutput, Logprob, RequestOutput
+from pagemesh.options.validation import ModelLimits, validate
 from pagemesh.sampling_params import SamplingParams
 from router.detokenizer import IncrementalDetokenizer
 from router.sample_stream import SampleStream
 from router.structured import GrammarCompiler
 from router.tokenizer import Tokenizer
 from router.types import FinishReason, SampleOutput, Submission, TokenLogprob
-from router.validation import ModelLimits, validate
 from scheduler_svc.core import admission
 from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.types import Request, RequestEvent

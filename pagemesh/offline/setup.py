@@ -16,9 +16,9 @@ from typing import Any
 
 from pagemesh.offline.diagnostics import RankAdmin
 from pagemesh.offline.engine import EngineCore
+from pagemesh.options.validation import ModelLimits
 from router.structured import GrammarCompiler
 from router.tokenizer import Tokenizer, load_tokenizer
-from router.validation import ModelLimits
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.policy import POLICIES
 from scheduler_svc.core.scheduler import Scheduler

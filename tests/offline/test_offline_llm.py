@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagemesh import LLM, CompletionOutput, RequestOutput, SamplingParams
+from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
+                                         ValidationError, validate)
 from pagemesh.testing.tiny_models import write_realistic_model
-from router.validation import (ModelLimits, SamplingOptions, StoppingOptions, ValidationError,
-                               validate)
 from tests.support.hf_reference import LOGPROB_BOUND_FP32, assert_greedy_match, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

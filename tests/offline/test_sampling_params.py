@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
+from pagemesh.options.constraint import OutputConstraint
+from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
+                                         ValidationError, validate)
 from pagemesh.sampling_params import SamplingParams, StructuredOutputsParams, to_generate_request
 from router import convert
 from router.openai_errors import ProtocolError
 from router.openai_protocol import parse_completion
-from router.types import OutputConstraint
-from router.validation import (ModelLimits, SamplingOptions, StoppingOptions, ValidationError,
-                               validate)
 
 LIMITS = ModelLimits("m", max_model_len=64, vocab_size=100, eos_token_ids=[0])
 

@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
+from pagemesh.options.validation import SamplingOptions, StoppingOptions, ValidatedRequest
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from router import convert
 from router.resume import Progress, SampleProgress
 from router.types import FinishReason, Submission, TokenChunk, TokenLogprob, TopLogprob, Usage
-from router.validation import SamplingOptions, StoppingOptions, ValidatedRequest
 
 
 def test_unset_fields_stay_unset_for_validation() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from pagemesh.options.constraint import constraint_from_body
 
-from router.openai_constraints import constraint_from_body
+from pagemesh.options.constraint import OutputConstraint
 from router.openai_errors import ProtocolError
 from router.openai_protocol import parse_chat, parse_completion
-from router.types import OutputConstraint
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 CASES = {

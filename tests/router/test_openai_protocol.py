@@ -9,13 +9,14 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagemesh.options import fields
+from pagemesh.options.validation import (ModelLimits, ValidationError, check_identity,
+                                          resume_offsets, validate)
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from router import convert
 from router import openai_protocol as oai
 from router.types import FinishReason, Submission, TokenChunk, TokenLogprob, TopLogprob, Usage
-from router.validation import (ModelLimits, ValidationError, check_identity, resume_offsets,
-                               validate)
 
 
 def test_completion_defaults_and_fields() -> None:
@@ -181,14 +182,14 @@ WIRE_FIELDS = {  # HTTP name -> the protobuf fields it travels in (router -> sch
 
 
 def test_wire_ints_are_the_protos_field_types() -> None:
-    assert set(oai.WIRE_INTS) == set(WIRE_FIELDS)
+    assert set(fields.WIRE_INTS) == set(WIRE_FIELDS)
     for name, pairs in WIRE_FIELDS.items():
         for message, field_name in zip(pairs[::2], pairs[1::2]):
             field = message.DESCRIPTOR.fields_by_name[field_name]
             proto_type = {FD.TYPE_INT32: "int32", FD.TYPE_UINT32: "uint32",
                           FD.TYPE_UINT64: "uint64"}[field.type]
-            assert oai.WIRE_INTS[name].proto_type == proto_type, (name, message, field_name)
-    assert oai.INT32.max == 2**31 - 1 and oai.UINT32.max == 2**32 - 1 and oai.UINT64.max == 2**64 - 1
+            assert fields.WIRE_INTS[name].proto_type == proto_type, (name, message, field_name)
+    assert fields.INT32.max == 2**31 - 1 and fields.UINT32.max == 2**32 - 1 and fields.UINT64.max == 2**64 - 1
 
 
 # ---------------------------------------------------------------- request ids and resumes

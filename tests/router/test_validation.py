@@ -2,15 +2,8 @@ import math
 
 import pytest
 
-from router.validation import (
-    ModelLimits,
-    SamplingOptions,
-    StoppingOptions,
-    ValidationError,
-    check_identity,
-    resume_offsets,
-    validate,
-)
+from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
+                                          ValidationError, check_identity, resume_offsets, validate)
 
 LIMITS = ModelLimits(name="smol", max_model_len=100, vocab_size=50, eos_token_ids=[2])
 

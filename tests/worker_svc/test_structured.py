@@ -12,13 +12,13 @@ import jsonschema
 import pytest
 import torch
 
+from pagemesh.options.constraint import OutputConstraint
 from pagemesh.testing.tiny_models import write_realistic_model
 from protos.step import SamplingParams, SchedulerOutput
 from router.structured import llguidance_tokenizer, to_grammar
-from router.types import OutputConstraint
 from tests.support.hf_reference import assert_greedy_close
-from tests.support.structured_reference import hf_constrained
 from tests.support.runner_script import ScriptedRequest, drive, random_prompt
+from tests.support.structured_reference import hf_constrained
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 SCHEMA = {"type": "object", "properties": {

@@ -1,5 +1,6 @@
 """Structured output as OpenAI-compatible clients ask for it, turned into one
-`OutputConstraint` (router/structured.py compiles it):
+`OutputConstraint` (router/structured.py compiles it), for the OpenAI API and the client
+API (`SamplingParams.structured_outputs`) alike:
 
 - OpenAI's `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}`, or
   `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`
@@ -8,16 +9,29 @@
   `guided_choice` (a list of strings), `guided_grammar` (Lark or GBNF), and their newer
   form `structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}`.
 
-At most one may be given; several are a 400 naming them.
+At most one may be given; several are a `FieldError` naming them (a 400 over HTTP).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from router.openai_errors import ProtocolError
-from router.types import OutputConstraint
+from pagemesh.options.fields import FieldError
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What the output must be (structured output), as a client states it: `kind` is one of
+    CONSTRAINT_KINDS; `value` is the schema's JSON text, the regex, the grammar (Lark or
+    GBNF), the choices, or "" for json_object. router/structured.py compiles it."""
+
+    kind: str
+    value: str | tuple[str, ...] = ""
+
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -39,11 +53,11 @@ def constraint_from_body(body: dict[str, Any]) -> OutputConstraint | None:
     structured = body.get("structured_outputs")
     if structured is not None:
         if not isinstance(structured, dict):
-            raise ProtocolError("structured_outputs must be an object", "structured_outputs")
+            raise FieldError("structured_outputs must be an object", "structured_outputs")
         given = {k: v for k, v in structured.items() if k in _STRUCTURED and v is not None}
         unknown = sorted(set(structured) - set(_STRUCTURED) - {"backend", "whitespace_pattern"})
         if unknown:
-            raise ProtocolError(f"structured_outputs has unknown field(s) {unknown}; it takes "
+            raise FieldError(f"structured_outputs has unknown field(s) {unknown}; it takes "
                                 f"one of {sorted(_STRUCTURED)}", "structured_outputs")
         for key, value in given.items():
             if key == "json_object" and value is not True:
@@ -52,13 +66,13 @@ def constraint_from_body(body: dict[str, Any]) -> OutputConstraint | None:
                 _STRUCTURED[key], value, f"structured_outputs.{key}")))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
-        raise ProtocolError(f"give one output constraint, not several ({names})", found[1][0])
+        raise FieldError(f"give one output constraint, not several ({names})", found[1][0])
     return found[0][1] if found else None
 
 
 def _from_response_format(value: Any) -> OutputConstraint | None:
     if not isinstance(value, dict):
-        raise ProtocolError("response_format must be an object", "response_format")
+        raise FieldError("response_format must be an object", "response_format")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -67,16 +81,16 @@ def _from_response_format(value: Any) -> OutputConstraint | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
-            raise ProtocolError("response_format json_schema needs a `json_schema` object "
+            raise FieldError("response_format json_schema needs a `json_schema` object "
                                 "holding the `schema`", "response_format")
         if "schema" not in spec:
-            raise ProtocolError("response_format.json_schema has no `schema`", "response_format")
+            raise FieldError("response_format.json_schema has no `schema`", "response_format")
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise ProtocolError("response_format.json_schema.strict must be a boolean",
+            raise FieldError("response_format.json_schema.strict must be a boolean",
                                 "response_format")
         return _constraint("json_schema", spec["schema"], "response_format.json_schema.schema")
-    raise ProtocolError("response_format.type must be text, json_object or json_schema; got "
+    raise FieldError("response_format.type must be text, json_object or json_schema; got "
                         f"{kind!r}", "response_format")
 
 
@@ -88,11 +102,11 @@ def _constraint(kind: str, value: Any, field: str) -> OutputConstraint:
             return OutputConstraint(kind, json.dumps(value))
         if isinstance(value, str):
             return OutputConstraint(kind, value)
-        raise ProtocolError(f"{field} must be a JSON schema (an object, or its JSON text)", field)
+        raise FieldError(f"{field} must be a JSON schema (an object, or its JSON text)", field)
     if kind == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise ProtocolError(f"{field} must be a list of strings", field)
+            raise FieldError(f"{field} must be a list of strings", field)
         return OutputConstraint(kind, tuple(value))
     if not isinstance(value, str):
-        raise ProtocolError(f"{field} must be a string", field)
+        raise FieldError(f"{field} must be a string", field)
     return OutputConstraint(kind, value)
