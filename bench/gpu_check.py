@@ -1,6 +1,8 @@
 """Run by bench/gpu_check.sh on a CUDA machine: tp=1 and (with 2 GPUs) tp=2 over NCCL,
 bf16, the same greedy tokens in both, output tokens/s with 1 and 16 concurrent requests, and
-JSON-schema requests (the token masks applied on the GPU by the torch path) validating."""
+JSON-schema requests (the token masks applied on the GPU by the torch path) validating.
+Decode steps replay CUDA graphs by default (worker_svc/cuda_graphs.py); tp=1 runs again with
+--enforce-eager: the same greedy tokens, and what the graphs save per token (ITL)."""
 
 from __future__ import annotations
 
@@ -20,25 +22,32 @@ def main() -> None:
     model = str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 32000) for _ in range(128)] for _ in range(16)]
-    layouts = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    layouts: list[tuple[int, bool]] = [(1, False), (1, True)]
+    if torch.cuda.device_count() >= 2:
+        layouts.append((2, False))
     rows, tokens, sizing, structured = [], {}, {}, {}
-    for tp in layouts:
-        mesh = Mesh(model, Path(tempfile.mkdtemp()) / f"tp{tp}.log", cluster=f"gpu-tp{tp}",
-                    extra_args=["--device", "cuda", "--dtype", "bfloat16", "--tp", str(tp)]).wait_ready()
+    for tp, eager in layouts:
+        name = f"tp{tp}{'-eager' if eager else ''}"
+        mesh = Mesh(model, Path(tempfile.mkdtemp()) / f"{name}.log", cluster=f"gpu-{name}",
+                    extra_args=["--device", "cuda", "--dtype", "bfloat16", "--tp", str(tp)]
+                    + (["--enforce-eager"] if eager else [])).wait_ready()
         try:
-            tokens[tp] = [mesh.generate(greedy_request(p, 32)).token_ids for p in prompts[:4]]
-            structured[tp] = constrained_valid(mesh, prompts[:4])
+            tokens[name] = [mesh.generate(greedy_request(p, 32)).token_ids for p in prompts[:4]]
+            structured[name] = constrained_valid(mesh, prompts[:4])
             # The KV cache sized from the GPU (profiled peak, --gpu-memory-utilization 0.9).
-            sizing[tp] = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).kv_cache_sizing
+            sizing[name] = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).kv_cache_sizing
             for concurrency in (1, 16):
-                row = run_mesh(mesh, prompts, 128, concurrency, engine=f"pagemesh tp={tp} cuda bf16")
+                engine = f"pagemesh tp={tp} cuda bf16 {'eager' if eager else 'graphs'}"
+                row = run_mesh(mesh, prompts, 128, concurrency, engine=engine)
                 rows.append([row.engine, str(concurrency), f"{row.output_tokens_per_s:.1f}",
                              f"{row.ttft_p50_ms:.1f}", f"{row.itl_p50_ms:.2f}"])
         finally:
             mesh.stop()
-    agree = "n/a (1 GPU)" if len(tokens) == 1 else str(tokens[1] == tokens[2])
+    agree = "n/a (1 GPU)" if "tp2" not in tokens else str(tokens["tp1"] == tokens["tp2"])
+    graphs_agree = tokens["tp1"] == tokens["tp1-eager"]
     write_results("gpu_check", f"GPU: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; "
                   f"W64 model, 16 requests x 128 + 128 tokens; tp=1 and tp=2 tokens equal: {agree}; "
+                  f"CUDA graphs and eager tokens equal: {graphs_agree}; "
                   f"KV cache sizing: {sizing}; JSON-schema outputs valid: {structured}",
                   ["engine", "concurrency", "output tok/s", "TTFT p50 ms", "ITL p50 ms"], rows, rows)
 

@@ -265,6 +265,12 @@ _WORKER = (
     _worker("--gguf-keep-quantized",
             "GGUF: keep the linear layers' Q8_0/Q4_0/Q4_1/Q5_x/Q4_K/Q6_K blocks in memory and "
             "dequantize them per matmul (less memory, slower steps)", type=bool, default=False),
+    _worker("--enforce-eager",
+            "CUDA: run every step eagerly, without capturing decode steps as CUDA graphs "
+            "(vLLM's flag)", type=bool, default=False),
+    _worker("--cuda-graph-sizes",
+            "CUDA: decode batch sizes to capture as graphs, e.g. 1,2,4,8 (default: 1, 2, 4, "
+            "then every multiple of 8 up to --max-num-seqs, at most 512)"),
     _worker("--pp-layer-split",
             "decoder layers per pipeline stage, e.g. 12,10 (default: as even as possible)"),
     _worker("--torch-threads",

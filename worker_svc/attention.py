@@ -142,6 +142,21 @@ class TritonAttentionBackend:
         # decodes and prefills (a device sync) once per step, not once per layer.
         self._planned_for: AttentionMetadata | None = None
         self._plan = None
+        self._graph_plans: dict[int, object] = {}  # CUDA graphs read their seq ids: keep them
+
+    def fix_decode_plan(self, metadata: AttentionMetadata, num_seqs: int,
+                        max_seq_len: int) -> None:
+        """Attend over `metadata` as `num_seqs` decodes of at most `max_seq_len` tokens, read
+        from the device only: what a CUDA graph captures (worker_svc/cuda_graphs.py), whose
+        replays cannot stop to read lengths on the host. A context shorter than assumed
+        costs nothing: its partitions past the end return at once."""
+        device = metadata.seq_lens.device
+        plan = self._ops.AttentionPlan(
+            decode_seq_ids=torch.arange(num_seqs, dtype=torch.int32, device=device),
+            prefill_seq_ids=torch.empty(0, dtype=torch.int32, device=device),
+            max_decode_seq_len=max_seq_len, max_prefill_query_len=0)
+        self._graph_plans[num_seqs] = plan
+        self._plan, self._planned_for = plan, metadata
 
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -34,6 +34,7 @@ from pagemesh.service_flags import WORKER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.attention import needs_triton_interpreter
+from worker_svc.cuda_graphs import parse_capture_sizes
 from worker_svc.diagnostics import process_rss_bytes
 from worker_svc.distributed import DistributedContext, init_distributed
 from worker_svc.membership import Membership, Plan, WorkerState
@@ -104,6 +105,9 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
         cpu_linear=args.cpu_linear,
         quantization=args.quantization,
         gguf_keep_quantized=args.gguf_keep_quantized,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=(parse_capture_sizes(args.cuda_graph_sizes)
+                          if args.cuda_graph_sizes else None),
     )
 
 

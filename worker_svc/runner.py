@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,13 @@ from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attent
 from worker_svc.batch import (
     BlockTables,
     RequestState,
+    StepBatch,
     build_batch,
     check_block_moves,
     step_digest,
     validate_step,
 )
+from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from worker_svc.distributed import (
     DistributedContext,
     StageMessage,
@@ -90,6 +93,10 @@ class RunnerConfig:
     # GGUF: keep the linear layers' quantized blocks, dequantize per matmul (quant/gguf.py)
     gguf_keep_quantized: bool = False
     parallel: ParallelConfig = ParallelConfig()  # this rank's place in its engine group
+    # CUDA: capture decode steps as CUDA graphs at these batch sizes (None: 1, 2, 4, 8, 16,
+    # ... up to max_num_seqs, worker_svc/cuda_graphs.py); vLLM's enforce_eager turns them off.
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -143,6 +150,7 @@ class ModelRunner:
         dist: DistributedContext | None = None,
         cpu_linear: str = "auto",
         kv_cache_sizing: str = "",
+        cuda_graph_sizes: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.cpu_linear = pack_linear_weights(model, cpu_linear)
@@ -162,6 +170,7 @@ class ModelRunner:
         self.block_tables = BlockTables()  # the requests' block ids, as the batch reads them
         self.grammar_vocabulary: GrammarVocabulary | None = None  # structured output
         self._sent_downstream = False  # this step's activations went to the next stage
+        self.graphs = self._capture_graphs(cuda_graph_sizes) if cuda_graph_sizes else None
 
     @classmethod
     def from_config(cls, config: RunnerConfig,
@@ -188,7 +197,7 @@ class ModelRunner:
             model, metadata, num_blocks=num_blocks, block_size=config.block_size,
             device=config.device, attention_backend=config.attention_backend,
             num_swap_blocks=num_swap_blocks, dist=dist, cpu_linear=config.cpu_linear,
-            kv_cache_sizing=budget.sizing,
+            kv_cache_sizing=budget.sizing, cuda_graph_sizes=_graph_sizes(config),
         )
 
     def reset_requests(self) -> None:
@@ -318,8 +327,7 @@ class ModelRunner:
         samples_here = self.parallel.is_last_stage and self.parallel.is_driver and batch.sample_rows
         masks = self._start_masks(batch.sample_request_ids) if samples_here else None
         try:
-            hidden, residual = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                          batch.metadata, self.backend, intermediate)
+            hidden, residual = self._forward(batch, step.num_scheduled_tokens, intermediate)
             sampled: dict[str, SampledToken] = {}
             if not self.parallel.is_last_stage:
                 self._send_downstream(step.step_id, digest, hidden, residual)
@@ -339,6 +347,36 @@ class ModelRunner:
             self.requests[request_id].num_computed_tokens += num_tokens
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
         return ModelRunnerOutput(step_id=step.step_id, sampled=sampled, forward_time_ms=forward_time_ms)
+
+    def _forward(self, batch: StepBatch, num_scheduled_tokens: dict[str, int],
+                 intermediate: tuple[torch.Tensor, torch.Tensor] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over the batch: a CUDA graph's replay for a decode step that fits one,
+        else eagerly."""
+        if self.graphs is not None and eager_reason(
+                num_scheduled_tokens, self.graphs.sizes,
+                later_stage=intermediate is not None) is None:
+            return self.graphs.run(batch.input_ids, batch.positions, batch.metadata)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
+                          self.backend, intermediate)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, sizes: Sequence[int]) -> DecodeGraphs | None:
+        """Decode graphs over this runner's KV cache (allocated by now), or None (and why)
+        where they cannot be: not CUDA, or an attention backend that reads lengths on the host."""
+        fix_plan = getattr(self.backend, "fix_decode_plan", None)
+        if self.device.type != "cuda" or fix_plan is None:
+            logger.info("CUDA graphs off: %s", "not a CUDA device" if self.device.type != "cuda"
+                        else f"the {self.backend.name} attention backend cannot be captured")
+            return None
+        max_len = self.metadata.max_model_len
+        graphs = DecodeGraphs(
+            lambda ids, positions, metadata: self.model(ids, positions, self.kv_caches, metadata,
+                                                        self.backend, None),
+            lambda metadata, size: fix_plan(metadata, size, max_len),
+            sizes, max_blocks_per_seq=-(-max_len // self.block_size), device=self.device)
+        graphs.capture()
+        return graphs
 
     def _update_states(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_request_ids:
@@ -417,6 +455,15 @@ def _checked_context(config: RunnerConfig, dist: DistributedContext | None) -> D
                          f"{config.device}: pass device= to init_distributed (NCCL needs "
                          "CUDA tensors, gloo CPU ones)")
     return dist
+
+
+def _graph_sizes(config: RunnerConfig) -> tuple[int, ...]:
+    """The decode batch sizes to capture as CUDA graphs; () for none (CPU, enforce_eager)."""
+    if config.enforce_eager or torch.device(config.device).type != "cuda":
+        return ()
+    if config.cuda_graph_sizes is not None:
+        return tuple(config.cuda_graph_sizes)
+    return capture_sizes(config.max_num_seqs)
 
 
 def _kv_budget(config: RunnerConfig, model: LlamaForCausalLM, metadata: ModelMetadata,

@@ -105,3 +105,25 @@ def run_requests(model: Path, backend: str) -> dict[str, list[int]]:
 def test_triton_runner_matches_torch_runner(tiny_mistral: Path):
     torch.manual_seed(0)
     assert run_requests(tiny_mistral, "triton") == run_requests(tiny_mistral, "torch")
+
+
+def test_the_graph_plan_attends_like_an_eager_step(tmp_path: Path):
+    """What a CUDA graph captures (worker_svc/cuda_graphs.py): decodes padded into static
+    buffers, attended with the plan fixed at max_model_len (split-K over its three
+    partitions, those past a context's end returning at once; a sliding window too), agree
+    with the eager step."""
+    from tests.support.runner_script import padded_decode_matches
+
+    model = write_tiny_model(tmp_path, arch="mistral", sliding_window=6, num_hidden_layers=2,
+                             max_position_embeddings=1536)
+    runner = ModelRunner.from_config(RunnerConfig(
+        model_path=str(model), block_size=BLOCK_SIZE, num_blocks=48,
+        attention_backend="triton"))
+    assert runner.metadata.max_model_len == 1536
+    vocab_size = runner.info().vocab_size
+    requests = [ScriptedRequest(name, random_prompt(length, vocab_size, seed), join_step=0)
+                for name, length, seed in (("a", 11, 1), ("b", 3, 2), ("c", 9, 3))]
+    drive(runner, requests, 2)
+    max_len = runner.metadata.max_model_len
+    padded_decode_matches(runner, requests, size=4, fix_plan=lambda metadata, size: (
+        runner.backend.fix_decode_plan(metadata, size, max_len)))

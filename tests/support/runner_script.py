@@ -91,3 +91,38 @@ def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab_size, (length,), generator=generator).tolist()
+
+
+def padded_decode_matches(runner: ModelRunner, requests: list[ScriptedRequest], size: int,
+                          fix_plan=None) -> None:
+    """After `drive`: the next decode step of `requests` (each one's last output as its new
+    token), run through the model unpadded and then padded to `size` rows in CUDA graphs'
+    static buffers (worker_svc/cuda_graphs.py), agrees row for row, and the padding writes
+    nothing into the KV cache. `fix_plan(metadata, size)`: how the backend attends in a
+    graph (the Triton backend's fixed decode plan); None attends as an eager step does."""
+    from worker_svc.batch import build_batch
+    from worker_svc.cuda_graphs import StaticDecodeInputs
+
+    for r in requests:
+        runner.requests[r.request_id].token_ids.append(r.outputs[-1])
+    scheduled = {r.request_id: 1 for r in requests}
+    batch = build_batch(runner.requests, scheduled, runner.block_size, runner.device,
+                        runner.block_tables)
+    with torch.inference_mode():
+        eager, _ = runner.model(batch.input_ids, batch.positions, runner.kv_caches,
+                                batch.metadata, runner.backend)
+        cache_after_eager = [c.clone() for c in runner.kv_caches]
+        max_blocks = -(-runner.metadata.max_model_len // runner.block_size)
+        inputs = StaticDecodeInputs(size + 3, max_blocks, runner.device)
+        inputs.load(batch.input_ids, batch.positions, batch.metadata, size)
+        metadata = inputs.metadata(size)
+        if fix_plan is not None:
+            fix_plan(metadata, size)
+        padded, _ = runner.model(inputs.input_ids[:size], inputs.positions[:size],
+                                 runner.kv_caches, metadata, runner.backend)
+    n = len(requests)
+    assert padded.shape[0] == size
+    torch.testing.assert_close(padded[:n], eager, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(padded[n:]).all()  # a pad attends to one key of block 0
+    for before, after in zip(cache_after_eager, runner.kv_caches, strict=True):
+        assert torch.equal(before, after), "a padded row wrote into the KV cache"
