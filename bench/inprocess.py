@@ -111,6 +111,22 @@ def run_requests(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[i
         e2e_ms=[1000 * (times[-1] - start) for times in arrivals.values() if times])
 
 
+def one_at_a_time(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[int]],
+                  max_tokens: int) -> RunResult:
+    """Each prompt alone (batch 1), one after the other: the runs' samples together, their
+    durations summed."""
+    runs = [run_requests(scheduler, runner, [prompt], max_tokens) for prompt in prompts]
+    first = runs[0]
+    return RunResult(
+        engine="engine core in-process, one at a time", workload=first.workload,
+        dtype=first.dtype, concurrency=1, num_requests=len(runs),
+        prompt_tokens=sum(r.prompt_tokens for r in runs),
+        output_tokens=sum(r.output_tokens for r in runs),
+        duration_s=sum(r.duration_s for r in runs),
+        ttft_ms=[t for r in runs for t in r.ttft_ms], itl_ms=[t for r in runs for t in r.itl_ms],
+        e2e_ms=[t for r in runs for t in r.e2e_ms])
+
+
 def main(argv: list[str] | None = None) -> None:
     from bench.common import REPO_ROOT, write_w64_model
     from pagemesh.loadgen.workloads import build_workload
@@ -125,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     parser.add_argument("--cpu-linear", default="auto", help="auto | native | onednn | torch")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="batch 1: each request alone, the next after it ends")
     parser.add_argument("--json", default=None, help="write the RunResult here")
     args = parser.parse_args(argv)
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
@@ -134,7 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     scheduler, runner = build_engine(model, args.dtype, max_num_seqs=args.max_num_seqs,
                                      threads=args.threads, cpu_linear=args.cpu_linear)
     run_requests(scheduler, runner, [p[:8] for p in prompts[:4]], 4, workload="warm-up")
-    result = run_requests(scheduler, runner, prompts, args.max_tokens)
+    if args.one_at_a_time:
+        result = one_at_a_time(scheduler, runner, prompts, args.max_tokens)
+    else:
+        result = run_requests(scheduler, runner, prompts, args.max_tokens)
     summary = result.summary()
     print(f"{result.engine} {result.dtype}, linear {runner.cpu_linear}: "
           f"{result.output_tok_s:.1f} tok/s, "

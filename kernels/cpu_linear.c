@@ -1,9 +1,11 @@
 /* fp32 linear layers (y = x W^T + b) for CPU, on weights packed once into column panels.
  *
- * Packed layout: W [N, K] becomes ceil(N / 8) panels, each [K][8]: panel p holds output
- * columns 8p..8p+7, one row of 8 per input index k (columns past N are zero). A panel row
- * is one 8-float vector, so the inner loop is a vector load of W and a multiply-add per row
- * of x, and a panel streams through memory (and the prefetcher) once per x tile.
+ * Packed layout: W [N, K] becomes ceil(N / PANEL) panels, each [K][PANEL]: panel p holds
+ * output columns PANEL*p.., one row of PANEL per input index k (columns past N are zero).
+ * PANEL is one vector: 16 floats where the compiler targets AVX-512 (a zmm register), else
+ * 8 (AVX2's ymm, or two SSE / NEON halves); `linear_panel()` says which this build packs
+ * for. The inner loop is a vector load of W and a multiply-add per row of x, and a panel
+ * streams through memory (and the prefetcher) once per x tile.
  *
  * Tiles: ROWS rows of x times PANELS panels of W held in ROWS x PANELS vector accumulators
  * (the register file: 6 x 2 with AVX2's 16 registers), over all of K. Few rows (decode at
@@ -19,13 +21,19 @@
 #include <stddef.h>
 #include <omp.h>
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-
+#if defined(__AVX512F__)
+#define PANEL 16
+#else
 #define PANEL 8
+#endif
 
-static inline v8 load8(const float *p) { return *(const v8 *)p; }  /* unaligned: aligned(4) */
+typedef float vec __attribute__((vector_size(PANEL * 4), aligned(4)));
 
-static inline void store_cols(float *y, v8 acc, const float *bias, long col, long n) {
+static inline vec load_panel_row(const float *p) { return *(const vec *)p; }  /* unaligned */
+
+int linear_panel(void) { return PANEL; }
+
+static inline void store_cols(float *y, vec acc, const float *bias, long col, long n) {
     for (int j = 0; j < PANEL && col + j < n; j++)
         y[col + j] = acc[j] + (bias ? bias[col + j] : 0.0f);
 }
@@ -34,15 +42,15 @@ static inline void store_cols(float *y, v8 acc, const float *bias, long col, lon
 #define DEFINE_TILE(NAME, R, P)                                                              \
 static void NAME(const float *x, long ldx, const float *w, long k_dim, long n,               \
                  const float *bias, float *y, long ldy, long p0) {                           \
-    v8 acc[R][P];                                                                            \
+    vec acc[R][P];                                                                            \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                      \
-        _Pragma("GCC unroll 8") for (int q = 0; q < P; q++) acc[r][q] = (v8){0};             \
+        _Pragma("GCC unroll 8") for (int q = 0; q < P; q++) acc[r][q] = (vec){0};             \
     const float *panel = w + p0 * k_dim * PANEL;                                             \
     const long stride = k_dim * PANEL;                                                       \
     for (long k = 0; k < k_dim; k++) {                                                       \
-        v8 wv[P];                                                                            \
+        vec wv[P];                                                                            \
         _Pragma("GCC unroll 8") for (int q = 0; q < P; q++)                                  \
-            wv[q] = load8(panel + q * stride + k * PANEL);                                   \
+            wv[q] = load_panel_row(panel + q * stride + k * PANEL);                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                \
             const float s = x[r * ldx + k];                                                  \
             _Pragma("GCC unroll 8") for (int q = 0; q < P; q++) acc[r][q] += wv[q] * s;      \
@@ -113,7 +121,7 @@ int linear_f32(int num_threads, const float *x, long m, long k_dim, const float 
     return 0;
 }
 
-/* W [n, k] row-major -> the packed panels (out holds ceil(n / 8) * k * 8 floats). */
+/* W [n, k] row-major -> the packed panels (out holds ceil(n / PANEL) * k * PANEL floats). */
 int pack_f32(int num_threads, const float *w, long n, long k_dim, float *out) {
     const long num_panels = (n + PANEL - 1) / PANEL;
     #pragma omp parallel for num_threads(num_threads) schedule(static)

@@ -90,6 +90,7 @@ _SIGNATURES = {
     "linear_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p],
     "pack_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p],
+    "linear_panel": [],
     "store_kv": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                  ctypes.c_int],
@@ -295,18 +296,17 @@ def gguf_matmul(type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torc
     return code == 0
 
 
-LINEAR_PANEL = 8  # cpu_linear.c's PANEL: output columns per packed panel
-
-
 def pack_linear_f32(weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """W [n, k] fp32 -> cpu_linear.c's panels (a flat fp32 tensor of ceil(n / 8) * k * 8),
-    for `linear_f32`. Raises when the kernel cannot be built here (`library("cpu_linear")`)."""
+    """W [n, k] fp32 -> cpu_linear.c's panels (a flat fp32 tensor of ceil(n / P) * k * P,
+    P the build's panel width: 16 floats on AVX-512, else 8), for `linear_f32`. Raises when
+    the kernel cannot be built here (`library("cpu_linear")`)."""
     lib = lib or library("cpu_linear")
     if lib is None or weight.dtype != torch.float32 or weight.dim() != 2:
         raise RuntimeError("the native linear kernel is not available for this weight")
     n, k = weight.shape
     weight = weight.contiguous()
-    packed = torch.empty(-(-n // LINEAR_PANEL) * LINEAR_PANEL * k, dtype=torch.float32)
+    panel = lib.linear_panel()
+    packed = torch.empty(-(-n // panel) * panel * k, dtype=torch.float32)
     lib.pack_f32(max(1, torch.get_num_threads()), weight.data_ptr(), n, k, packed.data_ptr())
     return packed
 

@@ -128,6 +128,8 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
         out = torch.empty(x.shape[0], blocks.shape[0])
         assert cpu_native.gguf_matmul(type_name, blocks, x, out, lib=gguf_lib)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    # One vector per panel row: a zmm of 16 floats where the level has AVX-512, else 8.
+    assert linear_lib.linear_panel() == (16 if level == "x86-64-v4" else 8)
     for rows in (1, 2, 5, 13):  # each row tile, and 6-row tiles with a remainder
         weight, x, bias = torch.randn(75, 96), torch.randn(rows, 96), torch.randn(75)
         packed = cpu_native.pack_linear_f32(weight, lib=linear_lib)

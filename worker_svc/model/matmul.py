@@ -1,16 +1,17 @@
 """How the model's linear layers multiply: `F.linear`, or weights packed once for oneDNN or
 for pagemesh's own fp32 kernel (`kernels/cpu_linear.c`).
 
-**native** (fp32; the default on a CPU without AVX-512 wherever a C compiler builds the
-kernel, or where oneDNN does not run): weights in 8-column panels, multiplied by register
-tiles whose shape follows the row count. At batch-1
-decode a linear layer is a matrix-vector product bound by memory bandwidth, and neither MKL
-nor oneDNN comes near it: SmolLM2-135M's 538 MB of linear weights (30 layers and the LM
-head) take 47 ms through F.linear, 26-31 ms through oneDNN and 14-19 ms through the panels,
-1.2-1.4x the time `torch.sum` takes to read them (2-core AVX2 EPYC, `python -m
-bench.linear`). From 16 rows on the panels match oneDNN. Measured on AVX2 only. An AVX-512
-CPU would run the same 8-wide code, where oneDNN's fp32 kernel reaches ~500 GFLOP/s
-(below), so auto keeps oneDNN there.
+**native** (fp32; the default wherever a C compiler builds the kernel): weights in column
+panels one vector wide (16 floats on AVX-512, 8 on AVX2), multiplied by register tiles
+whose shape follows the row count. At batch-1 decode a linear layer is a matrix-vector
+product bound by memory bandwidth, and neither MKL nor oneDNN comes near it: SmolLM2-135M's
+538 MB of linear weights (30 layers and the LM head) take 47 ms through F.linear, 26-31 ms
+through oneDNN and 14-19 ms through the panels on a 2-core AVX2 EPYC, and 52 / 35 / 20 ms on
+a 2-core AVX-512 one (Zen 4), 1.1-1.2x the time `torch.sum` takes to read them (`python -m
+bench.linear`). Through 64 rows the panels match or beat oneDNN on both (AVX-512: 1.8x at
+1 row, 1.3x at 4, 1.0-1.2x at 16 and 64); from 128 rows (prefill) oneDNN is 8-14% faster on
+AVX-512. Auto takes the panels for the decode steps a user waits on; `--cpu-linear onednn`
+is the choice for prefill-heavy work on AVX-512.
 
 **onednn**:
 On CPU, `F.linear` in fp32 goes to MKL, which takes its AVX2 path on AMD processors: about
@@ -130,9 +131,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def resolve_cpu_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "native" on CPU for fp32 when the C kernel builds and the CPU has no
-    AVX-512 (or oneDNN does not run), else "onednn" when the build supports it for `dtype`,
-    else "torch"."""
+    """"auto" -> "native" on CPU for fp32 when the C kernel builds, else "onednn" when the
+    build supports it for `dtype`, else "torch"."""
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"unknown cpu linear backend {choice!r}; choose one of "
                          f"{CPU_LINEAR_CHOICES}")
@@ -151,8 +151,7 @@ def resolve_cpu_linear(choice: str, device: torch.device, dtype: torch.dtype) ->
         raise ValueError(f"--cpu-linear onednn needs a CPU device whose torch build runs "
                          f"oneDNN {dtype} linear kernels ({where}); use --cpu-linear torch")
     if choice == "auto":
-        prefer_native = native and not (onednn and cpu_features().has("avx512f"))
-        resolved = "native" if prefer_native else ("onednn" if onednn else "torch")
+        resolved = "native" if native else ("onednn" if onednn else "torch")
         if on_cpu:
             logger.info("cpu linear auto -> %s for %s (native kernel %s, oneDNN %s linear %s "
                         "on %s)", resolved, dtype, "builds" if native else "does not apply",
