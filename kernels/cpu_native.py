@@ -135,6 +135,9 @@ _lock = threading.Lock()
 _config: NativeKernelConfig | None = None  # None: the defaults, looked up on first use
 _libraries: dict[str, ctypes.CDLL] = {}  # built with current_config()
 _failed: dict[str, str] = {}
+# What `library` answers without the lock: built and enabled under the installed config.
+# A decode step asks a few hundred times (every fused op, every linear layer).
+_ready: dict[str, ctypes.CDLL] = {}
 
 
 def configure(config: NativeKernelConfig) -> NativeKernelConfig:
@@ -145,6 +148,7 @@ def configure(config: NativeKernelConfig) -> NativeKernelConfig:
     previous = current_config()
     with _lock:
         _config = config
+        _ready.clear()
         if (config.compiler, config.cache_dir) != (previous.compiler, previous.cache_dir):
             _libraries.clear()
             _failed.clear()
@@ -227,6 +231,9 @@ def _build_with(cc: str, cache: Path, name: str, arch_flags: tuple[str, ...]) ->
 def library(name: str = "cpu_decode") -> ctypes.CDLL | None:
     """The built kernel library `name` (a key of SOURCES), or None (once logged) when it
     cannot be built here or the installed config disables the kernels."""
+    ready = _ready.get(name)
+    if ready is not None:
+        return ready
     if not current_config().enabled:
         return None
     with _lock:
@@ -237,7 +244,10 @@ def library(name: str = "cpu_decode") -> ctypes.CDLL | None:
                 _failed[name] = str(error)
                 logger.warning("native CPU kernels %s unavailable (%s); using torch ops",
                                name, _failed[name])
-        return _libraries.get(name)
+        lib = _libraries.get(name)
+        if lib is not None and _config is not None and _config.enabled:
+            _ready[name] = lib
+        return lib
 
 
 def build_error(name: str = "cpu_decode") -> str | None:
@@ -318,13 +328,15 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
     if lib is None:
         raise RuntimeError("the native linear kernel is not available")
     k = x.shape[-1]
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
     if rows.dtype != torch.float32 or not rows.is_contiguous():
         rows = rows.to(torch.float32).contiguous()
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
-    if bias is not None:
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
-    lib.linear_f32(max(1, torch.get_num_threads()), rows.data_ptr(), rows.shape[0], k,
+    lib.linear_f32(torch.get_num_threads(), rows.data_ptr(), rows.shape[0], k,
                    packed.data_ptr(), n, bias.data_ptr() if bias is not None else None,
                    out.data_ptr())
+    if x.dim() == 2:
+        return out
     return out.reshape(*x.shape[:-1], n)

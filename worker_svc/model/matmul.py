@@ -90,18 +90,20 @@ class OneDnnWeight(PreparedWeight):
 
 
 class NativeWeight(PreparedWeight):
-    """A plain fp32 weight in cpu_linear.c's panels (a `PreparedWeight`)."""
+    """A plain fp32 weight in cpu_linear.c's panels (a `PreparedWeight`), multiplied by the
+    build that packed it (the panel width is the build's)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features = weight.shape[0]
-        self.packed = cpu_native.pack_linear_f32(weight.detach())
+        self.lib = cpu_native.library("cpu_linear")
+        self.packed = cpu_native.pack_linear_f32(weight.detach(), lib=self.lib)
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_native.linear_f32(x, self.packed, self.out_features, bias)
+        return cpu_native.linear_f32(x, self.packed, self.out_features, bias, lib=self.lib)
 
 
 def native_linear_available(dtype: torch.dtype) -> bool:
