@@ -130,7 +130,8 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     # One vector per panel row: a zmm of 16 floats where the level has AVX-512, else 8.
     assert linear_lib.linear_panel() == (16 if level == "x86-64-v4" else 8)
-    for rows in (1, 2, 5, 13):  # each row tile, and 6-row tiles with a remainder
+    # each row tile, 6-row tiles with a remainder, and prefill's row blocks and tiles
+    for rows in (1, 2, 5, 13, 70, 245):
         weight, x, bias = torch.randn(75, 96), torch.randn(rows, 96), torch.randn(75)
         packed = cpu_native.pack_linear_f32(weight, lib=linear_lib)
         out = cpu_native.linear_f32(x, packed, 75, bias, lib=linear_lib)
