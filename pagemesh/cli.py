@@ -17,6 +17,7 @@ from pagemesh.admin import add_admin_parser, add_profile_parser
 from pagemesh.config import add_flag, add_options, add_redis_password_flag, add_tls_flags
 from pagemesh.health import add_health_parser
 from pagemesh.loadgen.cli import add_bench_parser
+from pagemesh.malloc_preload import MALLOC_CHOICES
 from pagemesh.mesh_secrets import add_secrets_parser
 from pagemesh.service_flags import OPTIONS, SERVICES
 from pagemesh.top import add_top_parser
@@ -46,6 +47,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
              help="spare workers per engine group, taking over from one that dies")
     add_flag(up, "--tp", type=int, default=1, help="tensor-parallel workers per pipeline stage")
     add_flag(up, "--pp", type=int, default=1, help="pipeline stages")
+    add_flag(up, "--malloc", default="auto", choices=MALLOC_CHOICES,
+             help="allocator preloaded into CPU workers: auto = tcmalloc, else jemalloc, when "
+                  "installed (Debian libtcmalloc-minimal4 / libjemalloc2), else glibc's; "
+                  "system = glibc's")
     for services, flags in itertools.groupby(OPTIONS, key=lambda flag: flag.services):
         title = "every service" if len(services) == len(SERVICES) else " and ".join(services)
         add_options(up.add_argument_group(f"options of {title}"), flags)

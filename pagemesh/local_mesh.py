@@ -26,6 +26,7 @@ from pagemesh.config import tls_config, with_password
 from pagemesh.embedded_valkey import EmbeddedValkey
 from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
+from pagemesh.malloc_preload import find_malloc, preload_env
 from pagemesh.models import default_model_path
 from pagemesh.ports import reserve_port
 from pagemesh.redact import redact_url
@@ -80,6 +81,8 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     # the internal token) are secrets: the environment, not argv.
     env = {"PAGEMESH_REDIS_URL": redis_url}
     worker_env = {**env, **options_env(WORKER_OPTIONS, values)}
+    if args.device == "cpu":
+        worker_env |= preload_env(find_malloc(args.malloc))
     scheduler_env = {**env, **options_env(SCHEDULER_OPTIONS, values)}
     worker = options_argv(WORKER_OPTIONS, values)
     scheduler = options_argv(SCHEDULER_OPTIONS, values)
@@ -165,6 +168,13 @@ def run_up(args: argparse.Namespace) -> int:
     setup_logging("pagemesh", args.log_level)
     model = args.model or default_model_path()
     tls = tls_config(args)  # fails early on a missing file, before anything starts
+    if args.device == "cpu":
+        try:  # a named allocator that is not installed: said before anything starts
+            library = find_malloc(args.malloc)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        logger.info("CPU workers preload %s (--malloc %s)", library or "no allocator (glibc's)",
+                    args.malloc)
     if not args.internal_token:  # schedulers and workers answer only this mesh's services
         args.internal_token = secrets.token_urlsafe(24)
     if args.port == 0:

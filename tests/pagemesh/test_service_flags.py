@@ -46,7 +46,8 @@ OWN_FLAGS = {
 # What `up` declares itself: the topology.
 UP_FLAGS = {"--port", "--http-port", "--host", "--redis-url", "--redis-password", "--cluster",
             "--replicas", "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key",
-            "--tls-ca", "--tls-client-ca"}
+            "--tls-ca", "--tls-client-ca",
+            "--malloc"}  # how up starts its CPU workers (LD_PRELOAD), not a service option
 TABLES = {ROUTER: ROUTER_OPTIONS, SCHEDULER: SCHEDULER_OPTIONS, WORKER: WORKER_OPTIONS}
 MAINS = {ROUTER: router_main, SCHEDULER: scheduler_main, WORKER: worker_main}
 MODULES = {"router.main": ROUTER, "scheduler_svc.main": SCHEDULER, "worker_svc.main": WORKER}
