@@ -118,7 +118,7 @@ class SamplingParams:
     def options(self) -> RequestOptions:
         """These parameters in the data plane's vocabulary. Raises ValueError (the servers'
         message) for a wrong type or a value out of range."""
-        given = dataclasses.asdict(self)
+        given = vars(self)  # the fields as they are: read, never copied or changed
         sampling = fields.sampling_options(given)
         stopping = fields.stopping_options(given, fields.integer(given, "max_tokens"))
         num_top = fields.integer(given, "logprobs")

