@@ -28,7 +28,7 @@
 static void NAME(const float *q, const T *k_cache, const T *v_cache,                         \
                  const int32_t *blocks, int first, int last, int block_size,                 \
                  int num_heads, int num_kv_heads, int head_dim_arg, float scale,             \
-                 float *acc, float *scores, float *row_max, float *row_sum) {                \
+                 float *acc, float *scores, float *row_max, float *row_sum, int normalize) {  \
     const int head_dim = HD;                                                                 \
     (void)head_dim_arg;                                                                      \
     const int group = num_heads / num_kv_heads;                                              \
@@ -95,7 +95,7 @@ static void NAME(const float *q, const T *k_cache, const T *v_cache,            
         }                                                                                    \
         pos += count;                                                                        \
     }                                                                                        \
-    for (int h = 0; h < num_heads; h++) {                                                    \
+    for (int h = 0; normalize && h < num_heads; h++) {                                       \
         const float inv = 1.0f / row_sum[h];                                                 \
         for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] *= inv;                     \
     }                                                                                        \
@@ -112,16 +112,90 @@ DEFINE_ONE_SEQ(one_seq_bf16_64, uint16_t, LOAD_BF16, 64)
 DEFINE_ONE_SEQ(one_seq_bf16_128, uint16_t, LOAD_BF16, 128)
 DEFINE_ONE_SEQ(one_seq_bf16_any, uint16_t, LOAD_BF16, head_dim_arg)
 
+/* A sequence's keys are split across threads only when there are fewer sequences than
+ * threads (batch 1, a few long requests), and each part keeps at least this many. */
+#define MIN_SPLIT_TOKENS 128
+
+typedef struct {
+    int first, last;  /* the sequence's visible keys */
+    int parts;        /* how many threads share them */
+    int chunk;        /* keys per part, a whole number of blocks */
+} SeqSplit;
+
+static SeqSplit seq_split(const int32_t *seq_lens, int s, int window, int max_parts,
+                          int block_size) {
+    SeqSplit split;
+    split.last = seq_lens[s];
+    split.first = (window > 0 && split.last - window > 0) ? split.last - window : 0;
+    const int keys = split.last - split.first;
+    int parts = keys / MIN_SPLIT_TOKENS;
+    parts = parts < 1 ? 1 : (parts > max_parts ? max_parts : parts);
+    const int blocks = (keys + block_size - 1) / block_size;
+    split.chunk = ((blocks + parts - 1) / parts) * block_size;
+    split.parts = split.chunk > 0 ? (keys + split.chunk - 1) / split.chunk : 1;
+    if (split.parts < 1) split.parts = 1;
+    return split;
+}
+
+typedef void (*one_seq_f32_fn)(const float *, const float *, const float *, const int32_t *,
+                               int, int, int, int, int, int, float, float *, float *, float *,
+                               float *, int);
+typedef void (*one_seq_bf16_fn)(const float *, const uint16_t *, const uint16_t *,
+                                const int32_t *, int, int, int, int, int, int, float, float *,
+                                float *, float *, float *, int);
+
+/* Folds a split sequence's parts (each: num_heads rows of head_dim unnormalized sums, then
+ * each head's running max, then its sum) into its output row, fp32. */
+static void merge_parts(const float *parts, int num_parts, int num_heads, int head_dim,
+                        float *out) {
+    const long width = (long)num_heads * head_dim;
+    const long stride = width + 2L * num_heads;
+    for (int h = 0; h < num_heads; h++) {
+        float top = -INFINITY;
+        for (int p = 0; p < num_parts; p++) {
+            const float m = parts[p * stride + width + h];
+            top = m > top ? m : top;
+        }
+        float total = 0.0f;
+        float *o = out + (long)h * head_dim;
+        for (int d = 0; d < head_dim; d++) o[d] = 0.0f;
+        for (int p = 0; p < num_parts; p++) {
+            const float *part = parts + p * stride;
+            const float weight = exp_approx(part[width + h] - top);
+            total += weight * part[width + num_heads + h];
+            for (int d = 0; d < head_dim; d++) o[d] += weight * part[(long)h * head_dim + d];
+        }
+        const float inv = 1.0f / total;
+        for (int d = 0; d < head_dim; d++) o[d] *= inv;
+    }
+}
+
 /* dtype: 0 = fp32, 1 = bf16 (query, caches and out share it). Sequences are split across
- * `num_threads` OpenMP threads. Built with -fopenmp, this library needs libgomp.so.1, which
- * the loader resolves to the copy torch already loaded: the kernel runs on torch's own
- * thread pool instead of competing with it for the cores. Returns 0, or -1 when out of
- * memory. */
+ * `num_threads` OpenMP threads; with fewer sequences than threads, a sequence's keys are
+ * too (vLLM's KV split): each thread scores its run of keys with its own running max and
+ * sum, and the parts are folded together after (the log-sum-exp merge), so one long
+ * request's attention uses every core instead of one. Built with -fopenmp, this library
+ * needs libgomp.so.1, which the loader resolves to the copy torch already loaded: the
+ * kernel runs on torch's own thread pool instead of competing with it for the cores.
+ * split_keys 0 keeps every sequence on one thread. Returns 0, or -1 when out of memory. */
 int paged_decode(int dtype, const void *query, const void *k_cache, const void *v_cache,
                  const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
                  void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                 int block_size, float scale, int window, int num_threads) {
+                 int block_size, float scale, int window, int num_threads, int split_keys) {
     const long width = (long)num_heads * head_dim;
+    const long part_stride = width + 2L * num_heads;
+    /* With fewer sequences than threads, each sequence's keys go to up to this many. */
+    const int max_parts = split_keys && num_seqs < num_threads
+                          ? (num_threads + num_seqs - 1) / num_seqs : 1;
+    float *partials = NULL;
+    if (max_parts > 1) {
+        partials = malloc(sizeof(float) * (long)num_seqs * max_parts * part_stride);
+        if (partials == NULL) return -1;
+    }
+    const one_seq_f32_fn f32 = head_dim == 64 ? one_seq_f32_64
+                             : head_dim == 128 ? one_seq_f32_128 : one_seq_f32_any;
+    const one_seq_bf16_fn bf16 = head_dim == 64 ? one_seq_bf16_64
+                               : head_dim == 128 ? one_seq_bf16_128 : one_seq_bf16_any;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
@@ -130,28 +204,52 @@ int paged_decode(int dtype, const void *query, const void *k_cache, const void *
         float *q = work, *acc = q + width, *scores = acc + width;
         float *row_max = scores + (long)num_heads * block_size, *row_sum = row_max + num_heads;
         #pragma omp for schedule(dynamic, 1)
-        for (int s = 0; s < num_seqs; s++) {
-            if (work == NULL) continue;
-            const int last = seq_lens[s];
-            const int first = (window > 0 && last - window > 0) ? last - window : 0;
+        for (long item = 0; item < (long)num_seqs * max_parts; item++) {
+            const int s = (int)(item / max_parts), part = (int)(item % max_parts);
+            const SeqSplit split = seq_split(seq_lens, s, window, max_parts, block_size);
+            if (work == NULL || part >= split.parts) continue;
+            const int first = split.first + part * split.chunk;
+            const int last = first + split.chunk < split.last ? first + split.chunk : split.last;
+            const int whole = split.parts == 1;  /* normalized here, else merged below */
             const int32_t *blocks = block_tables + (long)s * max_blocks;
             if (dtype == 0) {
                 memcpy(q, (const float *)query + s * width, sizeof(float) * width);
-                (head_dim == 64 ? one_seq_f32_64 : head_dim == 128 ? one_seq_f32_128
-                 : one_seq_f32_any)(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
-                            num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum);
-                memcpy((float *)out + s * width, acc, sizeof(float) * width);
+                f32(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
+                    num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum, whole);
             } else {
                 const uint16_t *qs = (const uint16_t *)query + s * width;
                 for (long i = 0; i < width; i++) q[i] = bf16_to_f32(qs[i]);
-                (head_dim == 64 ? one_seq_bf16_64 : head_dim == 128 ? one_seq_bf16_128
-                 : one_seq_bf16_any)(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
-                             num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum);
+                bf16(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
+                     num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum, whole);
+            }
+            if (!whole) {
+                float *slot = partials + item * part_stride;
+                memcpy(slot, acc, sizeof(float) * width);
+                memcpy(slot + width, row_max, sizeof(float) * num_heads);
+                memcpy(slot + width + num_heads, row_sum, sizeof(float) * num_heads);
+            } else if (dtype == 0) {
+                memcpy((float *)out + s * width, acc, sizeof(float) * width);
+            } else {
+                uint16_t *os = (uint16_t *)out + s * width;
+                for (long i = 0; i < width; i++) os[i] = f32_to_bf16(acc[i]);
+            }
+        }
+        /* The for's barrier: every part is in. Each split sequence's parts fold into it. */
+        #pragma omp for schedule(static)
+        for (int s = 0; s < num_seqs; s++) {
+            const SeqSplit split = seq_split(seq_lens, s, window, max_parts, block_size);
+            if (work == NULL || split.parts == 1) continue;
+            merge_parts(partials + (long)s * max_parts * part_stride, split.parts, num_heads,
+                        head_dim, acc);
+            if (dtype == 0) {
+                memcpy((float *)out + s * width, acc, sizeof(float) * width);
+            } else {
                 uint16_t *os = (uint16_t *)out + s * width;
                 for (long i = 0; i < width; i++) os[i] = f32_to_bf16(acc[i]);
             }
         }
         free(work);
     }
+    free(partials);
     return failed ? -1 : 0;
 }

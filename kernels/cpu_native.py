@@ -70,7 +70,7 @@ _SIGNATURES = {
     "paged_decode": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_float, ctypes.c_int, ctypes.c_int],
+                     ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     "gguf_matmul": [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                     ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int],
     "add_rms_norm": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -261,11 +261,12 @@ def available(dtype: torch.dtype) -> bool:
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 sliding_window: int | None = None, *, lib: ctypes.CDLL | None = None
-                 ) -> torch.Tensor:
+                 sliding_window: int | None = None, *, lib: ctypes.CDLL | None = None,
+                 split_keys: bool = True) -> torch.Tensor:
     """One query token per sequence: query [S, H, D] -> [S, H, D], as the reference computes
     for q_len 1. Tensors must be CPU, fp32 or bf16 (`available`). `lib`: another build of
-    cpu_decode (`_build(arch_flags=...)`), for tests; default the native one."""
+    cpu_decode (`_build(arch_flags=...)`), for tests; default the native one. `split_keys`
+    False keeps each sequence on one thread (the kernel before the KV split: benchmarks)."""
     lib = lib or library()
     if lib is None or query.dtype not in _DTYPES:
         raise RuntimeError("the native decode kernel is not available for this input")
@@ -281,7 +282,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _DTYPES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs,
         num_heads, num_kv_heads, head_dim, block_size, float(scale), int(sliding_window or 0),
-        max(1, torch.get_num_threads()))
+        max(1, torch.get_num_threads()), int(split_keys))
     if code:
         raise MemoryError("the native decode kernel could not allocate its scratch memory")
     return out

@@ -53,6 +53,28 @@ def test_c_kernel_never_reads_past_a_context(dtype, head_dim):
         assert_matches_reference(out, expected)
 
 
+@pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler (cc/gcc/$CC) on PATH")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("seq_lens,threads,window", [
+    ([2000], 4, None),  # batch 1: one request's keys over four threads
+    ([1000, 300, 5], 8, None),  # fewer requests than threads: 3, 2 and 1 parts
+    ([1000, 300, 5], 8, 700),  # a window starting mid-block, spanning the parts
+    ([129, 255], 3, None),  # parts of a block or so, a partly filled last one
+])
+def test_c_kernel_splits_few_long_contexts_across_threads(dtype, seq_lens, threads, window):
+    # NaN in the slots no sequence owns, as above: a part reading past its run shows.
+    batch = build_paged_batch(seq_lens, [1] * len(seq_lens), 9, 3, 64, 16, dtype, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache,
+                                      batch.block_tables, batch.seq_lens, 0.125, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference.paged_attention(*batch.reference_args(), 0.125, sliding_window=window)
+    assert_matches_reference(out, expected)
+
+
 def test_without_a_compiler_the_build_says_so(tmp_path):
     config = cpu_native.NativeKernelConfig(compiler=str(tmp_path / "no-such-cc"),
                                            cache_dir=tmp_path / "cache")
