@@ -26,6 +26,7 @@ from pagemesh.config import tls_config, with_password
 from pagemesh.embedded_valkey import EmbeddedValkey
 from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
+from pagemesh.cpu_placement import Placement, host_cores, plan_placement
 from pagemesh.malloc_preload import find_malloc, preload_env
 from pagemesh.models import default_model_path
 from pagemesh.ports import reserve_port
@@ -54,7 +55,17 @@ def _num_workers(args: argparse.Namespace) -> int:
     return (args.tp * args.pp + args.standby) * args.replicas
 
 
-def _option_values(args: argparse.Namespace, model: str) -> dict[str, Any]:
+def cpu_placement(args: argparse.Namespace) -> Placement:
+    """Where the CPU workers and the control plane run (`--cpu-bind`, pagemesh/cpu_placement.py):
+    one slot per rank of each replica, standbys sharing their replica's first slot.
+    Raises ValueError when the mode cannot be given on this host."""
+    if args.device != "cpu":
+        return Placement(None, None, "none")
+    return plan_placement(args.cpu_bind, host_cores(), args.tp * args.pp * args.replicas)
+
+
+def _option_values(args: argparse.Namespace, model: str,
+                   placement: Placement) -> dict[str, Any]:
     """`up`'s parsed options, with what `up` decides for its services: the model it
     resolved and its name, and on CPU each worker's share of the host."""
     values = {**vars(args), "model": model,
@@ -62,17 +73,21 @@ def _option_values(args: argparse.Namespace, model: str) -> dict[str, Any]:
     num_workers = _num_workers(args)
     if args.device == "cpu":  # the host's memory is shared: each worker sizes its own part
         values["cpu_kv_cache_fraction"] = args.cpu_kv_cache_fraction / num_workers
-    if num_workers > 1 and args.device == "cpu" and not args.torch_threads:
+    if placement.workers is not None and not args.torch_threads:
+        values["torch_threads"] = len(placement.workers[0])  # one per bound core
+    elif num_workers > 1 and args.device == "cpu" and not args.torch_threads:
         # Share the cores, don't each claim all.
         values["torch_threads"] = max(1, (os.cpu_count() or 1) // num_workers)
     return values
 
 
-def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[ServiceSpec]:
+def service_specs(args: argparse.Namespace, model: str, redis_url: str,
+                  placement: Placement | None = None) -> list[ServiceSpec]:
     """`--replicas` engine groups (each tp x pp workers and a scheduler) and the router.
     Each service gets every option it takes (pagemesh.service_flags), as the compose files
     pass them too, and the topology and identity `up` decides per process."""
-    values = _option_values(args, model)
+    placement = placement or cpu_placement(args)  # up plans it before binding itself
+    values = _option_values(args, model, placement)
     # Only the router serves clients on --host; schedulers and workers bind the address they
     # advertise (127.0.0.1 under `--host 0.0.0.0`): nobody else needs to reach them.
     common = ["--cluster", args.cluster, *tls_config(args).flags()]
@@ -94,22 +109,26 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str) -> list[
     def device(replica: int, pp: int, tp: int) -> str:
         return f"cuda:{replica * world + pp * args.tp + tp}" if args.device == "cuda" else "cpu"
 
+    def worker_spec(name: str, argv: list[str], slot: int) -> ServiceSpec:
+        cpus = None if placement.workers is None else placement.workers[slot]
+        return ServiceSpec(name, "worker_svc.main", [*internal, *worker, *layout, *argv],
+                           worker_env | placement.worker_env(slot), cpus)
+
     specs = []
     for replica in range(args.replicas):
         group = ["--group", f"g{replica}"]
         specs += [
-            ServiceSpec(f"worker-g{replica}-pp{pp}-tp{tp}", "worker_svc.main",
-                        [*internal, *worker, *layout, *group, "--tp-rank", str(tp),
-                         "--pp-rank", str(pp), "--device", device(replica, pp, tp)], worker_env)
+            worker_spec(f"worker-g{replica}-pp{pp}-tp{tp}",
+                        [*group, "--tp-rank", str(tp), "--pp-rank", str(pp),
+                         "--device", device(replica, pp, tp)], replica * world + pp * args.tp + tp)
             for pp in range(args.pp) for tp in range(args.tp)
         ]
         # A standby of a one-worker group is just a second worker: loaded and ready, it is
         # picked when the first dies. In a bigger group it waits for whichever rank is lost.
         standby = [] if world == 1 else ["--standby"]
         specs += [
-            ServiceSpec(f"worker-g{replica}-standby{i}", "worker_svc.main",
-                        [*internal, *worker, *layout, *group, *standby,
-                         "--device", device(replica, 0, 0)], worker_env)
+            worker_spec(f"worker-g{replica}-standby{i}",
+                        [*group, *standby, "--device", device(replica, 0, 0)], replica * world)
             for i in range(args.standby)
         ]
         specs.append(ServiceSpec(f"scheduler-g{replica}", "scheduler_svc.main",
@@ -168,6 +187,7 @@ def run_up(args: argparse.Namespace) -> int:
     setup_logging("pagemesh", args.log_level)
     model = args.model or default_model_path()
     tls = tls_config(args)  # fails early on a missing file, before anything starts
+    placement = Placement(None, None, "none")
     if args.device == "cpu":
         try:  # a named allocator that is not installed: said before anything starts
             library = find_malloc(args.malloc)
@@ -175,6 +195,13 @@ def run_up(args: argparse.Namespace) -> int:
             raise SystemExit(str(exc)) from None
         logger.info("CPU workers preload %s (--malloc %s)", library or "no allocator (glibc's)",
                     args.malloc)
+        try:  # the same for a binding this host cannot give
+            placement = cpu_placement(args)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        logger.info("--cpu-bind %s: %s", args.cpu_bind, placement.describe())
+        if placement.control is not None:  # up, Valkey, the router and schedulers inherit it
+            os.sched_setaffinity(0, placement.control)
     if not args.internal_token:  # schedulers and workers answer only this mesh's services
         args.internal_token = secrets.token_urlsafe(24)
     if args.port == 0:
@@ -204,7 +231,7 @@ def run_up(args: argparse.Namespace) -> int:
     announced: Path | None = None
     try:
         announced = _announce(args, redis_url, tls)
-        for spec in service_specs(args, model, redis_url):
+        for spec in service_specs(args, model, redis_url, placement):
             supervisor.start(spec)
         liveness.start()
         address = f"{args.host}:{args.port}"

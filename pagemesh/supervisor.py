@@ -24,6 +24,7 @@ class ServiceSpec:
     module: str
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] | None = None  # the logical CPUs it runs on; None: as its parent
 
 
 class Supervisor:
@@ -46,7 +47,10 @@ class Supervisor:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         argv = [sys.executable, "-m", spec.module, *spec.args]
         logger.info("starting %s: %s", spec.name, " ".join(redacted_argv(argv)))
-        proc = subprocess.Popen(argv, env=env)
+        cpus = spec.cpus
+        # Set in the child before exec: the OpenMP runtime reads the affinity when it loads.
+        bind = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+        proc = subprocess.Popen(argv, env=env, preexec_fn=bind)
         self.children[spec.name] = proc
         self.specs[spec.name] = spec
         return proc

@@ -47,7 +47,8 @@ OWN_FLAGS = {
 UP_FLAGS = {"--port", "--http-port", "--host", "--redis-url", "--redis-password", "--cluster",
             "--replicas", "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key",
             "--tls-ca", "--tls-client-ca",
-            "--malloc"}  # how up starts its CPU workers (LD_PRELOAD), not a service option
+            # How up starts its CPU workers (LD_PRELOAD, their cores), not service options.
+            "--malloc", "--cpu-bind"}
 TABLES = {ROUTER: ROUTER_OPTIONS, SCHEDULER: SCHEDULER_OPTIONS, WORKER: WORKER_OPTIONS}
 MAINS = {ROUTER: router_main, SCHEDULER: scheduler_main, WORKER: worker_main}
 MODULES = {"router.main": ROUTER, "scheduler_svc.main": SCHEDULER, "worker_svc.main": WORKER}
@@ -155,7 +156,9 @@ def non_default(flag: ServiceFlag) -> Any:
 
 
 def parse_up(argv: list[str]) -> argparse.Namespace:
-    return cli.build_parser().parse_args(["up", *argv])
+    # Unbound, whatever this host's cores (auto binds where there are 4): the binding has
+    # its own tests (test_cpu_placement.py); a later --cpu-bind in argv wins.
+    return cli.build_parser().parse_args(["up", "--cpu-bind", "none", *argv])
 
 
 def parsed_specs(args: argparse.Namespace, model: str) -> list[tuple[str, str, argparse.Namespace]]:
