@@ -99,9 +99,12 @@ def main() -> None:
     for num_rows in (64, 2048):
         for name, new, old in op_cases(num_rows):
             add(name, f"{num_rows} rows", new, old, "C", "torch reference")
-    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(1))
-    add("greedy argmax", "64 x 49,152", lambda: cpu_fused.argmax(logits),
-        lambda: logits.argmax(dim=-1), "C", "torch.argmax")
+    for num_rows in (64, 256):  # W64's decode; the control-plane bench's 256 streams
+        logits = torch.randn(num_rows, 49152, generator=torch.Generator().manual_seed(1))
+        add("greedy argmax", f"{num_rows} x 49,152", lambda x=logits: cpu_fused.argmax(x),
+            lambda x=logits: x.argmax(dim=-1), "C", "torch.argmax")
+        add("a read of the logits", f"{num_rows} x 49,152", lambda x=logits: x.amax(dim=-1),
+            lambda x=logits: x.argmax(dim=-1), "torch.amax", "torch.argmax")
     for num_requests in (64, 256):
         new, old = batch_case(num_requests)
         add("build_batch", f"{num_requests} decodes", new, old, "block tables",

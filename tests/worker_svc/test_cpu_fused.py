@@ -177,6 +177,12 @@ def test_argmax_is_torchs_first_maximum(vocab):
         logits[3, 2:] = logits[3].max() + 1  # ties between lanes and in the tail
         logits[4, vocab // 2] = float("nan")  # NaN beats everything, as in torch
         logits[4, vocab - 1] = float("nan")
+        logits[5] = -logits[5].abs() - 1  # every value negative
+        logits[6] = -logits[6].abs()
+        logits[6, vocab // 3], logits[6, vocab - 2] = -0.0, 0.0  # signed zeros tie
+        logits[7, 1], logits[7, vocab - 1] = float("inf"), float("inf")
+        logits[8, vocab - 2] = -float("nan")  # a NaN with its sign bit set
+        logits[9] = -0.0
     assert torch.equal(cpu_fused.argmax(logits), logits.argmax(dim=-1))
     assert torch.equal(cpu_fused.argmax(logits[::3]), logits[::3].argmax(dim=-1))  # strided
 
