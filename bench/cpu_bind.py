@@ -1,7 +1,11 @@
-"""`pagemesh up --cpu-bind`: the mesh with its CPU workers unbound, bound beside a reserved
-control-plane core, and bound over every core, alternated, on the same prompts.
+"""`pagemesh up --cpu-bind` and `--omp-wait`: the mesh with its CPU workers unbound, bound
+beside a reserved control-plane core, or bound over every core, their idle OpenMP threads
+spinning (the runtime's default) or sleeping at once, alternated, on the same prompts.
 
-    .venv/bin/python -m bench.cpu_bind [--rounds 2] [--modes none,reserve,pin]
+    .venv/bin/python -m bench.cpu_bind [--rounds 2] [--variants none/spin,none/passive,...]
+
+A variant is `BIND/WAIT` (`--cpu-bind BIND --omp-wait WAIT`; WAIT omitted: spin); the first
+is the baseline of the ratios.
 
 SmolLM2-135M-Instruct fp32 (`.cache/smollm2-hf`, as bench.step_profile writes it). Each
 round starts `pagemesh up --cpu-bind MODE` once per mode (the odd rounds in reverse order)
@@ -11,7 +15,7 @@ request). On a 2-core host `reserve` leaves the worker one core (one OpenMP thre
 gives the other to the router, the scheduler and Valkey; `pin` binds the worker's two
 threads one per core with the control plane unbound; `none` is the default there.
 Writes bench/results/cpu_bind.{md,json}: medians over the rounds, and the medians of the
-per-round ratios to `none`.
+per-round ratios to the first variant.
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ from pagemesh.loadgen import Target, run_workload
 from pagemesh.loadgen.result import RunResult
 from pagemesh.mesh_process import Mesh
 
-BASELINE = "none"
+def up_flags(variant: str) -> list[str]:
+    bind, _, wait = variant.partition("/")
+    return ["--cpu-bind", bind, "--omp-wait", wait or "spin"]
 
 
 def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict[str, RunResult]:
-    log = Path(tempfile.mkdtemp()) / f"mesh-{mode}.log"
-    mesh = Mesh(model, log, cluster=f"cpu-bind-{mode}",
-                extra_args=["--cpu-bind", mode]).wait_ready()
+    log = Path(tempfile.mkdtemp()) / "mesh.log"
+    mesh = Mesh(model, log, cluster=f"cpu-bind-{mode.replace('/', '-')}",
+                extra_args=up_flags(mode)).wait_ready()
     try:
         target = Target(mesh.address)
         w64, batch1 = workloads(args, 0)
@@ -51,7 +57,7 @@ def figures(rounds: list[dict[str, dict[str, RunResult]]], modes: list[str]) -> 
     rows = []
     for mode in modes:
         def ratios(value, runs=rounds, mode=mode):
-            return statistics.median(value(r[mode]) / value(r[BASELINE]) for r in runs)
+            return statistics.median(value(r[mode]) / value(r[modes[0]]) for r in runs)
 
         def median(value, runs=rounds, mode=mode):
             return statistics.median(value(r[mode]) for r in runs)
@@ -65,9 +71,10 @@ def figures(rounds: list[dict[str, dict[str, RunResult]]], modes: list[str]) -> 
         def ttft(run):
             return _p50(run[BATCH1].ttft_ms)
 
-        rows.append({"mode": mode, "w64_tok_s": median(w64_tok_s), "itl_p50_ms": median(itl),
-                     "ttft_p50_ms": median(ttft), "w64_vs_none": ratios(w64_tok_s),
-                     "itl_vs_none": ratios(itl), "ttft_vs_none": ratios(ttft)})
+        rows.append({"variant": mode, "w64_tok_s": median(w64_tok_s),
+                     "itl_p50_ms": median(itl), "ttft_p50_ms": median(ttft),
+                     "w64_vs_first": ratios(w64_tok_s), "itl_vs_first": ratios(itl),
+                     "ttft_vs_first": ratios(ttft)})
     return rows
 
 
@@ -75,12 +82,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "smollm2-hf"))
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--modes", default="none,reserve,pin")
+    parser.add_argument("--variants", default="none/spin,none/passive,pin/spin,pin/passive,"
+                        "reserve")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--batch1-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    modes = list(dict.fromkeys([BASELINE, *args.modes.split(",")]))
+    modes = list(dict.fromkeys(args.variants.split(",")))
     model = str(Path(args.model).resolve())
     rounds = []
     for round_ in range(args.rounds):
@@ -89,17 +97,17 @@ def main() -> None:
         print(f"round {round_}:", {m: round(r[W64].output_tok_s, 1) for m, r in rounds[-1].items()},
               flush=True)
     rows = figures(rounds, modes)
-    header = (f"pagemesh up --cpu-bind, SmolLM2-135M-Instruct fp32 over gRPC; {args.rounds} "
-              f"alternating rounds, medians; ratios: medians of per-round ratios to "
-              f"--cpu-bind none (tok/s: above 1 is faster; ITL, TTFT: below 1 is faster). "
+    header = (f"pagemesh up --cpu-bind BIND --omp-wait WAIT, SmolLM2-135M-Instruct fp32 over "
+              f"gRPC; {args.rounds} alternating rounds, medians; ratios: medians of per-round "
+              f"ratios to {modes[0]} (tok/s: above 1 is faster; ITL, TTFT: below 1 is faster). "
               f"W64: {args.num_requests} x 128 prompt ids x {args.max_tokens} new, all at once; "
               f"batch 1: {args.batch1_requests} requests one at a time. "
               f"Command: `python -m bench.cpu_bind`.")
-    table = [[row["mode"], f"{row['w64_tok_s']:.1f}", f"{row['w64_vs_none']:.2f}x",
-              f"{row['itl_p50_ms']:.1f}", f"{row['itl_vs_none']:.2f}x",
-              f"{row['ttft_p50_ms']:.1f}", f"{row['ttft_vs_none']:.2f}x"] for row in rows]
-    write_results("cpu_bind", header, ["--cpu-bind", "W64 tok/s", "vs none", "batch-1 ITL p50 ms",
-                                       "vs none", "batch-1 TTFT p50 ms", "vs none"], table, rows)
+    table = [[row["variant"], f"{row['w64_tok_s']:.1f}", f"{row['w64_vs_first']:.2f}x",
+              f"{row['itl_p50_ms']:.1f}", f"{row['itl_vs_first']:.2f}x",
+              f"{row['ttft_p50_ms']:.1f}", f"{row['ttft_vs_first']:.2f}x"] for row in rows]
+    write_results("cpu_bind", header, ["BIND/WAIT", "W64 tok/s", "ratio", "batch-1 ITL p50 ms",
+                                       "ratio", "batch-1 TTFT p50 ms", "ratio"], table, rows)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--name", default="linear", help="results file name (bench/results/)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,7 +86,7 @@ def main() -> None:
     header = (f"# SmolLM2-135M's linear layers ({num_bytes / 1e6:.0f} MB fp32), ms per pass; "
               f"the weights read once in {floor:.1f} ms ({num_bytes / floor / 1e6:.1f} GB/s); "
               f"{torch.get_num_threads()} threads; {cpu_features().one_line()}")
-    write_results("linear", header, ["rows", *backends], table,
+    write_results(args.name, header, ["rows", *backends], table,
                   {"weight_bytes": num_bytes, "read_ms": floor, "ms": results,
                    "cpu": cpu_features().describe()})
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CPU_BIND_CHOICES = ("auto", "reserve", "pin", "none")
+OMP_WAIT_CHOICES = ("spin", "passive")
 AUTO_MIN_CORES = 4
 SYSFS_CPUS = Path("/sys/devices/system/cpu")
 
@@ -110,3 +111,17 @@ def plan_placement(mode: str, cores: list[tuple[int, ...]], num_slots: int) -> P
     left = cores[reserved + num_slots * share:]
     control = tuple(cpu for core in (cores[0], *left) for cpu in core)
     return Placement(workers, control, "reserve")
+
+
+def omp_wait_env(choice: str) -> dict[str, str]:
+    """How a CPU worker's idle OpenMP threads wait between parallel regions (`--omp-wait`).
+    spin: the runtime's default, a while of spinning before they sleep, so a step's hundreds
+    of regions start without a wake-up; passive: they sleep at once, leaving cores they share
+    with the router and the scheduler to those. `python -m bench.cpu_bind` on a 2-core Xeon:
+    passive costs SmolLM2 8% of W64 and 1.47x batch-1 ITL, while `python -m
+    bench.control_plane` (a near-zero model, 256 streams) gains 1.48x over gRPC (the worker's
+    CPU per token 183 -> 92 us): passive is for models far cheaper than their traffic."""
+    if choice not in OMP_WAIT_CHOICES:
+        raise ValueError(f"--omp-wait must be one of {', '.join(OMP_WAIT_CHOICES)}, "
+                         f"got {choice!r}")
+    return {"OMP_WAIT_POLICY": "PASSIVE"} if choice == "passive" else {}

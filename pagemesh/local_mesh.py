@@ -26,7 +26,7 @@ from pagemesh.config import tls_config, with_password
 from pagemesh.embedded_valkey import EmbeddedValkey
 from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
-from pagemesh.cpu_placement import Placement, host_cores, plan_placement
+from pagemesh.cpu_placement import Placement, host_cores, omp_wait_env, plan_placement
 from pagemesh.malloc_preload import find_malloc, preload_env
 from pagemesh.models import default_model_path
 from pagemesh.ports import reserve_port
@@ -97,7 +97,7 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str,
     env = {"PAGEMESH_REDIS_URL": redis_url}
     worker_env = {**env, **options_env(WORKER_OPTIONS, values)}
     if args.device == "cpu":
-        worker_env |= preload_env(find_malloc(args.malloc))
+        worker_env |= preload_env(find_malloc(args.malloc)) | omp_wait_env(args.omp_wait)
     scheduler_env = {**env, **options_env(SCHEDULER_OPTIONS, values)}
     worker = options_argv(WORKER_OPTIONS, values)
     scheduler = options_argv(SCHEDULER_OPTIONS, values)
@@ -199,7 +199,8 @@ def run_up(args: argparse.Namespace) -> int:
             placement = cpu_placement(args)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-        logger.info("--cpu-bind %s: %s", args.cpu_bind, placement.describe())
+        logger.info("--cpu-bind %s: %s; --omp-wait %s", args.cpu_bind, placement.describe(),
+                    args.omp_wait)
         if placement.control is not None:  # up, Valkey, the router and schedulers inherit it
             os.sched_setaffinity(0, placement.control)
     if not args.internal_token:  # schedulers and workers answer only this mesh's services

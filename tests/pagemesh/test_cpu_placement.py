@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagemesh import cli
-from pagemesh.cpu_placement import host_cores, plan_placement
+from pagemesh.cpu_placement import host_cores, omp_wait_env, plan_placement
 from pagemesh.local_mesh import service_specs
 from pagemesh.supervisor import ServiceSpec, Supervisor
 
@@ -86,6 +86,20 @@ def test_up_gives_each_worker_its_cores_and_threads(monkeypatch):
         specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}
         assert specs["worker-g0-pp0-tp0"].cpus is None
         assert "OMP_PLACES" not in specs["worker-g0-pp0-tp0"].env
+
+
+def test_idle_openmp_threads_spin_unless_told_to_sleep():
+    assert omp_wait_env("spin") == {}  # the runtime's spin-then-sleep
+    assert omp_wait_env("passive") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    with pytest.raises(ValueError, match="--omp-wait must be one of"):
+        omp_wait_env("active")
+    args = cli.build_parser().parse_args(["up", "--omp-wait", "passive"])
+    specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}
+    assert specs["worker-g0-pp0-tp0"].env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in specs["router"].env
+    args = cli.build_parser().parse_args(["up"])
+    specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}
+    assert "OMP_WAIT_POLICY" not in specs["worker-g0-pp0-tp0"].env
 
 
 def test_a_process_the_supervisor_binds_runs_one_thread_on_each_of_its_cpus(tmp_path):

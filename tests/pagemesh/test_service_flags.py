@@ -48,7 +48,7 @@ UP_FLAGS = {"--port", "--http-port", "--host", "--redis-url", "--redis-password"
             "--replicas", "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key",
             "--tls-ca", "--tls-client-ca",
             # How up starts its CPU workers (LD_PRELOAD, their cores), not service options.
-            "--malloc", "--cpu-bind"}
+            "--malloc", "--cpu-bind", "--omp-wait"}
 TABLES = {ROUTER: ROUTER_OPTIONS, SCHEDULER: SCHEDULER_OPTIONS, WORKER: WORKER_OPTIONS}
 MAINS = {ROUTER: router_main, SCHEDULER: scheduler_main, WORKER: worker_main}
 MODULES = {"router.main": ROUTER, "scheduler_svc.main": SCHEDULER, "worker_svc.main": WORKER}
