@@ -47,7 +47,7 @@ COLUMNS = ["scenario", "requests sent", "failed", "resumed", "longest client sta
 TARGETS = {
     "single": ([], 1),
     "parallel": (["--tp", "2", "--pp", "2", "--standby", "1"], 4),
-    "prefill": (["--step-watchdog-s", "0.3", "--max-num-batched-tokens", "8192",
+    "prefill": (["--step-watchdog-s", "0.05", "--max-num-batched-tokens", "32768",
                  "--no-enable-chunked-prefill"], 1),
     "partition": ([], 2),
 }
