@@ -235,13 +235,16 @@ LONG_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a
 
 def assert_cancelled_at_once(redis_url: str, num_steps_at_close: int) -> None:
     """The request's blocks are freed soon after its client left, long before its 400
-    tokens would have been done: the scheduler ran few steps after that."""
+    tokens would have been done: the scheduler ran well under 400 steps after that (a
+    disconnect takes ~0.2 s to reach the scheduler: 127 steps of the tiny model on a fast
+    Xeon)."""
     def freed() -> scheduler_pb2.GetStatsResponse | None:
         stats = scheduler_stats(redis_url, "e2e-llama")
         return stats if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks else None
     stats = eventually(freed, 10, lambda: f"blocks still held: {scheduler_stats(redis_url, 'e2e-llama')}",
                        interval_s=0.05)
-    assert stats.num_steps - num_steps_at_close < 100, "the request ran on after its client left"
+    assert stats.num_steps - num_steps_at_close < LONG_CHAT["max_tokens"] // 2, \
+        "the request ran on after its client left"
 
 
 def test_client_disconnect_mid_stream_cancels_the_request(http_url: str, redis_url: str) -> None:

@@ -26,7 +26,10 @@ from tests.support.mesh_harness import (
 from tests.support.mesh_ids import mesh_request_id
 
 CLUSTER = "e2e-resume-logprobs"
-MAX_TOKENS = 64
+# Long enough that the request is still running when the checkpoint is read: a router hands
+# a finished request's tokens to gRPC's buffers and deletes its checkpoint, and 64 tokens of
+# the tiny model were all computed and buffered before the first read on a fast Xeon.
+MAX_TOKENS = 256
 NUM_LOGPROBS = 5
 # Logprobs of tokens computed after the resume, against the undisturbed run's: the bound the
 # suite holds the mesh to against transformers (README, Logprobs).
