@@ -34,6 +34,10 @@ KEY_OPS = "sk-operators"  # an admin key
 PROMPT_A = [5, 6, 7, 8, 9]
 PROMPT_B = [11, 12, 13]
 LONG = 48  # tokens: a stream that is still running while the other tenant calls
+# An orphaned stream's length: still running when its client goes away. (A router deletes a
+# finished request's checkpoint once its tokens are in gRPC's buffers: 48 tokens of the tiny
+# model were all computed before a client that read 3 could cancel, on a fast Xeon.)
+ORPHANED_LEN = 8 * LONG
 PER_KEY = 3  # --max-requests-per-key
 
 
@@ -92,7 +96,7 @@ def tokens(mesh: Mesh, request: generate_pb2.GenerateRequest, key: str) -> list[
 def orphan(mesh: Mesh, redis_url: str, request_id: str, key: str, num_tokens: int) -> list[int]:
     """Starts `request_id` as `key`, reads `num_tokens` and goes away: its checkpoint stays
     for the resume window. Returns the tokens received."""
-    stream = mesh.stub.Generate(greedy_request(PROMPT_A, LONG, request_id=request_id),
+    stream = mesh.stub.Generate(greedy_request(PROMPT_A, ORPHANED_LEN, request_id=request_id),
                                 metadata=auth(key), timeout=120)
     received: list[int] = []
     for chunk in stream:
@@ -110,8 +114,8 @@ def orphan_http(http: str, redis_url: str, request_id: str, key: str) -> None:
     """As `orphan`, over HTTP: a streamed completion left after its first event."""
     # Long enough to be running still when the router notices the client left (an HTTP
     # client's leaving is seen only at the next write, or the next read of the socket).
-    body = {"model": "tiny-llama", "prompt": PROMPT_A, "max_tokens": 8 * LONG, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {"model": "tiny-llama", "prompt": PROMPT_A, "max_tokens": ORPHANED_LEN,
+            "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{http}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id}) as reply:
         assert reply.status_code == 200
@@ -125,7 +129,7 @@ def orphan_http(http: str, redis_url: str, request_id: str, key: str) -> None:
 def test_another_key_cannot_resume_or_replay_an_orphaned_request(mesh: tuple[Mesh, str],
                                                                    redis_url: str) -> None:
     grpc_mesh, http = mesh
-    whole_a = tokens(grpc_mesh, greedy_request(PROMPT_A, LONG), KEY_A)
+    whole_a = tokens(grpc_mesh, greedy_request(PROMPT_A, ORPHANED_LEN), KEY_A)
     whole_b = tokens(grpc_mesh, greedy_request(PROMPT_B, 6), KEY_B)
     received = orphan(grpc_mesh, redis_url, "job-a", KEY_A, 4)
 
@@ -187,8 +191,9 @@ def test_reusing_ones_own_id_for_another_request_is_refused(mesh: tuple[Mesh, st
     assert reply.status_code == 409, reply.text
     assert reply.json()["error"]["code"] == "request_id_conflict"
     # The same request under the same id is a resume from nothing: the whole answer.
-    again = tokens(grpc_mesh, greedy_request(PROMPT_A, LONG, request_id="job-reused"), KEY_A)
-    assert again[:len(received)] == received and len(again) == LONG
+    again = tokens(grpc_mesh, greedy_request(PROMPT_A, ORPHANED_LEN, request_id="job-reused"),
+                   KEY_A)
+    assert again[:len(received)] == received and len(again) == ORPHANED_LEN
 
 
 def test_ones_own_running_stream_named_again_is_a_409_over_http(mesh: tuple[Mesh, str]) -> None:
