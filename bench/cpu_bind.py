@@ -31,6 +31,7 @@ from pagemesh.loadgen import Target, run_workload
 from pagemesh.loadgen.result import RunResult
 from pagemesh.mesh_process import Mesh
 
+
 def up_flags(variant: str) -> list[str]:
     bind, _, wait = variant.partition("/")
     return ["--cpu-bind", bind, "--omp-wait", wait or "spin"]

@@ -372,8 +372,8 @@ def main() -> None:
               f"{runner.backend.name}, linear {runner.cpu_linear}, glue {args.glue} (first "
               f"step of each kind, compiles included: " + ", ".join(
                   f"{r['kind']} {r['first_step_ms']:,.0f} ms" for r in results)
-              + f"; load {load_s:.1f} s; Inductor compiling {compile_s:.1f} s); torch.mm 2048^3 peak "
-              f"{peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights read in "
+              + f"; load {load_s:.1f} s; Inductor compiling {compile_s:.1f} s); "
+              f"torch.mm 2048^3 peak {peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights read in "
               f"{floor_ms:.1f} ms ({weight_bytes / floor_ms / 1e6:.1f} GB/s) in this run; "
               f"{cpu_features().one_line()}")
     for r in results:

@@ -133,7 +133,6 @@ static SeqSplit seq_split(const int32_t *seq_lens, int s, int window, int max_pa
     const int blocks = (keys + block_size - 1) / block_size;
     split.chunk = ((blocks + parts - 1) / parts) * block_size;
     split.parts = split.chunk > 0 ? (keys + split.chunk - 1) / split.chunk : 1;
-    if (split.parts < 1) split.parts = 1;
     return split;
 }
 
@@ -143,6 +142,16 @@ typedef void (*one_seq_f32_fn)(const float *, const float *, const float *, cons
 typedef void (*one_seq_bf16_fn)(const float *, const uint16_t *, const uint16_t *,
                                 const int32_t *, int, int, int, int, int, int, float, float *,
                                 float *, float *, float *, int);
+
+/* One sequence's fp32 result row into `out` in the kernel's dtype (0 fp32, 1 bf16). */
+static void store_row(int dtype, const float *acc, void *out, int s, long width) {
+    if (dtype == 0) {
+        memcpy((float *)out + s * width, acc, sizeof(float) * width);
+    } else {
+        uint16_t *os = (uint16_t *)out + s * width;
+        for (long i = 0; i < width; i++) os[i] = f32_to_bf16(acc[i]);
+    }
+}
 
 /* Folds a split sequence's parts (each: num_heads rows of head_dim unnormalized sums, then
  * each head's running max, then its sum) into its output row, fp32. */
@@ -222,16 +231,13 @@ int paged_decode(int dtype, const void *query, const void *k_cache, const void *
                 bf16(q, k_cache, v_cache, blocks, first, last, block_size, num_heads,
                      num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum, whole);
             }
-            if (!whole) {
+            if (whole) {
+                store_row(dtype, acc, out, s, width);
+            } else {
                 float *slot = partials + item * part_stride;
                 memcpy(slot, acc, sizeof(float) * width);
                 memcpy(slot + width, row_max, sizeof(float) * num_heads);
                 memcpy(slot + width + num_heads, row_sum, sizeof(float) * num_heads);
-            } else if (dtype == 0) {
-                memcpy((float *)out + s * width, acc, sizeof(float) * width);
-            } else {
-                uint16_t *os = (uint16_t *)out + s * width;
-                for (long i = 0; i < width; i++) os[i] = f32_to_bf16(acc[i]);
             }
         }
         /* The for's barrier: every part is in. Each split sequence's parts fold into it. */
@@ -241,12 +247,7 @@ int paged_decode(int dtype, const void *query, const void *k_cache, const void *
             if (work == NULL || split.parts == 1) continue;
             merge_parts(partials + (long)s * max_parts * part_stride, split.parts, num_heads,
                         head_dim, acc);
-            if (dtype == 0) {
-                memcpy((float *)out + s * width, acc, sizeof(float) * width);
-            } else {
-                uint16_t *os = (uint16_t *)out + s * width;
-                for (long i = 0; i < width; i++) os[i] = f32_to_bf16(acc[i]);
-            }
+            store_row(dtype, acc, out, s, width);
         }
         free(work);
     }

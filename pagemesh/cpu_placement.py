@@ -15,8 +15,8 @@ OpenMP threads one per physical core and leaves a core to its front end
 - `none`: nothing bound (the kernel places threads; the torch thread count as before).
 - `auto`: `reserve` where the host has at least 4 physical cores and one more than the
   workers need, else `none`. On 2 cores a reserved core is half the machine (`python -m
-  bench.cpu_bind` on a 2-core Xeon: W64 0.60x, batch-1 ITL 1.55x against `none`), and
-  `pin` wins only 3-4% (W64 1.03x, ITL 0.96x) while a second process pinned to the same
+  bench.cpu_bind` on a 2-core Xeon: W64 0.62x, batch-1 ITL 1.57x against `none`), and
+  `pin` wins only 3% (W64 1.03x, ITL 0.97x) while a second process pinned to the same
   cores could not be moved off them: below 4 cores binding is an opt-in.
 
 A standby worker shares the cores of the rank it stands in for (it idles until it takes

@@ -23,10 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh import discovery
 from pagemesh.config import tls_config, with_password
+from pagemesh.cpu_placement import Placement, host_cores, omp_wait_env, plan_placement
 from pagemesh.embedded_valkey import EmbeddedValkey
 from pagemesh.liveness import LivenessProbe
 from pagemesh.logs import setup_logging
-from pagemesh.cpu_placement import Placement, host_cores, omp_wait_env, plan_placement
 from pagemesh.malloc_preload import find_malloc, preload_env
 from pagemesh.models import default_model_path
 from pagemesh.ports import reserve_port

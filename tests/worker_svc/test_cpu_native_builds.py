@@ -123,6 +123,16 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
             expected = reference.paged_attention(*batch.reference_args(), 0.125,
                                                  sliding_window=window)
             assert_matches_reference(out, expected)
+    # One long request over four threads: the KV split's parts and their merge at this level.
+    batch = build_paged_batch([700], [1], 9, 3, 64, 16, torch.float32, seed=4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache,
+                                      batch.block_tables, batch.seq_lens, 0.125, lib=decode)
+    finally:
+        torch.set_num_threads(before)
+    assert_matches_reference(out, reference.paged_attention(*batch.reference_args(), 0.125))
     for type_name in cpu_native.GGUF_TYPES:
         blocks, x, expected = _gguf_case(type_name)
         out = torch.empty(x.shape[0], blocks.shape[0])
