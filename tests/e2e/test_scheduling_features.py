@@ -32,7 +32,9 @@ LAYOUTS = {
     "tiny-cache-priority": ["--num-kv-blocks", "24", "--scheduling-policy", "priority"],
 }
 SHARED_PREFIX_LEN = 40
-LOAD_EXTRA_TOKENS = 48  # what the background of the constrained test adds to each request
+# What the background of the constrained test adds to each request: long enough that the
+# tiny cache's queue stays backed up between polls on a fast CPU (48 did not on a Xeon).
+LOAD_EXTRA_TOKENS = 96
 NUM_REQUESTS = 12
 
 
@@ -167,7 +169,7 @@ def test_constrained_requests_are_exact_under_each_layout(
         background = [pool.submit(mesh.generate, r) for r in load]
         if name.startswith("tiny-cache"):
             eventually(lambda: scheduler_stats(redis_url, cluster).num_waiting > 0, 120,
-                       "the load to back up behind the tiny cache")
+                       "the load to back up behind the tiny cache", interval_s=0.01)
         together = list(pool.map(lambda r: samples_of(mesh, r)[0], requests))
         for future in background:
             future.result()
