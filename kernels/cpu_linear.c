@@ -34,6 +34,11 @@ static inline vec load_panel_row(const float *p) { return *(const vec *)p; }  /*
 int linear_panel(void) { return PANEL; }
 
 static inline void store_cols(float *y, vec acc, const float *bias, long col, long n) {
+    if (col + PANEL <= n) {
+        if (bias) acc += *(const vec *)(bias + col);
+        *(vec *)(y + col) = acc;
+        return;
+    }
     for (int j = 0; j < PANEL && col + j < n; j++)
         y[col + j] = acc[j] + (bias ? bias[col + j] : 0.0f);
 }
@@ -70,6 +75,10 @@ DEFINE_TILE(tile_6x2, 6, 2)
 #if PANEL == 16  /* AVX-512's 32 registers: 6 x 4 accumulators and 4 weight vectors */
 DEFINE_TILE(tile_6x4, 6, 4)
 #endif
+DEFINE_TILE(tile_1x2, 1, 2)
+DEFINE_TILE(tile_2x2, 2, 2)
+DEFINE_TILE(tile_3x2, 3, 2)
+DEFINE_TILE(tile_4x2, 4, 2)
 DEFINE_TILE(tile_1x1, 1, 1)
 DEFINE_TILE(tile_2x1, 2, 1)
 DEFINE_TILE(tile_3x1, 3, 1)
@@ -80,26 +89,29 @@ DEFINE_TILE(tile_6x1, 6, 1)
 typedef void (*tile_fn)(const float *, long, const float *, long, long, const float *,
                         float *, long, long);
 
-/* The widest tile for `rows` rows (1..6), and the one-panel tile for leftover panels.
- * `long_x`: x has more rows than a decode batch (prefill), where AVX-512's 6 x 4 tile
- * (more multiply-adds per load) measured 7% faster than oneDNN at 2,048 rows and the
- * 6 x 2 tile 5% slower; at 64 rows the 6 x 2 tile wins. */
-static void tiles_for(long rows, int long_x, tile_fn *wide, int *panels, tile_fn *narrow) {
+/* The tiles for `rows` rows (1..6): the widest, and the two- and one-panel tiles that take
+ * a thread's leftover panels (two at a time: a one-panel tile does as many loads as
+ * multiply-adds). `long_x`: x has more rows than a decode batch (prefill), where AVX-512's
+ * 6 x 4 tile (more multiply-adds per load) measured 7% faster than oneDNN at 2,048 rows and
+ * the 6 x 2 tile 5% slower; at 64 rows the 6 x 2 tile wins. */
+typedef struct {
+    tile_fn wide, pair, narrow;
+    int panels;  /* the wide tile's */
+} Tiles;
+
+static Tiles tiles_for(long rows, int long_x) {
 #if PANEL == 16
-    if (rows == 6 && long_x) {
-        *wide = tile_6x4; *panels = 4; *narrow = tile_6x1;
-        return;
-    }
+    if (rows == 6 && long_x) return (Tiles){tile_6x4, tile_6x2, tile_6x1, 4};
 #else
     (void)long_x;
 #endif
     switch (rows) {
-    case 1: *wide = tile_1x8; *panels = 8; *narrow = tile_1x1; break;
-    case 2: *wide = tile_2x4; *panels = 4; *narrow = tile_2x1; break;
-    case 3: *wide = tile_3x4; *panels = 4; *narrow = tile_3x1; break;
-    case 4: *wide = tile_4x3; *panels = 3; *narrow = tile_4x1; break;
-    case 5: *wide = tile_5x2; *panels = 2; *narrow = tile_5x1; break;
-    default: *wide = tile_6x2; *panels = 2; *narrow = tile_6x1; break;
+    case 1: return (Tiles){tile_1x8, tile_1x2, tile_1x1, 8};
+    case 2: return (Tiles){tile_2x4, tile_2x2, tile_2x1, 4};
+    case 3: return (Tiles){tile_3x4, tile_3x2, tile_3x1, 4};
+    case 4: return (Tiles){tile_4x3, tile_4x2, tile_4x1, 3};
+    case 5: return (Tiles){tile_5x2, tile_5x2, tile_5x1, 2};
+    default: return (Tiles){tile_6x2, tile_6x2, tile_6x1, 2};
     }
 }
 
@@ -129,15 +141,15 @@ int linear_f32(int num_threads, const float *x, long m, long k_dim, const float 
                 const long p1 = p0 + group < last ? p0 + group : last;
                 for (long m0 = b0; m0 < b1; ) {
                     const long rows = b1 - m0 >= 6 ? 6 : b1 - m0;
-                    tile_fn wide, narrow;
-                    int panels;
-                    tiles_for(rows, long_x, &wide, &panels, &narrow);
+                    const Tiles tiles = tiles_for(rows, long_x);
                     const float *xr = x + m0 * k_dim;
                     float *yr = y + m0 * n;
                     long p = p0;
-                    for (; p + panels <= p1; p += panels)
-                        wide(xr, k_dim, w_packed, k_dim, n, bias, yr, n, p);
-                    for (; p < p1; p++) narrow(xr, k_dim, w_packed, k_dim, n, bias, yr, n, p);
+                    for (; p + tiles.panels <= p1; p += tiles.panels)
+                        tiles.wide(xr, k_dim, w_packed, k_dim, n, bias, yr, n, p);
+                    for (; p + 2 <= p1; p += 2)
+                        tiles.pair(xr, k_dim, w_packed, k_dim, n, bias, yr, n, p);
+                    for (; p < p1; p++) tiles.narrow(xr, k_dim, w_packed, k_dim, n, bias, yr, n, p);
                     m0 += rows;
                 }
             }

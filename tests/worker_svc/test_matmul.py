@@ -101,10 +101,12 @@ def test_choices_are_checked():
 @pytest.mark.skipif(not native_linear_available(torch.float32),
                     reason="no C compiler builds kernels/cpu_linear.c here")
 def test_native_panels_compute_what_f_linear_does():
-    """Every row count the kernel tiles differently (1-6, then 6-row tiles and a remainder),
-    widths that leave a partial panel, a bias, and the model's layers once packed."""
+    """Every row count the kernel tiles differently (1-6, then 6-row tiles and a remainder,
+    and prefill's wider tiles past 64 rows), widths that leave a thread two- and one-panel
+    leftovers and a partial panel, a bias, and the model's layers once packed."""
     for rows, out_features, in_features in [(1, 576, 576), (2, 13, 64), (3, 8, 7), (4, 100, 33),
-                                            (5, 9, 128), (6, 64, 64), (13, 250, 96), (0, 16, 8)]:
+                                            (5, 9, 128), (6, 64, 64), (13, 250, 96), (0, 16, 8),
+                                            (1, 200, 40), (70, 200, 40), (130, 216, 48)]:
         weight = torch.randn(out_features, in_features)
         bias = torch.randn(out_features)
         x = torch.randn(rows, in_features)
