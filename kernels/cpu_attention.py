@@ -11,18 +11,24 @@ against. What differs:
   fused flash kernel on CPU, GQA without copies) with a key-padding mask. A whole W64
   decode step (64 sequences, `python -m bench.decode_step`): reference 84 ms, gather + SDPA
   31 ms, C kernel 25 ms in fp32; in bf16 gather + SDPA 51 ms, C kernel 18.5 ms.
-- Prefills of whole prompts (no cached context: q_len == seq_len), when the caller passes
-  this step's `key` and `value`, attend to those directly, with no gather from the cache:
-  sequences of the same length go through one batched causal SDPA call (W64's 16 prompts
-  of 128 tokens: one call per layer instead of 16 gathers and 16 calls).
-- Chunked prefills and prefills after a prefix-cache hit run one sequence at a time
+- A batch with longer sequences (prompts, chunks after cached context, prefix-cache hits,
+  mixed with decodes or not) is one call of the C kernel in fp32 (vLLM's unified CPU
+  attention: `cpu_native.paged_attention`, tiles of the prompts and the decodes handed out
+  together to the threads, keys read in place): `python -m bench.mixed_attention` has it
+  1.1-2.9x faster than the torch paths below. In bf16 those stay: SDPA's bf16 matmuls (AMX
+  where the CPU has it) beat the kernel's fp32 arithmetic 2.3-3.4x on an AMX Xeon, and still
+  2.5x with torch held to AVX2. The torch paths (also fp16, and no compiler):
+- whole prompts (no cached context: q_len == seq_len), when the caller passes this step's
+  `key` and `value`, attend to those directly, with no gather from the cache: sequences of
+  the same length go through one batched causal SDPA call;
+- chunked prefills and prefills after a prefix-cache hit run one sequence at a time
   through SDPA with a causal mask offset by the cached context.
 - Everything stays in the cache's dtype (bf16 runs bf16, accumulating in fp32 inside the
   kernels) except fp16, which is computed in fp32.
 
 Like the reference, the torch path needs finite values in slots past a sequence's length
 (the cache is allocated zeroed): they get probability 0, and 0 x NaN would still be NaN.
-The C kernel never reads them.
+The C kernels never read them.
 """
 
 from __future__ import annotations
@@ -59,6 +65,22 @@ def paged_attention(
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     if all(q_len == 1 for q_len in q_lens):  # the steady state: no index juggling at all
         return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    if query.dtype == torch.float32 and cpu_native.available(query.dtype) \
+            and k_cache.dtype == query.dtype:
+        return cpu_native.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                          query_start_loc, scale, sliding_window)
+    return sdpa_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, starts, scale,
+                                sliding_window, key, value)
+
+
+def sdpa_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: list[int],
+                         scale: float, sliding_window: int | None, key: torch.Tensor | None,
+                         value: torch.Tensor | None) -> torch.Tensor:
+    """A batch with sequences longer than one token through torch's SDPA (the decodes among
+    them through `_decode`): fp16, no compiler, and bench.mixed_attention's baseline.
+    `starts`: query_start_loc as a list."""
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
     out = torch.empty_like(query)
     decode_rows = [i for i, q_len in enumerate(q_lens) if q_len == 1]
     if decode_rows:

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "cpu_common.h"
+#include "cpu_extend.h"
 
 /* One sequence, all heads: q [num_heads][head_dim] fp32 in, acc [num_heads][head_dim] fp32
  * out. Walking whole tokens (every KV head of a token is one contiguous row) keeps the
@@ -252,5 +253,146 @@ int paged_decode(int dtype, const void *query, const void *k_cache, const void *
         free(work);
     }
     free(partials);
+    return failed ? -1 : 0;
+}
+
+#define LOAD_float(x) (x)
+#define LOAD_uint16_t(x) bf16_to_f32(x)
+#define LOAD_VEC_float load_f32
+#define LOAD_VEC_uint16_t load_bf16
+DEFINE_SCORE_RUN(scores_f32, float)
+DEFINE_SCORE_RUN(scores_bf16, uint16_t)
+DEFINE_VALUES(values_f32_64, float, 64)
+DEFINE_VALUES(values_f32_128, float, 128)
+DEFINE_VALUES_ANY(values_f32_any, float)
+DEFINE_VALUES(values_bf16_64, uint16_t, 64)
+DEFINE_VALUES(values_bf16_128, uint16_t, 128)
+DEFINE_VALUES_ANY(values_bf16_any, uint16_t)
+DEFINE_EXTEND(extend_f32_64, float, scores_f32, values_f32_64)
+DEFINE_EXTEND(extend_f32_128, float, scores_f32, values_f32_128)
+DEFINE_EXTEND(extend_f32_any, float, scores_f32, values_f32_any)
+DEFINE_EXTEND(extend_bf16_64, uint16_t, scores_bf16, values_bf16_64)
+DEFINE_EXTEND(extend_bf16_128, uint16_t, scores_bf16, values_bf16_128)
+DEFINE_EXTEND(extend_bf16_any, uint16_t, scores_bf16, values_bf16_any)
+
+typedef void (*extend_f32_fn)(ExtendScratch *, int, const float *, const float *,
+                              const int32_t *, int, long, int, int, int, int);
+typedef void (*extend_bf16_fn)(ExtendScratch *, int, const uint16_t *, const uint16_t *,
+                               const int32_t *, int, long, int, int, int, int);
+
+/* One work item of a mixed batch: a decoding sequence (token < 0), or EXT_TOKENS query
+ * tokens of a sequence from `token` on, for one KV head. */
+typedef struct { int seq, token, kv; } WorkItem;
+
+/* A whole batch in one call, decodes and prefills mixed (vLLM's unified CPU attention):
+ * query and out [num_tokens, num_heads, head_dim], sequence s's query tokens the rows
+ * query_start_loc[s]..query_start_loc[s + 1] - 1, the newest of its seq_lens[s] tokens,
+ * whose keys and values (this step's included) are already in the cache. Work items are the
+ * decodes (one thread per sequence, as paged_decode without the split) and the tiles of the
+ * longer sequences (extend.h), the tiles first, handed out one at a time to the threads. dtype
+ * as paged_decode's. Returns 0, or -1 when out of memory. */
+int paged_attention(int dtype, const void *query, const void *k_cache, const void *v_cache,
+                    const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
+                    const int32_t *query_start_loc, void *out, int num_seqs, int num_heads,
+                    int num_kv_heads, int head_dim, int block_size, float scale, int window,
+                    int num_threads) {
+    const long width = (long)num_heads * head_dim;
+    const int group = num_heads / num_kv_heads;
+    long num_items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        num_items += q_len <= 1 ? q_len : (long)(q_len + EXT_TOKENS - 1) / EXT_TOKENS * num_kv_heads;
+    }
+    WorkItem *items = malloc(sizeof(WorkItem) * (num_items > 0 ? num_items : 1));
+    if (items == NULL) return -1;
+    long next = 0;
+    for (int s = 0; s < num_seqs; s++) {  /* tiles first: the long items start early */
+        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        for (int token = 0; q_len > 1 && token < q_len; token += EXT_TOKENS)
+            for (int kv = 0; kv < num_kv_heads; kv++) items[next++] = (WorkItem){s, token, kv};
+    }
+    for (int s = 0; s < num_seqs; s++)
+        if (query_start_loc[s + 1] - query_start_loc[s] == 1) items[next++] = (WorkItem){s, -1, 0};
+    const one_seq_f32_fn f32 = head_dim == 64 ? one_seq_f32_64
+                             : head_dim == 128 ? one_seq_f32_128 : one_seq_f32_any;
+    const one_seq_bf16_fn bf16 = head_dim == 64 ? one_seq_bf16_64
+                               : head_dim == 128 ? one_seq_bf16_128 : one_seq_bf16_any;
+    const extend_f32_fn ext_f32 = head_dim == 64 ? extend_f32_64
+                                : head_dim == 128 ? extend_f32_128 : extend_f32_any;
+    const extend_bf16_fn ext_bf16 = head_dim == 64 ? extend_bf16_64
+                                  : head_dim == 128 ? extend_bf16_128 : extend_bf16_any;
+    const long token_stride = (long)num_kv_heads * head_dim;
+    const long decode_floats = 2 * width + (long)num_heads * block_size + 2 * num_heads;
+    const long extend_floats = extend_scratch_floats(group, head_dim);
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        float *work = malloc(sizeof(float) * (decode_floats > extend_floats ? decode_floats
+                                                                            : extend_floats));
+        if (work == NULL) failed = 1;
+        ExtendScratch x = extend_scratch(work, group, head_dim);
+        #pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < num_items; i++) {
+            if (work == NULL) continue;
+            const WorkItem item = items[i];
+            const int s = item.seq, seq_len = seq_lens[s];
+            const int32_t *blocks = block_tables + (long)s * max_blocks;
+            const long row0 = query_start_loc[s];
+            if (item.token < 0) {  /* a decode: all heads of one token */
+                float *q = work, *acc = q + width, *scores = acc + width;
+                float *row_max = scores + (long)num_heads * block_size;
+                float *row_sum = row_max + num_heads;
+                const int first = window > 0 && seq_len - window > 0 ? seq_len - window : 0;
+                if (dtype == 0) {
+                    memcpy(q, (const float *)query + row0 * width, sizeof(float) * width);
+                    f32(q, k_cache, v_cache, blocks, first, seq_len, block_size, num_heads,
+                        num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum, 1);
+                } else {
+                    const uint16_t *qs = (const uint16_t *)query + row0 * width;
+                    for (long j = 0; j < width; j++) q[j] = bf16_to_f32(qs[j]);
+                    bf16(q, k_cache, v_cache, blocks, first, seq_len, block_size, num_heads,
+                         num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum, 1);
+                }
+                store_row(dtype, acc, out, (int)row0, width);
+                continue;
+            }
+            const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+            const int tokens = q_len - item.token < EXT_TOKENS ? q_len - item.token : EXT_TOKENS;
+            const int rows = tokens * group, padded = extend_padded(rows);
+            const int first_pos = seq_len - q_len + item.token;  /* the tile's first token's */
+            const long head0 = (long)item.kv * group * head_dim;
+            for (int r = 0; r < padded; r++) {  /* row r: token r / group, head r % group */
+                const int pos = first_pos + r / group;
+                const int seen = r < rows;
+                x.first_key[r] = !seen ? 1 : (window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0);
+                x.last_key[r] = seen ? pos : 0;
+                const long at = (row0 + item.token + r / group) * width + head0 + (r % group) * head_dim;
+                for (int d = 0; d < head_dim; d++) {
+                    const float q = !seen ? 0.0f : dtype == 0 ? ((const float *)query)[at + d]
+                                                            : bf16_to_f32(((const uint16_t *)query)[at + d]);
+                    x.qt[(long)d * x.padded + r] = q * scale;
+                }
+            }
+            const int last_key = first_pos + tokens - 1;
+            const int first_key = x.first_key[0];
+            if (dtype == 0)
+                ext_f32(&x, rows, k_cache, v_cache, blocks, block_size, token_stride, item.kv,
+                        first_key, last_key, head_dim);
+            else
+                ext_bf16(&x, rows, k_cache, v_cache, blocks, block_size, token_stride, item.kv,
+                         first_key, last_key, head_dim);
+            for (int r = 0; r < rows; r++) {
+                const long at = (row0 + item.token + r / group) * width + head0 + (r % group) * head_dim;
+                const float inv = 1.0f / x.row_sum[r];
+                for (int d = 0; d < head_dim; d++) {
+                    const float v = x.o[(long)r * head_dim + d] * inv;
+                    if (dtype == 0) ((float *)out)[at + d] = v;
+                    else ((uint16_t *)out)[at + d] = f32_to_bf16(v);
+                }
+            }
+        }
+        free(work);
+    }
+    free(items);
     return failed ? -1 : 0;
 }

@@ -71,6 +71,10 @@ _SIGNATURES = {
                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                      ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    "paged_attention": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "gguf_matmul": [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                     ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int],
     "add_rms_norm": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -285,6 +289,36 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max(1, torch.get_num_threads()), int(split_keys))
     if code:
         raise MemoryError("the native decode kernel could not allocate its scratch memory")
+    return out
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float,
+                    sliding_window: int | None = None, *,
+                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A whole batch, decodes and prefills mixed, in one call: query [T, H, D] -> [T, H, D]
+    as the reference computes it, every sequence's keys (this step's too) read from the
+    cache. Tensors as `paged_decode`'s; `lib` as there."""
+    lib = lib or library()
+    if lib is None or query.dtype not in _DTYPES:
+        raise RuntimeError("the native attention kernel is not available for this input")
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache halves must be contiguous")
+    query = query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    code = lib.paged_attention(
+        _DTYPES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(),
+        out.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size,
+        float(scale), int(sliding_window or 0), max(1, torch.get_num_threads()))
+    if code:
+        raise MemoryError("the native attention kernel could not allocate its scratch memory")
     return out
 
 

@@ -95,11 +95,39 @@ def test_auto_backend_is_cpu_on_cpu():
         get_attention_backend("fast", "cpu")
 
 
+@pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler (cc/gcc/$CC) on PATH")
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_whole_prompt_prefills_attend_to_the_steps_own_keys(dtype):
-    # Three prompts with no cached context (two of one length: one batched call), a chunk
-    # after a cached prefix, a decode. The fresh prompts' cache slots are then poisoned: a
-    # finite, matching result shows they were read from `key` / `value`, not the cache.
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 64 and 128 have their own code
+@pytest.mark.parametrize("threads", [1, 3])
+def test_one_c_call_for_a_mixed_batch(dtype, head_dim, threads):
+    # Decodes, whole prompts, chunks after cached context, tiles (32 tokens) and key runs
+    # (32 keys) with remainders, GQA groups of 1, 3 and 4 (rows not a whole vector), with
+    # NaN in every slot no sequence owns: one read past a context or a causal edge shows.
+    seq_lens, q_lens = [1, 70, 150, 45, 33, 9, 100], [1, 70, 67, 1, 33, 2, 31]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for heads, kv_heads in ((9, 3), (4, 4), (8, 2)):
+            batch = build_paged_batch(seq_lens, q_lens, heads, kv_heads, head_dim, 16, dtype,
+                                      seed=heads)
+            for window in (None, 20):
+                out = cpu_native.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                                 batch.block_tables, batch.seq_lens,
+                                                 batch.query_start_loc, 0.125, window)
+                expected = reference.paged_attention(*batch.reference_args(), 0.125,
+                                                     sliding_window=window)
+                assert_matches_reference(out, expected)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_whole_prompt_prefills_attend_to_the_steps_own_keys(dtype, native_kernels):
+    # Without the C kernel (fp16, no compiler): three prompts with no cached context (two of
+    # one length: one batched call), a chunk after a cached prefix, a decode. The fresh
+    # prompts' cache slots are then poisoned: a finite, matching result shows they were read
+    # from `key` / `value`, not the cache.
+    native_kernels(enabled=False)
     seq_lens, q_lens = [5, 40, 40, 17, 9], [5, 40, 40, 3, 1]
     batch = build_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, dtype, seed=11)
     args = list(batch.reference_args())

@@ -133,6 +133,15 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
     finally:
         torch.set_num_threads(before)
     assert_matches_reference(out, reference.paged_attention(*batch.reference_args(), 0.125))
+    # A mixed batch in one call: prompt tiles, chunks after context, decodes, at this level's
+    # vector width (16 floats on AVX-512, 8 on AVX2, 4 on SSE).
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = build_paged_batch([1, 70, 150, 40], [1, 70, 67, 1], 9, 3, 64, 16, dtype, seed=5)
+        out = cpu_native.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                         batch.block_tables, batch.seq_lens,
+                                         batch.query_start_loc, 0.125, 24, lib=decode)
+        assert_matches_reference(out, reference.paged_attention(*batch.reference_args(), 0.125,
+                                                                sliding_window=24))
     for type_name in cpu_native.GGUF_TYPES:
         blocks, x, expected = _gguf_case(type_name)
         out = torch.empty(x.shape[0], blocks.shape[0])
