@@ -77,6 +77,11 @@ def test_greedy_equals_transformers_under_each_layout(
     solo = [mesh.generate(greedy_request(prompt, n)).token_ids for prompt, n in requests]
     for (prompt, _), ours, reference in zip(requests, solo, references):
         assert_greedy_match(hf_model, prompt, ours, reference)
+    # Together, the tiny cache's requests ask LOAD_EXTRA_TOKENS more each, so they are still
+    # growing when the 24 blocks run out (on a fast CPU the short ones finished first).
+    if name.startswith("tiny-cache"):
+        requests = [(prompt, n + LOAD_EXTRA_TOKENS) for prompt, n in requests]
+        references = [hf_greedy(hf_model, prompt, n) for prompt, n in requests]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(
             lambda i: mesh.generate(greedy_request(*requests[i], priority=i % 3)).token_ids,
