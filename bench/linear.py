@@ -52,12 +52,30 @@ def pass_ms(multiply: Callable[[torch.Tensor, int], object], shapes: list[tuple[
     return 1000 * statistics.median(one_pass() for _ in range(reps))
 
 
+def panels_variant(define: str, panels: list[torch.Tensor], shapes: list[tuple[int, int]]
+                   ) -> Callable[[torch.Tensor, int], object]:
+    """The panels kernel built with -D`define` as well (same packing)."""
+    errors = []
+    for arch in cpu_native.NATIVE_ARCH_FLAGS:
+        try:
+            lib = cpu_native._build("cpu_linear", (*arch, f"-D{define}"))
+            break
+        except RuntimeError as error:
+            errors.append(str(error))
+    else:
+        raise SystemExit(f"cpu_linear.c with -D{define} does not build: {errors}")
+    return lambda x, i: cpu_native.linear_f32(x, panels[i], shapes[i][0], lib=lib)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--name", default="linear", help="results file name (bench/results/)")
+    parser.add_argument("--panels-define", action="append", default=[], metavar="NAME=VALUE",
+                        help="also time the panels built with -DNAME=VALUE (cpu_linear.c's "
+                             "#ifndef tunables, e.g. LONG_X_ROWS=64), in the same run")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,9 +92,13 @@ def main() -> None:
     if cpu_native.library("cpu_linear") is not None:
         panels = [cpu_native.pack_linear_f32(w) for w in plain]
         backends["native panels"] = lambda x, i: cpu_native.linear_f32(x, panels[i], shapes[i][0])
+        for define in args.panels_define:
+            backends[f"panels -D{define}"] = panels_variant(define, panels, shapes)
     rows_list = [int(r) for r in args.rows.split(",")]
-    results = {name: {rows: pass_ms(fn, shapes, rows, args.reps) for rows in rows_list}
-               for name, fn in backends.items()}
+    results: dict[str, dict[int, float]] = {name: {} for name in backends}
+    for rows in rows_list:  # the backends in turn at each size: drifts hit them alike
+        for name, fn in backends.items():
+            results[name][rows] = pass_ms(fn, shapes, rows, args.reps)
     table = []
     for rows in rows_list:
         flops = 2 * rows * sum(n * k for n, k in shapes)
