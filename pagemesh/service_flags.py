@@ -246,6 +246,11 @@ _WORKER = (
             "`pagemesh up` splits it over the workers it starts)", type=float, default=0.4),
     _worker("--num-kv-blocks", "exact number of KV blocks (overrides --kv-cache-memory-gib)",
             type=int),
+    _worker("--kv-prefault-steps",
+            "CPU: while the worker is idle, fault in its KV cache's pages this many full "
+            "steps (--max-num-batched-tokens tokens each) ahead of the blocks in use, so new "
+            "requests do not pay first-touch page faults inside a step; 0 = pages on first "
+            "use", type=int, default=8),
     _worker("--swap-space",
             "CPU memory per worker, GiB, for the KV of requests preempted by swapping; "
             "0 = none", type=float, default=4.0),

@@ -57,6 +57,7 @@ from worker_svc.kv_cache import (
     move_blocks,
     num_blocks_for_budget,
 )
+from worker_svc.kv_prefault import KVPrefault
 from worker_svc.loader import ModelMetadata, load_model
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import pack_linear_weights, packed_weight_bytes
@@ -97,6 +98,9 @@ class RunnerConfig:
     # ... up to max_num_seqs, worker_svc/cuda_graphs.py); vLLM's enforce_eager turns them off.
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # CPU: while idle, fault in the KV cache's pages this many full steps (of
+    # max_num_batched_tokens tokens) ahead of the blocks in use (worker_svc/kv_prefault.py)
+    kv_prefault_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -151,6 +155,7 @@ class ModelRunner:
         cpu_linear: str = "auto",
         kv_cache_sizing: str = "",
         cuda_graph_sizes: Sequence[int] = (),
+        kv_prefault_blocks: int = 0,
     ) -> None:
         self.model = model
         self.cpu_linear = pack_linear_weights(model, cpu_linear)
@@ -166,6 +171,8 @@ class ModelRunner:
         self.kv_cache_sizing = kv_cache_sizing or f"{num_blocks} blocks, as given"
         self.num_swap_blocks = num_swap_blocks
         self.swap_caches = allocate_swap_caches(self.kv_spec, num_swap_blocks, self.device)
+        self.kv_prefault = (KVPrefault(self.kv_caches, num_blocks, kv_prefault_blocks).start()
+                            if kv_prefault_blocks > 0 and self.device.type == "cpu" else None)
         self.requests: dict[str, RequestState] = {}
         self.block_tables = BlockTables()  # the requests' block ids, as the batch reads them
         self.grammar_vocabulary: GrammarVocabulary | None = None  # structured output
@@ -198,6 +205,8 @@ class ModelRunner:
             device=config.device, attention_backend=config.attention_backend,
             num_swap_blocks=num_swap_blocks, dist=dist, cpu_linear=config.cpu_linear,
             kv_cache_sizing=budget.sizing, cuda_graph_sizes=_graph_sizes(config),
+            kv_prefault_blocks=(config.kv_prefault_steps * config.max_num_batched_tokens
+                                // config.block_size),
         )
 
     def reset_requests(self) -> None:
@@ -242,6 +251,17 @@ class ModelRunner:
         UpstreamStageError when an earlier stage failed the step; no rank applies it then.
         Steps must arrive in step order; non-driver ranks return no tokens.
         """
+        prefault = self.kv_prefault
+        if prefault is None:
+            return self._execute(step)
+        prefault.step_started()  # its page faults wait while a step runs
+        try:
+            prefault.used_up_to(_highest_block(step))
+            return self._execute(step)
+        finally:
+            prefault.step_done()
+
+    def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         if self.dist.is_single:
             self._validate(step)
             return self._run(step, None, digest=0)
@@ -509,6 +529,13 @@ def profile_forward(model: LlamaForCausalLM, metadata: ModelMetadata, spec: KVCa
     if model.parallel.is_last_stage:
         rows = min(config.max_num_seqs, num_tokens)
         model.compute_logits(hidden[:rows], residual[:rows])
+
+
+def _highest_block(step: SchedulerOutput) -> int:
+    """The highest KV block id the step's requests were given (-1: none)."""
+    ids = [max(r.block_ids) for r in step.new_requests if r.block_ids]
+    ids += [max(r.new_block_ids) for r in step.cached_requests if r.new_block_ids]
+    return max(ids, default=-1)
 
 
 def _kv_cache_spec(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
