@@ -311,6 +311,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
+    if bool(((starts[1:] - starts[:-1]) > lens).any()):
+        raise ValueError("a sequence has more query tokens than its context")
     out = torch.empty_like(query)
     code = lib.paged_attention(
         _DTYPES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),

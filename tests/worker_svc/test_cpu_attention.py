@@ -121,6 +121,17 @@ def test_one_c_call_for_a_mixed_batch(dtype, head_dim, threads):
         torch.set_num_threads(before)
 
 
+def test_more_query_tokens_than_context_is_refused(native_kernels):
+    batch = build_paged_batch([9, 4], [1, 4], 4, 2, 64, 16, F32, seed=1)
+    lens = batch.seq_lens.clone()
+    lens[1] = 3  # 4 query tokens cannot be the newest of 3
+    for native in (True, False):
+        native_kernels(enabled=native)
+        with pytest.raises(ValueError, match="query tokens"):
+            cpu_attention.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                          batch.block_tables, lens, batch.query_start_loc, 0.1)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_whole_prompt_prefills_attend_to_the_steps_own_keys(dtype, native_kernels):
     # Without the C kernel (fp16, no compiler): three prompts with no cached context (two of
