@@ -59,17 +59,11 @@ static inline ext_vec max_vec(ext_vec a, ext_vec b) { return select_vec(a > b, a
 static inline ext_vec exp_vec(ext_vec x) {
     x = max_vec(x, splat(-87.0f));
     x = select_vec(x > splat(88.0f), splat(88.0f), x);
-    const ext_vec y = x * 1.44269504088896341f + 0.5f;
+    const ext_vec y = x * EXP_LOG2E + 0.5f;
     const ext_vec truncated = __builtin_convertvector(__builtin_convertvector(y, ext_int), ext_vec);
     const ext_vec n = truncated + __builtin_convertvector(truncated > y, ext_vec);  /* floor */
-    const ext_vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    ext_vec p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const ext_vec e = p * r * r + r + 1.0f;
+    const ext_vec r = x - n * EXP_LN2_HI + n * EXP_LN2_LO;
+    const ext_vec e = EXP_POLY(r) * r * r + r + 1.0f;
     return e * (ext_vec)((__builtin_convertvector(n, ext_int) + 127) << 23);
 }
 
@@ -136,6 +130,15 @@ static void NAME(const ExtendScratch *x, int t0, int rv0, int head_dim) {       
             *(ext_vec *)(x->s + (long)(t0 + j) * padded + (rv0 + c) * EXT_VEC) = acc[j][c];  \
 }
 
+/* Keys t.. (K of them: 4 or 1) against every row vector, widest tiles first. */
+#define SCORE_SWEEP(NAME, K, t, vecs, head_dim) {                                            \
+    int rv = 0;                                                                              \
+    for (; SCORE_VECS >= 4 && rv + 4 <= vecs; rv += 4) NAME##_##K##x4(x, t, rv, head_dim);   \
+    for (; SCORE_VECS >= 3 && rv + 3 <= vecs; rv += 3) NAME##_##K##x3(x, t, rv, head_dim);   \
+    for (; rv + 2 <= vecs; rv += 2) NAME##_##K##x2(x, t, rv, head_dim);                      \
+    for (; rv < vecs; rv++) NAME##_##K##x1(x, t, rv, head_dim);                              \
+}
+
 /* Every score of a run of `count` keys. */
 #define DEFINE_SCORE_RUN(NAME, T)                                                            \
 DEFINE_SCORES(NAME##_4x4, T, LOAD_##T, SCORE_KEYS, 4)                                        \
@@ -148,20 +151,8 @@ DEFINE_SCORES(NAME##_1x2, T, LOAD_##T, 1, 2)                                    
 DEFINE_SCORES(NAME##_1x1, T, LOAD_##T, 1, 1)                                                 \
 static void NAME(const ExtendScratch *x, int count, int vecs, int head_dim) {                \
     int t = 0;                                                                               \
-    for (; t + SCORE_KEYS <= count; t += SCORE_KEYS) {                                       \
-        int rv = 0;                                                                          \
-        for (; SCORE_VECS >= 4 && rv + 4 <= vecs; rv += 4) NAME##_4x4(x, t, rv, head_dim);   \
-        for (; SCORE_VECS >= 3 && rv + 3 <= vecs; rv += 3) NAME##_4x3(x, t, rv, head_dim);   \
-        for (; rv + 2 <= vecs; rv += 2) NAME##_4x2(x, t, rv, head_dim);                      \
-        for (; rv < vecs; rv++) NAME##_4x1(x, t, rv, head_dim);                              \
-    }                                                                                        \
-    for (; t < count; t++) {                                                                 \
-        int rv = 0;                                                                          \
-        for (; SCORE_VECS >= 4 && rv + 4 <= vecs; rv += 4) NAME##_1x4(x, t, rv, head_dim);   \
-        for (; SCORE_VECS >= 3 && rv + 3 <= vecs; rv += 3) NAME##_1x3(x, t, rv, head_dim);   \
-        for (; rv + 2 <= vecs; rv += 2) NAME##_1x2(x, t, rv, head_dim);                      \
-        for (; rv < vecs; rv++) NAME##_1x1(x, t, rv, head_dim);                              \
-    }                                                                                        \
+    for (; t + SCORE_KEYS <= count; t += SCORE_KEYS) SCORE_SWEEP(NAME, 4, t, vecs, head_dim);  \
+    for (; t < count; t++) SCORE_SWEEP(NAME, 1, t, vecs, head_dim);                          \
 }
 
 /* A run's scores (keys first..first+count-1) to probabilities, vectors across rows: each
