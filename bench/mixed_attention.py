@@ -4,6 +4,9 @@ the C decode kernel, whole prompts through one batched SDPA call per length, chu
 cached context gathered and attended one sequence at a time), on SmolLM2-135M's shape.
 
     .venv/bin/python -m bench.mixed_attention [--repeats 20]
+    # AVX2 code on an AVX-512 machine, torch's kernels held to AVX2 too:
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        .venv/bin/python -m bench.mixed_attention --march x86-64-v3 --name mixed_attention-avx2
 
 One layer (9 query heads over 3 KV heads of 64, blocks of 16, fp32 and, where the CPU has
 native bf16, bf16), each sequence's blocks shuffled over the cache; this step's keys and
@@ -61,14 +64,14 @@ def batch(shape: list[tuple[int, int]], dtype: torch.dtype) -> dict:
             "value": v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots]}
 
 
-def case(name: str, dtype: torch.dtype, repeats: int) -> dict:
+def case(name: str, dtype: torch.dtype, repeats: int, lib=None) -> dict:
     b = batch(CASES[name], dtype)
     scale = HEAD_DIM**-0.5
     start_loc = torch.tensor(b["starts"], dtype=torch.int32)
 
     def one_call():
         return cpu_native.paged_attention(b["query"], b["k_cache"], b["v_cache"], b["tables"],
-                                          b["lens"], start_loc, scale)
+                                          b["lens"], start_loc, scale, lib=lib)
 
     def torch_paths():
         return cpu_attention.sdpa_paged_attention(b["query"], b["k_cache"], b["v_cache"],
@@ -86,19 +89,26 @@ def case(name: str, dtype: torch.dtype, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--march", default=None,
+                        help="build the kernel for this -march (x86-64-v3: AVX2) instead of "
+                             "for this CPU")
+    parser.add_argument("--name", default="mixed_attention", help="results file name")
     args = parser.parse_args()
+    lib = cpu_native._build("cpu_decode", (f"-march={args.march}",)) if args.march else None
     if not cpu_native.available(torch.float32):
         raise SystemExit("the native kernels do not build here (no C compiler)")
     dtypes = [torch.float32] + ([torch.bfloat16] if cpu_features().native_bf16 else [])
-    rows = [case(name, dtype, args.repeats) for dtype in dtypes for name in CASES]
+    rows = [case(name, dtype, args.repeats, lib) for dtype in dtypes for name in CASES]
     header = (f"Attention of one layer with prompts in the batch (SmolLM2-135M: {NUM_HEADS} "
               f"heads over {NUM_KV_HEADS} KV heads of {HEAD_DIM}): one C call for the whole "
               f"batch against the torch paths (C decode kernel + SDPA), "
-              f"{torch.get_num_threads()} threads; medians of {args.repeats} calls. "
-              f"Command: `python -m bench.mixed_attention`.")
+              f"{torch.get_num_threads()} threads; medians of {args.repeats} calls; kernel "
+              f"built for {'-march=' + args.march if args.march else 'this CPU'}, torch's "
+              f"CPU capability {torch.backends.cpu.get_cpu_capability()}. Command: "
+              f"`python -m bench.mixed_attention`.")
     table = [[r["dtype"], r["case"], f"{r['one_call_ms']:.2f}", f"{r['torch_paths_ms']:.2f}",
               f"{r['speedup']:.2f}x"] for r in rows]
-    write_results("mixed_attention", header, ["dtype", "batch", "one C call ms",
+    write_results(args.name, header, ["dtype", "batch", "one C call ms",
                                               "torch paths ms", "speedup"], table, rows)
 
 
