@@ -284,112 +284,153 @@ typedef void (*extend_bf16_fn)(ExtendScratch *, int, const uint16_t *, const uin
  * tokens of a sequence from `token` on, for one KV head. */
 typedef struct { int seq, token, kv; } WorkItem;
 
-/* A whole batch in one call, decodes and prefills mixed (vLLM's unified CPU attention):
- * query and out [num_tokens, num_heads, head_dim], sequence s's query tokens the rows
- * query_start_loc[s]..query_start_loc[s + 1] - 1, the newest of its seq_lens[s] tokens,
- * whose keys and values (this step's included) are already in the cache. Work items are the
- * decodes (one thread per sequence, as paged_decode without the split) and the tiles of the
- * longer sequences (extend.h), the tiles first, handed out one at a time to the threads. dtype
- * as paged_decode's. Returns 0, or -1 when out of memory. */
-int paged_attention(int dtype, const void *query, const void *k_cache, const void *v_cache,
-                    const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
-                    const int32_t *query_start_loc, void *out, int num_seqs, int num_heads,
-                    int num_kv_heads, int head_dim, int block_size, float scale, int window,
-                    int num_threads) {
-    const long width = (long)num_heads * head_dim;
-    const int group = num_heads / num_kv_heads;
+/* What every work item of one paged_attention call reads (its arguments). */
+typedef struct {
+    int dtype;
+    const void *query, *k_cache, *v_cache;
+    const int32_t *block_tables, *seq_lens, *query_start_loc;
+    void *out;
+    int max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, group;
+    long width, token_stride;  /* a token's query row; a token's row in the cache */
+    float scale;
+} Batch;
+
+/* A decoding sequence: all heads of its one token, as paged_decode without the split. */
+static void attend_decode(const Batch *b, int s, float *work) {
+    const int hd = b->head_dim, heads = b->num_heads, seq_len = b->seq_lens[s];
+    const int32_t *blocks = b->block_tables + (long)s * b->max_blocks;
+    const long row0 = b->query_start_loc[s];
+    float *q = work, *acc = q + b->width, *scores = acc + b->width;
+    float *row_max = scores + (long)heads * b->block_size, *row_sum = row_max + heads;
+    const int first = b->window > 0 && seq_len - b->window > 0 ? seq_len - b->window : 0;
+    if (b->dtype == 0) {
+        const one_seq_f32_fn f32 = hd == 64 ? one_seq_f32_64
+                                 : hd == 128 ? one_seq_f32_128 : one_seq_f32_any;
+        memcpy(q, (const float *)b->query + row0 * b->width, sizeof(float) * b->width);
+        f32(q, b->k_cache, b->v_cache, blocks, first, seq_len, b->block_size, heads,
+            b->num_kv_heads, hd, b->scale, acc, scores, row_max, row_sum, 1);
+    } else {
+        const one_seq_bf16_fn bf16 = hd == 64 ? one_seq_bf16_64
+                                   : hd == 128 ? one_seq_bf16_128 : one_seq_bf16_any;
+        const uint16_t *qs = (const uint16_t *)b->query + row0 * b->width;
+        for (long j = 0; j < b->width; j++) q[j] = bf16_to_f32(qs[j]);
+        bf16(q, b->k_cache, b->v_cache, blocks, first, seq_len, b->block_size, heads,
+             b->num_kv_heads, hd, b->scale, acc, scores, row_max, row_sum, 1);
+    }
+    store_row(b->dtype, acc, b->out, (int)row0, b->width);
+}
+
+/* Where row r (token r / group, head r % group of KV head `kv`) of a tile from `token0` of
+ * the sequence whose rows start at row0 sits in query and out. */
+static long tile_row_at(const Batch *b, long row0, int token0, int kv, int r) {
+    return (row0 + token0 + r / b->group) * b->width
+           + ((long)kv * b->group + r % b->group) * b->head_dim;
+}
+
+/* A tile (cpu_extend.h): its queries transposed and scaled into x, each row's visible keys,
+ * the tile routine, then each row normalized into out. */
+static void attend_tile(const Batch *b, WorkItem item, ExtendScratch *x) {
+    const int hd = b->head_dim, s = item.seq, seq_len = b->seq_lens[s];
+    const long row0 = b->query_start_loc[s];
+    const int q_len = b->query_start_loc[s + 1] - b->query_start_loc[s];
+    const int tokens = q_len - item.token < EXT_TOKENS ? q_len - item.token : EXT_TOKENS;
+    const int rows = tokens * b->group, padded = extend_padded(rows);
+    const int first_pos = seq_len - q_len + item.token;  /* the tile's first token's */
+    for (int r = 0; r < padded; r++) {
+        const int pos = first_pos + r / b->group, seen = r < rows;
+        const int lowest = b->window > 0 && pos - b->window + 1 > 0 ? pos - b->window + 1 : 0;
+        x->first_key[r] = seen ? lowest : 1;  /* padding rows see no key */
+        x->last_key[r] = seen ? pos : 0;
+        const long at = tile_row_at(b, row0, item.token, item.kv, r);
+        for (int d = 0; d < hd; d++) {
+            float q = 0.0f;
+            if (seen)
+                q = b->dtype == 0 ? ((const float *)b->query)[at + d]
+                                  : bf16_to_f32(((const uint16_t *)b->query)[at + d]);
+            x->qt[(long)d * x->padded + r] = q * b->scale;
+        }
+    }
+    const int32_t *blocks = b->block_tables + (long)s * b->max_blocks;
+    const int first_key = x->first_key[0], last_key = first_pos + tokens - 1;
+    if (b->dtype == 0) {
+        const extend_f32_fn ext = hd == 64 ? extend_f32_64
+                                : hd == 128 ? extend_f32_128 : extend_f32_any;
+        ext(x, rows, b->k_cache, b->v_cache, blocks, b->block_size, b->token_stride, item.kv,
+            first_key, last_key, hd);
+    } else {
+        const extend_bf16_fn ext = hd == 64 ? extend_bf16_64
+                                 : hd == 128 ? extend_bf16_128 : extend_bf16_any;
+        ext(x, rows, b->k_cache, b->v_cache, blocks, b->block_size, b->token_stride, item.kv,
+            first_key, last_key, hd);
+    }
+    for (int r = 0; r < rows; r++) {
+        const long at = tile_row_at(b, row0, item.token, item.kv, r);
+        const float inv = 1.0f / x->row_sum[r];
+        for (int d = 0; d < hd; d++) {
+            const float v = x->o[(long)r * hd + d] * inv;
+            if (b->dtype == 0) ((float *)b->out)[at + d] = v;
+            else ((uint16_t *)b->out)[at + d] = f32_to_bf16(v);
+        }
+    }
+}
+
+/* The work items: every tile of the longer sequences (first: the long items start early),
+ * then the decodes. NULL when out of memory; *count gets how many. */
+static WorkItem *work_items(const int32_t *query_start_loc, int num_seqs, int num_kv_heads,
+                            long *count) {
     long num_items = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        num_items += q_len <= 1 ? q_len : (long)(q_len + EXT_TOKENS - 1) / EXT_TOKENS * num_kv_heads;
+        num_items += q_len <= 1 ? q_len
+                                : (long)(q_len + EXT_TOKENS - 1) / EXT_TOKENS * num_kv_heads;
     }
     WorkItem *items = malloc(sizeof(WorkItem) * (num_items > 0 ? num_items : 1));
-    if (items == NULL) return -1;
+    if (items == NULL) return NULL;
     long next = 0;
-    for (int s = 0; s < num_seqs; s++) {  /* tiles first: the long items start early */
+    for (int s = 0; s < num_seqs; s++) {
         const int q_len = query_start_loc[s + 1] - query_start_loc[s];
         for (int token = 0; q_len > 1 && token < q_len; token += EXT_TOKENS)
             for (int kv = 0; kv < num_kv_heads; kv++) items[next++] = (WorkItem){s, token, kv};
     }
     for (int s = 0; s < num_seqs; s++)
         if (query_start_loc[s + 1] - query_start_loc[s] == 1) items[next++] = (WorkItem){s, -1, 0};
-    const one_seq_f32_fn f32 = head_dim == 64 ? one_seq_f32_64
-                             : head_dim == 128 ? one_seq_f32_128 : one_seq_f32_any;
-    const one_seq_bf16_fn bf16 = head_dim == 64 ? one_seq_bf16_64
-                               : head_dim == 128 ? one_seq_bf16_128 : one_seq_bf16_any;
-    const extend_f32_fn ext_f32 = head_dim == 64 ? extend_f32_64
-                                : head_dim == 128 ? extend_f32_128 : extend_f32_any;
-    const extend_bf16_fn ext_bf16 = head_dim == 64 ? extend_bf16_64
-                                  : head_dim == 128 ? extend_bf16_128 : extend_bf16_any;
-    const long token_stride = (long)num_kv_heads * head_dim;
-    const long decode_floats = 2 * width + (long)num_heads * block_size + 2 * num_heads;
-    const long extend_floats = extend_scratch_floats(group, head_dim);
+    *count = num_items;
+    return items;
+}
+
+/* A whole batch in one call, decodes and prefills mixed (vLLM's unified CPU attention):
+ * query and out [num_tokens, num_heads, head_dim], sequence s's query tokens the rows
+ * query_start_loc[s]..query_start_loc[s + 1] - 1, the newest of its seq_lens[s] tokens,
+ * whose keys and values (this step's included) are already in the cache. Work items are the
+ * decodes (one thread per sequence, as paged_decode without the split) and the tiles of the
+ * longer sequences (cpu_extend.h), the tiles first, handed out one at a time to the threads.
+ * dtype as paged_decode's. Returns 0, or -1 when out of memory. */
+int paged_attention(int dtype, const void *query, const void *k_cache, const void *v_cache,
+                    const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
+                    const int32_t *query_start_loc, void *out, int num_seqs, int num_heads,
+                    int num_kv_heads, int head_dim, int block_size, float scale, int window,
+                    int num_threads) {
+    const Batch b = {dtype, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                     out, max_blocks, num_heads, num_kv_heads, head_dim, block_size, window,
+                     num_heads / num_kv_heads, (long)num_heads * head_dim,
+                     (long)num_kv_heads * head_dim, scale};
+    long num_items = 0;
+    WorkItem *items = work_items(query_start_loc, num_seqs, num_kv_heads, &num_items);
+    if (items == NULL) return -1;
+    const long decode_floats = 2 * b.width + (long)num_heads * block_size + 2 * num_heads;
+    const long extend_floats = extend_scratch_floats(b.group, head_dim);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
         float *work = malloc(sizeof(float) * (decode_floats > extend_floats ? decode_floats
                                                                             : extend_floats));
         if (work == NULL) failed = 1;
-        ExtendScratch x = extend_scratch(work, group, head_dim);
+        ExtendScratch x = extend_scratch(work, b.group, head_dim);
         #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < num_items; i++) {
             if (work == NULL) continue;
-            const WorkItem item = items[i];
-            const int s = item.seq, seq_len = seq_lens[s];
-            const int32_t *blocks = block_tables + (long)s * max_blocks;
-            const long row0 = query_start_loc[s];
-            if (item.token < 0) {  /* a decode: all heads of one token */
-                float *q = work, *acc = q + width, *scores = acc + width;
-                float *row_max = scores + (long)num_heads * block_size;
-                float *row_sum = row_max + num_heads;
-                const int first = window > 0 && seq_len - window > 0 ? seq_len - window : 0;
-                if (dtype == 0) {
-                    memcpy(q, (const float *)query + row0 * width, sizeof(float) * width);
-                    f32(q, k_cache, v_cache, blocks, first, seq_len, block_size, num_heads,
-                        num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum, 1);
-                } else {
-                    const uint16_t *qs = (const uint16_t *)query + row0 * width;
-                    for (long j = 0; j < width; j++) q[j] = bf16_to_f32(qs[j]);
-                    bf16(q, k_cache, v_cache, blocks, first, seq_len, block_size, num_heads,
-                         num_kv_heads, head_dim, scale, acc, scores, row_max, row_sum, 1);
-                }
-                store_row(dtype, acc, out, (int)row0, width);
-                continue;
-            }
-            const int q_len = query_start_loc[s + 1] - query_start_loc[s];
-            const int tokens = q_len - item.token < EXT_TOKENS ? q_len - item.token : EXT_TOKENS;
-            const int rows = tokens * group, padded = extend_padded(rows);
-            const int first_pos = seq_len - q_len + item.token;  /* the tile's first token's */
-            const long head0 = (long)item.kv * group * head_dim;
-            for (int r = 0; r < padded; r++) {  /* row r: token r / group, head r % group */
-                const int pos = first_pos + r / group;
-                const int seen = r < rows;
-                x.first_key[r] = !seen ? 1 : (window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0);
-                x.last_key[r] = seen ? pos : 0;
-                const long at = (row0 + item.token + r / group) * width + head0 + (r % group) * head_dim;
-                for (int d = 0; d < head_dim; d++) {
-                    const float q = !seen ? 0.0f : dtype == 0 ? ((const float *)query)[at + d]
-                                                            : bf16_to_f32(((const uint16_t *)query)[at + d]);
-                    x.qt[(long)d * x.padded + r] = q * scale;
-                }
-            }
-            const int last_key = first_pos + tokens - 1;
-            const int first_key = x.first_key[0];
-            if (dtype == 0)
-                ext_f32(&x, rows, k_cache, v_cache, blocks, block_size, token_stride, item.kv,
-                        first_key, last_key, head_dim);
-            else
-                ext_bf16(&x, rows, k_cache, v_cache, blocks, block_size, token_stride, item.kv,
-                         first_key, last_key, head_dim);
-            for (int r = 0; r < rows; r++) {
-                const long at = (row0 + item.token + r / group) * width + head0 + (r % group) * head_dim;
-                const float inv = 1.0f / x.row_sum[r];
-                for (int d = 0; d < head_dim; d++) {
-                    const float v = x.o[(long)r * head_dim + d] * inv;
-                    if (dtype == 0) ((float *)out)[at + d] = v;
-                    else ((uint16_t *)out)[at + d] = f32_to_bf16(v);
-                }
-            }
+            if (items[i].token < 0) attend_decode(&b, items[i].seq, work);
+            else attend_tile(&b, items[i], &x);
         }
         free(work);
     }
