@@ -16,8 +16,9 @@ against. What differs:
   attention: `cpu_native.paged_attention`, tiles of the prompts and the decodes handed out
   together to the threads, keys read in place): `python -m bench.mixed_attention` has it
   1.1-2.9x faster than the torch paths below. In bf16 those stay: SDPA's bf16 matmuls (AMX
-  where the CPU has it) beat the kernel's fp32 arithmetic 2.3-3.4x on an AMX Xeon, and still
-  2.5x with torch held to AVX2. The torch paths (also fp16, and no compiler):
+  where the CPU has it) beat the kernel's fp32 arithmetic 1.4-3.4x on an AMX Xeon, and 1.1-1.9x
+  with the kernel built for AVX2 and torch held to AVX2 (`bench.mixed_attention --march
+  x86-64-v3`). The torch paths (also fp16, and no compiler):
 - whole prompts (no cached context: q_len == seq_len), when the caller passes this step's
   `key` and `value`, attend to those directly, with no gather from the cache: sequences of
   the same length go through one batched causal SDPA call;

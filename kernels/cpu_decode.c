@@ -404,7 +404,8 @@ static WorkItem *work_items(const int32_t *query_start_loc, int num_seqs, int nu
  * whose keys and values (this step's included) are already in the cache. Work items are the
  * decodes (one thread per sequence, as paged_decode without the split) and the tiles of the
  * longer sequences (cpu_extend.h), the tiles first, handed out one at a time to the threads.
- * dtype as paged_decode's. Returns 0, or -1 when out of memory. */
+ * dtype as paged_decode's. Returns 0, -1 when out of memory, or -2 (nothing written) when a
+ * sequence has more query tokens than context. */
 int paged_attention(int dtype, const void *query, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
                     const int32_t *query_start_loc, void *out, int num_seqs, int num_heads,
@@ -414,6 +415,10 @@ int paged_attention(int dtype, const void *query, const void *k_cache, const voi
                      out, max_blocks, num_heads, num_kv_heads, head_dim, block_size, window,
                      num_heads / num_kv_heads, (long)num_heads * head_dim,
                      (long)num_kv_heads * head_dim, scale};
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (q_len < 0 || q_len > seq_lens[s]) return -2;
+    }
     long num_items = 0;
     WorkItem *items = work_items(query_start_loc, num_seqs, num_kv_heads, &num_items);
     if (items == NULL) return -1;

