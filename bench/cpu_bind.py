@@ -4,8 +4,8 @@ spinning (the runtime's default) or sleeping at once, alternated, on the same pr
 
     .venv/bin/python -m bench.cpu_bind [--rounds 2] [--variants none/spin,none/passive,...]
 
-A variant is `BIND/WAIT` (`--cpu-bind BIND --omp-wait WAIT`; WAIT omitted: spin); the first
-is the baseline of the ratios.
+A variant is `BIND/WAIT` (`--cpu-bind BIND --omp-wait WAIT`; WAIT omitted: spin; WAIT a
+number: that spin count); the first is the baseline of the ratios.
 
 SmolLM2-135M-Instruct fp32 (`.cache/smollm2-hf`, as bench.step_profile writes it). Each
 round starts `pagemesh up --cpu-bind MODE` once per mode (the odd rounds in reverse order)
@@ -14,7 +14,7 @@ once) and then batch 1 (4 of those prompts' shape, one at a time: TTFT and ITL o
 request). On a 2-core host `reserve` leaves the worker one core (one OpenMP thread) and
 gives the other to the router, the scheduler and Valkey; `pin` binds the worker's two
 threads one per core with the control plane unbound; `none` is the default there.
-Writes bench/results/cpu_bind.{md,json}: medians over the rounds, and the medians of the
+Writes bench/results/cpu_bind.{md,json} (`--name` another stem): medians over the rounds, and the medians of the
 per-round ratios to the first variant.
 """
 
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--batch1-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--name", default="cpu_bind", help="results file stem")
     args = parser.parse_args()
     modes = list(dict.fromkeys(args.variants.split(",")))
     model = str(Path(args.model).resolve())
@@ -107,7 +108,7 @@ def main() -> None:
     table = [[row["variant"], f"{row['w64_tok_s']:.1f}", f"{row['w64_vs_first']:.2f}x",
               f"{row['itl_p50_ms']:.1f}", f"{row['itl_vs_first']:.2f}x",
               f"{row['ttft_p50_ms']:.1f}", f"{row['ttft_vs_first']:.2f}x"] for row in rows]
-    write_results("cpu_bind", header, ["BIND/WAIT", "W64 tok/s", "ratio", "batch-1 ITL p50 ms",
+    write_results(args.name, header, ["BIND/WAIT", "W64 tok/s", "ratio", "batch-1 ITL p50 ms",
                                        "ratio", "batch-1 TTFT p50 ms", "ratio"], table, rows)
 
 

@@ -15,7 +15,7 @@ import sys
 from pagemesh import client, local_mesh
 from pagemesh.admin import add_admin_parser, add_profile_parser
 from pagemesh.config import add_flag, add_options, add_redis_password_flag, add_tls_flags
-from pagemesh.cpu_placement import CPU_BIND_CHOICES, OMP_WAIT_CHOICES
+from pagemesh.cpu_placement import CPU_BIND_CHOICES, omp_wait_flag
 from pagemesh.health import add_health_parser
 from pagemesh.loadgen.cli import add_bench_parser
 from pagemesh.malloc_preload import MALLOC_CHOICES
@@ -57,11 +57,11 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                   "plane (router, schedulers, Valkey) keeps the first core, the workers share "
                   "the rest; pin = workers over every core; none = unbound; auto = reserve "
                   "with 4 cores or more, else none")
-    add_flag(up, "--omp-wait", default="spin", choices=OMP_WAIT_CHOICES,
+    add_flag(up, "--omp-wait", type=omp_wait_flag, default="spin",
              help="how CPU workers' idle OpenMP threads wait: spin = the runtime's "
                   "spin-then-sleep (fastest steps); passive = sleep at once, leaving shared "
                   "cores to the router and schedulers (for models far cheaper than their "
-                  "traffic)")
+                  "traffic); a number = spin that many times, then sleep (GOMP_SPINCOUNT)")
     for services, flags in itertools.groupby(OPTIONS, key=lambda flag: flag.services):
         title = "every service" if len(services) == len(SERVICES) else " and ".join(services)
         add_options(up.add_argument_group(f"options of {title}"), flags)

@@ -25,6 +25,7 @@ over). The plan is pure (`plan_placement`); `host_cores` reads the topology from
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,11 +118,26 @@ def omp_wait_env(choice: str) -> dict[str, str]:
     """How a CPU worker's idle OpenMP threads wait between parallel regions (`--omp-wait`).
     spin: the runtime's default, a while of spinning before they sleep, so a step's hundreds
     of regions start without a wake-up; passive: they sleep at once, leaving cores they share
-    with the router and the scheduler to those. `python -m bench.cpu_bind` on a 2-core Xeon:
-    passive costs SmolLM2 8% of W64 and 1.47x batch-1 ITL, while `python -m
-    bench.control_plane` (a near-zero model, 256 streams) gains 1.48x over gRPC (the worker's
-    CPU per token 183 -> 92 us): passive is for models far cheaper than their traffic."""
-    if choice not in OMP_WAIT_CHOICES:
-        raise ValueError(f"--omp-wait must be one of {', '.join(OMP_WAIT_CHOICES)}, "
-                         f"got {choice!r}")
-    return {"OMP_WAIT_POLICY": "PASSIVE"} if choice == "passive" else {}
+    with the router and the scheduler to those; a number: spin that many times, then sleep
+    (libgomp's GOMP_SPINCOUNT; its default is 300,000, a few milliseconds). `python -m
+    bench.cpu_bind` on a 2-core Xeon: passive costs SmolLM2 8% of W64 and 1.47x batch-1 ITL,
+    while `python -m bench.control_plane` (a near-zero model, 256 streams) gains 1.48x over
+    gRPC (the worker's CPU per token 183 -> 92 us): passive is for models far cheaper than
+    their traffic."""
+    if choice == "spin":
+        return {}
+    if choice == "passive":
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    if choice.isdigit():
+        return {"GOMP_SPINCOUNT": str(int(choice))}
+    raise ValueError(f"--omp-wait must be one of {', '.join(OMP_WAIT_CHOICES)} or a spin "
+                     f"count (a whole number), got {choice!r}")
+
+
+def omp_wait_flag(value: str) -> str:
+    """`--omp-wait`'s argparse type: the value, once `omp_wait_env` accepts it."""
+    try:
+        omp_wait_env(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value

@@ -91,8 +91,15 @@ def test_up_gives_each_worker_its_cores_and_threads(monkeypatch):
 def test_idle_openmp_threads_spin_unless_told_to_sleep():
     assert omp_wait_env("spin") == {}  # the runtime's spin-then-sleep
     assert omp_wait_env("passive") == {"OMP_WAIT_POLICY": "PASSIVE"}
-    with pytest.raises(ValueError, match="--omp-wait must be one of"):
-        omp_wait_env("active")
+    assert omp_wait_env("30000") == {"GOMP_SPINCOUNT": "30000"}  # libgomp's spins, then sleep
+    for wrong in ("active", "-5", "3e4", ""):
+        with pytest.raises(ValueError, match="--omp-wait must be one of"):
+            omp_wait_env(wrong)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["up", "--omp-wait", "-5"])
+    args = cli.build_parser().parse_args(["up", "--omp-wait", "30000"])
+    specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}
+    assert specs["worker-g0-pp0-tp0"].env["GOMP_SPINCOUNT"] == "30000"
     args = cli.build_parser().parse_args(["up", "--omp-wait", "passive"])
     specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}
     assert specs["worker-g0-pp0-tp0"].env["OMP_WAIT_POLICY"] == "PASSIVE"
