@@ -18,6 +18,7 @@
  * under -march=native on x86-64-v3, AVX-512 halves on v4, SSE pairs on a baseline x86-64
  * and NEON on ARM. Built by kernels/cpu_native.py.
  */
+#include <math.h>
 #include <stddef.h>
 #include <omp.h>
 
@@ -179,6 +180,78 @@ int pack_f32(int num_threads, const float *w, long n, long k_dim, float *out) {
                 const long col = p * PANEL + j;
                 panel[k * PANEL + j] = col < n ? w[col * k_dim + k] : 0.0f;
             }
+    }
+    return 0;
+}
+
+/* Mixture-of-experts experts in one call (kernels/moe.py has the semantics): the step's
+ * (token, slot) pairs counted and placed by expert (slot-major within an expert, as
+ * transformers' loop gathers them), each expert's rows gathered once, its gate|up and down
+ * projections through linear_f32 on its panels, SiLU-and-mul between, and the weighted rows
+ * added into each token's output experts ascending (transformers' order). Ids outside
+ * 0..num_experts-1 are skipped. w13 / w2: every expert's packed panels back to back (w13:
+ * 2 * inter outputs over hidden, w2: hidden outputs over inter). Scratch: rows [pairs,
+ * hidden], gate_up [pairs, 2 * inter], act [pairs, inter], down [pairs, hidden], and
+ * 2 * pairs + 2 * (num_experts + 1) longs. */
+int moe_f32(int num_threads, const float *x, long tokens, long hidden, const long *ids,
+            const float *weights, int top_k, int num_experts, const float *w13, const float *w2,
+            long inter, float *y, float *rows, float *gate_up, float *act, float *down,
+            long *scratch) {
+    const long pairs = tokens * top_k;
+    long *pair_of = scratch, *row_of = scratch + pairs;
+    long *start = row_of + pairs, *fill = start + num_experts + 1;
+    const long w13_size = (2 * inter + PANEL - 1) / PANEL * PANEL * hidden;
+    const long w2_size = (hidden + PANEL - 1) / PANEL * PANEL * inter;
+    for (int e = 0; e <= num_experts; e++) start[e] = 0;
+    for (long p = 0; p < pairs; p++) {  /* p = k * tokens + t: slot-major */
+        const long e = ids[(p % tokens) * top_k + p / tokens];
+        if (e >= 0 && e < num_experts) start[e + 1]++;
+    }
+    for (int e = 0; e < num_experts; e++) start[e + 1] += start[e];
+    for (int e = 0; e < num_experts; e++) fill[e] = start[e];
+    for (long p = 0; p < pairs; p++) {
+        const long e = ids[(p % tokens) * top_k + p / tokens];
+        row_of[p] = e >= 0 && e < num_experts ? fill[e]++ : -1;
+        if (row_of[p] >= 0) pair_of[row_of[p]] = p;
+    }
+    const long used = start[num_experts];
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long r = 0; r < used; r++) {
+        const float *src = x + (pair_of[r] % tokens) * hidden;
+        for (long c = 0; c < hidden; c++) rows[r * hidden + c] = src[c];
+    }
+    for (int e = 0; e < num_experts; e++) {
+        const long r0 = start[e], n = start[e + 1] - r0;
+        if (n == 0) continue;
+        linear_f32(num_threads, rows + r0 * hidden, n, hidden, w13 + e * w13_size, 2 * inter,
+                   NULL, gate_up + r0 * 2 * inter);
+        for (long r = r0; r < r0 + n; r++) {
+            const float *g = gate_up + r * 2 * inter;
+            for (long c = 0; c < inter; c++)
+                act[r * inter + c] = g[c] / (1.0f + expf(-g[c])) * g[inter + c];
+        }
+        linear_f32(num_threads, act + r0 * inter, n, inter, w2 + e * w2_size, hidden, NULL,
+                   down + r0 * hidden);
+    }
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long t = 0; t < tokens; t++) {
+        float *out = y + t * hidden;
+        for (long c = 0; c < hidden; c++) out[c] = 0.0f;
+        long done = -1;  /* the last expert added: slots go experts ascending */
+        for (int added = 0; added < top_k; added++) {
+            int best = -1;
+            for (int k = 0; k < top_k; k++) {
+                const long e = ids[t * top_k + k];
+                if (row_of[(long)k * tokens + t] >= 0 && e > done &&
+                    (best < 0 || e < ids[t * top_k + best]))
+                    best = k;
+            }
+            if (best < 0) break;
+            done = ids[t * top_k + best];
+            const float w = weights[t * top_k + best];
+            const float *src = down + row_of[(long)best * tokens + t] * hidden;
+            for (long c = 0; c < hidden; c++) out[c] += w * src[c];
+        }
     }
     return 0;
 }

@@ -95,6 +95,10 @@ _SIGNATURES = {
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p],
     "pack_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p],
     "linear_panel": [],
+    "moe_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
     "store_kv": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                  ctypes.c_int],
@@ -356,6 +360,32 @@ def pack_linear_f32(weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> 
     packed = torch.empty(-(-n // panel) * panel * k, dtype=torch.float32)
     lib.pack_f32(max(1, torch.get_num_threads()), weight.data_ptr(), n, k, packed.data_ptr())
     return packed
+
+
+def moe_f32(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            w13_packed: torch.Tensor, w2_packed: torch.Tensor, num_experts: int,
+            intermediate: int, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`kernels.moe.fused_experts` in one C call (cpu_linear.c's `moe_f32`), fp32: hidden
+    [tokens, h]; the experts' gate|up and down weights each packed by `pack_linear_f32` and
+    concatenated in expert order (`w13_packed`, `w2_packed`)."""
+    lib = lib or library("cpu_linear")
+    if lib is None:
+        raise RuntimeError("the native linear kernel is not available")
+    tokens, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    pairs = tokens * top_k
+    x = hidden.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty((tokens, h), dtype=torch.float32)
+    rows, down = torch.empty((pairs, h)), torch.empty((pairs, h))
+    gate_up, act = torch.empty((pairs, 2 * intermediate)), torch.empty((pairs, intermediate))
+    scratch = torch.empty(2 * pairs + 2 * (num_experts + 1), dtype=torch.int64)
+    lib.moe_f32(torch.get_num_threads(), x.data_ptr(), tokens, h, ids.data_ptr(),
+                weights.data_ptr(), top_k, num_experts, w13_packed.data_ptr(),
+                w2_packed.data_ptr(), intermediate, out.data_ptr(), rows.data_ptr(),
+                gate_up.data_ptr(), act.data_ptr(), down.data_ptr(), scratch.data_ptr())
+    return out
 
 
 def linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,

@@ -50,6 +50,17 @@ _ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),  # != hidden / heads, as real Qwen3 does
+    # Mixture of experts: 8 experts, 2 per token, as Mixtral; Qwen's experts narrower than the
+    # dense MLP, as theirs are, with one dense layer (`mlp_only_layers`).
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                  "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 96,
+                                     "mlp_only_layers": [1], "norm_topk_prob": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 48, "head_dim": 24,
+                                     "norm_topk_prob": True}),
 }
 PEAKY_STD = 0.4
 REALISTIC_STD = 0.02

@@ -5,7 +5,8 @@ model into the same processes and replays the scripted continuous-batching sched
 `test_runner_vs_hf.py` (chunked prefills, requests joining at different steps). The
 tiny models hit the edge cases: a vocabulary not divisible by tp (509), fewer KV heads
 than TP ranks, tied embeddings (the last stage reads embedding rows for its LM head),
-3 layers split unevenly, Qwen2 biases and Qwen3 q/k norms.
+3 layers split unevenly, Qwen2 biases and Qwen3 q/k norms, and mixture-of-experts blocks
+(Qwen2-MoE's shared expert and dense layer, Mixtral's experts over two stages).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ MODELS = {
     "llama_tied_vocab509": dict(arch="llama", vocab_size=509, tie_word_embeddings=True),
     "qwen2": dict(arch="qwen2"),  # q/k/v biases, sharded with their rows
     "qwen3": dict(arch="qwen3"),  # per-head q/k norms, replicated
+    # Mixture of experts: each rank a slice of every expert (and of the shared expert), the
+    # router replicated, one all-reduce per block; layer 1 of qwen2_moe is dense.
+    "qwen2_moe": dict(arch="qwen2_moe"),
+    "mixtral": dict(arch="mixtral"),
 }
 
 # (group, model, pp_layer_split); the models have 3 layers.
@@ -51,6 +56,8 @@ CASES = [
     ("pp2", "llama_tied_vocab509", (1, 2)),
     ("tp2pp2", "llama_kv1_vocab509", (1, 2)),
     ("tp2pp2", "llama_tied_vocab509", None),
+    ("tp2", "qwen2_moe", None),
+    ("tp2pp2", "mixtral", (2, 1)),
 ]
 
 

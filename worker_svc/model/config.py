@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# model_type -> architecture family handled by `worker_svc/model/llama.py`.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# model_type -> architecture family handled by `worker_svc/model/llama.py` (the MoE ones
+# with the sparse MLP blocks of `worker_svc/model/moe.py`).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DEFAULT_ROPE_THETA = 10000.0
@@ -43,6 +45,31 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model (worker_svc/model/moe.py)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
+    # Qwen2-MoE: a dense expert every token goes through, scaled by sigmoid(a linear gate).
+    shared_expert_intermediate_size: int = 0
+    # Per layer: sparse (True) or a dense MLP of the model's intermediate_size.
+    sparse_layers: tuple[bool, ...] = ()
+    # Mixtral keeps the routing weights in fp32 (the weighted rows then round once, to the
+    # model dtype); Qwen casts them to the model dtype first.
+    fp32_routing_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"experts per token ({self.top_k}) must be in 1..num_experts "
+                             f"({self.num_experts})")
+        if self.intermediate_size <= 0:
+            raise ValueError(f"the experts' intermediate size must be positive, got "
+                             f"{self.intermediate_size}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -63,6 +90,7 @@ class ModelConfig:
     qk_norm: bool = False
     # Per layer: attend to at most this many most recent tokens (None = full context).
     sliding_windows: tuple[int | None, ...] = ()
+    moe: MoeConfig | None = None  # mixture-of-experts models only
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -81,6 +109,12 @@ class ModelConfig:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
             raise ValueError("sliding_windows needs one entry per layer")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError("moe.sparse_layers needs one entry per layer")
+
+    def is_sparse(self, layer_index: int) -> bool:
+        """Whether layer `layer_index`'s MLP is a mixture of experts."""
+        return self.moe is not None and self.moe.sparse_layers[layer_index]
 
 
 def parse_rope(hf_config: dict[str, Any]) -> RopeConfig:
@@ -103,9 +137,10 @@ def parse_rope(hf_config: dict[str, Any]) -> RopeConfig:
 
 def _sliding_windows(hf_config: dict[str, Any], model_type: str, num_layers: int):
     window = hf_config.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return (window,) * num_layers
-    if model_type not in ("qwen2", "qwen3") or not hf_config.get("use_sliding_window"):
+    if model_type not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not hf_config.get(
+            "use_sliding_window"):
         return (None,) * num_layers
     layer_types = hf_config.get("layer_types")
     if layer_types is None:  # transformers 4: the top layers from max_window_layers slide
@@ -126,6 +161,11 @@ def parse_hf_config(hf_config: dict[str, Any]) -> ModelConfig:
     num_layers = hf_config["num_hidden_layers"]
     attention_bias = bool(hf_config.get("attention_bias", False))
     is_qwen2 = model_type == "qwen2"
+    qkv_bias = attention_bias
+    if is_qwen2:
+        qkv_bias = True
+    elif model_type == "qwen2_moe":  # its own spelling, on by default
+        qkv_bias = bool(hf_config.get("qkv_bias", True))
     return ModelConfig(
         model_type=model_type,
         vocab_size=hf_config["vocab_size"],
@@ -139,11 +179,44 @@ def parse_hf_config(hf_config: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=hf_config.get("max_position_embeddings", 2048),
         rope=parse_rope(hf_config),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases and never an o_proj bias; the others follow
-        # `attention_bias` for all four projections.
-        qkv_bias=True if is_qwen2 else attention_bias,
-        o_proj_bias=False if is_qwen2 else attention_bias,
+        # Qwen2 (and Qwen2-MoE) have q/k/v biases and never an o_proj bias; the others
+        # follow `attention_bias` for all four projections.
+        qkv_bias=qkv_bias,
+        o_proj_bias=False if model_type in ("qwen2", "qwen2_moe") else attention_bias,
         mlp_bias=bool(hf_config.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_windows=_sliding_windows(hf_config, model_type, num_layers),
+        moe=parse_moe(hf_config, model_type, num_layers),
+    )
+
+
+def parse_moe(hf_config: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
+    """The sparse MLP settings of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json, None for a
+    dense model. Qwen's layer `i` is sparse unless listed in `mlp_only_layers`, and only
+    where `(i + 1) % decoder_sparse_step == 0` (transformers' rule); Mixtral's all are."""
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    # The hub's files say num_experts (Qwen) / num_local_experts (Mixtral); transformers 5
+    # writes num_local_experts for both.
+    num_experts = hf_config.get("num_local_experts", hf_config.get("num_experts"))
+    if model_type == "mixtral":
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=hf_config.get("num_experts_per_tok", 2),
+            intermediate_size=hf_config["intermediate_size"],
+            renormalize=True,
+            sparse_layers=(True,) * num_layers,
+            fp32_routing_weights=True,
+        )
+    step = hf_config.get("decoder_sparse_step", 1) or 1
+    dense = set(hf_config.get("mlp_only_layers") or ())
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=hf_config["num_experts_per_tok"],
+        intermediate_size=hf_config["moe_intermediate_size"],
+        renormalize=bool(hf_config.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(hf_config.get("shared_expert_intermediate_size", 0)
+                                         if model_type == "qwen2_moe" else 0),
+        sparse_layers=tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
+                            for i in range(num_layers)),
     )

@@ -1,4 +1,5 @@
-"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), and
+their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE (sparse MLPs: `moe.py`).
 
 Reads top to bottom: attention, MLP, one decoder layer, the stack, the LM head, and the
 loader that maps checkpoint names (Hugging Face spelling) onto the fused parameters.
@@ -30,6 +31,13 @@ from worker_svc.model.layers import (
     silu_and_mul,
 )
 from worker_svc.model.matmul import PreparableLinear
+from worker_svc.model.moe import (
+    FusedExperts,
+    PartialSum,
+    SparseMoeBlock,
+    checkpoint_name,
+    expert_tensor,
+)
 from worker_svc.model.parallel_layers import (
     FULL,
     Index,
@@ -88,10 +96,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        start, stop = shard_range(config.intermediate_size, parallel.tp_size, parallel.tp_rank,
-                                  "intermediate_size")
+        start, stop = shard_range(intermediate_size or config.intermediate_size,
+                                  parallel.tp_size, parallel.tp_rank, "intermediate_size")
         self.intermediate_size = stop - start  # this rank's
         self.gate_up_proj = MergedLinear(
             config.hidden_size,
@@ -106,6 +115,17 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def build_mlp(config: ModelConfig, layer_index: int, parallel: ParallelConfig,
+              comm: TPComm) -> nn.Module:
+    """Layer `layer_index`'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared
+    expert, a dense MLP whose sum the block completes)."""
+    if not config.is_sparse(layer_index):
+        return LlamaMLP(config, parallel, comm)
+    shared_size = config.moe.shared_expert_intermediate_size
+    shared = LlamaMLP(config, parallel, PartialSum(), shared_size) if shared_size else None
+    return SparseMoeBlock(config, parallel, comm, shared)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelConfig,
                  comm: TPComm) -> None:
@@ -113,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_index, parallel, comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, parallel, comm)
+        self.mlp = build_mlp(config, layer_index, parallel, comm)
 
     def forward(
         self, rotary: StepRotary, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -250,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_slice(self, name: str) -> Index | None:
         """Which part of checkpoint tensor `name` this rank loads; None when it loads none
         of it (another stage's layer, a duplicate, a buffer we compute)."""
+        name = checkpoint_name(name)
         tied = self.config.tie_word_embeddings
         if name.endswith("rotary_emb.inv_freq") or (name == _LM_HEAD and tied):
             return None
@@ -262,6 +283,10 @@ class LlamaForCausalLM(nn.Module):
             index = name.split(".")[2]
             if not index.isdigit() or int(index) not in self.model.layer_range:
                 return None
+        expert = expert_tensor(name)
+        if expert is not None:
+            experts_path, index, part = expert
+            return self._experts(experts_path, name).checkpoint_slice(index, part)
         module_path, _, param_name = name.rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
         if leaf in STACKED_PARTS:
@@ -274,6 +299,16 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(module, RowParallelLinear):
             return module.checkpoint_slice(param_name)
         return FULL
+
+    def _experts(self, path: str, name: str) -> FusedExperts:
+        try:
+            module = self.get_submodule(path)
+        except AttributeError:
+            module = None
+        if not isinstance(module, FusedExperts):
+            raise ValueError(f"checkpoint tensor {name!r} is an expert's, but this model's "
+                             f"layer has no experts there (config.json's MoE settings)")
+        return module
 
     def _vocab_holders(self, name: str) -> list[VocabParallelEmbedding]:
         """The modules filled from checkpoint tensor `name` (embedding or LM head rows)."""
@@ -293,7 +328,13 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            name = checkpoint_name(name)
             if self.checkpoint_slice(name) is None:
+                continue
+            expert = expert_tensor(name)
+            if expert is not None:
+                experts_path, index, part = expert
+                self._experts(experts_path, name).load_expert(index, part, tensor)
                 continue
             if name in (_EMBED, _LM_HEAD):
                 for holder in self._vocab_holders(name):
@@ -325,7 +366,10 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(name.rpartition(".")[0])
             if name.endswith(".weight") and _holds_prepared_weight(module):
                 continue  # loaded in another form (quantized): see worker_svc/quant
-            if isinstance(module, MergedLinear):
+            if isinstance(module, FusedExperts):
+                if name.endswith(".w13"):  # once per module: it tracks its own pieces
+                    missing += [f"{name.rpartition('.')[0]}.{piece}" for piece in module.missing()]
+            elif isinstance(module, MergedLinear):
                 missing += [f"{name}/{p}" for p in module.part_sizes if f"{name}/{p}" not in loaded]
             elif name not in loaded:
                 missing.append(name)

@@ -174,6 +174,10 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
         return resolved
     count = 0
     for module in model.modules():
+        if hasattr(module, "pack_experts"):  # a MoE layer's experts (moe.py), each packed
+            module.pack_experts(resolved)
+            count += 1
+            continue
         if (not isinstance(module, PreparableLinear) or not module.packable
                 or module.packed_weight is not None):
             continue
@@ -196,4 +200,5 @@ def packed_weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, PreparableLinear) and module.packed_weight is not None:
             total += module.packed_weight.nbytes
+        total += getattr(module, "packed_nbytes", 0)  # a MoE layer's packed experts
     return total

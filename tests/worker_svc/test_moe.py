@@ -1,0 +1,202 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers, and the
+grouped-experts kernel against transformers' per-expert loop.
+
+The models are written at a trained checkpoint's scales (`write_realistic_model`: router
+logits close together, so the top-k choice is sensitive), 8 experts top-2, 3 layers (Qwen2-MoE
+with its middle layer dense and a gated shared expert), plus an odd expert count. The runner
+is driven through the scripted continuous-batching schedule (chunked prefills, requests
+joining late) and must give transformers' greedy tokens and its logprobs within the fp32
+bound; bf16 within the bound derived from transformers' own rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels import moe as moe_kernels
+from pagemesh.testing.tiny_models import write_realistic_model
+from protos.step import SamplingParams
+from tests.support.hf_reference import (
+    assert_half_precision_close,
+    assert_logprobs_close,
+    half_precision_references,
+    hf_greedy_with_logits,
+)
+from tests.support.runner_script import BLOCK_SIZE, NUM_NEW_TOKENS, ScriptedRequest, drive, random_prompt
+from tests.worker_svc.test_runner_vs_hf import _as_token_logprob
+from worker_svc.model.config import parse_hf_config
+from worker_svc.runner import ModelRunner, RunnerConfig
+
+LOGPROBS = SamplingParams(temperature=0.0, num_logprobs=5)
+MOE_MODELS = {
+    "mixtral": dict(arch="mixtral"),
+    "qwen2_moe": dict(arch="qwen2_moe"),  # shared expert, layer 1 dense, no renormalising
+    "qwen3_moe": dict(arch="qwen3_moe"),  # q/k norms, renormalised top-k
+    "qwen3_moe_7_experts_top3": dict(arch="qwen3_moe", num_experts=7, num_experts_per_tok=3),
+}
+
+
+def scripted(vocab_size: int) -> list[ScriptedRequest]:
+    return [
+        ScriptedRequest("a", random_prompt(9, vocab_size, 1), join_step=0),
+        ScriptedRequest("b", random_prompt(21, vocab_size, 2), join_step=0, prefill_chunk=8),
+        ScriptedRequest("c", random_prompt(5, vocab_size, 3), join_step=2),
+        ScriptedRequest("d", random_prompt(16, vocab_size, 4), join_step=4, prefill_chunk=7),
+    ]
+
+
+def runner_for(path: Path, **overrides) -> ModelRunner:
+    return ModelRunner.from_config(RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE,
+                                                num_blocks=48, **overrides))
+
+
+def check_against_transformers(path: Path, runner: ModelRunner) -> None:
+    from transformers import AutoModelForCausalLM
+
+    requests = scripted(runner.info().vocab_size)
+    drive(runner, requests, NUM_NEW_TOKENS, LOGPROBS)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for r in requests:
+        assert_logprobs_close(r.outputs, [_as_token_logprob(s) for s in r.sampled],
+                              *hf_greedy_with_logits(hf_model, r.prompt, NUM_NEW_TOKENS))
+
+
+@pytest.mark.parametrize("name", list(MOE_MODELS))
+def test_moe_models_match_transformers_tokens_and_logprobs(name: str, tmp_path: Path) -> None:
+    path = write_realistic_model(tmp_path / name, seed=5, **MOE_MODELS[name])
+    check_against_transformers(path, runner_for(path))
+
+
+def test_moe_through_torch_linear_matches_too(tmp_path: Path) -> None:
+    """The experts unpacked (`--cpu-linear torch`: plain 3-D weights through F.linear)."""
+    path = write_realistic_model(tmp_path / "m", "qwen2_moe", seed=6)
+    check_against_transformers(path, runner_for(path, cpu_linear="torch"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_moe_half_precision_within_transformers_rounding(dtype: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = write_realistic_model(tmp_path / "m", "mixtral", seed=7)
+    runner = runner_for(path, dtype=dtype)
+    requests = scripted(runner.info().vocab_size)[:3]
+    drive(runner, requests, NUM_NEW_TOKENS, LOGPROBS)
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_half = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    references = half_precision_references(hf32, hf_half, [r.prompt for r in requests],
+                                           NUM_NEW_TOKENS)
+    for r, reference in zip(requests, references, strict=True):
+        assert_half_precision_close(r.outputs, [_as_token_logprob(s) for s in r.sampled],
+                                    reference)
+
+
+def test_router_tie_goes_to_the_lower_expert_as_in_transformers(tmp_path: Path) -> None:
+    """Two experts with identical router rows tie exactly on every token; with top-2 and a
+    third expert always ahead, one of the two must be chosen: torch.topk keeps the lower
+    index first on CPU, in transformers' router and in ours (`kernels.moe.route`), so both
+    pick the same expert and the tokens and logprobs agree."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_realistic_model(tmp_path / "m", "qwen3_moe", seed=8)
+    weights = load_file(path / "model.safetensors")
+    for layer in range(3):
+        gate = weights[f"model.layers.{layer}.mlp.gate.weight"]
+        gate[0] = gate[5] * 50  # expert 0 ahead of every other
+        gate[2] = gate[6]  # experts 2 and 6 tie, and ahead of the rest
+        gate[2] *= 20
+        gate[6] = gate[2]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hidden = torch.randn(16, 64)
+    gate = hf.model.layers[0].mlp.gate
+    _, _, hf_ids = gate(hidden)
+    _, ids = moe_kernels.route(torch.nn.functional.linear(hidden, gate.weight), 2, True,
+                               torch.float32)
+    assert torch.equal(ids, hf_ids)
+    check_against_transformers(path, runner_for(path))
+
+
+def _random_experts(tokens: int, experts: int, top_k: int, dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inter = 48, 40
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    logits = torch.randn(tokens, experts, generator=generator)
+    weights, ids = moe_kernels.route(logits, top_k, True, dtype)
+    return randn(tokens, hidden), randn(experts, 2 * inter, hidden) * 0.1, \
+        randn(experts, hidden, inter) * 0.1, weights, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(64, 8, 2), (5, 7, 3), (1, 3, 1)])
+def test_grouped_experts_equal_transformers_loop(tokens, experts, top_k, dtype):
+    """One sort + one GEMM pair per expert + one weighted index_add_ sums in transformers'
+    order (experts ascending): fp32 bit for bit; in bf16 index_add_ rounds a token's sum once
+    where transformers rounds per expert, about one bf16 unit apart (values here ~0.1-1)."""
+    args = _random_experts(tokens, experts, top_k, dtype, seed=tokens)
+    ours, theirs = moe_kernels.fused_experts(*args), moe_kernels.per_expert_loop(*args)
+    if dtype == torch.float32:
+        assert torch.equal(ours, theirs)
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=1.6e-2, atol=4e-3)
+
+
+def test_experts_of_another_rank_contribute_nothing() -> None:
+    hidden, w13, w2, weights, ids = _random_experts(9, 6, 2, torch.float32, seed=3)
+    remote = ids.clone()
+    remote[remote >= 3] = -1  # experts 3..5 held elsewhere
+    local_only = weights * (ids < 3)
+    expected = moe_kernels.per_expert_loop(hidden, w13, w2, local_only, ids)
+    torch.testing.assert_close(moe_kernels.fused_experts(hidden, w13, w2, weights, remote),
+                               expected)
+    nobody = torch.full_like(ids, -1)
+    assert torch.equal(moe_kernels.fused_experts(hidden, w13, w2, weights, nobody),
+                       torch.zeros_like(hidden))
+
+
+def test_moe_config_follows_transformers_layer_rules() -> None:
+    base = json.loads(json.dumps(dict(
+        model_type="qwen2_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=6, num_attention_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=8, shared_expert_intermediate_size=16, decoder_sparse_step=2,
+        mlp_only_layers=[3])))
+    moe = parse_hf_config(base).moe
+    # sparse where (i + 1) % 2 == 0 and i not in mlp_only_layers
+    assert moe.sparse_layers == (False, True, False, False, False, True)
+    assert (moe.num_experts, moe.top_k, moe.renormalize) == (4, 2, False)
+    assert parse_hf_config(base).qkv_bias and not parse_hf_config(base).o_proj_bias
+    with pytest.raises(ValueError, match="experts per token"):
+        parse_hf_config(base | {"num_experts_per_tok": 5})
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(64, 8, 2), (5, 7, 3), (1, 3, 1), (0, 4, 2)])
+def test_one_c_call_equals_transformers_loop(tokens, experts, top_k):
+    """`FusedExperts` packed for the C kernel (`cpu_native.moe_f32`: sort, per-expert panels,
+    SiLU-and-mul, the weighted sum experts ascending) against transformers' loop; an expert
+    another rank holds (-1) adds nothing."""
+    from kernels import cpu_native
+    from worker_svc.model.moe import FusedExperts
+    from worker_svc.parallel import ParallelConfig
+
+    if cpu_native.library("cpu_linear") is None:
+        pytest.skip("no C compiler here: the torch path is what runs")
+    hidden, w13, w2, weights, ids = _random_experts(tokens, experts, top_k, torch.float32, 9)
+    module = FusedExperts(experts, hidden.shape[1], w2.shape[2], ParallelConfig())
+    module.w13.data.copy_(w13)
+    module.w2.data.copy_(w2)
+    module.pack_experts("native")
+    assert module.native is not None and module.w13.numel() == 0
+    torch.testing.assert_close(module(hidden, weights, ids),
+                               moe_kernels.fused_experts(hidden, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-6)
+    remote = torch.where(ids >= 2, -1, ids)
+    torch.testing.assert_close(module(hidden, weights, remote),
+                               moe_kernels.fused_experts(hidden, w13, w2, weights, remote),
+                               rtol=1e-5, atol=1e-6)

@@ -1,0 +1,209 @@
+"""The sparse MLP of mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE.
+
+A block replaces a layer's dense MLP (`config.is_sparse(layer)`); attention, norms and the
+stack are the Llama family's (`llama.py`). Per step: router logits (`gate`, replicated on
+every rank, through `F.linear` as transformers computes them, so near-ties go the same
+way), softmax and top-k (`kernels.moe.route`), the experts over the tokens grouped by
+expert (`kernels.moe.grouped_experts`: one sort, one GEMM pair per expert with rows, one
+weighted scatter-add; on CUDA the Triton grouped GEMM of `kernels/fused_moe_triton.py`),
+Qwen2-MoE's shared expert scaled by its sigmoid gate, then one
+all-reduce.
+
+Tensor parallelism slices every expert as the dense MLP is sliced (each rank the same
+columns of each expert's gate|up and rows of its down), so a rank's routed and shared sums
+are partial and the block's one all-reduce completes both.
+
+The experts' weights are two 3-D parameters, `w13` [experts, 2 x intermediate, hidden]
+(gate rows, then up rows) and `w2` [experts, hidden, intermediate]; the checkpoint's
+per-expert tensors (`experts.{e}.gate_proj` / Mixtral's `w1`, `up_proj` / `w3`,
+`down_proj` / `w2`) are copied into their slices (`checkpoint_name`, `load_expert`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kernels import cpu_native
+from kernels import moe as moe_kernels
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.layers import silu_and_mul
+from worker_svc.model.matmul import OneDnnWeight, PreparedWeight, linear
+from worker_svc.model.parallel_layers import Index, TPComm, shard_range
+from worker_svc.parallel import ParallelConfig
+
+# A checkpoint's expert tensor: (prefix up to the block, expert, part, parameter).
+_EXPERT_NAME = re.compile(
+    r"^(?P<block>.+\.(?:mlp|block_sparse_moe))\.experts\.(?P<expert>\d+)\."
+    r"(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<param>weight)$")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_ONEDNN_PACK_ROWS = 16  # an expert sees ~tokens x top_k / experts rows
+
+
+class PartialSum:
+    """A TPComm for the pieces inside a sparse block: their row-parallel sums stay partial
+    (identity), the block's own all-reduce completes them once."""
+
+    def tp_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def tp_all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        raise RuntimeError("a sparse block's pieces gather nothing")
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint name in this model's spelling: Mixtral's `block_sparse_moe` is `mlp`,
+    its experts' `w1` / `w3` / `w2` are `gate_proj` / `up_proj` / `down_proj`."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    match = _EXPERT_NAME.match(name)
+    if match and match["part"] in _MIXTRAL_PARTS:
+        start, stop = match.span("part")
+        name = name[:start] + _MIXTRAL_PARTS[match["part"]] + name[stop:]
+    return name
+
+
+def expert_tensor(name: str) -> tuple[str, int, str] | None:
+    """("model.layers.3.mlp.experts.5.up_proj.weight") -> ("model.layers.3.mlp.experts",
+    5, "up_proj"); None for any other tensor (spelled as `checkpoint_name` returns it)."""
+    match = _EXPERT_NAME.match(name)
+    if match is None:
+        return None
+    return f"{match['block']}.experts", int(match["expert"]), match["part"]
+
+
+class FusedExperts(nn.Module):
+    """Every expert's SiLU-gated MLP, this rank's slice of each (module docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 parallel: ParallelConfig) -> None:
+        super().__init__()
+        start, stop = shard_range(intermediate_size, parallel.tp_size, parallel.tp_rank,
+                                  "moe_intermediate_size")
+        self.num_experts = num_experts
+        self.intermediate_start = start
+        self.intermediate_size = stop - start  # this rank's
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size,
+                                            hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size),
+                               requires_grad=False)
+        self.loaded: set[tuple[int, str]] = set()
+        # Once `pack_experts` has run: per expert (gate|up, down) prepared for oneDNN, or
+        # every expert's C panels back to back (gate|up, down, the library).
+        self.packed: list[tuple[PreparedWeight, PreparedWeight]] | None = None
+        self.native: tuple[torch.Tensor, torch.Tensor, object] | None = None
+
+    def checkpoint_slice(self, expert: int, part: str) -> Index | None:
+        """The part of expert `expert`'s `part` tensor this rank reads."""
+        if not 0 <= expert < self.num_experts:
+            return None
+        cols = slice(self.intermediate_start, self.intermediate_start + self.intermediate_size)
+        return (slice(None), cols) if part == "down_proj" else (cols,)
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        size = self.intermediate_size
+        target = {"gate_proj": self.w13.data[expert, :size],
+                  "up_proj": self.w13.data[expert, size:],
+                  "down_proj": self.w2.data[expert]}[part]
+        if target.shape != tensor.shape:
+            raise ValueError(f"expert {expert} {part}: expected {tuple(target.shape)}, got "
+                             f"{tuple(tensor.shape)}")
+        target.copy_(tensor)
+        self.loaded.add((expert, part))
+
+    def missing(self) -> list[str]:
+        """The (expert, part) pieces no checkpoint tensor filled."""
+        return [f"experts.{e}.{part}" for e in range(self.num_experts)
+                for part in ("gate_proj", "up_proj", "down_proj") if (e, part) not in self.loaded]
+
+    def pack_experts(self, backend: str) -> None:
+        """Each expert's weights into the linear layers' prepared form (`matmul.py`): for
+        "native" every expert's panels back to back, run by one C call per step
+        (`cpu_native.moe_f32`); for "onednn" each expert's blocked layout. The 3-D copies
+        are freed."""
+        if backend == "native":
+            lib = cpu_native.library("cpu_linear")
+            self.native = (
+                torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w13]),
+                torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w2]), lib)
+        elif backend == "onednn":
+            def prepare(weight: torch.Tensor) -> PreparedWeight:
+                return OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(
+                    weight.contiguous(), _ONEDNN_PACK_ROWS))
+            self.packed = [(prepare(self.w13[e]), prepare(self.w2[e]))
+                           for e in range(self.num_experts)]
+        else:
+            return
+        self.w13 = nn.Parameter(torch.empty((self.num_experts, 0, self.w13.shape[2]),
+                                            dtype=self.w13.dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty((self.num_experts, self.w2.shape[1], 0),
+                                           dtype=self.w2.dtype), requires_grad=False)
+
+    @property
+    def packed_nbytes(self) -> int:
+        if self.native is not None:
+            return sum(t.numel() * t.element_size() for t in self.native[:2])
+        return sum(a.nbytes + b.nbytes for a, b in self.packed or ())
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s MLP over its rows (this rank's partial sum under TP)."""
+        if self.packed is not None:
+            gate_up, down = self.packed[e]
+            return linear(silu_and_mul(linear(x, None, None, gate_up)), None, None, down)
+        return F.linear(silu_and_mul(F.linear(x, self.w13[e])), self.w2[e])
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        if hidden.is_cuda:  # one grouped GEMM launch per projection, no host sync
+            from kernels.fused_moe_triton import fused_experts_triton
+
+            return fused_experts_triton(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        if self.native is not None:
+            w13, w2, lib = self.native
+            return cpu_native.moe_f32(hidden, topk_weights, topk_ids, w13, w2,
+                                      self.num_experts, self.intermediate_size, lib=lib)
+        return moe_kernels.grouped_experts(hidden, topk_weights, topk_ids, self.num_experts,
+                                           self.expert)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, experts, and Qwen2-MoE's gated shared expert (`shared_expert`, a dense MLP
+    whose row-parallel sum stays partial: built with `PartialSum`), ending in one
+    all-reduce."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm,
+                 shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        moe = config.moe
+        if moe is None:
+            raise ValueError("a sparse block needs the model's MoE settings")
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.fp32_routing_weights = moe.fp32_routing_weights
+        self.comm = comm
+        self.tp_size = parallel.tp_size
+        # Replicated: every rank routes every token the same way.
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = FusedExperts(moe.num_experts, config.hidden_size,
+                                    moe.intermediate_size, parallel)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
+                                   if shared_expert is not None else None)
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, hidden] -> (topk_weights, topk_ids), as transformers routes them."""
+        logits = F.linear(hidden, self.gate.weight)
+        weights_dtype = torch.float32 if self.fp32_routing_weights else logits.dtype
+        return moe_kernels.route(logits, self.top_k, self.renormalize, weights_dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(hidden)
+        out = self.experts(hidden, topk_weights, topk_ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            scale = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight))
+            out = out + scale * self.shared_expert(hidden)
+        return out if self.tp_size == 1 else self.comm.tp_all_reduce(out)
