@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.fused_moe_triton import _moe_gemm_kernel, choose_tiles
 from kernels.kv_store import _store_kv_kernel
 from kernels.paged_attention import (
     TILE_TOKENS,
@@ -32,7 +33,8 @@ from kernels.prefill_attention import TILES, _prefill_kernel
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 INDEX_POINTERS = ("slot_mapping_ptr", "block_tables_ptr", "seq_lens_ptr",
-                  "query_start_loc_ptr", "seq_ids_ptr")
+                  "query_start_loc_ptr", "seq_ids_ptr", "sorted_pair_ids_ptr", "expert_ids_ptr",
+                  "num_padded_ptr")
 PARTIAL_POINTERS = ("partial_max_ptr", "partial_sum_ptr", "partial_acc_ptr")
 
 
@@ -101,6 +103,19 @@ def variants():
             GROUP=4, GROUP_PAD=4, BLOCK_Q=block_m // 4, HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
             DOT_FP32=dot_fp32)
+    yield from moe_variants()
+
+
+def moe_variants():
+    """The MoE grouped GEMM in bf16 at Qwen3-30B-A3B's shape (128 experts, top 8, hidden
+    2048, intermediate 768; N and K are runtime values, the shape picks the tiles): a decode
+    step of 1 token and a 2,048-token prefill, each GEMM of the gate|up -> down pair."""
+    for num_tokens in (1, 2048):
+        tiles = choose_tiles(torch.bfloat16, num_tokens * 8, 128)
+        for label, top_k, weighted in (("gate_up", 8, False), ("down", 1, True)):
+            yield (f"moe {label} bf16 m{tiles.block_m}", _moe_gemm_kernel, "bf16", dict(
+                TOP_K=top_k, MUL_ROUTED_WEIGHT=weighted, DOT_FP32=False,
+                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k))
 
 
 def main() -> int:
