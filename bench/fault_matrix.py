@@ -35,7 +35,7 @@ from pathlib import Path
 from bench.common import write_results
 from bench.faults.scenarios import SCENARIOS, Baseline, Scenario
 from bench.faults.targets import (RestartableValkey, Target, start_mesh, start_partition_mesh,
-                                  write_model)
+                                  write_model, write_moe_model)
 from bench.faults.workload import Clients, RequestResult, plan
 from pagemesh.testing.netns import namespaces_unavailable
 from protos.pagemesh.v1 import generate_pb2
@@ -50,6 +50,9 @@ TARGETS = {
     "prefill": (["--step-watchdog-s", "0.05", "--max-num-batched-tokens", "32768",
                  "--no-enable-chunked-prefill"], 1),
     "partition": ([], 2),
+    # A mixture-of-experts model (bench.faults.targets.write_moe_model), its experts placed
+    # whole on the two ranks: a rank's death takes half the experts with it.
+    "moe-ep": (["--tp", "2", "--enable-expert-parallel", "--standby", "1"], 2),
 }
 
 
@@ -144,6 +147,8 @@ def start_target(name: str, model: Path, log_dir: Path) -> Target:
     if name == "partition":
         return start_partition_mesh(model, log_dir)
     extra, _ = TARGETS[name]
+    if name == "moe-ep":
+        model = write_moe_model(model.parent / "tiny-moe")
     return start_mesh(name, model, log_dir, extra,
                       RestartableValkey() if name == "parallel" else None)
 

@@ -70,15 +70,21 @@ def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     if offsets[-1] == 0:
         return out
     order = order[:offsets[-1]]
-    tokens = order % num_tokens
-    rows = hidden.index_select(0, tokens)
+    rows = hidden.index_select(0, order % num_tokens)
     results = torch.empty_like(rows)
     for e in range(num_experts):
         start, stop = offsets[e], offsets[e + 1]
         if stop > start:
             results[start:stop] = expert(e, rows[start:stop])
+    return weighted_sum(results, order, topk_weights, out)
+
+
+def weighted_sum(results: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+    """out[t] += weight * row for each expert output row `results[i]` of pair `order[i]`
+    (slot-major, as `expert_order` gives them), in that order, in one `index_add_`."""
     weights = topk_weights.t().reshape(-1).index_select(0, order).unsqueeze(1)
-    out.index_add_(0, tokens, (results * weights).to(hidden.dtype))
+    out.index_add_(0, order % out.shape[0], (results * weights).to(out.dtype))
     return out
 
 

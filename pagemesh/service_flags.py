@@ -277,6 +277,11 @@ _WORKER = (
     _worker("--cuda-graph-sizes",
             "CUDA: decode batch sizes to capture as graphs, e.g. 1,2,4,8 (default: 1, 2, 4, "
             "then every multiple of 8 up to --max-num-seqs, at most 512)"),
+    _worker("--enable-expert-parallel",
+            "mixture-of-experts models: each TP rank holds whole experts (placed in runs, the "
+            "first ranks one more when the count does not divide), tokens sent to them and "
+            "back by all-to-all, instead of every rank a slice of every expert (vLLM's flag)",
+            type=bool, default=False),
     _worker("--pp-layer-split",
             "decoder layers per pipeline stage, e.g. 12,10 (default: as even as possible)"),
     _worker("--torch-threads",

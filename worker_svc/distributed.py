@@ -157,6 +157,28 @@ class DistributedContext:
         self.tp_collective_time_s += time.perf_counter() - start_s
         return torch.cat(parts, dim=dim)
 
+    def tp_all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                      recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Rows [sum(send_counts), ...] go in tp_rank order, `send_counts[r]` of them to rank
+        r; returns the rows every rank sent here, in tp_rank order, and how many from each
+        (exchanged first, one count per pair of ranks, unless `recv_counts` says)."""
+        if self.parallel.tp_size == 1:
+            return tensor, list(send_counts)
+        start_s = time.perf_counter()
+        if recv_counts is None:
+            sizes = torch.tensor(send_counts, dtype=torch.int64, device=tensor.device)
+            received = torch.empty_like(sizes)
+            ones = [1] * self.parallel.tp_size
+            self._comm("all-to-all counts", lambda: [self._tp().alltoall_base(
+                received, sizes, ones, ones, dist.AllToAllOptions())])
+            recv_counts = received.tolist()
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
+        self._comm("all-to-all", lambda: [self._tp().alltoall_base(
+            out, tensor, recv_counts, list(send_counts), dist.AllToAllOptions())])
+        self.tp_collective_time_s += time.perf_counter() - start_s
+        return out, recv_counts
+
     def tp_agree(self, digest: int, *, ok: bool = True) -> None:
         """Check that every TP rank of this stage runs the same step.
 

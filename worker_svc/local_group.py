@@ -72,7 +72,8 @@ def _rank_main(tp_size: int, pp_size: int, rank: int, port: int, conn, num_threa
                 config, layer_split = payload
                 memory_before_load = read_memory_kib()
                 config = dataclasses.replace(config, parallel=dataclasses.replace(
-                    parallel, pp_layer_split=layer_split))
+                    parallel, pp_layer_split=layer_split,
+                    expert_parallel=config.parallel.expert_parallel))
                 runner = ModelRunner.from_config(config, dist)
                 result: Any = runner.info()
             elif command == "step":

@@ -82,7 +82,8 @@ def parallel_config(args: argparse.Namespace, rank: int | None = None) -> Parall
     tp_rank, pp_rank = (args.tp_rank, args.pp_rank) if rank is None else (rank % args.tp,
                                                                            rank // args.tp)
     return ParallelConfig(tp_size=args.tp, tp_rank=tp_rank, pp_size=args.pp,
-                          pp_rank=pp_rank, pp_layer_split=split)
+                          pp_rank=pp_rank, pp_layer_split=split,
+                          expert_parallel=args.enable_expert_parallel)
 
 
 def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerConfig:

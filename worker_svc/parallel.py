@@ -11,6 +11,9 @@ class ParallelConfig:
 
     `pp_layer_split` gives the number of decoder layers of each stage (sums to the model's
     layer count); None splits as evenly as possible, earlier stages taking the remainder.
+    `expert_parallel` (`--enable-expert-parallel`): a mixture-of-experts layer's experts are
+    placed whole on the stage's TP ranks instead of each rank holding a slice of every one
+    (`worker_svc/model/moe.py`); attention stays tensor-parallel.
     """
 
     tp_size: int = 1
@@ -18,6 +21,7 @@ class ParallelConfig:
     pp_size: int = 1
     pp_rank: int = 0
     pp_layer_split: tuple[int, ...] | None = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:

@@ -8,6 +8,8 @@
   2-core Xeon).
 - `partition`: Valkey, the scheduler, the router and three workers (tp=2 and a standby) each
   on a host of its own (network namespaces), so one worker can be cut off the network.
+- `moe-ep`: a Qwen2-MoE under `--tp 2 --enable-expert-parallel --standby 1`: each rank
+  holds half the experts whole.
 """
 
 from __future__ import annotations
@@ -144,6 +146,16 @@ def write_model(folder: Path) -> Path:
 
     if not (folder / "config.json").exists():
         write_tiny_model(folder, "llama", seed=1, max_position_embeddings=8192)
+    return folder
+
+
+def write_moe_model(folder: Path) -> Path:
+    """The `moe-ep` target's model: `write_model`'s peaky weights in a Qwen2-MoE (8 experts,
+    top-2, a gated shared expert, layer 1 dense)."""
+    from pagemesh.testing.tiny_models import write_tiny_model
+
+    if not (folder / "config.json").exists():
+        write_tiny_model(folder, "qwen2_moe", seed=1, max_position_embeddings=8192)
     return folder
 
 

@@ -83,7 +83,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 dtype: str = "auto", max_model_len: int | None = None,
+                 enable_expert_parallel: bool = False, dtype: str = "auto", max_model_len: int | None = None,
                  kv_cache_memory_gib: float | None = None,
                  kv_cache_memory_bytes: int | None = None, swap_space: float = 4.0,
                  enable_prefix_caching: bool = True, seed: int | None = 0,
@@ -102,7 +102,8 @@ class LLM:
         self._workers: Any = None
         setup = EngineSetup(
             model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size, dtype=dtype,
+            pipeline_parallel_size=pipeline_parallel_size,
+            enable_expert_parallel=enable_expert_parallel, dtype=dtype,
             max_model_len=max_model_len, kv_cache_memory_gib=kv_cache_memory_gib,
             swap_space_gib=swap_space, enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,

@@ -38,6 +38,7 @@ class EngineSetup:
     tokenizer: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank
     dtype: str = "auto"
     max_model_len: int | None = None
     kv_cache_memory_gib: float | None = None
@@ -110,7 +111,8 @@ def check_servable(setup: EngineSetup) -> CheckedSetup:
     if setup.max_model_len is not None and setup.max_model_len > limit:
         raise ValueError(f"max_model_len={setup.max_model_len} must be in 1..{limit} (the "
                          "model's max_position_embeddings / context_length)")
-    check_tensor_parallel(source.config, setup.tensor_parallel_size)
+    check_tensor_parallel(source.config, setup.tensor_parallel_size,
+                          setup.enable_expert_parallel)
     ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0
                    ).layer_range(source.config.num_layers)
     tokenizer = load_tokenizer(setup.tokenizer or model_path)  # TokenizerError: a ValueError
@@ -174,7 +176,8 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         cpu_kv_cache_fraction=CPU_KV_CACHE_FRACTION / world_size,
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
         swap_space_bytes=int(setup.swap_space_gib * GIB), max_model_len=setup.max_model_len,
-        parallel=ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0),
+        parallel=ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0,
+                                expert_parallel=setup.enable_expert_parallel),
     )
     workers = None
     if world_size == 1:

@@ -200,3 +200,22 @@ def test_one_c_call_equals_transformers_loop(tokens, experts, top_k):
     torch.testing.assert_close(module(hidden, weights, remote),
                                moe_kernels.fused_experts(hidden, w13, w2, weights, remote),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_expert_placement_is_a_table_and_uneven_counts_go_to_the_first_ranks(tmp_path):
+    from worker_svc.loader import rank_weight_shapes
+    from worker_svc.model.moe import ExpertPlacement
+    from worker_svc.parallel import ParallelConfig
+
+    placement = ExpertPlacement.contiguous(7, 2)
+    assert placement.owner == (0, 0, 0, 0, 1, 1, 1)
+    assert (placement.experts_of(0), placement.experts_of(1)) == ([0, 1, 2, 3], [4, 5, 6])
+    with pytest.raises(ValueError, match="at least as many experts"):
+        ExpertPlacement.contiguous(3, 4)
+    path = write_realistic_model(tmp_path / "m", "qwen3_moe", num_experts=7)
+    experts = "model.layers.0.mlp.experts.w13"
+    for rank, held in ((0, 4), (1, 3)):
+        shapes = rank_weight_shapes(path, ParallelConfig(2, rank, expert_parallel=True))
+        assert shapes[experts] == (held, 2 * 48, 64)  # whole experts
+        sliced = rank_weight_shapes(path, ParallelConfig(2, rank))
+        assert sliced[experts] == (7, 48, 64)  # every expert, half its columns

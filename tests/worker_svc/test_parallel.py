@@ -44,7 +44,10 @@ MODELS = {
     # router replicated, one all-reduce per block; layer 1 of qwen2_moe is dense.
     "qwen2_moe": dict(arch="qwen2_moe"),
     "mixtral": dict(arch="mixtral"),
+    # 7 experts top-3: under expert parallelism rank 0 holds experts 0-3, rank 1 4-6.
+    "qwen3_moe_7_experts": dict(arch="qwen3_moe", num_experts=7, num_experts_per_tok=3),
 }
+EXPERT_PARALLEL = "+ep"  # a case's model name with this suffix: --enable-expert-parallel
 
 # (group, model, pp_layer_split); the models have 3 layers.
 CASES = [
@@ -58,6 +61,9 @@ CASES = [
     ("tp2pp2", "llama_tied_vocab509", None),
     ("tp2", "qwen2_moe", None),
     ("tp2pp2", "mixtral", (2, 1)),
+    ("tp2", "qwen2_moe+ep", None),  # whole experts per rank, all-to-all, the shared expert TP
+    ("tp2", "qwen3_moe_7_experts+ep", None),
+    ("tp2pp2", "mixtral+ep", (1, 2)),
 ]
 
 
@@ -133,7 +139,9 @@ def tp2pp2():
 def test_group_matches_transformers_and_tp1(request, group_name, model, layer_split,
                                             model_dir, reference) -> None:
     group: LocalWorkerGroup = request.getfixturevalue(group_name)
-    infos = group.load(runner_config(model_dir(model)), layer_split)
+    model, expert_parallel = model.removesuffix(EXPERT_PARALLEL), model.endswith(EXPERT_PARALLEL)
+    infos = group.load(runner_config(model_dir(model), parallel=ParallelConfig(
+        expert_parallel=expert_parallel)), layer_split)
     assert [(i.tp_rank, i.tp_size, i.pp_rank, i.pp_size) for i in infos] == [
         (r % group.tp_size, group.tp_size, r // group.tp_size, group.pp_size)
         for r in range(group.world_size)

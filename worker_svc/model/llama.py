@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
                  parallel: ParallelConfig | None = None, comm: TPComm | None = None) -> None:
         super().__init__()
         parallel = parallel or ParallelConfig()
-        check_tensor_parallel(config, parallel.tp_size)
+        check_tensor_parallel(config, parallel.tp_size, parallel.expert_parallel)
         comm = comm or NoComm(parallel.tp_size)
         self.config = config
         self.parallel = parallel

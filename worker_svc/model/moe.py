@@ -22,6 +22,7 @@ per-expert tensors (`experts.{e}.gate_proj` / Mixtral's `w1`, `up_proj` / `w3`,
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,6 +42,30 @@ _EXPERT_NAME = re.compile(
     r"(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<param>weight)$")
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _ONEDNN_PACK_ROWS = 16  # an expert sees ~tokens x top_k / experts rows
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which expert-parallel rank holds each expert: `owner[e]`, a table (not a formula), so
+    a rebalancer can move experts. `contiguous` is the default: runs of consecutive experts,
+    the first `num_experts % ranks` ranks one more (7 experts on 2 ranks: 0-3 and 4-6)."""
+
+    owner: tuple[int, ...]
+
+    @classmethod
+    def contiguous(cls, num_experts: int, num_ranks: int) -> ExpertPlacement:
+        if num_experts < num_ranks:
+            raise ValueError(f"expert parallelism over {num_ranks} ranks needs at least as "
+                             f"many experts; the model has {num_experts}: drop "
+                             "--enable-expert-parallel (each rank then holds a slice of every "
+                             "expert)")
+        base, extra = divmod(num_experts, num_ranks)
+        sizes = [base + (rank < extra) for rank in range(num_ranks)]
+        return cls(tuple(rank for rank, size in enumerate(sizes) for _ in range(size)))
+
+    def experts_of(self, rank: int) -> list[int]:
+        """The global ids of the experts `rank` holds, ascending."""
+        return [e for e, owner in enumerate(self.owner) if owner == rank]
 
 
 class PartialSum:
@@ -80,17 +105,28 @@ class FusedExperts(nn.Module):
     """Every expert's SiLU-gated MLP, this rank's slice of each (module docstring)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 parallel: ParallelConfig) -> None:
+                 parallel: ParallelConfig, placement: ExpertPlacement | None = None) -> None:
+        """Tensor-parallel (`placement` None): every expert, this rank's slice of each.
+        Expert-parallel: the experts `placement` gives this rank, whole; `local_index` maps
+        a global expert id to its index here (the block sends each row with that index)."""
         super().__init__()
-        start, stop = shard_range(intermediate_size, parallel.tp_size, parallel.tp_rank,
-                                  "moe_intermediate_size")
-        self.num_experts = num_experts
+        if placement is None:
+            start, stop = shard_range(intermediate_size, parallel.tp_size, parallel.tp_rank,
+                                      "moe_intermediate_size")
+            local = list(range(num_experts))
+        else:
+            start, stop = 0, intermediate_size
+            local = placement.experts_of(parallel.tp_rank)
+        self.num_experts = len(local)  # held here
+        self.global_ids = local
+        self.local_index = {e: i for i, e in enumerate(local)}  # global id -> index here
+        self.num_global_experts = num_experts
         self.intermediate_start = start
         self.intermediate_size = stop - start  # this rank's
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size,
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size,
                                             hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size),
-                               requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden_size,
+                                           self.intermediate_size), requires_grad=False)
         self.loaded: set[tuple[int, str]] = set()
         # Once `pack_experts` has run: per expert (gate|up, down) prepared for oneDNN, or
         # every expert's C panels back to back (gate|up, down, the library).
@@ -98,17 +134,19 @@ class FusedExperts(nn.Module):
         self.native: tuple[torch.Tensor, torch.Tensor, object] | None = None
 
     def checkpoint_slice(self, expert: int, part: str) -> Index | None:
-        """The part of expert `expert`'s `part` tensor this rank reads."""
-        if not 0 <= expert < self.num_experts:
+        """The part of (global) expert `expert`'s `part` tensor this rank reads."""
+        if expert not in self.local_index:
             return None
         cols = slice(self.intermediate_start, self.intermediate_start + self.intermediate_size)
         return (slice(None), cols) if part == "down_proj" else (cols,)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """Copy (global) expert `expert`'s `part`, already cut to `checkpoint_slice`."""
         size = self.intermediate_size
-        target = {"gate_proj": self.w13.data[expert, :size],
-                  "up_proj": self.w13.data[expert, size:],
-                  "down_proj": self.w2.data[expert]}[part]
+        local = self.local_index[expert]
+        target = {"gate_proj": self.w13.data[local, :size],
+                  "up_proj": self.w13.data[local, size:],
+                  "down_proj": self.w2.data[local]}[part]
         if target.shape != tensor.shape:
             raise ValueError(f"expert {expert} {part}: expected {tuple(target.shape)}, got "
                              f"{tuple(tensor.shape)}")
@@ -117,7 +155,7 @@ class FusedExperts(nn.Module):
 
     def missing(self) -> list[str]:
         """The (expert, part) pieces no checkpoint tensor filled."""
-        return [f"experts.{e}.{part}" for e in range(self.num_experts)
+        return [f"experts.{e}.{part}" for e in self.global_ids
                 for part in ("gate_proj", "up_proj", "down_proj") if (e, part) not in self.loaded]
 
     def pack_experts(self, backend: str) -> None:
@@ -158,6 +196,8 @@ class FusedExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weight * expert(x) over the chosen experts held here, by local index (ids
+        outside 0..num_experts-1 add nothing)."""
         if hidden.is_cuda:  # one grouped GEMM launch per projection, no host sync
             from kernels.fused_moe_triton import fused_experts_triton
 
@@ -173,7 +213,17 @@ class FusedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router, experts, and Qwen2-MoE's gated shared expert (`shared_expert`, a dense MLP
     whose row-parallel sum stays partial: built with `PartialSum`), ending in one
-    all-reduce."""
+    all-reduce.
+
+    Under expert parallelism (`parallel.expert_parallel`, tp > 1) each rank holds whole
+    experts (`placement`) and every rank has every token (attention is tensor-parallel):
+    rank r routes only its share of the step's tokens (rows T*r/N .. T*(r+1)/N), sends each
+    (token, slot)'s row to the rank holding its expert (all-to-all), runs its experts over
+    what it received, sends the outputs back (all-to-all), and sums its tokens' weighted
+    rows experts ascending, as the tensor-parallel path does. The all-reduce that ends the
+    block then assembles the token shares (each rank's rows, zeros elsewhere) together with
+    the shared expert's partial sums.
+    """
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm,
                  shared_expert: nn.Module | None = None) -> None:
@@ -185,11 +235,18 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = moe.renormalize
         self.fp32_routing_weights = moe.fp32_routing_weights
         self.comm = comm
-        self.tp_size = parallel.tp_size
+        self.tp_size, self.tp_rank = parallel.tp_size, parallel.tp_rank
+        self.placement = (ExpertPlacement.contiguous(moe.num_experts, parallel.tp_size)
+                          if parallel.expert_parallel and parallel.tp_size > 1 else None)
         # Replicated: every rank routes every token the same way.
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
         self.experts = FusedExperts(moe.num_experts, config.hidden_size,
-                                    moe.intermediate_size, parallel)
+                                    moe.intermediate_size, parallel, self.placement)
+        if self.placement is not None:  # per global expert: its rank, its index there
+            owner = self.placement.owner
+            self.owner = torch.tensor(owner, dtype=torch.int64, device="cpu")
+            self.owner_index = torch.tensor([owner[:e].count(owner[e]) for e in range(len(owner))],
+                                            dtype=torch.int64, device="cpu")
         self.shared_expert = shared_expert
         self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
                                    if shared_expert is not None else None)
@@ -201,9 +258,41 @@ class SparseMoeBlock(nn.Module):
         return moe_kernels.route(logits, self.top_k, self.renormalize, weights_dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.route(hidden)
-        out = self.experts(hidden, topk_weights, topk_ids)
+        if self.placement is not None:
+            out = self._expert_parallel(hidden)
+        else:
+            topk_weights, topk_ids = self.route(hidden)
+            out = self.experts(hidden, topk_weights, topk_ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             scale = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight))
             out = out + scale * self.shared_expert(hidden)
         return out if self.tp_size == 1 else self.comm.tp_all_reduce(out)
+
+    def _expert_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the tokens through their experts wherever they are (class
+        docstring); [tokens, hidden] with the other shares' rows zero."""
+        num_tokens = hidden.shape[0]
+        lo = num_tokens * self.tp_rank // self.tp_size
+        hi = num_tokens * (self.tp_rank + 1) // self.tp_size
+        x = hidden[lo:hi]
+        topk_weights, topk_ids = self.route(x)
+        pair_ids = topk_ids.t().reshape(-1)  # pair p = k * tokens + t, slot-major
+        destination = self.owner.to(pair_ids.device)[pair_ids]
+        send_order = torch.sort(destination, stable=True).indices
+        send_counts = torch.bincount(destination, minlength=self.tp_size).tolist()
+        rows = x.index_select(0, send_order % x.shape[0])
+        local_ids = self.owner_index.to(pair_ids.device)[pair_ids[send_order]]
+        received, recv_counts = self.comm.tp_all_to_all(rows, send_counts)
+        arrived_ids, _ = self.comm.tp_all_to_all(local_ids, send_counts, recv_counts)
+        arrived_ids = arrived_ids.unsqueeze(1)  # each row: one slot, its expert's index here
+        outputs = self.experts(received, torch.ones_like(arrived_ids, dtype=hidden.dtype),
+                               arrived_ids)
+        back, _ = self.comm.tp_all_to_all(outputs, recv_counts, send_counts)
+        by_pair = torch.empty_like(back)
+        by_pair[send_order] = back
+        order, _, offsets = moe_kernels.expert_order(topk_ids, len(self.placement.owner))
+        order = order[:offsets[-1]]
+        out = torch.zeros_like(hidden)
+        moe_kernels.weighted_sum(by_pair.index_select(0, order), order, topk_weights,
+                                 out[lo:hi])
+        return out

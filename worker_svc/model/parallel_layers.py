@@ -33,6 +33,10 @@ class TPComm(Protocol):
 
     def tp_all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
 
+    def tp_all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                      recv_counts: list[int] | None = None
+                      ) -> tuple[torch.Tensor, list[int]]: ...
+
 
 class NoComm:
     """For a model built for its shapes only, or a single rank: collectives are only
@@ -53,6 +57,12 @@ class NoComm:
     def tp_all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         self._check()
         return tensor
+
+    def tp_all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                      recv_counts: list[int] | None = None
+                      ) -> tuple[torch.Tensor, list[int]]:
+        self._check()
+        return tensor, list(send_counts)
 
 
 def shard_range(size: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:
@@ -89,10 +99,26 @@ def attention_shard(num_heads: int, num_kv_heads: int, tp_size: int,
     return AttentionShard(q_stop - q_start, 1, q_start, tp_rank // (tp_size // num_kv_heads))
 
 
-def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
-    """Raise a ValueError naming the first dimension that `tp_size` cannot split."""
+def check_tensor_parallel(config: ModelConfig, tp_size: int,
+                          expert_parallel: bool = False) -> None:
+    """Raise a ValueError naming the first dimension that `tp_size` cannot split (a MoE
+    model's experts are sliced like the dense MLP, or under `expert_parallel` placed whole:
+    then there must be an expert for every rank)."""
     attention_shard(config.num_heads, config.num_kv_heads, tp_size, 0)
-    shard_range(config.intermediate_size, tp_size, 0, "intermediate_size")
+    moe = config.moe
+    if moe is None or not all(moe.sparse_layers):
+        shard_range(config.intermediate_size, tp_size, 0, "intermediate_size")
+    if moe is None:
+        return
+    if moe.shared_expert_intermediate_size:
+        shard_range(moe.shared_expert_intermediate_size, tp_size, 0,
+                    "shared_expert_intermediate_size")
+    if expert_parallel and tp_size > 1:
+        if moe.num_experts < tp_size:
+            raise ValueError(f"--enable-expert-parallel over {tp_size} ranks needs at least "
+                             f"{tp_size} experts; the model has {moe.num_experts}")
+    else:
+        shard_range(moe.intermediate_size, tp_size, 0, "moe_intermediate_size")
 
 
 class RowParallelLinear(nn.Module, PreparableLinear):
