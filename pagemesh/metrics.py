@@ -345,6 +345,11 @@ class WorkerSnapshot:
     # and the process's resident set, bytes.
     kv_cache_bytes: int | None = None
     rss_bytes: int | None = None
+    # Mixture-of-experts models: {layer: tokens routed to each expert} this rank counted.
+    expert_tokens: dict[int, list[int]] | None = None
+
+
+EXPERT_TOKENS = PREFIX + "worker_moe_expert_tokens"
 
 
 class WorkerMetrics(ServiceMetrics):
@@ -405,6 +410,15 @@ class WorkerMetrics(ServiceMetrics):
             if s.rss_bytes is not None:
                 found.append(gauge(PREFIX + "worker_resident_memory_bytes", "Resident set size "
                                    "of the worker process, bytes", labels, s.rss_bytes))
+            if s.expert_tokens:
+                family = CounterMetricFamily(
+                    EXPERT_TOKENS, "Tokens routed to each expert of a mixture-of-experts "
+                    "layer (once per chosen expert; a stage's ranks together count each "
+                    "token once)", labels=[*labels, "layer", "expert"])
+                for layer, tokens in sorted(s.expert_tokens.items()):
+                    for expert, count in enumerate(tokens):
+                        family.add_metric([*labels.values(), str(layer), str(expert)], count)
+                found.append(family)
             return found
         self.add_collector(collect)
 

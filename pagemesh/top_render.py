@@ -87,8 +87,9 @@ def summary_table(snapshot: Snapshot, rates: Rates, cluster: str) -> Table:
 def groups_table(snapshot: Snapshot, rates: Rates) -> Table:
     table = _table("engine groups")
     for column in ("group", "scheduler", "status", "workers", "queue", "run", "swap", "KV",
-                   "prefix", "preempt/s", "recov", "steps/s", "hb age", "metrics"):
-        table.add_column(column, justify="left" if column in ("group", "scheduler", "metrics")
+                   "prefix", "preempt/s", "recov", "steps/s", "hot experts", "hb age", "metrics"):
+        table.add_column(column, justify="left" if column in ("group", "scheduler", "metrics",
+                                                              "hot experts")
                          else "right", no_wrap=column != "metrics")
     for row in snapshot.groups:
         key = f"scheduler:{row.scheduler_id}"
@@ -98,8 +99,9 @@ def groups_table(snapshot: Snapshot, rates: Rates) -> Table:
             f"{row.workers_alive}/{expected}", str(row.num_waiting), str(row.num_running),
             str(row.num_swapped), fmt_percent(row.kv_usage), fmt_percent(row.prefix_hit_rate),
             fmt_rate(rates.preemptions_per_s.get(key)), str(row.num_recoveries),
-            fmt_rate(rates.steps_per_s.get(key)), fmt_age(row.heartbeat_age_s),
-            _metrics(row.metrics),
+            fmt_rate(rates.steps_per_s.get(key)),
+            ", ".join(h.label() for h in rates.hot_experts.get(row.group, ())) or "-",
+            fmt_age(row.heartbeat_age_s), _metrics(row.metrics),
         )
     return table
 

@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagemesh import metrics
+from pagemesh.top_experts import HotExpert, hot_experts
 from pagemesh.registry_entries import (
     KINDS,
     RouterEntry,
@@ -141,6 +142,8 @@ class Rates:
     # Workers: of the window's busy time, the fraction spent communicating, 0..1.
     communication_fraction: dict[str, float] = field(default_factory=dict)
     preemptions_per_s: dict[str, float] = field(default_factory=dict)  # schedulers
+    # Mixture-of-experts groups: group -> its hottest experts (pagemesh/top_experts.py).
+    hot_experts: dict[str, list[HotExpert]] = field(default_factory=dict)
 
 
 # --- metrics text ---------------------------------------------------------------------
@@ -431,7 +434,8 @@ def compute_rates(prev: Snapshot | None, cur: Snapshot) -> Rates:
     e2e = histogram_quantile(0.5, histogram_delta(prev, cur, E2E))
     window_s = cur.taken_at - prev.taken_at if prev is not None else 0.0
     if prev is None or window_s <= 0:
-        return Rates(None, None, None, None, ttft, itl, e2e)
+        return Rates(None, None, None, None, ttft, itl, e2e,
+                     hot_experts=hot_experts(None, cur.metrics))
     busy = _entry_rates(prev, cur, "busy_time_s", window_s)
     communication = _entry_rates(prev, cur, "communication_time_s", window_s)
     return Rates(
@@ -446,6 +450,7 @@ def compute_rates(prev: Snapshot | None, cur: Snapshot) -> Rates:
                                 for source, value in busy.items()
                                 if value > 0 and source in communication},
         preemptions_per_s=_entry_rates(prev, cur, "num_preemptions", window_s),
+        hot_experts=hot_experts(prev.metrics, cur.metrics),
     )
 
 

@@ -128,15 +128,19 @@ def memory_to_pb(memory: RankMemory, worker_id: str, layout: dict[str, int]
         device_total_bytes=memory.device_total_bytes))
 
 
-def step_stats_to_pb(stats: StepStatsSnapshot, worker_id: str, layout: dict[str, int]
+def step_stats_to_pb(stats: StepStatsSnapshot, worker_id: str, layout: dict[str, int],
+                     expert_load: dict[int, list[int]] | None = None
                      ) -> worker_pb2.GetStepStatsResponse:
+    expert_load = expert_load or {}
     return worker_pb2.GetStepStatsResponse(stats=admin_pb2.RankStepStats(
         worker_id=worker_id, tp_rank=max(0, layout["tp_rank"]), pp_rank=max(0, layout["pp_rank"]),
         num_steps=stats.num_steps, busy_s=stats.busy_s, collective_s=stats.collective_s,
         pp_send_s=stats.pp_send_s, pp_recv_s=stats.pp_recv_s, window_s=stats.window_s,
         window_num_steps=stats.window_num_steps, window_busy_s=stats.window_busy_s,
         window_communication_s=stats.window_communication_s, utilization=stats.utilization,
-        compute_fraction=stats.compute_fraction))
+        compute_fraction=stats.compute_fraction,
+        expert_load=[admin_pb2.ExpertLoad(layer=layer, tokens=tokens)
+                     for layer, tokens in sorted(expert_load.items())]))
 
 
 def profile_trace_to_pb(trace: ProfileTraceFile, worker_id: str, layout: dict[str, int]

@@ -37,6 +37,7 @@ from worker_svc.attention import needs_triton_interpreter
 from worker_svc.cuda_graphs import parse_capture_sizes
 from worker_svc.diagnostics import process_rss_bytes
 from worker_svc.distributed import DistributedContext, init_distributed
+from worker_svc.model.moe import expert_load
 from worker_svc.membership import Membership, Plan, WorkerState
 from worker_svc.parallel import ParallelConfig
 from worker_svc.runner import ModelRunner, RunnerConfig
@@ -205,7 +206,8 @@ def worker_metrics(group: str, layout: dict[str, int], servicer: WorkerServicer,
         return WorkerSnapshot(servicer.num_steps, dist.tp_collective_time_s, dist.pp_send_time_s,
                               dist.pp_recv_time_s, servicer.busy_time_s,
                               kv_cache_bytes=runner.num_blocks * runner.kv_spec.bytes_per_block,
-                              rss_bytes=process_rss_bytes())
+                              rss_bytes=process_rss_bytes(),
+                              expert_tokens=expert_load(runner.model) or None)
 
     metrics.follow_worker(snapshot)
     return metrics

@@ -478,8 +478,11 @@ def _checked_context(config: RunnerConfig, dist: DistributedContext | None) -> D
 
 
 def _graph_sizes(config: RunnerConfig) -> tuple[int, ...]:
-    """The decode batch sizes to capture as CUDA graphs; () for none (CPU, enforce_eager)."""
-    if config.enforce_eager or torch.device(config.device).type != "cuda":
+    """The decode batch sizes to capture as CUDA graphs; () for none (CPU, enforce_eager, and
+    expert parallelism: its all-to-all sizes come from the step's routing, read on the
+    host, which a graph cannot replay)."""
+    if (config.enforce_eager or torch.device(config.device).type != "cuda"
+            or config.parallel.expert_parallel):
         return ()
     if config.cuda_graph_sizes is not None:
         return tuple(config.cuda_graph_sizes)

@@ -25,6 +25,7 @@ from worker_svc.diagnostics import (
     default_profile_dir,
 )
 from worker_svc.distributed import GroupStepError
+from worker_svc.model.moe import expert_load
 from worker_svc.runner import ModelRunner
 from worker_svc.tracing import traced_step
 
@@ -125,7 +126,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetStepStats(self, request: worker_pb2.GetStepStatsRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.GetStepStatsResponse:
         snapshot = self.step_stats.snapshot(request.window_s)
-        return convert.step_stats_to_pb(snapshot, self.worker_id, self.layout)
+        load = expert_load(self.runner.model) if self.runner is not None else {}
+        return convert.step_stats_to_pb(snapshot, self.worker_id, self.layout, load)
 
     async def StartProfile(self, request: worker_pb2.StartProfileRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.StartProfileResponse:

@@ -123,7 +123,7 @@ def build_mlp(config: ModelConfig, layer_index: int, parallel: ParallelConfig,
         return LlamaMLP(config, parallel, comm)
     shared_size = config.moe.shared_expert_intermediate_size
     shared = LlamaMLP(config, parallel, PartialSum(), shared_size) if shared_size else None
-    return SparseMoeBlock(config, parallel, comm, shared)
+    return SparseMoeBlock(config, parallel, comm, shared, layer_index)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -226,7 +226,7 @@ class SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm,
-                 shared_expert: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, layer_index: int = 0) -> None:
         super().__init__()
         moe = config.moe
         if moe is None:
@@ -250,12 +250,27 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
                                    if shared_expert is not None else None)
+        # Tokens routed to each expert since load (a token counts once per chosen expert):
+        # what an expert-load balancer reads. Counted by the ranks that route distinct
+        # tokens (every rank under EP, its share; rank 0 alone under TP), so a stage's sum
+        # over its ranks is the layer's load. Kept on the model's device, read when asked.
+        self.layer_index = layer_index
+        self.counts_load = self.placement is not None or parallel.tp_rank == 0
+        self.expert_tokens: torch.Tensor | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[tokens, hidden] -> (topk_weights, topk_ids), as transformers routes them."""
+        """[tokens, hidden] -> (topk_weights, topk_ids), as transformers routes them; the
+        choices are added to `expert_tokens`."""
         logits = F.linear(hidden, self.gate.weight)
         weights_dtype = torch.float32 if self.fp32_routing_weights else logits.dtype
-        return moe_kernels.route(logits, self.top_k, self.renormalize, weights_dtype)
+        weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize, weights_dtype)
+        if self.counts_load:  # index_add_, not bincount: no host sync (CUDA graphs replay it)
+            if self.expert_tokens is None:
+                self.expert_tokens = torch.zeros(self.gate.weight.shape[0], dtype=torch.int64,
+                                                 device=ids.device)
+            flat = ids.reshape(-1)
+            self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))
+        return weights, ids
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.placement is not None:
@@ -296,3 +311,10 @@ class SparseMoeBlock(nn.Module):
         moe_kernels.weighted_sum(by_pair.index_select(0, order), order, topk_weights,
                                  out[lo:hi])
         return out
+
+
+def expert_load(model: nn.Module) -> dict[int, list[int]]:
+    """Tokens routed to each expert since load, per sparse layer this rank holds and counts
+    (`SparseMoeBlock.expert_tokens`): {layer index: [tokens of expert 0, 1, ...]}."""
+    return {block.layer_index: block.expert_tokens.tolist() for block in model.modules()
+            if isinstance(block, SparseMoeBlock) and block.expert_tokens is not None}

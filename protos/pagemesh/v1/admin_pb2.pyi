@@ -111,7 +111,7 @@ class GetStepStatsRequest(_message.Message):
     def __init__(self, group: _Optional[str] = ..., window_s: _Optional[float] = ...) -> None: ...
 
 class RankStepStats(_message.Message):
-    __slots__ = ("worker_id", "tp_rank", "pp_rank", "num_steps", "busy_s", "collective_s", "pp_send_s", "pp_recv_s", "window_s", "window_num_steps", "window_busy_s", "window_communication_s", "utilization", "compute_fraction")
+    __slots__ = ("worker_id", "tp_rank", "pp_rank", "num_steps", "busy_s", "collective_s", "pp_send_s", "pp_recv_s", "window_s", "window_num_steps", "window_busy_s", "window_communication_s", "utilization", "compute_fraction", "expert_load")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class RankStepStats(_message.Message):
     WINDOW_COMMUNICATION_S_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     tp_rank: int
     pp_rank: int
@@ -140,7 +141,16 @@ class RankStepStats(_message.Message):
     window_communication_s: float
     utilization: float
     compute_fraction: float
-    def __init__(self, worker_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., num_steps: _Optional[int] = ..., busy_s: _Optional[float] = ..., collective_s: _Optional[float] = ..., pp_send_s: _Optional[float] = ..., pp_recv_s: _Optional[float] = ..., window_s: _Optional[float] = ..., window_num_steps: _Optional[int] = ..., window_busy_s: _Optional[float] = ..., window_communication_s: _Optional[float] = ..., utilization: _Optional[float] = ..., compute_fraction: _Optional[float] = ...) -> None: ...
+    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
+    def __init__(self, worker_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., num_steps: _Optional[int] = ..., busy_s: _Optional[float] = ..., collective_s: _Optional[float] = ..., pp_send_s: _Optional[float] = ..., pp_recv_s: _Optional[float] = ..., window_s: _Optional[float] = ..., window_num_steps: _Optional[int] = ..., window_busy_s: _Optional[float] = ..., window_communication_s: _Optional[float] = ..., utilization: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("layer", "tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupStepStats(_message.Message):
     __slots__ = ("group", "scheduler_id", "num_steps", "ranks", "error")
