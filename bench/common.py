@@ -72,6 +72,22 @@ def write_w64_model(folder: Path) -> Path:
     )
 
 
+def write_w64_moe_model(folder: Path) -> Path:
+    """W64's model as a mixture of experts: the same attention, 8 layers and vocabulary, each
+    MLP a Qwen3-MoE block of 8 experts of intermediate 704, 2 per token (the dense model's
+    1,408 active per token; 4x its MLP weights in all)."""
+    from pagemesh.testing.tiny_models import write_tiny_model
+
+    if (folder / "config.json").exists():
+        return folder
+    return write_tiny_model(
+        folder, "qwen3_moe", seed=0, std=0.02, hidden_size=512, intermediate_size=1408,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        vocab_size=32000, max_position_embeddings=2048, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=704, norm_topk_prob=True,
+    )
+
+
 def add_w64_workload_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the W64 workload: model, number of requests, prompt and output lengths."""
     parser.add_argument("--model", default=None, help="default: PEERS.md's W64 random Llama")

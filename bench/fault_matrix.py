@@ -52,7 +52,8 @@ TARGETS = {
     "partition": ([], 2),
     # A mixture-of-experts model (bench.faults.targets.write_moe_model), its experts placed
     # whole on the two ranks: a rank's death takes half the experts with it.
-    "moe-ep": (["--tp", "2", "--enable-expert-parallel", "--standby", "1"], 2),
+    "moe-ep": (["--tp", "2", "--enable-expert-parallel", "--eplb-interval-steps", "4",
+                "--standby", "1"], 2),
 }
 
 

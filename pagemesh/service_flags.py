@@ -282,6 +282,11 @@ _WORKER = (
             "first ranks one more when the count does not divide), tokens sent to them and "
             "back by all-to-all, instead of every rank a slice of every expert (vLLM's flag)",
             type=bool, default=False),
+    _worker("--eplb-interval-steps",
+            "with --enable-expert-parallel: every this many steps, move experts between the "
+            "ranks so that each rank's experts take an even share of the tokens routed since "
+            "the last move (read from the checkpoint; outputs unchanged); 0 = never",
+            type=int, default=0),
     _worker("--pp-layer-split",
             "decoder layers per pipeline stage, e.g. 12,10 (default: as even as possible)"),
     _worker("--torch-threads",

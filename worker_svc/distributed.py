@@ -124,6 +124,10 @@ class DistributedContext:
         # Cumulative seconds, for metrics and benchmarks (on CUDA, NCCL ops are asynchronous:
         # these then measure the launch, not the transfer).
         self.tp_collective_time_s = 0.0  # all-reduce, all-gather, step agreement
+        # Bytes this rank sent in tensor-parallel collectives: a ring all-reduce sends
+        # 2 (n - 1) / n of the tensor, an all-gather (n - 1) / n of the result, an
+        # all-to-all the rows it sends to other ranks (counts and step agreement left out).
+        self.tp_bytes_sent = 0
         self.pp_send_time_s = 0.0
         self.pp_recv_time_s = 0.0  # includes waiting for the previous stage: the bubble
 
@@ -144,6 +148,8 @@ class DistributedContext:
             start_s = time.perf_counter()
             self._comm("all-reduce", lambda: [self._tp().allreduce([tensor])])
             self.tp_collective_time_s += time.perf_counter() - start_s
+            n = self.parallel.tp_size
+            self.tp_bytes_sent += 2 * (n - 1) * _nbytes(tensor) // n
         return tensor
 
     def tp_all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -155,6 +161,7 @@ class DistributedContext:
         start_s = time.perf_counter()
         self._comm("all-gather", lambda: [self._tp().allgather([parts], [tensor])])
         self.tp_collective_time_s += time.perf_counter() - start_s
+        self.tp_bytes_sent += (self.parallel.tp_size - 1) * _nbytes(tensor)
         return torch.cat(parts, dim=dim)
 
     def tp_all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
@@ -177,6 +184,9 @@ class DistributedContext:
         self._comm("all-to-all", lambda: [self._tp().alltoall_base(
             out, tensor, recv_counts, list(send_counts), dist.AllToAllOptions())])
         self.tp_collective_time_s += time.perf_counter() - start_s
+        row_bytes = _nbytes(tensor[:1]) if tensor.shape[0] else 0
+        self.tp_bytes_sent += row_bytes * (sum(send_counts)
+                                           - send_counts[self.parallel.tp_rank])
         return out, recv_counts
 
     def tp_agree(self, digest: int, *, ok: bool = True) -> None:
@@ -393,6 +403,10 @@ class DistributedContext:
             group.eager_connect_single_device(self.device)  # errors show here, not mid-step
             return group
         return dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def default_backend(device: torch.device | str) -> str:

@@ -55,6 +55,7 @@ def _rank_main(tp_size: int, pp_size: int, rank: int, port: int, conn, num_threa
     import torch
 
     from worker_svc.distributed import init_distributed
+    from worker_svc.model.expert_balance import expert_parallel_blocks
     from worker_svc.parallel import ParallelConfig
     from worker_svc.runner import ModelRunner
 
@@ -80,6 +81,9 @@ def _rank_main(tp_size: int, pp_size: int, rank: int, port: int, conn, num_threa
                 result = runner.execute_step(payload)
             elif command == "memory":
                 result = {"before_load": memory_before_load, "now": read_memory_kib()}
+            elif command == "placements":  # expert parallelism: layer -> expert ids held
+                result = {block.layer_index: block.experts.global_ids
+                          for block in expert_parallel_blocks(runner.model)}
             elif command == "shapes":
                 result = {n: tuple(p.shape) for n, p in runner.model.named_parameters()}
             else:

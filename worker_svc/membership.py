@@ -258,3 +258,4 @@ def _reform_group(runner: ModelRunner, plan: Plan, timeout_s: float,
     runner.reset_requests()
     runner.dist.reform(plan.master_addr, plan.master_port, timeout_s, tag=plan.epoch,
                        should_abort=should_abort)
+    runner.reset_expert_placement()  # a standby that took a rank loaded the default

@@ -58,7 +58,12 @@ from worker_svc.kv_cache import (
     num_blocks_for_budget,
 )
 from worker_svc.kv_prefault import KVPrefault
-from worker_svc.loader import ModelMetadata, load_model
+from worker_svc.loader import ModelMetadata, load_model, open_source
+from worker_svc.model.expert_balance import (
+    ExpertBalancer,
+    checkpoint_reader,
+    expert_parallel_blocks,
+)
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import pack_linear_weights, packed_weight_bytes
 from worker_svc.parallel import ParallelConfig, global_rank
@@ -101,6 +106,9 @@ class RunnerConfig:
     # CPU: while idle, fault in the KV cache's pages this many full steps (of
     # max_num_batched_tokens tokens) ahead of the blocks in use (worker_svc/kv_prefault.py)
     kv_prefault_steps: int = 8
+    # Expert parallelism: rebalance the experts by their load every this many steps (0 =
+    # never; worker_svc/model/expert_balance.py).
+    eplb_interval_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -156,6 +164,7 @@ class ModelRunner:
         kv_cache_sizing: str = "",
         cuda_graph_sizes: Sequence[int] = (),
         kv_prefault_blocks: int = 0,
+        eplb_interval_steps: int = 0,
     ) -> None:
         self.model = model
         self.cpu_linear = pack_linear_weights(model, cpu_linear)
@@ -178,6 +187,10 @@ class ModelRunner:
         self.grammar_vocabulary: GrammarVocabulary | None = None  # structured output
         self._sent_downstream = False  # this step's activations went to the next stage
         self.graphs = self._capture_graphs(cuda_graph_sizes) if cuda_graph_sizes else None
+        self.expert_balancer = (
+            ExpertBalancer(model, self.dist, checkpoint_reader(open_source(metadata.path).weights),
+                           eplb_interval_steps)
+            if eplb_interval_steps > 0 and expert_parallel_blocks(model) else None)
 
     @classmethod
     def from_config(cls, config: RunnerConfig,
@@ -207,7 +220,13 @@ class ModelRunner:
             kv_cache_sizing=budget.sizing, cuda_graph_sizes=_graph_sizes(config),
             kv_prefault_blocks=(config.kv_prefault_steps * config.max_num_batched_tokens
                                 // config.block_size),
+            eplb_interval_steps=config.eplb_interval_steps,
         )
+
+    def reset_expert_placement(self) -> None:
+        """After the group re-formed: experts back where a freshly loaded rank has them."""
+        if self.expert_balancer is not None:
+            self.expert_balancer.reset()
 
     def reset_requests(self) -> None:
         """Forget every request: a new scheduler session (or a re-formed group) re-sends each
@@ -297,6 +316,8 @@ class ModelRunner:
                 raise error
             if inbound is not None:
                 self._check_inbound(inbound, step.step_id, digest)
+            if self.expert_balancer is not None:  # the stage's ranks agree on the step
+                self.expert_balancer.maybe_rebalance(step.step_id)
             return self._run(step, inbound, digest)
         except Exception:
             self._report_failure_downstream(step.step_id, digest)

@@ -184,6 +184,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.runner is not None:
             dist = self.runner.dist
             stats.update(tp_collective_time_s=round(dist.tp_collective_time_s, 6),
+                         tp_bytes_sent=dist.tp_bytes_sent,
                          pp_send_time_s=round(dist.pp_send_time_s, 6),
                          pp_recv_time_s=round(dist.pp_recv_time_s, 6),
                          kv_cache_bytes=self.runner.num_blocks * self.runner.kv_spec.bytes_per_block,

@@ -224,7 +224,8 @@ SCENARIOS = [
     Scenario("external Redis kill -9", "parallel", kill_external_redis, redis_back,
              everyone_registered, notes="restarted empty after 1 s"),
     Scenario("expert-parallel rank kill -9", "moe-ep", kill_member(tp_rank=1), group_degraded,
-             group_recovered, notes="experts 4-7 die with it; the standby loads them"),
+             group_recovered, notes="its experts die with it; the standby loads the contiguous placement and "
+             "the survivor returns to it"),
     Scenario("worker cut off (netns)", "partition", partition_worker, group_degraded,
              group_recovered, after=heal_and_see_it_leave,
              notes="the standby takes the rank; healed, the worker finds its fence and exits"),

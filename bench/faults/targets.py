@@ -9,7 +9,9 @@
 - `partition`: Valkey, the scheduler, the router and three workers (tp=2 and a standby) each
   on a host of its own (network namespaces), so one worker can be cut off the network.
 - `moe-ep`: a Qwen2-MoE under `--tp 2 --enable-expert-parallel --standby 1`: each rank
-  holds half the experts whole.
+  holds half the experts whole, moved by their load every 4 steps (`--eplb-interval-steps`),
+  so a rank dies holding a rebalanced set and the group must agree on the contiguous one
+  again.
 """
 
 from __future__ import annotations

@@ -219,3 +219,18 @@ def test_expert_placement_is_a_table_and_uneven_counts_go_to_the_first_ranks(tmp
         assert shapes[experts] == (held, 2 * 48, 64)  # whole experts
         sliced = rank_weight_shapes(path, ParallelConfig(2, rank))
         assert sliced[experts] == (7, 48, 64)  # every expert, half its columns
+
+
+def test_balanced_placement_evens_the_load_and_keeps_each_ranks_expert_count():
+    from worker_svc.model.expert_balance import balanced_placement
+
+    # Experts 0 and 1 are hot and contiguous placement gives both to rank 0.
+    loads = [40.0, 35.0, 5.0, 5.0, 5.0, 5.0, 4.0]
+    placement = balanced_placement(loads, 2)
+    held = [placement.experts_of(rank) for rank in (0, 1)]
+    assert [len(h) for h in held] == [4, 3]  # as ExpertPlacement.contiguous(7, 2)
+    assert placement.owner[0] != placement.owner[1]  # the two hot experts part
+    totals = sorted(sum(loads[e] for e in h) for h in held)
+    assert totals[1] - totals[0] <= 6  # 49 / 50 against 85 / 14 before
+    assert balanced_placement(loads, 2) == placement  # every rank computes the same table
+    assert balanced_placement([0.0] * 7, 2) == balanced_placement([0.0] * 7, 2)

@@ -373,3 +373,26 @@ def test_runner_needs_a_process_group_for_several_ranks(model_dir) -> None:
     config = runner_config(model_dir("qwen2"), parallel=ParallelConfig(tp_size=2))
     with pytest.raises(ValueError, match="pass this rank's DistributedContext"):
         ModelRunner.from_config(config)
+
+
+def test_expert_rebalancing_moves_experts_and_changes_no_token(tp2, model_dir, reference):
+    """--eplb-interval-steps 3 under tp2 + ep: every third step the ranks sum their experts'
+    loads and move experts so each rank's share evens out (read from the checkpoint);
+    the tokens stay tp1's and transformers'."""
+    name = "qwen3_moe_7_experts"
+    group: LocalWorkerGroup = tp2
+    group.load(runner_config(model_dir(name), parallel=ParallelConfig(expert_parallel=True),
+                             eplb_interval_steps=3))
+    before = group.call_ok("placements")
+    assert before[0][0] == [0, 1, 2, 3] and before[1][0] == [4, 5, 6]  # contiguous
+    tp1_requests, hf_results = reference(name)
+    requests = scripted_requests(group.infos[0].vocab_size)
+    drive(group, requests, NUM_NEW_TOKENS)
+    for ours, tp1, (hf_tokens, hf_logits) in zip(requests, tp1_requests, hf_results):
+        assert ours.outputs == tp1.outputs, f"request {ours.request_id}"
+        assert_greedy_close(ours.outputs, hf_tokens, hf_logits)
+    after = group.call_ok("placements")
+    assert after != before  # the peaky router's load is uneven: something moved
+    for layer in after[0]:  # still a partition of the experts, 4 + 3
+        assert sorted(after[0][layer] + after[1][layer]) == list(range(7))
+        assert (len(after[0][layer]), len(after[1][layer])) == (4, 3)

@@ -22,6 +22,7 @@ per-expert tensors (`experts.{e}.gate_proj` / Mixtral's `w1`, `up_proj` / `w3`,
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,27 @@ class FusedExperts(nn.Module):
         # every expert's C panels back to back (gate|up, down, the library).
         self.packed: list[tuple[PreparedWeight, PreparedWeight]] | None = None
         self.native: tuple[torch.Tensor, torch.Tensor, object] | None = None
+        self.backend = "torch"  # how pack_experts last prepared them
+
+    def assign(self, experts: list[int], weights_of: Callable[[int], tuple[torch.Tensor, ...]]
+               ) -> None:
+        """Hold `experts` (global ids, ascending) from now on, whole (expert parallelism),
+        their (gate, up, down) weights from `weights_of`, packed as before."""
+        dtype, device = self.w13.dtype, self.w13.device
+        gates_ups, downs = [], []
+        for e in experts:
+            gate, up, down = weights_of(e)
+            gates_ups.append(torch.cat([gate, up]))
+            downs.append(down)
+        self.global_ids = list(experts)
+        self.local_index = {e: i for i, e in enumerate(experts)}
+        self.num_experts = len(experts)
+        self.w13 = nn.Parameter(torch.stack(gates_ups).to(dtype=dtype, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.stack(downs).to(dtype=dtype, device=device),
+                               requires_grad=False)
+        self.packed, self.native = None, None
+        self.pack_experts(self.backend)
 
     def checkpoint_slice(self, expert: int, part: str) -> Index | None:
         """The part of (global) expert `expert`'s `part` tensor this rank reads."""
@@ -163,6 +185,7 @@ class FusedExperts(nn.Module):
         "native" every expert's panels back to back, run by one C call per step
         (`cpu_native.moe_f32`); for "onednn" each expert's blocked layout. The 3-D copies
         are freed."""
+        self.backend = backend
         if backend == "native":
             lib = cpu_native.library("cpu_linear")
             self.native = (
@@ -220,9 +243,9 @@ class SparseMoeBlock(nn.Module):
     rank r routes only its share of the step's tokens (rows T*r/N .. T*(r+1)/N), sends each
     (token, slot)'s row to the rank holding its expert (all-to-all), runs its experts over
     what it received, sends the outputs back (all-to-all), and sums its tokens' weighted
-    rows experts ascending, as the tensor-parallel path does. The all-reduce that ends the
-    block then assembles the token shares (each rank's rows, zeros elsewhere) together with
-    the shared expert's partial sums.
+    rows experts ascending, as the tensor-parallel path does. An all-gather then assembles
+    the token shares; with a shared expert, whose sums are partial (tensor-parallel), the
+    block's all-reduce assembles both at once (each rank's rows, zeros elsewhere).
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm,
@@ -242,11 +265,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
         self.experts = FusedExperts(moe.num_experts, config.hidden_size,
                                     moe.intermediate_size, parallel, self.placement)
-        if self.placement is not None:  # per global expert: its rank, its index there
-            owner = self.placement.owner
-            self.owner = torch.tensor(owner, dtype=torch.int64, device="cpu")
-            self.owner_index = torch.tensor([owner[:e].count(owner[e]) for e in range(len(owner))],
-                                            dtype=torch.int64, device="cpu")
+        if self.placement is not None:
+            self._set_owner_tables()
         self.shared_expert = shared_expert
         self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
                                    if shared_expert is not None else None)
@@ -257,6 +277,32 @@ class SparseMoeBlock(nn.Module):
         self.layer_index = layer_index
         self.counts_load = self.placement is not None or parallel.tp_rank == 0
         self.expert_tokens: torch.Tensor | None = None
+        self._window_start: torch.Tensor | None = None  # expert_tokens at the last rebalance
+
+    def _set_owner_tables(self) -> None:
+        """Per global expert: the rank holding it, and its index there."""
+        owner = self.placement.owner
+        self.owner = torch.tensor(owner, dtype=torch.int64, device="cpu")
+        self.owner_index = torch.tensor([owner[:e].count(owner[e]) for e in range(len(owner))],
+                                        dtype=torch.int64, device="cpu")
+
+    def set_placement(self, placement: ExpertPlacement,
+                      weights_of: Callable[[int], tuple[torch.Tensor, ...]]) -> None:
+        """Expert parallelism: hold `placement`'s experts for this rank from now on
+        (`worker_svc/model/expert_balance.py` decides; every rank of the stage at once)."""
+        self.placement = placement
+        self._set_owner_tables()
+        self.experts.assign(placement.experts_of(self.tp_rank), weights_of)
+
+    def take_window_tokens(self) -> torch.Tensor:
+        """Tokens routed to each expert since the last call (on the model's device)."""
+        num_experts = self.gate.weight.shape[0]
+        if self.expert_tokens is None:
+            return torch.zeros(num_experts, dtype=torch.int64, device=self.gate.weight.device)
+        start = self._window_start if self._window_start is not None else 0
+        window = self.expert_tokens - start
+        self._window_start = self.expert_tokens.clone()
+        return window
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, hidden] -> (topk_weights, topk_ids), as transformers routes them; the
@@ -273,8 +319,15 @@ class SparseMoeBlock(nn.Module):
         return weights, ids
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.placement is not None and self.shared_expert is None:
+            # Each rank's share assembled by an all-gather: half the all-reduce's bytes.
+            share = self._expert_parallel(hidden)
+            return self.comm.tp_all_gather(share, dim=0)[:hidden.shape[0]]
         if self.placement is not None:
-            out = self._expert_parallel(hidden)
+            out = torch.zeros_like(hidden)
+            share = self._expert_parallel(hidden)
+            lo = min(share.shape[0] * self.tp_rank, hidden.shape[0])
+            out[lo:lo + share.shape[0]] = share[:hidden.shape[0] - lo]
         else:
             topk_weights, topk_ids = self.route(hidden)
             out = self.experts(hidden, topk_weights, topk_ids)
@@ -284,11 +337,13 @@ class SparseMoeBlock(nn.Module):
         return out if self.tp_size == 1 else self.comm.tp_all_reduce(out)
 
     def _expert_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the tokens through their experts wherever they are (class
-        docstring); [tokens, hidden] with the other shares' rows zero."""
+        """This rank's share of the tokens (rows share * rank .. share * (rank + 1), share =
+        ceil(tokens / ranks)) through their experts wherever they are (class docstring):
+        [share, hidden], rows past the last token zero, so every rank's has one shape."""
         num_tokens = hidden.shape[0]
-        lo = num_tokens * self.tp_rank // self.tp_size
-        hi = num_tokens * (self.tp_rank + 1) // self.tp_size
+        share = -(-num_tokens // self.tp_size)
+        lo = min(share * self.tp_rank, num_tokens)
+        hi = min(lo + share, num_tokens)
         x = hidden[lo:hi]
         topk_weights, topk_ids = self.route(x)
         pair_ids = topk_ids.t().reshape(-1)  # pair p = k * tokens + t, slot-major
@@ -307,9 +362,9 @@ class SparseMoeBlock(nn.Module):
         by_pair[send_order] = back
         order, _, offsets = moe_kernels.expert_order(topk_ids, len(self.placement.owner))
         order = order[:offsets[-1]]
-        out = torch.zeros_like(hidden)
+        out = hidden.new_zeros((share, hidden.shape[1]))
         moe_kernels.weighted_sum(by_pair.index_select(0, order), order, topk_weights,
-                                 out[lo:hi])
+                                 out[:hi - lo])
         return out
 
 
