@@ -14,8 +14,8 @@ once) and then batch 1 (4 of those prompts' shape, one at a time: TTFT and ITL o
 request). On a 2-core host `reserve` leaves the worker one core (one OpenMP thread) and
 gives the other to the router, the scheduler and Valkey; `pin` binds the worker's two
 threads one per core with the control plane unbound; `none` is the default there.
-Writes bench/results/cpu_bind.{md,json} (`--name` another stem): medians over the rounds, and the medians of the
-per-round ratios to the first variant.
+Writes bench/results/cpu_bind.{md,json} (`--name` another stem): medians over the rounds,
+and the medians of the per-round ratios to the first variant.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ every rank. Writes bench/results/moe_parallel.{json,md}.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import tempfile
 import time
@@ -25,7 +24,14 @@ from pathlib import Path
 
 import redis
 
-from bench.common import REPO_ROOT, run_mesh, write_results, write_w64_moe_model
+from bench.common import (
+    REPO_ROOT,
+    add_w64_workload_args,
+    run_mesh,
+    w64_workload,
+    write_results,
+    write_w64_moe_model,
+)
 from bench.parallel import worker_counters
 from pagemesh.mesh_process import Mesh, greedy_request
 
@@ -59,14 +65,12 @@ def measure(model: str, name: str, prompts: list[list[int]], max_tokens: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="default: W64's model as a Qwen3-MoE")
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    add_w64_workload_args(parser)  # --model: default W64's model as a Qwen3-MoE
+    parser.set_defaults(num_requests=16, max_tokens=64)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    model = args.model or str(write_w64_moe_model(REPO_ROOT / ".cache" / "w64-moe"))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, 32000) for _ in range(128)] for _ in range(args.num_requests)]
+    args.model = args.model or str(write_w64_moe_model(REPO_ROOT / ".cache" / "w64-moe"))
+    model, prompts = w64_workload(args)
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     for index in range(args.rounds):
         for name in (LAYOUTS if index % 2 == 0 else reversed(list(LAYOUTS))):
@@ -80,8 +84,8 @@ def main() -> None:
                      "tok_s_vs_tp1": statistics.median(
                          m["tok_s"] / b["tok_s"] for m, b in zip(measured, runs["tp=1"]))})
     header = (f"W64's model as a Qwen3-MoE (8 experts of 704, top-2, fp32) through `pagemesh "
-              f"up`: {args.num_requests} x 128 prompt ids x {args.max_tokens} new tokens at "
-              f"once, over gRPC; medians of {args.rounds} alternated rounds. Bytes: sent "
+              f"up`: {args.num_requests} x {args.prompt_len} prompt ids x {args.max_tokens} new "
+              f"tokens at once, over gRPC; medians of {args.rounds} alternated rounds. Bytes: sent "
               "between ranks in tensor-parallel collectives, all ranks, per step. Command: "
               "`python -m bench.moe_parallel`.")
     table = [[r["layout"], f"{r['tok_s']:.1f}", f"{r['tok_s_vs_tp1']:.2f}x",

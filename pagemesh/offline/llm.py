@@ -58,6 +58,8 @@ class LLM:
       file; None = the default SmolLM2-135M-Instruct GGUF.
     - tensor_parallel_size, pipeline_parallel_size: ranks per stage and stages; more than
       one rank starts worker processes on this machine (one GPU each on CUDA).
+    - enable_expert_parallel: mixture-of-experts models, with tensor_parallel_size > 1:
+      each rank holds whole experts instead of a slice of every one (vLLM's argument).
     - dtype: "auto" | "float32" | "bfloat16" | "float16" (auto: bf16 on GPUs, on CPU what
       this CPU computes fastest).
     - max_model_len: cap on prompt + output tokens (default: the model's).
@@ -83,7 +85,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False, dtype: str = "auto", max_model_len: int | None = None,
+                 enable_expert_parallel: bool = False, dtype: str = "auto",
+                 max_model_len: int | None = None,
                  kv_cache_memory_gib: float | None = None,
                  kv_cache_memory_bytes: int | None = None, swap_space: float = 4.0,
                  enable_prefix_caching: bool = True, seed: int | None = 0,

@@ -39,6 +39,21 @@ class ScriptedRequest:
     num_sent: int = 0  # tokens the runner has been told about
 
 
+def scripted_requests(vocab_size: int, late_joiner: bool = True) -> list[ScriptedRequest]:
+    """The continuous-batching script of the parallel and MoE tests: two requests at once
+    (one prefilled in chunks of 8), one joining at step 2, one at step 4 in chunks of 7,
+    and (`late_joiner`) a one-token prompt at step 11."""
+    requests = [
+        ScriptedRequest("a", random_prompt(9, vocab_size, 1), join_step=0),
+        ScriptedRequest("b", random_prompt(21, vocab_size, 2), join_step=0, prefill_chunk=8),
+        ScriptedRequest("c", random_prompt(5, vocab_size, 3), join_step=2),
+        ScriptedRequest("d", random_prompt(16, vocab_size, 4), join_step=4, prefill_chunk=7),
+    ]
+    if late_joiner:
+        requests.append(ScriptedRequest("e", random_prompt(1, vocab_size, 5), join_step=11))
+    return requests
+
+
 def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: int,
           sampling: SamplingParams | None = None) -> None:
     """Schedule `requests` like a continuous-batching scheduler until each has

@@ -27,7 +27,7 @@ from tests.support.hf_reference import (
     half_precision_references,
     hf_greedy_with_logits,
 )
-from tests.support.runner_script import BLOCK_SIZE, NUM_NEW_TOKENS, ScriptedRequest, drive, random_prompt
+from tests.support.runner_script import BLOCK_SIZE, NUM_NEW_TOKENS, drive, scripted_requests
 from tests.worker_svc.test_runner_vs_hf import _as_token_logprob
 from worker_svc.model.config import parse_hf_config
 from worker_svc.runner import ModelRunner, RunnerConfig
@@ -41,15 +41,6 @@ MOE_MODELS = {
 }
 
 
-def scripted(vocab_size: int) -> list[ScriptedRequest]:
-    return [
-        ScriptedRequest("a", random_prompt(9, vocab_size, 1), join_step=0),
-        ScriptedRequest("b", random_prompt(21, vocab_size, 2), join_step=0, prefill_chunk=8),
-        ScriptedRequest("c", random_prompt(5, vocab_size, 3), join_step=2),
-        ScriptedRequest("d", random_prompt(16, vocab_size, 4), join_step=4, prefill_chunk=7),
-    ]
-
-
 def runner_for(path: Path, **overrides) -> ModelRunner:
     return ModelRunner.from_config(RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE,
                                                 num_blocks=48, **overrides))
@@ -58,7 +49,7 @@ def runner_for(path: Path, **overrides) -> ModelRunner:
 def check_against_transformers(path: Path, runner: ModelRunner) -> None:
     from transformers import AutoModelForCausalLM
 
-    requests = scripted(runner.info().vocab_size)
+    requests = scripted_requests(runner.info().vocab_size, late_joiner=False)
     drive(runner, requests, NUM_NEW_TOKENS, LOGPROBS)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for r in requests:
@@ -84,7 +75,7 @@ def test_moe_half_precision_within_transformers_rounding(dtype: str, tmp_path: P
 
     path = write_realistic_model(tmp_path / "m", "mixtral", seed=7)
     runner = runner_for(path, dtype=dtype)
-    requests = scripted(runner.info().vocab_size)[:3]
+    requests = scripted_requests(runner.info().vocab_size, late_joiner=False)[:3]
     drive(runner, requests, NUM_NEW_TOKENS, LOGPROBS)
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf_half = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -234,3 +225,20 @@ def test_balanced_placement_evens_the_load_and_keeps_each_ranks_expert_count():
     assert totals[1] - totals[0] <= 6  # 49 / 50 against 85 / 14 before
     assert balanced_placement(loads, 2) == placement  # every rank computes the same table
     assert balanced_placement([0.0] * 7, 2) == balanced_placement([0.0] * 7, 2)
+
+
+def test_layouts_a_moe_model_cannot_take_are_refused_naming_the_counts():
+    from worker_svc.model.parallel_layers import check_tensor_parallel
+
+    config = parse_hf_config(dict(
+        model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=3,
+        num_experts_per_tok=2, moe_intermediate_size=6))
+    check_tensor_parallel(config, 2)  # 6 columns of each expert split 3 + 3
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(6\) must be divisible by "
+                                         r"tp_size \(4\)"):
+        check_tensor_parallel(config, 4)
+    check_tensor_parallel(config, 2, expert_parallel=True)  # experts 0-1 and 2
+    with pytest.raises(ValueError, match="over 4 ranks needs at least 4 experts; the model "
+                                         "has 3"):
+        check_tensor_parallel(config, 4, expert_parallel=True)

@@ -22,7 +22,13 @@ from pagemesh.testing.tiny_models import write_tiny_model
 from tests.support import runner_script
 from tests.support.parallel_harness import LocalWorkerGroup
 from tests.support.hf_reference import assert_greedy_close, hf_greedy_with_logits
-from tests.support.runner_script import BLOCK_SIZE, ScriptedRequest, drive, random_prompt
+from tests.support.runner_script import (
+    BLOCK_SIZE,
+    ScriptedRequest,
+    drive,
+    random_prompt,
+    scripted_requests,
+)
 from worker_svc.loader import load_model, rank_weight_shapes
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.llama import LlamaForCausalLM
@@ -82,16 +88,6 @@ def model_dir(tmp_path_factory):
 def runner_config(path: Path, **overrides) -> RunnerConfig:
     settings = dict(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS) | overrides
     return RunnerConfig(model_path=str(path), **settings)
-
-
-def scripted_requests(vocab_size: int) -> list[ScriptedRequest]:
-    return [
-        ScriptedRequest("a", random_prompt(9, vocab_size, 1), join_step=0),
-        ScriptedRequest("b", random_prompt(21, vocab_size, 2), join_step=0, prefill_chunk=8),
-        ScriptedRequest("c", random_prompt(5, vocab_size, 3), join_step=2),
-        ScriptedRequest("d", random_prompt(16, vocab_size, 4), join_step=4, prefill_chunk=7),
-        ScriptedRequest("e", random_prompt(1, vocab_size, 5), join_step=11),
-    ]
 
 
 @pytest.fixture(scope="module")

@@ -240,10 +240,10 @@ class SparseMoeBlock(nn.Module):
 
     Under expert parallelism (`parallel.expert_parallel`, tp > 1) each rank holds whole
     experts (`placement`) and every rank has every token (attention is tensor-parallel):
-    rank r routes only its share of the step's tokens (rows T*r/N .. T*(r+1)/N), sends each
-    (token, slot)'s row to the rank holding its expert (all-to-all), runs its experts over
-    what it received, sends the outputs back (all-to-all), and sums its tokens' weighted
-    rows experts ascending, as the tensor-parallel path does. An all-gather then assembles
+    rank r routes only its share of the step's tokens (rows S*r .. S*(r+1), S = ceil(T/N)),
+    sends each (token, slot)'s row to the rank holding its expert (all-to-all), runs its
+    experts over what it received, sends the outputs back (all-to-all), and sums its
+    tokens' weighted rows experts ascending, as the tensor-parallel path does. An all-gather then assembles
     the token shares; with a shared expert, whose sums are partial (tensor-parallel), the
     block's all-reduce assembles both at once (each rank's rows, zeros elsewhere).
     """
