@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_features import CpuFeatures, cpu_features
-from worker_svc.model.config import ModelConfig, RopeConfig, parse_hf_config
+from worker_svc.model.config import MoeConfig, ModelConfig, RopeConfig, parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.parallel_layers import Index, TPComm
 from worker_svc.parallel import ParallelConfig
@@ -259,8 +259,10 @@ def _hf_eos_token_ids(folder: Path, hf_config: dict) -> tuple[int, ...]:
 
 # --- GGUF -------------------------------------------------------------------------------
 
-# GGUF architecture -> model_type; llama.cpp also files Mistral under "llama".
-_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF architecture -> model_type; llama.cpp also files Mistral, and Mixtral (a "llama"
+# with `llama.expert_count`), under "llama".
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                     "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # llama.cpp per-layer tensor name -> Hugging Face name under model.layers.N.
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -274,7 +276,16 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# A layer's experts in one 3-D tensor [experts, out, in] -> each expert's projection.
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                      "ffn_down_exps": "down_proj"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -290,6 +301,16 @@ def gguf_to_hf_name(name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
     return None
+
+
+def gguf_expert_names(name: str, num_experts: int) -> list[str] | None:
+    """`blk.N.ffn_up_exps.weight` -> the Hugging Face names of its experts' slices, in order
+    (`model.layers.N.mlp.experts.E.up_proj.weight`); None for any other tensor."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_EXPERT_NAMES:
+        return None
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[parts[2]]}.weight"
+            for e in range(num_experts)]
 
 
 def reverse_rotary_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -333,8 +354,11 @@ def _gguf_config(reader, arch: str, tensor_names: set[str]) -> ModelConfig:
     )
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    model_type = _GGUF_MODEL_TYPES[arch]
+    if arch == "llama" and meta("expert_count", 0):
+        model_type = "mixtral"
     return ModelConfig(
-        model_type=_GGUF_MODEL_TYPES[arch],
+        model_type=model_type,
         vocab_size=int(vocab_size),
         hidden_size=hidden_size,
         intermediate_size=meta("feed_forward_length"),
@@ -349,6 +373,28 @@ def _gguf_config(reader, arch: str, tensor_names: set[str]) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        moe=_gguf_moe(meta, arch, num_layers, tensor_names),
+    )
+
+
+def _gguf_moe(meta, arch: str, num_layers: int, tensor_names: set[str]) -> MoeConfig | None:
+    """The sparse MLP settings from llama.cpp's `expert_*` keys; a layer is sparse where it
+    has a router (`ffn_gate_inp`). Renormalised top-k: `expert_weights_norm` where written,
+    else as llama.cpp runs each architecture (Mixtral and Qwen3-MoE yes, Qwen2-MoE no)."""
+    num_experts = meta("expert_count", 0)
+    if not num_experts:
+        return None
+    mixtral = arch == "llama"
+    return MoeConfig(
+        num_experts=int(num_experts),
+        top_k=int(meta("expert_used_count")),
+        intermediate_size=int(meta("feed_forward_length") if mixtral
+                              else meta("expert_feed_forward_length")),
+        renormalize=bool(meta("expert_weights_norm", arch != "qwen2moe")),
+        shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0)),
+        sparse_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names
+                            for i in range(num_layers)),
+        fp32_routing_weights=mixtral,
     )
 
 
@@ -403,7 +449,12 @@ def _gguf_weights(
     blocks run along rows, so row slices could later be cut while still quantized.)"""
     from gguf.quants import dequantize
 
+    num_experts = config.moe.num_experts if config.moe is not None else 0
     for tensor in reader.tensors:
+        experts = gguf_expert_names(tensor.name, num_experts)
+        if experts is not None:  # dequantized whole, then cut per expert
+            yield from _gguf_expert_weights(tensor, experts, select)
+            continue
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue  # e.g. rope_freqs, already folded into the config
@@ -418,6 +469,22 @@ def _gguf_weights(
         elif permuted_rotary and ".self_attn.k_proj." in hf_name:
             weight = reverse_rotary_permutation(weight, config.num_kv_heads)
         yield hf_name, weight[index]
+
+
+def _gguf_expert_weights(tensor, names: list[str], select: WeightSelector
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One 3-D expert tensor's experts this rank selects, each cut to its slice (the
+    experts stay dequantized: `--gguf-keep-quantized` keeps the dense layers' blocks only)."""
+    from gguf.quants import dequantize
+
+    wanted = [(e, name, index) for e, name in enumerate(names)
+              if (index := select(name)) is not None]
+    if not wanted:
+        return
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    weights = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(shape)
+    for e, name, index in wanted:
+        yield name, weights[e][index].clone()
 
 
 def _gguf_blocks(

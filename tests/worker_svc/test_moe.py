@@ -242,3 +242,106 @@ def test_layouts_a_moe_model_cannot_take_are_refused_naming_the_counts():
     with pytest.raises(ValueError, match="over 4 ranks needs at least 4 experts; the model "
                                          "has 3"):
         check_tensor_parallel(config, 4, expert_parallel=True)
+
+
+# --- GGUF -------------------------------------------------------------------------------
+
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight",
+               "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.o_proj.weight": "attn_output.weight",
+               "self_attn.q_norm.weight": "attn_q_norm.weight",
+               "self_attn.k_norm.weight": "attn_k_norm.weight",
+               "mlp.gate.weight": "ffn_gate_inp.weight",
+               "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+               "mlp.down_proj.weight": "ffn_down.weight",
+               **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+                  for p in ("gate", "up", "down")},
+               **{f"self_attn.{p}_proj.{w}": f"attn_{p}.{w}" for p in "qkv"
+                  for w in ("weight", "bias")}}
+
+
+def write_moe_gguf(hf_path: Path, out: Path, arch: str) -> Path:
+    """A HF MoE folder as llama.cpp's converter writes it (F32): experts stacked into
+    `ffn_*_exps` [experts, out, in]; arch "llama" (Mixtral) permutes q/k rows."""
+    import gguf
+    import numpy as np
+
+    from tests.worker_svc.test_loader import llama_cpp_permute
+
+    config = json.loads((hf_path / "config.json").read_text())
+    tensors = {k: v.numpy().astype(np.float32)
+               for k, v in load_file(hf_path / "model.safetensors").items()}
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    num_experts = config.get("num_local_experts") or config["num_experts"]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    for name, array in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if name in globals_:
+            writer.add_tensor(globals_[name], array)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if ".experts." in rest:
+            continue  # stacked below
+        if arch == "llama" and rest == "self_attn.q_proj.weight":
+            array = llama_cpp_permute(array, heads)
+        elif arch == "llama" and rest == "self_attn.k_proj.weight":
+            array = llama_cpp_permute(array, kv_heads)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER[rest]}", array)
+    for layer in range(config["num_hidden_layers"]):
+        for part, mixtral in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
+                     for e in range(num_experts)]
+            if arch == "llama":
+                names = [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mixtral}.weight"
+                         for e in range(num_experts)]
+            if names[0] in tensors:
+                writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight",
+                                  np.stack([tensors[n] for n in names]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize(("arch", "gguf_arch"), [("qwen3_moe", "qwen3moe"),
+                                                 ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")])
+def test_a_gguf_moe_loads_the_same_model_as_its_hf_folder(arch, gguf_arch, tmp_path):
+    """Expert tensors stacked as llama.cpp stores them (`ffn_*_exps`), the router, the shared
+    expert and its gate, dense layers among sparse ones: the same config and weights."""
+    from worker_svc.loader import load_model
+
+    hf_path = write_realistic_model(tmp_path / arch, arch, seed=12)
+    gguf_path = write_moe_gguf(hf_path, tmp_path / f"{arch}.gguf", gguf_arch)
+    ours, metadata = load_model(gguf_path, dtype="float32")
+    reference, _ = load_model(hf_path, dtype="float32")
+    assert ours.config.moe == reference.config.moe
+    assert metadata.architecture == reference_architecture(arch)
+    theirs = dict(reference.named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+
+
+def reference_architecture(arch: str) -> str:
+    return {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM"}[arch]
