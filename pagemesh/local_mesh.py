@@ -35,6 +35,7 @@ from pagemesh.service_flags import (
     ROUTER_OPTIONS,
     SCHEDULER_OPTIONS,
     WORKER_OPTIONS,
+    expert_parallel_error,
     options_argv,
     options_env,
 )
@@ -187,6 +188,9 @@ def run_up(args: argparse.Namespace) -> int:
     setup_logging("pagemesh", args.log_level)
     model = args.model or default_model_path()
     tls = tls_config(args)  # fails early on a missing file, before anything starts
+    problem = expert_parallel_error(args.enable_expert_parallel, args.eplb_interval_steps)
+    if problem:
+        raise SystemExit(problem)
     placement = Placement(None, None, "none")
     if args.device == "cpu":
         try:  # a named allocator that is not installed: said before anything starts

@@ -339,3 +339,14 @@ def options_env(flags: Iterable[ServiceFlag], values: Mapping[str, Any]) -> dict
 
 
 SECRET_DESTS = frozenset(flag.dest for flag in OPTIONS if flag.secret)
+
+
+def expert_parallel_error(enable_expert_parallel: bool, eplb_interval_steps: int) -> str | None:
+    """What is wrong with the expert-parallel flags taken together, or None: checked by `pagemesh
+    up` before anything starts and by each worker."""
+    if eplb_interval_steps < 0:
+        return f"--eplb-interval-steps must be 0 (never) or more, got {eplb_interval_steps}"
+    if eplb_interval_steps and not enable_expert_parallel:
+        return ("--eplb-interval-steps moves whole experts between ranks: it needs "
+                "--enable-expert-parallel (and --tp 2 or more)")
+    return None

@@ -30,7 +30,7 @@ from pagemesh.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
 from pagemesh.ports import reserve_port
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import WorkerEntry, WorkerStatus
-from pagemesh.service_flags import WORKER_OPTIONS
+from pagemesh.service_flags import WORKER_OPTIONS, expert_parallel_error
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.attention import needs_triton_interpreter
@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or PAGEMESH_MODEL) is required")
+    problem = expert_parallel_error(args.enable_expert_parallel, args.eplb_interval_steps)
+    if problem:
+        parser.error(problem)
     return args
 
 

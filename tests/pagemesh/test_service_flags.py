@@ -234,3 +234,15 @@ def test_only_the_router_binds_the_wildcard_address() -> None:
         assert parsed.host == ("0.0.0.0" if service == ROUTER else "127.0.0.1"), name
     for name, _, parsed in parsed_specs(parse_up(["--host", "10.1.2.3"]), "/models/tiny"):
         assert parsed.host == "10.1.2.3", name
+
+
+def test_expert_balancing_without_expert_parallelism_is_refused_before_anything_starts():
+    from pagemesh import cli
+    from pagemesh.service_flags import expert_parallel_error
+
+    assert expert_parallel_error(True, 100) is None and expert_parallel_error(False, 0) is None
+    assert "needs --enable-expert-parallel" in expert_parallel_error(False, 8)
+    assert "must be 0 (never) or more" in expert_parallel_error(True, -1)
+    args = cli.build_parser().parse_args(["up", "--eplb-interval-steps", "8"])
+    with pytest.raises(SystemExit, match="needs --enable-expert-parallel"):
+        args.func(args)
