@@ -414,6 +414,9 @@ def _open_gguf(path: Path) -> ModelSource:
     eos_ids.append(_gguf_value(reader, "tokenizer.ggml.eot_token_id"))
     tensor_types = {hf_name: t.tensor_type.name for t in reader.tensors
                     if (hf_name := gguf_to_hf_name(t.name)) is not None}
+    num_experts = config.moe.num_experts if config.moe is not None else 0
+    tensor_types |= {name: t.tensor_type.name for t in reader.tensors
+                     for name in gguf_expert_names(t.name, num_experts) or ()}
     return ModelSource(
         config=config,
         name=path.stem,
@@ -495,7 +498,18 @@ def _gguf_blocks(
     weight's) and then cut to `select`'s slice."""
     import numpy as np
 
+    num_experts = config.moe.num_experts if config.moe is not None else 0
     for tensor in reader.tensors:
+        experts = gguf_expert_names(tensor.name, num_experts)
+        if experts is not None:  # [experts, rows, bytes per row]: each expert's rows
+            wanted = [(e, name, index) for e, name in enumerate(experts)
+                      if (index := select(name, tensor.tensor_type.name)) is not None]
+            if wanted:
+                stacked = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+                stacked = stacked.reshape(num_experts, -1, stacked.shape[-1])
+                for e, name, index in wanted:
+                    yield name, tensor.tensor_type.name, stacked[e][index].clone()
+            continue
         hf_name = gguf_to_hf_name(tensor.name)
         type_name = tensor.tensor_type.name
         index = None if hf_name is None else select(hf_name, type_name)

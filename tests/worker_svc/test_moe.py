@@ -261,9 +261,10 @@ _GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight",
                   for w in ("weight", "bias")}}
 
 
-def write_moe_gguf(hf_path: Path, out: Path, arch: str) -> Path:
-    """A HF MoE folder as llama.cpp's converter writes it (F32): experts stacked into
-    `ffn_*_exps` [experts, out, in]; arch "llama" (Mixtral) permutes q/k rows."""
+def write_moe_gguf(hf_path: Path, out: Path, arch: str, quantize: str | None = None) -> Path:
+    """A HF MoE folder as llama.cpp's converter writes it (F32, or its projections and
+    experts in `quantize`, e.g. "Q8_0"): experts stacked into `ffn_*_exps` [experts, out,
+    in]; arch "llama" (Mixtral) permutes q/k rows."""
     import gguf
     import numpy as np
 
@@ -294,6 +295,14 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str) -> Path:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     globals_ = {"model.embed_tokens.weight": "token_embd.weight",
                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+    def add(name: str, array: np.ndarray, linear: bool) -> None:
+        if quantize is None or not linear:
+            writer.add_tensor(name, array)
+            return
+        kind = getattr(gguf.GGMLQuantizationType, quantize)
+        writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+
     for name, array in tensors.items():
         name = name.replace(".block_sparse_moe.", ".mlp.")
         if name in globals_:
@@ -306,7 +315,8 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str) -> Path:
             array = llama_cpp_permute(array, heads)
         elif arch == "llama" and rest == "self_attn.k_proj.weight":
             array = llama_cpp_permute(array, kv_heads)
-        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER[rest]}", array)
+        add(f"blk.{layer}.{_GGUF_LAYER[rest]}", array,
+            rest.endswith("_proj.weight") and ".shared_expert_gate" not in rest)
     for layer in range(config["num_hidden_layers"]):
         for part, mixtral in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
             names = [f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
@@ -315,8 +325,8 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str) -> Path:
                 names = [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mixtral}.weight"
                          for e in range(num_experts)]
             if names[0] in tensors:
-                writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight",
-                                  np.stack([tensors[n] for n in names]))
+                add(f"blk.{layer}.ffn_{part}_exps.weight",
+                    np.stack([tensors[n] for n in names]), True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -345,3 +355,28 @@ def test_a_gguf_moe_loads_the_same_model_as_its_hf_folder(arch, gguf_arch, tmp_p
 def reference_architecture(arch: str) -> str:
     return {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "mixtral": "MixtralForCausalLM"}[arch]
+
+
+def test_gguf_experts_kept_quantized_give_the_dequantized_models_tokens(tmp_path):
+    """--gguf-keep-quantized on a Q8_0 Qwen3-MoE GGUF: each expert's gate|up and down stay
+    blocks (one GgufWeight each, multiplied by the C GGUF kernel at decode), and the tokens
+    and logprobs are those of the same file dequantized at load."""
+    from worker_svc.quant.gguf import GgufWeight
+
+    hf_path = write_realistic_model(tmp_path / "m", "qwen3_moe", seed=13,
+                                    moe_intermediate_size=64)
+    gguf_path = write_moe_gguf(hf_path, tmp_path / "m.gguf", "qwen3moe", quantize="Q8_0")
+    runs = {}
+    for kept in (False, True):
+        runner = runner_for(gguf_path, dtype="float32", gguf_keep_quantized=kept)
+        requests = scripted_requests(runner.info().vocab_size, late_joiner=False)
+        drive(runner, requests, NUM_NEW_TOKENS, LOGPROBS)
+        runs[kept] = requests
+        experts = runner.model.model.layers[0].mlp.experts
+        as_blocks = experts.packed is not None and isinstance(experts.packed[0][0], GgufWeight)
+        assert as_blocks == kept
+    assert runner.metadata.quantization == "gguf-q8_0"
+    for plain, kept in zip(runs[False], runs[True], strict=True):
+        assert plain.outputs == kept.outputs
+        for a, b in zip(plain.sampled, kept.sampled, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4

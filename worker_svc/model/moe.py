@@ -184,8 +184,10 @@ class FusedExperts(nn.Module):
         """Each expert's weights into the linear layers' prepared form (`matmul.py`): for
         "native" every expert's panels back to back, run by one C call per step
         (`cpu_native.moe_f32`); for "onednn" each expert's blocked layout. The 3-D copies
-        are freed."""
+        are freed. Experts kept as GGUF blocks (`worker_svc/quant/gguf.py`) stay so."""
         self.backend = backend
+        if self.packed is not None and self.w13.shape[1] == 0:
+            return  # already prepared (GGUF blocks)
         if backend == "native":
             lib = cpu_native.library("cpu_linear")
             self.native = (

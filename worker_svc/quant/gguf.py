@@ -29,6 +29,7 @@ from kernels import cpu_native
 from worker_svc.model.layers import MergedLinear
 from worker_svc.model.llama import LlamaForCausalLM, checkpoint_leaf
 from worker_svc.model.matmul import PreparedWeight
+from worker_svc.model.moe import FusedExperts
 from worker_svc.model.parallel_layers import Index, RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -207,8 +208,13 @@ class GgufKeptLoad:
         self.layers: dict[str, tuple[MergedLinear | RowParallelLinear,
                                      dict[str | None, tuple[str, int]]]] = {}
         self.kept_names: dict[str, tuple[str, str | None]] = {}  # weight name -> (path, part)
+        # MoE layers kept whole: experts path -> (module, {weight name: (expert, part)}).
+        self.expert_layers: dict[str, tuple[FusedExperts, dict[str, tuple[int, str]]]] = {}
         skipped: dict[str, list[str]] = {}
         for path, module in model.named_modules():
+            if isinstance(module, FusedExperts):
+                self._keep_experts(path, module, tensor_types, skipped)
+                continue
             if isinstance(module, MergedLinear):
                 parent = path.rpartition(".")[0]
                 names = {p: (f"{parent}.{checkpoint_leaf(path, p)}.weight", rows)
@@ -231,6 +237,24 @@ class GgufKeptLoad:
                         len(paths), reason, paths[0])
         self.type_names = sorted({tensor_types[name] for name in self.kept_names})
 
+    def _keep_experts(self, path: str, module: FusedExperts, tensor_types: dict[str, str],
+                      skipped: dict[str, list[str]]) -> None:
+        """Keep a MoE layer's experts as blocks when all of them can be (each expert's gate|up
+        then multiplies as one GgufWeight, its down as another)."""
+        names = {f"{path}.{e}.{part}.weight": (e, part) for e in module.global_ids
+                 for part in ("gate_proj", "up_proj", "down_proj")}
+        hidden = module.w13.shape[2]
+        for inputs, in_start, parts in ((hidden, 0, ("gate_proj", "up_proj")),
+                                        (module.intermediate_size, module.intermediate_start,
+                                         ("down_proj",))):
+            types = {tensor_types.get(n, "?") for n, (_, p) in names.items() if p in parts}
+            reason = _why_not_kept(types, in_start, inputs)
+            if reason is not None:
+                skipped.setdefault(reason, []).append(path)
+                return
+        self.expert_layers[path] = (module, names)
+        self.kept_names |= {name: (path, None) for name in names}
+
     @property
     def quantization(self) -> str:
         """e.g. "gguf-q4_1" ("gguf-q4_k+q6_k" for several types); "none" if none kept."""
@@ -245,6 +269,12 @@ class GgufKeptLoad:
             module.weight = nn.Parameter(
                 torch.empty((0, weight.shape[1]), dtype=weight.dtype, device=weight.device),
                 requires_grad=False)
+        for experts, _ in self.expert_layers.values():
+            w13, w2 = experts.w13, experts.w2
+            experts.w13 = nn.Parameter(w13.new_empty((w13.shape[0], 0, w13.shape[2])),
+                                       requires_grad=False)
+            experts.w2 = nn.Parameter(w2.new_empty((w2.shape[0], w2.shape[1], 0)),
+                                      requires_grad=False)
 
     def select(self, name: str) -> Index | None:
         """`checkpoint_slice` for the dequantizing stream: kept weights are not read there."""
@@ -268,19 +298,40 @@ class GgufKeptLoad:
         """Consume (weight name, type name, this rank's blocks) and set every kept layer's
         `packed_weight`; raises naming what is missing."""
         parts: dict[str, dict[str | None, tuple[str, torch.Tensor]]] = {}
+        expert_blocks: dict[str, tuple[str, torch.Tensor]] = {}
         for name, type_name, tensor in blocks:
             path, part = self.kept_names[name]
-            parts.setdefault(path, {})[part] = (type_name, tensor)
+            if path in self.expert_layers:
+                expert_blocks[name] = (type_name, tensor)
+            else:
+                parts.setdefault(path, {})[part] = (type_name, tensor)
         missing = [name for name, (path, part) in self.kept_names.items()
-                   if part not in parts.get(path, {})]
+                   if part not in parts.get(path, {}) and name not in expert_blocks]
         if missing:
             raise ValueError(f"GGUF is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        for module, names in self.expert_layers.values():
+            _fill_experts(module, names, expert_blocks)
         for path, (module, names) in self.layers.items():
             ordered = [parts[path][part] for part in names]  # part order = output order
             for (_, tensor), (name, rows) in zip(ordered, names.values()):
                 if tensor.shape[0] != rows:
                     raise ValueError(f"{name}: expected {rows} rows, got {tensor.shape[0]}")
             module.packed_weight = GgufWeight(ordered, module.weight.shape[1])
+
+
+def _fill_experts(module: FusedExperts, names: dict[str, tuple[int, str]],
+                  blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """Each expert's gate and up blocks as one GgufWeight (gate rows, then up rows: w13's
+    order) and its down blocks as another, in local expert order."""
+    by_expert: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}
+    for name, (expert, part) in names.items():
+        by_expert.setdefault(expert, {})[part] = blocks[name]
+        module.loaded.add((expert, part))
+    hidden, inter = module.w13.shape[2], module.intermediate_size
+    module.packed = [
+        (GgufWeight([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], hidden),
+         GgufWeight([by_expert[e]["down_proj"]], inter))
+        for e in module.global_ids]
 
 
 def _why_not_kept(types: set[str], in_start: int, in_features: int) -> str | None:
