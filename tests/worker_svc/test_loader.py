@@ -232,6 +232,19 @@ def hf_to_gguf_name(name: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[module]}.{param}"
 
 
+def add_gguf_header(writer, config: dict) -> None:
+    """The shape keys llama.cpp's converter writes for a Llama-family config.json (the
+    caller adds its name, vocabulary, tokens and architecture's own keys)."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+
+
 def write_tiny_gguf(hf_path: Path, out: Path, *, quantize_embedding: bool = False) -> Path:
     """Convert a tiny HF llama to GGUF the way llama.cpp does (F32, permuted q/k)."""
     import gguf
@@ -241,14 +254,7 @@ def write_tiny_gguf(hf_path: Path, out: Path, *, quantize_embedding: bool = Fals
     head_dim = config["hidden_size"] // num_heads
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name("tiny")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(num_heads)
-    writer.add_head_count_kv(num_kv_heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    add_gguf_header(writer, config)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_eos_token_id(config["eos_token_id"])

@@ -268,7 +268,7 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str, quantize: str | None = N
     import gguf
     import numpy as np
 
-    from tests.worker_svc.test_loader import llama_cpp_permute
+    from tests.worker_svc.test_loader import add_gguf_header, llama_cpp_permute
 
     config = json.loads((hf_path / "config.json").read_text())
     tensors = {k: v.numpy().astype(np.float32)
@@ -276,15 +276,8 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str, quantize: str | None = N
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     num_experts = config.get("num_local_experts") or config["num_experts"]
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    add_gguf_header(writer, config)
     writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_expert_count(num_experts)

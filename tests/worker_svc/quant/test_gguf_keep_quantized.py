@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from pagemesh.testing.tiny_models import write_tiny_model
 from tests.support.parallel_harness import LocalWorkerGroup
 from tests.worker_svc.test_loader import (
+    add_gguf_header,
     greedy_tokens,
     hf_state_dict,
     hf_to_gguf_name,
@@ -42,14 +43,7 @@ def write_quantized_gguf(hf_path: Path, out: Path, types: str | dict[str, str]) 
     num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name("tiny")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(num_heads)
-    writer.add_head_count_kv(num_kv_heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    add_gguf_header(writer, config)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_eos_token_id(config["eos_token_id"])
     for name, tensor in hf_state_dict(hf_path).items():
