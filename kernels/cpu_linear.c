@@ -225,6 +225,9 @@ int moe_f32(int num_threads, const float *x, long tokens, long hidden, const lon
         if (n == 0) continue;
         linear_f32(num_threads, rows + r0 * hidden, n, hidden, w13 + e * w13_size, 2 * inter,
                    NULL, gate_up + r0 * 2 * inter);
+        /* Per element, so threads change nothing but the time: a prefill's experts have
+         * hundreds of rows. */
+        #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * inter >= 4096)
         for (long r = r0; r < r0 + n; r++) {
             const float *g = gate_up + r * 2 * inter;
             for (long c = 0; c < inter; c++)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kernels import cpu_attention, cpu_native, reference
+from kernels import moe as moe_kernels
 from kernels.cpu_features import cpu_features
 from tests.support.paged_batch import assert_matches_reference, build_paged_batch
 from worker_svc.quant.gguf import dequantize_gguf
@@ -156,6 +157,20 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
         out = cpu_native.linear_f32(x, packed, 75, bias, lib=linear_lib)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias),
                                    rtol=1e-4, atol=1e-4)
+    # A MoE layer's experts in one call (moe_f32) at this level's panel width, with an expert
+    # another rank holds (-1) and an intermediate size off the panel width.
+    experts, hidden, inter = 5, 48, 40
+    w13 = torch.randn(experts, 2 * inter, hidden) * 0.1
+    w2 = torch.randn(experts, hidden, inter) * 0.1
+    x = torch.randn(9, hidden)
+    weights, ids = moe_kernels.route(torch.randn(9, experts), 2, True, torch.float32)
+    ids[0, 1] = -1
+    out = cpu_native.moe_f32(
+        x, weights, ids, torch.cat([cpu_native.pack_linear_f32(w, lib=linear_lib) for w in w13]),
+        torch.cat([cpu_native.pack_linear_f32(w, lib=linear_lib) for w in w2]), experts, inter,
+        lib=linear_lib)
+    torch.testing.assert_close(out, moe_kernels.fused_experts(x, w13, w2, weights, ids),
+                               rtol=1e-4, atol=1e-5)
 
 
 @needs_compiler

@@ -106,6 +106,12 @@ class NativeWeight(PreparedWeight):
         return cpu_native.linear_f32(x, self.packed, self.out_features, bias, lib=self.lib)
 
 
+def onednn_weight(weight: torch.Tensor, rows: int = _PACK_FOR_ROWS) -> OneDnnWeight:
+    """`weight` [out, in] reordered once for oneDNN, its blocking chosen for `rows` rows."""
+    return OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                                rows))
+
+
 def native_linear_available(dtype: torch.dtype) -> bool:
     """Whether the C kernel multiplies `dtype` here: fp32, with a compiler that built it."""
     return dtype == torch.float32 and cpu_native.library("cpu_linear") is not None
@@ -182,9 +188,8 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
                 or module.packed_weight is not None):
             continue
         weight = module.weight
-        module.packed_weight = (
-            NativeWeight(weight) if resolved == "native" else
-            OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_FOR_ROWS)))
+        module.packed_weight = (NativeWeight(weight) if resolved == "native"
+                                else onednn_weight(weight))
         if not module.keeps_plain_weight:
             # Only the shape survives; the packed copy is the weight from now on.
             module.weight = nn.Parameter(torch.empty((0, weight.shape[1]), dtype=weight.dtype),

@@ -6,8 +6,8 @@ every rank, through `F.linear` as transformers computes them, so near-ties go th
 way), softmax and top-k (`kernels.moe.route`), the experts over the tokens grouped by
 expert (`kernels.moe.grouped_experts`: one sort, one GEMM pair per expert with rows, one
 weighted scatter-add; on CUDA the Triton grouped GEMM of `kernels/fused_moe_triton.py`),
-Qwen2-MoE's shared expert scaled by its sigmoid gate, then one
-all-reduce.
+Qwen2-MoE's shared expert scaled by its sigmoid gate, then one all-reduce (under expert
+parallelism an all-gather: `SparseMoeBlock`).
 
 Tensor parallelism slices every expert as the dense MLP is sliced (each rank the same
 columns of each expert's gate|up and rows of its down), so a rank's routed and shared sums
@@ -33,7 +33,7 @@ from kernels import cpu_native
 from kernels import moe as moe_kernels
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.layers import silu_and_mul
-from worker_svc.model.matmul import OneDnnWeight, PreparedWeight, linear
+from worker_svc.model.matmul import PreparedWeight, linear, onednn_weight
 from worker_svc.model.parallel_layers import Index, TPComm, shard_range
 from worker_svc.parallel import ParallelConfig
 
@@ -194,10 +194,8 @@ class FusedExperts(nn.Module):
                 torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w13]),
                 torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w2]), lib)
         elif backend == "onednn":
-            def prepare(weight: torch.Tensor) -> PreparedWeight:
-                return OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(
-                    weight.contiguous(), _ONEDNN_PACK_ROWS))
-            self.packed = [(prepare(self.w13[e]), prepare(self.w2[e]))
+            self.packed = [(onednn_weight(self.w13[e], _ONEDNN_PACK_ROWS),
+                            onednn_weight(self.w2[e], _ONEDNN_PACK_ROWS))
                            for e in range(self.num_experts)]
         else:
             return
