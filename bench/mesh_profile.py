@@ -1,7 +1,8 @@
 """Where a mesh's time goes: CPU seconds per process and the worker's forward time against
 the scheduler's step time, for one W64 run through a fresh `pagemesh up`.
 
-    .venv/bin/python -m bench.mesh_profile [--dtype bfloat16] [-- extra pagemesh up flags]
+    .venv/bin/python -m bench.mesh_profile [--dtype bfloat16] [--model DIR --name STEM]
+        [-- extra pagemesh up flags]
 
 Per process (router, scheduler, worker, the client driving the load): CPU seconds spent
 during the run. From the services' /metrics: the worker's summed forward time and the
@@ -71,9 +72,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", help="a model folder (default: W64's model, written once)")
+    parser.add_argument("--name", default="mesh_profile", help="results file stem")
     parser.add_argument("extra", nargs="*", help="more `pagemesh up` flags, after --")
     args = parser.parse_args()
-    model = str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
+    model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
     cluster = "mesh-profile"
     mesh = Mesh(model, Path(tempfile.mkdtemp()) / "mesh.log", cluster=cluster,
                 extra_args=["--dtype", args.dtype, *args.extra]).wait_ready()
@@ -82,12 +85,9 @@ def main() -> None:
         run_workload(target, build_workload("w64", num_requests=4, max_tokens=8, seed=5))
         root = psutil.Process(mesh.process.pid)
         processes = [root, *root.children(recursive=True), psutil.Process()]
-        before_cpu, before = cpu_seconds(processes), None
-        redis_url = next(p.cmdline()[p.cmdline().index("--redis-url") + 1]
-                         for p in root.children(recursive=True) if "--redis-url" in p.cmdline())
-        before = scrape(redis_url, cluster)
+        before_cpu, before = cpu_seconds(processes), scrape(mesh.redis_url, cluster)
         result = run_workload(target, build_workload("w64"), warmup=0)
-        after_cpu, after = cpu_seconds(processes), scrape(redis_url, cluster)
+        after_cpu, after = cpu_seconds(processes), scrape(mesh.redis_url, cluster)
     finally:
         mesh.stop()
     used = {name: after_cpu[name] - before_cpu.get(name, 0.0) for name in after_cpu}
@@ -103,7 +103,7 @@ def main() -> None:
             ["worker forward per step (mean, prefill included), ms", f"{forward_ms:.1f}"],
             ["scheduler step per step (waiting for the worker), ms", f"{step_ms:.1f}"]]
     rows += [[f"CPU seconds: {name}", f"{seconds:.2f}"] for name, seconds in sorted(used.items())]
-    write_results("mesh_profile", "Where a W64 run's time goes in the mesh "
+    write_results(args.name, f"Where a W64 run's time goes in the mesh, {Path(model).name} "
                   "(`python -m bench.mesh_profile`)", ["figure", "value"], rows,
                   {"tok_s": result.output_tok_s, "cpu_s": used, "metrics": delta,
                    "forward_ms": forward_ms, "step_ms": step_ms})
