@@ -271,6 +271,12 @@ _WORKER = (
     _worker("--gguf-keep-quantized",
             "GGUF: keep the linear layers' Q8_0/Q4_0/Q4_1/Q5_x/Q4_K/Q6_K blocks in memory and "
             "dequantize them per matmul (less memory, slower steps)", type=bool, default=False),
+    _worker("--task",
+            "auto | generate | embed: sample tokens, or pool each prompt into one vector "
+            "(/v1/embeddings, Embed); auto = what the folder says (an architecture without "
+            "an LM head such as Qwen3Model, or a sentence-transformers folder, embeds); "
+            "embed serves any decoder here as an embedding model (vLLM's --task embed)",
+            default="auto", choices=("auto", "generate", "embed")),
     _worker("--enforce-eager",
             "CUDA: run every step eagerly, without capturing decode steps as CUDA graphs "
             "(vLLM's flag)", type=bool, default=False),

@@ -53,6 +53,54 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: its prompt is pooled into one vector when all of it is
+    computed, instead of a token being sampled."""
+
+    dimensions: int = 0  # Matryoshka: the first `dimensions` components, 0 = all
+
+
+@dataclass(frozen=True)
+class PoolingInfo:
+    """What a model does with a prompt (vLLM's runner): "generate", or "embed" with how its
+    hidden states become one vector."""
+
+    task: str = "generate"
+    pooling_type: str = ""  # "last", "mean" or "cls" for "embed"
+    normalize: bool = False  # unit L2 norm
+    embedding_size: int = 0  # components of a full vector
+    matryoshka_dimensions: tuple[int, ...] = ()  # the dimensions it accepts, besides full
+    any_dimensions: bool = False  # any from 1 to embedding_size
+
+    @property
+    def embeds(self) -> bool:
+        return self.task == "embed"
+
+    @property
+    def reads_every_token(self) -> bool:
+        """Mean and CLS pooling read rows a prefix-cache hit or a preemption's swap would
+        skip: such a request computes its whole prompt in one pass of chunks."""
+        return self.embeds and self.pooling_type != "last"
+
+    def dimensions_error(self, dimensions: int) -> str | None:
+        """Why `dimensions` (0 = full size) cannot be asked of this model; None if it can."""
+        if dimensions == 0:
+            return None
+        if not self.embeds:
+            return "dimensions applies to embedding models only"
+        if dimensions == self.embedding_size:
+            return None
+        if self.any_dimensions and 1 <= dimensions <= self.embedding_size:
+            return None
+        if dimensions in self.matryoshka_dimensions:
+            return None
+        accepted = ("any from 1 to " + str(self.embedding_size) if self.any_dimensions
+                    else ", ".join(map(str, self.matryoshka_dimensions)) or "none")
+        return (f"dimensions {dimensions} is not supported by this model (full size "
+                f"{self.embedding_size}; Matryoshka dimensions it accepts: {accepted})")
+
+
+@dataclass(frozen=True)
 class NewRequestData:
     """A request the workers do not hold yet (first time, after a preemption, or a resume):
     sent in full once."""
@@ -63,6 +111,7 @@ class NewRequestData:
     block_ids: list[BlockId]
     num_computed_tokens: int
     sampling: SamplingParams
+    pooling: PoolingParams | None = None  # an embedding request
 
 
 @dataclass(frozen=True)
@@ -126,3 +175,6 @@ class ModelRunnerOutput:
     # Only requests whose scheduled tokens reached the end of their known tokens.
     sampled: dict[RequestId, SampledToken] = field(default_factory=dict)
     forward_time_ms: float = 0.0  # the driver's forward pass, for the step span
+    # Embedding requests whose prompt was completed this step: the vector, float32
+    # little-endian (pooled, cut to its dimensions, normalised where the model says).
+    pooled: dict[RequestId, bytes] = field(default_factory=dict)

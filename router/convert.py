@@ -15,6 +15,8 @@ from pagemesh.options.constraint import OutputConstraint
 from pagemesh.options.validation import SamplingOptions, StoppingOptions
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
+from protos.pooling import pooling_info_from_pb, pooling_info_to_pb
+from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.resume import Progress, SampleProgress
 from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, Submission,
                           TokenChunk, TokenLogprob)
@@ -110,6 +112,8 @@ def submit_request(submission: Submission, progress: Progress | None = None
         owner=submission.owner,
         request_digest=submission.request_digest,
     )
+    if submission.embed_dimensions is not None:
+        request.embed.dimensions = submission.embed_dimensions
     if progress is not None:
         request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
                                 for i, p in enumerate(progress.samples))
@@ -152,7 +156,26 @@ def sample_output(pb: scheduler_pb2.SubmitResponse) -> SampleOutput:
     """A scheduler message of one sample, converted once as it reaches the router."""
     logprobs = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in pb.logprobs]
     return SampleOutput(pb.index, list(pb.token_ids), finish_reason_from_pb(pb.finish_reason),
-                        logprobs)
+                        logprobs, pb.embedding or None)
+
+
+def embedding_request(pb: generate_pb2.EmbedRequest, owner: str = "") -> EmbeddingRequest:
+    """A gRPC `Embed` call's request (an input with neither text nor ids stays None)."""
+    inputs: list[str | list[int] | None] = []
+    for item in pb.inputs:
+        kind = item.WhichOneof("input")
+        inputs.append(item.text if kind == "text" else
+                      list(item.token_ids.ids) if kind == "token_ids" else None)
+    return EmbeddingRequest(inputs=inputs, model=pb.model, dimensions=pb.dimensions,
+                            priority=pb.priority, owner=owner)
+
+
+def embed_response(result: EmbeddingResult) -> generate_pb2.EmbedResponse:
+    return generate_pb2.EmbedResponse(
+        request_id=result.request_id,
+        embeddings=[generate_pb2.Embedding(index=i, values=vector.tolist())
+                    for i, vector in enumerate(result.vectors())],
+        usage=generate_pb2.Usage(prompt_tokens=result.num_prompt_tokens))
 
 
 # The router's one finish-reason table: the wire's enum values and the domain's names.
@@ -207,6 +230,7 @@ def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
         tensor_parallel_size=pb.layout.tensor_parallel_size,
         pipeline_parallel_size=pb.layout.pipeline_parallel_size,
         num_replicas=pb.layout.num_replicas,
+        pooling=pooling_info_from_pb(pb.pooling),
     )
 
 
@@ -220,6 +244,7 @@ def model_info_response(info: ModelInfo) -> generate_pb2.GetModelInfoResponse:
         layout=generate_pb2.ParallelLayout(tensor_parallel_size=info.tensor_parallel_size,
                                            pipeline_parallel_size=info.pipeline_parallel_size,
                                            num_replicas=info.num_replicas),
+        pooling=pooling_info_to_pb(info.pooling),
     )
 
 

@@ -41,6 +41,7 @@ from pagemesh.options.validation import (ModelLimits, ValidatedRequest, Validati
                                          check_identity, check_unicode, validate)
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from router import replay
+from router.embedding import EmbeddingRequest, EmbeddingResult, Embeddings
 from router.client_stream import ClientStream
 from router.dispatcher import Dispatcher
 from router.structured import ConstraintError, GrammarCompiler
@@ -96,9 +97,14 @@ class Generation:
         self._to_delete: list[tuple[str, str | None]] = []  # checkpoints of ended requests
         self._store_away_until = 0.0  # loop time: until then, no lookup for a new request
         self._deleter: asyncio.Task[None] | None = None
+        self.embeddings = Embeddings(self)  # the embedding path (router/embedding.py)
 
     async def model_info(self) -> ModelInfo:
         return await self.directory.model_info()
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """One vector per input of an embedding model (router/embedding.py)."""
+        return await self.embeddings.embed(request)
 
     async def tokenize(self, text: str, apply_chat_template: bool, owner: str = ""
                        ) -> tuple[list[int], list[str]]:

@@ -33,6 +33,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                                            owner)
         return convert.tokenize_response(token_ids, tokens)
 
+    async def Embed(self, request: generate_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> generate_pb2.EmbedResponse:
+        owner = self.generation.tenancy.owner(_authorization(context))
+        result = await self.generation.embed(convert.embedding_request(request, owner))
+        return convert.embed_response(result)
+
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pagemesh.options.constraint import OutputConstraint
 from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
                                          ValidatedRequest)
+from protos.step import PoolingInfo
 
 
 class FinishReason(enum.StrEnum):
@@ -71,6 +72,9 @@ class Submission:
     # the request as the client stated it, to refuse the id's reuse for another request.
     owner: str = ""
     request_digest: str = ""
+    # An embedding request (router/embedding.py): its Matryoshka dimensions (0 = full);
+    # None for a generation.
+    embed_dimensions: int | None = None
 
     @classmethod
     def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int,
@@ -132,6 +136,7 @@ class SampleOutput:
     finish_reason: FinishReason | None = None
     # Per token, (chosen token's logprob, [(alternative id, logprob), ...]); empty without logprobs.
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    embedding: bytes | None = None  # an embedding request's vector, float32 LE, at its end
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,7 @@ class ModelInfo:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     num_replicas: int  # engine groups behind the router
+    pooling: PoolingInfo = PoolingInfo()  # generate, or embed and how
 
     def limits(self) -> ModelLimits:
         """What `pagemesh.options.validation.validate` checks a request against."""

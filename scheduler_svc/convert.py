@@ -17,7 +17,15 @@ from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
-from protos.step import ModelRunnerOutput, RequestId, SampledToken, SamplingParams, SchedulerOutput
+from protos.pooling import pooling_info_from_pb, pooling_info_to_pb
+from protos.step import (
+    ModelRunnerOutput,
+    PoolingParams,
+    RequestId,
+    SampledToken,
+    SamplingParams,
+    SchedulerOutput,
+)
 from scheduler_svc.core import admission
 from scheduler_svc.core.admission import expand_samples
 from scheduler_svc.core.scheduler import SchedulerStats
@@ -112,8 +120,9 @@ def _request_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, min_tokens=stopping.min_tokens,
         stop_token_ids=stopping.stop_token_ids, ignore_eos=stopping.ignore_eos,
-        num_logprobs=pb.logprobs, grammar=pb.grammar, priority=pb.priority, **unset_is_none),
-        eos_token_ids, arrival_time_s)
+        num_logprobs=pb.logprobs, grammar=pb.grammar, priority=pb.priority,
+        pooling=PoolingParams(pb.embed.dimensions) if pb.HasField("embed") else None,
+        **unset_is_none), eos_token_ids, arrival_time_s)
 
 
 def _sampling_to_pb(s: SamplingParams) -> worker_pb2.SamplingParams:
@@ -150,6 +159,8 @@ def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str]
                 block_ids=new.block_ids,
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=_sampling_to_pb(new.sampling),
+                pooling=(None if new.pooling is None
+                         else worker_pb2.PoolingParams(dimensions=new.pooling.dimensions)),
             )
             for new in output.new_requests
         ],
@@ -189,6 +200,7 @@ def model_runner_output_from_pb(pb: worker_pb2.ExecuteStepResponse) -> ModelRunn
             )
             for s in pb.sampled
         },
+        pooled={RequestId(p.request_id): p.embedding for p in pb.pooled},
     )
 
 
@@ -205,6 +217,7 @@ def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool, request_id
         token_ids=[t.token_id for t in event.new_tokens],
         finish_reason=_FINISH_REASON_TO_PB[event.finish_reason],
         num_prompt_tokens=event.num_prompt_tokens,
+        embedding=event.embedding or b"",
     )
     if with_logprobs:
         response.logprobs.extend(
@@ -250,6 +263,7 @@ def worker_info_from_pb(pb: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
         weight_bytes=pb.weight_bytes,
         kv_cache_bytes=pb.kv_cache_bytes,
         kv_cache_sizing=pb.kv_cache_sizing,
+        pooling=pooling_info_from_pb(pb.pooling),
     )
 
 
@@ -271,6 +285,7 @@ def model_info_to_pb(info: WorkerInfo, num_blocks: int,
         weight_bytes=info.weight_bytes if weight_bytes is None else weight_bytes,
         kv_cache_bytes=info.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes,
         kv_cache_sizing=info.kv_cache_sizing,
+        pooling=pooling_info_to_pb(info.pooling),
         layout=generate_pb2.ParallelLayout(
             tensor_parallel_size=info.tp_size,
             pipeline_parallel_size=info.pp_size,

@@ -329,4 +329,5 @@ def _fresh_copy(request: Request) -> Request:
         arrival_time_s=request.arrival_time_s,
         output_token_ids=list(request.output_token_ids),
         priority=request.priority,
+        pooling=request.pooling,
     )

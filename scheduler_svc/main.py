@@ -84,6 +84,7 @@ def config_for(args: argparse.Namespace) -> ConfigFor:
             num_swap_blocks=num_swap_blocks,
             num_microbatches=args.pp,
             async_scheduling=async_scheduling(args),
+            pooling=lead.pooling,
         )
     return build
 

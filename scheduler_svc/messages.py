@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagemesh.checkpoints import TokenLogprobs
+from protos.step import PoolingInfo
 from scheduler_svc.core.types import FinishReason, Request, RequestEvent
 
 # One sample's event on its way to a router, as the Connect stream's outbox holds it:
@@ -45,6 +46,11 @@ class Submission:
     @property
     def resumed(self) -> bool:
         return bool(self.progress)
+
+    @property
+    def embeds(self) -> bool:
+        """An embedding request: not checkpointed (a failed one is recomputed whole)."""
+        return any(r.pooling is not None for r in self.requests)
 
 
 @dataclass(frozen=True)
@@ -105,3 +111,4 @@ class WorkerInfo:
     weight_bytes: int  # this rank's weights in memory
     kv_cache_bytes: int  # this rank's KV cache
     kv_cache_sizing: str  # how that size was chosen, with the figures
+    pooling: PoolingInfo = PoolingInfo()  # what the model does: generate, or embed and how

@@ -64,7 +64,9 @@ class RequestStreams:
         if submission.resumed:
             logger.info("resuming request %s after %s tokens", request_id,
                         [len(token_ids) for token_ids, _ in submission.progress.values()])
-        self.checkpointer.track(request_id, submission.original, admitted_samples(submission))
+        if not submission.embeds:  # an embedding is recomputed whole after a failure
+            self.checkpointer.track(request_id, submission.original,
+                                    admitted_samples(submission))
         opened = OpenRequest(request_id, submission.n, submission.with_logprobs,
                              {r.request_id for r in submission.requests})
         opened.ended = self._ended(submission)

@@ -9,13 +9,20 @@ sending any metadata along with the activations.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from protos.step import (
+    CachedRequestData,
+    NewRequestData,
+    PoolingParams,
+    SamplingParams,
+    SchedulerOutput,
+)
 from worker_svc.attention import AttentionMetadata
+from worker_svc.model.pooling import PoolSegment
 from worker_svc.structured import GrammarState
 
 
@@ -29,6 +36,7 @@ class RequestState:
     # The sampling rank's grammar matcher (worker_svc/structured.py), made at the first draw
     # of a constrained request; None otherwise.
     grammar: GrammarState | None = None
+    pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class StepBatch:
     metadata: AttentionMetadata
     sample_rows: list[int]  # flat token row whose hidden state feeds the LM head
     sample_request_ids: list[str]
+    pool_segments: list[PoolSegment] = field(default_factory=list)  # embedding requests' rows
 
 
 def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
@@ -134,7 +143,12 @@ def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[st
     block_tables = np.where(np.arange(max_blocks)[None, :] < needed[:, None],
                             tables.table[rows, :max_blocks], 0).astype(np.int32)
     known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(order))
-    sampled = np.flatnonzero(ends == known)
+    completes = ends == known
+    pool_segments = _pool_segments(order, states, query_start_loc, starts, counts, completes)
+    if pool_segments:
+        completes &= np.fromiter((s.pooling is None for s in states), dtype=bool,
+                                 count=len(order))
+    sampled = np.flatnonzero(completes)
 
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(array, dtype=dtype).to(device)
@@ -151,7 +165,17 @@ def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[st
         metadata=metadata,
         sample_rows=(query_start_loc[1:][sampled] - 1).tolist(),
         sample_request_ids=[order[i] for i in sampled.tolist()],
+        pool_segments=pool_segments,
     )
+
+
+def _pool_segments(order: list[str], states: list[RequestState], query_start_loc: np.ndarray,
+                   starts: np.ndarray, counts: np.ndarray, completes: np.ndarray
+                   ) -> list[PoolSegment]:
+    """The embedding requests' rows of the batch (none in a generation-only step)."""
+    return [PoolSegment(order[i], int(query_start_loc[i]), int(counts[i]), int(starts[i]),
+                        bool(completes[i]), state.pooling.dimensions)
+            for i, state in enumerate(states) if state.pooling is not None]
 
 
 def step_digest(step: SchedulerOutput) -> int:

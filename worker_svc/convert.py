@@ -8,9 +8,11 @@ from protos.step import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PoolingParams,
     SamplingParams,
     SchedulerOutput,
 )
+from protos.pooling import pooling_info_to_pb
 from worker_svc.diagnostics import ProfileTraceFile, RankMemory, StepStatsSnapshot
 
 
@@ -42,6 +44,8 @@ def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutp
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 sampling=sampling_from_pb(r.sampling),
+                pooling=(PoolingParams(dimensions=r.pooling.dimensions)
+                         if r.HasField("pooling") else None),
             )
             for r in pb.new_requests
         ],
@@ -88,6 +92,8 @@ def model_runner_output_to_pb(output: ModelRunnerOutput) -> worker_pb2.ExecuteSt
             )
             for request_id, token in output.sampled.items()
         ],
+        pooled=[worker_pb2.PooledOutput(request_id=request_id, embedding=vector)
+                for request_id, vector in output.pooled.items()],
     )
 
 
@@ -107,6 +113,7 @@ def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> w
         weight_bytes=info.weight_bytes,
         kv_cache_bytes=info.kv_cache_bytes,
         kv_cache_sizing=info.kv_cache_sizing,
+        pooling=pooling_info_to_pb(info.pooling),
         **layout,
     )
 

@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_features import CpuFeatures, cpu_features
+from protos.step import PoolingInfo
 from worker_svc.model.config import MoeConfig, ModelConfig, RopeConfig, parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.pooling import pooling_info
 from worker_svc.model.parallel_layers import Index, TPComm
 from worker_svc.parallel import ParallelConfig
 from worker_svc.quant.config import resolve_quantization
@@ -61,6 +63,7 @@ class ModelMetadata:
     # none | fp8 | awq | gguf-<types> (e.g. gguf-q4_1): how the linear layers' weights are held
     quantization: str = "none"
     path: str = ""  # the folder or .gguf file it was loaded from (its tokenizer lives there)
+    pooling: PoolingInfo = PoolingInfo()  # what it does with a prompt: generate or embed
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class ModelSource:
     # The dtype the weights are stored in (config.json's dtype / torch_dtype, a GGUF's float
     # tensors); None when unknown or quantized.
     stored_dtype: torch.dtype | None = None
+    folder: Path | None = None  # a HF folder's path (None for a .gguf file)
+    hf_config: dict | None = None  # a HF folder's config.json
 
 
 def resolve_dtype(name: str, device: torch.device | str, stored: torch.dtype | None = None,
@@ -134,6 +139,7 @@ def load_model(
     comm: TPComm | None = None,
     quantization: str = "auto",
     gguf_keep_quantized: bool = False,
+    task: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelMetadata]:
     """Build this rank's part of the model (`parallel`; default: the whole model) on
     `device` in `dtype` and fill it from the checkpoint at `path`, reading only that part.
@@ -141,9 +147,13 @@ def load_model(
     `quantization` (auto | none | fp8 | awq; auto = what the checkpoint says) chooses how
     the decoder's linear layers hold their weights (worker_svc/quant);
     `gguf_keep_quantized` keeps a GGUF's quantized linear layers in their blocks
-    (worker_svc/quant/gguf.py) instead of dequantizing them here."""
+    (worker_svc/quant/gguf.py) instead of dequantizing them here. `task` (auto | generate |
+    embed) says whether it samples tokens or pools embeddings (worker_svc/model/pooling.py):
+    an embedding model has no LM head."""
     device = torch.device(device)
     source = open_source(path)
+    pooling = pooling_info(source.folder, source.hf_config or {}, source.architecture, task,
+                           source.config.hidden_size)
     torch_dtype = resolve_dtype(dtype, device, source.stored_dtype)
     quant = resolve_quantization(quantization, source.quantization_config)
     if gguf_keep_quantized and (source.gguf_blocks is None or quant.method != "none"):
@@ -159,7 +169,8 @@ def load_model(
     # Build on the meta device so no memory is spent on a random init, then materialise
     # directly in the target dtype on the target device.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_model_len or limit, parallel, comm)
+        model = LlamaForCausalLM(config, max_model_len or limit, parallel, comm,
+                                 lm_head=not pooling.embeds)
     quantized = QuantizedLoad(model, quant) if quant.method != "none" else None
     kept = GgufKeptLoad(model, source.gguf_tensor_types) if gguf_keep_quantized else None
     for load in (quantized, kept):
@@ -184,6 +195,7 @@ def load_model(
         dtype=torch_dtype,
         quantization=kept.quantization if kept is not None else quant.method,
         path=str(path),
+        pooling=pooling,
     )
     logger.info("loaded %s (%s) from %s as %s (quantization %s) on %s (%s)", metadata.name,
                 metadata.architecture, path, torch_dtype, metadata.quantization, device,
@@ -207,17 +219,22 @@ def _open_hf_folder(folder: Path) -> ModelSource:
         ARCHITECTURE_BY_MODEL_TYPE[config.model_type]
     ]
     files = _safetensors_files(folder)
+    # A model without an LM head (`Qwen3Model`, an embedding folder such as
+    # Qwen3-Embedding's) names its trunk's tensors without the `model.` prefix.
+    def hf_name(stored: str) -> str:
+        return stored if stored.startswith(("model.", "lm_head.")) else "model." + stored
 
     def weights(select: WeightSelector) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
         for file in files:
             with safe_open(str(file), framework="pt") as tensors:
-                for name in tensors.keys():
+                for stored in tensors.keys():
+                    name = hf_name(stored)
                     index = select(name)
                     if index is not None:
                         # get_slice reads only the selected bytes of the mapped file.
-                        yield name, tensors.get_slice(name)[index]
+                        yield name, tensors.get_slice(stored)[index]
 
     return ModelSource(
         config=config,
@@ -227,6 +244,8 @@ def _open_hf_folder(folder: Path) -> ModelSource:
         weights=weights,
         quantization_config=hf_config.get("quantization_config"),
         stored_dtype=DTYPES.get(hf_config.get("dtype") or hf_config.get("torch_dtype") or ""),
+        folder=folder,
+        hf_config=hf_config,
     )
 
 

@@ -113,6 +113,7 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
         enforce_eager=args.enforce_eager,
         kv_prefault_steps=args.kv_prefault_steps,
         eplb_interval_steps=args.eplb_interval_steps,
+        task=args.task,
         cuda_graph_sizes=(parse_capture_sizes(args.cuda_graph_sizes)
                           if args.cuda_graph_sizes else None),
     )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
+from protos.step import ModelRunnerOutput, PoolingInfo, SampledToken, SchedulerOutput
 from worker_svc import sampler
 from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
@@ -66,6 +66,7 @@ from worker_svc.model.expert_balance import (
 )
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import pack_linear_weights, packed_weight_bytes
+from worker_svc.model.pooling import Pooler
 from worker_svc.parallel import ParallelConfig, global_rank
 from worker_svc.quant import QUANTIZATION_CHOICES
 
@@ -109,6 +110,9 @@ class RunnerConfig:
     # Expert parallelism: rebalance the experts by their load every this many steps (0 =
     # never; worker_svc/model/expert_balance.py).
     eplb_interval_steps: int = 0
+    # auto | generate | embed: sample tokens, or pool the prompt into one vector (vLLM's
+    # --task / --runner; auto = what the folder says, worker_svc/model/pooling.py)
+    task: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -146,6 +150,7 @@ class RunnerInfo:
     weight_bytes: int = 0  # this rank's weights in memory, quantized or packed as they are
     kv_cache_bytes: int = 0  # this rank's KV cache (num_blocks of its layers and heads)
     kv_cache_sizing: str = ""  # how its size was chosen (worker_svc/kv_budget.py)
+    pooling: PoolingInfo = PoolingInfo()  # generate, or embed and how
 
 
 class ModelRunner:
@@ -183,6 +188,8 @@ class ModelRunner:
         self.kv_prefault = (KVPrefault(self.kv_caches, num_blocks, kv_prefault_blocks).start()
                             if kv_prefault_blocks > 0 and self.device.type == "cpu" else None)
         self.requests: dict[str, RequestState] = {}
+        # An embedding model's head: pools its requests' rows instead of sampling.
+        self.pooler = Pooler(metadata.pooling) if metadata.pooling.embeds else None
         self.block_tables = BlockTables()  # the requests' block ids, as the batch reads them
         self.grammar_vocabulary: GrammarVocabulary | None = None  # structured output
         self._sent_downstream = False  # this step's activations went to the next stage
@@ -205,6 +212,7 @@ class ModelRunner:
             config.model_path, dtype=config.dtype, device=config.device,
             max_model_len=config.max_model_len, parallel=config.parallel, comm=dist,
             quantization=config.quantization, gguf_keep_quantized=config.gguf_keep_quantized,
+            task=config.task,
         )
         spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
         budget = _kv_budget(config, model, metadata, spec)
@@ -233,6 +241,8 @@ class ModelRunner:
         one in full. The KV cache stays as it is; the scheduler owns which blocks are used."""
         self.requests.clear()
         self.block_tables.clear()
+        if self.pooler is not None:
+            self.pooler.states.clear()
 
     def info(self) -> RunnerInfo:
         config = self.model.config
@@ -258,6 +268,7 @@ class ModelRunner:
             weight_bytes=packed_weight_bytes(self.model),
             kv_cache_bytes=self.num_blocks * self.kv_spec.bytes_per_block,
             kv_cache_sizing=self.kv_cache_sizing,
+            pooling=self.metadata.pooling,
         )
 
     @torch.inference_mode()
@@ -294,6 +305,13 @@ class ModelRunner:
             step, self.requests, num_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.metadata.max_model_len, vocab_size=self.metadata.vocab_size,
         )
+        embeds = self.pooler is not None
+        for new in step.new_requests:
+            if (new.pooling is not None) != embeds:
+                raise ValueError(
+                    f"request {new.request_id!r}: " + (
+                        "this model embeds (a pooling model): it samples no tokens" if embeds
+                        else "this model generates: start it with --task embed to embed"))
         check_block_moves(step, self.num_blocks, self.num_swap_blocks)
 
     def _execute_in_group(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -370,8 +388,14 @@ class ModelRunner:
         try:
             hidden, residual = self._forward(batch, step.num_scheduled_tokens, intermediate)
             sampled: dict[str, SampledToken] = {}
+            pooled: dict[str, bytes] = {}
             if not self.parallel.is_last_stage:
                 self._send_downstream(step.step_id, digest, hidden, residual)
+            elif batch.pool_segments:
+                if self.parallel.is_driver:
+                    pooled = self.pooler.pool(
+                        lambda rows: self.model.final_hidden(hidden[rows], residual[rows]),
+                        batch.pool_segments)
             elif batch.sample_rows:
                 rows = torch.tensor(batch.sample_rows, device=self.device)
                 # Every TP rank of the last stage joins the LM head's all-gather.
@@ -387,7 +411,8 @@ class ModelRunner:
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
-        return ModelRunnerOutput(step_id=step.step_id, sampled=sampled, forward_time_ms=forward_time_ms)
+        return ModelRunnerOutput(step_id=step.step_id, sampled=sampled,
+                                 forward_time_ms=forward_time_ms, pooled=pooled)
 
     def _forward(self, batch: StepBatch, num_scheduled_tokens: dict[str, int],
                  intermediate: tuple[torch.Tensor, torch.Tensor] | None
@@ -423,6 +448,8 @@ class ModelRunner:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
             self.block_tables.remove(request_id)
+            if self.pooler is not None:
+                self.pooler.forget(request_id)
         for new in step.new_requests:
             # Sent in full: replaces any state kept under the same id (a rebuild).
             self.requests[new.request_id] = RequestState(
@@ -431,6 +458,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
+                pooling=new.pooling,
             )
             self.block_tables.set(new.request_id, new.block_ids)
         for cached in step.cached_requests:
@@ -550,7 +578,7 @@ def profile_forward(model: LlamaForCausalLM, metadata: ModelMetadata, spec: KVCa
                              torch.arange(num_tokens, device=device), caches, attention,
                              get_attention_backend(config.attention_backend, device),
                              intermediate)
-    if model.parallel.is_last_stage:
+    if model.parallel.is_last_stage and not metadata.pooling.embeds:
         rows = min(config.max_num_seqs, num_tokens)
         model.compute_logits(hidden[:rows], residual[:rows])
 

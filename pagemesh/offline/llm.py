@@ -29,6 +29,15 @@ from typing import Any, TextIO
 
 from pagemesh.offline.batch import BatchSink, Prompt, prepare
 from pagemesh.offline.diagnostics import RankMemoryUsage, RankStepStats, memory_usage
+from pagemesh.offline.embed import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    EmbedSink,
+    PoolingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    embedding_requests,
+)
 from pagemesh.offline.engine import EngineCore
 from pagemesh.offline.outputs import RequestOutput
 from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
@@ -93,7 +102,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  scheduling_policy: str = "fcfs", device: str = "auto",
-                 **kwargs: Any) -> None:
+                 task: str = "auto", **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - _IGNORED_VLLM_ARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}")
@@ -111,7 +120,7 @@ class LLM:
             swap_space_gib=swap_space, enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            scheduling_policy=scheduling_policy, device=device)
+            scheduling_policy=scheduling_policy, device=device, task=task)
         checked = check_servable(setup)  # before anything is loaded or allocated
         built = build_engine(setup, checked)
         self.model_path = checked.model_path
@@ -167,6 +176,59 @@ class LLM:
             parsed.append(Prompt(self.tokenizer.decode(token_ids, skip_special_tokens=False),
                                  token_ids))
         return self._run(parsed, sampling_params, use_tqdm, None)
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput],
+              pooling_params: PoolingParams | None = None, *,
+              use_tqdm: bool | Callable[..., Any] = True, **kwargs: Any
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's `LLM.embed`): an embedding model's
+        pooled, normalised (where it says) vector; `pooling_params.dimensions` for
+        Matryoshka models. Texts are tokenized with the special tokens the tokenizer adds."""
+        _check_unused(kwargs, "embed")
+        prompts_, vectors = self._pool(prompts, pooling_params, use_tqdm)
+        return [EmbeddingRequestOutput(request_id, EmbeddingOutput(vector.tolist()), ids)
+                for (request_id, ids), vector in zip(prompts_, vectors)]
+
+    def encode(self, prompts: PromptInput | Sequence[PromptInput],
+               pooling_params: PoolingParams | None = None, *,
+               use_tqdm: bool | Callable[..., Any] = True, pooling_task: str = "embed",
+               **kwargs: Any) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode`: the pooled output per prompt as a tensor
+        (`outputs.data`); only `pooling_task="embed"` is served."""
+        import torch
+
+        _check_unused(kwargs, "encode")
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task {pooling_task!r} is not served; only \"embed\"")
+        prompts_, vectors = self._pool(prompts, pooling_params, use_tqdm)
+        return [PoolingRequestOutput(request_id, PoolingOutput(torch.from_numpy(vector)), ids)
+                for (request_id, ids), vector in zip(prompts_, vectors)]
+
+    def _pool(self, prompts: Any, params: PoolingParams | None,
+              use_tqdm: bool | Callable[..., Any]) -> tuple[list[tuple[str, list[int]]], list]:
+        engine = self._live_engine()
+        token_ids = [self._prompt(p).token_ids for p in _as_list(prompts)]
+        request_ids = [str(self._next_request_id + i) for i in range(len(token_ids))]
+        requests = embedding_requests(request_ids, token_ids, params, self.info.pooling,
+                                      self.limits.max_model_len)
+        self._next_request_id += len(requests)
+        progress = _progress_bar(use_tqdm, len(requests))
+        sink = EmbedSink(request_ids, progress.update if progress is not None else None)
+        try:
+            engine.submit([[r] for r in requests], sink)
+            while not sink.wait(WAIT_SLICE_S):
+                pass
+        except BaseException:
+            engine.abort(request_ids)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        if sink.error is not None:
+            engine.abort(request_ids)
+            raise RuntimeError(f"embedding failed: {sink.error}")
+        return (list(zip(request_ids, token_ids)),
+                [sink.vector(request_id) for request_id in request_ids])
 
     def reset_prefix_cache(self) -> int:
         """Drops the cached prompt blocks no request holds (vLLM's `reset_prefix_cache`):

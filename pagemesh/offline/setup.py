@@ -50,6 +50,7 @@ class EngineSetup:
     block_size: int = 16
     scheduling_policy: str = "fcfs"
     device: str = "auto"
+    task: str = "auto"  # auto | generate | embed (worker_svc/model/pooling.py)
 
     @property
     def world_size(self) -> int:
@@ -178,6 +179,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         swap_space_bytes=int(setup.swap_space_gib * GIB), max_model_len=setup.max_model_len,
         parallel=ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0,
                                 expert_parallel=setup.enable_expert_parallel),
+        task=setup.task,
     )
     workers = None
     if world_size == 1:
@@ -203,6 +205,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         num_swap_blocks=min(info.num_swap_blocks for info in infos),
         num_microbatches=setup.pipeline_parallel_size,
         async_scheduling=world_size == 1,  # only a lone rank fills in its own tokens
+        pooling=lead.pooling,
     )
     engine = EngineCore(Scheduler(scheduler_config), executor,
                         max_steps_in_flight=setup.pipeline_parallel_size)

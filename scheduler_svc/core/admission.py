@@ -11,7 +11,7 @@ import dataclasses
 import struct
 from collections.abc import Container, Mapping, Sequence
 
-from protos.step import RequestId, SamplingParams
+from protos.step import PoolingParams, RequestId, SamplingParams
 from scheduler_svc.core.config import CapacityError, SchedulerConfig
 from scheduler_svc.core.types import (
     FINISHED_STATUS,
@@ -45,6 +45,7 @@ class RequestSpec:
     num_logprobs: int = 0
     grammar: str = ""
     priority: int = 0
+    pooling: PoolingParams | None = None  # an embedding request (max_tokens is then 1)
 
 
 _DEFAULTED = ("temperature", "top_p", "repetition_penalty")  # None: SamplingParams' default
@@ -80,6 +81,7 @@ def core_request(spec: RequestSpec, eos_token_ids: Sequence[int], arrival_time_s
         max_tokens=spec.max_tokens,
         arrival_time_s=arrival_time_s,
         priority=spec.priority,
+        pooling=spec.pooling,
     )
 
 
@@ -89,12 +91,17 @@ def check_admissible(request: Request, config: SchedulerConfig,
     for one that could never fit the KV cache however long it waited."""
     if request.request_id in live_ids:
         raise ValueError(f"request id {request.request_id!r} is already in flight")
-    max_len = request.num_prompt_tokens + request.max_tokens
+    if (request.pooling is not None) != config.pooling.embeds:
+        raise ValueError("this model embeds: send it embedding requests" if config.pooling.embeds
+                         else "this model generates: start it with --task embed to embed")
+    # An embedding request computes its prompt only.
+    max_len = request.num_prompt_tokens + (request.max_tokens if request.pooling is None else 0)
     if max_len > config.max_model_len:
         raise ValueError(
             f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) "
-            f"exceeds max_model_len ({config.max_model_len})"
-        )
+            f"exceeds max_model_len ({config.max_model_len})" if request.pooling is None else
+            f"input of {request.num_prompt_tokens} tokens exceeds max_model_len "
+            f"({config.max_model_len})")
     num_blocks = -(-max_len // config.block_size)
     if num_blocks > config.num_blocks:
         raise CapacityError(

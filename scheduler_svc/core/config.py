@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protos.step import PoolingInfo
 from scheduler_svc.core.policy import POLICIES
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -53,6 +54,9 @@ class SchedulerConfig:
     # that step samples; the workers fill it in themselves (`SchedulerOutput.
     # append_sampled_tokens`), so only an engine group of one rank can do it.
     async_scheduling: bool = False
+    # What the model does: an embedding model's requests are pooled (`Request.pooling`);
+    # mean and CLS pooling recompute the whole prompt (no prefix-cache hits).
+    pooling: PoolingInfo = PoolingInfo()
 
     def __post_init__(self) -> None:
         if self.preemption_mode is None:  # frozen: set once here, as if given

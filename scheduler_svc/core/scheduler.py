@@ -203,6 +203,9 @@ class Scheduler:
                 any_finished = True
             events.append(RequestEvent(request_id, (sampled,), finish_reason,
                                        len(request.prompt_token_ids)))
+        if result.pooled:
+            events += self._pooled(output, result.pooled)
+            any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         in_flight = self._in_flight
@@ -216,6 +219,24 @@ class Scheduler:
             event = self.abort(request_id)
             if event is not None:
                 events.append(event)
+        return events
+
+    def _pooled(self, output: SchedulerOutput, pooled: dict[RequestId, bytes]
+                ) -> list[RequestEvent]:
+        """Embedding requests whose prompt the step completed: each ends with its vector."""
+        events = []
+        for request_id, embedding in pooled.items():
+            if request_id not in output.num_scheduled_tokens:
+                raise ValueError(f"step {output.step_id} pooled unscheduled request {request_id}")
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.pooling is None or request.num_computed_tokens != request.num_tokens:
+                raise ValueError(f"request {request_id} pooled before its prompt was computed")
+            request.num_pending_tokens -= 1
+            self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
+            events.append(RequestEvent(request_id, (), request.finish_reason,
+                                       request.num_prompt_tokens, embedding))
         return events
 
     def stats(self) -> SchedulerStats:
@@ -335,7 +356,8 @@ class Scheduler:
         """Swaps the request out (swap mode, if swap space suffices) or drops its KV, and
         queues it again with its old sort key. The caller took it out of `running`."""
         swap_pairs = None
-        if self.config.preemption_mode == "swap":
+        # An embedding request recomputes: its pooling state is on the workers, forgotten.
+        if self.config.preemption_mode == "swap" and request.pooling is None:
             swap_pairs = self.kv.swap_out(request)
         if swap_pairs is not None:
             output.blocks_to_swap_out.extend(swap_pairs)
@@ -385,7 +407,9 @@ class Scheduler:
                 return self._start_fork(request, leader, output)
         if request.status is RequestStatus.SWAPPED:
             return self._resume_swapped(request, output, budget)
-        computed_blocks = self.kv.get_computed_blocks(request)
+        computed_blocks = ([] if request.pooling is not None
+                           and self.config.pooling.reads_every_token
+                           else self.kv.get_computed_blocks(request))
         num_computed = len(computed_blocks) * self.config.block_size
         num_new = self._num_new_tokens(request.num_tokens - num_computed, budget)
         if num_new == 0:
@@ -453,6 +477,7 @@ class Scheduler:
             block_ids=list(request.block_ids),
             num_computed_tokens=request.num_computed_tokens,
             sampling=request.sampling,
+            pooling=request.pooling,
         ))
         output.num_scheduled_tokens[request.request_id] = num_new
         request.num_computed_tokens += num_new

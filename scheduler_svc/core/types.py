@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protos.step import BlockId, RequestId, SampledToken, SamplingParams
+from protos.step import BlockId, PoolingParams, RequestId, SampledToken, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +65,9 @@ class Request:
     num_tokens_on_workers: int = 0
     # Tokens that steps in flight will sample for it (async scheduling: up to 2), not known yet.
     num_pending_tokens: int = 0
+    # An embedding request: its prompt is pooled into one vector (the step that completes
+    # the prompt returns it instead of a token) and it ends there.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -115,3 +118,4 @@ class RequestEvent:
     new_tokens: tuple[SampledToken, ...] = ()
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
+    embedding: bytes | None = None  # an embedding request's vector (float32 LE), at its end

@@ -215,7 +215,10 @@ _LM_HEAD = "lm_head.weight"
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None,
-                 parallel: ParallelConfig | None = None, comm: TPComm | None = None) -> None:
+                 parallel: ParallelConfig | None = None, comm: TPComm | None = None,
+                 lm_head: bool = True) -> None:
+        """`lm_head` False: an embedding model's trunk (its last stage pools the final
+        hidden states, `final_hidden`; a checkpoint's LM head is not read)."""
         super().__init__()
         parallel = parallel or ParallelConfig()
         check_tensor_parallel(config, parallel.tp_size, parallel.expert_parallel)
@@ -227,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied checkpoints reuse the embedding as LM head when one stage holds both; no
         # second parameter, so nothing can untie them when the model is moved. A last
         # stage without the embedding gets its own copy of the (same) rows.
-        needs_head = parallel.is_last_stage and not (
+        needs_head = lm_head and parallel.is_last_stage and not (
             config.tie_word_embeddings and parallel.is_first_stage
         )
         self.lm_head = (
@@ -236,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             if needs_head else None
         )
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        if parallel.is_last_stage and head is not None:
+        if lm_head and parallel.is_last_stage and head is not None:
             head.packable = True  # the logits matmul may be packed (matmul.py)
 
     @property
@@ -266,6 +269,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("only the last pipeline stage computes logits")
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
         return head.logits(self.model.norm.add_forward(hidden, residual)[0])
+
+    def final_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Last stage: the final residual add and norm of rows [num_rows, hidden] x2, what
+        an embedding model pools (transformers' `last_hidden_state`)."""
+        if self.model.norm is None:
+            raise ValueError("only the last pipeline stage holds the final norm")
+        return self.model.norm.add_forward(hidden, residual)[0]
 
     def checkpoint_slice(self, name: str) -> Index | None:
         """Which part of checkpoint tensor `name` this rank loads; None when it loads none

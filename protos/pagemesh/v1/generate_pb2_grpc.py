@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagemesh.v1.Generation/Embed',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -79,6 +84,17 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds texts or token ids with a pooling model (GetModelInfoResponse.pooling.task
+        "embed"): one vector per input, in input order. Errors: INVALID_ARGUMENT for an empty
+        input list or input, more inputs than the router takes, an input past the context, a
+        `dimensions` the model does not support, or a model that does not embed (start it with
+        --task embed); UNAVAILABLE when no engine group is reachable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +112,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +201,33 @@ class Generation:
             '/pagemesh.v1.Generation/GetModelInfo',
             protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_pagemesh_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.v1.Generation/Embed',
+            protos_dot_pagemesh_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

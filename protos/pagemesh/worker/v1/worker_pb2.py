@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from protos.pagemesh.v1 import admin_pb2 as protos_dot_pagemesh_dot_v1_dot_admin__pb2
+from protos.pagemesh.v1 import generate_pb2 as protos_dot_pagemesh_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/pagemesh/worker/v1/worker.proto\x12\x12pagemesh.worker.v1\x1a\x1eprotos/pagemesh/v1/admin.proto\"\x12\n\x10GetMemoryRequest\"<\n\x11GetMemoryResponse\x12\'\n\x06memory\x18\x01 \x01(\x0b\x32\x17.pagemesh.v1.RankMemory\"\'\n\x13GetStepStatsRequest\x12\x10\n\x08window_s\x18\x01 \x01(\x01\"A\n\x14GetStepStatsResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.pagemesh.v1.RankStepStats\"e\n\x13StartProfileRequest\x12\x0f\n\x07out_dir\x18\x01 \x01(\t\x12\x12\n\ntrace_name\x18\x02 \x01(\t\x12\x15\n\rrecord_shapes\x18\x03 \x01(\x08\x12\x12\n\nwith_stack\x18\x04 \x01(\x08\"\x16\n\x14StartProfileResponse\"\x14\n\x12StopProfileRequest\"?\n\x13StopProfileResponse\x12(\n\x05trace\x18\x01 \x01(\x0b\x32\x19.pagemesh.v1.ProfileTrace\"\x16\n\x14GetWorkerInfoRequest\"\x82\x03\n\x15GetWorkerInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\x12\x0f\n\x07pp_rank\x18\x0c \x01(\r\x12\x0f\n\x07pp_size\x18\r \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x0e \x01(\r\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x14\n\x0cweight_bytes\x18\x10 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x11 \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\x12 \x01(\t\"\x84\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x14\n\x0cnum_logprobs\x18\x0b \x01(\r\x12\x0f\n\x07grammar\x18\x0c \x01(\t\"\xb4\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".pagemesh.worker.v1.SamplingParams\"n\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xc4\x05\n\x12\x45xecuteStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.pagemesh.worker.v1.NewRequest\x12:\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32!.pagemesh.worker.v1.CachedRequest\x12\\\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32>.pagemesh.worker.v1.ExecuteStepRequest.NumScheduledTokensEntry\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12\x39\n\x12\x62locks_to_swap_out\x18\x06 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x38\n\x11\x62locks_to_swap_in\x18\x07 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x35\n\x0e\x62locks_to_copy\x18\x08 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x10\n\x08sequence\x18\n \x01(\x04\x12N\n\x0ctraceparents\x18\x0b \x03(\x0b\x32\x38.pagemesh.worker.v1.ExecuteStepRequest.TraceparentsEntry\x12\x1d\n\x15\x61ppend_sampled_tokens\x18\x0c \x01(\x08\x1a\x39\n\x17NumScheduledTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x33\n\x11TraceparentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"{\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.pagemesh.worker.v1.TopLogprob\"r\n\x13\x45xecuteStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x07sampled\x18\x02 \x03(\x0b\x32 .pagemesh.worker.v1.SampledToken\x12\x17\n\x0f\x66orward_time_ms\x18\x03 \x01(\x02\x32\xce\x04\n\x06Worker\x12\x64\n\rGetWorkerInfo\x12(.pagemesh.worker.v1.GetWorkerInfoRequest\x1a).pagemesh.worker.v1.GetWorkerInfoResponse\x12^\n\x0b\x45xecuteStep\x12&.pagemesh.worker.v1.ExecuteStepRequest\x1a\'.pagemesh.worker.v1.ExecuteStepResponse\x12X\n\tGetMemory\x12$.pagemesh.worker.v1.GetMemoryRequest\x1a%.pagemesh.worker.v1.GetMemoryResponse\x12\x61\n\x0cGetStepStats\x12\'.pagemesh.worker.v1.GetStepStatsRequest\x1a(.pagemesh.worker.v1.GetStepStatsResponse\x12\x61\n\x0cStartProfile\x12\'.pagemesh.worker.v1.StartProfileRequest\x1a(.pagemesh.worker.v1.StartProfileResponse\x12^\n\x0bStopProfile\x12&.pagemesh.worker.v1.StopProfileRequest\x1a\'.pagemesh.worker.v1.StopProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/pagemesh/worker/v1/worker.proto\x12\x12pagemesh.worker.v1\x1a\x1eprotos/pagemesh/v1/admin.proto\x1a!protos/pagemesh/v1/generate.proto\"\x12\n\x10GetMemoryRequest\"<\n\x11GetMemoryResponse\x12\'\n\x06memory\x18\x01 \x01(\x0b\x32\x17.pagemesh.v1.RankMemory\"\'\n\x13GetStepStatsRequest\x12\x10\n\x08window_s\x18\x01 \x01(\x01\"A\n\x14GetStepStatsResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.pagemesh.v1.RankStepStats\"e\n\x13StartProfileRequest\x12\x0f\n\x07out_dir\x18\x01 \x01(\t\x12\x12\n\ntrace_name\x18\x02 \x01(\t\x12\x15\n\rrecord_shapes\x18\x03 \x01(\x08\x12\x12\n\nwith_stack\x18\x04 \x01(\x08\"\x16\n\x14StartProfileResponse\"\x14\n\x12StopProfileRequest\"?\n\x13StopProfileResponse\x12(\n\x05trace\x18\x01 \x01(\x0b\x32\x19.pagemesh.v1.ProfileTrace\"\x16\n\x14GetWorkerInfoRequest\"\xad\x03\n\x15GetWorkerInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\x12\x0f\n\x07pp_rank\x18\x0c \x01(\r\x12\x0f\n\x07pp_size\x18\r \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x0e \x01(\r\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x14\n\x0cweight_bytes\x18\x10 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x11 \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\x12 \x01(\t\x12)\n\x07pooling\x18\x13 \x01(\x0b\x32\x18.pagemesh.v1.PoolingInfo\"\x84\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x14\n\x0cnum_logprobs\x18\x0b \x01(\r\x12\x0f\n\x07grammar\x18\x0c \x01(\t\"\xe8\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".pagemesh.worker.v1.SamplingParams\x12\x32\n\x07pooling\x18\x07 \x01(\x0b\x32!.pagemesh.worker.v1.PoolingParams\"#\n\rPoolingParams\x12\x12\n\ndimensions\x18\x01 \x01(\r\"n\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xc4\x05\n\x12\x45xecuteStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.pagemesh.worker.v1.NewRequest\x12:\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32!.pagemesh.worker.v1.CachedRequest\x12\\\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32>.pagemesh.worker.v1.ExecuteStepRequest.NumScheduledTokensEntry\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12\x39\n\x12\x62locks_to_swap_out\x18\x06 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x38\n\x11\x62locks_to_swap_in\x18\x07 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x35\n\x0e\x62locks_to_copy\x18\x08 \x03(\x0b\x32\x1d.pagemesh.worker.v1.BlockPair\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x10\n\x08sequence\x18\n \x01(\x04\x12N\n\x0ctraceparents\x18\x0b \x03(\x0b\x32\x38.pagemesh.worker.v1.ExecuteStepRequest.TraceparentsEntry\x12\x1d\n\x15\x61ppend_sampled_tokens\x18\x0c \x01(\x08\x1a\x39\n\x17NumScheduledTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x33\n\x11TraceparentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"{\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.pagemesh.worker.v1.TopLogprob\"\xa4\x01\n\x13\x45xecuteStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x07sampled\x18\x02 \x03(\x0b\x32 .pagemesh.worker.v1.SampledToken\x12\x17\n\x0f\x66orward_time_ms\x18\x03 \x01(\x02\x12\x30\n\x06pooled\x18\x04 \x03(\x0b\x32 .pagemesh.worker.v1.PooledOutput\"5\n\x0cPooledOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x01(\x0c\x32\xce\x04\n\x06Worker\x12\x64\n\rGetWorkerInfo\x12(.pagemesh.worker.v1.GetWorkerInfoRequest\x1a).pagemesh.worker.v1.GetWorkerInfoResponse\x12^\n\x0b\x45xecuteStep\x12&.pagemesh.worker.v1.ExecuteStepRequest\x1a\'.pagemesh.worker.v1.ExecuteStepResponse\x12X\n\tGetMemory\x12$.pagemesh.worker.v1.GetMemoryRequest\x1a%.pagemesh.worker.v1.GetMemoryResponse\x12\x61\n\x0cGetStepStats\x12\'.pagemesh.worker.v1.GetStepStatsRequest\x1a(.pagemesh.worker.v1.GetStepStatsResponse\x12\x61\n\x0cStartProfile\x12\'.pagemesh.worker.v1.StartProfileRequest\x1a(.pagemesh.worker.v1.StartProfileResponse\x12^\n\x0bStopProfile\x12&.pagemesh.worker.v1.StopProfileRequest\x1a\'.pagemesh.worker.v1.StopProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,46 +37,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_options = b'8\001'
   _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._loaded_options = None
   _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_options = b'8\001'
-  _globals['_GETMEMORYREQUEST']._serialized_start=94
-  _globals['_GETMEMORYREQUEST']._serialized_end=112
-  _globals['_GETMEMORYRESPONSE']._serialized_start=114
-  _globals['_GETMEMORYRESPONSE']._serialized_end=174
-  _globals['_GETSTEPSTATSREQUEST']._serialized_start=176
-  _globals['_GETSTEPSTATSREQUEST']._serialized_end=215
-  _globals['_GETSTEPSTATSRESPONSE']._serialized_start=217
-  _globals['_GETSTEPSTATSRESPONSE']._serialized_end=282
-  _globals['_STARTPROFILEREQUEST']._serialized_start=284
-  _globals['_STARTPROFILEREQUEST']._serialized_end=385
-  _globals['_STARTPROFILERESPONSE']._serialized_start=387
-  _globals['_STARTPROFILERESPONSE']._serialized_end=409
-  _globals['_STOPPROFILEREQUEST']._serialized_start=411
-  _globals['_STOPPROFILEREQUEST']._serialized_end=431
-  _globals['_STOPPROFILERESPONSE']._serialized_start=433
-  _globals['_STOPPROFILERESPONSE']._serialized_end=496
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=498
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=520
-  _globals['_GETWORKERINFORESPONSE']._serialized_start=523
-  _globals['_GETWORKERINFORESPONSE']._serialized_end=909
-  _globals['_SAMPLINGPARAMS']._serialized_start=912
-  _globals['_SAMPLINGPARAMS']._serialized_end=1172
-  _globals['_NEWREQUEST']._serialized_start=1175
-  _globals['_NEWREQUEST']._serialized_end=1355
-  _globals['_CACHEDREQUEST']._serialized_start=1357
-  _globals['_CACHEDREQUEST']._serialized_end=1467
-  _globals['_BLOCKPAIR']._serialized_start=1469
-  _globals['_BLOCKPAIR']._serialized_end=1506
-  _globals['_EXECUTESTEPREQUEST']._serialized_start=1509
-  _globals['_EXECUTESTEPREQUEST']._serialized_end=2217
-  _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_start=2107
-  _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_end=2164
-  _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_start=2166
-  _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_end=2217
-  _globals['_TOPLOGPROB']._serialized_start=2219
-  _globals['_TOPLOGPROB']._serialized_end=2266
-  _globals['_SAMPLEDTOKEN']._serialized_start=2268
-  _globals['_SAMPLEDTOKEN']._serialized_end=2391
-  _globals['_EXECUTESTEPRESPONSE']._serialized_start=2393
-  _globals['_EXECUTESTEPRESPONSE']._serialized_end=2507
-  _globals['_WORKER']._serialized_start=2510
-  _globals['_WORKER']._serialized_end=3100
+  _globals['_GETMEMORYREQUEST']._serialized_start=129
+  _globals['_GETMEMORYREQUEST']._serialized_end=147
+  _globals['_GETMEMORYRESPONSE']._serialized_start=149
+  _globals['_GETMEMORYRESPONSE']._serialized_end=209
+  _globals['_GETSTEPSTATSREQUEST']._serialized_start=211
+  _globals['_GETSTEPSTATSREQUEST']._serialized_end=250
+  _globals['_GETSTEPSTATSRESPONSE']._serialized_start=252
+  _globals['_GETSTEPSTATSRESPONSE']._serialized_end=317
+  _globals['_STARTPROFILEREQUEST']._serialized_start=319
+  _globals['_STARTPROFILEREQUEST']._serialized_end=420
+  _globals['_STARTPROFILERESPONSE']._serialized_start=422
+  _globals['_STARTPROFILERESPONSE']._serialized_end=444
+  _globals['_STOPPROFILEREQUEST']._serialized_start=446
+  _globals['_STOPPROFILEREQUEST']._serialized_end=466
+  _globals['_STOPPROFILERESPONSE']._serialized_start=468
+  _globals['_STOPPROFILERESPONSE']._serialized_end=531
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=533
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=555
+  _globals['_GETWORKERINFORESPONSE']._serialized_start=558
+  _globals['_GETWORKERINFORESPONSE']._serialized_end=987
+  _globals['_SAMPLINGPARAMS']._serialized_start=990
+  _globals['_SAMPLINGPARAMS']._serialized_end=1250
+  _globals['_NEWREQUEST']._serialized_start=1253
+  _globals['_NEWREQUEST']._serialized_end=1485
+  _globals['_POOLINGPARAMS']._serialized_start=1487
+  _globals['_POOLINGPARAMS']._serialized_end=1522
+  _globals['_CACHEDREQUEST']._serialized_start=1524
+  _globals['_CACHEDREQUEST']._serialized_end=1634
+  _globals['_BLOCKPAIR']._serialized_start=1636
+  _globals['_BLOCKPAIR']._serialized_end=1673
+  _globals['_EXECUTESTEPREQUEST']._serialized_start=1676
+  _globals['_EXECUTESTEPREQUEST']._serialized_end=2384
+  _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_start=2274
+  _globals['_EXECUTESTEPREQUEST_NUMSCHEDULEDTOKENSENTRY']._serialized_end=2331
+  _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_start=2333
+  _globals['_EXECUTESTEPREQUEST_TRACEPARENTSENTRY']._serialized_end=2384
+  _globals['_TOPLOGPROB']._serialized_start=2386
+  _globals['_TOPLOGPROB']._serialized_end=2433
+  _globals['_SAMPLEDTOKEN']._serialized_start=2435
+  _globals['_SAMPLEDTOKEN']._serialized_end=2558
+  _globals['_EXECUTESTEPRESPONSE']._serialized_start=2561
+  _globals['_EXECUTESTEPRESPONSE']._serialized_end=2725
+  _globals['_POOLEDOUTPUT']._serialized_start=2727
+  _globals['_POOLEDOUTPUT']._serialized_end=2780
+  _globals['_WORKER']._serialized_start=2783
+  _globals['_WORKER']._serialized_end=3373
 # @@protoc_insertion_point(module_scope)

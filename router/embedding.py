@@ -1,0 +1,148 @@
+"""Embedding requests: inputs in (texts or token ids), one pooled vector per input out.
+
+Each input is its own scheduler request (prefill only: the engine group pools the prompt's
+hidden states when its last chunk is computed and frees its KV blocks), sent through the
+same dispatcher as a generation, so it is routed across replicas and retried on another
+group when one fails. Nothing is checkpointed: a failed input is recomputed whole.
+All inputs of a request are checked before any is scheduled.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from opentelemetry import trace
+
+from pagemesh.options.validation import SamplingOptions, StoppingOptions
+from pagemesh.serving import ServiceError, invalid_argument
+from router.types import SampleOutput, Submission
+
+if TYPE_CHECKING:
+    from router.generation import Generation
+
+# OpenAI's limit on inputs of one embeddings request.
+MAX_EMBED_INPUTS = 2048
+tracer = trace.get_tracer(__name__)
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """What a client asks to embed: each input a text, token ids, or None (not given)."""
+
+    inputs: list[str | list[int] | None]
+    model: str = ""  # "" = the served model
+    dimensions: int = 0  # Matryoshka: the first `dimensions` components; 0 = full
+    priority: int = 0
+    owner: str = ""  # the API key's fingerprint (router/tenancy.py), "" with keys off
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    request_id: str
+    embeddings: list[bytes]  # per input, in order: float32 little-endian
+    num_prompt_tokens: int  # over all inputs
+    num_tokens: list[int] = field(default_factory=list)  # per input
+
+    def vectors(self) -> list[array.array]:
+        """Each embedding as an array of Python floats (float32 values)."""
+        out = []
+        for data in self.embeddings:
+            values = array.array("f")
+            values.frombytes(data)
+            if sys.byteorder == "big":
+                values.byteswap()
+            out.append(values)
+        return out
+
+
+class Embeddings:
+    """The router's embedding path, beside `Generation` (whose tokenizer, dispatcher,
+    admission slots and model info it shares)."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """INVALID_ARGUMENT before anything is scheduled for: a model that does not embed,
+        an unknown model name, no inputs or too many, an empty input, ids outside the
+        vocabulary, an input past the context, unsupported `dimensions`."""
+        generation = self.generation
+        with generation._admitted(request.owner):
+            with tracer.start_as_current_span("Embed") as span:
+                token_ids = await self._validate(request)
+                mesh_id = generation.tenancy.mesh_request_id(request.owner, uuid.uuid4().hex)
+                span.set_attribute("gen_ai.operation.name", "embeddings")
+                span.set_attribute("gen_ai.request.id", mesh_id)
+                span.set_attribute("gen_ai.usage.input_tokens", sum(map(len, token_ids)))
+                async with asyncio.TaskGroup() as group:  # one failing cancels the rest
+                    tasks = [group.create_task(self._one(f"{mesh_id}-{i}", ids, request))
+                             for i, ids in enumerate(token_ids)]
+        return EmbeddingResult(mesh_id, [t.result() for t in tasks],
+                               sum(map(len, token_ids)), [len(ids) for ids in token_ids])
+
+    async def _one(self, request_id: str, token_ids: list[int],
+                   request: EmbeddingRequest) -> bytes:
+        submission = Submission(
+            request_id, token_ids, SamplingOptions(seed=0), StoppingOptions(max_tokens=1),
+            priority=request.priority, owner=request.owner,
+            embed_dimensions=request.dimensions)
+        vector: list[bytes] = []
+
+        def process(output: SampleOutput) -> None:
+            if output.embedding is not None:
+                vector.append(output.embedding)
+
+        async for _ in self.generation.dispatcher.stream(submission, process):
+            pass
+        if not vector:
+            raise invalid_argument(f"input {request_id} ended without an embedding")
+        return vector[-1]
+
+    async def _validate(self, request: EmbeddingRequest) -> list[list[int]]:
+        info = await self.generation.directory.model_info()
+        if request.model and request.model != info.model:
+            raise invalid_argument(f"model {request.model!r} is not served here; this router "
+                                   f"serves {info.model!r}")
+        if not info.pooling.embeds:
+            raise invalid_argument(
+                f"model {info.model!r} generates text; it does not embed: serve an embedding "
+                "model, or start this one with --task embed")
+        problem = info.pooling.dimensions_error(request.dimensions)
+        if problem is not None:
+            raise invalid_argument(problem)
+        if not request.inputs:
+            raise invalid_argument("input is empty: send at least one text or list of token ids")
+        if len(request.inputs) > MAX_EMBED_INPUTS:
+            raise invalid_argument(f"{len(request.inputs)} inputs in one request; at most "
+                                   f"{MAX_EMBED_INPUTS} are accepted: split it")
+        max_tokens = await self.generation._max_prompt_tokens()
+        token_ids = []
+        for index, item in enumerate(request.inputs):
+            ids = await self._tokens(index, item, max_tokens, info.vocab_size)
+            if len(ids) > max_tokens:
+                raise invalid_argument(
+                    f"input {index} is {len(ids)} tokens but at most {max_tokens} are "
+                    "accepted (the model's context, or --max-prompt-tokens); shorten it")
+            token_ids.append(ids)
+        return token_ids
+
+    async def _tokens(self, index: int, item: str | list[int] | None, max_tokens: int,
+                      vocab_size: int) -> list[int]:
+        if item is None or len(item) == 0:
+            raise invalid_argument(f"input {index} is empty: send at least one character or "
+                                   "token")
+        if isinstance(item, str):
+            try:
+                return await self.generation._tokenize(item, False, max_tokens)
+            except ServiceError as exc:
+                raise ServiceError(exc.code, f"input {index}: {exc.message}") from None
+        bad = next((t for t in item if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise invalid_argument(f"input {index}: token id {bad} is outside the vocabulary "
+                                   f"(0..{vocab_size - 1})")
+        return list(item)
