@@ -162,6 +162,17 @@ class RouterMetrics(ServiceMetrics):
         self.e2e_request_latency = Histogram(
             E2E_REQUEST_LATENCY, "Seconds from a request's arrival to its "
             "last message", ["model"], buckets=REQUEST_LATENCY_BUCKETS_S, registry=registry)
+        # Embedding requests (router/embedding.py): each input is one engine request.
+        self.embedding_inputs = Counter(
+            PREFIX + "router_embedding_inputs", "Inputs of embedding requests admitted, by "
+            "outcome (ok, error)", ["model", "outcome"], registry=registry)
+        self.embedding_tokens = Counter(
+            PREFIX + "router_embedding_prompt_tokens", "Tokens of embedded inputs",
+            ["model"], registry=registry)
+        self.embedding_latency = Histogram(
+            PREFIX + "router_embedding_request_latency_seconds", "Seconds from an embedding "
+            "request's arrival to its answer", ["model"], buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=registry)
 
     def follow_router(self, model: Callable[[], str], num_in_flight: Callable[[], int],
                       num_groups_ready: Callable[[], int], num_resumes: Callable[[], int]) -> None:

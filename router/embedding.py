@@ -12,9 +12,11 @@ from __future__ import annotations
 import array
 import asyncio
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
@@ -72,17 +74,28 @@ class Embeddings:
         an unknown model name, no inputs or too many, an empty input, ids outside the
         vocabulary, an input past the context, unsupported `dimensions`."""
         generation = self.generation
+        metrics = generation.metrics
         with generation._admitted(request.owner):
             with tracer.start_as_current_span("Embed") as span:
+                start_s = time.monotonic()
                 token_ids = await self._validate(request)
+                model = (await generation.directory.model_info()).model
                 mesh_id = generation.tenancy.mesh_request_id(request.owner, uuid.uuid4().hex)
                 span.set_attribute("gen_ai.operation.name", "embeddings")
-                span.set_attribute("gen_ai.request.id", mesh_id)
+                span.set_attribute("gen_ai.request.model", model)
+                span.set_attribute("pagemesh.request_id", mesh_id)
                 span.set_attribute("gen_ai.usage.input_tokens", sum(map(len, token_ids)))
-                async with asyncio.TaskGroup() as group:  # one failing cancels the rest
-                    tasks = [group.create_task(self._one(f"{mesh_id}-{i}", ids, request))
-                             for i, ids in enumerate(token_ids)]
-        return EmbeddingResult(mesh_id, [t.result() for t in tasks],
+                outcome = "error"
+                try:
+                    vectors = await _all_or_none(
+                        [self._one(f"{mesh_id}-{i}", ids, request)
+                         for i, ids in enumerate(token_ids)])
+                    outcome = "ok"
+                finally:
+                    metrics.embedding_inputs.labels(model, outcome).inc(len(token_ids))
+                metrics.embedding_tokens.labels(model).inc(sum(map(len, token_ids)))
+                metrics.embedding_latency.labels(model).observe(time.monotonic() - start_s)
+        return EmbeddingResult(mesh_id, vectors,
                                sum(map(len, token_ids)), [len(ids) for ids in token_ids])
 
     async def _one(self, request_id: str, token_ids: list[int],
@@ -97,7 +110,8 @@ class Embeddings:
             if output.embedding is not None:
                 vector.append(output.embedding)
 
-        async for _ in self.generation.dispatcher.stream(submission, process):
+        span = trace.get_current_span()  # Embed's: each input's scheduler span is its child
+        async for _ in self.generation.dispatcher.stream(submission, process, span=span):
             pass
         if not vector:
             raise invalid_argument(f"input {request_id} ended without an embedding")
@@ -146,3 +160,15 @@ class Embeddings:
             raise invalid_argument(f"input {index}: token id {bad} is outside the vocabulary "
                                    f"(0..{vocab_size - 1})")
         return list(item)
+
+
+async def _all_or_none(calls: list[Coroutine[Any, Any, bytes]]) -> list[bytes]:
+    """Every call's result, in order; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -322,6 +322,11 @@ class Generation:
             self._deleter = None
 
     async def _validate(self, request: GenerationRequest) -> ValidatedRequest:
+        info = await self.directory.model_info()
+        if info.pooling.embeds:
+            raise invalid_argument(
+                f"model {info.model!r} is an embedding model: it does not generate text; send "
+                "its inputs to /v1/embeddings (gRPC: Embed)")
         prompt = request.prompt
         if prompt is None:
             raise invalid_argument("the request has no prompt: set `text` or `token_ids`")

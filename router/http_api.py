@@ -41,6 +41,7 @@ from pagemesh.serving import ServiceError
 from pagemesh.telemetry import tracing_enabled
 from router import openai_protocol as oai
 from router.generation import Generation
+from router.openai_embeddings import embeddings_object, parse_embeddings
 from router.tool_calls import HERMES, CallFormat, ToolCallStream, parse
 from router.tracing import TraceContextMiddleware
 from router.types import TokenChunk
@@ -77,6 +78,7 @@ def build_http_app(generation: Generation, is_serving: Callable[[], bool],
         routes=[
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", api.embeddings, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics, methods=["GET"]),
@@ -171,6 +173,13 @@ class _OpenAIApi:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(oai.models_object(await self.generation.model_info(), self.created))
+
+    async def embeddings(self, request: Request) -> Response:
+        owner = self.generation.tenancy.owner(request.headers.get("authorization"))
+        parsed, encoding = parse_embeddings(await _json_body(request, self.max_body_bytes), owner)
+        result = await self.generation.embed(parsed)
+        model = (await self.generation.model_info()).model
+        return JSONResponse(embeddings_object(result, model, encoding))
 
     async def completions(self, request: Request) -> Response:
         parsed = oai.parse_completion(await _json_body(request, self.max_body_bytes),

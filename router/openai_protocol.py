@@ -375,7 +375,16 @@ def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any
 
 
 def models_object(info: ModelInfo, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{
+    """The one served model; `task` says what it does ("generate": /v1/completions and
+    /v1/chat/completions; "embed": /v1/embeddings, with its vector size and pooling)."""
+    model: dict[str, Any] = {
         "id": info.model, "object": "model", "created": created, "owned_by": "pagemesh",
         "max_model_len": info.max_model_len, "quantization": info.quantization,
-    }]}
+        "task": info.pooling.task,
+    }
+    if info.pooling.embeds:
+        model["embedding_dimensions"] = info.pooling.embedding_size
+        model["pooling"] = {"type": info.pooling.pooling_type, "normalize": info.pooling.normalize,
+                            "matryoshka_dimensions": list(info.pooling.matryoshka_dimensions),
+                            "any_dimensions": info.pooling.any_dimensions}
+    return {"object": "list", "data": [model]}

@@ -348,6 +348,9 @@ class LLM:
              use_tqdm: bool | Callable[..., Any], priority: list[int] | None
              ) -> list[RequestOutput]:
         engine = self._live_engine()
+        if self.info.pooling.embeds:
+            raise ValueError(f"{self.info.model_name} is an embedding model: it does not "
+                             "generate text; use LLM.embed or LLM.encode")
         params = _params_per_prompt(sampling_params, len(prompts))
         if priority is not None:
             if len(priority) != len(prompts):

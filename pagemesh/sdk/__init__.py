@@ -24,6 +24,7 @@ from pagemesh.sdk.errors import (
 from pagemesh.sdk.types import (
                                  Chunk,
                                  Completion,
+                                 Embeddings,
                                  ModelInfo,
                                  SampleOutput,
                                  TokenizeResult,
@@ -34,7 +35,7 @@ from pagemesh.sdk.types import (
 
 __all__ = [
     "AsyncClient", "AsyncCompletionStream", "Cancelled", "Chunk", "Client", "Completion",
-    "CompletionStream", "DeadlineExceeded", "InternalError", "InvalidArgument", "ModelInfo",
+    "CompletionStream", "DeadlineExceeded", "Embeddings", "InternalError", "InvalidArgument", "ModelInfo",
     "NotFound", "PagemeshError", "PermissionDenied", "ResourceExhausted", "SampleOutput",
     "TokenLogprob", "TokenizeResult", "TopLogprob", "Unauthenticated", "Unavailable", "Usage",
 ]

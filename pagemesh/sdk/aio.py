@@ -25,12 +25,14 @@ from pagemesh.sdk.common import (
     DEFAULT_ADDRESS,
     ClientConfig,
     Message,
+    EmbedInputs,
     Prompt,
+    build_embed_request,
     build_request,
     chat_text,
 )
 from pagemesh.sdk.resume import StreamState
-from pagemesh.sdk.types import Chunk, Completion, ModelInfo, TokenizeResult
+from pagemesh.sdk.types import Chunk, Completion, Embeddings, ModelInfo, TokenizeResult
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
@@ -94,6 +96,11 @@ class AsyncClient:
         request = generate_pb2.TokenizeRequest(text=text, apply_chat_template=chat)
         response = await self._unary("Tokenize", request)
         return TokenizeResult(list(response.token_ids), list(response.tokens))
+
+    async def embed(self, inputs: EmbedInputs, *, dimensions: int | None = None) -> Embeddings:
+        """One vector per input of an embedding model (see `Client.embed`)."""
+        return Embeddings.from_pb(await self._unary("Embed",
+                                                    build_embed_request(inputs, dimensions)))
 
     async def model_info(self) -> ModelInfo:
         return ModelInfo.from_pb(await self._unary("GetModelInfo",

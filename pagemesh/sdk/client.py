@@ -28,12 +28,14 @@ from pagemesh.sdk.common import (
     DEFAULT_ADDRESS,
     ClientConfig,
     Message,
+    EmbedInputs,
     Prompt,
+    build_embed_request,
     build_request,
     chat_text,
 )
 from pagemesh.sdk.resume import StreamState
-from pagemesh.sdk.types import Chunk, Completion, ModelInfo, TokenizeResult
+from pagemesh.sdk.types import Chunk, Completion, Embeddings, ModelInfo, TokenizeResult
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
@@ -117,6 +119,12 @@ class Client:
         request = generate_pb2.TokenizeRequest(text=text, apply_chat_template=chat)
         response = self._unary("Tokenize", request)
         return TokenizeResult(list(response.token_ids), list(response.tokens))
+
+    def embed(self, inputs: EmbedInputs, *, dimensions: int | None = None) -> Embeddings:
+        """One vector per input of an embedding model (a text, a list of token ids, or a
+        list of either), in input order; `dimensions` for Matryoshka models. Idempotent:
+        retried on another router address when one is down."""
+        return Embeddings.from_pb(self._unary("Embed", build_embed_request(inputs, dimensions)))
 
     def model_info(self) -> ModelInfo:
         return ModelInfo.from_pb(self._unary("GetModelInfo", generate_pb2.GetModelInfoRequest()))

@@ -107,3 +107,20 @@ def chat_text(messages: str | Sequence[Message]) -> str:
         f"the gRPC API takes one user message with string content, got roles {roles}; send "
         "conversations (system prompts, several turns, tools) to the OpenAI HTTP API's "
         "/v1/chat/completions")
+
+
+EmbedInputs = str | list[int] | Sequence[str | list[int]]
+
+
+def build_embed_request(inputs: EmbedInputs, dimensions: int | None) -> generate_pb2.EmbedRequest:
+    """One text, one list of token ids, or a list of either: as OpenAI's `input`."""
+    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs
+                                   and all(isinstance(t, int) for t in inputs)):
+        inputs = [inputs]  # type: ignore[list-item]
+    request = generate_pb2.EmbedRequest(dimensions=dimensions or 0)
+    for item in inputs:
+        if isinstance(item, str):
+            request.inputs.add(text=item)
+        else:
+            request.inputs.add(token_ids=generate_pb2.TokenIds(ids=list(item)))
+    return request

@@ -122,6 +122,20 @@ class TokenizeResult:
 
 
 @dataclass(frozen=True)
+class Embeddings:
+    """An `embed` call's answer: one vector per input, in input order."""
+
+    request_id: str
+    embeddings: list[list[float]]
+    num_prompt_tokens: int  # over all inputs
+
+    @classmethod
+    def from_pb(cls, pb: generate_pb2.EmbedResponse) -> Embeddings:
+        vectors = sorted(pb.embeddings, key=lambda e: e.index)
+        return cls(pb.request_id, [list(e.values) for e in vectors], pb.usage.prompt_tokens)
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     model: str  # the served model's name
     max_model_len: int  # prompt + generated tokens of one request
@@ -138,6 +152,8 @@ class ModelInfo:
     weight_bytes: int  # one engine group's weights
     kv_cache_bytes: int  # one engine group's KV caches
     kv_cache_sizing: str  # how the KV cache was sized
+    task: str = "generate"  # "generate" or "embed" (an embedding model: `embed`)
+    embedding_size: int = 0  # an embedding model's full vector size
 
     @classmethod
     def from_pb(cls, pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
@@ -150,4 +166,5 @@ class ModelInfo:
             num_kv_blocks=pb.num_kv_blocks, quantization=pb.quantization,
             weight_bytes=pb.weight_bytes, kv_cache_bytes=pb.kv_cache_bytes,
             kv_cache_sizing=pb.kv_cache_sizing,
+            task=pb.pooling.task or "generate", embedding_size=pb.pooling.embedding_size,
         )

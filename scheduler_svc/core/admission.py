@@ -92,7 +92,8 @@ def check_admissible(request: Request, config: SchedulerConfig,
     if request.request_id in live_ids:
         raise ValueError(f"request id {request.request_id!r} is already in flight")
     if (request.pooling is not None) != config.pooling.embeds:
-        raise ValueError("this model embeds: send it embedding requests" if config.pooling.embeds
+        raise ValueError("this is an embedding model: it does not generate text; send it "
+                         "embedding requests" if config.pooling.embeds
                          else "this model generates: start it with --task embed to embed")
     # An embedding request computes its prompt only.
     max_len = request.num_prompt_tokens + (request.max_tokens if request.pooling is None else 0)
