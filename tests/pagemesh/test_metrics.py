@@ -30,6 +30,10 @@ ROUTER_NAMES = {
     "pagemesh:e2e_request_latency_seconds": "histogram",
     "pagemesh:num_requests_in_flight": "gauge", "pagemesh:request_resumes": "counter",
     "pagemesh:engine_groups_ready": "gauge",
+    # Embedding requests (router/embedding.py).
+    "pagemesh:router_embedding_inputs": "counter",
+    "pagemesh:router_embedding_prompt_tokens": "counter",
+    "pagemesh:router_embedding_request_latency_seconds": "histogram",
 }
 SCHEDULER_NAMES = {
     "pagemesh:num_requests_running": "gauge", "pagemesh:num_requests_waiting": "gauge",
