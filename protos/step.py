@@ -58,6 +58,9 @@ class PoolingParams:
     computed, instead of a token being sampled."""
 
     dimensions: int = 0  # Matryoshka: the first `dimensions` components, 0 = all
+    # An image input (encoded PNG/JPEG/WebP/GIF) of a model that embeds images: the prompt
+    # is then placeholder ids that only count in the budget.
+    image: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class PoolingInfo:
     embedding_size: int = 0  # components of a full vector
     matryoshka_dimensions: tuple[int, ...] = ()  # the dimensions it accepts, besides full
     any_dimensions: bool = False  # any from 1 to embedding_size
+    image_tokens: int = 0  # an image input's tokens in the budget; 0 = takes no images
+    max_text_tokens: int = 0  # a text input's limit below max_model_len (CLIP: 77); 0 = none
 
     @property
     def embeds(self) -> bool:

@@ -114,6 +114,7 @@ def submit_request(submission: Submission, progress: Progress | None = None
     )
     if submission.embed_dimensions is not None:
         request.embed.dimensions = submission.embed_dimensions
+        request.embed.image = submission.embed_image
     if progress is not None:
         request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
                                 for i, p in enumerate(progress.samples))
@@ -161,11 +162,12 @@ def sample_output(pb: scheduler_pb2.SubmitResponse) -> SampleOutput:
 
 def embedding_request(pb: generate_pb2.EmbedRequest, owner: str = "") -> EmbeddingRequest:
     """A gRPC `Embed` call's request (an input with neither text nor ids stays None)."""
-    inputs: list[str | list[int] | None] = []
+    inputs: list[str | list[int] | bytes | None] = []
     for item in pb.inputs:
         kind = item.WhichOneof("input")
         inputs.append(item.text if kind == "text" else
-                      list(item.token_ids.ids) if kind == "token_ids" else None)
+                      list(item.token_ids.ids) if kind == "token_ids" else
+                      item.image if kind == "image" else None)
     return EmbeddingRequest(inputs=inputs, model=pb.model, dimensions=pb.dimensions,
                             priority=pb.priority, owner=owner)
 

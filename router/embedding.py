@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from pagemesh.images import ImageError, load_image
 from pagemesh.options.validation import SamplingOptions, StoppingOptions
 from pagemesh.serving import ServiceError, invalid_argument
 from router.types import SampleOutput, Submission
@@ -34,9 +35,10 @@ tracer = trace.get_tracer(__name__)
 
 @dataclass(frozen=True)
 class EmbeddingRequest:
-    """What a client asks to embed: each input a text, token ids, or None (not given)."""
+    """What a client asks to embed: each input a text, token ids, an encoded image (bytes,
+    for a model that embeds images), or None (not given)."""
 
-    inputs: list[str | list[int] | None]
+    inputs: list[str | list[int] | bytes | None]
     model: str = ""  # "" = the served model
     dimensions: int = 0  # Matryoshka: the first `dimensions` components; 0 = full
     priority: int = 0
@@ -88,8 +90,8 @@ class Embeddings:
                 outcome = "error"
                 try:
                     vectors = await _all_or_none(
-                        [self._one(f"{mesh_id}-{i}", ids, request)
-                         for i, ids in enumerate(token_ids)])
+                        [self._one(f"{mesh_id}-{i}", ids, item, request)
+                         for i, (ids, item) in enumerate(zip(token_ids, request.inputs))])
                     outcome = "ok"
                 finally:
                     metrics.embedding_inputs.labels(model, outcome).inc(len(token_ids))
@@ -98,12 +100,13 @@ class Embeddings:
         return EmbeddingResult(mesh_id, vectors,
                                sum(map(len, token_ids)), [len(ids) for ids in token_ids])
 
-    async def _one(self, request_id: str, token_ids: list[int],
+    async def _one(self, request_id: str, token_ids: list[int], item: object,
                    request: EmbeddingRequest) -> bytes:
         submission = Submission(
             request_id, token_ids, SamplingOptions(seed=0), StoppingOptions(max_tokens=1),
             priority=request.priority, owner=request.owner,
-            embed_dimensions=request.dimensions)
+            embed_dimensions=request.dimensions,
+            embed_image=item if isinstance(item, bytes) else b"")
         vector: list[bytes] = []
 
         def process(output: SampleOutput) -> None:
@@ -135,13 +138,19 @@ class Embeddings:
             raise invalid_argument(f"{len(request.inputs)} inputs in one request; at most "
                                    f"{MAX_EMBED_INPUTS} are accepted: split it")
         max_tokens = await self.generation._max_prompt_tokens()
+        if info.pooling.max_text_tokens:
+            max_tokens = min(max_tokens, info.pooling.max_text_tokens)
         token_ids = []
         for index, item in enumerate(request.inputs):
-            ids = await self._tokens(index, item, max_tokens, info.vocab_size)
-            if len(ids) > max_tokens:
-                raise invalid_argument(
-                    f"input {index} is {len(ids)} tokens but at most {max_tokens} are "
-                    "accepted (the model's context, or --max-prompt-tokens); shorten it")
+            if isinstance(item, bytes):
+                ids = await _image_placeholder(index, item, info.pooling.image_tokens, info.model)
+            else:
+                ids = await self._tokens(index, item, max_tokens, info.vocab_size)
+                if len(ids) > max_tokens:
+                    raise invalid_argument(
+                        f"input {index} is {len(ids)} tokens but at most {max_tokens} are "
+                        "accepted (the model's text limit or context, or --max-prompt-tokens); "
+                        "shorten it")
             token_ids.append(ids)
         return token_ids
 
@@ -172,3 +181,19 @@ async def _all_or_none(calls: list[Coroutine[Any, Any, bytes]]) -> list[bytes]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def _image_placeholder(index: int, data: bytes, image_tokens: int, model: str
+                             ) -> list[int]:
+    """An image input's prompt: `image_tokens` placeholder ids (its cost in the step
+    budget), once the image is known to decode within the limits (off the event loop)."""
+    if not image_tokens:
+        raise invalid_argument(f"input {index} is an image, but model {model!r} embeds text "
+                               "only")
+    if not data:
+        raise invalid_argument(f"input {index} is an empty image")
+    try:
+        await asyncio.to_thread(load_image, data)
+    except ImageError as exc:
+        raise invalid_argument(f"input {index}: {exc}") from None
+    return [0] * image_tokens

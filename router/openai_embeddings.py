@@ -5,6 +5,10 @@ from its `EmbeddingResult` (router/embedding.py does the work).
 `encoding_format`: "float" (lists of numbers) or "base64" (each vector's float32
 little-endian bytes, base64: what OpenAI's SDK decodes); `dimensions`: Matryoshka models
 only; `user`: accepted and ignored.
+
+vLLM's extension for models that embed images (CLIP): `messages` instead of `input`, chat
+messages whose content parts are either one `image_url` (a `data:` URL; remote URLs are
+not fetched) or text: one embedding, of the image or of the text.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from pagemesh.images import ImageError, parse_data_url
 from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.openai_errors import ProtocolError
 
 ENCODING_FORMATS = ("float", "base64")
-_KNOWN_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "priority"}
+_KNOWN_FIELDS = {"input", "messages", "model", "encoding_format", "dimensions", "user",
+                 "priority"}
 
 
 def parse_embeddings(body: Any, owner: str = "") -> tuple[EmbeddingRequest, str]:
@@ -27,8 +33,9 @@ def parse_embeddings(body: Any, owner: str = "") -> tuple[EmbeddingRequest, str]
     unknown = sorted(set(body) - _KNOWN_FIELDS)
     if unknown:
         raise ProtocolError(f"unknown field(s) {unknown} for /v1/embeddings", unknown[0])
-    if "input" not in body:
-        raise ProtocolError("`input` is required: a string, a list of strings, or token ids",
+    if ("input" in body) == ("messages" in body):
+        raise ProtocolError("send `input` (a string, a list of strings, or token ids) or, for "
+                            "an image, `messages` with an image_url part; one of the two",
                             "input")
     encoding = body.get("encoding_format") or "float"
     if encoding not in ENCODING_FORMATS:
@@ -45,7 +52,8 @@ def parse_embeddings(body: Any, owner: str = "") -> tuple[EmbeddingRequest, str]
     priority = body.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ProtocolError("priority must be an integer", "priority")
-    return EmbeddingRequest(inputs=_inputs(body["input"]), model=model,
+    inputs = _inputs(body["input"]) if "input" in body else [_message_input(body["messages"])]
+    return EmbeddingRequest(inputs=inputs, model=model,
                             dimensions=dimensions or 0, priority=priority, owner=owner), encoding
 
 
@@ -67,6 +75,47 @@ def _inputs(value: Any) -> list[str | list[int]]:
             raise ProtocolError(f"input[{index}] must be a string or a list of token ids "
                                 "(integers >= 0); one kind per list", "input")
     return inputs
+
+
+def _message_input(messages: Any) -> str | bytes:
+    """The one input of vLLM's chat-style embedding request: an image or a text."""
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("messages must be a non-empty list of chat messages", "messages")
+    texts: list[str] = []
+    images: list[bytes] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(parts, list):
+            raise ProtocolError("each message needs `content`: a string or a list of parts",
+                                "messages")
+        for part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url":
+                images.append(_image_url(part.get("image_url")))
+            else:
+                raise ProtocolError(f"content part of type {kind!r} is not accepted here: "
+                                    "send `text` or `image_url` parts", "messages")
+    if images and texts or len(images) > 1:
+        raise ProtocolError("an embedding is of one image or of text, not both: send one "
+                            "image_url part, or text parts only", "messages")
+    return images[0] if images else "\n".join(texts)
+
+
+def _image_url(value: Any) -> bytes:
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise ProtocolError("image_url needs a `url`", "messages")
+    if not url.startswith("data:"):
+        raise ProtocolError("only data: URLs are accepted for images here (base64 image "
+                            "bytes, e.g. data:image/png;base64,...); remote URLs are not fetched",
+                            "messages")
+    try:
+        return parse_data_url(url)
+    except ImageError as exc:
+        raise ProtocolError(str(exc), "messages") from None
 
 
 def _is_token(value: Any) -> bool:

@@ -75,6 +75,7 @@ class Submission:
     # An embedding request (router/embedding.py): its Matryoshka dimensions (0 = full);
     # None for a generation.
     embed_dimensions: int | None = None
+    embed_image: bytes = b""  # an image input's encoded image (its prompt: placeholders)
 
     @classmethod
     def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int,

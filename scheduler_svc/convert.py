@@ -121,7 +121,8 @@ def _request_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
         frequency_penalty=sampling.frequency_penalty, min_tokens=stopping.min_tokens,
         stop_token_ids=stopping.stop_token_ids, ignore_eos=stopping.ignore_eos,
         num_logprobs=pb.logprobs, grammar=pb.grammar, priority=pb.priority,
-        pooling=PoolingParams(pb.embed.dimensions) if pb.HasField("embed") else None,
+        pooling=(PoolingParams(pb.embed.dimensions, pb.embed.image)
+                 if pb.HasField("embed") else None),
         **unset_is_none), eos_token_ids, arrival_time_s)
 
 
@@ -160,7 +161,8 @@ def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str]
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=_sampling_to_pb(new.sampling),
                 pooling=(None if new.pooling is None
-                         else worker_pb2.PoolingParams(dimensions=new.pooling.dimensions)),
+                         else worker_pb2.PoolingParams(dimensions=new.pooling.dimensions,
+                                                       image=new.pooling.image)),
             )
             for new in output.new_requests
         ],

@@ -44,7 +44,7 @@ def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutp
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 sampling=sampling_from_pb(r.sampling),
-                pooling=(PoolingParams(dimensions=r.pooling.dimensions)
+                pooling=(PoolingParams(dimensions=r.pooling.dimensions, image=r.pooling.image)
                          if r.HasField("pooling") else None),
             )
             for r in pb.new_requests

@@ -40,6 +40,7 @@ from worker_svc.distributed import DistributedContext, init_distributed
 from worker_svc.model.moe import expert_load
 from worker_svc.membership import Membership, Plan, WorkerState
 from worker_svc.parallel import ParallelConfig
+from worker_svc.encoder_runner import load_runner
 from worker_svc.runner import ModelRunner, RunnerConfig
 from worker_svc.servicer import WorkerServicer
 
@@ -250,7 +251,7 @@ async def _join_and_load(args: argparse.Namespace, membership: Membership,
     await membership.set_status(WorkerStatus.LOADING)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    runner = await on_model_thread(ModelRunner.from_config, runner_config(args, parallel), dist)
+    runner = await on_model_thread(load_runner, runner_config(args, parallel), dist)
     if args.served_model_name:
         runner.metadata = dataclasses.replace(runner.metadata, name=args.served_model_name)
     return runner

@@ -11,6 +11,7 @@ the checks are the router's (router/embedding.py): the same model, prompt and
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pagemesh.images import load_image
 from scheduler_svc.core import admission
 from scheduler_svc.core.types import Request, RequestEvent
 from protos.step import PoolingInfo, PoolingParams as StepPoolingParams
@@ -61,9 +63,31 @@ class PoolingRequestOutput:
     finished: bool = True
 
 
+def image_input(prompt: Any, image_tokens: int) -> bytes:
+    """A prompt's image (vLLM's `{"prompt": ..., "multi_modal_data": {"image": ...}}`, the
+    image a PIL image or encoded bytes) as encoded bytes; b"" for a text prompt. ValueError
+    for an image the model cannot take or that does not decode within the limits."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    image = (data or {}).get("image")
+    if image is None:
+        return b""
+    if not image_tokens:
+        raise ValueError("this model embeds text only: it takes no multi_modal_data image")
+    if isinstance(image, list):
+        if len(image) != 1:
+            raise ValueError("an embedding is of one image: give one per prompt")
+        image = image[0]
+    if not isinstance(image, (bytes, bytearray)):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")  # a PIL image, lossless
+        image = buffer.getvalue()
+    load_image(bytes(image))  # ImageError (a ValueError) names what is wrong
+    return bytes(image)
+
+
 def embedding_requests(request_ids: list[str], prompts: list[list[int]],
                        params: PoolingParams | None, pooling: PoolingInfo,
-                       max_model_len: int) -> list[Request]:
+                       max_model_len: int, images: list[bytes] | None = None) -> list[Request]:
     """The engine's requests; ValueError (naming the prompt) for what the router refuses."""
     if not pooling.embeds:
         raise ValueError("this model generates text; it does not embed: load an embedding "
@@ -73,15 +97,18 @@ def embedding_requests(request_ids: list[str], prompts: list[list[int]],
     if problem is not None:
         raise ValueError(problem)
     requests = []
-    for index, (request_id, token_ids) in enumerate(zip(request_ids, prompts)):
+    images = images or [b""] * len(prompts)
+    max_text = min(max_model_len, pooling.max_text_tokens or max_model_len)
+    for index, (request_id, token_ids, image) in enumerate(zip(request_ids, prompts, images)):
         if not token_ids:
             raise ValueError(f"prompt {index} is empty: send at least one character or token")
-        if len(token_ids) > max_model_len:
+        if not image and len(token_ids) > max_text:
             raise ValueError(f"prompt {index} is {len(token_ids)} tokens but at most "
-                             f"{max_model_len} are accepted (max_model_len); shorten it")
+                             f"{max_text} are accepted (the model's text limit or "
+                             "max_model_len); shorten it")
         requests.append(admission.core_request(admission.RequestSpec(
             request_id=request_id, prompt_token_ids=token_ids, seed=0, max_tokens=1,
-            pooling=StepPoolingParams(dimensions)), (), 0.0))
+            pooling=StepPoolingParams(dimensions, image)), (), 0.0))
     return requests
 
 

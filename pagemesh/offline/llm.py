@@ -37,6 +37,7 @@ from pagemesh.offline.embed import (
     PoolingParams,
     PoolingRequestOutput,
     embedding_requests,
+    image_input,
 )
 from pagemesh.offline.engine import EngineCore
 from pagemesh.offline.outputs import RequestOutput
@@ -207,10 +208,14 @@ class LLM:
     def _pool(self, prompts: Any, params: PoolingParams | None,
               use_tqdm: bool | Callable[..., Any]) -> tuple[list[tuple[str, list[int]]], list]:
         engine = self._live_engine()
-        token_ids = [self._prompt(p).token_ids for p in _as_list(prompts)]
+        pooling = self.info.pooling
+        items = _as_list(prompts)
+        images = [image_input(p, pooling.image_tokens) for p in items]
+        token_ids = [[0] * pooling.image_tokens if image else self._prompt(p).token_ids
+                     for p, image in zip(items, images)]
         request_ids = [str(self._next_request_id + i) for i in range(len(token_ids))]
-        requests = embedding_requests(request_ids, token_ids, params, self.info.pooling,
-                                      self.limits.max_model_len)
+        requests = embedding_requests(request_ids, token_ids, params, pooling,
+                                      self.limits.max_model_len, images)
         self._next_request_id += len(requests)
         progress = _progress_bar(use_tqdm, len(requests))
         sink = EmbedSink(request_ids, progress.update if progress is not None else None)

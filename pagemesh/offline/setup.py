@@ -93,8 +93,15 @@ def check_servable(setup: EngineSetup) -> CheckedSetup:
     device = _device(setup)
     import torch  # noqa: F401  (the loader's imports)
 
+    from worker_svc.encoder_runner import is_encoder_model
     from worker_svc.loader import open_source
     from worker_svc.model.parallel_layers import check_tensor_parallel
+
+    if is_encoder_model(model_path):  # CLIP: one rank, its own runner
+        if setup.world_size > 1:
+            raise ValueError(f"cannot serve {model_path}: a CLIP model runs on one rank "
+                             "(tensor_parallel_size = pipeline_parallel_size = 1)")
+        return CheckedSetup(model_path, device, load_tokenizer(setup.tokenizer or model_path))
     from worker_svc.parallel import ParallelConfig
     from worker_svc.quant.config import resolve_quantization
 
@@ -164,7 +171,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
     from pagemesh.offline.diagnostics import DiagnosedInprocExecutor, RankDiagnostics
     from scheduler_svc.executor import model_thread
     from worker_svc.parallel import ParallelConfig
-    from worker_svc.runner import ModelRunner
+    from worker_svc.encoder_runner import load_runner
 
     cpu_native.configure(cpu_native.native_kernel_config_from_env(os.environ))
     world_size = setup.world_size
@@ -184,7 +191,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
     workers = None
     if world_size == 1:
         thread = model_thread()  # loads here and steps here: one OpenMP team
-        runner = thread.submit(ModelRunner.from_config, config).result()
+        runner = thread.submit(load_runner, config).result()
         infos = [runner.info()]
         lead = infos[0]
         executor: Any = DiagnosedInprocExecutor(RankDiagnostics(runner), thread)

@@ -146,6 +146,8 @@ def test_token_ids_matryoshka_grpc_and_the_sdk(mesh: Mesh, reference) -> None:
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format must be one of"),
     ({"input": [1.5]}, "input[0] must be a string"),
     ({"input": "hi", "model": "other"}, "is not served here"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, "embeds text only"),
 ])
 def test_bad_input_is_a_400_naming_what_to_fix(mesh: Mesh, body: dict, needle: str) -> None:
     response = httpx.post(f"{mesh.http_url}/v1/embeddings", json=body, timeout=60)

@@ -161,3 +161,36 @@ def test_pooling_it_cannot_compute_is_refused_by_name(tmp_path: Path, modules, p
                               "1_Pooling__config.json": pooling})
     with pytest.raises(ValueError, match=message):
         pooling_info(tmp_path, {}, "Qwen3ForCausalLM", "auto", 64)
+
+
+def test_clip_embeds_texts_and_images_offline(tmp_path: Path) -> None:
+    """vLLM's prompt shapes: texts, and {"prompt", "multi_modal_data": {"image"}} with a PIL
+    image or encoded bytes; the same vectors as the CLIP towers' own (normalised)."""
+    import io
+
+    from PIL import Image
+
+    from pagemesh.images import ClipImageProcessor
+    from pagemesh.testing.tiny_clip import write_tiny_clip
+    from worker_svc.model.clip import load_clip
+
+    folder = write_tiny_clip(tmp_path / "clip", seed=1)
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 255, (36, 44, 3), np.uint8))
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    with LLM(str(folder), dtype="float32") as engine:
+        assert engine.info.pooling.image_tokens == 17
+        outputs = engine.embed(["a cat", {"prompt": "", "multi_modal_data": {"image": image}},
+                                {"multi_modal_data": {"image": png.getvalue()}}],
+                               use_tqdm=False)
+        with pytest.raises(ValueError, match="at most 77"):
+            engine.embed(["cat " * 80], use_tqdm=False)
+    towers = load_clip(folder)
+    pixels = torch.from_numpy(ClipImageProcessor.from_folder(folder).preprocess([image]))
+    with torch.no_grad():
+        text = towers.text_embeddings([outputs[0].prompt_token_ids])[0]
+        picture = towers.image_embeddings(pixels)[0]
+    normalize = torch.nn.functional.normalize
+    assert_close(outputs[0].outputs.embedding, normalize(text, dim=0).numpy())
+    for output in outputs[1:]:
+        assert_close(output.outputs.embedding, normalize(picture, dim=0).numpy())

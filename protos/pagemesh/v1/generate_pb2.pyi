@@ -153,12 +153,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class EmbedInput(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "image")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    image: bytes
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("model", "inputs", "dimensions", "priority")
@@ -221,20 +223,24 @@ class ParallelLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_replicas: _Optional[int] = ...) -> None: ...
 
 class PoolingInfo(_message.Message):
-    __slots__ = ("task", "pooling_type", "normalize", "embedding_size", "matryoshka_dimensions", "any_dimensions")
+    __slots__ = ("task", "pooling_type", "normalize", "embedding_size", "matryoshka_dimensions", "any_dimensions", "image_tokens", "max_text_tokens")
     TASK_FIELD_NUMBER: _ClassVar[int]
     POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     ANY_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     task: str
     pooling_type: str
     normalize: bool
     embedding_size: int
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     any_dimensions: bool
-    def __init__(self, task: _Optional[str] = ..., pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., any_dimensions: _Optional[bool] = ...) -> None: ...
+    image_tokens: int
+    max_text_tokens: int
+    def __init__(self, task: _Optional[str] = ..., pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., any_dimensions: _Optional[bool] = ..., image_tokens: _Optional[int] = ..., max_text_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "layout", "architecture", "block_size", "num_kv_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling")

@@ -152,10 +152,12 @@ class SubmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generate_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[SampleProgress, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., owner: _Optional[str] = ..., request_digest: _Optional[str] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ...) -> None: ...
 
 class EmbedParams(_message.Message):
-    __slots__ = ("dimensions",)
+    __slots__ = ("dimensions", "image")
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     dimensions: int
-    def __init__(self, dimensions: _Optional[int] = ...) -> None: ...
+    image: bytes
+    def __init__(self, dimensions: _Optional[int] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

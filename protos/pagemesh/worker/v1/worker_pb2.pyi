@@ -149,10 +149,12 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., pooling: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
 
 class PoolingParams(_message.Message):
-    __slots__ = ("dimensions",)
+    __slots__ = ("dimensions", "image")
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     dimensions: int
-    def __init__(self, dimensions: _Optional[int] = ...) -> None: ...
+    image: bytes
+    def __init__(self, dimensions: _Optional[int] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_computed_tokens", "new_token_ids")
