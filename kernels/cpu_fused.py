@@ -34,6 +34,7 @@ import torch
 from kernels import cpu_native, reference
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ROTARY_MAX_HEAD_DIM = 512  # cpu_rotary.c's bf16 table rows on the stack
 
 
 def _library(name: str, *tensors: torch.Tensor, lib=None):
@@ -117,6 +118,7 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
     lib = _library("cpu_rotary", x, lib=lib)
     num_tokens, num_heads, head_dim = x.shape
     if (lib is None or x.stride(2) != 1 or x.stride(1) != head_dim
+            or head_dim > ROTARY_MAX_HEAD_DIM
             or cos_cache.dtype != torch.float32 or positions.dtype != torch.int64
             or not (cos_cache.is_contiguous() and sin_cache.is_contiguous()
                     and positions.is_contiguous())):
