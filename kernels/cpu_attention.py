@@ -96,15 +96,11 @@ def sdpa_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             if q_len > 1 and q_len == lens[i]:
                 fresh.setdefault(q_len, []).append(i)
     for q_len, seqs in fresh.items():
-        first = starts[seqs[0]]
-        if all(starts[i] == first + n * q_len for n, i in enumerate(seqs)):
-            # Consecutive in the batch (a step of new prompts of one length): views, not
-            # gathers (three row gathers and a scatter per layer were a tenth of a bf16
-            # prefill step).
-            rows: torch.Tensor | slice = slice(first, first + len(seqs) * q_len)
-        else:
-            rows = torch.cat([torch.arange(starts[i], starts[i] + q_len) for i in seqs])
-        out[rows] = _fresh_prefill(query, key, value, rows, len(seqs), q_len, scale)
+        # Each run of them consecutive in the batch is one batched call on views of q, k and
+        # v: row gathers and a scatter per layer were a tenth of a bf16 prefill step.
+        for first, count in _runs([starts[i] for i in seqs], q_len):
+            rows = slice(first, first + count * q_len)
+            out[rows] = _fresh_prefill(query, key, value, rows, count, q_len, scale)
     done = {i for seqs in fresh.values() for i in seqs}
     for i, q_len in enumerate(q_lens):
         if q_len > 1 and i not in done:
@@ -112,6 +108,18 @@ def sdpa_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             out[start:start + q_len] = _extend(query[start:start + q_len], k_cache, v_cache,
                                                block_tables[i], lens[i], scale, sliding_window)
     return out
+
+
+def _runs(starts: list[int], q_len: int) -> list[tuple[int, int]]:
+    """(first row, number of sequences) of each run of sequences that follow each other in
+    the batch (each starting where the previous one's q_len rows end)."""
+    runs: list[tuple[int, int]] = []
+    for start in starts:
+        if runs and runs[-1][0] + runs[-1][1] * q_len == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((start, 1))
+    return runs
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -156,11 +164,10 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _fresh_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   rows: torch.Tensor | slice, num_seqs: int, q_len: int, scale: float
-                   ) -> torch.Tensor:
-    """`num_seqs` whole prompts of q_len tokens each (their token rows `rows`: indices, or a
-    slice when they are consecutive), causal over their own keys: one batched SDPA call.
-    Returns [num_seqs * q_len, heads, head_dim]."""
+                   rows: slice, num_seqs: int, q_len: int, scale: float) -> torch.Tensor:
+    """`num_seqs` whole prompts of q_len tokens each, consecutive (their token rows `rows`),
+    causal over their own keys: one batched SDPA call. Returns [num_seqs * q_len, heads,
+    head_dim]."""
     num_heads, head_dim = query.shape[1:]
     dtype = _compute_dtype(query.dtype)
 
