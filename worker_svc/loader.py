@@ -212,8 +212,26 @@ def rank_weight_shapes(path: str | Path, parallel: ParallelConfig) -> dict[str, 
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
+def check_architecture(hf_config: dict, folder: Path) -> None:
+    """Raises ValueError naming a folder's architecture when this loader cannot build it
+    (a vision-language model's nested `text_config`, an encoder, another family), before
+    any of its keys is read as a decoder's."""
+    model_type = hf_config.get("model_type", "")
+    architectures = hf_config.get("architectures") or []
+    served = set(ARCHITECTURE_BY_MODEL_TYPE.values())
+    bare = {name.replace("ForCausalLM", "Model") for name in served}
+    unknown = [a for a in architectures if a not in served | bare]
+    if model_type not in ARCHITECTURE_BY_MODEL_TYPE or unknown:
+        raise ValueError(
+            f"{folder}: architecture {', '.join(architectures) or '(none given)'} (model_type "
+            f"{model_type or '(none)'}) is not served here; decoders served: "
+            f"{', '.join(sorted(served))} (and their *Model trunks as embedding models), "
+            "and CLIPModel for embeddings")
+
+
 def _open_hf_folder(folder: Path) -> ModelSource:
     hf_config = json.loads((folder / "config.json").read_text())
+    check_architecture(hf_config, folder)
     config = parse_hf_config(hf_config)
     architectures = hf_config.get("architectures") or [
         ARCHITECTURE_BY_MODEL_TYPE[config.model_type]

@@ -99,6 +99,23 @@ def test_unsupported_configs_are_rejected(tiny_llama: Path, change: dict, messag
         parse_hf_config({**hf_config, **change})
 
 
+@pytest.mark.parametrize("config, named", [
+    # A LLaVA folder: the decoder's keys live in a nested text_config (it crashed the worker
+    # with KeyError: 'num_attention_heads').
+    ({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+      "text_config": {"model_type": "llama", "num_attention_heads": 4}},
+     "LlavaForConditionalGeneration"),
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
+    ({"architectures": ["LlamaForSequenceClassification"], "model_type": "llama"},
+     "LlamaForSequenceClassification"),
+])
+def test_a_folder_it_cannot_build_is_refused_naming_its_architecture(
+        tmp_path: Path, config: dict, named: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"architecture {named} .* is not served here"):
+        open_source(tmp_path)
+
+
 def test_qwen2_sliding_window_layers_follow_max_window_layers() -> None:
     base = {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
             "num_hidden_layers": 4, "num_attention_heads": 2, "sliding_window": 16,
