@@ -106,6 +106,18 @@ class PoolingInfo:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """An image in a generation prompt (a vision-language model): its encoded bytes, and
+    the `length` placeholder tokens from prompt position `offset` that its embeddings
+    replace. A step may compute any part of those positions (chunked prefill cuts through
+    images); the embeddings are the image's, whichever part."""
+
+    data: bytes
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class NewRequestData:
     """A request the workers do not hold yet (first time, after a preemption, or a resume):
     sent in full once."""
@@ -117,6 +129,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling: SamplingParams
     pooling: PoolingParams | None = None  # an embedding request
+    images: tuple[ImageInput, ...] = ()  # a vision-language prompt's, by offset
 
 
 @dataclass(frozen=True)

@@ -330,4 +330,5 @@ def _fresh_copy(request: Request) -> Request:
         output_token_ids=list(request.output_token_ids),
         priority=request.priority,
         pooling=request.pooling,
+        images=request.images,
     )

@@ -16,6 +16,7 @@ import torch
 
 from protos.step import (
     CachedRequestData,
+    ImageInput,
     NewRequestData,
     PoolingParams,
     SamplingParams,
@@ -37,6 +38,18 @@ class RequestState:
     # of a constrained request; None otherwise.
     grammar: GrammarState | None = None
     pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
+    images: tuple[ImageInput, ...] = ()  # a vision-language prompt's images
+
+
+@dataclass(frozen=True)
+class ImageSegment:
+    """Rows of this step's batch that one image's embeddings fill: `count` rows from
+    `start_row`, the image's embedding rows from `first` on."""
+
+    image: ImageInput
+    start_row: int
+    first: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,7 @@ class StepBatch:
     sample_rows: list[int]  # flat token row whose hidden state feeds the LM head
     sample_request_ids: list[str]
     pool_segments: list[PoolSegment] = field(default_factory=list)  # embedding requests' rows
+    image_segments: list[ImageSegment] = field(default_factory=list)  # rows an image fills
 
 
 def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
@@ -166,7 +180,22 @@ def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[st
         sample_rows=(query_start_loc[1:][sampled] - 1).tolist(),
         sample_request_ids=[order[i] for i in sampled.tolist()],
         pool_segments=pool_segments,
+        image_segments=_image_segments(states, query_start_loc, starts, ends),
     )
+
+
+def _image_segments(states: list[RequestState], query_start_loc: np.ndarray,
+                    starts: np.ndarray, ends: np.ndarray) -> list[ImageSegment]:
+    """The part of each image's placeholder positions this step computes, as batch rows."""
+    segments = []
+    for i, state in enumerate(states):
+        for image in state.images:
+            low = max(int(starts[i]), image.offset)
+            high = min(int(ends[i]), image.offset + image.length)
+            if low < high:
+                segments.append(ImageSegment(image, int(query_start_loc[i]) + low - int(starts[i]),
+                                             low - image.offset, high - low))
+    return segments
 
 
 def _pool_segments(order: list[str], states: list[RequestState], query_start_loc: np.ndarray,
@@ -281,6 +310,10 @@ def _new_request_shape(new: NewRequestData, num_blocks: int, vocab_size: int) ->
     if any(not 0 <= t < vocab_size for t in new.token_ids):
         raise ValueError(f"request {request_id!r}: token id outside 0..{vocab_size - 1}")
     _check_block_ids(request_id, new.block_ids, num_blocks)
+    for image in new.images:
+        if image.length <= 0 or image.offset < 0 or image.offset + image.length > num_known:
+            raise ValueError(f"request {request_id!r}: an image's {image.length} placeholders "
+                             f"at {image.offset} fall outside its {num_known} tokens")
     return _Shape(num_known, len(new.block_ids), new.num_computed_tokens)
 
 

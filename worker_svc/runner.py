@@ -67,6 +67,7 @@ from worker_svc.model.expert_balance import (
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import pack_linear_weights, packed_weight_bytes
 from worker_svc.model.pooling import Pooler
+from worker_svc.multimodal import ImageEmbedder
 from worker_svc.parallel import ParallelConfig, global_rank
 from worker_svc.quant import QUANTIZATION_CHOICES
 
@@ -170,6 +171,7 @@ class ModelRunner:
         cuda_graph_sizes: Sequence[int] = (),
         kv_prefault_blocks: int = 0,
         eplb_interval_steps: int = 0,
+        image_embedder: ImageEmbedder | None = None,
     ) -> None:
         self.model = model
         self.cpu_linear = pack_linear_weights(model, cpu_linear)
@@ -190,6 +192,8 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # An embedding model's head: pools its requests' rows instead of sampling.
         self.pooler = Pooler(metadata.pooling) if metadata.pooling.embeds else None
+        # A vision-language model's first stage: images' embeddings for their placeholders.
+        self.image_embedder = image_embedder
         self.block_tables = BlockTables()  # the requests' block ids, as the batch reads them
         self.grammar_vocabulary: GrammarVocabulary | None = None  # structured output
         self._sent_downstream = False  # this step's activations went to the next stage
@@ -307,6 +311,9 @@ class ModelRunner:
         )
         embeds = self.pooler is not None
         for new in step.new_requests:
+            if new.images and self.image_embedder is None:
+                raise ValueError(f"request {new.request_id!r} carries images, but this model "
+                                 "takes none (a text-only model)")
             if (new.pooling is not None) != embeds:
                 raise ValueError(
                     f"request {new.request_id!r}: " + (
@@ -423,8 +430,11 @@ class ModelRunner:
                 num_scheduled_tokens, self.graphs.sizes,
                 later_stage=intermediate is not None) is None:
             return self.graphs.run(batch.input_ids, batch.positions, batch.metadata)
+        overrides = None
+        if self.image_embedder is not None and intermediate is None:
+            overrides = self.image_embedder.overrides(batch.image_segments, self.device)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
-                          self.backend, intermediate)
+                          self.backend, intermediate, overrides)
 
     @torch.inference_mode()
     def _capture_graphs(self, sizes: Sequence[int]) -> DecodeGraphs | None:
@@ -459,6 +469,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
                 pooling=new.pooling,
+                images=new.images,
             )
             self.block_tables.set(new.request_id, new.block_ids)
         for cached in step.cached_requests:

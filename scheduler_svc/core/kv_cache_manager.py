@@ -8,6 +8,8 @@ kept for the request's life, since its tokens never change once known.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass, field
 
 from protos.block_hash import BlockHash, hash_block_tokens
@@ -240,8 +242,19 @@ class KVCacheManager:
         while len(hashes) <= index:
             next_index = len(hashes)
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
-                                            self._block_tokens(request, next_index)))
+                                            self._block_tokens(request, next_index),
+                                            self._block_images(request, next_index)))
         return hashes[index]
+
+    def _block_images(self, request: Request, index: int) -> bytes:
+        """The content hashes of the images whose placeholders fall in block `index` (b""
+        for text): the chain carries them into every later block's hash."""
+        if not request.images:
+            return b""
+        start = index * self.block_size
+        end = start + self.block_size
+        return b"".join(hashlib.sha256(image.data).digest() for image in request.images
+                        if image.offset < end and image.offset + image.length > start)
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
         """Token ids of full block `index` of the request's prompt + output."""

@@ -478,6 +478,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             sampling=request.sampling,
             pooling=request.pooling,
+            images=request.images,
         ))
         output.num_scheduled_tokens[request.request_id] = num_new
         request.num_computed_tokens += num_new

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protos.step import BlockId, PoolingParams, RequestId, SampledToken, SamplingParams
+from protos.step import BlockId, ImageInput, PoolingParams, RequestId, SampledToken, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -68,6 +68,9 @@ class Request:
     # An embedding request: its prompt is pooled into one vector (the step that completes
     # the prompt returns it instead of a token) and it ends there.
     pooling: PoolingParams | None = None
+    # A vision-language prompt's images, each over its placeholder tokens; their content is
+    # part of the block hashes (two prompts with different images never share KV).
+    images: tuple[ImageInput, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

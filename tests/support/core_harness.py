@@ -137,8 +137,9 @@ def _check_sharing(scheduler: Scheduler) -> None:
                     f"block {block_id} shared or cached before its tokens were computed")
             if block_hash is not None:
                 if request.request_id not in hashes:
-                    hashes[request.request_id] = _chain_hashes(request.all_token_ids,
-                                                               block_size)
+                    hashes[request.request_id] = _chain_hashes(
+                        request.all_token_ids, block_size,
+                        lambda i, r=request: scheduler.kv._block_images(r, i))
                 assert hashes[request.request_id][index] == block_hash, (
                     f"cached block {block_id} holds other tokens than {request.request_id}'s")
 
@@ -171,12 +172,15 @@ def assert_all_free(scheduler: Scheduler) -> None:
     assert not scheduler._pending_forks and not scheduler._on_workers
 
 
-def _chain_hashes(token_ids: list[int], block_size: int) -> list[BlockHash]:
-    """The block hashes the core computes (through its module, so monkeypatches apply)."""
+def _chain_hashes(token_ids: list[int], block_size: int,
+                  extra: Callable[[int], bytes] = lambda index: b"") -> list[BlockHash]:
+    """The block hashes the core computes (through its module, so monkeypatches apply);
+    `extra(index)`: what else block `index`'s hash covers (its images' content)."""
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         hashes.append(kv_cache_manager.hash_block_tokens(
-            hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+            hashes[-1] if hashes else None, token_ids[start:start + block_size],
+            extra(start // block_size)))
     return hashes
 
 

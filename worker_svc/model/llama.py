@@ -179,11 +179,17 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata, backend: AttentionBackend,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        embed_overrides: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`embed_overrides` (rows, embeddings): the first stage's input embeddings of those
+        rows replaced (an image's, in a vision-language prompt)."""
         if intermediate is None:
             if self.embed_tokens is None:
                 raise ValueError("a later pipeline stage needs the previous stage's activations")
             hidden, residual = self.embed_tokens(input_ids), None
+            if embed_overrides is not None:
+                rows, embeddings = embed_overrides
+                hidden[rows] = embeddings.to(hidden.dtype)
         else:
             hidden, residual = intermediate
         rotary = self.rotary(positions, hidden.dtype)  # once per step, shared by all layers
@@ -255,11 +261,13 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata, backend: AttentionBackend,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        embed_overrides: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions [num_tokens] (or the previous stage's (hidden, residual))
         -> this stage's (hidden, residual), each [num_tokens, hidden]; one `kv_caches`
-        entry per local layer."""
-        return self.model(input_ids, positions, kv_caches, metadata, backend, intermediate)
+        entry per local layer. `embed_overrides`: see LlamaModel.forward."""
+        return self.model(input_ids, positions, kv_caches, metadata, backend, intermediate,
+                          embed_overrides)
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Last stage: [num_rows, hidden] x2 -> fp32 logits [num_rows, vocab_size]. The final

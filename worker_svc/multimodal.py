@@ -1,0 +1,69 @@
+"""Images in a decoder's prompt (vision-language models): the embeddings that replace an
+image's placeholder tokens, with an encoder cache keyed by the image's content.
+
+The first pipeline stage of a vision-language model holds an image encoder (the vision
+tower and projector, e.g. worker_svc/model/llava.py): encoded bytes in, one embedding row
+per placeholder token out. `ImageEmbedder.overrides` turns a step's `ImageSegment`s (the
+rows of the batch each image fills; a chunked prefill may cover any part of an image) into
+the (rows, embeddings) the model's embedding layer takes. An image is encoded once while it
+stays in the cache, whichever requests (and steps) use it: the cache holds the last
+`max_cached_images` images' embeddings, least recently used out first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from worker_svc.batch import ImageSegment
+
+# Encoded images in, [num_placeholders, hidden] per image out, in order.
+ImageEncoder = Callable[[list[bytes]], list[torch.Tensor]]
+
+
+class ImageEmbedder:
+    def __init__(self, encoder: ImageEncoder, num_placeholders: int,
+                 max_cached_images: int = 256) -> None:
+        self.encoder = encoder
+        self.num_placeholders = num_placeholders  # embedding rows of one image
+        self.max_cached_images = max_cached_images
+        self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.num_encoded = 0  # images run through the encoder since start
+        self.num_cache_hits = 0  # images found in the cache since start
+
+    def overrides(self, segments: list[ImageSegment], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows [n], embeddings [n, hidden]) for the segments' rows; None for none."""
+        if not segments:
+            return None
+        embeddings = self._embeddings([segment.image.data for segment in segments])
+        rows, parts = [], []
+        for segment, image_rows in zip(segments, embeddings):
+            if segment.image.length != image_rows.shape[0]:
+                raise ValueError(f"an image has {segment.image.length} placeholder tokens, "
+                                 f"but the model embeds it as {image_rows.shape[0]} rows")
+            rows.append(torch.arange(segment.start_row, segment.start_row + segment.count))
+            parts.append(image_rows[segment.first:segment.first + segment.count])
+        return torch.cat(rows).to(device), torch.cat(parts)
+
+    def _embeddings(self, images: list[bytes]) -> list[torch.Tensor]:
+        keys = [hashlib.sha256(data).digest() for data in images]
+        missing: dict[bytes, bytes] = {}
+        for key, data in zip(keys, images):
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+            else:
+                missing.setdefault(key, data)
+        if missing:
+            encoded = self.encoder(list(missing.values()))
+            self.num_encoded += len(missing)
+            for key, rows in zip(missing, encoded):
+                self._cache[key] = rows
+        found = [self._cache[key] for key in keys]
+        while len(self._cache) > self.max_cached_images:
+            self._cache.popitem(last=False)
+        return found
