@@ -24,6 +24,7 @@ from kernels.cpu_features import CpuFeatures, cpu_features
 from protos.step import PoolingInfo
 from worker_svc.model.config import MoeConfig, ModelConfig, RopeConfig, parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.llava import LlavaConfig, is_llava_config, llava_checkpoint_name
 from worker_svc.model.pooling import pooling_info
 from worker_svc.model.parallel_layers import Index, TPComm
 from worker_svc.parallel import ParallelConfig
@@ -64,6 +65,10 @@ class ModelMetadata:
     quantization: str = "none"
     path: str = ""  # the folder or .gguf file it was loaded from (its tokenizer lives there)
     pooling: PoolingInfo = PoolingInfo()  # what it does with a prompt: generate or embed
+    # A vision-language model (LLaVA): the token an image's placeholders are, and how many
+    # placeholders one image takes; -1 / 0 for a text model.
+    image_token_id: int = -1
+    image_seq_length: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class ModelSource:
     stored_dtype: torch.dtype | None = None
     folder: Path | None = None  # a HF folder's path (None for a .gguf file)
     hf_config: dict | None = None  # a HF folder's config.json
+    llava: LlavaConfig | None = None  # a LLaVA folder's (its decoder is `config`)
 
 
 def resolve_dtype(name: str, device: torch.device | str, stored: torch.dtype | None = None,
@@ -196,6 +202,8 @@ def load_model(
         quantization=kept.quantization if kept is not None else quant.method,
         path=str(path),
         pooling=pooling,
+        image_token_id=source.llava.image_token_index if source.llava else -1,
+        image_seq_length=source.llava.image_seq_length if source.llava else 0,
     )
     logger.info("loaded %s (%s) from %s as %s (quantization %s) on %s (%s)", metadata.name,
                 metadata.architecture, path, torch_dtype, metadata.quantization, device,
@@ -218,6 +226,13 @@ def check_architecture(hf_config: dict, folder: Path) -> None:
     any of its keys is read as a decoder's."""
     model_type = hf_config.get("model_type", "")
     architectures = hf_config.get("architectures") or []
+    if is_llava_config(hf_config):
+        text_type = (hf_config.get("text_config") or {}).get("model_type", "llama")
+        if text_type not in ARCHITECTURE_BY_MODEL_TYPE:
+            raise ValueError(f"{folder}: a LLaVA whose language model is {text_type!r} is not "
+                             f"served here; its decoder must be one of "
+                             f"{', '.join(sorted(ARCHITECTURE_BY_MODEL_TYPE))}")
+        return
     served = set(ARCHITECTURE_BY_MODEL_TYPE.values())
     bare = {name.replace("ForCausalLM", "Model") for name in served}
     unknown = [a for a in architectures if a not in served | bare]
@@ -232,6 +247,8 @@ def check_architecture(hf_config: dict, folder: Path) -> None:
 def _open_hf_folder(folder: Path) -> ModelSource:
     hf_config = json.loads((folder / "config.json").read_text())
     check_architecture(hf_config, folder)
+    if is_llava_config(hf_config):
+        return _open_llava_folder(folder, hf_config)
     config = parse_hf_config(hf_config)
     architectures = hf_config.get("architectures") or [
         ARCHITECTURE_BY_MODEL_TYPE[config.model_type]
@@ -265,6 +282,37 @@ def _open_hf_folder(folder: Path) -> ModelSource:
         folder=folder,
         hf_config=hf_config,
     )
+
+
+def _open_llava_folder(folder: Path, hf_config: dict) -> ModelSource:
+    """A LLaVA folder's decoder (its text_config and language-model tensors, in either
+    naming, as the decoder's names); the image encoder is loaded apart
+    (`worker_svc.model.llava.load_llava_encoder`)."""
+    llava = LlavaConfig.from_dict(hf_config)
+    files = _safetensors_files(folder)
+
+    def weights(select: WeightSelector) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as tensors:
+                for stored in tensors.keys():
+                    kind, name = llava_checkpoint_name(stored)
+                    if kind != "text":
+                        continue
+                    index = select(name)
+                    if index is not None:
+                        yield name, tensors.get_slice(stored)[index]
+
+    text = llava.text
+    eos = _hf_eos_token_ids(folder, text) or _hf_eos_token_ids(folder, hf_config)
+    return ModelSource(
+        config=parse_hf_config(text), name=folder.name,
+        architecture=(hf_config.get("architectures") or ["LlavaForConditionalGeneration"])[0],
+        eos_token_ids=eos, weights=weights,
+        stored_dtype=DTYPES.get(text.get("dtype") or hf_config.get("dtype")
+                                or hf_config.get("torch_dtype") or ""),
+        folder=folder, hf_config=hf_config, llava=llava)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

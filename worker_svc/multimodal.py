@@ -67,3 +67,21 @@ class ImageEmbedder:
         while len(self._cache) > self.max_cached_images:
             self._cache.popitem(last=False)
         return found
+
+
+def llava_image_embedder(metadata, device: torch.device | str) -> ImageEmbedder:
+    """A LLaVA folder's image encoder (`metadata.path`, in the model's dtype) behind the
+    cache: images decoded and preprocessed by its `preprocessor_config.json`."""
+    from pagemesh.images import ClipImageProcessor, load_image
+    from worker_svc.model.llava import load_llava_encoder
+
+    encoder = load_llava_encoder(metadata.path, metadata.dtype, device=device)
+    processor = ClipImageProcessor.from_folder(metadata.path)
+
+    @torch.inference_mode()
+    def encode(images: list[bytes]) -> list[torch.Tensor]:
+        pixels = processor.preprocess([load_image(data) for data in images])
+        features = encoder(torch.from_numpy(pixels).to(device, metadata.dtype))
+        return list(features)
+
+    return ImageEmbedder(encode, metadata.image_seq_length)

@@ -67,7 +67,7 @@ from worker_svc.model.expert_balance import (
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.matmul import pack_linear_weights, packed_weight_bytes
 from worker_svc.model.pooling import Pooler
-from worker_svc.multimodal import ImageEmbedder
+from worker_svc.multimodal import ImageEmbedder, llava_image_embedder
 from worker_svc.parallel import ParallelConfig, global_rank
 from worker_svc.quant import QUANTIZATION_CHOICES
 
@@ -152,6 +152,8 @@ class RunnerInfo:
     kv_cache_bytes: int = 0  # this rank's KV cache (num_blocks of its layers and heads)
     kv_cache_sizing: str = ""  # how its size was chosen (worker_svc/kv_budget.py)
     pooling: PoolingInfo = PoolingInfo()  # generate, or embed and how
+    image_token_id: int = -1  # a vision-language model's image placeholder token, else -1
+    image_seq_length: int = 0  # placeholders one image takes (0: a text model)
 
 
 class ModelRunner:
@@ -233,6 +235,9 @@ class ModelRunner:
             kv_prefault_blocks=(config.kv_prefault_steps * config.max_num_batched_tokens
                                 // config.block_size),
             eplb_interval_steps=config.eplb_interval_steps,
+            image_embedder=(llava_image_embedder(metadata, config.device)
+                            if metadata.image_seq_length and config.parallel.is_first_stage
+                            else None),
         )
 
     def reset_expert_placement(self) -> None:
@@ -273,6 +278,8 @@ class ModelRunner:
             kv_cache_bytes=self.num_blocks * self.kv_spec.bytes_per_block,
             kv_cache_sizing=self.kv_cache_sizing,
             pooling=self.metadata.pooling,
+            image_token_id=self.metadata.image_token_id,
+            image_seq_length=self.metadata.image_seq_length,
         )
 
     @torch.inference_mode()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pagemesh.offline.outputs import CompletionOutput, Logprob, RequestOutput
 from pagemesh.options.validation import ModelLimits, validate
 from pagemesh.sampling_params import SamplingParams
+from protos.step import ImageInput
 from router.detokenizer import IncrementalDetokenizer
 from router.sample_stream import SampleStream
 from router.structured import GrammarCompiler
@@ -39,6 +40,7 @@ class Prompt:
     text: str | None
     token_ids: list[int]
     priority: int = 0
+    images: tuple[ImageInput, ...] = ()  # a vision-language prompt's, over placeholders
 
 
 @dataclass
@@ -66,6 +68,7 @@ def prepare(request_id: str, prompt: Prompt, params: SamplingParams, limits: Mod
                          priority=prompt.priority, grammar=grammar)
     submission = Submission.fresh(request_id, validated, seed)
     base = admission.core_request(request_spec(submission), limits.eos_token_ids, time.time())
+    base.images = prompt.images
     return PreparedRequest(request_id, prompt, params,
                            admission.expand_samples(base, submission.n, {}), submission.n,
                            params.logprobs)

@@ -37,6 +37,8 @@ from pagemesh.offline.embed import (
     PoolingParams,
     PoolingRequestOutput,
     embedding_requests,
+    expand_images,
+    image_bytes,
     image_input,
 )
 from pagemesh.offline.engine import EngineCore
@@ -340,6 +342,9 @@ class LLM:
 
     def _prompt(self, prompt: PromptInput) -> Prompt:
         if isinstance(prompt, dict):
+            images = (prompt.get("multi_modal_data") or {}).get("image")
+            if images is not None and not self.info.pooling.embeds:
+                return self._image_prompt(prompt, images)
             if "prompt_token_ids" in prompt:
                 return Prompt(prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"]))
             prompt = prompt.get("prompt")
@@ -348,6 +353,21 @@ class LLM:
                 raise ValueError("the prompt is empty: send at least one character or token")
             return Prompt(prompt, self.tokenizer.encode(prompt))
         return Prompt(None, _token_ids(prompt))
+
+    def _image_prompt(self, prompt: dict, images: Any) -> Prompt:
+        """vLLM's `{"prompt": "...<image>...", "multi_modal_data": {"image": one or a list}}`
+        for a vision-language model: each image token of the prompt becomes the image's
+        placeholders (as transformers' processor expands it), the images in order."""
+        info = self.info
+        if not info.image_seq_length:
+            raise ValueError(f"{info.model_name} is a text-only model: it takes no "
+                             "multi_modal_data image")
+        images = images if isinstance(images, list) else [images]
+        token_ids = (_token_ids(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt
+                     else self.tokenizer.encode(prompt.get("prompt") or ""))
+        expanded, inputs = expand_images(token_ids, [image_bytes(image) for image in images],
+                                         info.image_token_id, info.image_seq_length)
+        return Prompt(prompt.get("prompt"), expanded, images=inputs)
 
     def _run(self, prompts: list[Prompt], sampling_params: Any,
              use_tqdm: bool | Callable[..., Any], priority: list[int] | None

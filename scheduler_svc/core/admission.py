@@ -11,7 +11,7 @@ import dataclasses
 import struct
 from collections.abc import Container, Mapping, Sequence
 
-from protos.step import PoolingParams, RequestId, SamplingParams
+from protos.step import ImageInput, PoolingParams, RequestId, SamplingParams
 from scheduler_svc.core.config import CapacityError, SchedulerConfig
 from scheduler_svc.core.types import (
     FINISHED_STATUS,
@@ -46,6 +46,7 @@ class RequestSpec:
     grammar: str = ""
     priority: int = 0
     pooling: PoolingParams | None = None  # an embedding request (max_tokens is then 1)
+    images: tuple[ImageInput, ...] = ()  # a vision-language prompt's images
 
 
 _DEFAULTED = ("temperature", "top_p", "repetition_penalty")  # None: SamplingParams' default
@@ -82,6 +83,7 @@ def core_request(spec: RequestSpec, eos_token_ids: Sequence[int], arrival_time_s
         arrival_time_s=arrival_time_s,
         priority=spec.priority,
         pooling=spec.pooling,
+        images=tuple(spec.images),
     )
 
 
