@@ -100,11 +100,11 @@ def test_unsupported_configs_are_rejected(tiny_llama: Path, change: dict, messag
 
 
 @pytest.mark.parametrize("config, named", [
-    # A LLaVA folder: the decoder's keys live in a nested text_config (it crashed the worker
-    # with KeyError: 'num_attention_heads').
-    ({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-      "text_config": {"model_type": "llama", "num_attention_heads": 4}},
-     "LlavaForConditionalGeneration"),
+    # Vision-language models other than LLaVA: the decoder's keys in a nested text_config
+    # crashed the worker with KeyError: 'num_attention_heads'.
+    ({"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+      "text_config": {"model_type": "qwen2_5_vl_text", "num_attention_heads": 4}},
+     "Qwen2_5_VLForConditionalGeneration"),
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
     ({"architectures": ["LlamaForSequenceClassification"], "model_type": "llama"},
      "LlamaForSequenceClassification"),
@@ -113,6 +113,15 @@ def test_a_folder_it_cannot_build_is_refused_naming_its_architecture(
         tmp_path: Path, config: dict, named: str) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"architecture {named} .* is not served here"):
+        open_source(tmp_path)
+
+
+def test_a_llava_whose_language_model_is_not_served_is_refused_naming_it(tmp_path: Path
+                                                                        ) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "text_config": {"model_type": "gemma"}}))
+    with pytest.raises(ValueError, match="language model is 'gemma'"):
         open_source(tmp_path)
 
 
