@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from protos.step import ImageInput
+
 ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 ACCEPTED_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 MIB = 1024 * 1024
@@ -289,3 +291,23 @@ def _center_crop(pixels: np.ndarray, crop_height: int, crop_width: int) -> np.nd
     top, left = top + top_pad, left + left_pad
     return padded[max(0, top):min(padded_height, top + crop_height),
                   max(0, left):min(padded_width, left + crop_width)]
+
+
+def expand_images(token_ids: list[int], images: list[bytes], image_token_id: int,
+                  image_seq_length: int) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """Each image token of `token_ids` repeated `image_seq_length` times (one placeholder
+    per embedding row of its image), with the images over them in order. ValueError when
+    the image tokens and the images do not pair up."""
+    positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
+    if len(positions) != len(images):
+        raise ValueError(f"the prompt has {len(positions)} image token(s) for {len(images)} "
+                         "image(s): put one image token (e.g. <image>) where each image goes")
+    out: list[int] = []
+    inputs = []
+    previous = 0
+    for position, data in zip(positions, images):
+        out += token_ids[previous:position]
+        inputs.append(ImageInput(data, len(out), image_seq_length))
+        out += [image_token_id] * image_seq_length
+        previous = position + 1
+    return out + token_ids[previous:], tuple(inputs)

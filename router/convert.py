@@ -16,6 +16,7 @@ from pagemesh.options.validation import SamplingOptions, StoppingOptions
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.pooling import pooling_info_from_pb, pooling_info_to_pb
+from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.resume import Progress, SampleProgress
 from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, Submission,
@@ -40,6 +41,7 @@ def generation_request(pb: generate_pb2.GenerateRequest) -> GenerationRequest:
         n=pb.n or 1,
         priority=pb.priority,
         resume_from=pb.resume_from,
+        images=list(pb.images),
         model=pb.model,
         constraint=constraint_from_pb(pb.constraint) if pb.HasField("constraint") else None,
     )
@@ -115,6 +117,8 @@ def submit_request(submission: Submission, progress: Progress | None = None
     if submission.embed_dimensions is not None:
         request.embed.dimensions = submission.embed_dimensions
         request.embed.image = submission.embed_image
+    request.images.extend(generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length)
+                          for i in submission.images)
     if progress is not None:
         request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
                                 for i, p in enumerate(progress.samples))
@@ -150,6 +154,7 @@ def submission_from_checkpoint(raw: bytes) -> Submission:
         grammar=pb.grammar,
         owner=pb.owner,
         request_digest=pb.request_digest,
+        images=tuple(ImageInput(i.data, i.offset, i.length) for i in pb.images),
     )
 
 
@@ -233,6 +238,8 @@ def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
         pipeline_parallel_size=pb.layout.pipeline_parallel_size,
         num_replicas=pb.layout.num_replicas,
         pooling=pooling_info_from_pb(pb.pooling),
+        image_token_id=pb.image_token_id,
+        image_seq_length=pb.image_seq_length,
     )
 
 
@@ -247,6 +254,8 @@ def model_info_response(info: ModelInfo) -> generate_pb2.GetModelInfoResponse:
                                            pipeline_parallel_size=info.pipeline_parallel_size,
                                            num_replicas=info.num_replicas),
         pooling=pooling_info_to_pb(info.pooling),
+        image_token_id=info.image_token_id,
+        image_seq_length=info.image_seq_length,
     )
 
 

@@ -18,6 +18,7 @@ Fault tolerance, as the client sees it: a stream never shows a gap or a repeated
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import collections
 import contextlib
 import functools
@@ -41,6 +42,8 @@ from pagemesh.options.validation import (ModelLimits, ValidatedRequest, Validati
                                          check_identity, check_unicode, validate)
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from router import replay
+from pagemesh.images import check_num_images, expand_images, load_image
+from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult, Embeddings
 from router.client_stream import ClientStream
 from router.dispatcher import Dispatcher
@@ -207,9 +210,11 @@ class Generation:
         digest = request_digest(request)
         plan = await self._resume_plan(request_id, mesh_id, request, digest)
         if plan is None:
-            validated = await self._validate(request)
+            validated, images = await self._validate(request)
             submission = Submission.fresh(mesh_id, validated, self._seeds.getrandbits(63),
                                           request.owner, digest)
+            if images:
+                submission = dataclasses.replace(submission, images=images)
             plan = replay.fresh(self.tokenizer, submission)
         progress = plan.progress
         span = trace.get_current_span()  # generate's (router/tracing.py), or a no-op one
@@ -321,7 +326,8 @@ class Generation:
         finally:
             self._deleter = None
 
-    async def _validate(self, request: GenerationRequest) -> ValidatedRequest:
+    async def _validate(self, request: GenerationRequest
+                        ) -> tuple[ValidatedRequest, tuple[ImageInput, ...]]:
         info = await self.directory.model_info()
         if info.pooling.embeds:
             raise invalid_argument(
@@ -337,6 +343,9 @@ class Generation:
             raise invalid_argument("apply_chat_template needs a `text` prompt, not `token_ids`")
         else:
             prompt_ids = prompt
+        images: tuple[ImageInput, ...] = ()
+        if request.images:
+            prompt_ids, images = await _with_images(prompt_ids, request.images, info)
         max_prompt_tokens = self.limits.max_prompt_tokens
         if max_prompt_tokens and len(prompt_ids) > max_prompt_tokens:
             raise invalid_argument(
@@ -346,11 +355,12 @@ class Generation:
         limits = (await self.directory.model_info()).limits()
         grammar = await self._compile(request.constraint, limits)
         try:
-            return validate(prompt_ids, request.sampling, request.stopping, request.num_logprobs,
-                            request.model, limits, n=request.n, priority=request.priority,
-                            grammar=grammar)
+            validated = validate(prompt_ids, request.sampling, request.stopping,
+                                 request.num_logprobs, request.model, limits, n=request.n,
+                                 priority=request.priority, grammar=grammar)
         except ValidationError as exc:
             raise invalid_argument(str(exc)) from exc
+        return validated, images
 
     async def _compile(self, constraint: OutputConstraint | None, limits: ModelLimits) -> str:
         """The request's output constraint compiled and checked against the model's
@@ -418,4 +428,21 @@ def _check_unicode(text: str, what: str) -> None:
     try:
         check_unicode(text, what)
     except ValidationError as exc:
+        raise invalid_argument(str(exc)) from None
+
+
+async def _with_images(prompt_ids: list[int], images: list[bytes], info: ModelInfo
+                       ) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A vision-language prompt: each image checked (decoded off the event loop, within the
+    size and pixel limits) and each image token expanded into its image's placeholders.
+    INVALID_ARGUMENT for images to a text-only model, too many, one that is not an image,
+    or image tokens that do not pair up with the images."""
+    if not info.image_seq_length:
+        raise invalid_argument(f"model {info.model!r} is a text-only model: it takes no images")
+    try:
+        check_num_images(len(images))
+        for image in images:
+            await asyncio.to_thread(load_image, image)
+        return expand_images(prompt_ids, images, info.image_token_id, info.image_seq_length)
+    except ValueError as exc:  # ImageError included
         raise invalid_argument(str(exc)) from None

@@ -24,6 +24,7 @@ from typing import Any
 from pagemesh.options import fields
 from pagemesh.options.constraint import constraint_from_body
 from pagemesh.options.validation import MAX_REQUEST_ID_LEN, ValidationError, check_request_id
+from pagemesh.images import ImageError, parse_data_url
 from router.openai_errors import ProtocolError, error_body  # noqa: F401 (oai.ProtocolError)
 from router.openai_tools import (ToolRequest, forced_call_constraint, tool_calls_for_template,
                                  tool_request)
@@ -113,7 +114,10 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None,
         raise ProtocolError(f"top_logprobs must be >= 0, got {num_top}", "top_logprobs")
     parsed = _parse_common(body, headers, CHAT_ID_PREFIX, None, max_tokens,
                            (num_top or 0) if wants_logprobs else None)
-    parsed.messages = _messages(body.get("messages"))
+    images: list[bytes] = []
+    parsed.messages = _messages(body.get("messages"), images)
+    if images:
+        parsed.generate = dataclasses.replace(parsed.generate, images=images)
     if tools is not None:
         parsed.tools = tools
         parsed.tool_format = tool_format if tools.parses_calls else None
@@ -121,6 +125,18 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None,
         if forced is not None:
             parsed.generate = dataclasses.replace(parsed.generate, constraint=forced)
     return parsed
+
+
+def _image_bytes(value: Any, where: str) -> bytes:
+    """An image_url part's image: a data: URL's bytes (remote URLs are not fetched)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ProtocolError("only data: URLs are accepted for images (data:image/png;base64,"
+                            "...); remote URLs are not fetched", f"{where}.content")
+    try:
+        return parse_data_url(url)
+    except ImageError as exc:
+        raise ProtocolError(str(exc), f"{where}.content") from None
 
 
 def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_prefix: str,
@@ -220,7 +236,9 @@ def _prompt(prompt: Any) -> str | list[int]:
         "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def _messages(value: Any, images: list[bytes] | None = None) -> list[dict[str, Any]]:
+    """The messages for the chat template; `images` receives the bytes of their image_url
+    parts (data: URLs), in order, each part becoming {"type": "image"} for the template."""
     if not isinstance(value, list) or not value:
         raise ProtocolError("messages must be a non-empty list of {role, content} objects",
                             "messages")
@@ -233,7 +251,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise ProtocolError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
                                 f"got {fields.shown(role)}", f"{where}.role")
         normalized: dict[str, Any] = {"role": role,
-                                      "content": _content(message.get("content"), where)}
+                                      "content": _content(message.get("content"), where,
+                                                          images)}
         if role == "assistant" and message.get("tool_calls") is not None:
             normalized["tool_calls"] = tool_calls_for_template(message["tool_calls"], where)
         if role == "tool":
@@ -247,17 +266,29 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, images: list[bytes] | None = None
+             ) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or, with image parts, the parts for the template
+    (text ones, and {"type": "image"} where an image was; its bytes go to `images`)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        texts = []
+        parts: list[dict[str, Any]] = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ProtocolError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}}; "
-                                    "images and audio are not supported", f"{where}.content")
-            texts.append(part["text"])
-        return "".join(texts)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and images is not None:
+                images.append(_image_bytes(part.get("image_url"), where))
+                parts.append({"type": "image"})
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise ProtocolError(f"{where}.content parts must be {{\"type\": \"text\", "
+                                    "\"text\": ...}} or {\"type\": \"image_url\", ...} "
+                                    "(vision-language models); audio is not supported",
+                                    f"{where}.content")
+        if any(p["type"] == "image" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
     raise ProtocolError(f"{where}.content must be a string or a list of text parts",
                         f"{where}.content")
 

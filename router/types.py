@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pagemesh.options.constraint import OutputConstraint
 from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
                                          ValidatedRequest)
-from protos.step import PoolingInfo
+from protos.step import ImageInput, PoolingInfo
 
 
 class FinishReason(enum.StrEnum):
@@ -49,6 +49,8 @@ class GenerationRequest:
     constraint: OutputConstraint | None = None  # None: free text
     # The caller's key fingerprint (router/tenancy.py), set by the API adapter; "" = keys off.
     owner: str = ""
+    # A vision-language prompt's encoded images, in the order of its image tokens.
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class Submission:
     # None for a generation.
     embed_dimensions: int | None = None
     embed_image: bytes = b""  # an image input's encoded image (its prompt: placeholders)
+    # A vision-language prompt's images over their placeholder tokens.
+    images: tuple[ImageInput, ...] = ()
 
     @classmethod
     def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int,
@@ -160,6 +164,8 @@ class ModelInfo:
     pipeline_parallel_size: int
     num_replicas: int  # engine groups behind the router
     pooling: PoolingInfo = PoolingInfo()  # generate, or embed and how
+    image_token_id: int = 0  # a vision-language model's image token
+    image_seq_length: int = 0  # placeholders one image takes; 0: a text-only model
 
     def limits(self) -> ModelLimits:
         """What `pagemesh.options.validation.validate` checks a request against."""

@@ -19,6 +19,7 @@ from protos.pagemesh.v1 import generate_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
 from protos.pooling import pooling_info_from_pb, pooling_info_to_pb
 from protos.step import (
+    ImageInput,
     ModelRunnerOutput,
     PoolingParams,
     RequestId,
@@ -123,6 +124,7 @@ def _request_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
         num_logprobs=pb.logprobs, grammar=pb.grammar, priority=pb.priority,
         pooling=(PoolingParams(pb.embed.dimensions, pb.embed.image)
                  if pb.HasField("embed") else None),
+        images=tuple(ImageInput(i.data, i.offset, i.length) for i in pb.images),
         **unset_is_none), eos_token_ids, arrival_time_s)
 
 
@@ -163,6 +165,8 @@ def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str]
                 pooling=(None if new.pooling is None
                          else worker_pb2.PoolingParams(dimensions=new.pooling.dimensions,
                                                        image=new.pooling.image)),
+                images=[generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length)
+                        for i in new.images],
             )
             for new in output.new_requests
         ],
@@ -266,6 +270,8 @@ def worker_info_from_pb(pb: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
         kv_cache_bytes=pb.kv_cache_bytes,
         kv_cache_sizing=pb.kv_cache_sizing,
         pooling=pooling_info_from_pb(pb.pooling),
+        image_token_id=pb.image_token_id,
+        image_seq_length=pb.image_seq_length,
     )
 
 
@@ -288,6 +294,8 @@ def model_info_to_pb(info: WorkerInfo, num_blocks: int,
         kv_cache_bytes=info.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes,
         kv_cache_sizing=info.kv_cache_sizing,
         pooling=pooling_info_to_pb(info.pooling),
+        image_token_id=info.image_token_id,
+        image_seq_length=info.image_seq_length,
         layout=generate_pb2.ParallelLayout(
             tensor_parallel_size=info.tp_size,
             pipeline_parallel_size=info.pp_size,

@@ -112,3 +112,5 @@ class WorkerInfo:
     kv_cache_bytes: int  # this rank's KV cache
     kv_cache_sizing: str  # how that size was chosen, with the figures
     pooling: PoolingInfo = PoolingInfo()  # what the model does: generate, or embed and how
+    image_token_id: int = 0  # a vision-language model's image token
+    image_seq_length: int = 0  # placeholders one image takes (0: a text-only model)

@@ -6,6 +6,7 @@ from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
 from protos.step import (
     CachedRequestData,
+    ImageInput,
     ModelRunnerOutput,
     NewRequestData,
     PoolingParams,
@@ -46,6 +47,7 @@ def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutp
                 sampling=sampling_from_pb(r.sampling),
                 pooling=(PoolingParams(dimensions=r.pooling.dimensions, image=r.pooling.image)
                          if r.HasField("pooling") else None),
+                images=tuple(ImageInput(i.data, i.offset, i.length) for i in r.images),
             )
             for r in pb.new_requests
         ],
@@ -114,6 +116,8 @@ def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> w
         kv_cache_bytes=info.kv_cache_bytes,
         kv_cache_sizing=info.kv_cache_sizing,
         pooling=pooling_info_to_pb(info.pooling),
+        image_token_id=max(info.image_token_id, 0),
+        image_seq_length=info.image_seq_length,
         **layout,
     )
 

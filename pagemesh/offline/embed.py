@@ -22,7 +22,7 @@ import numpy as np
 from pagemesh.images import load_image
 from scheduler_svc.core import admission
 from scheduler_svc.core.types import Request, RequestEvent
-from protos.step import ImageInput, PoolingInfo, PoolingParams as StepPoolingParams
+from protos.step import PoolingInfo, PoolingParams as StepPoolingParams
 
 
 @dataclass(frozen=True)
@@ -90,25 +90,6 @@ def image_bytes(image: Any) -> bytes:
     load_image(bytes(image))
     return bytes(image)
 
-
-def expand_images(token_ids: list[int], images: list[bytes], image_token_id: int,
-                  image_seq_length: int) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """Each image token of `token_ids` repeated `image_seq_length` times (one placeholder
-    per embedding row of its image), with the images over them in order. ValueError when
-    the image tokens and the images do not pair up."""
-    positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
-    if len(positions) != len(images):
-        raise ValueError(f"the prompt has {len(positions)} image token(s) for {len(images)} "
-                         "image(s): put one image token (e.g. <image>) where each image goes")
-    out: list[int] = []
-    inputs = []
-    previous = 0
-    for position, data in zip(positions, images):
-        out += token_ids[previous:position]
-        inputs.append(ImageInput(data, len(out), image_seq_length))
-        out += [image_token_id] * image_seq_length
-        previous = position + 1
-    return out + token_ids[previous:], tuple(inputs)
 
 
 def embedding_requests(request_ids: list[str], prompts: list[list[int]],

@@ -37,10 +37,10 @@ from pagemesh.offline.embed import (
     PoolingParams,
     PoolingRequestOutput,
     embedding_requests,
-    expand_images,
     image_bytes,
     image_input,
 )
+from pagemesh.images import expand_images
 from pagemesh.offline.engine import EngineCore
 from pagemesh.offline.outputs import RequestOutput
 from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
@@ -174,10 +174,14 @@ class LLM:
                          else list(messages))
         parsed = []
         for conversation in conversations:
-            normalized = parse_chat({"messages": conversation}).messages
-            token_ids = self.tokenizer.apply_chat_messages(normalized, tools=tools)
-            parsed.append(Prompt(self.tokenizer.decode(token_ids, skip_special_tokens=False),
-                                 token_ids))
+            chat = parse_chat({"messages": conversation})
+            token_ids = self.tokenizer.apply_chat_messages(chat.messages, tools=tools)
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+            if chat.generate.images:  # image_url parts (data: URLs), as the OpenAI API's
+                parsed.append(self._image_prompt({"prompt_token_ids": token_ids, "prompt": text},
+                                                 chat.generate.images))
+            else:
+                parsed.append(Prompt(text, token_ids))
         return self._run(parsed, sampling_params, use_tqdm, None)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],

@@ -89,6 +89,19 @@ def test_image_prompts_equal_transformers_batched_and_chunked(folder: Path) -> N
         [lp[t].logprob for lp, t in zip(dog_answer.logprobs, dog_answer.token_ids)], atol=1e-3)
 
 
+def test_llm_chat_takes_image_url_parts(folder: Path) -> None:
+    import base64
+
+    cat = image(1)
+    url = "data:image/png;base64," + base64.b64encode(png(cat)).decode()
+    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is in this picture?"}]}]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(folder), dtype="float32") as engine:
+        answer = engine.chat(chat, params, use_tqdm=False)[0]
+    assert answer.outputs[0].token_ids == reference(folder, PROMPT, [cat])[0]
+
+
 def test_the_encoder_cache_encodes_an_image_once(folder: Path) -> None:
     from worker_svc.batch import ImageSegment
     from worker_svc.loader import load_model

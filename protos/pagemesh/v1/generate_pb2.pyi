@@ -59,7 +59,7 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "logprobs", "model", "apply_chat_template", "n", "priority", "resume_from", "constraint")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "logprobs", "model", "apply_chat_template", "n", "priority", "resume_from", "constraint", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -84,7 +85,8 @@ class GenerateRequest(_message.Message):
     priority: int
     resume_from: int
     constraint: OutputConstraint
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., model: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., resume_from: _Optional[int] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., model: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., resume_from: _Optional[int] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class OutputConstraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -243,7 +245,7 @@ class PoolingInfo(_message.Message):
     def __init__(self, task: _Optional[str] = ..., pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., any_dimensions: _Optional[bool] = ..., image_tokens: _Optional[int] = ..., max_text_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "layout", "architecture", "block_size", "num_kv_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "layout", "architecture", "block_size", "num_kv_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling", "image_token_id", "image_seq_length")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +260,8 @@ class GetModelInfoResponse(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SIZING_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -272,4 +276,16 @@ class GetModelInfoResponse(_message.Message):
     kv_cache_bytes: int
     kv_cache_sizing: str
     pooling: PoolingInfo
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ...) -> None: ...
+    image_token_id: int
+    image_seq_length: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ..., image_token_id: _Optional[int] = ..., image_seq_length: _Optional[int] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("data", "offset", "length")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    offset: int
+    length: int
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...

@@ -61,7 +61,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("worker_id", "model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "dtype", "num_blocks", "block_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "num_swap_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling")
+    __slots__ = ("worker_id", "model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "dtype", "num_blocks", "block_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "num_swap_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling", "image_token_id", "image_seq_length")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,8 @@ class GetWorkerInfoResponse(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SIZING_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     architecture: str
@@ -100,7 +102,9 @@ class GetWorkerInfoResponse(_message.Message):
     kv_cache_bytes: int
     kv_cache_sizing: str
     pooling: _generate_pb2.PoolingInfo
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[_generate_pb2.PoolingInfo, _Mapping]] = ...) -> None: ...
+    image_token_id: int
+    image_seq_length: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[_generate_pb2.PoolingInfo, _Mapping]] = ..., image_token_id: _Optional[int] = ..., image_seq_length: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "min_tokens", "stop_token_ids", "num_logprobs", "grammar")
@@ -131,7 +135,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "pooling")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "pooling", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +143,7 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -146,7 +151,8 @@ class NewRequest(_message.Message):
     num_computed_tokens: int
     sampling: SamplingParams
     pooling: PoolingParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., pooling: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_generate_pb2.ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., pooling: _Optional[_Union[PoolingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_generate_pb2.ImageInput, _Mapping]]] = ...) -> None: ...
 
 class PoolingParams(_message.Message):
     __slots__ = ("dimensions", "image")

@@ -1,0 +1,133 @@
+"""A LLaVA through the mesh: `pagemesh up` on a tiny LLaVA folder (the Hub's llava-hf
+naming) answers an OpenAI chat request whose message carries an image as a data URL, and a
+gRPC request with the image's bytes, with transformers' greedy tokens on the same folder
+and image; images to bad places are refused by name."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pagemesh.ports import reserve_port
+from pagemesh.testing.tiny_llava import write_tiny_llava
+from protos.pagemesh.v1 import generate_pb2
+from tests.support.mesh_harness import Mesh
+
+MAX_TOKENS = 6
+QUESTION = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llava(tmp_path_factory.mktemp("llava") / "tiny-llava", seed=5,
+                            naming="llava-hf")
+
+
+@pytest.fixture(scope="module")
+def mesh(folder: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Mesh]:
+    http_port = reserve_port()
+    mesh = Mesh(str(folder), tmp_path_factory.mktemp("logs") / "llava.log",
+                redis_url=redis_url, cluster="e2e-llava",
+                extra_args=["--http-port", str(http_port), "--dtype", "float32",
+                            "--max-num-batched-tokens", "20"])
+    mesh.http_url = f"http://127.0.0.1:{http_port}"  # type: ignore[attr-defined]
+    try:
+        yield mesh.wait_ready()
+    finally:
+        mesh.stop()
+
+
+def picture() -> Image.Image:
+    pixels = np.random.default_rng(8).integers(0, 255, (44, 40, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def reference(folder: Path) -> tuple[str, list[int]]:
+    """The chat prompt transformers' processor renders, and its greedy tokens."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": QUESTION}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=text, images=[picture()], return_tensors="pt")
+    ids, tokens = inputs["input_ids"], []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = model(input_ids=ids, pixel_values=inputs["pixel_values"]).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+    return text, tokens
+
+
+def test_chat_and_grpc_with_an_image_equal_transformers(mesh: Mesh, folder: Path) -> None:
+    text, expected = reference(folder)
+    url = "data:image/png;base64," + base64.b64encode(png(picture())).decode()
+    reply = httpx.post(f"{mesh.http_url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": QUESTION}]}],
+        "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["token_ids"] == expected
+    answer = list(mesh.stub.Generate(generate_pb2.GenerateRequest(
+        text=text, images=[png(picture())],
+        sampling=generate_pb2.SamplingParams(temperature=0),
+        stopping=generate_pb2.StoppingCriteria(max_tokens=MAX_TOKENS, ignore_eos=True)),
+        timeout=120))
+    assert [t for chunk in answer for t in chunk.token_ids] == expected
+
+
+@pytest.mark.parametrize("images, text, needle", [
+    ([b"not an image"], "<image>\\nhi", "not a decodable image"),
+    ([], "<image>\\nhi", None),  # no image: the token stays a token (no check to fail)
+    ([b"x", b"y"], "<image>\\nhi", "not a decodable image"),
+])
+def test_bad_images_over_grpc_are_refused(mesh: Mesh, images: list[bytes], text: str,
+                                          needle: str | None) -> None:
+    request = generate_pb2.GenerateRequest(
+        text=text.replace("\\\\n", "\\n"), images=images,
+        stopping=generate_pb2.StoppingCriteria(max_tokens=2))
+    if needle is None:
+        assert list(mesh.stub.Generate(request, timeout=60))
+        return
+    with pytest.raises(grpc.RpcError) as error:
+        list(mesh.stub.Generate(request, timeout=60))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in error.value.details()
+
+
+def test_image_tokens_and_images_must_pair_up(mesh: Mesh) -> None:
+    request = generate_pb2.GenerateRequest(text="no image token here", images=[png(picture())],
+                                           stopping=generate_pb2.StoppingCriteria(max_tokens=2))
+    with pytest.raises(grpc.RpcError) as error:
+        list(mesh.stub.Generate(request, timeout=60))
+    assert "0 image token(s) for 1 image(s)" in error.value.details()
+
+
+def test_a_text_only_model_refuses_images(tiny_llama_mesh: Mesh) -> None:
+    request = generate_pb2.GenerateRequest(text="hello", images=[png(picture())],
+                                           stopping=generate_pb2.StoppingCriteria(max_tokens=2))
+    with pytest.raises(grpc.RpcError) as error:
+        list(tiny_llama_mesh.stub.Generate(request, timeout=60))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text-only model" in error.value.details()
