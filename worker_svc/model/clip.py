@@ -378,7 +378,20 @@ def load_clip(folder: str | Path, dtype: torch.dtype = torch.float32, *, prefix:
     with torch.device("meta"):
         model = ClipModel(config)
     model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
-    parameters = dict(model.named_parameters())
+
+    def target(key: str) -> str | None:
+        return checkpoint_name_to_parameter(key[len(prefix):]) if key.startswith(prefix) else None
+
+    fill_from_safetensors(model, folder, target, f"the CLIP model (prefix {prefix!r})")
+    return model.eval()
+
+
+def fill_from_safetensors(module: nn.Module, folder: Path,
+                          target: Callable[[str], str | None], what: str) -> None:
+    """Copies each tensor of `folder`'s `*.safetensors` into `module`'s parameter
+    `target(name)` (None: not this module's tensor). ValueError naming the tensor when its
+    target is no parameter or has another shape, or naming the parameters left unfilled."""
+    parameters = dict(module.named_parameters())
     filled: set[str] = set()
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -386,21 +399,18 @@ def load_clip(folder: str | Path, dtype: torch.dtype = torch.float32, *, prefix:
     for file in files:
         with safe_open(file, framework="pt") as tensors:
             for key in tensors.keys():
-                if not key.startswith(prefix):
+                name = target(key)
+                if name is None:
                     continue
-                target = checkpoint_name_to_parameter(key[len(prefix):])
-                if target is None:
-                    continue
-                if target not in parameters:
+                if name not in parameters:
                     raise ValueError(f"checkpoint tensor {key!r} ({file.name}) has no place in "
-                                     f"the CLIP model (no parameter {target!r})")
-                _fill(parameters[target], tensors.get_tensor(key), key)
-                filled.add(target)
+                                     f"{what} (no parameter {name!r})")
+                _fill(parameters[name], tensors.get_tensor(key), key)
+                filled.add(name)
     missing = sorted(set(parameters) - filled)
     if missing:
-        raise ValueError(f"{len(missing)} CLIP parameters have no tensor in {folder} under "
-                         f"prefix {prefix!r}: {', '.join(missing[:8])}")
-    return model.eval()
+        raise ValueError(f"{len(missing)} parameters of {what} have no tensor in {folder}: "
+                         f"{', '.join(missing[:8])}")
 
 
 def _fill(parameter: nn.Parameter, tensor: torch.Tensor, key: str) -> None:

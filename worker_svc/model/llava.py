@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from worker_svc.model.clip import (
     ACTIVATIONS as CLIP_ACTIVATIONS,
     ClipVisionConfig,
     ClipVisionTower,
+    fill_from_safetensors,
     checkpoint_name_to_parameter,
 )
 
@@ -216,30 +216,10 @@ def load_llava_encoder(folder: str | Path, dtype: torch.dtype = torch.float32, *
     with torch.device("meta"):
         encoder = LlavaImageEncoder(config)
     encoder = encoder.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
-    parameters = dict(encoder.named_parameters())
-    filled: set[str] = set()
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors in {folder}")
-    for file in files:
-        with safe_open(file, framework="pt") as tensors:
-            for key in tensors.keys():
-                kind, target = llava_checkpoint_name(key)
-                if kind in (TEXT, UNUSED):
-                    continue
-                if target not in parameters:
-                    raise ValueError(f"checkpoint tensor {key!r} ({file.name}) has no place in "
-                                     f"the LLaVA image encoder (no parameter {target!r})")
-                tensor = tensors.get_tensor(key)
-                parameter = parameters[target]
-                if tuple(tensor.shape) != tuple(parameter.shape):
-                    raise ValueError(f"checkpoint tensor {key!r} has shape {list(tensor.shape)}"
-                                     f", the encoder expects {list(parameter.shape)}")
-                with torch.no_grad():
-                    parameter.copy_(tensor)
-                filled.add(target)
-    missing = sorted(set(parameters) - filled)
-    if missing:
-        raise ValueError(f"{len(missing)} LLaVA image encoder parameters have no tensor in "
-                         f"{folder}: {', '.join(missing[:8])}")
+
+    def target(key: str) -> str | None:
+        kind, name = llava_checkpoint_name(key)
+        return None if kind in (TEXT, UNUSED) else name
+
+    fill_from_safetensors(encoder, folder, target, "the LLaVA image encoder")
     return encoder.eval()
