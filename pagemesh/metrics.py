@@ -358,6 +358,10 @@ class WorkerSnapshot:
     rss_bytes: int | None = None
     # Mixture-of-experts models: {layer: tokens routed to each expert} this rank counted.
     expert_tokens: dict[int, list[int]] | None = None
+    # Vision-language models' first stage: images run through the image encoder, and
+    # images found in its content-keyed cache (None: no image encoder).
+    images_encoded: int | None = None
+    image_cache_hits: int | None = None
 
 
 EXPERT_TOKENS = PREFIX + "worker_moe_expert_tokens"
@@ -421,6 +425,13 @@ class WorkerMetrics(ServiceMetrics):
             if s.rss_bytes is not None:
                 found.append(gauge(PREFIX + "worker_resident_memory_bytes", "Resident set size "
                                    "of the worker process, bytes", labels, s.rss_bytes))
+            if s.images_encoded is not None:
+                found.append(counter(PREFIX + "worker_images_encoded", "Images run through "
+                                     "the image encoder (each distinct image once while it "
+                                     "stays in the encoder cache)", labels, s.images_encoded))
+                found.append(counter(PREFIX + "worker_image_cache_hits", "Images whose "
+                                     "embeddings the encoder cache already held", labels,
+                                     s.image_cache_hits or 0))
             if s.expert_tokens:
                 family = CounterMetricFamily(
                     EXPERT_TOKENS, "Tokens routed to each expert of a mixture-of-experts "

@@ -213,10 +213,19 @@ def worker_metrics(group: str, layout: dict[str, int], servicer: WorkerServicer,
                               dist.pp_recv_time_s, servicer.busy_time_s,
                               kv_cache_bytes=runner.num_blocks * runner.kv_spec.bytes_per_block,
                               rss_bytes=process_rss_bytes(),
-                              expert_tokens=expert_load(runner.model) or None)
+                              expert_tokens=expert_load(runner.model) or None,
+                              **image_counts(runner))
 
     metrics.follow_worker(snapshot)
     return metrics
+
+
+def image_counts(runner: object) -> dict[str, int]:
+    """A vision-language model's image-encoder counters, for its metrics; {} otherwise."""
+    embedder = getattr(runner, "image_embedder", None)
+    if embedder is None:
+        return {}
+    return {"images_encoded": embedder.num_encoded, "image_cache_hits": embedder.num_cache_hits}
 
 
 async def _join_and_load(args: argparse.Namespace, membership: Membership,

@@ -95,6 +95,22 @@ def test_chat_and_grpc_with_an_image_equal_transformers(mesh: Mesh, folder: Path
         stopping=generate_pb2.StoppingCriteria(max_tokens=MAX_TOKENS, ignore_eos=True)),
         timeout=120))
     assert [t for chunk in answer for t in chunk.token_ids] == expected
+    # The same image twice: encoded once, found in the encoder cache the second time.
+    metrics = worker_metrics(mesh)
+    assert metrics["pagemesh:worker_images_encoded_total"] == 1
+    assert metrics["pagemesh:worker_image_cache_hits_total"] >= 1
+
+
+def worker_metrics(mesh: Mesh) -> dict[str, float]:
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(mesh.redis_url)
+    entry = next(json.loads(client.get(key)) for key in client.scan_iter("e2e-llava:worker:*"))
+    text = httpx.get(f"http://{entry['metrics_address']}/metrics", timeout=10).text
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("pagemesh:worker_image")}
 
 
 @pytest.mark.parametrize("images, text, needle", [
