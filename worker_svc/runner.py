@@ -24,7 +24,7 @@ import torch
 from protos.step import ModelRunnerOutput, PoolingInfo, SampledToken, SchedulerOutput
 from worker_svc import sampler
 from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
-from worker_svc.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from worker_svc.attention import AttentionBackend, get_attention_backend
 from worker_svc.batch import (
     BlockTables,
     RequestState,
@@ -45,10 +45,6 @@ from worker_svc.distributed import (
 from worker_svc.kv_budget import (
     DEFAULT_CPU_KV_CACHE_FRACTION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    KVBudget,
-    cpu_budget,
-    cuda_budget,
-    explicit_budget,
 )
 from worker_svc.kv_cache import (
     KVCacheSpec,
@@ -58,6 +54,7 @@ from worker_svc.kv_cache import (
     num_blocks_for_budget,
 )
 from worker_svc.kv_prefault import KVPrefault
+from worker_svc.kv_sizing import rank_kv_budget
 from worker_svc.loader import ModelMetadata, load_model, open_source
 from worker_svc.model.expert_balance import (
     ExpertBalancer,
@@ -221,7 +218,7 @@ class ModelRunner:
             task=config.task,
         )
         spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
-        budget = _kv_budget(config, model, metadata, spec)
+        budget = rank_kv_budget(config, model, metadata, spec)
         num_blocks = num_blocks_for_budget(spec, budget.bytes, config.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each, %.2f GiB); %s",
                     num_blocks, config.block_size, spec.bytes_per_block,
@@ -554,51 +551,6 @@ def _graph_sizes(config: RunnerConfig) -> tuple[int, ...]:
     if config.cuda_graph_sizes is not None:
         return tuple(config.cuda_graph_sizes)
     return capture_sizes(config.max_num_seqs)
-
-
-def _kv_budget(config: RunnerConfig, model: LlamaForCausalLM, metadata: ModelMetadata,
-               spec: KVCacheSpec) -> KVBudget:
-    """What this rank's KV cache may take, and why (worker_svc/kv_budget.py)."""
-    if config.num_blocks is not None:
-        return KVBudget(config.num_blocks * spec.bytes_per_block,
-                        f"--num-kv-blocks {config.num_blocks}, as given")
-    if config.kv_cache_memory_bytes is not None:
-        return explicit_budget(config.kv_cache_memory_bytes)
-    device = torch.device(config.device)
-    if device.type == "cuda":
-        return cuda_budget(device, config.gpu_memory_utilization,
-                           lambda: profile_forward(model, metadata, spec, config))
-    return cpu_budget(config.cpu_kv_cache_fraction)
-
-
-@torch.inference_mode()
-def profile_forward(model: LlamaForCausalLM, metadata: ModelMetadata, spec: KVCacheSpec,
-                    config: RunnerConfig) -> None:
-    """One forward pass as large as a step gets: a single sequence of max_num_batched_tokens
-    (capped at max_model_len) tokens over a cache of just its blocks, then the LM head over
-    max_num_seqs rows. Every TP rank runs it at once (its collectives pair up)."""
-    device = torch.device(config.device)
-    num_tokens = min(config.max_num_batched_tokens, metadata.max_model_len)
-    num_blocks = -(-num_tokens // config.block_size)
-    caches = allocate_kv_caches(spec, num_blocks, device)
-    attention = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-    )
-    intermediate = None
-    if not model.parallel.is_first_stage:
-        zeros = torch.zeros(num_tokens, model.config.hidden_size, dtype=metadata.dtype,
-                            device=device)
-        intermediate = (zeros, zeros.clone())
-    hidden, residual = model(torch.zeros(num_tokens, dtype=torch.long, device=device),
-                             torch.arange(num_tokens, device=device), caches, attention,
-                             get_attention_backend(config.attention_backend, device),
-                             intermediate)
-    if model.parallel.is_last_stage and not metadata.pooling.embeds:
-        rows = min(config.max_num_seqs, num_tokens)
-        model.compute_logits(hidden[:rows], residual[:rows])
 
 
 def _highest_block(step: SchedulerOutput) -> int:
