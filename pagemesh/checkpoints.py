@@ -1,8 +1,9 @@
 """Request checkpoints in Redis: what a request needs to resume after any process dies.
 
 One key per request, `<cluster>:ckpt:<request_id>` = JSON of a `Checkpoint`: the original
-`SubmitRequest` (prompt ids, sampling with its seed, stopping, n) and each sample's output
-ids so far. Sampling draws are keyed by (seed, token position), so prompt + outputs + seed
+`SubmitRequest` (prompt ids, sampling with its seed, stopping, n; a vision-language
+prompt's images as their SHA-256s, the bytes in the image store, pagemesh/image_store.py)
+and each sample's output ids so far. Sampling draws are keyed by (seed, token position), so prompt + outputs + seed
 is the whole state: recomputing the KV and sampling on gives the tokens the undisturbed run
 would have given. A set `<cluster>:ckpts:<group>` lists the requests of one engine group, so
 a replacement scheduler finds its predecessor's.
@@ -30,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+
+from pagemesh.image_store import ImageStore
 
 RUNNING = "running"  # a scheduler is computing it
 FINISHED = "finished"  # every sample ended; the client may not have the last tokens yet
@@ -131,6 +134,7 @@ class CheckpointStore:
     def __init__(self, redis: aioredis.Redis, cluster: str) -> None:
         self._redis = redis
         self.cluster = cluster
+        self.images = ImageStore(redis, cluster)  # the bytes of the records' images
 
     def key(self, request_id: str) -> str:
         return f"{self.cluster}:ckpt:{request_id}"

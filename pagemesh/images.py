@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import json
 import warnings
@@ -307,7 +308,7 @@ def expand_images(token_ids: list[int], images: list[bytes], image_token_id: int
     previous = 0
     for position, data in zip(positions, images):
         out += token_ids[previous:position]
-        inputs.append(ImageInput(data, len(out), image_seq_length))
+        inputs.append(ImageInput(data, len(out), image_seq_length, hashlib.sha256(data).digest()))
         out += [image_token_id] * image_seq_length
         previous = position + 1
     return out + token_ids[previous:], tuple(inputs)

@@ -303,4 +303,5 @@ class Registry:
                 await self.remove(kind, service_id)
             except Exception as exc:
                 logger.warning("could not deregister %s %s: %s", kind, service_id, exc)
+        await self.checkpoints.images.close()
         await self._redis.aclose()

@@ -221,6 +221,12 @@ _SCHEDULER = (
     _scheduler("--resume-window-s",
                "seconds a finished or orphaned request's checkpoint is kept for a client to "
                "resume it", type=float, default=300.0),
+    _scheduler("--image-store-mib",
+               "MiB of images the checkpoints' image store in Redis may hold, every group's "
+               "together (each image once, however many requests show it; kept a resume "
+               "window after its last request's checkpoint). An image over it is not kept: "
+               "its request cannot be resumed through another router",
+               type=float, default=1024.0),
     _scheduler("--drain-timeout-s",
                "on SIGTERM, seconds to let requests finish before handing the rest over",
                type=float, default=30.0),

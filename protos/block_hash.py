@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import NewType
+from typing import NewType, Protocol
 
 # 16 bytes of blake2b; compared by value, used as a dict key.
 BlockHash = NewType("BlockHash", bytes)
@@ -39,14 +39,35 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
     return BlockHash(digest.digest())
 
 
-def hash_request_blocks(token_ids: Sequence[int], block_size: int,
-                        extra: bytes = b"") -> list[BlockHash]:
-    """The chained hashes of the full blocks of `token_ids`; a last partial block has none."""
+class PlacedImage(Protocol):
+    """An image over prompt positions offset .. offset + length - 1 (protos.step.ImageInput)."""
+
+    offset: int
+    length: int
+
+    @property
+    def digest(self) -> bytes: ...
+
+
+def block_images(images: Sequence[PlacedImage], start: int, end: int) -> bytes:
+    """The content hashes of the images whose placeholders fall in positions start..end-1
+    (b"" for none): a block's `extra`, so that two prompts whose placeholder tokens are the
+    same but whose images differ never share a block's KV."""
+    return b"".join(image.digest for image in images
+                    if image.offset < end and image.offset + image.length > start)
+
+
+def hash_request_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
+                        images: Sequence[PlacedImage] = ()) -> list[BlockHash]:
+    """The chained hashes of the full blocks of `token_ids`; a last partial block has none.
+    A vision-language prompt's images are hashed into the blocks they fall in."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        end = start + block_size
+        block_extra = extra + block_images(images, start, end) if images else extra
+        parent = hash_block_tokens(parent, token_ids[start:end], block_extra)
         hashes.append(parent)
     return hashes

@@ -15,6 +15,7 @@ the scheduler sends it back to every rank in the next step's `CachedRequestData.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -115,6 +116,13 @@ class ImageInput:
     data: bytes
     offset: int
     length: int
+    # SHA-256 of `data`, when known (the scheduler computes it once per request); `digest`
+    # computes it otherwise. Not compared: it follows from `data`.
+    sha256: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def digest(self) -> bytes:
+        return self.sha256 or hashlib.sha256(self.data).digest()
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,8 @@ def submit_request(submission: Submission, progress: Progress | None = None
     if submission.embed_dimensions is not None:
         request.embed.dimensions = submission.embed_dimensions
         request.embed.image = submission.embed_image
-    request.images.extend(generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length)
+    request.images.extend(generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length,
+                                                  sha256=i.digest)
                           for i in submission.images)
     if progress is not None:
         request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
@@ -154,7 +155,7 @@ def submission_from_checkpoint(raw: bytes) -> Submission:
         grammar=pb.grammar,
         owner=pb.owner,
         request_digest=pb.request_digest,
-        images=tuple(ImageInput(i.data, i.offset, i.length) for i in pb.images),
+        images=tuple(ImageInput(i.data, i.offset, i.length, i.sha256) for i in pb.images),
     )
 
 

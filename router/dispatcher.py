@@ -69,7 +69,8 @@ class Dispatcher:
         progress = progress or Progress.fresh(submission.n)
         metadata = grpc_metadata(span)
         info = await self.directory.model_info()
-        block_hashes = hash_request_blocks(list(submission.prompt_token_ids), info.block_size)
+        block_hashes = hash_request_blocks(list(submission.prompt_token_ids), info.block_size,
+                                           images=submission.images)
         attempts = Attempts(self.resume, asyncio.get_running_loop().time, progress.started)
         feed: RequestFeed[T] = RequestFeed(progress, attempts, process)
         while not progress.all_finished:

@@ -290,7 +290,30 @@ class Generation:
         logger.warning("request %s resumed from its checkpoint (group %s, %s, %s output tokens "
                        "per sample) after %s tokens the client has", mesh_id, ckpt.group,
                        ckpt.state, [len(s.token_ids) for s in ckpt.samples], resume_from)
+        if plan.submission.images:
+            plan.submission = await self._with_stored_images(request_id, plan.submission)
         return plan
+
+    async def _with_stored_images(self, request_id: str, submission: Submission) -> Submission:
+        """A checkpoint's submission with its images' bytes, from the image store (the
+        record names them by SHA-256). NOT_FOUND when one is no longer there."""
+        wanted = [image.sha256 for image in submission.images if not image.data]
+        try:
+            found = await asyncio.wait_for(self.checkpoints.images.get_many(wanted),
+                                           IMAGE_LOOKUP_S)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise unavailable(f"the image store is unreachable ({exc}); retry shortly") from exc
+        lost = [i for i, image in enumerate(submission.images)
+                if not image.data and image.sha256 not in found]
+        if lost:
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"request {request_id!r} cannot be resumed: its image(s) {lost} (by order in "
+                "the prompt) are no longer in the image store (expired with the checkpoint, "
+                "or over the schedulers' --image-store-mib); send it again as a new request")
+        images = tuple(image if image.data else dataclasses.replace(image, data=found[image.sha256])
+                       for image in submission.images)
+        return dataclasses.replace(submission, images=images)
 
     def _plan_from_checkpoint(self, ckpt: Checkpoint, resume_from: int | list[int]
                               ) -> replay.StreamPlan:
@@ -408,6 +431,7 @@ class Generation:
 
 
 CHECKPOINT_LOOKUP_S = 0.5  # the longest a request waits for its checkpoint lookup
+IMAGE_LOOKUP_S = 5.0  # ... and for a resumed request's images (megabytes, maybe)
 STORE_AWAY_S = 2.0  # after a failed lookup, new requests skip theirs this long
 OFF_LOOP_CHARS = 16_384
 # Characters of JSON of a chat request's tool definitions and calls, checked before the

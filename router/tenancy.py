@@ -65,5 +65,9 @@ def request_digest(request: GenerationRequest) -> str:
     stated = dataclasses.asdict(request)
     for how in ("request_id", "resume_from", "new_request", "owner"):
         stated.pop(how, None)
+    # Images by content (their bytes as text would cost megabytes of JSON); a remote
+    # image by its URL, as the client stated it.
+    stated["images"] = [hashlib.sha256(i).hexdigest() if isinstance(i, bytes) else i
+                        for i in request.images]
     text = json.dumps(stated, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]

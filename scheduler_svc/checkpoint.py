@@ -9,6 +9,9 @@ A running request's record expires too, a resume window after it was last writte
 renewed: this scheduler renews its requests' records while they run, so the record of a
 request nobody runs any more (its scheduler gone for good) does not stay forever. The
 group's id set is pruned of expired ids as often.
+A vision-language request's images go to the image store (pagemesh/image_store.py) before
+its first record, once per image; every later write of the record renews them (and stores
+them again when Redis lost them), so they live as long as the record can be resumed.
 Writes never hold up the step loop: periodic ones run in the background, one at a time,
 and every write is bounded by a timeout — Redis being away costs checkpoints, not steps.
 """
@@ -18,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from protos.step import ImageInput
 from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
 from scheduler_svc import convert
 from scheduler_svc.core.types import RequestEvent
@@ -34,6 +38,7 @@ WRITE_TIMEOUT_S = 1.0
 class _Tracked:
     checkpoint: Checkpoint
     dirty: bool = True
+    images: dict[bytes, bytes] = field(default_factory=dict)  # SHA-256 -> encoded image
 
 
 def admitted_samples(submission: Submission) -> list[SampleState]:
@@ -49,12 +54,15 @@ def admitted_samples(submission: Submission) -> list[SampleState]:
 
 class Checkpointer:
     def __init__(self, store: CheckpointStore | None, group: str, interval_steps: int,
-                 resume_window_s: float) -> None:
-        """`store` None or `interval_steps` 0: checkpoints off."""
+                 resume_window_s: float, image_store_bytes: int = 1 << 30) -> None:
+        """`store` None or `interval_steps` 0: checkpoints off. `image_store_bytes`: the
+        most bytes of images the image store holds, every group's together."""
         self.store = store if interval_steps > 0 else None
         self.group = group
         self.interval_steps = interval_steps
         self.resume_window_s = resume_window_s
+        self.image_store_bytes = image_store_bytes
+        self.num_images_not_stored = 0  # images the store had no room for, since start
         self._tracked: dict[str, _Tracked] = {}
         self._steps = 0
         self._flushing: asyncio.Task[None] | None = None
@@ -68,13 +76,15 @@ class Checkpointer:
     def enabled(self) -> bool:
         return self.store is not None
 
-    def track(self, request_id: str, submit: bytes, samples: list[SampleState]) -> None:
-        """Admission: the record is written now, in the background."""
+    def track(self, request_id: str, submit: bytes, samples: list[SampleState],
+              images: tuple[ImageInput, ...] = ()) -> None:
+        """Admission: the record (its images first) written now, in the background."""
         if self.store is None:
             return
         ckpt = Checkpoint(request_id, self.group, submit, samples, RUNNING)
-        self._tracked[request_id] = _Tracked(ckpt)
-        self._spawn(self._write([ckpt], self.resume_window_s))
+        tracked = _Tracked(ckpt, images={image.digest: image.data for image in images})
+        self._tracked[request_id] = tracked
+        self._spawn(self._write([tracked], self.resume_window_s))
 
     def record(self, request_id: str, index: int, event: RequestEvent) -> None:
         """Sample `index`'s new tokens (with their logprobs when the sample keeps them), and
@@ -102,7 +112,7 @@ class Checkpointer:
             tracked = self._tracked.pop(request_id, None)
             if tracked is not None:
                 tracked.checkpoint.state = FINISHED
-                done.append(tracked.checkpoint)
+                done.append(tracked)
         if self._failing:  # Redis away: the last messages must not wait a timeout for it
             self._spawn(self._write(done, self.resume_window_s))
             return
@@ -113,7 +123,7 @@ class Checkpointer:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
             tracked.checkpoint.state = ORPHANED
-            self._spawn(self._write([tracked.checkpoint], self.resume_window_s))
+            self._spawn(self._write([tracked], self.resume_window_s))
 
     def on_step(self) -> None:
         """Counts a step; every `interval_steps` writes the records that changed."""
@@ -126,8 +136,7 @@ class Checkpointer:
         for tracked in dirty:
             tracked.dirty = False
         if dirty:
-            self._flushing = self._spawn(self._write([t.checkpoint for t in dirty],
-                                                     self.resume_window_s))
+            self._flushing = self._spawn(self._write(dirty, self.resume_window_s))
         if time.monotonic() - self._renewed_at > self.resume_window_s / 4:
             self._renewed_at = time.monotonic()
             self._spawn(self._renew())
@@ -136,17 +145,18 @@ class Checkpointer:
         """The running records' TTL pushed back (they are alive), the group's set pruned."""
         assert self.store is not None
         try:
-            running = [t.checkpoint for t in self._tracked.values()]
+            running = list(self._tracked.values())
             if running:
-                await asyncio.wait_for(self.store.expire(running, self.resume_window_s),
-                                       WRITE_TIMEOUT_S)
+                await asyncio.wait_for(self._store_images(running), WRITE_TIMEOUT_S)
+                await asyncio.wait_for(self.store.expire([t.checkpoint for t in running],
+                                                         self.resume_window_s), WRITE_TIMEOUT_S)
             await asyncio.wait_for(self.store.prune_group(self.group), WRITE_TIMEOUT_S)
         except Exception as exc:  # next time
             logger.warning("could not renew this group's checkpoints: %s", exc)
 
     async def rewrite_all(self) -> None:
         """Redis restarted empty: every live record again."""
-        await self._write([t.checkpoint for t in self._tracked.values()], self.resume_window_s)
+        await self._write(list(self._tracked.values()), self.resume_window_s)
 
     async def adopt_orphans(self) -> int:
         """At start: records of this group that a dead predecessor left running get the
@@ -176,14 +186,18 @@ class Checkpointer:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def _write(self, checkpoints: list[Checkpoint], ttl_s: float | None) -> None:
-        if self.store is None or not checkpoints:
+    async def _write(self, entries: list[_Tracked], ttl_s: float) -> None:
+        if self.store is None or not entries:
             return
         started = time.perf_counter()
         now = time.time()
+        checkpoints = [tracked.checkpoint for tracked in entries]
         for ckpt in checkpoints:
             ckpt.updated_at = now
         try:
+            # The images first: a record in Redis never names an image that is not there
+            # (unless the store had no room for it).
+            await asyncio.wait_for(self._store_images(entries), WRITE_TIMEOUT_S)
             await asyncio.wait_for(self.store.save(checkpoints, ttl_s), WRITE_TIMEOUT_S)
             self.num_writes += len(checkpoints)
             self._failing = False
@@ -196,3 +210,26 @@ class Checkpointer:
                     tracked.dirty = True
         finally:
             self.write_time_s += time.perf_counter() - started
+
+    async def _store_images(self, entries: list[_Tracked]) -> None:
+        """The entries' images renewed for a resume window, and stored where missing (first
+        write, Redis restarted, or expired after the store had no room)."""
+        assert self.store is not None
+        images = {digest: data for tracked in entries for digest, data in tracked.images.items()}
+        if not images:
+            return
+        store = self.store.images
+        missing = await store.renew(images, self.resume_window_s)
+        if not missing:
+            return
+        kept = await store.put({d: images[d] for d in missing}, self.resume_window_s,
+                               self.image_store_bytes)
+        refused = missing - kept
+        if refused:  # not tried again for these requests: their records stay without them
+            for tracked in entries:
+                for digest in refused & tracked.images.keys():
+                    del tracked.images[digest]
+            self.num_images_not_stored += len(refused)
+            logger.warning("%d images (%d bytes) do not fit in the image store (--image-store-"
+                           "mib): their requests cannot be resumed through another router",
+                           len(refused), sum(len(images[d]) for d in refused))

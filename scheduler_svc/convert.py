@@ -10,6 +10,8 @@ functions (it reads only the request id it logs under and the model's EOS ids);
 
 from __future__ import annotations
 
+import hashlib
+
 
 from pagemesh.checkpoints import TokenLogprobs
 from pagemesh.registry_entries import GroupStatus
@@ -69,8 +71,9 @@ def submission_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]
         progress=progress,
         ended=admission.ended_samples(base, progress),
         trace_context=dict(pb.trace_context),
-        original=_original(pb),
+        original=_original(pb, base.images),
         progress_logprobs=_progress_logprobs(pb) if pb.logprobs > 0 else {},
+        images=base.images,
     )
 
 
@@ -89,13 +92,26 @@ def connect_action_from_pb(pb: scheduler_pb2.ConnectRequest, eos_token_ids: list
     return None
 
 
-def _original(pb: scheduler_pb2.SubmitRequest) -> bytes:
-    """The request as first submitted: the checkpoint keeps progress apart."""
+def _original(pb: scheduler_pb2.SubmitRequest, images: tuple[ImageInput, ...]) -> bytes:
+    """The request as first submitted, for its checkpoint: progress is kept apart, and each
+    image as its SHA-256 alone (its bytes go to the image store, once per image)."""
     original = scheduler_pb2.SubmitRequest()
     original.CopyFrom(pb)
     original.ClearField("progress")
     original.ClearField("trace_context")
+    for image, converted in zip(original.images, images):
+        image.sha256 = converted.digest
+        image.data = b""
     return original.SerializeToString()
+
+
+def _image_from_pb(pb: generate_pb2.ImageInput) -> ImageInput:
+    """An image of a request, its SHA-256 computed here once (the prefix cache's block
+    hashes and the checkpoint's image store key on it)."""
+    if not pb.data:
+        raise ValueError(f"the image over prompt positions {pb.offset}..."
+                         f"{pb.offset + pb.length - 1} has no bytes")
+    return ImageInput(pb.data, pb.offset, pb.length, hashlib.sha256(pb.data).digest())
 
 
 def _progress(pb: scheduler_pb2.SubmitRequest) -> dict[int, tuple[list[int], bool]]:
@@ -124,7 +140,7 @@ def _request_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
         num_logprobs=pb.logprobs, grammar=pb.grammar, priority=pb.priority,
         pooling=(PoolingParams(pb.embed.dimensions, pb.embed.image)
                  if pb.HasField("embed") else None),
-        images=tuple(ImageInput(i.data, i.offset, i.length) for i in pb.images),
+        images=tuple(_image_from_pb(i) for i in pb.images),
         **unset_is_none), eos_token_ids, arrival_time_s)
 
 
@@ -165,7 +181,8 @@ def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str]
                 pooling=(None if new.pooling is None
                          else worker_pb2.PoolingParams(dimensions=new.pooling.dimensions,
                                                        image=new.pooling.image)),
-                images=[generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length)
+                images=[generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length,
+                                                sha256=i.digest)
                         for i in new.images],
             )
             for new in output.new_requests

@@ -102,7 +102,7 @@ async def serve(args: argparse.Namespace) -> None:
                       group=group, recovery_timeout_s=args.recovery_timeout_s,
                       watchdog=watchdog)
     checkpointer = Checkpointer(registry.checkpoints, args.group, args.checkpoint_interval,
-                                args.resume_window_s)
+                                args.resume_window_s, int(args.image_store_mib * 1024 * 1024))
     loop.on_step.append(checkpointer.on_step)
     registry.on_redis_restart.append(checkpointer.rewrite_all)
     await checkpointer.adopt_orphans()

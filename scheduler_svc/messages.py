@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagemesh.checkpoints import TokenLogprobs
-from protos.step import PoolingInfo
+from protos.step import ImageInput, PoolingInfo
 from scheduler_svc.core.types import FinishReason, Request, RequestEvent
 
 # One sample's event on its way to a router, as the Connect stream's outbox holds it:
@@ -42,6 +42,9 @@ class Submission:
     # A resume's logprobs so far, for the checkpoint: sample index -> one per token of its
     # progress. Only samples whose progress came with logprobs for every token.
     progress_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # A vision-language prompt's images: `original` holds their SHA-256s, the checkpoint's
+    # image store their bytes (pagemesh/image_store.py).
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def resumed(self) -> bool:

@@ -66,7 +66,7 @@ class RequestStreams:
                         [len(token_ids) for token_ids, _ in submission.progress.values()])
         if not submission.embeds:  # an embedding is recomputed whole after a failure
             self.checkpointer.track(request_id, submission.original,
-                                    admitted_samples(submission))
+                                    admitted_samples(submission), submission.images)
         opened = OpenRequest(request_id, submission.n, submission.with_logprobs,
                              {r.request_id for r in submission.requests})
         opened.ended = self._ended(submission)

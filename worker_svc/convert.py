@@ -47,7 +47,7 @@ def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutp
                 sampling=sampling_from_pb(r.sampling),
                 pooling=(PoolingParams(dimensions=r.pooling.dimensions, image=r.pooling.image)
                          if r.HasField("pooling") else None),
-                images=tuple(ImageInput(i.data, i.offset, i.length) for i in r.images),
+                images=tuple(ImageInput(i.data, i.offset, i.length, i.sha256) for i in r.images),
             )
             for r in pb.new_requests
         ],

@@ -12,12 +12,12 @@ stays in the cache, whichever requests (and steps) use it: the cache holds the l
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
+from protos.step import ImageInput
 from worker_svc.batch import ImageSegment
 
 # Encoded images in, [num_placeholders, hidden] per image out, in order.
@@ -39,7 +39,7 @@ class ImageEmbedder:
         """(rows [n], embeddings [n, hidden]) for the segments' rows; None for none."""
         if not segments:
             return None
-        embeddings = self._embeddings([segment.image.data for segment in segments])
+        embeddings = self._embeddings([segment.image for segment in segments])
         rows, parts = [], []
         for segment, image_rows in zip(segments, embeddings):
             if segment.image.length != image_rows.shape[0]:
@@ -49,10 +49,10 @@ class ImageEmbedder:
             parts.append(image_rows[segment.first:segment.first + segment.count])
         return torch.cat(rows).to(device), torch.cat(parts)
 
-    def _embeddings(self, images: list[bytes]) -> list[torch.Tensor]:
-        keys = [hashlib.sha256(data).digest() for data in images]
+    def _embeddings(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        keys = [image.digest for image in images]
         missing: dict[bytes, bytes] = {}
-        for key, data in zip(keys, images):
+        for key, data in zip(keys, (image.data for image in images)):
             if key in self._cache:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1

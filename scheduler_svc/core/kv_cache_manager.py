@@ -8,11 +8,9 @@ kept for the request's life, since its tokens never change once known.
 
 from __future__ import annotations
 
-import hashlib
-
 from dataclasses import dataclass, field
 
-from protos.block_hash import BlockHash, hash_block_tokens
+from protos.block_hash import BlockHash, block_images, hash_block_tokens
 from protos.step import BlockId, RequestId
 from scheduler_svc.core.block_pool import BlockPool, SwapPool
 from scheduler_svc.core.types import Request
@@ -252,9 +250,7 @@ class KVCacheManager:
         if not request.images:
             return b""
         start = index * self.block_size
-        end = start + self.block_size
-        return b"".join(hashlib.sha256(image.data).digest() for image in request.images
-                        if image.offset < end and image.offset + image.length > start)
+        return block_images(request.images, start, start + self.block_size)
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
         """Token ids of full block `index` of the request's prompt + output."""

@@ -147,3 +147,68 @@ def test_a_text_only_model_refuses_images(tiny_llama_mesh: Mesh) -> None:
         list(tiny_llama_mesh.stub.Generate(request, timeout=60))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "text-only model" in error.value.details()
+
+
+def image_request(request_id: str, image: bytes, max_tokens: int) -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(
+        request_id=request_id, text=f"<image>\n{QUESTION}", images=[image],
+        sampling=generate_pb2.SamplingParams(temperature=0),
+        stopping=generate_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+
+
+def orphan(mesh: Mesh, request_id: str, image: bytes) -> tuple[list[int], str]:
+    """Starts an image request, reads a few tokens and goes away: its checkpoint stays for
+    the resume window. Returns the tokens received and the mesh's id of the request."""
+    from pagemesh.checkpoints import ORPHANED
+    from tests.support.eventually import eventually
+    from tests.support.mesh_ids import mesh_request_id, redis_checkpoint
+
+    stream = mesh.stub.Generate(image_request(request_id, image, 40), timeout=120)
+    received: list[int] = []
+    for chunk in stream:
+        received += chunk.token_ids
+        if len(received) >= 3:
+            break
+    stream.cancel()
+    mesh_id = mesh_request_id(mesh.redis_url, "e2e-llava", request_id)
+    eventually(lambda: (c := redis_checkpoint(mesh.redis_url, "e2e-llava", mesh_id)) is not None
+               and c.state == ORPHANED, 30, f"{request_id}'s checkpoint was never orphaned")
+    return received, mesh_id
+
+
+def test_a_resume_reads_the_image_from_the_image_store(mesh: Mesh) -> None:
+    """The checkpoint names the image by its SHA-256; the bytes are in the store once, for
+    two requests; a resume gets the undisturbed tokens; one whose image is gone is
+    NOT_FOUND, naming it."""
+    import hashlib
+
+    import redis
+
+    from pagemesh.image_store import ImageStore
+    from protos.pagemesh.scheduler.v1 import scheduler_pb2
+    from tests.support.mesh_ids import redis_checkpoint
+
+    image = png(picture().rotate(90))
+    whole = [t for c in mesh.stub.Generate(image_request("", image, 40), timeout=120)
+             for t in c.token_ids]
+    received, mesh_id = orphan(mesh, "img-resume", image)
+    record = redis_checkpoint(mesh.redis_url, "e2e-llava", mesh_id)
+    kept = scheduler_pb2.SubmitRequest.FromString(record.submit).images
+    digest = hashlib.sha256(image).digest()
+    assert [(i.data, i.sha256) for i in kept] == [(b"", digest)]
+    client = redis.Redis.from_url(mesh.redis_url)
+    store_key = ImageStore(client, "e2e-llava").key(digest)
+    assert client.get(store_key) == image
+
+    rest = [t for c in mesh.stub.Generate(generate_pb2.GenerateRequest(
+        request_id="img-resume", resume_from=len(received)), timeout=120) for t in c.token_ids]
+    assert received + rest == whole
+
+    received, _ = orphan(mesh, "img-lost", image)
+    client.delete(store_key)
+    with pytest.raises(grpc.RpcError) as error:
+        list(mesh.stub.Generate(generate_pb2.GenerateRequest(
+            request_id="img-lost", resume_from=len(received)), timeout=60))
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "image(s) [0]" in error.value.details() and "image store" in error.value.details()
+    client.close()

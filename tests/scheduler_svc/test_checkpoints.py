@@ -32,7 +32,9 @@ def event(token_ids: list[int], reason: FinishReason | None = None) -> RequestEv
 async def with_store(redis_url: str, cluster: str, body) -> None:  # type: ignore[no-untyped-def]
     client = aioredis.from_url(redis_url, decode_responses=True)
     try:
-        await body(CheckpointStore(client, cluster), client)
+        store = CheckpointStore(client, cluster)
+        await body(store, client)
+        await store.images.close()
     finally:
         await client.aclose()
 

@@ -281,11 +281,13 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ..., image_token_id: _Optional[int] = ..., image_seq_length: _Optional[int] = ...) -> None: ...
 
 class ImageInput(_message.Message):
-    __slots__ = ("data", "offset", "length")
+    __slots__ = ("data", "offset", "length", "sha256")
     DATA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     offset: int
     length: int
-    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    sha256: bytes
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
