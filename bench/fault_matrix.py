@@ -26,6 +26,7 @@ skipped without.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import threading
 import time
@@ -34,9 +35,10 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.faults.scenarios import SCENARIOS, Baseline, Scenario
-from bench.faults.targets import (RestartableValkey, Target, start_mesh, start_partition_mesh,
-                                  write_model, write_moe_model)
-from bench.faults.workload import Clients, RequestResult, plan
+from bench.faults.targets import (RestartableValkey, Target, llava_images, start_mesh,
+                                  start_partition_mesh, write_llava_model, write_model,
+                                  write_moe_model)
+from bench.faults.workload import Clients, RequestResult, RequestSpec, plan
 from pagemesh.testing.netns import namespaces_unavailable
 from protos.pagemesh.v1 import generate_pb2
 
@@ -54,6 +56,8 @@ TARGETS = {
     # whole on the two ranks: a rank's death takes half the experts with it.
     "moe-ep": (["--tp", "2", "--enable-expert-parallel", "--eplb-interval-steps", "4",
                 "--standby", "1"], 2),
+    # A tiny LLaVA, every request with an image; prefills chunked through the images.
+    "llava": (["--max-num-batched-tokens", "48"], 1),
 }
 
 
@@ -124,7 +128,7 @@ def run_scenario(target: Target, scenario: Scenario, clients: Clients,
         action()
 
     tag = scenario.name.replace(" ", "-")
-    workload = plan(num_clients, requests_per_client, max_tokens, tag)
+    workload = target_plan(target, num_clients, requests_per_client, max_tokens, tag)
     # A quarter of the way in: with M > 1 requests per client, some requests are mid-stream
     # and others not sent yet.
     total_tokens = num_clients * requests_per_client * max_tokens
@@ -144,14 +148,27 @@ def run_scenario(target: Target, scenario: Scenario, clients: Clients,
                scenario.notes, [f"{r.spec.request_id}: {r.error}" for r in failed][:5])
 
 
+def target_plan(target: Target, num_clients: int, requests_per_client: int, max_tokens: int,
+                tag: str) -> list[list[RequestSpec]]:
+    """The workload for `target`: its requests show its images, if it has any."""
+    return plan(num_clients, requests_per_client, max_tokens, tag, images=target.images,
+                image_token_id=target.image_token_id)
+
+
 def start_target(name: str, model: Path, log_dir: Path) -> Target:
     if name == "partition":
         return start_partition_mesh(model, log_dir)
     extra, _ = TARGETS[name]
     if name == "moe-ep":
         model = write_moe_model(model.parent / "tiny-moe")
-    return start_mesh(name, model, log_dir, extra,
-                      RestartableValkey() if name == "parallel" else None)
+    if name == "llava":
+        model = write_llava_model(model.parent / "tiny-llava")
+    target = start_mesh(name, model, log_dir, extra,
+                        RestartableValkey() if name == "parallel" else None)
+    if name == "llava":
+        config = json.loads((model / "config.json").read_text())
+        target.images, target.image_token_id = llava_images(), config["image_token_index"]
+    return target
 
 
 def wait_ready(target: Target, timeout_s: float = 180) -> None:
@@ -171,7 +188,8 @@ def run_matrix(scenarios: list[Scenario], num_clients: int, requests_per_client:
         clients = Clients(target.address)
         try:
             wait_ready(target)
-            calm = clients.run(plan(num_clients, requests_per_client, max_tokens, "calm")).results
+            calm = clients.run(target_plan(target, num_clients, requests_per_client, max_tokens,
+                                           "calm")).results
             errors = [r.error for r in calm if r.error]
             assert not errors, f"the undisturbed run failed: {errors[:3]}"
             for scenario in (s for s in scenarios if s.target == target_name):

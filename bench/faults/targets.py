@@ -12,6 +12,9 @@
   holds half the experts whole, moved by their load every 4 steps (`--eplb-interval-steps`),
   so a rank dies holding a rebalanced set and the group must agree on the contiguous one
   again.
+- `llava`: one worker serving a tiny LLaVA; every request carries an image (three images
+  shared among the requests), and a 48-token step budget cuts prefills through them. A
+  resume on another router reads the images from the checkpoints' image store.
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ class Target:
     valkey_pid: Callable[[], int | None] = lambda: None  # pagemesh up's embedded one
     hosts: dict[str, Host] = field(default_factory=dict)  # the partition target's
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # A vision-language target's: the images its requests show, and the token standing for
+    # one in a prompt (bench/faults/workload.py plan).
+    images: tuple[bytes, ...] = ()
+    image_token_id: int = 0
 
     def entries(self, kind: str) -> dict[str, ServiceEntry]:
         """Registry entries of `kind` (worker, scheduler, router) whose process is alive."""
@@ -159,6 +166,35 @@ def write_moe_model(folder: Path) -> Path:
     if not (folder / "config.json").exists():
         write_tiny_model(folder, "qwen2_moe", seed=1, max_position_embeddings=8192)
     return folder
+
+
+def write_llava_model(folder: Path) -> Path:
+    """The `llava` target's model: a tiny LLaVA whose language model has `write_model`'s
+    peaky weights (so that greedy tokens never part at a near-tie)."""
+    from pagemesh.testing.tiny_llava import write_tiny_llava
+    from pagemesh.testing.tiny_models import PEAKY_STD
+
+    if not (folder / "config.json").exists():
+        write_tiny_llava(folder, seed=1, naming="llava-hf", text_std=PEAKY_STD,
+                         max_position_embeddings=2048)
+    return folder
+
+
+def llava_images(count: int = 3) -> tuple[bytes, ...]:
+    """`count` different small PNGs (random pixels, fixed seeds, sizes that are not the
+    tower's, so each is resized)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    images = []
+    for seed in range(count):
+        pixels = np.random.default_rng(seed).integers(0, 255, (40 + seed, 48, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        images.append(buffer.getvalue())
+    return tuple(images)
 
 
 def start_mesh(name: str, model: Path, log_dir: Path, extra: list[str],

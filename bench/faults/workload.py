@@ -50,11 +50,12 @@ class RequestSpec:
     max_tokens: int
     seed: int | None  # None: greedy
     constrained: bool = False  # the output must be JSON valid against SCHEMA
+    images: tuple[bytes, ...] = ()  # one per image token in `prompt` (a vision-language model)
 
     def to_pb(self) -> generate_pb2.GenerateRequest:
         request = generate_pb2.GenerateRequest(
             request_id=self.request_id, token_ids=generate_pb2.TokenIds(ids=self.prompt),
-            logprobs=NUM_LOGPROBS)
+            logprobs=NUM_LOGPROBS, images=self.images)
         request.stopping.max_tokens = self.max_tokens
         if self.constrained:  # ends when the JSON is complete
             request.constraint.json_schema = json.dumps(SCHEMA)
@@ -110,9 +111,11 @@ class RequestResult:
 
 
 def plan(num_clients: int, requests_per_client: int, max_tokens: int, tag: str,
-         seed: int = 0) -> list[list[RequestSpec]]:
+         seed: int = 0, images: tuple[bytes, ...] = (), image_token_id: int = 0
+         ) -> list[list[RequestSpec]]:
     """Each client's requests, in order; prompts of 8-40 random tokens from a fixed seed, so
-    two runs with different tags send the same requests."""
+    two runs with different tags send the same requests. With `images`, each prompt starts
+    with `image_token_id` standing for one of them (in turn: requests share images)."""
     rng = random.Random(seed)
     clients = []
     for c in range(num_clients):
@@ -120,9 +123,12 @@ def plan(num_clients: int, requests_per_client: int, max_tokens: int, tag: str,
         for r in range(requests_per_client):
             index = c * requests_per_client + r
             prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(8, 40))]
+            shown = (images[index % len(images)],) if images else ()
+            if shown:
+                prompt = [image_token_id, *prompt]
             requests.append(RequestSpec(f"{tag}-{index}", prompt, max_tokens,
                                         1000 + index if index % SEEDED_EVERY == 0 else None,
-                                        index % CONSTRAINED_EVERY == 1))
+                                        index % CONSTRAINED_EVERY == 1, shown))
         clients.append(requests)
     return clients
 

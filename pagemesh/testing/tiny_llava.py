@@ -95,7 +95,7 @@ def _write_processor_config(path: Path, patch_size: int) -> None:
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
+def _randomise(model: torch.nn.Module, seed: int, text_std: float) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -108,7 +108,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             elif not is_text and name.endswith(_UNIT_GAIN_WEIGHTS):
                 param.copy_(noise / math.sqrt(param[0].numel()))  # std 1 / sqrt(fan_in)
             else:
-                param.copy_(REALISTIC_STD * noise)
+                param.copy_((text_std if is_text else REALISTIC_STD) * noise)
 
 
 def llava_hf_name(name: str) -> str:
@@ -142,11 +142,14 @@ def write_tiny_llava(
     text_arch: str = "llama",
     vision_hidden: int = 96,
     text_hidden: int = 64,
+    text_std: float = REALISTIC_STD,
     **text_overrides: Any,
 ) -> Path:
     """Write a tiny random LLaVA folder to `path`; deterministic given `seed` (both namings
     hold the same weights). The tower and decoder widths differ, so a projector wired the
-    wrong way round cannot go unnoticed."""
+    wrong way round cannot go unnoticed. `text_std`: the language model's weights' (a
+    trained model's scale by default; tiny_models.PEAKY_STD for greedy tokens that never
+    part at a near-tie)."""
     import transformers
 
     if naming not in NAMINGS:
@@ -174,7 +177,7 @@ def write_tiny_llava(
         vision_feature_layer=-2, vision_feature_select_strategy="default",
         projector_hidden_act="gelu", image_seq_length=(image_size // patch_size) ** 2)
     model = transformers.LlavaForConditionalGeneration(config)
-    _randomise(model, seed)
+    _randomise(model, seed, text_std)
     model.save_pretrained(path, safe_serialization=True)
     if naming == "llava-hf":
         _rename_to_llava_hf(path)

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.fault_matrix import run_scenario, select, start_target, wait_ready
+from bench.fault_matrix import run_scenario, select, start_target, target_plan, wait_ready
 from bench.faults.scenarios import Scenario
 from bench.faults.targets import Target, write_model
-from bench.faults.workload import Clients, RequestResult, plan
+from bench.faults.workload import Clients, RequestResult
 from protos.pagemesh.v1 import generate_pb2
 
 NUM_CLIENTS, REQUESTS_PER_CLIENT, MAX_TOKENS = 32, 1, 32
@@ -40,8 +40,9 @@ class OneTargetAtATime:
             self.target = start_target(name, self.model, self.log_dir)
             self.clients = Clients(self.target.address)
             wait_ready(self.target)
-            self.calm = self.clients.run(plan(NUM_CLIENTS, REQUESTS_PER_CLIENT, MAX_TOKENS,
-                                              "calm")).results
+            self.calm = self.clients.run(target_plan(self.target, NUM_CLIENTS,
+                                                     REQUESTS_PER_CLIENT, MAX_TOKENS,
+                                                     "calm")).results
             assert not [r.error for r in self.calm if r.error], "the undisturbed run failed"
         assert self.clients is not None
         return self.target, self.clients, self.calm
