@@ -132,7 +132,8 @@ def parse_data_url(url: str, max_bytes: int | None = None) -> bytes:
     (line-wrapped base64) is ignored. With `max_bytes`, a payload that would decode to more
     is refused before decoding."""
     if not url.startswith("data:"):
-        raise ImageError("an image URL must be a data URL: data:image/png;base64,<base64 bytes>")
+        raise ImageError("an image URL must be a data URL (data:image/png;base64,<base64 "
+                         "bytes>) or an http(s) URL from a host the router allows")
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma:
         raise ImageError("the data URL has no ',' between its media type and its payload; "

@@ -172,6 +172,18 @@ _ROUTER = (
             "largest request the router accepts, bytes: a gRPC message on its public port, "
             "an HTTP body on the OpenAI API (413 past it)",
             type=int, default=16 * 1024 * 1024),
+    _router("--allowed-media-domains",
+            "host names the router may fetch http(s) image URLs from (OpenAI image_url "
+            "parts), compared exactly (no subdomains); repeatable or comma-separated. None "
+            "(the default) = only data: URLs and image bytes are accepted", repeatable=True),
+    _router("--media-fetch-timeout-s", "seconds one image URL may take to fetch, redirects "
+            "included", type=float, default=10.0),
+    _router("--max-image-mib", "largest image a request may carry or point to, MiB (encoded)",
+            type=float, default=20.0),
+    _router("--max-image-pixels", "largest image, width x height pixels (read from its "
+            "header before decoding: a decompression bomb costs nothing)",
+            type=int, default=40_000_000),
+    _router("--max-images-per-request", "images one request may carry", type=int, default=16),
     _router("--tool-call-parser",
             "how the model writes tool calls (OpenAI chat `tools`): hermes (Qwen2/Qwen3, "
             "<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]); auto picks by the "

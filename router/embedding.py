@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import dataclasses
 import sys
 import time
 import uuid
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
-from pagemesh.images import ImageError, load_image
+from pagemesh.images import ImageError, ImageLimits, load_image
+from pagemesh.media import RemoteImage
 from pagemesh.options.validation import SamplingOptions, StoppingOptions
 from pagemesh.serving import ServiceError, invalid_argument
 from router.types import SampleOutput, Submission
@@ -38,7 +40,7 @@ class EmbeddingRequest:
     """What a client asks to embed: each input a text, token ids, an encoded image (bytes,
     for a model that embeds images), or None (not given)."""
 
-    inputs: list[str | list[int] | bytes | None]
+    inputs: list[str | list[int] | bytes | RemoteImage | None]  # a RemoteImage is fetched
     model: str = ""  # "" = the served model
     dimensions: int = 0  # Matryoshka: the first `dimensions` components; 0 = full
     priority: int = 0
@@ -80,6 +82,8 @@ class Embeddings:
         with generation._admitted(request.owner):
             with tracer.start_as_current_span("Embed") as span:
                 start_s = time.monotonic()
+                request = dataclasses.replace(
+                    request, inputs=await generation.fetch_images(request.inputs, "input"))
                 token_ids = await self._validate(request)
                 model = (await generation.directory.model_info()).model
                 mesh_id = generation.tenancy.mesh_request_id(request.owner, uuid.uuid4().hex)
@@ -143,7 +147,8 @@ class Embeddings:
         token_ids = []
         for index, item in enumerate(request.inputs):
             if isinstance(item, bytes):
-                ids = await _image_placeholder(index, item, info.pooling.image_tokens, info.model)
+                ids = await _image_placeholder(index, item, info.pooling.image_tokens, info.model,
+                                               self.generation.limits.images)
             else:
                 ids = await self._tokens(index, item, max_tokens, info.vocab_size)
                 if len(ids) > max_tokens:
@@ -183,8 +188,8 @@ async def _all_or_none(calls: list[Coroutine[Any, Any, bytes]]) -> list[bytes]:
         raise
 
 
-async def _image_placeholder(index: int, data: bytes, image_tokens: int, model: str
-                             ) -> list[int]:
+async def _image_placeholder(index: int, data: bytes, image_tokens: int, model: str,
+                             limits: ImageLimits) -> list[int]:
     """An image input's prompt: `image_tokens` placeholder ids (its cost in the step
     budget), once the image is known to decode within the limits (off the event loop)."""
     if not image_tokens:
@@ -193,7 +198,7 @@ async def _image_placeholder(index: int, data: bytes, image_tokens: int, model: 
     if not data:
         raise invalid_argument(f"input {index} is an empty image")
     try:
-        await asyncio.to_thread(load_image, data)
+        await asyncio.to_thread(load_image, data, limits)
     except ImageError as exc:
         raise invalid_argument(f"input {index}: {exc}") from None
     return [0] * image_tokens

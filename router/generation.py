@@ -42,7 +42,9 @@ from pagemesh.options.validation import (ModelLimits, ValidatedRequest, Validati
                                          check_identity, check_unicode, validate)
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from router import replay
-from pagemesh.images import check_num_images, expand_images, load_image
+from pagemesh.images import (DEFAULT_LIMITS, ImageError, ImageLimits, check_num_images,
+                             expand_images, load_image)
+from pagemesh.media import MediaFetcher, RemoteImage
 from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult, Embeddings
 from router.client_stream import ClientStream
@@ -68,6 +70,8 @@ class AdmissionLimits:
     # Generations in flight per API key (0 = no per-key limit; keys off: not applied), so that
     # one tenant cannot take every slot of --max-queued-requests.
     max_requests_per_key: int = 0
+    # What one request's images may be: bytes and pixels each, how many.
+    images: ImageLimits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -83,8 +87,10 @@ class AdmissionLimits:
 class Generation:
     def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher,
                  limits: AdmissionLimits | None = None, metrics: RouterMetrics | None = None,
-                 tenancy: Tenancy | None = None) -> None:
+                 tenancy: Tenancy | None = None, media: MediaFetcher | None = None) -> None:
         self.tokenizer = tokenizer
+        # Images given by http(s) URL: fetched from --allowed-media-domains only (none: off).
+        self.media = media or MediaFetcher()
         # Request ids scoped per API key (router/tenancy.py); the default's secret is this
         # router's alone, for a router that is the only one (tests, the offline engine).
         self.tenancy = tenancy or Tenancy(uuid.uuid4().bytes + uuid.uuid4().bytes)
@@ -368,7 +374,7 @@ class Generation:
             prompt_ids = prompt
         images: tuple[ImageInput, ...] = ()
         if request.images:
-            prompt_ids, images = await _with_images(prompt_ids, request.images, info)
+            prompt_ids, images = await self._with_images(prompt_ids, request.images, info)
         max_prompt_tokens = self.limits.max_prompt_tokens
         if max_prompt_tokens and len(prompt_ids) > max_prompt_tokens:
             raise invalid_argument(
@@ -384,6 +390,54 @@ class Generation:
         except ValidationError as exc:
             raise invalid_argument(str(exc)) from exc
         return validated, images
+
+    async def _with_images(self, prompt_ids: list[int], images: list[bytes | RemoteImage],
+                           info: ModelInfo) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """A vision-language prompt: each image fetched (an http(s) URL) and checked (decoded
+        off the event loop, within the size and pixel limits), and each image token expanded
+        into its image's placeholders. INVALID_ARGUMENT for images to a text-only model, too
+        many, a URL not allowed or not fetched, one that is not an image, or image tokens
+        that do not pair up with the images."""
+        if not info.image_seq_length:
+            raise invalid_argument(f"model {info.model!r} is a text-only model: it takes no "
+                                   "images")
+        limits = self.limits.images
+        try:
+            check_num_images(len(images), limits)
+        except ImageError as exc:
+            raise invalid_argument(str(exc)) from None
+        data = await self.fetch_images(images, "image")
+        for index, image in enumerate(data):
+            try:
+                await asyncio.to_thread(load_image, image, limits)
+            except ImageError as exc:
+                raise invalid_argument(f"image {index}: {exc}") from None
+        try:
+            return expand_images(prompt_ids, data, info.image_token_id, info.image_seq_length)
+        except ValueError as exc:
+            raise invalid_argument(str(exc)) from None
+
+    async def fetch_images(self, items: list[T], what: str) -> list[T | bytes]:
+        """`items` with each RemoteImage replaced by its bytes, fetched at once; the first
+        that fails is INVALID_ARGUMENT naming it ("<what> <index>: why")."""
+        remote = [(i, item) for i, item in enumerate(items) if isinstance(item, RemoteImage)]
+        if not remote:
+            return list(items)
+        for index, item in remote:  # no I/O before every URL is allowed
+            try:
+                self.media.check_url(item.url)
+            except ImageError as exc:
+                raise invalid_argument(f"{what} {index}: {exc}") from None
+        fetched = await asyncio.gather(*(self.media.fetch(item.url) for _, item in remote),
+                                       return_exceptions=True)
+        out: list[T | bytes] = list(items)
+        for (index, _), result in zip(remote, fetched):
+            if isinstance(result, ImageError):
+                raise invalid_argument(f"{what} {index}: {result}") from None
+            if isinstance(result, BaseException):
+                raise result
+            out[index] = result
+        return out
 
     async def _compile(self, constraint: OutputConstraint | None, limits: ModelLimits) -> str:
         """The request's output constraint compiled and checked against the model's
@@ -455,18 +509,3 @@ def _check_unicode(text: str, what: str) -> None:
         raise invalid_argument(str(exc)) from None
 
 
-async def _with_images(prompt_ids: list[int], images: list[bytes], info: ModelInfo
-                       ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """A vision-language prompt: each image checked (decoded off the event loop, within the
-    size and pixel limits) and each image token expanded into its image's placeholders.
-    INVALID_ARGUMENT for images to a text-only model, too many, one that is not an image,
-    or image tokens that do not pair up with the images."""
-    if not info.image_seq_length:
-        raise invalid_argument(f"model {info.model!r} is a text-only model: it takes no images")
-    try:
-        check_num_images(len(images))
-        for image in images:
-            await asyncio.to_thread(load_image, image)
-        return expand_images(prompt_ids, images, info.image_token_id, info.image_seq_length)
-    except ValueError as exc:  # ImageError included
-        raise invalid_argument(str(exc)) from None

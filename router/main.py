@@ -28,6 +28,8 @@ from pagemesh.config import (
     server_config,
     tls_config,
 )
+from pagemesh.images import MIB, ImageLimits
+from pagemesh.media import MediaFetcher
 from pagemesh.metrics import RouterMetrics, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import RouterEntry
@@ -102,13 +104,19 @@ async def serve(args: argparse.Namespace) -> None:
     resume = ResumeConfig(timeout_s=args.resume_timeout_s)
     directory = GroupDirectory(registry, args.discovery_interval_s, on_serving_changed, config.tls)
     dispatcher = Dispatcher(directory, routing, resume)
+    image_limits = ImageLimits(int(args.max_image_mib * MIB), args.max_image_pixels,
+                               args.max_images_per_request)
     limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens,
-                             args.stream_interval, args.max_requests_per_key)
+                             args.stream_interval, args.max_requests_per_key, image_limits)
+    media = MediaFetcher(args.allowed_media_domains or (), image_limits.max_bytes,
+                         args.media_fetch_timeout_s)
+    if media.enabled:
+        logger.info("image URLs are fetched from: %s", ", ".join(sorted(media.allowed_domains)))
     metrics = RouterMetrics()
     secret = await registry.shared_secret(SECRET_NAME)  # request ids scoped per key
     registry.on_redis_restart.append(lambda: registry.keep_secret(SECRET_NAME, secret))
     tenancy = Tenancy(secret, api_keys)
-    generation = Generation(tokenizer, dispatcher, limits, metrics, tenancy)  # both APIs adapt it
+    generation = Generation(tokenizer, dispatcher, limits, metrics, tenancy, media)  # both APIs adapt it
     servicer = GenerationServicer(generation)
     metrics.follow_router(lambda: directory.model_name, lambda: generation.num_in_flight,
                           lambda: directory.num_groups, lambda: dispatcher.num_resumes)
@@ -149,6 +157,7 @@ async def serve(args: argparse.Namespace) -> None:
         directory_task.cancel()
         await directory.close()
         await metrics_server.close()
+        await media.close()
     except BaseException:  # failed midway: no grpc.aio server may outlive the loop
         await server.stop_now()
         raise

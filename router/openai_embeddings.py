@@ -16,7 +16,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from pagemesh.images import ImageError, parse_data_url
+from pagemesh.images import ImageError
+from pagemesh.media import RemoteImage, image_from_url
 from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.openai_errors import ProtocolError
 
@@ -77,12 +78,12 @@ def _inputs(value: Any) -> list[str | list[int]]:
     return inputs
 
 
-def _message_input(messages: Any) -> str | bytes:
+def _message_input(messages: Any) -> str | bytes | RemoteImage:
     """The one input of vLLM's chat-style embedding request: an image or a text."""
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("messages must be a non-empty list of chat messages", "messages")
     texts: list[str] = []
-    images: list[bytes] = []
+    images: list[bytes | RemoteImage] = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
@@ -104,16 +105,13 @@ def _message_input(messages: Any) -> str | bytes:
     return images[0] if images else "\n".join(texts)
 
 
-def _image_url(value: Any) -> bytes:
+def _image_url(value: Any) -> bytes | RemoteImage:
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str):
-        raise ProtocolError("image_url needs a `url`", "messages")
-    if not url.startswith("data:"):
-        raise ProtocolError("only data: URLs are accepted for images here (base64 image "
-                            "bytes, e.g. data:image/png;base64,...); remote URLs are not fetched",
-                            "messages")
+        raise ProtocolError("image_url needs a `url`: a data: URL (data:image/png;base64,...) "
+                            "or an http(s) URL", "messages")
     try:
-        return parse_data_url(url)
+        return image_from_url(url)
     except ImageError as exc:
         raise ProtocolError(str(exc), "messages") from None
 

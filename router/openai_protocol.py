@@ -24,7 +24,8 @@ from typing import Any
 from pagemesh.options import fields
 from pagemesh.options.constraint import constraint_from_body
 from pagemesh.options.validation import MAX_REQUEST_ID_LEN, ValidationError, check_request_id
-from pagemesh.images import ImageError, parse_data_url
+from pagemesh.images import ImageError
+from pagemesh.media import RemoteImage, image_from_url
 from router.openai_errors import ProtocolError, error_body  # noqa: F401 (oai.ProtocolError)
 from router.openai_tools import (ToolRequest, forced_call_constraint, tool_calls_for_template,
                                  tool_request)
@@ -127,14 +128,15 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None,
     return parsed
 
 
-def _image_bytes(value: Any, where: str) -> bytes:
-    """An image_url part's image: a data: URL's bytes (remote URLs are not fetched)."""
+def _image_bytes(value: Any, where: str) -> bytes | RemoteImage:
+    """An image_url part's image: a data: URL's bytes, or an http(s) URL the router fetches
+    (from the hosts --allowed-media-domains lists)."""
     url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise ProtocolError("only data: URLs are accepted for images (data:image/png;base64,"
-                            "...); remote URLs are not fetched", f"{where}.content")
+    if not isinstance(url, str):
+        raise ProtocolError("an image_url part needs a `url`: a data: URL (data:image/png;"
+                            "base64,...) or an http(s) URL", f"{where}.content")
     try:
-        return parse_data_url(url)
+        return image_from_url(url)
     except ImageError as exc:
         raise ProtocolError(str(exc), f"{where}.content") from None
 

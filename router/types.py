@@ -11,6 +11,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from pagemesh.media import RemoteImage
 from pagemesh.options.constraint import OutputConstraint
 from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
                                          ValidatedRequest)
@@ -49,8 +50,9 @@ class GenerationRequest:
     constraint: OutputConstraint | None = None  # None: free text
     # The caller's key fingerprint (router/tenancy.py), set by the API adapter; "" = keys off.
     owner: str = ""
-    # A vision-language prompt's encoded images, in the order of its image tokens.
-    images: list[bytes] = field(default_factory=list)
+    # A vision-language prompt's images, in the order of its image tokens: encoded bytes, or
+    # an http(s) URL the router fetches (pagemesh/media.py) before checking them.
+    images: list[bytes | RemoteImage] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from pagemesh.images import load_image
+from pagemesh.images import ImageError, load_image
+from pagemesh.media import RemoteImage
 from scheduler_svc.core import admission
 from scheduler_svc.core.types import Request, RequestEvent
 from protos.step import PoolingInfo, PoolingParams as StepPoolingParams
@@ -82,7 +83,12 @@ def image_input(prompt: Any, image_tokens: int) -> bytes:
 
 def image_bytes(image: Any) -> bytes:
     """A PIL image (saved as PNG, lossless) or encoded bytes, checked to decode within the
-    limits (ImageError, a ValueError, names what is wrong)."""
+    limits (ImageError, a ValueError, names what is wrong). An http(s) URL is not fetched
+    here: the offline engine takes the image itself."""
+    if isinstance(image, RemoteImage):
+        raise ImageError(f"the offline engine does not fetch image URLs ({image.url}): pass "
+                         "the image (PIL, bytes or a data: URL); the server fetches URLs from "
+                         "its --allowed-media-domains")
     if not isinstance(image, (bytes, bytearray)):
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")

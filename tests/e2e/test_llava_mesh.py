@@ -39,7 +39,9 @@ def mesh(folder: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
     mesh = Mesh(str(folder), tmp_path_factory.mktemp("logs") / "llava.log",
                 redis_url=redis_url, cluster="e2e-llava",
                 extra_args=["--http-port", str(http_port), "--dtype", "float32",
-                            "--max-num-batched-tokens", "20"])
+                            "--max-num-batched-tokens", "20",
+                            "--allowed-media-domains", "127.0.0.1",
+                            "--max-images-per-request", "3"])
     mesh.http_url = f"http://127.0.0.1:{http_port}"  # type: ignore[attr-defined]
     try:
         yield mesh.wait_ready()
@@ -212,3 +214,70 @@ def test_a_resume_reads_the_image_from_the_image_store(mesh: Mesh) -> None:
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
     assert "image(s) [0]" in error.value.details() and "image store" in error.value.details()
     client.close()
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 serving the test picture at /picture.png (404 elsewhere)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = png(picture())
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path != "/picture.png":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def chat(mesh: Mesh, urls: list[str]) -> httpx.Response:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return httpx.post(f"{mesh.http_url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}],
+        "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+
+
+def test_an_image_url_from_an_allowed_host_is_fetched(mesh: Mesh, folder: Path,
+                                                      image_host: str) -> None:
+    _, expected = reference(folder)
+    reply = chat(mesh, [f"http://{image_host}/picture.png"])
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == expected
+
+
+@pytest.mark.parametrize("path, needle", [
+    ("http://localhost:{port}/picture.png", "'localhost' is not allowed"),
+    ("http://{host}/missing.png", "HTTP status 404"),
+    ("ftp://{host}/picture.png", "an image URL must be a data URL"),
+])
+def test_image_urls_that_cannot_be_used_are_400(mesh: Mesh, image_host: str, path: str,
+                                                needle: str) -> None:
+    url = path.format(host=image_host, port=image_host.rsplit(":", 1)[1])
+    reply = chat(mesh, [url])
+    assert reply.status_code == 400, reply.text
+    assert needle in reply.json()["error"]["message"]
+
+
+def test_more_images_than_allowed_are_400(mesh: Mesh) -> None:
+    data_url = "data:image/png;base64," + base64.b64encode(png(picture())).decode()
+    reply = chat(mesh, [data_url] * 4)
+    assert reply.status_code == 400, reply.text
+    assert "at most 3 images" in reply.json()["error"]["message"]

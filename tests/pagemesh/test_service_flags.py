@@ -143,7 +143,7 @@ def test_preemption_default_is_one_fact() -> None:
 
 def non_default(flag: ServiceFlag) -> Any:
     if flag.repeatable:
-        return ["key-a", "key-b"]
+        return ["key-a", "key-b"] if flag.secret else [f"{flag.dest}-a", f"{flag.dest}-b"]
     if flag.type is bool:
         return not flag.default
     if flag.choices:
