@@ -28,6 +28,7 @@ from pagemesh.sdk.common import (
     EmbedInputs,
     Prompt,
     build_embed_request,
+    Images,
     build_request,
     chat_text,
 )
@@ -55,16 +56,17 @@ class AsyncClient:
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                        request_id: str | None = None, model: str | None = None,
-                       priority: int = 0, **overrides: Any) -> Completion:
+                       priority: int = 0, images: Images | None = None,
+                       **overrides: Any) -> Completion:
         stream = self.stream(prompt, sampling_params, request_id=request_id, model=model,
-                             priority=priority, **overrides)
+                             priority=priority, images=images, **overrides)
         return await stream.collect()
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                request_id: str | None = None, model: str | None = None, priority: int = 0,
-               **overrides: Any) -> AsyncCompletionStream:
+               images: Images | None = None, **overrides: Any) -> AsyncCompletionStream:
         request = build_request(prompt, sampling_params, overrides, request_id=request_id,
-                                model=model, priority=priority)
+                                model=model, priority=priority, images=images)
         return self._open(request)
 
     async def chat(self, messages: str | Sequence[Message],
@@ -74,9 +76,11 @@ class AsyncClient:
     def chat_stream(self, messages: str | Sequence[Message],
                     sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, model: str | None = None,
-                    priority: int = 0, **overrides: Any) -> AsyncCompletionStream:
+                    priority: int = 0, images: Images | None = None,
+                    **overrides: Any) -> AsyncCompletionStream:
         request = build_request(chat_text(messages), sampling_params, overrides, chat=True,
-                                request_id=request_id, model=model, priority=priority)
+                                request_id=request_id, model=model, priority=priority,
+                                images=images)
         return self._open(request)
 
     def resume(self, request_id: str, resume_from: int, *, n: int = 1) -> AsyncCompletionStream:

@@ -31,6 +31,7 @@ from pagemesh.sdk.common import (
     EmbedInputs,
     Prompt,
     build_embed_request,
+    Images,
     build_request,
     chat_text,
 )
@@ -68,20 +69,22 @@ class Client:
 
     def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                  request_id: str | None = None, model: str | None = None, priority: int = 0,
-                 **overrides: Any) -> Completion:
+                 images: Images | None = None, **overrides: Any) -> Completion:
         """Generates to the end and returns every sample. `prompt`: text or token ids;
-        `overrides`: `SamplingParams` fields (e.g. `max_tokens=32, temperature=0`)."""
+        `overrides`: `SamplingParams` fields (e.g. `max_tokens=32, temperature=0`);
+        `images`: a vision-language model's, one per image token in the prompt (e.g.
+        `<image>`), in order: encoded bytes (PNG, JPEG, WebP, GIF) or PIL images."""
         stream = self.stream(prompt, sampling_params, request_id=request_id, model=model,
-                             priority=priority, **overrides)
+                             priority=priority, images=images, **overrides)
         return stream.collect()
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                request_id: str | None = None, model: str | None = None, priority: int = 0,
-               **overrides: Any) -> CompletionStream:
+               images: Images | None = None, **overrides: Any) -> CompletionStream:
         """The request's output as it is generated: an iterator of `Chunk`s, each sample's
         new tokens and text, each exactly once even across router failures."""
         request = build_request(prompt, sampling_params, overrides, request_id=request_id,
-                                model=model, priority=priority)
+                                model=model, priority=priority, images=images)
         return self._open(request)
 
     def chat(self, messages: str | Sequence[Message],
@@ -93,9 +96,11 @@ class Client:
     def chat_stream(self, messages: str | Sequence[Message],
                     sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, model: str | None = None,
-                    priority: int = 0, **overrides: Any) -> CompletionStream:
+                    priority: int = 0, images: Images | None = None,
+                    **overrides: Any) -> CompletionStream:
         request = build_request(chat_text(messages), sampling_params, overrides, chat=True,
-                                request_id=request_id, model=model, priority=priority)
+                                request_id=request_id, model=model, priority=priority,
+                                images=images)
         return self._open(request)
 
     # --- other calls ----------------------------------------------------------------------

@@ -28,6 +28,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 Prompt = str | list[int]
 Message = Mapping[str, Any]
+# A vision-language prompt's images, in the order of its image tokens: encoded bytes (PNG,
+# JPEG, WebP, GIF) or PIL images (sent as PNG, lossless).
+Images = Sequence[Any]
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def new_request_id() -> str:
 def build_request(prompt: Prompt, sampling_params: SamplingParams | None,
                   overrides: Mapping[str, Any], *, chat: bool = False,
                   request_id: str | None = None, model: str | None = None,
-                  priority: int = 0) -> generate_pb2.GenerateRequest:
+                  priority: int = 0, images: Images | None = None) -> generate_pb2.GenerateRequest:
     """The `GenerateRequest` of a call: `sampling_params` (vLLM's defaults when None) with
     `overrides` (its field names) replacing fields. Raises InvalidArgument for parameters
     the router would refuse, TypeError for an unknown keyword."""
@@ -84,7 +87,22 @@ def build_request(prompt: Prompt, sampling_params: SamplingParams | None,
         raise errors.InvalidArgument(str(exc),
                                      request_id=request_id) from exc
     request.priority = priority
+    request.images.extend(encoded_image(image) for image in images or ())
     return request
+
+
+def encoded_image(image: Any) -> bytes:
+    """An image as the wire carries it: encoded bytes as they are, a PIL image as PNG."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if hasattr(image, "save"):  # PIL.Image.Image (Pillow is imported only by whoever has one)
+        import io
+
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise errors.InvalidArgument(f"an image must be encoded bytes or a PIL image, got "
+                                 f"{type(image).__name__}")
 
 
 def chat_text(messages: str | Sequence[Message]) -> str:
@@ -109,18 +127,21 @@ def chat_text(messages: str | Sequence[Message]) -> str:
         "/v1/chat/completions")
 
 
-EmbedInputs = str | list[int] | Sequence[str | list[int]]
+EmbedInputs = str | bytes | list[int] | Sequence[str | bytes | list[int]]
 
 
 def build_embed_request(inputs: EmbedInputs, dimensions: int | None) -> generate_pb2.EmbedRequest:
-    """One text, one list of token ids, or a list of either: as OpenAI's `input`."""
-    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs
-                                   and all(isinstance(t, int) for t in inputs)):
+    """One text, one list of token ids, one image (bytes or PIL, for a model that embeds
+    images), or a list of any of them: as OpenAI's `input`."""
+    if isinstance(inputs, (str, bytes)) or hasattr(inputs, "save") or (
+            isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs)):
         inputs = [inputs]  # type: ignore[list-item]
     request = generate_pb2.EmbedRequest(dimensions=dimensions or 0)
     for item in inputs:
         if isinstance(item, str):
             request.inputs.add(text=item)
+        elif isinstance(item, (bytes, bytearray)) or hasattr(item, "save"):
+            request.inputs.add(image=encoded_image(item))
         else:
             request.inputs.add(token_ids=generate_pb2.TokenIds(ids=list(item)))
     return request

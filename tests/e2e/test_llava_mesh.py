@@ -97,7 +97,15 @@ def test_chat_and_grpc_with_an_image_equal_transformers(mesh: Mesh, folder: Path
         stopping=generate_pb2.StoppingCriteria(max_tokens=MAX_TOKENS, ignore_eos=True)),
         timeout=120))
     assert [t for chunk in answer for t in chunk.token_ids] == expected
-    # The same image twice: encoded once, found in the encoder cache the second time.
+    # pagemesh.Client, with a PIL image (sent as PNG).
+    from pagemesh import Client
+
+    with Client(mesh.address) as client:
+        completion = client.generate(text, images=[picture()], max_tokens=MAX_TOKENS,
+                                     temperature=0, ignore_eos=True)
+    assert completion.token_ids == expected
+    # The same image three times: encoded once (found in the encoder cache, or its
+    # placeholders' KV in the prefix cache, after).
     metrics = worker_metrics(mesh)
     assert metrics["pagemesh:worker_images_encoded_total"] == 1
     assert metrics["pagemesh:worker_image_cache_hits_total"] >= 1
