@@ -362,6 +362,7 @@ class WorkerSnapshot:
     # images found in its content-keyed cache (None: no image encoder).
     images_encoded: int | None = None
     image_cache_hits: int | None = None
+    image_encode_seconds: float = 0.0  # wall time in the image encoder
 
 
 EXPERT_TOKENS = PREFIX + "worker_moe_expert_tokens"
@@ -432,6 +433,10 @@ class WorkerMetrics(ServiceMetrics):
                 found.append(counter(PREFIX + "worker_image_cache_hits", "Images whose "
                                      "embeddings the encoder cache already held", labels,
                                      s.image_cache_hits or 0))
+                found.append(counter(PREFIX + "worker_image_encode_seconds", "Seconds the "
+                                     "image encoder took (decoding, preprocessing, the "
+                                     "vision tower and projector)", labels,
+                                     s.image_encode_seconds))
             if s.expert_tokens:
                 family = CounterMetricFamily(
                     EXPERT_TOKENS, "Tokens routed to each expert of a mixture-of-experts "

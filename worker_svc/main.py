@@ -220,12 +220,13 @@ def worker_metrics(group: str, layout: dict[str, int], servicer: WorkerServicer,
     return metrics
 
 
-def image_counts(runner: object) -> dict[str, int]:
+def image_counts(runner: object) -> dict[str, float]:
     """A vision-language model's image-encoder counters, for its metrics; {} otherwise."""
     embedder = getattr(runner, "image_embedder", None)
     if embedder is None:
         return {}
-    return {"images_encoded": embedder.num_encoded, "image_cache_hits": embedder.num_cache_hits}
+    return {"images_encoded": embedder.num_encoded, "image_cache_hits": embedder.num_cache_hits,
+            "image_encode_seconds": embedder.encode_time_s}
 
 
 async def _join_and_load(args: argparse.Namespace, membership: Membership,

@@ -12,6 +12,7 @@ stays in the cache, whichever requests (and steps) use it: the cache holds the l
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -32,6 +33,7 @@ class ImageEmbedder:
         self.max_cached_images = max_cached_images
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.num_encoded = 0  # images run through the encoder since start
+        self.encode_time_s = 0.0  # wall time in the encoder (decode, preprocess, tower)
         self.num_cache_hits = 0  # images found in the cache since start
 
     def overrides(self, segments: list[ImageSegment], device: torch.device
@@ -59,7 +61,9 @@ class ImageEmbedder:
             else:
                 missing.setdefault(key, data)
         if missing:
+            started = time.perf_counter()
             encoded = self.encoder(list(missing.values()))
+            self.encode_time_s += time.perf_counter() - started
             self.num_encoded += len(missing)
             for key, rows in zip(missing, encoded):
                 self._cache[key] = rows
