@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from protos.step import ImageInput
+from protos.step import ImageInput, ImageTiling
 
 ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 ACCEPTED_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
@@ -295,21 +295,36 @@ def _center_crop(pixels: np.ndarray, crop_height: int, crop_width: int) -> np.nd
                   max(0, left):min(padded_width, left + crop_width)]
 
 
+def image_token_count(image: Image.Image, image_seq_length: int,
+                      tiling: ImageTiling = ImageTiling()) -> int:
+    """The placeholder tokens `image` becomes: `image_seq_length` each, or with a LLaVA-NeXT
+    `tiling`, as many rows as the model makes of its size (pagemesh/images_anyres.py; what
+    LlavaNextProcessor expands it to with llava-hf's num_additional_image_tokens 1)."""
+    if not tiling:
+        return image_seq_length
+    from pagemesh.images_anyres import num_feature_rows
+
+    width, height = image.size
+    return num_feature_rows(height, width, grid_pinpoints=tiling.grid_pinpoints,
+                            tile_size=tiling.tile_size, patch_size=tiling.patch_size)
+
+
 def expand_images(token_ids: list[int], images: list[bytes], image_token_id: int,
-                  image_seq_length: int) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """Each image token of `token_ids` repeated `image_seq_length` times (one placeholder
-    per embedding row of its image), with the images over them in order. ValueError when
-    the image tokens and the images do not pair up."""
+                  counts: int | list[int]) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """Each image token of `token_ids` repeated as many times as its image has embedding
+    rows (`counts`: one for every image, or one per image), with the images over them in
+    order. ValueError when the image tokens and the images do not pair up."""
     positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
     if len(positions) != len(images):
         raise ValueError(f"the prompt has {len(positions)} image token(s) for {len(images)} "
                          "image(s): put one image token (e.g. <image>) where each image goes")
+    counts = [counts] * len(images) if isinstance(counts, int) else counts
     out: list[int] = []
     inputs = []
     previous = 0
-    for position, data in zip(positions, images):
+    for position, data, count in zip(positions, images, counts):
         out += token_ids[previous:position]
-        inputs.append(ImageInput(data, len(out), image_seq_length, hashlib.sha256(data).digest()))
-        out += [image_token_id] * image_seq_length
+        inputs.append(ImageInput(data, len(out), count, hashlib.sha256(data).digest()))
+        out += [image_token_id] * count
         previous = position + 1
     return out + token_ids[previous:], tuple(inputs)

@@ -126,6 +126,20 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class ImageTiling:
+    """LLaVA-NeXT's tiling ("anyres"): the (height, width) grids an image may be cut to, and
+    the tile's and the patch's sides in pixels; an image's placeholder count follows its
+    size (pagemesh/images_anyres.py). Empty (the default) for a fixed count per image."""
+
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    tile_size: int = 0
+    patch_size: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.grid_pinpoints)
+
+
+@dataclass(frozen=True)
 class NewRequestData:
     """A request the workers do not hold yet (first time, after a preemption, or a resume):
     sent in full once."""

@@ -15,7 +15,8 @@ from pagemesh.options.constraint import OutputConstraint
 from pagemesh.options.validation import SamplingOptions, StoppingOptions
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
-from protos.pooling import pooling_info_from_pb, pooling_info_to_pb
+from protos.pooling import (image_tiling_from_pb, image_tiling_to_pb, pooling_info_from_pb,
+                            pooling_info_to_pb)
 from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.resume import Progress, SampleProgress
@@ -241,6 +242,7 @@ def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
         pooling=pooling_info_from_pb(pb.pooling),
         image_token_id=pb.image_token_id,
         image_seq_length=pb.image_seq_length,
+        image_tiling=image_tiling_from_pb(pb.image_tiling),
     )
 
 
@@ -257,6 +259,7 @@ def model_info_response(info: ModelInfo) -> generate_pb2.GetModelInfoResponse:
         pooling=pooling_info_to_pb(info.pooling),
         image_token_id=info.image_token_id,
         image_seq_length=info.image_seq_length,
+        image_tiling=image_tiling_to_pb(info.image_tiling),
     )
 
 

@@ -43,7 +43,7 @@ from pagemesh.options.validation import (ModelLimits, ValidatedRequest, Validati
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from router import replay
 from pagemesh.images import (DEFAULT_LIMITS, ImageError, ImageLimits, check_num_images,
-                             expand_images, load_image)
+                             expand_images, image_token_count, load_image)
 from pagemesh.media import MediaFetcher, RemoteImage
 from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult, Embeddings
@@ -407,13 +407,15 @@ class Generation:
         except ImageError as exc:
             raise invalid_argument(str(exc)) from None
         data = await self.fetch_images(images, "image")
+        counts = []
         for index, image in enumerate(data):
             try:
-                await asyncio.to_thread(load_image, image, limits)
+                decoded = await asyncio.to_thread(load_image, image, limits)
             except ImageError as exc:
                 raise invalid_argument(f"image {index}: {exc}") from None
+            counts.append(image_token_count(decoded, info.image_seq_length, info.image_tiling))
         try:
-            return expand_images(prompt_ids, data, info.image_token_id, info.image_seq_length)
+            return expand_images(prompt_ids, data, info.image_token_id, counts)
         except ValueError as exc:
             raise invalid_argument(str(exc)) from None
 

@@ -15,7 +15,7 @@ from pagemesh.media import RemoteImage
 from pagemesh.options.constraint import OutputConstraint
 from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
                                          ValidatedRequest)
-from protos.step import ImageInput, PoolingInfo
+from protos.step import ImageInput, ImageTiling, PoolingInfo
 
 
 class FinishReason(enum.StrEnum):
@@ -168,6 +168,7 @@ class ModelInfo:
     pooling: PoolingInfo = PoolingInfo()  # generate, or embed and how
     image_token_id: int = 0  # a vision-language model's image token
     image_seq_length: int = 0  # placeholders one image takes; 0: a text-only model
+    image_tiling: ImageTiling = ImageTiling()  # LLaVA-NeXT: placeholders follow the size
 
     def limits(self) -> ModelLimits:
         """What `pagemesh.options.validation.validate` checks a request against."""

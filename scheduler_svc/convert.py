@@ -19,7 +19,8 @@ from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
-from protos.pooling import pooling_info_from_pb, pooling_info_to_pb
+from protos.pooling import (image_tiling_from_pb, image_tiling_to_pb, pooling_info_from_pb,
+                            pooling_info_to_pb)
 from protos.step import (
     ImageInput,
     ModelRunnerOutput,
@@ -289,6 +290,7 @@ def worker_info_from_pb(pb: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
         pooling=pooling_info_from_pb(pb.pooling),
         image_token_id=pb.image_token_id,
         image_seq_length=pb.image_seq_length,
+        image_tiling=image_tiling_from_pb(pb.image_tiling),
     )
 
 
@@ -313,6 +315,7 @@ def model_info_to_pb(info: WorkerInfo, num_blocks: int,
         pooling=pooling_info_to_pb(info.pooling),
         image_token_id=info.image_token_id,
         image_seq_length=info.image_seq_length,
+        image_tiling=image_tiling_to_pb(info.image_tiling),
         layout=generate_pb2.ParallelLayout(
             tensor_parallel_size=info.tp_size,
             pipeline_parallel_size=info.pp_size,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagemesh.checkpoints import TokenLogprobs
-from protos.step import ImageInput, PoolingInfo
+from protos.step import ImageInput, ImageTiling, PoolingInfo
 from scheduler_svc.core.types import FinishReason, Request, RequestEvent
 
 # One sample's event on its way to a router, as the Connect stream's outbox holds it:
@@ -117,3 +117,4 @@ class WorkerInfo:
     pooling: PoolingInfo = PoolingInfo()  # what the model does: generate, or embed and how
     image_token_id: int = 0  # a vision-language model's image token
     image_seq_length: int = 0  # placeholders one image takes (0: a text-only model)
+    image_tiling: ImageTiling = ImageTiling()  # LLaVA-NeXT: placeholders follow the size

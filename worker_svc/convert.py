@@ -13,7 +13,7 @@ from protos.step import (
     SamplingParams,
     SchedulerOutput,
 )
-from protos.pooling import pooling_info_to_pb
+from protos.pooling import image_tiling_to_pb, pooling_info_to_pb
 from worker_svc.diagnostics import ProfileTraceFile, RankMemory, StepStatsSnapshot
 
 
@@ -118,6 +118,7 @@ def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> w
         pooling=pooling_info_to_pb(info.pooling),
         image_token_id=max(info.image_token_id, 0),
         image_seq_length=info.image_seq_length,
+        image_tiling=image_tiling_to_pb(info.image_tiling),
         **layout,
     )
 

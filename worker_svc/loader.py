@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_features import CpuFeatures, cpu_features
-from protos.step import PoolingInfo
+from protos.step import ImageTiling, PoolingInfo
 from worker_svc.model.config import MoeConfig, ModelConfig, RopeConfig, parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.llava import LlavaConfig, is_llava_config, llava_checkpoint_name
@@ -69,6 +69,7 @@ class ModelMetadata:
     # placeholders one image takes; -1 / 0 for a text model.
     image_token_id: int = -1
     image_seq_length: int = 0
+    image_tiling: ImageTiling = ImageTiling()  # LLaVA-NeXT's (placeholders follow the size)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ def load_model(
         pooling=pooling,
         image_token_id=source.llava.image_token_index if source.llava else -1,
         image_seq_length=source.llava.image_seq_length if source.llava else 0,
+        image_tiling=source.llava.tiling if source.llava else ImageTiling(),
     )
     logger.info("loaded %s (%s) from %s as %s (quantization %s) on %s (%s)", metadata.name,
                 metadata.architecture, path, torch_dtype, metadata.quantization, device,

@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from protos.step import ImageInput
@@ -80,6 +81,9 @@ def llava_image_embedder(metadata, device: torch.device | str) -> ImageEmbedder:
     from worker_svc.model.llava import load_llava_encoder
 
     encoder = load_llava_encoder(metadata.path, metadata.dtype, device=device)
+    if encoder.config.anyres:
+        return ImageEmbedder(_anyres_encoder(encoder, metadata, device),
+                             metadata.image_seq_length)
     processor = ClipImageProcessor.from_folder(metadata.path)
 
     @torch.inference_mode()
@@ -89,3 +93,21 @@ def llava_image_embedder(metadata, device: torch.device | str) -> ImageEmbedder:
         return list(features)
 
     return ImageEmbedder(encode, metadata.image_seq_length)
+
+
+def _anyres_encoder(encoder, metadata, device: torch.device | str) -> ImageEncoder:
+    """LLaVA-NeXT: each image's tiles through the tower at once (every image's tiles in
+    one batch), then laid out per image (`LlavaImageEncoder.pack_anyres`)."""
+    from pagemesh.images import load_image
+    from pagemesh.images_anyres import AnyResImageProcessor
+
+    processor = AnyResImageProcessor.from_folder(metadata.path)
+
+    @torch.inference_mode()
+    def encode(images: list[bytes]) -> list[torch.Tensor]:
+        tiles, sizes = zip(*(processor.preprocess(load_image(data)) for data in images))
+        pixels = torch.from_numpy(np.concatenate(tiles)).to(device, metadata.dtype)
+        features = encoder(pixels).split([len(t) for t in tiles])
+        return [encoder.pack_anyres(f, size) for f, size in zip(features, sizes)]
+
+    return encode

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from protos.step import ModelRunnerOutput, PoolingInfo, SampledToken, SchedulerOutput
+from protos.step import (ImageTiling, ModelRunnerOutput, PoolingInfo, SampledToken,
+                         SchedulerOutput)
 from worker_svc import sampler
 from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 from worker_svc.attention import AttentionBackend, get_attention_backend
@@ -151,6 +152,7 @@ class RunnerInfo:
     pooling: PoolingInfo = PoolingInfo()  # generate, or embed and how
     image_token_id: int = -1  # a vision-language model's image placeholder token, else -1
     image_seq_length: int = 0  # placeholders one image takes (0: a text model)
+    image_tiling: ImageTiling = ImageTiling()  # LLaVA-NeXT: placeholders follow the size
 
 
 class ModelRunner:
@@ -277,6 +279,7 @@ class ModelRunner:
             pooling=self.metadata.pooling,
             image_token_id=self.metadata.image_token_id,
             image_seq_length=self.metadata.image_seq_length,
+            image_tiling=self.metadata.image_tiling,
         )
 
     @torch.inference_mode()

@@ -40,7 +40,7 @@ from pagemesh.offline.embed import (
     image_bytes,
     image_input,
 )
-from pagemesh.images import expand_images
+from pagemesh.images import expand_images, image_token_count, load_image
 from pagemesh.offline.engine import EngineCore
 from pagemesh.offline.outputs import RequestOutput
 from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
@@ -369,8 +369,10 @@ class LLM:
         images = images if isinstance(images, list) else [images]
         token_ids = (_token_ids(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt
                      else self.tokenizer.encode(prompt.get("prompt") or ""))
-        expanded, inputs = expand_images(token_ids, [image_bytes(image) for image in images],
-                                         info.image_token_id, info.image_seq_length)
+        data = [image_bytes(image) for image in images]
+        counts = [image_token_count(load_image(image), info.image_seq_length, info.image_tiling)
+                  for image in data]
+        expanded, inputs = expand_images(token_ids, data, info.image_token_id, counts)
         return Prompt(prompt.get("prompt"), expanded, images=inputs)
 
     def _run(self, prompts: list[Prompt], sampling_params: Any,

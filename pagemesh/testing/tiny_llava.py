@@ -1,5 +1,5 @@
-"""A tiny random LLaVA folder (`LlavaForConditionalGeneration`), for tests: transformers'
-own files, at trained scales.
+"""A tiny random LLaVA folder (`LlavaForConditionalGeneration`, or with `next=True`
+`LlavaNextForConditionalGeneration`), for tests: transformers' own files, at trained scales.
 
 `write_tiny_llava(path)` writes what a llava-hf checkpoint holds: config.json (LlavaConfig
 with a CLIP vision config and a Llama-family text config), model.safetensors, a BPE
@@ -59,6 +59,8 @@ CHAT_TEMPLATE = (
     "<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 _TEXT_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+# LLaVA-NeXT's grids for a 32-pixel tower: 1x2, 2x1, 2x2, 1x3 and 3x1 tiles.
+NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
 _UNIT_GAIN_WEIGHTS = ("v_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight",
                       "patch_embedding.weight", "linear_1.weight", "linear_2.weight")
 
@@ -80,9 +82,9 @@ def _write_tokenizer(path: Path) -> tuple[int, int]:
     return tokenizer.get_vocab_size(), tokenizer.token_to_id(IMAGE_TOKEN)
 
 
-def _write_processor_config(path: Path, patch_size: int) -> None:
+def _write_processor_config(path: Path, patch_size: int, next: bool = False) -> None:
     config = {
-        "processor_class": "LlavaProcessor",
+        "processor_class": "LlavaNextProcessor" if next else "LlavaProcessor",
         "image_token": IMAGE_TOKEN,
         "patch_size": patch_size,
         "vision_feature_select_strategy": "default",
@@ -118,7 +120,7 @@ def llava_hf_name(name: str) -> str:
     if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
         return "vision_tower.vision_model." + name[len("vision_tower."):]
     if name.startswith(("vision_tower.", "multi_modal_projector.", "language_model.model.",
-                        "language_model.lm_head.")):
+                        "language_model.lm_head.")) or name == "image_newline":
         return name
     raise ValueError(f"unexpected LLaVA tensor name {name!r}")
 
@@ -143,13 +145,15 @@ def write_tiny_llava(
     vision_hidden: int = 96,
     text_hidden: int = 64,
     text_std: float = REALISTIC_STD,
+    next: bool = False,
     **text_overrides: Any,
 ) -> Path:
     """Write a tiny random LLaVA folder to `path`; deterministic given `seed` (both namings
     hold the same weights). The tower and decoder widths differ, so a projector wired the
     wrong way round cannot go unnoticed. `text_std`: the language model's weights' (a
     trained model's scale by default; tiny_models.PEAKY_STD for greedy tokens that never
-    part at a near-tie)."""
+    part at a near-tie). `next`: a LLaVA-NeXT, tiling images on `NEXT_PINPOINTS` (scaled to
+the tower's image size), with its image processor's and processor's configs."""
     import transformers
 
     if naming not in NAMINGS:
@@ -172,15 +176,31 @@ def write_tiny_llava(
         **text_overrides,
     }
     text_config = getattr(transformers, _TEXT_CONFIGS[text_arch])(**text_kwargs)
-    config = transformers.LlavaConfig(
-        vision_config=vision_config, text_config=text_config, image_token_index=image_token_id,
-        vision_feature_layer=-2, vision_feature_select_strategy="default",
-        projector_hidden_act="gelu", image_seq_length=(image_size // patch_size) ** 2)
-    model = transformers.LlavaForConditionalGeneration(config)
+    common = dict(vision_config=vision_config, text_config=text_config,
+                  image_token_index=image_token_id, vision_feature_layer=-2,
+                  vision_feature_select_strategy="default", projector_hidden_act="gelu",
+                  image_seq_length=(image_size // patch_size) ** 2)
+    pinpoints = [[side * image_size // 32 for side in pair] for pair in NEXT_PINPOINTS]
+    if next:
+        config = transformers.LlavaNextConfig(**common, image_grid_pinpoints=pinpoints)
+        model = transformers.LlavaNextForConditionalGeneration(config)
+    else:
+        model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(**common))
     _randomise(model, seed, text_std)
     model.save_pretrained(path, safe_serialization=True)
     if naming == "llava-hf":
         _rename_to_llava_hf(path)
     _write_preprocessor(path, image_size)
-    _write_processor_config(path, patch_size)
+    if next:
+        _make_next_preprocessor(path, pinpoints)
+    _write_processor_config(path, patch_size, next)
     return path
+
+
+def _make_next_preprocessor(path: Path, pinpoints: list[list[int]]) -> None:
+    """CLIP's preprocessor config as LlavaNextImageProcessor's: the grids, padding on."""
+    file = path / "preprocessor_config.json"
+    config = json.loads(file.read_text())
+    config.update({"image_processor_type": "LlavaNextImageProcessor",
+                   "image_grid_pinpoints": pinpoints, "do_pad": True})
+    file.write_text(json.dumps(config, indent=2))

@@ -289,3 +289,41 @@ def test_more_images_than_allowed_are_400(mesh: Mesh) -> None:
     reply = chat(mesh, [data_url] * 4)
     assert reply.status_code == 400, reply.text
     assert "at most 3 images" in reply.json()["error"]["message"]
+
+
+def test_a_llava_next_mesh_tiles_images_of_any_size(redis_url: str,
+                                                    tmp_path_factory: pytest.TempPathFactory
+                                                    ) -> None:
+    """LLaVA-NeXT through the mesh: the router counts each image's placeholders from its size
+    (the model info's tiling), the worker tiles it; a wide image over OpenAI chat gives
+    transformers' greedy tokens."""
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    folder = write_tiny_llava(tmp_path_factory.mktemp("next") / "tiny-next", seed=6,
+                              naming="llava-hf", next=True)
+    wide = Image.fromarray(np.random.default_rng(3).integers(0, 255, (30, 90, 3), dtype=np.uint8))
+    processor = AutoProcessor.from_pretrained(folder)
+    model = LlavaNextForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": QUESTION}]}]
+    inputs = processor(text=processor.apply_chat_template(messages, add_generation_prompt=True),
+                       images=[wide], return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                  min_new_tokens=MAX_TOKENS)[0, inputs["input_ids"].shape[1]:]
+    http_port = reserve_port()
+    mesh = Mesh(str(folder), tmp_path_factory.mktemp("logs") / "next.log", redis_url=redis_url,
+                cluster="e2e-llava-next",
+                extra_args=["--http-port", str(http_port), "--dtype", "float32"])
+    mesh.http_url = f"http://127.0.0.1:{http_port}"  # type: ignore[attr-defined]
+    try:
+        mesh.wait_ready()
+        info = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+        assert info.image_tiling.tile_size == 32 and len(info.image_tiling.grid_pinpoints) == 10
+        url = "data:image/png;base64," + base64.b64encode(png(wide)).decode()
+        reply = chat(mesh, [url])
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == expected.tolist()
+        assert reply.json()["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1]
+    finally:
+        mesh.stop()

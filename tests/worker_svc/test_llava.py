@@ -119,8 +119,11 @@ def test_checkpoint_names_map_both_namings_alike(folders) -> None:
         == ("vision", "vision_tower.layers.1.mlp.fc1.weight")
     assert llava_checkpoint_name("vision_tower.vision_model.embeddings.position_ids")[0] == \
         "unused"
+    # LLaVA-NeXT's row separator, in either naming.
+    assert llava_checkpoint_name("image_newline") == ("projector", "image_newline")
+    assert llava_checkpoint_name("model.image_newline") == ("projector", "image_newline")
     with pytest.raises(ValueError, match="no part"):
-        llava_checkpoint_name("image_newline")
+        llava_checkpoint_name("vision_resampler.weight")
 
 
 @pytest.mark.parametrize("naming", NAMINGS)

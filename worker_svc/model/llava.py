@@ -10,6 +10,15 @@ concatenated along the hidden dimension), without the CLS position under the "de
 strategy, through linear_1, the activation and linear_2. No post_layernorm: its weights
 are in the checkpoint and loaded, but LLaVA does not use them.
 
+LLaVA-NeXT (`LlavaNextForConditionalGeneration`, "anyres"): the image is cut into tiles of
+the tower's size on the grid `image_grid_pinpoints` fits it best (pagemesh/images_anyres.py,
+as transformers' LlavaNextImageProcessor), plus the whole image resized as a first tile;
+every tile goes through the tower and projector, and `pack_anyres` lays the grid's features
+out as the image (rows by columns of patches), crops the padding the resize added, ends each
+row with the learned `image_newline` vector and puts the whole image's features first, as
+transformers' `pack_image_features`: an image becomes as many rows as its size says
+(`images_anyres.num_image_tokens`), not a fixed count.
+
 Checkpoint names (`llava_checkpoint_name` takes any of them):
 - the Hub's llava-hf layout: `vision_tower.vision_model.*`, `multi_modal_projector.*`,
   `language_model.model.*`, `language_model.lm_head.weight`;
@@ -31,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protos.step import ImageTiling
+
 from worker_svc.model.clip import (
     ACTIVATIONS as CLIP_ACTIVATIONS,
     ClipVisionConfig,
@@ -51,6 +62,8 @@ STRATEGIES = ("default", "full")  # "default" drops the CLS position, "full" kee
 DEFAULT_VISION = {"hidden_size": 1024, "intermediate_size": 4096, "patch_size": 14,
                   "image_size": 336, "num_hidden_layers": 24, "num_attention_heads": 16}
 DEFAULT_IMAGE_TOKEN_INDEX = 32000
+# LlavaNextConfig's grids when config.json names none.
+DEFAULT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 # Checkpoint tensor kinds, the first item of `llava_checkpoint_name`.
 VISION, PROJECTOR, TEXT, UNUSED = "vision", "projector", "text", "unused"
 
@@ -64,6 +77,20 @@ class LlavaConfig:
     vision_feature_select_strategy: str = "default"
     projector_hidden_act: str = "gelu"
     multimodal_projector_bias: bool = True
+    # LLaVA-NeXT: the (height, width) grids an image may be tiled to; () for LLaVA-1.5.
+    image_grid_pinpoints: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def anyres(self) -> bool:
+        return bool(self.image_grid_pinpoints)
+
+    @property
+    def tiling(self) -> ImageTiling:
+        """What the router needs to count an image's placeholders (empty: fixed)."""
+        if not self.anyres:
+            return ImageTiling()
+        return ImageTiling(self.image_grid_pinpoints, self.vision.image_size,
+                           self.vision.patch_size)
 
     def __post_init__(self) -> None:
         if self.vision_feature_select_strategy not in STRATEGIES:
@@ -79,6 +106,9 @@ class LlavaConfig:
                                  f"{num_states} hidden states")
         if not self.feature_layers:
             raise ValueError("vision_feature_layer is an empty list")
+        if self.anyres and self.vision_feature_select_strategy != "default":
+            raise ValueError("a LLaVA-NeXT's tiles are laid out without the CLS position: "
+                             "vision_feature_select_strategy must be \"default\"")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -87,7 +117,8 @@ class LlavaConfig:
 
     @property
     def image_seq_length(self) -> int:
-        """Placeholder tokens (and feature vectors) per image."""
+        """Placeholder tokens (and feature vectors) per image; LLaVA-NeXT: per tile (an
+        image's count depends on its size)."""
         return self.vision.num_patches + (self.vision_feature_select_strategy == "full")
 
     @property
@@ -116,6 +147,8 @@ class LlavaConfig:
                                                       "default"),
             projector_hidden_act=config.get("projector_hidden_act", "gelu"),
             multimodal_projector_bias=config.get("multimodal_projector_bias", True),
+            image_grid_pinpoints=(tuple(tuple(p) for p in config.get("image_grid_pinpoints")
+                                        or DEFAULT_PINPOINTS) if is_llava_next(config) else ()),
         )
 
     @classmethod
@@ -124,9 +157,14 @@ class LlavaConfig:
 
 
 def is_llava_config(hf_config: dict[str, Any]) -> bool:
-    """Whether a config.json dict is a LlavaForConditionalGeneration's."""
-    return (hf_config.get("model_type") == "llava"
+    """Whether a config.json dict is a LlavaForConditionalGeneration's (or LLaVA-NeXT's)."""
+    return (hf_config.get("model_type") == "llava" or is_llava_next(hf_config)
             or "LlavaForConditionalGeneration" in (hf_config.get("architectures") or []))
+
+
+def is_llava_next(hf_config: dict[str, Any]) -> bool:
+    return (hf_config.get("model_type") == "llava_next"
+            or "LlavaNextForConditionalGeneration" in (hf_config.get("architectures") or []))
 
 
 class MultiModalProjector(nn.Module):
@@ -153,6 +191,27 @@ class LlavaImageEncoder(nn.Module):
         self.config = config
         self.vision_tower = ClipVisionTower(config.vision, projection_dim=None)
         self.multi_modal_projector = MultiModalProjector(config)
+        if config.anyres:  # ends each row of an image's grid features
+            self.image_newline = nn.Parameter(torch.empty(config.text_hidden_size))
+
+    def pack_anyres(self, features: torch.Tensor, image_hw: tuple[int, int]) -> torch.Tensor:
+        """One LLaVA-NeXT image's tile features [1 + rows * cols, tile patches, hidden]
+        (the whole image's first) -> its rows [n, hidden]: the whole image's features, then
+        the grid's as the image (padding cropped), each row ended by `image_newline`."""
+        from pagemesh.images_anyres import grid_shape
+
+        config = self.config
+        height, width = image_hw
+        side = config.vision.image_size // config.vision.patch_size
+        rows, cols = grid_shape(height, width, config.image_grid_pinpoints,
+                                config.vision.image_size)
+        hidden = features.shape[-1]
+        grid = features[1:].view(rows, cols, side, side, hidden)
+        grid = grid.permute(4, 0, 2, 1, 3).reshape(hidden, rows * side, cols * side)
+        grid = _unpad(grid, height, width)
+        newline = self.image_newline.to(grid.dtype)[:, None, None].expand(hidden, grid.shape[1], 1)
+        grid = torch.cat([grid, newline], dim=-1).flatten(1, 2).transpose(0, 1)
+        return torch.cat([features[0], grid], dim=0)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         states = self._hidden_states(pixel_values)
@@ -173,6 +232,19 @@ class LlavaImageEncoder(nn.Module):
         return [by_index[index] for index in indices]
 
 
+def _unpad(grid: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The grid's features [hidden, H, W] without the rows or columns that only the padding
+    to the grid's aspect covers (transformers' `unpad_image`, to the same rounding)."""
+    current_height, current_width = grid.shape[1:]
+    if width / height > current_width / current_height:
+        new_height = int(round(height * (current_width / width), 7))
+        padding = (current_height - new_height) // 2
+        return grid[:, padding:current_height - padding, :]
+    new_width = int(round(width * (current_height / height), 7))
+    padding = (current_width - new_width) // 2
+    return grid[:, :, padding:current_width - padding]
+
+
 def llava_checkpoint_name(name: str) -> tuple[str, str]:
     """(kind, target) for a LLaVA checkpoint tensor of any naming (see the module doc):
     ("vision", LlavaImageEncoder parameter, e.g. `vision_tower.layers.0.mlp.fc1.weight`),
@@ -182,7 +254,7 @@ def llava_checkpoint_name(name: str) -> tuple[str, str]:
     old checkpoints saved (`position_ids`). ValueError for a name of no LLaVA part."""
     rest = name
     if rest.startswith(("model.vision_tower.", "model.multi_modal_projector.",
-                        "model.language_model.")):
+                        "model.language_model.")) or rest == "model.image_newline":
         rest = rest[len("model."):]
     if rest.startswith("vision_tower."):
         rest = rest[len("vision_tower."):]
@@ -192,7 +264,7 @@ def llava_checkpoint_name(name: str) -> tuple[str, str]:
         if target is None:
             return UNUSED, name
         return VISION, "vision_tower." + target[len("vision."):]
-    if rest.startswith("multi_modal_projector."):
+    if rest.startswith("multi_modal_projector.") or rest == "image_newline":
         return PROJECTOR, rest
     if rest == "lm_head.weight" or rest.startswith("language_model.lm_head."):
         return TEXT, "lm_head." + rest.rpartition("lm_head.")[2]

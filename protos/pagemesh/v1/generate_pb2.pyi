@@ -224,6 +224,16 @@ class ParallelLayout(_message.Message):
     num_replicas: int
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_replicas: _Optional[int] = ...) -> None: ...
 
+class ImageTiling(_message.Message):
+    __slots__ = ("grid_pinpoints", "tile_size", "patch_size")
+    GRID_PINPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    grid_pinpoints: _containers.RepeatedScalarFieldContainer[int]
+    tile_size: int
+    patch_size: int
+    def __init__(self, grid_pinpoints: _Optional[_Iterable[int]] = ..., tile_size: _Optional[int] = ..., patch_size: _Optional[int] = ...) -> None: ...
+
 class PoolingInfo(_message.Message):
     __slots__ = ("task", "pooling_type", "normalize", "embedding_size", "matryoshka_dimensions", "any_dimensions", "image_tokens", "max_text_tokens")
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -245,7 +255,7 @@ class PoolingInfo(_message.Message):
     def __init__(self, task: _Optional[str] = ..., pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., any_dimensions: _Optional[bool] = ..., image_tokens: _Optional[int] = ..., max_text_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "layout", "architecture", "block_size", "num_kv_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling", "image_token_id", "image_seq_length")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "layout", "architecture", "block_size", "num_kv_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling", "image_token_id", "image_seq_length", "image_tiling")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +272,7 @@ class GetModelInfoResponse(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TILING_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -278,7 +289,8 @@ class GetModelInfoResponse(_message.Message):
     pooling: PoolingInfo
     image_token_id: int
     image_seq_length: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ..., image_token_id: _Optional[int] = ..., image_seq_length: _Optional[int] = ...) -> None: ...
+    image_tiling: ImageTiling
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[PoolingInfo, _Mapping]] = ..., image_token_id: _Optional[int] = ..., image_seq_length: _Optional[int] = ..., image_tiling: _Optional[_Union[ImageTiling, _Mapping]] = ...) -> None: ...
 
 class ImageInput(_message.Message):
     __slots__ = ("data", "offset", "length", "sha256")
