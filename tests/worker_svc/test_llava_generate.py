@@ -130,3 +130,27 @@ def test_a_text_only_model_refuses_images(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="text-only model"):
             engine.generate({"prompt": "hi", "multi_modal_data": {"image": image(1)}},
                             use_tqdm=False)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_image_prompts_equal_transformers_under_preemption(folder: Path, tp: int) -> None:
+    """A KV cache of 6 blocks (96 tokens) for four image prompts of ~40 tokens and their
+    outputs: requests are preempted (recomputed, their images encoded again or found in the
+    encoder cache) and still give transformers' tokens; with tp=2 the decoder is sharded over
+    two worker processes and the tower is replicated on both."""
+    pictures = [image(10 + i, (30 + 7 * i, 50 - 5 * i)) for i in range(4)]
+    requests = [{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    block_bytes = 3 * 2 * 2 * 16 * 16 * 4 // tp  # layers x (K, V) x KV heads x dim x tokens
+    with LLM(str(folder), dtype="float32", tensor_parallel_size=tp, swap_space=0,
+             kv_cache_memory_bytes=6 * block_bytes, max_num_batched_tokens=32,
+             enable_prefix_caching=False) as engine:
+        outputs = engine.generate(requests, params, use_tqdm=False)
+        scheduler = engine._live_engine().engine_loop.scheduler
+        assert scheduler.num_preemptions > 0, "the cache was meant to run out"
+    for output, picture in zip(outputs, pictures, strict=True):
+        tokens, logprobs = reference(folder, PROMPT, [picture])
+        sample = output.outputs[0]
+        assert sample.token_ids == tokens
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(sample.logprobs, tokens)],
+                                   logprobs, atol=1e-4)
