@@ -135,7 +135,7 @@ def bomb_png(width: int = 30_000, height: int = 30_000) -> bytes:
         {"type": "image_url", "image_url": {"url": data_url(b"x")}}]}]}, "not both"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]},
-     "only data: URLs"),
+     "remote image URLs are off"),  # no --allowed-media-domains
     ({"input": "cat " * 100}, "at most 77"),
     ({"input": "cat", "dimensions": 8}, "not supported"),
 ])
