@@ -87,21 +87,26 @@ def test_half_precision_layout_matches_transformers(
         info = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
         assert info.dtype == dtype
         mesh.generate(greedy_request(prompts[0], MAX_TOKENS))  # its prefix is cached now
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(
-                lambda p: mesh.generate(greedy_request(p, MAX_TOKENS, logprobs=NUM_TOP_LOGPROBS)),
-                prompts))
-        stats = scheduler_stats(redis_url, cluster)
+        runs = []
+        for _ in range(3):  # again while no request was preempted: arrival is timing's
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                runs.append(list(pool.map(
+                    lambda p: mesh.generate(greedy_request(p, MAX_TOKENS,
+                                                           logprobs=NUM_TOP_LOGPROBS)),
+                    prompts)))
+            stats = scheduler_stats(redis_url, cluster)
+            if stats.num_preemptions:
+                break
 
     worst, near_ties = 0.0, 0
-    for result, reference in zip(results, references):
+    for result, reference in ((r, ref) for results in runs for r, ref in zip(results, references)):
         assert result.finish_reason == generate_pb2.FINISH_REASON_LENGTH
         assert all(len(entry.top) == NUM_TOP_LOGPROBS for entry in result.logprobs)
         worst = max(worst, assert_half_precision_close(result.token_ids, list(result.logprobs),
                                                        reference))
         near_ties += first_divergence(result.token_ids, reference.tokens) is not None
     print(f"{dtype} {layout} {arch}: worst logprob difference {worst:.2e} (bound {references[0].logprob_bound:.2e}), "
-          f"{near_ties} of {len(prompts)} streams parted at a near-tie; "
+          f"{near_ties} of {sum(map(len, runs))} streams parted at a near-tie; "
           f"{stats.num_preemptions} preemptions, prefix hit rate {stats.prefix_cache_hit_rate:.2f}")
     assert stats.prefix_cache_hit_rate > 0, stats
     assert stats.num_preemptions > 0, "the cache was meant to run out"
