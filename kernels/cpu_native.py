@@ -64,7 +64,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _TORCH_ROUNDING = ["-ffp-contract=off"]
 SOURCES = {"cpu_decode": [], "cpu_gguf": _TORCH_ROUNDING, "cpu_rmsnorm": _TORCH_ROUNDING,
            "cpu_rotary": _TORCH_ROUNDING, "cpu_silu_mul": [], "cpu_store_kv": [],
-           "cpu_argmax": [], "cpu_token_mask": [], "cpu_linear": []}
+           "cpu_argmax": [], "cpu_token_mask": [], "cpu_linear": [], "cpu_lora": []}
 HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))  # part of every library's cache key
 _SIGNATURES = {
     "paged_decode": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -99,6 +99,9 @@ _SIGNATURES = {
                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+    "lora_apply": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                   ctypes.c_long, ctypes.c_long, ctypes.c_int],
     "store_kv": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                  ctypes.c_int],

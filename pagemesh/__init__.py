@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 # Each public name and the module that defines it.
 _EXPORTS = {
     "LLM": "pagemesh.offline.llm",
+    "LoRARequest": "pagemesh.offline.lora",
     "RequestOutput": "pagemesh.offline.outputs",
     "CompletionOutput": "pagemesh.offline.outputs",
     "SamplingParams": "pagemesh.sampling_params",
@@ -40,6 +41,7 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # for type checkers and editors: the names `__getattr__` loads
     from pagemesh.offline.llm import LLM  # noqa: F401
+    from pagemesh.offline.lora import LoRARequest  # noqa: F401
     from pagemesh.offline.outputs import CompletionOutput, RequestOutput  # noqa: F401
     from pagemesh.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: F401
     from pagemesh.sdk import (AsyncClient, Client, DeadlineExceeded,  # noqa: F401

@@ -39,6 +39,12 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
     return BlockHash(digest.digest())
 
 
+def adapter_extra(name: str) -> bytes:
+    """A LoRA adapter's part of every block hash of its requests (two adapters, or an
+    adapter and the base model, never share KV; the same adapter does)."""
+    return b"lora\x00" + name.encode() + b"\x00"
+
+
 class PlacedImage(Protocol):
     """An image over prompt positions offset .. offset + length - 1 (protos.step.ImageInput)."""
 

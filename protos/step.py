@@ -126,6 +126,15 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class LoraRef:
+    """The LoRA adapter a request runs with: the name clients give it, and the PEFT folder
+    the workers read it from (worker_svc/lora/)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class ImageTiling:
     """LLaVA-NeXT's tiling ("anyres"): the (height, width) grids an image may be cut to, and
     the tile's and the patch's sides in pixels; an image's placeholder count follows its
@@ -152,6 +161,7 @@ class NewRequestData:
     sampling: SamplingParams
     pooling: PoolingParams | None = None  # an embedding request
     images: tuple[ImageInput, ...] = ()  # a vision-language prompt's, by offset
+    lora: LoraRef | None = None  # the adapter it runs with; None = the base model
 
 
 @dataclass(frozen=True)

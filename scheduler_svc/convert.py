@@ -185,6 +185,8 @@ def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str]
                 images=[generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length,
                                                 sha256=i.digest)
                         for i in new.images],
+                lora=(worker_pb2.LoraAdapterRef(name=new.lora.name, path=new.lora.path)
+                      if new.lora is not None else None),
             )
             for new in output.new_requests
         ],

@@ -17,6 +17,7 @@ import torch
 from protos.step import (
     CachedRequestData,
     ImageInput,
+    LoraRef,
     NewRequestData,
     PoolingParams,
     SamplingParams,
@@ -39,6 +40,7 @@ class RequestState:
     grammar: GrammarState | None = None
     pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
     images: tuple[ImageInput, ...] = ()  # a vision-language prompt's images
+    lora: LoraRef | None = None  # the LoRA adapter it runs with; None = the base model
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from protos.pagemesh.worker.v1 import worker_pb2
 from protos.step import (
     CachedRequestData,
     ImageInput,
+    LoraRef,
     ModelRunnerOutput,
     NewRequestData,
     PoolingParams,
@@ -48,6 +49,7 @@ def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutp
                 pooling=(PoolingParams(dimensions=r.pooling.dimensions, image=r.pooling.image)
                          if r.HasField("pooling") else None),
                 images=tuple(ImageInput(i.data, i.offset, i.length, i.sha256) for i in r.images),
+                lora=LoraRef(r.lora.name, r.lora.path) if r.HasField("lora") else None,
             )
             for r in pb.new_requests
         ],

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protos.step import (ImageTiling, ModelRunnerOutput, PoolingInfo, SampledToken,
@@ -30,6 +31,7 @@ from worker_svc.batch import (
     BlockTables,
     RequestState,
     StepBatch,
+    batch_order,
     build_batch,
     check_block_moves,
     step_digest,
@@ -56,6 +58,8 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.kv_prefault import KVPrefault
 from worker_svc.kv_sizing import rank_kv_budget
+from worker_svc.lora import LoraConfig
+from worker_svc.lora.manager import LoraManager
 from worker_svc.loader import ModelMetadata, load_model, open_source
 from worker_svc.model.expert_balance import (
     ExpertBalancer,
@@ -112,6 +116,9 @@ class RunnerConfig:
     # auto | generate | embed: sample tokens, or pool the prompt into one vector (vLLM's
     # --task / --runner; auto = what the folder says, worker_svc/model/pooling.py)
     task: str = "auto"
+    # Multi-LoRA (worker_svc/lora/): adapters in one step, their rank limit, and how many
+    # stay in memory; None = LoRA off.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -173,8 +180,12 @@ class ModelRunner:
         kv_prefault_blocks: int = 0,
         eplb_interval_steps: int = 0,
         image_embedder: ImageEmbedder | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.model = model
+        # LoRA slots sized from the layers' weights, before packing leaves only their shapes.
+        self.lora = (LoraManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
+                     if lora is not None else None)
         self.cpu_linear = pack_linear_weights(model, cpu_linear)
         self.metadata = metadata
         self.device = torch.device(device)
@@ -233,7 +244,7 @@ class ModelRunner:
             kv_cache_sizing=budget.sizing, cuda_graph_sizes=_graph_sizes(config),
             kv_prefault_blocks=(config.kv_prefault_steps * config.max_num_batched_tokens
                                 // config.block_size),
-            eplb_interval_steps=config.eplb_interval_steps,
+            eplb_interval_steps=config.eplb_interval_steps, lora=config.lora,
             image_embedder=(llava_image_embedder(metadata, config.device)
                             if metadata.image_seq_length and config.parallel.is_first_stage
                             else None),
@@ -321,6 +332,9 @@ class ModelRunner:
             if new.images and self.image_embedder is None:
                 raise ValueError(f"request {new.request_id!r} carries images, but this model "
                                  "takes none (a text-only model)")
+            if new.lora is not None and self.lora is None:
+                raise ValueError(f"request {new.request_id!r} names LoRA adapter "
+                                 f"{new.lora.name!r}, but LoRA is off on this worker")
             if (new.pooling is not None) != embeds:
                 raise ValueError(
                     f"request {new.request_id!r}: " + (
@@ -440,8 +454,17 @@ class ModelRunner:
         overrides = None
         if self.image_embedder is not None and intermediate is None:
             overrides = self.image_embedder.overrides(batch.image_segments, self.device)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
-                          self.backend, intermediate, overrides)
+        if self.lora is None:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
+                              self.backend, intermediate, overrides)
+        order = batch_order(num_scheduled_tokens)
+        self.lora.row_slots(self.lora.prepare([self.requests[r].lora for r in order]),
+                            np.fromiter((num_scheduled_tokens[r] for r in order), np.int64))
+        try:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
+                              self.backend, intermediate, overrides)
+        finally:
+            self.lora.row_slots(None, np.empty(0, np.int64))
 
     @torch.inference_mode()
     def _capture_graphs(self, sizes: Sequence[int]) -> DecodeGraphs | None:
@@ -477,6 +500,7 @@ class ModelRunner:
                 sampling=new.sampling,
                 pooling=new.pooling,
                 images=new.images,
+                lora=new.lora,
             )
             self.block_tables.set(new.request_id, new.block_ids)
         for cached in step.cached_requests:
@@ -547,9 +571,9 @@ def _checked_context(config: RunnerConfig, dist: DistributedContext | None) -> D
 def _graph_sizes(config: RunnerConfig) -> tuple[int, ...]:
     """The decode batch sizes to capture as CUDA graphs; () for none (CPU, enforce_eager, and
     expert parallelism: its all-to-all sizes come from the step's routing, read on the
-    host, which a graph cannot replay)."""
+    host, which a graph cannot replay; LoRA, whose adapters per row change every step)."""
     if (config.enforce_eager or torch.device(config.device).type != "cuda"
-            or config.parallel.expert_parallel):
+            or config.parallel.expert_parallel or config.lora is not None):
         return ()
     if config.cuda_graph_sizes is not None:
         return tuple(config.cuda_graph_sizes)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pagemesh.offline.outputs import CompletionOutput, Logprob, RequestOutput
 from pagemesh.options.validation import ModelLimits, validate
 from pagemesh.sampling_params import SamplingParams
-from protos.step import ImageInput
+from protos.step import ImageInput, LoraRef
 from router.detokenizer import IncrementalDetokenizer
 from router.sample_stream import SampleStream
 from router.structured import GrammarCompiler
@@ -41,6 +41,7 @@ class Prompt:
     token_ids: list[int]
     priority: int = 0
     images: tuple[ImageInput, ...] = ()  # a vision-language prompt's, over placeholders
+    lora: LoraRef | None = None  # the LoRA adapter it runs with; None = the base model
 
 
 @dataclass
@@ -69,6 +70,7 @@ def prepare(request_id: str, prompt: Prompt, params: SamplingParams, limits: Mod
     submission = Submission.fresh(request_id, validated, seed)
     base = admission.core_request(request_spec(submission), limits.eos_token_ids, time.time())
     base.images = prompt.images
+    base.lora = prompt.lora
     return PreparedRequest(request_id, prompt, params,
                            admission.expand_samples(base, submission.n, {}), submission.n,
                            params.logprobs)

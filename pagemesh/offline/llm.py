@@ -42,8 +42,10 @@ from pagemesh.offline.embed import (
 )
 from pagemesh.images import expand_images, image_token_count, load_image
 from pagemesh.offline.engine import EngineCore
+from pagemesh.offline.lora import AdapterChecks, LoRARequest, per_prompt
 from pagemesh.offline.outputs import RequestOutput
 from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
+from worker_svc.lora import LoraConfig
 from pagemesh.sampling_params import SamplingParams
 from router.openai_protocol import parse_chat
 
@@ -105,7 +107,9 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  scheduling_policy: str = "fcfs", device: str = "auto",
-                 task: str = "auto", **kwargs: Any) -> None:
+                 task: str = "auto", enable_lora: bool = False, max_loras: int = 1,
+                 max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - _IGNORED_VLLM_ARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}")
@@ -123,7 +127,9 @@ class LLM:
             swap_space_gib=swap_space, enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            scheduling_policy=scheduling_policy, device=device, task=task)
+            scheduling_policy=scheduling_policy, device=device, task=task,
+            lora=(LoraConfig(max_loras, max_lora_rank, max_cpu_loras or 0) if enable_lora
+                  else None))
         checked = check_servable(setup)  # before anything is loaded or allocated
         built = build_engine(setup, checked)
         self.model_path = checked.model_path
@@ -133,6 +139,7 @@ class LLM:
         self.num_kv_blocks = built.num_kv_blocks
         self._grammars = built.grammars
         self._workers = built.workers
+        self._check_adapters = AdapterChecks(built.load_lora)
         self._engine = built.engine
         self._ranks = built.ranks
         self._num_swap_blocks = built.num_swap_blocks
@@ -145,7 +152,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool | Callable[..., Any] = True,
                  prompt_token_ids: list[int] | list[list[int]] | None = None,
-                 priority: list[int] | None = None, **kwargs: Any) -> list[RequestOutput]:
+                 priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 **kwargs: Any) -> list[RequestOutput]:
         """Generates for every prompt and returns one RequestOutput each, in order.
 
         `prompts`: a string, a list of token ids, a `{"prompt": str}` or
@@ -154,11 +163,16 @@ class LLM:
         temperature 1). `priority`: per prompt, lower runs first and is preempted last under
         `scheduling_policy="priority"` (ignored under fcfs, as in vLLM). Raises ValueError,
         before anything runs, for a prompt or parameters the servers would refuse (their
-        message; a note names the prompt)."""
+        message; a note names the prompt). `lora_request`: the LoRA adapter of every prompt,
+        or one per prompt (None: the base model), with `enable_lora=True`."""
         _check_unused(kwargs, "generate")
         if prompts is None:
             prompts = prompt_token_ids  # vLLM's older keyword
         parsed = [self._prompt(p) for p in _as_list(prompts)]
+        adapters = per_prompt(lora_request, len(parsed))
+        self._check_adapters(adapters)
+        for prompt, adapter in zip(parsed, adapters):
+            prompt.lora = adapter
         return self._run(parsed, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],

@@ -10,6 +10,7 @@ divide fails at once, before any weight is read or any memory is set aside.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,10 @@ from router.structured import GrammarCompiler
 from router.tokenizer import Tokenizer, load_tokenizer
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.policy import POLICIES
+from protos.step import LoraRef
 from scheduler_svc.core.scheduler import Scheduler
+from worker_svc.lora import LoraConfig
+from worker_svc.lora.adapter import load_adapter
 from worker_svc.runner import RunnerConfig, RunnerInfo
 
 GIB = 1 << 30
@@ -51,6 +55,7 @@ class EngineSetup:
     scheduling_policy: str = "fcfs"
     device: str = "auto"
     task: str = "auto"  # auto | generate | embed (worker_svc/model/pooling.py)
+    lora: LoraConfig | None = None  # multi-LoRA; None = off
 
     @property
     def world_size(self) -> int:
@@ -75,6 +80,8 @@ class BuiltEngine:
     ranks: RankAdmin  # the ranks' diagnostics: the executor
     num_swap_blocks: int  # the scheduler's swap space, blocks
     workers: Any = None  # LocalWorkers for more than one rank
+    # Reads and fits a LoRA adapter to the model (raises ValueError); None: LoRA off.
+    load_lora: Callable[[LoraRef], object] | None = None
 
 
 def check_servable(setup: EngineSetup) -> CheckedSetup:
@@ -186,15 +193,19 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         swap_space_bytes=int(setup.swap_space_gib * GIB), max_model_len=setup.max_model_len,
         parallel=ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0,
                                 expert_parallel=setup.enable_expert_parallel),
-        task=setup.task,
+        task=setup.task, lora=setup.lora,
     )
     workers = None
+    load_lora = None
     if world_size == 1:
         thread = model_thread()  # loads here and steps here: one OpenMP team
         runner = thread.submit(load_runner, config).result()
         infos = [runner.info()]
         lead = infos[0]
         executor: Any = DiagnosedInprocExecutor(RankDiagnostics(runner), thread)
+        lora = getattr(runner, "lora", None)  # an encoder (CLIP) runner has none
+        if lora is not None:
+            load_lora = lambda ref: thread.submit(lora.load, ref).result()  # noqa: E731
     else:
         from pagemesh.offline.local_workers import (LocalWorkers, LocalWorkersExecutor,
                                                     default_num_threads)
@@ -204,6 +215,9 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         infos = workers.infos
         lead = infos[workers.driver_rank]
         executor = LocalWorkersExecutor(workers)
+        if setup.lora is not None:  # the worker processes read it at its first step
+            load_lora = lambda ref: load_adapter(ref.name, ref.path,  # noqa: E731
+                                                 setup.lora.max_lora_rank)
     scheduler_config = SchedulerConfig(
         num_blocks=min(info.num_blocks for info in infos), block_size=lead.block_size,
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
@@ -213,6 +227,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         num_microbatches=setup.pipeline_parallel_size,
         async_scheduling=world_size == 1,  # only a lone rank fills in its own tokens
         pooling=lead.pooling,
+        max_loras=setup.lora.max_loras if setup.lora is not None else 0,
     )
     engine = EngineCore(Scheduler(scheduler_config), executor,
                         max_steps_in_flight=setup.pipeline_parallel_size)
@@ -220,4 +235,4 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
                          vocab_size=lead.vocab_size, eos_token_ids=list(lead.eos_token_ids))
     return BuiltEngine(engine, checked.tokenizer, lead, limits, scheduler_config.num_blocks,
                        GrammarCompiler(checked.tokenizer), executor,
-                       scheduler_config.num_swap_blocks, workers)
+                       scheduler_config.num_swap_blocks, workers, load_lora)

@@ -11,7 +11,7 @@ import dataclasses
 import struct
 from collections.abc import Container, Mapping, Sequence
 
-from protos.step import ImageInput, PoolingParams, RequestId, SamplingParams
+from protos.step import ImageInput, LoraRef, PoolingParams, RequestId, SamplingParams
 from scheduler_svc.core.config import CapacityError, SchedulerConfig
 from scheduler_svc.core.types import (
     FINISHED_STATUS,
@@ -47,6 +47,7 @@ class RequestSpec:
     priority: int = 0
     pooling: PoolingParams | None = None  # an embedding request (max_tokens is then 1)
     images: tuple[ImageInput, ...] = ()  # a vision-language prompt's images
+    lora: LoraRef | None = None  # the LoRA adapter it runs with; None = the base model
 
 
 _DEFAULTED = ("temperature", "top_p", "repetition_penalty")  # None: SamplingParams' default
@@ -84,6 +85,7 @@ def core_request(spec: RequestSpec, eos_token_ids: Sequence[int], arrival_time_s
         priority=spec.priority,
         pooling=spec.pooling,
         images=tuple(spec.images),
+        lora=spec.lora,
     )
 
 
@@ -93,6 +95,9 @@ def check_admissible(request: Request, config: SchedulerConfig,
     for one that could never fit the KV cache however long it waited."""
     if request.request_id in live_ids:
         raise ValueError(f"request id {request.request_id!r} is already in flight")
+    if request.lora is not None and not config.max_loras:
+        raise ValueError(f"the request names LoRA adapter {request.lora.name!r}, but LoRA is "
+                         "off here (start with --enable-lora)")
     if (request.pooling is not None) != config.pooling.embeds:
         raise ValueError("this is an embedding model: it does not generate text; send it "
                          "embedding requests" if config.pooling.embeds

@@ -57,6 +57,8 @@ class SchedulerConfig:
     # What the model does: an embedding model's requests are pooled (`Request.pooling`);
     # mean and CLS pooling recompute the whole prompt (no prefix-cache hits).
     pooling: PoolingInfo = PoolingInfo()
+    # LoRA adapters one step may hold (the workers' slots); 0 = LoRA off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.preemption_mode is None:  # frozen: set once here, as if given

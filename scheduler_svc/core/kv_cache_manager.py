@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protos.block_hash import BlockHash, block_images, hash_block_tokens
+from protos.block_hash import BlockHash, adapter_extra, block_images, hash_block_tokens
 from protos.step import BlockId, RequestId
 from scheduler_svc.core.block_pool import BlockPool, SwapPool
 from scheduler_svc.core.types import Request
@@ -245,12 +245,14 @@ class KVCacheManager:
         return hashes[index]
 
     def _block_images(self, request: Request, index: int) -> bytes:
-        """The content hashes of the images whose placeholders fall in block `index` (b""
-        for text): the chain carries them into every later block's hash."""
+        """What block `index`'s hash holds beside its tokens: the request's LoRA adapter, and
+        the content hashes of the images whose placeholders fall in it (b"" for plain text
+        on the base model); the chain carries them into every later block's hash."""
+        adapter = adapter_extra(request.lora.name) if request.lora is not None else b""
         if not request.images:
-            return b""
+            return adapter
         start = index * self.block_size
-        return block_images(request.images, start, start + self.block_size)
+        return adapter + block_images(request.images, start, start + self.block_size)
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
         """Token ids of full block `index` of the request's prompt + output."""

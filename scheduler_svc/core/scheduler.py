@@ -381,9 +381,17 @@ class Scheduler:
         """Admits waiting requests in policy order until one does not fit; forks whose
         leader's prompt is not computed yet are passed over (they keep their place)."""
         passed_over: list[Request] = []
+        adapters = {r.lora.name for r in self.running if r.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop()
+            lora = request.lora
+            if lora is not None and lora.name not in adapters \
+                    and len(adapters) >= self.config.max_loras:
+                passed_over.append(request)  # its adapter would be one too many this step
+                continue
             num_scheduled = self._try_admit(request, output, budget)
+            if num_scheduled and lora is not None:
+                adapters.add(lora.name)
             if num_scheduled is None:
                 passed_over.append(request)
                 continue
@@ -479,6 +487,7 @@ class Scheduler:
             sampling=request.sampling,
             pooling=request.pooling,
             images=request.images,
+            lora=request.lora,
         ))
         output.num_scheduled_tokens[request.request_id] = num_new
         request.num_computed_tokens += num_new

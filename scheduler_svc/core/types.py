@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protos.step import BlockId, ImageInput, PoolingParams, RequestId, SampledToken, SamplingParams
+from protos.step import (BlockId, ImageInput, LoraRef, PoolingParams, RequestId, SampledToken,
+                         SamplingParams)
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +72,9 @@ class Request:
     # A vision-language prompt's images, each over its placeholder tokens; their content is
     # part of the block hashes (two prompts with different images never share KV).
     images: tuple[ImageInput, ...] = ()
+    # The LoRA adapter it runs with (None: the base model): its name is part of the block
+    # hashes (two adapters never share KV), and a step holds at most max_loras adapters.
+    lora: LoraRef | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

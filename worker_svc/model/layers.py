@@ -138,8 +138,11 @@ class MergedLinear(nn.Linear, PreparableLinear):
             self.part_offsets[name] = offset
             offset += size
 
+    lora = None  # its LoRA slots (worker_svc/lora/slots.py LayerLora) when LoRA is on
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        out = linear(x, self.weight, self.bias, self.packed_weight)
+        return out if self.lora is None else self.lora.apply_(out, x)
 
     def checkpoint_slice(self, part: str) -> tuple[slice, ...]:
         """The rows of the checkpoint's `part` tensor (weight or bias) this module holds."""

@@ -138,10 +138,16 @@ class RowParallelLinear(nn.Module, PreparableLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed_weight: PreparedWeight | None = None  # quantized or packed: see matmul.py
 
+    lora = None  # its LoRA slots (worker_svc/lora/slots.py LayerLora) when LoRA is on
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # one fused op, as nn.Linear (and transformers) round it
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        out = self.comm.tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
+            out = linear(x, self.weight, self.bias, self.packed_weight)
+            return out if self.lora is None else self.lora.apply_(out, x)
+        partial = linear(x, self.weight, None, self.packed_weight)
+        if self.lora is not None:  # this rank's share of the product, summed with the rest
+            self.lora.apply_(partial, x)
+        out = self.comm.tp_all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
     def checkpoint_slice(self, param_name: str) -> Index:
