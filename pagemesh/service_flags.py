@@ -125,6 +125,15 @@ _SHARED = (
     ServiceFlag("--max-num-seqs", (SCHEDULER, WORKER),
                 "running requests per step (workers: the LM head rows of the CUDA profiling "
                 "pass)", type=int, default=128),
+    ServiceFlag("--enable-lora", (SCHEDULER, WORKER),
+                "serve LoRA adapters of the model (PEFT folders, --lora-modules); a request "
+                "names one as its model", type=bool, default=False),
+    ServiceFlag("--lora-modules", (SCHEDULER, WORKER),
+                "LoRA adapters served from the start, name=path (or vLLM's JSON "
+                "{\"name\": ..., \"path\": ...}), repeatable; each is checked by every "
+                "worker at start", repeatable=True),
+    ServiceFlag("--max-loras", (SCHEDULER, WORKER),
+                "LoRA adapters one step may hold (the workers' slots)", type=int, default=1),
 )
 
 _ROUTER = (
@@ -245,6 +254,10 @@ _SCHEDULER = (
 )
 
 _WORKER = (
+    _worker("--max-lora-rank", "the highest LoRA rank served (slots are this wide)",
+            type=int, default=16),
+    _worker("--max-cpu-loras", "LoRA adapters a worker keeps in memory (least recently used "
+            "read again from its folder); 0 = --max-loras", type=int, default=0),
     _worker("--profile-dir",
             "the only folder profiler traces are written under (StartProfile's out_dir is "
             "taken from it; a path outside it is refused); default: <temp dir>/pagemesh-profiles"),

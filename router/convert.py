@@ -114,6 +114,7 @@ def submit_request(submission: Submission, progress: Progress | None = None
         grammar=submission.grammar,
         owner=submission.owner,
         request_digest=submission.request_digest,
+        lora_name=submission.lora_name,
     )
     if submission.embed_dimensions is not None:
         request.embed.dimensions = submission.embed_dimensions
@@ -157,6 +158,7 @@ def submission_from_checkpoint(raw: bytes) -> Submission:
         owner=pb.owner,
         request_digest=pb.request_digest,
         images=tuple(ImageInput(i.data, i.offset, i.length, i.sha256) for i in pb.images),
+        lora_name=pb.lora_name,
     )
 
 

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from pagemesh.registry_entries import GroupStatus
 from pagemesh.serving import ServiceError, unavailable
 from pagemesh.telemetry import grpc_metadata
-from protos.block_hash import BlockHash, hash_request_blocks
+from protos.block_hash import BlockHash, adapter_extra, hash_request_blocks
 from router.group_directory import EngineGroup, GroupDirectory
 from router.request_feed import RequestFeed
 from router.resume import Attempts, Progress, ResumeConfig, retry_kind
@@ -69,12 +69,13 @@ class Dispatcher:
         progress = progress or Progress.fresh(submission.n)
         metadata = grpc_metadata(span)
         info = await self.directory.model_info()
+        adapter = adapter_extra(submission.lora_name) if submission.lora_name else b""
         block_hashes = hash_request_blocks(list(submission.prompt_token_ids), info.block_size,
-                                           images=submission.images)
+                                           adapter, images=submission.images)
         attempts = Attempts(self.resume, asyncio.get_running_loop().time, progress.started)
         feed: RequestFeed[T] = RequestFeed(progress, attempts, process)
         while not progress.all_finished:
-            group = await self._choose(block_hashes, attempts)
+            group = await self._choose(block_hashes, attempts, submission.lora_name)
             if attempts.num_failures:
                 self.num_resumes += 1
                 logger.warning("request %s resumed on engine group %s with %s output tokens "
@@ -93,15 +94,18 @@ class Dispatcher:
             group_failed_event(span, group.scheduler_id, code, details)
             self._failed(group, submission, progress, attempts, code, details)
 
-    def _pick(self, block_hashes: list[BlockHash], exclude: frozenset[str]) -> EngineGroup | None:
+    def _pick(self, block_hashes: list[BlockHash], exclude: frozenset[str],
+              lora_name: str = "") -> EngineGroup | None:
         """The routing policy's choice within the best non-empty tier: ready groups present in
         the registry and not just failed, then ready ones missing or just failed, then the
-        rest (degraded, NOT_SERVING, unreachable). Draining groups and `exclude` are never
-        picked."""
+        rest (degraded, NOT_SERVING, unreachable). Draining groups, `exclude` and groups that
+        do not serve the request's LoRA adapter are never picked."""
         now = asyncio.get_running_loop().time()
         tiers: list[list[GroupLoad]] = [[], [], []]
         for group in self.directory.groups:
             if group.scheduler_id in exclude or group.status == GroupStatus.DRAINING:
+                continue
+            if lora_name and lora_name not in group.loras:
                 continue
             load = dataclasses.replace(
                 group.load, outstanding_tokens=self._outstanding.get(group.scheduler_id, 0))
@@ -117,13 +121,14 @@ class Dispatcher:
                 return self.directory.get(scheduler_id) if scheduler_id is not None else None
         return None
 
-    async def _choose(self, block_hashes: list[BlockHash], attempts: Attempts) -> EngineGroup:
+    async def _choose(self, block_hashes: list[BlockHash], attempts: Attempts,
+                      lora_name: str = "") -> EngineGroup:
         """A group for the next attempt: another one at once when there is one; else, once the
         request was accepted somewhere, any (the failed group's replacement too) after a
         backoff, until the resume timeout."""
         exclude = attempts.excluded
         while True:
-            group = self._pick(block_hashes, exclude)
+            group = self._pick(block_hashes, exclude, lora_name)
             if group is not None:
                 return group
             if not attempts.may_wait:

@@ -216,11 +216,14 @@ class Generation:
         digest = request_digest(request)
         plan = await self._resume_plan(request_id, mesh_id, request, digest)
         if plan is None:
+            lora_name = await self._adapter(request.model)
+            if lora_name:  # the adapter's name is the model the client asked for
+                request = dataclasses.replace(request, model="")
             validated, images = await self._validate(request)
             submission = Submission.fresh(mesh_id, validated, self._seeds.getrandbits(63),
                                           request.owner, digest)
-            if images:
-                submission = dataclasses.replace(submission, images=images)
+            if images or lora_name:
+                submission = dataclasses.replace(submission, images=images, lora_name=lora_name)
             plan = replay.fresh(self.tokenizer, submission)
         progress = plan.progress
         span = trace.get_current_span()  # generate's (router/tracing.py), or a no-op one
@@ -299,6 +302,20 @@ class Generation:
         if plan.submission.images:
             plan.submission = await self._with_stored_images(request_id, plan.submission)
         return plan
+
+    async def _adapter(self, model: str) -> str:
+        """The LoRA adapter `model` names ("" for the base model, or no model given);
+        NOT_FOUND naming what is served when it is neither."""
+        info = await self.directory.model_info()
+        if not model or model == info.model:
+            return ""
+        adapters = self.directory.adapters
+        if model in adapters:
+            return model
+        raise ServiceError(
+            grpc.StatusCode.NOT_FOUND,
+            f"model {model!r} is not served here: the base model is {info.model!r}, and the "
+            f"LoRA adapters are {', '.join(sorted(adapters)) or 'none'}", reason="model_not_found")
 
     async def _with_stored_images(self, request_id: str, submission: Submission) -> Submission:
         """A checkpoint's submission with its images' bytes, from the image store (the

@@ -51,6 +51,7 @@ class EngineGroup:
     status: GroupStatus = GroupStatus.READY
     missing_since: float | None = None  # loop time of the first poll it was missing from
     suspect_until: float = 0.0  # a request failed here: others first until then (loop time)
+    loras: tuple[str, ...] = ()  # the LoRA adapters its scheduler serves
 
     @property
     def ready(self) -> bool:
@@ -107,6 +108,11 @@ class GroupDirectory:
         return self.registry.config.ttl_s
 
     @property
+    def adapters(self) -> set[str]:
+        """The LoRA adapters some group serves (a request may name one as its model)."""
+        return {name for group in self._groups.values() for name in group.loras}
+
+    @property
     def model_name(self) -> str:
         """The served model's name once a group was asked (`model_info`), else ""."""
         return self._model_info.model if self._model_info is not None else ""
@@ -161,6 +167,7 @@ class GroupDirectory:
         if group.status != entry.status:
             logger.warning("engine group %s is %s", scheduler_id, entry.status)
         group.load, group.status, group.missing_since = load, entry.status, None
+        group.loras = entry.loras
 
     def _join(self, scheduler_id: str, entry: SchedulerEntry, load: GroupLoad,
               previous: EngineGroup | None) -> EngineGroup:

@@ -113,7 +113,8 @@ class _ApiKeyMiddleware:
 
 def protocol_error_for(exc: ServiceError) -> oai.ProtocolError:
     """OpenAI's status and error type for a data plane error."""
-    if exc.code == grpc.StatusCode.INVALID_ARGUMENT and "is not served here" in exc.message:
+    if exc.reason == "model_not_found" or (exc.code == grpc.StatusCode.INVALID_ARGUMENT
+                                           and "is not served here" in exc.message):
         return oai.ProtocolError(exc.message, "model", 404, "invalid_request_error", "model_not_found")
     if exc.reason == "id_conflict":  # the id is taken by another request of the caller's
         return oai.ProtocolError(exc.message, None, 409, "conflict", "request_id_conflict")
@@ -172,7 +173,8 @@ class _OpenAIApi:
         return Response(self.generation.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(oai.models_object(await self.generation.model_info(), self.created))
+        return JSONResponse(oai.models_object(await self.generation.model_info(), self.created,
+                                              self.generation.directory.adapters))
 
     async def embeddings(self, request: Request) -> Response:
         owner = self.generation.tenancy.owner(request.headers.get("authorization"))

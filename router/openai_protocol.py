@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -407,8 +407,10 @@ def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def models_object(info: ModelInfo, created: int) -> dict[str, Any]:
-    """The one served model; `task` says what it does ("generate": /v1/completions and
+def models_object(info: ModelInfo, created: int, adapters: Iterable[str] = ()
+                  ) -> dict[str, Any]:
+    """The served model, then its LoRA adapters (each with the model as `parent` and `root`,
+    as vLLM lists them); `task` says what the model does ("generate": /v1/completions and
     /v1/chat/completions; "embed": /v1/embeddings, with its vector size and pooling)."""
     model: dict[str, Any] = {
         "id": info.model, "object": "model", "created": created, "owned_by": "pagemesh",
@@ -420,4 +422,7 @@ def models_object(info: ModelInfo, created: int) -> dict[str, Any]:
         model["pooling"] = {"type": info.pooling.pooling_type, "normalize": info.pooling.normalize,
                             "matryoshka_dimensions": list(info.pooling.matryoshka_dimensions),
                             "any_dimensions": info.pooling.any_dimensions}
-    return {"object": "list", "data": [model]}
+    loras = [{"id": name, "object": "model", "created": created, "owned_by": "pagemesh",
+              "root": info.model, "parent": info.model, "max_model_len": info.max_model_len,
+              "task": info.pooling.task} for name in sorted(adapters)]
+    return {"object": "list", "data": [model, *loras]}

@@ -82,6 +82,7 @@ class Submission:
     embed_image: bytes = b""  # an image input's encoded image (its prompt: placeholders)
     # A vision-language prompt's images over their placeholder tokens.
     images: tuple[ImageInput, ...] = ()
+    lora_name: str = ""  # the LoRA adapter it runs with; "" = the base model
 
     @classmethod
     def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int,

@@ -11,6 +11,7 @@ functions (it reads only the request id it logs under and the model's EOS ids);
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 
 from pagemesh.checkpoints import TokenLogprobs
@@ -22,6 +23,7 @@ from protos.pagemesh.worker.v1 import worker_pb2
 from protos.pooling import (image_tiling_from_pb, image_tiling_to_pb, pooling_info_from_pb,
                             pooling_info_to_pb)
 from protos.step import (
+    LoraRef,
     ImageInput,
     ModelRunnerOutput,
     PoolingParams,
@@ -56,11 +58,16 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty")
 
 
 def submission_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int],
-                       arrival_time_s: float) -> Submission:
+                       arrival_time_s: float, loras: Mapping[str, LoraRef] = {}) -> Submission:
     """The request as admitted: one core request per sample that still has to run (see
     `admission.expand_samples`), and the resumed samples already ended (see
     `admission.ended_samples`). Raises ValueError for a message that cannot run."""
     base = _request_from_pb(pb, eos_token_ids, arrival_time_s)
+    if pb.lora_name:
+        base.lora = loras.get(pb.lora_name)
+        if base.lora is None:
+            raise ValueError(f"LoRA adapter {pb.lora_name!r} is not served by this group "
+                             f"(it serves {', '.join(sorted(loras)) or 'none'})")
     n = max(pb.n, 1)
     progress = _progress(pb)
     return Submission(
@@ -79,13 +86,14 @@ def submission_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]
 
 
 def connect_action_from_pb(pb: scheduler_pb2.ConnectRequest, eos_token_ids: list[int],
-                           arrival_time_s: float) -> ConnectAction:
+                           arrival_time_s: float, loras: Mapping[str, LoraRef] = {}
+                           ) -> ConnectAction:
     """What one message up a Connect stream asks for; a submit that does not convert is
     an `InvalidSubmit`, refused for that request alone."""
     action = pb.WhichOneof("action")
     if action == "submit":
         try:
-            return submission_from_pb(pb.submit, eos_token_ids, arrival_time_s)
+            return submission_from_pb(pb.submit, eos_token_ids, arrival_time_s, loras)
         except ValueError as exc:
             return InvalidSubmit(pb.submit.request_id, str(exc))
     if action == "abort":

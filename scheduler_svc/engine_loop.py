@@ -331,4 +331,5 @@ def _fresh_copy(request: Request) -> Request:
         priority=request.priority,
         pooling=request.pooling,
         images=request.images,
+        lora=request.lora,
     )

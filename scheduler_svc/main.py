@@ -21,11 +21,13 @@ from pagemesh.config import (
     server_config,
 )
 from pagemesh.internal_auth import InternalTokenInterceptor
+from pagemesh.lora_modules import parse_lora_modules
 from pagemesh.metrics import SchedulerMetrics, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import GroupStatus, SchedulerEntry
 from pagemesh.service_flags import SCHEDULER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
+from protos.step import LoraRef
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
@@ -85,6 +87,7 @@ def config_for(args: argparse.Namespace) -> ConfigFor:
             num_microbatches=args.pp,
             async_scheduling=async_scheduling(args),
             pooling=lead.pooling,
+            max_loras=args.max_loras if args.enable_lora else 0,
         )
     return build
 
@@ -109,8 +112,10 @@ async def serve(args: argparse.Namespace) -> None:
     model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks,
                                           formed.weight_bytes, formed.kv_cache_bytes)
     scheduler_id = args.scheduler_id or args.group
+    loras = ({name: LoraRef(name, path) for name, path
+              in parse_lora_modules(args.lora_modules).items()} if args.enable_lora else {})
     servicer = SchedulerServicer(loop, model_info, checkpointer, group=args.group,
-                                 scheduler_id=scheduler_id)
+                                 scheduler_id=scheduler_id, loras=loras)
     server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)],
                         interceptors=internal_auth(args))
     await server.start()
@@ -131,6 +136,7 @@ async def serve(args: argparse.Namespace) -> None:
                 session=group.session, epoch=group.epoch,
                 checkpoint_writes=checkpointer.num_writes,
                 checkpoint_write_s=round(checkpointer.write_time_s, 6),
+                loras=tuple(sorted(loras)),
                 **asdict(loop.scheduler.stats()), **metrics_server.registry_info()).to_json()
 
         async def on_status(status: GroupStatus) -> None:

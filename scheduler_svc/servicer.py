@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
@@ -22,6 +22,7 @@ from pagemesh.logs import request_id_var
 from pagemesh.serving import ServiceError, invalid_argument
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
+from protos.step import LoraRef
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.connection import DEFAULT_MAX_BUFFERED_TOKENS, ConnectionCutOff, RouterConnection
@@ -44,8 +45,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, loop: EngineLoop, model_info: generate_pb2.GetModelInfoResponse,
                  checkpointer: Checkpointer | None = None,
                  max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
-                 group: str = "", scheduler_id: str = "") -> None:
+                 group: str = "", scheduler_id: str = "",
+                 loras: Mapping[str, LoraRef] | None = None) -> None:
         self.loop = loop
+        self.loras = dict(loras or {})  # the LoRA adapters a request may name
         self.group = group  # the engine group's name and this scheduler's id, for admin replies
         self.scheduler_id = scheduler_id or group
         self.model_info = model_info
@@ -162,14 +165,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """The message as admitted; one that cannot run is INVALID_ARGUMENT (checked before
         admission, so a draining group says so too: the request is invalid on any group)."""
         try:
-            return convert.submission_from_pb(request, self.eos_token_ids, time.time())
+            return convert.submission_from_pb(request, self.eos_token_ids, time.time(),
+                                              self.loras)
         except ValueError as exc:
             raise invalid_argument(str(exc)) from exc
 
     async def _actions(self, messages: AsyncIterator[scheduler_pb2.ConnectRequest]
                        ) -> AsyncIterator[ConnectAction]:
         async for message in messages:
-            yield convert.connect_action_from_pb(message, self.eos_token_ids, time.time())
+            yield convert.connect_action_from_pb(message, self.eos_token_ids, time.time(),
+                                                 self.loras)
 
 
 async def _next_or_reader_failure(connection: RouterConnection, reader: asyncio.Task[None]

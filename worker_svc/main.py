@@ -26,6 +26,7 @@ from pagemesh.config import (
     server_config,
 )
 from pagemesh.internal_auth import InternalTokenInterceptor
+from pagemesh.lora_modules import parse_lora_modules
 from pagemesh.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
 from pagemesh.ports import reserve_port
 from pagemesh.registry import Registry
@@ -41,6 +42,7 @@ from worker_svc.model.moe import expert_load
 from worker_svc.membership import Membership, Plan, WorkerState
 from worker_svc.parallel import ParallelConfig
 from worker_svc.encoder_runner import load_runner
+from worker_svc.lora import LoraConfig
 from worker_svc.runner import ModelRunner, RunnerConfig
 from worker_svc.servicer import WorkerServicer
 
@@ -115,6 +117,9 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
         kv_prefault_steps=args.kv_prefault_steps,
         eplb_interval_steps=args.eplb_interval_steps,
         task=args.task,
+        lora=(LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+                         tuple(parse_lora_modules(args.lora_modules).items()))
+              if args.enable_lora else None),
         cuda_graph_sizes=(parse_capture_sizes(args.cuda_graph_sizes)
                           if args.cuda_graph_sizes else None),
     )

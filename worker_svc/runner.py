@@ -184,8 +184,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         # LoRA slots sized from the layers' weights, before packing leaves only their shapes.
-        self.lora = (LoraManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
-                     if lora is not None else None)
+        self.lora = LoraManager.from_config(model, lora) if lora is not None else None
         self.cpu_linear = pack_linear_weights(model, cpu_linear)
         self.metadata = metadata
         self.device = torch.device(device)

@@ -36,7 +36,6 @@ def bad_requests() -> dict[str, generate_pb2.GenerateRequest]:
         "prompt longer than context": greedy_request([5] * (MAX_MODEL_LEN + 3), 1),
         "max_tokens 0": greedy_request([5, 6], 0),
         "max_tokens beyond context": greedy_request([5, 6], MAX_MODEL_LEN),
-        "unknown model": greedy_request([5, 6], 4, model="no-such-model"),
         "unknown token id": greedy_request([5, 10**6], 4),
     }
     for name, field, value in [
@@ -59,6 +58,14 @@ def test_bad_input_is_invalid_argument_and_the_mesh_keeps_serving(tiny_llama_mes
     assert len(info.value.details()) > 10  # says what to fix
     good = tiny_llama_mesh.generate(greedy_request([5, 6, 7], 3))
     assert len(good.token_ids) == 3
+
+
+def test_an_unknown_model_is_not_found_naming_what_is_served(tiny_llama_mesh: Mesh) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        tiny_llama_mesh.generate(greedy_request([5, 6], 4, model="no-such-model"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'no-such-model' is not served here" in info.value.details()
+    assert "the LoRA adapters are none" in info.value.details()
 
 
 def test_seeded_sampling_is_reproducible_across_runs_and_batches(tiny_llama_mesh: Mesh) -> None:

@@ -15,6 +15,8 @@ class LoraConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int = 0  # 0 = max_loras
+    # Adapters read (and checked) at start: (name, PEFT folder) pairs, --lora-modules.
+    modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras == 0:

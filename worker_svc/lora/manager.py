@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from protos.step import LoraRef
+from worker_svc.lora import LoraConfig
 from worker_svc.lora.adapter import AdapterError, LoraAdapter, load_adapter
 from worker_svc.lora.slots import attach, write_adapter
 
@@ -41,6 +42,15 @@ class LoraManager:
         self._paths: dict[str, str] = {}
         self._memory: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recent first
         self._slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recent first
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: LoraConfig) -> LoraManager:
+        """The manager, with `config.modules` read and checked (AdapterError names one that
+        cannot be served)."""
+        manager = cls(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        for name, path in config.modules:
+            manager.load(LoraRef(name, path))
+        return manager
 
     @property
     def loaded(self) -> list[str]:

@@ -115,7 +115,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_recoveries: _Optional[int] = ..., group_status: _Optional[_Union[GroupStatus, str]] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context", "grammar", "owner", "request_digest", "embed", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context", "grammar", "owner", "request_digest", "embed", "images", "lora_name")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class SubmitRequest(_message.Message):
     REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EMBED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -151,7 +152,8 @@ class SubmitRequest(_message.Message):
     request_digest: str
     embed: EmbedParams
     images: _containers.RepeatedCompositeFieldContainer[_generate_pb2.ImageInput]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generate_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[SampleProgress, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., owner: _Optional[str] = ..., request_digest: _Optional[str] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_generate_pb2.ImageInput, _Mapping]]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generate_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[SampleProgress, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., owner: _Optional[str] = ..., request_digest: _Optional[str] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_generate_pb2.ImageInput, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class EmbedParams(_message.Message):
     __slots__ = ("dimensions", "image")
