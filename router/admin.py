@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 from pagemesh.serving import ServiceError, unavailable
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2, admin_pb2_grpc
+from router import lora_admin
 from router.group_directory import EngineGroup, GroupDirectory
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,19 @@ M = TypeVar("M", bound=Message)
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, directory: GroupDirectory) -> None:
         self.directory = directory
+
+    async def LoadLoraAdapter(self, request: admin_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> admin_pb2.LoadLoraAdapterResponse:
+        groups = await lora_admin.load_adapter(self.directory, request.lora_name,
+                                               request.lora_path)
+        return admin_pb2.LoadLoraAdapterResponse(groups=groups)
+
+    async def UnloadLoraAdapter(self, request: admin_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> admin_pb2.UnloadLoraAdapterResponse:
+        groups = await lora_admin.unload_adapter(self.directory, request.lora_name)
+        return admin_pb2.UnloadLoraAdapterResponse(groups=groups)
 
     async def ResetPrefixCache(self, request: admin_pb2.ResetPrefixCacheRequest,
                                context: grpc.aio.ServicerContext

@@ -34,12 +34,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from pagemesh.auth import HTTP_HOW_TO, ApiKeys, missing_key_message
+from pagemesh.auth import ADMIN, HTTP_HOW_TO, ApiKeys, missing_key_message
 from pagemesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagemesh.service_flags import option
 from pagemesh.serving import ServiceError
 from pagemesh.telemetry import tracing_enabled
-from router import openai_protocol as oai
+from router import lora_admin, openai_protocol as oai
 from router.generation import Generation
 from router.openai_embeddings import embeddings_object, parse_embeddings
 from router.tool_calls import HERMES, CallFormat, ToolCallStream, parse
@@ -69,7 +69,7 @@ def build_http_app(generation: Generation, is_serving: Callable[[], bool],
     """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 ready engine group).
     With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` and
     `/metrics` stay open. `tool_format`: how the model writes tool calls (--tool-call-parser)."""
-    api = _OpenAIApi(generation, is_serving, max_body_bytes, tool_format)
+    api = _OpenAIApi(generation, is_serving, max_body_bytes, tool_format, api_keys)
     middleware = [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []
     if tracing_enabled():  # a `traceparent` header parents the request's Generate span
         middleware.insert(0, Middleware(TraceContextMiddleware))
@@ -80,6 +80,8 @@ def build_http_app(generation: Generation, is_serving: Callable[[], bool],
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/embeddings", api.embeddings, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"]),
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics, methods=["GET"]),
         ],
@@ -158,8 +160,10 @@ class _Choice:
 
 class _OpenAIApi:
     def __init__(self, generation: Generation, is_serving: Callable[[], bool],
-                 max_body_bytes: int, tool_format: CallFormat) -> None:
+                 max_body_bytes: int, tool_format: CallFormat,
+                 api_keys: ApiKeys | None = None) -> None:
         self.generation = generation
+        self.api_keys = api_keys
         self.is_serving = is_serving
         self.max_body_bytes = max_body_bytes
         self.tool_format = tool_format
@@ -175,6 +179,33 @@ class _OpenAIApi:
     async def models(self, request: Request) -> Response:
         return JSONResponse(oai.models_object(await self.generation.model_info(), self.created,
                                               self.generation.directory.adapters))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime LoRA loading: {"lora_name", "lora_path"} on every engine group
+        that serves LoRA; an admin key's call when keys are on."""
+        self._require_admin(request)
+        body = await _json_body(request, self.max_body_bytes)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise oai.ProtocolError("give lora_name and lora_path (strings)", "lora_name")
+        await lora_admin.load_adapter(self.generation.directory, name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        self._require_admin(request)
+        body = await _json_body(request, self.max_body_bytes)
+        name = body.get("lora_name")
+        if not isinstance(name, str):
+            raise oai.ProtocolError("give lora_name (a string)", "lora_name")
+        await lora_admin.unload_adapter(self.generation.directory, name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _require_admin(self, request: Request) -> None:
+        keys = self.api_keys
+        if keys is not None and keys.enabled and not keys.check_authorization(
+                request.headers.get("authorization"), ADMIN):
+            raise oai.ProtocolError("loading and unloading LoRA adapters needs an admin key "
+                                    "(--admin-api-key)", None, 403, "permission_denied")
 
     async def embeddings(self, request: Request) -> Response:
         owner = self.generation.tenancy.owner(request.headers.get("authorization"))

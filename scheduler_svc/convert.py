@@ -426,3 +426,11 @@ def group_profile(group: str, scheduler_id: str, traces: list[ProfileTraceReport
                   refusals: list[str]) -> admin_pb2.GroupProfile:
     return admin_pb2.GroupProfile(group=group, scheduler_id=scheduler_id, traces=traces,
                                   error="; ".join(refusals))
+
+
+def lora_loaded_pb(group: str) -> admin_pb2.LoadLoraAdapterResponse:
+    return admin_pb2.LoadLoraAdapterResponse(groups=[group])
+
+
+def lora_unloaded_pb(group: str) -> admin_pb2.UnloadLoraAdapterResponse:
+    return admin_pb2.UnloadLoraAdapterResponse(groups=[group])

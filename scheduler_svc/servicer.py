@@ -21,7 +21,7 @@ import grpc
 from pagemesh.logs import request_id_var
 from pagemesh.serving import ServiceError, invalid_argument
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from protos.pagemesh.v1 import generate_pb2
+from protos.pagemesh.v1 import admin_pb2, generate_pb2
 from protos.step import LoraRef
 from scheduler_svc import convert
 from scheduler_svc.checkpoint import Checkpointer
@@ -30,6 +30,8 @@ from scheduler_svc.engine_loop import EngineLoop, QueueSink, StepFailed
 from scheduler_svc.messages import ConnectAction, ConnectBatch, Submission
 from scheduler_svc.request_streams import RequestStreams
 from scheduler_svc.worker_client import WorkerGroupClient
+
+LORA_LOAD_TIMEOUT_S = 120.0  # reading a large adapter from a slow disk
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,41 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ranks = await self._workers().get_step_stats(request.window_s)
         return convert.group_step_stats_to_pb(self.group, self.scheduler_id, self.loop.num_steps,
                                               ranks)
+
+    async def LoadLoraAdapter(self, request: admin_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> admin_pb2.LoadLoraAdapterResponse:
+        """Every worker reads and checks the adapter; then requests may name it here."""
+        if not self.loop.scheduler.config.max_loras:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"engine group {self.group} serves no LoRA adapters: start it "
+                               "with --enable-lora")
+        if not request.lora_name or not request.lora_path:
+            raise invalid_argument("give lora_name and lora_path (the adapter's PEFT folder)")
+        workers = self._workers()
+        try:
+            await asyncio.gather(*(stub.LoadLoraAdapter(request, timeout=LORA_LOAD_TIMEOUT_S)
+                                   for stub in workers.stubs))
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(exc.code(), exc.details() or str(exc.code())) from exc
+        self.loras[request.lora_name] = LoraRef(request.lora_name, request.lora_path)
+        logger.info("LoRA adapter %s served from %s", request.lora_name, request.lora_path)
+        return convert.lora_loaded_pb(self.group or self.scheduler_id)
+
+    async def UnloadLoraAdapter(self, request: admin_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> admin_pb2.UnloadLoraAdapterResponse:
+        """New requests may no longer name it; those running with it finish with it (a
+        worker reads it again from its folder if one of them is sent to it again)."""
+        if self.loras.pop(request.lora_name, None) is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"LoRA adapter {request.lora_name!r} is not served by engine "
+                               f"group {self.group} (it serves "
+                               f"{', '.join(sorted(self.loras)) or 'none'})")
+        workers = self._workers()
+        await asyncio.gather(*(stub.UnloadLoraAdapter(request, timeout=LORA_LOAD_TIMEOUT_S)
+                               for stub in workers.stubs), return_exceptions=True)
+        return convert.lora_unloaded_pb(self.group or self.scheduler_id)
 
     async def StartProfile(self, request: scheduler_pb2.StartProfileRequest,
                            context: grpc.aio.ServicerContext) -> scheduler_pb2.StartProfileResponse:

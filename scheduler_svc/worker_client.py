@@ -59,6 +59,11 @@ class WorkerGroupClient:
         self._announce = announce
         self._announced: asyncio.Future[None] | None = None
 
+    @property
+    def stubs(self) -> list[worker_pb2_grpc.WorkerStub]:
+        """One per member, in endpoint order (calls every member answers alike)."""
+        return list(self._stubs)
+
     async def get_info(self) -> list[WorkerInfo]:
         request = convert.worker_info_request_pb()
         responses = await asyncio.gather(

@@ -15,7 +15,9 @@ from typing import TypeVar
 import grpc
 
 from pagemesh.serving import ServiceError
+from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from protos.step import LoraRef
 from worker_svc import convert, diagnostics
 from worker_svc.diagnostics import (
     Profiler,
@@ -25,6 +27,8 @@ from worker_svc.diagnostics import (
     default_profile_dir,
 )
 from worker_svc.distributed import GroupStepError
+from worker_svc.lora.adapter import AdapterError
+from worker_svc.lora.manager import LoraManager
 from worker_svc.model.moe import expert_load
 from worker_svc.runner import ModelRunner
 from worker_svc.tracing import traced_step
@@ -169,6 +173,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         logger.info("profiler trace written to %s (%.1f s, %d steps)", trace.path,
                     trace.duration_s, trace.num_steps)
         return convert.profile_trace_to_pb(trace, self.worker_id, self.layout)
+
+    async def LoadLoraAdapter(self, request: admin_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> admin_pb2.LoadLoraAdapterResponse:
+        lora = self._lora()
+        try:
+            await self.run_on_model_thread(lora.load, LoraRef(request.lora_name,
+                                                              request.lora_path))
+        except AdapterError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        logger.info("LoRA adapter %s loaded from %s", request.lora_name, request.lora_path)
+        return admin_pb2.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request: admin_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> admin_pb2.UnloadLoraAdapterResponse:
+        await self.run_on_model_thread(self._lora().unload, request.lora_name)
+        return admin_pb2.UnloadLoraAdapterResponse()
+
+    def _lora(self) -> LoraManager:
+        lora = getattr(self._ready_runner(), "lora", None)
+        if lora is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "LoRA is off on this worker: start it with --enable-lora")
+        return lora
 
     def _ready_profiler(self) -> Profiler:
         if self._profiler is None:

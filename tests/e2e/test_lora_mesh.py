@@ -161,3 +161,39 @@ def test_a_worker_killed_mid_answer_changes_nothing(mesh: Mesh) -> None:
             os.kill(worker["pid"], signal.SIGKILL)
             worker = None
     assert received == whole, mesh.log()
+
+
+def test_adapters_load_and_unload_at_run_time(mesh: Mesh, folders: dict[str, Path],
+                                              tmp_path: Path) -> None:
+    """vLLM's endpoints: loaded, an adapter answers as PEFT does and is listed; unloaded, it
+    is a 404; bad adapters are 400s naming why, and the mesh serves everyone meanwhile."""
+    import httpx
+
+    late = write_lora(folders["base"], tmp_path / "late", rank=16, seed=5,
+                      target_modules=("k_proj", "o_proj", "up_proj"))
+    reply = httpx.post(f"{mesh.http_url}/v1/load_lora_adapter", timeout=120,
+                       json={"lora_name": "late", "lora_path": str(late)})
+    assert reply.status_code == 200, reply.text
+    assert completion(mesh, "late") == reference(folders["base"], late)
+    assert "late" in [m.id for m in client(mesh).models.list().data]
+
+    too_wide = write_lora(folders["base"], tmp_path / "wide", rank=32, seed=6)
+    other_base = write_tiny_model(tmp_path / "other", "llama", seed=9, hidden_size=32,
+                                  intermediate_size=64)
+    for path, needle in ((too_wide, "rank 32, above the maximum 16"),
+                         (tmp_path, "no adapter_config.json"),
+                         (write_lora(other_base, tmp_path / "other-lora", rank=4),
+                          "another base model")):
+        reply = httpx.post(f"{mesh.http_url}/v1/load_lora_adapter", timeout=120,
+                           json={"lora_name": "bad", "lora_path": str(path)})
+        assert reply.status_code == 400 and needle in reply.json()["error"]["message"], reply.text
+    assert completion(mesh, "sql") == reference(folders["base"], folders["sql"])
+
+    reply = httpx.post(f"{mesh.http_url}/v1/unload_lora_adapter", timeout=60,
+                       json={"lora_name": "late"})
+    assert reply.status_code == 200, reply.text
+    with pytest.raises(openai.NotFoundError):
+        completion(mesh, "late")
+    reply = httpx.post(f"{mesh.http_url}/v1/unload_lora_adapter", timeout=60,
+                       json={"lora_name": "late"})
+    assert reply.status_code == 404, reply.text

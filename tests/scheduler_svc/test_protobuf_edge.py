@@ -14,7 +14,8 @@ ALLOWED = {
     # The bridge itself (admin_pb2: the workers' admin reports, passed through).
     "convert.py": {"scheduler_pb2", "generate_pb2", "worker_pb2", "admin_pb2"},
     # The service it implements and registers; messages pass straight to convert.
-    "servicer.py": {"scheduler_pb2", "scheduler_pb2_grpc", "generate_pb2"},
+    # admin_pb2: the LoRA admin calls' request types (their replies are built by convert.py).
+    "servicer.py": {"scheduler_pb2", "scheduler_pb2_grpc", "generate_pb2", "admin_pb2"},
     "worker_client.py": {"worker_pb2_grpc"},  # the workers' stubs
 }
 

@@ -24,49 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pagemesh/v1/admin.proto\x12\x0bpagemesh.v1\"(\n\x17ResetPrefixCacheRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x87\x01\n\x15GroupPrefixCacheReset\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12\x1a\n\x12num_blocks_dropped\x18\x03 \x01(\r\x12\x1e\n\x16num_blocks_kept_in_use\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"N\n\x18ResetPrefixCacheResponse\x12\x32\n\x06groups\x18\x01 \x03(\x0b\x32\".pagemesh.v1.GroupPrefixCacheReset\"!\n\x10GetMemoryRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xe1\x03\n\nRankMemory\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x1f\n\x17num_allocated_kv_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12kv_bytes_per_block\x18\x08 \x01(\x04\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x1a\n\x12num_used_kv_blocks\x18\n \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x0b \x01(\r\x12\x1b\n\x13kv_cache_used_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fnum_swap_blocks\x18\r \x01(\r\x12\x1c\n\x14num_used_swap_blocks\x18\x0e \x01(\r\x12\x12\n\nswap_bytes\x18\x0f \x01(\x04\x12\x11\n\trss_bytes\x18\x10 \x01(\x04\x12\x1e\n\x16\x64\x65vice_allocated_bytes\x18\x11 \x01(\x04\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x12 \x01(\x04\x12\x1a\n\x12\x64\x65vice_total_bytes\x18\x13 \x01(\x04\"\x99\x01\n\x0bGroupMemory\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12&\n\x05ranks\x18\x05 \x03(\x0b\x32\x17.pagemesh.v1.RankMemory\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"=\n\x11GetMemoryResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.pagemesh.v1.GroupMemory\"6\n\x13GetStepStatsRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"\xe3\x02\n\rRankStepStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x63ollective_s\x18\x06 \x01(\x01\x12\x11\n\tpp_send_s\x18\x07 \x01(\x01\x12\x11\n\tpp_recv_s\x18\x08 \x01(\x01\x12\x10\n\x08window_s\x18\t \x01(\x01\x12\x18\n\x10window_num_steps\x18\n \x01(\x04\x12\x15\n\rwindow_busy_s\x18\x0b \x01(\x01\x12\x1e\n\x16window_communication_s\x18\x0c \x01(\x01\x12\x13\n\x0butilization\x18\r \x01(\x01\x12\x18\n\x10\x63ompute_fraction\x18\x0e \x01(\x01\x12,\n\x0b\x65xpert_load\x18\x0f \x03(\x0b\x32\x17.pagemesh.v1.ExpertLoad\"+\n\nExpertLoad\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x04\"\x82\x01\n\x0eGroupStepStats\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\x04\x12)\n\x05ranks\x18\x04 \x03(\x0b\x32\x1a.pagemesh.v1.RankStepStats\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"C\n\x14GetStepStatsResponse\x12+\n\x06groups\x18\x01 \x03(\x0b\x32\x1b.pagemesh.v1.GroupStepStats\"`\n\x13StartProfileRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07out_dir\x18\x02 \x01(\t\x12\x15\n\rrecord_shapes\x18\x03 \x01(\x08\x12\x12\n\nwith_stack\x18\x04 \x01(\x08\"m\n\x0cGroupProfile\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12)\n\x06traces\x18\x03 \x03(\x0b\x32\x19.pagemesh.v1.ProfileTrace\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x86\x01\n\x0cProfileTrace\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x12\n\nduration_s\x18\x06 \x01(\x01\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\"A\n\x14StartProfileResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.pagemesh.v1.GroupProfile\"#\n\x12StopProfileRequest\x12\r\n\x05group\x18\x01 \x01(\t\"@\n\x13StopProfileResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.pagemesh.v1.GroupProfile2\xb0\x03\n\x05\x41\x64min\x12_\n\x10ResetPrefixCache\x12$.pagemesh.v1.ResetPrefixCacheRequest\x1a%.pagemesh.v1.ResetPrefixCacheResponse\x12J\n\tGetMemory\x12\x1d.pagemesh.v1.GetMemoryRequest\x1a\x1e.pagemesh.v1.GetMemoryResponse\x12S\n\x0cGetStepStats\x12 .pagemesh.v1.GetStepStatsRequest\x1a!.pagemesh.v1.GetStepStatsResponse\x12S\n\x0cStartProfile\x12 .pagemesh.v1.StartProfileRequest\x1a!.pagemesh.v1.StartProfileResponse\x12P\n\x0bStopProfile\x12\x1f.pagemesh.v1.StopProfileRequest\x1a .pagemesh.v1.StopProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pagemesh/v1/admin.proto\x12\x0bpagemesh.v1\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\")\n\x17LoadLoraAdapterResponse\x12\x0e\n\x06groups\x18\x01 \x03(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"+\n\x19UnloadLoraAdapterResponse\x12\x0e\n\x06groups\x18\x01 \x03(\t\"(\n\x17ResetPrefixCacheRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x87\x01\n\x15GroupPrefixCacheReset\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12\x1a\n\x12num_blocks_dropped\x18\x03 \x01(\r\x12\x1e\n\x16num_blocks_kept_in_use\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"N\n\x18ResetPrefixCacheResponse\x12\x32\n\x06groups\x18\x01 \x03(\x0b\x32\".pagemesh.v1.GroupPrefixCacheReset\"!\n\x10GetMemoryRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xe1\x03\n\nRankMemory\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x1f\n\x17num_allocated_kv_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12kv_bytes_per_block\x18\x08 \x01(\x04\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x1a\n\x12num_used_kv_blocks\x18\n \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x0b \x01(\r\x12\x1b\n\x13kv_cache_used_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fnum_swap_blocks\x18\r \x01(\r\x12\x1c\n\x14num_used_swap_blocks\x18\x0e \x01(\r\x12\x12\n\nswap_bytes\x18\x0f \x01(\x04\x12\x11\n\trss_bytes\x18\x10 \x01(\x04\x12\x1e\n\x16\x64\x65vice_allocated_bytes\x18\x11 \x01(\x04\x12\x1d\n\x15\x64\x65vice_reserved_bytes\x18\x12 \x01(\x04\x12\x1a\n\x12\x64\x65vice_total_bytes\x18\x13 \x01(\x04\"\x99\x01\n\x0bGroupMemory\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12&\n\x05ranks\x18\x05 \x03(\x0b\x32\x17.pagemesh.v1.RankMemory\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"=\n\x11GetMemoryResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.pagemesh.v1.GroupMemory\"6\n\x13GetStepStatsRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"\xe3\x02\n\rRankStepStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x63ollective_s\x18\x06 \x01(\x01\x12\x11\n\tpp_send_s\x18\x07 \x01(\x01\x12\x11\n\tpp_recv_s\x18\x08 \x01(\x01\x12\x10\n\x08window_s\x18\t \x01(\x01\x12\x18\n\x10window_num_steps\x18\n \x01(\x04\x12\x15\n\rwindow_busy_s\x18\x0b \x01(\x01\x12\x1e\n\x16window_communication_s\x18\x0c \x01(\x01\x12\x13\n\x0butilization\x18\r \x01(\x01\x12\x18\n\x10\x63ompute_fraction\x18\x0e \x01(\x01\x12,\n\x0b\x65xpert_load\x18\x0f \x03(\x0b\x32\x17.pagemesh.v1.ExpertLoad\"+\n\nExpertLoad\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x04\"\x82\x01\n\x0eGroupStepStats\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\x04\x12)\n\x05ranks\x18\x04 \x03(\x0b\x32\x1a.pagemesh.v1.RankStepStats\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"C\n\x14GetStepStatsResponse\x12+\n\x06groups\x18\x01 \x03(\x0b\x32\x1b.pagemesh.v1.GroupStepStats\"`\n\x13StartProfileRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07out_dir\x18\x02 \x01(\t\x12\x15\n\rrecord_shapes\x18\x03 \x01(\x08\x12\x12\n\nwith_stack\x18\x04 \x01(\x08\"m\n\x0cGroupProfile\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\x12)\n\x06traces\x18\x03 \x03(\x0b\x32\x19.pagemesh.v1.ProfileTrace\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x86\x01\n\x0cProfileTrace\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x12\n\nduration_s\x18\x06 \x01(\x01\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\"A\n\x14StartProfileResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.pagemesh.v1.GroupProfile\"#\n\x12StopProfileRequest\x12\r\n\x05group\x18\x01 \x01(\t\"@\n\x13StopProfileResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.pagemesh.v1.GroupProfile2\xf2\x04\n\x05\x41\x64min\x12_\n\x10ResetPrefixCache\x12$.pagemesh.v1.ResetPrefixCacheRequest\x1a%.pagemesh.v1.ResetPrefixCacheResponse\x12J\n\tGetMemory\x12\x1d.pagemesh.v1.GetMemoryRequest\x1a\x1e.pagemesh.v1.GetMemoryResponse\x12S\n\x0cGetStepStats\x12 .pagemesh.v1.GetStepStatsRequest\x1a!.pagemesh.v1.GetStepStatsResponse\x12S\n\x0cStartProfile\x12 .pagemesh.v1.StartProfileRequest\x1a!.pagemesh.v1.StartProfileResponse\x12P\n\x0bStopProfile\x12\x1f.pagemesh.v1.StopProfileRequest\x1a .pagemesh.v1.StopProfileResponse\x12\\\n\x0fLoadLoraAdapter\x12#.pagemesh.v1.LoadLoraAdapterRequest\x1a$.pagemesh.v1.LoadLoraAdapterResponse\x12\x62\n\x11UnloadLoraAdapter\x12%.pagemesh.v1.UnloadLoraAdapterRequest\x1a&.pagemesh.v1.UnloadLoraAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pagemesh.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=47
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=87
-  _globals['_GROUPPREFIXCACHERESET']._serialized_start=90
-  _globals['_GROUPPREFIXCACHERESET']._serialized_end=225
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=227
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=305
-  _globals['_GETMEMORYREQUEST']._serialized_start=307
-  _globals['_GETMEMORYREQUEST']._serialized_end=340
-  _globals['_RANKMEMORY']._serialized_start=343
-  _globals['_RANKMEMORY']._serialized_end=824
-  _globals['_GROUPMEMORY']._serialized_start=827
-  _globals['_GROUPMEMORY']._serialized_end=980
-  _globals['_GETMEMORYRESPONSE']._serialized_start=982
-  _globals['_GETMEMORYRESPONSE']._serialized_end=1043
-  _globals['_GETSTEPSTATSREQUEST']._serialized_start=1045
-  _globals['_GETSTEPSTATSREQUEST']._serialized_end=1099
-  _globals['_RANKSTEPSTATS']._serialized_start=1102
-  _globals['_RANKSTEPSTATS']._serialized_end=1457
-  _globals['_EXPERTLOAD']._serialized_start=1459
-  _globals['_EXPERTLOAD']._serialized_end=1502
-  _globals['_GROUPSTEPSTATS']._serialized_start=1505
-  _globals['_GROUPSTEPSTATS']._serialized_end=1635
-  _globals['_GETSTEPSTATSRESPONSE']._serialized_start=1637
-  _globals['_GETSTEPSTATSRESPONSE']._serialized_end=1704
-  _globals['_STARTPROFILEREQUEST']._serialized_start=1706
-  _globals['_STARTPROFILEREQUEST']._serialized_end=1802
-  _globals['_GROUPPROFILE']._serialized_start=1804
-  _globals['_GROUPPROFILE']._serialized_end=1913
-  _globals['_PROFILETRACE']._serialized_start=1916
-  _globals['_PROFILETRACE']._serialized_end=2050
-  _globals['_STARTPROFILERESPONSE']._serialized_start=2052
-  _globals['_STARTPROFILERESPONSE']._serialized_end=2117
-  _globals['_STOPPROFILEREQUEST']._serialized_start=2119
-  _globals['_STOPPROFILEREQUEST']._serialized_end=2154
-  _globals['_STOPPROFILERESPONSE']._serialized_start=2156
-  _globals['_STOPPROFILERESPONSE']._serialized_end=2220
-  _globals['_ADMIN']._serialized_start=2223
-  _globals['_ADMIN']._serialized_end=2655
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=47
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=109
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=111
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=152
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=154
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=199
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=201
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=244
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=246
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=286
+  _globals['_GROUPPREFIXCACHERESET']._serialized_start=289
+  _globals['_GROUPPREFIXCACHERESET']._serialized_end=424
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=426
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=504
+  _globals['_GETMEMORYREQUEST']._serialized_start=506
+  _globals['_GETMEMORYREQUEST']._serialized_end=539
+  _globals['_RANKMEMORY']._serialized_start=542
+  _globals['_RANKMEMORY']._serialized_end=1023
+  _globals['_GROUPMEMORY']._serialized_start=1026
+  _globals['_GROUPMEMORY']._serialized_end=1179
+  _globals['_GETMEMORYRESPONSE']._serialized_start=1181
+  _globals['_GETMEMORYRESPONSE']._serialized_end=1242
+  _globals['_GETSTEPSTATSREQUEST']._serialized_start=1244
+  _globals['_GETSTEPSTATSREQUEST']._serialized_end=1298
+  _globals['_RANKSTEPSTATS']._serialized_start=1301
+  _globals['_RANKSTEPSTATS']._serialized_end=1656
+  _globals['_EXPERTLOAD']._serialized_start=1658
+  _globals['_EXPERTLOAD']._serialized_end=1701
+  _globals['_GROUPSTEPSTATS']._serialized_start=1704
+  _globals['_GROUPSTEPSTATS']._serialized_end=1834
+  _globals['_GETSTEPSTATSRESPONSE']._serialized_start=1836
+  _globals['_GETSTEPSTATSRESPONSE']._serialized_end=1903
+  _globals['_STARTPROFILEREQUEST']._serialized_start=1905
+  _globals['_STARTPROFILEREQUEST']._serialized_end=2001
+  _globals['_GROUPPROFILE']._serialized_start=2003
+  _globals['_GROUPPROFILE']._serialized_end=2112
+  _globals['_PROFILETRACE']._serialized_start=2115
+  _globals['_PROFILETRACE']._serialized_end=2249
+  _globals['_STARTPROFILERESPONSE']._serialized_start=2251
+  _globals['_STARTPROFILERESPONSE']._serialized_end=2316
+  _globals['_STOPPROFILEREQUEST']._serialized_start=2318
+  _globals['_STOPPROFILEREQUEST']._serialized_end=2353
+  _globals['_STOPPROFILERESPONSE']._serialized_start=2355
+  _globals['_STOPPROFILERESPONSE']._serialized_end=2419
+  _globals['_ADMIN']._serialized_start=2422
+  _globals['_ADMIN']._serialized_end=3048
 # @@protoc_insertion_point(module_scope)

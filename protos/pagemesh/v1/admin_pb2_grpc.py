@@ -59,6 +59,16 @@ class AdminStub:
                 request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.StopProfileRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.StopProfileResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagemesh.v1.Admin/LoadLoraAdapter',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagemesh.v1.Admin/UnloadLoraAdapter',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -104,6 +114,25 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter (a PEFT folder on the workers' hosts) on every engine group that
+        serves LoRA (--enable-lora): every worker reads and checks it first. Loading a name
+        again replaces it. INVALID_ARGUMENT names what is wrong with the adapter (not a PEFT
+        folder, a rank above --max-lora-rank, another base model's); FAILED_PRECONDITION when
+        LoRA is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads it: new requests naming it are NOT_FOUND; requests already running with it
+        finish with it. NOT_FOUND when no group serves it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +160,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.StopProfile,
                     request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.StopProfileRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +307,60 @@ class Admin:
             '/pagemesh.v1.Admin/StopProfile',
             protos_dot_pagemesh_dot_v1_dot_admin__pb2.StopProfileRequest.SerializeToString,
             protos_dot_pagemesh_dot_v1_dot_admin__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.v1.Admin/LoadLoraAdapter',
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.v1.Admin/UnloadLoraAdapter',
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

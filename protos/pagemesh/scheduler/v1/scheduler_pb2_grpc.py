@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.pagemesh.scheduler.v1 import scheduler_pb2 as protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2
+from protos.pagemesh.v1 import admin_pb2 as protos_dot_pagemesh_dot_v1_dot_admin__pb2
 from protos.pagemesh.v1 import generate_pb2 as protos_dot_pagemesh_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -80,6 +81,16 @@ class SchedulerStub:
                 request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/LoadLoraAdapter',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/UnloadLoraAdapter',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -154,6 +165,19 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads / unloads a LoRA adapter on every worker of the group (pagemesh.v1.Admin's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +225,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.StopProfile,
                     request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +480,60 @@ class Scheduler:
             '/pagemesh.scheduler.v1.Scheduler/StopProfile',
             protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileRequest.SerializeToString,
             protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/LoadLoraAdapter',
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/UnloadLoraAdapter',
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

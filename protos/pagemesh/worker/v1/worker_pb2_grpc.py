@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.pagemesh.v1 import admin_pb2 as protos_dot_pagemesh_dot_v1_dot_admin__pb2
 from protos.pagemesh.worker.v1 import worker_pb2 as protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -64,6 +65,16 @@ class WorkerStub:
                 request_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagemesh.worker.v1.Worker/LoadLoraAdapter',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagemesh.worker.v1.Worker/UnloadLoraAdapter',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -112,6 +123,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Reads and checks a LoRA adapter (INVALID_ARGUMENT says what is wrong), or forgets one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +168,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.StopProfile,
                     request_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +342,60 @@ class Worker:
             '/pagemesh.worker.v1.Worker/StopProfile',
             protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileRequest.SerializeToString,
             protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.worker.v1.Worker/LoadLoraAdapter',
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.worker.v1.Worker/UnloadLoraAdapter',
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

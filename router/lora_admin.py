@@ -1,0 +1,74 @@
+"""Loading and unloading LoRA adapters at run time, on every engine group that serves LoRA:
+the Admin service's LoadLoraAdapter / UnloadLoraAdapter and vLLM's HTTP endpoints
+(`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`) both come here.
+
+A group started without --enable-lora answers FAILED_PRECONDITION and is left out; any other
+refusal (the adapter is not a PEFT folder, its rank is above --max-lora-rank, it is another
+base model's) is the caller's error, as the group's workers worded it. Where the adapter
+loaded, this router routes to it at once (the groups' registry entries say so from their
+next heartbeat on, for every router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pagemesh.serving import ServiceError, invalid_argument
+from protos.pagemesh.v1 import admin_pb2
+from router.group_directory import GroupDirectory
+
+TIMEOUT_S = 150.0  # the scheduler's own wait on its workers, and some
+
+
+async def load_adapter(directory: GroupDirectory, name: str, path: str) -> list[str]:
+    """The engine groups serving `name` now."""
+    if not name or not path:
+        raise invalid_argument("give lora_name and lora_path (the adapter's PEFT folder, on "
+                               "the workers' hosts)")
+    groups = [g for g in directory.groups if not g.conn.retired]
+    if not groups:
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no engine group is known yet; retry")
+    request = admin_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+    replies = await asyncio.gather(*(g.conn.stub.LoadLoraAdapter(request, timeout=TIMEOUT_S)
+                                     for g in groups), return_exceptions=True)
+    loaded = []
+    for group, reply in zip(groups, replies):
+        if isinstance(reply, grpc.aio.AioRpcError):
+            if reply.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                continue  # LoRA is off there
+            raise ServiceError(reply.code(), reply.details() or str(reply.code()))
+        if isinstance(reply, BaseException):
+            raise reply
+        group.loras = tuple(sorted({*group.loras, name}))
+        loaded.append(group.name)
+    if not loaded:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "no engine group serves LoRA adapters: start them with "
+                           "--enable-lora")
+    return loaded
+
+
+async def unload_adapter(directory: GroupDirectory, name: str) -> list[str]:
+    """The engine groups that served `name`; NOT_FOUND when none did."""
+    groups = [g for g in directory.groups if not g.conn.retired]
+    request = admin_pb2.UnloadLoraAdapterRequest(lora_name=name)
+    replies = await asyncio.gather(*(g.conn.stub.UnloadLoraAdapter(request, timeout=TIMEOUT_S)
+                                     for g in groups), return_exceptions=True)
+    unloaded = []
+    for group, reply in zip(groups, replies):
+        if isinstance(reply, grpc.aio.AioRpcError):
+            if reply.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
+                continue
+            raise ServiceError(reply.code(), reply.details() or str(reply.code()))
+        if isinstance(reply, BaseException):
+            raise reply
+        group.loras = tuple(n for n in group.loras if n != name)
+        unloaded.append(group.name)
+    if not unloaded:
+        raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                           f"LoRA adapter {name!r} is not served here (adapters: "
+                           f"{', '.join(sorted(directory.adapters)) or 'none'})",
+                           reason="model_not_found")
+    return unloaded
