@@ -141,6 +141,7 @@ class SchedulerEntry(ServiceEntry):
     checkpoint_writes: int = 0  # request checkpoints written to Redis
     checkpoint_write_s: float = 0.0  # seconds spent writing them
     loras: tuple[str, ...] = ()  # the LoRA adapters a request may name here
+    lora_version: int = 0  # bumped by every run-time load or unload of one
     # The scheduler core's figures (scheduler_svc.core.config.SchedulerStats, field by
     # field; a test checks they agree).
     num_running: int = 0

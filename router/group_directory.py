@@ -52,6 +52,13 @@ class EngineGroup:
     missing_since: float | None = None  # loop time of the first poll it was missing from
     suspect_until: float = 0.0  # a request failed here: others first until then (loop time)
     loras: tuple[str, ...] = ()  # the LoRA adapters its scheduler serves
+    # The version of `loras` (the scheduler's): a registry entry read before a run-time
+    # load or unload this router made carries an older one, and does not undo it.
+    lora_version: int = 0
+
+    def set_loras(self, loras: tuple[str, ...], version: int) -> None:
+        if version >= self.lora_version:
+            self.loras, self.lora_version = loras, version
 
     @property
     def ready(self) -> bool:
@@ -167,7 +174,7 @@ class GroupDirectory:
         if group.status != entry.status:
             logger.warning("engine group %s is %s", scheduler_id, entry.status)
         group.load, group.status, group.missing_since = load, entry.status, None
-        group.loras = entry.loras
+        group.set_loras(entry.loras, entry.lora_version)
 
     def _join(self, scheduler_id: str, entry: SchedulerEntry, load: GroupLoad,
               previous: EngineGroup | None) -> EngineGroup:

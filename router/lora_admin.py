@@ -5,8 +5,9 @@ the Admin service's LoadLoraAdapter / UnloadLoraAdapter and vLLM's HTTP endpoint
 A group started without --enable-lora answers FAILED_PRECONDITION and is left out; any other
 refusal (the adapter is not a PEFT folder, its rank is above --max-lora-rank, it is another
 base model's) is the caller's error, as the group's workers worded it. Where the adapter
-loaded, this router routes to it at once (the groups' registry entries say so from their
-next heartbeat on, for every router).
+loaded, this router routes to it at once, and every router from the groups' next heartbeat
+on; the entries carry a version of each group's adapter list, so an entry read before the
+change cannot undo it here.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ async def load_adapter(directory: GroupDirectory, name: str, path: str) -> list[
             raise ServiceError(reply.code(), reply.details() or str(reply.code()))
         if isinstance(reply, BaseException):
             raise reply
-        group.loras = tuple(sorted({*group.loras, name}))
+        group.set_loras(tuple(sorted({*group.loras, name})), reply.lora_version)
         loaded.append(group.name)
     if not loaded:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -64,7 +65,7 @@ async def unload_adapter(directory: GroupDirectory, name: str) -> list[str]:
             raise ServiceError(reply.code(), reply.details() or str(reply.code()))
         if isinstance(reply, BaseException):
             raise reply
-        group.loras = tuple(n for n in group.loras if n != name)
+        group.set_loras(tuple(n for n in group.loras if n != name), reply.lora_version)
         unloaded.append(group.name)
     if not unloaded:
         raise ServiceError(grpc.StatusCode.NOT_FOUND,

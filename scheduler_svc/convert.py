@@ -428,9 +428,9 @@ def group_profile(group: str, scheduler_id: str, traces: list[ProfileTraceReport
                                   error="; ".join(refusals))
 
 
-def lora_loaded_pb(group: str) -> admin_pb2.LoadLoraAdapterResponse:
-    return admin_pb2.LoadLoraAdapterResponse(groups=[group])
+def lora_loaded_pb(group: str, version: int) -> admin_pb2.LoadLoraAdapterResponse:
+    return admin_pb2.LoadLoraAdapterResponse(groups=[group], lora_version=version)
 
 
-def lora_unloaded_pb(group: str) -> admin_pb2.UnloadLoraAdapterResponse:
-    return admin_pb2.UnloadLoraAdapterResponse(groups=[group])
+def lora_unloaded_pb(group: str, version: int) -> admin_pb2.UnloadLoraAdapterResponse:
+    return admin_pb2.UnloadLoraAdapterResponse(groups=[group], lora_version=version)

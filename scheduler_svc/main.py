@@ -136,7 +136,7 @@ async def serve(args: argparse.Namespace) -> None:
                 session=group.session, epoch=group.epoch,
                 checkpoint_writes=checkpointer.num_writes,
                 checkpoint_write_s=round(checkpointer.write_time_s, 6),
-                loras=tuple(sorted(servicer.loras)),
+                loras=tuple(sorted(servicer.loras)), lora_version=servicer.lora_version,
                 **asdict(loop.scheduler.stats()), **metrics_server.registry_info()).to_json()
 
         async def on_status(status: GroupStatus) -> None:

@@ -51,6 +51,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  loras: Mapping[str, LoraRef] | None = None) -> None:
         self.loop = loop
         self.loras = dict(loras or {})  # the LoRA adapters a request may name
+        self.lora_version = 0  # bumped by every change of `loras` (registry entries carry it)
         self.group = group  # the engine group's name and this scheduler's id, for admin replies
         self.scheduler_id = scheduler_id or group
         self.model_info = model_info
@@ -157,8 +158,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except grpc.aio.AioRpcError as exc:
             raise ServiceError(exc.code(), exc.details() or str(exc.code())) from exc
         self.loras[request.lora_name] = LoraRef(request.lora_name, request.lora_path)
+        self.lora_version += 1
         logger.info("LoRA adapter %s served from %s", request.lora_name, request.lora_path)
-        return convert.lora_loaded_pb(self.group or self.scheduler_id)
+        return convert.lora_loaded_pb(self.group or self.scheduler_id, self.lora_version)
 
     async def UnloadLoraAdapter(self, request: admin_pb2.UnloadLoraAdapterRequest,
                                 context: grpc.aio.ServicerContext
@@ -170,10 +172,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                f"LoRA adapter {request.lora_name!r} is not served by engine "
                                f"group {self.group} (it serves "
                                f"{', '.join(sorted(self.loras)) or 'none'})")
+        self.lora_version += 1
         workers = self._workers()
         await asyncio.gather(*(stub.UnloadLoraAdapter(request, timeout=LORA_LOAD_TIMEOUT_S)
                                for stub in workers.stubs), return_exceptions=True)
-        return convert.lora_unloaded_pb(self.group or self.scheduler_id)
+        return convert.lora_unloaded_pb(self.group or self.scheduler_id, self.lora_version)
 
     async def StartProfile(self, request: scheduler_pb2.StartProfileRequest,
                            context: grpc.aio.ServicerContext) -> scheduler_pb2.StartProfileResponse:

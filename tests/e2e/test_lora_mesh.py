@@ -197,3 +197,31 @@ def test_adapters_load_and_unload_at_run_time(mesh: Mesh, folders: dict[str, Pat
     reply = httpx.post(f"{mesh.http_url}/v1/unload_lora_adapter", timeout=60,
                        json={"lora_name": "late"})
     assert reply.status_code == 404, reply.text
+
+
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(mesh: Mesh, folders: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    """Unloaded mid-answer: the request running with it ends as its undisturbed run (the
+    workers read the adapter again from its folder when they need it), and new requests
+    naming it are 404s."""
+    import httpx
+
+    path = write_lora(folders["base"], tmp_path / "brief", rank=8, seed=7)
+    load = httpx.post(f"{mesh.http_url}/v1/load_lora_adapter", timeout=120,
+                      json={"lora_name": "brief", "lora_path": str(path)})
+    assert load.status_code == 200, load.text
+    request = generate_pb2.GenerateRequest(
+        model="brief", token_ids=generate_pb2.TokenIds(ids=PROMPT),
+        sampling=generate_pb2.SamplingParams(temperature=0),
+        stopping=generate_pb2.StoppingCriteria(max_tokens=150, ignore_eos=True))
+    whole = [t for c in mesh.stub.Generate(request, timeout=120) for t in c.token_ids]
+    received: list[int] = []
+    for chunk in mesh.stub.Generate(request, timeout=120):
+        received += chunk.token_ids
+        if len(received) >= 5 and len(received) - len(chunk.token_ids) < 5:
+            unload = httpx.post(f"{mesh.http_url}/v1/unload_lora_adapter", timeout=60,
+                                json={"lora_name": "brief"})
+            assert unload.status_code == 200, unload.text
+    assert received == whole
+    with pytest.raises(openai.NotFoundError):
+        completion(mesh, "brief")

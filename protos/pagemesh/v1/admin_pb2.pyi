@@ -15,10 +15,12 @@ class LoadLoraAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class LoadLoraAdapterResponse(_message.Message):
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "lora_version")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, groups: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_version: int
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., lora_version: _Optional[int] = ...) -> None: ...
 
 class UnloadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)
@@ -27,10 +29,12 @@ class UnloadLoraAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
 class UnloadLoraAdapterResponse(_message.Message):
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "lora_version")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, groups: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_version: int
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., lora_version: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("group",)
