@@ -4,6 +4,7 @@ when a worker dies, re-form the engine group and carry every request over to it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -13,7 +14,7 @@ from typing import Protocol
 from pagemesh.registry_entries import GroupStatus
 from protos.step import ModelRunnerOutput, RequestId, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.types import Request, RequestEvent
+from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 from scheduler_svc.engine_group import EngineGroup, FormedGroup
 from scheduler_svc.executor import Executor
 from scheduler_svc.step_watchdog import StepWatchdog, WatchdogConfig
@@ -320,16 +321,13 @@ class EngineLoop:
 
 def _fresh_copy(request: Request) -> Request:
     """The request as if just admitted with its outputs so far: the new workers hold
-    nothing, so its KV is recomputed from prompt + outputs (prefix caching shares blocks)."""
-    return Request(
-        request_id=request.request_id,
+    nothing, so its KV is recomputed from prompt + outputs (prefix caching shares blocks).
+    What the request is (prompt, sampling, adapter, images, ...) carries over, whatever
+    fields it gains; only its progress on the old workers is reset."""
+    return dataclasses.replace(
+        request,
         prompt_token_ids=list(request.prompt_token_ids),
-        sampling=request.sampling,
-        max_tokens=request.max_tokens,
-        arrival_time_s=request.arrival_time_s,
         output_token_ids=list(request.output_token_ids),
-        priority=request.priority,
-        pooling=request.pooling,
-        images=request.images,
-        lora=request.lora,
+        num_computed_tokens=0, block_ids=[], status=RequestStatus.WAITING, num_preemptions=0,
+        fork_of=None, num_tokens_on_workers=0, num_pending_tokens=0,
     )

@@ -57,6 +57,21 @@ def reference(base: Path, adapter: Path | None, prompt: list[int]) -> tuple[list
     return tokens, logprobs
 
 
+def assert_equal_peft(base: Path, adapters: dict[str, Path], jobs: list, outputs: list
+                      ) -> dict[tuple[tuple[int, ...], str | None], list[int]]:
+    """Each output equals PEFT's greedy tokens, logprobs within 1e-4, for its (prompt,
+    adapter or None); returns the tokens by (prompt, adapter)."""
+    answers = {}
+    for (prompt, name), output in zip(jobs, outputs, strict=True):
+        tokens, logprobs = reference(base, adapters.get(name), prompt)
+        sample = output.outputs[0]
+        assert sample.token_ids == tokens, (name, prompt)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(sample.logprobs, tokens)],
+                                   logprobs, atol=1e-4)
+        answers[(tuple(prompt), name)] = tokens
+    return answers
+
+
 def test_a_batch_of_several_adapters_and_the_base_equals_peft(base: Path,
                                                               adapters: dict[str, Path]) -> None:
     names = list(adapters)
@@ -70,14 +85,7 @@ def test_a_batch_of_several_adapters_and_the_base_equals_peft(base: Path,
         outputs = engine.generate([{"prompt_token_ids": p} for p, _ in jobs], params,
                                   lora_request=[requests.get(n) for _, n in jobs],
                                   use_tqdm=False)
-    answers = {}
-    for (prompt, name), output in zip(jobs, outputs, strict=True):
-        tokens, logprobs = reference(base, adapters.get(name), prompt)
-        sample = output.outputs[0]
-        assert sample.token_ids == tokens, (name, prompt)
-        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(sample.logprobs, tokens)],
-                                   logprobs, atol=1e-4)
-        answers[(tuple(prompt), name)] = tokens
+    answers = assert_equal_peft(base, adapters, jobs, outputs)
     for name in names:  # each adapter changes the answer to some prompt
         assert any(answers[(tuple(p), name)] != answers[(tuple(p), None)] for p in PROMPTS), name
 
@@ -125,9 +133,4 @@ def test_adapters_sharded_over_two_tensor_parallel_ranks_equal_peft(
             [{"prompt_token_ids": p} for p, _ in jobs], params, use_tqdm=False,
             lora_request=[LoRARequest(n, i + 1, str(adapters[n])) if n else None
                           for i, (_, n) in enumerate(jobs)])
-    for (prompt, name), output in zip(jobs, outputs, strict=True):
-        tokens, logprobs = reference(base, adapters.get(name), prompt)
-        sample = output.outputs[0]
-        assert sample.token_ids == tokens, (name, prompt)
-        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(sample.logprobs, tokens)],
-                                   logprobs, atol=1e-4)
+    assert_equal_peft(base, adapters, jobs, outputs)
