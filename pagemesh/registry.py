@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from pagemesh.checkpoints import CheckpointStore
+from pagemesh.lora_table import LoraTable
 from pagemesh.registry_entries import ServiceEntry
 from pagemesh.serving import FatalStartupError
 
@@ -102,6 +103,7 @@ class Registry:
                                         socket_connect_timeout=config.call_timeout_s)
         self._heartbeats: list[asyncio.Task[None]] = []
         self.checkpoints = CheckpointStore(self._redis, config.cluster)
+        self.loras = LoraTable(self._redis, config.cluster)  # the adapters the cluster serves
         # Called (no arguments) after Redis came back empty-handed: a restarted server, whose
         # keys are gone. Services re-publish what they own (checkpoints) there.
         self.on_redis_restart: list[Any] = []

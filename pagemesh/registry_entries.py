@@ -142,6 +142,7 @@ class SchedulerEntry(ServiceEntry):
     checkpoint_write_s: float = 0.0  # seconds spent writing them
     loras: tuple[str, ...] = ()  # the LoRA adapters a request may name here
     lora_version: int = 0  # bumped by every run-time load or unload of one
+    lora_capacity: int = 0  # the adapters it may hold at once (0: it serves no LoRA)
     # The scheduler core's figures (scheduler_svc.core.config.SchedulerStats, field by
     # field; a test checks they agree).
     num_running: int = 0

@@ -134,6 +134,10 @@ _SHARED = (
                 "worker at start", repeatable=True),
     ServiceFlag("--max-loras", (SCHEDULER, WORKER),
                 "LoRA adapters one step may hold (the workers' slots)", type=int, default=1),
+    ServiceFlag("--max-cpu-loras", (SCHEDULER, WORKER),
+                "LoRA adapters a group holds at once (workers keep them in memory; the least "
+                "recently named beyond --lora-modules is let go, and read again from its "
+                "folder when named); 0 = --max-loras", type=int, default=0),
 )
 
 _ROUTER = (
@@ -256,8 +260,6 @@ _SCHEDULER = (
 _WORKER = (
     _worker("--max-lora-rank", "the highest LoRA rank served (slots are this wide)",
             type=int, default=16),
-    _worker("--max-cpu-loras", "LoRA adapters a worker keeps in memory (least recently used "
-            "read again from its folder); 0 = --max-loras", type=int, default=0),
     _worker("--profile-dir",
             "the only folder profiler traces are written under (StartProfile's out_dir is "
             "taken from it; a path outside it is refused); default: <temp dir>/pagemesh-profiles"),

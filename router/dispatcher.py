@@ -99,13 +99,14 @@ class Dispatcher:
         """The routing policy's choice within the best non-empty tier: ready groups present in
         the registry and not just failed, then ready ones missing or just failed, then the
         rest (degraded, NOT_SERVING, unreachable). Draining groups, `exclude` and groups that
-        do not serve the request's LoRA adapter are never picked."""
+        serve no LoRA (for a request naming an adapter) are never picked; within the tier, a
+        request naming an adapter goes where it is held first (`adapter_groups`)."""
         now = asyncio.get_running_loop().time()
         tiers: list[list[GroupLoad]] = [[], [], []]
         for group in self.directory.groups:
             if group.scheduler_id in exclude or group.status == GroupStatus.DRAINING:
                 continue
-            if lora_name and lora_name not in group.loras:
+            if lora_name and not group.may_serve(lora_name):
                 continue
             load = dataclasses.replace(
                 group.load, outstanding_tokens=self._outstanding.get(group.scheduler_id, 0))
@@ -117,9 +118,18 @@ class Dispatcher:
                 tiers[0].append(load)
         for loads in tiers:
             if loads:
+                if lora_name:
+                    loads = self._adapter_groups(loads, lora_name)
                 scheduler_id = self._policy.pick(loads, block_hashes)
                 return self.directory.get(scheduler_id) if scheduler_id is not None else None
         return None
+
+    def _adapter_groups(self, loads: list[GroupLoad], lora_name: str) -> list[GroupLoad]:
+        groups = [self.directory.get(load.scheduler_id) for load in loads]
+        holders = [ld for ld, g in zip(loads, groups) if lora_name in g.loras]
+        with_room = [ld for ld, g in zip(loads, groups) if lora_name not in g.loras and g.has_room()]
+        full = [ld for ld, g in zip(loads, groups) if lora_name not in g.loras and not g.has_room()]
+        return list(self._policy.adapter_groups(holders, with_room, full))
 
     async def _choose(self, block_hashes: list[BlockHash], attempts: Attempts,
                       lora_name: str = "") -> EngineGroup:

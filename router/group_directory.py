@@ -55,10 +55,19 @@ class EngineGroup:
     # The version of `loras` (the scheduler's): a registry entry read before a run-time
     # load or unload this router made carries an older one, and does not undo it.
     lora_version: int = 0
+    lora_capacity: int = 0  # the adapters it may hold at once; 0: it serves no LoRA
 
     def set_loras(self, loras: tuple[str, ...], version: int) -> None:
         if version >= self.lora_version:
             self.loras, self.lora_version = loras, version
+
+    def may_serve(self, adapter: str) -> bool:
+        """It holds `adapter`, or serves LoRA and would load it (from the cluster's table)."""
+        return adapter in self.loras or self.lora_capacity > 0
+
+    def has_room(self) -> bool:
+        """It would load another adapter without letting one go."""
+        return len(self.loras) < self.lora_capacity
 
     @property
     def ready(self) -> bool:
@@ -87,6 +96,7 @@ class GroupDirectory:
         self.on_group_reset: list[Callable[[str], object]] = []
         self._on_change = on_change
         self._groups: dict[str, EngineGroup] = {}
+        self._table: set[str] = set()  # the cluster's adapter table (pagemesh/lora_table.py)
         self._model_info: ModelInfo | None = None
         self._serving = False
 
@@ -116,8 +126,19 @@ class GroupDirectory:
 
     @property
     def adapters(self) -> set[str]:
-        """The LoRA adapters some group serves (a request may name one as its model)."""
-        return {name for group in self._groups.values() for name in group.loras}
+        """The LoRA adapters a request may name as its model: those some group holds, and
+        those of the cluster's table while some group serves LoRA (it loads them)."""
+        held = {name for group in self._groups.values() for name in group.loras}
+        if any(group.lora_capacity for group in self._groups.values()):
+            held |= self._table
+        return held
+
+    def table_changed(self, name: str, present: bool) -> None:
+        """This router loaded or unloaded `name`: known at once, before the next poll."""
+        if present:
+            self._table.add(name)
+        else:
+            self._table.discard(name)
 
     @property
     def model_name(self) -> str:
@@ -159,6 +180,8 @@ class GroupDirectory:
             elif now - group.missing_since > self.ttl_s:
                 self._drop(scheduler_id)
         self._notify()
+        if any(entry.lora_capacity for entry in entries.values()):
+            self._table = set(await self.registry.loras.all())
 
     async def close(self) -> None:
         for group in self._groups.values():
@@ -175,6 +198,7 @@ class GroupDirectory:
             logger.warning("engine group %s is %s", scheduler_id, entry.status)
         group.load, group.status, group.missing_since = load, entry.status, None
         group.set_loras(entry.loras, entry.lora_version)
+        group.lora_capacity = entry.lora_capacity
 
     def _join(self, scheduler_id: str, entry: SchedulerEntry, load: GroupLoad,
               previous: EngineGroup | None) -> EngineGroup:

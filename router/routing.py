@@ -8,6 +8,8 @@
   prompt's KV blocks, from an approximate index of where this router sent each block hash
   (the same chained hashes the schedulers cache by, `protos/block_hash.py`). When that
   group is much busier than the least-loaded one (bounded imbalance), least_load decides.
+
+A request for a LoRA adapter picks among the groups holding it first (`adapter_groups`).
 """
 
 from __future__ import annotations
@@ -121,6 +123,19 @@ class RoutingPolicy:
         if matched[best.scheduler_id] == 0 or self._too_busy(best, least):
             return least.scheduler_id
         return best.scheduler_id
+
+    def adapter_groups(self, holders: Sequence[GroupLoad], with_room: Sequence[GroupLoad],
+                       full: Sequence[GroupLoad]) -> Sequence[GroupLoad]:
+        """Where a request for a LoRA adapter may go: the groups holding it; when none does,
+        those with room to load it, then any serving LoRA (it lets its least recently named
+        adapter go). When even the least busy holder is much busier than the least busy
+        group with room (bounded imbalance, as prefix_aware's), that group: it loads the
+        adapter too, and a hot adapter spreads."""
+        if holders and with_room:
+            holder = min(holders, key=_load_key)
+            spare = min(with_room, key=_load_key)
+            return [spare] if self._too_busy(holder, spare) else holders
+        return holders or with_room or full
 
     def record(self, block_hashes: Sequence[BlockHash], group_id: str) -> None:
         """The request went to `group_id`: its blocks will be cached there."""

@@ -11,7 +11,7 @@ functions (it reads only the request id it logs under and the model's EOS ids);
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 
 from pagemesh.checkpoints import TokenLogprobs
@@ -428,9 +428,19 @@ def group_profile(group: str, scheduler_id: str, traces: list[ProfileTraceReport
                                   error="; ".join(refusals))
 
 
-def lora_loaded_pb(group: str, version: int) -> admin_pb2.LoadLoraAdapterResponse:
-    return admin_pb2.LoadLoraAdapterResponse(groups=[group], lora_version=version)
+def lora_load_request_pb(name: str, path: str) -> admin_pb2.LoadLoraAdapterRequest:
+    return admin_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
 
 
-def lora_unloaded_pb(group: str, version: int) -> admin_pb2.UnloadLoraAdapterResponse:
-    return admin_pb2.UnloadLoraAdapterResponse(groups=[group], lora_version=version)
+def lora_unload_request_pb(name: str) -> admin_pb2.UnloadLoraAdapterRequest:
+    return admin_pb2.UnloadLoraAdapterRequest(lora_name=name)
+
+
+def lora_loaded_pb(group: str, version: int, held: Sequence[str]
+                   ) -> admin_pb2.LoadLoraAdapterResponse:
+    return admin_pb2.LoadLoraAdapterResponse(groups=[group], lora_version=version, loras=held)
+
+
+def lora_unloaded_pb(group: str, version: int, held: Sequence[str]
+                     ) -> admin_pb2.UnloadLoraAdapterResponse:
+    return admin_pb2.UnloadLoraAdapterResponse(groups=[group], lora_version=version, loras=held)

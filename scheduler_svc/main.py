@@ -29,6 +29,7 @@ from pagemesh.service_flags import SCHEDULER_OPTIONS
 from pagemesh.serving import GrpcServer, run_service
 from protos.step import LoraRef
 from scheduler_svc import convert
+from scheduler_svc.adapters import GroupAdapters
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
@@ -37,6 +38,7 @@ from scheduler_svc.engine_metrics import observe_engine
 from scheduler_svc.messages import WorkerInfo
 from scheduler_svc.servicer import SERVICE_NAMES, SchedulerServicer, add_to_server
 from scheduler_svc.step_watchdog import WatchdogConfig
+from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,23 @@ def config_for(args: argparse.Namespace) -> ConfigFor:
     return build
 
 
+def _adapters(args: argparse.Namespace, loop: EngineLoop, registry: Registry) -> GroupAdapters:
+    """The LoRA adapters the group holds: its --lora-modules at first, up to --max-cpu-loras
+    (0 = --max-loras) with those it loads later; none held and none loaded without
+    --enable-lora."""
+    if not args.enable_lora:
+        return GroupAdapters(args.group, 0, {}, lambda: None)
+    pinned = {name: LoraRef(name, path)
+              for name, path in parse_lora_modules(args.lora_modules).items()}
+    return GroupAdapters(args.group, args.max_cpu_loras or args.max_loras, pinned,
+                         lambda: _worker_group(loop), registry.loras)
+
+
+def _worker_group(loop: EngineLoop) -> WorkerGroupClient | None:
+    """The group's workers now (a re-formation replaces them)."""
+    return loop.workers if isinstance(loop.workers, WorkerGroupClient) else None
+
+
 async def serve(args: argparse.Namespace) -> None:
     registry = Registry(registry_config(args))
     await registry.ping()
@@ -112,10 +131,9 @@ async def serve(args: argparse.Namespace) -> None:
     model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks,
                                           formed.weight_bytes, formed.kv_cache_bytes)
     scheduler_id = args.scheduler_id or args.group
-    loras = ({name: LoraRef(name, path) for name, path
-              in parse_lora_modules(args.lora_modules).items()} if args.enable_lora else {})
+    adapters = _adapters(args, loop, registry)
     servicer = SchedulerServicer(loop, model_info, checkpointer, group=args.group,
-                                 scheduler_id=scheduler_id, loras=loras)
+                                 scheduler_id=scheduler_id, adapters=adapters)
     server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)],
                         interceptors=internal_auth(args))
     await server.start()
@@ -136,7 +154,8 @@ async def serve(args: argparse.Namespace) -> None:
                 session=group.session, epoch=group.epoch,
                 checkpoint_writes=checkpointer.num_writes,
                 checkpoint_write_s=round(checkpointer.write_time_s, 6),
-                loras=tuple(sorted(servicer.loras)), lora_version=servicer.lora_version,
+                loras=adapters.names(), lora_version=adapters.version,
+                lora_capacity=adapters.capacity,
                 **asdict(loop.scheduler.stats()), **metrics_server.registry_info()).to_json()
 
         async def on_status(status: GroupStatus) -> None:
@@ -145,6 +164,9 @@ async def serve(args: argparse.Namespace) -> None:
                 await registry.put("scheduler", scheduler_id, registry_info())
 
         loop.on_status.append(on_status)
+        adapters.on_change.append(lambda: registry.put("scheduler", scheduler_id, registry_info()))
+        registry.on_redis_restart.append(adapters.publish_pinned)
+        await adapters.publish_pinned()
         # Before a formation's first step the workers check its session against this entry,
         # written once the id is claimed (a killed predecessor's entry may hold it until its
         # TTL runs out: steps of requests that reach this one early wait for that).

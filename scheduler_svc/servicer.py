@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -22,16 +22,14 @@ from pagemesh.logs import request_id_var
 from pagemesh.serving import ServiceError, invalid_argument
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import admin_pb2, generate_pb2
-from protos.step import LoraRef
 from scheduler_svc import convert
+from scheduler_svc.adapters import AdapterLoadFailed, GroupAdapters
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.connection import DEFAULT_MAX_BUFFERED_TOKENS, ConnectionCutOff, RouterConnection
 from scheduler_svc.engine_loop import EngineLoop, QueueSink, StepFailed
-from scheduler_svc.messages import ConnectAction, ConnectBatch, Submission
+from scheduler_svc.messages import ConnectAction, ConnectBatch, InvalidSubmit, Submission
 from scheduler_svc.request_streams import RequestStreams
 from scheduler_svc.worker_client import WorkerGroupClient
-
-LORA_LOAD_TIMEOUT_S = 120.0  # reading a large adapter from a slow disk
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +46,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  checkpointer: Checkpointer | None = None,
                  max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
                  group: str = "", scheduler_id: str = "",
-                 loras: Mapping[str, LoraRef] | None = None) -> None:
+                 adapters: GroupAdapters | None = None) -> None:
         self.loop = loop
-        self.loras = dict(loras or {})  # the LoRA adapters a request may name
-        self.lora_version = 0  # bumped by every change of `loras` (registry entries carry it)
+        # The LoRA adapters held here (a request naming another the cluster serves loads it).
+        self.adapters = adapters or GroupAdapters(group, 0, {}, lambda: None)
         self.group = group  # the engine group's name and this scheduler's id, for admin replies
         self.scheduler_id = scheduler_id or group
         self.model_info = model_info
@@ -75,7 +73,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         request_id_var.set(request.request_id)
         sink = QueueSink()
-        opened = self.streams.admit(self._submission(request), sink)
+        opened = self.streams.admit(await self._submission(request), sink)
         with_logprobs = opened.with_logprobs
         try:
             for index, event in opened.ended:
@@ -144,39 +142,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def LoadLoraAdapter(self, request: admin_pb2.LoadLoraAdapterRequest,
                               context: grpc.aio.ServicerContext
                               ) -> admin_pb2.LoadLoraAdapterResponse:
-        """Every worker reads and checks the adapter; then requests may name it here."""
-        if not self.loop.scheduler.config.max_loras:
+        """Every worker reads and checks the adapter; then requests may name it, here and
+        (through the cluster's adapter table) on every group that serves LoRA."""
+        if not self.adapters.enabled:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"engine group {self.group} serves no LoRA adapters: start it "
                                "with --enable-lora")
         if not request.lora_name or not request.lora_path:
             raise invalid_argument("give lora_name and lora_path (the adapter's PEFT folder)")
-        workers = self._workers()
+        self._workers()  # UNIMPLEMENTED for an in-process engine
         try:
-            await asyncio.gather(*(stub.LoadLoraAdapter(request, timeout=LORA_LOAD_TIMEOUT_S)
-                                   for stub in workers.stubs))
-        except grpc.aio.AioRpcError as exc:
-            raise ServiceError(exc.code(), exc.details() or str(exc.code())) from exc
-        self.loras[request.lora_name] = LoraRef(request.lora_name, request.lora_path)
-        self.lora_version += 1
-        logger.info("LoRA adapter %s served from %s", request.lora_name, request.lora_path)
-        return convert.lora_loaded_pb(self.group or self.scheduler_id, self.lora_version)
+            await self.adapters.load(request.lora_name, request.lora_path)
+        except AdapterLoadFailed as exc:
+            raise ServiceError(exc.code, exc.details) from exc
+        return convert.lora_loaded_pb(self.group or self.scheduler_id, self.adapters.version,
+                                      self.adapters.names())
 
     async def UnloadLoraAdapter(self, request: admin_pb2.UnloadLoraAdapterRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> admin_pb2.UnloadLoraAdapterResponse:
-        """New requests may no longer name it; those running with it finish with it (a
-        worker reads it again from its folder if one of them is sent to it again)."""
-        if self.loras.pop(request.lora_name, None) is None:
+        """New requests may no longer name it, here or (out of the cluster's table) on any
+        other group; those running with it finish with it (a worker reads it again from its
+        folder if one of them is sent to it again)."""
+        if not await self.adapters.unload(request.lora_name):
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                f"LoRA adapter {request.lora_name!r} is not served by engine "
-                               f"group {self.group} (it serves "
-                               f"{', '.join(sorted(self.loras)) or 'none'})")
-        self.lora_version += 1
-        workers = self._workers()
-        await asyncio.gather(*(stub.UnloadLoraAdapter(request, timeout=LORA_LOAD_TIMEOUT_S)
-                               for stub in workers.stubs), return_exceptions=True)
-        return convert.lora_unloaded_pb(self.group or self.scheduler_id, self.lora_version)
+                               f"group {self.group} (it holds "
+                               f"{', '.join(self.adapters.names()) or 'none'})")
+        return convert.lora_unloaded_pb(self.group or self.scheduler_id, self.adapters.version,
+                                        self.adapters.names())
 
     async def StartProfile(self, request: scheduler_pb2.StartProfileRequest,
                            context: grpc.aio.ServicerContext) -> scheduler_pb2.StartProfileResponse:
@@ -201,20 +195,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                "(worker_svc.diagnostics) directly")
         return workers
 
-    def _submission(self, request: scheduler_pb2.SubmitRequest) -> Submission:
+    async def _submission(self, request: scheduler_pb2.SubmitRequest) -> Submission:
         """The message as admitted; one that cannot run is INVALID_ARGUMENT (checked before
         admission, so a draining group says so too: the request is invalid on any group)."""
         try:
+            await self.adapters.resolve(request.lora_name)
             return convert.submission_from_pb(request, self.eos_token_ids, time.time(),
-                                              self.loras)
+                                              self.adapters.held)
         except ValueError as exc:
             raise invalid_argument(str(exc)) from exc
 
     async def _actions(self, messages: AsyncIterator[scheduler_pb2.ConnectRequest]
                        ) -> AsyncIterator[ConnectAction]:
+        """Each message as an action. A submit naming an adapter this group does not hold
+        waits for its load here (the stream's later messages with it: a first request for
+        an adapter on a group is rare, and its order with an abort is kept)."""
         async for message in messages:
+            if message.WhichOneof("action") == "submit" and message.submit.lora_name:
+                try:
+                    await self.adapters.resolve(message.submit.lora_name)
+                except ValueError as exc:
+                    yield InvalidSubmit(message.submit.request_id, str(exc))
+                    continue
             yield convert.connect_action_from_pb(message, self.eos_token_ids, time.time(),
-                                                 self.loras)
+                                                 self.adapters.held)
 
 
 async def _next_or_reader_failure(connection: RouterConnection, reader: asyncio.Task[None]

@@ -117,6 +117,20 @@ class WorkerGroupClient:
                                            for stub in self._stubs))
         return [response.memory for response in responses]
 
+    async def load_lora(self, name: str, path: str, timeout_s: float) -> None:
+        """Every member reads and checks the adapter's folder. Raises the first refusal
+        (grpc.aio.AioRpcError, as the worker worded it)."""
+        request = convert.lora_load_request_pb(name, path)
+        await asyncio.gather(*(stub.LoadLoraAdapter(request, timeout=timeout_s)
+                               for stub in self._stubs))
+
+    async def unload_lora(self, name: str, timeout_s: float) -> None:
+        """Every member lets the adapter go (one that does not answer keeps it until its
+        own least-recently-used order lets it go)."""
+        request = convert.lora_unload_request_pb(name)
+        await asyncio.gather(*(stub.UnloadLoraAdapter(request, timeout=timeout_s)
+                               for stub in self._stubs), return_exceptions=True)
+
     async def get_step_stats(self, window_s: float) -> list[RankStepStatsReport]:
         """Every member's step statistics over the last `window_s` seconds, in endpoint order."""
         request = convert.step_stats_request_pb(window_s)

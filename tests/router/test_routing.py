@@ -61,3 +61,20 @@ def test_index_is_bounded_and_forgets_dead_groups() -> None:
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="routing policy"):
         RoutingConfig("random")
+
+
+def test_an_adapter_goes_to_its_holders_then_to_room_then_anywhere() -> None:
+    router = RoutingPolicy(RoutingConfig("least_load", balance_abs_threshold_tokens=1000,
+                                         balance_rel_threshold=1.5))
+    held, room, full = groups(a=300), groups(b=0), groups(c=0)
+    assert [g.scheduler_id for g in router.adapter_groups(held, room, full)] == ["a"]
+    assert [g.scheduler_id for g in router.adapter_groups([], room, full)] == ["b"]
+    assert [g.scheduler_id for g in router.adapter_groups([], [], full)] == ["c"]
+    # Every holder much busier than a group with room (by both thresholds): that group
+    # loads the adapter too.
+    busy = groups(a=5000, d=2000)
+    assert [g.scheduler_id for g in router.adapter_groups(busy, groups(b=100), full)] == ["b"]
+    # One holder within the bounds: the holders keep it (its weights are loaded there).
+    some_busy = groups(a=5000, d=900)
+    assert [g.scheduler_id
+            for g in router.adapter_groups(some_busy, groups(b=100), full)] == ["a", "d"]

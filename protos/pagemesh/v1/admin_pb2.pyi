@@ -15,12 +15,14 @@ class LoadLoraAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class LoadLoraAdapterResponse(_message.Message):
-    __slots__ = ("groups", "lora_version")
+    __slots__ = ("groups", "lora_version", "loras")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedScalarFieldContainer[str]
     lora_version: int
-    def __init__(self, groups: _Optional[_Iterable[str]] = ..., lora_version: _Optional[int] = ...) -> None: ...
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., lora_version: _Optional[int] = ..., loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnloadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)
@@ -29,12 +31,14 @@ class UnloadLoraAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
 class UnloadLoraAdapterResponse(_message.Message):
-    __slots__ = ("groups", "lora_version")
+    __slots__ = ("groups", "lora_version", "loras")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedScalarFieldContainer[str]
     lora_version: int
-    def __init__(self, groups: _Optional[_Iterable[str]] = ..., lora_version: _Optional[int] = ...) -> None: ...
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., lora_version: _Optional[int] = ..., loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("group",)
