@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from protos.step import LoraRef
 from scheduler_svc.executor import InprocExecutor
 from worker_svc.diagnostics import (ProfileTraceFile, Profiler, RankMemory, StepStats,
                                     StepStatsSnapshot, memory_stats, run_step_recorded)
@@ -78,7 +79,7 @@ def trace_name(tp_rank: int, pp_rank: int) -> str:
     return f"{TRACE_NAME}-pp{pp_rank}-tp{tp_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-ADMIN_CALLS = frozenset({"memory", "snapshot", "start_profile", "stop_profile"})
+ADMIN_CALLS = frozenset({"memory", "snapshot", "start_profile", "stop_profile", "load_lora"})
 
 
 class RankDiagnostics:
@@ -109,6 +110,14 @@ class RankDiagnostics:
 
     def stop_profile(self) -> ProfileTraceFile:
         return self.profiler.stop()
+
+    def load_lora(self, ref: LoraRef) -> None:
+        """Reads and checks a LoRA adapter against this rank's shard (a ValueError naming
+        what is wrong); it is then kept in memory."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("this engine serves no LoRA adapters")
+        lora.load(ref)
 
     def answer(self, call: tuple[Any, ...]) -> Any:
         """One admin call as a local worker receives it: `(method name, *args)`."""

@@ -2,10 +2,9 @@
 max_lora_rank=..., max_cpu_loras=...)` and `generate(..., lora_request=LoRARequest(name,
 int_id, path))`, one request for every prompt or one per prompt (None: the base model).
 
-An adapter is checked when a call first names it (its folder read and fitted to the model,
-on the model's own thread: a bad folder, a rank above `max_lora_rank` or another base
-model's adapter is a ValueError before anything runs); with more than one rank the worker
-processes read it when a step first needs it, and the folder alone is checked here.
+An adapter is checked when a call first names it: every rank reads its folder and fits it to
+its shard of the model, between steps, so a bad folder, a rank above `max_lora_rank` or
+another base model's adapter is a ValueError before anything runs, at any tp and pp.
 """
 
 from __future__ import annotations

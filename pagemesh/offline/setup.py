@@ -25,7 +25,6 @@ from scheduler_svc.core.policy import POLICIES
 from protos.step import LoraRef
 from scheduler_svc.core.scheduler import Scheduler
 from worker_svc.lora import LoraConfig
-from worker_svc.lora.adapter import load_adapter
 from worker_svc.runner import RunnerConfig, RunnerInfo
 
 GIB = 1 << 30
@@ -215,9 +214,8 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         infos = workers.infos
         lead = infos[workers.driver_rank]
         executor = LocalWorkersExecutor(workers)
-        if setup.lora is not None:  # the worker processes read it at its first step
-            load_lora = lambda ref: load_adapter(ref.name, ref.path,  # noqa: E731
-                                                 setup.lora.max_lora_rank)
+        if setup.lora is not None:  # every rank reads it and checks its shard's shapes
+            load_lora = lambda ref: executor.call("load_lora", ref)  # noqa: E731
     scheduler_config = SchedulerConfig(
         num_blocks=min(info.num_blocks for info in infos), block_size=lead.block_size,
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,

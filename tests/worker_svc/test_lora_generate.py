@@ -120,15 +120,20 @@ def test_bad_adapters_are_refused_by_name(base: Path, adapters: dict[str, Path],
 
 
 def test_adapters_sharded_over_two_tensor_parallel_ranks_equal_peft(
-        base: Path, adapters: dict[str, Path]) -> None:
+        base: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
     """tp=2: each adapter is sharded as its base layer (B rows of the merged q|k|v and
-    gate|up, A columns of o_proj and down_proj), read by the worker processes at its first
-    step."""
+    gate|up, A columns of o_proj and down_proj), read and checked by every worker process
+    when a call first names it: another base model's adapter is refused before any step."""
     names = ["all-r8", "mlp-r16", None]
     jobs = [(prompt, name) for prompt in PROMPTS[:2] for name in names]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    other = write_lora(write_realistic_model(tmp_path / "other", "llama", seed=4, hidden_size=32,
+                                             intermediate_size=64), tmp_path / "other-lora", rank=4)
     with LLM(str(base), dtype="float32", tensor_parallel_size=2, enable_lora=True,
              max_loras=2, max_lora_rank=16) as engine:
+        with pytest.raises(ValueError, match="do not fit the model's layer"):
+            engine.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=2),
+                            use_tqdm=False, lora_request=LoRARequest("other", 99, str(other)))
         outputs = engine.generate(
             [{"prompt_token_ids": p} for p, _ in jobs], params, use_tqdm=False,
             lora_request=[LoRARequest(n, i + 1, str(adapters[n])) if n else None
