@@ -223,7 +223,8 @@ def step_digest(step: SchedulerOutput) -> int:
     add(step.step_id, sorted(step.num_scheduled_tokens.items()),
         sorted(step.finished_request_ids))
     for new in step.new_requests:
-        add(new.request_id, new.num_prompt_tokens, new.num_computed_tokens, new.block_ids)
+        add(new.request_id, new.num_prompt_tokens, new.num_computed_tokens, new.block_ids,
+            new.lora)
         digest.update(np.asarray(new.token_ids, dtype=np.int64).tobytes())
     for cached in step.cached_requests:
         add(cached.request_id, cached.num_computed_tokens, cached.new_block_ids,
