@@ -2,7 +2,7 @@
 with the figures Dynamo publishes for its own (requests sent and failed) and more.
 
     .venv/bin/python -m bench.fault_matrix [--clients 32] [--requests 4] [--max-tokens 48]
-                                           [--scenarios NAME,...] [--out DIR]
+                                           [--scenarios NAME,...] [--name FILE]
 
 For each mesh (bench/faults/targets.py) the workload — N clients, each sending M streamed
 requests one after another, every one asking for logprobs, a quarter of them seeded samples
@@ -35,8 +35,9 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.faults.scenarios import SCENARIOS, Baseline, Scenario
-from bench.faults.targets import (RestartableValkey, Target, llava_images, start_mesh,
-                                  start_partition_mesh, write_llava_model, write_model,
+from bench.faults.targets import (RestartableValkey, Target, llava_images,
+                                  load_lora_at_run_time, start_mesh, start_partition_mesh,
+                                  write_llava_model, write_lora_adapters, write_model,
                                   write_moe_model)
 from bench.faults.workload import Clients, RequestResult, RequestSpec, plan
 from pagemesh.testing.netns import namespaces_unavailable
@@ -58,6 +59,8 @@ TARGETS = {
                 "--standby", "1"], 2),
     # A tiny LLaVA, every request with an image; prefills chunked through the images.
     "llava": (["--max-num-batched-tokens", "48"], 1),
+    # Two LoRA adapters and the base in every step (one adapter loaded at run time).
+    "lora": (["--dtype", "float32", "--enable-lora", "--max-loras", "2"], 1),
 }
 
 
@@ -152,7 +155,7 @@ def target_plan(target: Target, num_clients: int, requests_per_client: int, max_
                 tag: str) -> list[list[RequestSpec]]:
     """The workload for `target`: its requests show its images, if it has any."""
     return plan(num_clients, requests_per_client, max_tokens, tag, images=target.images,
-                image_token_id=target.image_token_id)
+                image_token_id=target.image_token_id, adapters=target.adapters)
 
 
 def start_target(name: str, model: Path, log_dir: Path) -> Target:
@@ -163,8 +166,14 @@ def start_target(name: str, model: Path, log_dir: Path) -> Target:
         model = write_moe_model(model.parent / "tiny-moe")
     if name == "llava":
         model = write_llava_model(model.parent / "tiny-llava")
+    if name == "lora":
+        adapters = write_lora_adapters(model)
+        extra = [*extra, "--lora-modules", f"sql={adapters['sql']}"]
     target = start_mesh(name, model, log_dir, extra,
                         RestartableValkey() if name == "parallel" else None)
+    if name == "lora":
+        load_lora_at_run_time(target, "late", adapters["late"])
+        target.adapters = ("sql", "late")
     if name == "llava":
         config = json.loads((model / "config.json").read_text())
         target.images, target.image_token_id = llava_images(), config["image_token_index"]
@@ -220,13 +229,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--scenarios", help="comma-separated scenario or mesh names (default: all)")
+    parser.add_argument("--name", default="fault_matrix",
+                        help="the results' file name in bench/results (a subset's own record)")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="fault-matrix-"))
     model = write_model(Path(tempfile.mkdtemp(prefix="fault-matrix-model-")) / "tiny")
     rows = run_matrix(select(args.scenarios), args.clients, args.requests, args.max_tokens,
                       log_dir, model)
     write_results(
-        "fault_matrix",
+        args.name,
         f"Fault matrix: {args.clients} clients x {args.requests} streamed requests x "
         f"{args.max_tokens} tokens per scenario, tiny Llama, CPU (bench/fault_matrix.py); "
         f"logs in {log_dir}",

@@ -237,6 +237,15 @@ SCENARIOS = [
     Scenario("router kill -9 (image requests)", "llava", signal_kind("router", signal.SIGKILL),
              victim_gone, new_router_serving,
              notes="the new router reads the images from the checkpoints' image store"),
+    Scenario("worker kill -9 (LoRA requests)", "lora", kill_member(), group_degraded,
+             group_recovered, notes="the restarted worker reads each request's adapter again"),
+    Scenario("scheduler kill -9 (LoRA requests)", "lora", signal_kind("scheduler", signal.SIGKILL),
+             router_sees_no_group, new_scheduler_serving,
+             notes="the restarted scheduler loads the run-time adapter again from the "
+             "cluster's table"),
+    Scenario("router kill -9 (LoRA requests)", "lora", signal_kind("router", signal.SIGKILL),
+             victim_gone, new_router_serving,
+             notes="the new router resumes each request, adapter included, from its checkpoint"),
     Scenario("long healthy step (4 x 7k-token prefill)", "prefill", long_prefill, never, never,
              after=no_alarm, no_fault=True, notes="watchdog bound 0.05 s: probed, not failed"),
 ]

@@ -15,6 +15,9 @@
 - `llava`: one worker serving a tiny LLaVA; every request carries an image (three images
   shared among the requests), and a 48-token step budget cuts prefills through them. A
   resume on another router reads the images from the checkpoints' image store.
+- `lora`: one worker serving two LoRA adapters of `write_model`'s model beside it, one from
+  --lora-modules and one loaded at run time (so only the cluster's adapter table in Redis
+  remembers it); the requests name each adapter and the base in turn.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class Target:
     # one in a prompt (bench/faults/workload.py plan).
     images: tuple[bytes, ...] = ()
     image_token_id: int = 0
+    adapters: tuple[str, ...] = ()  # the LoRA adapters its requests name (and the base)
 
     def entries(self, kind: str) -> dict[str, ServiceEntry]:
         """Registry entries of `kind` (worker, scheduler, router) whose process is alive."""
@@ -178,6 +182,31 @@ def write_llava_model(folder: Path) -> Path:
         write_tiny_llava(folder, seed=1, naming="llava-hf", text_std=PEAKY_STD,
                          max_position_embeddings=2048)
     return folder
+
+
+def write_lora_adapters(model: Path) -> dict[str, Path]:
+    """The `lora` target's adapters of `model`: rank 8 on every projection, and rank 4 on
+    q, v and down with rsLoRA."""
+    from pagemesh.testing.tiny_lora import write_lora
+
+    folders = {"sql": model.parent / "lora-sql", "late": model.parent / "lora-late"}
+    if not (folders["sql"] / "adapter_config.json").exists():
+        write_lora(model, folders["sql"], rank=8, seed=1)
+    if not (folders["late"] / "adapter_config.json").exists():
+        write_lora(model, folders["late"], rank=4, alpha=8, use_rslora=True, seed=2,
+                   target_modules=("q_proj", "v_proj", "down_proj"))
+    return folders
+
+
+def load_lora_at_run_time(target: Target, name: str, path: Path) -> None:
+    """The Admin service's LoadLoraAdapter, through the target's router."""
+    import grpc
+
+    from protos.pagemesh.v1 import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(target.address) as channel:
+        admin_pb2_grpc.AdminStub(channel).LoadLoraAdapter(
+            admin_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=str(path)), timeout=120)
 
 
 def llava_images(count: int = 3) -> tuple[bytes, ...]:

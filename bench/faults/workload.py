@@ -51,11 +51,12 @@ class RequestSpec:
     seed: int | None  # None: greedy
     constrained: bool = False  # the output must be JSON valid against SCHEMA
     images: tuple[bytes, ...] = ()  # one per image token in `prompt` (a vision-language model)
+    model: str = ""  # a LoRA adapter's name; "": the base model
 
     def to_pb(self) -> generate_pb2.GenerateRequest:
         request = generate_pb2.GenerateRequest(
             request_id=self.request_id, token_ids=generate_pb2.TokenIds(ids=self.prompt),
-            logprobs=NUM_LOGPROBS, images=self.images)
+            logprobs=NUM_LOGPROBS, images=self.images, model=self.model)
         request.stopping.max_tokens = self.max_tokens
         if self.constrained:  # ends when the JSON is complete
             request.constraint.json_schema = json.dumps(SCHEMA)
@@ -111,11 +112,13 @@ class RequestResult:
 
 
 def plan(num_clients: int, requests_per_client: int, max_tokens: int, tag: str,
-         seed: int = 0, images: tuple[bytes, ...] = (), image_token_id: int = 0
-         ) -> list[list[RequestSpec]]:
+         seed: int = 0, images: tuple[bytes, ...] = (), image_token_id: int = 0,
+         adapters: tuple[str, ...] = ()) -> list[list[RequestSpec]]:
     """Each client's requests, in order; prompts of 8-40 random tokens from a fixed seed, so
     two runs with different tags send the same requests. With `images`, each prompt starts
-    with `image_token_id` standing for one of them (in turn: requests share images)."""
+    with `image_token_id` standing for one of them (in turn: requests share images). With
+    `adapters`, the requests name each LoRA adapter and the base model in turn."""
+    models = (*adapters, "") if adapters else ("",)
     rng = random.Random(seed)
     clients = []
     for c in range(num_clients):
@@ -128,7 +131,8 @@ def plan(num_clients: int, requests_per_client: int, max_tokens: int, tag: str,
                 prompt = [image_token_id, *prompt]
             requests.append(RequestSpec(f"{tag}-{index}", prompt, max_tokens,
                                         1000 + index if index % SEEDED_EVERY == 0 else None,
-                                        index % CONSTRAINED_EVERY == 1, shown))
+                                        index % CONSTRAINED_EVERY == 1, shown,
+                                        models[index % len(models)]))
         clients.append(requests)
     return clients
 
