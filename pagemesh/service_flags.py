@@ -216,6 +216,11 @@ _SCHEDULER = (
     _scheduler("--async-scheduling",
                "plan the next step while one runs (groups of one rank; larger ones keep one "
                "step in flight, or one per pipeline stage)", type=bool, default=True),
+    _scheduler("--speculative-config",
+               "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+               "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+               "\"prompt_lookup_max\": 5}; the output is the same as without it (async "
+               "scheduling is off while speculating)", default=""),
     _scheduler("--scheduling-policy",
                "admission order and preemption victim: arrival, or request priority",
                default="fcfs", choices=("fcfs", "priority")),

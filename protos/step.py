@@ -175,6 +175,11 @@ class CachedRequestData:
     # previous step). Every rank learns sampled tokens this way, so pipeline stages that
     # never sample stay in step with the one that does.
     new_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: draft tokens to verify after the request's last known token
+    # (scheduled with it: num_scheduled_tokens = 1 + len). The sampling rank draws a token at
+    # each of those positions as it would without drafts, and keeps drafts while they equal
+    # its draws (ModelRunnerOutput.spec_sampled); the rest of their KV is overwritten later.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -224,6 +229,9 @@ class ModelRunnerOutput:
     step_id: int
     # Only requests whose scheduled tokens reached the end of their known tokens.
     sampled: dict[RequestId, SampledToken] = field(default_factory=dict)
+    # Speculative decoding: the tokens drawn after `sampled`'s, one per draft that equalled
+    # the token drawn before it (so `sampled` plus these are 1 to 1 + len(drafts) tokens).
+    spec_sampled: dict[RequestId, list[SampledToken]] = field(default_factory=dict)
     forward_time_ms: float = 0.0  # the driver's forward pass, for the step span
     # Embedding requests whose prompt was completed this step: the vector, float32
     # little-endian (pooled, cut to its dimensions, normalised where the model says).

@@ -204,6 +204,7 @@ def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str]
                 new_block_ids=cached.new_block_ids,
                 num_computed_tokens=cached.num_computed_tokens,
                 new_token_ids=cached.new_token_ids,
+                spec_token_ids=cached.spec_token_ids,
             )
             for cached in output.cached_requests
         ],
@@ -224,18 +225,20 @@ def _pairs(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockPair]:
 
 
 def model_runner_output_from_pb(pb: worker_pb2.ExecuteStepResponse) -> ModelRunnerOutput:
-    return ModelRunnerOutput(
-        step_id=pb.step_id,
-        sampled={
-            RequestId(s.request_id): SampledToken(
-                token_id=s.token_id,
-                logprob=s.logprob,
-                top_logprobs=tuple((t.token_id, t.logprob) for t in s.top_logprobs),
-            )
-            for s in pb.sampled
-        },
-        pooled={RequestId(p.request_id): p.embedding for p in pb.pooled},
-    )
+    """A request's first entry is its sampled token; later entries of the same request are
+    the tokens of its accepted drafts (speculative decoding), in order."""
+    sampled: dict[RequestId, SampledToken] = {}
+    spec_sampled: dict[RequestId, list[SampledToken]] = {}
+    for s in pb.sampled:
+        token = SampledToken(token_id=s.token_id, logprob=s.logprob,
+                             top_logprobs=tuple((t.token_id, t.logprob) for t in s.top_logprobs))
+        request_id = RequestId(s.request_id)
+        if request_id in sampled:
+            spec_sampled.setdefault(request_id, []).append(token)
+        else:
+            sampled[request_id] = token
+    return ModelRunnerOutput(step_id=pb.step_id, sampled=sampled, spec_sampled=spec_sampled,
+                             pooled={RequestId(p.request_id): p.embedding for p in pb.pooled})
 
 
 def finish_reason_to_pb(reason: FinishReason | None) -> int:
@@ -357,6 +360,8 @@ def stats_to_pb(stats: SchedulerStats, num_steps: int,
         num_cached_blocks=stats.num_cached_blocks,
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
         group_status=GROUP_STATUS_TO_PB[status],
         num_recoveries=num_recoveries,
     )

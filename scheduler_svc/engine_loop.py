@@ -329,5 +329,5 @@ def _fresh_copy(request: Request) -> Request:
         prompt_token_ids=list(request.prompt_token_ids),
         output_token_ids=list(request.output_token_ids),
         num_computed_tokens=0, block_ids=[], status=RequestStatus.WAITING, num_preemptions=0,
-        fork_of=None, num_tokens_on_workers=0, num_pending_tokens=0,
+        fork_of=None, num_tokens_on_workers=0, num_pending_tokens=0, spec_token_ids=[],
     )

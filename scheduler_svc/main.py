@@ -26,12 +26,13 @@ from pagemesh.metrics import SchedulerMetrics, serve_metrics
 from pagemesh.registry import Registry
 from pagemesh.registry_entries import GroupStatus, SchedulerEntry
 from pagemesh.service_flags import SCHEDULER_OPTIONS
-from pagemesh.serving import GrpcServer, run_service
+from pagemesh.serving import FatalStartupError, GrpcServer, run_service
 from protos.step import LoraRef
 from scheduler_svc import convert
 from scheduler_svc.adapters import GroupAdapters
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
@@ -60,8 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def async_scheduling(args: argparse.Namespace) -> bool:
-    """Only a group of one rank can fill in its own sampled tokens."""
-    return args.async_scheduling and args.tp * args.pp == 1
+    """Only a group of one rank can fill in its own sampled tokens; and not while
+    speculating (a step planned ahead assumes one token)."""
+    return args.async_scheduling and args.tp * args.pp == 1 and not args.speculative_config
 
 
 def config_for(args: argparse.Namespace) -> ConfigFor:
@@ -90,6 +92,7 @@ def config_for(args: argparse.Namespace) -> ConfigFor:
             async_scheduling=async_scheduling(args),
             pooling=lead.pooling,
             max_loras=args.max_loras if args.enable_lora else 0,
+            speculative=SpeculativeConfig.parse(args.speculative_config),
         )
     return build
 
@@ -112,6 +115,10 @@ def _worker_group(loop: EngineLoop) -> WorkerGroupClient | None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    try:
+        SpeculativeConfig.parse(args.speculative_config)  # a bad one stops the start, named
+    except ValueError as exc:
+        raise FatalStartupError(f"--speculative-config: {exc}") from exc
     registry = Registry(registry_config(args))
     await registry.ping()
     spec = GroupSpec(args.group, args.tp, args.pp, args.worker_wait_s, args.step_timeout_s,

@@ -41,6 +41,13 @@ class RequestState:
     pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
     images: tuple[ImageInput, ...] = ()  # a vision-language prompt's images
     lora: LoraRef | None = None  # the LoRA adapter it runs with; None = the base model
+    # This step's draft tokens (speculative decoding), computed after `token_ids`; cleared
+    # after the step (the accepted ones come back as the next step's new tokens).
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    def input_token_ids(self) -> list[int]:
+        """The tokens the step may compute: the known ones, then this step's drafts."""
+        return self.token_ids + self.draft_token_ids if self.draft_token_ids else self.token_ids
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,10 @@ class StepBatch:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
-    sample_rows: list[int]  # flat token row whose hidden state feeds the LM head
+    # Flat token rows whose hidden states feed the LM head, and the request of each: one row
+    # per request whose known tokens are all computed, plus one per draft it verifies (its
+    # rows are consecutive, in position order).
+    sample_rows: list[int]
     sample_request_ids: list[str]
     pool_segments: list[PoolSegment] = field(default_factory=list)  # embedding requests' rows
     image_segments: list[ImageSegment] = field(default_factory=list)  # rows an image fills
@@ -145,7 +155,7 @@ def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[st
         positions = starts
         seq_of_token = np.arange(len(order))
     else:
-        input_ids = np.concatenate([np.asarray(s.token_ids[a:b], dtype=np.int64)
+        input_ids = np.concatenate([np.asarray(s.input_token_ids()[a:b], dtype=np.int64)
                                     for s, a, b in zip(states, starts.tolist(), ends.tolist())])
         seq_of_token = np.repeat(np.arange(len(order)), counts)
         positions = starts[seq_of_token] + (np.arange(len(input_ids))
@@ -158,13 +168,25 @@ def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[st
     # Blocks allocated ahead of the context read as 0, the padding they always had.
     block_tables = np.where(np.arange(max_blocks)[None, :] < needed[:, None],
                             tables.table[rows, :max_blocks], 0).astype(np.int32)
-    known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(order))
+    drafts = np.fromiter((len(s.draft_token_ids) for s in states), dtype=np.int64,
+                         count=len(order))
+    known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64,
+                        count=len(order)) + drafts
     completes = ends == known
     pool_segments = _pool_segments(order, states, query_start_loc, starts, counts, completes)
     if pool_segments:
         completes &= np.fromiter((s.pooling is None for s in states), dtype=bool,
                                  count=len(order))
     sampled = np.flatnonzero(completes)
+
+    sample_rows = (query_start_loc[1:][sampled] - 1).tolist()
+    sample_request_ids = [order[i] for i in sampled.tolist()]
+    if drafts.any():  # each draft's row, and the row before the first, is drawn from too
+        sample_rows, sample_request_ids = [], []
+        for i in sampled.tolist():
+            last = int(query_start_loc[i + 1]) - 1
+            sample_rows += range(last - int(drafts[i]), last + 1)
+            sample_request_ids += [order[i]] * (int(drafts[i]) + 1)
 
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(array, dtype=dtype).to(device)
@@ -179,8 +201,8 @@ def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[st
         input_ids=to_device(input_ids, torch.int64),
         positions=to_device(positions, torch.int64),
         metadata=metadata,
-        sample_rows=(query_start_loc[1:][sampled] - 1).tolist(),
-        sample_request_ids=[order[i] for i in sampled.tolist()],
+        sample_rows=sample_rows,
+        sample_request_ids=sample_request_ids,
         pool_segments=pool_segments,
         image_segments=_image_segments(states, query_start_loc, starts, ends),
     )
@@ -228,7 +250,7 @@ def step_digest(step: SchedulerOutput) -> int:
         digest.update(np.asarray(new.token_ids, dtype=np.int64).tobytes())
     for cached in step.cached_requests:
         add(cached.request_id, cached.num_computed_tokens, cached.new_block_ids,
-            cached.new_token_ids)
+            cached.new_token_ids, cached.spec_token_ids)
     add(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
     return int.from_bytes(digest.digest(), "little", signed=True)
 
@@ -290,9 +312,10 @@ def check_block_moves(step: SchedulerOutput, num_blocks: int, num_swap_blocks: i
 class _Shape:
     """A request's sizes once the step's updates are applied."""
 
-    num_known_tokens: int
+    num_known_tokens: int  # with this step's drafts
     num_blocks_held: int
     num_computed_tokens: int
+    num_drafts: int = 0
 
 
 def _check_block_ids(request_id: str, block_ids: list[int], num_blocks: int) -> None:
@@ -329,8 +352,12 @@ def _cached_request_shape(cached: CachedRequestData, shape: _Shape, num_blocks: 
     if not 0 <= cached.num_computed_tokens <= num_known:
         raise ValueError(f"request {cached.request_id!r}: num_computed_tokens "
                          f"{cached.num_computed_tokens} not in 0..{num_known}")
-    return _Shape(num_known, shape.num_blocks_held + len(cached.new_block_ids),
-                  cached.num_computed_tokens)
+    num_drafts = len(cached.spec_token_ids)
+    if num_drafts and any(not 0 <= t < vocab_size for t in cached.spec_token_ids):
+        raise ValueError(f"request {cached.request_id!r}: draft token id outside "
+                         f"0..{vocab_size - 1}")
+    return _Shape(num_known + num_drafts, shape.num_blocks_held + len(cached.new_block_ids),
+                  cached.num_computed_tokens, num_drafts)
 
 
 def _check_scheduled(
@@ -343,6 +370,9 @@ def _check_scheduled(
         raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled from "
                          f"{shape.num_computed_tokens} but only {shape.num_known_tokens} "
                          "tokens are known")
+    if shape.num_drafts and end != shape.num_known_tokens:
+        raise ValueError(f"request {request_id!r}: its {shape.num_drafts} draft tokens must "
+                         "be scheduled to their end")
     if end > max_model_len:
         raise ValueError(f"request {request_id!r}: {end} tokens exceed max_model_len "
                          f"{max_model_len}")

@@ -59,6 +59,7 @@ def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutp
                 new_block_ids=list(r.new_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 new_token_ids=list(r.new_token_ids),
+                spec_token_ids=list(r.spec_token_ids),
             )
             for r in pb.cached_requests
         ],
@@ -94,7 +95,8 @@ def model_runner_output_to_pb(output: ModelRunnerOutput) -> worker_pb2.ExecuteSt
                     worker_pb2.TopLogprob(token_id=tid, logprob=lp) for tid, lp in token.top_logprobs
                 ],
             )
-            for request_id, token in output.sampled.items()
+            for request_id, first in output.sampled.items()
+            for token in (first, *output.spec_sampled.get(request_id, ()))
         ],
         pooled=[worker_pb2.PooledOutput(request_id=request_id, embedding=vector)
                 for request_id, vector in output.pooled.items()],

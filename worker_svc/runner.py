@@ -25,6 +25,7 @@ import torch
 from protos.step import (ImageTiling, ModelRunnerOutput, PoolingInfo, SampledToken,
                          SchedulerOutput)
 from worker_svc import sampler
+from worker_svc.spec_verify import accept_drafts, check_drafts, sampling_rows
 from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 from worker_svc.attention import AttentionBackend, get_attention_backend
 from worker_svc.batch import (
@@ -340,6 +341,7 @@ class ModelRunner:
                         "this model embeds (a pooling model): it samples no tokens" if embeds
                         else "this model generates: start it with --task embed to embed"))
         check_block_moves(step, self.num_blocks, self.num_swap_blocks)
+        check_drafts(step, self.requests)
 
     def _execute_in_group(self, step: SchedulerOutput) -> ModelRunnerOutput:
         digest = step_digest(step)
@@ -415,6 +417,7 @@ class ModelRunner:
         try:
             hidden, residual = self._forward(batch, step.num_scheduled_tokens, intermediate)
             sampled: dict[str, SampledToken] = {}
+            spec_sampled: dict[str, list[SampledToken]] = {}
             pooled: dict[str, bytes] = {}
             if not self.parallel.is_last_stage:
                 self._send_downstream(step.step_id, digest, hidden, residual)
@@ -428,7 +431,8 @@ class ModelRunner:
                 # Every TP rank of the last stage joins the LM head's all-gather.
                 logits = self.model.compute_logits(hidden[rows], residual[rows])
                 if self.parallel.is_driver:
-                    sampled = self._sample(logits, batch.sample_request_ids, masks)
+                    sampled, spec_sampled = self._sample(logits, batch.sample_request_ids,
+                                                         masks)
                     if step.append_sampled_tokens:
                         for request_id, token in sampled.items():
                             self.requests[request_id].token_ids.append(token.token_id)
@@ -436,10 +440,13 @@ class ModelRunner:
             if masks is not None:
                 masks.settle()
         for request_id, num_tokens in step.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            state = self.requests[request_id]
+            state.num_computed_tokens += num_tokens  # drafts too: the scheduler rolls back
+            state.draft_token_ids = []
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
         return ModelRunnerOutput(step_id=step.step_id, sampled=sampled,
-                                 forward_time_ms=forward_time_ms, pooled=pooled)
+                                 spec_sampled=spec_sampled, forward_time_ms=forward_time_ms,
+                                 pooled=pooled)
 
     def _forward(self, batch: StepBatch, num_scheduled_tokens: dict[str, int],
                  intermediate: tuple[torch.Tensor, torch.Tensor] | None
@@ -507,8 +514,10 @@ class ModelRunner:
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             self.block_tables.extend(cached.request_id, cached.new_block_ids)
-            # The scheduler's count is authoritative (it may have rolled back on preemption).
+            # The scheduler's count is authoritative (it may have rolled back on preemption,
+            # or past rejected drafts).
             state.num_computed_tokens = cached.num_computed_tokens
+            state.draft_token_ids = list(cached.spec_token_ids)
 
     def _start_masks(self, request_ids: list[str]) -> PendingMasks | None:
         """The constrained rows' masks, started on the mask thread so that they are computed
@@ -523,17 +532,12 @@ class ModelRunner:
                                                   state.token_ids[state.num_prompt_tokens:]))
         return PendingMasks.start(self._grammar_vocabulary(), constrained) if constrained else None
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str],
-                pending: PendingMasks | None) -> dict[str, SampledToken]:
-        requests = []
-        for request_id in request_ids:
-            state = self.requests[request_id]
-            requests.append(
-                sampler.SamplingRow(state.sampling, state.token_ids, state.num_prompt_tokens)
-            )
+    def _sample(self, logits: torch.Tensor, request_ids: list[str], pending: PendingMasks | None
+                ) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
+        """Each request's token, and the tokens of its accepted drafts (spec_verify.py)."""
         masks = None if pending is None else sampler.RowMasks(pending.rows, pending.bits.result())
-        tokens = sampler.sample(logits, requests, masks)
-        return dict(zip(request_ids, tokens, strict=True))
+        tokens = sampler.sample(logits, sampling_rows(self.requests, request_ids), masks)
+        return accept_drafts(self.requests, request_ids, tokens)
 
     def _grammar_vocabulary(self) -> GrammarVocabulary:
         """Made at the first constrained request (structured output is opt-in per request)."""

@@ -44,6 +44,7 @@ from pagemesh.images import expand_images, image_token_count, load_image
 from pagemesh.offline.engine import EngineCore
 from pagemesh.offline.lora import AdapterChecks, LoRARequest, per_prompt
 from pagemesh.offline.outputs import RequestOutput
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
 from worker_svc.lora import LoraConfig
 from pagemesh.sampling_params import SamplingParams
@@ -109,6 +110,7 @@ class LLM:
                  scheduling_policy: str = "fcfs", device: str = "auto",
                  task: str = "auto", enable_lora: bool = False, max_loras: int = 1,
                  max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 speculative_config: dict[str, Any] | None = None,
                  **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - _IGNORED_VLLM_ARGS)
         if unknown:
@@ -129,7 +131,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             scheduling_policy=scheduling_policy, device=device, task=task,
             lora=(LoraConfig(max_loras, max_lora_rank, max_cpu_loras or 0) if enable_lora
-                  else None))
+                  else None),
+            speculative=SpeculativeConfig.parse(speculative_config))
         checked = check_servable(setup)  # before anything is loaded or allocated
         built = build_engine(setup, checked)
         self.model_path = checked.model_path

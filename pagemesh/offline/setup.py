@@ -24,6 +24,7 @@ from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.policy import POLICIES
 from protos.step import LoraRef
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 from worker_svc.lora import LoraConfig
 from worker_svc.runner import RunnerConfig, RunnerInfo
 
@@ -55,6 +56,7 @@ class EngineSetup:
     device: str = "auto"
     task: str = "auto"  # auto | generate | embed (worker_svc/model/pooling.py)
     lora: LoraConfig | None = None  # multi-LoRA; None = off
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None = off
 
     @property
     def world_size(self) -> int:
@@ -223,9 +225,12 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         policy=setup.scheduling_policy,
         num_swap_blocks=min(info.num_swap_blocks for info in infos),
         num_microbatches=setup.pipeline_parallel_size,
-        async_scheduling=world_size == 1,  # only a lone rank fills in its own tokens
+        # Only a lone rank fills in its own tokens; and not while speculating (a step
+        # planned ahead assumes one token).
+        async_scheduling=world_size == 1 and setup.speculative is None,
         pooling=lead.pooling,
         max_loras=setup.lora.max_loras if setup.lora is not None else 0,
+        speculative=setup.speculative,
     )
     engine = EngineCore(Scheduler(scheduler_config), executor,
                         max_steps_in_flight=setup.pipeline_parallel_size)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from protos.step import PoolingInfo
 from scheduler_svc.core.policy import POLICIES
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 # The scheduler service's --preemption-mode default (pagemesh.service_flags; a test checks
@@ -59,6 +60,8 @@ class SchedulerConfig:
     pooling: PoolingInfo = PoolingInfo()
     # LoRA adapters one step may hold (the workers' slots); 0 = LoRA off.
     max_loras: int = 0
+    # Speculative decoding (core/spec_decode.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.preemption_mode is None:  # frozen: set once here, as if given
@@ -84,6 +87,10 @@ class SchedulerConfig:
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.async_scheduling and self.num_microbatches > 1:
             raise ValueError("async_scheduling needs num_microbatches 1 (a group of one rank)")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("async scheduling is off while speculating: a step planned "
+                             "ahead would assume one token, and a verified step adds up to "
+                             f"{self.speculative.num_speculative_tokens + 1}")
         if self.preemption_mode == "swap" and self.num_swap_blocks == 0:
             raise ValueError("preemption_mode 'swap' needs num_swap_blocks > 0")
 
@@ -103,3 +110,5 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV came from the cache
     prefix_cache_hit_rate: float = 0.0  # hits / queries, 0 before any query
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, since start
+    num_accepted_tokens: int = 0  # of those, the ones kept

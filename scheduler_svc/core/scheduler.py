@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Sequence
 
 from protos.step import (
     BlockId,
@@ -24,12 +25,14 @@ from protos.step import (
     ModelRunnerOutput,
     NewRequestData,
     RequestId,
+    SampledToken,
     SchedulerOutput,
 )
 from scheduler_svc.core.admission import check_admissible, check_samples, stop_status
 from scheduler_svc.core.config import CapacityError, SchedulerConfig, SchedulerStats
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.policy import WaitingQueue
+from scheduler_svc.core.spec_decode import NgramProposer
 from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 
 __all__ = ["CapacityError", "Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -77,6 +80,10 @@ class Scheduler:
         # swap mode swapped rather than falling back to recompute.
         self.num_swap_outs = 0
         self.num_swap_ins = 0
+        # Speculative decoding: the drafts' proposer (None: off), and its totals.
+        self.proposer = NgramProposer(config.speculative) if config.speculative else None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ---- admission and abort -------------------------------------------------------------
 
@@ -157,7 +164,8 @@ class Scheduler:
         for request_id in output.num_scheduled_tokens:
             in_flight[request_id] = in_flight.get(request_id, 0) + 1
             request = requests[request_id]
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            if (request.num_computed_tokens - len(request.spec_token_ids)
+                    == request.num_tokens + request.num_pending_tokens):
                 request.num_pending_tokens += 1  # this step samples its next token
                 if output.append_sampled_tokens:
                     request.num_tokens_on_workers += 1
@@ -179,6 +187,7 @@ class Scheduler:
                 request = requests.get(request_id)  # aborts wait; a stop while in flight doesn't
                 if request is not None:  # less the token a step still in flight computes
                     cache_computed_blocks(request, request.num_computed_tokens
+                                          - len(request.spec_token_ids)
                                           - max(request.num_pending_tokens - 1, 0))
         events: list[RequestEvent] = []
         any_finished = False
@@ -188,20 +197,25 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None:  # it ended in the step before (async scheduling): a token too many
                 continue
+            tokens = (sampled, *self._verified(request, result.spec_sampled.get(request_id, ())))
             output_token_ids = request.output_token_ids
             # The steps in flight after this one have computed their assumed tokens too.
-            if request.num_computed_tokens != (len(request.prompt_token_ids) + len(output_token_ids)
-                                               + request.num_pending_tokens - 1):
+            if request.num_computed_tokens - len(tokens) + 1 != (
+                    len(request.prompt_token_ids) + len(output_token_ids)
+                    + request.num_pending_tokens - 1):
                 raise ValueError(f"request {request_id} sampled before its prompt was computed")
             request.num_pending_tokens -= 1
-            output_token_ids.append(sampled.token_id)
-            status = stop_status(request)
             finish_reason = None
-            if status is not None:
-                self._finish(request, status, remove_from_running=False)
-                finish_reason = request.finish_reason
-                any_finished = True
-            events.append(RequestEvent(request_id, (sampled,), finish_reason,
+            for kept, token in enumerate(tokens, 1):
+                output_token_ids.append(token.token_id)
+                status = stop_status(request)
+                if status is not None:  # the tokens after a stop are dropped
+                    tokens = tokens[:kept]
+                    self._finish(request, status, remove_from_running=False)
+                    finish_reason = request.finish_reason
+                    any_finished = True
+                    break
+            events.append(RequestEvent(request_id, tokens, finish_reason,
                                        len(request.prompt_token_ids)))
         if result.pooled:
             events += self._pooled(output, result.pooled)
@@ -220,6 +234,29 @@ class Scheduler:
             if event is not None:
                 events.append(event)
         return events
+
+    def _verified(self, request: Request, accepted: Sequence[SampledToken]
+                  ) -> Sequence[SampledToken]:
+        """The step's verdict on the request's drafts: its KV rolled back past the first one
+        rejected, and the tokens drawn after the first (`accepted`, one per draft kept)."""
+        drafts = request.spec_token_ids
+        if not drafts:
+            if accepted:
+                raise ValueError(f"request {request.request_id}: tokens for drafts it was "
+                                 "not sent")
+            return ()
+        if len(accepted) > len(drafts):
+            raise ValueError(f"request {request.request_id}: {len(accepted)} tokens kept for "
+                             f"{len(drafts)} drafts")
+        request.num_computed_tokens -= len(drafts) - len(accepted)
+        request.spec_token_ids = []
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_tokens += len(accepted)
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(accepted)
+        assert self.proposer is not None
+        self.proposer.observe(request.request_id, len(drafts), len(accepted))
+        return accepted
 
     def _pooled(self, output: SchedulerOutput, pooled: dict[RequestId, bytes]
                 ) -> list[RequestEvent]:
@@ -256,6 +293,8 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_hit_rate=kv.prefix_cache_hits / queries if queries else 0.0,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     # ---- running requests ----------------------------------------------------------------
@@ -290,9 +329,17 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until a token arrives
                 index += 1
                 continue
+            drafts = self._drafts(request, budget) if self.proposer and not ahead else []
+            if drafts:
+                num_new += len(drafts)
             if num_computed + num_new <= len(request.block_ids) * block_size:
                 new_blocks = []  # the common decode: the last block has room
+            elif drafts and (new_blocks := allocate_slots(request, num_new)) is not None:
+                pass  # the drafts' lookahead slots
             else:
+                if drafts:  # never preempt anyone for drafts: decode without them
+                    num_new -= len(drafts)
+                    drafts = []
                 new_blocks = allocate_slots(request, num_new)
                 if new_blocks is None and ahead:  # it waits for its step; nothing is preempted
                     index += 1
@@ -307,13 +354,28 @@ class Scheduler:
             if num_unsent > 0:
                 request.num_tokens_on_workers = num_known
             cached_requests.append(CachedRequestData(
-                request.request_id, new_blocks, num_computed, new_token_ids))
+                request.request_id, new_blocks, num_computed, new_token_ids, drafts))
+            request.spec_token_ids = drafts
             num_scheduled_running += 1
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens = num_computed + num_new
             budget -= num_new
             index += 1
         return budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens to verify after a decode's token (none for a prefill, an embedding
+        or structured-output request), within the step's budget, max_tokens and
+        max_model_len."""
+        if (request.num_computed_tokens + 1 != request.num_tokens or request.pooling
+                is not None or request.sampling.grammar or request.num_pending_tokens):
+            return []
+        assert self.proposer is not None
+        room = min(self.proposer.max_drafts(request.request_id), budget - 1,
+                   request.max_tokens - len(request.output_token_ids) - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        return self.proposer.propose(request.request_id, request.prompt_token_ids,
+                                     request.output_token_ids, room)
 
     def _may_schedule_ahead(self, request: Request) -> bool:
         """Async scheduling: a decode whose one step in flight samples its next token, which
@@ -509,6 +571,8 @@ class Scheduler:
         else:
             self.waiting.discard(request.request_id)
         request.status = status
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self.kv.forget(request)
         self._pending_forks.pop(request.request_id, None)
         self._forget_on_workers(request.request_id)

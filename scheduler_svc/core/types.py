@@ -75,6 +75,11 @@ class Request:
     # The LoRA adapter it runs with (None: the base model): its name is part of the block
     # hashes (two adapters never share KV), and a step holds at most max_loras adapters.
     lora: LoraRef | None = None
+    # Speculative decoding: the drafts its step in flight verifies (computed after its
+    # last token, rolled back past the first rejected one), and its totals so far.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

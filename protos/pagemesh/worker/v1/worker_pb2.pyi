@@ -175,16 +175,18 @@ class PoolingParams(_message.Message):
     def __init__(self, dimensions: _Optional[int] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_computed_tokens", "new_token_ids")
+    __slots__ = ("request_id", "new_block_ids", "num_computed_tokens", "new_token_ids", "spec_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    spec_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockPair(_message.Message):
     __slots__ = ("src", "dst")
