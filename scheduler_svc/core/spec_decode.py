@@ -109,8 +109,8 @@ class NgramProposer:
         candidates = np.flatnonzero(tokens[: n - 1] == last)
         matched = 1
         while candidates.size and matched < self.config.prompt_lookup_max:
-            candidates = candidates[candidates >= matched]
-            longer = candidates[tokens[candidates - matched] == tokens[n - 1 - matched]]
+            room = candidates[candidates >= matched]  # a match cannot start before 0
+            longer = room[tokens[room - matched] == tokens[n - 1 - matched]]
             if not longer.size:
                 break
             candidates, matched = longer, matched + 1

@@ -109,9 +109,15 @@ def _check_device_blocks(scheduler: Scheduler) -> None:
     assert set(free) == {b for b in range(pool.num_blocks) if holders[b] == 0}
     assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
     assert pool.num_used_blocks == len(holders)
+    speculative = scheduler.config.speculative
+    lookahead = speculative.num_speculative_tokens if speculative is not None else 0
     for request in scheduler.running:
-        # Exactly the blocks the computed (and scheduled) tokens need: nothing leaks.
-        assert len(request.block_ids) == -(-request.num_computed_tokens // block_size)
+        # Exactly the blocks the computed (and scheduled) tokens need: nothing leaks. When
+        # speculating, a request keeps the slots of its rejected drafts (its next tokens'),
+        # no more.
+        needed = -(-request.num_computed_tokens // block_size)
+        assert needed <= len(request.block_ids) <= -(-(request.num_computed_tokens + lookahead)
+                                                     // block_size)
         assert len(set(request.block_ids)) == len(request.block_ids)
 
 
