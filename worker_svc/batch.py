@@ -255,6 +255,13 @@ def step_digest(step: SchedulerOutput) -> int:
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
+def highest_block(step: SchedulerOutput) -> int:
+    """The highest KV block id the step's requests were given (-1: none)."""
+    ids = [max(r.block_ids) for r in step.new_requests if r.block_ids]
+    ids += [max(r.new_block_ids) for r in step.cached_requests if r.new_block_ids]
+    return max(ids, default=-1)
+
+
 def validate_step(
     step: SchedulerOutput,
     requests: dict[str, RequestState],

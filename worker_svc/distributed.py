@@ -517,3 +517,29 @@ def _check_join(should_abort: Callable[[], bool], deadline: float, timeout_s: fl
         raise JoinAborted(f"join called off before it could {what}")
     if time.monotonic() > deadline:
         raise TimeoutError(f"could not {what} of the engine group within {timeout_s:g} s")
+
+
+def checked_context(parallel: ParallelConfig, device: str,
+                    dist: DistributedContext | None) -> DistributedContext:
+    """The context a runner placed at `parallel` on `device` steps in: `dist` when it agrees
+    with them, a single-rank one for a group of one; ValueError naming the disagreement."""
+    if dist is None:
+        if parallel.world_size > 1:
+            raise ValueError(f"{parallel} spans {parallel.world_size} ranks: pass this rank's "
+                             "DistributedContext from init_distributed")
+        return DistributedContext.single(device)
+
+    def place(p: ParallelConfig) -> tuple[int, ...]:
+        return (p.tp_size, p.tp_rank, p.pp_size, p.pp_rank)
+
+    # The layer split may differ from the context's: it shapes the model, not the groups.
+    if place(dist.parallel) != place(parallel):
+        raise ValueError(f"runner config {parallel} does not match the process group's "
+                         f"{dist.parallel}")
+    if dist.is_single:
+        return DistributedContext.single(device)
+    if dist.device.type != torch.device(device).type:
+        raise ValueError(f"the process group was built for {dist.device} but the runner uses "
+                         f"{device}: pass device= to init_distributed (NCCL needs "
+                         "CUDA tensors, gloo CPU ones)")
+    return dist

@@ -35,6 +35,7 @@ from worker_svc.batch import (
     batch_order,
     build_batch,
     check_block_moves,
+    highest_block,
     step_digest,
     validate_step,
 )
@@ -44,6 +45,7 @@ from worker_svc.distributed import (
     StageMessage,
     StepMismatchError,
     UpstreamStageError,
+    checked_context,
     format_digest,
 )
 from worker_svc.kv_budget import (
@@ -223,7 +225,7 @@ class ModelRunner:
         `dist` (from `init_distributed`) is required when `config.parallel` has more than
         one rank; it must be this rank's context.
         """
-        dist = _checked_context(config, dist)
+        dist = checked_context(config.parallel, config.device, dist)
         model, metadata = load_model(
             config.model_path, dtype=config.dtype, device=config.device,
             max_model_len=config.max_model_len, parallel=config.parallel, comm=dist,
@@ -308,7 +310,7 @@ class ModelRunner:
             return self._execute(step)
         prefault.step_started()  # its page faults wait while a step runs
         try:
-            prefault.used_up_to(_highest_block(step))
+            prefault.used_up_to(highest_block(step))
             return self._execute(step)
         finally:
             prefault.step_done()
@@ -547,30 +549,6 @@ class ModelRunner:
         return self.grammar_vocabulary
 
 
-def _checked_context(config: RunnerConfig, dist: DistributedContext | None) -> DistributedContext:
-    parallel = config.parallel
-    if dist is None:
-        if parallel.world_size > 1:
-            raise ValueError(f"{parallel} spans {parallel.world_size} ranks: pass this rank's "
-                             "DistributedContext from init_distributed")
-        return DistributedContext.single(config.device)
-
-    def place(p: ParallelConfig) -> tuple[int, ...]:
-        return (p.tp_size, p.tp_rank, p.pp_size, p.pp_rank)
-
-    # The layer split may differ from the context's: it shapes the model, not the groups.
-    if place(dist.parallel) != place(parallel):
-        raise ValueError(f"runner config {parallel} does not match the process group's "
-                         f"{dist.parallel}")
-    if dist.is_single:
-        return DistributedContext.single(config.device)
-    if dist.device.type != torch.device(config.device).type:
-        raise ValueError(f"the process group was built for {dist.device} but the runner uses "
-                         f"{config.device}: pass device= to init_distributed (NCCL needs "
-                         "CUDA tensors, gloo CPU ones)")
-    return dist
-
-
 def _graph_sizes(config: RunnerConfig) -> tuple[int, ...]:
     """The decode batch sizes to capture as CUDA graphs; () for none (CPU, enforce_eager, and
     expert parallelism: its all-to-all sizes come from the step's routing, read on the
@@ -581,13 +559,6 @@ def _graph_sizes(config: RunnerConfig) -> tuple[int, ...]:
     if config.cuda_graph_sizes is not None:
         return tuple(config.cuda_graph_sizes)
     return capture_sizes(config.max_num_seqs)
-
-
-def _highest_block(step: SchedulerOutput) -> int:
-    """The highest KV block id the step's requests were given (-1: none)."""
-    ids = [max(r.block_ids) for r in step.new_requests if r.block_ids]
-    ids += [max(r.new_block_ids) for r in step.cached_requests if r.new_block_ids]
-    return max(ids, default=-1)
 
 
 def _kv_cache_spec(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> KVCacheSpec:

