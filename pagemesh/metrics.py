@@ -288,6 +288,8 @@ class EngineSnapshot:
     num_recoveries: int
     ready: bool  # the group serves (not degraded, not draining)
     num_checkpoint_writes: int
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # of those, the ones kept
 
 
 class SchedulerMetrics(ServiceMetrics):
@@ -330,6 +332,11 @@ class SchedulerMetrics(ServiceMetrics):
                         "space (the rest were recomputed)", labels, s.num_swap_outs),
                 counter(PREFIX + "num_swap_ins", "Swapped requests whose KV was copied back "
                         "from CPU swap space", labels, s.num_swap_ins),
+                counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified "
+                        "(speculative decoding)", labels, s.num_draft_tokens),
+                counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens kept "
+                        "(speculative decoding; acceptance = kept / verified)", labels,
+                        s.num_accepted_tokens),
                 counter(PREFIX + "engine_recoveries", "Times the engine group was re-formed "
                         "after a failure", labels, s.num_recoveries),
                 gauge(PREFIX + "engine_group_ready", "1 when the engine group serves, 0 when "
