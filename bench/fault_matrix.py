@@ -44,6 +44,8 @@ from pagemesh.testing.netns import namespaces_unavailable
 from protos.pagemesh.v1 import generate_pb2
 
 WATCH_TIMEOUT_S = 120.0
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+               "prompt_lookup_max": 3}
 COLUMNS = ["scenario", "requests sent", "failed", "resumed", "longest client stall, s",
            "time to detect, s", "time to recover, s", "tokens identical", "JSON valid", "notes"]
 # How each target is started, and how many ready workers it has at rest.
@@ -61,6 +63,10 @@ TARGETS = {
     "llava": (["--max-num-batched-tokens", "48"], 1),
     # Two LoRA adapters and the base in every step (one adapter loaded at run time).
     "lora": (["--dtype", "float32", "--enable-lora", "--max-loras", "2"], 1),
+    # n-gram speculative decoding on one-token n-grams: drafts in most steps, most rejected.
+    # fp32: a drafted step computes its rows as a chunk (the prefill's attention), a plain
+    # one as decodes; in bf16 their logprobs differ by ~1e-3, beyond the matrix's 1e-4.
+    "spec": (["--dtype", "float32", "--speculative-config", json.dumps(SPEC_CONFIG)], 1),
 }
 
 

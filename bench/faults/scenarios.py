@@ -246,6 +246,11 @@ SCENARIOS = [
     Scenario("router kill -9 (LoRA requests)", "lora", signal_kind("router", signal.SIGKILL),
              victim_gone, new_router_serving,
              notes="the new router resumes each request, adapter included, from its checkpoint"),
+    Scenario("worker kill -9 (speculative decoding)", "spec", kill_member(), group_degraded,
+             group_recovered, notes="drafts in flight are dropped; the kept tokens are recomputed"),
+    Scenario("router kill -9 (speculative decoding)", "spec", signal_kind("router", signal.SIGKILL),
+             victim_gone, new_router_serving,
+             notes="clients resume after the tokens kept (never after a draft)"),
     Scenario("long healthy step (4 x 7k-token prefill)", "prefill", long_prefill, never, never,
              after=no_alarm, no_fault=True, notes="watchdog bound 0.05 s: probed, not failed"),
 ]

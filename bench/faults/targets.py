@@ -15,6 +15,8 @@
 - `llava`: one worker serving a tiny LLaVA; every request carries an image (three images
   shared among the requests), and a 48-token step budget cuts prefills through them. A
   resume on another router reads the images from the checkpoints' image store.
+- `spec`: one worker, n-gram speculative decoding on one-token n-grams (drafts in most
+  steps, most of them rejected on this random model), so faults strike steps with drafts.
 - `lora`: one worker serving two LoRA adapters of `write_model`'s model beside it, one from
   --lora-modules and one loaded at run time (so only the cluster's adapter table in Redis
   remembers it); the requests name each adapter and the base in turn.
