@@ -87,7 +87,8 @@ def summary_table(snapshot: Snapshot, rates: Rates, cluster: str) -> Table:
 def groups_table(snapshot: Snapshot, rates: Rates) -> Table:
     table = _table("engine groups")
     for column in ("group", "scheduler", "status", "workers", "queue", "run", "swap", "KV",
-                   "prefix", "preempt/s", "recov", "steps/s", "hot experts", "hb age", "metrics"):
+                   "prefix", "spec acc", "preempt/s", "recov", "steps/s", "hot experts",
+                   "hb age", "metrics"):
         table.add_column(column, justify="left" if column in ("group", "scheduler", "metrics",
                                                               "hot experts")
                          else "right", no_wrap=column != "metrics")
@@ -98,6 +99,7 @@ def groups_table(snapshot: Snapshot, rates: Rates) -> Table:
             row.group, row.scheduler_id or "-", _status(row.status),
             f"{row.workers_alive}/{expected}", str(row.num_waiting), str(row.num_running),
             str(row.num_swapped), fmt_percent(row.kv_usage), fmt_percent(row.prefix_hit_rate),
+            fmt_percent(row.spec_acceptance),
             fmt_rate(rates.preemptions_per_s.get(key)), str(row.num_recoveries),
             fmt_rate(rates.steps_per_s.get(key)),
             ", ".join(h.label() for h in rates.hot_experts.get(row.group, ())) or "-",

@@ -76,6 +76,8 @@ class GroupRow:
     num_steps: int
     heartbeat_age_s: float | None
     metrics: str  # "ok", "-" (no metrics_address published) or the scrape error
+    # Speculative decoding: lifetime draft tokens kept / verified, 0..1; None: no drafts.
+    spec_acceptance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -276,7 +278,9 @@ def _group_row(record: ServiceRecord, workers: list[ServiceRecord],
         num_swapped=int(swapped or 0), kv_usage=_kv_usage(entry, samples),
         prefix_hit_rate=entry.prefix_cache_hit_rate, num_recoveries=entry.num_recoveries,
         num_preemptions=entry.num_preemptions, num_steps=entry.num_steps,
-        heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed))
+        heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed),
+        spec_acceptance=(entry.num_accepted_tokens / entry.num_draft_tokens
+                         if entry.num_draft_tokens else None))
 
 
 def _orphan_group_row(group: str, workers: list[ServiceRecord]) -> GroupRow:
