@@ -44,6 +44,7 @@ class ClientStream:
         self.num_unfinished = sum(not s.finished for s in self.samples)
         self.cut_short = False
         self._held: dict[int, _Held] = {}  # per sample, tokens not sent yet (interval > 1)
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding
 
     @property
     def done(self) -> bool:
@@ -53,6 +54,8 @@ class ClientStream:
         """The client's message for one scheduler (or replayed) message of one sample."""
         index = output.index
         sample = self.samples[index]
+        self.num_draft_tokens += output.num_draft_tokens
+        self.num_accepted_tokens += output.num_accepted_tokens
         if sample.finished:
             return None  # a stop string ended this sample here; the rest is dropped
         processed = sample.process(output)
@@ -73,6 +76,7 @@ class ClientStream:
             del self._held[index]
         if not done:
             return TokenChunk(self.request_id, index, token_ids, text, logprobs, finish_reason)
-        usage = Usage(self.num_prompt_tokens, sum(s.num_completion_tokens for s in self.samples))
+        usage = Usage(self.num_prompt_tokens, sum(s.num_completion_tokens for s in self.samples),
+                      self.num_draft_tokens, self.num_accepted_tokens)
         # The request's last message carries its usage.
         return TokenChunk(self.request_id, index, token_ids, text, logprobs, finish_reason, usage)

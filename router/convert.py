@@ -166,7 +166,8 @@ def sample_output(pb: scheduler_pb2.SubmitResponse) -> SampleOutput:
     """A scheduler message of one sample, converted once as it reaches the router."""
     logprobs = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in pb.logprobs]
     return SampleOutput(pb.index, list(pb.token_ids), finish_reason_from_pb(pb.finish_reason),
-                        logprobs, pb.embedding or None)
+                        logprobs, pb.embedding or None, pb.num_draft_tokens,
+                        pb.num_accepted_tokens)
 
 
 def embedding_request(pb: generate_pb2.EmbedRequest, owner: str = "") -> EmbeddingRequest:
@@ -219,6 +220,8 @@ def generate_response(chunk: TokenChunk) -> generate_pb2.GenerateResponse:
     if chunk.usage is not None:
         response.usage.prompt_tokens = chunk.usage.num_prompt_tokens
         response.usage.completion_tokens = chunk.usage.num_completion_tokens
+        response.usage.num_draft_tokens = chunk.usage.num_draft_tokens
+        response.usage.num_accepted_tokens = chunk.usage.num_accepted_tokens
     return response
 
 

@@ -334,10 +334,16 @@ def choice_delta(chunk: TokenChunk, num_top_logprobs: int | None) -> ChoiceDelta
     return ChoiceDelta(chunk.index, chunk.text, chunk.token_ids, logprobs, finish_reason)
 
 
-def usage(counts: Usage) -> dict[str, int]:
+def usage(counts: Usage) -> dict[str, Any]:
+    """OpenAI's usage; with speculative decoding, pagemesh's extension `spec_decode` (the
+    draft tokens verified and kept for this request)."""
     prompt, completion = counts.num_prompt_tokens, counts.num_completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}
+    if counts.num_draft_tokens:
+        body["spec_decode"] = {"num_draft_tokens": counts.num_draft_tokens,
+                               "num_accepted_tokens": counts.num_accepted_tokens}
+    return body
 
 
 def completion_logprobs(entries: list[dict[str, Any]], token_text: dict[int, str],

@@ -119,6 +119,9 @@ class TokenLogprob:
 class Usage:
     num_prompt_tokens: int
     num_completion_tokens: int  # summed over every sample
+    # Speculative decoding, summed over every sample and attempt: drafts verified, kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +148,8 @@ class SampleOutput:
     # Per token, (chosen token's logprob, [(alternative id, logprob), ...]); empty without logprobs.
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     embedding: bytes | None = None  # an embedding request's vector, float32 LE, at its end
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified in this message's step
+    num_accepted_tokens: int = 0  # of those, the ones kept
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,8 @@ def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool, request_id
         finish_reason=_FINISH_REASON_TO_PB[event.finish_reason],
         num_prompt_tokens=event.num_prompt_tokens,
         embedding=event.embedding or b"",
+        num_draft_tokens=event.num_draft_tokens,
+        num_accepted_tokens=event.num_accepted_tokens,
     )
     if with_logprobs:
         response.logprobs.extend(

@@ -197,6 +197,7 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None:  # it ended in the step before (async scheduling): a token too many
                 continue
+            num_drafts = len(request.spec_token_ids)
             tokens = (sampled, *self._verified(request, result.spec_sampled.get(request_id, ())))
             output_token_ids = request.output_token_ids
             # The steps in flight after this one have computed their assumed tokens too.
@@ -216,7 +217,9 @@ class Scheduler:
                     any_finished = True
                     break
             events.append(RequestEvent(request_id, tokens, finish_reason,
-                                       len(request.prompt_token_ids)))
+                                       len(request.prompt_token_ids),
+                                       num_draft_tokens=num_drafts,
+                                       num_accepted_tokens=len(tokens) - 1 if num_drafts else 0))
         if result.pooled:
             events += self._pooled(output, result.pooled)
             any_finished = True

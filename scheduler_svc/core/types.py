@@ -131,3 +131,6 @@ class RequestEvent:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     embedding: bytes | None = None  # an embedding request's vector (float32 LE), at its end
+    # Speculative decoding: the drafts this step verified for it, and how many it kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -55,6 +55,11 @@ def test_greedy_answers_equal_transformers(mesh: Mesh, tiny_llama_dir: Path,
         assert [lp.logprob for lp in got.logprobs] == pytest.approx(logprobs, abs=1e-4)
     stats = scheduler_stats(redis_url, CLUSTER)
     assert stats.num_draft_tokens > 0, stats
+    # The request's own counts, in its usage (the last chunk's).
+    chunks = list(mesh.stub.Generate(greedy_request(PROMPTS[2], 24), timeout=120))
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 24 and usage.num_draft_tokens > 0
+    assert 0 <= usage.num_accepted_tokens <= usage.num_draft_tokens
 
 
 def test_a_seeded_sample_equals_the_engine_without_speculation(mesh: Mesh,

@@ -323,3 +323,13 @@ def test_any_fields_and_headers_parse_and_validate_or_are_a_4xx(kind: str, extra
 def test_any_json_value_is_parsed_or_refused(body: object, headers: dict[str, str]) -> None:
     for parse in PARSERS.values():
         parse_and_admit(parse, body, headers)
+
+
+def test_usage_carries_the_speculative_counts_only_when_there_were_drafts() -> None:
+    from router.openai_protocol import usage
+    from router.types import Usage
+
+    assert usage(Usage(5, 7)) == {"prompt_tokens": 5, "completion_tokens": 7,
+                                  "total_tokens": 12}
+    assert usage(Usage(5, 7, 12, 9))["spec_decode"] == {"num_draft_tokens": 12,
+                                                       "num_accepted_tokens": 9}

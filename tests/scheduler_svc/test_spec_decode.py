@@ -140,6 +140,7 @@ def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
     events = scheduler.update(output, ModelRunnerOutput(
         output.step_id, {"a": SampledToken(34)}, {"a": [SampledToken(35), SampledToken(99)]}))
     assert [t.token_id for t in events[0].new_tokens] == [34, 35, 99]
+    assert (events[0].num_draft_tokens, events[0].num_accepted_tokens) == (4, 2)
     assert request.output_token_ids == [33, 34, 35, 99]
     assert request.num_computed_tokens == request.num_tokens - 1 == 12
     assert (scheduler.num_draft_tokens, scheduler.num_accepted_tokens) == (4, 2)

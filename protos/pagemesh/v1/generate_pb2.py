@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/pagemesh/v1/generate.proto\x12\x0bpagemesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xff\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xfe\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.pagemesh.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x13\n\x0bresume_from\x18\x0b \x01(\r\x12\x31\n\nconstraint\x18\x0c \x01(\x0b\x32\x1d.pagemesh.v1.OutputConstraint\x12\x0e\n\x06images\x18\r \x03(\x0c\x42\x08\n\x06prompt\"\x94\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x14.pagemesh.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pagemesh.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.pagemesh.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\"b\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.pagemesh.v1.TokenIdsH\x00\x12\x0f\n\x05image\x18\x03 \x01(\x0cH\x00\x42\x07\n\x05input\"l\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x06inputs\x18\x02 \x03(\x0b\x32\x17.pagemesh.v1.EmbedInput\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x10\n\x08priority\x18\x04 \x01(\x05\".\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\x06values\x18\x02 \x03(\x02\x42\x02\x10\x01\"r\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\nembeddings\x18\x02 \x03(\x0b\x32\x16.pagemesh.v1.Embedding\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.pagemesh.v1.Usage\"<\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"d\n\x0eParallelLayout\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_replicas\x18\x03 \x01(\r\"L\n\x0bImageTiling\x12\x16\n\x0egrid_pinpoints\x18\x01 \x03(\r\x12\x11\n\ttile_size\x18\x02 \x01(\r\x12\x12\n\npatch_size\x18\x03 \x01(\r\"\xc2\x01\n\x0bPoolingInfo\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x14\n\x0cpooling_type\x18\x02 \x01(\t\x12\x11\n\tnormalize\x18\x03 \x01(\x08\x12\x16\n\x0e\x65mbedding_size\x18\x04 \x01(\r\x12\x1d\n\x15matryoshka_dimensions\x18\x05 \x03(\r\x12\x16\n\x0e\x61ny_dimensions\x18\x06 \x01(\x08\x12\x14\n\x0cimage_tokens\x18\x07 \x01(\r\x12\x17\n\x0fmax_text_tokens\x18\x08 \x01(\r\"\xce\x03\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.pagemesh.v1.ParallelLayout\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x14\n\x0cquantization\x18\n \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\r \x01(\t\x12)\n\x07pooling\x18\x0e \x01(\x0b\x32\x18.pagemesh.v1.PoolingInfo\x12\x16\n\x0eimage_token_id\x18\x0f \x01(\r\x12\x18\n\x10image_seq_length\x18\x10 \x01(\r\x12.\n\x0cimage_tiling\x18\x11 \x01(\x0b\x32\x18.pagemesh.v1.ImageTiling\"J\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb5\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.pagemesh.v1.GenerateRequest\x1a\x1d.pagemesh.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.pagemesh.v1.TokenizeRequest\x1a\x1d.pagemesh.v1.TokenizeResponse\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponse\x12>\n\x05\x45mbed\x12\x19.pagemesh.v1.EmbedRequest\x1a\x1a.pagemesh.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/pagemesh/v1/generate.proto\x12\x0bpagemesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xff\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xfe\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.pagemesh.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pagemesh.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.pagemesh.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x13\n\x0bresume_from\x18\x0b \x01(\r\x12\x31\n\nconstraint\x18\x0c \x01(\x0b\x32\x1d.pagemesh.v1.OutputConstraint\x12\x0e\n\x06images\x18\r \x03(\x0c\x42\x08\n\x06prompt\"\x94\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x14.pagemesh.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.pagemesh.v1.TopLogprob\"p\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pagemesh.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.pagemesh.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.pagemesh.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\"b\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.pagemesh.v1.TokenIdsH\x00\x12\x0f\n\x05image\x18\x03 \x01(\x0cH\x00\x42\x07\n\x05input\"l\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x06inputs\x18\x02 \x03(\x0b\x32\x17.pagemesh.v1.EmbedInput\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x10\n\x08priority\x18\x04 \x01(\x05\".\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\x06values\x18\x02 \x03(\x02\x42\x02\x10\x01\"r\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\nembeddings\x18\x02 \x03(\x0b\x32\x16.pagemesh.v1.Embedding\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.pagemesh.v1.Usage\"<\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"d\n\x0eParallelLayout\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_replicas\x18\x03 \x01(\r\"L\n\x0bImageTiling\x12\x16\n\x0egrid_pinpoints\x18\x01 \x03(\r\x12\x11\n\ttile_size\x18\x02 \x01(\r\x12\x12\n\npatch_size\x18\x03 \x01(\r\"\xc2\x01\n\x0bPoolingInfo\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x14\n\x0cpooling_type\x18\x02 \x01(\t\x12\x11\n\tnormalize\x18\x03 \x01(\x08\x12\x16\n\x0e\x65mbedding_size\x18\x04 \x01(\r\x12\x1d\n\x15matryoshka_dimensions\x18\x05 \x03(\r\x12\x16\n\x0e\x61ny_dimensions\x18\x06 \x01(\x08\x12\x14\n\x0cimage_tokens\x18\x07 \x01(\r\x12\x17\n\x0fmax_text_tokens\x18\x08 \x01(\r\"\xce\x03\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.pagemesh.v1.ParallelLayout\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x14\n\x0cquantization\x18\n \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fkv_cache_sizing\x18\r \x01(\t\x12)\n\x07pooling\x18\x0e \x01(\x0b\x32\x18.pagemesh.v1.PoolingInfo\x12\x16\n\x0eimage_token_id\x18\x0f \x01(\r\x12\x18\n\x10image_seq_length\x18\x10 \x01(\r\x12.\n\x0cimage_tiling\x18\x11 \x01(\x0b\x32\x18.pagemesh.v1.ImageTiling\"J\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb5\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.pagemesh.v1.GenerateRequest\x1a\x1d.pagemesh.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.pagemesh.v1.TokenizeRequest\x1a\x1d.pagemesh.v1.TokenizeResponse\x12S\n\x0cGetModelInfo\x12 .pagemesh.v1.GetModelInfoRequest\x1a!.pagemesh.v1.GetModelInfoResponse\x12>\n\x05\x45mbed\x12\x19.pagemesh.v1.EmbedRequest\x1a\x1a.pagemesh.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EMBEDDING'].fields_by_name['values']._loaded_options = None
   _globals['_EMBEDDING'].fields_by_name['values']._serialized_options = b'\020\001'
-  _globals['_FINISHREASON']._serialized_start=2899
-  _globals['_FINISHREASON']._serialized_end=3019
+  _globals['_FINISHREASON']._serialized_start=2954
+  _globals['_FINISHREASON']._serialized_end=3074
   _globals['_TOKENIDS']._serialized_start=50
   _globals['_TOKENIDS']._serialized_end=73
   _globals['_SAMPLINGPARAMS']._serialized_start=76
@@ -52,33 +52,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=1100
   _globals['_TOKENLOGPROB']._serialized_end=1187
   _globals['_USAGE']._serialized_start=1189
-  _globals['_USAGE']._serialized_end=1246
-  _globals['_GENERATERESPONSE']._serialized_start=1249
-  _globals['_GENERATERESPONSE']._serialized_end=1465
-  _globals['_EMBEDINPUT']._serialized_start=1467
-  _globals['_EMBEDINPUT']._serialized_end=1565
-  _globals['_EMBEDREQUEST']._serialized_start=1567
-  _globals['_EMBEDREQUEST']._serialized_end=1675
-  _globals['_EMBEDDING']._serialized_start=1677
-  _globals['_EMBEDDING']._serialized_end=1723
-  _globals['_EMBEDRESPONSE']._serialized_start=1725
-  _globals['_EMBEDRESPONSE']._serialized_end=1839
-  _globals['_TOKENIZEREQUEST']._serialized_start=1841
-  _globals['_TOKENIZEREQUEST']._serialized_end=1901
-  _globals['_TOKENIZERESPONSE']._serialized_start=1903
-  _globals['_TOKENIZERESPONSE']._serialized_end=1956
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1958
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1979
-  _globals['_PARALLELLAYOUT']._serialized_start=1981
-  _globals['_PARALLELLAYOUT']._serialized_end=2081
-  _globals['_IMAGETILING']._serialized_start=2083
-  _globals['_IMAGETILING']._serialized_end=2159
-  _globals['_POOLINGINFO']._serialized_start=2162
-  _globals['_POOLINGINFO']._serialized_end=2356
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2359
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2821
-  _globals['_IMAGEINPUT']._serialized_start=2823
-  _globals['_IMAGEINPUT']._serialized_end=2897
-  _globals['_GENERATION']._serialized_start=3022
-  _globals['_GENERATION']._serialized_end=3331
+  _globals['_USAGE']._serialized_end=1301
+  _globals['_GENERATERESPONSE']._serialized_start=1304
+  _globals['_GENERATERESPONSE']._serialized_end=1520
+  _globals['_EMBEDINPUT']._serialized_start=1522
+  _globals['_EMBEDINPUT']._serialized_end=1620
+  _globals['_EMBEDREQUEST']._serialized_start=1622
+  _globals['_EMBEDREQUEST']._serialized_end=1730
+  _globals['_EMBEDDING']._serialized_start=1732
+  _globals['_EMBEDDING']._serialized_end=1778
+  _globals['_EMBEDRESPONSE']._serialized_start=1780
+  _globals['_EMBEDRESPONSE']._serialized_end=1894
+  _globals['_TOKENIZEREQUEST']._serialized_start=1896
+  _globals['_TOKENIZEREQUEST']._serialized_end=1956
+  _globals['_TOKENIZERESPONSE']._serialized_start=1958
+  _globals['_TOKENIZERESPONSE']._serialized_end=2011
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2013
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2034
+  _globals['_PARALLELLAYOUT']._serialized_start=2036
+  _globals['_PARALLELLAYOUT']._serialized_end=2136
+  _globals['_IMAGETILING']._serialized_start=2138
+  _globals['_IMAGETILING']._serialized_end=2214
+  _globals['_POOLINGINFO']._serialized_start=2217
+  _globals['_POOLINGINFO']._serialized_end=2411
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2414
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2876
+  _globals['_IMAGEINPUT']._serialized_start=2878
+  _globals['_IMAGEINPUT']._serialized_end=2952
+  _globals['_GENERATION']._serialized_start=3077
+  _globals['_GENERATION']._serialized_end=3386
 # @@protoc_insertion_point(module_scope)
