@@ -10,23 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.spec_decode import FUNCTIONS
 from pagemesh import LLM, SamplingParams
 from pagemesh.testing.tiny_models import write_tiny_model
 
-CODE = '''def merge_sorted(left, right):
-    result = []
-    i = j = 0
-    while i < len(left) and j < len(right):
-        if left[i] <= right[j]:
-            result.append(left[i])
-            i += 1
-        else:
-            result.append(right[j])
-            j += 1
-    result.extend(left[i:])
-    result.extend(right[j:])
-    return result
-'''
+CODE = FUNCTIONS[0][2]  # a merge of sorted lists, 13 lines
 MESSAGES = [{"role": "user", "content": "Rename the function merge_sorted to merge_lists in "
              "this code and print the whole code:\n\n" + CODE}]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
