@@ -198,7 +198,8 @@ class Scheduler:
             if request is None:  # it ended in the step before (async scheduling): a token too many
                 continue
             num_drafts = len(request.spec_token_ids)
-            tokens = (sampled, *self._verified(request, result.spec_sampled.get(request_id, ())))
+            tokens = (sampled, *self._verified(request, sampled,
+                                               result.spec_sampled.get(request_id, ())))
             output_token_ids = request.output_token_ids
             # The steps in flight after this one have computed their assumed tokens too.
             if request.num_computed_tokens - len(tokens) + 1 != (
@@ -238,19 +239,21 @@ class Scheduler:
                 events.append(event)
         return events
 
-    def _verified(self, request: Request, accepted: Sequence[SampledToken]
-                  ) -> Sequence[SampledToken]:
+    def _verified(self, request: Request, first: SampledToken,
+                  accepted: Sequence[SampledToken]) -> Sequence[SampledToken]:
         """The step's verdict on the request's drafts: its KV rolled back past the first one
-        rejected, and the tokens drawn after the first (`accepted`, one per draft kept)."""
+        rejected, and the tokens drawn after the first (`accepted`, one per draft kept: each
+        kept draft must equal the token drawn before it, whose KV it was computed with)."""
         drafts = request.spec_token_ids
         if not drafts:
             if accepted:
                 raise ValueError(f"request {request.request_id}: tokens for drafts it was "
                                  "not sent")
             return ()
-        if len(accepted) > len(drafts):
-            raise ValueError(f"request {request.request_id}: {len(accepted)} tokens kept for "
-                             f"{len(drafts)} drafts")
+        drawn = [first.token_id, *(t.token_id for t in accepted[:-1])]
+        if len(accepted) > len(drafts) or drawn[:len(accepted)] != drafts[:len(accepted)]:
+            raise ValueError(f"request {request.request_id}: {len(accepted)} drafts kept of "
+                             f"{drafts}, but the tokens drawn were {drawn}")
         request.num_computed_tokens -= len(drafts) - len(accepted)
         request.spec_token_ids = []
         request.num_draft_tokens += len(drafts)

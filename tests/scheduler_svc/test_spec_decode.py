@@ -207,3 +207,17 @@ def test_speculating_changes_no_token_under_load(seed: int) -> None:
             assert scheduler.num_accepted_tokens > 0
             assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens
     assert outputs[0] == outputs[1]
+
+
+def test_kept_drafts_that_differ_from_the_draws_are_refused() -> None:
+    """A kept draft's KV was computed with the draft: it must be the token drawn before it."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
+                                          speculative=NGRAM))
+    scheduler.add_request(make_request("a", prompt=[31, 32, 33, 34, 35, 31, 32], max_tokens=9))
+    output = scheduler.schedule()
+    scheduler.update(output, ModelRunnerOutput(output.step_id, {"a": SampledToken(33)}))
+    output = scheduler.schedule()
+    assert output.cached_requests[0].spec_token_ids == [34, 35, 31, 32]
+    with pytest.raises(ValueError, match="drafts kept"):
+        scheduler.update(output, ModelRunnerOutput(
+            output.step_id, {"a": SampledToken(99)}, {"a": [SampledToken(35)]}))
