@@ -70,8 +70,38 @@ def paged_attention(
             and k_cache.dtype == query.dtype:
         return cpu_native.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                           query_start_loc, scale, sliding_window)
+    if max(q_lens) <= MAX_ROWS_AS_DECODES and cpu_native.available(query.dtype) \
+            and k_cache.dtype == query.dtype:
+        return _rows_as_decodes(query, k_cache, v_cache, block_tables, seq_lens, q_lens, scale,
+                                sliding_window)
     return sdpa_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, starts, scale,
                                 sliding_window, key, value)
+
+
+# Without a native mixed kernel for the dtype (bf16), sequences of at most this many query
+# rows (a decode verifying its speculative drafts, a short prefill chunk) attend row by row
+# through the decode kernel rather than through SDPA per sequence, which is faster for
+# speculative steps at batch 8 (bench.spec_decode --dtype bfloat16); fp32's native mixed
+# kernel is faster than either at these sizes (bench.spec_decode --step-cost).
+MAX_ROWS_AS_DECODES = 16
+
+
+def _rows_as_decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: list[int],
+                     scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Each query row as a decode of its own: row j of a sequence of q_len rows attends to
+    its first seq_len - (q_len - 1 - j) keys (causal), all in the cache already. One native
+    decode call for the batch, and each row's arithmetic is a plain decode's at that
+    position, so a speculative step's rows match decoding without drafts."""
+    counts = torch.tensor(q_lens)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), counts)
+    first_row = torch.cumsum(counts, 0) - counts
+    rows_after = counts[seq_of_row] - 1 - (torch.arange(len(seq_of_row)) - first_row[seq_of_row])
+    row_lens = seq_lens.to(torch.long)[seq_of_row] - rows_after
+    if bool((row_lens < 1).any()):
+        raise ValueError("a sequence has more query tokens than its context")
+    return _decode(query, k_cache, v_cache, block_tables[seq_of_row],
+                   row_lens.to(seq_lens.dtype), scale, sliding_window)
 
 
 def sdpa_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -157,3 +157,30 @@ def test_whole_prompt_prefills_attend_to_the_steps_own_keys(dtype, native_kernel
     args[1], args[2] = k_cache, v_cache
     out = cpu_attention.paged_attention(*args, 0.125, key=key, value=value)
     assert_matches_reference(out, expected)
+
+
+@pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler (cc/gcc/$CC) on PATH")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_short_query_runs_attend_as_the_decodes_they_stand_for(dtype, window):
+    """Decodes verifying speculative drafts (and short chunks) match the reference; in bf16
+    (no native mixed kernel) each row is the decode of its position, bit for bit."""
+    seq_lens, q_lens = [30, 41, 52, 17], [1, 5, 9, 16]
+    batch = build_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, dtype, seed=4)
+    out = cpu_attention.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                        batch.block_tables, batch.seq_lens,
+                                        batch.query_start_loc, 0.125, sliding_window=window)
+    expected = reference.paged_attention(*batch.reference_args(), 0.125, sliding_window=window)
+    assert_matches_reference(out, expected)
+    if dtype != BF16:
+        return  # fp32's native mixed kernel: the reference's numbers, not the decode's bits
+    row = 0
+    for s, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        for j in range(q_len):
+            alone = cpu_native.paged_decode(
+                batch.query[row:row + 1], batch.k_cache, batch.v_cache,
+                batch.block_tables[s:s + 1], torch.tensor([seq_len - q_len + 1 + j],
+                                                          dtype=batch.seq_lens.dtype),
+                0.125, window)
+            assert torch.equal(out[row], alone[0]), (s, j)
+            row += 1
