@@ -22,6 +22,12 @@ Writes bench/results/<name>.{md,json}.
 What verifying drafts costs a step: one in-process ModelRunner, one request of 300 prompt
 tokens, a decode step with 0, 4 and 8 drafts (median of 12 alternated steps each);
 bench/results/spec_step_cost[_<dtype>].md.
+
+    .venv/bin/python -m bench.spec_decode --batch-variance
+
+Whether greedy tokens depend on what a row is computed with, per dtype: the 16 prompts of
+both workloads (128 tokens) all at once against each alone, without speculation, and with
+n-gram speculation against without (all at once); bench/results/spec_batch_variance.md.
 """
 
 from __future__ import annotations
@@ -241,6 +247,39 @@ def step_cost(dtype: str, steps: int = 12) -> None:
                   {k: v for k, v in times.items()})
 
 
+def batch_variance(max_tokens: int = 128) -> None:
+    from transformers import AutoTokenizer
+
+    from pagemesh import LLM, SamplingParams
+
+    model = write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf")
+    prompts = [{"prompt_token_ids": p}
+               for p in sum(workloads(AutoTokenizer.from_pretrained(model)).values(), [])]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    rows, figures = [], {}
+    for dtype in ("float32", "bfloat16"):
+        tokens = {}
+        for name, spec in (("plain", None), ("ngram", NGRAM)):
+            with LLM(str(model), dtype=dtype, speculative_config=spec) as llm:
+                tokens[name] = [list(o.outputs[0].token_ids)
+                                for o in llm.generate(prompts, params, use_tqdm=False)]
+                if spec is None:
+                    tokens["alone"] = [list(llm.generate([p], params, use_tqdm=False)[0]
+                                            .outputs[0].token_ids) for p in prompts]
+        differ = {"alone": sum(a != b for a, b in zip(tokens["plain"], tokens["alone"])),
+                  "ngram": sum(a != b for a, b in zip(tokens["plain"], tokens["ngram"]))}
+        rows.append([dtype, f"{differ['alone']} of {len(prompts)}",
+                     f"{differ['ngram']} of {len(prompts)}"])
+        figures[dtype] = differ
+        print(rows[-1], flush=True)
+    write_results("spec_batch_variance",
+                  f"Greedy tokens that depend on the batch: SmolLM2-135M-Instruct, offline LLM, "
+                  f"the {len(prompts)} prompts of bench/spec_decode.py's workloads, "
+                  f"{max_tokens} tokens (bench/spec_decode.py --batch-variance)",
+                  ["dtype", "prompts differing: all at once vs each alone (no speculation)",
+                   "prompts differing: ngram vs none (all at once)"], rows, figures)
+
+
 def rate(result: dict, batch: int) -> float:
     return result[f"output_tokens_{batch}"] / result[f"batch{batch}_s"]
 
@@ -253,6 +292,7 @@ def main() -> None:
     parser.add_argument("--versus-vllm", action="store_true")
     parser.add_argument("--name", default="spec_decode")
     parser.add_argument("--step-cost", action="store_true")
+    parser.add_argument("--batch-variance", action="store_true")
     args = parser.parse_args()
     from pagemesh.malloc_preload import find_malloc, preload_env
 
@@ -263,6 +303,9 @@ def main() -> None:
                   {**os.environ, **preload_env(library)})
     if args.step_cost:
         step_cost(args.dtype)
+        return
+    if args.batch_variance:
+        batch_variance()
         return
     from transformers import AutoTokenizer
 
