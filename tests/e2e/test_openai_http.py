@@ -233,30 +233,31 @@ LONG_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a
              "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
-def assert_cancelled_at_once(redis_url: str, num_steps_at_close: int) -> None:
-    """The request's blocks are freed soon after its client left, long before its 400
-    tokens would have been done: the scheduler ran well under 400 steps after that (a
-    disconnect takes ~0.2 s to reach the scheduler: 127 steps of the tiny model on a fast
-    Xeon)."""
+def assert_cancelled_before_its_end(redis_url: str, num_steps_at_send: int) -> None:
+    """The request's blocks are freed after its client left, before its 400 tokens were done.
+    Alone on the mesh, running to its end takes at least 400 steps (a token a step), so fewer
+    steps from its sending to its blocks' release mean it was cancelled. Steps, not seconds:
+    a disconnect takes ~3 steps of the tiny model to reach the scheduler on an idle Xeon, but
+    a CI machine busy with the other pytest worker once took 305."""
     def freed() -> scheduler_pb2.GetStatsResponse | None:
         stats = scheduler_stats(redis_url, "e2e-llama")
         return stats if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks else None
     stats = eventually(freed, 10, lambda: f"blocks still held: {scheduler_stats(redis_url, 'e2e-llama')}",
                        interval_s=0.05)
-    assert stats.num_steps - num_steps_at_close < LONG_CHAT["max_tokens"] // 2, \
-        "the request ran on after its client left"
+    assert stats.num_steps - num_steps_at_send < LONG_CHAT["max_tokens"], \
+        "the request ran to its end after its client left"
 
 
 def test_client_disconnect_mid_stream_cancels_the_request(http_url: str, redis_url: str) -> None:
-    body = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 400, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": LONG_CHAT["max_tokens"],
+            "stream": True, "temperature": 0, "ignore_eos": True}
+    num_steps_at_send = scheduler_stats(redis_url, "e2e-llama").num_steps
     with httpx.stream("POST", f"{http_url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         while not next(lines).startswith("data: "):
             pass
-        stats = scheduler_stats(redis_url, "e2e-llama")
-        assert stats.num_running == 1
-    assert_cancelled_at_once(redis_url, stats.num_steps)
+        assert scheduler_stats(redis_url, "e2e-llama").num_running == 1
+    assert_cancelled_before_its_end(redis_url, num_steps_at_send)
 
 
 def test_client_disconnect_before_a_non_streaming_answer_cancels_the_request(
@@ -265,11 +266,11 @@ def test_client_disconnect_before_a_non_streaming_answer_cancels_the_request(
     later, holding 7% of the KV cache. The client here hangs up while its answer computes."""
     url = httpx.URL(http_url)
     body = json.dumps({**LONG_CHAT, "stream": False}).encode()
+    num_steps_at_send = scheduler_stats(redis_url, "e2e-llama").num_steps
     with socket.create_connection((url.host, url.port)) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
                      + body)
         eventually(lambda: scheduler_stats(redis_url, "e2e-llama").num_running == 1, 30,
                    "the request running", interval_s=0.02)
-        stats = scheduler_stats(redis_url, "e2e-llama")
-    assert_cancelled_at_once(redis_url, stats.num_steps)
+    assert_cancelled_before_its_end(redis_url, num_steps_at_send)
