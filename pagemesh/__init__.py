@@ -22,6 +22,7 @@ _EXPORTS = {
     "RequestOutput": "pagemesh.offline.outputs",
     "CompletionOutput": "pagemesh.offline.outputs",
     "SamplingParams": "pagemesh.sampling_params",
+    "BeamSearchParams": "pagemesh.beam_search",
     "PoolingParams": "pagemesh.offline.embed",
     "EmbeddingRequestOutput": "pagemesh.offline.embed",
     "PoolingRequestOutput": "pagemesh.offline.embed",

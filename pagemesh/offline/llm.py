@@ -44,6 +44,8 @@ from pagemesh.images import expand_images, image_token_count, load_image
 from pagemesh.offline.engine import EngineCore
 from pagemesh.offline.lora import AdapterChecks, LoRARequest, per_prompt
 from pagemesh.offline.outputs import RequestOutput
+from pagemesh.beam_search import BeamSearchParams
+from pagemesh.offline.beam import BeamSearchOutput, beam_search
 from scheduler_svc.core.spec_decode import SpeculativeConfig
 from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
 from worker_svc.lora import LoraConfig
@@ -177,6 +179,15 @@ class LLM:
         for prompt, adapter in zip(parsed, adapters):
             prompt.lora = adapter
         return self._run(parsed, sampling_params, use_tqdm, priority)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
+                    params: BeamSearchParams, lora_request: LoRARequest | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the `params.beam_width` best sequences (prompt
+        tokens included, as vLLM returns them), chosen by transformers' rules
+        (pagemesh/beam_search.py). Beams share their KV through the prefix cache."""
+        del use_tqdm  # one round at a time: there is no per-prompt progress to show
+        return beam_search(self, _as_list(prompts), params, lora_request)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
