@@ -47,6 +47,7 @@ from pagemesh.images import (DEFAULT_LIMITS, ImageError, ImageLimits, check_num_
 from pagemesh.media import MediaFetcher, RemoteImage
 from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult, Embeddings
+from router.beam import beam_search, check_beam_request
 from router.client_stream import ClientStream
 from router.dispatcher import Dispatcher
 from router.structured import ConstraintError, GrammarCompiler
@@ -195,8 +196,8 @@ class Generation:
             try:
                 # Closing this stream must close the inner one at once: that cancels the
                 # scheduler call.
-                async with contextlib.aclosing(self._generate(request_id, mesh_id, request)
-                                               ) as batches:
+                run = self._beam if request.beam is not None else self._generate
+                async with contextlib.aclosing(run(request_id, mesh_id, request)) as batches:
                     async for batch in batches:
                         for chunk in batch:
                             timer.observe(chunk.index, len(chunk.token_ids), chunk.finish_reason,
@@ -252,6 +253,19 @@ class Generation:
         if client.done:
             # The client has everything: its checkpoint is garbage now.
             self._forget_checkpoint(mesh_id, progress.groups, client.cut_short)
+
+    async def _beam(self, request_id: str, mesh_id: str, request: GenerationRequest
+                    ) -> AsyncIterator[list[TokenChunk]]:
+        """`use_beam_search` (router/beam.py): rounds of one-token requests, each through
+        `_generate`; the `n` best beams at the end. `mesh_id` names no mesh request: each
+        round's requests have their own."""
+        check_beam_request(request)
+        validated, _ = await self._validate(dataclasses.replace(request, beam=None, n=1))
+        limits = (await self.directory.model_info()).limits()
+        yield await beam_search(
+            request, validated.prompt_token_ids, limits.eos_token_ids, validated.max_tokens,
+            self._generate, self.tokenizer.decode, request_id,
+            lambda sub_id: self.tenancy.mesh_request_id(request.owner, sub_id))
 
     async def _resume_plan(self, request_id: str, mesh_id: str, request: GenerationRequest,
                            digest: str) -> replay.StreamPlan | None:

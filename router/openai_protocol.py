@@ -30,7 +30,7 @@ from router.openai_errors import ProtocolError, error_body  # noqa: F401 (oai.Pr
 from router.openai_tools import (ToolRequest, forced_call_constraint, tool_calls_for_template,
                                  tool_request)
 from router.tool_calls import HERMES, CallFormat
-from router.types import GenerationRequest, ModelInfo, TokenChunk, Usage
+from router.types import BeamOptions, GenerationRequest, ModelInfo, TokenChunk, Usage
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -86,7 +86,7 @@ def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Par
     """A `/v1/completions` body and its headers (case-insensitive, as Starlette's, or
     lower-case keys). Raises ProtocolError saying what to fix."""
     body = _object(body)
-    _reject_unsupported(body, {"echo": False, "suffix": None, "best_of": 1, "logit_bias": {}})
+    _reject_unsupported(body, {"echo": False, "suffix": None, "logit_bias": {}})
     prompt = _prompt(body.get("prompt"))
     max_tokens = fields.integer(body, "max_tokens")
     num_top = fields.integer(body, "logprobs")
@@ -164,6 +164,7 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_pr
         # every request) is a new request, as in vLLM, and costs no Redis lookup.
         new_request=resume_from is None,
         constraint=constraint_from_body(body),  # structured output (response_format, guided_*)
+        beam=_beam_options(body, n),
     )
     stream = bool(fields.boolean(body, "stream"))
     options = body.get("stream_options")
@@ -175,6 +176,33 @@ def _parse_common(body: dict[str, Any], headers: Mapping[str, str] | None, id_pr
     return ParsedRequest(request, stream, include_usage, num_top,
                          return_token_ids=bool(fields.boolean(body, "return_token_ids")),
                          client_request_id=request_id, id_prefix=id_prefix)
+
+
+def _beam_options(body: dict[str, Any], n: int | None) -> BeamOptions | None:
+    """vLLM's `use_beam_search` with `length_penalty` (and transformers' `early_stopping`):
+    `best_of` beams (default n), the n best returned. `best_of` without beam search is
+    OpenAI's sampling of the best of several, which pagemesh does not serve."""
+    best_of = body.get("best_of")
+    if best_of is not None and not fields.is_int(best_of):
+        raise ProtocolError(f"best_of must be an integer, got {fields.shown(best_of)}", "best_of")
+    if not fields.boolean(body, "use_beam_search"):
+        if best_of not in (None, 1):
+            raise ProtocolError("best_of is served with use_beam_search only (the beam width); "
+                                "to sample several answers, use n", "best_of")
+        for name in ("length_penalty", "early_stopping"):
+            if body.get(name) is not None:
+                raise ProtocolError(f"{name} applies to beam search: set use_beam_search "
+                                    "true, or drop it", name)
+        return None
+    width = best_of if best_of is not None else (1 if n is None else n)
+    if width < 1:
+        raise ProtocolError(f"best_of must be >= 1, got {width}", "best_of")
+    length_penalty = fields.number(body, "length_penalty")
+    early = body.get("early_stopping", False)
+    if early not in (True, False, "never"):
+        raise ProtocolError(f"early_stopping must be true, false or \"never\", got "
+                            f"{fields.shown(early)}", "early_stopping")
+    return BeamOptions(width, 1.0 if length_penalty is None else length_penalty, early)
 
 
 def _identity(body: dict[str, Any], headers: Mapping[str, str]

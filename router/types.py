@@ -28,6 +28,16 @@ class FinishReason(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class BeamOptions:
+    """`use_beam_search`: `width` beams (OpenAI's best_of, else n), the request's `n` best
+    returned; transformers' `length_penalty` and `early_stopping` (True, False, "never")."""
+
+    width: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One client request, as either API states it. Unset options are None / 0 and get their
     defaults from `pagemesh.options.validation.validate`."""
@@ -53,6 +63,7 @@ class GenerationRequest:
     # A vision-language prompt's images, in the order of its image tokens: encoded bytes, or
     # an http(s) URL the router fetches (pagemesh/media.py) before checking them.
     images: list[bytes | RemoteImage] = field(default_factory=list)
+    beam: BeamOptions | None = None  # vLLM's `use_beam_search` (router/beam.py); None: off
 
 
 @dataclass(frozen=True)

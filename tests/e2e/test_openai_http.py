@@ -274,3 +274,37 @@ def test_client_disconnect_before_a_non_streaming_answer_cancels_the_request(
         eventually(lambda: scheduler_stats(redis_url, "e2e-llama").num_running == 1, 30,
                    "the request running", interval_s=0.02)
     assert_cancelled_before_its_end(redis_url, num_steps_at_send)
+
+
+def test_beam_search_equals_transformers_and_refuses_sampling(
+        http_url: str, client: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    """vLLM's `use_beam_search`: best_of beams, the n best returned, as transformers'
+    generate(num_beams=best_of, num_return_sequences=n) gives them; streamed, the same
+    choices come as events. Sampling options with it are a 400 naming them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 17, 33, 101, 7, 250, 3, 9]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": 2, "best_of": 3,
+            "use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True}
+    answer = httpx.post(f"{http_url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=2,
+                                  length_penalty=0.5, do_sample=False, max_new_tokens=8,
+                                  pad_token_id=0)[:, len(prompt):].tolist()
+    assert [c["token_ids"] for c in choices] == expected
+    assert answer.json()["usage"]["completion_tokens"] == 16
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, n=2,
+                                         best_of=3, stream=True,
+                                         extra_body={"use_beam_search": True,
+                                                     "length_penalty": 0.5})
+    texts = {chunk.choices[0].index: chunk.choices[0].text for chunk in streamed
+             if chunk.choices}
+    assert [texts[0], texts[1]] == [c["text"] for c in choices]
+    for extra, named in [({"temperature": 0.8}, "temperature"), ({"n": 4}, "best_of"),
+                         ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop strings")]:
+        refused = httpx.post(f"{http_url}/v1/completions", json={**body, **extra}, timeout=30)
+        assert refused.status_code == 400 and named in refused.text, refused.text

@@ -280,7 +280,8 @@ FIELD_NAMES = ["model", "prompt", "messages", "max_tokens", "max_completion_toke
                "stop_token_ids", "seed", "logprobs", "top_logprobs", "presence_penalty",
                "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
                "priority", "echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice",
-               "response_format", "request_id", "resume_from", "return_token_ids", "user"]
+               "response_format", "request_id", "resume_from", "return_token_ids", "user",
+               "use_beam_search", "length_penalty", "early_stopping"]
 MESSAGES = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from([*oai.CHAT_ROLES, "wizard"]), "content": st.text(max_size=8) | JSON_VALUES}),
     max_size=3)
