@@ -526,12 +526,15 @@ class ModelRunner:
         while the forward runs; None when no row is constrained."""
         constrained: list[ConstrainedRow] = []
         for row, request_id in enumerate(request_ids):
+            if row and request_ids[row - 1] == request_id:
+                continue  # a draft's row: its mask comes with its request's first row
             state = self.requests[request_id]
             if state.sampling.grammar:
                 if state.grammar is None:
                     state.grammar = self._grammar_vocabulary().new_state(state.sampling.grammar)
                 constrained.append(ConstrainedRow(row, state.grammar,
-                                                  state.token_ids[state.num_prompt_tokens:]))
+                                                  state.token_ids[state.num_prompt_tokens:],
+                                                  state.draft_token_ids))
         return PendingMasks.start(self._grammar_vocabulary(), constrained) if constrained else None
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str], pending: PendingMasks | None

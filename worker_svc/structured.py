@@ -96,32 +96,54 @@ def _load_llguidance_tokenizer(model_path: str, vocab_size: int, eos_token_ids: 
 
 @dataclass(frozen=True)
 class ConstrainedRow:
-    """A batch row whose draw is constrained: its state and the request's output so far."""
+    """A batch row whose draw is constrained: its state and the request's output so far;
+    with speculative decoding, its drafts, each verified on the row after (row + j + 1 is
+    drawn under the grammar as it stands once drafts[:j + 1] are output)."""
 
     row: int
     state: GrammarState
     output_token_ids: Sequence[int]
+    draft_token_ids: Sequence[int] = ()
+
+    @property
+    def rows(self) -> range:
+        return range(self.row, self.row + 1 + len(self.draft_token_ids))
 
 
 def token_bitmask(vocabulary: GrammarVocabulary, rows: Sequence[ConstrainedRow]) -> torch.Tensor:
-    """int32 [len(rows), ceil(vocab_size / 32)]: the tokens each row may draw next, as
-    llguidance writes them (token i is bit i % 32 of word i // 32); the sampler applies them
-    to the logits as they are (kernels/cpu_fused.apply_token_bitmask_). Each matcher first
-    consumes the row's output tokens it has not seen yet."""
+    """int32 [mask rows, ceil(vocab_size / 32)]: the tokens each row (and each draft's row
+    after it) may draw next, as llguidance writes them (token i is bit i % 32 of word
+    i // 32); the sampler applies them to the logits as they are
+    (kernels/cpu_fused.apply_token_bitmask_). Each matcher first consumes the row's output
+    tokens it has not seen yet; its drafts are consumed only to compute their rows' masks,
+    and left unconsumed (llguidance rolls them back), so a rejected draft leaves no trace."""
     for constrained in rows:
         _catch_up(constrained, vocabulary.eos_token_ids)
     words = (vocabulary.vocab_size + 31) // 32
-    bits = torch.zeros((len(rows), words), dtype=torch.int32)
-    live = [(c.state.matcher, i) for i, c in enumerate(rows) if not c.state.failed]
-    if live:
-        vocabulary.executor().unsafe_compute_mask_ptr(  # type: ignore[attr-defined]
-            live, bits.data_ptr(), words * 4, len(rows))
+    starts, num_rows = [], 0
+    for constrained in rows:
+        starts.append(num_rows)
+        num_rows += len(constrained.rows)
+    bits = torch.zeros((num_rows, words), dtype=torch.int32)
+    live = [(c, start) for c, start in zip(rows, starts) if not c.state.failed]
+    executor = vocabulary.executor()
+    if any(c.draft_token_ids for c, _ in live):
+        executor.unsafe_compute_mask_ptr_with_draft_token(  # type: ignore[attr-defined]
+            [(c.state.matcher, start, list(c.draft_token_ids)) for c, start in live],
+            bits.data_ptr(), words * 4, num_rows)
+    elif live:
+        executor.unsafe_compute_mask_ptr(  # type: ignore[attr-defined]
+            [(c.state.matcher, start) for c, start in live], bits.data_ptr(), words * 4,
+            num_rows)
     words_u32 = bits.numpy().view(np.uint32)  # the same memory, bit 31 without sign trouble
-    for i, constrained in enumerate(rows):
-        if constrained.state.failed:  # only EOS
-            words_u32[i] = 0
-            for eos in vocabulary.eos_token_ids:
-                words_u32[i, eos // 32] |= np.uint32(1 << (eos % 32))
+    for constrained, start in zip(rows, starts):
+        for i in range(start, start + len(constrained.rows)):
+            # A failed output allows only EOS; so does a row after a draft the grammar
+            # refuses (it is never kept: that draft is rejected), rather than no token.
+            if constrained.state.failed or not words_u32[i].any():
+                words_u32[i] = 0
+                for eos in vocabulary.eos_token_ids:
+                    words_u32[i, eos // 32] |= np.uint32(1 << (eos % 32))
     return bits
 
 
@@ -137,7 +159,7 @@ class PendingMasks:
 
     @classmethod
     def start(cls, vocabulary: GrammarVocabulary, rows: list[ConstrainedRow]) -> PendingMasks:
-        return cls([c.row for c in rows],
+        return cls([row for c in rows for row in c.rows],
                    vocabulary.mask_thread().submit(token_bitmask, vocabulary, rows))
 
     def settle(self) -> None:

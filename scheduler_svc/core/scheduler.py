@@ -370,11 +370,11 @@ class Scheduler:
         return budget
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens to verify after a decode's token (none for a prefill, an embedding
-        or structured-output request), within the step's budget, max_tokens and
-        max_model_len."""
+        """Draft tokens to verify after a decode's token (none for a prefill or an embedding
+        request), within the step's budget, max_tokens and max_model_len. A structured-output
+        request's drafts are verified under its grammar (worker_svc/structured.py)."""
         if (request.num_computed_tokens + 1 != request.num_tokens or request.pooling
-                is not None or request.sampling.grammar or request.num_pending_tokens):
+                is not None or request.num_pending_tokens):
             return []
         assert self.proposer is not None
         room = min(self.proposer.max_drafts(request.request_id), budget - 1,

@@ -1,7 +1,8 @@
 """Speculative decoding through the offline `LLM` (`speculative_config`, vLLM's): the
 default model asked to copy code with a change keeps most of its n-gram drafts, and every
 request gives the tokens and logprobs it gives without speculation: greedy, seeded samples,
-n = 2, and a JSON-constrained request beside them (it gets no drafts). At tp = 2 the
+n = 2, a JSON-constrained request beside them, and a regex-constrained request whose output
+repeats itself (its drafts are verified under its grammar). At tp = 2 the
 drafts are verified across the ranks the same way."""
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ def answers(llm: LLM) -> list[tuple[list[int], list[float]]]:
             for o in outputs for c in o.outputs]
 
 
+def constrained_repeat(llm: LLM) -> tuple[list[int], list[float], int]:
+    """A regex that makes the output repeat itself: n-gram drafts come from its own output,
+    and are verified under the grammar. Its tokens, logprobs, and the drafts verified."""
+    before = drafts_kept(llm)[0] if llm._engine.engine_loop.scheduler.proposer else 0
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=1,
+                            structured_outputs={"regex": r"(merge_sorted\(left, right\); ){4}"})
+    (output,) = llm.chat([MESSAGES], params, use_tqdm=False)
+    (choice,) = output.outputs
+    after = drafts_kept(llm)[0] if llm._engine.engine_loop.scheduler.proposer else 0
+    return (list(choice.token_ids),
+            [lp[t].logprob for t, lp in zip(choice.token_ids, choice.logprobs or [])],
+            after - before)
+
+
 def drafts_kept(llm: LLM) -> tuple[int, int]:
     scheduler = llm._engine.engine_loop.scheduler
     return scheduler.num_draft_tokens, scheduler.num_accepted_tokens
@@ -43,9 +58,13 @@ def drafts_kept(llm: LLM) -> tuple[int, int]:
 def test_ngram_drafts_change_no_token_and_are_mostly_kept_on_a_copy(smollm2_gguf: Path) -> None:
     with LLM(str(smollm2_gguf), dtype="float32") as plain:
         expected = answers(plain)
+        expected_repeat = constrained_repeat(plain)
     with LLM(str(smollm2_gguf), dtype="float32", speculative_config=NGRAM) as speculating:
         got = answers(speculating)
         drafted, kept = drafts_kept(speculating)
+        repeat = constrained_repeat(speculating)
+    assert repeat[0] == expected_repeat[0] and repeat[2] > 0
+    assert repeat[1] == pytest.approx(expected_repeat[1], abs=1e-4)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
     for (_, logprobs), (_, reference) in zip(got, expected):
         assert logprobs == pytest.approx(reference, abs=1e-4)

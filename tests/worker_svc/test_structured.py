@@ -106,3 +106,40 @@ def test_a_rebuilt_request_continues_inside_its_grammar(model: Path) -> None:
     text = llg_tokenizer(model, runner.info().vocab_size).decode_str(  # type: ignore[attr-defined]
         up_to_eos(whole.outputs)[:-1])
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_draft_rows_are_masked_as_if_each_draft_were_output(model: Path) -> None:
+    """Speculative decoding: a constrained request's row after draft j is masked by the
+    grammar once drafts[:j + 1] are output, its matcher is left where its output is (a
+    rejected draft leaves no trace), and a row after a draft the grammar refuses allows
+    only EOS (never kept, since that draft is rejected)."""
+    from transformers import AutoTokenizer
+
+    from worker_svc.structured import ConstrainedRow, GrammarVocabulary, token_bitmask
+
+    vocab_size = ModelRunner.from_config(RunnerConfig(model_path=str(model), block_size=4,
+                                                      num_blocks=8)).info().vocab_size
+    vocabulary = GrammarVocabulary(str(model), vocab_size, (EOS,))
+    grammar = to_grammar(CONSTRAINTS["regex"])
+    ids = AutoTokenizer.from_pretrained(model).encode("yes, 123.", add_special_tokens=False)
+
+    def masks_one_by_one(tokens: list[int]) -> list[torch.Tensor]:
+        state = vocabulary.new_state(grammar)
+        rows = []
+        for end in range(len(tokens) + 1):
+            rows.append(token_bitmask(vocabulary, [ConstrainedRow(0, state, tokens[:end])])[0])
+        return rows
+
+    state = vocabulary.new_state(grammar)
+    drafted = token_bitmask(vocabulary, [ConstrainedRow(0, state, ids[:1], ids[1:])])
+    expected = masks_one_by_one(ids)[1:]
+    assert len(drafted) == len(ids) and all(torch.equal(a, b) for a, b in zip(drafted, expected))
+    again = token_bitmask(vocabulary, [ConstrainedRow(0, state, ids[:1])])[0]
+    assert torch.equal(again, expected[0])  # the drafts were not consumed
+    allowed_after_two = expected[1].numpy().view("uint32")
+    bad = next(t for t in range(1, vocab_size)
+               if not allowed_after_two[t // 32] >> (t % 32) & 1)
+    refused = token_bitmask(vocabulary, [ConstrainedRow(0, state, ids[:1], [ids[1], bad])])
+    eos_only = torch.zeros_like(refused[0])
+    eos_only[EOS // 32] = 1 << (EOS % 32)
+    assert torch.equal(refused[1], expected[1]) and torch.equal(refused[2], eos_only)
