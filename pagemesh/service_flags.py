@@ -134,6 +134,13 @@ _SHARED = (
                 "worker at start", repeatable=True),
     ServiceFlag("--max-loras", (SCHEDULER, WORKER),
                 "LoRA adapters one step may hold (the workers' slots)", type=int, default=1),
+    ServiceFlag("--speculative-config", (SCHEDULER, WORKER),
+                "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+                "\"prompt_lookup_max\": 5}, {\"method\": \"suffix\"} or a draft model "
+                "{\"model\": \"/path\", \"num_speculative_tokens\": 4}; the output is "
+                "the same as without it (async scheduling is off while speculating)",
+                default=""),
     ServiceFlag("--max-cpu-loras", (SCHEDULER, WORKER),
                 "LoRA adapters a group holds at once (workers keep them in memory; the least "
                 "recently named beyond --lora-modules is let go, and read again from its "
@@ -216,11 +223,7 @@ _SCHEDULER = (
     _scheduler("--async-scheduling",
                "plan the next step while one runs (groups of one rank; larger ones keep one "
                "step in flight, or one per pipeline stage)", type=bool, default=True),
-    _scheduler("--speculative-config",
-               "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
-               "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
-               "\"prompt_lookup_max\": 5}; the output is the same as without it (async "
-               "scheduling is off while speculating)", default=""),
+
     _scheduler("--scheduling-policy",
                "admission order and preemption victim: arrival, or request priority",
                default="fcfs", choices=("fcfs", "priority")),

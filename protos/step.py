@@ -236,3 +236,6 @@ class ModelRunnerOutput:
     # Embedding requests whose prompt was completed this step: the vector, float32
     # little-endian (pooled, cut to its dimensions, normalised where the model says).
     pooled: dict[RequestId, bytes] = field(default_factory=dict)
+    # Draft-model speculative decoding: each sampled request's drafts for its next step
+    # (worker_svc/draft.py), after the tokens above.
+    draft_token_ids: dict[RequestId, list[int]] = field(default_factory=dict)

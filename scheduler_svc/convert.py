@@ -238,7 +238,9 @@ def model_runner_output_from_pb(pb: worker_pb2.ExecuteStepResponse) -> ModelRunn
         else:
             sampled[request_id] = token
     return ModelRunnerOutput(step_id=pb.step_id, sampled=sampled, spec_sampled=spec_sampled,
-                             pooled={RequestId(p.request_id): p.embedding for p in pb.pooled})
+                             pooled={RequestId(p.request_id): p.embedding for p in pb.pooled},
+                             draft_token_ids={RequestId(d.request_id): list(d.token_ids)
+                                              for d in pb.drafts})
 
 
 def finish_reason_to_pb(reason: FinishReason | None) -> int:

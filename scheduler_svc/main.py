@@ -32,7 +32,7 @@ from scheduler_svc import convert
 from scheduler_svc.adapters import GroupAdapters
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from pagemesh.speculative_config import SpeculativeConfig
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine

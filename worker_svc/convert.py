@@ -100,6 +100,8 @@ def model_runner_output_to_pb(output: ModelRunnerOutput) -> worker_pb2.ExecuteSt
         ],
         pooled=[worker_pb2.PooledOutput(request_id=request_id, embedding=vector)
                 for request_id, vector in output.pooled.items()],
+        drafts=[worker_pb2.DraftTokens(request_id=request_id, token_ids=tokens)
+                for request_id, tokens in output.draft_token_ids.items()],
     )
 
 

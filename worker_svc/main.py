@@ -34,6 +34,8 @@ from pagemesh.registry_entries import WorkerEntry, WorkerStatus
 from pagemesh.service_flags import WORKER_OPTIONS, expert_parallel_error
 from pagemesh.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from pagemesh.speculative_config import SpeculativeConfig
+from worker_svc.draft import draft_config
 from worker_svc.attention import needs_triton_interpreter
 from worker_svc.cuda_graphs import parse_capture_sizes
 from worker_svc.diagnostics import process_rss_bytes
@@ -122,6 +124,7 @@ def runner_config(args: argparse.Namespace, parallel: ParallelConfig) -> RunnerC
               if args.enable_lora else None),
         cuda_graph_sizes=(parse_capture_sizes(args.cuda_graph_sizes)
                           if args.cuda_graph_sizes else None),
+        draft=draft_config(SpeculativeConfig.parse(args.speculative_config)),
     )
 
 

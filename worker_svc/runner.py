@@ -26,6 +26,8 @@ from protos.step import (ImageTiling, ModelRunnerOutput, PoolingInfo, SampledTok
                          SchedulerOutput)
 from worker_svc import sampler
 from worker_svc.spec_verify import accept_drafts, check_drafts, sampling_rows
+from worker_svc.draft import (DraftConfig, DraftModel, check_same_tokenizer,
+                              check_same_vocabulary)
 from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 from worker_svc.attention import AttentionBackend, get_attention_backend
 from worker_svc.batch import (
@@ -122,6 +124,9 @@ class RunnerConfig:
     # Multi-LoRA (worker_svc/lora/): adapters in one step, their rank limit, and how many
     # stay in memory; None = LoRA off.
     lora: LoraConfig | None = None
+    # Draft-model speculative decoding (worker_svc/draft.py): loaded by the driver of the
+    # last stage; None = no draft model.
+    draft: DraftConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -184,8 +189,10 @@ class ModelRunner:
         eplb_interval_steps: int = 0,
         image_embedder: ImageEmbedder | None = None,
         lora: LoraConfig | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.model = model
+        self.draft = draft
         # LoRA slots sized from the layers' weights, before packing leaves only their shapes.
         self.lora = LoraManager.from_config(model, lora) if lora is not None else None
         self.cpu_linear = pack_linear_weights(model, cpu_linear)
@@ -234,7 +241,13 @@ class ModelRunner:
         )
         spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
         budget = rank_kv_budget(config, model, metadata, spec)
-        num_blocks = num_blocks_for_budget(spec, budget.bytes, config.num_blocks)
+        draft = _load_draft(config, metadata) if config.draft is not None else None
+        budget_bytes = budget.bytes
+        if draft is not None and budget_bytes is not None:  # the draft's blocks share it
+            draft_bytes = draft[1].bytes_per_block
+            budget_bytes = budget_bytes * spec.bytes_per_block // (spec.bytes_per_block
+                                                                   + draft_bytes)
+        num_blocks = num_blocks_for_budget(spec, budget_bytes, config.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each, %.2f GiB); %s",
                     num_blocks, config.block_size, spec.bytes_per_block,
                     num_blocks * spec.bytes_per_block / (1 << 30), budget.sizing)
@@ -247,6 +260,11 @@ class ModelRunner:
             kv_prefault_blocks=(config.kv_prefault_steps * config.max_num_batched_tokens
                                 // config.block_size),
             eplb_interval_steps=config.eplb_interval_steps, lora=config.lora,
+            draft=(DraftModel(draft[0], draft[1], num_blocks,
+                              get_attention_backend(config.attention_backend, config.device),
+                              torch.device(config.device), config.draft.num_drafts,
+                              metadata.max_model_len)
+                   if draft is not None and config.draft is not None else None),
             image_embedder=(llava_image_embedder(metadata, config.device)
                             if metadata.image_seq_length and config.parallel.is_first_stage
                             else None),
@@ -405,6 +423,8 @@ class ModelRunner:
         move_blocks(self.kv_caches, self.swap_caches, step.blocks_to_swap_out)
         move_blocks(self.swap_caches, self.kv_caches, step.blocks_to_swap_in)
         move_blocks(self.kv_caches, self.kv_caches, step.blocks_to_copy)
+        if self.draft is not None:
+            self.draft.copy_blocks(step.blocks_to_copy)
         self._update_states(step)
         if not step.num_scheduled_tokens:
             if not self.parallel.is_last_stage:
@@ -418,9 +438,12 @@ class ModelRunner:
         masks = self._start_masks(batch.sample_request_ids) if samples_here else None
         try:
             hidden, residual = self._forward(batch, step.num_scheduled_tokens, intermediate)
+            if self.draft is not None:
+                self.draft.follow(batch)
             sampled: dict[str, SampledToken] = {}
             spec_sampled: dict[str, list[SampledToken]] = {}
             pooled: dict[str, bytes] = {}
+            drafts: dict[str, list[int]] = {}
             if not self.parallel.is_last_stage:
                 self._send_downstream(step.step_id, digest, hidden, residual)
             elif batch.pool_segments:
@@ -435,6 +458,9 @@ class ModelRunner:
                 if self.parallel.is_driver:
                     sampled, spec_sampled = self._sample(logits, batch.sample_request_ids,
                                                          masks)
+                    if self.draft is not None:
+                        drafts = self.draft.propose(self.requests, self.block_tables, sampled,
+                                                    spec_sampled)
                     if step.append_sampled_tokens:
                         for request_id, token in sampled.items():
                             self.requests[request_id].token_ids.append(token.token_id)
@@ -448,7 +474,7 @@ class ModelRunner:
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
         return ModelRunnerOutput(step_id=step.step_id, sampled=sampled,
                                  spec_sampled=spec_sampled, forward_time_ms=forward_time_ms,
-                                 pooled=pooled)
+                                 pooled=pooled, draft_token_ids=drafts)
 
     def _forward(self, batch: StepBatch, num_scheduled_tokens: dict[str, int],
                  intermediate: tuple[torch.Tensor, torch.Tensor] | None
@@ -573,3 +599,20 @@ def _kv_cache_spec(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
         head_dim=model.config.head_dim,
         dtype=dtype,
     )
+
+
+def _load_draft(config: RunnerConfig, metadata: ModelMetadata
+                ) -> tuple[LlamaForCausalLM, KVCacheSpec] | None:
+    """The draft model (worker_svc/draft.py), on the rank that samples; None elsewhere."""
+    assert config.draft is not None
+    if not (config.parallel.is_last_stage and config.parallel.is_driver):
+        return None
+    path = config.draft.model_path
+    check_same_tokenizer(metadata.path, path)
+    model, draft_metadata = load_model(path, dtype=config.dtype, device=config.device,
+                                       max_model_len=metadata.max_model_len)
+    check_same_vocabulary(metadata.vocab_size, draft_metadata.vocab_size, path)
+    pack_linear_weights(model, config.cpu_linear)
+    logger.info("draft model %s: %d layers, %d drafts a step", path, model.num_local_layers,
+                config.draft.num_drafts)
+    return model, _kv_cache_spec(model, config.block_size, draft_metadata.dtype)

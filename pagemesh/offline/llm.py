@@ -46,7 +46,7 @@ from pagemesh.offline.lora import AdapterChecks, LoRARequest, per_prompt
 from pagemesh.offline.outputs import RequestOutput
 from pagemesh.beam_search import BeamSearchParams
 from pagemesh.offline.beam import BeamSearchOutput, beam_search
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from pagemesh.speculative_config import SpeculativeConfig
 from pagemesh.offline.setup import EngineSetup, build_engine, check_servable
 from worker_svc.lora import LoraConfig
 from pagemesh.sampling_params import SamplingParams

@@ -24,7 +24,8 @@ from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.policy import POLICIES
 from protos.step import LoraRef
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from pagemesh.speculative_config import SpeculativeConfig
+from worker_svc.draft import draft_config
 from worker_svc.lora import LoraConfig
 from worker_svc.runner import RunnerConfig, RunnerInfo
 
@@ -194,7 +195,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         swap_space_bytes=int(setup.swap_space_gib * GIB), max_model_len=setup.max_model_len,
         parallel=ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0,
                                 expert_parallel=setup.enable_expert_parallel),
-        task=setup.task, lora=setup.lora,
+        task=setup.task, lora=setup.lora, draft=draft_config(setup.speculative),
     )
     workers = None
     load_lora = None

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from protos.step import PoolingInfo
 from scheduler_svc.core.policy import POLICIES
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from pagemesh.speculative_config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 # The scheduler service's --preemption-mode default (pagemesh.service_flags; a test checks
@@ -91,8 +91,23 @@ class SchedulerConfig:
             raise ValueError("async scheduling is off while speculating: a step planned "
                              "ahead would assume one token, and a verified step adds up to "
                              f"{self.speculative.num_speculative_tokens + 1}")
+        if self.speculative is not None:
+            self._check_speculative(self.speculative.num_speculative_tokens)
         if self.preemption_mode == "swap" and self.num_swap_blocks == 0:
             raise ValueError("preemption_mode 'swap' needs num_swap_blocks > 0")
+
+    def _check_speculative(self, num_drafts: int) -> None:
+        """A decode and its drafts go in one step, and their KV in the request's blocks and
+        the blocks after (lookahead slots span blocks, so the block size sets no bound)."""
+        if num_drafts + 1 > self.max_num_batched_tokens:
+            raise ValueError(f"num_speculative_tokens {num_drafts} does not fit a step: a "
+                             f"decode and its drafts are {num_drafts + 1} tokens, and "
+                             f"max_num_batched_tokens is {self.max_num_batched_tokens}")
+        lookahead_blocks = -(-(num_drafts + 1) // self.block_size) + 1
+        if num_drafts >= self.max_model_len or lookahead_blocks > self.num_blocks:
+            raise ValueError(f"num_speculative_tokens {num_drafts} is more than the context "
+                             f"({self.max_model_len} tokens) or the KV cache ({self.num_blocks} "
+                             f"blocks of {self.block_size}) can hold for one request")
 
 
 @dataclass(frozen=True)

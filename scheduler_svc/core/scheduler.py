@@ -32,7 +32,7 @@ from scheduler_svc.core.admission import check_admissible, check_samples, stop_s
 from scheduler_svc.core.config import CapacityError, SchedulerConfig, SchedulerStats
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.policy import WaitingQueue
-from scheduler_svc.core.spec_decode import NgramProposer
+from scheduler_svc.core.spec_decode import make_proposer
 from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 
 __all__ = ["CapacityError", "Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -81,7 +81,9 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_swap_ins = 0
         # Speculative decoding: the drafts' proposer (None: off), and its totals.
-        self.proposer = NgramProposer(config.speculative) if config.speculative else None
+        self.proposer = make_proposer(config.speculative) if config.speculative else None
+        # Slots asked for past a decode's tokens: a draft model writes its proposals' KV there.
+        self._proposal_room = getattr(self.proposer, "proposal_room", 0)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
@@ -221,6 +223,8 @@ class Scheduler:
                                        len(request.prompt_token_ids),
                                        num_draft_tokens=num_drafts,
                                        num_accepted_tokens=len(tokens) - 1 if num_drafts else 0))
+        if result.draft_token_ids and hasattr(self.proposer, "offer"):  # a draft model's
+            self.proposer.offer({r: d for r, d in result.draft_token_ids.items() if r in requests})
         if result.pooled:
             events += self._pooled(output, result.pooled)
             any_finished = True
@@ -338,10 +342,15 @@ class Scheduler:
             drafts = self._drafts(request, budget) if self.proposer and not ahead else []
             if drafts:
                 num_new += len(drafts)
-            if num_computed + num_new <= len(request.block_ids) * block_size:
+            room = self._proposal_room if num_computed + num_new == request.num_tokens + len(
+                drafts) else 0  # a decode, or a prefill's last chunk
+            if num_computed + num_new + room <= len(request.block_ids) * block_size:
                 new_blocks = []  # the common decode: the last block has room
-            elif drafts and (new_blocks := allocate_slots(request, num_new)) is not None:
-                pass  # the drafts' lookahead slots
+            elif (drafts or room) and (new_blocks := allocate_slots(request, num_new + room)
+                                       ) is not None:
+                pass  # the drafts' lookahead slots, and the draft model's
+            elif num_computed + num_new <= len(request.block_ids) * block_size:
+                new_blocks = []
             else:
                 if drafts:  # never preempt anyone for drafts: decode without them
                     num_new -= len(drafts)
@@ -578,6 +587,9 @@ class Scheduler:
             self.waiting.discard(request.request_id)
         request.status = status
         if self.proposer is not None:
+            if request.output_token_ids:  # its last tokens too (suffix decoding keeps them)
+                self.proposer.propose(request.request_id, request.prompt_token_ids,
+                                      request.output_token_ids, 0)
             self.proposer.forget(request.request_id)
         self.kv.forget(request)
         self._pending_forks.pop(request.request_id, None)

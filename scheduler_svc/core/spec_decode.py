@@ -1,86 +1,71 @@
-"""Speculative decoding's configuration and the scheduler's draft proposers.
+"""The scheduler's draft proposers for speculative decoding (the config:
+pagemesh/speculative_config.py).
 
-The scheduler proposes drafts itself, from each request's own tokens, and sends them in the
-step message (`CachedRequestData.spec_token_ids`): no second round trip, and the workers
-need nothing but the drafts. They verify them by drawing the token decoding without drafts
-would draw at each drafted position (worker_svc/spec_verify.py), so the output equals
-decoding without speculation token for token, seeded draws included, and only the step's
-cost changes.
+Drafts travel in the step message (`CachedRequestData.spec_token_ids`): no second round
+trip. The workers verify them by drawing the token decoding without drafts would draw at
+each drafted position (worker_svc/spec_verify.py), so the output equals decoding without
+speculation token for token, seeded draws included, and only the step's cost changes.
 
-`ngram` (vLLM's prompt lookup): the longest n-gram of `prompt_lookup_min..max` tokens ending
-the request's tokens that occurred before in them; the tokens that followed its latest
-occurrence are the drafts. A request's draft length adapts (halved after a step that kept
-none of its drafts, doubled back after one that kept all), so text with nothing to copy
-costs little: a rejected draft is one more row of the step.
+- `ngram` (vLLM's prompt lookup, `NgramProposer`): the longest n-gram of
+  `prompt_lookup_min..max` tokens ending the request's tokens that occurred before in them;
+  the tokens that followed its latest occurrence are the drafts. A request's draft length
+  adapts (halved after a step that kept none of its drafts, doubled back after one that
+  kept all), so text with nothing to copy costs little: a rejected draft is one more row.
+- `suffix` (suffix decoding, scheduler_svc/core/suffix_decoding.py): the likeliest
+  continuation by counts, over the request's own tokens and over other requests' outputs.
+- `draft_model` (`WorkerDrafts`): a smaller model on the sampling rank proposes each
+  request's drafts at the end of its step (worker_svc/draft.py); they come back with the
+  step's tokens and go out in the next step.
 """
-
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-METHODS = ("ngram",)
-# vLLM's defaults for prompt lookup when neither bound is given.
-DEFAULT_PROMPT_LOOKUP = 5
+from pagemesh.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.suffix_decoding import SuffixProposer
+
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | WorkerDrafts:
+    """The scheduler's proposer for the config's method."""
+    if config.method == "suffix":
+        from scheduler_svc.core.suffix_decoding import SuffixProposer
+
+        return SuffixProposer(config)
+    if config.method == "draft_model":
+        return WorkerDrafts(config)
+    return NgramProposer(config)
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `--speculative-config` / `LLM(speculative_config=...)` fields that apply."""
+class WorkerDrafts:
+    """`draft_model`: the drafts the draft model proposed on the sampling rank at the end of
+    a request's last step (ModelRunnerOutput.draft_token_ids), handed out at its next step.
+    `proposal_room` slots past a decode's tokens are asked for too, so that the draft has
+    blocks to write its proposals' KV in."""
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 0
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposal_room = config.num_speculative_tokens
+        self._drafts: dict[str, list[int]] = {}
 
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not served: the methods "
-                             f"are {', '.join(METHODS)}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError("speculative decoding needs num_speculative_tokens >= 1 (the "
-                             "drafts verified per step)")
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None and high is None:
-            low = high = DEFAULT_PROMPT_LOOKUP
-        low, high = low or high, high or low
-        assert low is not None and high is not None
-        if not 1 <= low <= high:
-            raise ValueError(f"prompt_lookup_min {low} and prompt_lookup_max {high} must be "
-                             "1 <= min <= max")
-        object.__setattr__(self, "prompt_lookup_min", low)
-        object.__setattr__(self, "prompt_lookup_max", high)
+    def offer(self, drafts: Mapping[str, list[int]]) -> None:
+        self._drafts.update(drafts)
 
-    @classmethod
-    def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
-        """From vLLM's JSON (or a dict); None for none. Fields vLLM has that pagemesh does
-        not serve are named in the error, with what to use."""
-        if value is None or value == "" or value == {}:
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
-        if not isinstance(value, Mapping):
-            raise ValueError("the speculative config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        settings = dict(value)
-        if "model" in settings and "method" not in settings:
-            raise ValueError("draft-model speculation (a 'model') is not served yet: use "
-                             "\"method\": \"ngram\"")
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative config fields {unknown}: the fields are "
-                             f"{sorted(known)}")
-        return cls(**settings)
+    def max_drafts(self, request_id: str) -> int:
+        return self.config.num_speculative_tokens
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def propose(self, request_id: str, prompt: Sequence[int], output: Sequence[int],
+                max_drafts: int) -> list[int]:
+        return self._drafts.pop(request_id, [])[:max(max_drafts, 0)]
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """The draft model proposes what it proposes: no back-off here."""
+
+    def forget(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)
 
 
 class NgramProposer:

@@ -1,9 +1,11 @@
-"""Speculative decoding through the mesh: `pagemesh up --pp 2 --speculative-config '{ngram}'`.
-The scheduler drafts, the last pipeline stage verifies, every stage learns the kept tokens
-from the next step: greedy answers equal transformers' (tokens and logprobs), a seeded
-sample equals the offline engine's without speculation, and the group's counters show the
-drafts. One-token n-grams on a random model: most drafts are rejected, so the rollback is
-what is under test (the default model keeping most of them is tests/offline's)."""
+"""Speculative decoding through the mesh: `pagemesh up --pp 2 --speculative-config ...`,
+with n-grams (the scheduler drafts) and with a draft model (the last stage's driver drafts
+at the end of each step, and the drafts come back with its tokens). The last pipeline
+stage verifies, every stage learns the kept tokens from the next step: greedy answers equal
+transformers' (tokens and logprobs), a seeded sample equals the offline engine's without
+speculation, and the group's counters show the drafts. One-token n-grams on a random model:
+most drafts are rejected, so the rollback is under test; the draft model is the served
+model itself, so nearly all are kept (the draft's KV follows the target's across stages)."""
 
 from __future__ import annotations
 
@@ -24,13 +26,16 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 PROMPTS = [[5, 17, 33, 101, 7, 250, 3] * 3, [9, 8, 7, 6, 5, 4, 3, 2] * 2, [40, 41, 40, 41, 40]]
 
 
-@pytest.fixture(scope="module")
-def mesh(tiny_llama_dir: Path, redis_url: str,
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def mesh(request: pytest.FixtureRequest, tiny_llama_dir: Path, redis_url: str,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    config = NGRAM if request.param == "ngram" else {"model": str(tiny_llama_dir),
+                                                    "num_speculative_tokens": 3}
     mesh = Mesh(str(tiny_llama_dir), tmp_path_factory.mktemp("logs") / "spec.log",
                 redis_url=redis_url, cluster=CLUSTER,
                 extra_args=["--pp", "2", "--dtype", "float32",
-                            "--speculative-config", json.dumps(NGRAM)])
+                            "--speculative-config", json.dumps(config)])
+    mesh.method = request.param  # type: ignore[attr-defined]
     try:
         yield mesh.wait_ready()
     finally:
@@ -55,6 +60,8 @@ def test_greedy_answers_equal_transformers(mesh: Mesh, tiny_llama_dir: Path,
         assert [lp.logprob for lp in got.logprobs] == pytest.approx(logprobs, abs=1e-4)
     stats = scheduler_stats(redis_url, CLUSTER)
     assert stats.num_draft_tokens > 0, stats
+    if mesh.method == "draft_model":  # type: ignore[attr-defined]
+        assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
     # The request's own counts, in its usage (the last chunk's).
     chunks = list(mesh.stub.Generate(greedy_request(PROMPTS[2], 24), timeout=120))
     usage = chunks[-1].usage

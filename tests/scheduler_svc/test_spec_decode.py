@@ -8,6 +8,8 @@ every request the same tokens as one that does not, with its invariants kept."""
 
 from __future__ import annotations
 
+import re
+
 import random
 from collections.abc import Callable, Sequence
 
@@ -15,11 +17,14 @@ import pytest
 
 from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.core.spec_decode import NgramProposer, SpeculativeConfig
+from pagemesh.speculative_config import SpeculativeConfig
+from scheduler_svc.core.spec_decode import NgramProposer
 from scheduler_svc.core.types import FinishReason
 from tests.support.core_harness import EOS, check_invariants, make_request
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=6)
+DRAFT = SpeculativeConfig(method="draft_model", model="/draft", num_speculative_tokens=3)
 Model = Callable[[Sequence[int]], int]
 
 
@@ -33,10 +38,16 @@ def copying_model(tokens: Sequence[int]) -> int:
     return tokens[-7]
 
 
+def drafting_model(tokens: Sequence[int]) -> int:
+    """A draft of `copying_model` that never foresees its surprises."""
+    return tokens[-7] if len(tokens) >= 7 else tokens[-1]
+
+
 def verifying_step(scheduler: Scheduler, output: SchedulerOutput, model: Model
                    ) -> ModelRunnerOutput:
     """What the sampling rank returns: a token after each request's known tokens, and one
-    more per draft equal to the token drawn before it."""
+    more per draft equal to the token drawn before it; with a draft model, each sampled
+    request's next drafts."""
     result = ModelRunnerOutput(output.step_id)
     drafts = {c.request_id: c.spec_token_ids for c in output.cached_requests}
     for request_id in output.num_scheduled_tokens:
@@ -54,6 +65,12 @@ def verifying_step(scheduler: Scheduler, output: SchedulerOutput, model: Model
         result.sampled[request_id] = SampledToken(drawn[0])
         if mine:
             result.spec_sampled[request_id] = [SampledToken(t) for t in drawn[1:]]
+        config = scheduler.config.speculative
+        if config is not None and config.method == "draft_model":
+            known = [*request.all_token_ids, *drawn]
+            for _ in range(config.num_speculative_tokens):
+                known.append(drafting_model(known))
+            result.draft_token_ids[request_id] = known[-config.num_speculative_tokens:]
     return result
 
 
@@ -114,13 +131,29 @@ def test_the_config_is_vllms_and_refuses_by_name() -> None:
                         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4,
                           "prompt_lookup_max": 2}, "1 <= min <= max"),
                         ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown"),
-                        ({"model": "/models/draft", "num_speculative_tokens": 2},
-                         "draft-model"),
+                        ({"method": "draft_model", "num_speculative_tokens": 2},
+                         'needs "model"'),
+                        ({"model": "/d", "num_speculative_tokens": 2,
+                          "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
                         ("{not json", "not JSON"), ("[1]", "JSON object")):
         with pytest.raises(ValueError, match=needle):
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError, match="async scheduling is off while speculating"):
         SchedulerConfig(num_blocks=8, async_scheduling=True, speculative=config)
+    assert SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 3}
+                                   ).method == "draft_model"  # vLLM infers it from the model
+    suffix = SpeculativeConfig.parse({"method": "suffix"})
+    assert suffix.num_speculative_tokens == 24  # vLLM's: up to the tree's depth
+    for bad, needle in (({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "[0, 1]"),
+                        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, ">= 1")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            SpeculativeConfig.parse(bad)
+    # Drafts span blocks (24 > the block size is fine); they must fit a step and the cache.
+    SchedulerConfig(num_blocks=64, block_size=16, speculative=suffix)
+    with pytest.raises(ValueError, match="does not fit a step"):
+        SchedulerConfig(num_blocks=64, max_num_batched_tokens=16, speculative=suffix)
+    with pytest.raises(ValueError, match="KV cache"):
+        SchedulerConfig(num_blocks=2, block_size=4, speculative=suffix)
 
 
 def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
@@ -195,7 +228,7 @@ def test_speculating_changes_no_token_under_load(seed: int) -> None:
         prompt = (motif * 4)[: rng.randrange(9, 26)] + [rng.randrange(20, 90)]
         requests.append((f"r{i}", prompt, rng.randrange(1, 40)))
     outputs = []
-    for speculative in (None, NGRAM):
+    for speculative in (None, NGRAM, SUFFIX, DRAFT):
         config = SchedulerConfig(num_blocks=24, block_size=4, max_model_len=64,
                                  max_num_batched_tokens=24, speculative=speculative,
                                  num_swap_blocks=8 if seed % 2 else 0)
@@ -206,7 +239,7 @@ def test_speculating_changes_no_token_under_load(seed: int) -> None:
         if speculative is not None:
             assert scheduler.num_accepted_tokens > 0
             assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
 
 
 def test_kept_drafts_that_differ_from_the_draws_are_refused() -> None:

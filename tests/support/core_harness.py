@@ -111,10 +111,11 @@ def _check_device_blocks(scheduler: Scheduler) -> None:
     assert pool.num_used_blocks == len(holders)
     speculative = scheduler.config.speculative
     lookahead = speculative.num_speculative_tokens if speculative is not None else 0
+    lookahead += scheduler._proposal_room  # a draft model's room for its proposals' KV
     for request in scheduler.running:
         # Exactly the blocks the computed (and scheduled) tokens need: nothing leaks. When
         # speculating, a request keeps the slots of its rejected drafts (its next tokens'),
-        # no more.
+        # and a draft model's room, no more.
         needed = -(-request.num_computed_tokens // block_size)
         assert needed <= len(request.block_ids) <= -(-(request.num_computed_tokens + lookahead)
                                                      // block_size)

@@ -259,16 +259,26 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class ExecuteStepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "forward_time_ms", "pooled")
+    __slots__ = ("step_id", "sampled", "forward_time_ms", "pooled", "drafts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_time_ms: float
     pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time_ms: _Optional[float] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ...) -> None: ...
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftTokens]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time_ms: _Optional[float] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[DraftTokens, _Mapping]]] = ...) -> None: ...
+
+class DraftTokens(_message.Message):
+    __slots__ = ("request_id", "token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PooledOutput(_message.Message):
     __slots__ = ("request_id", "embedding")
