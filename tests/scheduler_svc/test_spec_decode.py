@@ -120,6 +120,25 @@ def test_the_draft_length_halves_on_rejection_and_doubles_back() -> None:
     assert proposer.max_drafts("r") == 4
 
 
+def test_misses_at_one_draft_pause_drafting_longer_each_time() -> None:
+    proposer = NgramProposer(NGRAM)
+    copyable = [1, 2, 3, 4, 1, 2, 3]  # "1 2 3" again: 4 would follow
+
+    def drafted_steps(steps: int) -> list[bool]:
+        return [bool(proposer.propose("r", copyable, [], 4)) for _ in range(steps)]
+
+    for _ in range(3):
+        proposer.observe("r", 4, 0)  # 4 -> 2 -> 1, and a miss at one draft: pause 2
+    assert drafted_steps(3) == [False, False, True]
+    proposer.observe("r", 1, 0)  # another miss: pause 4
+    assert drafted_steps(5) == [False] * 4 + [True]
+    proposer.observe("r", 1, 1)  # kept: two drafts next, and the pause starts over at 2
+    proposer.observe("r", 2, 0)
+    assert drafted_steps(1) == [True]
+    proposer.observe("r", 1, 0)
+    assert drafted_steps(3) == [False, False, True]
+
+
 def test_the_config_is_vllms_and_refuses_by_name() -> None:
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
