@@ -208,9 +208,9 @@ def run_pagemesh(model: Path, prompts: list[list[int]], max_tokens: int, dtype: 
             else:
                 outputs = llm.generate(inputs, params, use_tqdm=False)
             result[f"batch{batch}_s"] = time.perf_counter() - start
-            scheduler = llm._engine.engine_loop.scheduler
-            result["drafted"] += scheduler.num_draft_tokens
-            result["kept"] += scheduler.num_accepted_tokens
+            stats = llm._engine.engine_loop.scheduler.stats()
+            result["drafted"] += stats.num_draft_tokens
+            result["kept"] += stats.num_accepted_tokens
         result[f"output_tokens_{batch}"] = sum(len(o.outputs[0].token_ids) for o in outputs)
         result["tokens" if batch == 1 else "tokens_8"] = [list(o.outputs[0].token_ids)
                                                           for o in outputs]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Sequence
 
 from protos.step import (
     BlockId,
@@ -25,14 +24,13 @@ from protos.step import (
     ModelRunnerOutput,
     NewRequestData,
     RequestId,
-    SampledToken,
     SchedulerOutput,
 )
 from scheduler_svc.core.admission import check_admissible, check_samples, stop_status
 from scheduler_svc.core.config import CapacityError, SchedulerConfig, SchedulerStats
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.policy import WaitingQueue
-from scheduler_svc.core.spec_decode import make_proposer
+from scheduler_svc.core.spec_decode import Speculation
 from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 
 __all__ = ["CapacityError", "Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -80,12 +78,8 @@ class Scheduler:
         # swap mode swapped rather than falling back to recompute.
         self.num_swap_outs = 0
         self.num_swap_ins = 0
-        # Speculative decoding: the drafts' proposer (None: off), and its totals.
-        self.proposer = make_proposer(config.speculative) if config.speculative else None
-        # Slots asked for past a decode's tokens: a draft model writes its proposals' KV there.
-        self._proposal_room = getattr(self.proposer, "proposal_room", 0)
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
+        # Speculative decoding (core/spec_decode.py): drafts, their verdicts, totals; None: off.
+        self.spec = Speculation(config) if config.speculative else None
 
     # ---- admission and abort -------------------------------------------------------------
 
@@ -200,8 +194,9 @@ class Scheduler:
             if request is None:  # it ended in the step before (async scheduling): a token too many
                 continue
             num_drafts = len(request.spec_token_ids)
-            tokens = (sampled, *self._verified(request, sampled,
-                                               result.spec_sampled.get(request_id, ())))
+            accepted = result.spec_sampled.get(request_id, ())
+            tokens = (sampled, *(self.spec.verified(request, sampled, accepted)
+                                 if self.spec else Speculation.nothing_drafted(request, accepted)))
             output_token_ids = request.output_token_ids
             # The steps in flight after this one have computed their assumed tokens too.
             if request.num_computed_tokens - len(tokens) + 1 != (
@@ -223,8 +218,8 @@ class Scheduler:
                                        len(request.prompt_token_ids),
                                        num_draft_tokens=num_drafts,
                                        num_accepted_tokens=len(tokens) - 1 if num_drafts else 0))
-        if result.draft_token_ids and hasattr(self.proposer, "offer"):  # a draft model's
-            self.proposer.offer({r: d for r, d in result.draft_token_ids.items() if r in requests})
+        if result.draft_token_ids and self.spec is not None:  # a draft model's
+            self.spec.offer({r: d for r, d in result.draft_token_ids.items() if r in requests})
         if result.pooled:
             events += self._pooled(output, result.pooled)
             any_finished = True
@@ -242,31 +237,6 @@ class Scheduler:
             if event is not None:
                 events.append(event)
         return events
-
-    def _verified(self, request: Request, first: SampledToken,
-                  accepted: Sequence[SampledToken]) -> Sequence[SampledToken]:
-        """The step's verdict on the request's drafts: its KV rolled back past the first one
-        rejected, and the tokens drawn after the first (`accepted`, one per draft kept: each
-        kept draft must equal the token drawn before it, whose KV it was computed with)."""
-        drafts = request.spec_token_ids
-        if not drafts:
-            if accepted:
-                raise ValueError(f"request {request.request_id}: tokens for drafts it was "
-                                 "not sent")
-            return ()
-        drawn = [first.token_id, *(t.token_id for t in accepted[:-1])]
-        if len(accepted) > len(drafts) or drawn[:len(accepted)] != drafts[:len(accepted)]:
-            raise ValueError(f"request {request.request_id}: {len(accepted)} drafts kept of "
-                             f"{drafts}, but the tokens drawn were {drawn}")
-        request.num_computed_tokens -= len(drafts) - len(accepted)
-        request.spec_token_ids = []
-        request.num_draft_tokens += len(drafts)
-        request.num_accepted_tokens += len(accepted)
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += len(accepted)
-        assert self.proposer is not None
-        self.proposer.observe(request.request_id, len(drafts), len(accepted))
-        return accepted
 
     def _pooled(self, output: SchedulerOutput, pooled: dict[RequestId, bytes]
                 ) -> list[RequestEvent]:
@@ -303,8 +273,8 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_hit_rate=kv.prefix_cache_hits / queries if queries else 0.0,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
+            num_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
+            num_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
         )
 
     # ---- running requests ----------------------------------------------------------------
@@ -339,11 +309,11 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until a token arrives
                 index += 1
                 continue
-            drafts = self._drafts(request, budget) if self.proposer and not ahead else []
+            drafts = self.spec.drafts(request, budget) if self.spec and not ahead else []
             if drafts:
                 num_new += len(drafts)
-            room = self._proposal_room if num_computed + num_new == request.num_tokens + len(
-                drafts) else 0  # a decode, or a prefill's last chunk
+            room = self.spec.proposal_room if self.spec and num_computed + num_new == (
+                request.num_tokens + len(drafts)) else 0  # a decode, or a prefill's last chunk
             if num_computed + num_new + room <= len(request.block_ids) * block_size:
                 new_blocks = []  # the common decode: the last block has room
             elif (drafts or room) and (new_blocks := allocate_slots(request, num_new + room)
@@ -377,20 +347,6 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
-
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens to verify after a decode's token (none for a prefill or an embedding
-        request), within the step's budget, max_tokens and max_model_len. A structured-output
-        request's drafts are verified under its grammar (worker_svc/structured.py)."""
-        if (request.num_computed_tokens + 1 != request.num_tokens or request.pooling
-                is not None or request.num_pending_tokens):
-            return []
-        assert self.proposer is not None
-        room = min(self.proposer.max_drafts(request.request_id), budget - 1,
-                   request.max_tokens - len(request.output_token_ids) - 1,
-                   self.config.max_model_len - request.num_tokens - 1)
-        return self.proposer.propose(request.request_id, request.prompt_token_ids,
-                                     request.output_token_ids, room)
 
     def _may_schedule_ahead(self, request: Request) -> bool:
         """Async scheduling: a decode whose one step in flight samples its next token, which
@@ -586,11 +542,8 @@ class Scheduler:
         else:
             self.waiting.discard(request.request_id)
         request.status = status
-        if self.proposer is not None:
-            if request.output_token_ids:  # its last tokens too (suffix decoding keeps them)
-                self.proposer.propose(request.request_id, request.prompt_token_ids,
-                                      request.output_token_ids, 0)
-            self.proposer.forget(request.request_id)
+        if self.spec is not None:
+            self.spec.finished(request)
         self.kv.forget(request)
         self._pending_forks.pop(request.request_id, None)
         self._forget_on_workers(request.request_id)

@@ -26,12 +26,84 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pagemesh.speculative_config import SpeculativeConfig
+from protos.step import SampledToken
+from scheduler_svc.core.types import Request
 
 # The longest run of decode steps an n-gram request skips drafting after its drafts missed.
 MAX_PAUSE_STEPS = 16
 
 if TYPE_CHECKING:
+    from scheduler_svc.core.config import SchedulerConfig
     from scheduler_svc.core.suffix_decoding import SuffixProposer
+
+class Speculation:
+    """The scheduler's side of speculative decoding: each decode's drafts (`drafts`), each
+    step's verdict on them (`verified`), a draft model's proposals (`offer`), and the group's
+    totals."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        assert config.speculative is not None
+        self.proposer = make_proposer(config.speculative)
+        self.max_model_len = config.max_model_len
+        # Slots asked for past a decode's tokens: a draft model writes its proposals' KV there.
+        self.proposal_room: int = getattr(self.proposer, "proposal_room", 0)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens to verify after a decode's token (none for a prefill or an embedding
+        request), within the step's budget, max_tokens and max_model_len. A structured-output
+        request's drafts are verified under its grammar (worker_svc/structured.py)."""
+        if (request.num_computed_tokens + 1 != request.num_tokens or request.pooling
+                is not None or request.num_pending_tokens):
+            return []
+        room = min(self.proposer.max_drafts(request.request_id), budget - 1,
+                   request.max_tokens - len(request.output_token_ids) - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return self.proposer.propose(request.request_id, request.prompt_token_ids,
+                                     request.output_token_ids, room)
+
+    def verified(self, request: Request, first: SampledToken,
+                 accepted: Sequence[SampledToken]) -> Sequence[SampledToken]:
+        """The step's verdict on the request's drafts: its KV rolled back past the first one
+        rejected, and the tokens drawn after the first (`accepted`, one per draft kept: each
+        kept draft must equal the token drawn before it, whose KV it was computed with)."""
+        drafts = request.spec_token_ids
+        if not drafts:
+            return self.nothing_drafted(request, accepted)
+        drawn = [first.token_id, *(t.token_id for t in accepted[:-1])]
+        if len(accepted) > len(drafts) or drawn[:len(accepted)] != drafts[:len(accepted)]:
+            raise ValueError(f"request {request.request_id}: {len(accepted)} drafts kept of "
+                             f"{drafts}, but the tokens drawn were {drawn}")
+        request.num_computed_tokens -= len(drafts) - len(accepted)
+        request.spec_token_ids = []
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_tokens += len(accepted)
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(accepted)
+        self.proposer.observe(request.request_id, len(drafts), len(accepted))
+        return accepted
+
+    @staticmethod
+    def nothing_drafted(request: Request, accepted: Sequence[SampledToken]
+                        ) -> Sequence[SampledToken]:
+        if accepted:
+            raise ValueError(f"request {request.request_id}: tokens for drafts it was not sent")
+        return ()
+
+    def offer(self, drafts: Mapping[str, list[int]]) -> None:
+        """A draft model's proposals, for each request's next step."""
+        if isinstance(self.proposer, WorkerDrafts):
+            self.proposer.offer(drafts)
+
+    def finished(self, request: Request) -> None:
+        """The request ended: its last tokens too go to the proposer (suffix decoding keeps
+        its answer), then its state goes."""
+        if request.output_token_ids:
+            self.proposer.propose(request.request_id, request.prompt_token_ids,
+                                  request.output_token_ids, 0)
+        self.proposer.forget(request.request_id)
+
 
 def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | WorkerDrafts:
     """The scheduler's proposer for the config's method."""

@@ -33,9 +33,9 @@ def outputs(llm: LLM) -> tuple[list[tuple[list[int], list[float]]], float]:
                             logprobs=1)
     results = llm.generate(PROMPTS, greedy, use_tqdm=False)
     scheduler = llm._engine.engine_loop.scheduler  # type: ignore[union-attr]
-    drafted, kept = scheduler.num_draft_tokens, scheduler.num_accepted_tokens
+    drafted, kept = scheduler.stats().num_draft_tokens, scheduler.stats().num_accepted_tokens
     results += llm.generate(PROMPTS[:1], seeded, use_tqdm=False)
-    assert drafted > 30 or scheduler.proposer is None, drafted
+    assert drafted > 30 or scheduler.spec is None, drafted
     tokens = [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
               for r in results for c in r.outputs]
     return tokens, kept / drafted if drafted else 0.0

@@ -39,12 +39,12 @@ def answers(llm: LLM) -> list[tuple[list[int], list[float]]]:
 def constrained_repeat(llm: LLM) -> tuple[list[int], list[float], int]:
     """A regex that makes the output repeat itself: n-gram drafts come from its own output,
     and are verified under the grammar. Its tokens, logprobs, and the drafts verified."""
-    before = drafts_kept(llm)[0] if llm._engine.engine_loop.scheduler.proposer else 0
+    before = drafts_kept(llm)[0]
     params = SamplingParams(temperature=0, max_tokens=48, logprobs=1,
                             structured_outputs={"regex": r"(merge_sorted\(left, right\); ){4}"})
     (output,) = llm.chat([MESSAGES], params, use_tqdm=False)
     (choice,) = output.outputs
-    after = drafts_kept(llm)[0] if llm._engine.engine_loop.scheduler.proposer else 0
+    after = drafts_kept(llm)[0]
     return (list(choice.token_ids),
             [lp[t].logprob for t, lp in zip(choice.token_ids, choice.logprobs or [])],
             after - before)
@@ -52,7 +52,8 @@ def constrained_repeat(llm: LLM) -> tuple[list[int], list[float], int]:
 
 def drafts_kept(llm: LLM) -> tuple[int, int]:
     scheduler = llm._engine.engine_loop.scheduler
-    return scheduler.num_draft_tokens, scheduler.num_accepted_tokens
+    stats = scheduler.stats()
+    return stats.num_draft_tokens, stats.num_accepted_tokens
 
 
 def test_ngram_drafts_change_no_token_and_are_mostly_kept_on_a_copy(smollm2_gguf: Path) -> None:

@@ -111,7 +111,8 @@ def _check_device_blocks(scheduler: Scheduler) -> None:
     assert pool.num_used_blocks == len(holders)
     speculative = scheduler.config.speculative
     lookahead = speculative.num_speculative_tokens if speculative is not None else 0
-    lookahead += scheduler._proposal_room  # a draft model's room for its proposals' KV
+    if scheduler.spec is not None:  # a draft model's room for its proposals' KV
+        lookahead += scheduler.spec.proposal_room
     for request in scheduler.running:
         # Exactly the blocks the computed (and scheduled) tokens need: nothing leaks. When
         # speculating, a request keeps the slots of its rejected drafts (its next tokens'),
