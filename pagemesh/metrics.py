@@ -288,7 +288,8 @@ class EngineSnapshot:
     num_recoveries: int
     ready: bool  # the group serves (not degraded, not draining)
     num_checkpoint_writes: int
-    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_drafts: int = 0  # speculative decoding: drafts verified (a request's, in one step)
+    num_draft_tokens: int = 0  # their tokens
     num_accepted_tokens: int = 0  # of those, the ones kept
 
 
@@ -332,6 +333,9 @@ class SchedulerMetrics(ServiceMetrics):
                         "space (the rest were recomputed)", labels, s.num_swap_outs),
                 counter(PREFIX + "num_swap_ins", "Swapped requests whose KV was copied back "
                         "from CPU swap space", labels, s.num_swap_ins),
+                counter(PREFIX + "spec_decode_num_drafts", "Drafts verified, a request's in one "
+                        "step (speculative decoding; mean accepted length = 1 + accepted "
+                        "tokens / drafts)", labels, s.num_drafts),
                 counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified "
                         "(speculative decoding)", labels, s.num_draft_tokens),
                 counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens kept "

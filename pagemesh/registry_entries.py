@@ -158,7 +158,8 @@ class SchedulerEntry(ServiceEntry):
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # of those, tokens found
     prefix_cache_hit_rate: float | None = None  # hits / queries; None: not said
-    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_drafts: int = 0  # speculative decoding: drafts verified (a request's, in one step)
+    num_draft_tokens: int = 0  # their tokens
     num_accepted_tokens: int = 0  # of those, the ones kept
 
     def kv_cache_usage(self) -> float | None:

@@ -87,7 +87,7 @@ def summary_table(snapshot: Snapshot, rates: Rates, cluster: str) -> Table:
 def groups_table(snapshot: Snapshot, rates: Rates) -> Table:
     table = _table("engine groups")
     for column in ("group", "scheduler", "status", "workers", "queue", "run", "swap", "KV",
-                   "prefix", "spec acc", "preempt/s", "recov", "steps/s", "hot experts",
+                   "prefix", "spec acc", "spec len", "preempt/s", "recov", "steps/s", "hot experts",
                    "hb age", "metrics"):
         table.add_column(column, justify="left" if column in ("group", "scheduler", "metrics",
                                                               "hot experts")
@@ -100,6 +100,7 @@ def groups_table(snapshot: Snapshot, rates: Rates) -> Table:
             f"{row.workers_alive}/{expected}", str(row.num_waiting), str(row.num_running),
             str(row.num_swapped), fmt_percent(row.kv_usage), fmt_percent(row.prefix_hit_rate),
             fmt_percent(row.spec_acceptance),
+            f"{row.spec_mean_length:.2f}" if row.spec_mean_length is not None else "-",
             fmt_rate(rates.preemptions_per_s.get(key)), str(row.num_recoveries),
             fmt_rate(rates.steps_per_s.get(key)),
             ", ".join(h.label() for h in rates.hot_experts.get(row.group, ())) or "-",

@@ -78,6 +78,8 @@ class GroupRow:
     metrics: str  # "ok", "-" (no metrics_address published) or the scrape error
     # Speculative decoding: lifetime draft tokens kept / verified, 0..1; None: no drafts.
     spec_acceptance: float | None = None
+    # Tokens a drafted step gives a request, on average: 1 + kept drafts / drafts verified.
+    spec_mean_length: float | None = None
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,9 @@ def _group_row(record: ServiceRecord, workers: list[ServiceRecord],
         num_preemptions=entry.num_preemptions, num_steps=entry.num_steps,
         heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed),
         spec_acceptance=(entry.num_accepted_tokens / entry.num_draft_tokens
-                         if entry.num_draft_tokens else None))
+                         if entry.num_draft_tokens else None),
+        spec_mean_length=(1 + entry.num_accepted_tokens / entry.num_drafts
+                          if entry.num_drafts else None))
 
 
 def _orphan_group_row(group: str, workers: list[ServiceRecord]) -> GroupRow:

@@ -17,15 +17,16 @@ from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_loop import EngineLoop
 
-# Prefix-cache queries and hits (tokens), preemptions, swap-outs, swap-ins, draft tokens
-# verified and kept (speculative decoding).
-_Counts = tuple[int, int, int, int, int, int, int]
+# Prefix-cache queries and hits (tokens), preemptions, swap-outs, swap-ins, drafts verified,
+# their tokens and the tokens kept (speculative decoding).
+_Counts = tuple[int, int, int, int, int, int, int, int]
 
 
 def _counts(core: Scheduler) -> _Counts:
+    spec = core.spec
     return (core.kv.prefix_cache_queries, core.kv.prefix_cache_hits, core.num_preemptions,
-            core.num_swap_outs, core.num_swap_ins, core.num_draft_tokens,
-            core.num_accepted_tokens)
+            core.num_swap_outs, core.num_swap_ins, spec.num_drafts if spec else 0,
+            spec.num_draft_tokens if spec else 0, spec.num_accepted_tokens if spec else 0)
 
 
 class CoreTotals:
@@ -36,7 +37,7 @@ class CoreTotals:
     def __init__(self, loop: EngineLoop) -> None:
         self._loop = loop
         self._core = loop.scheduler
-        self._carried: _Counts = (0, 0, 0, 0, 0, 0, 0)
+        self._carried: _Counts = (0, 0, 0, 0, 0, 0, 0, 0)
 
     def read(self) -> _Counts:
         core = self._loop.scheduler
@@ -54,7 +55,7 @@ class CoreTotals:
 
 def snapshot(loop: EngineLoop, totals: CoreTotals, checkpointer: Checkpointer) -> EngineSnapshot:
     stats = loop.scheduler.stats()
-    queries, hits, preemptions, swap_outs, swap_ins, drafted, kept = totals.read()
+    queries, hits, preemptions, swap_outs, swap_ins, drafts, drafted, kept = totals.read()
     return EngineSnapshot(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting - stats.num_swapped,
@@ -68,6 +69,7 @@ def snapshot(loop: EngineLoop, totals: CoreTotals, checkpointer: Checkpointer) -
         num_recoveries=loop.num_recoveries,
         ready=loop.status == GroupStatus.READY,
         num_checkpoint_writes=checkpointer.num_writes,
+        num_drafts=drafts,
         num_draft_tokens=drafted,
         num_accepted_tokens=kept,
     )

@@ -22,13 +22,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from protos.step import SampledToken
 from worker_svc.attention import AttentionBackend
 from worker_svc.batch import BlockTables, RequestState, StepBatch, build_batch
-from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches, move_blocks
+from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches, model_kv_spec, move_blocks
+from worker_svc.loader import ModelMetadata, load_model
+from worker_svc.model.matmul import pack_linear_weights
+
+if TYPE_CHECKING:
+    from worker_svc.runner import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -129,3 +135,17 @@ def check_same_tokenizer(target_path: str, draft_path: str) -> None:
         raise ValueError(f"the draft model {draft_path} has another tokenizer than the served "
                          f"model {target_path}: a draft must share its tokenizer (the same "
                          "tokens for the same ids)")
+
+
+def load_draft(draft: DraftConfig, config: RunnerConfig, target: ModelMetadata
+               ) -> tuple[torch.nn.Module, KVCacheSpec]:
+    """The draft model, for the rank that samples, checked against the served model's
+    tokenizer and vocabulary, its linear layers packed as the target's are."""
+    check_same_tokenizer(target.path, draft.model_path)
+    model, metadata = load_model(draft.model_path, dtype=config.dtype, device=config.device,
+                                 max_model_len=target.max_model_len)
+    check_same_vocabulary(target.vocab_size, metadata.vocab_size, draft.model_path)
+    pack_linear_weights(model, config.cpu_linear)
+    logger.info("draft model %s: %d layers, %d drafts a step", draft.model_path,
+                model.num_local_layers, draft.num_drafts)
+    return model, model_kv_spec(model, config.block_size, metadata.dtype)

@@ -105,3 +105,14 @@ def move_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
     dst_index = torch.tensor([d for _, d in pairs], device=dst_device)
     for src, dst in zip(src_caches, dst_caches):
         dst[:, dst_index] = src[:, src_index].to(dst_device, non_blocking=True)
+
+
+def model_kv_spec(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    """A rank's share of the KV cache: its stage's layers, its KV heads."""
+    return KVCacheSpec(
+        num_layers=model.num_local_layers,  # type: ignore[arg-type]
+        block_size=block_size,
+        num_kv_heads=model.num_local_kv_heads,  # type: ignore[arg-type]
+        head_dim=model.config.head_dim,  # type: ignore[union-attr]
+        dtype=dtype,
+    )

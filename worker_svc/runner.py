@@ -26,8 +26,7 @@ from protos.step import (ImageTiling, ModelRunnerOutput, PoolingInfo, SampledTok
                          SchedulerOutput)
 from worker_svc import sampler
 from worker_svc.spec_verify import accept_drafts, check_drafts, sampling_rows
-from worker_svc.draft import (DraftConfig, DraftModel, check_same_tokenizer,
-                              check_same_vocabulary)
+from worker_svc.draft import DraftConfig, DraftModel, load_draft
 from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 from worker_svc.attention import AttentionBackend, get_attention_backend
 from worker_svc.batch import (
@@ -55,9 +54,9 @@ from worker_svc.kv_budget import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
 )
 from worker_svc.kv_cache import (
-    KVCacheSpec,
     allocate_kv_caches,
     allocate_swap_caches,
+    model_kv_spec,
     move_blocks,
     num_blocks_for_budget,
 )
@@ -203,7 +202,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend: AttentionBackend = get_attention_backend(attention_backend, self.device)
-        self.kv_spec = _kv_cache_spec(model, block_size, metadata.dtype)
+        self.kv_spec = model_kv_spec(model, block_size, metadata.dtype)
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         self.kv_cache_sizing = kv_cache_sizing or f"{num_blocks} blocks, as given"
         self.num_swap_blocks = num_swap_blocks
@@ -239,9 +238,11 @@ class ModelRunner:
             quantization=config.quantization, gguf_keep_quantized=config.gguf_keep_quantized,
             task=config.task,
         )
-        spec = _kv_cache_spec(model, config.block_size, metadata.dtype)
+        spec = model_kv_spec(model, config.block_size, metadata.dtype)
         budget = rank_kv_budget(config, model, metadata, spec)
-        draft = _load_draft(config, metadata) if config.draft is not None else None
+        draft = (load_draft(config.draft, config, metadata)
+                 if config.draft is not None and config.parallel.is_last_stage
+                 and config.parallel.is_driver else None)
         budget_bytes = budget.bytes
         if draft is not None and budget_bytes is not None:  # the draft's blocks share it
             draft_bytes = draft[1].bytes_per_block
@@ -588,31 +589,3 @@ def _graph_sizes(config: RunnerConfig) -> tuple[int, ...]:
     if config.cuda_graph_sizes is not None:
         return tuple(config.cuda_graph_sizes)
     return capture_sizes(config.max_num_seqs)
-
-
-def _kv_cache_spec(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-    """This rank's share: its stage's layers, its KV heads."""
-    return KVCacheSpec(
-        num_layers=model.num_local_layers,
-        block_size=block_size,
-        num_kv_heads=model.num_local_kv_heads,
-        head_dim=model.config.head_dim,
-        dtype=dtype,
-    )
-
-
-def _load_draft(config: RunnerConfig, metadata: ModelMetadata
-                ) -> tuple[LlamaForCausalLM, KVCacheSpec] | None:
-    """The draft model (worker_svc/draft.py), on the rank that samples; None elsewhere."""
-    assert config.draft is not None
-    if not (config.parallel.is_last_stage and config.parallel.is_driver):
-        return None
-    path = config.draft.model_path
-    check_same_tokenizer(metadata.path, path)
-    model, draft_metadata = load_model(path, dtype=config.dtype, device=config.device,
-                                       max_model_len=metadata.max_model_len)
-    check_same_vocabulary(metadata.vocab_size, draft_metadata.vocab_size, path)
-    pack_linear_weights(model, config.cpu_linear)
-    logger.info("draft model %s: %d layers, %d drafts a step", path, model.num_local_layers,
-                config.draft.num_drafts)
-    return model, _kv_cache_spec(model, config.block_size, draft_metadata.dtype)

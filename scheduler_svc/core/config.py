@@ -125,5 +125,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV came from the cache
     prefix_cache_hit_rate: float = 0.0  # hits / queries, 0 before any query
-    num_draft_tokens: int = 0  # speculative decoding: drafts verified, since start
+    # Speculative decoding since start: drafts verified (a request's, in one step; mean
+    # accepted length = 1 + accepted / drafts), their tokens, and the tokens kept.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
     num_accepted_tokens: int = 0  # of those, the ones kept

@@ -273,6 +273,7 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_hit_rate=kv.prefix_cache_hits / queries if queries else 0.0,
+            num_drafts=self.spec.num_drafts if self.spec else 0,
             num_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
             num_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
         )

@@ -10,8 +10,7 @@ speculation token for token, seeded draws included, and only the step's cost cha
   `prompt_lookup_min..max` tokens ending the request's tokens that occurred before in them;
   the tokens that followed its latest occurrence are the drafts. A request's draft length
   adapts (halved after a step that kept none of its drafts, doubled back after one that
-  kept all; at one draft, a miss pauses drafting for 2, 4, ... 16 steps), so text with
-  nothing to copy costs little.
+  kept all), so text with nothing to copy costs little.
 - `suffix` (suffix decoding, scheduler_svc/core/suffix_decoding.py): the likeliest
   continuation by counts, over the request's own tokens and over other requests' outputs.
 - `draft_model` (`WorkerDrafts`): a smaller model on the sampling rank proposes each
@@ -29,7 +28,7 @@ from pagemesh.speculative_config import SpeculativeConfig
 from protos.step import SampledToken
 from scheduler_svc.core.types import Request
 
-# The longest run of decode steps an n-gram request skips drafting after its drafts missed.
+# The longest run of decode steps a request skips drafting after its drafts kept missing.
 MAX_PAUSE_STEPS = 16
 
 if TYPE_CHECKING:
@@ -38,8 +37,8 @@ if TYPE_CHECKING:
 
 class Speculation:
     """The scheduler's side of speculative decoding: each decode's drafts (`drafts`), each
-    step's verdict on them (`verified`), a draft model's proposals (`offer`), and the group's
-    totals."""
+    step's verdict on them (`verified`) and the back-off it sets, a draft model's proposals
+    (`offer`), and the group's totals."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         assert config.speculative is not None
@@ -47,8 +46,15 @@ class Speculation:
         self.max_model_len = config.max_model_len
         # Slots asked for past a decode's tokens: a draft model writes its proposals' KV there.
         self.proposal_room: int = getattr(self.proposer, "proposal_room", 0)
+        self.num_drafts = 0  # a request's drafts verified in one step (vLLM's num_drafts)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Back-off, whatever the method: after the second step in a row that kept none of a
+        # request's drafts, it skips drafting for 1 step, then 2, 4, ... MAX_PAUSE_STEPS;
+        # a kept draft ends it. On text with nothing to copy, drafts become rare, instead of
+        # rejected rows in every step (what costs at batch 8, where rows are not free).
+        self._misses: dict[str, int] = {}  # steps in a row that kept none
+        self._pause: dict[str, int] = {}  # decode steps left without drafts
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens to verify after a decode's token (none for a prefill or an embedding
@@ -56,6 +62,10 @@ class Speculation:
         request's drafts are verified under its grammar (worker_svc/structured.py)."""
         if (request.num_computed_tokens + 1 != request.num_tokens or request.pooling
                 is not None or request.num_pending_tokens):
+            return []
+        paused = self._pause.get(request.request_id, 0)
+        if paused:
+            self._pause[request.request_id] = paused - 1
             return []
         room = min(self.proposer.max_drafts(request.request_id), budget - 1,
                    request.max_tokens - len(request.output_token_ids) - 1,
@@ -79,10 +89,20 @@ class Speculation:
         request.spec_token_ids = []
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += len(accepted)
+        self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += len(accepted)
         self.proposer.observe(request.request_id, len(drafts), len(accepted))
+        self._back_off(request.request_id, kept_any=bool(accepted))
         return accepted
+
+    def _back_off(self, request_id: str, kept_any: bool) -> None:
+        if kept_any:
+            self._misses.pop(request_id, None)
+            return
+        misses = self._misses[request_id] = self._misses.get(request_id, 0) + 1
+        if misses >= 2:
+            self._pause[request_id] = min(1 << (misses - 2), MAX_PAUSE_STEPS)
 
     @staticmethod
     def nothing_drafted(request: Request, accepted: Sequence[SampledToken]
@@ -103,6 +123,8 @@ class Speculation:
             self.proposer.propose(request.request_id, request.prompt_token_ids,
                                   request.output_token_ids, 0)
         self.proposer.forget(request.request_id)
+        self._misses.pop(request.request_id, None)
+        self._pause.pop(request.request_id, None)
 
 
 def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | WorkerDrafts:
@@ -153,12 +175,6 @@ class NgramProposer:
         self._tokens: dict[str, np.ndarray] = {}
         self._lengths: dict[str, int] = {}
         self._budget: dict[str, int] = {}  # each request's draft length now
-        # Back-off past one draft: a request whose single draft missed skips its next
-        # proposals (a pause that doubles on each miss, up to MAX_PAUSE_STEPS, and ends on
-        # a kept draft): on text with nothing to copy, drafts become rare rather than one
-        # rejected row per request per step.
-        self._pause: dict[str, int] = {}
-        self._next_pause: dict[str, int] = {}
 
     def max_drafts(self, request_id: str) -> int:
         return self._budget.get(request_id, self.config.num_speculative_tokens)
@@ -168,10 +184,6 @@ class NgramProposer:
         """Up to `max_drafts` tokens that followed the longest earlier occurrence of the
         tokens' ending n-gram; none when there is none."""
         if max_drafts <= 0:
-            return []
-        paused = self._pause.get(request_id, 0)
-        if paused:
-            self._pause[request_id] = paused - 1
             return []
         tokens = self._updated(request_id, prompt, output)
         n = len(tokens)
@@ -196,11 +208,6 @@ class NgramProposer:
         if num_drafts <= 0:
             return
         budget = self.max_drafts(request_id)
-        if num_accepted == 0 and budget == 1:
-            pause = min(2 * self._next_pause.get(request_id, 1), MAX_PAUSE_STEPS)
-            self._pause[request_id] = self._next_pause[request_id] = pause
-        elif num_accepted:
-            self._next_pause.pop(request_id, None)
         if num_accepted == 0:
             budget = max(1, budget // 2)
         elif num_accepted == num_drafts:
@@ -208,7 +215,7 @@ class NgramProposer:
         self._budget[request_id] = budget
 
     def forget(self, request_id: str) -> None:
-        for table in (self._tokens, self._lengths, self._budget, self._pause, self._next_pause):
+        for table in (self._tokens, self._lengths, self._budget):
             table.pop(request_id, None)
 
     def _updated(self, request_id: str, prompt: Sequence[int], output: Sequence[int]

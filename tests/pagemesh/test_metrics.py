@@ -41,6 +41,7 @@ SCHEDULER_NAMES = {
     "pagemesh:prefix_cache_queries": "counter", "pagemesh:prefix_cache_hits": "counter",
     "pagemesh:num_preemptions": "counter", "pagemesh:request_queue_time_seconds": "histogram",
     "pagemesh:num_swap_outs": "counter", "pagemesh:num_swap_ins": "counter",
+    "pagemesh:spec_decode_num_drafts": "counter",
     "pagemesh:spec_decode_num_draft_tokens": "counter",
     "pagemesh:spec_decode_num_accepted_tokens": "counter",
     "pagemesh:step_time_seconds": "histogram", "pagemesh:scheduled_tokens_per_step": "histogram",

@@ -98,7 +98,7 @@ def scheduler_entry(**changes: object) -> dict:
              "num_running": 3, "num_waiting": 2, "num_free_blocks": 25, "num_blocks": 100,
              "num_preemptions": 4, "num_swapped": 1, "prefix_cache_hit_rate": 0.5,
              "num_recoveries": 1, "members": ["w0", "w1"], "num_steps": 500,
-             "metrics_address": "127.0.0.1:9101", "num_draft_tokens": 400,
+             "metrics_address": "127.0.0.1:9101", "num_draft_tokens": 400, "num_drafts": 100,
              "num_accepted_tokens": 300}
     return entry | changes
 
@@ -176,6 +176,7 @@ def test_snapshot_rows_from_entries_and_metrics() -> None:
     assert g0.kv_usage == pytest.approx(0.75) and g0.prefix_hit_rate == pytest.approx(0.5)
     assert (g0.num_recoveries, g0.heartbeat_age_s, g0.metrics) == (1, 0.2, "ok")
     assert g0.spec_acceptance == pytest.approx(0.75)  # drafts kept / verified
+    assert g0.spec_mean_length == pytest.approx(4.0)  # 1 + 300 kept / 100 drafts
     # Workers alive with no scheduler: the group still shows, flagged.
     assert (g1.group, g1.status, g1.workers_alive, g1.workers_expected) == ("g1", "no scheduler", 0, 1)
     assert [w.worker_id for w in snapshot.workers] == ["w0", "w1", "w2"]

@@ -18,7 +18,7 @@ import pytest
 from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from pagemesh.speculative_config import SpeculativeConfig
-from scheduler_svc.core.spec_decode import NgramProposer
+from scheduler_svc.core.spec_decode import NgramProposer, Speculation
 from scheduler_svc.core.types import FinishReason
 from tests.support.core_harness import EOS, check_invariants, make_request
 
@@ -120,23 +120,37 @@ def test_the_draft_length_halves_on_rejection_and_doubles_back() -> None:
     assert proposer.max_drafts("r") == 4
 
 
-def test_misses_at_one_draft_pause_drafting_longer_each_time() -> None:
-    proposer = NgramProposer(NGRAM)
-    copyable = [1, 2, 3, 4, 1, 2, 3]  # "1 2 3" again: 4 would follow
+def test_steps_that_keep_no_draft_pause_drafting_longer_each_time() -> None:
+    """Whatever the method: from the second step in a row that kept none of a request's
+    drafts, it skips drafting for 1, 2, 4, ... 16 steps; a kept draft ends the back-off."""
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64,
+                             speculative=NGRAM)
+    spec = Speculation(config)
+    request = make_request("r", prompt=[1, 2, 3, 4, 1, 2, 3], max_tokens=40)
+    request.num_computed_tokens = request.num_tokens - 1
 
-    def drafted_steps(steps: int) -> list[bool]:
-        return [bool(proposer.propose("r", copyable, [], 4)) for _ in range(steps)]
+    def verdict(kept: int) -> None:
+        request.spec_token_ids = [4, 1, 2, 3]
+        request.num_computed_tokens += 4
+        spec.verified(request, SampledToken(4 if kept else 9),
+                      [SampledToken(t) for t in [1, 2, 3, 4][:kept]])
+        request.num_computed_tokens = request.num_tokens - 1  # as if the tokens were taken
 
-    for _ in range(3):
-        proposer.observe("r", 4, 0)  # 4 -> 2 -> 1, and a miss at one draft: pause 2
-    assert drafted_steps(3) == [False, False, True]
-    proposer.observe("r", 1, 0)  # another miss: pause 4
-    assert drafted_steps(5) == [False] * 4 + [True]
-    proposer.observe("r", 1, 1)  # kept: two drafts next, and the pause starts over at 2
-    proposer.observe("r", 2, 0)
-    assert drafted_steps(1) == [True]
-    proposer.observe("r", 1, 0)
-    assert drafted_steps(3) == [False, False, True]
+    def drafted(steps: int) -> list[bool]:
+        return [bool(spec.drafts(request, 64)) for _ in range(steps)]
+
+    verdict(0)
+    assert drafted(1) == [True]  # one miss: no pause
+    verdict(0)
+    assert drafted(2) == [False, True]
+    verdict(0)
+    assert drafted(3) == [False, False, True]
+    verdict(0)
+    assert drafted(5) == [False] * 4 + [True]
+    verdict(1)  # kept one: drafting goes on, and the next misses start over
+    verdict(0)
+    verdict(0)
+    assert drafted(2) == [False, True]
 
 
 def test_the_config_is_vllms_and_refuses_by_name() -> None:
@@ -196,7 +210,7 @@ def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
     assert request.output_token_ids == [33, 34, 35, 99]
     assert request.num_computed_tokens == request.num_tokens - 1 == 12
     stats = scheduler.stats()
-    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (4, 2)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 4, 2)
     assert (request.num_draft_tokens, request.num_accepted_tokens) == (4, 2)
     check_invariants(scheduler)
     # The next step sends the three new tokens and no drafts ("35 99" never occurred).

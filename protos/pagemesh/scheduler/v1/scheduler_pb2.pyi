@@ -83,7 +83,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_preemptions", "num_steps", "prefix_cache_hit_rate", "num_cached_blocks", "num_recoveries", "group_status", "num_swap_outs", "num_swap_ins", "prefix_cache_queries", "prefix_cache_hits", "num_draft_tokens", "num_accepted_tokens")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_preemptions", "num_steps", "prefix_cache_hit_rate", "num_cached_blocks", "num_recoveries", "group_status", "num_swap_outs", "num_swap_ins", "prefix_cache_queries", "prefix_cache_hits", "num_draft_tokens", "num_accepted_tokens", "num_drafts")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class GetStatsResponse(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -116,7 +117,8 @@ class GetStatsResponse(_message.Message):
     prefix_cache_hits: int
     num_draft_tokens: int
     num_accepted_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_recoveries: _Optional[int] = ..., group_status: _Optional[_Union[GroupStatus, str]] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    num_drafts: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_recoveries: _Optional[int] = ..., group_status: _Optional[_Union[GroupStatus, str]] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context", "grammar", "owner", "request_digest", "embed", "images", "lora_name")
