@@ -146,6 +146,8 @@ class Scheduler:
                                  append_sampled_tokens=self.config.async_scheduling)
         self._next_step_id += 1
         self._preempted_this_step = False
+        if self.spec is not None:
+            self.spec.plan_step(len(self.running))
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         # Admitting new work right after running out of blocks would only thrash.
         if not self._preempted_this_step:
@@ -177,6 +179,8 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} given for step {output.step_id}")
         scheduled = output.num_scheduled_tokens
         requests = self.requests
+        if self.spec is not None:
+            self.spec.observe_step(output, result)
         if self.kv.enable_prefix_caching:
             cache_computed_blocks = self.kv.cache_computed_blocks
             for request_id in scheduled:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pagemesh.speculative_config import SpeculativeConfig
-from protos.step import SampledToken
+from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from scheduler_svc.core.types import Request
 
 # The longest run of decode steps a request skips drafting after its drafts kept missing.
@@ -34,6 +34,43 @@ MAX_PAUSE_STEPS = 16
 if TYPE_CHECKING:
     from scheduler_svc.core.config import SchedulerConfig
     from scheduler_svc.core.suffix_decoding import SuffixProposer
+
+class StepCosts:
+    """Whether drafting pays at a batch size, from the steps' measured times: per bucket of
+    decoding requests (1, 2-3, 4-7, 8-15, 16+), running averages of the tokens per ms that
+    steps with drafts and steps without them gave. Drafting stays on while the drafted
+    steps give at least as many (or while either is unmeasured); when they give fewer,
+    only one step in EXPLORE_EVERY drafts, to keep measuring. Only steps of decodes alone
+    count (a prefill chunk would weigh on either side)."""
+
+    EXPLORE_EVERY = 8
+    WEIGHT = 0.1  # of a new step in the running average
+
+    def __init__(self) -> None:
+        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> tokens per ms
+        self._steps = 0
+
+    @staticmethod
+    def bucket(num_requests: int) -> int:
+        return min(num_requests, 16).bit_length()
+
+    def pays(self, num_requests: int) -> bool:
+        """Whether this step should draft (counts it as a step)."""
+        self._steps += 1
+        key = self.bucket(num_requests)
+        drafted, plain = self._rate.get((key, True)), self._rate.get((key, False))
+        if drafted is None or plain is None or drafted >= plain:
+            return True
+        return self._steps % self.EXPLORE_EVERY == 0
+
+    def observe(self, num_requests: int, drafted: bool, num_tokens: int, ms: float) -> None:
+        if ms <= 0 or num_requests <= 0:
+            return  # unmeasured (a scripted step)
+        key = (self.bucket(num_requests), drafted)
+        rate = num_tokens / ms
+        old = self._rate.get(key)
+        self._rate[key] = rate if old is None else old + self.WEIGHT * (rate - old)
+
 
 class Speculation:
     """The scheduler's side of speculative decoding: each decode's drafts (`drafts`), each
@@ -55,6 +92,25 @@ class Speculation:
         # rejected rows in every step (what costs at batch 8, where rows are not free).
         self._misses: dict[str, int] = {}  # steps in a row that kept none
         self._pause: dict[str, int] = {}  # decode steps left without drafts
+        # And per step: drafts only while drafted steps give more tokens per ms than plain
+        # ones at this batch size (rows are not free at batch 8 in bf16 on a CPU).
+        self.costs = StepCosts()
+        self._drafting = True  # this step's verdict (`plan_step`)
+
+    def plan_step(self, num_running: int) -> None:
+        """Before a step is scheduled: whether its decodes draft at all."""
+        self._drafting = self.costs.pays(num_running)
+
+    def observe_step(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """A returned step's time, if it was decodes alone (each request's known token and
+        its drafts), for `StepCosts`."""
+        drafts = {c.request_id: len(c.spec_token_ids) for c in output.cached_requests}
+        scheduled = output.num_scheduled_tokens
+        if output.new_requests or any(n != 1 + drafts.get(r, -1) for r, n in scheduled.items()):
+            return
+        tokens = len(result.sampled) + sum(len(t) for t in result.spec_sampled.values())
+        self.costs.observe(len(scheduled), any(drafts.values()), tokens,
+                           result.forward_time_ms)
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens to verify after a decode's token (none for a prefill or an embedding
@@ -64,6 +120,8 @@ class Speculation:
                 is not None or request.num_pending_tokens):
             return []
         paused = self._pause.get(request.request_id, 0)
+        if not self._drafting:
+            return []
         if paused:
             self._pause[request.request_id] = paused - 1
             return []

@@ -18,7 +18,7 @@ import pytest
 from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from pagemesh.speculative_config import SpeculativeConfig
-from scheduler_svc.core.spec_decode import NgramProposer, Speculation
+from scheduler_svc.core.spec_decode import NgramProposer, Speculation, StepCosts
 from scheduler_svc.core.types import FinishReason
 from tests.support.core_harness import EOS, check_invariants, make_request
 
@@ -288,3 +288,23 @@ def test_kept_drafts_that_differ_from_the_draws_are_refused() -> None:
     with pytest.raises(ValueError, match="drafts kept"):
         scheduler.update(output, ModelRunnerOutput(
             output.step_id, {"a": SampledToken(99)}, {"a": [SampledToken(35)]}))
+
+
+def test_drafting_stops_at_a_batch_size_where_drafted_steps_give_fewer_tokens_per_ms() -> None:
+    """Measured step times decide per batch size (bucket): drafted steps slower per token
+    than plain ones -> one step in 8 drafts (to keep measuring); unmeasured or faster ->
+    every step drafts; scripted steps (no time) change nothing."""
+    costs = StepCosts()
+    assert all(costs.pays(8) for _ in range(10))  # nothing measured yet
+    costs.observe(8, drafted=False, num_tokens=8, ms=40.0)  # 0.2 tokens per ms
+    costs.observe(8, drafted=True, num_tokens=9, ms=50.0)  # 0.18: drafting costs here
+    costs.observe(8, drafted=True, num_tokens=9, ms=0.0)  # unmeasured: ignored
+    verdicts = [costs.pays(8) for _ in range(16)]
+    assert sum(verdicts) == 2
+    assert all(costs.pays(1) for _ in range(4))  # batch 1 is another bucket: unmeasured
+    costs.observe(1, drafted=False, num_tokens=1, ms=25.0)
+    costs.observe(1, drafted=True, num_tokens=3, ms=30.0)  # 0.1 vs 0.04: drafting pays
+    assert all(costs.pays(1) for _ in range(4))
+    for _ in range(40):  # drafted steps get faster at batch 8: drafting comes back
+        costs.observe(8, drafted=True, num_tokens=12, ms=45.0)
+    assert all(costs.pays(8) for _ in range(4))
