@@ -225,13 +225,17 @@ def run_vllm(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str,
     workload.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
                                     "speculative_config": speculative, "warm_up": warm_up}))
     python = REPO_ROOT / ".peers" / "vllm" / "bin" / "python"
-    done = subprocess.run([str(python), "bench/peers/vllm_spec.py", "--model", str(model),
-                           "--workload", str(workload), "--dtype", dtype],
-                          env=vllm_env(), capture_output=True, text=True, cwd=REPO_ROOT,
-                          timeout=3600)
-    if done.returncode != 0:
-        sys.exit(f"vLLM failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict = {}
+    for batch in (1, 8):  # a fresh vLLM engine (process) for each, as pagemesh's
+        done = subprocess.run([str(python), "bench/peers/vllm_spec.py", "--model", str(model),
+                               "--workload", str(workload), "--dtype", dtype,
+                               "--batch", str(batch)],
+                              env=vllm_env(), capture_output=True, text=True, cwd=REPO_ROOT,
+                              timeout=3600)
+        if done.returncode != 0:
+            sys.exit(f"vLLM failed:\n{done.stderr[-3000:]}")
+        result.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    return result
 
 
 def step_cost(dtype: str, steps: int = 12) -> None:
