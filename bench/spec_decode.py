@@ -177,11 +177,9 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def workloads(tokenizer) -> dict[str, list[list[int]]]:
-    def ids(text: str) -> list[int]:
-        return chat_ids(tokenizer, text)
-    copy = [ids(f"Rename {old} to {new} in this code and print the whole code:\n\n{code}")
-            for old, new, code in FUNCTIONS]
-    free = [ids(f"Write a short story about {topic}.") for topic in TOPICS]
+    copy = [chat_ids(tokenizer, f"Rename {old} to {new} in this code and print the whole "
+                                f"code:\n\n{code}") for old, new, code in FUNCTIONS]
+    free = [chat_ids(tokenizer, f"Write a short story about {topic}.") for topic in TOPICS]
     return {"copy": copy, "free": free}
 
 

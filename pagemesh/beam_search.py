@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pagemesh.options.validation import MAX_NUM_LOGPROBS
+
 EarlyStopping = bool | Literal["never"]
 # A round's alternatives for one beam: (token id, logprob), the most likely first.
 Alternatives = Sequence[tuple[int, float]]
@@ -72,6 +74,17 @@ def check_beam_options(beam_width: int, max_tokens: int, temperature: float | No
 def num_candidates(beam_width: int, num_eos_ids: int) -> int:
     """Alternatives each beam is asked for a round: transformers' `beams_to_keep`."""
     return max(2, 1 + num_eos_ids) * beam_width
+
+
+def check_num_candidates(search: BeamSearch, width_name: str) -> None:
+    """ValueError when a round needs more alternatives per beam than the engine returns;
+    `width_name` is what the caller set the width with (beam_width, best_of)."""
+    needed = search.num_candidates
+    if needed > MAX_NUM_LOGPROBS:
+        raise ValueError(f"a beam width of {search.width} needs the {needed} most likely "
+                         f"tokens of each beam a round, and the engine returns at most "
+                         f"{MAX_NUM_LOGPROBS}: use {width_name} <= "
+                         f"{search.width * MAX_NUM_LOGPROBS // needed}")
 
 
 @dataclass

@@ -19,8 +19,9 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from pagemesh.beam_search import Alternatives, BeamSearch, check_beam_options
-from pagemesh.options.validation import MAX_NUM_LOGPROBS, SamplingOptions, StoppingOptions
+from pagemesh.beam_search import (Alternatives, BeamSearch, check_beam_options,
+                                  check_num_candidates)
+from pagemesh.options.validation import SamplingOptions, StoppingOptions
 from pagemesh.serving import invalid_argument
 from router.types import FinishReason, GenerationRequest, TokenChunk, Usage
 
@@ -67,11 +68,10 @@ async def beam_search(request: GenerationRequest, prompt_ids: list[int], eos_tok
     eos = [] if stopping.ignore_eos else [*eos_token_ids, *stopping.stop_token_ids]
     search = BeamSearch(beam.width, max_tokens, eos, beam.length_penalty,
                         beam.early_stopping)  # type: ignore[arg-type]
-    if search.num_candidates > MAX_NUM_LOGPROBS:
-        raise invalid_argument(
-            f"a beam width of {beam.width} needs the {search.num_candidates} most likely "
-            f"tokens of each beam a round, and the engine returns at most {MAX_NUM_LOGPROBS}: "
-            f"use best_of (or n) <= {beam.width * MAX_NUM_LOGPROBS // search.num_candidates}")
+    try:
+        check_num_candidates(search, "best_of (or n)")
+    except ValueError as exc:
+        raise invalid_argument(str(exc)) from None
     step = GenerationRequest(
         sampling=SamplingOptions(temperature=0.0),
         stopping=StoppingOptions(max_tokens=1, ignore_eos=True),

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pagemesh.beam_search import Beam, BeamSearch, BeamSearchParams
+from pagemesh.beam_search import Beam, BeamSearch, BeamSearchParams, check_num_candidates
 from pagemesh.offline.outputs import Logprob
-from pagemesh.options.validation import MAX_NUM_LOGPROBS
 from pagemesh.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,12 +46,10 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams,
     eos = [] if params.ignore_eos else llm.limits.eos_token_ids
     searches = [BeamSearch(params.beam_width, params.max_tokens, eos, params.length_penalty,
                            params.early_stopping) for _ in parsed]
-    width = searches[0].num_candidates if searches else 0
-    if width > MAX_NUM_LOGPROBS:
-        raise ValueError(f"beam_width {params.beam_width} needs the {width} most likely "
-                         f"tokens of every beam, and the engine returns at most "
-                         f"{MAX_NUM_LOGPROBS}: use beam_width <= "
-                         f"{params.beam_width * MAX_NUM_LOGPROBS // width}")
+    if not searches:
+        return []
+    check_num_candidates(searches[0], "beam_width")
+    width = searches[0].num_candidates
     for prompt in parsed:
         if len(prompt.token_ids) + params.max_tokens > llm.limits.max_model_len:
             raise ValueError(f"a prompt of {len(prompt.token_ids)} tokens and max_tokens "
