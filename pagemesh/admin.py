@@ -63,6 +63,10 @@ class AdminClient:
                                                 record_shapes=record_shapes, with_stack=with_stack)
         return self.stub.StartProfile(request, metadata=self.metadata, timeout=self.timeout_s)
 
+    def drain(self, group: str, undo: bool = False) -> admin_pb2.DrainResponse:
+        return self.stub.Drain(admin_pb2.DrainRequest(group=group, undo=undo),
+                               metadata=self.metadata, timeout=self.timeout_s)
+
     def stop_profile(self, group: str = "") -> admin_pb2.StopProfileResponse:
         # Writing traces takes a while: the router allows its groups minutes for it.
         return self.stub.StopProfile(admin_pb2.StopProfileRequest(group=group),
@@ -112,7 +116,7 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_admin_parser(sub: argparse._SubParsersAction) -> None:
     admin = sub.add_parser("admin", help="admin calls on a running mesh: reset-prefix-cache, "
-                                         "memory, step-stats")
+                                         "memory, step-stats, drain")
     actions = admin.add_subparsers(dest="admin_command", required=True)
     reset = actions.add_parser("reset-prefix-cache",
                                help="drop every cached prefix block no running request holds")
@@ -124,6 +128,13 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
     for parser, run in ((reset, _run_reset), (memory, _run_memory), (stats, _run_step_stats)):
         _add_client_flags(parser)
         parser.set_defaults(func=lambda args, run=run: _call(args, run))
+    drain = actions.add_parser(
+        "drain", help="one engine group (--group) admits nothing more and hands its running "
+                      "requests, with their KV, over to the other groups; it stays up, not "
+                      "serving, until stopped or --undo")
+    add_flag(drain, "--undo", type=bool, default=False, help="take the group back into service")
+    _add_client_flags(drain)
+    drain.set_defaults(func=_drain)
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
@@ -162,6 +173,30 @@ def _call(args: argparse.Namespace,
     for group in failed:
         print(f"engine group {group.group or group.scheduler_id}: {group.error}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    """`pagemesh admin drain --group G`: one line (or JSON) saying what moved."""
+    if not args.group:
+        print("pagemesh admin drain: name the engine group to drain (--group)", file=sys.stderr)
+        return 2
+    where = discovery.resolve_router(args.address)
+    with tls_config(args).channel(where.address) as channel:
+        try:
+            reply = AdminClient(channel, args.api_key, args.timeout_s).drain(args.group,
+                                                                             args.undo)
+        except grpc.RpcError as exc:
+            print(f"pagemesh admin drain: router at {where.address}: {exc.code().name}: "
+                  f"{exc.details()}", file=sys.stderr)
+            return 2
+    if args.format == "json":
+        print(json.dumps(as_dict(reply), indent=2))
+    elif args.undo:
+        print(f"engine group {args.group} serves again")
+    else:
+        print(f"engine group {args.group} drained: {reply.num_migrated} requests moved with "
+              f"their KV, {reply.num_recomputed} to recompute elsewhere")
+    return 0
 
 
 def _run_reset(client: AdminClient, args: argparse.Namespace) -> Message:

@@ -42,6 +42,13 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_flag(up, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
     add_flag(up, "--replicas", type=int, default=1,
              help="engine groups (data parallelism), each a scheduler and its tp x pp workers")
+    add_flag(up, "--prefill-replicas", type=int, default=0,
+             help="disaggregated serving: engine groups that only prefill (each new "
+                  "request's prompt and first token), handing its KV to a decode group; "
+                  "with --decode-replicas, instead of --replicas")
+    add_flag(up, "--decode-replicas", type=int, default=0,
+             help="disaggregated serving: engine groups that continue the requests the "
+                  "prefill groups hand over, pulling their KV")
     add_flag(up, "--device", default="cpu", choices=["cpu", "cuda"],
              help="where workers run; with cuda, worker i of this host takes GPU i")
     add_flag(up, "--standby", type=int, default=0,

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh import discovery
+from pagemesh.host_tier_files import remove_tier_files
 from pagemesh.config import tls_config, with_password
 from pagemesh.cpu_placement import Placement, host_cores, omp_wait_env, plan_placement
 from pagemesh.embedded_valkey import EmbeddedValkey
@@ -52,8 +53,22 @@ def served_model_name(model_path: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
+def engine_groups(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, role) of each engine group: `--replicas` colocated ones ("g0", ...), or with
+    --prefill-replicas / --decode-replicas that many of each ("prefill0", ..., "decode0",
+    ...). Raises ValueError for a disaggregated layout missing one side."""
+    prefill, decode = (getattr(args, "prefill_replicas", 0), getattr(args, "decode_replicas", 0))
+    if not (prefill or decode):
+        return [(f"g{i}", "both") for i in range(args.replicas)]
+    if prefill < 1 or decode < 1:
+        raise ValueError("disaggregated serving needs --prefill-replicas and "
+                         "--decode-replicas both >= 1")
+    return ([(f"prefill{i}", "prefill") for i in range(prefill)]
+            + [(f"decode{i}", "decode") for i in range(decode)])
+
+
 def _num_workers(args: argparse.Namespace) -> int:
-    return (args.tp * args.pp + args.standby) * args.replicas
+    return (args.tp * args.pp + args.standby) * len(engine_groups(args))
 
 
 def cpu_placement(args: argparse.Namespace) -> Placement:
@@ -62,7 +77,8 @@ def cpu_placement(args: argparse.Namespace) -> Placement:
     Raises ValueError when the mode cannot be given on this host."""
     if args.device != "cpu":
         return Placement(None, None, "none")
-    return plan_placement(args.cpu_bind, host_cores(), args.tp * args.pp * args.replicas)
+    return plan_placement(args.cpu_bind, host_cores(),
+                          args.tp * args.pp * len(engine_groups(args)))
 
 
 def _option_values(args: argparse.Namespace, model: str,
@@ -116,10 +132,10 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str,
                            worker_env | placement.worker_env(slot), cpus)
 
     specs = []
-    for replica in range(args.replicas):
-        group = ["--group", f"g{replica}"]
+    for replica, (name, role) in enumerate(engine_groups(args)):
+        group = ["--group", name]
         specs += [
-            worker_spec(f"worker-g{replica}-pp{pp}-tp{tp}",
+            worker_spec(f"worker-{name}-pp{pp}-tp{tp}",
                         [*group, "--tp-rank", str(tp), "--pp-rank", str(pp),
                          "--device", device(replica, pp, tp)], replica * world + pp * args.tp + tp)
             for pp in range(args.pp) for tp in range(args.tp)
@@ -128,12 +144,13 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str,
         # picked when the first dies. In a bigger group it waits for whichever rank is lost.
         standby = [] if world == 1 else ["--standby"]
         specs += [
-            worker_spec(f"worker-g{replica}-standby{i}",
+            worker_spec(f"worker-{name}-standby{i}",
                         [*group, *standby, "--device", device(replica, 0, 0)], replica * world)
             for i in range(args.standby)
         ]
-        specs.append(ServiceSpec(f"scheduler-g{replica}", "scheduler_svc.main",
-                                 [*internal, *scheduler, *layout, *group], scheduler_env))
+        specs.append(ServiceSpec(f"scheduler-{name}", "scheduler_svc.main",
+                                 [*internal, *scheduler, *layout, *group, "--role", role],
+                                 scheduler_env))
     specs.append(ServiceSpec("router", "router.main", [*common, "--host", args.host, *router],
                              {**env, **options_env(ROUTER_OPTIONS, values)}))  # keys: not argv
     return specs
@@ -191,6 +208,10 @@ def run_up(args: argparse.Namespace) -> int:
     problem = expert_parallel_error(args.enable_expert_parallel, args.eplb_interval_steps)
     if problem:
         raise SystemExit(problem)
+    try:
+        engine_groups(args)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     placement = Placement(None, None, "none")
     if args.device == "cpu":
         try:  # a named allocator that is not installed: said before anything starts
@@ -267,6 +288,8 @@ def run_up(args: argparse.Namespace) -> int:
             discovery.withdraw(announced)
         liveness.stop()
         supervisor.stop()
+        if args.host_tier_gib > 0:  # the host KV tiers outlive their workers, not the mesh
+            remove_tier_files(args.host_tier_dir, args.cluster)
         if embedded is not None:
             embedded.stop()
     return exit_code

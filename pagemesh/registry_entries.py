@@ -161,6 +161,23 @@ class SchedulerEntry(ServiceEntry):
     num_drafts: int = 0  # speculative decoding: drafts verified (a request's, in one step)
     num_draft_tokens: int = 0  # their tokens
     num_accepted_tokens: int = 0  # of those, the ones kept
+    num_recomputed_tokens: int = 0  # resumed requests' tokens computed again, not pulled
+    # Disaggregated serving: "prefill" (hands each new request off after its first
+    # token), "decode" (where the router continues them), or "both" (colocated).
+    role: str = "both"
+    # KV moving between groups (scheduler_svc/kv_moves.py), since start. Held here for
+    # another group: holds made, pulled, released unused, expired. Pulled from another:
+    # imports tried, pulled, failed (recomputed), and the blocks and bytes pulled.
+    kv_holds: int = 0
+    kv_holds_pulled: int = 0
+    kv_holds_unused: int = 0
+    kv_holds_expired: int = 0
+    kv_imports: int = 0
+    kv_imports_pulled: int = 0
+    kv_imports_failed: int = 0
+    kv_blocks_pulled: int = 0
+    kv_bytes_pulled: int = 0
+    kv_tier_loads: int = 0  # of the imports pulled, those from the group's host tier
 
     def kv_cache_usage(self) -> float | None:
         """Fraction of the device KV blocks in use, 0..1; None when the entry does not say."""

@@ -261,11 +261,34 @@ _SCHEDULER = (
                "its request cannot be resumed through another router",
                type=float, default=1024.0),
     _scheduler("--drain-timeout-s",
-               "on SIGTERM, seconds to let requests finish before handing the rest over",
+               "on SIGTERM, seconds to let requests finish before handing the rest over "
+               "(with --drain-migrate and another group ready: seconds to wait for the "
+               "groups continuing them to pull their KV)",
                type=float, default=30.0),
+    _scheduler("--drain-migrate",
+               "on SIGTERM, when another group of the model is ready, hand every running "
+               "request over at once with its KV (the other group pulls it: nothing is "
+               "recomputed) instead of letting it finish here",
+               type=bool, default=True),
+    _scheduler("--kv-hold-s",
+               "seconds a request's KV stays held for the group that continues it (a "
+               "decode group after prefill, another group after a drain) before it is "
+               "freed unclaimed; that group then recomputes it", type=float, default=30.0),
+    _scheduler("--kv-pull-timeout-s",
+               "seconds an import of another group's KV may take (claim and every rank's "
+               "pull) before the request recomputes it instead", type=float, default=10.0),
 )
 
 _WORKER = (
+    _worker("--host-tier-gib",
+            "GiB of host memory per rank for a KV tier outside the worker process (shared "
+            "memory in --host-tier-dir): it extends the prefix cache past the device's, and "
+            "a worker killed and restarted on the same host reloads its requests' blocks "
+            "from it instead of recomputing them; 0 = off", type=float, default=0.0),
+    _worker("--host-tier-dir",
+            "where the host tier's files live (shared memory: /dev/shm, or a Kubernetes "
+            "emptyDir of medium Memory); `pagemesh up` removes its mesh's at exit",
+            default="/dev/shm"),
     _worker("--max-lora-rank", "the highest LoRA rank served (slots are this wide)",
             type=int, default=16),
     _worker("--profile-dir",

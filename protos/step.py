@@ -199,6 +199,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
     blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    # Host tier write-through, before the forward too: (device block, tier slot, the
+    # block's content key) for full blocks the prefix cache just took in.
+    blocks_to_offload: list[tuple[BlockId, int, bytes]] = field(default_factory=list)
     # The driver appends each token it samples to the request itself, and `new_token_ids`
     # carry none of those (async scheduling, a group of one rank).
     append_sampled_tokens: bool = False
@@ -210,7 +213,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.num_scheduled_tokens or self.finished_request_ids
-                    or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+                    or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
+                    or self.blocks_to_offload)
 
 
 @dataclass(frozen=True)

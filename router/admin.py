@@ -18,7 +18,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from pagemesh.serving import ServiceError, unavailable
+from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2, admin_pb2_grpc
 from router import lora_admin
@@ -49,6 +49,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                 ) -> admin_pb2.UnloadLoraAdapterResponse:
         groups = await lora_admin.unload_adapter(self.directory, request.lora_name)
         return admin_pb2.UnloadLoraAdapterResponse(groups=groups)
+
+    async def Drain(self, request: admin_pb2.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> admin_pb2.DrainResponse:
+        """The named group hands its requests over, with their KV, to the others (the
+        router resumes each on another group); one group at a time, so a name is needed."""
+        if not request.group:
+            raise invalid_argument("name the engine group to drain (`group`): draining "
+                                   "every group would leave nowhere to go")
+        group = self._groups(request.group)[0]
+        try:
+            return await group.conn.stub.Drain(request, timeout=ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(exc.code(), f"engine group {group.name}: {exc.details()}") from exc
 
     async def ResetPrefixCache(self, request: admin_pb2.ResetPrefixCacheRequest,
                                context: grpc.aio.ServicerContext

@@ -20,8 +20,8 @@ from protos.pooling import (image_tiling_from_pb, image_tiling_to_pb, pooling_in
 from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.resume import Progress, SampleProgress
-from router.types import (FinishReason, GenerationRequest, ModelInfo, SampleOutput, Submission,
-                          TokenChunk, TokenLogprob)
+from router.types import (FinishReason, GenerationRequest, KVHandoff, ModelInfo, SampleOutput,
+                          Submission, TokenChunk, TokenLogprob)
 
 
 def generation_request(pb: generate_pb2.GenerateRequest) -> GenerationRequest:
@@ -125,6 +125,11 @@ def submit_request(submission: Submission, progress: Progress | None = None
     if progress is not None:
         request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
                                 for i, p in enumerate(progress.samples))
+        request.kv_handoffs.extend(
+            scheduler_pb2.KvHandoff(index=i, scheduler_address=h.scheduler_address,
+                                    handoff_id=h.handoff_id, num_tokens=h.num_tokens)
+            for i, p in enumerate(progress.samples)
+            if (h := p.kv_handoff) is not None and not p.finished)
     return request
 
 
@@ -165,9 +170,12 @@ def submission_from_checkpoint(raw: bytes) -> Submission:
 def sample_output(pb: scheduler_pb2.SubmitResponse) -> SampleOutput:
     """A scheduler message of one sample, converted once as it reaches the router."""
     logprobs = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in pb.logprobs]
+    handoff = pb.kv_handoff
     return SampleOutput(pb.index, list(pb.token_ids), finish_reason_from_pb(pb.finish_reason),
                         logprobs, pb.embedding or None, pb.num_draft_tokens,
-                        pb.num_accepted_tokens)
+                        pb.num_accepted_tokens,
+                        KVHandoff(pb.index, handoff.handoff_id, handoff.num_tokens)
+                        if handoff.handoff_id else None)
 
 
 def embedding_request(pb: generate_pb2.EmbedRequest, owner: str = "") -> EmbeddingRequest:

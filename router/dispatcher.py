@@ -25,7 +25,7 @@ from pagemesh.serving import ServiceError, unavailable
 from pagemesh.telemetry import grpc_metadata
 from protos.block_hash import BlockHash, adapter_extra, hash_request_blocks
 from router.group_directory import EngineGroup, GroupDirectory
-from router.request_feed import RequestFeed
+from router.request_feed import HandedOver, RequestFeed
 from router.resume import Attempts, Progress, ResumeConfig, retry_kind
 from router.routing import GroupLoad, RoutingConfig, RoutingPolicy
 from router.tracing import group_failed_event, resume_event
@@ -48,6 +48,9 @@ class Dispatcher:
         self._outstanding: dict[str, int] = {}
         # Streams resumed on a group after the one serving them failed (router metrics).
         self.num_resumes = 0
+        # Attempts that ended with every unfinished sample's KV handed off (disaggregated
+        # prefill, a drain), continued on another group.
+        self.num_handoffs = 0
 
     async def stream(self, submission: Submission, process: Callable[[SampleOutput], T | None],
                      progress: Progress | None = None, span: trace.Span | None = None
@@ -75,7 +78,8 @@ class Dispatcher:
         attempts = Attempts(self.resume, asyncio.get_running_loop().time, progress.started)
         feed: RequestFeed[T] = RequestFeed(progress, attempts, process)
         while not progress.all_finished:
-            group = await self._choose(block_hashes, attempts, submission.lora_name)
+            group = await self._choose(block_hashes, attempts, submission.lora_name,
+                                       decode=progress.started)
             if attempts.num_failures:
                 self.num_resumes += 1
                 logger.warning("request %s resumed on engine group %s with %s output tokens "
@@ -87,6 +91,9 @@ class Dispatcher:
                     while (batch := await feed.next_batch()) is not None:
                         yield batch
                 return
+            except HandedOver:  # its KV waits there for the group that continues it
+                self.num_handoffs += 1
+                continue
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or str(exc.code())
             except grpc.aio.UsageError as exc:  # its channel was closed under it
@@ -95,12 +102,14 @@ class Dispatcher:
             self._failed(group, submission, progress, attempts, code, details)
 
     def _pick(self, block_hashes: list[BlockHash], exclude: frozenset[str],
-              lora_name: str = "") -> EngineGroup | None:
+              lora_name: str = "", decode: bool = False) -> EngineGroup | None:
         """The routing policy's choice within the best non-empty tier: ready groups present in
         the registry and not just failed, then ready ones missing or just failed, then the
         rest (degraded, NOT_SERVING, unreachable). Draining groups, `exclude` and groups that
         serve no LoRA (for a request naming an adapter) are never picked; within the tier, a
-        request naming an adapter goes where it is held first (`adapter_groups`)."""
+        request naming an adapter goes where it is held first (`adapter_groups`), and
+        disaggregated groups by phase: a new request (`decode` False) to a prefill group, a
+        started one to a decode group, when the tier has one (else to any)."""
         now = asyncio.get_running_loop().time()
         tiers: list[list[GroupLoad]] = [[], [], []]
         for group in self.directory.groups:
@@ -118,11 +127,17 @@ class Dispatcher:
                 tiers[0].append(load)
         for loads in tiers:
             if loads:
+                loads = self._phase_groups(loads, decode)
                 if lora_name:
                     loads = self._adapter_groups(loads, lora_name)
                 scheduler_id = self._policy.pick(loads, block_hashes)
                 return self.directory.get(scheduler_id) if scheduler_id is not None else None
         return None
+
+    def _phase_groups(self, loads: list[GroupLoad], decode: bool) -> list[GroupLoad]:
+        roles = ("decode", "both") if decode else ("prefill",)
+        preferred = [ld for ld in loads if self.directory.get(ld.scheduler_id).role in roles]
+        return preferred or loads
 
     def _adapter_groups(self, loads: list[GroupLoad], lora_name: str) -> list[GroupLoad]:
         groups = [self.directory.get(load.scheduler_id) for load in loads]
@@ -132,13 +147,13 @@ class Dispatcher:
         return list(self._policy.adapter_groups(holders, with_room, full))
 
     async def _choose(self, block_hashes: list[BlockHash], attempts: Attempts,
-                      lora_name: str = "") -> EngineGroup:
+                      lora_name: str = "", decode: bool = False) -> EngineGroup:
         """A group for the next attempt: another one at once when there is one; else, once the
         request was accepted somewhere, any (the failed group's replacement too) after a
         backoff, until the resume timeout."""
         exclude = attempts.excluded
         while True:
-            group = self._pick(block_hashes, exclude, lora_name)
+            group = self._pick(block_hashes, exclude, lora_name, decode)
             if group is not None:
                 return group
             if not attempts.may_wait:
@@ -183,6 +198,7 @@ class Dispatcher:
         self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + num_tokens
         progress.served_by(group.name)
         feed.on_progress = group.not_suspect
+        feed.source_address = group.address
         try:
             with group.conn.submitted(submission, progress if progress.started else None, feed,
                                       metadata):

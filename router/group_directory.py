@@ -56,6 +56,9 @@ class EngineGroup:
     # load or unload this router made carries an older one, and does not undo it.
     lora_version: int = 0
     lora_capacity: int = 0  # the adapters it may hold at once; 0: it serves no LoRA
+    # Disaggregated serving: "prefill" groups take new requests and hand each off after
+    # its first token; "decode" groups continue them; "both" do either.
+    role: str = "both"
 
     def set_loras(self, loras: tuple[str, ...], version: int) -> None:
         if version >= self.lora_version:
@@ -199,6 +202,7 @@ class GroupDirectory:
         group.load, group.status, group.missing_since = load, entry.status, None
         group.set_loras(entry.loras, entry.lora_version)
         group.lora_capacity = entry.lora_capacity
+        group.role = entry.role
 
     def _join(self, scheduler_id: str, entry: SchedulerEntry, load: GroupLoad,
               previous: EngineGroup | None) -> EngineGroup:

@@ -11,6 +11,7 @@ raised, or None once every sample finished.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -21,6 +22,12 @@ from router.types import SampleOutput
 
 T = TypeVar("T")
 _END = object()
+_HANDED_OVER = object()
+
+
+class HandedOver(Exception):
+    """The attempt's group handed every unfinished sample off with its KV: continue the
+    request on another group (not a failure)."""
 
 
 class _Failed(Exception):
@@ -41,6 +48,7 @@ class RequestFeed(Generic[T]):
         self.attempts = attempts
         self.process = process
         self.on_progress: Callable[[], None] | None = None  # the attempt's group: not suspect
+        self.source_address = ""  # the attempt's group's scheduler: where a handoff waits
         self._batch: list[T] = []
         self._queue: asyncio.Queue[list[T] | BaseException | object] = asyncio.Queue()
         self._error: BaseException | None = None
@@ -54,6 +62,11 @@ class RequestFeed(Generic[T]):
             self.attempts.progressed()
             if self.on_progress is not None:
                 self.on_progress()
+        if output.kv_handoff is not None:
+            self.progress.samples[output.index].kv_handoff = dataclasses.replace(
+                output.kv_handoff, scheduler_address=self.source_address)
+            if not output.token_ids:
+                return  # nothing for the client in it
         try:
             result = self.process(output)
         except Exception as exc:  # a bug in this request's processing: it fails alone
@@ -76,12 +89,17 @@ class RequestFeed(Generic[T]):
         self.flush()
         self._queue.put_nowait(error)
 
+    def hand_over(self) -> None:
+        self._queue.put_nowait(_HANDED_OVER)
+
     async def next_batch(self) -> list[T] | None:
         """The next step's results; None once every sample finished. Raises the current
         attempt's failure (an `AioRpcError`), or the exception `process` raised."""
         item = await self._queue.get()
         if item is _END:
             return None
+        if item is _HANDED_OVER:
+            raise HandedOver()
         if isinstance(item, BaseException):
             raise item
         return item  # type: ignore[return-value]

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from router.types import KVHandoff
+
 # Retried until the resume timeout.
 PEER_GONE_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE,
@@ -80,6 +82,10 @@ class SampleProgress:
     # Per token received, (chosen logprob, [(alternative id, logprob), ...]) when the request
     # asked for logprobs; a resume sends them along for the checkpoint to keep.
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Its KV held on the group it last ran on (a prefill group's, a draining one's): the
+    # next attempt carries it, for that group to pull rather than recompute. Dropped once
+    # the sample moves on.
+    kv_handoff: KVHandoff | None = None
 
 
 @dataclass
@@ -120,6 +126,8 @@ class Progress:
     def record(self, index: int, token_ids: list[int], finished: bool,
                logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> None:
         sample = self.samples[index]
+        if token_ids:
+            sample.kv_handoff = None
         sample.token_ids.extend(token_ids)
         if logprobs:
             sample.logprobs.extend(logprobs)

@@ -48,6 +48,10 @@ class RequestSink(Protocol):
     def fail(self, error: grpc.aio.AioRpcError) -> None:
         """The request failed on this stream; nothing more comes for it here."""
 
+    def hand_over(self) -> None:
+        """Every sample that did not finish here was handed off with its KV (a prefill
+        group's, or a draining one's): nothing more comes for it here."""
+
 
 @dataclass(eq=False)
 class OpenRequest:
@@ -56,7 +60,8 @@ class OpenRequest:
     request_id: str
     sink: RequestSink
     session: _Session
-    num_unfinished: int  # samples the scheduler has still to finish
+    num_unfinished: int  # samples the scheduler has still to finish (or hand off)
+    handed_off: bool = False  # a sample ended here with its KV handed off
 
 
 @dataclass
@@ -158,22 +163,29 @@ class SchedulerStream:
 def _dispatch(message: scheduler_pb2.ConnectResponse, requests: dict[str, OpenRequest]) -> None:
     """One step's message, in one pass: outputs to their sinks (each converted once, here, as
     it enters the router), one flush per sink touched, then the in-band errors. A request
-    whose samples all finished leaves `requests` here."""
+    whose samples all ended (finished, or handed off with their KV) leaves `requests` here;
+    one that handed a sample off is handed over (its sink resumes it on another group)."""
     touched: dict[str, RequestSink] = {}
+    handed_over: list[RequestSink] = []
     for message_output in message.outputs:
         request_id = message_output.request_id
         opened = requests.get(request_id)
         if opened is None:
             continue  # aborted by the router meanwhile
         output = convert.sample_output(message_output)
-        if output.finish_reason is not None:
+        if output.finish_reason is not None or output.kv_handoff is not None:
             opened.num_unfinished -= 1
+            opened.handed_off = opened.handed_off or output.kv_handoff is not None
             if opened.num_unfinished <= 0:
                 del requests[request_id]
+                if opened.handed_off:
+                    handed_over.append(opened.sink)
         touched[request_id] = opened.sink
         opened.sink.add(output)
     for sink in touched.values():
         sink.flush()
+    for sink in handed_over:
+        sink.hand_over()
     for error in message.errors:
         opened = requests.pop(error.request_id, None)
         if opened is not None:

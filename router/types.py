@@ -148,6 +148,17 @@ class TokenChunk:
     usage: Usage | None = None  # set on the request's last message (every sample finished)
 
 
+@dataclass(frozen=True)
+class KVHandoff:
+    """A sample's KV left on the group that computed it (`SubmitResponse.kv_handoff`); the
+    next attempt's SubmitRequest carries it to the group that continues the sample."""
+
+    index: int
+    handoff_id: str
+    num_tokens: int
+    scheduler_address: str = ""  # the holding group's: filled in from the attempt's group
+
+
 @dataclass(frozen=True, slots=True)
 class SampleOutput:
     """One scheduler message for one sample, converted once where it enters the router
@@ -161,6 +172,7 @@ class SampleOutput:
     embedding: bytes | None = None  # an embedding request's vector, float32 LE, at its end
     num_draft_tokens: int = 0  # speculative decoding: drafts verified in this message's step
     num_accepted_tokens: int = 0  # of those, the ones kept
+    kv_handoff: KVHandoff | None = None  # the sample stops on this group, its KV held
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ class RouterConnection:
                 continue
             outputs.append((opened.request_id, record(opened, event), event, opened.with_logprobs))
             num_tokens += len(event.new_tokens)
-            if event.finish_reason is not None:
+            if event.ends_stream:
                 del self._by_core_id[event.request_id]
                 if opened.finished:
                     del self._open[opened.request_id]

@@ -2,11 +2,12 @@
 submits and the replies to them (`scheduler.proto`), the steps and worker infos of the
 engine group (`worker.proto`), model info and stats (`generate.proto`). Everything else
 works on plain types: `messages.py` (this service's), `protos/step.py` (the step contract)
-and the core's. Two other files import generated modules, for the gRPC plumbing alone
+and the core's. Three other files import generated modules, for the gRPC plumbing alone
 (tests/scheduler_svc/test_protobuf_edge.py holds them to it): `servicer.py`, the adapter,
 implements and registers the generated service and hands what it receives to these
 functions (it reads only the request id it logs under and the model's EOS ids);
-`worker_client.py` holds the workers' stubs and sends what these functions build."""
+`worker_client.py` holds the workers' stubs and sends what these functions build, and
+`kv_moves.py` other groups' schedulers' stubs, for their KV holds."""
 
 from __future__ import annotations
 
@@ -41,9 +42,14 @@ from scheduler_svc.messages import (
     ConnectAction,
     ConnectBatch,
     InvalidSubmit,
+    KVClaim,
+    KVHandoffRef,
+    KVRank,
+    PullResult,
     Submission,
     WorkerInfo,
 )
+from scheduler_svc.core.types import HeldKV
 
 _FINISH_REASON_TO_PB = {
     None: generate_pb2.FINISH_REASON_UNSPECIFIED,
@@ -82,6 +88,9 @@ def submission_from_pb(pb: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]
         original=_original(pb, base.images),
         progress_logprobs=_progress_logprobs(pb) if pb.logprobs > 0 else {},
         images=base.images,
+        kv_handoffs={h.index: KVHandoffRef(h.index, h.scheduler_address, h.handoff_id,
+                                           h.num_tokens)
+                     for h in pb.kv_handoffs if h.index < n and h.handoff_id},
     )
 
 
@@ -108,6 +117,7 @@ def _original(pb: scheduler_pb2.SubmitRequest, images: tuple[ImageInput, ...]) -
     original.CopyFrom(pb)
     original.ClearField("progress")
     original.ClearField("trace_context")
+    original.ClearField("kv_handoffs")
     for image, converted in zip(original.images, images):
         image.sha256 = converted.digest
         image.data = b""
@@ -213,6 +223,8 @@ def scheduler_output_to_pb(output: SchedulerOutput, traceparents: dict[str, str]
         blocks_to_swap_out=_pairs(output.blocks_to_swap_out),
         blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
         blocks_to_copy=_pairs(output.blocks_to_copy),
+        blocks_to_offload=[worker_pb2.TierStore(block=b, slot=s, key=k)
+                           for b, s, k in output.blocks_to_offload],
         append_sampled_tokens=output.append_sampled_tokens,
     )
     if traceparents:
@@ -260,6 +272,10 @@ def event_to_pb(event: RequestEvent, index: int, with_logprobs: bool, request_id
         num_draft_tokens=event.num_draft_tokens,
         num_accepted_tokens=event.num_accepted_tokens,
     )
+    if event.handoff is not None:  # the router fills in this scheduler's address
+        response.kv_handoff.CopyFrom(scheduler_pb2.KvHandoff(
+            index=index, handoff_id=event.handoff.request_id,
+            num_tokens=len(event.handoff.token_ids)))
     if with_logprobs:
         response.logprobs.extend(
             scheduler_pb2.SampledLogprob(
@@ -308,6 +324,9 @@ def worker_info_from_pb(pb: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
         image_token_id=pb.image_token_id,
         image_seq_length=pb.image_seq_length,
         image_tiling=image_tiling_from_pb(pb.image_tiling),
+        kv_rank=_kv_rank_from_pb(pb.kv_transfer) if pb.kv_transfer.address else None,
+        host_tier_slots=pb.host_tier_slots,
+        host_tier_epoch=pb.host_tier_epoch,
     )
 
 
@@ -454,3 +473,63 @@ def lora_loaded_pb(group: str, version: int, held: Sequence[str]
 def lora_unloaded_pb(group: str, version: int, held: Sequence[str]
                      ) -> admin_pb2.UnloadLoraAdapterResponse:
     return admin_pb2.UnloadLoraAdapterResponse(groups=[group], lora_version=version, loras=held)
+
+
+# ---- KV moving between groups (scheduler_svc/kv_moves.py) ------------------------------------
+
+def _kv_rank_from_pb(pb: worker_pb2.KvRank) -> KVRank:
+    return KVRank(pb.address, pb.host_key, pb.layer_start, pb.num_layers, pb.kv_head_start,
+                  pb.num_kv_heads, pb.block_size, pb.head_dim, pb.dtype)
+
+
+def _kv_rank_to_pb(rank: KVRank) -> worker_pb2.KvRank:
+    return worker_pb2.KvRank(
+        address=rank.address, host_key=rank.host_key, layer_start=rank.layer_start,
+        num_layers=rank.num_layers, kv_head_start=rank.kv_head_start,
+        num_kv_heads=rank.num_kv_heads, block_size=rank.block_size, head_dim=rank.head_dim,
+        dtype=rank.dtype)
+
+
+def claim_request_pb(handoff_id: str, hold_ms: int) -> scheduler_pb2.ClaimKvRequest:
+    return scheduler_pb2.ClaimKvRequest(handoff_id=handoff_id, hold_ms=hold_ms)
+
+
+def claim_response_pb(held: HeldKV, ranks: Sequence[KVRank], token: str
+                      ) -> scheduler_pb2.ClaimKvResponse:
+    return scheduler_pb2.ClaimKvResponse(
+        block_ids=held.block_ids, token_ids=held.token_ids,
+        ranks=[_kv_rank_to_pb(rank) for rank in ranks], transfer_token=token)
+
+
+def claim_from_pb(pb: scheduler_pb2.ClaimKvResponse) -> KVClaim:
+    return KVClaim(tuple(pb.block_ids), tuple(pb.token_ids),
+                   tuple(_kv_rank_from_pb(rank) for rank in pb.ranks), pb.transfer_token)
+
+
+def release_request_pb(handoff_id: str, pulled: bool, reason: str
+                       ) -> scheduler_pb2.ReleaseKvRequest:
+    return scheduler_pb2.ReleaseKvRequest(handoff_id=handoff_id, pulled=pulled, reason=reason)
+
+
+def pull_request_pb(transfer_id: str, claim: KVClaim, src_block_ids: Sequence[int],
+                    dst_block_ids: Sequence[int], timeout_ms: int) -> worker_pb2.PullKvRequest:
+    return worker_pb2.PullKvRequest(
+        transfer_id=transfer_id, sources=[_kv_rank_to_pb(rank) for rank in claim.ranks],
+        src_block_ids=src_block_ids, dst_block_ids=dst_block_ids, timeout_ms=timeout_ms,
+        transfer_token=claim.transfer_token)
+
+
+def load_request_pb(slots: Sequence[int], dst_block_ids: Sequence[int],
+                    keys: Sequence[bytes], epoch: int) -> worker_pb2.LoadKvRequest:
+    return worker_pb2.LoadKvRequest(slots=slots, dst_block_ids=dst_block_ids, keys=keys,
+                                    epoch=epoch)
+
+
+def pull_result_from_pb(pb: worker_pb2.PullKvResponse) -> PullResult:
+    return PullResult(pb.ok, pb.reason, pb.num_bytes, pb.seconds, pb.path)
+
+
+def drain_response_pb(groups: Sequence[str], num_migrated: int, num_recomputed: int
+                      ) -> admin_pb2.DrainResponse:
+    return admin_pb2.DrainResponse(groups=groups, num_migrated=num_migrated,
+                                   num_recomputed=num_recomputed)

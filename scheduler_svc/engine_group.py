@@ -13,6 +13,7 @@ from pagemesh.registry import Registry
 from pagemesh.registry_entries import WorkerEntry
 from pagemesh.tls import TlsConfig
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.host_tier import HostTierIndex
 from scheduler_svc.group_formation import WorkerEndpoint, form_group
 from scheduler_svc.messages import WorkerInfo
 from scheduler_svc.worker_client import WorkerGroupClient
@@ -135,3 +136,20 @@ class EngineGroup:
         return all(code is None or (e.worker_id in entries
                                     and entries[e.worker_id].instance == e.instance)
                    for e, code in zip(workers.endpoints, codes))
+
+
+def host_tier_for(infos: list[WorkerInfo], current: HostTierIndex | None) -> HostTierIndex | None:
+    """The group's host tier index (core/host_tier.py): kept across a re-formation while
+    every rank reports the same tier (its epoch), so requests carried over reload their
+    blocks from it; cleared when a tier is another one now; None when a rank has none."""
+    num_slots = min((info.host_tier_slots for info in infos), default=0)
+    if num_slots == 0:
+        return None
+    epochs = tuple(info.host_tier_epoch for info in infos)
+    if current is None or current.num_slots != num_slots:
+        return HostTierIndex(num_slots, epochs)
+    if current.epochs != epochs:
+        logger.warning("the host tier of a rank is another one now (epochs %s -> %s): "
+                       "its blocks are forgotten", current.epochs, epochs)
+        current.reset(epochs)
+    return current

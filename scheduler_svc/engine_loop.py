@@ -8,15 +8,17 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from pagemesh.registry_entries import GroupStatus
 from protos.step import ModelRunnerOutput, RequestId, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.host_tier import HostTierIndex
 from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
-from scheduler_svc.engine_group import EngineGroup, FormedGroup
+from scheduler_svc.engine_group import EngineGroup, FormedGroup, host_tier_for
 from scheduler_svc.executor import Executor
+from scheduler_svc.messages import KVHandoffRef, KVImportJob, TierSource
 from scheduler_svc.step_watchdog import StepWatchdog, WatchdogConfig
 from scheduler_svc.tracing import RequestTracing
 from scheduler_svc.worker_client import WorkerGroupClient
@@ -97,23 +99,37 @@ class EngineLoop:
         self.tracing = RequestTracing()  # the requests' spans, fed from every step
         # Called with each non-empty step as it is scheduled, before it is sent (metrics).
         self.on_schedule: list[Callable[[SchedulerOutput], None]] = []
+        # A drain's hand-over, once asked for: the loop stops scheduling, lets the steps in
+        # flight return, then hands every request off (`hand_off_all`).
+        self._hand_off: asyncio.Future[tuple[int, int]] | None = None
+        # The host tier's index (core/host_tier.py): it outlives the core, which a
+        # re-formation replaces. And who runs imports (KVMoves.pull), set by the service.
+        self.tier: HostTierIndex | None = scheduler.kv.tier
+        self.importer: Callable[[list[KVImportJob]], None] | None = None
 
     @property
     def num_streams(self) -> int:
         return len(self._streams)
 
-    def submit(self, requests: list[Request], sink: RequestSink) -> None:
+    def submit(self, requests: list[Request], sink: RequestSink,
+               handoffs: Mapping[RequestId, KVHandoffRef] | None = None) -> list[KVImportJob]:
         """Admits one request, or n > 1 samples of one prompt (with `fork_of` set, the
         first one leads and the others fork from its computed prompt; resumed samples come
         without). Every sample's events go to `sink`. Raises ValueError when they can never
-        be served here."""
+        be served here. A sample whose KV another group holds (`handoffs`), or whose blocks
+        this group's host tier holds, is admitted importing it: returns those, which wait
+        for their import (`KVMoves.pull`)."""
+        imports: list[KVImportJob] = []
         if any(r.fork_of is not None for r in requests):
             self.scheduler.add_samples(requests)
         else:
             added: list[Request] = []
             try:
                 for request in requests:
-                    self.scheduler.add_request(request)
+                    job = self._admit(request, handoffs.get(request.request_id)
+                                      if handoffs else None)
+                    if job is not None:
+                        imports.append(job)
                     added.append(request)
             except ValueError:
                 for request in added:
@@ -122,6 +138,59 @@ class EngineLoop:
         for request in requests:
             self._streams[request.request_id] = sink
         self._wakeup.set()
+        return imports
+
+    def _admit(self, request: Request, handoff: KVHandoffRef | None) -> KVImportJob | None:
+        core = self.scheduler
+        if handoff is not None:
+            imported = core.add_importing(request, handoff.num_tokens)
+            return KVImportJob(request, imported, handoff) if imported else None
+        tier_hits = core.tier_hits(request)
+        if not tier_hits:
+            core.add_request(request)
+            return None
+        num_device_blocks = len(core.kv.get_computed_blocks(request))
+        imported = core.add_importing(
+            request, (num_device_blocks + len(tier_hits)) * core.config.block_size)
+        if imported is None:
+            return None
+        slots, keys = zip(*tier_hits[:len(imported.block_ids)])
+        return KVImportJob(request, imported, TierSource(tuple(slots), tuple(keys)))
+
+    def wake(self) -> None:
+        """Something became runnable outside a step (an import finished)."""
+        self._wakeup.set()
+
+    async def hand_off_all(self) -> tuple[int, int]:
+        """Hands every request over to other groups (a drain): once no step is in flight,
+        each running one ends here with its KV held for the group that continues it; the
+        others (waiting, preempted, importing) fail here, for their router to resume them
+        elsewhere by recomputing. Returns (handed off with KV, without)."""
+        if self._hand_off is None:
+            self._hand_off = asyncio.get_running_loop().create_future()
+            self._wakeup.set()
+        return await asyncio.shield(self._hand_off)
+
+    def _hand_off_now(self) -> None:
+        """Every hold first, then the failures: a request whose samples end both ways gets
+        its handoffs out before its stream fails."""
+        assert self._hand_off is not None
+        streams, self._streams = self._streams, {}
+        failed: list[tuple[RequestId, RequestSink]] = []
+        for request_id, sink in streams.items():
+            request = self.scheduler.requests.get(request_id)
+            held = self.scheduler.hand_off(request_id)
+            if held is None or request is None:
+                failed.append((request_id, sink))
+                continue
+            sink.deliver([RequestEvent(request_id, (), None, request.num_prompt_tokens,
+                                       handoff=held)])
+        for request_id, sink in failed:
+            self.scheduler.abort(request_id)
+            sink.fail(request_id, "this group is draining: resume on another group")
+        if not self._hand_off.done():
+            self._hand_off.set_result((len(streams) - len(failed), len(failed)))
+        self._hand_off = None
 
     def abort(self, request_id: RequestId) -> None:
         """Aborts a request whose client went away; its blocks are freed before the next step."""
@@ -171,7 +240,11 @@ class EngineLoop:
                     self._abandon(pending)
                     await self._recover()
                     continue
-                while len(pending) < self.max_steps_in_flight and self.scheduler.has_work():
+                if self._hand_off is not None and not pending:
+                    self._hand_off_now()
+                    continue
+                while (len(pending) < self.max_steps_in_flight and self._hand_off is None
+                       and self.scheduler.has_work()):
                     output = self.scheduler.schedule()
                     if output.is_empty:  # e.g. everything runnable is already in flight
                         break
@@ -181,7 +254,7 @@ class EngineLoop:
                     task = asyncio.create_task(self.workers.execute(output, traceparents))
                     pending.append((output, task))
                 if not pending:
-                    if self.scheduler.has_work():
+                    if self.scheduler.has_work() and self._hand_off is None:
                         await asyncio.sleep(0.001)  # nothing fits right now (just preempted)
                     else:
                         self._wakeup.clear()
@@ -263,7 +336,7 @@ class EngineLoop:
                 by_sink[id(sink)] = (sink, [event])
             else:
                 entry[1].append(event)
-            if event.finish_reason is not None:
+            if event.ends_stream:
                 del streams[event.request_id]
         for sink, sink_events in by_sink.values():
             sink.deliver(sink_events)
@@ -297,14 +370,21 @@ class EngineLoop:
         carried = [_fresh_copy(r) for r in self.scheduler.requests.values()
                    if not r.status.is_finished]
         self.workers = formed.workers
-        self.scheduler = Scheduler(formed.config)
+        self.tier = host_tier_for(formed.infos, self.tier)
+        self.scheduler = Scheduler(formed.config, self.tier)
+        imports: list[KVImportJob] = []
         for request in carried:
             try:
-                self.scheduler.add_request(request)
+                job = self._admit(request, None)  # from the host tier when it holds its KV
             except ValueError as exc:  # the new group's cache is smaller than the old one's
                 sink = self._streams.pop(request.request_id, None)
                 if sink is not None:
                     sink.fail(request.request_id, f"cannot resume on the re-formed group: {exc}")
+                continue
+            if job is not None:
+                imports.append(job)
+        if imports and self.importer is not None:
+            self.importer(imports)
         self.tracing.on_recovery(self._recovery_reason or "", time.monotonic() - started)
         self._recovery_reason = None
         self.num_recoveries += 1

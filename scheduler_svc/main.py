@@ -33,15 +33,18 @@ from scheduler_svc.adapters import GroupAdapters
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from pagemesh.speculative_config import SpeculativeConfig
-from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec
+from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec, host_tier_for
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
+from scheduler_svc.kv_moves import KVMoveConfig, KVMoves, kv_move_entry
 from scheduler_svc.messages import WorkerInfo
 from scheduler_svc.servicer import SERVICE_NAMES, SchedulerServicer, add_to_server
 from scheduler_svc.step_watchdog import WatchdogConfig
 from scheduler_svc.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--scheduler-id", default=None, help="id in the registry (default: group)")
     add_flag(parser, "--tp", type=int, default=1, help="tensor-parallel workers per stage")
     add_flag(parser, "--pp", type=int, default=1, help="pipeline stages")
+    add_flag(parser, "--role", default="both", choices=ROLES,
+             help="disaggregated serving: a prefill group stops each new request after its "
+                  "first token and hands its KV to a decode group; both = colocated")
     add_options(parser, SCHEDULER_OPTIONS)  # declared in pagemesh.service_flags, like `up`'s
     return parser
 
@@ -127,7 +133,8 @@ async def serve(args: argparse.Namespace) -> None:
     formed = await group.form()
     logger.info("scheduler config %s", asdict(formed.config))
     watchdog = WatchdogConfig(min_s=min(1.0, args.step_watchdog_s), max_s=args.step_watchdog_s)
-    loop = EngineLoop(Scheduler(formed.config), formed.workers, max_steps_in_flight=args.pp,
+    loop = EngineLoop(Scheduler(formed.config, host_tier_for(formed.infos, None)),
+                      formed.workers, max_steps_in_flight=args.pp,
                       group=group, recovery_timeout_s=args.recovery_timeout_s,
                       watchdog=watchdog)
     checkpointer = Checkpointer(registry.checkpoints, args.group, args.checkpoint_interval,
@@ -139,8 +146,12 @@ async def serve(args: argparse.Namespace) -> None:
                                           formed.weight_bytes, formed.kv_cache_bytes)
     scheduler_id = args.scheduler_id or args.group
     adapters = _adapters(args, loop, registry)
+    kv_moves = KVMoves(loop, args.internal_token or "", server_config(args).tls,
+                       KVMoveConfig(hold_s=args.kv_hold_s, pull_timeout_s=args.kv_pull_timeout_s))
+    loop.importer = kv_moves.pull
     servicer = SchedulerServicer(loop, model_info, checkpointer, group=args.group,
-                                 scheduler_id=scheduler_id, adapters=adapters)
+                                 scheduler_id=scheduler_id, adapters=adapters,
+                                 kv_moves=kv_moves, prefill_only=args.role == "prefill")
     server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)],
                         interceptors=internal_auth(args))
     await server.start()
@@ -157,7 +168,8 @@ async def serve(args: argparse.Namespace) -> None:
                 num_recoveries=loop.num_recoveries, num_steps=loop.num_steps,
                 num_watchdog_probes=loop.watchdog.num_probes,
                 num_slow_steps=loop.watchdog.num_slow_steps,
-                members=tuple(e.worker_id for e in loop.workers.endpoints),
+                members=tuple(e.worker_id for e in loop.workers.endpoints), role=args.role,
+                **kv_move_entry(kv_moves.counts),
                 session=group.session, epoch=group.epoch,
                 checkpoint_writes=checkpointer.num_writes,
                 checkpoint_write_s=round(checkpointer.write_time_s, 6),
@@ -197,10 +209,15 @@ async def serve(args: argparse.Namespace) -> None:
         claimed.set()
         watch = asyncio.create_task(
             _watch_members(loop, group, registry.config.heartbeat_interval_s))
+        expiry = asyncio.create_task(kv_moves.run())
         await server.wait_for_stop()
         watch.cancel()
         if not fenced:
-            await _drain(loop, checkpointer, args.drain_timeout_s)
+            migrate = args.drain_migrate and await _other_group_ready(
+                registry, scheduler_id, formed.lead.model)
+            await _drain(loop, checkpointer, args.drain_timeout_s, migrate)
+        expiry.cancel()
+        await kv_moves.close()
         await registry.close(deregister=[] if fenced else [("scheduler", scheduler_id)])
         await server.stop()
         loop_task.cancel()
@@ -221,18 +238,39 @@ async def _watch_members(loop: EngineLoop, group: EngineGroup, interval_s: float
             loop.request_recovery("a worker's heartbeat expired and it does not answer")
 
 
-async def _drain(loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float) -> None:
-    """SIGTERM: NOT_SERVING, no admissions, let the requests in flight finish for up to
-    `timeout_s`, then hand the rest over: their streams end UNAVAILABLE with their
+async def _drain(loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float,
+                 migrate: bool = False) -> None:
+    """SIGTERM: NOT_SERVING, no admissions. With `migrate`, every request is handed over at
+    once with its KV, and the group stays up (for `timeout_s` at most) until the groups
+    continuing them have pulled it. Else the requests in flight may finish for up to
+    `timeout_s`; then the rest are handed over: their streams end UNAVAILABLE with their
     checkpoints written, and the routers resume them on another group."""
     await loop.set_status(GroupStatus.DRAINING)
     deadline = time.monotonic() + timeout_s
+    if migrate:
+        migrated, recomputed = await loop.hand_off_all()
+        logger.warning("drain: %d requests handed over with their KV, %d to recompute",
+                       migrated, recomputed)
+        while loop.scheduler.held and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return
     while loop.num_streams and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     if loop.num_streams:
         logger.warning("drain: handing %d requests over to other groups", loop.num_streams)
         loop.fail_all("this scheduler is shutting down; resume on another group")
         await asyncio.sleep(0.2)  # let the streams end (and orphan their checkpoints)
+
+
+async def _other_group_ready(registry: Registry, scheduler_id: str, model: str) -> bool:
+    """Whether another group of the model serves now: somewhere to hand requests over to."""
+    try:
+        entries = await registry.entries(SchedulerEntry)
+    except Exception:  # Redis away: let them finish here
+        return False
+    return any(sid != scheduler_id and entry.model == model
+               and entry.status == GroupStatus.READY and entry.role != "prefill"
+               for sid, entry in entries.items())
 
 
 def internal_auth(args: argparse.Namespace) -> list[InternalTokenInterceptor]:

@@ -14,12 +14,75 @@ import grpc
 
 from pagemesh.checkpoints import TokenLogprobs
 from protos.step import ImageInput, ImageTiling, PoolingInfo
-from scheduler_svc.core.types import FinishReason, Request, RequestEvent
+from scheduler_svc.core.types import FinishReason, KVImport, Request, RequestEvent
 
 # One sample's event on its way to a router, as the Connect stream's outbox holds it:
 # (router request id, sample index, the event, whether its logprobs go along). A plain
 # tuple, not a class: one is built per event of every step.
 SampleOutput = tuple[str, int, RequestEvent, bool]
+
+
+@dataclass(frozen=True)
+class KVHandoffRef:
+    """Where a sample's KV waits on another group (`SubmitRequest.kv_handoffs`)."""
+
+    index: int  # the sample
+    scheduler_address: str
+    handoff_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class TierSource:
+    """Blocks of a request this group's host tiers hold: their slots and content keys."""
+
+    slots: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class KVImportJob:
+    """A request admitted importing (`Scheduler.add_importing`), and where its KV is."""
+
+    request: Request
+    kv: KVImport
+    source: KVHandoffRef | TierSource
+
+
+@dataclass(frozen=True)
+class KVRank:
+    """One rank's KV transfer server and its share of the KV cache (`worker.v1.KvRank`)."""
+
+    address: str
+    host_key: str
+    layer_start: int
+    num_layers: int
+    kv_head_start: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class KVClaim:
+    """A claimed hold on another group (`ClaimKvResponse`)."""
+
+    block_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    ranks: tuple[KVRank, ...]
+    transfer_token: str
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """One rank's answer to PullKv."""
+
+    ok: bool
+    reason: str
+    num_bytes: int
+    seconds: float
+    path: str
 
 
 @dataclass(frozen=True)
@@ -45,6 +108,8 @@ class Submission:
     # A vision-language prompt's images: `original` holds their SHA-256s, the checkpoint's
     # image store their bytes (pagemesh/image_store.py).
     images: tuple[ImageInput, ...] = ()
+    # Samples' KV held on other groups, by sample index (pulled instead of recomputed).
+    kv_handoffs: dict[int, KVHandoffRef] = field(default_factory=dict)
 
     @property
     def resumed(self) -> bool:
@@ -118,3 +183,6 @@ class WorkerInfo:
     image_token_id: int = 0  # a vision-language model's image token
     image_seq_length: int = 0  # placeholders one image takes (0: a text-only model)
     image_tiling: ImageTiling = ImageTiling()  # LLaVA-NeXT: placeholders follow the size
+    kv_rank: KVRank | None = None  # its KV transfer server (None: its KV cannot move)
+    host_tier_slots: int = 0  # its host tier's slots (0: none)
+    host_tier_epoch: int = 0  # which tier: a new epoch is a tier re-made empty

@@ -18,6 +18,7 @@ from scheduler_svc.core.admission import sample_index
 from scheduler_svc.core.scheduler import CapacityError
 from scheduler_svc.core.types import RequestEvent
 from scheduler_svc.engine_loop import EngineLoop, RequestSink
+from scheduler_svc.kv_moves import KVMoves
 from scheduler_svc.messages import Submission
 from scheduler_svc.tracing import RequestTrace
 
@@ -36,6 +37,9 @@ class OpenRequest:
     # (sample index, final event) of samples that ended while admitted (a resume that
     # lost the end): sent at once.
     ended: list[tuple[int, RequestEvent]] = field(default_factory=list)
+    # Samples that ended here unfinished, their KV handed off to the group that continues
+    # them: the request's checkpoint is left for that group (orphaned), not finished.
+    handed_off: bool = False
 
     @property
     def finished(self) -> bool:
@@ -47,9 +51,14 @@ class RequestStreams:
     request's checkpoint current. Raises `ServiceError`s with the status the request
     (alone) fails with."""
 
-    def __init__(self, loop: EngineLoop, checkpointer: Checkpointer | None = None) -> None:
+    def __init__(self, loop: EngineLoop, checkpointer: Checkpointer | None = None,
+                 kv_moves: KVMoves | None = None, prefill_only: bool = False) -> None:
         self.loop = loop
         self.checkpointer = checkpointer or Checkpointer(None, "", 0, 0.0)
+        self.kv_moves = kv_moves
+        # A prefill group (`--role prefill`): a new request's samples stop after their first
+        # token, their KV held for a decode group (the router resumes them there).
+        self.prefill_only = prefill_only
 
     def admit(self, submission: Submission, sink: RequestSink,
               traced_from_message: bool = False) -> OpenRequest:
@@ -82,12 +91,22 @@ class RequestStreams:
         """The samples that still run, queued. A resume whose previous stream is still
         ending here supersedes it (or fails ABORTED for the router to retry)."""
         requests = submission.requests
+        if self.prefill_only and not submission.resumed and self.kv_moves is not None:
+            for request in requests:  # stop after the first token, KV held (core/kv_moves.py)
+                request.hand_off_below, request.max_tokens = request.max_tokens, 1
+        handoffs = {r.request_id: submission.kv_handoffs[sample_index(r.request_id, submission.n)]
+                    for r in requests
+                    if sample_index(r.request_id, submission.n) in submission.kv_handoffs}
+        if self.kv_moves is None:
+            handoffs = {}
         try:
             live = [r.request_id for r in requests if r.request_id in self.loop.scheduler.requests]
             if live and submission.resumed and not self.loop.supersede(live):
                 raise ServiceError(grpc.StatusCode.ABORTED,
                                    "the request's previous stream is still ending here; retry")
-            self.loop.submit(requests, sink)
+            imports = self.loop.submit(requests, sink, handoffs)
+            if imports and self.kv_moves is not None:
+                self.kv_moves.pull(imports)
         except CapacityError as exc:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except ValueError as exc:
@@ -110,13 +129,21 @@ class RequestStreams:
         goes out."""
         index = sample_index(event.request_id, opened.n)
         self.checkpointer.record(opened.request_id, index, event)
-        if event.finish_reason is not None:
+        if event.ends_stream:
             opened.unfinished.discard(event.request_id)
+            if event.handoff is not None:
+                opened.handed_off = True
+                if self.kv_moves is not None:
+                    self.kv_moves.counts.holds += 1
         return index
 
     async def finish(self, opened: list[OpenRequest]) -> None:
-        """Requests whose every sample ended: their complete checkpoints, in one write."""
-        await self.checkpointer.finish_many([o.request_id for o in opened])
+        """Requests whose every sample ended: their complete checkpoints, in one write (a
+        request with samples handed off goes on elsewhere: its record is left for that
+        group, orphaned)."""
+        for handed in [o for o in opened if o.handed_off]:
+            self.checkpointer.orphan(handed.request_id)
+        await self.checkpointer.finish_many([o.request_id for o in opened if not o.handed_off])
 
     def failed(self, opened: OpenRequest, message: str) -> None:
         """The request cannot go on here (its router resumes it elsewhere)."""

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pagemesh.logs import request_id_var
+from pagemesh.registry_entries import GroupStatus
 from pagemesh.serving import ServiceError, invalid_argument
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import admin_pb2, generate_pb2
@@ -27,6 +28,7 @@ from scheduler_svc.adapters import AdapterLoadFailed, GroupAdapters
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.connection import DEFAULT_MAX_BUFFERED_TOKENS, ConnectionCutOff, RouterConnection
 from scheduler_svc.engine_loop import EngineLoop, QueueSink, StepFailed
+from scheduler_svc.kv_moves import KVMoves
 from scheduler_svc.messages import ConnectAction, ConnectBatch, InvalidSubmit, Submission
 from scheduler_svc.request_streams import RequestStreams
 from scheduler_svc.worker_client import WorkerGroupClient
@@ -46,15 +48,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  checkpointer: Checkpointer | None = None,
                  max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
                  group: str = "", scheduler_id: str = "",
-                 adapters: GroupAdapters | None = None) -> None:
+                 adapters: GroupAdapters | None = None, kv_moves: KVMoves | None = None,
+                 prefill_only: bool = False) -> None:
         self.loop = loop
+        self.kv_moves = kv_moves
         # The LoRA adapters held here (a request naming another the cluster serves loads it).
         self.adapters = adapters or GroupAdapters(group, 0, {}, lambda: None)
         self.group = group  # the engine group's name and this scheduler's id, for admin replies
         self.scheduler_id = scheduler_id or group
         self.model_info = model_info
         self.eos_token_ids = list(model_info.eos_token_ids)
-        self.streams = RequestStreams(loop, checkpointer)
+        self.streams = RequestStreams(loop, checkpointer, kv_moves, prefill_only)
         self.checkpointer = self.streams.checkpointer
         self.max_buffered_tokens = max_buffered_tokens
         self.connections: set[RouterConnection] = set()
@@ -114,6 +118,36 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.connections.discard(connection)
 
     # ---- admin (pagemesh.v1.Admin, forwarded by the router) -------------------------------
+
+    async def Drain(self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
+                    ) -> admin_pb2.DrainResponse:
+        """Admin: stop admitting and hand every request over (`EngineLoop.hand_off_all`),
+        or, with `undo`, serve again."""
+        if request.undo:
+            await self.loop.set_status(GroupStatus.READY)
+            return convert.drain_response_pb([self.group], 0, 0)
+        await self.loop.set_status(GroupStatus.DRAINING)
+        migrated, recomputed = await self.loop.hand_off_all()
+        logger.warning("drained: %d requests handed off with their KV, %d to recompute",
+                       migrated, recomputed)
+        return convert.drain_response_pb([self.group], migrated, recomputed)
+
+    async def ClaimKv(self, request: scheduler_pb2.ClaimKvRequest,
+                      context: grpc.aio.ServicerContext) -> scheduler_pb2.ClaimKvResponse:
+        claimed = await self.kv_moves.claim(request.handoff_id, request.hold_ms) \
+            if self.kv_moves is not None else None
+        if claimed is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"no KV hold {request.handoff_id!r} here (released, expired, or "
+                               "lost with a re-formed group): recompute instead")
+        held, ranks = claimed
+        return convert.claim_response_pb(held, ranks, self.kv_moves.token)
+
+    async def ReleaseKv(self, request: scheduler_pb2.ReleaseKvRequest,
+                        context: grpc.aio.ServicerContext) -> scheduler_pb2.ReleaseKvResponse:
+        if self.kv_moves is not None:
+            self.kv_moves.release(request.handoff_id, request.pulled, request.reason)
+        return scheduler_pb2.ReleaseKvResponse()
 
     async def ResetPrefixCache(self, request: scheduler_pb2.ResetPrefixCacheRequest,
                                context: grpc.aio.ServicerContext

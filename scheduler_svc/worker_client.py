@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -16,7 +16,7 @@ from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
 from scheduler_svc.convert import ProfileTraceReport, RankMemoryReport, RankStepStatsReport
 from scheduler_svc.group_formation import WorkerEndpoint
-from scheduler_svc.messages import WorkerInfo
+from scheduler_svc.messages import KVClaim, PullResult, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,43 @@ class WorkerGroupClient:
     async def unresponsive(self, timeout_s: float) -> list[str]:
         """Members that do not answer within `timeout_s`, as `worker <id> (<address>)`."""
         return [f"worker {e.worker_id} ({e.address})" for e in await self.find_dead(timeout_s)]
+
+    async def pull_kv(self, claim: KVClaim, src_block_ids: Sequence[int],
+                      dst_block_ids: Sequence[int], timeout_ms: int) -> list[PullResult]:
+        """Every member pulls its share of another group's KV blocks (`claim`'s) into
+        `dst_block_ids`; each answers with its transfer's terminal result by the timeout.
+        A member that does not answer fails its share."""
+        request = convert.pull_request_pb(uuid.uuid4().hex[:16], claim, src_block_ids,
+                                          dst_block_ids, timeout_ms)
+        timeout_s = timeout_ms / 1000 + 1.0
+
+        async def pull(stub: worker_pb2_grpc.WorkerStub) -> PullResult:
+            try:
+                return convert.pull_result_from_pb(await stub.PullKv(request, timeout=timeout_s))
+            except grpc.aio.AioRpcError as exc:
+                return PullResult(False, f"PullKv: {exc.code().name}: {exc.details()}", 0, 0.0, "")
+
+        return list(await asyncio.gather(*(pull(stub) for stub in self._stubs)))
+
+    async def load_kv(self, slots: Sequence[int], dst_block_ids: Sequence[int],
+                      keys: Sequence[bytes], epochs: Sequence[int], timeout_s: float
+                      ) -> tuple[set[int], str]:
+        """Every member loads its share of the blocks from its host tier (`epochs`: each
+        member's tier as indexed). Returns the blocks that failed their check anywhere and
+        the first failure's reason ("" when every member loaded every block)."""
+        async def load(stub: worker_pb2_grpc.WorkerStub, epoch: int) -> tuple[list[int], str]:
+            try:
+                reply = await stub.LoadKv(convert.load_request_pb(slots, dst_block_ids, keys,
+                                                                  epoch), timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return list(dst_block_ids), f"LoadKv: {exc.code().name}: {exc.details()}"
+            return list(reply.failed_block_ids), reply.reason
+
+        results = await asyncio.gather(*(load(stub, epoch)
+                                         for stub, epoch in zip(self._stubs, epochs)))
+        failed = {block for blocks, _ in results for block in blocks}
+        reasons = [reason for _, reason in results if reason]
+        return failed, reasons[0] if reasons else ""
 
     # ---- admin: each member's report, passed through (pagemesh.v1.Admin's messages) -------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
 from protos.step import (
@@ -16,6 +18,9 @@ from protos.step import (
 )
 from protos.pooling import image_tiling_to_pb, pooling_info_to_pb
 from worker_svc.diagnostics import ProfileTraceFile, RankMemory, StepStatsSnapshot
+from worker_svc.host_tier import HostTier
+from worker_svc.kv_transfer.layout import RankSlice
+from worker_svc.kv_transfer.pull import PullResult
 
 
 def sampling_from_pb(pb: worker_pb2.SamplingParams) -> SamplingParams:
@@ -68,6 +73,7 @@ def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutp
         blocks_to_swap_out=[(p.src, p.dst) for p in pb.blocks_to_swap_out],
         blocks_to_swap_in=[(p.src, p.dst) for p in pb.blocks_to_swap_in],
         blocks_to_copy=[(p.src, p.dst) for p in pb.blocks_to_copy],
+        blocks_to_offload=[(t.block, t.slot, t.key) for t in pb.blocks_to_offload],
         append_sampled_tokens=pb.append_sampled_tokens,
     )
 
@@ -105,8 +111,13 @@ def model_runner_output_to_pb(output: ModelRunnerOutput) -> worker_pb2.ExecuteSt
     )
 
 
-def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int]) -> worker_pb2.GetWorkerInfoResponse:
+def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int],
+                      kv_rank: RankSlice | None = None, tier: HostTier | None = None
+                      ) -> worker_pb2.GetWorkerInfoResponse:
     return worker_pb2.GetWorkerInfoResponse(
+        host_tier_slots=tier.num_slots if tier is not None else 0,
+        host_tier_epoch=tier.epoch if tier is not None else 0,
+        kv_transfer=_rank_slice_to_pb(kv_rank) if kv_rank is not None else None,
         worker_id=worker_id,
         model=info.model_name,
         architecture=info.architecture,
@@ -167,3 +178,36 @@ def profile_trace_to_pb(trace: ProfileTraceFile, worker_id: str, layout: dict[st
         worker_id=worker_id, tp_rank=max(0, layout["tp_rank"]), pp_rank=max(0, layout["pp_rank"]),
         host=trace.host, path=trace.path, duration_s=trace.duration_s,
         num_steps=trace.num_steps))
+
+
+# --- KV moving between groups (worker_svc/kv_endpoint.py) -----------------------------------
+
+
+def _rank_slice_to_pb(rank: RankSlice) -> worker_pb2.KvRank:
+    return worker_pb2.KvRank(
+        address=rank.address, host_key=rank.host_key, layer_start=rank.layer_start,
+        num_layers=rank.num_layers, kv_head_start=rank.kv_head_start,
+        num_kv_heads=rank.num_kv_heads, block_size=rank.block_size, head_dim=rank.head_dim,
+        dtype=rank.dtype)
+
+
+def rank_slices_from_pb(ranks: Iterable[worker_pb2.KvRank]) -> list[RankSlice]:
+    """Raises ValueError for a rank whose figures cannot describe a KV cache."""
+    return [RankSlice(r.layer_start, r.num_layers, r.kv_head_start, r.num_kv_heads,
+                      r.block_size, r.head_dim, r.dtype, r.address, r.host_key) for r in ranks]
+
+
+def pull_result_to_pb(result: PullResult) -> worker_pb2.PullKvResponse:
+    return worker_pb2.PullKvResponse(ok=result.ok, reason=result.reason,
+                                     num_bytes=result.nbytes, seconds=result.seconds,
+                                     path="+".join(sorted(result.paths)))
+
+
+def load_failed_pb(failed_block_ids: Iterable[int], reason: str) -> worker_pb2.LoadKvResponse:
+    failed = list(failed_block_ids)
+    return worker_pb2.LoadKvResponse(ok=not failed and not reason, reason=reason,
+                                     failed_block_ids=failed)
+
+
+def pull_failed_pb(reason: str) -> worker_pb2.PullKvResponse:
+    return worker_pb2.PullKvResponse(ok=False, reason=reason)

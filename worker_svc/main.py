@@ -44,6 +44,9 @@ from worker_svc.model.moe import expert_load
 from worker_svc.membership import Membership, Plan, WorkerState
 from worker_svc.parallel import ParallelConfig
 from worker_svc.encoder_runner import load_runner
+from pagemesh.host_tier_files import tier_path
+from worker_svc.host_tier import HostTier, HostTierBusy
+from worker_svc.kv_endpoint import KVEndpoint
 from worker_svc.lora import LoraConfig
 from worker_svc.runner import ModelRunner, RunnerConfig
 from worker_svc.servicer import WorkerServicer
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "rendezvous plan gives this worker a dead one's place, then load that shard")
     add_flag(parser, "--dist-port", type=int, default=0,
              help="torch.distributed port if this worker is rank 0 (0 = any free port)")
+    add_flag(parser, "--kv-transfer-port", type=int, default=0,
+             help="port of this rank's KV transfer server, which other engine groups pull "
+                  "KV blocks from (0 = any free port)")
     add_options(parser, WORKER_OPTIONS)  # declared in pagemesh.service_flags, like `up`'s
     return parser
 
@@ -180,6 +186,8 @@ async def serve(args: argparse.Namespace) -> None:
             done, _ = await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
             if loading in done:
                 runner = servicer.runner = loading.result()  # raises what failed the load
+                servicer.kv = start_kv_endpoint(runner, args)
+                runner.host_tier = open_host_tier(runner, args)
                 info = runner.info()
                 # Published with the registry entry (for `pagemesh top`) and as gauges.
                 state.quantization, state.weight_bytes = info.quantization, info.weight_bytes
@@ -202,6 +210,41 @@ async def serve(args: argparse.Namespace) -> None:
     except BaseException:  # failed midway: no grpc.aio server may outlive the loop
         await server.stop_now()
         raise
+
+
+def start_kv_endpoint(runner: object, args: argparse.Namespace) -> KVEndpoint | None:
+    """This rank's KV transfer server; None for a model without a paged KV cache (an
+    encoder), or when it cannot start (its KV then cannot move: other groups recompute)."""
+    if not isinstance(runner, ModelRunner) or not runner.kv_caches:
+        return None
+    try:
+        return KVEndpoint(runner, args.host, args.advertise_host, args.kv_transfer_port,
+                          args.internal_token or None)
+    except (OSError, ValueError) as exc:
+        logger.error("no KV transfer server (requests' KV cannot move to or from this "
+                     "group): %s", exc)
+        return None
+
+
+def open_host_tier(runner: object, args: argparse.Namespace) -> HostTier | None:
+    """This rank's host tier (--host-tier-gib): the file a predecessor on this host left,
+    or a new one. None when off, for a model without a paged KV cache, or when it cannot
+    be opened (the group then recomputes as without one)."""
+    if args.host_tier_gib <= 0 or not isinstance(runner, ModelRunner) or not runner.kv_caches:
+        return None
+    parallel = runner.parallel
+    path = tier_path(args.host_tier_dir, args.cluster, args.group, parallel.pp_rank,
+                     parallel.tp_rank)
+    num_slots = int(args.host_tier_gib * (1 << 30) // runner.kv_spec.bytes_per_block)
+    try:
+        tier = HostTier.open(path, runner.kv_spec, num_slots, identity=(
+            f"{args.model}|{args.served_model_name}|{runner.metadata.dtype}|pp {parallel.pp_rank}"
+            f"/{parallel.pp_size}|tp {parallel.tp_rank}/{parallel.tp_size}"))
+    except (OSError, ValueError, HostTierBusy) as exc:
+        logger.error("no host tier at %s: %s", path, exc)
+        return None
+    logger.info("host tier %s: %d slots, epoch %x", path, tier.num_slots, tier.epoch)
+    return tier
 
 
 def worker_metrics(group: str, layout: dict[str, int], servicer: WorkerServicer,

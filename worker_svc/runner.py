@@ -27,6 +27,7 @@ from protos.step import (ImageTiling, ModelRunnerOutput, PoolingInfo, SampledTok
 from worker_svc import sampler
 from worker_svc.spec_verify import accept_drafts, check_drafts, sampling_rows
 from worker_svc.draft import DraftConfig, DraftModel, load_draft
+from worker_svc.host_tier import HostTier
 from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 from worker_svc.attention import AttentionBackend, get_attention_backend
 from worker_svc.batch import (
@@ -210,6 +211,9 @@ class ModelRunner:
         self.kv_prefault = (KVPrefault(self.kv_caches, num_blocks, kv_prefault_blocks).start()
                             if kv_prefault_blocks > 0 and self.device.type == "cpu" else None)
         self.requests: dict[str, RequestState] = {}
+        # The host tier (worker_svc/host_tier.py), set by the worker's main: blocks written
+        # through to shared memory that outlives this process.
+        self.host_tier: HostTier | None = None
         # An embedding model's head: pools its requests' rows instead of sampling.
         self.pooler = Pooler(metadata.pooling) if metadata.pooling.embeds else None
         # A vision-language model's first stage: images' embeddings for their placeholders.
@@ -424,6 +428,8 @@ class ModelRunner:
         move_blocks(self.kv_caches, self.swap_caches, step.blocks_to_swap_out)
         move_blocks(self.swap_caches, self.kv_caches, step.blocks_to_swap_in)
         move_blocks(self.kv_caches, self.kv_caches, step.blocks_to_copy)
+        if step.blocks_to_offload and self.host_tier is not None:  # before the forward
+            self.host_tier.store(self.kv_caches, step.blocks_to_offload)
         if self.draft is not None:
             self.draft.copy_blocks(step.blocks_to_copy)
         self._update_states(step)

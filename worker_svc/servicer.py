@@ -30,6 +30,7 @@ from worker_svc.distributed import GroupStepError
 from worker_svc.lora.adapter import AdapterError
 from worker_svc.lora.manager import LoraManager
 from worker_svc.model.moe import expert_load
+from worker_svc.kv_endpoint import KVEndpoint
 from worker_svc.runner import ModelRunner
 from worker_svc.tracing import traced_step
 
@@ -45,6 +46,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker_id: str, layout: dict[str, int], profile_dir: Path | None = None,
                  max_profile_s: float = 300.0) -> None:
         self.runner: ModelRunner | None = None  # set once the model is loaded
+        self.kv: KVEndpoint | None = None  # KV moving between groups: set with the runner
         self.worker_id = worker_id
         self.layout = layout
         # One thread owns the model: steps run strictly one after another, and the event
@@ -76,7 +78,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetWorkerInfo(self, request: worker_pb2.GetWorkerInfoRequest,
                             context: grpc.aio.ServicerContext) -> worker_pb2.GetWorkerInfoResponse:
-        return convert.worker_info_to_pb(self._ready_runner().info(), self.worker_id, self.layout)
+        runner = self._ready_runner()
+        return convert.worker_info_to_pb(runner.info(), self.worker_id, self.layout,
+                                         self.kv.rank_slice if self.kv is not None else None,
+                                         runner.host_tier)
+
+    async def LoadKv(self, request: worker_pb2.LoadKvRequest,
+                     context: grpc.aio.ServicerContext) -> worker_pb2.LoadKvResponse:
+        """Blocks from this rank's host tier into its cache, each slot checked; on a
+        thread of its own, beside the steps (the blocks are the importing request's)."""
+        runner = self._ready_runner()
+        tier, dst = runner.host_tier, list(request.dst_block_ids)
+        if tier is None or tier.epoch != request.epoch:
+            return convert.load_failed_pb(dst, "this rank's host tier is not the one indexed "
+                                               "(restarted without it, or re-made)")
+        executor = self.kv.executor if self.kv is not None else None
+        failed = await asyncio.get_running_loop().run_in_executor(
+            executor, tier.load, runner.kv_caches,
+            list(zip(request.slots, dst, request.keys)))
+        return convert.load_failed_pb(failed, f"{len(failed)} of {len(dst)} slots failed their "
+                                              "check" if failed else "")
+
+    async def PullKv(self, request: worker_pb2.PullKvRequest,
+                     context: grpc.aio.ServicerContext) -> worker_pb2.PullKvResponse:
+        """Another group's blocks into this rank's cache, on a thread of its own (beside the
+        steps); always the transfer's terminal result, never an error status."""
+        kv = self.kv
+        if kv is None:
+            return convert.pull_failed_pb("this worker serves no KV transfer (still loading, "
+                                          "or it has none)")
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                kv.executor, kv.pull, convert.rank_slices_from_pb(request.sources),
+                list(request.src_block_ids), list(request.dst_block_ids),
+                request.timeout_ms / 1000, request.transfer_token, request.transfer_id)
+        except ValueError as exc:  # the scheduler's mistake: block ids that do not fit here
+            return convert.pull_failed_pb(f"bad pull: {exc}")
+        return convert.pull_result_to_pb(result)
 
     @traced_step  # the step's span, worker_svc/tracing.py
     async def ExecuteStep(self, request: worker_pb2.ExecuteStepRequest,
@@ -275,3 +313,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.kv is not None:
+            self.kv.close()

@@ -130,3 +130,6 @@ class SchedulerStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0  # of those, the ones kept
+    # Tokens of resumed requests (with output already) computed again here, rather than
+    # pulled from another group or found in the prefix cache (the last token not counted).
+    num_recomputed_tokens: int = 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from protos.block_hash import BlockHash, adapter_extra, block_images, hash_block_tokens
 from protos.step import BlockId, RequestId
 from scheduler_svc.core.block_pool import BlockPool, SwapPool
+from scheduler_svc.core.host_tier import HostTierIndex
 from scheduler_svc.core.types import Request
 
 
@@ -41,7 +42,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, tier: HostTierIndex | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -51,6 +52,10 @@ class KVCacheManager:
         self._state: dict[RequestId, _RequestKV] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The host tier (core/host_tier.py): every block the prefix cache takes in is
+        # written through to a slot, by the next step (`take_offloads`).
+        self.tier = tier if enable_prefix_caching else None
+        self._offloads: list[tuple[BlockId, int, bytes]] = []
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -159,12 +164,39 @@ class KVCacheManager:
         if num_full <= state.num_offered_blocks or not self.enable_prefix_caching:
             return
         hashes = state.block_hashes
+        tier = self.tier
         for index in range(state.num_offered_blocks, num_full):
             block_hash = self._block_hash(request, state, index)
             parent = hashes[index - 1] if index else None
-            self.pool.cache(request.block_ids[index], block_hash,
-                            self._block_tokens(request, index), parent)
+            tokens = self._block_tokens(request, index)
+            block_id = request.block_ids[index]
+            if self.pool.cache(block_id, block_hash, tokens, parent) and tier is not None:
+                slot = tier.reserve(block_hash, tokens, parent)
+                if slot is not None:
+                    self._offloads.append((block_id, slot, block_hash))
         state.num_offered_blocks = num_full
+
+    def take_offloads(self) -> list[tuple[BlockId, int, bytes]]:
+        """The (device block, tier slot, key) writes for the next step, once."""
+        offloads, self._offloads = self._offloads, []
+        return offloads
+
+    def tier_hits(self, request: Request, num_device_hits: int) -> list[tuple[int, BlockHash]]:
+        """(slot, hash) of the run of the request's full blocks the host tier holds right
+        after its `num_device_hits` prefix-cache hits, within its first `num_tokens - 1`
+        tokens; empty without a tier."""
+        if self.tier is None:
+            return []
+        state = self._state_of(request)
+        hits: list[tuple[int, BlockHash]] = []
+        for index in range(num_device_hits, (request.num_tokens - 1) // self.block_size):
+            block_hash = self._block_hash(request, state, index)
+            parent = state.block_hashes[index - 1] if index else None
+            slot = self.tier.lookup(block_hash, self._block_tokens(request, index), parent)
+            if slot is None:
+                break
+            hits.append((slot, block_hash))
+        return hits
 
     # ---- release, swap -------------------------------------------------------------------
 

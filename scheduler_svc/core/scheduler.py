@@ -28,10 +28,12 @@ from protos.step import (
 )
 from scheduler_svc.core.admission import check_admissible, check_samples, stop_status
 from scheduler_svc.core.config import CapacityError, SchedulerConfig, SchedulerStats
+from scheduler_svc.core.host_tier import HostTierIndex
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.kv_moves import KVMoving
 from scheduler_svc.core.policy import WaitingQueue
 from scheduler_svc.core.spec_decode import Speculation
-from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
+from scheduler_svc.core.types import HeldKV, KVImport, Request, RequestEvent, RequestStatus
 
 __all__ = ["CapacityError", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler:
+class Scheduler(KVMoving):
     """The pure scheduling core of one engine group.
 
     Invariants between calls: every live request is in exactly one of `running` (status
@@ -49,10 +51,10 @@ class Scheduler:
     `cdiv(num_computed_tokens, block_size)` blocks or more.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, tier: HostTierIndex | None = None) -> None:
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, config.num_swap_blocks)
+                                 config.enable_prefix_caching, config.num_swap_blocks, tier)
         self.requests: dict[RequestId, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         # fcfs: admission order; priority: sorted by the policy key. Either way the last
@@ -80,6 +82,12 @@ class Scheduler:
         self.num_swap_ins = 0
         # Speculative decoding (core/spec_decode.py): drafts, their verdicts, totals; None: off.
         self.spec = Speculation(config) if config.speculative else None
+        # KV moving between groups (core/kv_moves.py): blocks held for another group, by
+        # request id; requests whose KV is being pulled here; and the tokens of resumed
+        # requests (ones with output) computed again here rather than pulled or cached.
+        self.held: dict[RequestId, HeldKV] = {}
+        self._importing: dict[RequestId, KVImport] = {}
+        self.num_recomputed_tokens = 0
 
     # ---- admission and abort -------------------------------------------------------------
 
@@ -154,6 +162,7 @@ class Scheduler:
             self._schedule_waiting(output, budget)
         output.finished_request_ids = self._finished_ids
         self._finished_ids = []
+        output.blocks_to_offload = self.kv.take_offloads()
         if self._swap_blocks_to_free:
             self.kv.swap.free(self._swap_blocks_to_free)
             self._swap_blocks_to_free = []
@@ -208,20 +217,25 @@ class Scheduler:
                     + request.num_pending_tokens - 1):
                 raise ValueError(f"request {request_id} sampled before its prompt was computed")
             request.num_pending_tokens -= 1
-            finish_reason = None
+            finish_reason = handoff = None
             for kept, token in enumerate(tokens, 1):
                 output_token_ids.append(token.token_id)
                 status = stop_status(request)
                 if status is not None:  # the tokens after a stop are dropped
                     tokens = tokens[:kept]
+                    any_finished = True
+                    if (status is RequestStatus.FINISHED_LENGTH
+                            and len(output_token_ids) < request.hand_off_below):
+                        handoff = self._hold(request, remove_from_running=False)
+                        break
                     self._finish(request, status, remove_from_running=False)
                     finish_reason = request.finish_reason
-                    any_finished = True
                     break
             events.append(RequestEvent(request_id, tokens, finish_reason,
                                        len(request.prompt_token_ids),
                                        num_draft_tokens=num_drafts,
-                                       num_accepted_tokens=len(tokens) - 1 if num_drafts else 0))
+                                       num_accepted_tokens=len(tokens) - 1 if num_drafts else 0,
+                                       handoff=handoff))
         if result.draft_token_ids and self.spec is not None:  # a draft model's
             self.spec.offer({r: d for r, d in result.draft_token_ids.items() if r in requests})
         if result.pooled:
@@ -280,6 +294,7 @@ class Scheduler:
             num_drafts=self.spec.num_drafts if self.spec else 0,
             num_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
             num_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
+            num_recomputed_tokens=self.num_recomputed_tokens,
         )
 
     # ---- running requests ----------------------------------------------------------------
@@ -453,6 +468,8 @@ class Scheduler:
                 return self._start_fork(request, leader, output)
         if request.status is RequestStatus.SWAPPED:
             return self._resume_swapped(request, output, budget)
+        if request.block_ids:  # its KV was pulled from another group (finish_import)
+            return self._start_imported(request, output, budget)
         computed_blocks = ([] if request.pooling is not None
                            and self.config.pooling.reads_every_token
                            else self.kv.get_computed_blocks(request))
@@ -509,6 +526,9 @@ class Scheduler:
 
     def _start_running(self, request: Request, output: SchedulerOutput, num_new: int) -> None:
         """Sends a request the workers do not hold, with all its tokens and blocks."""
+        if request.output_token_ids:  # its KV was computed before, here or elsewhere
+            self.num_recomputed_tokens += max(
+                request.num_tokens - 1 - request.num_computed_tokens, 0)
         request.status = RequestStatus.RUNNING
         if self.config.policy == "priority":
             bisect.insort(self.running, request, key=self.waiting.key)
@@ -550,6 +570,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.finished(request)
         self.kv.forget(request)
+        self._importing.pop(request.request_id, None)
         self._pending_forks.pop(request.request_id, None)
         self._forget_on_workers(request.request_id)
         self.waiting.unregister(request.request_id)

@@ -15,6 +15,27 @@ from protos.step import (BlockId, ImageInput, LoraRef, PoolingParams, RequestId,
                          SamplingParams)
 
 
+@dataclass(frozen=True)
+class HeldKV:
+    """Blocks holding the KV of `token_ids` (a request's prompt + output, from the first),
+    in block-table order: the last one may be partly filled."""
+
+    request_id: RequestId
+    block_ids: tuple[BlockId, ...]
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVImport:
+    """An importing request's blocks to fill: block-table indices `first_index` onwards are
+    `block_ids` (the ones before are prefix-cache hits); `num_tokens` tokens' KV in all."""
+
+    request_id: RequestId
+    num_tokens: int
+    first_index: int
+    block_ids: tuple[BlockId, ...]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -23,6 +44,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    # Ended here unfinished, its KV held for the group that continues it (core/kv_moves.py).
+    HANDED_OFF = "handed_off"
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +56,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.HANDED_OFF,
 }
 
 
@@ -80,6 +104,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Disaggregated prefill: the request's own max_tokens while `max_tokens` is cut short so
+    # that it stops after its first token and hands its KV off (0: it runs to its end here).
+    hand_off_below: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -134,3 +161,10 @@ class RequestEvent:
     # Speculative decoding: the drafts this step verified for it, and how many it kept.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # It ended here unfinished, its KV held for the group that continues it.
+    handoff: HeldKV | None = None
+
+    @property
+    def ends_stream(self) -> bool:
+        """Its last event here: finished, or handed off to another group."""
+        return self.finish_reason is not None or self.handoff is not None

@@ -39,13 +39,13 @@ _SERVER = {"--host", "--port", "--advertise-host", "--metrics-port", "--tls-cert
            "--tls-ca", "--tls-client-ca", "--redis-url", "--redis-password", "--cluster"}
 OWN_FLAGS = {
     ROUTER: _SERVER | {"--router-id", "--http-port"},
-    SCHEDULER: _SERVER | {"--group", "--scheduler-id", "--tp", "--pp"},
+    SCHEDULER: _SERVER | {"--group", "--scheduler-id", "--tp", "--pp", "--role"},
     WORKER: _SERVER | {"--device", "--group", "--worker-id", "--tp", "--tp-rank", "--pp",
-                       "--pp-rank", "--standby", "--dist-port"},
+                       "--pp-rank", "--standby", "--dist-port", "--kv-transfer-port"},
 }
 # What `up` declares itself: the topology.
 UP_FLAGS = {"--port", "--http-port", "--host", "--redis-url", "--redis-password", "--cluster",
-            "--replicas", "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key",
+            "--replicas", "--prefill-replicas", "--decode-replicas", "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key",
             "--tls-ca", "--tls-client-ca",
             # How up starts its CPU workers (LD_PRELOAD, their cores), not service options.
             "--malloc", "--cpu-bind", "--omp-wait"}

@@ -161,3 +161,35 @@ def test_a_failure_comes_after_what_was_already_received():
         return first, error.value.code()
 
     assert asyncio.run(drain()) == ([[1]], grpc.StatusCode.UNAVAILABLE)
+
+
+def test_a_request_whose_samples_end_handed_off_is_handed_over_after_its_flush():
+    requests, sinks = open_requests(a=2)
+    sinks["a"].hand_over = lambda: sinks["a"].calls.append(("hand_over",))  # type: ignore[attr-defined]
+    handed = scheduler_pb2.SubmitResponse(request_id="a", index=0, token_ids=[5])
+    handed.kv_handoff.CopyFrom(scheduler_pb2.KvHandoff(index=0, handoff_id="a#0", num_tokens=9))
+    _dispatch(message(handed, output("a", 1, [6], finish_reason=STOP)), requests)
+    assert sinks["a"].calls == [("add", 0, [5]), ("add", 1, [6]), ("flush",), ("hand_over",)]
+    assert "a" not in requests
+
+
+def test_a_feed_keeps_the_handoff_with_its_group_and_raises_handed_over():
+    asyncio.run(_feed_hands_over())
+
+
+async def _feed_hands_over() -> None:
+    from router.request_feed import HandedOver
+    from router.types import KVHandoff
+
+    progress = Progress.fresh(1)
+    feed = RequestFeed(progress, Attempts(ResumeConfig(), lambda: 0.0, False), lambda o: o)
+    feed.source_address = "10.0.0.7:5000"
+    feed.add(SampleOutput(0, [5], kv_handoff=KVHandoff(0, "r", 9)))
+    feed.flush()
+    feed.hand_over()
+    assert [o.token_ids for o in await feed.next_batch()] == [[5]]
+    with pytest.raises(HandedOver):
+        await feed.next_batch()
+    assert progress.samples[0].kv_handoff == KVHandoff(0, "r", 9, "10.0.0.7:5000")
+    progress.record(0, [6], False)  # the sample moved on: its handoff is spent
+    assert progress.samples[0].kv_handoff is None

@@ -17,6 +17,7 @@ ALLOWED = {
     # admin_pb2: the LoRA admin calls' request types (their replies are built by convert.py).
     "servicer.py": {"scheduler_pb2", "scheduler_pb2_grpc", "generate_pb2", "admin_pb2"},
     "worker_client.py": {"worker_pb2_grpc"},  # the workers' stubs
+    "kv_moves.py": {"scheduler_pb2_grpc"},  # other groups' schedulers, for their KV holds
 }
 
 

@@ -87,28 +87,35 @@ def check_invariants(scheduler: Scheduler) -> None:
 def _check_queues(scheduler: Scheduler) -> None:
     running = [r.request_id for r in scheduler.running]
     waiting = [r.request_id for r in scheduler.waiting]
+    importing = set(scheduler._importing)  # waiting outside the queue for their KV's pull
     assert len(running) == len(set(running)) and len(waiting) == len(set(waiting))
     assert not set(running) & set(waiting), "a request is both running and waiting"
-    assert set(running) | set(waiting) == set(scheduler.requests)
+    assert not importing & (set(running) | set(waiting)), "an importing request is queued"
+    assert set(running) | set(waiting) | importing == set(scheduler.requests)
     assert len(running) <= scheduler.config.max_num_seqs
     for request in scheduler.running:
         assert request.status is RequestStatus.RUNNING
+    block_size = scheduler.config.block_size
     for request in scheduler.waiting:
         assert request.status in _WAITING_STATES, request.status
-        if request.status is not RequestStatus.SWAPPED:
-            assert request.num_computed_tokens == 0 and not request.block_ids
+        if request.block_ids:  # its KV was pulled from another group: exactly that KV's blocks
+            assert request.status is RequestStatus.WAITING and request.num_computed_tokens
+            assert len(request.block_ids) == -(-request.num_computed_tokens // block_size)
+        elif request.status is not RequestStatus.SWAPPED:
+            assert request.num_computed_tokens == 0
 
 
 def _check_device_blocks(scheduler: Scheduler) -> None:
     pool, block_size = scheduler.kv.pool, scheduler.config.block_size
     holders = Counter(b for r in scheduler.requests.values() for b in r.block_ids)
+    holders.update(b for held in scheduler.held.values() for b in held.block_ids)
     for block_id in range(pool.num_blocks):
         assert pool.ref_count(block_id) == holders[block_id], f"block {block_id} ref count"
     free = pool.free_block_ids()
     assert len(free) == len(set(free)) == pool.num_free_blocks
     assert set(free) == {b for b in range(pool.num_blocks) if holders[b] == 0}
     assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
-    assert pool.num_used_blocks == len(holders)
+    assert pool.num_used_blocks == len(+holders)
     speculative = scheduler.config.speculative
     lookahead = speculative.num_speculative_tokens if speculative is not None else 0
     if scheduler.spec is not None:  # a draft model's room for its proposals' KV
@@ -140,8 +147,12 @@ def _check_sharing(scheduler: Scheduler) -> None:
             prefixes = {tuple(r.all_token_ids[:(i + 1) * block_size]) for r, i in holders}
             assert len(prefixes) == 1, f"block {block_id} shared by different prefixes"
         for request, index in holders:
+            imported = scheduler._importing.get(request.request_id)
+            # An importing request's prefix-cache hits are computed; the rest is being pulled.
+            num_computed = (imported.first_index * block_size if imported is not None
+                            else request.num_computed_tokens)
             if len(holders) > 1 or block_hash is not None:
-                assert (index + 1) * block_size <= request.num_computed_tokens, (
+                assert (index + 1) * block_size <= num_computed, (
                     f"block {block_id} shared or cached before its tokens were computed")
             if block_hash is not None:
                 if request.request_id not in hashes:

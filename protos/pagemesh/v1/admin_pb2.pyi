@@ -6,6 +6,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DrainRequest(_message.Message):
+    __slots__ = ("group", "undo")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    UNDO_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    undo: bool
+    def __init__(self, group: _Optional[str] = ..., undo: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("groups", "num_migrated", "num_recomputed")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    num_migrated: int
+    num_recomputed: int
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., num_migrated: _Optional[int] = ..., num_recomputed: _Optional[int] = ...) -> None: ...
+
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]

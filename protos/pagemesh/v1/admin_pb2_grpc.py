@@ -69,6 +69,11 @@ class AdminStub:
                 request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pagemesh.v1.Admin/Drain',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -133,6 +138,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drains the engine group named (a group name is required): it admits nothing more and
+        its running requests move, with their KV, to other groups (those whose KV cannot move
+        resume there by recomputing it); streams go on without a gap. The group stays up and
+        NOT_SERVING until stopped, or until a Drain with `undo` takes it back into service.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +185,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +381,33 @@ class Admin:
             '/pagemesh.v1.Admin/UnloadLoraAdapter',
             protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
             protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.v1.Admin/Drain',
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

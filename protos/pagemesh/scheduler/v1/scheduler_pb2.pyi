@@ -1,5 +1,6 @@
 from protos.pagemesh.v1 import admin_pb2 as _admin_pb2
 from protos.pagemesh.v1 import generate_pb2 as _generate_pb2
+from protos.pagemesh.worker.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -19,6 +20,52 @@ GROUP_STATUS_UNSPECIFIED: GroupStatus
 GROUP_STATUS_READY: GroupStatus
 GROUP_STATUS_DEGRADED: GroupStatus
 GROUP_STATUS_DRAINING: GroupStatus
+
+class KvHandoff(_message.Message):
+    __slots__ = ("index", "scheduler_address", "handoff_id", "num_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    scheduler_address: str
+    handoff_id: str
+    num_tokens: int
+    def __init__(self, index: _Optional[int] = ..., scheduler_address: _Optional[str] = ..., handoff_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ClaimKvRequest(_message.Message):
+    __slots__ = ("handoff_id", "hold_ms")
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    handoff_id: str
+    hold_ms: int
+    def __init__(self, handoff_id: _Optional[str] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+
+class ClaimKvResponse(_message.Message):
+    __slots__ = ("block_ids", "token_ids", "ranks", "transfer_token")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[_worker_pb2.KvRank]
+    transfer_token: str
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[_Union[_worker_pb2.KvRank, _Mapping]]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+
+class ReleaseKvRequest(_message.Message):
+    __slots__ = ("handoff_id", "pulled", "reason")
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    handoff_id: str
+    pulled: bool
+    reason: str
+    def __init__(self, handoff_id: _Optional[str] = ..., pulled: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseKvResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
@@ -121,7 +168,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_recoveries: _Optional[int] = ..., group_status: _Optional[_Union[GroupStatus, str]] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context", "grammar", "owner", "request_digest", "embed", "images", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "n", "priority", "progress", "trace_context", "grammar", "owner", "request_digest", "embed", "images", "lora_name", "kv_handoffs")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +191,7 @@ class SubmitRequest(_message.Message):
     EMBED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -159,7 +207,8 @@ class SubmitRequest(_message.Message):
     embed: EmbedParams
     images: _containers.RepeatedCompositeFieldContainer[_generate_pb2.ImageInput]
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generate_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[SampleProgress, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., owner: _Optional[str] = ..., request_digest: _Optional[str] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_generate_pb2.ImageInput, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    kv_handoffs: _containers.RepeatedCompositeFieldContainer[KvHandoff]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generate_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[SampleProgress, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., grammar: _Optional[str] = ..., owner: _Optional[str] = ..., request_digest: _Optional[str] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_generate_pb2.ImageInput, _Mapping]]] = ..., lora_name: _Optional[str] = ..., kv_handoffs: _Optional[_Iterable[_Union[KvHandoff, _Mapping]]] = ...) -> None: ...
 
 class EmbedParams(_message.Message):
     __slots__ = ("dimensions", "image")
@@ -222,7 +271,7 @@ class SampledLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[_generate_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "index", "request_id", "embedding", "num_draft_tokens", "num_accepted_tokens")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "index", "request_id", "embedding", "num_draft_tokens", "num_accepted_tokens", "kv_handoff")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +281,7 @@ class SubmitResponse(_message.Message):
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprob]
     finish_reason: _generate_pb2.FinishReason
@@ -241,4 +291,5 @@ class SubmitResponse(_message.Message):
     embedding: bytes
     num_draft_tokens: int
     num_accepted_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., index: _Optional[int] = ..., request_id: _Optional[str] = ..., embedding: _Optional[bytes] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    kv_handoff: KvHandoff
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., index: _Optional[int] = ..., request_id: _Optional[str] = ..., embedding: _Optional[bytes] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., kv_handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...

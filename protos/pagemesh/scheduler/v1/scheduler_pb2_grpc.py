@@ -91,6 +91,21 @@ class SchedulerStub:
                 request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/Drain',
+                request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.ClaimKv = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/ClaimKv',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ClaimKvRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ClaimKvResponse.FromString,
+                _registered_method=True)
+        self.ReleaseKv = channel.unary_unary(
+                '/pagemesh.scheduler.v1.Scheduler/ReleaseKv',
+                request_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ReleaseKvResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -178,6 +193,31 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drains this group (pagemesh.v1.Admin's Drain): no admissions; every running request
+        moves, with its KV, to another group (or, with migration off, resumes there by
+        recomputing). The group stays up, NOT_SERVING, until stopped (or undrained).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimKv(self, request, context):
+        """KV moving between groups (another group's scheduler calls these; scheduler_svc/kv_moves.py).
+        Claims a KV handoff this group holds: its blocks stay held until ReleaseKv or the
+        claim's deadline; the reply says where they are. NOT_FOUND: released or expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKv(self, request, context):
+        """The claimant is done with the blocks (pulled them, or gave up): they are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +275,21 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'ClaimKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimKv,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ClaimKvRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ClaimKvResponse.SerializeToString,
+            ),
+            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKv,
+                    request_deserializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ReleaseKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -534,6 +589,87 @@ class Scheduler:
             '/pagemesh.scheduler.v1.Scheduler/UnloadLoraAdapter',
             protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
             protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/Drain',
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+            protos_dot_pagemesh_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/ClaimKv',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ClaimKvRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ClaimKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.scheduler.v1.Scheduler/ReleaseKv',
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ReleaseKvRequest.SerializeToString,
+            protos_dot_pagemesh_dot_scheduler_dot_v1_dot_scheduler__pb2.ReleaseKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,58 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PullKvRequest(_message.Message):
+    __slots__ = ("transfer_id", "sources", "src_block_ids", "dst_block_ids", "timeout_ms", "transfer_token")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    sources: _containers.RepeatedCompositeFieldContainer[KvRank]
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    timeout_ms: int
+    transfer_token: str
+    def __init__(self, transfer_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[KvRank, _Mapping]]] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+
+class KvRank(_message.Message):
+    __slots__ = ("address", "host_key", "layer_start", "num_layers", "kv_head_start", "num_kv_heads", "block_size", "head_dim", "dtype")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_KEY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    host_key: str
+    layer_start: int
+    num_layers: int
+    kv_head_start: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str
+    def __init__(self, address: _Optional[str] = ..., host_key: _Optional[str] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PullKvResponse(_message.Message):
+    __slots__ = ("ok", "reason", "num_bytes", "seconds", "path")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    num_bytes: int
+    seconds: float
+    path: str
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...
+
 class GetMemoryRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -61,7 +113,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("worker_id", "model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "dtype", "num_blocks", "block_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "num_swap_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling", "image_token_id", "image_seq_length", "image_tiling")
+    __slots__ = ("worker_id", "model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "dtype", "num_blocks", "block_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "num_swap_blocks", "quantization", "weight_bytes", "kv_cache_bytes", "kv_cache_sizing", "pooling", "image_token_id", "image_seq_length", "image_tiling", "kv_transfer", "host_tier_slots", "host_tier_epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +136,9 @@ class GetWorkerInfoResponse(_message.Message):
     IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TILING_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     architecture: str
@@ -106,7 +161,10 @@ class GetWorkerInfoResponse(_message.Message):
     image_token_id: int
     image_seq_length: int
     image_tiling: _generate_pb2.ImageTiling
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[_generate_pb2.PoolingInfo, _Mapping]] = ..., image_token_id: _Optional[int] = ..., image_seq_length: _Optional[int] = ..., image_tiling: _Optional[_Union[_generate_pb2.ImageTiling, _Mapping]] = ...) -> None: ...
+    kv_transfer: KvRank
+    host_tier_slots: int
+    host_tier_epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sizing: _Optional[str] = ..., pooling: _Optional[_Union[_generate_pb2.PoolingInfo, _Mapping]] = ..., image_token_id: _Optional[int] = ..., image_seq_length: _Optional[int] = ..., image_tiling: _Optional[_Union[_generate_pb2.ImageTiling, _Mapping]] = ..., kv_transfer: _Optional[_Union[KvRank, _Mapping]] = ..., host_tier_slots: _Optional[int] = ..., host_tier_epoch: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "min_tokens", "stop_token_ids", "num_logprobs", "grammar")
@@ -197,7 +255,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class ExecuteStepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "session_id", "sequence", "traceparents", "append_sampled_tokens")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "session_id", "sequence", "traceparents", "append_sampled_tokens", "blocks_to_offload")
     class NumScheduledTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +282,7 @@ class ExecuteStepRequest(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     APPEND_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_OFFLOAD_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -236,7 +295,40 @@ class ExecuteStepRequest(_message.Message):
     sequence: int
     traceparents: _containers.ScalarMap[str, str]
     append_sampled_tokens: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., traceparents: _Optional[_Mapping[str, str]] = ..., append_sampled_tokens: _Optional[bool] = ...) -> None: ...
+    blocks_to_offload: _containers.RepeatedCompositeFieldContainer[TierStore]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Mapping[str, int]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., traceparents: _Optional[_Mapping[str, str]] = ..., append_sampled_tokens: _Optional[bool] = ..., blocks_to_offload: _Optional[_Iterable[_Union[TierStore, _Mapping]]] = ...) -> None: ...
+
+class TierStore(_message.Message):
+    __slots__ = ("block", "slot", "key")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    slot: int
+    key: bytes
+    def __init__(self, block: _Optional[int] = ..., slot: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+
+class LoadKvRequest(_message.Message):
+    __slots__ = ("slots", "dst_block_ids", "keys", "epoch")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    epoch: int
+    def __init__(self, slots: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class LoadKvResponse(_message.Message):
+    __slots__ = ("ok", "reason", "failed_block_ids")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    failed_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., failed_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -75,6 +75,16 @@ class WorkerStub:
                 request_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.PullKv = channel.unary_unary(
+                '/pagemesh.worker.v1.Worker/PullKv',
+                request_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.PullKvRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.PullKvResponse.FromString,
+                _registered_method=True)
+        self.LoadKv = channel.unary_unary(
+                '/pagemesh.worker.v1.Worker/LoadKv',
+                request_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.LoadKvRequest.SerializeToString,
+                response_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.LoadKvResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -136,6 +146,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKv(self, request, context):
+        """Pulls KV blocks from another group's ranks into this rank's cache (its layers and KV
+        heads of them; worker_svc/kv_transfer/). Always answers with the transfer's terminal
+        result, by its deadline: done, or failed with why (the scheduler then recomputes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadKv(self, request, context):
+        """Loads KV blocks from this rank's host tier into its cache, each slot checked (key,
+        checksum, not torn); answers which failed (the scheduler then recomputes those).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +205,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'PullKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullKv,
+                    request_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.PullKvRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.PullKvResponse.SerializeToString,
+            ),
+            'LoadKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadKv,
+                    request_deserializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.LoadKvRequest.FromString,
+                    response_serializer=protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.LoadKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +433,60 @@ class Worker:
             '/pagemesh.worker.v1.Worker/UnloadLoraAdapter',
             protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
             protos_dot_pagemesh_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.worker.v1.Worker/PullKv',
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.PullKvRequest.SerializeToString,
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.PullKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagemesh.worker.v1.Worker/LoadKv',
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.LoadKvRequest.SerializeToString,
+            protos_dot_pagemesh_dot_worker_dot_v1_dot_worker__pb2.LoadKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
