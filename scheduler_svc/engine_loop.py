@@ -371,7 +371,9 @@ class EngineLoop:
                    if not r.status.is_finished]
         self.workers = formed.workers
         self.tier = host_tier_for(formed.infos, self.tier)
+        recomputed = self.scheduler.num_recomputed_tokens  # a count across re-formations
         self.scheduler = Scheduler(formed.config, self.tier)
+        self.scheduler.num_recomputed_tokens = recomputed
         imports: list[KVImportJob] = []
         for request in carried:
             try:

@@ -23,12 +23,17 @@ needs_compose = pytest.mark.skipif(compose_command() is None,
 
 SINGLE = [COMPOSE_DIR / "docker-compose.yml"]
 SINGLE_CPU = [*SINGLE, COMPOSE_DIR / "docker-compose.cpu.yml"]
+DISAGGREGATED = [*SINGLE, COMPOSE_DIR / "docker-compose.disaggregated.yml"]
+DISAGGREGATED_CPU = [*SINGLE_CPU, COMPOSE_DIR / "docker-compose.disaggregated.yml",
+                     COMPOSE_DIR / "docker-compose.disaggregated.cpu.yml"]
 HEAD = [MULTI_HOST_DIR / "head.yml"]
 GPU_HOST = [MULTI_HOST_DIR / "gpu-host.yml"]
 # Each file set with the .env.example beside it: what a user starts from.
 FILE_SETS = {
     "single-host": (SINGLE, COMPOSE_DIR / ".env.example"),
     "single-host-cpu": (SINGLE_CPU, COMPOSE_DIR / ".env.example"),
+    "disaggregated": (DISAGGREGATED, COMPOSE_DIR / ".env.example"),
+    "disaggregated-cpu": (DISAGGREGATED_CPU, COMPOSE_DIR / ".env.example"),
     "head": (HEAD, MULTI_HOST_DIR / ".env.example"),
     "gpu-host": (GPU_HOST, MULTI_HOST_DIR / ".env.example"),
 }
@@ -259,3 +264,24 @@ def test_only_the_router_binds_every_interface(name: str) -> None:
             assert env["PAGEMESH_HOST"] == "0.0.0.0", service_name
         else:
             assert env["PAGEMESH_HOST"] == env["PAGEMESH_ADVERTISE_HOST"] != "0.0.0.0", service_name
+
+
+@needs_compose
+@pytest.mark.parametrize("name", ["disaggregated", "disaggregated-cpu"])
+def test_disaggregated_groups_and_roles(name: str) -> None:
+    """A prefill group and a decode group, each a scheduler and a worker of the same group,
+    on their own ports; the workers' KV transfer servers on a fixed port; on CPU both
+    workers run the CPU image on the CPU."""
+    services = pagemesh_services(resolved(name))
+    env = {n: s["environment"] for n, s in services.items()}
+    assert (env["scheduler"]["PAGEMESH_ROLE"], env["scheduler"]["PAGEMESH_GROUP"]) == \
+        ("prefill", "prefill0")
+    assert (env["scheduler-decode"]["PAGEMESH_ROLE"], env["scheduler-decode"]["PAGEMESH_GROUP"]) \
+        == ("decode", "decode0")
+    assert env["worker-0"]["PAGEMESH_GROUP"] == "prefill0"
+    assert env["worker-decode-0"]["PAGEMESH_GROUP"] == "decode0"
+    ports = [(e["PAGEMESH_HOST"], e["PAGEMESH_PORT"]) for e in env.values()]
+    assert len(ports) == len(set(ports))
+    for worker in ("worker-0", "worker-decode-0"):
+        assert env[worker]["PAGEMESH_KV_TRANSFER_PORT"] == "50090"
+        assert (env[worker]["PAGEMESH_DEVICE"] == "cpu") == name.endswith("-cpu")

@@ -291,6 +291,22 @@ def test_each_group_is_a_scheduler_tp_x_pp_workers_and_standbys(overlay: str) ->
         assert {"name": "PAGEMESH_STANDBY", "value": "true"} in standby["env"]
 
 
+def test_the_disaggregated_overlay_has_a_prefill_and_a_decode_group() -> None:
+    """Each group's scheduler names its role; every worker and standby serves KV transfers
+    on the same fixed port, which the worker NetworkPolicy admits from other workers."""
+    found = groups("overlays/disaggregated")
+    roles = {}
+    for group, members in found.items():
+        (container,) = members["scheduler"]["spec"]["template"]["spec"]["containers"]
+        roles[group] = {e["name"]: e.get("value") for e in container["env"]}["PAGEMESH_ROLE"]
+        for kind in ("worker", "standby"):
+            (worker,) = members[kind]["spec"]["template"]["spec"]["containers"]
+            env = {e["name"]: e.get("value") for e in worker["env"]}
+            assert env["PAGEMESH_KV_TRANSFER_PORT"] == "50090", (group, kind)
+            assert {"name": "kv-transfer", "containerPort": 50090} in worker["ports"]
+    assert roles == {"prefill0": "prefill", "decode0": "decode"}
+
+
 def _ranks(container: dict[str, Any], pod_name: str, tp: int, pp: int,
            **env: str) -> tuple[int, int]:
     """(tp_rank, pp_rank) the worker's own command derives in pod `pod_name`; (-1, -1) for

@@ -27,8 +27,10 @@ SCHEMAS_DIR = KUBERNETES_DIR / "schemas"
 KUBERNETES_VERSION = "1.30.0"
 # "+component": the overlay with a component of deploy/kubernetes/components added, as a user
 # adds it (`components:` in the overlay).
-OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/gpu+tls", "overlays/lws")
-GROUP_FOLDER_OVERLAYS = ("overlays/cpu", "overlays/gpu")  # engine groups from groups/gN
+OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/gpu+tls", "overlays/lws",
+            "overlays/disaggregated")
+GROUP_FOLDER_OVERLAYS = ("overlays/cpu", "overlays/gpu",  # engine groups from groups/<name>
+                         "overlays/disaggregated")
 GPU_OVERLAYS = ("overlays/gpu", "overlays/gpu+tls", "overlays/lws")
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
                "servicemonitor-monitoring.coreos.com-v1.json",
