@@ -1,5 +1,5 @@
 """Reading and writing one layer's blocks of a paged cache for a transfer: gathered and
-scattered copies, or byte views of the blocks themselves for scatter-gather socket I/O.
+scattered copies, or byte views of the blocks themselves for scatter-gather I/O.
 
 CPU copies go through numpy, not torch: numpy copies on the calling thread, where a torch
 op above its grain size starts an OpenMP team of its own beside the one the worker computes
@@ -10,20 +10,33 @@ a copy moves bits, whatever they mean. CUDA caches are copied by torch on their 
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import torch
 
-from worker_svc.kv_transfer.wire import expect, set_deadline
+from worker_svc.kv_transfer.layout import RankSlice
+from worker_svc.kv_transfer.wire import dtype_name, torch_dtype
 
 # Below this many contiguous bytes per block a view costs more in Python and in the
 # kernel's iovec walk than copying the block does; such reads (some heads of each block)
 # are gathered into a buffer instead.
 MIN_VIEW_BYTES = 2048
-# Linux's limit on the buffers of one sendmsg/recvmsg.
-IOV_MAX = 1024
 _INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def check_caches(caches: list[torch.Tensor], mine: RankSlice) -> None:
+    """Raises ValueError unless `caches` is one `[2, num_blocks, block_size, num_kv_heads,
+    head_dim]` tensor of `mine.dtype` per layer of `mine`."""
+    if len(caches) != mine.num_layers:
+        raise ValueError(f"{len(caches)} cache tensors for a slice of {mine.num_layers} layers")
+    dtype = torch_dtype(mine.dtype)
+    for cache in caches:
+        if (cache.dim() != 5 or cache.shape[0] != 2 or cache.dtype != dtype
+                or tuple(cache.shape[2:]) != (mine.block_size, mine.num_kv_heads, mine.head_dim)):
+            raise ValueError(f"a cache tensor {tuple(cache.shape)} of {dtype_name(cache.dtype)} "
+                             f"does not hold {mine.describe()} in blocks of {mine.block_size} "
+                             f"tokens, head_dim {mine.head_dim}, {mine.dtype}")
+        if cache.shape[1] != caches[0].shape[1] or cache.device != caches[0].device:
+            raise ValueError("every layer's cache must have as many blocks, on one device")
 
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -69,7 +82,8 @@ def scatter(cache: torch.Tensor, heads: slice, block_ids: np.ndarray | torch.Ten
         target[kv, block_ids, :, heads] = source[kv]
 
 
-def block_spans(cache: torch.Tensor, heads: slice, block_ids: list[int]) -> list[tuple[int, int]] | None:
+def block_spans(cache: torch.Tensor, heads: slice,
+                block_ids: list[int]) -> list[tuple[int, int]] | None:
     """Where the payload of one layer (K of each block in order, then V) lies in a layer's
     cache, as [start, stop) byte offsets, runs of consecutive blocks joined; None when
     sending or receiving in place is not worth it (a CUDA cache, some heads only, small
@@ -104,58 +118,3 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
 
 def _all_heads(cache: torch.Tensor, heads: slice) -> bool:
     return heads.start == 0 and heads.stop == cache.shape[3]
-
-
-def send_views(sock: socket.socket, views: list[memoryview], deadline: float | None = None) -> None:
-    """sendall of the views' bytes, in order, by sendmsg: the kernel reads them where they are."""
-    cursor = _Cursor(views)
-    while not cursor.done:
-        set_deadline(sock, deadline)
-        cursor.advance(sock.sendmsg(cursor.window()))
-
-
-def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | None = None) -> None:
-    """Fills the views, in order, by recvmsg_into: the kernel writes where they are.
-    ConnectionError when the peer closes first."""
-    cursor = _Cursor(views)
-    while not cursor.done:
-        set_deadline(sock, deadline)
-        expect(sock, cursor.total - cursor.moved)
-        got = sock.recvmsg_into(cursor.window())[0]
-        if got == 0:
-            raise ConnectionError(f"the peer closed the connection after {cursor.moved} of "
-                                  f"{cursor.total} bytes")
-        cursor.advance(got)
-
-
-class _Cursor:
-    """How far into a list of views a send or receive is. A call gets at most WINDOW views:
-    one returns a socket buffer's worth (a few hundred KB on loopback), and each view
-    passed costs a buffer export whether or not the kernel reaches it."""
-
-    WINDOW = 64
-
-    def __init__(self, views: list[memoryview]) -> None:
-        self._views = [v for v in views if len(v)]
-        self._index = 0  # the first view not wholly moved
-        self._offset = 0  # bytes of it already moved
-        self.total = sum(len(v) for v in self._views)
-        self.moved = 0
-
-    @property
-    def done(self) -> bool:
-        return self._index == len(self._views)
-
-    def window(self) -> list[memoryview]:
-        views = self._views[self._index:self._index + min(self.WINDOW, IOV_MAX)]
-        if self._offset:
-            views[0] = views[0][self._offset:]
-        return views
-
-    def advance(self, nbytes: int) -> None:
-        self.moved += nbytes
-        nbytes += self._offset
-        while self._index < len(self._views) and nbytes >= len(self._views[self._index]):
-            nbytes -= len(self._views[self._index])
-            self._index += 1
-        self._offset = nbytes

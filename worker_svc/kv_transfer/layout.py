@@ -5,7 +5,8 @@ A rank of an engine group holds a rectangle of the model's KV: the decoder layer
 pipeline stage times the KV heads of its tensor-parallel shard (several ranks hold the same
 head when heads are replicated). Groups of one model may be laid out differently (TP 2 x
 PP 1 here, TP 1 x PP 2 there), so a destination rank's rectangle is cut into pieces, each
-pulled from one source rank that holds it. Pure Python: no torch, no I/O except `host_key`.
+pulled from one source rank that holds it. Pure Python: no torch (`slice_for_rank` asks
+the model's sharding code), no I/O but `host_key`'s reads of /proc.
 """
 
 from __future__ import annotations
@@ -153,12 +154,11 @@ def _greedy_cover(cells: list[tuple[range, range]],
     owner: dict[tuple[range, range], int] = {}
     candidates = sorted({i for who in holders.values() for i in who})
     while len(owner) < len(cells):
-        def gain(i: int) -> int:
-            return sum(len(l) * len(h) for (l, h) in cells
-                       if (l, h) not in owner and i in holders[(l, h)])
-        best = max(candidates, key=lambda i: (gain(i), -i))
-        for cell in cells:
-            if cell not in owner and best in holders[cell]:
+        uncovered = [cell for cell in cells if cell not in owner]
+        best = max(candidates, key=lambda i: (
+            sum(len(l) * len(h) for l, h in uncovered if i in holders[(l, h)]), -i))
+        for cell in uncovered:
+            if best in holders[cell]:
                 owner[cell] = best
     return owner
 
@@ -204,11 +204,12 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{boot_id}/netns-{netns}"
 
 
-def slice_for_rank(parallel: ParallelConfig, *, num_layers: int, num_heads: int, num_kv_heads: int,
-                   block_size: int, head_dim: int, dtype: str, address: str = "",
-                   key: str = "") -> RankSlice:
-    """The RankSlice of the rank that `parallel` places in a model of `num_layers` decoder layers with `num_heads` query and
-    `num_kv_heads` KV heads: the same split the model's loader makes."""
+def slice_for_rank(parallel: ParallelConfig, *, num_layers: int, num_heads: int,
+                   num_kv_heads: int, block_size: int, head_dim: int, dtype: str,
+                   address: str = "", key: str = "") -> RankSlice:
+    """The RankSlice of the rank that `parallel` places in a model of `num_layers` decoder
+    layers with `num_heads` query and `num_kv_heads` KV heads: the split the model's loader
+    makes (`ParallelConfig.layer_range`, `attention_shard`). `key` is its host key."""
     from worker_svc.model.parallel_layers import attention_shard
 
     layers = parallel.layer_range(num_layers)

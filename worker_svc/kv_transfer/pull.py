@@ -3,17 +3,14 @@ ranks of another engine group (`server.py` serves them) into its own paged cache
 
 The destination's rectangle of (layers x KV heads) is cut into pieces by `plan_pull`, one
 source rank each, pulled in parallel threads. A piece from a rank on this host and network
-namespace goes through a /dev/shm file the source gathers into; any other piece, or one
-whose file cannot be made or used, streams over TCP straight into a layer-sized buffer that
-is scattered into the cache while the next layer arrives.
+namespace goes through a /dev/shm file that the source writes and this rank reads back;
+any other piece, or one whose file cannot be made or used, comes over TCP. Either way the
+bytes go straight between the stream and the cache's blocks (`payload.py`).
 """
 
 from __future__ import annotations
 
-import itertools
-import mmap
 import os
-import re
 import socket
 import threading
 import time
@@ -21,20 +18,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from worker_svc.kv_transfer.blocks import (
-    block_index, block_spans, recv_views, scatter, views_of,
-)
+from worker_svc.kv_transfer.blocks import check_caches
 from worker_svc.kv_transfer.layout import PullPiece, RankSlice, TransferError, host_key, plan_pull
-from worker_svc.kv_transfer.server import check_caches
+from worker_svc.kv_transfer.payload import Blocks, FileStream, read_payload, socket_reader
+from worker_svc.kv_transfer.staging import StagingFiles
 from worker_svc.kv_transfer.wire import (
-    SHM_DIR, SHM_PREFIX, ReadReply, ReadRequest, ShmTarget, byte_view, layer_nbytes,
-    recv_exactly, recv_message, send_message, split_address, tune_socket,
+    ReadReply, ReadRequest, ShmTarget, layer_nbytes, recv_message,
+    send_message, split_address, tune_socket,
 )
 
 # How long past the deadline a pull waits for its threads: every socket call of theirs
 # already times out at the deadline, so this covers one layer's scatter, not a network wait.
 JOIN_SLACK_S = 5.0
-_file_numbers = itertools.count()
+_STAGING = StagingFiles()
 
 
 @dataclass(frozen=True)
@@ -76,8 +72,8 @@ def pull_blocks(mine: RankSlice, caches: list[torch.Tensor], sources: list[RankS
         pieces = plan_pull(mine, sources)
     except TransferError as error:
         return PullResult(False, str(error), 0, time.monotonic() - start)
-    job = _Job(mine, caches, list(src_block_ids), list(dst_block_ids), deadline_s,
-               token or "", transfer_id, host_key())
+    job = _Job(mine, caches, [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids],
+               deadline_s, token or "", transfer_id, host_key())
     outcomes = _run_pieces(job, pieces)
     reasons = [o.reason for o in outcomes if o.reason]
     return PullResult(not reasons, "; ".join(reasons), sum(o.nbytes for o in outcomes),
@@ -114,6 +110,9 @@ class _Job:
         return ReadRequest(self.token, self.transfer_id, piece.layers.start, piece.layers.stop,
                            piece.kv_heads.start, piece.kv_heads.stop, self.src_block_ids,
                            self.mine.block_size, self.mine.head_dim, self.mine.dtype)
+
+    def blocks(self, piece: PullPiece) -> Blocks:
+        return Blocks(self.caches, self.mine, piece.layers, piece.kv_heads, self.dst_block_ids)
 
     def payload_nbytes(self, piece: PullPiece) -> int:
         return len(piece.layers) * layer_nbytes(
@@ -176,7 +175,10 @@ def _pull_piece(job: _Job, piece: PullPiece) -> _Outcome:
 
 
 def _pull_piece_or_raise(job: _Job, piece: PullPiece) -> _Outcome:
-    host, port = split_address(piece.source.address)
+    try:
+        host, port = split_address(piece.source.address)
+    except ValueError as error:
+        raise ConnectionError(f"no address to reach it at: {error}") from None
     remaining_s = job.deadline - time.monotonic()
     if remaining_s <= 0:
         raise TimeoutError
@@ -198,44 +200,27 @@ def _ask(sock: socket.socket, job: _Job, request: ReadRequest) -> ReadReply:
 
 
 def _pull_tcp(sock: socket.socket, job: _Job, piece: PullPiece) -> int:
-    """The piece as bytes after the reply, a layer at a time: straight into the
-    destination blocks where they are big enough (`block_views`), else into one of two
-    buffers, scattered while the kernel's socket buffer fills with the next layer."""
+    """The piece as bytes after the reply, straight into the destination blocks
+    (`read_payload`)."""
     reply = _ask(sock, job, job.request(piece))
     if not reply.ok:
         raise _Refused(reply.reason)
     expected = job.payload_nbytes(piece)
     if reply.nbytes != expected:
         raise ValueError(f"the source offers {reply.nbytes} bytes, the read needs {expected}")
-    scatter = _Scatter(job, piece)
-    if scatter.spans is not None:
-        for layer in piece.layers:
-            recv_views(sock, views_of(scatter.cache(layer), scatter.spans), job.deadline)
-        return expected
-    _recv_copies(sock, job, piece, scatter)
+    read_payload(job.blocks(piece), socket_reader(sock, job.deadline))
     return expected
 
 
-def _recv_copies(sock: socket.socket, job: _Job, piece: PullPiece, scatter: _Scatter) -> None:
-    slots = [scatter.host_buffer() for _ in range(2)]
-    pending: list[torch.cuda.Event | None] = [None, None]
-    for i, layer in enumerate(piece.layers):
-        slot = slots[i % 2]
-        if pending[i % 2] is not None:
-            pending[i % 2].synchronize()  # its last copy to the device has left it
-        recv_exactly(sock, byte_view(slot), job.deadline)
-        pending[i % 2] = scatter.layer_from(layer, slot)
-    scatter.finish()
-
-
 def _pull_shm(sock: socket.socket, job: _Job, piece: PullPiece) -> int | None:
-    """The piece through a /dev/shm file the source gathers into; None when no file can
+    """The piece through a /dev/shm file the source writes into; None when no file can
     be made here or the source cannot use it (then TCP, on the same connection)."""
     nbytes = job.payload_nbytes(piece)
     try:
-        fd, path = _make_shm_file(job.transfer_id, nbytes)
+        fd, path = _STAGING.acquire(nbytes)  # staging.py: kept across pulls, pages and all
     except OSError:
         return None
+    done = False
     try:
         info = os.fstat(fd)
         target = ShmTarget(path, info.st_dev, info.st_ino, nbytes)
@@ -244,93 +229,9 @@ def _pull_shm(sock: socket.socket, job: _Job, piece: PullPiece) -> int | None:
             if reply.shm_unavailable:
                 return None
             raise _Refused(reply.reason)
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        read_payload(job.blocks(piece), FileStream(fd).read)
+        done = True
     finally:
-        os.close(fd)
-        _unlink_quietly(path)  # the mapping keeps the pages until it is closed
-    try:
-        _Scatter(job, piece).all_from(mapping)
-    finally:
-        mapping.close()
+        # A pull that failed midway may leave its source still writing: never reuse that file.
+        _STAGING.release(fd, path, reusable=done)
     return nbytes
-
-
-def _make_shm_file(transfer_id: str, nbytes: int) -> tuple[int, str]:
-    """A new file under /dev/shm of `nbytes`, its pages allocated now: a full /dev/shm is
-    an OSError here (then TCP), not a SIGBUS in the source writing into a sparse file.
-    Named by transfer id, process and a counter: destination ranks of one host pull the
-    same transfer at once, and the process id tells a leak's owner."""
-    safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", transfer_id)[:80]
-    path = f"{SHM_DIR}/{SHM_PREFIX}{safe_id}-{os.getpid()}-{next(_file_numbers)}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except BaseException:
-        os.close(fd)
-        _unlink_quietly(path)
-        raise
-    return fd, path
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-class _Scatter:
-    """One piece's scatter: a layer's K and V of these heads into the destination blocks."""
-
-    def __init__(self, job: _Job, piece: PullPiece) -> None:
-        self._job = job
-        self._piece = piece
-        self._heads = slice(piece.kv_heads.start - job.mine.kv_head_start,
-                            piece.kv_heads.stop - job.mine.kv_head_start)
-        self.device = job.caches[0].device
-        self.dtype = job.caches[0].dtype
-        self.shape = (2, len(job.dst_block_ids), job.mine.block_size, len(piece.kv_heads),
-                      job.mine.head_dim)
-        self._ids = block_index(job.dst_block_ids, self.device)
-        # Where this piece's bytes go in each layer's cache, when received in place.
-        self.spans = block_spans(job.caches[0], self._heads, job.dst_block_ids)
-
-    def host_buffer(self) -> torch.Tensor:
-        """A CPU buffer for one layer; pinned when the cache is on CUDA (asynchronous copies)."""
-        if self.device.type == "cuda":
-            try:
-                return torch.empty(self.shape, dtype=self.dtype, pin_memory=True)
-            except RuntimeError:
-                pass
-        return torch.empty(self.shape, dtype=self.dtype)
-
-    def layer_from(self, layer: int, data: torch.Tensor) -> torch.cuda.Event | None:
-        """Writes `data` (`shape`, on the CPU) into `layer`'s destination blocks. On CUDA
-        the copy to the device is asynchronous: the returned event says when `data` may be
-        overwritten."""
-        ready = None
-        if self.device.type == "cuda":
-            data = data.to(self.device, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        scatter(self.cache(layer), self._heads, self._ids, data)
-        return ready
-
-    def cache(self, layer: int) -> torch.Tensor:
-        return self._job.caches[layer - self._job.mine.layer_start]
-
-    def all_from(self, buffer: mmap.mmap) -> None:
-        """Every layer of the piece from the payload bytes in `buffer`."""
-        payload = torch.frombuffer(buffer, dtype=self.dtype).view(len(self._piece.layers),
-                                                                  *self.shape)
-        for i, layer in enumerate(self._piece.layers):
-            ready = self.layer_from(layer, payload[i])
-            if ready is not None:
-                ready.synchronize()  # pageable memory: the copy must be done before unmapping
-        self.finish()
-
-    def finish(self) -> None:
-        """On CUDA, waits for the scatters: when a pull returns ok, the blocks are written."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()

@@ -1,7 +1,7 @@
 """The source side of KV block transfers: a worker serves reads of its paged KV cache.
 
 A destination rank (`pull.py`) connects, names the layers, KV heads and blocks it wants,
-and gets them as raw bytes on the socket, or gathered straight into a /dev/shm file it
+and gets them as raw bytes on the socket, or written straight into a /dev/shm file it
 made when both run on one host. No gRPC on this path: a 2,048-token request of a small
 model is tens of MB, and protobuf would copy it twice more. The blocks read must not
 change while they are read (the scheduler keeps a migrating request's blocks until the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import mmap
 import os
 import socket
 import stat
@@ -21,18 +20,15 @@ from dataclasses import replace
 
 import torch
 
-from worker_svc.kv_transfer.blocks import block_index, block_spans, gather, send_views, views_of
+from worker_svc.kv_transfer.blocks import check_caches
 from worker_svc.kv_transfer.layout import RankSlice, host_key
+from worker_svc.kv_transfer.payload import Blocks, FileStream, socket_writer, write_payload
 from worker_svc.kv_transfer.wire import (
-    PROTOCOL_VERSION, SHM_DIR, SHM_PREFIX, ReadReply, ReadRequest, ShmTarget, byte_view,
-    dtype_name, layer_nbytes, recv_message, send_message, torch_dtype, tune_socket,
+    PROTOCOL_VERSION, SHM_DIR, SHM_PREFIX, ReadReply, ReadRequest, ShmTarget, encode_message,
+    layer_nbytes, recv_message, send_message, tune_socket,
 )
 
 logger = logging.getLogger(__name__)
-
-# MAP_POPULATE maps every page of the destination's file at once (the puller allocated them
-# with posix_fallocate) instead of taking a fault per 4 KiB page while gathering.
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class KVTransferServer:
@@ -40,11 +36,16 @@ class KVTransferServer:
     head_dim]` tensor per local layer, described by `mine`) on a TCP port, one daemon thread
     per connection. With a `token`, a read must carry the same one. A bad read is answered
     with its reason and the connection stays usable; nothing a client sends stops the server.
+    `advertise_host` is the host other workers reach this one at (`rank_slice.address`),
+    when `host` is a wildcard such as "0.0.0.0"; a connection idle for `idle_timeout_s`
+    between reads, or stalled that long within one, is closed.
     """
 
     def __init__(self, caches: list[torch.Tensor], mine: RankSlice, token: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, idle_timeout_s: float = 60.0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, idle_timeout_s: float = 60.0,
+                 advertise_host: str | None = None) -> None:
         check_caches(caches, mine)
+        self._advertise_host = advertise_host or host
         self._caches = caches
         self._mine = mine
         self._token = token
@@ -59,8 +60,8 @@ class KVTransferServer:
 
     @property
     def address(self) -> str:
-        """"host:port" the server listens on (the port the OS chose when given 0)."""
-        host, port = self._listener.getsockname()[:2]
+        """"host:port" to reach the server at (the port the OS chose when given 0)."""
+        host, port = self._advertise_host, self._listener.getsockname()[1]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     @property
@@ -144,7 +145,7 @@ class KVTransferServer:
     def _serve_read(self, conn: socket.socket, request: ReadRequest) -> bool:
         try:
             if request.shm is not None:
-                reply = self._gather_into_shm(request, request.shm)
+                reply = self._write_into_shm(request, request.shm)
                 send_message(conn, reply.to_json())
             else:
                 self._stream(conn, request)
@@ -193,33 +194,30 @@ class KVTransferServer:
             len(request.block_ids), request.block_size, request.num_kv_heads,
             request.head_dim, self._caches[0].dtype)
 
+    def _blocks(self, request: ReadRequest) -> Blocks:
+        return Blocks(self._caches, self._mine, range(request.layer_start, request.layer_stop),
+                      range(request.kv_head_start, request.kv_head_stop), request.block_ids)
+
     def _stream(self, conn: socket.socket, request: ReadRequest) -> None:
-        """Header, then the payload a layer at a time: straight from the cache's blocks
-        where they are big enough (`block_views`), else gathered into one of two buffers,
-        layer i on the wire (on CUDA: on its way to the host) while layer i + 1 is
-        gathered. Memory never holds the whole payload."""
+        """The reply, then the payload on the socket (`write_payload`)."""
         nbytes = self._payload_nbytes(request)
-        gather = _Gather(self._caches, self._mine, request)
-        send_message(conn, ReadReply(True, nbytes=nbytes).to_json())
-        layers = range(request.layer_start, request.layer_stop)
-        if gather.spans is not None:
-            for layer in layers:
-                send_views(conn, views_of(gather.cache(layer), gather.spans))
-        else:
-            _stream_copies(conn, gather, layers)
+        head = encode_message(ReadReply(True, nbytes=nbytes).to_json())
+        write_payload(self._blocks(request), socket_writer(conn, head))
         self._count(nbytes)
 
-    def _gather_into_shm(self, request: ReadRequest, target: ShmTarget) -> ReadReply:
-        if target.nbytes == 0:
-            return ReadReply(True)
+    def _write_into_shm(self, request: ReadRequest, target: ShmTarget) -> ReadReply:
+        """The payload written into the puller's file, straight from the cache's blocks."""
         try:
-            mapping = _map_target(target)
+            fd = _open_target(target)
         except OSError as error:
             return ReadReply(False, f"cannot use {target.path}: {error}", shm_unavailable=True)
         try:
-            _Gather(self._caches, self._mine, request).into_buffer(mapping)
+            write_payload(self._blocks(request), FileStream(fd).write)
+        except OSError as error:  # a full /dev/shm: the same read over TCP may do
+            return ReadReply(False, f"cannot write {target.path}: {error}",
+                             shm_unavailable=True)
         finally:
-            mapping.close()  # the views into it died with into_buffer's frame
+            os.close(fd)
         self._count(target.nbytes)
         return ReadReply(True)
 
@@ -227,22 +225,6 @@ class KVTransferServer:
         with self._lock:
             self.num_served += 1
             self.bytes_served += nbytes
-
-
-def check_caches(caches: list[torch.Tensor], mine: RankSlice) -> None:
-    """Raises ValueError unless `caches` is one `[2, num_blocks, block_size, num_kv_heads,
-    head_dim]` tensor of `mine.dtype` per layer of `mine`."""
-    if len(caches) != mine.num_layers:
-        raise ValueError(f"{len(caches)} cache tensors for a slice of {mine.num_layers} layers")
-    dtype = torch_dtype(mine.dtype)
-    for cache in caches:
-        if (cache.dim() != 5 or cache.shape[0] != 2 or cache.dtype != dtype
-                or tuple(cache.shape[2:]) != (mine.block_size, mine.num_kv_heads, mine.head_dim)):
-            raise ValueError(f"a cache tensor {tuple(cache.shape)} of {dtype_name(cache.dtype)} "
-                             f"does not hold {mine.describe()} in blocks of {mine.block_size} "
-                             f"tokens, head_dim {mine.head_dim}, {mine.dtype}")
-        if cache.shape[1] != caches[0].shape[1] or cache.device != caches[0].device:
-            raise ValueError("every layer's cache must have as many blocks, on one device")
 
 
 def _block_refusal(request: ReadRequest, num_blocks: int) -> str | None:
@@ -254,95 +236,15 @@ def _block_refusal(request: ReadRequest, num_blocks: int) -> str | None:
     return None
 
 
-def _map_target(target: ShmTarget) -> mmap.mmap:
-    """The puller's file, mapped shared, once checked to be the one it made: not a link,
-    not another /dev/shm's file of the same name (a server in another mount namespace sees
-    another /dev/shm), not resized (writing past a file's end is a SIGBUS)."""
-    fd = os.open(target.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if (not stat.S_ISREG(info.st_mode) or info.st_size != target.nbytes
-                or (info.st_dev, info.st_ino) != (target.device, target.inode)):
-            raise FileNotFoundError(f"{target.path} here is not the puller's file "
-                                    "(another /dev/shm?)")
-        return mmap.mmap(fd, target.nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+def _open_target(target: ShmTarget) -> int:
+    """The puller's file, once checked to be the one it made: not a link, not another
+    /dev/shm's file of the same name (a server in another mount namespace sees another
+    /dev/shm), holding the size agreed (a reused staging file may be larger)."""
+    fd = os.open(target.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    info = os.fstat(fd)
+    if (not stat.S_ISREG(info.st_mode) or info.st_size < target.nbytes
+            or (info.st_dev, info.st_ino) != (target.device, target.inode)):
         os.close(fd)
-
-
-def _stream_copies(conn: socket.socket, gather: _Gather, layers: range) -> None:
-    slots = [gather.host_buffer() for _ in range(2)]
-    pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-    for i, layer in enumerate(layers):
-        slot = slots[i % 2]
-        ready = gather.to_host(layer, slot)
-        if pending is not None:
-            _send_slot(conn, *pending)
-        pending = (slot, ready)
-    if pending is not None:
-        _send_slot(conn, *pending)
-
-
-def _send_slot(conn: socket.socket, slot: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-    if ready is not None:
-        ready.synchronize()
-    conn.sendall(byte_view(slot))
-
-
-class _Gather:
-    """One read's gather: the asked blocks and KV heads of a layer, K then V, contiguous."""
-
-    def __init__(self, caches: list[torch.Tensor], mine: RankSlice, request: ReadRequest) -> None:
-        self._caches = caches
-        self._layer_start = mine.layer_start
-        self._heads = slice(request.kv_head_start - mine.kv_head_start,
-                            request.kv_head_stop - mine.kv_head_start)
-        self._request = request
-        self.device = caches[0].device
-        self.shape = (2, len(request.block_ids), request.block_size, request.num_kv_heads,
-                      request.head_dim)
-        self.dtype = caches[0].dtype
-        self._ids = block_index(request.block_ids, self.device)
-        # On CUDA, gathers run on the current stream, behind whatever wrote these blocks.
-        self._device_buffer = (torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                               if self.device.type == "cuda" else None)
-        # Where the payload lies in each layer's cache, when it is sent in place.
-        self.spans = block_spans(caches[0], self._heads, request.block_ids)
-
-    def cache(self, layer: int) -> torch.Tensor:
-        return self._caches[layer - self._layer_start]
-
-    def layer_into(self, layer: int, out: torch.Tensor) -> None:
-        """Gathers `layer` into `out` (on the cache's device)."""
-        gather(self.cache(layer), self._heads, self._ids, out)
-
-    def host_buffer(self) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        try:
-            return torch.empty(self.shape, dtype=self.dtype, pin_memory=pin)
-        except RuntimeError:  # no pinned memory to be had: pageable copies still work
-            return torch.empty(self.shape, dtype=self.dtype)
-
-    def to_host(self, layer: int, host: torch.Tensor) -> torch.cuda.Event | None:
-        """Gathers `layer` into the CPU tensor `host`; on CUDA the copy is asynchronous and
-        the returned event says when `host` is filled."""
-        if self._device_buffer is None:
-            self.layer_into(layer, host)
-            return None
-        self.layer_into(layer, self._device_buffer)
-        host.copy_(self._device_buffer, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return ready
-
-    def into_buffer(self, buffer: mmap.mmap) -> None:
-        """Gathers every layer of the read into `buffer` (the payload's bytes, in place)."""
-        out = torch.frombuffer(buffer, dtype=self.dtype).view(self._request.num_layers,
-                                                               *self.shape)
-        for i, layer in enumerate(range(self._request.layer_start, self._request.layer_stop)):
-            if self._device_buffer is None:
-                self.layer_into(layer, out[i])
-            else:
-                self.layer_into(layer, self._device_buffer)
-                out[i].copy_(self._device_buffer)
+        raise FileNotFoundError(f"{target.path} here is not the puller's file "
+                                "(another /dev/shm?)")
+    return fd

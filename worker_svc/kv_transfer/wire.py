@@ -1,7 +1,8 @@
 """The KV transfer channel's wire format, written once for the server and the puller.
 
 A message is a 4-byte big-endian length and that many bytes of JSON; a reply to a read
-over TCP is followed by `nbytes` raw bytes. The payload of a read is the
+over TCP is followed by `nbytes` raw bytes (in the same segment as the reply's end).
+Through shared memory the same bytes are written into the puller's file instead. The payload of a read is the
 `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` tensor of the asked
 layers (in order), K then V, the asked blocks (in the order asked) and KV heads, in the
 cache's dtype and this machine's byte order (both ends are x86 or ARM little-endian).
@@ -31,8 +32,9 @@ RECV_LOW_WATER_BYTES = 256 << 10
 
 @dataclass(frozen=True)
 class ShmTarget:
-    """A file the puller made under SHM_DIR for the server to gather into: its device and
-    inode let the server check it opened the same file (its /dev/shm may be another)."""
+    """A file the puller made under SHM_DIR for the server to write the payload into: its
+    device and inode let the server check it opened the same file (its /dev/shm may be
+    another)."""
 
     path: str
     device: int
@@ -160,10 +162,14 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(-1).view(torch.uint8).numpy())
 
 
-def send_message(sock: socket.socket, message: dict, deadline: float | None = None) -> None:
+def encode_message(message: dict) -> bytes:
     body = json.dumps(message, separators=(",", ":")).encode()
+    return _LENGTH.pack(len(body)) + body
+
+
+def send_message(sock: socket.socket, message: dict, deadline: float | None = None) -> None:
     set_deadline(sock, deadline)
-    sock.sendall(_LENGTH.pack(len(body)) + body)
+    sock.sendall(encode_message(message))
 
 
 def recv_message(sock: socket.socket, deadline: float | None = None) -> dict | None:
