@@ -26,12 +26,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
+
 from pagemesh import keepalive
+from pagemesh.metrics import PREFIX, counter
 from pagemesh.internal_auth import METADATA_KEY
 from pagemesh.tls import TlsConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2_grpc
@@ -83,6 +87,30 @@ def kv_move_entry(counts: KVMoveCounts) -> dict[str, int]:
     """The counts as the registry entry's `kv_*` fields (pagemesh/registry_entries.py)."""
     return {f"kv_{name}": int(value) for name, value in vars(counts).items()
             if name != "pull_seconds"}
+
+
+def kv_move_metrics(moves: KVMoves, group: str) -> Iterable[Metric]:
+    """The counts as Prometheus counters (scrape time; they outlive a re-formation)."""
+    counts, labels = moves.counts, {"group": group}
+    yield counter(PREFIX + "kv_recomputed_tokens", "Tokens of resumed requests computed again "
+                  "(not pulled from another group, loaded from the host tier or cached)",
+                  labels, moves.loop.scheduler.num_recomputed_tokens)
+    yield counter(PREFIX + "kv_transferred_blocks", "KV blocks pulled into this group (from "
+                  "another group or the host tier)", labels, counts.blocks_pulled)
+    yield counter(PREFIX + "kv_transferred_bytes", "Bytes of KV pulled from other groups",
+                  labels, counts.bytes_pulled)
+    imports = CounterMetricFamily(PREFIX + "kv_imports", "Requests admitted with KV held "
+                                  "elsewhere, by how the import ended", labels=["group", "result"])
+    imports.add_metric([group, "pulled"], counts.imports_pulled - counts.tier_loads)
+    imports.add_metric([group, "tier"], counts.tier_loads)
+    imports.add_metric([group, "failed"], counts.imports_failed)
+    yield imports
+    holds = CounterMetricFamily(PREFIX + "kv_holds", "KV holds this group made for another, by "
+                                "how they ended", labels=["group", "result"])
+    holds.add_metric([group, "pulled"], counts.holds_pulled)
+    holds.add_metric([group, "unused"], counts.holds_unused)
+    holds.add_metric([group, "expired"], counts.holds_expired)
+    yield holds
 
 
 class KVMoves:

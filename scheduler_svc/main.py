@@ -36,7 +36,7 @@ from pagemesh.speculative_config import SpeculativeConfig
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec, host_tier_for
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
-from scheduler_svc.kv_moves import KVMoveConfig, KVMoves, kv_move_entry
+from scheduler_svc.kv_moves import KVMoveConfig, KVMoves, kv_move_entry, kv_move_metrics
 from scheduler_svc.messages import WorkerInfo
 from scheduler_svc.servicer import SERVICE_NAMES, SchedulerServicer, add_to_server
 from scheduler_svc.step_watchdog import WatchdogConfig
@@ -159,6 +159,7 @@ async def serve(args: argparse.Namespace) -> None:
         server.install_signal_handlers()
         metrics = SchedulerMetrics(args.group)
         observe_engine(metrics, loop, checkpointer, registry)
+        metrics.add_collector(lambda: kv_move_metrics(kv_moves, args.group))
         metrics_server = await serve_metrics(metrics, metrics_config(args))
 
         def registry_info() -> dict[str, object]:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -89,6 +90,20 @@ def test_prefill_then_decode_equals_colocated_and_transformers(
     assert delta("kv_imports_pulled", "decode") == num_samples
     assert delta("kv_imports_failed", "decode") == 0
     assert total(after, "num_recomputed_tokens", "decode") == 0
+    # The same, as Prometheus counters on the decode groups' metrics endpoints.
+    for entry in (e for e in after.values() if e.get("role") == "decode"):
+        text = httpx.get(f"http://{entry['metrics_address']}/metrics", timeout=10).text
+        assert 'pagemesh:kv_recomputed_tokens_total{group="' in text
+        assert _sample(text, "pagemesh:kv_recomputed_tokens_total") == 0
+    assert sum(_sample(httpx.get(f"http://{e['metrics_address']}/metrics", timeout=10).text,
+                       "pagemesh:kv_transferred_blocks_total")
+               for e in after.values() if e.get("role") == "decode") > 0
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the one sample of `name` in an exposition."""
+    (line,) = [line for line in text.splitlines() if line.startswith(name + "{")]
+    return float(line.rsplit(" ", 1)[1])
 
 
 def test_a_drained_decode_group_hands_its_request_over_with_its_kv(
