@@ -19,8 +19,8 @@ breaks resumes it by request id, as pagemesh's clients are meant to. Per scenari
   before max_tokens, out of all constrained ones, whose output validates against the schema.
 
 Writes bench/results/fault_matrix.{md,json}; tests/e2e/test_fault_matrix.py runs the same
-scenarios with fewer requests. The `partition` mesh needs root (network namespaces) and is
-skipped without.
+scenarios with fewer requests. The `partition` and `pd-partition` meshes need root (network
+namespaces) and are skipped without.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.faults.scenarios import SCENARIOS, Baseline, Scenario
-from bench.faults.targets import (RestartableValkey, Target, llava_images,
+from bench.faults.targets import (HOST_TIER_DIR, RestartableValkey, Target, llava_images,
                                   load_lora_at_run_time, start_mesh, start_partition_mesh,
-                                  write_llava_model, write_lora_adapters, write_model,
-                                  write_moe_model)
+                                  start_pd_partition_mesh, write_llava_model,
+                                  write_lora_adapters, write_model, write_moe_model)
 from bench.faults.workload import Clients, RequestResult, RequestSpec, plan
 from pagemesh.testing.netns import namespaces_unavailable
 from protos.pagemesh.v1 import generate_pb2
@@ -68,7 +68,14 @@ TARGETS = {
     # one as decodes; in bf16 their logprobs differ beyond the matrix's 1e-4 (bf16 matmuls
     # are not batch invariant: bench.spec_decode --batch-variance).
     "spec": (["--dtype", "float32", "--speculative-config", json.dumps(SPEC_CONFIG)], 1),
+    # Disaggregated: each request prefilled on prefill0, continued on a decode group that
+    # pulls its KV.
+    "pd": (["--prefill-replicas", "1", "--decode-replicas", "2"], 3),
+    # A host KV tier in /dev/shm that a restarted worker's requests reload their blocks from.
+    "tier": (["--host-tier-gib", "0.25", "--host-tier-dir", HOST_TIER_DIR], 1),
+    "pd-partition": ([], 2),  # a prefill worker (and a standby), a decode worker
 }
+NETNS_TARGETS = ("partition", "pd-partition")  # they need network namespaces
 
 
 @dataclass
@@ -134,15 +141,18 @@ def run_scenario(target: Target, scenario: Scenario, clients: Clients,
     watcher: list[Watcher] = []
 
     def disturb() -> None:
+        if scenario.aim is not None:
+            scenario.aim(target, base)
         watcher.append(Watcher(target, scenario, base))
         action()
 
     tag = scenario.name.replace(" ", "-")
     workload = target_plan(target, num_clients, requests_per_client, max_tokens, tag)
     # A quarter of the way in: with M > 1 requests per client, some requests are mid-stream
-    # and others not sent yet.
+    # and others not sent yet. Or early, as the first tokens arrive.
     total_tokens = num_clients * requests_per_client * max_tokens
-    run = clients.run(workload, disturb, after_tokens=total_tokens // 4)
+    after_tokens = max(num_clients // 2, 1) if scenario.strike_early else total_tokens // 4
+    run = clients.run(workload, disturb, after_tokens=after_tokens)
     watcher[0].done.wait(WATCH_TIMEOUT_S)
     scenario.after(target, base)
     failed = [r for r in run.results if r.error is not None]
@@ -155,7 +165,8 @@ def run_scenario(target: Target, scenario: Scenario, clients: Clients,
                watcher[0].seconds(watcher[0].recovered_at),
                all(r.same_as(ref) for r, ref in zip(run.results, reference)),
                sum(r.schema_valid() for r in ended), len(ended), len(constrained),
-               scenario.notes, [f"{r.spec.request_id}: {r.error}" for r in failed][:5])
+               "; ".join(n for n in (scenario.notes, *base.notes) if n),
+               [f"{r.spec.request_id}: {r.error}" for r in failed][:5])
 
 
 def target_plan(target: Target, num_clients: int, requests_per_client: int, max_tokens: int,
@@ -168,6 +179,8 @@ def target_plan(target: Target, num_clients: int, requests_per_client: int, max_
 def start_target(name: str, model: Path, log_dir: Path) -> Target:
     if name == "partition":
         return start_partition_mesh(model, log_dir)
+    if name == "pd-partition":
+        return start_pd_partition_mesh(model, log_dir)
     extra, _ = TARGETS[name]
     if name == "moe-ep":
         model = write_moe_model(model.parent / "tiny-moe")
@@ -188,7 +201,7 @@ def start_target(name: str, model: Path, log_dir: Path) -> Target:
 
 
 def wait_ready(target: Target, timeout_s: float = 180) -> None:
-    """Back at rest before the next scenario: serving, the group ready, every rank filled."""
+    """Back at rest before the next scenario: serving, every group ready, every rank filled."""
     deadline = time.monotonic() + timeout_s
     while not target.ready(TARGETS[target.name][1]):
         if time.monotonic() > deadline:
@@ -225,7 +238,7 @@ def select(names: str | None) -> list[Scenario]:
     why = namespaces_unavailable()
     if why is not None:
         print(f"skipping the partition scenarios: {why}")
-        scenarios = [s for s in scenarios if s.target != "partition"]
+        scenarios = [s for s in scenarios if s.target not in NETNS_TARGETS]
     return scenarios
 
 

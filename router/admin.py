@@ -18,6 +18,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from pagemesh.registry_entries import GroupStatus
 from pagemesh.serving import ServiceError, invalid_argument, unavailable
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2, admin_pb2_grpc
@@ -58,6 +59,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             raise invalid_argument("name the engine group to drain (`group`): draining "
                                    "every group would leave nowhere to go")
         group = self._groups(request.group)[0]
+        # Before its requests come back: they continue on the other groups, not this one
+        # (the registry says so too, a heartbeat later, for the other routers).
+        group.status = GroupStatus.READY if request.undo else GroupStatus.DRAINING
         try:
             return await group.conn.stub.Drain(request, timeout=ADMIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

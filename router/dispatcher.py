@@ -77,9 +77,11 @@ class Dispatcher:
                                            adapter, images=submission.images)
         attempts = Attempts(self.resume, asyncio.get_running_loop().time, progress.started)
         feed: RequestFeed[T] = RequestFeed(progress, attempts, process)
+        handed_from: frozenset[str] = frozenset()
         while not progress.all_finished:
             group = await self._choose(block_hashes, attempts, submission.lora_name,
-                                       decode=progress.started)
+                                       decode=progress.started, avoid=handed_from)
+            handed_from = frozenset()
             if attempts.num_failures:
                 self.num_resumes += 1
                 logger.warning("request %s resumed on engine group %s with %s output tokens "
@@ -93,6 +95,7 @@ class Dispatcher:
                 return
             except HandedOver:  # its KV waits there for the group that continues it
                 self.num_handoffs += 1
+                handed_from = frozenset({group.scheduler_id})
                 continue
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or str(exc.code())
@@ -147,11 +150,16 @@ class Dispatcher:
         return list(self._policy.adapter_groups(holders, with_room, full))
 
     async def _choose(self, block_hashes: list[BlockHash], attempts: Attempts,
-                      lora_name: str = "", decode: bool = False) -> EngineGroup:
+                      lora_name: str = "", decode: bool = False,
+                      avoid: frozenset[str] = frozenset()) -> EngineGroup:
         """A group for the next attempt: another one at once when there is one; else, once the
         request was accepted somewhere, any (the failed group's replacement too) after a
         backoff, until the resume timeout."""
-        exclude = attempts.excluded
+        # The group that just handed the request over: another one when there is one.
+        if avoid and self._pick(block_hashes, attempts.excluded | avoid, lora_name, decode):
+            exclude = attempts.excluded | avoid
+        else:
+            exclude = attempts.excluded
         while True:
             group = self._pick(block_hashes, exclude, lora_name, decode)
             if group is not None:

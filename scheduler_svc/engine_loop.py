@@ -106,6 +106,7 @@ class EngineLoop:
         # re-formation replaces. And who runs imports (KVMoves.pull), set by the service.
         self.tier: HostTierIndex | None = scheduler.kv.tier
         self.importer: Callable[[list[KVImportJob]], None] | None = None
+        self.handed_off: set[RequestId] = set()  # the last hand_off_all's holds
 
     @property
     def num_streams(self) -> int:
@@ -188,6 +189,7 @@ class EngineLoop:
         for request_id, sink in failed:
             self.scheduler.abort(request_id)
             sink.fail(request_id, "this group is draining: resume on another group")
+        self.handed_off = {rid for rid in streams if rid in self.scheduler.held}
         if not self._hand_off.done():
             self._hand_off.set_result((len(streams) - len(failed), len(failed)))
         self._hand_off = None

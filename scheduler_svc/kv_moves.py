@@ -151,7 +151,7 @@ class KVMoves:
             self.counts.holds_pulled += 1
         else:
             self.counts.holds_unused += 1
-            logger.warning("KV hold %s released unused by its claimant: %s", handoff_id, reason)
+            logger.info("KV hold %s released unused by its claimant: %s", handoff_id, reason)
 
     def expire(self) -> None:
         """Frees holds past their deadline; a hold seen for the first time gets `hold_s`."""
@@ -197,6 +197,12 @@ class KVMoves:
             task = asyncio.create_task(self._import(job, importer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def dismiss(self, handoffs: Sequence[KVHandoffRef]) -> None:
+        """Holds this group does not need (their blocks are in its prefix cache, or there
+        was no room to import): released at once rather than left to expire."""
+        for handoff in handoffs:
+            self._spawn_release(handoff, False, "not needed: cached here, or no room")
 
     async def _import(self, job: KVImportJob,
                       importer: Callable[[KVImportJob, float], Awaitable[str]]) -> None:

@@ -252,7 +252,9 @@ async def _drain(loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float,
         migrated, recomputed = await loop.hand_off_all()
         logger.warning("drain: %d requests handed over with their KV, %d to recompute",
                        migrated, recomputed)
-        while loop.scheduler.held and time.monotonic() < deadline:
+        # Until the groups continuing them pulled what this drain handed over (a prefill
+        # group's ordinary holds expire on their own).
+        while loop.handed_off & set(loop.scheduler.held) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return
     while loop.num_streams and time.monotonic() < deadline:

@@ -105,8 +105,10 @@ class RequestStreams:
                 raise ServiceError(grpc.StatusCode.ABORTED,
                                    "the request's previous stream is still ending here; retry")
             imports = self.loop.submit(requests, sink, handoffs)
-            if imports and self.kv_moves is not None:
+            if self.kv_moves is not None:
                 self.kv_moves.pull(imports)
+                pulled = {job.request.request_id for job in imports}
+                self.kv_moves.dismiss([h for rid, h in handoffs.items() if rid not in pulled])
         except CapacityError as exc:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except ValueError as exc:

