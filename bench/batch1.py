@@ -22,12 +22,12 @@ from pathlib import Path
 
 from bench.common import REPO_ROOT
 from bench.peers.vllm_server import VllmServer
-from pagemesh.mesh_process import Mesh
-from pagemesh.ports import reserve_port
+from pagemesh.tools.mesh_process import Mesh
+from pagemesh.runtime.ports import reserve_port
 
 
 def drive(name: str, target: list[str], args: argparse.Namespace) -> None:
-    command = [sys.executable, "-m", "pagemesh.cli", "bench", *target, "--workload", "w64",
+    command = [sys.executable, "-m", "pagemesh.tools.cli", "bench", *target, "--workload", "w64",
                "--concurrency", "1", "--num-requests", str(args.num_requests), "--max-tokens",
                str(args.max_tokens), "--warmup", "1", "--no-progress", "--output-dir",
                args.output_dir, "--name", name]

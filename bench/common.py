@@ -15,8 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pagemesh.loadgen.machine import machine_markdown, machine_record  # noqa: E402
-from pagemesh.mesh_process import Mesh, greedy_request  # noqa: E402
+from pagemesh.tools.loadgen.machine import machine_markdown, machine_record  # noqa: E402
+from pagemesh.tools.mesh_process import Mesh, greedy_request  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 # Raw samples (every TTFT, every gap): regenerable, megabytes, so ignored by git; the
@@ -61,7 +61,7 @@ def run_mesh(mesh: Mesh, prompts: list[list[int]], max_tokens: int, concurrency:
 def write_w64_model(folder: Path) -> Path:
     """The random Llama of PEERS.md's W64 figures: hidden 512, intermediate 1408, 8 layers,
     8 heads / 4 KV heads, vocab 32k (56M parameters)."""
-    from pagemesh.testing.tiny_models import write_tiny_model
+    from pagemesh.tools.testing.tiny_models import write_tiny_model
 
     if (folder / "config.json").exists():
         return folder
@@ -76,7 +76,7 @@ def write_w64_moe_model(folder: Path) -> Path:
     """W64's model as a mixture of experts: the same attention, 8 layers and vocabulary, each
     MLP a Qwen3-MoE block of 8 experts of intermediate 704, 2 per token (the dense model's
     1,408 active per token; 4x its MLP weights in all)."""
-    from pagemesh.testing.tiny_models import write_tiny_model
+    from pagemesh.tools.testing.tiny_models import write_tiny_model
 
     if (folder / "config.json").exists():
         return folder

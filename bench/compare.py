@@ -32,12 +32,12 @@ from pathlib import Path
 from bench.common import RAW_RESULTS, REPO_ROOT, RESULTS, write_w64_model
 from bench.peers.peak import format_peak, measure_peak
 from bench.peers.suite import PEER_NAMES, available_peers, run_peers
-from pagemesh.loadgen import Target, build_workload, run_workload, write_report
-from pagemesh.loadgen.machine import machine_markdown, machine_record
-from pagemesh.loadgen.report import write_json
-from pagemesh.loadgen.result import RunResult
-from pagemesh.mesh_process import Mesh
-from pagemesh.ports import reserve_port
+from pagemesh.tools.loadgen import Target, build_workload, run_workload, write_report
+from pagemesh.tools.loadgen.machine import machine_markdown, machine_record
+from pagemesh.tools.loadgen.report import write_json
+from pagemesh.tools.loadgen.result import RunResult
+from pagemesh.tools.mesh_process import Mesh
+from pagemesh.runtime.ports import reserve_port
 
 IDLE_TTFT_REQUESTS = 8
 

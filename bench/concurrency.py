@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from bench.common import Row, run_mesh, write_results
-from pagemesh.mesh_process import Mesh, greedy_request
-from pagemesh.models import default_model_path
+from pagemesh.tools.mesh_process import Mesh, greedy_request
+from pagemesh.runtime.models import default_model_path
 
 
 def run_transformers(model_path: str, prompts: list[list[int]], max_tokens: int) -> Row:

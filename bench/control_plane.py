@@ -27,10 +27,10 @@ import psutil
 
 from bench.common import REPO_ROOT, write_results
 from bench.mesh_profile import cpu_seconds
-from pagemesh.loadgen import Target, build_workload, run_workload
-from pagemesh.loadgen.result import RunResult
-from pagemesh.mesh_process import Mesh
-from pagemesh.ports import reserve_port
+from pagemesh.tools.loadgen import Target, build_workload, run_workload
+from pagemesh.tools.loadgen.result import RunResult
+from pagemesh.tools.mesh_process import Mesh
+from pagemesh.runtime.ports import reserve_port
 
 PROMPT_LEN = 16
 MAX_TOKENS = 64
@@ -42,8 +42,8 @@ def write_zero_cost_model(folder: Path) -> Path:
         return folder
     from transformers import AutoTokenizer
 
-    from pagemesh.models import default_model_path
-    from pagemesh.testing.tiny_models import write_tiny_model
+    from pagemesh.runtime.models import default_model_path
+    from pagemesh.tools.testing.tiny_models import write_tiny_model
 
     gguf = Path(default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -67,7 +67,7 @@ def write_smollm2_folder(folder: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagemesh.models import default_model_path
+    from pagemesh.runtime.models import default_model_path
 
     gguf = Path(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from bench.common import REPO_ROOT, write_results
 from bench.versus_vllm import BATCH1, W64, workloads
-from pagemesh.loadgen import Target, run_workload
-from pagemesh.loadgen.result import RunResult
-from pagemesh.mesh_process import Mesh
+from pagemesh.tools.loadgen import Target, run_workload
+from pagemesh.tools.loadgen.result import RunResult
+from pagemesh.tools.mesh_process import Mesh
 
 
 def up_flags(variant: str) -> list[str]:

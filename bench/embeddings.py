@@ -42,10 +42,10 @@ import numpy as np
 
 from bench.common import REPO_ROOT, write_results
 from bench.control_plane import write_smollm2_folder
-from pagemesh.admin import AdminClient
-from pagemesh.malloc_preload import find_malloc, preload_env
-from pagemesh.mesh_process import Mesh
-from pagemesh.ports import reserve_port
+from pagemesh.tools.admin import AdminClient
+from pagemesh.tools.malloc_preload import find_malloc, preload_env
+from pagemesh.tools.mesh_process import Mesh
+from pagemesh.runtime.ports import reserve_port
 
 VLLM_PYTHON = REPO_ROOT / ".peers" / "vllm" / "bin" / "python"
 ST_MODULES = [

@@ -40,7 +40,7 @@ from bench.faults.targets import (HOST_TIER_DIR, RestartableValkey, Target, llav
                                   start_pd_partition_mesh, write_llava_model,
                                   write_lora_adapters, write_model, write_moe_model)
 from bench.faults.workload import Clients, RequestResult, RequestSpec, plan
-from pagemesh.testing.netns import namespaces_unavailable
+from pagemesh.tools.testing.netns import namespaces_unavailable
 from protos.pagemesh.v1 import generate_pb2
 
 WATCH_TIMEOUT_S = 120.0

@@ -27,9 +27,9 @@ from pathlib import Path
 import redis
 
 from bench.common import add_w64_workload_args, run_mesh, w64_workload, write_results
-from pagemesh.mesh_process import Mesh, alive, greedy_request
-from pagemesh.ports import reserve_port
-from pagemesh.registry_entries import (
+from pagemesh.tools.mesh_process import Mesh, alive, greedy_request
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.runtime.registry_entries import (
     GroupStatus,
     SchedulerEntry,
     WorkerEntry,
@@ -97,7 +97,7 @@ def checkpoint_cpu_ms_per_step(redis_url: str, interval: int, num_requests: int,
 
     import redis.asyncio as aioredis
 
-    from pagemesh.checkpoints import CheckpointStore, SampleState
+    from pagemesh.runtime.checkpoints import CheckpointStore, SampleState
     from scheduler_svc.checkpoint import Checkpointer
     from scheduler_svc.core.types import RequestEvent, SampledToken
 

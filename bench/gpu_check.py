@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO_ROOT, run_mesh, write_results, write_w64_model
-from pagemesh.mesh_process import Mesh, greedy_request
+from pagemesh.tools.mesh_process import Mesh, greedy_request
 from protos.pagemesh.v1 import generate_pb2
 
 

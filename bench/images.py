@@ -6,7 +6,7 @@
 The model: a LLaVA at a small real VLM's size, random weights (timing needs no training):
 SmolLM2-135M's decoder shape (30 layers, hidden 576, 9 heads, 3 KV heads, a 49,152-token
 head) behind a CLIP ViT-B/16 tower at 224 px (12 layers, hidden 768: 196 image tokens) and
-LLaVA's two-layer projector; written once to `.cache/bench-llava` (pagemesh.testing.tiny_llava).
+LLaVA's two-layer projector; written once to `.cache/bench-llava` (pagemesh.tools.testing.tiny_llava).
 
 One mesh (`pagemesh up`), one request at a time, greedy, `--max-tokens` out:
 
@@ -40,7 +40,7 @@ import redis
 from PIL import Image
 
 from bench.common import REPO_ROOT, write_results
-from pagemesh.mesh_process import Mesh
+from pagemesh.tools.mesh_process import Mesh
 from protos.pagemesh.v1 import generate_pb2
 
 CLUSTER = "bench-images"
@@ -48,7 +48,7 @@ IMAGE_TOKENS = 196  # (224 / 16) ** 2
 
 
 def write_bench_llava(folder: Path) -> Path:
-    from pagemesh.testing.tiny_llava import write_tiny_llava
+    from pagemesh.tools.testing.tiny_llava import write_tiny_llava
 
     if not (folder / "config.json").exists():
         write_tiny_llava(folder, seed=0, naming="llava-hf", image_size=224, patch_size=16,

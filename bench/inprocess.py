@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from pagemesh.loadgen.machine import machine_record
-from pagemesh.loadgen.result import RunResult
+from pagemesh.tools.loadgen.machine import machine_record
+from pagemesh.tools.loadgen.result import RunResult
 from protos.step import RequestId, SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
@@ -129,7 +129,7 @@ def one_at_a_time(scheduler: Scheduler, runner: ModelRunner, prompts: list[list[
 
 def main(argv: list[str] | None = None) -> None:
     from bench.common import REPO_ROOT, write_w64_model
-    from pagemesh.loadgen.workloads import build_workload
+    from pagemesh.tools.loadgen.workloads import build_workload
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

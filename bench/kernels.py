@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pagemesh.loadgen.machine import machine_markdown, machine_record  # noqa: E402
+from pagemesh.tools.loadgen.machine import machine_markdown, machine_record  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 # Peak HBM bandwidth in GB/s (1e9 bytes/s) from the vendors' data sheets, matched as a

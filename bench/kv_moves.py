@@ -37,7 +37,7 @@ from pathlib import Path
 import redis
 
 from bench.common import write_results
-from pagemesh.mesh_process import Mesh, greedy_request
+from pagemesh.tools.mesh_process import Mesh, greedy_request
 
 CLUSTER = "bench-kv-moves"
 

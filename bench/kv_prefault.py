@@ -24,8 +24,8 @@ from pathlib import Path
 
 from bench.common import REPO_ROOT, write_results
 from bench.control_plane import write_smollm2_folder
-from pagemesh.loadgen import Target, build_workload, run_workload
-from pagemesh.mesh_process import Mesh, greedy_request
+from pagemesh.tools.loadgen import Target, build_workload, run_workload
+from pagemesh.tools.mesh_process import Mesh, greedy_request
 
 SETTINGS = {"lazy (--kv-prefault-steps 0)": ["--kv-prefault-steps", "0"],
             "faulted in while idle (default)": []}

@@ -36,7 +36,7 @@ NUM_REQUESTS, PROMPT_LEN = 64, 128
 
 
 def write_adapters(base: Path, count: int, rank: int) -> list[Path]:
-    from pagemesh.testing.tiny_lora import write_lora
+    from pagemesh.tools.testing.tiny_lora import write_lora
 
     root = REPO_ROOT / ".cache" / "lora-smollm2"
     paths = []
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--versus-vllm", action="store_true")
     args = parser.parse_args()
     if args.versus_vllm:
-        from pagemesh.malloc_preload import find_malloc, preload_env
+        from pagemesh.tools.malloc_preload import find_malloc, preload_env
 
         library = find_malloc("auto")
         if library is not None and str(library) not in os.environ.get("LD_PRELOAD", ""):

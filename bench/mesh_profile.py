@@ -23,8 +23,8 @@ import psutil
 import redis
 
 from bench.common import REPO_ROOT, write_results, write_w64_model
-from pagemesh.loadgen import Target, build_workload, run_workload
-from pagemesh.mesh_process import Mesh
+from pagemesh.tools.loadgen import Target, build_workload, run_workload
+from pagemesh.tools.mesh_process import Mesh
 
 SERVICES = ("router.main", "scheduler_svc.main", "worker_svc.main")
 METRICS = re.compile(r"pagemesh:(step_time_seconds|worker_forward_time_seconds)_(sum|count)\b")

@@ -17,9 +17,9 @@ import psutil
 
 from bench.common import REPO_ROOT
 from bench.control_plane import workload, write_zero_cost_model
-from pagemesh.loadgen import Target, run_workload
-from pagemesh.mesh_process import Mesh
-from pagemesh.ports import reserve_port
+from pagemesh.tools.loadgen import Target, run_workload
+from pagemesh.tools.mesh_process import Mesh
+from pagemesh.runtime.ports import reserve_port
 
 SERVICES = ("router", "scheduler_svc", "worker_svc")
 

@@ -33,7 +33,7 @@ from bench.common import (
     write_w64_moe_model,
 )
 from bench.parallel import worker_counters
-from pagemesh.mesh_process import Mesh, greedy_request
+from pagemesh.tools.mesh_process import Mesh, greedy_request
 
 LAYOUTS = {"tp=1": ["--tp", "1"], "tp=2": ["--tp", "2"],
            "tp=2 + ep": ["--tp", "2", "--enable-expert-parallel"]}

@@ -21,8 +21,8 @@ from pathlib import Path
 import redis
 
 from bench.common import REPO_ROOT, run_mesh, write_results, write_w64_model
-from pagemesh.mesh_process import Mesh, greedy_request
-from pagemesh.ports import reserve_port
+from pagemesh.tools.mesh_process import Mesh, greedy_request
+from pagemesh.runtime.ports import reserve_port
 
 LAYOUTS = {"tp=1": (1, 1), "tp=2": (2, 1), "pp=2": (1, 2), "tp=2 x pp=2": (2, 2)}
 

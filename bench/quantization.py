@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.quantization [--quant-dtype float32] [--warmup 4]
 
 The model is PEERS.md's W64 random Llama (`bench/common.py`), written on first use; its FP8
-and AWQ checkpoints are written from it by `pagemesh/testing/quant_checkpoints.py` into .cache/ (FP8
+and AWQ checkpoints are written from it by `pagemesh/tools/testing/quant_checkpoints.py` into .cache/ (FP8
 in llm-compressor's layout, per-channel scales; AWQ 4-bit, group size 128, AutoAWQ's gemm
 layout), so both rows load a quantized checkpoint (`--quantization auto`), not the plain
 model quantized at load. Each row runs in a fresh `pagemesh up` (tp=1), driven by
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from bench.common import REPO_ROOT, write_results, write_w64_model
 from kernels.cpu_features import cpu_features
-from pagemesh.loadgen import Target, build_workload, run_workload
-from pagemesh.mesh_process import Mesh
+from pagemesh.tools.loadgen import Target, build_workload, run_workload
+from pagemesh.tools.mesh_process import Mesh
 from protos.pagemesh.v1 import generate_pb2
 
 MIB = 1 << 20
@@ -32,7 +32,7 @@ AWQ_GROUP_SIZE = 128
 
 def checkpoints() -> dict[str, Path]:
     """The plain W64 model and its FP8 and AWQ checkpoints (each written once)."""
-    from pagemesh.testing.quant_checkpoints import write_awq_checkpoint, write_fp8_checkpoint
+    from pagemesh.tools.testing.quant_checkpoints import write_awq_checkpoint, write_fp8_checkpoint
 
     cache = REPO_ROOT / ".cache"
     plain = write_w64_model(cache / "w64-llama")

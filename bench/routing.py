@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import REPO_ROOT, timed_stream, write_results, write_w64_model
-from pagemesh.mesh_process import Mesh
+from pagemesh.tools.mesh_process import Mesh
 from protos.pagemesh.v1 import generate_pb2
 
 NUM_TENANTS, SYSTEM_LEN, TURNS, TURN_LEN, MAX_TOKENS, CONCURRENCY = 8, 1000, 4, 16, 16, 8

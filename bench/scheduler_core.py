@@ -24,7 +24,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from pagemesh.loadgen.machine import machine_markdown, machine_record  # noqa: E402
+from pagemesh.tools.loadgen.machine import machine_markdown, machine_record  # noqa: E402
 from protos.step import ModelRunnerOutput, RequestId, SampledToken, SamplingParams, SchedulerOutput  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_svc.core.types import Request  # noqa: E402

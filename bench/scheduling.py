@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO_ROOT, run_mesh, write_results, write_w64_model
-from pagemesh.mesh_process import Mesh, greedy_request
+from pagemesh.tools.mesh_process import Mesh, greedy_request
 
 PREFIX_LEN = 1024
 

@@ -320,7 +320,7 @@ def main() -> None:
     parser.add_argument("--step-cost", action="store_true")
     parser.add_argument("--batch-variance", action="store_true")
     args = parser.parse_args()
-    from pagemesh.malloc_preload import find_malloc, preload_env
+    from pagemesh.tools.malloc_preload import find_malloc, preload_env
 
     library = find_malloc("auto")
     if library is not None and str(library) not in os.environ.get("LD_PRELOAD", ""):

@@ -104,7 +104,7 @@ def compile_grammars(tokenizer: object, vocab_size: int,
                      eos_token_ids: list[int]) -> tuple[list[str], float, float]:
     """The four schemas' grammars as the router makes them; cold and cached ms per schema
     (the vocabulary view, built once per model, is not in either)."""
-    from pagemesh.options.constraint import OutputConstraint
+    from pagemesh.api.options.constraint import OutputConstraint
     from router.structured import GrammarCompiler
 
     compiler = GrammarCompiler(tokenizer)  # type: ignore[arg-type]
@@ -123,7 +123,7 @@ def compile_grammars(tokenizer: object, vocab_size: int,
 def measure(model: str, dtype: str, steps: int) -> dict:
     """Median decode ms/step unconstrained and constrained, the mask's part of the latter,
     the matchers' creation and the router's compile times."""
-    from router.tokenizer import load_tokenizer
+    from pagemesh.runtime.tokenizer import load_tokenizer
     from worker_svc.runner import ModelRunner, RunnerConfig
 
     tokenizer = load_tokenizer(model)
@@ -244,7 +244,7 @@ def main() -> None:
 
     from bench.common import write_results
     from kernels.cpu_features import cpu_features
-    from pagemesh.models import default_model_path
+    from pagemesh.runtime.models import default_model_path
 
     model = default_model_path()
     rows, data = [], {"runs": []}

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import add_w64_workload_args, run_mesh, w64_workload, write_results
-from pagemesh.mesh_process import Mesh, greedy_request
-from pagemesh.testing.otlp_receiver import OtlpReceiver
+from pagemesh.tools.mesh_process import Mesh, greedy_request
+from pagemesh.tools.testing.otlp_receiver import OtlpReceiver
 
 
 def mesh_tok_s(model: str, prompts: list[list[int]], max_tokens: int,
@@ -89,7 +89,7 @@ def worker_cpu_ms_per_step(tracer: Any, num_requests: int, num_steps: int) -> fl
     """CPU ms of one decode step's `execute_step` span linked to `num_requests` requests."""
     from opentelemetry import trace
 
-    from pagemesh.telemetry import traceparent
+    from pagemesh.runtime.telemetry import traceparent
     from protos.pagemesh.worker.v1 import worker_pb2
     from worker_svc.tracing import start_step_span
 

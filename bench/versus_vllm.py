@@ -42,11 +42,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import RAW_RESULTS, REPO_ROOT, write_results
-from pagemesh.loadgen import Target, build_workload, run_workload
-from pagemesh.loadgen.result import RunResult
-from pagemesh.malloc_preload import find_malloc, preload_env
-from pagemesh.mesh_process import Mesh
-from pagemesh.ports import reserve_port
+from pagemesh.tools.loadgen import Target, build_workload, run_workload
+from pagemesh.tools.loadgen.result import RunResult
+from pagemesh.tools.malloc_preload import find_malloc, preload_env
+from pagemesh.tools.mesh_process import Mesh
+from pagemesh.runtime.ports import reserve_port
 
 W64 = "w64"
 BATCH1 = "batch 1"
@@ -104,7 +104,7 @@ def mesh(model: str, args: argparse.Namespace) -> list[tuple[str, str, RunResult
 
 def _fresh_process(module_args: list[str]) -> RunResult:
     """A pagemesh engine in its own process, with the allocator `pagemesh up` preloads
-    into its CPU workers (pagemesh/malloc_preload.py), as vLLM gets tcmalloc."""
+    into its CPU workers (pagemesh/tools/malloc_preload.py), as vLLM gets tcmalloc."""
     env = {**os.environ, **preload_env(find_malloc("auto"))}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"

@@ -1,11 +1,16 @@
-"""pagemesh: the `pagemesh` command and the runtime every service shares, and the Python API.
+"""pagemesh: distributed LLM inference as a gRPC mesh. The package is split by who uses it:
 
-The API is loaded on first use (module `__getattr__`), so `import pagemesh` stays light and
-the command does not import torch:
+- pagemesh/runtime/: what every service shares (config, registry, serving, telemetry, ...);
+- pagemesh/api/: the client API (`SamplingParams`, request options, the gRPC SDK);
+- pagemesh/tools/: the `pagemesh` command, `pagemesh top`, the load generator, test models.
+
+The offline engine (`LLM`) is the top-level package `offline/`, above the services. The
+public names below are loaded on first use (module `__getattr__`), so `import pagemesh`
+stays light and the command does not import torch:
 
 - `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`: vLLM's offline API, the
-  engine in this process (pagemesh/offline/);
-- `Client`, `AsyncClient` and their errors: a running mesh over gRPC (pagemesh/sdk/).
+  engine in this process (offline/);
+- `Client`, `AsyncClient` and their errors: a running mesh over gRPC (pagemesh/api/sdk/).
 """
 
 from __future__ import annotations
@@ -13,41 +18,41 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from pagemesh.runtime.version import VERSION as __version__
 
 # Each public name and the module that defines it.
 _EXPORTS = {
-    "LLM": "pagemesh.offline.llm",
-    "LoRARequest": "pagemesh.offline.lora",
-    "RequestOutput": "pagemesh.offline.outputs",
-    "CompletionOutput": "pagemesh.offline.outputs",
-    "SamplingParams": "pagemesh.sampling_params",
-    "BeamSearchParams": "pagemesh.beam_search",
-    "PoolingParams": "pagemesh.offline.embed",
-    "EmbeddingRequestOutput": "pagemesh.offline.embed",
-    "PoolingRequestOutput": "pagemesh.offline.embed",
-    "StructuredOutputsParams": "pagemesh.sampling_params",
-    "Client": "pagemesh.sdk",
-    "AsyncClient": "pagemesh.sdk",
-    "PagemeshError": "pagemesh.sdk",
-    "InvalidArgument": "pagemesh.sdk",
-    "ResourceExhausted": "pagemesh.sdk",
-    "Unavailable": "pagemesh.sdk",
-    "NotFound": "pagemesh.sdk",
-    "Unauthenticated": "pagemesh.sdk",
-    "DeadlineExceeded": "pagemesh.sdk",
+    "LLM": "offline.llm",
+    "LoRARequest": "offline.lora",
+    "RequestOutput": "offline.outputs",
+    "CompletionOutput": "offline.outputs",
+    "SamplingParams": "pagemesh.api.sampling_params",
+    "BeamSearchParams": "pagemesh.api.beam_search",
+    "PoolingParams": "offline.embed",
+    "EmbeddingRequestOutput": "offline.embed",
+    "PoolingRequestOutput": "offline.embed",
+    "StructuredOutputsParams": "pagemesh.api.sampling_params",
+    "Client": "pagemesh.api.sdk",
+    "AsyncClient": "pagemesh.api.sdk",
+    "PagemeshError": "pagemesh.api.sdk",
+    "InvalidArgument": "pagemesh.api.sdk",
+    "ResourceExhausted": "pagemesh.api.sdk",
+    "Unavailable": "pagemesh.api.sdk",
+    "NotFound": "pagemesh.api.sdk",
+    "Unauthenticated": "pagemesh.api.sdk",
+    "DeadlineExceeded": "pagemesh.api.sdk",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
-if TYPE_CHECKING:  # for type checkers and editors: the names `__getattr__` loads
-    from pagemesh.offline.llm import LLM  # noqa: F401
-    from pagemesh.offline.lora import LoRARequest  # noqa: F401
-    from pagemesh.offline.outputs import CompletionOutput, RequestOutput  # noqa: F401
-    from pagemesh.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: F401
-    from pagemesh.sdk import (AsyncClient, Client, DeadlineExceeded,  # noqa: F401
-                              InvalidArgument, NotFound, PagemeshError, ResourceExhausted,
-                              Unauthenticated, Unavailable)
+# For type checkers and editors: the client API's names. The offline engine's (`LLM` and its
+# outputs) are named only as strings above: `offline/` is the floor above the services, and
+# the package they all import never imports it back (`from offline.llm import LLM` types it).
+if TYPE_CHECKING:
+    from pagemesh.api.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: F401
+    from pagemesh.api.sdk import (AsyncClient, Client, DeadlineExceeded,  # noqa: F401
+                                  InvalidArgument, NotFound, PagemeshError, ResourceExhausted,
+                                  Unauthenticated, Unavailable)
 
 
 def __getattr__(name: str) -> Any:

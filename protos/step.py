@@ -138,7 +138,7 @@ class LoraRef:
 class ImageTiling:
     """LLaVA-NeXT's tiling ("anyres"): the (height, width) grids an image may be cut to, and
     the tile's and the patch's sides in pixels; an image's placeholder count follows its
-    size (pagemesh/images_anyres.py). Empty (the default) for a fixed count per image."""
+    size (pagemesh/runtime/images_anyres.py). Empty (the default) for a fixed count per image."""
 
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     tile_size: int = 0

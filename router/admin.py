@@ -18,8 +18,8 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from pagemesh.registry_entries import GroupStatus
-from pagemesh.serving import ServiceError, invalid_argument, unavailable
+from pagemesh.runtime.registry_entries import GroupStatus
+from pagemesh.runtime.serving import ServiceError, invalid_argument, unavailable
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2, admin_pb2_grpc
 from router import lora_admin

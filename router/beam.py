@@ -1,7 +1,7 @@
 """Beam search for the OpenAI API (vLLM's `use_beam_search` extension), run by the router.
 
 Each round the router sends every running beam to the mesh as a one-token request asking
-for the beam's alternatives (pagemesh/beam_search.py decides, by transformers' rules, what
+for the beam's alternatives (pagemesh/api/beam_search.py decides, by transformers' rules, what
 to keep); the engine groups share the beams' KV through their prefix caches. The beams of a
 round run at once, as separate requests, so they batch in the scheduler and spread over
 replicas. The answer comes at the end, the `n` best beams as the request's choices: a
@@ -19,10 +19,10 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from pagemesh.beam_search import (Alternatives, BeamSearch, check_beam_options,
+from pagemesh.api.beam_search import (Alternatives, BeamSearch, check_beam_options,
                                   check_num_candidates)
-from pagemesh.options.validation import SamplingOptions, StoppingOptions
-from pagemesh.serving import invalid_argument
+from pagemesh.api.options.validation import SamplingOptions, StoppingOptions
+from pagemesh.runtime.serving import invalid_argument
 from router.types import FinishReason, GenerationRequest, TokenChunk, Usage
 
 # Runs one request (the router's `_generate`: the client's id, the mesh's id, the request).

@@ -11,8 +11,8 @@ model info. Those adapters still build their own RPC envelopes (`ConnectRequest`
 
 from __future__ import annotations
 
-from pagemesh.options.constraint import OutputConstraint
-from pagemesh.options.validation import SamplingOptions, StoppingOptions
+from pagemesh.api.options.constraint import OutputConstraint
+from pagemesh.api.options.validation import SamplingOptions, StoppingOptions
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.pooling import (image_tiling_from_pb, image_tiling_to_pb, pooling_info_from_pb,

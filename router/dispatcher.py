@@ -20,9 +20,9 @@ from typing import TypeVar
 import grpc
 from opentelemetry import trace
 
-from pagemesh.registry_entries import GroupStatus
-from pagemesh.serving import ServiceError, unavailable
-from pagemesh.telemetry import grpc_metadata
+from pagemesh.runtime.registry_entries import GroupStatus
+from pagemesh.runtime.serving import ServiceError, unavailable
+from pagemesh.runtime.telemetry import grpc_metadata
 from protos.block_hash import BlockHash, adapter_extra, hash_request_blocks
 from router.group_directory import EngineGroup, GroupDirectory
 from router.request_feed import HandedOver, RequestFeed

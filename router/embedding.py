@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
-from pagemesh.images import ImageError, ImageLimits, load_image
-from pagemesh.media import RemoteImage
-from pagemesh.options.validation import SamplingOptions, StoppingOptions
-from pagemesh.serving import ServiceError, invalid_argument
+from pagemesh.runtime.images import ImageError, ImageLimits, load_image
+from pagemesh.runtime.media import RemoteImage
+from pagemesh.api.options.validation import SamplingOptions, StoppingOptions
+from pagemesh.runtime.serving import ServiceError, invalid_argument
 from router.types import SampleOutput, Submission
 
 if TYPE_CHECKING:

@@ -34,17 +34,17 @@ import grpc
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
-from pagemesh.checkpoints import Checkpoint
-from pagemesh.logs import request_id_var
-from pagemesh.metrics import ABORT, ERROR, RouterMetrics
-from pagemesh.options.constraint import OutputConstraint
-from pagemesh.options.validation import (ModelLimits, ValidatedRequest, ValidationError,
+from pagemesh.runtime.checkpoints import Checkpoint
+from pagemesh.runtime.logs import request_id_var
+from pagemesh.runtime.metrics import ABORT, ERROR, RouterMetrics
+from pagemesh.api.options.constraint import OutputConstraint
+from pagemesh.api.options.validation import (ModelLimits, ValidatedRequest, ValidationError,
                                          check_identity, check_unicode, validate)
-from pagemesh.serving import ServiceError, invalid_argument, unavailable
+from pagemesh.runtime.serving import ServiceError, invalid_argument, unavailable
 from router import replay
-from pagemesh.images import (DEFAULT_LIMITS, ImageError, ImageLimits, check_num_images,
+from pagemesh.runtime.images import (DEFAULT_LIMITS, ImageError, ImageLimits, check_num_images,
                              expand_images, image_token_count, load_image)
-from pagemesh.media import MediaFetcher, RemoteImage
+from pagemesh.runtime.media import MediaFetcher, RemoteImage
 from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult, Embeddings
 from router.beam import beam_search, check_beam_request
@@ -52,7 +52,7 @@ from router.client_stream import ClientStream
 from router.dispatcher import Dispatcher
 from router.structured import ConstraintError, GrammarCompiler
 from router.tenancy import Tenancy, request_digest
-from router.tokenizer import Tokenizer, TokenizerError
+from pagemesh.runtime.tokenizer import Tokenizer, TokenizerError
 from router.tracing import describe_request, identify_request, traced_generate
 from router.types import GenerationRequest, ModelInfo, Submission, TokenChunk
 

@@ -1,7 +1,7 @@
 """The engine groups this router can send requests to: discovered in Redis, dialled over gRPC.
 
 Groups' health comes from the `status` each scheduler publishes in its registry entry
-(pagemesh.registry_entries.GroupStatus): ready (or none, from older schedulers) is a complete
+(pagemesh.runtime.registry_entries.GroupStatus): ready (or none, from older schedulers) is a complete
 group; degraded (a worker is missing, the group is being re-formed; requests queue there) is
 a fallback used only when no ready group exists; draining is never picked. The router is
 SERVING iff at least one ready group exists.
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagemesh.registry import Registry, raise_if_cancelled
-from pagemesh.registry_entries import GroupStatus, SchedulerEntry
-from pagemesh.serving import unavailable
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime.registry import Registry, raise_if_cancelled
+from pagemesh.runtime.registry_entries import GroupStatus, SchedulerEntry
+from pagemesh.runtime.serving import unavailable
+from pagemesh.runtime.tls import TlsConfig
 from router.routing import GroupLoad
 from router.scheduler_connection import SchedulerConnection
 from router.types import ModelInfo
@@ -99,7 +99,7 @@ class GroupDirectory:
         self.on_group_reset: list[Callable[[str], object]] = []
         self._on_change = on_change
         self._groups: dict[str, EngineGroup] = {}
-        self._table: set[str] = set()  # the cluster's adapter table (pagemesh/lora_table.py)
+        self._table: set[str] = set()  # the cluster's adapter table (pagemesh/runtime/lora_table.py)
         self._model_info: ModelInfo | None = None
         self._serving = False
 

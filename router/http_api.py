@@ -34,11 +34,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from pagemesh.auth import ADMIN, HTTP_HOW_TO, ApiKeys, missing_key_message
-from pagemesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from pagemesh.service_flags import option
-from pagemesh.serving import ServiceError
-from pagemesh.telemetry import tracing_enabled
+from pagemesh.runtime.auth import ADMIN, HTTP_HOW_TO, ApiKeys, missing_key_message
+from pagemesh.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pagemesh.runtime.service_flags import option
+from pagemesh.runtime.serving import ServiceError
+from pagemesh.runtime.telemetry import tracing_enabled
 from router import lora_admin, openai_protocol as oai
 from router.generation import Generation
 from router.openai_embeddings import embeddings_object, parse_embeddings
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES: int = option("--max-message-bytes").default  # as for a gRPC message
 _PARSE_OFF_LOOP_BYTES = 1024 * 1024  # larger bodies are parsed on a worker thread
 
-# ServiceError carries a gRPC status code (pagemesh/serving.py): OpenAI's status for each.
+# ServiceError carries a gRPC status code (pagemesh/runtime/serving.py): OpenAI's status for each.
 _STATUS_FOR_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),

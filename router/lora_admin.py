@@ -4,7 +4,7 @@ UnloadLoraAdapter and vLLM's HTTP endpoints (`POST /v1/load_lora_adapter`,
 
 A load goes to the groups serving LoRA that have room for another adapter (or hold this
 one already; when none has room, the least busy one): their workers read and check it, and
-the scheduler writes it in the cluster's adapter table (pagemesh/lora_table.py), from which
+the scheduler writes it in the cluster's adapter table (pagemesh/runtime/lora_table.py), from which
 every other group loads it when a request for it is sent there. A refusal (the adapter is
 not a PEFT folder, its rank is above --max-lora-rank, it is another base model's) is the
 caller's error, as the workers worded it. Where the adapter loaded, this router routes to it
@@ -20,7 +20,7 @@ import asyncio
 
 import grpc
 
-from pagemesh.serving import ServiceError, invalid_argument
+from pagemesh.runtime.serving import ServiceError, invalid_argument
 from protos.pagemesh.v1 import admin_pb2
 from router.group_directory import EngineGroup, GroupDirectory
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import uvicorn
 
-from pagemesh.auth import ADMIN, INFERENCE, ApiKeyInterceptor, ApiKeys
-from pagemesh.config import (
+from pagemesh.runtime.auth import ADMIN, INFERENCE, ApiKeyInterceptor, ApiKeys
+from pagemesh.runtime.config import (
     add_flag,
     add_options,
     add_registry_flags,
@@ -28,13 +28,13 @@ from pagemesh.config import (
     server_config,
     tls_config,
 )
-from pagemesh.images import MIB, ImageLimits
-from pagemesh.media import MediaFetcher
-from pagemesh.metrics import RouterMetrics, serve_metrics
-from pagemesh.registry import Registry
-from pagemesh.registry_entries import RouterEntry
-from pagemesh.service_flags import ROUTER_OPTIONS
-from pagemesh.serving import GrpcServer, run_service
+from pagemesh.runtime.images import MIB, ImageLimits
+from pagemesh.runtime.media import MediaFetcher
+from pagemesh.runtime.metrics import RouterMetrics, serve_metrics
+from pagemesh.runtime.registry import Registry
+from pagemesh.runtime.registry_entries import RouterEntry
+from pagemesh.runtime.service_flags import ROUTER_OPTIONS
+from pagemesh.runtime.serving import GrpcServer, run_service
 from protos.pagemesh.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -50,7 +50,7 @@ from router.resume import ResumeConfig
 from router.routing import RoutingConfig
 from router.servicer import GenerationServicer
 from router.tenancy import SECRET_NAME, Tenancy
-from router.tokenizer import Tokenizer, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from router.tool_calls import CallFormat, choose_format
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--router-id", default=None, help="id in the registry (default: host-pid)")
     add_flag(parser, "--http-port", type=int, default=8000,
              help="port of the OpenAI-compatible HTTP API on --host (0 = disabled)")
-    add_options(parser, ROUTER_OPTIONS)  # declared in pagemesh.service_flags, like `up`'s
+    add_options(parser, ROUTER_OPTIONS)  # declared in pagemesh.runtime.service_flags, like `up`'s
     return parser
 
 

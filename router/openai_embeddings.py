@@ -16,8 +16,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from pagemesh.images import ImageError
-from pagemesh.media import RemoteImage, image_from_url
+from pagemesh.runtime.images import ImageError
+from pagemesh.runtime.media import RemoteImage, image_from_url
 from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.openai_errors import ProtocolError
 

@@ -2,9 +2,9 @@
 `TokenChunk`s back into OpenAI's completion / chat completion objects (router/types.py).
 
 No I/O here: `router.http_api` owns the HTTP side. Parsing checks every field's type, that
-each integer fits the protobuf field it travels in (pagemesh/options/fields.py), and the fields OpenAI has
+each integer fits the protobuf field it travels in (pagemesh/api/options/fields.py), and the fields OpenAI has
 that pagemesh does not serve. Value ranges (temperature >= 0, max_tokens >= 1, n <= 16, ...)
-are left to the data plane's validation (pagemesh/options/validation.py), so that HTTP and gRPC reject
+are left to the data plane's validation (pagemesh/api/options/validation.py), so that HTTP and gRPC reject
 the same requests with the same words. Either way a bad request is a `ProtocolError` (4xx).
 
 Resuming after a router died (README, Fault tolerance): the client names its request with
@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagemesh.options import fields
-from pagemesh.options.constraint import constraint_from_body
-from pagemesh.options.validation import MAX_REQUEST_ID_LEN, ValidationError, check_request_id
-from pagemesh.images import ImageError
-from pagemesh.media import RemoteImage, image_from_url
+from pagemesh.api.options import fields
+from pagemesh.api.options.constraint import constraint_from_body
+from pagemesh.api.options.validation import MAX_REQUEST_ID_LEN, ValidationError, check_request_id
+from pagemesh.runtime.images import ImageError
+from pagemesh.runtime.media import RemoteImage, image_from_url
 from router.openai_errors import ProtocolError, error_body  # noqa: F401 (oai.ProtocolError)
 from router.openai_tools import (ToolRequest, forced_call_constraint, tool_calls_for_template,
                                  tool_request)
@@ -69,7 +69,7 @@ class ParsedRequest:
 
 def _field_errors_as_protocol_errors(parse: Callable[..., ParsedRequest]
                                       ) -> Callable[..., ParsedRequest]:
-    """A field of the wrong type (pagemesh/options/fields.py) is a 400 naming the field."""
+    """A field of the wrong type (pagemesh/api/options/fields.py) is a 400 naming the field."""
 
     @functools.wraps(parse)
     def wrapped(*args: Any, **kwargs: Any) -> ParsedRequest:

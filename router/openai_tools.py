@@ -16,7 +16,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
-from pagemesh.options.constraint import OutputConstraint
+from pagemesh.api.options.constraint import OutputConstraint
 from router.openai_errors import ProtocolError
 from router.structured import JSON_OPTIONS, lark_literal
 from router.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, CallFormat

@@ -2,7 +2,7 @@
 
 A client whose stream broke off (its router died, its connection dropped) sends the same
 `request_id` with `resume_from` = the output tokens of each sample it already received, to
-any router. The request's checkpoint (pagemesh/checkpoints.py, written by the schedulers)
+any router. The request's checkpoint (pagemesh/runtime/checkpoints.py, written by the schedulers)
 holds the request as first sent (a `SubmitRequest`, read back as a `Submission`), stop
 strings included, and each sample's outputs so far. For each sample, with k = resume_from
 and the checkpoint's L tokens:
@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagemesh.checkpoints import Checkpoint, SampleState
-from pagemesh.options.validation import resume_offsets
+from pagemesh.runtime.checkpoints import Checkpoint, SampleState
+from pagemesh.api.options.validation import resume_offsets
 from router import convert
 from router.resume import Progress, SampleProgress
 from router.sample_stream import SampleStream
-from router.tokenizer import Tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer
 from router.types import FinishReason, SampleOutput, Submission
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 from router.detokenizer import IncrementalDetokenizer
 from router.stop import StopChecker
-from router.tokenizer import Tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer
 from router.types import FinishReason, SampleOutput, TokenLogprob, TopLogprob
 
 Processed = tuple[list[int], str, FinishReason | None, list[TokenLogprob]]

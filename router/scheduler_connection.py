@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh import keepalive
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime import keepalive
+from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from router import convert
@@ -36,7 +36,7 @@ _HEALTH_CHECK_INTERVAL_S = 0.2
 # Health checks failing with these say nothing either way (other than UNAVAILABLE: no health).
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 # Re-dial a restarted scheduler within about a second (gRPC's default backoff reaches 120 s).
-# A frozen or cut-off scheduler breaks the stream within 5 s (pagemesh/keepalive.py), and
+# A frozen or cut-off scheduler breaks the stream within 5 s (pagemesh/runtime/keepalive.py), and
 # its requests resume elsewhere, as after its death.
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.min_reconnect_backoff_ms", 100),
@@ -108,7 +108,7 @@ class SchedulerConnection:
     async def _follow_health(self) -> None:
         """A Check every `_HEALTH_CHECK_INTERVAL_S` until retired. Two UNAVAILABLE answers in
         a row (one may be a connection being re-established) mark it unreachable; a slow
-        answer proves nothing. (Not a Watch stream: pagemesh.serving's ErrorInterceptor wraps
+        answer proves nothing. (Not a Watch stream: pagemesh.runtime.serving's ErrorInterceptor wraps
         grpc_health's coroutine-style Watch as a generator, and it fails with INTERNAL.)"""
         stub = health_pb2_grpc.HealthStub(self.channel)
         backoff_s, num_unreachable = _HEALTH_CHECK_INTERVAL_S, 0

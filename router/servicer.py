@@ -2,7 +2,7 @@
 
 Each method converts its request (router/convert.py), calls `router.generation.Generation`,
 and converts the result back; the OpenAI HTTP API (router/http_api.py) adapts the same
-object, so both APIs behave alike. `ServiceError`s become status codes in pagemesh/serving.py.
+object, so both APIs behave alike. `ServiceError`s become status codes in pagemesh/runtime/serving.py.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    """The caller's `authorization` metadata (checked by pagemesh.auth's interceptor)."""
+    """The caller's `authorization` metadata (checked by pagemesh.runtime.auth's interceptor)."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
             return value if isinstance(value, str) else value.decode(errors="replace")

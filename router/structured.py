@@ -17,8 +17,8 @@ import re
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pagemesh.options.constraint import CONSTRAINT_KINDS, OutputConstraint
-from router.tokenizer import Tokenizer
+from pagemesh.api.options.constraint import CONSTRAINT_KINDS, OutputConstraint
+from pagemesh.runtime.tokenizer import Tokenizer
 
 MAX_CHOICES = 1024
 MAX_CONSTRAINT_CHARS = 1_000_000  # a schema or grammar past this is refused unread

@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import json
 
-from pagemesh.auth import ApiKeys, bearer_token
+from pagemesh.runtime.auth import ApiKeys, bearer_token
 from router.types import GenerationRequest
 
 SECRET_NAME = "tenancy"  # the registry's `<cluster>:secret:tenancy`

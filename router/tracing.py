@@ -2,7 +2,7 @@
 
 One SERVER span per generation (`traced_generate`, on `Generation.generate`, which the gRPC
 `Generate` call and the HTTP API both run), the child of the caller's W3C trace context:
-gRPC metadata (pagemesh.telemetry.TraceContextInterceptor) or the HTTP `traceparent` header
+gRPC metadata (pagemesh.runtime.telemetry.TraceContextInterceptor) or the HTTP `traceparent` header
 (`TraceContextMiddleware`). Its context travels to the scheduler in `Submit`'s metadata, again
 on every resume. Attribute names follow the current GenAI semantic conventions
 (`gen_ai.usage.input_tokens`, not the deprecated `prompt_tokens`):
@@ -32,8 +32,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagemesh.serving import ServiceError
-from pagemesh.telemetry import extract_headers, make_current
+from pagemesh.runtime.serving import ServiceError
+from pagemesh.runtime.telemetry import extract_headers, make_current
 from router.types import GenerationRequest, Submission, TokenChunk
 
 # Set by the HTTP API: which GenAI operation the request is ("chat", "text_completion").

@@ -11,9 +11,9 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from pagemesh.media import RemoteImage
-from pagemesh.options.constraint import OutputConstraint
-from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
+from pagemesh.runtime.media import RemoteImage
+from pagemesh.api.options.constraint import OutputConstraint
+from pagemesh.api.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
                                          ValidatedRequest)
 from protos.step import ImageInput, ImageTiling, PoolingInfo
 
@@ -40,7 +40,7 @@ class BeamOptions:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One client request, as either API states it. Unset options are None / 0 and get their
-    defaults from `pagemesh.options.validation.validate`."""
+    defaults from `pagemesh.api.options.validation.validate`."""
 
     request_id: str = ""  # empty: the router makes one up
     prompt: str | list[int] | None = None  # text (tokenized here) or token ids; None = missing
@@ -61,7 +61,7 @@ class GenerationRequest:
     # The caller's key fingerprint (router/tenancy.py), set by the API adapter; "" = keys off.
     owner: str = ""
     # A vision-language prompt's images, in the order of its image tokens: encoded bytes, or
-    # an http(s) URL the router fetches (pagemesh/media.py) before checking them.
+    # an http(s) URL the router fetches (pagemesh/runtime/media.py) before checking them.
     images: list[bytes | RemoteImage] = field(default_factory=list)
     beam: BeamOptions | None = None  # vLLM's `use_beam_search` (router/beam.py); None: off
 
@@ -200,6 +200,6 @@ class ModelInfo:
     image_tiling: ImageTiling = ImageTiling()  # LLaVA-NeXT: placeholders follow the size
 
     def limits(self) -> ModelLimits:
-        """What `pagemesh.options.validation.validate` checks a request against."""
+        """What `pagemesh.api.options.validation.validate` checks a request against."""
         return ModelLimits(name=self.model, max_model_len=self.max_model_len,
                            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids))

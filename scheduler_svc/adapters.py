@@ -2,7 +2,7 @@
 
 A group holds its --lora-modules (pinned: never let go) and the adapters it loaded since:
 by an admin's run-time load, or on demand, when a request names an adapter the cluster
-serves (pagemesh/lora_table.py) that this group does not hold (the router sends it here
+serves (pagemesh/runtime/lora_table.py) that this group does not hold (the router sends it here
 when no group holds it, or when every holder is much busier). Loading means every worker
 of the group reads and checks the folder (Worker.LoadLoraAdapter); one load per adapter
 runs at a time, however many requests wait for it. Past --max-cpu-loras, the adapter
@@ -24,7 +24,7 @@ from typing import Protocol
 import grpc
 from redis.exceptions import RedisError
 
-from pagemesh.lora_table import LoraTable
+from pagemesh.runtime.lora_table import LoraTable
 from protos.step import LoraRef
 
 LOAD_TIMEOUT_S = 120.0  # reading a large adapter from a slow disk

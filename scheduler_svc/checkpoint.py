@@ -9,7 +9,7 @@ A running request's record expires too, a resume window after it was last writte
 renewed: this scheduler renews its requests' records while they run, so the record of a
 request nobody runs any more (its scheduler gone for good) does not stay forever. The
 group's id set is pruned of expired ids as often.
-A vision-language request's images go to the image store (pagemesh/image_store.py) before
+A vision-language request's images go to the image store (pagemesh/runtime/image_store.py) before
 its first record, once per image; every later write of the record renews them (and stores
 them again when Redis lost them), so they live as long as the record can be resumed.
 Writes never hold up the step loop: periodic ones run in the background, one at a time,
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from protos.step import ImageInput
-from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
+from pagemesh.runtime.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
 from scheduler_svc import convert
 from scheduler_svc.core.types import RequestEvent
 from scheduler_svc.messages import Submission

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pagemesh.serving import ServiceError
+from pagemesh.runtime.serving import ServiceError
 from protos.step import RequestId
 from scheduler_svc.core.types import RequestEvent
 from scheduler_svc.messages import (

@@ -15,8 +15,8 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 
-from pagemesh.checkpoints import TokenLogprobs
-from pagemesh.registry_entries import GroupStatus
+from pagemesh.runtime.checkpoints import TokenLogprobs
+from pagemesh.runtime.registry_entries import GroupStatus
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.v1 import generate_pb2

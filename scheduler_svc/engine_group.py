@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagemesh.registry import Registry
-from pagemesh.registry_entries import WorkerEntry
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime.registry import Registry
+from pagemesh.runtime.registry_entries import WorkerEntry
+from pagemesh.runtime.tls import TlsConfig
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.host_tier import HostTierIndex
 from scheduler_svc.group_formation import WorkerEndpoint, form_group
@@ -108,7 +108,7 @@ class EngineGroup:
 
     async def _fence(self, endpoint: WorkerEndpoint) -> None:
         """A member that does not answer may only be frozen or cut off: fence it, so that
-        if it comes back it leaves instead of acting on its old rank (pagemesh/registry.py)."""
+        if it comes back it leaves instead of acting on its old rank (pagemesh/runtime/registry.py)."""
         if not endpoint.instance:
             return
         try:

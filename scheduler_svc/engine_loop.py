@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
-from pagemesh.registry_entries import GroupStatus
+from pagemesh.runtime.registry_entries import GroupStatus
 from protos.step import ModelRunnerOutput, RequestId, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.host_tier import HostTierIndex

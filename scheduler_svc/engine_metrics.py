@@ -1,4 +1,4 @@
-"""The scheduler's Prometheus metrics (pagemesh/metrics.py), fed from the engine loop.
+"""The scheduler's Prometheus metrics (pagemesh/runtime/metrics.py), fed from the engine loop.
 
 The core stays free of metrics: gauges and counters are read from `loop.scheduler` at scrape
 time (always through the loop: a recovery replaces the core), histograms are observed by the
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from pagemesh.metrics import EngineSnapshot, SchedulerMetrics
-from pagemesh.registry import Registry
-from pagemesh.registry_entries import GroupStatus
+from pagemesh.runtime.metrics import EngineSnapshot, SchedulerMetrics
+from pagemesh.runtime.registry import Registry
+from pagemesh.runtime.registry_entries import GroupStatus
 from protos.step import SchedulerOutput
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler

@@ -14,8 +14,8 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from pagemesh.registry import Registry
-from pagemesh.registry_entries import WorkerEntry, WorkerStatus
+from pagemesh.runtime.registry import Registry
+from pagemesh.runtime.registry_entries import WorkerEntry, WorkerStatus
 
 logger = logging.getLogger(__name__)
 

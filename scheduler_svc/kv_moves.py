@@ -34,10 +34,10 @@ import grpc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from pagemesh import keepalive
-from pagemesh.metrics import PREFIX, counter
-from pagemesh.internal_auth import METADATA_KEY
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime import keepalive
+from pagemesh.runtime.metrics import PREFIX, counter
+from pagemesh.runtime.internal_auth import METADATA_KEY
+from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2_grpc
 from protos.step import RequestId
 from scheduler_svc import convert
@@ -84,7 +84,7 @@ def _source_name(job: KVImportJob) -> str:
 
 
 def kv_move_entry(counts: KVMoveCounts) -> dict[str, int]:
-    """The counts as the registry entry's `kv_*` fields (pagemesh/registry_entries.py)."""
+    """The counts as the registry entry's `kv_*` fields (pagemesh/runtime/registry_entries.py)."""
     return {f"kv_{name}": int(value) for name, value in vars(counts).items()
             if name != "pull_seconds"}
 

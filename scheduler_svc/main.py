@@ -11,7 +11,7 @@ import socket
 import time
 from dataclasses import asdict
 
-from pagemesh.config import (
+from pagemesh.runtime.config import (
     add_flag,
     add_options,
     add_registry_flags,
@@ -20,19 +20,19 @@ from pagemesh.config import (
     registry_config,
     server_config,
 )
-from pagemesh.internal_auth import InternalTokenInterceptor
-from pagemesh.lora_modules import parse_lora_modules
-from pagemesh.metrics import SchedulerMetrics, serve_metrics
-from pagemesh.registry import Registry
-from pagemesh.registry_entries import GroupStatus, SchedulerEntry
-from pagemesh.service_flags import SCHEDULER_OPTIONS
-from pagemesh.serving import FatalStartupError, GrpcServer, run_service
+from pagemesh.runtime.internal_auth import InternalTokenInterceptor
+from pagemesh.runtime.lora_modules import parse_lora_modules
+from pagemesh.runtime.metrics import SchedulerMetrics, serve_metrics
+from pagemesh.runtime.registry import Registry
+from pagemesh.runtime.registry_entries import GroupStatus, SchedulerEntry
+from pagemesh.runtime.service_flags import SCHEDULER_OPTIONS
+from pagemesh.runtime.serving import FatalStartupError, GrpcServer, run_service
 from protos.step import LoraRef
 from scheduler_svc import convert
 from scheduler_svc.adapters import GroupAdapters
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from pagemesh.speculative_config import SpeculativeConfig
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec, host_tier_for
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--role", default="both", choices=ROLES,
              help="disaggregated serving: a prefill group stops each new request after its "
                   "first token and hands its KV to a decode group; both = colocated")
-    add_options(parser, SCHEDULER_OPTIONS)  # declared in pagemesh.service_flags, like `up`'s
+    add_options(parser, SCHEDULER_OPTIONS)  # declared in pagemesh.runtime.service_flags, like `up`'s
     return parser
 
 
@@ -277,7 +277,7 @@ async def _other_group_ready(registry: Registry, scheduler_id: str, model: str) 
 
 
 def internal_auth(args: argparse.Namespace) -> list[InternalTokenInterceptor]:
-    """Only the mesh's own routers may call this scheduler (pagemesh/internal_auth.py)."""
+    """Only the mesh's own routers may call this scheduler (pagemesh/runtime/internal_auth.py)."""
     return [InternalTokenInterceptor(args.internal_token)] if args.internal_token else []
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pagemesh.checkpoints import TokenLogprobs
+from pagemesh.runtime.checkpoints import TokenLogprobs
 from protos.step import ImageInput, ImageTiling, PoolingInfo
 from scheduler_svc.core.types import FinishReason, KVImport, Request, RequestEvent
 
@@ -100,13 +100,13 @@ class Submission:
     ended: list[tuple[int, FinishReason]]
     trace_context: dict[str, str]  # the W3C carrier the message came with (may be empty)
     # The SubmitRequest as first submitted (no progress, no trace context), serialized:
-    # what the checkpoint keeps to resume it (pagemesh/checkpoints.py).
+    # what the checkpoint keeps to resume it (pagemesh/runtime/checkpoints.py).
     original: bytes
     # A resume's logprobs so far, for the checkpoint: sample index -> one per token of its
     # progress. Only samples whose progress came with logprobs for every token.
     progress_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     # A vision-language prompt's images: `original` holds their SHA-256s, the checkpoint's
-    # image store their bytes (pagemesh/image_store.py).
+    # image store their bytes (pagemesh/runtime/image_store.py).
     images: tuple[ImageInput, ...] = ()
     # Samples' KV held on other groups, by sample index (pulled instead of recomputed).
     kv_handoffs: dict[int, KVHandoffRef] = field(default_factory=dict)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import propagate
 
-from pagemesh.registry_entries import GroupStatus
-from pagemesh.serving import ServiceError, invalid_argument
+from pagemesh.runtime.registry_entries import GroupStatus
+from pagemesh.runtime.serving import ServiceError, invalid_argument
 from protos.step import RequestId
 from scheduler_svc.checkpoint import Checkpointer, admitted_samples
 from scheduler_svc.core.admission import sample_index

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pagemesh.logs import request_id_var
-from pagemesh.registry_entries import GroupStatus
-from pagemesh.serving import ServiceError, invalid_argument
+from pagemesh.runtime.logs import request_id_var
+from pagemesh.runtime.registry_entries import GroupStatus
+from pagemesh.runtime.serving import ServiceError, invalid_argument
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import admin_pb2, generate_pb2
 from scheduler_svc import convert

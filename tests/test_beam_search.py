@@ -1,4 +1,4 @@
-"""pagemesh/beam_search.py against transformers' own beam search: driven round by round by
+"""pagemesh/api/beam_search.py against transformers' own beam search: driven round by round by
 the same tiny model's forward pass (each beam's top alternatives from a full forward), the
 sequences and their scores equal `generate(num_beams=..., length_penalty=...,
 early_stopping=...)`'s, finished by EOS or by length. The EOS id is set to a token the
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagemesh.beam_search import BeamSearch, BeamSearchParams, num_candidates
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.api.beam_search import BeamSearch, BeamSearchParams, num_candidates
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 PROMPT = [5, 17, 33, 101, 7, 250, 3, 9]
 

@@ -128,7 +128,7 @@ def draft_config(speculative: object) -> DraftConfig | None:
 def check_same_tokenizer(target_path: str, draft_path: str) -> None:
     """ValueError when the draft's tokenizer maps tokens to other ids than the served
     model's: its drafts would be another language to the target."""
-    from router.tokenizer import load_tokenizer
+    from pagemesh.runtime.tokenizer import load_tokenizer
 
     target, draft = load_tokenizer(target_path), load_tokenizer(draft_path)
     if target.hf.get_vocab() != draft.hf.get_vocab():

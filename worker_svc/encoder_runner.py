@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagemesh.images import ClipImageProcessor, load_image
+from pagemesh.runtime.images import ClipImageProcessor, load_image
 from protos.step import ModelRunnerOutput, PoolingInfo, PoolingParams, SchedulerOutput
 from worker_svc.distributed import DistributedContext
 from worker_svc.loader import ModelMetadata, resolve_dtype

@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.ports import reserve_port
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from worker_svc.runner import RunnerConfig, RunnerInfo
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kernels import cpu_native
-from pagemesh.config import (
+from pagemesh.runtime.config import (
     add_flag,
     add_options,
     add_registry_flags,
@@ -25,16 +25,16 @@ from pagemesh.config import (
     registry_config,
     server_config,
 )
-from pagemesh.internal_auth import InternalTokenInterceptor
-from pagemesh.lora_modules import parse_lora_modules
-from pagemesh.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
-from pagemesh.ports import reserve_port
-from pagemesh.registry import Registry
-from pagemesh.registry_entries import WorkerEntry, WorkerStatus
-from pagemesh.service_flags import WORKER_OPTIONS, expert_parallel_error
-from pagemesh.serving import GrpcServer, run_service
+from pagemesh.runtime.internal_auth import InternalTokenInterceptor
+from pagemesh.runtime.lora_modules import parse_lora_modules
+from pagemesh.runtime.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.runtime.registry import Registry
+from pagemesh.runtime.registry_entries import WorkerEntry, WorkerStatus
+from pagemesh.runtime.service_flags import WORKER_OPTIONS, expert_parallel_error
+from pagemesh.runtime.serving import GrpcServer, run_service
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from pagemesh.speculative_config import SpeculativeConfig
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from worker_svc.draft import draft_config
 from worker_svc.attention import needs_triton_interpreter
 from worker_svc.cuda_graphs import parse_capture_sizes
@@ -44,7 +44,7 @@ from worker_svc.model.moe import expert_load
 from worker_svc.membership import Membership, Plan, WorkerState
 from worker_svc.parallel import ParallelConfig
 from worker_svc.encoder_runner import load_runner
-from pagemesh.host_tier_files import tier_path
+from pagemesh.runtime.host_tier_files import tier_path
 from worker_svc.host_tier import HostTier, HostTierBusy
 from worker_svc.kv_endpoint import KVEndpoint
 from worker_svc.lora import LoraConfig
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--kv-transfer-port", type=int, default=0,
              help="port of this rank's KV transfer server, which other engine groups pull "
                   "KV blocks from (0 = any free port)")
-    add_options(parser, WORKER_OPTIONS)  # declared in pagemesh.service_flags, like `up`'s
+    add_options(parser, WORKER_OPTIONS)  # declared in pagemesh.runtime.service_flags, like `up`'s
     return parser
 
 
@@ -145,7 +145,7 @@ async def serve(args: argparse.Namespace) -> None:
               "pp_rank": -1 if args.standby else parallel.pp_rank, "pp_size": parallel.pp_size}
     servicer = WorkerServicer(worker_id, layout, Path(args.profile_dir) if args.profile_dir else None,
                               args.max_profile_s)
-    # Only the mesh's own schedulers may call this worker (pagemesh/internal_auth.py).
+    # Only the mesh's own schedulers may call this worker (pagemesh/runtime/internal_auth.py).
     server = GrpcServer(
         server_config(args),
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],

@@ -14,7 +14,7 @@ current scheduler: `check_session` looks for a scheduler entry of this group tha
 session and this worker's epoch. A scheduler that lost its claim (replaced after a
 partition), or anyone else who reaches the port, cannot start driving the worker.
 
-Statuses published in the registry entry (pagemesh.registry_entries.WorkerStatus): joining ->
+Statuses published in the registry entry (pagemesh.runtime.registry_entries.WorkerStatus): joining ->
 loading -> ready at start (standby -> joining -> loading -> ready for a --standby worker),
 ready -> joining -> ready on a re-form. `epoch` is the plan whose process group the worker
 is in ("" while in none).
@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pagemesh.registry import Registry
-from pagemesh.registry_entries import SchedulerEntry, WorkerStatus
-from pagemesh.serving import ServiceError
+from pagemesh.runtime.registry import Registry
+from pagemesh.runtime.registry_entries import SchedulerEntry, WorkerStatus
+from pagemesh.runtime.serving import ServiceError
 from worker_svc.runner import ModelRunner
 from worker_svc.servicer import WorkerServicer
 
@@ -71,7 +71,7 @@ class Plan:
 
 @dataclass
 class WorkerState:
-    """The part of a worker's registry entry (pagemesh.registry_entries.WorkerEntry) that
+    """The part of a worker's registry entry (pagemesh.runtime.registry_entries.WorkerEntry) that
     changes while it runs; the heartbeat publishes it as it is then."""
 
     status: WorkerStatus

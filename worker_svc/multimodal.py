@@ -77,7 +77,7 @@ class ImageEmbedder:
 def llava_image_embedder(metadata, device: torch.device | str) -> ImageEmbedder:
     """A LLaVA folder's image encoder (`metadata.path`, in the model's dtype) behind the
     cache: images decoded and preprocessed by its `preprocessor_config.json`."""
-    from pagemesh.images import ClipImageProcessor, load_image
+    from pagemesh.runtime.images import ClipImageProcessor, load_image
     from worker_svc.model.llava import load_llava_encoder
 
     encoder = load_llava_encoder(metadata.path, metadata.dtype, device=device)
@@ -98,8 +98,8 @@ def llava_image_embedder(metadata, device: torch.device | str) -> ImageEmbedder:
 def _anyres_encoder(encoder, metadata, device: torch.device | str) -> ImageEncoder:
     """LLaVA-NeXT: each image's tiles through the tower at once (every image's tiles in
     one batch), then laid out per image (`LlavaImageEncoder.pack_anyres`)."""
-    from pagemesh.images import load_image
-    from pagemesh.images_anyres import AnyResImageProcessor
+    from pagemesh.runtime.images import load_image
+    from pagemesh.runtime.images_anyres import AnyResImageProcessor
 
     processor = AnyResImageProcessor.from_folder(metadata.path)
 

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import grpc
 
-from pagemesh.serving import ServiceError
+from pagemesh.runtime.serving import ServiceError
 from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from protos.step import LoraRef

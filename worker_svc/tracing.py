@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
-from pagemesh.telemetry import parent_context, span_context_from_traceparent, tracing_enabled
+from pagemesh.runtime.telemetry import parent_context, span_context_from_traceparent, tracing_enabled
 from worker_svc import convert
 
 _tracer = trace.get_tracer("pagemesh.worker")

@@ -20,10 +20,10 @@ import grpc
 
 from bench.faults.targets import HOST_TIER_DIR, Target
 from bench.faults.tier_file import damage_sealed_slots, tier_epoch
-from pagemesh.admin import AdminClient
-from pagemesh.host_tier_files import remove_tier_files, tier_path
-from pagemesh.mesh_process import alive
-from pagemesh.registry_entries import GroupStatus, SchedulerEntry
+from pagemesh.tools.admin import AdminClient
+from pagemesh.runtime.host_tier_files import remove_tier_files, tier_path
+from pagemesh.tools.mesh_process import alive
+from pagemesh.runtime.registry_entries import GroupStatus, SchedulerEntry
 
 Action = Callable[[], None]
 

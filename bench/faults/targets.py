@@ -47,12 +47,12 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.internal_auth import ENV, METADATA_KEY
-from pagemesh.mesh_process import Mesh, alive
-from pagemesh.ports import reserve_port
-from pagemesh.registry_entries import (GroupStatus, SchedulerEntry, ServiceEntry,
+from pagemesh.runtime.internal_auth import ENV, METADATA_KEY
+from pagemesh.tools.mesh_process import Mesh, alive
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.runtime.registry_entries import (GroupStatus, SchedulerEntry, ServiceEntry,
                                        entry_from_json)
-from pagemesh.testing.netns import Host, HostNetwork
+from pagemesh.tools.testing.netns import Host, HostNetwork
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -197,7 +197,7 @@ class Target:
 def write_model(folder: Path) -> Path:
     """The matrix's model: tiny, peaky (greedy tokens never part at a near-tie, so a
     disturbed stream must equal its calm run exactly), with room for long prompts."""
-    from pagemesh.testing.tiny_models import write_tiny_model
+    from pagemesh.tools.testing.tiny_models import write_tiny_model
 
     if not (folder / "config.json").exists():
         write_tiny_model(folder, "llama", seed=1, max_position_embeddings=8192)
@@ -207,7 +207,7 @@ def write_model(folder: Path) -> Path:
 def write_moe_model(folder: Path) -> Path:
     """The `moe-ep` target's model: `write_model`'s peaky weights in a Qwen2-MoE (8 experts,
     top-2, a gated shared expert, layer 1 dense)."""
-    from pagemesh.testing.tiny_models import write_tiny_model
+    from pagemesh.tools.testing.tiny_models import write_tiny_model
 
     if not (folder / "config.json").exists():
         write_tiny_model(folder, "qwen2_moe", seed=1, max_position_embeddings=8192)
@@ -217,8 +217,8 @@ def write_moe_model(folder: Path) -> Path:
 def write_llava_model(folder: Path) -> Path:
     """The `llava` target's model: a tiny LLaVA whose language model has `write_model`'s
     peaky weights (so that greedy tokens never part at a near-tie)."""
-    from pagemesh.testing.tiny_llava import write_tiny_llava
-    from pagemesh.testing.tiny_models import PEAKY_STD
+    from pagemesh.tools.testing.tiny_llava import write_tiny_llava
+    from pagemesh.tools.testing.tiny_models import PEAKY_STD
 
     if not (folder / "config.json").exists():
         write_tiny_llava(folder, seed=1, naming="llava-hf", text_std=PEAKY_STD,
@@ -229,7 +229,7 @@ def write_llava_model(folder: Path) -> Path:
 def write_lora_adapters(model: Path) -> dict[str, Path]:
     """The `lora` target's adapters of `model`: rank 8 on every projection, and rank 4 on
     q, v and down with rsLoRA."""
-    from pagemesh.testing.tiny_lora import write_lora
+    from pagemesh.tools.testing.tiny_lora import write_lora
 
     folders = {"sql": model.parent / "lora-sql", "late": model.parent / "lora-late"}
     if not (folders["sql"] / "adapter_config.json").exists():
@@ -295,8 +295,8 @@ def start_mesh(name: str, model: Path, log_dir: Path, extra: list[str],
 
 def up_groups(args: list[str]) -> tuple[str, ...]:
     """The engine groups `pagemesh up <args>` starts, by name (g0, or prefill0, decode0, ...)."""
-    from pagemesh.cli import build_parser
-    from pagemesh.local_mesh import engine_groups
+    from pagemesh.tools.cli import build_parser
+    from pagemesh.tools.local_mesh import engine_groups
 
     return tuple(name for name, _ in engine_groups(build_parser().parse_args(["up", *args])))
 

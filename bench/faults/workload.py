@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pagemesh import keepalive
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime import keepalive
+from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
 SEEDED_EVERY = 4

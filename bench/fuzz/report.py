@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.fuzz import outcomes as oc
 from bench.fuzz.run import FuzzResult
-from pagemesh.loadgen.machine import machine_markdown, machine_record
+from pagemesh.tools.loadgen.machine import machine_markdown, machine_record
 
 EXAMPLES_PER_CELL = 3  # failures quoted per (kind, class), in the Markdown and the JSON
 

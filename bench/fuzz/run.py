@@ -25,7 +25,7 @@ from bench.fuzz.good_client import (
 from bench.fuzz.plan import Plan, Probe
 from bench.fuzz.probes import Targets, send
 from bench.fuzz.specs import ModelFacts
-from pagemesh.mesh_process import Mesh
+from pagemesh.tools.mesh_process import Mesh
 
 NUM_CHANNELS = 4
 PROGRESS_EVERY = 1000  # requests between progress lines

@@ -2,7 +2,7 @@
 
 A script for the llama venv's python (.peers/llama/bin/python, made by
 scripts/install_peers.sh); it imports nothing from this repo and writes its results by hand as
-dicts with `pagemesh.loadgen.result.RunResult`'s keys.
+dicts with `pagemesh.tools.loadgen.result.RunResult`'s keys.
 
     .peers/llama/bin/python bench/peers/llamacpp_runner.py --model DIR --prompts FILE --dtype D
 

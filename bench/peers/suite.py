@@ -29,7 +29,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.peers.vllm_server import PEERS_DIR, vllm_env  # noqa: E402
-from pagemesh.loadgen.result import RunResult  # noqa: E402
+from pagemesh.tools.loadgen.result import RunResult  # noqa: E402
 
 PEER_NAMES = ("vllm", "transformers", "llamacpp")
 VENV_PYTHONS = {"vllm": PEERS_DIR / "vllm" / "bin" / "python",

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pagemesh.loadgen.result import RunResult  # noqa: E402
+from pagemesh.tools.loadgen.result import RunResult  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUM_IDLE_TTFT_SAMPLES = 5

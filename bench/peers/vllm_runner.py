@@ -2,7 +2,7 @@
 
 A script for the vLLM venv's python (.peers/vllm/bin/python, made by scripts/install_peers.sh),
 never imported by pagemesh: vLLM pins its own torch and transformers. So it imports nothing
-from this repo and writes its results by hand as dicts with `pagemesh.loadgen.result.RunResult`'s keys.
+from this repo and writes its results by hand as dicts with `pagemesh.tools.loadgen.result.RunResult`'s keys.
 
     .peers/vllm/bin/python bench/peers/vllm_runner.py --model DIR --prompts FILE --dtype D
 

@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.ports import reserve_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR = REPO_ROOT / ".peers"

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from protos.step import PoolingInfo
 from scheduler_svc.core.policy import POLICIES
-from pagemesh.speculative_config import SpeculativeConfig
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
-# The scheduler service's --preemption-mode default (pagemesh.service_flags; a test checks
+# The scheduler service's --preemption-mode default (pagemesh.runtime.service_flags; a test checks
 # they agree): swap measured 1.2x faster than recompute.
 DEFAULT_PREEMPTION_MODE = "swap"
 

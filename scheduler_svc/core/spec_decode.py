@@ -1,5 +1,5 @@
 """The scheduler's draft proposers for speculative decoding (the config:
-pagemesh/speculative_config.py).
+pagemesh/runtime/speculative_config.py).
 
 Drafts travel in the step message (`CachedRequestData.spec_token_ids`): no second round
 trip. The workers verify them by drawing the token decoding without drafts would draw at
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagemesh.speculative_config import SpeculativeConfig
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from scheduler_svc.core.types import Request
 

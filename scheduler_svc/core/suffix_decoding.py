@@ -45,7 +45,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from pagemesh.speculative_config import SpeculativeConfig
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 
 # Keeps floor(max_spec_factor * m) from losing a token to float error (0.1 * 30 < 3): vLLM's.
 _EPSILON = 1e-6

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from bench.compare import matmul_flop_per_token
 from bench.inprocess import build_engine, run_requests
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="module")

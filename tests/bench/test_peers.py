@@ -16,7 +16,7 @@ from bench.peers import suite
 from bench.peers.peak import format_peak, measure_peak, skip_reason
 from kernels.cpu_features import cpu_features
 from bench.peers.transformers_runner import run_transformers
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 MAX_TOKENS = 6
 BATCH_SIZE = 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagemesh.mesh_secrets import write_secrets
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.mesh_secrets import write_secrets
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="session")

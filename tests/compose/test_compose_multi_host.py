@@ -20,7 +20,7 @@ from protos.pagemesh.v1 import generate_pb2_grpc
 from tests.support.compose_files import MULTI_HOST_DIR, compose_command, compose_config, write_env_file
 from tests.support.compose_runner import LocalRun, LocalService, Localizer, Site, run_healthcheck
 from tests.support.mesh_harness import greedy_request
-from pagemesh.testing.netns import Host, HostNetwork, namespaces_unavailable
+from pagemesh.tools.testing.netns import Host, HostNetwork, namespaces_unavailable
 from tests.support.eventually import eventually
 
 REASON = namespaces_unavailable() or (compose_command() is None and "no Compose CLI") or None

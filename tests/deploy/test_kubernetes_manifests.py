@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from pagemesh.config import _parse_bool
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.config import _parse_bool
+from pagemesh.runtime.ports import reserve_port
 from tests.support.compose_files import command_parser, flag_variables
 from tests.support.kube_manifests import (
     CRD_SCHEMAS,
@@ -209,7 +209,7 @@ def test_a_scheduler_may_wait_for_its_workers_before_its_startup_probe_gives_up(
 
 @functools.cache
 def _flag_actions(module: str) -> dict[str, Any]:
-    from pagemesh.config import env_name
+    from pagemesh.runtime.config import env_name
 
     parser = command_parser(["python", "-m", module])
     return {env_name(a.option_strings[0]): a for a in parser._actions

@@ -19,10 +19,10 @@ import grpc
 import pytest
 import redis
 
-from pagemesh.embedded_valkey import USER as VALKEY_USER
-from pagemesh.mesh_process import greedy_request
-from pagemesh.mesh_secrets import REDIS_PASSWORD, write_secrets
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.embedded_valkey import USER as VALKEY_USER
+from pagemesh.tools.mesh_process import greedy_request
+from pagemesh.tools.mesh_secrets import REDIS_PASSWORD, write_secrets
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.pagemesh.v1 import generate_pb2_grpc
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.kube_pods import Manifests, data_of, render

@@ -10,8 +10,8 @@ import urllib.parse
 
 import pytest
 
-from pagemesh.embedded_valkey import USER as VALKEY_USER
-from pagemesh.mesh_secrets import VALKEY_ACL
+from pagemesh.tools.embedded_valkey import USER as VALKEY_USER
+from pagemesh.tools.mesh_secrets import VALKEY_ACL
 from tests.support.kube_manifests import (
     MESH_SECRET,
     MESH_SECRET_FILES,

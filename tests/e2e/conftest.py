@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.mesh_harness import Mesh
 
 

@@ -19,8 +19,8 @@ import grpc
 import pytest
 import redis
 
-from pagemesh.admin import AdminClient, profile
-from pagemesh.discovery import STATE_DIR_ENV, find_local_mesh
+from pagemesh.tools.admin import AdminClient, profile
+from pagemesh.tools.discovery import STATE_DIR_ENV, find_local_mesh
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import admin_pb2, generate_pb2
 from tests.support.eventually import eventually
@@ -100,7 +100,7 @@ def stats(state_dir: Path) -> scheduler_pb2.GetStatsResponse:
 def run_cli(state_dir: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEMESH_")}
     env[STATE_DIR_ENV] = str(state_dir)
-    return subprocess.run([sys.executable, "-m", "pagemesh.cli", *args], cwd=cwd or REPO_ROOT, check=False,
+    return subprocess.run([sys.executable, "-m", "pagemesh.tools.cli", *args], cwd=cwd or REPO_ROOT, check=False,
                           env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_clip import write_tiny_clip
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_clip import write_tiny_clip
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.mesh_harness import Mesh
 

@@ -75,7 +75,7 @@ def test_greedy_equals_transformers_alone_and_concurrent(
 
 def test_chat_through_the_cli_names_paris(mesh: Mesh) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pagemesh.cli", "generate", "--address", mesh.address, "--chat",
+        [sys.executable, "-m", "pagemesh.tools.cli", "generate", "--address", mesh.address, "--chat",
          "What is the capital of France?", "--max-tokens", "32"],
         capture_output=True, text=True, timeout=120,
     )

@@ -24,8 +24,8 @@ import pytest
 import redis
 
 from pagemesh import Client
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_embedding import write_embedding_model
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_embedding import write_embedding_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import Mesh, scheduler_stats_at

@@ -13,7 +13,7 @@ from bench.fuzz import report
 from bench.fuzz.__main__ import run
 from bench.fuzz.plan import KINDS
 from bench.fuzz.run import FuzzConfig
-from pagemesh.loadgen.machine import machine_record
+from pagemesh.tools.loadgen.machine import machine_record
 
 NUM_REQUESTS = 300
 

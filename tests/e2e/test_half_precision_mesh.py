@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import (
     assert_half_precision_close,

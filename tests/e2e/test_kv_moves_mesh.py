@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagemesh.admin import AdminClient
+from pagemesh.tools.admin import AdminClient
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import Mesh, entries, greedy_request, scheduler_stats_at

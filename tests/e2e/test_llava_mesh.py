@@ -17,8 +17,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_llava import write_tiny_llava
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_llava import write_tiny_llava
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.mesh_harness import Mesh
 
@@ -170,7 +170,7 @@ def image_request(request_id: str, image: bytes, max_tokens: int) -> generate_pb
 def orphan(mesh: Mesh, request_id: str, image: bytes) -> tuple[list[int], str]:
     """Starts an image request, reads a few tokens and goes away: its checkpoint stays for
     the resume window. Returns the tokens received and the mesh's id of the request."""
-    from pagemesh.checkpoints import FINISHED, ORPHANED
+    from pagemesh.runtime.checkpoints import FINISHED, ORPHANED
     from tests.support.eventually import eventually
     from tests.support.mesh_ids import mesh_request_id, redis_checkpoint
 
@@ -198,7 +198,7 @@ def test_a_resume_reads_the_image_from_the_image_store(mesh: Mesh) -> None:
 
     import redis
 
-    from pagemesh.image_store import ImageStore
+    from pagemesh.runtime.image_store import ImageStore
     from protos.pagemesh.scheduler.v1 import scheduler_pb2
     from tests.support.mesh_ids import redis_checkpoint
 

@@ -13,9 +13,9 @@ import openai
 import pytest
 import torch
 
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_lora import write_lora
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_lora import write_lora
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.mesh_harness import Mesh
 
@@ -116,7 +116,7 @@ def lora_request(request_id: str, max_tokens: int) -> generate_pb2.GenerateReque
 
 def test_a_resumed_request_keeps_its_adapter(mesh: Mesh) -> None:
     """The checkpoint keeps the adapter's name: a client that went away resumes with it."""
-    from pagemesh.checkpoints import FINISHED, ORPHANED
+    from pagemesh.runtime.checkpoints import FINISHED, ORPHANED
     from protos.pagemesh.scheduler.v1 import scheduler_pb2
     from tests.support.eventually import eventually
     from tests.support.mesh_ids import mesh_request_id, redis_checkpoint

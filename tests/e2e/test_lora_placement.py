@@ -17,9 +17,9 @@ import openai
 import pytest
 import redis
 
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_lora import write_lora
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_lora import write_lora
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.e2e.test_lora_mesh import MAX_TOKENS, PROMPT, reference
 from tests.support.eventually import eventually

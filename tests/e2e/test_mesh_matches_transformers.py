@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protos.pagemesh.v1 import generate_pb2
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 from tests.support.hf_reference import (
     LOGPROB_BOUND_FP32,
     assert_logprobs_close,

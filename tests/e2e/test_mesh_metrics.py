@@ -15,7 +15,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.ports import reserve_port
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import Mesh, greedy_request
 
@@ -194,7 +194,7 @@ def test_pagemesh_top_sees_the_live_mesh(mesh: Mesh, redis_url: str) -> None:
     streaming.start()
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "pagemesh.cli", "top", "--once", "--format", "json",
+            [sys.executable, "-m", "pagemesh.tools.cli", "top", "--once", "--format", "json",
              "--interval", "1", "--redis-url", redis_url, "--cluster", CLUSTER],
             capture_output=True, text=True, timeout=60, check=True).stdout
     finally:

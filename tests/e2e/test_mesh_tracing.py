@@ -13,8 +13,8 @@ import grpc
 import httpx
 import pytest
 
-from pagemesh.ports import reserve_port
-from pagemesh.testing.otlp_receiver import (
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.otlp_receiver import (
     SPAN_KIND_SERVER,
     STATUS_CODE_ERROR,
     OtlpReceiver,

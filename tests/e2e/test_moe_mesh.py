@@ -22,8 +22,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
-from pagemesh.admin import AdminClient
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.admin import AdminClient
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import Mesh, greedy_request
 
@@ -124,7 +124,7 @@ def test_expert_load_adds_up_in_admin_metrics_and_top(mesh: Mesh, redis_url: str
                     counted[int(sample.labels["layer"])] += sample.value
     assert counted == {layer: float(after[layer]) for layer in SPARSE_LAYERS}
     out = subprocess.run(
-        [sys.executable, "-m", "pagemesh.cli", "top", "--once", "--format", "json",
+        [sys.executable, "-m", "pagemesh.tools.cli", "top", "--once", "--format", "json",
          "--redis-url", redis_url, "--cluster", CLUSTER],
         capture_output=True, text=True, timeout=60, check=True).stdout
     hot = json.loads(out)["rates"]["hot_experts"]

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from protos.pagemesh.v1 import generate_pb2_grpc
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import REPO_ROOT, Generation, greedy_request
-from pagemesh.testing.netns import HostNetwork, namespaces_unavailable
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.netns import HostNetwork, namespaces_unavailable
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.eventually import eventually
 
 REASON = namespaces_unavailable()

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.ports import reserve_port
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.eventually import eventually

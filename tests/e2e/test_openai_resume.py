@@ -20,12 +20,12 @@ import httpx
 import openai
 import pytest
 
-from pagemesh.checkpoints import FINISHED, ORPHANED, Checkpoint, SampleState
-from pagemesh.options.validation import SamplingOptions, StoppingOptions, ValidatedRequest
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.checkpoints import FINISHED, ORPHANED, Checkpoint, SampleState
+from pagemesh.api.options.validation import SamplingOptions, StoppingOptions, ValidatedRequest
+from pagemesh.runtime.ports import reserve_port
 from router import convert
 from router.http_api import build_http_app
-from router.tokenizer import Tokenizer, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from router.types import Submission
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.eventually import eventually

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import greedy_request

@@ -1,6 +1,6 @@
 """Quantized checkpoints through the full mesh: `pagemesh up` on an FP8 (llm-compressor
 layout) and an AWQ (AutoAWQ gemm) checkpoint of a tiny Qwen2, written by
-pagemesh/testing/quant_checkpoints.py. Greedy tokens equal `transformers` running the dequantized
+pagemesh/tools/testing/quant_checkpoints.py. Greedy tokens equal `transformers` running the dequantized
 weights; GetModelInfo, the worker's registry entry and its gauges report the quantization
 and less weight memory than the plain model's; and a tp=2 mesh on the AWQ checkpoint gives
 the same tokens as tp=1."""
@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import Mesh, greedy_request
-from pagemesh.testing.quant_checkpoints import (
+from pagemesh.tools.testing.quant_checkpoints import (
     dequantized_hf_model,
     write_awq_checkpoint,
     write_fp8_checkpoint,
 )
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 NUM_NEW_TOKENS = 10

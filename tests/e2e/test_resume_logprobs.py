@@ -13,7 +13,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2
 
-from pagemesh.checkpoints import Checkpoint
+from pagemesh.runtime.checkpoints import Checkpoint
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import (

@@ -1,4 +1,4 @@
-"""`pagemesh.sdk.Client` / `AsyncClient` against a real mesh with an API key and mutual TLS,
+"""`pagemesh.api.sdk.Client` / `AsyncClient` against a real mesh with an API key and mutual TLS,
 and a second router on the same engine group: the client's answers equal the raw gRPC
 stub's, its errors are typed, and a stream whose router is SIGKILLed mid-answer continues on
 the other router (or the same one, restarted) with exactly the undisturbed run's tokens."""
@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.ports import reserve_port
-from pagemesh.sampling_params import SamplingParams
-from pagemesh.sdk import (
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.api.sampling_params import SamplingParams
+from pagemesh.api.sdk import (
     AsyncClient,
     Client,
     Completion,
@@ -27,7 +27,7 @@ from pagemesh.sdk import (
     Unauthenticated,
     Unavailable,
 )
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import (

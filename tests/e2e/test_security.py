@@ -15,8 +15,8 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.ports import reserve_port
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import REPO_ROOT, Mesh, greedy_request, router_process
@@ -74,7 +74,7 @@ def test_grpc_needs_the_right_key(secure_mesh: tuple[Mesh, int]) -> None:
 
 def test_pagemesh_generate_sends_key_over_mtls(secure_mesh: tuple[Mesh, int], certs: CertFiles) -> None:
     mesh, _ = secure_mesh
-    argv = [sys.executable, "-m", "pagemesh.cli", "generate", "hello", "--address", mesh.address,
+    argv = [sys.executable, "-m", "pagemesh.tools.cli", "generate", "hello", "--address", mesh.address,
             "--max-tokens", "3", *certs.client_tls().flags()]
     ok = subprocess.run([*argv, "--api-key", KEY], cwd=REPO_ROOT, capture_output=True, text=True,
                         timeout=60)

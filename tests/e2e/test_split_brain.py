@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from pagemesh.testing.netns import Host, HostNetwork, namespaces_unavailable
+from pagemesh.tools.testing.netns import Host, HostNetwork, namespaces_unavailable
 from tests.support.claim_holder import FENCED_EXIT
 from tests.support.eventually import eventually
 from tests.support.paths import REPO_ROOT

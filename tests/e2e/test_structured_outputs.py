@@ -15,11 +15,11 @@ import jsonschema
 import openai
 import pytest
 
-from pagemesh.models import default_model_path
-from pagemesh.options.constraint import OutputConstraint
+from pagemesh.runtime.models import default_model_path
+from pagemesh.api.options.constraint import OutputConstraint
 from protos.pagemesh.v1 import generate_pb2
 from router.structured import llguidance_tokenizer, to_grammar
-from router.tokenizer import load_tokenizer
+from pagemesh.runtime.tokenizer import load_tokenizer
 from tests.support.hf_reference import assert_greedy_close
 from tests.support.mesh_harness import Mesh
 from tests.support.structured_reference import hf_constrained

@@ -15,11 +15,11 @@ import grpc
 import httpx
 import pytest
 
-from pagemesh.admin import AdminClient
-from pagemesh.checkpoints import ORPHANED
-from pagemesh.config import with_password
-from pagemesh.embedded_valkey import EmbeddedValkey
-from pagemesh.ports import reserve_port
+from pagemesh.tools.admin import AdminClient
+from pagemesh.runtime.checkpoints import ORPHANED
+from pagemesh.runtime.config import with_password
+from pagemesh.tools.embedded_valkey import EmbeddedValkey
+from pagemesh.runtime.ports import reserve_port
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import Mesh, greedy_request

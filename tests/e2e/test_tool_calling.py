@@ -15,9 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_models import write_tiny_model
-from router.tokenizer import load_tokenizer
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_models import write_tiny_model
+from pagemesh.runtime.tokenizer import load_tokenizer
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import Mesh, router_process
 from tests.support.tool_templates import (

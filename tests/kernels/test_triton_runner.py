@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagemesh.testing.tiny_models import write_tiny_model  # noqa: E402
+from pagemesh.tools.testing.tiny_models import write_tiny_model  # noqa: E402
 from tests.support.runner_script import (  # noqa: E402
     BLOCK_SIZE,
     ScriptedRequest,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagemesh import LLM, SamplingParams
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 33, 101, 7, 250, 3] * 3},
            {"prompt_token_ids": [9, 8, 7, 6, 5, 4, 3, 2] * 5},

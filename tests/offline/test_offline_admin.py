@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pagemesh import LLM, SamplingParams
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from worker_svc.diagnostics import ProfilerStateError
 
 ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_gib": 0.02, "swap_space": 0}

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagemesh import LLM, BeamSearchParams
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 PROMPTS = [[5, 17, 33, 101, 7, 250, 3, 9], [44, 2, 91, 300, 12, 12, 61, 8, 140, 77, 19, 23,
                                             5, 6, 7, 8, 9, 10, 11, 12]]

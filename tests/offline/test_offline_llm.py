@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagemesh import LLM, CompletionOutput, RequestOutput, SamplingParams
-from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
+from pagemesh.api.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
                                          ValidationError, validate)
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 from tests.support.hf_reference import LOGPROB_BOUND_FP32, assert_greedy_match, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -248,7 +248,7 @@ def test_a_prompt_the_cache_cannot_hold_is_refused_and_the_rest_still_runs(model
 def test_priority_orders_admission_under_the_priority_policy(
         model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One request at a time (max_num_seqs=1): the lowest priority value runs first."""
-    from pagemesh.offline.batch import BatchSink
+    from offline.batch import BatchSink
 
     finished: list[str] = []
     deliver = BatchSink.deliver

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pagemesh import LLM, SamplingParams
-from pagemesh.sampling_params import to_generate_request
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.api.sampling_params import to_generate_request
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.mesh_harness import Mesh
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pagemesh import LLM, SamplingParams
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 
 ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_gib": 0.02, "swap_space": 0}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

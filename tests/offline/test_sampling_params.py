@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from pagemesh.options.constraint import OutputConstraint
-from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
+from pagemesh.api.options.constraint import OutputConstraint
+from pagemesh.api.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
                                          ValidationError, validate)
-from pagemesh.sampling_params import SamplingParams, StructuredOutputsParams, to_generate_request
+from pagemesh.api.sampling_params import SamplingParams, StructuredOutputsParams, to_generate_request
 from router import convert
 from router.openai_errors import ProtocolError
 from router.openai_protocol import parse_completion

@@ -13,7 +13,7 @@ import pytest
 
 from bench.spec_decode import FUNCTIONS
 from pagemesh import LLM, SamplingParams
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 CODE = FUNCTIONS[0][2]  # a merge of sorted lists, 13 lines
 MESSAGES = [{"role": "user", "content": "Rename the function merge_sorted to merge_lists in "

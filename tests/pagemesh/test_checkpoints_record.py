@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import struct
 
-from pagemesh.checkpoints import RUNNING, Checkpoint, SampleState
+from pagemesh.runtime.checkpoints import RUNNING, Checkpoint, SampleState
 
 
 def float32(value: float) -> float:

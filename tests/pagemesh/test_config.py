@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagemesh.config import add_flag, with_password
-from pagemesh.embedded_valkey import EmbeddedValkey
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.config import add_flag, with_password
+from pagemesh.tools.embedded_valkey import EmbeddedValkey
+from pagemesh.runtime.ports import reserve_port
 
 
 def parser() -> argparse.ArgumentParser:

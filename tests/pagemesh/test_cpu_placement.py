@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh import cli
-from pagemesh.cpu_placement import host_cores, omp_wait_env, plan_placement
-from pagemesh.local_mesh import service_specs
-from pagemesh.supervisor import ServiceSpec, Supervisor
+from pagemesh.tools import cli
+from pagemesh.tools.cpu_placement import host_cores, omp_wait_env, plan_placement
+from pagemesh.tools.local_mesh import service_specs
+from pagemesh.tools.supervisor import ServiceSpec, Supervisor
 
 ONE_THREAD_CORES = [(cpu,) for cpu in range(8)]
 SMT_CORES = [(0, 8), (1, 9), (2, 10), (3, 11), (4, 12), (5, 13), (6, 14), (7, 15)]
@@ -70,7 +70,7 @@ def test_host_cores_groups_smt_siblings_by_package_and_core(tmp_path):
 
 
 def test_up_gives_each_worker_its_cores_and_threads(monkeypatch):
-    monkeypatch.setattr("pagemesh.local_mesh.host_cores", lambda: ONE_THREAD_CORES[:7])
+    monkeypatch.setattr("pagemesh.tools.local_mesh.host_cores", lambda: ONE_THREAD_CORES[:7])
     args = cli.build_parser().parse_args(["up", "--tp", "2", "--standby", "1",
                                           "--cpu-bind", "reserve"])
     specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagemesh import discovery
-from pagemesh.discovery import LocalMesh
+from pagemesh.tools import discovery
+from pagemesh.tools.discovery import LocalMesh
 
 
 def mesh(pid: int, cluster: str = "pagemesh", started_at: float = 100.0,

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from pagemesh.cli import main
-from pagemesh.ports import reserve_port
-from pagemesh.serving import GrpcServer, ServerConfig
-from pagemesh.tls import TlsConfig
+from pagemesh.tools.cli import main
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.runtime.serving import GrpcServer, ServerConfig
+from pagemesh.runtime.tls import TlsConfig
 from tests.support.paths import REPO_ROOT
 from tests.support.tls_certs import CertFiles, make_certs
 
@@ -117,7 +117,7 @@ def test_nothing_listening_exits_1_and_says_so(capsys: pytest.CaptureFixture[str
 def test_the_command_line_entry_point(server: ServerThread) -> None:
     """What Docker's HEALTHCHECK runs: a process whose exit status is the verdict."""
     def run() -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "pagemesh.cli", "health", "--address", server.address],
+        return subprocess.run([sys.executable, "-m", "pagemesh.tools.cli", "health", "--address", server.address],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
 
     result = run()

@@ -1,4 +1,4 @@
-"""pagemesh.images: decoding with limits, data URLs, RGB conversion and CLIP preprocessing,
+"""pagemesh.runtime.images: decoding with limits, data URLs, RGB conversion and CLIP preprocessing,
 checked against transformers' PIL image processor (`CLIPImageProcessorPil`, which
 transformers 5 also falls back to for `CLIPImageProcessor` when torchvision is missing).
 The bound: exact equality (max abs diff 0.0) of the float32 pixel values, since both resize
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pagemesh.images import (
+from pagemesh.runtime.images import (
     CLIP_MEAN,
     CLIP_STD,
     ClipImageProcessor,
@@ -268,5 +268,5 @@ def test_processor_refusals() -> None:
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, pagemesh.images; sys.exit('torch' in sys.modules)"
+    code = "import sys, pagemesh.runtime.images; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

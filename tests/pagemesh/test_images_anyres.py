@@ -1,4 +1,4 @@
-"""pagemesh.images_anyres: LLaVA-NeXT's anyres preprocessing and image-token count, checked
+"""pagemesh.runtime.images_anyres: LLaVA-NeXT's anyres preprocessing and image-token count, checked
 against real transformers: pixel values against `LlavaNextImageProcessorPil` (exact, max abs
 diff 0.0: both resize with Pillow on the same uint8 pixels, pad with zeros and run the same
 float64 rescale / float32 normalize), token counts against what `LlavaNextProcessor` expands
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pagemesh.images import CLIP_MEAN, CLIP_STD
-from pagemesh.images_anyres import (
+from pagemesh.runtime.images import CLIP_MEAN, CLIP_STD
+from pagemesh.runtime.images_anyres import (
     DEFAULT_GRID_PINPOINTS,
     AnyResImageProcessor,
     grid_shape,
@@ -262,6 +262,6 @@ def test_refusals() -> None:
 
 
 def test_module_does_not_import_torch_or_transformers() -> None:
-    code = ("import sys, pagemesh.images_anyres; "
+    code = ("import sys, pagemesh.runtime.images_anyres; "
             "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

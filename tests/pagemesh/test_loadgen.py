@@ -1,4 +1,4 @@
-"""`pagemesh bench` (pagemesh/loadgen): workloads, timing and reports as pure functions, then the
+"""`pagemesh bench` (pagemesh/tools/loadgen): workloads, timing and reports as pure functions, then the
 load generator against a real mesh (tiny random Llama) over gRPC and over HTTP."""
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ import httpx
 import pytest
 
 from kernels.cpu_features import cpu_features
-from pagemesh.loadgen import cli
-from pagemesh.loadgen.client import Target, reconcile
-from pagemesh.loadgen.machine import machine_markdown
-from pagemesh.loadgen.report import load_results, markdown_table, write_report
-from pagemesh.loadgen.result import RunResult
-from pagemesh.loadgen.runner import (
+from pagemesh.tools.loadgen import cli
+from pagemesh.tools.loadgen.client import Target, reconcile
+from pagemesh.tools.loadgen.machine import machine_markdown
+from pagemesh.tools.loadgen.report import load_results, markdown_table, write_report
+from pagemesh.tools.loadgen.result import RunResult
+from pagemesh.tools.loadgen.runner import (
     Level,
     fetch_model_info,
     run_sweep,
     run_workload,
     token_samples,
 )
-from pagemesh.loadgen.workloads import (
+from pagemesh.tools.loadgen.workloads import (
     BenchRequest,
     Workload,
     build_workload,
@@ -35,8 +35,8 @@ from pagemesh.loadgen.workloads import (
     shared_prefix,
     sharegpt_like,
 )
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.mesh_harness import Mesh
 from tests.support.tls_certs import CertFiles, make_certs
 
@@ -168,7 +168,7 @@ def test_report_with_raw_dir_commits_only_summaries(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- against a real mesh
 # One mesh serving mTLS with an API key, so that every run also goes through the client's
-# TLS and key handling (as `pagemesh generate` dials: pagemesh.tls, --tls-* flags).
+# TLS and key handling (as `pagemesh generate` dials: pagemesh.runtime.tls, --tls-* flags).
 
 MAX_TOKENS = 8
 API_KEY = "sk-bench"

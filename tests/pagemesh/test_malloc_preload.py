@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh import cli
-from pagemesh.local_mesh import service_specs
-from pagemesh.malloc_preload import find_malloc, preload_env
+from pagemesh.tools import cli
+from pagemesh.tools.local_mesh import service_specs
+from pagemesh.tools.malloc_preload import find_malloc, preload_env
 
 
 def _fake_libs(folder: Path, *names: str) -> tuple[str, ...]:
@@ -47,7 +47,7 @@ def test_the_callers_preload_is_kept_after_ours():
 
 
 def test_up_preloads_only_cpu_workers(monkeypatch):
-    monkeypatch.setattr("pagemesh.local_mesh.find_malloc",
+    monkeypatch.setattr("pagemesh.tools.local_mesh.find_malloc",
                         lambda choice: None if choice == "system" else Path("/lib/libt.so"))
     args = cli.build_parser().parse_args(["up"])
     specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}

@@ -1,4 +1,4 @@
-"""pagemesh.media: http(s) image URLs fetched only from allowed hosts, against a real aiohttp
+"""pagemesh.runtime.media: http(s) image URLs fetched only from allowed hosts, against a real aiohttp
 server on 127.0.0.1 (no other traffic): the allowlist, redirects checked hop by hop, the
 size limit with and without Content-Length, the total timeout, statuses and content types.
 Every failure must be an ImageError whose message names what to fix."""
@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from pagemesh.images import ImageError, load_image
-from pagemesh.media import MediaFetcher
+from pagemesh.runtime.images import ImageError, load_image
+from pagemesh.runtime.media import MediaFetcher
 
 LIMIT = 1000  # max_bytes of the fetchers below
 SLOW_S = 5.0  # how long the slow handlers would take; the fetchers give up after 0.3 s

@@ -1,4 +1,4 @@
-"""Prometheus metrics (pagemesh/metrics.py): the names the dashboards rely on, per-request
+"""Prometheus metrics (pagemesh/runtime/metrics.py): the names the dashboards rely on, per-request
 timing, the scheduler's and worker's scrape-time reads, and the `/metrics` endpoint."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagemesh.metrics import (ABORT, ERROR, MetricsConfig, RouterMetrics, SchedulerMetrics,
+from pagemesh.runtime.metrics import (ABORT, ERROR, MetricsConfig, RouterMetrics, SchedulerMetrics,
                               ServiceMetrics, WorkerMetrics, WorkerSnapshot, serve_metrics)
-from pagemesh.registry import Registry, RegistryConfig
-from pagemesh.registry_entries import GroupStatus
+from pagemesh.runtime.registry import Registry, RegistryConfig
+from pagemesh.runtime.registry_entries import GroupStatus
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine_loop import EngineLoop, QueueSink
@@ -112,7 +112,7 @@ def test_every_service_exports_the_agreed_names_and_types() -> None:
 
 
 def test_the_names_top_reads_are_exported() -> None:
-    from pagemesh import top_snapshot
+    from pagemesh.tools import top_snapshot
 
     router = RouterMetrics()
     router.follow_router(lambda: "m", lambda: 0, lambda: 1, lambda: 0)
@@ -393,7 +393,7 @@ def test_the_registry_records_its_last_successful_heartbeat(redis_url: str) -> N
 
 def test_a_stream_resumed_after_a_group_failed_is_counted_and_timed_as_one(redis_url: str,
                                                                            tmp_path) -> None:
-    from router.tokenizer import load_tokenizer
+    from pagemesh.runtime.tokenizer import load_tokenizer
     from tests.support.bpe_folder import write_bpe_folder
     from tests.support.scripted_router import Router, request, run
 

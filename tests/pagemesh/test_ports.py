@@ -1,4 +1,4 @@
-"""pagemesh.ports: ports chosen in advance are never handed out twice, by any process of the
+"""pagemesh.runtime.ports: ports chosen in advance are never handed out twice, by any process of the
 machine, and never collide with what the kernel hands out for port 0; a service that cannot
 bind says why in one line and exits without a traceback."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh import ports
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.runtime import ports
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.paths import REPO_ROOT
 from tests.support.port_claimants import serve_on_reserved_ports
 

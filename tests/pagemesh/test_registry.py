@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from pagemesh.registry import Registry, RegistryConfig, RegistryConflict
-from pagemesh.registry_entries import GroupStatus, SchedulerEntry
+from pagemesh.runtime.registry import Registry, RegistryConfig, RegistryConflict
+from pagemesh.runtime.registry_entries import GroupStatus, SchedulerEntry
 from tests.support.eventually import eventually_async
 
 

@@ -1,4 +1,4 @@
-"""Registry entries (pagemesh/registry_entries.py): what each service publishes survives the
+"""Registry entries (pagemesh/runtime/registry_entries.py): what each service publishes survives the
 trip through JSON, a newer writer's extra keys are ignored, an older one's missing keys take
 the defaults, and the writers' sources of fields agree with the entries."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pagemesh.registry_entries import (
+from pagemesh.runtime.registry_entries import (
     GroupStatus,
     RouterEntry,
     SchedulerEntry,

@@ -1,4 +1,4 @@
-"""Each service option is declared once (pagemesh.service_flags): the services' parsers and
+"""Each service option is declared once (pagemesh.runtime.service_flags): the services' parsers and
 `pagemesh up`'s agree on it, and `up` hands every service the values it was given."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from pagemesh import cli
-from pagemesh.local_mesh import service_specs
-from pagemesh.service_flags import (
+from pagemesh.tools import cli
+from pagemesh.tools.local_mesh import service_specs
+from pagemesh.runtime.service_flags import (
     OPTIONS,
     ROUTER,
     ROUTER_OPTIONS,
@@ -237,8 +237,8 @@ def test_only_the_router_binds_the_wildcard_address() -> None:
 
 
 def test_expert_balancing_without_expert_parallelism_is_refused_before_anything_starts():
-    from pagemesh import cli
-    from pagemesh.service_flags import expert_parallel_error
+    from pagemesh.tools import cli
+    from pagemesh.runtime.service_flags import expert_parallel_error
 
     assert expert_parallel_error(True, 100) is None and expert_parallel_error(False, 0) is None
     assert "needs --enable-expert-parallel" in expert_parallel_error(False, 8)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.serving import GrpcServer, ServerConfig
+from pagemesh.runtime.serving import GrpcServer, ServerConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

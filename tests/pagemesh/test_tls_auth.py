@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh.auth import ADMIN, INFERENCE, ApiKeys, parse_api_keys_file
-from pagemesh.config import add_tls_flags, tls_config
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime.auth import ADMIN, INFERENCE, ApiKeys, parse_api_keys_file
+from pagemesh.runtime.config import add_tls_flags, tls_config
+from pagemesh.runtime.tls import TlsConfig
 from router.main import parse_args
 from router.generation import AdmissionLimits
 

@@ -23,12 +23,12 @@ from prometheus_client import (
 )
 from rich.console import Console
 
-from pagemesh import top_snapshot
-from pagemesh.ports import reserve_port
-from pagemesh.registry import Registry, RegistryConfig
-from pagemesh.registry_entries import RouterEntry, SchedulerEntry, WorkerEntry
-from pagemesh.top_render import render
-from pagemesh.top_snapshot import (
+from pagemesh.tools import top_snapshot
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.runtime.registry import Registry, RegistryConfig
+from pagemesh.runtime.registry_entries import RouterEntry, SchedulerEntry, WorkerEntry
+from pagemesh.tools.top_render import render
+from pagemesh.tools.top_snapshot import (
     ServiceRecord,
     build_snapshot,
     compute_rates,
@@ -276,7 +276,7 @@ def render_text(renderable: object) -> str:
 def test_tui_mounts_and_draws_a_refresh() -> None:
     from textual.widgets import Static
 
-    from pagemesh.top_app import TopApp
+    from pagemesh.tools.top_app import TopApp
 
     snapshots = iter([build_snapshot(records(ROUTER_TEXT_1), taken_at=10.0),
                       build_snapshot(records(ROUTER_TEXT_2, w0_busy=11.0), taken_at=12.0)])
@@ -346,7 +346,7 @@ def register(redis_url: str, cluster: str, metrics_address: str) -> None:
 
 
 def run_top(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pagemesh.cli", "top", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "pagemesh.tools.cli", "top", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagemesh.top_experts import EXPERT_TOKENS, hot_experts
+from pagemesh.tools.top_experts import EXPERT_TOKENS, hot_experts
 
 
 def scrape(group: str, layer_tokens: dict[int, list[float]]) -> dict:

@@ -16,12 +16,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pagemesh import telemetry
-from pagemesh.logs import RequestIdFilter, request_id_var
+from pagemesh.runtime import telemetry
+from pagemesh.runtime.logs import RequestIdFilter, request_id_var
 from protos.pagemesh.worker.v1 import worker_pb2
 from protos.step import SchedulerOutput
 from router import tracing as router_tracing
-from router.tokenizer import load_tokenizer
+from pagemesh.runtime.tokenizer import load_tokenizer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tracing import RequestTracing
 from tests.support.bpe_folder import write_bpe_folder

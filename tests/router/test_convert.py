@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from pagemesh.options.validation import SamplingOptions, StoppingOptions, ValidatedRequest
+from pagemesh.api.options.validation import SamplingOptions, StoppingOptions, ValidatedRequest
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from router import convert

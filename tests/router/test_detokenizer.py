@@ -2,9 +2,9 @@ import random
 
 import pytest
 
-from pagemesh.models import default_model_path
+from pagemesh.runtime.models import default_model_path
 from router.detokenizer import IncrementalDetokenizer
-from router.tokenizer import Tokenizer, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from tests.support.bpe_folder import write_bpe_folder
 
 TEXTS = ["Hello 你好世界 😀🎉 café", "👍🏽 naïve 世界!", "plain ascii text", "🎉🎉🎉 中文 ok"]

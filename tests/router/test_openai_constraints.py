@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from pagemesh.options.constraint import constraint_from_body
+from pagemesh.api.options.constraint import constraint_from_body
 
-from pagemesh.options.constraint import OutputConstraint
+from pagemesh.api.options.constraint import OutputConstraint
 from router.openai_errors import ProtocolError
 from router.openai_protocol import parse_chat, parse_completion
 

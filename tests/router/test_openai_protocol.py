@@ -9,8 +9,8 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagemesh.options import fields
-from pagemesh.options.validation import (ModelLimits, ValidationError, check_identity,
+from pagemesh.api.options import fields
+from pagemesh.api.options.validation import (ModelLimits, ValidationError, check_identity,
                                           resume_offsets, validate)
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2

@@ -18,7 +18,7 @@ import pytest
 
 from protos.pagemesh.v1 import generate_pb2
 from router.http_api import build_http_app
-from router.tokenizer import Tokenizer, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.scripted_router import Router, run
 

@@ -15,12 +15,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from pagemesh.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, SampleState
-from pagemesh.options.validation import SamplingOptions, StoppingOptions, ValidatedRequest
+from pagemesh.runtime.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, SampleState
+from pagemesh.api.options.validation import SamplingOptions, StoppingOptions, ValidatedRequest
 from protos.pagemesh.v1 import generate_pb2
 from router import convert
 from router.resume import Attempts, Progress, ResumeConfig, retry_kind
-from router.tokenizer import Tokenizer, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from router.types import Submission
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.scripted_router import (LENGTH, SEED, STOP, Router, expected, per_sample,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from router.generation import AdmissionLimits
-from router.tokenizer import Tokenizer, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.scripted_router import LENGTH, Router, expected, per_sample, request, run
 

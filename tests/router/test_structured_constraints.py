@@ -9,10 +9,10 @@ import json
 import grpc
 import pytest
 
-from pagemesh.options.constraint import OutputConstraint
+from pagemesh.api.options.constraint import OutputConstraint
 from protos.pagemesh.v1 import generate_pb2
 from router.structured import ConstraintError, GrammarCompiler, to_grammar
-from router.tokenizer import Tokenizer, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.scripted_router import Router, request, run
 

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh.models import default_model_path
+from pagemesh.runtime.models import default_model_path
 from tests.support.bpe_folder import write_bpe_folder
 
-from router.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
 

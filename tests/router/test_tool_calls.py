@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from llguidance import LLMatcher
 
-from pagemesh.service_flags import option
+from pagemesh.runtime.service_flags import option
 from router import openai_protocol as oai
 from router.openai_tools import forced_call_constraint, tool_request
 from router.structured import GrammarCompiler
-from router.tokenizer import Tokenizer, load_tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from router.tool_calls import (
     CALL_FORMATS,
     FORMATS,
@@ -280,6 +280,6 @@ def test_auto_picks_the_format_by_architecture_then_template() -> None:
     assert choose_format("auto", "", "{{ '[TOOL_CALLS]' }}") is MISTRAL
     assert choose_format("auto", "", "no tools here") is HERMES
     assert choose_format("mistral", "qwen2", "") is MISTRAL
-    # The flag's choices are this module's formats (pagemesh.service_flags cannot import it).
+    # The flag's choices are this module's formats (pagemesh.runtime.service_flags cannot import it).
     assert option("--tool-call-parser").choices == ("auto", *FORMATS)
     assert tuple(CALL_FORMATS) == FORMATS

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from pagemesh.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
+from pagemesh.api.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
                                           ValidationError, check_identity, resume_offsets, validate)
 
 LIMITS = ModelLimits(name="smol", max_model_len=100, vocab_size=50, eos_token_ids=[2])

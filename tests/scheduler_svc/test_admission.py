@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagemesh.offline.batch import request_spec
+from offline.batch import request_spec
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from protos.step import SamplingParams

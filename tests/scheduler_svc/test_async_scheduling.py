@@ -18,7 +18,7 @@ from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.executor import InprocExecutor
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 pytest.importorskip("torch")
 

@@ -9,8 +9,8 @@ import hashlib
 
 import redis.asyncio as aioredis
 
-from pagemesh.checkpoints import CheckpointStore, SampleState
-from pagemesh.image_store import ImageStore
+from pagemesh.runtime.checkpoints import CheckpointStore, SampleState
+from pagemesh.runtime.image_store import ImageStore
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert

@@ -10,8 +10,8 @@ import os
 import signal
 
 from bench.faults.targets import RestartableValkey
-from pagemesh.checkpoints import RUNNING, SampleState
-from pagemesh.registry import Registry, RegistryConfig
+from pagemesh.runtime.checkpoints import RUNNING, SampleState
+from pagemesh.runtime.registry import Registry, RegistryConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.types import RequestEvent, SampledToken

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from pagemesh.serving import GrpcServer, ServerConfig
+from pagemesh.runtime.serving import GrpcServer, ServerConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc.core.config import SchedulerConfig
@@ -17,7 +17,7 @@ from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.executor import InprocExecutor
 from scheduler_svc.servicer import SchedulerServicer
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 torch = pytest.importorskip("torch")
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from pagemesh.lora_table import LoraTable
+from pagemesh.runtime.lora_table import LoraTable
 from protos.step import LoraRef
 from scheduler_svc.adapters import AdapterLoadFailed, GroupAdapters
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagemesh.registry_entries import WorkerEntry, WorkerStatus
+from pagemesh.runtime.registry_entries import WorkerEntry, WorkerStatus
 from scheduler_svc.group_formation import choose_members
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from pagemesh.speculative_config import SpeculativeConfig
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from scheduler_svc.core.spec_decode import NgramProposer, Speculation, StepCosts
 from scheduler_svc.core.types import FinishReason
 from tests.support.core_harness import EOS, check_invariants, make_request

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pagemesh.speculative_config import SpeculativeConfig
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from scheduler_svc.core.suffix_decoding import SuffixProposer, _Node, _SuffixTree
 
 BIG = 150_000  # token ids as large as real vocabularies'

@@ -1,4 +1,4 @@
-"""How a client call's arguments become a GenerateRequest (pagemesh/sdk/common.py), and the
+"""How a client call's arguments become a GenerateRequest (pagemesh/api/sdk/common.py), and the
 errors' mapping from gRPC status codes."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pagemesh.sampling_params import SamplingParams
-from pagemesh.sdk import errors
-from pagemesh.sdk.common import ClientConfig, build_request, chat_text
+from pagemesh.api.sampling_params import SamplingParams
+from pagemesh.api.sdk import errors
+from pagemesh.api.sdk.common import ClientConfig, build_request, chat_text
 
 
 def test_overrides_replace_the_sampling_params_fields_and_ids_are_made_up() -> None:

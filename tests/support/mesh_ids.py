@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import redis
 
-from pagemesh.auth import ApiKeys
-from pagemesh.checkpoints import Checkpoint
+from pagemesh.runtime.auth import ApiKeys
+from pagemesh.runtime.checkpoints import Checkpoint
 from router.tenancy import SECRET_NAME, Tenancy
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.ports import reserve_port
 from worker_svc.local_group import (
     ANSWER_TIMEOUT_S,
     LocalWorkerGroup,

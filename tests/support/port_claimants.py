@@ -1,12 +1,12 @@
 """A process that claims reserved ports as a service would (tests/pagemesh/test_ports.py):
-kept apart from the test module so that each spawned process imports only pagemesh.ports."""
+kept apart from the test module so that each spawned process imports only pagemesh.runtime.ports."""
 
 from __future__ import annotations
 
 import multiprocessing
 import socket
 
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.ports import reserve_port
 
 
 def serve_on_reserved_ports(count: int, barrier: multiprocessing.Barrier,

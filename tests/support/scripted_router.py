@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.checkpoints import FINISHED, RUNNING, Checkpoint, SampleState
-from pagemesh.registry import Registry, RegistryConfig
-from pagemesh.serving import GrpcServer, ServerConfig
+from pagemesh.runtime.checkpoints import FINISHED, RUNNING, Checkpoint, SampleState
+from pagemesh.runtime.registry import Registry, RegistryConfig
+from pagemesh.runtime.serving import GrpcServer, ServerConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router.dispatcher import Dispatcher
@@ -23,7 +23,7 @@ from router.group_directory import GroupDirectory
 from router.resume import ResumeConfig
 from router.servicer import GenerationServicer
 from router.tenancy import SECRET_NAME, Tenancy
-from router.tokenizer import Tokenizer
+from pagemesh.runtime.tokenizer import Tokenizer
 from tests.support.eventually import eventually_async
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

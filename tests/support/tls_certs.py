@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh.tls import TlsConfig
+from pagemesh.runtime.tls import TlsConfig
 
 
 @dataclass(frozen=True)

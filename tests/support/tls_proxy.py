@@ -13,7 +13,7 @@ import ssl
 import threading
 from pathlib import Path
 
-from pagemesh.ports import reserve_port
+from pagemesh.runtime.ports import reserve_port
 
 
 class TlsProxy:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 BLOCK_SIZE = 4

@@ -29,8 +29,8 @@ import transformers
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from pagemesh.images import ClipImageProcessor, load_image
-from pagemesh.testing.tiny_clip import write_tiny_clip
+from pagemesh.runtime.images import ClipImageProcessor, load_image
+from pagemesh.tools.testing.tiny_clip import write_tiny_clip
 from worker_svc.model.clip import ClipConfig, is_clip_folder, load_clip
 
 PROMPTS = [
@@ -90,7 +90,7 @@ def image_data() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def pixel_values(folder, image_data) -> torch.Tensor:
-    """Ours end to end: bytes -> pagemesh.images -> ClipImageProcessor."""
+    """Ours end to end: bytes -> pagemesh.runtime.images -> ClipImageProcessor."""
     processor = ClipImageProcessor.from_folder(folder)
     return torch.from_numpy(processor.preprocess([load_image(d) for d in image_data]))
 

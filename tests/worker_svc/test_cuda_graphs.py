@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.runner_script import (BLOCK_SIZE, ScriptedRequest, drive,
                                          padded_decode_matches, random_prompt)
 from worker_svc.attention import AttentionMetadata

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from tests.support.runner_script import GREEDY, ScriptedRequest, drive
 from worker_svc import diagnostics

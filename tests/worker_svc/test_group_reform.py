@@ -25,9 +25,9 @@ import grpc
 import pytest
 import redis
 
-from pagemesh.internal_auth import token_metadata
-from pagemesh.ports import reserve_port
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.runtime.internal_auth import token_metadata
+from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.eventually import eventually
 from tests.support.parallel_harness import CommRank

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from worker_svc import host_tier
-from pagemesh.host_tier_files import remove_tier_files, tier_path
+from pagemesh.runtime.host_tier_files import remove_tier_files, tier_path
 from worker_svc.host_tier import (FILE_HEADER_BYTES, SLOT_HEADER_BYTES, WRITING, HostTier,
                                   HostTierBusy)
 from worker_svc.kv_cache import KVCacheSpec

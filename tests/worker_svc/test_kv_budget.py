@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from worker_svc.kv_budget import GIB, available_cpu_memory, cpu_budget
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches
 from worker_svc.kv_sizing import profile_forward

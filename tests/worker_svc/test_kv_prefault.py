@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches
 from worker_svc.kv_prefault import KVPrefault

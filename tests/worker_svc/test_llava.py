@@ -19,8 +19,8 @@ import transformers
 from PIL import Image
 from safetensors import safe_open
 
-from pagemesh.images import ClipImageProcessor, load_image
-from pagemesh.testing.tiny_llava import CHAT_TEMPLATE, IMAGE_TOKEN, write_tiny_llava
+from pagemesh.runtime.images import ClipImageProcessor, load_image
+from pagemesh.tools.testing.tiny_llava import CHAT_TEMPLATE, IMAGE_TOKEN, write_tiny_llava
 from worker_svc.attention import AttentionMetadata, TorchAttentionBackend
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches
 from worker_svc.model.config import parse_hf_config

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from pagemesh import LLM, SamplingParams
-from pagemesh.testing.tiny_llava import write_tiny_llava
+from pagemesh.tools.testing.tiny_llava import write_tiny_llava
 
 PROMPT = "<|user|>\n<image>\nWhat is in this picture?<|endoftext|>\n<|assistant|>\n"
 TWO = "<|user|>\n<image>\nand\n<image>\nWhich differs?<|endoftext|>\n<|assistant|>\n"
@@ -124,7 +124,7 @@ def test_the_encoder_cache_encodes_an_image_once(folder: Path) -> None:
 
 
 def test_a_text_only_model_refuses_images(tmp_path: Path) -> None:
-    from pagemesh.testing.tiny_models import write_tiny_model
+    from pagemesh.tools.testing.tiny_models import write_tiny_model
 
     with LLM(str(write_tiny_model(tmp_path / "llama", "llama")), dtype="float32") as engine:
         with pytest.raises(ValueError, match="text-only model"):

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from pagemesh import LLM, SamplingParams
-from pagemesh.testing.tiny_llava import write_tiny_llava
+from pagemesh.tools.testing.tiny_llava import write_tiny_llava
 
 PROMPT = "<|user|>\n<image>\nWhat is in this picture?<|endoftext|>\n<|assistant|>\n"
 TWO = "<|user|>\n<image>\nand\n<image>\nWhich differs?<|endoftext|>\n<|assistant|>\n"
@@ -45,7 +45,7 @@ def transformers_model(folder: Path):  # type: ignore[no-untyped-def]
 
 
 def test_features_equal_transformers_for_every_size(folder: Path) -> None:
-    from pagemesh.images_anyres import AnyResImageProcessor, num_feature_rows
+    from pagemesh.runtime.images_anyres import AnyResImageProcessor, num_feature_rows
     from worker_svc.model.llava import load_llava_encoder
 
     processor, model = transformers_model(folder)

@@ -11,7 +11,7 @@ import torch
 
 from kernels.cpu_features import CpuFeatures, cpu_features
 from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from worker_svc.attention import TorchAttentionBackend, get_attention_backend
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
 from worker_svc.loader import load_model, open_source, resolve_dtype

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pagemesh import LLM, LoRARequest, SamplingParams
-from pagemesh.testing.tiny_lora import write_lora
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.tools.testing.tiny_lora import write_lora
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 
 MAX_TOKENS = 8
 PROMPTS = [[5, 17, 33, 101, 7], [250, 3, 3, 89], [44] * 12, [9, 300, 12, 61, 2, 8, 8]]

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import moe as moe_kernels
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 from protos.step import SamplingParams
 from tests.support.hf_reference import (
     assert_half_precision_close,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from protos.step import NewRequestData, SamplingParams, SchedulerOutput
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support import runner_script
 from tests.support.parallel_harness import LocalWorkerGroup
 from tests.support.hf_reference import assert_greedy_close, hf_greedy_with_logits

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pagemesh import LLM, PoolingParams
-from pagemesh.testing.tiny_embedding import write_embedding_model
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.tools.testing.tiny_embedding import write_embedding_model
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 from protos.step import PoolingInfo
 from worker_svc.model.pooling import pooling_info
 
@@ -170,8 +170,8 @@ def test_clip_embeds_texts_and_images_offline(tmp_path: Path) -> None:
 
     from PIL import Image
 
-    from pagemesh.images import ClipImageProcessor
-    from pagemesh.testing.tiny_clip import write_tiny_clip
+    from pagemesh.runtime.images import ClipImageProcessor
+    from pagemesh.tools.testing.tiny_clip import write_tiny_clip
     from worker_svc.model.clip import load_clip
 
     folder = write_tiny_clip(tmp_path / "clip", seed=1)

@@ -30,7 +30,7 @@ from tests.support.runner_script import (
     drive,
     random_prompt,
 )
-from pagemesh.testing.tiny_models import write_realistic_model, write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_realistic_model, write_tiny_model
 from worker_svc.runner import ModelRunner, RunnerConfig
 
 VARIANTS = {

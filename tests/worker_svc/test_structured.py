@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 import torch
 
-from pagemesh.options.constraint import OutputConstraint
-from pagemesh.testing.tiny_models import write_realistic_model
+from pagemesh.api.options.constraint import OutputConstraint
+from pagemesh.tools.testing.tiny_models import write_realistic_model
 from protos.step import SamplingParams, SchedulerOutput
 from router.structured import llguidance_tokenizer, to_grammar
 from tests.support.hf_reference import assert_greedy_close

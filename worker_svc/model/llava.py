@@ -11,7 +11,7 @@ strategy, through linear_1, the activation and linear_2. No post_layernorm: its 
 are in the checkpoint and loaded, but LLaVA does not use them.
 
 LLaVA-NeXT (`LlavaNextForConditionalGeneration`, "anyres"): the image is cut into tiles of
-the tower's size on the grid `image_grid_pinpoints` fits it best (pagemesh/images_anyres.py,
+the tower's size on the grid `image_grid_pinpoints` fits it best (pagemesh/runtime/images_anyres.py,
 as transformers' LlavaNextImageProcessor), plus the whole image resized as a first tile;
 every tile goes through the tower and projector, and `pack_anyres` lays the grid's features
 out as the image (rows by columns of patches), crops the padding the resize added, ends each
@@ -198,7 +198,7 @@ class LlavaImageEncoder(nn.Module):
         """One LLaVA-NeXT image's tile features [1 + rows * cols, tile patches, hidden]
         (the whole image's first) -> its rows [n, hidden]: the whole image's features, then
         the grid's as the image (padding cropped), each row ended by `image_newline`."""
-        from pagemesh.images_anyres import grid_shape
+        from pagemesh.runtime.images_anyres import grid_shape
 
         config = self.config
         height, width = image_hw

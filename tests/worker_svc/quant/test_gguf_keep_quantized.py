@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.parallel_harness import LocalWorkerGroup
 from tests.worker_svc.test_loader import (
     add_gguf_header,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pagemesh.testing.quant_checkpoints import write_awq_checkpoint, write_fp8_checkpoint
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.quant_checkpoints import write_awq_checkpoint, write_fp8_checkpoint
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.parallel_harness import LocalWorkerGroup
 from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from worker_svc.runner import ModelRunner, RunnerConfig

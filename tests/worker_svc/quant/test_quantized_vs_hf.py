@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagemesh.testing.quant_checkpoints import (
+from pagemesh.tools.testing.quant_checkpoints import (
     dequantized_hf_model,
     write_awq_checkpoint,
     write_fp8_checkpoint,
 )
 from protos.step import NewRequestData, SamplingParams, SchedulerOutput
-from pagemesh.testing.tiny_models import write_tiny_model
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.hf_reference import assert_greedy_close, hf_greedy_with_logits
 from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from worker_svc.convert import worker_info_to_pb

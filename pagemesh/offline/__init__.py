@@ -1,2 +1,0 @@
-"""vLLM's offline API on pagemesh's engine core: `LLM` (pagemesh/offline/llm.py) and its
-outputs. Import from `pagemesh` (`from pagemesh import LLM, SamplingParams`)."""
