@@ -66,7 +66,7 @@ def prepare(request_id: str, prompt: Prompt, params: SamplingParams, limits: Mod
         grammar = grammars.compile(options.constraint, limits.vocab_size, limits.eos_token_ids)
     validated = validate(prompt.token_ids, options.sampling, options.stopping,
                          options.num_logprobs, "", limits, n=options.n,
-                         priority=prompt.priority, grammar=grammar)
+                         priority=prompt.priority, grammar=grammar, options_checked=True)
     submission = Submission.fresh(request_id, validated, seed)
     base = admission.core_request(request_spec(submission), limits.eos_token_ids, time.time())
     base.images = prompt.images

@@ -50,7 +50,7 @@ from pagemesh.runtime.speculative_config import SpeculativeConfig
 from offline.setup import EngineSetup, build_engine, check_servable
 from worker_svc.lora import LoraConfig
 from pagemesh.api.sampling_params import SamplingParams
-from router.openai_protocol import parse_chat
+from router.openai_protocol import chat_messages
 
 logger = logging.getLogger(__name__)
 
@@ -202,12 +202,13 @@ class LLM:
                          else list(messages))
         parsed = []
         for conversation in conversations:
-            chat = parse_chat({"messages": conversation})
-            token_ids = self.tokenizer.apply_chat_messages(chat.messages, tools=tools)
+            images: list[bytes] = []
+            normalized = chat_messages(conversation, images)
+            token_ids = self.tokenizer.apply_chat_messages(normalized, tools=tools)
             text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-            if chat.generate.images:  # image_url parts (data: URLs), as the OpenAI API's
+            if images:  # image_url parts (data: URLs), as the OpenAI API's
                 parsed.append(self._image_prompt({"prompt_token_ids": token_ids, "prompt": text},
-                                                 chat.generate.images))
+                                                 images))
             else:
                 parsed.append(Prompt(text, token_ids))
         return self._run(parsed, sampling_params, use_tqdm, None)

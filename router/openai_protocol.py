@@ -116,7 +116,7 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None,
     parsed = _parse_common(body, headers, CHAT_ID_PREFIX, None, max_tokens,
                            (num_top or 0) if wants_logprobs else None)
     images: list[bytes] = []
-    parsed.messages = _messages(body.get("messages"), images)
+    parsed.messages = chat_messages(body.get("messages"), images)
     if images:
         parsed.generate = dataclasses.replace(parsed.generate, images=images)
     if tools is not None:
@@ -266,9 +266,11 @@ def _prompt(prompt: Any) -> str | list[int]:
         "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def _messages(value: Any, images: list[bytes] | None = None) -> list[dict[str, Any]]:
-    """The messages for the chat template; `images` receives the bytes of their image_url
-    parts (data: URLs), in order, each part becoming {"type": "image"} for the template."""
+def chat_messages(value: Any, images: list[bytes] | None = None) -> list[dict[str, Any]]:
+    """OpenAI's `messages`, checked and normalized for the chat template (which
+    pagemesh/runtime/tokenizer.py `apply_chat_messages` applies, for the router and the
+    offline `LLM.chat` alike); `images` receives the bytes of their image_url parts (data:
+    URLs), in order, each part becoming {"type": "image"} for the template."""
     if not isinstance(value, list) or not value:
         raise ProtocolError("messages must be a non-empty list of {role, content} objects",
                             "messages")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagemesh.api.options import fields
-from pagemesh.api.options.constraint import OutputConstraint, constraint_from_body
+from pagemesh.api.options.constraint import OutputConstraint, constraint_from_structured
 from pagemesh.api.options.validation import (SamplingOptions, StoppingOptions, ValidationError,
                                          check_options)
 
@@ -113,12 +113,22 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self._checked: tuple[tuple[str, ...], RequestOptions] | None = None
         self.options()
 
     def options(self) -> RequestOptions:
         """These parameters in the data plane's vocabulary. Raises ValueError (the servers'
-        message) for a wrong type or a value out of range."""
-        given = vars(self)  # the fields as they are: read, never copied or changed
+        message) for a wrong type or a value out of range.
+
+        Checked once: at construction, and again only when a field has changed since (so a
+        request made from these parameters is not validated a second time on its way)."""
+        snapshot = tuple(repr(getattr(self, f.name)) for f in dataclasses.fields(self))
+        if self._checked is None or self._checked[0] != snapshot:
+            self._checked = (snapshot, self._check())
+        return self._checked[1]
+
+    def _check(self) -> RequestOptions:
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         sampling = fields.sampling_options(given)
         stopping = fields.stopping_options(given, fields.integer(given, "max_tokens"))
         num_top = fields.integer(given, "logprobs")
@@ -139,7 +149,7 @@ class SamplingParams:
         structured = self.structured_outputs
         if isinstance(structured, StructuredOutputsParams):
             structured = structured.to_dict()
-        return constraint_from_body({"structured_outputs": structured})
+        return constraint_from_structured(structured)
 
     def clone(self) -> SamplingParams:
         return dataclasses.replace(self)

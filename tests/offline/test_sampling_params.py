@@ -98,3 +98,35 @@ def test_import_pagemesh_stays_light() -> None:
             "assert {'LLM', 'SamplingParams', 'RequestOutput', 'CompletionOutput', 'Client', "
             "'AsyncClient', 'PagemeshError', 'InvalidArgument'} <= set(pagemesh.__all__)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_params_are_checked_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made once, checked once: the request built from the params (the SDK's GenerateRequest,
+    the offline engine's `validate(options_checked=True)`) does not check them again; a field
+    changed afterwards, in place too, is checked on next use."""
+    from pagemesh.api import sampling_params as module
+
+    calls = []
+    real = module.check_options
+    monkeypatch.setattr(module, "check_options", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = SamplingParams(max_tokens=8, stop=["x"])
+    to_generate_request("Hi", params)
+    options = params.options()
+    validated = validate([1, 2], options.sampling, options.stopping, options.num_logprobs, "",
+                         LIMITS, n=options.n, options_checked=True)
+    assert len(calls) == 1 and validated.max_tokens == 8
+    params.stop.append("")  # in place: the next use sees it
+    with pytest.raises(ValueError, match="stop string 1 is empty"):
+        params.options()
+    params.stop.pop()
+    params.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        to_generate_request("Hi", params)
+    # What needs the model is still checked with options_checked.
+    params.max_tokens, params.stop_token_ids = 8, [100]
+    with pytest.raises(ValidationError, match="stop token id"):
+        validate([1], *_parts(params.options()), "", LIMITS, options_checked=True)
+
+
+def _parts(options):
+    return options.sampling, options.stopping, options.num_logprobs

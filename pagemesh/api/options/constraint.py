@@ -52,18 +52,30 @@ def constraint_from_body(body: dict[str, Any]) -> OutputConstraint | None:
             found.append((field, _constraint(kind, body[field], field)))
     structured = body.get("structured_outputs")
     if structured is not None:
-        if not isinstance(structured, dict):
-            raise FieldError("structured_outputs must be an object", "structured_outputs")
-        given = {k: v for k, v in structured.items() if k in _STRUCTURED and v is not None}
-        unknown = sorted(set(structured) - set(_STRUCTURED) - {"backend", "whitespace_pattern"})
-        if unknown:
-            raise FieldError(f"structured_outputs has unknown field(s) {unknown}; it takes "
-                                f"one of {sorted(_STRUCTURED)}", "structured_outputs")
-        for key, value in given.items():
-            if key == "json_object" and value is not True:
-                continue
-            found.append((f"structured_outputs.{key}", _constraint(
-                _STRUCTURED[key], value, f"structured_outputs.{key}")))
+        found.extend(_structured(structured))
+    return _one(found)
+
+
+def constraint_from_structured(structured: Any) -> OutputConstraint | None:
+    """The constraint of vLLM's `structured_outputs` (a dict of `StructuredOutputsParams`'
+    fields, or None): what `SamplingParams(structured_outputs=...)` asks for."""
+    return None if structured is None else _one(_structured(structured))
+
+
+def _structured(structured: Any) -> list[tuple[str, OutputConstraint]]:
+    if not isinstance(structured, dict):
+        raise FieldError("structured_outputs must be an object", "structured_outputs")
+    given = {k: v for k, v in structured.items() if k in _STRUCTURED and v is not None}
+    unknown = sorted(set(structured) - set(_STRUCTURED) - {"backend", "whitespace_pattern"})
+    if unknown:
+        raise FieldError(f"structured_outputs has unknown field(s) {unknown}; it takes "
+                         f"one of {sorted(_STRUCTURED)}", "structured_outputs")
+    return [(f"structured_outputs.{key}",
+             _constraint(_STRUCTURED[key], value, f"structured_outputs.{key}"))
+            for key, value in given.items() if key != "json_object" or value is True]
+
+
+def _one(found: list[tuple[str, OutputConstraint]]) -> OutputConstraint | None:
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise FieldError(f"give one output constraint, not several ({names})", found[1][0])

@@ -99,20 +99,27 @@ def validate(
     n: int = 1,
     priority: int = 0,
     grammar: str = "",
+    options_checked: bool = False,
 ) -> ValidatedRequest:
     """Check a request against `limits` and fill defaults. `grammar`: its compiled output
-    constraint (router/structured.py), if any.
+    constraint (router/structured.py), if any. `options_checked`: `check_options` has passed
+    on these options already (a `SamplingParams`, checked when it was made), so only what
+    needs the model is checked here: one pass over each rule per request.
 
     Raises ValidationError naming the first bad parameter and its allowed range.
     """
     _check_model(requested_model, limits)
     _check_prompt(prompt_token_ids, limits)
-    check_sampling(sampling)
-    check_num_logprobs(num_logprobs)
-    check_num_samples(n)
+    if not options_checked:
+        check_sampling(sampling)
+        check_num_logprobs(num_logprobs)
+        check_num_samples(n)
     check_priority(priority)
     max_tokens = _resolve_max_tokens(len(prompt_token_ids), stopping, limits)
-    _check_stopping(stopping, max_tokens, limits)
+    if options_checked and stopping.max_tokens is not None:
+        _check_token_ids("stop token id", stopping.stop_token_ids, limits.vocab_size)
+    else:  # max_tokens comes from the context: min_tokens is checked against it now
+        _check_stopping(stopping, max_tokens, limits)
     if grammar and stopping.ignore_eos:
         raise ValidationError("ignore_eos cannot be combined with an output constraint: the "
                               "output ends when the constraint is complete (EOS is all that "
