@@ -48,8 +48,11 @@ def adapter_extra(name: str) -> bytes:
 class PlacedImage(Protocol):
     """An image over prompt positions offset .. offset + length - 1 (protos.step.ImageInput)."""
 
-    offset: int
-    length: int
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
 
     @property
     def digest(self) -> bytes: ...

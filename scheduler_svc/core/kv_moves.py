@@ -25,6 +25,7 @@ from scheduler_svc.core.kv_cache_manager import KVCacheManager, cdiv
 from scheduler_svc.core.types import HeldKV, KVImport, Request, RequestStatus
 
 if TYPE_CHECKING:
+    from protos.block_hash import BlockHash
     from scheduler_svc.core.config import SchedulerConfig
     from scheduler_svc.core.policy import WaitingQueue
 
@@ -90,7 +91,7 @@ class KVMoving:
             request.request_id, num_tokens, len(hits), tuple(fresh))
         return pulled
 
-    def tier_hits(self, request: Request) -> list[tuple[int, bytes]]:
+    def tier_hits(self, request: Request) -> list[tuple[int, BlockHash]]:
         """(slot, key) of the blocks the host tier holds past the request's prefix-cache
         hits (core/host_tier.py): an import of those instead of recomputing them."""
         if request.pooling is not None or self.kv.tier is None:
@@ -131,9 +132,10 @@ class KVMoving:
         return num_new
 
 
-    # Provided by the Scheduler.
-    def _enqueue(self, request: Request) -> None: ...
-    def _finish(self, request: Request, status: RequestStatus,
-                remove_from_running: bool = True) -> None: ...
-    def _num_new_tokens(self, num_remaining: int, budget: int) -> int: ...
-    def _start_running(self, request: Request, output: SchedulerOutput, num_new: int) -> None: ...
+    if TYPE_CHECKING:  # provided by the Scheduler
+        def _enqueue(self, request: Request) -> None: ...
+        def _finish(self, request: Request, status: RequestStatus,
+                    remove_from_running: bool = True) -> None: ...
+        def _num_new_tokens(self, num_remaining: int, budget: int) -> int: ...
+        def _start_running(self, request: Request, output: SchedulerOutput,
+                           num_new: int) -> None: ...

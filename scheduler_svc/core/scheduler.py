@@ -334,6 +334,7 @@ class Scheduler(KVMoving):
                 num_new += len(drafts)
             room = self.spec.proposal_room if self.spec and num_computed + num_new == (
                 request.num_tokens + len(drafts)) else 0  # a decode, or a prefill's last chunk
+            new_blocks: list[int] | None
             if num_computed + num_new + room <= len(request.block_ids) * block_size:
                 new_blocks = []  # the common decode: the last block has room
             elif (drafts or room) and (new_blocks := allocate_slots(request, num_new + room)

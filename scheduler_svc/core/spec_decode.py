@@ -249,13 +249,15 @@ class NgramProposer:
         # Positions whose token equals the last one, extended backwards one token at a time.
         candidates = np.flatnonzero(tokens[: n - 1] == last)
         matched = 1
-        while candidates.size and matched < self.config.prompt_lookup_max:
+        lookup_min, lookup_max = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        assert lookup_min is not None and lookup_max is not None  # set for the n-gram method
+        while candidates.size and matched < lookup_max:
             room = candidates[candidates >= matched]  # a match cannot start before 0
             longer = room[tokens[room - matched] == tokens[n - 1 - matched]]
             if not longer.size:
                 break
             candidates, matched = longer, matched + 1
-        if not candidates.size or matched < self.config.prompt_lookup_min:
+        if not candidates.size or matched < lookup_min:
             return []
         start = int(candidates[-1]) + 1
         return tokens[start : start + max_drafts].tolist()

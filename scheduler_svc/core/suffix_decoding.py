@@ -197,7 +197,7 @@ class _SuffixTree:
             child = node.children.get(tokens[index])
             if child is None:
                 return None
-            if type(child) is _Tail:
+            if isinstance(child, _Tail):
                 seq, stop = child.seq, min(child.start + self.depth, len(child.seq))
                 rest = end - index - 1
                 at = child.pos + 1
@@ -230,7 +230,7 @@ class _SuffixTree:
                 break
             drafted.append(token)
             score += prob
-            if type(child) is _Tail:
+            if isinstance(child, _Tail):
                 tail, at = child, child.pos + 1
             else:
                 node = child
@@ -244,7 +244,7 @@ class _SuffixTree:
         while stack:
             path, node = stack.pop()
             for token, child in node.children.items():
-                if type(child) is _Node:
+                if isinstance(child, _Node):
                     found[path + (token,)] = child.count
                     stack.append((path + (token,), child))
                     continue

@@ -177,7 +177,8 @@ def check_resume_from(resume_from: int | list[int]) -> None:
     """Output tokens the client already has: one count for every sample, or one per sample;
     none negative."""
     per_sample = isinstance(resume_from, list)
-    for index, offset in enumerate(resume_from if per_sample else [resume_from]):
+    offsets = resume_from if isinstance(resume_from, list) else [resume_from]
+    for index, offset in enumerate(offsets):
         if offset < 0:
             where = f" (sample {index})" if per_sample else ""
             raise ValidationError(

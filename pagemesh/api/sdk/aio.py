@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Self
 
 import grpc
@@ -191,7 +191,7 @@ class AsyncCompletionStream:
         completion.num_resumes = self.num_resumes
         return completion
 
-    async def _run(self) -> AsyncIterator[Chunk]:
+    async def _run(self) -> AsyncGenerator[Chunk, None]:
         state = self._state
         metadata = self._client.config.metadata()
         while True:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, Self
 
 import grpc
@@ -224,7 +224,7 @@ class CompletionStream:
         completion.num_resumes = self.num_resumes
         return completion
 
-    def _run(self) -> Iterator[Chunk]:
+    def _run(self) -> Generator[Chunk, None, None]:
         state = self._state
         metadata = self._client.config.metadata()
         while True:

@@ -133,11 +133,12 @@ EmbedInputs = str | bytes | list[int] | Sequence[str | bytes | list[int]]
 def build_embed_request(inputs: EmbedInputs, dimensions: int | None) -> generate_pb2.EmbedRequest:
     """One text, one list of token ids, one image (bytes or PIL, for a model that embeds
     images), or a list of any of them: as OpenAI's `input`."""
-    if isinstance(inputs, (str, bytes)) or hasattr(inputs, "save") or (
-            isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs)):
-        inputs = [inputs]  # type: ignore[list-item]
+    one = isinstance(inputs, (str, bytes)) or hasattr(inputs, "save") or (
+        isinstance(inputs, list) and bool(inputs) and all(isinstance(t, int) for t in inputs))
+    items: Sequence[Any] = [inputs] if one else inputs
     request = generate_pb2.EmbedRequest(dimensions=dimensions or 0)
-    for item in inputs:
+    item: Any
+    for item in items:
         if isinstance(item, str):
             request.inputs.add(text=item)
         elif isinstance(item, (bytes, bytearray)) or hasattr(item, "save"):

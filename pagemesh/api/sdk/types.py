@@ -19,7 +19,7 @@ _FINISH_REASONS = {
 
 def finish_reason_from_pb(value: int) -> str | None:
     """None while the sample goes on."""
-    return _FINISH_REASONS.get(value)
+    return _FINISH_REASONS.get(generate_pb2.FinishReason.ValueType(value))
 
 
 @dataclass(frozen=True)
