@@ -1,7 +1,7 @@
 /* Greedy sampling's argmax over each row of fp32 logits [rows][vocab], rows across threads:
  * one read of the logits at memory speed, where torch's argmax over 64 rows of a 49k
- * vocabulary took 4 ms of a SmolLM2 decode step. As torch.argmax: the first index of the
- * largest value, and a NaN counts as larger than any number (the first NaN wins). */
+ * vocabulary was a visible share of a SmolLM2 decode step. As torch.argmax: the first index
+ * of the largest value, and a NaN counts as larger than any number (the first NaN wins). */
 #include <stdint.h>
 #include <string.h>
 
@@ -14,9 +14,9 @@
  * without it), with a NaN check beside them. Then the first index whose value equals that
  * largest one as a float (so -0.0 and +0.0 tie, as in torch), sixteen compared at a time;
  * the row, 196 KB for a 49k vocabulary, is still in L2 from the first pass. The one-pass
- * loop this replaced kept each lane's index too and was not vectorized: 4.3 ms for 256 rows
- * of 49,152, now 2.0, where torch.amax reads them in 0.9 and torch.argmax takes 7.9 (2-core
- * Xeon, `python -m bench.worker_ops`). */
+ * loop this replaced kept each lane's index too and was not vectorized, and measured slower.
+ * `python -m bench.worker_ops` (which writes bench/results/worker_ops.md) times this against
+ * torch.argmax, with torch.amax's one read of the logits as the floor. */
 #define LANES 16
 
 static inline int32_t order_key(uint32_t bits) {

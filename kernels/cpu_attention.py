@@ -9,16 +9,17 @@ against. What differs:
   Without a C compiler (or in fp16): K and V are gathered once per layer (whole blocks,
   one `index_select` each) and attended by one `F.scaled_dot_product_attention` call (a
   fused flash kernel on CPU, GQA without copies) with a key-padding mask. A whole W64
-  decode step (64 sequences, `python -m bench.decode_step`): reference 84 ms, gather + SDPA
-  31 ms, C kernel 25 ms in fp32; in bf16 gather + SDPA 51 ms, C kernel 18.5 ms.
+  decode step (64 sequences): gather + SDPA measured far faster than the reference, and the
+  C kernel faster than gather + SDPA, a little in fp32 and by far more in bf16 (`python -m
+  bench.decode_step`, which writes bench/results/decode_step.md).
 - A batch with longer sequences (prompts, chunks after cached context, prefix-cache hits,
   mixed with decodes or not) is one call of the C kernel in fp32 (vLLM's unified CPU
   attention: `cpu_native.paged_attention`, tiles of the prompts and the decodes handed out
-  together to the threads, keys read in place): `python -m bench.mixed_attention` has it
-  1.1-2.9x faster than the torch paths below. In bf16 those stay: SDPA's bf16 matmuls (AMX
-  where the CPU has it) beat the kernel's fp32 arithmetic 1.4-3.4x on an AMX Xeon, and 1.1-1.9x
-  with the kernel built for AVX2 and torch held to AVX2 (`bench.mixed_attention --march
-  x86-64-v3`). The torch paths (also fp16, and no compiler):
+  together to the threads, keys read in place): `python -m bench.mixed_attention` (which
+  writes bench/results/mixed_attention.md) has it faster than the torch paths below. In bf16
+  those stay: SDPA's bf16 matmuls (AMX where the CPU has it) beat the kernel's fp32
+  arithmetic on an AMX Xeon, and still with the kernel built for AVX2 and torch held to AVX2
+  (`bench.mixed_attention --march x86-64-v3`). The torch paths (also fp16, and no compiler):
 - whole prompts (no cached context: q_len == seq_len), when the caller passes this step's
   `key` and `value`, attend to those directly, with no gather from the cache: sequences of
   the same length go through one batched causal SDPA call;
@@ -162,7 +163,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> to
     num_seqs, num_blocks = blocks.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
     # On a 2-D view each block is one contiguous row: index_select copies rows with memcpy
-    # (4x faster than on the 4-D cache).
+    # (several times faster than on the 4-D cache).
     flat = cache.view(cache.shape[0], block_size * num_kv_heads * head_dim)
     gathered = flat.index_select(0, blocks.reshape(-1)).to(dtype)
     return gathered.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)

@@ -8,8 +8,8 @@ ARM). Two kinds of facts, kept apart:
 - **The CPU's ISA flags** (`/proc/cpuinfo`): which instruction sets exist. They decide what is
   *fast*: bf16 is a fast compute dtype only where the CPU multiplies bf16 natively
   (AVX512_BF16 or AMX on x86, the BF16 extension on ARM). Elsewhere oneDNN and torch emulate
-  it: torch's bf16 matmul ran at 1 GFLOP/s against 57-93 for fp32 on an AVX2 Zen 3
-  (`python -m bench.peers.peak`, decode shape).
+  it: torch's bf16 matmul ran far slower than fp32 on an AVX2 Zen 3
+  (`python -m bench.peers.peak` measures both, decode shape).
 - **What the torch build runs** (probed): oneDNN's packed linear kernels raise on a CPU that
   lacks what they need (`mkldnn_reorder_linear_weight: bf16 path needs the cpu support
   avx_ne_convert or avx512bw, avx512vl and avx512dq`). Each is tried once on a tiny input,

@@ -93,8 +93,8 @@ typedef void (*tile_fn)(const float *, long, const float *, long, long, const fl
 /* The tiles for `rows` rows (1..6): the widest, and the two- and one-panel tiles that take
  * a thread's leftover panels (two at a time: a one-panel tile does as many loads as
  * multiply-adds). `long_x`: x has more than LONG_X_ROWS rows, where AVX-512's 6 x 4 tile
- * (more multiply-adds per load) is used: on the Zen 4 EPYC it measured 7% faster than
- * oneDNN at 2,048 rows where the 6 x 2 tile was 5% slower. */
+ * (more multiply-adds per load) is used: on the Zen 4 EPYC it measured faster than oneDNN
+ * at 2,048 rows where the 6 x 2 tile was slower (`python -m bench.linear --rows 2048`). */
 typedef struct {
     tile_fn wide, pair, narrow;
     int panels;  /* the wide tile's */
@@ -121,9 +121,9 @@ static Tiles tiles_for(long rows, int long_x) {
  * through the caches once per panel group. A decode step's few rows are one block. */
 #define ROW_BLOCK 120
 /* More rows than this: the wide 6 x 4 tiles on AVX-512 (tiles_for). On a Xeon (family 6,
- * model 167) they beat the 6 x 2 tiles from 8 rows on (SmolLM2's layers: 8% at 8-32 rows, 6%
- * at 64); on Zen 4, which runs a zmm instruction as two halves, 6 x 2 measured faster at 64
- * rows, so there the wide tiles start above that. */
+ * model 167) they beat the 6 x 2 tiles from 8 rows on (SmolLM2's layers, through 64 rows);
+ * on Zen 4, which runs a zmm instruction as two halves, 6 x 2 measured faster at 64 rows, so
+ * there the wide tiles start above that. */
 #ifndef LONG_X_ROWS  /* bench.linear --panels-define LONG_X_ROWS=64 times another choice */
 #if defined(__znver4__) || defined(__znver5__)
 #define LONG_X_ROWS 64

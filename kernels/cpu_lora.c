@@ -16,13 +16,13 @@
  * [rank][COL_CHUNK] tile of BT stays in L1 for all the block's rows, so BT[s] streams from
  * memory once per block instead of once per row (prefill), and a decode row's columns still
  * split over the threads. Threads are OpenMP's (torch's pool), only past PARALLEL_MIN_MACS.
- * Measured on one core (1,024 rows over 8 slots, 576 -> 16 -> 960, fp32): 672 us with blocks
- * of 16 rows, 749 with blocks of 2, 812 with 64 (fewer, longer items).
+ * Measured on one core (1,024 rows over 8 slots, 576 -> 16 -> 960, fp32), blocks of 16 rows
+ * beat blocks of 2 and blocks of 64 (fewer, longer items).
  *
  * Vectors are GCC/Clang vector extensions, not intrinsics (as in cpu_linear.c): the same
  * source is AVX-512 code on x86-64-v4, AVX2 on v3, SSE pairs on the baseline, NEON on ARM.
  * Left to GCC's auto-vectorizer, the same loops kept the expand's sums on the stack and ran
- * at half the speed (64 rows of 576 -> 16 -> 960 on one core: 120 us against 48).
+ * far slower (64 rows of 576 -> 16 -> 960 on one core).
  * bf16 is read two values per 32-bit word: the low halves (even elements) shifted up and
  * the high halves masked are each a vector of fp32, with no lane shuffles. A dot product
  * does not care about the lane order, and the expand's accumulators keep it until
@@ -42,7 +42,7 @@
 #define COL_PAIRS 2   /* vec2s of columns per expand item: 2 rows x 4 vector accumulators */
 #define COL_CHUNK (COL_PAIRS * 2 * VEC)
 /* Below this many multiply-adds one thread is as fast as two (2 cores: 4 rows of 576 -> 16
- * -> 960 is 98k, the same either way; 8 rows take 7.8 us on two against 10.1 on one). */
+ * -> 960, 98k of them, measured the same either way; 8 rows ran faster on two). */
 #define PARALLEL_MIN_MACS 65536L
 
 typedef float vec __attribute__((vector_size(VEC * 4), aligned(4)));

@@ -1,7 +1,7 @@
 /* Writes a step's keys and values into their cache slots: one row copy per token, read
  * straight from the qkv projection's output (rows `stride` elements apart), where torch's
- * index_copy_ takes an element-wise path for such a strided source (4 ms per layer for a
- * 2,048-token prefill, against well under one here).
+ * index_copy_ takes an element-wise path for such a strided source (many times slower for a
+ * 2,048-token prefill: `python -m bench.worker_ops`, which writes bench/results/worker_ops.md).
  *
  * Rows of `row_bytes` (num_kv_heads * head_dim elements); caches [num_slots][row]. Slot -1
  * means "do not store". Returns 0, or -2 (nothing written) when a slot is past num_slots. */

@@ -22,8 +22,8 @@ tensors, the C kernel (`kernels/cpu_lora.c`) for CPU tensors in fp32/bf16 when
 `kernels.cpu_native` builds it here, and `lora_grouped_` otherwise. Both kernels round as
 the reference does (fp32 shrink and expand, out + delta rounded once) and differ from it
 only in the order of fp32 sums. `lora_grouped_` multiplies in fp32 on CPU, so it rounds as
-the reference too (torch's CPU bf16 matmuls of these skinny shapes took 2.5x as long as
-widening to fp32 and multiplying there: 42 against 17 us for 8 rows, 576 -> 16 -> 960); on
+the reference too (torch's CPU bf16 matmuls of these skinny shapes took far longer than
+widening to fp32 and multiplying there, for 8 rows, 576 -> 16 -> 960); on
 CUDA it multiplies in x's dtype, which rounds the shrink's `[rows, R]` and the expand's
 `[rows, out_f]` products to bf16/fp16 (half an ulp each) before the add.
 

@@ -474,7 +474,7 @@ class Generation:
 
     async def _compile(self, constraint: OutputConstraint | None, limits: ModelLimits) -> str:
         """The request's output constraint compiled and checked against the model's
-        vocabulary (on a worker thread: the first one builds that view, ~1 s); "" for none.
+        vocabulary (on a worker thread: the first one builds that view, slowly); "" for none.
         INVALID_ARGUMENT naming what is wrong, before anything is scheduled."""
         if constraint is None:
             return ""
@@ -528,7 +528,7 @@ MAX_TOOLS_CHARS = 1_000_000  # texts longer than this are tokenized on a worker 
 
 async def _off_loop_if_long(num_chars: int, fn: Callable[[T], list[int]], arg: T) -> list[int]:
     """`fn(arg)` here for short texts (a thread hand-off costs more than they take), on a
-    worker thread for long ones: a 16 MB prompt took 8 s to tokenize, and a router whose event
+    worker thread for long ones: a 16 MB prompt took seconds to tokenize, and a router whose event
     loop stops that long answers nothing, not even its health (and is then restarted as hung)."""
     if num_chars <= OFF_LOOP_CHARS:
         return fn(arg)

@@ -37,7 +37,7 @@ class ConstraintError(ValueError):
 
 class GrammarCompiler:
     """Compiles constraints for one model: its tokenizer, vocabulary size and EOS ids. The
-    vocabulary view (llguidance's LLTokenizer, ~1 s to build) is made on first use."""
+    vocabulary view (llguidance's LLTokenizer, slow to build) is made on first use."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -48,7 +48,7 @@ class GrammarCompiler:
                 eos_token_ids: Sequence[int]) -> str:
         """The llguidance grammar of `constraint` (Lark text, or llguidance's JSON), checked against the model's
         vocabulary. Raises ConstraintError saying what is wrong. Blocking (the first call
-        builds the vocabulary view, ~1 s): the router calls it on a worker thread."""
+        builds the vocabulary view, which is slow): the router calls it on a worker thread."""
         key = (constraint, vocab_size, tuple(eos_token_ids))
         if key in self._compiled:
             self._compiled.move_to_end(key)

@@ -40,7 +40,7 @@ class Executor(Protocol):
 def model_thread() -> ThreadPoolExecutor:
     """The one thread a model's torch work runs on in this process: its loading and its
     steps alike. Two threads calling into OpenMP make two thread teams, and on a 2-core
-    machine a SmolLM2 decode step run from the second thread took 39.5 ms against 27.7 on
+    machine a SmolLM2 decode step run from the second thread measured clearly slower than on
     the first (`python -m bench.omp_threads`)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 

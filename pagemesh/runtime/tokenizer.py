@@ -42,8 +42,8 @@ class Tokenizer:
         self._eos_token_ids = eos_token_ids
         self.source = source
         # A fast tokenizer's Rust core decodes as `_hf.decode` does without space clean-up,
-        # at a third of the cost (1.6 against 5.4 µs per call on the AVX2 Zen 3): the
-        # detokenizer calls it twice per streamed token.
+        # measured several times cheaper per call: the detokenizer calls it twice per
+        # streamed token.
         self._rust = getattr(hf_tokenizer, "_tokenizer", None) if getattr(
             hf_tokenizer, "is_fast", False) else None
 
@@ -133,7 +133,7 @@ class Tokenizer:
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
-    """Load the tokenizer of a Hugging Face model folder or of a `.gguf` file (~3 s for GGUF,
+    """Load the tokenizer of a Hugging Face model folder or of a `.gguf` file (slower for GGUF,
     whose vocabulary transformers converts). Never touches the network.
 
     Raises TokenizerError with what to fix when the path holds no tokenizer.

@@ -14,10 +14,10 @@ OpenMP threads one per physical core and leaves a core to its front end
 - `pin`: the same binding for the workers over every core, nothing reserved.
 - `none`: nothing bound (the kernel places threads; the torch thread count as before).
 - `auto`: `reserve` where the host has at least 4 physical cores and one more than the
-  workers need, else `none`. On 2 cores a reserved core is half the machine (`python -m
-  bench.cpu_bind` on a 2-core Xeon: W64 0.62x, batch-1 ITL 1.57x against `none`), and
-  `pin` wins only 3% (W64 1.03x, ITL 0.97x) while a second process pinned to the same
-  cores could not be moved off them: below 4 cores binding is an opt-in.
+  workers need, else `none`. On 2 cores a reserved core is half the machine (W64 throughput
+  and batch-1 ITL measured far worse than `none`) and `pin` gains little (`python -m
+  bench.cpu_bind`, which writes bench/results/cpu_bind.md), while a second process pinned to
+  the same cores could not be moved off them: below 4 cores binding is an opt-in.
 
 A standby worker shares the cores of the rank it stands in for (it idles until it takes
 over). The plan is pure (`plan_placement`); `host_cores` reads the topology from sysfs.
@@ -119,11 +119,11 @@ def omp_wait_env(choice: str) -> dict[str, str]:
     spin: the runtime's default, a while of spinning before they sleep, so a step's hundreds
     of regions start without a wake-up; passive: they sleep at once, leaving cores they share
     with the router and the scheduler to those; a number: spin that many times, then sleep
-    (libgomp's GOMP_SPINCOUNT; its default is 300,000, a few milliseconds). `python -m
-    bench.cpu_bind` on a 2-core Xeon: passive costs SmolLM2 8% of W64 and 1.47x batch-1 ITL,
-    while `python -m bench.control_plane` (a near-zero model, 256 streams) gains 1.48x over
-    gRPC (the worker's CPU per token 183 -> 92 us): passive is for models far cheaper than
-    their traffic."""
+    (libgomp's GOMP_SPINCOUNT; its default is 300,000, a few milliseconds). On 2 cores
+    passive lowers SmolLM2's W64 throughput and raises its batch-1 ITL far more (`python -m
+    bench.cpu_bind`), while a near-zero model's 256 streams over gRPC gain throughput and the
+    worker's CPU per token falls (`python -m bench.control_plane -- --omp-wait passive`,
+    against a run without): passive is for models far cheaper than their traffic."""
     if choice == "spin":
         return {}
     if choice == "passive":

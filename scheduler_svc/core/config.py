@@ -10,7 +10,7 @@ from pagemesh.runtime.speculative_config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 # The scheduler service's --preemption-mode default (pagemesh.runtime.service_flags; a test checks
-# they agree): swap measured 1.2x faster than recompute.
+# they agree): swap measured faster than recompute (`python -m bench.scheduling`).
 DEFAULT_PREEMPTION_MODE = "swap"
 
 

