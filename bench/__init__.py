@@ -1,1 +1,2 @@
-"""Benchmarks: `pagemesh bench` (pagemesh/tools/loadgen), the peers (bench/peers), and the scripts."""
+"""Benchmarks: `pagemesh bench` (pagemesh/tools/loadgen), the peers (bench/peers), and the
+scripts."""

@@ -22,24 +22,47 @@ from pathlib import Path
 
 from bench.common import REPO_ROOT
 from bench.peers.vllm_server import VllmServer
-from pagemesh.tools.mesh_process import Mesh
 from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.mesh_process import Mesh
 
 
 def drive(name: str, target: list[str], args: argparse.Namespace) -> None:
-    command = [sys.executable, "-m", "pagemesh.tools.cli", "bench", *target, "--workload", "w64",
-               "--concurrency", "1", "--num-requests", str(args.num_requests), "--max-tokens",
-               str(args.max_tokens), "--warmup", "1", "--no-progress", "--output-dir",
-               args.output_dir, "--name", name]
+    command = [
+        sys.executable,
+        "-m",
+        "pagemesh.tools.cli",
+        "bench",
+        *target,
+        "--workload",
+        "w64",
+        "--concurrency",
+        "1",
+        "--num-requests",
+        str(args.num_requests),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--warmup",
+        "1",
+        "--no-progress",
+        "--output-dir",
+        args.output_dir,
+        "--name",
+        name,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    print(name, *[line for line in done.stdout.splitlines()
-                  if line.startswith("| ") and "| w64 |" in line])
+    print(
+        name,
+        *[line for line in done.stdout.splitlines() if line.startswith("| ") and "| w64 |" in line],
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "smollm2-hf"),
-                        help="HF folder (default: SmolLM2 fp32, as bench.step_profile writes it)")
+    parser.add_argument(
+        "--model",
+        default=str(REPO_ROOT / ".cache" / "smollm2-hf"),
+        help="HF folder (default: SmolLM2 fp32, as bench.step_profile writes it)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -48,11 +71,17 @@ def main() -> None:
     model = str(Path(args.model).resolve())
     for round_ in range(args.rounds):
         with VllmServer(model, "float32") as server:
-            drive(f"batch1-vllm-{round_}", ["--http", server.openai_base_url, "--engine", "vllm"],
-                  args)
+            drive(
+                f"batch1-vllm-{round_}",
+                ["--http", server.openai_base_url, "--engine", "vllm"],
+                args,
+            )
         http_port = reserve_port()
-        mesh = Mesh(model, Path(args.output_dir) / f"batch1-mesh-{round_}.log",
-                    extra_args=["--http-port", str(http_port)]).wait_ready()
+        mesh = Mesh(
+            model,
+            Path(args.output_dir) / f"batch1-mesh-{round_}.log",
+            extra_args=["--http-port", str(http_port)],
+        ).wait_ready()
         try:
             drive(f"batch1-grpc-{round_}", ["--address", mesh.address], args)
             drive(f"batch1-http-{round_}", ["--http", f"http://127.0.0.1:{http_port}/v1"], args)

@@ -45,17 +45,27 @@ def timed_stream(mesh: Mesh, prompt: list[int], max_tokens: int) -> tuple[float,
     return arrivals[0] - start, gaps, len(arrivals)
 
 
-def run_mesh(mesh: Mesh, prompts: list[list[int]], max_tokens: int, concurrency: int,
-             engine: str = "pagemesh (gRPC, streamed)") -> Row:
+def run_mesh(
+    mesh: Mesh,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    engine: str = "pagemesh (gRPC, streamed)",
+) -> Row:
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: timed_stream(mesh, p, max_tokens), prompts))
     wall_s = time.perf_counter() - start
     gaps = [g for r in results for g in r[1]]
-    return Row(engine, concurrency, len(prompts), sum(r[2] for r in results) / wall_s,
-               1000 * statistics.median(r[0] for r in results),
-               1000 * statistics.median(gaps) if gaps else float("nan"),
-               1000 * statistics.median(r[0] + sum(r[1]) for r in results))
+    return Row(
+        engine,
+        concurrency,
+        len(prompts),
+        sum(r[2] for r in results) / wall_s,
+        1000 * statistics.median(r[0] for r in results),
+        1000 * statistics.median(gaps) if gaps else float("nan"),
+        1000 * statistics.median(r[0] + sum(r[1]) for r in results),
+    )
 
 
 def write_w64_model(folder: Path) -> Path:
@@ -66,8 +76,16 @@ def write_w64_model(folder: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     return write_tiny_model(
-        folder, "llama", seed=0, std=0.02, hidden_size=512, intermediate_size=1408,
-        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+        folder,
+        "llama",
+        seed=0,
+        std=0.02,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
         max_position_embeddings=2048,
     )
 
@@ -81,10 +99,22 @@ def write_w64_moe_model(folder: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     return write_tiny_model(
-        folder, "qwen3_moe", seed=0, std=0.02, hidden_size=512, intermediate_size=1408,
-        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        vocab_size=32000, max_position_embeddings=2048, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=704, norm_topk_prob=True,
+        folder,
+        "qwen3_moe",
+        seed=0,
+        std=0.02,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=704,
+        norm_topk_prob=True,
     )
 
 
@@ -102,27 +132,42 @@ def w64_workload(args: argparse.Namespace) -> tuple[str, list[list[int]]]:
 
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
     rng = random.Random(0)
-    return model, [[rng.randrange(1, 32000) for _ in range(args.prompt_len)]
-                   for _ in range(args.num_requests)]
+    return model, [
+        [rng.randrange(1, 32000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)
+    ]
 
 
-def write_results(name: str, header: str, columns: list[str], rows: list[list[str]],
-                  data: object, raw: object = None) -> str:
+def write_results(
+    name: str,
+    header: str,
+    columns: list[str],
+    rows: list[list[str]],
+    data: object,
+    raw: object = None,
+) -> str:
     """bench/results/<name>.md (the machine line, `header`, the table) and <name>.json
     ({"machine": ..., "results": data}: figures, not samples); `raw`, when given, to
     bench/results/raw/<name>.json in the same shape."""
     machine = machine_record()
-    lines = [header, "", machine_markdown(machine), "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [
+        header,
+        "",
+        machine_markdown(machine),
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     table = "\n".join(lines)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.md").write_text(table + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine, "results": data},
-                                                     indent=2, default=asdict) + "\n")
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"machine": machine, "results": data}, indent=2, default=asdict) + "\n"
+    )
     if raw is not None:
         RAW_RESULTS.mkdir(parents=True, exist_ok=True)
-        (RAW_RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine, "results": raw},
-                                                             default=asdict) + "\n")
+        (RAW_RESULTS / f"{name}.json").write_text(
+            json.dumps({"machine": machine, "results": raw}, default=asdict) + "\n"
+        )
     print(table)
     return table

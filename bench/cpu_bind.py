@@ -39,13 +39,16 @@ def up_flags(variant: str) -> list[str]:
 
 def run_mode(model: str, mode: str, args: argparse.Namespace) -> dict[str, RunResult]:
     log = Path(tempfile.mkdtemp()) / "mesh.log"
-    mesh = Mesh(model, log, cluster=f"cpu-bind-{mode.replace('/', '-')}",
-                extra_args=up_flags(mode)).wait_ready()
+    mesh = Mesh(
+        model, log, cluster=f"cpu-bind-{mode.replace('/', '-')}", extra_args=up_flags(mode)
+    ).wait_ready()
     try:
         target = Target(mesh.address)
         w64, batch1 = workloads(args, 0)
-        return {W64: run_workload(target, w64, warmup=2),
-                BATCH1: run_workload(target, batch1, concurrency=1, warmup=1)}
+        return {
+            W64: run_workload(target, w64, warmup=2),
+            BATCH1: run_workload(target, batch1, concurrency=1, warmup=1),
+        }
     finally:
         mesh.stop()
 
@@ -57,6 +60,7 @@ def _p50(samples: list[float]) -> float:
 def figures(rounds: list[dict[str, dict[str, RunResult]]], modes: list[str]) -> list[dict]:
     rows = []
     for mode in modes:
+
         def ratios(value, runs=rounds, mode=mode):
             return statistics.median(value(r[mode]) / value(r[modes[0]]) for r in runs)
 
@@ -72,10 +76,17 @@ def figures(rounds: list[dict[str, dict[str, RunResult]]], modes: list[str]) -> 
         def ttft(run):
             return _p50(run[BATCH1].ttft_ms)
 
-        rows.append({"variant": mode, "w64_tok_s": median(w64_tok_s),
-                     "itl_p50_ms": median(itl), "ttft_p50_ms": median(ttft),
-                     "w64_vs_first": ratios(w64_tok_s), "itl_vs_first": ratios(itl),
-                     "ttft_vs_first": ratios(ttft)})
+        rows.append(
+            {
+                "variant": mode,
+                "w64_tok_s": median(w64_tok_s),
+                "itl_p50_ms": median(itl),
+                "ttft_p50_ms": median(ttft),
+                "w64_vs_first": ratios(w64_tok_s),
+                "itl_vs_first": ratios(itl),
+                "ttft_vs_first": ratios(ttft),
+            }
+        )
     return rows
 
 
@@ -83,8 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "smollm2-hf"))
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--variants", default="none/spin,none/passive,pin/spin,pin/passive,"
-                        "reserve")
+    parser.add_argument("--variants", default="none/spin,none/passive,pin/spin,pin/passive,reserve")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--batch1-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -96,20 +106,47 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = modes if round_ % 2 == 0 else modes[::-1]
         rounds.append({mode: run_mode(model, mode, args) for mode in order})
-        print(f"round {round_}:", {m: round(r[W64].output_tok_s, 1) for m, r in rounds[-1].items()},
-              flush=True)
+        print(
+            f"round {round_}:",
+            {m: round(r[W64].output_tok_s, 1) for m, r in rounds[-1].items()},
+            flush=True,
+        )
     rows = figures(rounds, modes)
-    header = (f"pagemesh up --cpu-bind BIND --omp-wait WAIT, SmolLM2-135M-Instruct fp32 over "
-              f"gRPC; {args.rounds} alternating rounds, medians; ratios: medians of per-round "
-              f"ratios to {modes[0]} (tok/s: above 1 is faster; ITL, TTFT: below 1 is faster). "
-              f"W64: {args.num_requests} x 128 prompt ids x {args.max_tokens} new, all at once; "
-              f"batch 1: {args.batch1_requests} requests one at a time. "
-              f"Command: `python -m bench.cpu_bind`.")
-    table = [[row["variant"], f"{row['w64_tok_s']:.1f}", f"{row['w64_vs_first']:.2f}x",
-              f"{row['itl_p50_ms']:.1f}", f"{row['itl_vs_first']:.2f}x",
-              f"{row['ttft_p50_ms']:.1f}", f"{row['ttft_vs_first']:.2f}x"] for row in rows]
-    write_results(args.name, header, ["BIND/WAIT", "W64 tok/s", "ratio", "batch-1 ITL p50 ms",
-                                       "ratio", "batch-1 TTFT p50 ms", "ratio"], table, rows)
+    header = (
+        f"pagemesh up --cpu-bind BIND --omp-wait WAIT, SmolLM2-135M-Instruct fp32 over "
+        f"gRPC; {args.rounds} alternating rounds, medians; ratios: medians of per-round "
+        f"ratios to {modes[0]} (tok/s: above 1 is faster; ITL, TTFT: below 1 is faster). "
+        f"W64: {args.num_requests} x 128 prompt ids x {args.max_tokens} new, all at once; "
+        f"batch 1: {args.batch1_requests} requests one at a time. "
+        f"Command: `python -m bench.cpu_bind`."
+    )
+    table = [
+        [
+            row["variant"],
+            f"{row['w64_tok_s']:.1f}",
+            f"{row['w64_vs_first']:.2f}x",
+            f"{row['itl_p50_ms']:.1f}",
+            f"{row['itl_vs_first']:.2f}x",
+            f"{row['ttft_p50_ms']:.1f}",
+            f"{row['ttft_vs_first']:.2f}x",
+        ]
+        for row in rows
+    ]
+    write_results(
+        args.name,
+        header,
+        [
+            "BIND/WAIT",
+            "W64 tok/s",
+            "ratio",
+            "batch-1 ITL p50 ms",
+            "ratio",
+            "batch-1 TTFT p50 ms",
+            "ratio",
+        ],
+        table,
+        rows,
+    )
 
 
 if __name__ == "__main__":

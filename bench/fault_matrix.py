@@ -35,30 +35,64 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.faults.scenarios import SCENARIOS, Baseline, Scenario
-from bench.faults.targets import (HOST_TIER_DIR, RestartableValkey, Target, llava_images,
-                                  load_lora_at_run_time, start_mesh, start_partition_mesh,
-                                  start_pd_partition_mesh, write_llava_model,
-                                  write_lora_adapters, write_model, write_moe_model)
+from bench.faults.targets import (
+    HOST_TIER_DIR,
+    RestartableValkey,
+    Target,
+    llava_images,
+    load_lora_at_run_time,
+    start_mesh,
+    start_partition_mesh,
+    start_pd_partition_mesh,
+    write_llava_model,
+    write_lora_adapters,
+    write_model,
+    write_moe_model,
+)
 from bench.faults.workload import Clients, RequestResult, RequestSpec, plan
 from pagemesh.tools.testing.netns import namespaces_unavailable
 from protos.pagemesh.v1 import generate_pb2
 
 WATCH_TIMEOUT_S = 120.0
-SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-               "prompt_lookup_max": 3}
-COLUMNS = ["scenario", "requests sent", "failed", "resumed", "longest client stall, s",
-           "time to detect, s", "time to recover, s", "tokens identical", "JSON valid", "notes"]
+SPEC_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+COLUMNS = [
+    "scenario",
+    "requests sent",
+    "failed",
+    "resumed",
+    "longest client stall, s",
+    "time to detect, s",
+    "time to recover, s",
+    "tokens identical",
+    "JSON valid",
+    "notes",
+]
 # How each target is started, and how many ready workers it has at rest.
 TARGETS = {
     "single": ([], 1),
     "parallel": (["--tp", "2", "--pp", "2", "--standby", "1"], 4),
-    "prefill": (["--step-watchdog-s", "0.05", "--max-num-batched-tokens", "32768",
-                 "--no-enable-chunked-prefill"], 1),
+    "prefill": (
+        [
+            "--step-watchdog-s",
+            "0.05",
+            "--max-num-batched-tokens",
+            "32768",
+            "--no-enable-chunked-prefill",
+        ],
+        1,
+    ),
     "partition": ([], 2),
     # A mixture-of-experts model (bench.faults.targets.write_moe_model), its experts placed
     # whole on the two ranks: a rank's death takes half the experts with it.
-    "moe-ep": (["--tp", "2", "--enable-expert-parallel", "--eplb-interval-steps", "4",
-                "--standby", "1"], 2),
+    "moe-ep": (
+        ["--tp", "2", "--enable-expert-parallel", "--eplb-interval-steps", "4", "--standby", "1"],
+        2,
+    ),
     # A tiny LLaVA, every request with an image; prefills chunked through the images.
     "llava": (["--max-num-batched-tokens", "48"], 1),
     # Two LoRA adapters and the base in every step (one adapter loaded at run time).
@@ -98,11 +132,19 @@ class Row:
     def cells(self) -> list[str]:
         def seconds(value: float | None) -> str:
             return "—" if value is None else f"{value:.1f}"
-        return [self.scenario, str(self.sent), str(self.failed), str(self.resumed),
-                f"{self.longest_stall_s:.1f}", seconds(self.detect_s), seconds(self.recover_s),
-                "yes" if self.identical else "NO",
-                f"{self.constrained_valid}/{self.constrained_ended} of {self.constrained}",
-                self.notes]
+
+        return [
+            self.scenario,
+            str(self.sent),
+            str(self.failed),
+            str(self.resumed),
+            f"{self.longest_stall_s:.1f}",
+            seconds(self.detect_s),
+            seconds(self.recover_s),
+            "yes" if self.identical else "NO",
+            f"{self.constrained_valid}/{self.constrained_ended} of {self.constrained}",
+            self.notes,
+        ]
 
 
 class Watcher:
@@ -133,9 +175,15 @@ class Watcher:
         return None if at is None else at - self.started_at
 
 
-def run_scenario(target: Target, scenario: Scenario, clients: Clients,
-                 reference: list[RequestResult], num_clients: int, requests_per_client: int,
-                 max_tokens: int) -> Row:
+def run_scenario(
+    target: Target,
+    scenario: Scenario,
+    clients: Clients,
+    reference: list[RequestResult],
+    num_clients: int,
+    requests_per_client: int,
+    max_tokens: int,
+) -> Row:
     base = Baseline.of(target)
     action = scenario.prepare(target, base)
     watcher: list[Watcher] = []
@@ -158,22 +206,37 @@ def run_scenario(target: Target, scenario: Scenario, clients: Clients,
     failed = [r for r in run.results if r.error is not None]
     constrained = [r for r in run.results if r.spec.constrained]
     ended = [r for r in constrained if r.finish_reason == generate_pb2.FINISH_REASON_STOP]
-    return Row(scenario.name, target.name, len(run.results), len(failed),
-               sum(r.num_resumes > 0 for r in run.results),
-               max(r.longest_gap_s for r in run.results),
-               watcher[0].seconds(watcher[0].detected_at),
-               watcher[0].seconds(watcher[0].recovered_at),
-               all(r.same_as(ref) for r, ref in zip(run.results, reference)),
-               sum(r.schema_valid() for r in ended), len(ended), len(constrained),
-               "; ".join(n for n in (scenario.notes, *base.notes) if n),
-               [f"{r.spec.request_id}: {r.error}" for r in failed][:5])
+    return Row(
+        scenario.name,
+        target.name,
+        len(run.results),
+        len(failed),
+        sum(r.num_resumes > 0 for r in run.results),
+        max(r.longest_gap_s for r in run.results),
+        watcher[0].seconds(watcher[0].detected_at),
+        watcher[0].seconds(watcher[0].recovered_at),
+        all(r.same_as(ref) for r, ref in zip(run.results, reference)),
+        sum(r.schema_valid() for r in ended),
+        len(ended),
+        len(constrained),
+        "; ".join(n for n in (scenario.notes, *base.notes) if n),
+        [f"{r.spec.request_id}: {r.error}" for r in failed][:5],
+    )
 
 
-def target_plan(target: Target, num_clients: int, requests_per_client: int, max_tokens: int,
-                tag: str) -> list[list[RequestSpec]]:
+def target_plan(
+    target: Target, num_clients: int, requests_per_client: int, max_tokens: int, tag: str
+) -> list[list[RequestSpec]]:
     """The workload for `target`: its requests show its images, if it has any."""
-    return plan(num_clients, requests_per_client, max_tokens, tag, images=target.images,
-                image_token_id=target.image_token_id, adapters=target.adapters)
+    return plan(
+        num_clients,
+        requests_per_client,
+        max_tokens,
+        tag,
+        images=target.images,
+        image_token_id=target.image_token_id,
+        adapters=target.adapters,
+    )
 
 
 def start_target(name: str, model: Path, log_dir: Path) -> Target:
@@ -189,8 +252,9 @@ def start_target(name: str, model: Path, log_dir: Path) -> Target:
     if name == "lora":
         adapters = write_lora_adapters(model)
         extra = [*extra, "--lora-modules", f"sql={adapters['sql']}"]
-    target = start_mesh(name, model, log_dir, extra,
-                        RestartableValkey() if name == "parallel" else None)
+    target = start_mesh(
+        name, model, log_dir, extra, RestartableValkey() if name == "parallel" else None
+    )
     if name == "lora":
         load_lora_at_run_time(target, "late", adapters["late"])
         target.adapters = ("sql", "late")
@@ -209,22 +273,38 @@ def wait_ready(target: Target, timeout_s: float = 180) -> None:
         time.sleep(0.5)
 
 
-def run_matrix(scenarios: list[Scenario], num_clients: int, requests_per_client: int,
-               max_tokens: int, log_dir: Path, model: Path) -> list[Row]:
+def run_matrix(
+    scenarios: list[Scenario],
+    num_clients: int,
+    requests_per_client: int,
+    max_tokens: int,
+    log_dir: Path,
+    model: Path,
+) -> list[Row]:
     rows: list[Row] = []
     for target_name in dict.fromkeys(s.target for s in scenarios):
         target = start_target(target_name, model, log_dir)
         clients = Clients(target.address)
         try:
             wait_ready(target)
-            calm = clients.run(target_plan(target, num_clients, requests_per_client, max_tokens,
-                                           "calm")).results
+            calm = clients.run(
+                target_plan(target, num_clients, requests_per_client, max_tokens, "calm")
+            ).results
             errors = [r.error for r in calm if r.error]
             assert not errors, f"the undisturbed run failed: {errors[:3]}"
             for scenario in (s for s in scenarios if s.target == target_name):
                 wait_ready(target)
-                rows.append(run_scenario(target, scenario, clients, calm, num_clients,
-                                         requests_per_client, max_tokens))
+                rows.append(
+                    run_scenario(
+                        target,
+                        scenario,
+                        clients,
+                        calm,
+                        num_clients,
+                        requests_per_client,
+                        max_tokens,
+                    )
+                )
                 print(" | ".join(rows[-1].cells()), flush=True)
         finally:
             clients.close()
@@ -233,8 +313,11 @@ def run_matrix(scenarios: list[Scenario], num_clients: int, requests_per_client:
 
 
 def select(names: str | None) -> list[Scenario]:
-    scenarios = SCENARIOS if not names else [s for s in SCENARIOS
-                                              if s.name in names.split(",") or s.target in names.split(",")]
+    scenarios = (
+        SCENARIOS
+        if not names
+        else [s for s in SCENARIOS if s.name in names.split(",") or s.target in names.split(",")]
+    )
     why = namespaces_unavailable()
     if why is not None:
         print(f"skipping the partition scenarios: {why}")
@@ -243,25 +326,33 @@ def select(names: str | None) -> list[Scenario]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=4, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--scenarios", help="comma-separated scenario or mesh names (default: all)")
-    parser.add_argument("--name", default="fault_matrix",
-                        help="the results' file name in bench/results (a subset's own record)")
+    parser.add_argument(
+        "--name",
+        default="fault_matrix",
+        help="the results' file name in bench/results (a subset's own record)",
+    )
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="fault-matrix-"))
     model = write_model(Path(tempfile.mkdtemp(prefix="fault-matrix-model-")) / "tiny")
-    rows = run_matrix(select(args.scenarios), args.clients, args.requests, args.max_tokens,
-                      log_dir, model)
+    rows = run_matrix(
+        select(args.scenarios), args.clients, args.requests, args.max_tokens, log_dir, model
+    )
     write_results(
         args.name,
         f"Fault matrix: {args.clients} clients x {args.requests} streamed requests x "
         f"{args.max_tokens} tokens per scenario, tiny Llama, CPU (bench/fault_matrix.py); "
         f"logs in {log_dir}",
-        COLUMNS, [row.cells() for row in rows], [asdict(row) for row in rows])
+        COLUMNS,
+        [row.cells() for row in rows],
+        [asdict(row) for row in rows],
+    )
 
 
 if __name__ == "__main__":

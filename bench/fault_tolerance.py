@@ -27,7 +27,6 @@ from pathlib import Path
 import redis
 
 from bench.common import add_w64_workload_args, run_mesh, w64_workload, write_results
-from pagemesh.tools.mesh_process import Mesh, alive, greedy_request
 from pagemesh.runtime.ports import reserve_port
 from pagemesh.runtime.registry_entries import (
     GroupStatus,
@@ -36,15 +35,22 @@ from pagemesh.runtime.registry_entries import (
     WorkerStatus,
     entry_from_json,
 )
+from pagemesh.tools.mesh_process import Mesh, alive, greedy_request
 
 
 def start_mesh(model: str, name: str, redis_url: str, extra: list[str]) -> Mesh:
-    return Mesh(model, Path(tempfile.mkdtemp()) / f"{name}.log", redis_url=redis_url,
-                cluster=f"bench-{name}", extra_args=extra).wait_ready()
+    return Mesh(
+        model,
+        Path(tempfile.mkdtemp()) / f"{name}.log",
+        redis_url=redis_url,
+        cluster=f"bench-{name}",
+        extra_args=extra,
+    ).wait_ready()
 
 
-def registered(redis_url: str, cluster: str, kind: str,
-               timeout_s: float = 120) -> SchedulerEntry | WorkerEntry:
+def registered(
+    redis_url: str, cluster: str, kind: str, timeout_s: float = 120
+) -> SchedulerEntry | WorkerEntry:
     """The registry entry of a live, ready `kind` process, "worker" or "scheduler" (a killed
     one's entry outlives it by a TTL, so entries whose pid is gone or a zombie are skipped)."""
     client = redis.Redis.from_url(redis_url)
@@ -62,8 +68,14 @@ def registered(redis_url: str, cluster: str, kind: str,
         client.close()
 
 
-def checkpoint_cost(model: str, redis_url: str, intervals: list[int], prompts: list[list[int]],
-                    max_tokens: int, rounds: int) -> list[dict]:
+def checkpoint_cost(
+    model: str,
+    redis_url: str,
+    intervals: list[int],
+    prompts: list[list[int]],
+    max_tokens: int,
+    rounds: int,
+) -> list[dict]:
     """Each round starts one mesh per setting in turn (only one alive at a time: idle
     meshes on the same cores skew each other), warms it up and runs the workload."""
     rates: dict[int, list[float]] = {i: [] for i in [0, *intervals]}
@@ -75,20 +87,29 @@ def checkpoint_cost(model: str, redis_url: str, intervals: list[int], prompts: l
             try:
                 run_mesh(mesh, prompts[:4], 8, 4)  # warm-up
                 rates[interval].append(
-                    run_mesh(mesh, prompts, max_tokens, len(prompts)).output_tokens_per_s)
+                    run_mesh(mesh, prompts, max_tokens, len(prompts)).output_tokens_per_s
+                )
                 info = registered(redis_url, f"bench-{name}", "scheduler")
                 for key in ("checkpoint_writes", "checkpoint_write_s", "num_steps"):
                     stats.setdefault(interval, {}).setdefault(key, []).append(getattr(info, key))
             finally:
                 mesh.stop()
-    return [{"interval": i, "tok_s": statistics.median(r), "runs": r,
-             "writes": statistics.median(stats[i]["checkpoint_writes"]),
-             "write_s": statistics.median(stats[i]["checkpoint_write_s"]),
-             "steps": statistics.median(stats[i]["num_steps"])} for i, r in rates.items()]
+    return [
+        {
+            "interval": i,
+            "tok_s": statistics.median(r),
+            "runs": r,
+            "writes": statistics.median(stats[i]["checkpoint_writes"]),
+            "write_s": statistics.median(stats[i]["checkpoint_write_s"]),
+            "steps": statistics.median(stats[i]["num_steps"]),
+        }
+        for i, r in rates.items()
+    ]
 
 
-def checkpoint_cpu_ms_per_step(redis_url: str, interval: int, num_requests: int,
-                               prompt_len: int, num_steps: int) -> float:
+def checkpoint_cpu_ms_per_step(
+    redis_url: str, interval: int, num_requests: int, prompt_len: int, num_steps: int
+) -> float:
     """The scheduler process's CPU time that checkpointing adds per decode step, measured
     in-process with the scheduler's own Checkpointer against the same Valkey: every step
     records one token per request, every `interval` steps the changed records are written.
@@ -106,8 +127,10 @@ def checkpoint_cpu_ms_per_step(redis_url: str, interval: int, num_requests: int,
         ckpt = Checkpointer(CheckpointStore(client, "bench-cpu"), "g0", interval, 60)
         submit = bytes(4 * prompt_len)  # a SubmitRequest of this many prompt ids, roughly
         # The engine loop's events exist anyway: built before the clock starts.
-        events = [[RequestEvent(f"r{i}", (SampledToken(step),)) for i in range(num_requests)]
-                  for step in range(num_steps)]
+        events = [
+            [RequestEvent(f"r{i}", (SampledToken(step),)) for i in range(num_requests)]
+            for step in range(num_steps)
+        ]
         start = time.process_time()
         for i in range(num_requests):
             ckpt.track(f"r{i}", submit, [SampleState()])
@@ -127,8 +150,9 @@ def checkpoint_cpu_ms_per_step(redis_url: str, interval: int, num_requests: int,
     return asyncio.run(run())
 
 
-def recovery_s(mesh: Mesh, redis_url: str, cluster: str, kind: str,
-               prompts: list[list[int]], max_tokens: int) -> float:
+def recovery_s(
+    mesh: Mesh, redis_url: str, cluster: str, kind: str, prompts: list[list[int]], max_tokens: int
+) -> float:
     """Streams all prompts, kills the `kind` process once tokens flow, and returns the
     longest pause in the token flow (all streams together) after the kill: what clients
     wait from the last token before the failure to the first one after recovery."""
@@ -161,10 +185,13 @@ def recovery_s(mesh: Mesh, redis_url: str, cluster: str, kind: str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_w64_workload_args(parser)
-    parser.add_argument("--intervals", default="16,1", help="checkpoint intervals to compare with off")
+    parser.add_argument(
+        "--intervals", default="16,1", help="checkpoint intervals to compare with off"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kills", type=int, default=3, help="kills per kind of process")
     args = parser.parse_args()
@@ -175,43 +202,82 @@ def main() -> None:
     valkey.start()
     try:
         intervals = [int(i) for i in args.intervals.split(",")]
-        cost = checkpoint_cost(model, valkey.connection_url, intervals, prompts,
-                               args.max_tokens, args.rounds)
+        cost = checkpoint_cost(
+            model, valkey.connection_url, intervals, prompts, args.max_tokens, args.rounds
+        )
         for row in cost:
-            row["cpu_ms_per_step"] = (checkpoint_cpu_ms_per_step(
-                valkey.connection_url, row["interval"], args.num_requests, args.prompt_len,
-                args.max_tokens) if row["interval"] else 0.0)
+            row["cpu_ms_per_step"] = (
+                checkpoint_cpu_ms_per_step(
+                    valkey.connection_url,
+                    row["interval"],
+                    args.num_requests,
+                    args.prompt_len,
+                    args.max_tokens,
+                )
+                if row["interval"]
+                else 0.0
+            )
         recovery: dict[str, list[float]] = {}
-        for name, extra, kinds in (("recovery", [], ("worker", "scheduler")),
-                                   ("standby", ["--standby", "1"], ("worker",))):
+        for name, extra, kinds in (
+            ("recovery", [], ("worker", "scheduler")),
+            ("standby", ["--standby", "1"], ("worker",)),
+        ):
             if not args.kills:
                 break
             mesh = start_mesh(model, name, valkey.connection_url, extra)
             try:
                 for kind in kinds:
                     label = f"{kind} ({' '.join(extra)})" if extra else kind
-                    recovery[label] = [recovery_s(mesh, valkey.connection_url, f"bench-{name}",
-                                                  kind, prompts[:16], 64)
-                                       for _ in range(args.kills)]
+                    recovery[label] = [
+                        recovery_s(
+                            mesh, valkey.connection_url, f"bench-{name}", kind, prompts[:16], 64
+                        )
+                        for _ in range(args.kills)
+                    ]
             finally:
                 mesh.stop()
     finally:
         valkey.stop()
     off = next(r["tok_s"] for r in cost if r["interval"] == 0)
-    rows = [[f"checkpoints every {r['interval']} steps" if r["interval"] else "checkpoints off",
-             f"{r['tok_s']:.1f}", f"{r['tok_s'] / off:.3f}x", f"{r['writes']:.0f}",
-             f"{1000 * r['write_s']:.1f}", f"{r['steps']:.0f}",
-             f"{r['cpu_ms_per_step']:.3f}"] for r in cost]
-    rows += [[f"SIGKILL {kind}: longest token pause, s (median of {len(times)})",
-              f"{statistics.median(times):.2f}", "", "", "", "", ""]
-             for kind, times in recovery.items()]
+    rows = [
+        [
+            f"checkpoints every {r['interval']} steps" if r["interval"] else "checkpoints off",
+            f"{r['tok_s']:.1f}",
+            f"{r['tok_s'] / off:.3f}x",
+            f"{r['writes']:.0f}",
+            f"{1000 * r['write_s']:.1f}",
+            f"{r['steps']:.0f}",
+            f"{r['cpu_ms_per_step']:.3f}",
+        ]
+        for r in cost
+    ]
+    rows += [
+        [
+            f"SIGKILL {kind}: longest token pause, s (median of {len(times)})",
+            f"{statistics.median(times):.2f}",
+            "",
+            "",
+            "",
+            "",
+            "",
+        ]
+        for kind, times in recovery.items()
+    ]
     write_results(
         "fault_tolerance",
         f"Fault tolerance, {args.num_requests} requests x {args.prompt_len}+{args.max_tokens} "
         f"tokens at once, W64 model, CPU (bench/fault_tolerance.py)",
-        ["run", "output tok/s", "vs off", "records written", "write ms (sum)", "steps",
-         "checkpoint CPU ms/step (in-process)"],
-        rows, {"checkpoints": cost, "recovery_s": recovery},
+        [
+            "run",
+            "output tok/s",
+            "vs off",
+            "records written",
+            "write ms (sum)",
+            "steps",
+            "checkpoint CPU ms/step (in-process)",
+        ],
+        rows,
+        {"checkpoints": cost, "recovery_s": recovery},
     )
 
 

@@ -31,26 +31,46 @@ def default_gguf() -> Path:
 
 def measure(keep: bool) -> dict:
     """Runs in the child process."""
-    from worker_svc.runner import ModelRunner, RunnerConfig
     from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+    from worker_svc.runner import ModelRunner, RunnerConfig
 
-    runner = ModelRunner.from_config(RunnerConfig(model_path=str(default_gguf()), num_blocks=16,
-                                                  gguf_keep_quantized=keep))
-    rss = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text()
-               .splitlines() if line.startswith("VmRSS"))
+    runner = ModelRunner.from_config(
+        RunnerConfig(model_path=str(default_gguf()), num_blocks=16, gguf_keep_quantized=keep)
+    )
+    rss = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("VmRSS")
+    )
     prompt = list(range(100, 132))
-    out = runner.execute_step(SchedulerOutput(0, new_requests=[NewRequestData(
-        "r", prompt, len(prompt), list(range(16)), 0, SamplingParams(temperature=0.0))],
-        num_scheduled_tokens={"r": len(prompt)}))
+    out = runner.execute_step(
+        SchedulerOutput(
+            0,
+            new_requests=[
+                NewRequestData(
+                    "r", prompt, len(prompt), list(range(16)), 0, SamplingParams(temperature=0.0)
+                )
+            ],
+            num_scheduled_tokens={"r": len(prompt)},
+        )
+    )
     start = time.perf_counter()
     for step in range(1, 33):
         token = out.sampled["r"].token_id
-        out = runner.execute_step(SchedulerOutput(step, cached_requests=[
-            CachedRequestData("r", [], len(prompt) + step - 1, [token])],
-            num_scheduled_tokens={"r": 1}))
+        out = runner.execute_step(
+            SchedulerOutput(
+                step,
+                cached_requests=[CachedRequestData("r", [], len(prompt) + step - 1, [token])],
+                num_scheduled_tokens={"r": 1},
+            )
+        )
     info = runner.info()
-    return {"quantization": info.quantization, "weight_bytes": info.weight_bytes,
-            "rss_bytes": rss, "step_ms": (time.perf_counter() - start) / 32 * 1000}
+    return {
+        "quantization": info.quantization,
+        "weight_bytes": info.weight_bytes,
+        "rss_bytes": rss,
+        "step_ms": (time.perf_counter() - start) / 32 * 1000,
+    }
 
 
 def main() -> None:
@@ -60,16 +80,32 @@ def main() -> None:
     rows, data = [], {}
     for mode in ("dequantize at load (default)", "--gguf-keep-quantized"):
         arg = "keep" if mode.startswith("--") else "plain"
-        output = subprocess.run([sys.executable, "-m", "bench.gguf_memory", "--child", arg],
-                                cwd=REPO_ROOT, check=True, capture_output=True, text=True)
+        output = subprocess.run(
+            [sys.executable, "-m", "bench.gguf_memory", "--child", arg],
+            cwd=REPO_ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         result = json.loads(output.stdout.strip().splitlines()[-1])
         data[arg] = result
-        rows.append([mode, result["quantization"], f"{result['weight_bytes'] / MIB:,.1f}",
-                     f"{result['rss_bytes'] / MIB:,.0f}", f"{result['step_ms']:.1f}"])
-    write_results("gguf_memory", "Default model (SmolLM2-135M Q4_1 GGUF), fp32 activations, "
-                  "one ModelRunner (`python -m bench.gguf_memory`)",
-                  ["mode", "quantization", "weights MiB", "RSS after load MiB",
-                   "decode ms/step (1 request)"], rows, data)
+        rows.append(
+            [
+                mode,
+                result["quantization"],
+                f"{result['weight_bytes'] / MIB:,.1f}",
+                f"{result['rss_bytes'] / MIB:,.0f}",
+                f"{result['step_ms']:.1f}",
+            ]
+        )
+    write_results(
+        "gguf_memory",
+        "Default model (SmolLM2-135M Q4_1 GGUF), fp32 activations, "
+        "one ModelRunner (`python -m bench.gguf_memory`)",
+        ["mode", "quantization", "weights MiB", "RSS after load MiB", "decode ms/step (1 request)"],
+        rows,
+        data,
+    )
 
 
 if __name__ == "__main__":

@@ -21,9 +21,17 @@ from bench.gpu_moe_check import timed_ms
 from kernels.lora import lora_grouped_, lora_reference_
 
 # (name, in, out): SmolLM2-135M's q|k|v and down; a 7B model's q|k|v and gate|up.
-FULL = dict(shapes=[("135M qkv", 576, 960), ("135M down", 1536, 576),
-                    ("7B qkv", 4096, 12288), ("7B gate_up", 4096, 22016)],
-            rows=(1, 64, 512), slots=8, rank=16)
+FULL = dict(
+    shapes=[
+        ("135M qkv", 576, 960),
+        ("135M down", 1536, 576),
+        ("7B qkv", 4096, 12288),
+        ("7B gate_up", 4096, 22016),
+    ],
+    rows=(1, 64, 512),
+    slots=8,
+    rank=16,
+)
 SMALL = dict(shapes=[("tiny", 64, 96)], rows=(1, 9), slots=3, rank=4)
 
 
@@ -62,26 +70,57 @@ def main() -> None:
             lora_reference_(reference, x, lora_a, lora_bt, slots)
             diff = float((ours.float() - reference.float()).abs().max())
             out = base.clone()
-            triton_ms = timed_ms(lambda: lora_triton_(out, x, lora_a, lora_bt, slots), device,
-                                 args.reps)
-            grouped_ms = timed_ms(lambda: lora_grouped_(out, x, lora_a, lora_bt, slots),
-                                  device, args.reps)
+            triton_ms = timed_ms(
+                lambda: lora_triton_(out, x, lora_a, lora_bt, slots), device, args.reps
+            )
+            grouped_ms = timed_ms(
+                lambda: lora_grouped_(out, x, lora_a, lora_bt, slots), device, args.reps
+            )
             base_ms = timed_ms(lambda: x @ weight.T, device, args.reps)
-            rows_out.append(dict(shape=name, rows=n, max_abs_diff=diff, triton_ms=triton_ms,
-                                 grouped_ms=grouped_ms, base_matmul_ms=base_ms))
-            table.append([name, str(n), f"{diff:.2e}", f"{triton_ms:.4f}", f"{grouped_ms:.4f}",
-                          f"{base_ms:.4f}", f"{grouped_ms / triton_ms:.2f}x",
-                          f"{triton_ms / base_ms:.2f}"])
+            rows_out.append(
+                dict(
+                    shape=name,
+                    rows=n,
+                    max_abs_diff=diff,
+                    triton_ms=triton_ms,
+                    grouped_ms=grouped_ms,
+                    base_matmul_ms=base_ms,
+                )
+            )
+            table.append(
+                [
+                    name,
+                    str(n),
+                    f"{diff:.2e}",
+                    f"{triton_ms:.4f}",
+                    f"{grouped_ms:.4f}",
+                    f"{base_ms:.4f}",
+                    f"{grouped_ms / triton_ms:.2f}x",
+                    f"{triton_ms / base_ms:.2f}",
+                ]
+            )
             print(table[-1], flush=True)
     name = "gpu_lora_check_small" if args.small else "gpu_lora_check"
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (interpreter)"
-    write_results(name, f"Triton LoRA (SGMV shrink + expand) on {where}, {s} adapters of "
-                  f"rank {r}, every ninth row on the base, {str(dtype).removeprefix('torch.')}; "
-                  "against kernels.lora.lora_grouped_ on the same device, and the base "
-                  "layer's matmul. Command: `python -m bench.gpu_lora_check`.",
-                  ["shape", "rows", "max |diff| vs fp32 reference", "Triton ms",
-                   "torch grouped ms", "base matmul ms", "speed-up", "LoRA / base"],
-                  table, rows_out)
+    write_results(
+        name,
+        f"Triton LoRA (SGMV shrink + expand) on {where}, {s} adapters of "
+        f"rank {r}, every ninth row on the base, {str(dtype).removeprefix('torch.')}; "
+        "against kernels.lora.lora_grouped_ on the same device, and the base "
+        "layer's matmul. Command: `python -m bench.gpu_lora_check`.",
+        [
+            "shape",
+            "rows",
+            "max |diff| vs fp32 reference",
+            "Triton ms",
+            "torch grouped ms",
+            "base matmul ms",
+            "speed-up",
+            "LoRA / base",
+        ],
+        table,
+        rows_out,
+    )
 
 
 if __name__ == "__main__":

@@ -59,27 +59,41 @@ def main() -> None:
     rows, table = [], []
     for tokens in shape["tokens"]:
         x = torch.randn(tokens, h, generator=g).to(device, dtype)
-        weights, ids = moe_kernels.route(torch.randn(tokens, e, generator=g).to(device),
-                                         shape["top_k"], True, dtype)
+        weights, ids = moe_kernels.route(
+            torch.randn(tokens, e, generator=g).to(device), shape["top_k"], True, dtype
+        )
         ours = fused_experts_triton(x, w13, w2, weights, ids)
         torch_path = moe_kernels.fused_experts(x, w13, w2, weights, ids)
         diff = float((ours.float() - torch_path.float()).abs().max())
-        triton_ms = timed_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids), device,
-                             args.reps)
-        torch_ms = timed_ms(lambda: moe_kernels.fused_experts(x, w13, w2, weights, ids),
-                            device, args.reps)
-        rows.append(dict(tokens=tokens, max_abs_diff=diff, triton_ms=triton_ms,
-                         torch_ms=torch_ms))
-        table.append([str(tokens), f"{diff:.2e}", f"{triton_ms:.3f}", f"{torch_ms:.3f}",
-                      f"{torch_ms / triton_ms:.2f}x"])
+        triton_ms = timed_ms(
+            lambda: fused_experts_triton(x, w13, w2, weights, ids), device, args.reps
+        )
+        torch_ms = timed_ms(
+            lambda: moe_kernels.fused_experts(x, w13, w2, weights, ids), device, args.reps
+        )
+        rows.append(dict(tokens=tokens, max_abs_diff=diff, triton_ms=triton_ms, torch_ms=torch_ms))
+        table.append(
+            [
+                str(tokens),
+                f"{diff:.2e}",
+                f"{triton_ms:.3f}",
+                f"{torch_ms:.3f}",
+                f"{torch_ms / triton_ms:.2f}x",
+            ]
+        )
         print(table[-1], flush=True)
     name = "gpu_moe_check_small" if args.small else "gpu_moe_check"
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (interpreter)"
-    write_results(name, f"Triton fused MoE on {where}, {e} experts top-{shape['top_k']}, "
-                  f"hidden {h}, intermediate {i}, {str(dtype).removeprefix('torch.')}; "
-                  "against kernels.moe.fused_experts on the same device. Command: `python -m "
-                  "bench.gpu_moe_check`.",
-                  ["tokens", "max |diff|", "Triton ms", "torch path ms", "speed-up"], table, rows)
+    write_results(
+        name,
+        f"Triton fused MoE on {where}, {e} experts top-{shape['top_k']}, "
+        f"hidden {h}, intermediate {i}, {str(dtype).removeprefix('torch.')}; "
+        "against kernels.moe.fused_experts on the same device. Command: `python -m "
+        "bench.gpu_moe_check`.",
+        ["tokens", "max |diff|", "Triton ms", "torch path ms", "speed-up"],
+        table,
+        rows,
+    )
 
 
 if __name__ == "__main__":

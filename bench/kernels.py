@@ -102,8 +102,9 @@ def sdpa(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return out[:, :, 0]
 
 
-def measure(batch: int, context: int, dtype_name: str, args: argparse.Namespace,
-            peak: float | None) -> Row:
+def measure(
+    batch: int, context: int, dtype_name: str, args: argparse.Namespace, peak: float | None
+) -> Row:
     import triton.testing
 
     from kernels.attention import paged_attention_planned, plan_attention
@@ -111,65 +112,94 @@ def measure(batch: int, context: int, dtype_name: str, args: argparse.Namespace,
 
     dtype = DTYPES[dtype_name]
     query, k_cache, v_cache, block_tables, seq_lens, starts = paged_inputs(
-        batch, context, args, dtype)
+        batch, context, args, dtype
+    )
     scale = args.head_dim**-0.5
-    plan = plan_attention(seq_lens, starts, num_tokens=batch, block_tables=block_tables,
-                          block_size=args.block_size)
+    plan = plan_attention(
+        seq_lens, starts, num_tokens=batch, block_tables=block_tables, block_size=args.block_size
+    )
 
     def run_triton() -> torch.Tensor:
-        return paged_attention_planned(query, k_cache, v_cache, block_tables, seq_lens, starts,
-                                       scale, plan)
+        return paged_attention_planned(
+            query, k_cache, v_cache, block_tables, seq_lens, starts, scale, plan
+        )
 
     k_dense = gather(k_cache, block_tables, context)
     v_dense = gather(v_cache, block_tables, context)
-    max_abs_err = float((run_triton().float() - sdpa(query, k_dense, v_dense, scale).float())
-                        .abs().max())
+    max_abs_err = float(
+        (run_triton().float() - sdpa(query, k_dense, v_dense, scale).float()).abs().max()
+    )
     bench = lambda fn: triton.testing.do_bench(fn, return_mode="median")  # noqa: E731
     triton_ms = bench(run_triton)
     sdpa_ms = bench(lambda: sdpa(query, k_dense, v_dense, scale))
-    gather_sdpa_ms = bench(lambda: sdpa(query, gather(k_cache, block_tables, context),
-                                        gather(v_cache, block_tables, context), scale))
+    gather_sdpa_ms = bench(
+        lambda: sdpa(
+            query,
+            gather(k_cache, block_tables, context),
+            gather(v_cache, block_tables, context),
+            scale,
+        )
+    )
     element = query.element_size()
     kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * element
     total_bytes = kv_bytes + 2 * query.numel() * element  # + query read, output written
     partition_size = choose_partition_size(context, batch, args.num_kv_heads)
     gbps = lambda ms: total_bytes / (ms * 1e-3) / 1e9  # noqa: E731
     return Row(
-        dtype=dtype_name, batch=batch, context_tokens=context,
+        dtype=dtype_name,
+        batch=batch,
+        context_tokens=context,
         num_partitions=1 if partition_size is None else -(-context // partition_size),
-        triton_us=1e3 * triton_ms, triton_gbps=gbps(triton_ms),
+        triton_us=1e3 * triton_ms,
+        triton_gbps=gbps(triton_ms),
         triton_peak_pct=float("nan") if peak is None else 100 * gbps(triton_ms) / peak,
-        sdpa_us=1e3 * sdpa_ms, sdpa_gbps=gbps(sdpa_ms), gather_sdpa_us=1e3 * gather_sdpa_ms,
-        speedup_vs_gather_sdpa=gather_sdpa_ms / triton_ms, max_abs_err=max_abs_err,
+        sdpa_us=1e3 * sdpa_ms,
+        sdpa_gbps=gbps(sdpa_ms),
+        gather_sdpa_us=1e3 * gather_sdpa_ms,
+        speedup_vs_gather_sdpa=gather_sdpa_ms / triton_ms,
+        max_abs_err=max_abs_err,
     )
 
 
 def markdown(rows: list[Row], header: str) -> str:
-    lines = [header, "",
-             "| dtype | batch | context | partitions | Triton µs | Triton GB/s | % of peak "
-             "| SDPA µs | SDPA GB/s | gather+SDPA µs | Triton vs gather+SDPA | max abs err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| dtype | batch | context | partitions | Triton µs | Triton GB/s | % of peak "
+        "| SDPA µs | SDPA GB/s | gather+SDPA µs | Triton vs gather+SDPA | max abs err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r.dtype} | {r.batch} | {r.context_tokens} | {r.num_partitions} "
             f"| {r.triton_us:.1f} | {r.triton_gbps:.0f} | {r.triton_peak_pct:.0f}% "
             f"| {r.sdpa_us:.1f} | {r.sdpa_gbps:.0f} | {r.gather_sdpa_us:.1f} "
-            f"| {r.speedup_vs_gather_sdpa:.2f}x | {r.max_abs_err:.1e} |")
+            f"| {r.speedup_vs_gather_sdpa:.2f}x | {r.max_abs_err:.1e} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 16384],
-                        help="context tokens per sequence")
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[512, 4096, 16384],
+        help="context tokens per sequence",
+    )
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--peak-gbps", type=float, default=None,
-                        help="the device's peak memory bandwidth in GB/s (default: PEAK_GBPS)")
+    parser.add_argument(
+        "--peak-gbps",
+        type=float,
+        default=None,
+        help="the device's peak memory bandwidth in GB/s (default: PEAK_GBPS)",
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     return parser.parse_args()
 
@@ -177,8 +207,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
-                 "the kernels' correctness tests run on CPU: pytest tests/kernels")
+        sys.exit(
+            "bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "the kernels' correctness tests run on CPU: pytest tests/kernels"
+        )
     device_name = torch.cuda.get_device_name(0)
     peak = peak_gbps(device_name, args.peak_gbps)
     rows = []
@@ -190,17 +222,29 @@ def main() -> None:
                 torch.cuda.empty_cache()
     machine = machine_record()
     peak_text = "unknown (pass --peak-gbps)" if peak is None else f"{peak:.0f} GB/s"
-    header = (f"Paged decode attention on {device_name} (peak {peak_text}): {args.num_heads} "
-              f"heads / {args.num_kv_heads} KV heads x {args.head_dim}, blocks of "
-              f"{args.block_size} tokens; medians of triton.testing.do_bench.")
+    header = (
+        f"Paged decode attention on {device_name} (peak {peak_text}): {args.num_heads} "
+        f"heads / {args.num_kv_heads} KV heads x {args.head_dim}, blocks of "
+        f"{args.block_size} tokens; medians of triton.testing.do_bench."
+    )
     table = markdown(rows, f"{header}\n\n{machine_markdown(machine)}")
     print("\n" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "kernels.md").write_text(table)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    (args.out_dir / "kernels.json").write_text(json.dumps(
-        {"device": device_name, "machine": machine, "peak_gbps": peak, "config": config,
-         "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    (args.out_dir / "kernels.json").write_text(
+        json.dumps(
+            {
+                "device": device_name,
+                "machine": machine,
+                "peak_gbps": peak,
+                "config": config,
+                "rows": [asdict(r) for r in rows],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

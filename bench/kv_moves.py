@@ -57,27 +57,38 @@ def decode_counters(redis_url: str) -> dict[str, int]:
     time.sleep(2.5)  # a heartbeat publishes them
     client = redis.Redis.from_url(redis_url)
     try:
-        found = [json.loads(client.get(key) or b"{}")
-                 for key in client.scan_iter(f"{CLUSTER}:scheduler:*")]
+        found = [
+            json.loads(client.get(key) or b"{}")
+            for key in client.scan_iter(f"{CLUSTER}:scheduler:*")
+        ]
     finally:
         client.close()
     decode = next(e for e in found if e.get("role") == "decode")
-    return {k: decode.get(k, 0) for k in ("kv_imports_pulled", "kv_imports_failed",
-                                          "kv_bytes_pulled", "kv_blocks_pulled",
-                                          "num_recomputed_tokens")}
+    return {
+        k: decode.get(k, 0)
+        for k in (
+            "kv_imports_pulled",
+            "kv_imports_failed",
+            "kv_bytes_pulled",
+            "kv_blocks_pulled",
+            "num_recomputed_tokens",
+        )
+    }
 
 
 def registry(redis_url: str, cluster: str, kind: str) -> list[dict]:
     client = redis.Redis.from_url(redis_url)
     try:
-        return [json.loads(client.get(key) or b"{}")
-                for key in client.scan_iter(f"{cluster}:{kind}:*")]
+        return [
+            json.loads(client.get(key) or b"{}") for key in client.scan_iter(f"{cluster}:{kind}:*")
+        ]
     finally:
         client.close()
 
 
-def kill_during_decode(mesh: Mesh, cluster: str, prompt: list[int], max_tokens: int
-                       ) -> dict[str, float]:
+def kill_during_decode(
+    mesh: Mesh, cluster: str, prompt: list[int], max_tokens: int
+) -> dict[str, float]:
     """Streams the prompt, kills the group's worker 1 s into its decode; returns the stall
     the client saw, the worker's restart time, and the tokens recomputed."""
     import os
@@ -102,50 +113,83 @@ def kill_during_decode(mesh: Mesh, cluster: str, prompt: list[int], max_tokens: 
     os.kill(worker["pid"], signal.SIGKILL)
     restarted_at = None
     while restarted_at is None:
-        ready = [w for w in registry(mesh.redis_url, cluster, "worker")
-                 if w.get("pid") != worker["pid"] and w.get("status") == "ready"]
+        ready = [
+            w
+            for w in registry(mesh.redis_url, cluster, "worker")
+            if w.get("pid") != worker["pid"] and w.get("status") == "ready"
+        ]
         restarted_at = time.perf_counter() if ready else None
         time.sleep(0.02)
     done.join()
     gaps = [b - a for a, b in zip(times, times[1:]) if b > killed_at]
     time.sleep(2.5)  # a heartbeat publishes the counters
     entry = registry(mesh.redis_url, cluster, "scheduler")[0]
-    return {"stall_s": max(gaps), "restart_s": restarted_at - killed_at,
-            "recomputed_tokens": entry.get("num_recomputed_tokens", 0) - before,
-            "tier_loads": entry.get("kv_tier_loads", 0)}
+    return {
+        "stall_s": max(gaps),
+        "restart_s": restarted_at - killed_at,
+        "recomputed_tokens": entry.get("num_recomputed_tokens", 0) - before,
+        "tier_loads": entry.get("kv_tier_loads", 0),
+    }
 
 
 def worker_kill(args: argparse.Namespace) -> None:
     rows, data = [], {}
     for tier in (True, False):
         cluster = f"{CLUSTER}-kill-{'tier' if tier else 'none'}"
-        mesh = Mesh(None, Path(tempfile.mkdtemp()) / f"{cluster}.log", cluster=cluster,
-                    extra_args=["--dtype", args.dtype, "--http-port", "0",
-                                *(["--host-tier-gib", "1"] if tier else [])])
+        mesh = Mesh(
+            None,
+            Path(tempfile.mkdtemp()) / f"{cluster}.log",
+            cluster=cluster,
+            extra_args=[
+                "--dtype",
+                args.dtype,
+                "--http-port",
+                "0",
+                *(["--host-tier-gib", "1"] if tier else []),
+            ],
+        )
         try:
             mesh.wait_ready(600)
             stream_times(mesh, list(range(100, 164)), 4)
             rng = random.Random(1)
-            runs = [kill_during_decode(mesh, cluster, [rng.randrange(200, 48000)
-                                                       for _ in range(args.prompt_tokens)], 400)
-                    for _ in range(args.rounds)]
+            runs = [
+                kill_during_decode(
+                    mesh,
+                    cluster,
+                    [rng.randrange(200, 48000) for _ in range(args.prompt_tokens)],
+                    400,
+                )
+                for _ in range(args.rounds)
+            ]
         finally:
             mesh.stop()
         name = "host tier" if tier else "no tier (recompute)"
         data[name] = runs
         for run in runs:
-            rows.append([name, f"{run['restart_s']:.2f}", f"{run['stall_s']:.2f}",
-                         f"{run['stall_s'] / run['restart_s']:.2f}",
-                         str(run["recomputed_tokens"])])
-    header = (f"## A worker killed (-9) during a {args.prompt_tokens}-token request's decode, "
-              f"with and without the host tier ({args.dtype})\n\n`python -m bench.kv_moves "
-              f"--worker-kill --prompt-tokens {args.prompt_tokens}`: one group, one CPU "
-              "worker, SmolLM2-135M-Instruct; `pagemesh up` restarts the worker. Restart = "
-              "kill to the new worker ready; stall = the client's longest gap between two "
-              "tokens; recomputed = tokens the group computed again.")
-    write_results(f"{args.name}_worker_kill", header,
-                  ["tier", "restart s", "stall s", "stall / restart", "recomputed tokens"],
-                  rows, data)
+            rows.append(
+                [
+                    name,
+                    f"{run['restart_s']:.2f}",
+                    f"{run['stall_s']:.2f}",
+                    f"{run['stall_s'] / run['restart_s']:.2f}",
+                    str(run["recomputed_tokens"]),
+                ]
+            )
+    header = (
+        f"## A worker killed (-9) during a {args.prompt_tokens}-token request's decode, "
+        f"with and without the host tier ({args.dtype})\n\n`python -m bench.kv_moves "
+        f"--worker-kill --prompt-tokens {args.prompt_tokens}`: one group, one CPU "
+        "worker, SmolLM2-135M-Instruct; `pagemesh up` restarts the worker. Restart = "
+        "kill to the new worker ready; stall = the client's longest gap between two "
+        "tokens; recomputed = tokens the group computed again."
+    )
+    write_results(
+        f"{args.name}_worker_kill",
+        header,
+        ["tier", "restart s", "stall s", "stall / restart", "recomputed tokens"],
+        rows,
+        data,
+    )
 
 
 def main() -> None:
@@ -159,9 +203,21 @@ def main() -> None:
     if args.worker_kill:
         worker_kill(args)
         return
-    mesh = Mesh(None, Path(tempfile.mkdtemp()) / "kv-moves.log", cluster=CLUSTER,
-                extra_args=["--prefill-replicas", "1", "--decode-replicas", "1",
-                            "--dtype", args.dtype, "--http-port", "0"])
+    mesh = Mesh(
+        None,
+        Path(tempfile.mkdtemp()) / "kv-moves.log",
+        cluster=CLUSTER,
+        extra_args=[
+            "--prefill-replicas",
+            "1",
+            "--decode-replicas",
+            "1",
+            "--dtype",
+            args.dtype,
+            "--http-port",
+            "0",
+        ],
+    )
     rows, data = [], []
     try:
         mesh.wait_ready(600)
@@ -175,11 +231,26 @@ def main() -> None:
             recompute_s, move_gap_s = times[0], gaps[0]
             decode_s = statistics.median(gaps[1:])
             move_s = max(move_gap_s - decode_s, 1e-6)
-            data.append({"round": round_, "recompute_s": recompute_s, "move_gap_s": move_gap_s,
-                         "decode_step_s": decode_s, "move_s": move_s})
-            rows.append([str(round_), f"{recompute_s * 1000:.0f}", f"{move_gap_s * 1000:.1f}",
-                         f"{decode_s * 1000:.1f}", f"{move_s * 1000:.1f}",
-                         f"{recompute_s / move_gap_s:.1f}x", f"{recompute_s / move_s:.1f}x"])
+            data.append(
+                {
+                    "round": round_,
+                    "recompute_s": recompute_s,
+                    "move_gap_s": move_gap_s,
+                    "decode_step_s": decode_s,
+                    "move_s": move_s,
+                }
+            )
+            rows.append(
+                [
+                    str(round_),
+                    f"{recompute_s * 1000:.0f}",
+                    f"{move_gap_s * 1000:.1f}",
+                    f"{decode_s * 1000:.1f}",
+                    f"{move_s * 1000:.1f}",
+                    f"{recompute_s / move_gap_s:.1f}x",
+                    f"{recompute_s / move_s:.1f}x",
+                ]
+            )
         after = decode_counters(mesh.redis_url)
     finally:
         mesh.stop()
@@ -187,22 +258,50 @@ def main() -> None:
     recompute = statistics.median(d["recompute_s"] for d in data)
     gap = statistics.median(d["move_gap_s"] for d in data)
     move = statistics.median(d["move_s"] for d in data)
-    rows.append(["median", f"{recompute * 1000:.0f}", f"{gap * 1000:.1f}", "",
-                 f"{move * 1000:.1f}", f"{recompute / gap:.1f}x", f"{recompute / move:.1f}x"])
-    header = (f"## Moving a {args.prompt_tokens}-token request's KV to another group vs "
-              f"recomputing it ({args.dtype})\n\n`python -m bench.kv_moves --prompt-tokens "
-              f"{args.prompt_tokens} --dtype {args.dtype}`: a prefill group and a decode "
-              "group, one CPU worker each, SmolLM2-135M-Instruct. Recompute = the prefill "
-              "group's time to first token on a cold prompt; move gap = first to second "
-              "token (hand-over, pull, one decode step); move = the gap less a decode step.\n\n"
-              f"Decode group over the rounds: {moved['kv_imports_pulled']} imports pulled, "
-              f"{moved['kv_imports_failed']} failed, {moved['kv_blocks_pulled']} blocks, "
-              f"{moved['kv_bytes_pulled'] / 1e6:.1f} MB, {moved['num_recomputed_tokens']} "
-              "tokens recomputed.")
-    write_results(args.name, header, ["round", "recompute ms", "move gap ms", "decode step ms",
-                                      "move ms", "recompute / gap", "recompute / move"],
-                  rows, {"rounds": data, "moved": moved, "recompute_s": recompute,
-                         "move_gap_s": gap, "move_s": move})
+    rows.append(
+        [
+            "median",
+            f"{recompute * 1000:.0f}",
+            f"{gap * 1000:.1f}",
+            "",
+            f"{move * 1000:.1f}",
+            f"{recompute / gap:.1f}x",
+            f"{recompute / move:.1f}x",
+        ]
+    )
+    header = (
+        f"## Moving a {args.prompt_tokens}-token request's KV to another group vs "
+        f"recomputing it ({args.dtype})\n\n`python -m bench.kv_moves --prompt-tokens "
+        f"{args.prompt_tokens} --dtype {args.dtype}`: a prefill group and a decode "
+        "group, one CPU worker each, SmolLM2-135M-Instruct. Recompute = the prefill "
+        "group's time to first token on a cold prompt; move gap = first to second "
+        "token (hand-over, pull, one decode step); move = the gap less a decode step.\n\n"
+        f"Decode group over the rounds: {moved['kv_imports_pulled']} imports pulled, "
+        f"{moved['kv_imports_failed']} failed, {moved['kv_blocks_pulled']} blocks, "
+        f"{moved['kv_bytes_pulled'] / 1e6:.1f} MB, {moved['num_recomputed_tokens']} "
+        "tokens recomputed."
+    )
+    write_results(
+        args.name,
+        header,
+        [
+            "round",
+            "recompute ms",
+            "move gap ms",
+            "decode step ms",
+            "move ms",
+            "recompute / gap",
+            "recompute / move",
+        ],
+        rows,
+        {
+            "rounds": data,
+            "moved": moved,
+            "recompute_s": recompute,
+            "move_gap_s": gap,
+            "move_s": move,
+        },
+    )
 
 
 if __name__ == "__main__":

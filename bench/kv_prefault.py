@@ -27,8 +27,10 @@ from bench.control_plane import write_smollm2_folder
 from pagemesh.tools.loadgen import Target, build_workload, run_workload
 from pagemesh.tools.mesh_process import Mesh, greedy_request
 
-SETTINGS = {"lazy (--kv-prefault-steps 0)": ["--kv-prefault-steps", "0"],
-            "faulted in while idle (default)": []}
+SETTINGS = {
+    "lazy (--kv-prefault-steps 0)": ["--kv-prefault-steps", "0"],
+    "faulted in while idle (default)": [],
+}
 
 
 def ttft_ms(mesh: Mesh, rng: random.Random, prompt_len: int = 128) -> float:
@@ -49,8 +51,11 @@ def measure(model: str, flags: list[str], idle_s: float) -> dict:
         ttft = statistics.median(ttft_ms(mesh, rng) for _ in range(6))
         w64 = []
         for seed in (0, 2):
-            result = run_workload(Target(mesh.address), build_workload(
-                "w64", num_requests=64, max_tokens=128, seed=seed), warmup=0)
+            result = run_workload(
+                Target(mesh.address),
+                build_workload("w64", num_requests=64, max_tokens=128, seed=seed),
+                warmup=0,
+            )
             w64.append(result.output_tokens / result.duration_s)
         return {"ttft_ms": ttft, "w64_first_tok_s": w64[0], "w64_next_tok_s": w64[1]}
     finally:
@@ -65,17 +70,31 @@ def main() -> None:
     model = args.model or str(write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf"))
     results = {name: measure(model, flags, args.idle_s) for name, flags in SETTINGS.items()}
     lazy, warm = results.values()
-    rows = [[name, f"{r['ttft_ms']:.1f}", f"{r['w64_first_tok_s']:.1f}",
-             f"{r['w64_next_tok_s']:.1f}"] for name, r in results.items()]
-    rows.append(["ratio (faulted in / lazy)", f"{warm['ttft_ms'] / lazy['ttft_ms']:.2f}x",
-                 f"{warm['w64_first_tok_s'] / lazy['w64_first_tok_s']:.2f}x",
-                 f"{warm['w64_next_tok_s'] / lazy['w64_next_tok_s']:.2f}x"])
-    header = (f"A fresh mesh's KV pages faulted in while idle against on first use: "
-              f"SmolLM2-135M fp32, idle {args.idle_s:g} s after start; batch-1 TTFT of a "
-              f"128-token prompt (p50 of 6), then W64 twice back to back. Command: "
-              f"`python -m bench.kv_prefault`.")
-    write_results("kv_prefault", header, ["KV pages", "batch-1 TTFT p50 ms",
-                                          "first W64 tok/s", "next W64 tok/s"], rows, results)
+    rows = [
+        [name, f"{r['ttft_ms']:.1f}", f"{r['w64_first_tok_s']:.1f}", f"{r['w64_next_tok_s']:.1f}"]
+        for name, r in results.items()
+    ]
+    rows.append(
+        [
+            "ratio (faulted in / lazy)",
+            f"{warm['ttft_ms'] / lazy['ttft_ms']:.2f}x",
+            f"{warm['w64_first_tok_s'] / lazy['w64_first_tok_s']:.2f}x",
+            f"{warm['w64_next_tok_s'] / lazy['w64_next_tok_s']:.2f}x",
+        ]
+    )
+    header = (
+        f"A fresh mesh's KV pages faulted in while idle against on first use: "
+        f"SmolLM2-135M fp32, idle {args.idle_s:g} s after start; batch-1 TTFT of a "
+        f"128-token prompt (p50 of 6), then W64 twice back to back. Command: "
+        f"`python -m bench.kv_prefault`."
+    )
+    write_results(
+        "kv_prefault",
+        header,
+        ["KV pages", "batch-1 TTFT p50 ms", "first W64 tok/s", "next W64 tok/s"],
+        rows,
+        results,
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ def case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     generator = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                          generator=generator).to(dtype)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(
+        dtype
+    )
     v_cache = torch.randn(k_cache.shape, generator=generator).to(dtype)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator).to(dtype)
     # Each sequence's blocks shuffled over the cache, as a serving cache holds them.
@@ -48,15 +49,25 @@ def case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
     lens = torch.full((batch,), context, dtype=torch.int32)
 
     def run(split: bool):
-        return lambda: cpu_native.paged_decode(query, k_cache, v_cache, tables, lens,
-                                               HEAD_DIM**-0.5, split_keys=split)
+        return lambda: cpu_native.paged_decode(
+            query, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, split_keys=split
+        )
 
-    torch.testing.assert_close(run(True)(), run(False)(), atol=2e-2 if dtype != torch.float32
-                               else 1e-5, rtol=1e-2 if dtype != torch.float32 else 1e-5)
+    torch.testing.assert_close(
+        run(True)(),
+        run(False)(),
+        atol=2e-2 if dtype != torch.float32 else 1e-5,
+        rtol=1e-2 if dtype != torch.float32 else 1e-5,
+    )
     split_us, whole_us = time_call(run(True), repeats), time_call(run(False), repeats)
-    return {"batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."),
-            "split_us": split_us, "one_thread_per_seq_us": whole_us,
-            "speedup": whole_us / split_us}
+    return {
+        "batch": batch,
+        "context": context,
+        "dtype": str(dtype).removeprefix("torch."),
+        "split_us": split_us,
+        "one_thread_per_seq_us": whole_us,
+        "speedup": whole_us / split_us,
+    }
 
 
 def main() -> None:
@@ -70,16 +81,36 @@ def main() -> None:
     dtypes = [torch.float32]
     if cpu_features().native_bf16:
         dtypes.append(torch.bfloat16)
-    rows = [case(b, c, d, args.repeats) for d in dtypes for b in map(int, args.batches.split(","))
-            for c in map(int, args.contexts.split(","))]
-    header = (f"Decode attention of one layer (SmolLM2-135M: {NUM_HEADS} heads over "
-              f"{NUM_KV_HEADS} KV heads of {HEAD_DIM}), the C kernel with the KV split against "
-              f"one thread per sequence, {torch.get_num_threads()} threads; medians of "
-              f"{args.repeats} calls. Command: `python -m bench.kv_split`.")
-    table = [[r["dtype"], str(r["batch"]), f"{r['context']:,}", f"{r['split_us']:.1f}",
-              f"{r['one_thread_per_seq_us']:.1f}", f"{r['speedup']:.2f}x"] for r in rows]
-    write_results("kv_split", header, ["dtype", "batch", "context", "split µs",
-                                       "one thread per sequence µs", "speedup"], table, rows)
+    rows = [
+        case(b, c, d, args.repeats)
+        for d in dtypes
+        for b in map(int, args.batches.split(","))
+        for c in map(int, args.contexts.split(","))
+    ]
+    header = (
+        f"Decode attention of one layer (SmolLM2-135M: {NUM_HEADS} heads over "
+        f"{NUM_KV_HEADS} KV heads of {HEAD_DIM}), the C kernel with the KV split against "
+        f"one thread per sequence, {torch.get_num_threads()} threads; medians of "
+        f"{args.repeats} calls. Command: `python -m bench.kv_split`."
+    )
+    table = [
+        [
+            r["dtype"],
+            str(r["batch"]),
+            f"{r['context']:,}",
+            f"{r['split_us']:.1f}",
+            f"{r['one_thread_per_seq_us']:.1f}",
+            f"{r['speedup']:.2f}x",
+        ]
+        for r in rows
+    ]
+    write_results(
+        "kv_split",
+        header,
+        ["dtype", "batch", "context", "split µs", "one thread per sequence µs", "speedup"],
+        table,
+        rows,
+    )
 
 
 if __name__ == "__main__":

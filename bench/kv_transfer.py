@@ -39,7 +39,12 @@ import torch
 from bench.common import write_results
 from worker_svc.kv_transfer import KVTransferServer, RankSlice, pull_blocks
 from worker_svc.kv_transfer.wire import (
-    SHM_DIR, SHM_PREFIX, byte_view, recv_exactly, split_address, torch_dtype,
+    SHM_DIR,
+    SHM_PREFIX,
+    byte_view,
+    recv_exactly,
+    split_address,
+    torch_dtype,
 )
 
 # SmolLM2-135M: 30 decoder layers, 3 KV heads of 64.
@@ -57,8 +62,9 @@ def smollm2_caches(num_blocks: int, dtype: str, seed: int | None) -> list[torch.
     if seed is None:
         return [torch.zeros(shape, dtype=torch_dtype(dtype)) for _ in range(NUM_LAYERS)]
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator).to(torch_dtype(dtype))
-            for _ in range(NUM_LAYERS)]
+    return [
+        torch.randn(shape, generator=generator).to(torch_dtype(dtype)) for _ in range(NUM_LAYERS)
+    ]
 
 
 def source_process(pipe: Connection, num_blocks: int, dtype: str, nbytes: int) -> None:
@@ -150,13 +156,15 @@ def main() -> None:
     src_ids = rng.sample(range(num_blocks), num_request_blocks)
     dst_ids = rng.sample(range(num_blocks), num_request_blocks)
     element_bytes = torch.empty((), dtype=torch_dtype(args.dtype)).element_size()
-    nbytes = (NUM_LAYERS * 2 * num_request_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM
-              * element_bytes)
+    nbytes = (
+        NUM_LAYERS * 2 * num_request_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * element_bytes
+    )
 
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
-    child = context.Process(target=source_process, daemon=True,
-                            args=(child_end, num_blocks, args.dtype, nbytes))
+    child = context.Process(
+        target=source_process, daemon=True, args=(child_end, num_blocks, args.dtype, nbytes)
+    )
     child.start()
     source_json, plain_address = parent_end.recv()
     source = RankSlice.from_json(source_json)
@@ -168,9 +176,15 @@ def main() -> None:
     report(args, nbytes, samples)
 
 
-def measure(args: argparse.Namespace, source: RankSlice, plain_address: str,
-            num_blocks: int, src_ids: list[int], dst_ids: list[int],
-            nbytes: int) -> dict[str, list[float]]:
+def measure(
+    args: argparse.Namespace,
+    source: RankSlice,
+    plain_address: str,
+    num_blocks: int,
+    src_ids: list[int],
+    dst_ids: list[int],
+    nbytes: int,
+) -> dict[str, list[float]]:
     mine = smollm2_slice(args.dtype)
     caches = smollm2_caches(num_blocks, args.dtype, seed=None)
     tcp_source = replace(source, host_key="elsewhere")  # forces TCP though on this host
@@ -178,16 +192,20 @@ def measure(args: argparse.Namespace, source: RankSlice, plain_address: str,
 
     def pull(via: RankSlice, path: str) -> Callable[[], None]:
         def run() -> None:
-            result = pull_blocks(mine, caches, [via], src_ids, dst_ids,
-                                 time.monotonic() + 60, TOKEN, f"bench-{path}")
+            result = pull_blocks(
+                mine, caches, [via], src_ids, dst_ids, time.monotonic() + 60, TOKEN, f"bench-{path}"
+            )
             assert result.ok and result.paths == {path} and result.nbytes == nbytes, result
+
         return run
 
-    actions = {"pull tcp": pull(tcp_source, "tcp"),
-               "plain tcp": lambda: plain_tcp(plain_address, into),
-               "pull shm": pull(source, "shm"),
-               "plain shm": lambda: plain_shm(plain_address, into),
-               "plain shm (write/read)": lambda: plain_shm_io(plain_address, into)}
+    actions = {
+        "pull tcp": pull(tcp_source, "tcp"),
+        "plain tcp": lambda: plain_tcp(plain_address, into),
+        "pull shm": pull(source, "shm"),
+        "plain shm": lambda: plain_shm(plain_address, into),
+        "plain shm (write/read)": lambda: plain_shm_io(plain_address, into),
+    }
     samples: dict[str, list[float]] = {name: [] for name in actions}
     for name, action in actions.items():
         action()  # warm-up: first-touch page faults of buffers, connections, thread pools
@@ -203,8 +221,9 @@ def measure(args: argparse.Namespace, source: RankSlice, plain_address: str,
     return samples
 
 
-def check_blocks(caches: list[torch.Tensor], dtype: str, num_blocks: int,
-                 src_ids: list[int], dst_ids: list[int]) -> None:
+def check_blocks(
+    caches: list[torch.Tensor], dtype: str, num_blocks: int, src_ids: list[int], dst_ids: list[int]
+) -> None:
     expected = smollm2_caches(num_blocks, dtype, seed=0)
     for got, want in zip(caches, expected):
         if not torch.equal(got[:, dst_ids], want[:, src_ids]):
@@ -220,19 +239,39 @@ def report(args: argparse.Namespace, nbytes: int, samples: dict[str, list[float]
         kind, path = name.split(" ", 1)
         pull = seconds.get(f"pull {path.split(' ')[0]}") if kind == "plain" else None
         ratio = median / pull if pull else None
-        rows.append([name, f"{nbytes:,}", f"{median * 1000:.1f} ms",
-                     f"{nbytes / median / 1e9:.2f}", f"{ratio:.2f}" if ratio else ""])
-        data.append({"what": name, "bytes": nbytes, "seconds_median": median,
-                     "gb_per_s": nbytes / median / 1e9, "pull_over_plain": ratio})
-    header = (f"# KV block transfer, {args.tokens} tokens of SmolLM2-135M's KV ({args.dtype})\n\n"
-              f"A pull (worker_svc/kv_transfer) from a child process into this one, "
-              f"{NUM_LAYERS} layers, non-contiguous block ids on both sides, against the "
-              f"same bytes moved plainly between the same processes; median of "
-              f"{args.repeats}, alternated. Target: pull / plain >= 0.5.")
-    write_results(args.name if args.dtype == "float32" else f"{args.name}_{args.dtype}", header,
-                  ["what", "bytes", "seconds", "GB/s", "pull / plain"], rows,
-                  {"tokens": args.tokens, "dtype": args.dtype, "repeats": args.repeats,
-                   "rows": data}, raw={"samples_s": samples})
+        rows.append(
+            [
+                name,
+                f"{nbytes:,}",
+                f"{median * 1000:.1f} ms",
+                f"{nbytes / median / 1e9:.2f}",
+                f"{ratio:.2f}" if ratio else "",
+            ]
+        )
+        data.append(
+            {
+                "what": name,
+                "bytes": nbytes,
+                "seconds_median": median,
+                "gb_per_s": nbytes / median / 1e9,
+                "pull_over_plain": ratio,
+            }
+        )
+    header = (
+        f"# KV block transfer, {args.tokens} tokens of SmolLM2-135M's KV ({args.dtype})\n\n"
+        f"A pull (worker_svc/kv_transfer) from a child process into this one, "
+        f"{NUM_LAYERS} layers, non-contiguous block ids on both sides, against the "
+        f"same bytes moved plainly between the same processes; median of "
+        f"{args.repeats}, alternated. Target: pull / plain >= 0.5."
+    )
+    write_results(
+        args.name if args.dtype == "float32" else f"{args.name}_{args.dtype}",
+        header,
+        ["what", "bytes", "seconds", "GB/s", "pull / plain"],
+        rows,
+        {"tokens": args.tokens, "dtype": args.dtype, "repeats": args.repeats, "rows": data},
+        raw={"samples_s": samples},
+    )
 
 
 if __name__ == "__main__":

@@ -69,8 +69,9 @@ def scrape(redis_url: str, cluster: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--model", help="a model folder (default: W64's model, written once)")
     parser.add_argument("--name", default="mesh_profile", help="results file stem")
@@ -78,8 +79,12 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
     cluster = "mesh-profile"
-    mesh = Mesh(model, Path(tempfile.mkdtemp()) / "mesh.log", cluster=cluster,
-                extra_args=["--dtype", args.dtype, *args.extra]).wait_ready()
+    mesh = Mesh(
+        model,
+        Path(tempfile.mkdtemp()) / "mesh.log",
+        cluster=cluster,
+        extra_args=["--dtype", args.dtype, *args.extra],
+    ).wait_ready()
     try:
         target = Target(mesh.address)
         run_workload(target, build_workload("w64", num_requests=4, max_tokens=8, seed=5))
@@ -96,17 +101,29 @@ def main() -> None:
     forward_ms = 1000 * delta.get("worker_forward_time_seconds_sum", 0) / steps
     step_ms = 1000 * delta.get("step_time_seconds_sum", 0) / steps
     summary = result.summary()
-    rows = [[f"output tok/s ({args.dtype})", f"{result.output_tok_s:,.0f}"],
-            ["run wall time, s", f"{result.duration_s:.2f}"],
-            ["ITL p50, ms", f"{summary['itl_ms']['p50']:.1f}"],
-            ["steps", f"{steps:.0f}"],
-            ["worker forward per step (mean, prefill included), ms", f"{forward_ms:.1f}"],
-            ["scheduler step per step (waiting for the worker), ms", f"{step_ms:.1f}"]]
+    rows = [
+        [f"output tok/s ({args.dtype})", f"{result.output_tok_s:,.0f}"],
+        ["run wall time, s", f"{result.duration_s:.2f}"],
+        ["ITL p50, ms", f"{summary['itl_ms']['p50']:.1f}"],
+        ["steps", f"{steps:.0f}"],
+        ["worker forward per step (mean, prefill included), ms", f"{forward_ms:.1f}"],
+        ["scheduler step per step (waiting for the worker), ms", f"{step_ms:.1f}"],
+    ]
     rows += [[f"CPU seconds: {name}", f"{seconds:.2f}"] for name, seconds in sorted(used.items())]
-    write_results(args.name, f"Where a W64 run's time goes in the mesh, {Path(model).name} "
-                  "(`python -m bench.mesh_profile`)", ["figure", "value"], rows,
-                  {"tok_s": result.output_tok_s, "cpu_s": used, "metrics": delta,
-                   "forward_ms": forward_ms, "step_ms": step_ms})
+    write_results(
+        args.name,
+        f"Where a W64 run's time goes in the mesh, {Path(model).name} "
+        "(`python -m bench.mesh_profile`)",
+        ["figure", "value"],
+        rows,
+        {
+            "tok_s": result.output_tok_s,
+            "cpu_s": used,
+            "metrics": delta,
+            "forward_ms": forward_ms,
+            "step_ms": step_ms,
+        },
+    )
 
 
 if __name__ == "__main__":

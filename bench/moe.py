@@ -34,8 +34,11 @@ from worker_svc.model.moe import FusedExperts
 from worker_svc.parallel import ParallelConfig
 
 NUM_EXPERTS, TOP_K = 8, 2
-SHAPES = {"tiny test model": (64, 48), "small MoE": (1024, 512),
-          "Qwen3-30B-A3B experts": (2048, 768)}
+SHAPES = {
+    "tiny test model": (64, 48),
+    "small MoE": (1024, 512),
+    "Qwen3-30B-A3B experts": (2048, 768),
+}
 
 
 def timed(functions: list, reps: int) -> list[float]:
@@ -62,23 +65,37 @@ def case(hidden: int, inter: int, tokens: int, reps: int) -> dict:
     x = torch.randn(tokens, hidden, generator=g)
     w13 = torch.randn(NUM_EXPERTS, 2 * inter, hidden, generator=g) * hidden**-0.5
     w2 = torch.randn(NUM_EXPERTS, hidden, inter, generator=g) * inter**-0.5
-    weights, ids = moe_kernels.route(torch.randn(tokens, NUM_EXPERTS, generator=g), TOP_K,
-                                     True, torch.float32)
+    weights, ids = moe_kernels.route(
+        torch.randn(tokens, NUM_EXPERTS, generator=g), TOP_K, True, torch.float32
+    )
     experts = FusedExperts(NUM_EXPERTS, hidden, inter, ParallelConfig())
     experts.w13.data.copy_(w13)
     experts.w2.data.copy_(w2)
     backend = resolve_cpu_linear("auto", torch.device("cpu"), torch.float32)
     experts.pack_experts(backend)
-    loop, grouped, packed = timed([
-        lambda: moe_kernels.per_expert_loop(x, w13, w2, weights, ids),
-        lambda: moe_kernels.fused_experts(x, w13, w2, weights, ids),
-        lambda: experts(x, weights, ids),
-    ], reps)
-    torch.testing.assert_close(experts(x, weights, ids),
-                               moe_kernels.per_expert_loop(x, w13, w2, weights, ids),
-                               rtol=1e-4, atol=1e-5)
-    return dict(hidden=hidden, intermediate=inter, tokens=tokens, packed_backend=backend,
-                loop_ms=loop, grouped_ms=grouped, packed_ms=packed)
+    loop, grouped, packed = timed(
+        [
+            lambda: moe_kernels.per_expert_loop(x, w13, w2, weights, ids),
+            lambda: moe_kernels.fused_experts(x, w13, w2, weights, ids),
+            lambda: experts(x, weights, ids),
+        ],
+        reps,
+    )
+    torch.testing.assert_close(
+        experts(x, weights, ids),
+        moe_kernels.per_expert_loop(x, w13, w2, weights, ids),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    return dict(
+        hidden=hidden,
+        intermediate=inter,
+        tokens=tokens,
+        packed_backend=backend,
+        loop_ms=loop,
+        grouped_ms=grouped,
+        packed_ms=packed,
+    )
 
 
 def main() -> None:
@@ -92,20 +109,39 @@ def main() -> None:
         for tokens in (int(t) for t in args.tokens.split(",")):
             row = case(hidden, inter, tokens, args.reps) | {"shape": shape}
             results.append(row)
-            table.append([f"{shape} ({hidden} / {inter})", str(tokens),
-                          f"{row['loop_ms']:.3f}", f"{row['grouped_ms']:.3f}",
-                          f"{row['loop_ms'] / row['grouped_ms']:.2f}x",
-                          f"{row['packed_ms']:.3f}",
-                          f"{row['loop_ms'] / row['packed_ms']:.2f}x ({row['packed_backend']})"])
+            table.append(
+                [
+                    f"{shape} ({hidden} / {inter})",
+                    str(tokens),
+                    f"{row['loop_ms']:.3f}",
+                    f"{row['grouped_ms']:.3f}",
+                    f"{row['loop_ms'] / row['grouped_ms']:.2f}x",
+                    f"{row['packed_ms']:.3f}",
+                    f"{row['loop_ms'] / row['packed_ms']:.2f}x ({row['packed_backend']})",
+                ]
+            )
             print(table[-1], flush=True)
-    header = (f"One MoE layer's experts, {NUM_EXPERTS} experts top-{TOP_K}, fp32, "
-              f"{torch.get_num_threads()} torch threads: transformers' per-expert loop "
-              f"against the grouped path; medians of {args.reps} alternated rounds. "
-              "Command: `python -m bench.moe`.")
-    write_results(args.name, header,
-                  ["shape (hidden / intermediate)", "tokens", "per-expert loop ms",
-                   "grouped, F.linear ms", "x loop", "grouped, packed ms", "x loop"],
-                  table, results)
+    header = (
+        f"One MoE layer's experts, {NUM_EXPERTS} experts top-{TOP_K}, fp32, "
+        f"{torch.get_num_threads()} torch threads: transformers' per-expert loop "
+        f"against the grouped path; medians of {args.reps} alternated rounds. "
+        "Command: `python -m bench.moe`."
+    )
+    write_results(
+        args.name,
+        header,
+        [
+            "shape (hidden / intermediate)",
+            "tokens",
+            "per-expert loop ms",
+            "grouped, F.linear ms",
+            "x loop",
+            "grouped, packed ms",
+            "x loop",
+        ],
+        table,
+        results,
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from bench.inprocess import build_engine, run_requests
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_w64_workload_args(parser)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3, help="measured runs of each engine")
@@ -37,15 +38,23 @@ def main(argv: list[str] | None = None) -> None:
 
     scheduler, runner = build_engine(model, args.dtype)
     info = runner.info()
-    llm = LLM(model, dtype=args.dtype, kv_cache_memory_gib=info.kv_cache_bytes / (1 << 30),
-              swap_space=0, seed=0)
+    llm = LLM(
+        model,
+        dtype=args.dtype,
+        kv_cache_memory_gib=info.kv_cache_bytes / (1 << 30),
+        swap_space=0,
+        seed=0,
+    )
     assert llm.num_kv_blocks == info.num_blocks, (llm.num_kv_blocks, info.num_blocks)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     # Warm-up, as bench/inprocess.py warms its core.
     run_requests(scheduler, runner, [p[:8] for p in prompts[:4]], 4, workload="warm-up")
-    llm.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0.0, max_tokens=4,
-                                                              ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [p[:8] for p in prompts[:4]],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     core_tok_s: list[float] = []
     llm_tok_s: list[float] = []
     num_tokens = len(prompts) * args.max_tokens
@@ -60,28 +69,48 @@ def main(argv: list[str] | None = None) -> None:
         duration_s = time.perf_counter() - start
         assert sum(len(o.outputs[0].token_ids) for o in outputs) == num_tokens
         llm_tok_s.append(num_tokens / duration_s)
-        print(f"round {round_index}: core {core_tok_s[-1]:.1f} tok/s, "
-              f"LLM.generate {llm_tok_s[-1]:.1f} tok/s")
+        print(
+            f"round {round_index}: core {core_tok_s[-1]:.1f} tok/s, "
+            f"LLM.generate {llm_tok_s[-1]:.1f} tok/s"
+        )
     llm.close()
 
     core_median, llm_median = statistics.median(core_tok_s), statistics.median(llm_tok_s)
-    workload = (f"W64 workload: {len(prompts)} requests x {args.prompt_len} prompt ids x "
-                f"{args.max_tokens} new tokens, all at once, greedy, EOS ignored, {args.dtype}, "
-                f"{info.num_blocks} KV blocks; {args.rounds} alternating rounds, each from an "
-                "empty prefix cache")
+    workload = (
+        f"W64 workload: {len(prompts)} requests x {args.prompt_len} prompt ids x "
+        f"{args.max_tokens} new tokens, all at once, greedy, EOS ignored, {args.dtype}, "
+        f"{info.num_blocks} KV blocks; {args.rounds} alternating rounds, each from an "
+        "empty prefix cache"
+    )
     rows = [
-        ["engine core in-process (`bench/inprocess.py`)",
-         ", ".join(f"{v:,.0f}" for v in core_tok_s), f"{core_median:,.0f}", "1.00"],
-        ["`pagemesh.LLM.generate`", ", ".join(f"{v:,.0f}" for v in llm_tok_s),
-         f"{llm_median:,.0f}", f"{llm_median / core_median:.2f}"],
+        [
+            "engine core in-process (`bench/inprocess.py`)",
+            ", ".join(f"{v:,.0f}" for v in core_tok_s),
+            f"{core_median:,.0f}",
+            "1.00",
+        ],
+        [
+            "`pagemesh.LLM.generate`",
+            ", ".join(f"{v:,.0f}" for v in llm_tok_s),
+            f"{llm_median:,.0f}",
+            f"{llm_median / core_median:.2f}",
+        ],
     ]
     write_results(
-        args.name, f"`LLM.generate` against its engine core (`python -m bench.offline`). "
-        f"{workload}.", ["engine", "tok/s per round", "median tok/s", "x core"], rows,
-        {"workload": workload, "core_tok_s": core_tok_s, "llm_tok_s": llm_tok_s,
-         "core_median_tok_s": core_median, "llm_median_tok_s": llm_median,
-         "ratio": llm_median / core_median,
-         "argv": {k: v for k, v in vars(args).items()}})
+        args.name,
+        f"`LLM.generate` against its engine core (`python -m bench.offline`). {workload}.",
+        ["engine", "tok/s per round", "median tok/s", "x core"],
+        rows,
+        {
+            "workload": workload,
+            "core_tok_s": core_tok_s,
+            "llm_tok_s": llm_tok_s,
+            "core_median_tok_s": core_median,
+            "llm_median_tok_s": llm_median,
+            "ratio": llm_median / core_median,
+            "argv": {k: v for k, v in vars(args).items()},
+        },
+    )
 
 
 if __name__ == "__main__":

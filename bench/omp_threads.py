@@ -33,9 +33,11 @@ def main() -> None:
     with ThreadPoolExecutor(1) as other:
         second = other.submit(decode_ms).result()
     again = decode_ms()
-    print(f"decode1 step, median ms: loading thread {first:.1f}, second thread {second:.1f}, "
-          f"loading thread again {again:.1f}; linear {runner.cpu_linear}; "
-          f"{cpu_features().one_line()}")
+    print(
+        f"decode1 step, median ms: loading thread {first:.1f}, second thread {second:.1f}, "
+        f"loading thread again {again:.1f}; linear {runner.cpu_linear}; "
+        f"{cpu_features().one_line()}"
+    )
 
 
 if __name__ == "__main__":

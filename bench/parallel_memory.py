@@ -23,8 +23,8 @@ import statistics
 from pathlib import Path
 
 from bench.common import REPO_ROOT, write_results, write_w64_model
-from worker_svc.local_group import LocalWorkerGroup
 from worker_svc.loader import rank_weight_shapes
+from worker_svc.local_group import LocalWorkerGroup
 from worker_svc.parallel import ParallelConfig
 from worker_svc.runner import RunnerConfig
 
@@ -42,14 +42,20 @@ def measure(model: Path, dtype: str, tp_size: int, pp_size: int) -> list[dict]:
         for rank, memory in enumerate(group.call_ok("memory")):
             parallel = ParallelConfig(tp_size, rank % tp_size, pp_size, rank // tp_size)
             shapes = rank_weight_shapes(model, parallel)
-            rows.append({
-                "tp_size": tp_size, "pp_size": pp_size, "rank": rank,
-                "weights_mib": sum(math.prod(s) for s in shapes.values()) * element_bytes / MIB,
-                "before_load_mib": memory["before_load"]["VmRSS"] / 1024,
-                "peak_mib": memory["now"]["VmHWM"] / 1024,
-                "private_growth_mib": (memory["now"]["RssAnon"]
-                                       - memory["before_load"]["RssAnon"]) / 1024,
-            })
+            rows.append(
+                {
+                    "tp_size": tp_size,
+                    "pp_size": pp_size,
+                    "rank": rank,
+                    "weights_mib": sum(math.prod(s) for s in shapes.values()) * element_bytes / MIB,
+                    "before_load_mib": memory["before_load"]["VmRSS"] / 1024,
+                    "peak_mib": memory["now"]["VmHWM"] / 1024,
+                    "private_growth_mib": (
+                        memory["now"]["RssAnon"] - memory["before_load"]["RssAnon"]
+                    )
+                    / 1024,
+                }
+            )
     return rows
 
 
@@ -68,25 +74,49 @@ def main() -> None:
         row["load_growth_mib"] = growth
         row["peak_vs_tp1"] = row["peak_mib"] / base["peak_mib"]
         row["growth_vs_tp1"] = growth / base_growth
-        table.append([
-            f"tp={row['tp_size']} pp={row['pp_size']}", str(row["rank"]),
-            f"{row['weights_mib']:.1f}", f"{row['before_load_mib']:.0f}",
-            f"{row['peak_mib']:.0f}", f"{row['peak_vs_tp1']:.2f}x",
-            f"{growth:.0f}", f"{row['growth_vs_tp1']:.2f}x",
-            f"{row['private_growth_mib']:.0f}",
-            f"{row['private_growth_mib'] / base['private_growth_mib']:.2f}x",
-        ])
-    mean_growth = {f"tp={tp} pp={pp}": statistics.mean(
-        r["growth_vs_tp1"] for r in rows if (r["tp_size"], r["pp_size"]) == (tp, pp))
-        for tp, pp in LAYOUTS}
-    header = (f"Peak RSS per rank after loading {model.name} ({args.dtype}); growth = peak - "
-              "RSS before loading (Python + torch)\n\nmean growth vs tp=1: "
-              + ", ".join(f"{k} {v:.2f}x" for k, v in mean_growth.items()))
-    write_results("parallel_memory", header,
-                  ["layout", "rank", "weights held MiB", "before load MiB", "peak MiB",
-                   "peak vs tp=1", "load growth MiB", "growth vs tp=1", "private growth MiB",
-                   "private vs tp=1"],
-                  table, {"model": str(model), "dtype": args.dtype, "ranks": rows})
+        table.append(
+            [
+                f"tp={row['tp_size']} pp={row['pp_size']}",
+                str(row["rank"]),
+                f"{row['weights_mib']:.1f}",
+                f"{row['before_load_mib']:.0f}",
+                f"{row['peak_mib']:.0f}",
+                f"{row['peak_vs_tp1']:.2f}x",
+                f"{growth:.0f}",
+                f"{row['growth_vs_tp1']:.2f}x",
+                f"{row['private_growth_mib']:.0f}",
+                f"{row['private_growth_mib'] / base['private_growth_mib']:.2f}x",
+            ]
+        )
+    mean_growth = {
+        f"tp={tp} pp={pp}": statistics.mean(
+            r["growth_vs_tp1"] for r in rows if (r["tp_size"], r["pp_size"]) == (tp, pp)
+        )
+        for tp, pp in LAYOUTS
+    }
+    header = (
+        f"Peak RSS per rank after loading {model.name} ({args.dtype}); growth = peak - "
+        "RSS before loading (Python + torch)\n\nmean growth vs tp=1: "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in mean_growth.items())
+    )
+    write_results(
+        "parallel_memory",
+        header,
+        [
+            "layout",
+            "rank",
+            "weights held MiB",
+            "before load MiB",
+            "peak MiB",
+            "peak vs tp=1",
+            "load growth MiB",
+            "growth vs tp=1",
+            "private growth MiB",
+            "private vs tp=1",
+        ],
+        table,
+        {"model": str(model), "dtype": args.dtype, "ranks": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,11 @@ NUM_TENANTS, SYSTEM_LEN, TURNS, TURN_LEN, MAX_TOKENS, CONCURRENCY = 8, 1000, 4, 
 def workload(vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     systems = [[rng.randrange(1, vocab) for _ in range(SYSTEM_LEN)] for _ in range(NUM_TENANTS)]
-    requests = [system + [rng.randrange(1, vocab) for _ in range(TURN_LEN)]
-                for system in systems for _ in range(TURNS)]
+    requests = [
+        system + [rng.randrange(1, vocab) for _ in range(TURN_LEN)]
+        for system in systems
+        for _ in range(TURNS)
+    ]
     rng.shuffle(requests)
     return requests
 
@@ -41,8 +44,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(model: str, policy: str, prompts: list[list[int]]) -> dict:
-    mesh = Mesh(model, Path(tempfile.mkdtemp()) / f"{policy}.log", cluster=f"bench-routing-{policy}",
-                extra_args=["--replicas", "2", "--routing", policy, "--max-model-len", "2048"])
+    mesh = Mesh(
+        model,
+        Path(tempfile.mkdtemp()) / f"{policy}.log",
+        cluster=f"bench-routing-{policy}",
+        extra_args=["--replicas", "2", "--routing", policy, "--max-model-len", "2048"],
+    )
     try:
         mesh.wait_ready()
         deadline = time.monotonic() + 120
@@ -56,13 +63,19 @@ def run(model: str, policy: str, prompts: list[list[int]]) -> dict:
     finally:
         mesh.stop()
     ttfts = [1000 * r[0] for r in results]
-    return {"policy": policy, "ttft_p50_ms": statistics.median(ttfts),
-            "ttft_p99_ms": percentile(ttfts, 0.99),
-            "output_tok_s": sum(r[2] for r in results) / wall_s, "wall_s": wall_s}
+    return {
+        "policy": policy,
+        "ttft_p50_ms": statistics.median(ttfts),
+        "ttft_p99_ms": percentile(ttfts, 0.99),
+        "output_tok_s": sum(r[2] for r in results) / wall_s,
+        "wall_s": wall_s,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
@@ -74,11 +87,25 @@ def main() -> None:
         f"{NUM_TENANTS} tenants x {SYSTEM_LEN}-token system prompt, {len(prompts)} requests "
         f"(+{TURN_LEN} user tokens, {MAX_TOKENS} new), {CONCURRENCY} at a time, 2 replicas; "
         f"model {Path(model).name}, fp32, 2-core CPU.",
-        ["routing", "TTFT p50 ms", "TTFT p99 ms", "output tok/s", "TTFT p50 vs round robin",
-         "throughput vs round robin"],
-        [[r["policy"], f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}", f"{r['output_tok_s']:.1f}",
-          f"{r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x",
-          f"{r['output_tok_s'] / base['output_tok_s']:.2f}x"] for r in rows],
+        [
+            "routing",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "output tok/s",
+            "TTFT p50 vs round robin",
+            "throughput vs round robin",
+        ],
+        [
+            [
+                r["policy"],
+                f"{r['ttft_p50_ms']:.0f}",
+                f"{r['ttft_p99_ms']:.0f}",
+                f"{r['output_tok_s']:.1f}",
+                f"{r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x",
+                f"{r['output_tok_s'] / base['output_tok_s']:.2f}x",
+            ]
+            for r in rows
+        ],
         rows,
     )
 

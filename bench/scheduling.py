@@ -45,12 +45,15 @@ def prefix_ttft(mesh: Mesh, vocab: int, trials: int) -> tuple[float, float]:
 
 
 def start_mesh(model: str, name: str, extra: list[str]) -> Mesh:
-    return Mesh(model, Path(tempfile.mkdtemp()) / f"{name}.log", cluster=f"bench-{name}",
-                extra_args=extra).wait_ready()
+    return Mesh(
+        model, Path(tempfile.mkdtemp()) / f"{name}.log", cluster=f"bench-{name}", extra_args=extra
+    ).wait_ready()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -60,7 +63,9 @@ def main() -> None:
     model = args.model or str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))
     vocab = 32000
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    prompts = [
+        [rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)
+    ]
     figures: dict[str, float] = {}
     rows: list[list[str]] = []
 
@@ -69,15 +74,27 @@ def main() -> None:
         mesh.generate(greedy_request(prompts[0], 4))  # warm-up
         cold, warm = prefix_ttft(mesh, vocab, args.ttft_trials)
         figures.update(ttft_cold_ms=1000 * cold, ttft_cached_ms=1000 * warm)
-        rows.append(["TTFT, 1024-token prefix", f"cold {1000 * cold:.1f} ms",
-                     f"cached {1000 * warm:.1f} ms", f"{warm / cold:.2f}x"])
+        rows.append(
+            [
+                "TTFT, 1024-token prefix",
+                f"cold {1000 * cold:.1f} ms",
+                f"cached {1000 * warm:.1f} ms",
+                f"{warm / cold:.2f}x",
+            ]
+        )
         one = run_mesh(mesh, prompts, args.max_tokens, 1)
         many = run_mesh(mesh, prompts, args.max_tokens, args.num_requests)
-        figures.update(sequential_tok_s=one.output_tokens_per_s, concurrent_tok_s=many.output_tokens_per_s)
-        rows.append([f"{args.num_requests} requests x {args.prompt_len}+{args.max_tokens} tokens",
-                     f"one at a time {one.output_tokens_per_s:.1f} tok/s",
-                     f"all at once {many.output_tokens_per_s:.1f} tok/s",
-                     f"{many.output_tokens_per_s / one.output_tokens_per_s:.2f}x"])
+        figures.update(
+            sequential_tok_s=one.output_tokens_per_s, concurrent_tok_s=many.output_tokens_per_s
+        )
+        rows.append(
+            [
+                f"{args.num_requests} requests x {args.prompt_len}+{args.max_tokens} tokens",
+                f"one at a time {one.output_tokens_per_s:.1f} tok/s",
+                f"all at once {many.output_tokens_per_s:.1f} tok/s",
+                f"{many.output_tokens_per_s / one.output_tokens_per_s:.2f}x",
+            ]
+        )
     finally:
         mesh.stop()
 
@@ -90,16 +107,23 @@ def main() -> None:
             preempt[mode] = run_mesh(mesh, small, args.max_tokens, len(small))
         finally:
             mesh.stop()
-    figures.update(recompute_tok_s=preempt["recompute"].output_tokens_per_s,
-                   swap_tok_s=preempt["swap"].output_tokens_per_s)
-    rows.append([f"{len(small)} requests on a 48-block cache (preemption)",
-                 f"recompute {preempt['recompute'].output_tokens_per_s:.1f} tok/s",
-                 f"swap {preempt['swap'].output_tokens_per_s:.1f} tok/s",
-                 f"swap/recompute {preempt['swap'].output_tokens_per_s / preempt['recompute'].output_tokens_per_s:.2f}x"])
+    recompute_tok_s = preempt["recompute"].output_tokens_per_s
+    swap_tok_s = preempt["swap"].output_tokens_per_s
+    figures.update(recompute_tok_s=recompute_tok_s, swap_tok_s=swap_tok_s)
+    rows.append(
+        [
+            f"{len(small)} requests on a 48-block cache (preemption)",
+            f"recompute {recompute_tok_s:.1f} tok/s",
+            f"swap {swap_tok_s:.1f} tok/s",
+            f"swap/recompute {swap_tok_s / recompute_tok_s:.2f}x",
+        ]
+    )
     write_results(
         "scheduling",
         f"Model {Path(model).name}, fp32, 2-core CPU; greedy, EOS ignored; one run.",
-        ["what", "baseline", "measured", "ratio"], rows, figures,
+        ["what", "baseline", "measured", "ratio"],
+        rows,
+        figures,
     )
 
 

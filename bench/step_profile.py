@@ -15,7 +15,8 @@ once, as `bench.control_plane --write-smollm2-folder` does). Step kinds:
 For each kind: the median wall time of `execute_step` over `--steps` steps, then one step
 under the torch profiler split into matmul (the LM head apart), attention (the backend's
 `store_kv` and `forward`, the C kernel included), other ops (norms, rotary, SiLU·mul and
-adds, in C or torch; embedding, sampling's ops), and Python (what no op accounts for: batch building, the
+adds, in C or torch; embedding, sampling's ops), and Python (what no op accounts for: batch
+building, the
 model's module calls, the sampler's bookkeeping). The profiler adds its own cost per op, so
 the split is of the profiled step and its total is above the median.
 
@@ -44,8 +45,15 @@ from bench.common import REPO_ROOT, write_results
 from kernels import cpu_fused, cpu_native
 from kernels.cpu_features import cpu_features
 
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-              "mkldnn::_linear_pointwise", "aten::mkldnn_linear"}
+MATMUL_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::matmul",
+    "aten::linear",
+    "mkldnn::_linear_pointwise",
+    "aten::mkldnn_linear",
+}
 KINDS = ("prefill2048", "prefill2048x1", "decode1", "decode4", "decode16", "decode64", "mixed")
 SCOPES = ("attention", "lm_head", "fused_ops", "native_linear")
 
@@ -108,9 +116,14 @@ class Workload:
         blocks = [self.free_blocks.pop() for _ in range(num_blocks)]
         self.next_id += 1
         self.blocks[f"r{self.next_id}"] = blocks
-        return NewRequestData(f"r{self.next_id}", [self.rng.randrange(1, self.vocab)
-                                                   for _ in range(prompt_len)],
-                              prompt_len, blocks, 0, SamplingParams(temperature=0.0))
+        return NewRequestData(
+            f"r{self.next_id}",
+            [self.rng.randrange(1, self.vocab) for _ in range(prompt_len)],
+            prompt_len,
+            blocks,
+            0,
+            SamplingParams(temperature=0.0),
+        )
 
     def run(self, prompts: list[int], decode: bool, finish_new: bool = True):
         """One step: new requests of `prompts` lengths, plus one token of every running
@@ -118,19 +131,31 @@ class Workload:
         from protos.step import CachedRequestData, SchedulerOutput
 
         new = [self._new(n) for n in prompts]
-        cached = ([CachedRequestData(r, [], computed, [token])
-                   for r, (computed, token) in self.running.items()] if decode else [])
+        cached = (
+            [
+                CachedRequestData(r, [], computed, [token])
+                for r, (computed, token) in self.running.items()
+            ]
+            if decode
+            else []
+        )
         scheduled = {r.request_id: len(r.token_ids) for r in new}
         scheduled |= {c.request_id: 1 for c in cached}
         self.step_id += 1
-        step = SchedulerOutput(step_id=self.step_id, new_requests=new, cached_requests=cached,
-                         num_scheduled_tokens=scheduled)
+        step = SchedulerOutput(
+            step_id=self.step_id,
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens=scheduled,
+        )
         start = time.perf_counter()
         out = self.runner.execute_step(step)
         wall = time.perf_counter() - start
         for c in cached:
-            self.running[c.request_id] = (c.num_computed_tokens + 1,
-                                          out.sampled[c.request_id].token_id)
+            self.running[c.request_id] = (
+                c.num_computed_tokens + 1,
+                out.sampled[c.request_id].token_id,
+            )
         self._forget([r.request_id for r in new] if finish_new else [])
         if not finish_new:
             for r in new:
@@ -144,8 +169,9 @@ class Workload:
             for request_id in request_ids:
                 self.free_blocks += reversed(self.blocks.pop(request_id))
             self.step_id += 1
-            self.runner.execute_step(SchedulerOutput(step_id=self.step_id,
-                                               finished_request_ids=request_ids))
+            self.runner.execute_step(
+                SchedulerOutput(step_id=self.step_id, finished_request_ids=request_ids)
+            )
 
 
 def _wrap_scopes(runner):
@@ -156,6 +182,7 @@ def _wrap_scopes(runner):
         def call(*args, **kwargs):
             with torch.profiler.record_function(name):
                 return fn(*args, **kwargs)
+
         return call
 
     backend.store_kv = scoped("attention", backend.store_kv)
@@ -163,10 +190,12 @@ def _wrap_scopes(runner):
     model.compute_logits = scoped("lm_head", model.compute_logits)
     # The C kernels are no torch ops: a range makes their time "other ops" (the fused
     # elementwise ones) or matmul (the linear layers' panels), not Python.
-    for module, name, scope in ((cpu_fused, "add_rms_norm", "fused_ops"),
-                                (cpu_fused, "rotary_", "fused_ops"),
-                                (cpu_fused, "silu_mul", "fused_ops"),
-                                (cpu_native, "linear_f32", "native_linear")):
+    for module, name, scope in (
+        (cpu_fused, "add_rms_norm", "fused_ops"),
+        (cpu_fused, "rotary_", "fused_ops"),
+        (cpu_fused, "silu_mul", "fused_ops"),
+        (cpu_native, "linear_f32", "native_linear"),
+    ):
         if not hasattr(getattr(module, name), "__wrapped_scope__"):
             wrapped = scoped(scope, getattr(module, name))
             wrapped.__wrapped_scope__ = True
@@ -238,7 +267,9 @@ def linear_only_ms(runner, num_tokens: int, sample_rows: int, reps: int = 3) -> 
 
 def profile_kind(runner, kind: str, steps: int, top_ops: int = 12) -> dict:
     work = Workload(runner, runner.metadata.vocab_size)
-    running = 64 if kind == "mixed" else int(kind[len("decode"):]) if kind.startswith("decode") else 0
+    running = (
+        64 if kind == "mixed" else int(kind[len("decode") :]) if kind.startswith("decode") else 0
+    )
     for first in range(0, running, 16):  # the running requests, prefilled 16 x 128 at a time
         work.run([128] * min(16, running - first), decode=False, finish_new=False)
 
@@ -262,13 +293,17 @@ def profile_kind(runner, kind: str, steps: int, top_ops: int = 12) -> dict:
     num_tokens = sum(step.num_scheduled_tokens.values())
     sample_rows = len(step.num_scheduled_tokens)
     return {
-        "kind": kind, "tokens": num_tokens, "sample_rows": sample_rows,
-        "median_ms": 1000 * statistics.median(walls), "first_step_ms": first_ms,
+        "kind": kind,
+        "tokens": num_tokens,
+        "sample_rows": sample_rows,
+        "median_ms": 1000 * statistics.median(walls),
+        "first_step_ms": first_ms,
         "flops": linear_flops(runner.model.config, num_tokens, sample_rows),
         "linear_only_ms": linear_only_ms(runner, num_tokens, sample_rows),
         "split_ms": split,
-        "top_ops": [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1000}
-                    for e in top],
+        "top_ops": [
+            {"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1000} for e in top
+        ],
     }
 
 
@@ -285,12 +320,17 @@ def use_glue(glue: str) -> None:
         raise SystemExit(f"--glue must be one of {', '.join(GLUES)}")
     if glue == "native":
         return
-    references = {"add_rms_norm": cpu_fused.add_rms_norm_reference,
-                  "silu_mul": cpu_fused.silu_mul_reference,
-                  "rotary_": cpu_fused.rotary_reference_}
+    references = {
+        "add_rms_norm": cpu_fused.add_rms_norm_reference,
+        "silu_mul": cpu_fused.silu_mul_reference,
+        "rotary_": cpu_fused.rotary_reference_,
+    }
     for name, reference in references.items():
-        setattr(cpu_fused, name, torch.compile(reference, dynamic=True)
-                if glue == "inductor" else reference)
+        setattr(
+            cpu_fused,
+            name,
+            torch.compile(reference, dynamic=True) if glue == "inductor" else reference,
+        )
     cpu_fused.has_rotary_kernel = lambda x: False  # the references' tables, once per step
 
 
@@ -307,25 +347,33 @@ def compile_seconds() -> float:
 def build_runner(model: str, dtype: str, attention: str, cpu_linear: str):
     from worker_svc.runner import ModelRunner, RunnerConfig
 
-    runner = ModelRunner.from_config(RunnerConfig(
-        model_path=model, dtype=dtype, attention_backend=attention, cpu_linear=cpu_linear,
-        kv_cache_memory_bytes=1 << 30))
+    runner = ModelRunner.from_config(
+        RunnerConfig(
+            model_path=model,
+            dtype=dtype,
+            attention_backend=attention,
+            cpu_linear=cpu_linear,
+            kv_cache_memory_bytes=1 << 30,
+        )
+    )
     _wrap_scopes(runner)
     return runner
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="HF model folder (default: SmolLM2 fp32, written to .cache)")
+    parser.add_argument(
+        "--model", default=None, help="HF model folder (default: SmolLM2 fp32, written to .cache)"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--cpu-linear", default="auto")
-    parser.add_argument("--glue", default="native",
-                        help="native (the C kernels) | torch | inductor (torch.compile)")
+    parser.add_argument(
+        "--glue", default="native", help="native (the C kernels) | torch | inductor (torch.compile)"
+    )
     parser.add_argument("--name", default="step_profile")
     args = parser.parse_args()
     use_glue(args.glue)
@@ -360,32 +408,67 @@ def main() -> None:
         def pct(ms: float) -> str:
             return f"{ms:.1f} ({100 * ms / s['profiled_wall']:.0f}%)"
 
-        rows.append([
-            r["kind"], str(r["tokens"]), f"{r['median_ms']:.1f}",
-            f"{floor_ms:.1f} ({r['median_ms'] / floor_ms:.2f}x)",
-            f"{limit_ms:.1f} ({100 * limit_ms / r['median_ms']:.0f}%)",
-            f"{r['linear_only_ms']:.1f} ({100 * r['linear_only_ms'] / r['median_ms']:.0f}%)",
-            pct(s["matmul"]), pct(s["lm_head_matmul"]), pct(s["attention"]),
-            pct(s["other_ops"]), pct(s["python"]), f"{s['profiled_wall']:.1f}",
-        ])
-    header = (f"# One worker step by kind: {Path(model).name} {args.dtype}, attention "
-              f"{runner.backend.name}, linear {runner.cpu_linear}, glue {args.glue} (first "
-              f"step of each kind, compiles included: " + ", ".join(
-                  f"{r['kind']} {r['first_step_ms']:,.0f} ms" for r in results)
-              + f"; load {load_s:.1f} s; Inductor compiling {compile_s:.1f} s); "
-              f"torch.mm 2048^3 peak {peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights read in "
-              f"{floor_ms:.1f} ms ({weight_bytes / floor_ms / 1e6:.1f} GB/s) in this run; "
-              f"{cpu_features().one_line()}")
+        rows.append(
+            [
+                r["kind"],
+                str(r["tokens"]),
+                f"{r['median_ms']:.1f}",
+                f"{floor_ms:.1f} ({r['median_ms'] / floor_ms:.2f}x)",
+                f"{limit_ms:.1f} ({100 * limit_ms / r['median_ms']:.0f}%)",
+                f"{r['linear_only_ms']:.1f} ({100 * r['linear_only_ms'] / r['median_ms']:.0f}%)",
+                pct(s["matmul"]),
+                pct(s["lm_head_matmul"]),
+                pct(s["attention"]),
+                pct(s["other_ops"]),
+                pct(s["python"]),
+                f"{s['profiled_wall']:.1f}",
+            ]
+        )
+    header = (
+        f"# One worker step by kind: {Path(model).name} {args.dtype}, attention "
+        f"{runner.backend.name}, linear {runner.cpu_linear}, glue {args.glue} (first "
+        f"step of each kind, compiles included: "
+        + ", ".join(f"{r['kind']} {r['first_step_ms']:,.0f} ms" for r in results)
+        + f"; load {load_s:.1f} s; Inductor compiling {compile_s:.1f} s); "
+        f"torch.mm 2048^3 peak {peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights read in "
+        f"{floor_ms:.1f} ms ({weight_bytes / floor_ms / 1e6:.1f} GB/s) in this run; "
+        f"{cpu_features().one_line()}"
+    )
     for r in results:
-        print(f"{r['kind']}: top ops by self time (ms, calls): " + ", ".join(
-            f"{o['op']} {o['self_ms']:.1f} ({o['calls']})" for o in r["top_ops"]))
-    write_results(args.name, header, [
-        "step", "tokens", "median ms", "weights read once ms (step / it)", "matmul limit at mm peak ms (% of step)",
-        "linear layers alone ms (% of step)", "matmul", "LM head matmul", "attention",
-        "other ops", "Python", "profiled ms"], rows,
-        {"mm_peak_gflops": peak, "weight_bytes": weight_bytes, "weights_read_ms": floor_ms,
-         "cpu": cpu_features().describe(), "model": model, "dtype": args.dtype,
-         "glue": args.glue, "compile_s": compile_s, "kinds": results})
+        print(
+            f"{r['kind']}: top ops by self time (ms, calls): "
+            + ", ".join(f"{o['op']} {o['self_ms']:.1f} ({o['calls']})" for o in r["top_ops"])
+        )
+    write_results(
+        args.name,
+        header,
+        [
+            "step",
+            "tokens",
+            "median ms",
+            "weights read once ms (step / it)",
+            "matmul limit at mm peak ms (% of step)",
+            "linear layers alone ms (% of step)",
+            "matmul",
+            "LM head matmul",
+            "attention",
+            "other ops",
+            "Python",
+            "profiled ms",
+        ],
+        rows,
+        {
+            "mm_peak_gflops": peak,
+            "weight_bytes": weight_bytes,
+            "weights_read_ms": floor_ms,
+            "cpu": cpu_features().describe(),
+            "model": model,
+            "dtype": args.dtype,
+            "glue": args.glue,
+            "compile_s": compile_s,
+            "kinds": results,
+        },
+    )
 
 
 if __name__ == "__main__":

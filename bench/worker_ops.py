@@ -47,21 +47,36 @@ def op_cases(rows: int) -> list[tuple[str, object, object]]:
     weight = torch.randn(576, generator=g)
     gate_up = torch.randn(rows, 3072, generator=g)
     qkv = torch.randn(rows, 960, generator=g)
-    q, k, v = (qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64),
-               qkv[:, 768:].view(rows, 3, 64))
+    q, k, v = (
+        qkv[:, :576].view(rows, 9, 64),
+        qkv[:, 576:768].view(rows, 3, 64),
+        qkv[:, 768:].view(rows, 3, 64),
+    )
     positions = torch.arange(rows) + 7
     cos, sin = torch.rand(8192, 64, generator=g), torch.rand(8192, 64, generator=g)
     caches = torch.zeros(2, 1456, 16, 3, 64)
     slots = torch.randperm(1456 * 16, generator=g)[:rows]
     return [
-        ("add_rms_norm", lambda: cpu_fused.add_rms_norm(x, residual, weight, 1e-5),
-         lambda: cpu_fused.add_rms_norm_reference(x, residual, weight, 1e-5)),
-        ("rotary_ (q)", lambda: cpu_fused.rotary_(q, positions, cos, sin),
-         lambda: cpu_fused.rotary_reference_(q, positions, cos, sin)),
-        ("silu_mul", lambda: cpu_fused.silu_mul(gate_up),
-         lambda: cpu_fused.silu_mul_reference(gate_up)),
-        ("store_kv (k, v views)", lambda: cpu_fused.store_kv(k, v, caches[0], caches[1], slots),
-         lambda: reference.store_kv(k, v, caches[0], caches[1], slots)),
+        (
+            "add_rms_norm",
+            lambda: cpu_fused.add_rms_norm(x, residual, weight, 1e-5),
+            lambda: cpu_fused.add_rms_norm_reference(x, residual, weight, 1e-5),
+        ),
+        (
+            "rotary_ (q)",
+            lambda: cpu_fused.rotary_(q, positions, cos, sin),
+            lambda: cpu_fused.rotary_reference_(q, positions, cos, sin),
+        ),
+        (
+            "silu_mul",
+            lambda: cpu_fused.silu_mul(gate_up),
+            lambda: cpu_fused.silu_mul_reference(gate_up),
+        ),
+        (
+            "store_kv (k, v views)",
+            lambda: cpu_fused.store_kv(k, v, caches[0], caches[1], slots),
+            lambda: reference.store_kv(k, v, caches[0], caches[1], slots),
+        ),
     ]
 
 
@@ -80,8 +95,10 @@ def batch_case(num_requests: int):
     decodes = dict.fromkeys(requests, 1)
     cpu = torch.device("cpu")
     # Both end in the same lists, so each side pays the same conversions.
-    return (lambda: as_dict(build_batch(requests, decodes, BLOCK_SIZE, cpu, tables)),
-            lambda: per_request_batch(requests, decodes, BLOCK_SIZE))
+    return (
+        lambda: as_dict(build_batch(requests, decodes, BLOCK_SIZE, cpu, tables)),
+        lambda: per_request_batch(requests, decodes, BLOCK_SIZE),
+    )
 
 
 def main() -> None:
@@ -92,8 +109,17 @@ def main() -> None:
 
     def add(name: str, shape: str, new, old, what_new: str, what_old: str) -> None:
         new_ms, old_ms = paired(new, old, args.reps)
-        rows.append([name, shape, what_new, f"{new_ms:.3f}", what_old, f"{old_ms:.3f}",
-                     f"{old_ms / new_ms:.2f}x"])
+        rows.append(
+            [
+                name,
+                shape,
+                what_new,
+                f"{new_ms:.3f}",
+                what_old,
+                f"{old_ms:.3f}",
+                f"{old_ms / new_ms:.2f}x",
+            ]
+        )
         data.append({"op": name, "shape": shape, "new_ms": new_ms, "old_ms": old_ms})
 
     for num_rows in (64, 2048):
@@ -101,16 +127,39 @@ def main() -> None:
             add(name, f"{num_rows} rows", new, old, "C", "torch reference")
     for num_rows in (64, 256):  # W64's decode; the control-plane bench's 256 streams
         logits = torch.randn(num_rows, 49152, generator=torch.Generator().manual_seed(1))
-        add("greedy argmax", f"{num_rows} x 49,152", lambda x=logits: cpu_fused.argmax(x),
-            lambda x=logits: x.argmax(dim=-1), "C", "torch.argmax")
-        add("a read of the logits", f"{num_rows} x 49,152", lambda x=logits: x.amax(dim=-1),
-            lambda x=logits: x.argmax(dim=-1), "torch.amax", "torch.argmax")
+        add(
+            "greedy argmax",
+            f"{num_rows} x 49,152",
+            lambda x=logits: cpu_fused.argmax(x),
+            lambda x=logits: x.argmax(dim=-1),
+            "C",
+            "torch.argmax",
+        )
+        add(
+            "a read of the logits",
+            f"{num_rows} x 49,152",
+            lambda x=logits: x.amax(dim=-1),
+            lambda x=logits: x.argmax(dim=-1),
+            "torch.amax",
+            "torch.argmax",
+        )
     for num_requests in (64, 256):
         new, old = batch_case(num_requests)
-        add("build_batch", f"{num_requests} decodes", new, old, "block tables",
-            "numpy per request (before)")
-    write_results("worker_ops", "# The worker's small ops, paired (median ms per call)",
-                  ["op", "shape", "new", "new ms", "old", "old ms", "speed-up"], rows, data)
+        add(
+            "build_batch",
+            f"{num_requests} decodes",
+            new,
+            old,
+            "block tables",
+            "numpy per request (before)",
+        )
+    write_results(
+        "worker_ops",
+        "# The worker's small ops, paired (median ms per call)",
+        ["op", "shape", "new", "new ms", "old", "old ms", "speed-up"],
+        rows,
+        data,
+    )
 
 
 if __name__ == "__main__":

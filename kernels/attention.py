@@ -25,8 +25,14 @@ from kernels.paged_attention import (
 )
 from kernels.prefill_attention import check_query_lens, launch_prefill
 
-__all__ = ["AttentionPlan", "paged_attention", "paged_attention_planned", "plan_attention",
-           "runs_in_interpreter", "store_kv"]
+__all__ = [
+    "AttentionPlan",
+    "paged_attention",
+    "paged_attention_planned",
+    "plan_attention",
+    "runs_in_interpreter",
+    "store_kv",
+]
 
 
 def runs_in_interpreter() -> bool:
@@ -46,8 +52,12 @@ class AttentionPlan:
 
 
 def plan_attention(
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_tokens: int,
-    block_tables: torch.Tensor, block_size: int,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    num_tokens: int,
+    block_tables: torch.Tensor,
+    block_size: int,
 ) -> AttentionPlan:
     """Split a batch into decodes and prefills; raise ValueError if the lengths are
     inconsistent (q_len > seq_len, starts not rising to `num_tokens`, block tables too
@@ -67,17 +77,34 @@ def plan_attention(
 
 
 def paged_attention_planned(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-    scale: float, plan: AttentionPlan, *, sliding_window: int | None = None,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    plan: AttentionPlan,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the host-side split already made by `plan_attention` for
     these same `seq_lens`/`query_start_loc`; no device sync."""
-    check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                         sliding_window)
+    check_attention_args(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window
+    )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    args = (out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-            sliding_window)
+    args = (
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        sliding_window,
+    )
     if plan.decode_seq_ids.numel():
         launch_decode(*args, plan.decode_seq_ids, plan.max_decode_seq_len)
     if plan.prefill_seq_ids.numel():
@@ -99,9 +126,24 @@ def paged_attention(
     """Causal attention of a ragged batch of queries over paged K/V; the same contract as
     `kernels.reference.paged_attention` (query [num_tokens, num_heads, head_dim] in, the
     same shape and dtype out)."""
-    check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                         sliding_window)
-    plan = plan_attention(seq_lens, query_start_loc, num_tokens=query.shape[0],
-                          block_tables=block_tables, block_size=k_cache.shape[1])
-    return paged_attention_planned(query, k_cache, v_cache, block_tables, seq_lens,
-                                   query_start_loc, scale, plan, sliding_window=sliding_window)
+    check_attention_args(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window
+    )
+    plan = plan_attention(
+        seq_lens,
+        query_start_loc,
+        num_tokens=query.shape[0],
+        block_tables=block_tables,
+        block_size=k_cache.shape[1],
+    )
+    return paged_attention_planned(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        plan,
+        sliding_window=sliding_window,
+    )

@@ -61,22 +61,33 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0 or k_cache.shape[3] != head_dim:
-        raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {num_kv_heads} "
-                         f"kv heads x {k_cache.shape[3]}")
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit a cache of {num_kv_heads} "
+            f"kv heads x {k_cache.shape[3]}"
+        )
     starts = query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     if all(q_len == 1 for q_len in q_lens):  # the steady state: no index juggling at all
         return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
-    if query.dtype == torch.float32 and cpu_native.available(query.dtype) \
-            and k_cache.dtype == query.dtype:
-        return cpu_native.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                          query_start_loc, scale, sliding_window)
-    if max(q_lens) <= MAX_ROWS_AS_DECODES and cpu_native.available(query.dtype) \
-            and k_cache.dtype == query.dtype:
-        return _rows_as_decodes(query, k_cache, v_cache, block_tables, seq_lens, q_lens, scale,
-                                sliding_window)
-    return sdpa_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, starts, scale,
-                                sliding_window, key, value)
+    if (
+        query.dtype == torch.float32
+        and cpu_native.available(query.dtype)
+        and k_cache.dtype == query.dtype
+    ):
+        return cpu_native.paged_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
+        )
+    if (
+        max(q_lens) <= MAX_ROWS_AS_DECODES
+        and cpu_native.available(query.dtype)
+        and k_cache.dtype == query.dtype
+    ):
+        return _rows_as_decodes(
+            query, k_cache, v_cache, block_tables, seq_lens, q_lens, scale, sliding_window
+        )
+    return sdpa_paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, starts, scale, sliding_window, key, value
+    )
 
 
 # Without a native mixed kernel for the dtype (bf16), sequences of at most this many query
@@ -87,9 +98,16 @@ def paged_attention(
 MAX_ROWS_AS_DECODES = 16
 
 
-def _rows_as_decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: list[int],
-                     scale: float, sliding_window: int | None) -> torch.Tensor:
+def _rows_as_decodes(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: list[int],
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
     """Each query row as a decode of its own: row j of a sequence of q_len rows attends to
     its first seq_len - (q_len - 1 - j) keys (causal), all in the cache already. One native
     decode call for the batch, and each row's arithmetic is a plain decode's at that
@@ -101,14 +119,29 @@ def _rows_as_decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     row_lens = seq_lens.to(torch.long)[seq_of_row] - rows_after
     if bool((row_lens < 1).any()):
         raise ValueError("a sequence has more query tokens than its context")
-    return _decode(query, k_cache, v_cache, block_tables[seq_of_row],
-                   row_lens.to(seq_lens.dtype), scale, sliding_window)
+    return _decode(
+        query,
+        k_cache,
+        v_cache,
+        block_tables[seq_of_row],
+        row_lens.to(seq_lens.dtype),
+        scale,
+        sliding_window,
+    )
 
 
-def sdpa_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: list[int],
-                         scale: float, sliding_window: int | None, key: torch.Tensor | None,
-                         value: torch.Tensor | None) -> torch.Tensor:
+def sdpa_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    starts: list[int],
+    scale: float,
+    sliding_window: int | None,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+) -> torch.Tensor:
     """A batch with sequences longer than one token through torch's SDPA (the decodes among
     them through `_decode`): fp16, no compiler, and bench.mixed_attention's baseline.
     `starts`: query_start_loc as a list."""
@@ -118,8 +151,15 @@ def sdpa_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if decode_rows:
         rows = torch.tensor(decode_rows)
         token_rows = torch.tensor([starts[i] for i in decode_rows])
-        out[token_rows] = _decode(query[token_rows], k_cache, v_cache, block_tables[rows],
-                                  seq_lens[rows], scale, sliding_window)
+        out[token_rows] = _decode(
+            query[token_rows],
+            k_cache,
+            v_cache,
+            block_tables[rows],
+            seq_lens[rows],
+            scale,
+            sliding_window,
+        )
     lens = seq_lens.tolist()
     fresh: dict[int, list[int]] = {}  # q_len -> sequences whose prompt is all new
     if key is not None and value is not None and sliding_window is None:
@@ -136,8 +176,15 @@ def sdpa_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     for i, q_len in enumerate(q_lens):
         if q_len > 1 and i not in done:
             start = starts[i]
-            out[start:start + q_len] = _extend(query[start:start + q_len], k_cache, v_cache,
-                                               block_tables[i], lens[i], scale, sliding_window)
+            out[start : start + q_len] = _extend(
+                query[start : start + q_len],
+                k_cache,
+                v_cache,
+                block_tables[i],
+                lens[i],
+                scale,
+                sliding_window,
+            )
     return out
 
 
@@ -169,12 +216,19 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> to
     return gathered.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+def _decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
     if cpu_native.available(query.dtype) and k_cache.dtype == query.dtype:
-        return cpu_native.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                       sliding_window)
+        return cpu_native.paged_decode(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window
+        )
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     dtype = _compute_dtype(query.dtype)
@@ -189,13 +243,25 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if sliding_window is not None:
         visible &= keys[None, :] > (lens - 1 - sliding_window)[:, None]
     out = F.scaled_dot_product_attention(
-        query.to(dtype)[:, :, None], k, v, attn_mask=visible[:, None, None, :], scale=scale,
-        enable_gqa=num_heads != num_kv_heads)
+        query.to(dtype)[:, :, None],
+        k,
+        v,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
-def _fresh_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   rows: slice, num_seqs: int, q_len: int, scale: float) -> torch.Tensor:
+def _fresh_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rows: slice,
+    num_seqs: int,
+    q_len: int,
+    scale: float,
+) -> torch.Tensor:
     """`num_seqs` whole prompts of q_len tokens each, consecutive (their token rows `rows`),
     causal over their own keys: one batched SDPA call. Returns [num_seqs * q_len, heads,
     head_dim]."""
@@ -206,14 +272,25 @@ def _fresh_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return x[rows].to(dtype).view(num_seqs, q_len, x.shape[1], head_dim).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(
-        batched(query), batched(key), batched(value), is_causal=True, scale=scale,
-        enable_gqa=num_heads != key.shape[1])
+        batched(query),
+        batched(key),
+        batched(value),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=num_heads != key.shape[1],
+    )
     return out.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim).to(query.dtype)
 
 
-def _extend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_table: torch.Tensor, seq_len: int, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+def _extend(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
     """One sequence's q_len (> 1) newest tokens over its seq_len tokens of context."""
     q_len, num_heads, head_dim = query.shape
     if q_len > seq_len:
@@ -233,6 +310,12 @@ def _extend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             visible &= keys > positions - sliding_window
         mask = visible
     out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
-        enable_gqa=num_heads != k.shape[0])
+        q[None],
+        k[None],
+        v[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=num_heads != k.shape[0],
+    )
     return out[0].transpose(0, 1).to(query.dtype)

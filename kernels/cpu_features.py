@@ -35,10 +35,28 @@ logger = logging.getLogger(__name__)
 # The ISA flags that change a kernel choice or a figure, in /proc/cpuinfo's spelling
 # (x86 "flags", ARM "Features"). Only these are kept and reported.
 RELEVANT_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "f16c",
-    "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-    "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8",
-    "asimd", "sve", "sve2", "bf16", "i8mm",  # aarch64
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "avx_ne_convert",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",  # aarch64
 )
 # Native bf16 multiply: AVX512_BF16 (vdpbf16ps), AMX-BF16 tiles, or ARMv8.6 BF16 (bfmmla).
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
@@ -68,8 +86,10 @@ class CpuFeatures:
         """None where bf16 is native; else the reason, for skips and warnings."""
         if self.native_bf16:
             return None
-        return (f"bf16 is emulated on this CPU [{self.isa_summary}]: without avx512_bf16 or "
-                "amx_bf16 a bf16 matmul runs far slower than fp32 (`python -m bench.peers.peak`)")
+        return (
+            f"bf16 is emulated on this CPU [{self.isa_summary}]: without avx512_bf16 or "
+            "amx_bf16 a bf16 matmul runs far slower than fp32 (`python -m bench.peers.peak`)"
+        )
 
     @property
     def isa_summary(self) -> str:
@@ -77,8 +97,12 @@ class CpuFeatures:
         if self.arch in ("aarch64", "arm64"):
             shown = [("asimd", "asimd"), ("sve", "sve"), ("bf16", "bf16")]
         else:
-            shown = [("avx2", "avx2"), ("avx512f", "avx512f"), ("avx512_bf16", "avx512_bf16"),
-                     ("amx_bf16", "amx")]
+            shown = [
+                ("avx2", "avx2"),
+                ("avx512f", "avx512f"),
+                ("avx512_bf16", "avx512_bf16"),
+                ("amx_bf16", "amx"),
+            ]
         return " ".join(name if self.has(flag) else f"-{name}" for flag, name in shown)
 
     def describe(self) -> dict:
@@ -90,15 +114,17 @@ class CpuFeatures:
         return data
 
     def one_line(self) -> str:
-        """"AMD EPYC (family 25, model 1), x86_64 [avx2 -avx512f -avx512_bf16 -amx],
+        """ "AMD EPYC (family 25, model 1), x86_64 [avx2 -avx512f -avx512_bf16 -amx],
         torch 2.13.0+cpu"."""
         return machine_line(self.describe())
 
 
 def machine_line(machine: dict) -> str:
     """One line for a `describe()` dict, also one read back from a result file."""
-    return (f"{machine['model']}, {machine['arch']} [{machine['isa']}], "
-            f"torch {machine['torch_version']}")
+    return (
+        f"{machine['model']}, {machine['arch']} [{machine['isa']}], "
+        f"torch {machine['torch_version']}"
+    )
 
 
 def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
@@ -111,8 +137,9 @@ def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
             break  # the first processor's block says it all
         key, _, value = line.partition(":")
         fields.setdefault(key.strip().lower(), value.strip())
-    model = next((fields[k] for k in ("model name", "cpu model", "hardware") if fields.get(k)),
-                 "unknown")
+    model = next(
+        (fields[k] for k in ("model name", "cpu model", "hardware") if fields.get(k)), "unknown"
+    )
     if "cpu family" in fields and fields.get("model", "").isdigit():
         model = f"{model} (family {fields['cpu family']}, model {fields['model']})"
     present = set((fields.get("flags") or fields.get("features") or "").split())
@@ -129,15 +156,17 @@ def cpu_identity() -> str:
         return platform.machine() + " " + platform.processor()
     keep = ("model name", "cpu family", "model", "flags", "features", "cpu part")
     block = text.split("\n\n", 1)[0]
-    return "\n".join(line for line in block.splitlines()
-                     if line.partition(":")[0].strip().lower() in keep)
+    return "\n".join(
+        line for line in block.splitlines() if line.partition(":")[0].strip().lower() in keep
+    )
 
 
 def _onednn_linear_works(dtype: torch.dtype) -> bool:
     """Pack a small weight for oneDNN and multiply by it, as `worker_svc/model/matmul.py`
     does; True only when neither step raises and the result matches F.linear."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
-                                                               "_linear_pointwise"):
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    ):
         return False
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False  # torch's own check, before an op that raises
@@ -181,9 +210,14 @@ def probe(cpuinfo: str | None = None) -> CpuFeatures:
 def cpu_features() -> CpuFeatures:
     """This process's CPU features, probed on first use and logged once."""
     features = probe()
-    logger.info("CPU: %s; torch kernels %s; oneDNN linear fp32 %s, bf16 %s; native bf16 %s",
-                features.one_line(), features.torch_cpu_capability,
-                features.onednn_fp32_linear, features.onednn_bf16_linear, features.native_bf16)
+    logger.info(
+        "CPU: %s; torch kernels %s; oneDNN linear fp32 %s, bf16 %s; native bf16 %s",
+        features.one_line(),
+        features.torch_cpu_capability,
+        features.onednn_fp32_linear,
+        features.onednn_bf16_linear,
+        features.native_bf16,
+    )
     return features
 
 

@@ -52,8 +52,17 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")  # and its sibling C files (SOURCES)
 # Reassociation lets the compiler vectorize the dot products; -ffast-math as a whole would
 # also assume no infinities, and the online softmax starts from -inf.
-CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
-          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
+CFLAGS = [
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-ffp-contract=fast",
+]
 # Tried in order until the compiler accepts one: code for this CPU, or portable code.
 NATIVE_ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -62,49 +71,188 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # fp32 arithmetic, and the fused elementwise ops (`cpu_fused.py`) round as torch's separate
 # ops do, so no multiply-add may be fused there.
 _TORCH_ROUNDING = ["-ffp-contract=off"]
-SOURCES = {"cpu_decode": [], "cpu_gguf": _TORCH_ROUNDING, "cpu_rmsnorm": _TORCH_ROUNDING,
-           "cpu_rotary": _TORCH_ROUNDING, "cpu_silu_mul": [], "cpu_store_kv": [],
-           "cpu_argmax": [], "cpu_token_mask": [], "cpu_linear": [], "cpu_lora": []}
+SOURCES = {
+    "cpu_decode": [],
+    "cpu_gguf": _TORCH_ROUNDING,
+    "cpu_rmsnorm": _TORCH_ROUNDING,
+    "cpu_rotary": _TORCH_ROUNDING,
+    "cpu_silu_mul": [],
+    "cpu_store_kv": [],
+    "cpu_argmax": [],
+    "cpu_token_mask": [],
+    "cpu_linear": [],
+    "cpu_lora": [],
+}
 HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))  # part of every library's cache key
 _SIGNATURES = {
-    "paged_decode": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                     ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int],
-    "paged_attention": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                        ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int],
-    "gguf_matmul": [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                    ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int],
-    "add_rms_norm": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                     ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_int],
-    "rotary_inplace": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_long, ctypes.c_int],
-    "silu_mul": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                 ctypes.c_int],
-    "argmax_rows": [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                    ctypes.c_int],
-    "apply_token_bitmask": [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                            ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int],
-    "argmax_masked_rows": [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                           ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                           ctypes.c_int],
-    "linear_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p],
+    "paged_decode": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+    ],
+    "paged_attention": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ],
+    "gguf_matmul": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_int,
+    ],
+    "add_rms_norm": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_int,
+    ],
+    "rotary_inplace": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_int,
+    ],
+    "silu_mul": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_int,
+    ],
+    "argmax_rows": [
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ],
+    "apply_token_bitmask": [
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_int,
+    ],
+    "argmax_masked_rows": [
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ],
+    "linear_f32": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ],
     "pack_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p],
     "linear_panel": [],
-    "moe_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
-    "lora_apply": [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                   ctypes.c_long, ctypes.c_long, ctypes.c_int],
-    "store_kv": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                 ctypes.c_int],
+    "moe_f32": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ],
+    "lora_apply": [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_int,
+    ],
+    "store_kv": [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_int,
+    ],
 }
 
 
@@ -163,9 +311,12 @@ def configure(config: NativeKernelConfig) -> NativeKernelConfig:
         if (config.compiler, config.cache_dir) != (previous.compiler, previous.cache_dir):
             _libraries.clear()
             _failed.clear()
-    logger.info("native CPU kernels: %s, compiler %s, cache %s",
-                "enabled" if config.enabled else "disabled (PAGEMESH_NATIVE_KERNELS=0)",
-                config.compiler or "none found", config.cache_dir)
+    logger.info(
+        "native CPU kernels: %s, compiler %s, cache %s",
+        "enabled" if config.enabled else "disabled (PAGEMESH_NATIVE_KERNELS=0)",
+        config.compiler or "none found",
+        config.cache_dir,
+    )
     return previous
 
 
@@ -182,8 +333,11 @@ def compiler() -> str | None:
     return current_config().compiler
 
 
-def _build(name: str = "cpu_decode", arch_flags: tuple[str, ...] | None = None,
-           config: NativeKernelConfig | None = None) -> ctypes.CDLL:
+def _build(
+    name: str = "cpu_decode",
+    arch_flags: tuple[str, ...] | None = None,
+    config: NativeKernelConfig | None = None,
+) -> ctypes.CDLL:
     """Build (or load from the cache) kernel library `name`. `arch_flags` None: the first of
     NATIVE_ARCH_FLAGS the compiler accepts; a tuple (e.g. ("-march=x86-64-v3",)): exactly
     that target, which tests use to check each ISA level's code against the reference.
@@ -202,10 +356,19 @@ def _build(name: str = "cpu_decode", arch_flags: tuple[str, ...] | None = None,
             errors.append(str(error))
             continue
         if choice != NATIVE_ARCH_FLAGS[0]:
-            logger.warning("%s built with %s (the compiler refused %s)", name,
-                           " ".join(choice) or "no arch flag", NATIVE_ARCH_FLAGS[0][0])
-        logger.info("native CPU kernel %s: %s %s, for %s", name, cc, " ".join(choice),
-                    cpu_features().one_line())
+            logger.warning(
+                "%s built with %s (the compiler refused %s)",
+                name,
+                " ".join(choice) or "no arch flag",
+                NATIVE_ARCH_FLAGS[0][0],
+            )
+        logger.info(
+            "native CPU kernel %s: %s %s, for %s",
+            name,
+            cc,
+            " ".join(choice),
+            cpu_features().one_line(),
+        )
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -213,8 +376,12 @@ def _build(name: str = "cpu_decode", arch_flags: tuple[str, ...] | None = None,
 def _build_with(cc: str, cache: Path, name: str, arch_flags: tuple[str, ...]) -> ctypes.CDLL:
     source = SOURCE.with_name(f"{name}.c")
     flags = [*CFLAGS, *arch_flags, *SOURCES[name]]  # later flags win (-ffp-contract)
-    key = hashlib.sha256(source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
-                         + " ".join(flags).encode() + cpu_identity().encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        source.read_bytes()
+        + b"".join(h.read_bytes() for h in HEADERS)
+        + " ".join(flags).encode()
+        + cpu_identity().encode()
+    ).hexdigest()[:16]
     library = cache / f"{name}-{key}.so"
     if not library.exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -223,12 +390,18 @@ def _build_with(cc: str, cache: Path, name: str, arch_flags: tuple[str, ...]) ->
         with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            subprocess.run([cc, *flags, "-o", str(partial), str(source), "-lm"],
-                           check=True, capture_output=True, text=True, timeout=120)
+            subprocess.run(
+                [cc, *flags, "-o", str(partial), str(source), "-lm"],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             partial.replace(library)
         except subprocess.CalledProcessError as error:
-            raise RuntimeError(f"{cc} {' '.join(arch_flags)} failed: "
-                               f"{error.stderr.strip()[:500]}") from error
+            raise RuntimeError(
+                f"{cc} {' '.join(arch_flags)} failed: {error.stderr.strip()[:500]}"
+            ) from error
         finally:
             partial.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(library))
@@ -253,8 +426,9 @@ def library(name: str = "cpu_decode") -> ctypes.CDLL | None:
                 _libraries[name] = _build(name)
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 _failed[name] = str(error)
-                logger.warning("native CPU kernels %s unavailable (%s); using torch ops",
-                               name, _failed[name])
+                logger.warning(
+                    "native CPU kernels %s unavailable (%s); using torch ops", name, _failed[name]
+                )
         lib = _libraries.get(name)
         if lib is not None and _config is not None and _config.enabled:
             _ready[name] = lib
@@ -270,10 +444,18 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES and library() is not None
 
 
-def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 sliding_window: int | None = None, *, lib: ctypes.CDLL | None = None,
-                 split_keys: bool = True) -> torch.Tensor:
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
+    split_keys: bool = True,
+) -> torch.Tensor:
     """One query token per sequence: query [S, H, D] -> [S, H, D], as the reference computes
     for q_len 1. Tensors must be CPU, fp32 or bf16 (`available`). `lib`: another build of
     cpu_decode (`_build(arch_flags=...)`), for tests; default the native one. `split_keys`
@@ -290,20 +472,41 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache halves must be contiguous")
     code = lib.paged_decode(
-        _DTYPES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs,
-        num_heads, num_kv_heads, head_dim, block_size, float(scale), int(sliding_window or 0),
-        max(1, torch.get_num_threads()), int(split_keys))
+        _DTYPES[query.dtype],
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        float(scale),
+        int(sliding_window or 0),
+        max(1, torch.get_num_threads()),
+        int(split_keys),
+    )
     if code:
         raise MemoryError("the native decode kernel could not allocate its scratch memory")
     return out
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float,
-                    sliding_window: int | None = None, *,
-                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
     """A whole batch, decodes and prefills mixed, in one call: query [T, H, D] -> [T, H, D]
     as the reference computes it, every sequence's keys (this step's too) read from the
     cache. Tensors as `paged_decode`'s; `lib` as there."""
@@ -320,10 +523,24 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     starts = query_start_loc.to(torch.int32).contiguous()
     out = torch.empty_like(query)
     code = lib.paged_attention(
-        _DTYPES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(),
-        out.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size,
-        float(scale), int(sliding_window or 0), max(1, torch.get_num_threads()))
+        _DTYPES[query.dtype],
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        starts.data_ptr(),
+        out.data_ptr(),
+        lens.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        float(scale),
+        int(sliding_window or 0),
+        max(1, torch.get_num_threads()),
+    )
     if code == -2:
         raise ValueError("a sequence has more query tokens than its context")
     if code:
@@ -335,18 +552,37 @@ GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 GGUF_MAX_ROWS = 16  # cpu_gguf.c's MAX_ROWS: more rows are compute-bound, better dequantized
 
 
-def gguf_matmul(type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
-                *, lib: ctypes.CDLL | None = None) -> bool:
+def gguf_matmul(
+    type_name: str,
+    blocks: torch.Tensor,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> bool:
     """out[:, :rows] = x @ W^T for W in GGUF blocks (uint8 [rows, bytes]); x and out fp32,
     contiguous, x with at most GGUF_MAX_ROWS rows. False (nothing written) when the kernel
     cannot do it here: no compiler, another type, too many rows. `lib`: as paged_decode's."""
     lib = lib or library("cpu_gguf")
-    if (lib is None or type_name not in GGUF_TYPES or not 0 < x.shape[0] <= GGUF_MAX_ROWS
-            or x.dtype != torch.float32 or out.dtype != torch.float32):
+    if (
+        lib is None
+        or type_name not in GGUF_TYPES
+        or not 0 < x.shape[0] <= GGUF_MAX_ROWS
+        or x.dtype != torch.float32
+        or out.dtype != torch.float32
+    ):
         return False
-    code = lib.gguf_matmul(GGUF_TYPES[type_name], blocks.data_ptr(), blocks.shape[0],
-                           x.shape[1], x.data_ptr(), x.shape[0], out.data_ptr(),
-                           out.stride(0), max(1, torch.get_num_threads()))
+    code = lib.gguf_matmul(
+        GGUF_TYPES[type_name],
+        blocks.data_ptr(),
+        blocks.shape[0],
+        x.shape[1],
+        x.data_ptr(),
+        x.shape[0],
+        out.data_ptr(),
+        out.stride(0),
+        max(1, torch.get_num_threads()),
+    )
     return code == 0
 
 
@@ -365,9 +601,17 @@ def pack_linear_f32(weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> 
     return packed
 
 
-def moe_f32(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            w13_packed: torch.Tensor, w2_packed: torch.Tensor, num_experts: int,
-            intermediate: int, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def moe_f32(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w2_packed: torch.Tensor,
+    num_experts: int,
+    intermediate: int,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
     """`kernels.moe.fused_experts` in one C call (cpu_linear.c's `moe_f32`), fp32: hidden
     [tokens, h]; the experts' gate|up and down weights each packed by `pack_linear_f32` and
     concatenated in expert order (`w13_packed`, `w2_packed`)."""
@@ -384,15 +628,36 @@ def moe_f32(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     rows, down = torch.empty((pairs, h)), torch.empty((pairs, h))
     gate_up, act = torch.empty((pairs, 2 * intermediate)), torch.empty((pairs, intermediate))
     scratch = torch.empty(2 * pairs + 2 * (num_experts + 1), dtype=torch.int64)
-    lib.moe_f32(torch.get_num_threads(), x.data_ptr(), tokens, h, ids.data_ptr(),
-                weights.data_ptr(), top_k, num_experts, w13_packed.data_ptr(),
-                w2_packed.data_ptr(), intermediate, out.data_ptr(), rows.data_ptr(),
-                gate_up.data_ptr(), act.data_ptr(), down.data_ptr(), scratch.data_ptr())
+    lib.moe_f32(
+        torch.get_num_threads(),
+        x.data_ptr(),
+        tokens,
+        h,
+        ids.data_ptr(),
+        weights.data_ptr(),
+        top_k,
+        num_experts,
+        w13_packed.data_ptr(),
+        w2_packed.data_ptr(),
+        intermediate,
+        out.data_ptr(),
+        rows.data_ptr(),
+        gate_up.data_ptr(),
+        act.data_ptr(),
+        down.data_ptr(),
+        scratch.data_ptr(),
+    )
     return out
 
 
-def linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-               *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def linear_f32(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
     """x [..., k] W^T + bias for W packed by `pack_linear_f32` ([n, k]): [..., n], fp32."""
     lib = lib or library("cpu_linear")
     if lib is None:
@@ -404,9 +669,16 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
-    lib.linear_f32(torch.get_num_threads(), rows.data_ptr(), rows.shape[0], k,
-                   packed.data_ptr(), n, bias.data_ptr() if bias is not None else None,
-                   out.data_ptr())
+    lib.linear_f32(
+        torch.get_num_threads(),
+        rows.data_ptr(),
+        rows.shape[0],
+        k,
+        packed.data_ptr(),
+        n,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+    )
     if x.dim() == 2:
         return out
     return out.reshape(*x.shape[:-1], n)

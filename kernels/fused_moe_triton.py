@@ -50,6 +50,7 @@ MAX_SILU_BLOCK = 1024  # intermediate columns per SiLU-and-mul program
 
 class MoeTiles(NamedTuple):
     """Tile sizes of the grouped GEMM: pairs per M-block, output columns, reduction chunk."""
+
     block_m: int
     block_n: int
     block_k: int
@@ -71,11 +72,27 @@ def choose_tiles(dtype: torch.dtype, num_pairs: int, num_experts: int) -> MoeTil
 
 @triton.jit
 def _moe_gemm_kernel(
-    out_ptr, a_ptr, w_ptr, topk_weights_ptr, sorted_pair_ids_ptr, expert_ids_ptr,
-    num_padded_ptr, N, K, num_pairs, num_experts,
-    stride_am, stride_we, stride_wn, stride_om,
-    TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    out_ptr,
+    a_ptr,
+    w_ptr,
+    topk_weights_ptr,
+    sorted_pair_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_pairs,
+    num_experts,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
@@ -88,8 +105,7 @@ def _moe_gemm_kernel(
     out_mask = pair_mask[:, None] & col_mask[None, :]
     expert = tl.load(expert_ids_ptr + block).to(tl.int64)
     if expert >= num_experts:  # the run of pairs routed to no local expert
-        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty), mask=out_mask)
         return
 
     a_rows = a_ptr + (pairs // TOP_K)[:, None] * stride_am
@@ -99,8 +115,9 @@ def _moe_gemm_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a = tl.load(a_rows + ks[None, :], mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
-                    other=0.0)  # [BLOCK_K, BLOCK_N]: the weight rows' transpose
+        w = tl.load(
+            w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0
+        )  # [BLOCK_K, BLOCK_N]: the weight rows' transpose
         acc += dot(a, w, DOT_FP32)
     if MUL_ROUTED_WEIGHT:
         weights = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
@@ -109,8 +126,9 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(out_ptr, gate_up_ptr, intermediate, stride_out, stride_gate_up,
-                     BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    out_ptr, gate_up_ptr, intermediate, stride_out, stride_gate_up, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
@@ -121,35 +139,52 @@ def _silu_mul_kernel(out_ptr, gate_up_ptr, intermediate, stride_out, stride_gate
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def check_moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+def check_moe_args(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
     """Raise ValueError unless the arguments fit `fused_experts_triton`."""
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"hidden {tuple(hidden.shape)} must be [num_tokens, hidden], w13 "
-                         f"{tuple(w13.shape)} [num_experts, 2 * intermediate, hidden] and w2 "
-                         f"{tuple(w2.shape)} [num_experts, hidden, intermediate]")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be [num_tokens, hidden], w13 "
+            f"{tuple(w13.shape)} [num_experts, 2 * intermediate, hidden] and w2 "
+            f"{tuple(w2.shape)} [num_experts, hidden, intermediate]"
+        )
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate = w2.shape[0], w2.shape[2]
-    if w13.shape != (num_experts, 2 * intermediate, hidden_size) or (
-            w2.shape[1] != hidden_size):
-        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit hidden "
-                         f"size {hidden_size}: need w13 [num_experts, 2 * intermediate, "
-                         f"{hidden_size}] and w2 [num_experts, {hidden_size}, intermediate]")
-    if hidden.dtype not in FLOAT_DTYPES or w13.dtype != hidden.dtype or (
-            w2.dtype != hidden.dtype):
-        raise ValueError(f"hidden, w13 and w2 must share one of {FLOAT_DTYPES}, got "
-                         f"{hidden.dtype}, {w13.dtype}, {w2.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or (
-            topk_weights.shape != topk_ids.shape):
-        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids "
-                         f"{tuple(topk_ids.shape)} must both be [{num_tokens}, top_k]")
+    if w13.shape != (num_experts, 2 * intermediate, hidden_size) or (w2.shape[1] != hidden_size):
+        raise ValueError(
+            f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit hidden "
+            f"size {hidden_size}: need w13 [num_experts, 2 * intermediate, "
+            f"{hidden_size}] and w2 [num_experts, {hidden_size}, intermediate]"
+        )
+    if hidden.dtype not in FLOAT_DTYPES or w13.dtype != hidden.dtype or (w2.dtype != hidden.dtype):
+        raise ValueError(
+            f"hidden, w13 and w2 must share one of {FLOAT_DTYPES}, got "
+            f"{hidden.dtype}, {w13.dtype}, {w2.dtype}"
+        )
+    if (
+        topk_ids.dim() != 2
+        or topk_ids.shape[0] != num_tokens
+        or (topk_weights.shape != topk_ids.shape)
+    ):
+        raise ValueError(
+            f"topk_weights {tuple(topk_weights.shape)} and topk_ids "
+            f"{tuple(topk_ids.shape)} must both be [{num_tokens}, top_k]"
+        )
     if topk_ids.dtype not in INDEX_DTYPES or topk_weights.dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"topk_ids must be one of {INDEX_DTYPES} and topk_weights one of "
-                         f"{WEIGHT_DTYPES}, got {topk_ids.dtype} and {topk_weights.dtype}")
+        raise ValueError(
+            f"topk_ids must be one of {INDEX_DTYPES} and topk_weights one of "
+            f"{WEIGHT_DTYPES}, got {topk_ids.dtype} and {topk_weights.dtype}"
+        )
     for name, tensor in {"hidden": hidden, "w13": w13, "w2": w2}.items():
         if tensor.numel() and tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim, strides "
-                             f"{tensor.stride()}")
+            raise ValueError(
+                f"{name} must be contiguous in its last dim, strides {tensor.stride()}"
+            )
     tensors = (hidden, w13, w2, topk_weights, topk_ids)
     devices = {t.device for t in tensors}
     if len(devices) != 1:
@@ -157,8 +192,9 @@ def check_moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     check_on_kernel_device(hidden.device, _moe_gemm_kernel)
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_pairs(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pairs in expert order, each expert's run padded to a multiple of `block_m`
     (module docstring): (sorted_pair_ids int32 [capacity], padding = num_pairs; expert_ids
     int32 [capacity / block_m], num_experts for the run of out-of-range ids and past the
@@ -173,8 +209,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded_counts, 0)
     sorted_keys, order = torch.sort(keys, stable=True)
-    rank_in_run = (torch.arange(num_pairs, device=device)
-                   - (torch.cumsum(counts, 0) - counts)[sorted_keys])
+    rank_in_run = (
+        torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_keys]
+    )
     destinations = (padded_ends - padded_counts)[sorted_keys] + rank_in_run
     # Each non-empty run adds at most block_m - 1 padding entries.
     num_runs = min(num_pairs, num_experts + 1)
@@ -187,10 +224,17 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pair_ids, expert_ids, padded_ends[-1:].to(torch.int32)
 
 
-def launch_moe_gemm(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
-                    topk_weights: torch.Tensor | None, sorted_pair_ids: torch.Tensor,
-                    expert_ids: torch.Tensor, num_padded: torch.Tensor, top_k: int,
-                    tiles: MoeTiles) -> None:
+def launch_moe_gemm(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    sorted_pair_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_padded: torch.Tensor,
+    top_k: int,
+    tiles: MoeTiles,
+) -> None:
     """out[p] = a[p // top_k] @ w[e]^T (times topk_weights[p], flat, when given) for every
     pair p of sorted_pair_ids, e its block's expert; zeros for pairs of no local expert.
     out [num_pairs, N], w [num_experts, N, K]; arguments are checked by the caller."""
@@ -198,12 +242,27 @@ def launch_moe_gemm(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
     num_experts, _, k = w.shape
     grid = (expert_ids.shape[0], triton.cdiv(n, tiles.block_n))
     _moe_gemm_kernel[grid](
-        out, a, w, out if topk_weights is None else topk_weights, sorted_pair_ids,
-        expert_ids, num_padded, n, k, num_pairs, num_experts,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOP_K=top_k, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        out,
+        a,
+        w,
+        out if topk_weights is None else topk_weights,
+        sorted_pair_ids,
+        expert_ids,
+        num_padded,
+        n,
+        k,
+        num_pairs,
+        num_experts,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
         DOT_FP32=dot_in_fp32(_moe_gemm_kernel, a.dtype),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
     )
 
 
@@ -213,11 +272,17 @@ def launch_silu_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     rows, intermediate = out.shape
     block = min(MAX_SILU_BLOCK, triton.next_power_of_2(intermediate))
     _silu_mul_kernel[(rows, triton.cdiv(intermediate, block))](
-        out, gate_up, intermediate, out.stride(0), gate_up.stride(0), BLOCK=block)
+        out, gate_up, intermediate, out.stride(0), gate_up.stride(0), BLOCK=block
+    )
 
 
-def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_experts_triton(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) -> [num_tokens, hidden]
     in hidden's dtype (module docstring; `kernels.moe.fused_experts` is the reference).
     No host sync: the launch sizes follow the shapes alone."""

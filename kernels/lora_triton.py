@@ -53,6 +53,7 @@ EXPAND_TILE = 4096
 
 class LoraTiles(NamedTuple):
     """Rows per block (one slot's), padded rank, in_f chunk (shrink), out_f tile (expand)."""
+
     block_m: int
     block_r: int
     block_k: int
@@ -72,9 +73,22 @@ def choose_tiles(dtype: torch.dtype, num_rows: int, num_slots: int, rank: int) -
 
 
 @triton.jit
-def _shrink_kernel(t_ptr, x_ptr, a_ptr, sorted_rows_ptr, block_slots_ptr, num_padded_ptr,
-                   n, in_f, rank, num_slots, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_kernel(
+    t_ptr,
+    x_ptr,
+    a_ptr,
+    sorted_rows_ptr,
+    block_slots_ptr,
+    num_padded_ptr,
+    n,
+    in_f,
+    rank,
+    num_slots,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
         return  # the grid covers the worst-case padding
@@ -90,18 +104,39 @@ def _shrink_kernel(t_ptr, x_ptr, a_ptr, sorted_rows_ptr, block_slots_ptr, num_pa
     for k0 in range(0, in_f, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < in_f
-        x = tl.load(x_ptr + rows[:, None] * in_f + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(a_slot + ranks[None, :] * in_f + ks[:, None],
-                    mask=k_mask[:, None] & rank_mask[None, :], other=0.0)  # A's transpose
+        x = tl.load(
+            x_ptr + rows[:, None] * in_f + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        a = tl.load(
+            a_slot + ranks[None, :] * in_f + ks[:, None],
+            mask=k_mask[:, None] & rank_mask[None, :],
+            other=0.0,
+        )  # A's transpose
         acc += dot(x, a, DOT_FP32)
-    tl.store(t_ptr + rows[:, None] * rank + ranks[None, :], acc,
-             mask=row_mask[:, None] & rank_mask[None, :])
+    tl.store(
+        t_ptr + rows[:, None] * rank + ranks[None, :],
+        acc,
+        mask=row_mask[:, None] & rank_mask[None, :],
+    )
 
 
 @triton.jit
-def _expand_kernel(out_ptr, t_ptr, bt_ptr, sorted_rows_ptr, block_slots_ptr, num_padded_ptr,
-                   n, out_f, rank, num_slots, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _expand_kernel(
+    out_ptr,
+    t_ptr,
+    bt_ptr,
+    sorted_rows_ptr,
+    block_slots_ptr,
+    num_padded_ptr,
+    n,
+    out_f,
+    rank,
+    num_slots,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -124,8 +159,13 @@ def _expand_kernel(out_ptr, t_ptr, bt_ptr, sorted_rows_ptr, block_slots_ptr, num
     tl.store(out_ptrs, (base + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def lora_triton_(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                 lora_bt: torch.Tensor, slots: torch.Tensor) -> None:
+def lora_triton_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_bt: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     """out += each row's LoRA product, in place (module docstring), after checking the
     arguments; no host sync. Slots outside 0..S-1 count as no adapter."""
     check_lora_args(out, x, lora_a, lora_bt, slots)
@@ -133,8 +173,13 @@ def lora_triton_(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
     launch_lora_(out, x, lora_a, lora_bt, slots)
 
 
-def launch_lora_(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                 lora_bt: torch.Tensor, slots: torch.Tensor) -> None:
+def launch_lora_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_bt: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     """`lora_triton_` on arguments already checked (`kernels.lora.lora_apply_`)."""
     n, in_f = x.shape
     num_slots, rank, out_f = lora_bt.shape
@@ -146,9 +191,28 @@ def launch_lora_(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
     t = torch.empty((n, rank), dtype=torch.float32, device=x.device)
     num_blocks = block_slots.shape[0]
     _shrink_kernel[(num_blocks,)](
-        t, x, lora_a, *routing, n, in_f, rank, num_slots,
-        DOT_FP32=dot_in_fp32(_shrink_kernel, x.dtype), BLOCK_M=tiles.block_m,
-        BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k)
+        t,
+        x,
+        lora_a,
+        *routing,
+        n,
+        in_f,
+        rank,
+        num_slots,
+        DOT_FP32=dot_in_fp32(_shrink_kernel, x.dtype),
+        BLOCK_M=tiles.block_m,
+        BLOCK_R=tiles.block_r,
+        BLOCK_K=tiles.block_k,
+    )
     _expand_kernel[(num_blocks, triton.cdiv(out_f, tiles.block_n))](
-        out, t, lora_bt, *routing, n, out_f, rank, num_slots,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+        out,
+        t,
+        lora_bt,
+        *routing,
+        n,
+        out_f,
+        rank,
+        num_slots,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+    )

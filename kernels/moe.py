@@ -30,8 +30,9 @@ from torch.nn import functional as F
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [num_tokens, num_experts] -> (topk_weights, topk_ids), as transformers'
     Mixtral / Qwen2-MoE / Qwen3-MoE routers compute them: softmax in fp32, `torch.topk` (so
     between equal probabilities the same expert wins as there: on CPU the lower index
@@ -44,8 +45,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights.to(weights_dtype), ids
 
 
-def expert_order(topk_ids: torch.Tensor, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def expert_order(
+    topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The (token, slot) pairs grouped by expert: (pairs as slot-major indices p = k *
     num_tokens + t, in expert order, stable, so within an expert they run slot by slot,
     tokens ascending, as transformers' `torch.where` over its mask lists them; the count of
@@ -60,8 +62,13 @@ def expert_order(topk_ids: torch.Tensor, num_experts: int
     return order, counts, offsets
 
 
-def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    num_experts: int, expert: ExpertFn) -> torch.Tensor:
+def grouped_experts(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert: ExpertFn,
+) -> torch.Tensor:
     """sum_k weight * expert_e(x) over each token's chosen experts: one sort, one call of
     `expert` per expert with rows, one weighted `index_add_` (module docstring)."""
     num_tokens = topk_ids.shape[0]
@@ -69,7 +76,7 @@ def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     order, _, offsets = expert_order(topk_ids, num_experts)
     if offsets[-1] == 0:
         return out
-    order = order[:offsets[-1]]
+    order = order[: offsets[-1]]
     rows = hidden.index_select(0, order % num_tokens)
     results = torch.empty_like(rows)
     for e in range(num_experts):
@@ -79,8 +86,9 @@ def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     return weighted_sum(results, order, topk_weights, out)
 
 
-def weighted_sum(results: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
-                 out: torch.Tensor) -> torch.Tensor:
+def weighted_sum(
+    results: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
     """out[t] += weight * row for each expert output row `results[i]` of pair `order[i]`
     (slot-major, as `expert_order` gives them), in that order, in one `index_add_`."""
     weights = topk_weights.t().reshape(-1).index_select(0, order).unsqueeze(1)
@@ -94,19 +102,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  act: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_mul,
+) -> torch.Tensor:
     """The torch path and the reference of the Triton kernel (same signature): the experts
     of plain 3-D weights through `grouped_experts` and `F.linear`."""
+
     def expert(e: int, x: torch.Tensor) -> torch.Tensor:
         return F.linear(act(F.linear(x, w13[e])), w2[e])
 
     return grouped_experts(hidden, topk_weights, topk_ids, w13.shape[0], expert)
 
 
-def per_expert_loop(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def per_expert_loop(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
     """transformers 5's experts loop (`Qwen3MoeExperts.forward`): per expert a one-hot mask,
     a `where`, a gather, the MLP, and an `index_add_`. The baseline of `bench.moe`."""
     num_experts = w13.shape[0]

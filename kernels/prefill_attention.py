@@ -39,13 +39,33 @@ TILES = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (32, 
 
 @triton.jit
 def _prefill_kernel(
-    out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, seq_ids_ptr, scale_log2, sliding_window,
-    stride_query_token, stride_query_head, stride_out_token, stride_out_head,
-    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_tables_seq,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    out_ptr,
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    seq_ids_ptr,
+    scale_log2,
+    sliding_window,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_block_tables_seq,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     seq = tl.load(seq_ids_ptr + tl.program_id(0))
     tile_first_token = tl.program_id(1) * BLOCK_Q
@@ -66,9 +86,14 @@ def _prefill_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     q_rows = (q_start + tokens).to(tl.int64)
-    q = tl.load(query_ptr + q_rows[:, None] * stride_query_token
-                + heads[:, None] * stride_query_head + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = tl.load(
+        query_ptr
+        + q_rows[:, None] * stride_query_token
+        + heads[:, None] * stride_query_head
+        + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
 
     # Causality bounds the keys by the tile's last query, the window by its first one.
     context_end = first_query_pos + tl.minimum(q_len, tile_first_token + BLOCK_Q)
@@ -80,12 +105,26 @@ def _prefill_kernel(
     for tile_start in range(context_start, context_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_context = positions < context_end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, positions, in_context,
-                            kv_head, dims, dim_mask, stride_cache_block, stride_cache_token,
-                            stride_cache_head, BLOCK_SIZE)
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            positions,
+            in_context,
+            kv_head,
+            dims,
+            dim_mask,
+            stride_cache_block,
+            stride_cache_token,
+            stride_cache_head,
+            BLOCK_SIZE,
+        )
         scores = dot(q, tl.trans(k), DOT_FP32) * scale_log2
-        visible = (in_context[None, :] & (positions[None, :] <= query_pos[:, None])
-                   & (positions[None, :] > query_pos[:, None] - sliding_window))
+        visible = (
+            in_context[None, :]
+            & (positions[None, :] <= query_pos[:, None])
+            & (positions[None, :] > query_pos[:, None] - sliding_window)
+        )
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.exp2(running_max - new_max)
@@ -96,15 +135,28 @@ def _prefill_kernel(
 
     # Padding rows past q_len may see no key inside a sliding window; keep them finite.
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_out_token + heads[:, None] * stride_out_head
-             + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & dim_mask[None, :])
+    tl.store(
+        out_ptr
+        + q_rows[:, None] * stride_out_token
+        + heads[:, None] * stride_out_head
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
 
 
 def launch_prefill(
-    out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-    scale: float, sliding_window: int | None, seq_ids: torch.Tensor, max_query_len: int,
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    seq_ids: torch.Tensor,
+    max_query_len: int,
 ) -> None:
     """Attend the query rows of sequences `seq_ids` (int32 on the device) into `out`.
     Arguments are checked by the caller; `max_query_len` is their longest q_len (tokens)."""
@@ -117,13 +169,32 @@ def launch_prefill(
     block_q = block_m // group_pad
     grid = (seq_ids.shape[0], triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids,
-        scale * LOG2_E, NO_WINDOW if sliding_window is None else sliding_window,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        seq_ids,
+        scale * LOG2_E,
+        NO_WINDOW if sliding_window is None else sliding_window,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         DOT_FP32=dot_in_fp32(_prefill_kernel, query.dtype),
     )
 
@@ -135,8 +206,9 @@ def check_query_lens(starts: list[int], lens: list[int], num_tokens: int) -> lis
         raise ValueError(f"query_start_loc {starts} must rise from 0 to num_tokens {num_tokens}")
     for i, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
         if q_len > seq_len:
-            raise ValueError(f"sequence {i}: {q_len} query tokens cannot exceed a context of "
-                             f"{seq_len}")
+            raise ValueError(
+                f"sequence {i}: {q_len} query tokens cannot exceed a context of {seq_len}"
+            )
     return q_lens
 
 
@@ -154,14 +226,33 @@ def paged_prefill_attention(
     """Causal attention of a ragged batch over paged K/V (see the module docstring); any
     q_len from 1 to seq_len. Returns [num_tokens, num_heads, head_dim] in the query's dtype.
     Reads seq_lens/query_start_loc on the host (one sync)."""
-    check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                         sliding_window, _prefill_kernel)
+    check_attention_args(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        sliding_window,
+        _prefill_kernel,
+    )
     lens = seq_lens.tolist()
     q_lens = check_query_lens(query_start_loc.tolist(), lens, query.shape[0])
     check_block_tables_cover(block_tables, k_cache.shape[1], max(lens, default=0))
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] > 0:
         seq_ids = torch.arange(len(lens), dtype=torch.int32, device=query.device)
-        launch_prefill(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                       scale, sliding_window, seq_ids, max(q_lens))
+        launch_prefill(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            sliding_window,
+            seq_ids,
+            max(q_lens),
+        )
     return out

@@ -80,8 +80,13 @@ def paged_attention(
         rows = torch.tensor(decode_rows, device=query.device)
         token_rows = query_start_loc[:-1].to(query.device).long()[rows]
         out[token_rows] = _decode_attention(
-            query[token_rows], k_cache, v_cache, block_tables[rows], seq_lens[rows],
-            scale, sliding_window,
+            query[token_rows],
+            k_cache,
+            v_cache,
+            block_tables[rows],
+            seq_lens[rows],
+            scale,
+            sliding_window,
         )
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -90,8 +95,13 @@ def paged_attention(
             continue
         start = starts[i]
         out[start : start + q_len] = _extend_attention(
-            query[start : start + q_len], k_cache, v_cache, block_tables[i], lens[i],
-            scale, sliding_window,
+            query[start : start + q_len],
+            k_cache,
+            v_cache,
+            block_tables[i],
+            lens[i],
+            scale,
+            sliding_window,
         )
     return out
 
@@ -130,7 +140,9 @@ def _attend(
 
 
 def _visible(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, seq_lens: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    seq_lens: torch.Tensor,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """query_positions [S, Q], key_positions [C], seq_lens [S] -> [S, Q, C] bool."""
@@ -143,8 +155,12 @@ def _visible(
 
 
 def _decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     seq_lens = seq_lens.to(query.device).long()
@@ -158,8 +174,13 @@ def _decode_attention(
 
 
 def _extend_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     q_len = query.shape[0]
     if q_len > seq_len:

@@ -21,8 +21,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from protos.step import LoraRef
 from scheduler_svc.executor import InprocExecutor
-from worker_svc.diagnostics import (ProfileTraceFile, Profiler, RankMemory, StepStats,
-                                    StepStatsSnapshot, memory_stats, run_step_recorded)
+from worker_svc.diagnostics import (
+    Profiler,
+    ProfileTraceFile,
+    RankMemory,
+    StepStats,
+    StepStatsSnapshot,
+    memory_stats,
+    run_step_recorded,
+)
 
 if TYPE_CHECKING:
     from protos.step import ModelRunnerOutput, SchedulerOutput
@@ -62,16 +69,27 @@ class RankStepStats:
     stats: StepStatsSnapshot
 
 
-def memory_usage(rank: int, tp_rank: int, pp_rank: int, memory: RankMemory,
-                 stats: SchedulerStats, num_swap_blocks: int) -> RankMemoryUsage:
+def memory_usage(
+    rank: int,
+    tp_rank: int,
+    pp_rank: int,
+    memory: RankMemory,
+    stats: SchedulerStats,
+    num_swap_blocks: int,
+) -> RankMemoryUsage:
     """A rank's report with the scheduler's occupancy (`num_swap_blocks`: the scheduler's)."""
     num_used = stats.num_blocks - stats.num_free_blocks
     return RankMemoryUsage(
-        rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, memory=memory,
-        num_kv_blocks=stats.num_blocks, num_used_kv_blocks=num_used,
+        rank=rank,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        memory=memory,
+        num_kv_blocks=stats.num_blocks,
+        num_used_kv_blocks=num_used,
         num_free_kv_blocks=stats.num_free_blocks,
         kv_cache_used_bytes=num_used * memory.kv_bytes_per_block,
-        num_used_swap_blocks=num_swap_blocks - stats.num_free_swap_blocks)
+        num_used_swap_blocks=num_swap_blocks - stats.num_free_swap_blocks,
+    )
 
 
 def trace_name(tp_rank: int, pp_rank: int) -> str:
@@ -102,11 +120,13 @@ class RankDiagnostics:
     def snapshot(self, window_s: float) -> StepStatsSnapshot:
         return self.step_stats.snapshot(window_s)
 
-    def start_profile(self, out_dir: str, record_shapes: bool = False,
-                      with_stack: bool = False) -> None:
+    def start_profile(
+        self, out_dir: str, record_shapes: bool = False, with_stack: bool = False
+    ) -> None:
         parallel = self.runner.parallel
-        self.profiler.start(out_dir, trace_name(parallel.tp_rank, parallel.pp_rank),
-                            record_shapes, with_stack)
+        self.profiler.start(
+            out_dir, trace_name(parallel.tp_rank, parallel.pp_rank), record_shapes, with_stack
+        )
 
     def stop_profile(self) -> ProfileTraceFile:
         return self.profiler.stop()
@@ -142,8 +162,11 @@ class DiagnosedInprocExecutor(InprocExecutor):
     """`InprocExecutor` over a `RankDiagnostics`: every step recorded, and admin calls
     queued on the model thread between steps (`RankAdmin` for the one rank)."""
 
-    def __init__(self, diagnostics: RankDiagnostics,
-                 thread: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self,
+        diagnostics: RankDiagnostics,
+        thread: concurrent.futures.ThreadPoolExecutor | None = None,
+    ) -> None:
         super().__init__(diagnostics.run_step, thread)
         self.diagnostics = diagnostics
 
@@ -154,5 +177,6 @@ class DiagnosedInprocExecutor(InprocExecutor):
         # InprocExecutor's one-thread pool, where the steps run: the call waits for the
         # step in flight and the next step waits for it.
         future: concurrent.futures.Future[Any] = self._thread.submit(
-            self.diagnostics.answer, (name, *args))
+            self.diagnostics.answer, (name, *args)
+        )
         return [future.result()]

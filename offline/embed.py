@@ -21,9 +21,10 @@ import numpy as np
 
 from pagemesh.runtime.images import ImageError, load_image
 from pagemesh.runtime.media import RemoteImage
+from protos.step import PoolingInfo
+from protos.step import PoolingParams as StepPoolingParams
 from scheduler_svc.core import admission
 from scheduler_svc.core.types import Request, RequestEvent
-from protos.step import PoolingInfo, PoolingParams as StepPoolingParams
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,11 @@ def image_bytes(image: Any) -> bytes:
     limits (ImageError, a ValueError, names what is wrong). An http(s) URL is not fetched
     here: the offline engine takes the image itself."""
     if isinstance(image, RemoteImage):
-        raise ImageError(f"the offline engine does not fetch image URLs ({image.url}): pass "
-                         "the image (PIL, bytes or a data: URL); the server fetches URLs from "
-                         "its --allowed-media-domains")
+        raise ImageError(
+            f"the offline engine does not fetch image URLs ({image.url}): pass "
+            "the image (PIL, bytes or a data: URL); the server fetches URLs from "
+            "its --allowed-media-domains"
+        )
     if not isinstance(image, (bytes, bytearray)):
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
@@ -97,14 +100,20 @@ def image_bytes(image: Any) -> bytes:
     return bytes(image)
 
 
-
-def embedding_requests(request_ids: list[str], prompts: list[list[int]],
-                       params: PoolingParams | None, pooling: PoolingInfo,
-                       max_model_len: int, images: list[bytes] | None = None) -> list[Request]:
+def embedding_requests(
+    request_ids: list[str],
+    prompts: list[list[int]],
+    params: PoolingParams | None,
+    pooling: PoolingInfo,
+    max_model_len: int,
+    images: list[bytes] | None = None,
+) -> list[Request]:
     """The engine's requests; ValueError (naming the prompt) for what the router refuses."""
     if not pooling.embeds:
-        raise ValueError("this model generates text; it does not embed: load an embedding "
-                         "model, or this one with task=\"embed\"")
+        raise ValueError(
+            "this model generates text; it does not embed: load an embedding "
+            'model, or this one with task="embed"'
+        )
     dimensions = (params.dimensions if params is not None else None) or 0
     problem = pooling.dimensions_error(dimensions)
     if problem is not None:
@@ -116,20 +125,33 @@ def embedding_requests(request_ids: list[str], prompts: list[list[int]],
         if not token_ids:
             raise ValueError(f"prompt {index} is empty: send at least one character or token")
         if not image and len(token_ids) > max_text:
-            raise ValueError(f"prompt {index} is {len(token_ids)} tokens but at most "
-                             f"{max_text} are accepted (the model's text limit or "
-                             "max_model_len); shorten it")
-        requests.append(admission.core_request(admission.RequestSpec(
-            request_id=request_id, prompt_token_ids=token_ids, seed=0, max_tokens=1,
-            pooling=StepPoolingParams(dimensions, image)), (), 0.0))
+            raise ValueError(
+                f"prompt {index} is {len(token_ids)} tokens but at most "
+                f"{max_text} are accepted (the model's text limit or "
+                "max_model_len); shorten it"
+            )
+        requests.append(
+            admission.core_request(
+                admission.RequestSpec(
+                    request_id=request_id,
+                    prompt_token_ids=token_ids,
+                    seed=0,
+                    max_tokens=1,
+                    pooling=StepPoolingParams(dimensions, image),
+                ),
+                (),
+                0.0,
+            )
+        )
     return requests
 
 
 class EmbedSink:
     """The engine loop's sink for one `embed` call (`RequestSink`)."""
 
-    def __init__(self, request_ids: list[str],
-                 on_request_done: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, request_ids: list[str], on_request_done: Callable[[], None] | None = None
+    ) -> None:
         self.vectors: dict[str, bytes] = {}
         self.error: str | None = None
         self._pending = set(request_ids)

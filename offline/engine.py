@@ -38,8 +38,9 @@ class EngineCore:
     `max_steps_in_flight`: 1, or the pipeline stages (each has a step then). Closing closes
     the executor (its worker processes, if any)."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor,
-                 max_steps_in_flight: int = 1) -> None:
+    def __init__(
+        self, scheduler: Scheduler, executor: Executor, max_steps_in_flight: int = 1
+    ) -> None:
         self._executor = executor
         self._loop = asyncio.new_event_loop()
         self._stopped: asyncio.Event | None = None
@@ -47,21 +48,26 @@ class EngineCore:
         self.engine_loop: EngineLoop | None = None
         started = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(scheduler, max_steps_in_flight, started),
-            name="pagemesh-engine", daemon=True)
+            target=self._run,
+            args=(scheduler, max_steps_in_flight, started),
+            name="pagemesh-engine",
+            daemon=True,
+        )
         self._thread.start()
         started.wait()
 
-    def _run(self, scheduler: Scheduler, max_steps_in_flight: int,
-             started: threading.Event) -> None:
+    def _run(
+        self, scheduler: Scheduler, max_steps_in_flight: int, started: threading.Event
+    ) -> None:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._main(scheduler, max_steps_in_flight, started))
         finally:
             self._loop.close()
 
-    async def _main(self, scheduler: Scheduler, max_steps_in_flight: int,
-                    started: threading.Event) -> None:
+    async def _main(
+        self, scheduler: Scheduler, max_steps_in_flight: int, started: threading.Event
+    ) -> None:
         # Built on this loop: its events belong to it.
         self.engine_loop = EngineLoop(scheduler, self._executor, max_steps_in_flight)
         self._stopped = asyncio.Event()
@@ -104,6 +110,7 @@ class EngineCore:
         """Admits every prompt's core requests (each prompt's samples) at once, between two
         steps, so that the first step can batch them all. Raises ValueError, having admitted
         none, when one can never run here (the KV cache cannot hold it)."""
+
         def submit_all() -> None:
             loop = self.engine_loop
             assert loop is not None

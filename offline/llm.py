@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from offline.batch import BatchSink, Prompt, prepare
+from offline.beam import BeamSearchOutput, beam_search
 from offline.diagnostics import RankMemoryUsage, RankStepStats, memory_usage
 from offline.embed import (
     EmbeddingOutput,
@@ -40,17 +41,16 @@ from offline.embed import (
     image_bytes,
     image_input,
 )
-from pagemesh.runtime.images import expand_images, image_token_count, load_image
 from offline.engine import EngineCore
 from offline.lora import AdapterChecks, LoRARequest, per_prompt
 from offline.outputs import RequestOutput
-from pagemesh.api.beam_search import BeamSearchParams
-from offline.beam import BeamSearchOutput, beam_search
-from pagemesh.runtime.speculative_config import SpeculativeConfig
 from offline.setup import EngineSetup, build_engine, check_servable
-from worker_svc.lora import LoraConfig
+from pagemesh.api.beam_search import BeamSearchParams
 from pagemesh.api.sampling_params import SamplingParams
+from pagemesh.runtime.images import expand_images, image_token_count, load_image
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from router.openai_protocol import chat_messages
+from worker_svc.lora import LoraConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,18 @@ MIB = 1 << 20
 WAIT_SLICE_S = 0.2  # how often a waiting generate() wakes (so Ctrl-C is noticed)
 
 # vLLM engine arguments a script may pass that change nothing here.
-_IGNORED_VLLM_ARGS = frozenset({
-    "trust_remote_code", "enforce_eager", "disable_log_stats", "tokenizer_mode",
-    "disable_custom_all_reduce", "compilation_config", "load_format", "download_dir",
-})
+_IGNORED_VLLM_ARGS = frozenset(
+    {
+        "trust_remote_code",
+        "enforce_eager",
+        "disable_log_stats",
+        "tokenizer_mode",
+        "disable_custom_all_reduce",
+        "compilation_config",
+        "load_format",
+        "download_dir",
+    }
+)
 
 PromptInput = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
@@ -100,20 +108,35 @@ class LLM:
     cannot serve, before any weight is loaded or memory is set aside.
     """
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False, dtype: str = "auto",
-                 max_model_len: int | None = None,
-                 kv_cache_memory_gib: float | None = None,
-                 kv_cache_memory_bytes: int | None = None, swap_space: float = 4.0,
-                 enable_prefix_caching: bool = True, seed: int | None = 0,
-                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 scheduling_policy: str = "fcfs", device: str = "auto",
-                 task: str = "auto", enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 speculative_config: dict[str, Any] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_memory_gib: float | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        swap_space: float = 4.0,
+        enable_prefix_caching: bool = True,
+        seed: int | None = 0,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        scheduling_policy: str = "fcfs",
+        device: str = "auto",
+        task: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        speculative_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         unknown = sorted(set(kwargs) - _IGNORED_VLLM_ARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}")
@@ -124,17 +147,28 @@ class LLM:
         self._engine: EngineCore | None = None
         self._workers: Any = None
         setup = EngineSetup(
-            model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+            model=model,
+            tokenizer=tokenizer,
+            tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
-            enable_expert_parallel=enable_expert_parallel, dtype=dtype,
-            max_model_len=max_model_len, kv_cache_memory_gib=kv_cache_memory_gib,
-            swap_space_gib=swap_space, enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            scheduling_policy=scheduling_policy, device=device, task=task,
-            lora=(LoraConfig(max_loras, max_lora_rank, max_cpu_loras or 0) if enable_lora
-                  else None),
-            speculative=SpeculativeConfig.parse(speculative_config))
+            enable_expert_parallel=enable_expert_parallel,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            kv_cache_memory_gib=kv_cache_memory_gib,
+            swap_space_gib=swap_space,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            scheduling_policy=scheduling_policy,
+            device=device,
+            task=task,
+            lora=(
+                LoraConfig(max_loras, max_lora_rank, max_cpu_loras or 0) if enable_lora else None
+            ),
+            speculative=SpeculativeConfig.parse(speculative_config),
+        )
         checked = check_servable(setup)  # before anything is loaded or allocated
         built = build_engine(setup, checked)
         self.model_path = checked.model_path
@@ -153,13 +187,17 @@ class LLM:
 
     # ------------------------------------------------------------------ vLLM's API
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool | Callable[..., Any] = True,
-                 prompt_token_ids: list[int] | list[list[int]] | None = None,
-                 priority: list[int] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 **kwargs: Any) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
         """Generates for every prompt and returns one RequestOutput each, in order.
 
         `prompts`: a string, a list of token ids, a `{"prompt": str}` or
@@ -180,26 +218,34 @@ class LLM:
             prompt.lora = adapter
         return self._run(parsed, sampling_params, use_tqdm, priority)
 
-    def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
-                    params: BeamSearchParams, lora_request: LoRARequest | None = None,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
         """vLLM's beam search: per prompt, the `params.beam_width` best sequences (prompt
         tokens included, as vLLM returns them), chosen by transformers' rules
         (pagemesh/api/beam_search.py). Beams share their KV through the prefix cache."""
         del use_tqdm  # one round at a time: there is no per-prompt progress to show
         return beam_search(self, _as_list(prompts), params, lora_request)
 
-    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             *, use_tqdm: bool | Callable[..., Any] = True,
-             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
         """Generates the assistant's reply to each conversation (`[{"role", "content"}, ...]`,
         or a list of them) through the model's chat template, with the `tools` it shows the
         model (OpenAI's function definitions). Messages are checked as the OpenAI API checks
         them (ValueError with its message)."""
         _check_unused(kwargs, "chat")
-        conversations = ([messages] if messages and isinstance(messages[0], dict)
-                         else list(messages))
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         parsed = []
         for conversation in conversations:
             images: list[bytes] = []
@@ -207,50 +253,68 @@ class LLM:
             token_ids = self.tokenizer.apply_chat_messages(normalized, tools=tools)
             text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
             if images:  # image_url parts (data: URLs), as the OpenAI API's
-                parsed.append(self._image_prompt({"prompt_token_ids": token_ids, "prompt": text},
-                                                 images))
+                parsed.append(
+                    self._image_prompt({"prompt_token_ids": token_ids, "prompt": text}, images)
+                )
             else:
                 parsed.append(Prompt(text, token_ids))
         return self._run(parsed, sampling_params, use_tqdm, None)
 
-    def embed(self, prompts: PromptInput | Sequence[PromptInput],
-              pooling_params: PoolingParams | None = None, *,
-              use_tqdm: bool | Callable[..., Any] = True, **kwargs: Any
-              ) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        **kwargs: Any,
+    ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (vLLM's `LLM.embed`): an embedding model's
         pooled, normalised (where it says) vector; `pooling_params.dimensions` for
         Matryoshka models. Texts are tokenized with the special tokens the tokenizer adds."""
         _check_unused(kwargs, "embed")
         prompts_, vectors = self._pool(prompts, pooling_params, use_tqdm)
-        return [EmbeddingRequestOutput(request_id, EmbeddingOutput(vector.tolist()), ids)
-                for (request_id, ids), vector in zip(prompts_, vectors)]
+        return [
+            EmbeddingRequestOutput(request_id, EmbeddingOutput(vector.tolist()), ids)
+            for (request_id, ids), vector in zip(prompts_, vectors)
+        ]
 
-    def encode(self, prompts: PromptInput | Sequence[PromptInput],
-               pooling_params: PoolingParams | None = None, *,
-               use_tqdm: bool | Callable[..., Any] = True, pooling_task: str = "embed",
-               **kwargs: Any) -> list[PoolingRequestOutput]:
+    def encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_task: str = "embed",
+        **kwargs: Any,
+    ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: the pooled output per prompt as a tensor
         (`outputs.data`); only `pooling_task="embed"` is served."""
         import torch
 
         _check_unused(kwargs, "encode")
         if pooling_task != "embed":
-            raise ValueError(f"pooling_task {pooling_task!r} is not served; only \"embed\"")
+            raise ValueError(f'pooling_task {pooling_task!r} is not served; only "embed"')
         prompts_, vectors = self._pool(prompts, pooling_params, use_tqdm)
-        return [PoolingRequestOutput(request_id, PoolingOutput(torch.from_numpy(vector)), ids)
-                for (request_id, ids), vector in zip(prompts_, vectors)]
+        return [
+            PoolingRequestOutput(request_id, PoolingOutput(torch.from_numpy(vector)), ids)
+            for (request_id, ids), vector in zip(prompts_, vectors)
+        ]
 
-    def _pool(self, prompts: Any, params: PoolingParams | None,
-              use_tqdm: bool | Callable[..., Any]) -> tuple[list[tuple[str, list[int]]], list]:
+    def _pool(
+        self, prompts: Any, params: PoolingParams | None, use_tqdm: bool | Callable[..., Any]
+    ) -> tuple[list[tuple[str, list[int]]], list]:
         engine = self._live_engine()
         pooling = self.info.pooling
         items = _as_list(prompts)
         images = [image_input(p, pooling.image_tokens) for p in items]
-        token_ids = [[0] * pooling.image_tokens if image else self._prompt(p).token_ids
-                     for p, image in zip(items, images)]
+        token_ids = [
+            [0] * pooling.image_tokens if image else self._prompt(p).token_ids
+            for p, image in zip(items, images)
+        ]
         request_ids = [str(self._next_request_id + i) for i in range(len(token_ids))]
-        requests = embedding_requests(request_ids, token_ids, params, pooling,
-                                      self.limits.max_model_len, images)
+        requests = embedding_requests(
+            request_ids, token_ids, params, pooling, self.limits.max_model_len, images
+        )
         self._next_request_id += len(requests)
         progress = _progress_bar(use_tqdm, len(requests))
         sink = EmbedSink(request_ids, progress.update if progress is not None else None)
@@ -267,8 +331,10 @@ class LLM:
         if sink.error is not None:
             engine.abort(request_ids)
             raise RuntimeError(f"embedding failed: {sink.error}")
-        return (list(zip(request_ids, token_ids)),
-                [sink.vector(request_id) for request_id in request_ids])
+        return (
+            list(zip(request_ids, token_ids)),
+            [sink.vector(request_id) for request_id in request_ids],
+        )
 
     def reset_prefix_cache(self) -> int:
         """Drops the cached prompt blocks no request holds (vLLM's `reset_prefix_cache`):
@@ -291,9 +357,12 @@ class LLM:
         memories = self._ranks.call("memory")
         assert engine.engine_loop is not None
         stats = engine.call(engine.engine_loop.scheduler.stats)
-        return [memory_usage(rank, tp_rank, pp_rank, memory, stats, self._num_swap_blocks)
-                for rank, ((tp_rank, pp_rank), memory)
-                in enumerate(zip(self._ranks.layout(), memories, strict=True))]
+        return [
+            memory_usage(rank, tp_rank, pp_rank, memory, stats, self._num_swap_blocks)
+            for rank, ((tp_rank, pp_rank), memory) in enumerate(
+                zip(self._ranks.layout(), memories, strict=True)
+            )
+        ]
 
     def get_step_stats(self, window_s: float = 60.0) -> list[RankStepStats]:
         """Each rank's step figures (`stats`, a worker_svc.diagnostics.StepStatsSnapshot):
@@ -305,12 +374,16 @@ class LLM:
             raise ValueError(f"window_s must be > 0 (seconds), got {window_s!r}")
         self._live_engine()
         snapshots = self._ranks.call("snapshot", float(window_s))
-        return [RankStepStats(rank, tp_rank, pp_rank, snapshot)
-                for rank, ((tp_rank, pp_rank), snapshot)
-                in enumerate(zip(self._ranks.layout(), snapshots, strict=True))]
+        return [
+            RankStepStats(rank, tp_rank, pp_rank, snapshot)
+            for rank, ((tp_rank, pp_rank), snapshot) in enumerate(
+                zip(self._ranks.layout(), snapshots, strict=True)
+            )
+        ]
 
-    def start_profile(self, out_dir: str, *, record_shapes: bool = False,
-                      with_stack: bool = False) -> None:
+    def start_profile(
+        self, out_dir: str, *, record_shapes: bool = False, with_stack: bool = False
+    ) -> None:
         """Starts a torch.profiler trace on every rank (CPU ops, and CUDA kernels on a
         GPU), on the thread that runs its steps; `stop_profile` writes one Chrome trace
         JSON per rank into `out_dir` (created now). Raises
@@ -329,16 +402,21 @@ class LLM:
     def print_memory_stats(self, file: TextIO | None = None) -> None:
         """Prints `get_memory()` as a table, one line per rank (MiB, and KV blocks)."""
         out = file if file is not None else sys.stdout
-        print(f"{'rank':>4} {'tp':>2} {'pp':>2} {'device':<8} {'weights':>9} "
-              f"{'KV used/total blocks':>21} {'KV used':>9} {'KV alloc':>9} {'swap':>9} "
-              f"{'RSS':>9}  (MiB)", file=out)
+        print(
+            f"{'rank':>4} {'tp':>2} {'pp':>2} {'device':<8} {'weights':>9} "
+            f"{'KV used/total blocks':>21} {'KV used':>9} {'KV alloc':>9} {'swap':>9} "
+            f"{'RSS':>9}  (MiB)",
+            file=out,
+        )
         for m in self.get_memory():
-            print(f"{m.rank:>4} {m.tp_rank:>2} {m.pp_rank:>2} {m.memory.device:<8} "
-                  f"{m.memory.weight_bytes / MIB:>9.1f} "
-                  f"{f'{m.num_used_kv_blocks}/{m.num_kv_blocks}':>21} "
-                  f"{m.kv_cache_used_bytes / MIB:>9.1f} {m.memory.kv_cache_bytes / MIB:>9.1f} "
-                  f"{m.memory.swap_bytes / MIB:>9.1f} {m.memory.rss_bytes / MIB:>9.1f}",
-                  file=out)
+            print(
+                f"{m.rank:>4} {m.tp_rank:>2} {m.pp_rank:>2} {m.memory.device:<8} "
+                f"{m.memory.weight_bytes / MIB:>9.1f} "
+                f"{f'{m.num_used_kv_blocks}/{m.num_kv_blocks}':>21} "
+                f"{m.kv_cache_used_bytes / MIB:>9.1f} {m.memory.kv_cache_bytes / MIB:>9.1f} "
+                f"{m.memory.swap_bytes / MIB:>9.1f} {m.memory.rss_bytes / MIB:>9.1f}",
+                file=out,
+            )
 
     def get_tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer."""
@@ -393,24 +471,36 @@ class LLM:
         placeholders (as transformers' processor expands it), the images in order."""
         info = self.info
         if not info.image_seq_length:
-            raise ValueError(f"{info.model_name} is a text-only model: it takes no "
-                             "multi_modal_data image")
+            raise ValueError(
+                f"{info.model_name} is a text-only model: it takes no multi_modal_data image"
+            )
         images = images if isinstance(images, list) else [images]
-        token_ids = (_token_ids(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt
-                     else self.tokenizer.encode(prompt.get("prompt") or ""))
+        token_ids = (
+            _token_ids(prompt["prompt_token_ids"])
+            if "prompt_token_ids" in prompt
+            else self.tokenizer.encode(prompt.get("prompt") or "")
+        )
         data = [image_bytes(image) for image in images]
-        counts = [image_token_count(load_image(image), info.image_seq_length, info.image_tiling)
-                  for image in data]
+        counts = [
+            image_token_count(load_image(image), info.image_seq_length, info.image_tiling)
+            for image in data
+        ]
         expanded, inputs = expand_images(token_ids, data, info.image_token_id, counts)
         return Prompt(prompt.get("prompt"), expanded, images=inputs)
 
-    def _run(self, prompts: list[Prompt], sampling_params: Any,
-             use_tqdm: bool | Callable[..., Any], priority: list[int] | None
-             ) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list[Prompt],
+        sampling_params: Any,
+        use_tqdm: bool | Callable[..., Any],
+        priority: list[int] | None,
+    ) -> list[RequestOutput]:
         engine = self._live_engine()
         if self.info.pooling.embeds:
-            raise ValueError(f"{self.info.model_name} is an embedding model: it does not "
-                             "generate text; use LLM.embed or LLM.encode")
+            raise ValueError(
+                f"{self.info.model_name} is an embedding model: it does not "
+                "generate text; use LLM.embed or LLM.encode"
+            )
         params = _params_per_prompt(sampling_params, len(prompts))
         if priority is not None:
             if len(priority) != len(prompts):
@@ -421,15 +511,27 @@ class LLM:
         for index, (prompt, p) in enumerate(zip(prompts, params)):
             request_id = str(self._next_request_id + index)
             try:
-                prepared.append(prepare(request_id, prompt, p, self.limits, self._grammars,
-                                        self._seeds.getrandbits(63)))
+                prepared.append(
+                    prepare(
+                        request_id,
+                        prompt,
+                        p,
+                        self.limits,
+                        self._grammars,
+                        self._seeds.getrandbits(63),
+                    )
+                )
             except ValueError as exc:  # the servers' message as it is; the index as a note
                 exc.add_note(f"(prompt {index} of this call)")
                 raise
         self._next_request_id += len(prompts)
         progress = _progress_bar(use_tqdm, len(prepared))
-        sink = BatchSink(prepared, self.tokenizer, engine.engine_loop.abort,
-                         progress.update if progress is not None else None)
+        sink = BatchSink(
+            prepared,
+            self.tokenizer,
+            engine.engine_loop.abort,
+            progress.update if progress is not None else None,
+        )
         submitted = [r.request_id for request in prepared for r in request.core_requests]
         try:
             engine.submit([request.core_requests for request in prepared], sink)
@@ -451,18 +553,27 @@ def _as_list(prompts: Any) -> list[Any]:
     """One prompt (text, token ids, a dict) or a list of them."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if (
+        isinstance(prompts, Sequence)
+        and prompts
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+    ):
         return [list(prompts)]  # one prompt of token ids
     if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
         return list(prompts)
-    raise ValueError("prompts must be a string, a list of token ids, a prompt dict, or a "
-                     f"list of these; got {type(prompts).__name__}")
+    raise ValueError(
+        "prompts must be a string, a list of token ids, a prompt dict, or a "
+        f"list of these; got {type(prompts).__name__}"
+    )
 
 
 def _token_ids(value: Any) -> list[int]:
-    if (isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and value
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, (str, bytes))
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
         return list(value)
     raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
 
@@ -474,8 +585,10 @@ def _params_per_prompt(sampling_params: Any, num_prompts: int) -> list[SamplingP
         return [sampling_params] * num_prompts
     params = list(sampling_params)
     if len(params) != num_prompts:
-        raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} "
-                         "prompts; give one for all, or one per prompt")
+        raise ValueError(
+            f"sampling_params has {len(params)} entries for {num_prompts} "
+            "prompts; give one for all, or one per prompt"
+        )
     for p in params:
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")

@@ -4,7 +4,8 @@ this machine, driven by the engine loop in the parent.
 The design, and why: each rank is a spawned process that builds the same `ModelRunner` a
 `worker_svc.main` worker builds (`init_distributed` on 127.0.0.1: gloo on CPU, NCCL on
 CUDA, one GPU per rank) and runs each step as the worker's `ExecuteStep` does: the step's
-protobuf (it crosses a process boundary) to the runner's `execute_step`, with no gRPC server, no Redis and no
+protobuf (it crosses a process boundary) to the runner's `execute_step`, with no gRPC server, no
+Redis and no
 registry. The parent talks to each rank over a socket pair (a `multiprocessing`
 connection), as worker_svc/local_group.py does over pipes for tests and benchmarks, but in
 the step protocol of the
@@ -61,8 +62,14 @@ class RankFailed(RuntimeError):
     """A rank failed to start or to run a step, or its process died."""
 
 
-def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
-               dist_timeout_s: float, conn: Connection) -> None:
+def _rank_main(
+    config: RunnerConfig,
+    rank: int,
+    port: int,
+    num_threads: int,
+    dist_timeout_s: float,
+    conn: Connection,
+) -> None:
     """One rank: join the group, load its shard, answer `info`, then run steps until told
     to stop (or until the parent is gone)."""
     import torch
@@ -76,19 +83,21 @@ def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
     if num_threads:
         torch.set_num_threads(num_threads)  # the ranks share the host's cores
     tp_size = config.parallel.tp_size
-    parallel = dataclasses.replace(config.parallel, tp_rank=rank % tp_size,
-                                   pp_rank=rank // tp_size)
+    parallel = dataclasses.replace(config.parallel, tp_rank=rank % tp_size, pp_rank=rank // tp_size)
     device = f"cuda:{rank}" if config.device.startswith("cuda") else config.device
     try:
-        dist = init_distributed(parallel, "127.0.0.1", port, timeout_s=dist_timeout_s,
-                                device=device)
+        dist = init_distributed(
+            parallel, "127.0.0.1", port, timeout_s=dist_timeout_s, device=device
+        )
         runner = ModelRunner.from_config(
-            dataclasses.replace(config, parallel=parallel, device=device), dist)
+            dataclasses.replace(config, parallel=parallel, device=device), dist
+        )
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
     conn.send(("ok", runner.info()))
     diagnostics = RankDiagnostics(runner)  # every step recorded; the rank's profiler
+
     def run_step(message: bytes) -> bytes:
         request = worker_pb2.ExecuteStepRequest.FromString(message)
         output = diagnostics.run_step(worker_convert.scheduler_output_from_pb(request))
@@ -100,7 +109,7 @@ def _rank_main(config: RunnerConfig, rank: int, port: int, num_threads: int,
             if not message:  # stop
                 break
             if message.startswith(ADMIN_PREFIX):
-                _answer_admin(diagnostics, pickle.loads(message[len(ADMIN_PREFIX):]), conn)
+                _answer_admin(diagnostics, pickle.loads(message[len(ADMIN_PREFIX) :]), conn)
                 continue
             try:
                 response = run_step(message)
@@ -151,7 +160,9 @@ def _start_rank(args: tuple[Any, ...]) -> tuple[subprocess.Popen[bytes], Connect
     with child_end:
         process = subprocess.Popen(
             [sys.executable, "-m", "offline.local_workers", str(child_end.fileno())],
-            pass_fds=[child_end.fileno()], env=env)
+            pass_fds=[child_end.fileno()],
+            env=env,
+        )
     conn = Connection(parent_end.detach())
     conn.send(args)
     return process, conn
@@ -163,8 +174,9 @@ class LocalWorkers:
 
     Raises RankFailed, after stopping every rank, when one fails to load."""
 
-    def __init__(self, config: RunnerConfig, num_threads: int = 0,
-                 dist_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, config: RunnerConfig, num_threads: int = 0, dist_timeout_s: float = 300.0
+    ) -> None:
         parallel = config.parallel
         self.world_size = parallel.tp_size * parallel.pp_size
         self.tp_size = parallel.tp_size
@@ -178,8 +190,9 @@ class LocalWorkers:
             self.processes.append(process)
         self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns)
         try:
-            self.infos: list[RunnerInfo] = [self._answer(rank, START_TIMEOUT_S)
-                                            for rank in range(self.world_size)]
+            self.infos: list[RunnerInfo] = [
+                self._answer(rank, START_TIMEOUT_S) for rank in range(self.world_size)
+            ]
         except BaseException:
             self.close()
             raise
@@ -239,8 +252,9 @@ class LocalWorkers:
         return [(rank % self.tp_size, rank // self.tp_size) for rank in range(self.world_size)]
 
     def dead_ranks(self) -> list[str]:
-        return [f"rank {r} (pid {p.pid})" for r, p in enumerate(self.processes)
-                if p.poll() is not None]
+        return [
+            f"rank {r} (pid {p.pid})" for r, p in enumerate(self.processes) if p.poll() is not None
+        ]
 
     def close(self) -> None:
         """Stops every rank; idempotent."""
@@ -259,8 +273,9 @@ class LocalWorkersExecutor:
         self._broken: str | None = None
         self._send_lock = threading.Lock()  # a message and its collection, queued together
 
-    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]
-                      ) -> ModelRunnerOutput:
+    async def execute(
+        self, output: SchedulerOutput, traceparents: dict[str, str]
+    ) -> ModelRunnerOutput:
         if self._broken is not None:  # answers would no longer match their steps
             raise RankFailed(self._broken)
         step = convert.scheduler_output_to_pb(output, traceparents).SerializeToString()
@@ -275,7 +290,8 @@ class LocalWorkersExecutor:
         from protos.pagemesh.worker.v1 import worker_pb2
 
         return convert.model_runner_output_from_pb(
-            worker_pb2.ExecuteStepResponse.FromString(response))
+            worker_pb2.ExecuteStepResponse.FromString(response)
+        )
 
     async def unresponsive(self, timeout_s: float) -> list[str]:
         return self.workers.dead_ranks()

@@ -27,16 +27,18 @@ class LoRARequest:
         if not self.lora_name:
             raise ValueError("a LoRARequest needs a lora_name")
         if not self.lora_path:
-            raise ValueError(f"LoRARequest {self.lora_name!r} needs lora_path, the adapter's "
-                             "PEFT folder")
+            raise ValueError(
+                f"LoRARequest {self.lora_name!r} needs lora_path, the adapter's PEFT folder"
+            )
 
     @property
     def ref(self) -> LoraRef:
         return LoraRef(self.lora_name, str(self.lora_path))
 
 
-def per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
-               num_prompts: int) -> list[LoraRef | None]:
+def per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoraRef | None]:
     """One adapter (or None) per prompt."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
         ref = lora_request.ref if lora_request is not None else None
@@ -59,7 +61,9 @@ class AdapterChecks:
             if ref in self._checked:
                 continue
             if self._check is None:
-                raise ValueError(f"the prompt names LoRA adapter {ref.name!r}, but LoRA is "
-                                 "off: create the LLM with enable_lora=True")
+                raise ValueError(
+                    f"the prompt names LoRA adapter {ref.name!r}, but LoRA is "
+                    "off: create the LLM with enable_lora=True"
+                )
             self._check(ref)
             self._checked.add(ref)

@@ -18,13 +18,13 @@ from typing import Any
 from offline.diagnostics import RankAdmin
 from offline.engine import EngineCore
 from pagemesh.api.options.validation import ModelLimits
-from router.structured import GrammarCompiler
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
+from protos.step import LoraRef
+from router.structured import GrammarCompiler
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.policy import POLICIES
-from protos.step import LoraRef
 from scheduler_svc.core.scheduler import Scheduler
-from pagemesh.runtime.speculative_config import SpeculativeConfig
 from worker_svc.draft import draft_config
 from worker_svc.lora import LoraConfig
 from worker_svc.runner import RunnerConfig, RunnerInfo
@@ -97,8 +97,10 @@ def check_servable(setup: EngineSetup) -> CheckedSetup:
     else:
         model_path = str(Path(os.path.expanduser(setup.model)))
         if not Path(model_path).exists():
-            raise FileNotFoundError(f"model path {model_path} does not exist; pass a Hugging "
-                                    "Face model folder or a .gguf file")
+            raise FileNotFoundError(
+                f"model path {model_path} does not exist; pass a Hugging "
+                "Face model folder or a .gguf file"
+            )
     device = _device(setup)
     import torch  # noqa: F401  (the loader's imports)
 
@@ -108,8 +110,10 @@ def check_servable(setup: EngineSetup) -> CheckedSetup:
 
     if is_encoder_model(model_path):  # CLIP: one rank, its own runner
         if setup.world_size > 1:
-            raise ValueError(f"cannot serve {model_path}: a CLIP model runs on one rank "
-                             "(tensor_parallel_size = pipeline_parallel_size = 1)")
+            raise ValueError(
+                f"cannot serve {model_path}: a CLIP model runs on one rank "
+                "(tensor_parallel_size = pipeline_parallel_size = 1)"
+            )
         return CheckedSetup(model_path, device, load_tokenizer(setup.tokenizer or model_path))
     from worker_svc.parallel import ParallelConfig
     from worker_svc.quant.config import resolve_quantization
@@ -126,19 +130,26 @@ def check_servable(setup: EngineSetup) -> CheckedSetup:
         raise ValueError(f"cannot serve {model_path}: {exc}") from exc
     limit = source.config.max_position_embeddings
     if setup.max_model_len is not None and setup.max_model_len > limit:
-        raise ValueError(f"max_model_len={setup.max_model_len} must be in 1..{limit} (the "
-                         "model's max_position_embeddings / context_length)")
-    check_tensor_parallel(source.config, setup.tensor_parallel_size,
-                          setup.enable_expert_parallel)
-    ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0
-                   ).layer_range(source.config.num_layers)
+        raise ValueError(
+            f"max_model_len={setup.max_model_len} must be in 1..{limit} (the "
+            "model's max_position_embeddings / context_length)"
+        )
+    check_tensor_parallel(source.config, setup.tensor_parallel_size, setup.enable_expert_parallel)
+    ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0).layer_range(
+        source.config.num_layers
+    )
     tokenizer = load_tokenizer(setup.tokenizer or model_path)  # TokenizerError: a ValueError
     return CheckedSetup(model_path, device, tokenizer)
 
 
 def _check_numbers(setup: EngineSetup) -> None:
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs",
-                 "max_num_batched_tokens", "block_size"):
+    for name in (
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+    ):
         value = getattr(setup, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -149,13 +160,16 @@ def _check_numbers(setup: EngineSetup) -> None:
     if not setup.swap_space_gib >= 0:
         raise ValueError(f"swap_space must be >= 0 (GiB), got {setup.swap_space_gib}")
     if not 0 < setup.gpu_memory_utilization <= 1:
-        raise ValueError("gpu_memory_utilization must be in (0, 1], got "
-                         f"{setup.gpu_memory_utilization}")
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {setup.gpu_memory_utilization}"
+        )
     if setup.dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {setup.dtype!r}")
     if setup.scheduling_policy not in POLICIES:
-        raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, "
-                         f"got {setup.scheduling_policy!r}")
+        raise ValueError(
+            f"scheduling_policy must be one of {', '.join(POLICIES)}, "
+            f"got {setup.scheduling_policy!r}"
+        )
     if setup.device not in DEVICE_CHOICES:
         raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {setup.device!r}")
 
@@ -169,8 +183,9 @@ def _device(setup: EngineSetup) -> str:
     if device == "cuda":
         available = torch.cuda.device_count()
         if available < setup.world_size:
-            raise ValueError(f"{setup.world_size} ranks need as many GPUs; this machine has "
-                             f"{available}")
+            raise ValueError(
+                f"{setup.world_size} ranks need as many GPUs; this machine has {available}"
+            )
     return device
 
 
@@ -179,23 +194,35 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
     from kernels import cpu_native
     from offline.diagnostics import DiagnosedInprocExecutor, RankDiagnostics
     from scheduler_svc.executor import model_thread
-    from worker_svc.parallel import ParallelConfig
     from worker_svc.encoder_runner import load_runner
+    from worker_svc.parallel import ParallelConfig
 
     cpu_native.configure(cpu_native.native_kernel_config_from_env(os.environ))
     world_size = setup.world_size
     config = RunnerConfig(
-        model_path=checked.model_path, dtype=setup.dtype, device=checked.device,
+        model_path=checked.model_path,
+        dtype=setup.dtype,
+        device=checked.device,
         block_size=setup.block_size,
-        kv_cache_memory_bytes=(None if setup.kv_cache_memory_gib is None
-                               else int(setup.kv_cache_memory_gib * GIB)),
+        kv_cache_memory_bytes=(
+            None if setup.kv_cache_memory_gib is None else int(setup.kv_cache_memory_gib * GIB)
+        ),
         gpu_memory_utilization=setup.gpu_memory_utilization,
         cpu_kv_cache_fraction=CPU_KV_CACHE_FRACTION / world_size,
-        max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
-        swap_space_bytes=int(setup.swap_space_gib * GIB), max_model_len=setup.max_model_len,
-        parallel=ParallelConfig(setup.tensor_parallel_size, 0, setup.pipeline_parallel_size, 0,
-                                expert_parallel=setup.enable_expert_parallel),
-        task=setup.task, lora=setup.lora, draft=draft_config(setup.speculative),
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_num_seqs=setup.max_num_seqs,
+        swap_space_bytes=int(setup.swap_space_gib * GIB),
+        max_model_len=setup.max_model_len,
+        parallel=ParallelConfig(
+            setup.tensor_parallel_size,
+            0,
+            setup.pipeline_parallel_size,
+            0,
+            expert_parallel=setup.enable_expert_parallel,
+        ),
+        task=setup.task,
+        lora=setup.lora,
+        draft=draft_config(setup.speculative),
     )
     workers = None
     load_lora = None
@@ -209,8 +236,7 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         if lora is not None:
             load_lora = lambda ref: thread.submit(lora.load, ref).result()  # noqa: E731
     else:
-        from offline.local_workers import (LocalWorkers, LocalWorkersExecutor,
-                                                    default_num_threads)
+        from offline.local_workers import LocalWorkers, LocalWorkersExecutor, default_num_threads
 
         num_threads = default_num_threads(world_size) if checked.device == "cpu" else 0
         workers = LocalWorkers(config, num_threads)
@@ -220,9 +246,12 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         if setup.lora is not None:  # every rank reads it and checks its shard's shapes
             load_lora = lambda ref: executor.call("load_lora", ref)  # noqa: E731
     scheduler_config = SchedulerConfig(
-        num_blocks=min(info.num_blocks for info in infos), block_size=lead.block_size,
-        max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
-        max_model_len=lead.max_model_len, enable_prefix_caching=setup.enable_prefix_caching,
+        num_blocks=min(info.num_blocks for info in infos),
+        block_size=lead.block_size,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_num_seqs=setup.max_num_seqs,
+        max_model_len=lead.max_model_len,
+        enable_prefix_caching=setup.enable_prefix_caching,
         policy=setup.scheduling_policy,
         num_swap_blocks=min(info.num_swap_blocks for info in infos),
         num_microbatches=setup.pipeline_parallel_size,
@@ -233,10 +262,24 @@ def build_engine(setup: EngineSetup, checked: CheckedSetup) -> BuiltEngine:
         max_loras=setup.lora.max_loras if setup.lora is not None else 0,
         speculative=setup.speculative,
     )
-    engine = EngineCore(Scheduler(scheduler_config), executor,
-                        max_steps_in_flight=setup.pipeline_parallel_size)
-    limits = ModelLimits(name=lead.model_name, max_model_len=lead.max_model_len,
-                         vocab_size=lead.vocab_size, eos_token_ids=list(lead.eos_token_ids))
-    return BuiltEngine(engine, checked.tokenizer, lead, limits, scheduler_config.num_blocks,
-                       GrammarCompiler(checked.tokenizer), executor,
-                       scheduler_config.num_swap_blocks, workers, load_lora)
+    engine = EngineCore(
+        Scheduler(scheduler_config), executor, max_steps_in_flight=setup.pipeline_parallel_size
+    )
+    limits = ModelLimits(
+        name=lead.model_name,
+        max_model_len=lead.max_model_len,
+        vocab_size=lead.vocab_size,
+        eos_token_ids=list(lead.eos_token_ids),
+    )
+    return BuiltEngine(
+        engine,
+        checked.tokenizer,
+        lead,
+        limits,
+        scheduler_config.num_blocks,
+        GrammarCompiler(checked.tokenizer),
+        executor,
+        scheduler_config.num_swap_blocks,
+        workers,
+        load_lora,
+    )

@@ -50,9 +50,17 @@ __all__ = ["__version__", *_EXPORTS]
 # the package they all import never imports it back (`from offline.llm import LLM` types it).
 if TYPE_CHECKING:
     from pagemesh.api.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: F401
-    from pagemesh.api.sdk import (AsyncClient, Client, DeadlineExceeded,  # noqa: F401
-                                  InvalidArgument, NotFound, PagemeshError, ResourceExhausted,
-                                  Unauthenticated, Unavailable)
+    from pagemesh.api.sdk import (  # noqa: F401
+        AsyncClient,
+        Client,
+        DeadlineExceeded,
+        InvalidArgument,
+        NotFound,
+        PagemeshError,
+        ResourceExhausted,
+        Unauthenticated,
+        Unavailable,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -21,13 +21,15 @@ BlockHash = NewType("BlockHash", bytes)
 # Bump the version tag to invalidate every hash (e.g. if the encoding below changes).
 _PERSON = b"pagemesh-kv-v1"
 # The parent of a sequence's first block.
-_ROOT_HASH = BlockHash(hashlib.blake2b(b"pagemesh block hash root", digest_size=16,
-                                       person=_PERSON).digest())
+_ROOT_HASH = BlockHash(
+    hashlib.blake2b(b"pagemesh block hash root", digest_size=16, person=_PERSON).digest()
+)
 _HEADER = struct.Struct("<QQ")  # number of tokens, length of `extra`
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
-                      extra: bytes = b"") -> BlockHash:
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra: bytes = b""
+) -> BlockHash:
     """The hash of one block: its parent's hash (None for the first block), its token ids
     (each a signed 64-bit integer) and `extra` bytes that also change the KV (e.g. an
     adapter id; empty for plain text)."""
@@ -62,12 +64,19 @@ def block_images(images: Sequence[PlacedImage], start: int, end: int) -> bytes:
     """The content hashes of the images whose placeholders fall in positions start..end-1
     (b"" for none): a block's `extra`, so that two prompts whose placeholder tokens are the
     same but whose images differ never share a block's KV."""
-    return b"".join(image.digest for image in images
-                    if image.offset < end and image.offset + image.length > start)
+    return b"".join(
+        image.digest
+        for image in images
+        if image.offset < end and image.offset + image.length > start
+    )
 
 
-def hash_request_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
-                        images: Sequence[PlacedImage] = ()) -> list[BlockHash]:
+def hash_request_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: bytes = b"",
+    images: Sequence[PlacedImage] = (),
+) -> list[BlockHash]:
     """The chained hashes of the full blocks of `token_ids`; a last partial block has none.
     A vision-language prompt's images are hashed into the blocks they fall in."""
     if block_size < 1:

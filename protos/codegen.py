@@ -1,6 +1,7 @@
 """Regenerates the checked-in Python modules from the .proto files.
 
-`make protos` runs `python -m protos.codegen`; `tests/protos/test_protos.py` runs `generate()` into a
+`make protos` runs `python -m protos.codegen`; `tests/protos/test_protos.py` runs `generate()` into
+a
 temporary folder and fails when the checked-in modules differ (someone edited a .proto and
 forgot to regenerate).
 """

@@ -100,10 +100,15 @@ class PoolingInfo:
             return None
         if dimensions in self.matryoshka_dimensions:
             return None
-        accepted = ("any from 1 to " + str(self.embedding_size) if self.any_dimensions
-                    else ", ".join(map(str, self.matryoshka_dimensions)) or "none")
-        return (f"dimensions {dimensions} is not supported by this model (full size "
-                f"{self.embedding_size}; Matryoshka dimensions it accepts: {accepted})")
+        accepted = (
+            "any from 1 to " + str(self.embedding_size)
+            if self.any_dimensions
+            else ", ".join(map(str, self.matryoshka_dimensions)) or "none"
+        )
+        return (
+            f"dimensions {dimensions} is not supported by this model (full size "
+            f"{self.embedding_size}; Matryoshka dimensions it accepts: {accepted})"
+        )
 
 
 @dataclass(frozen=True)
@@ -212,9 +217,14 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.num_scheduled_tokens or self.finished_request_ids
-                    or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
-                    or self.blocks_to_offload)
+        return not (
+            self.num_scheduled_tokens
+            or self.finished_request_ids
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.blocks_to_copy
+            or self.blocks_to_offload
+        )
 
 
 @dataclass(frozen=True)

@@ -38,26 +38,28 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, directory: GroupDirectory) -> None:
         self.directory = directory
 
-    async def LoadLoraAdapter(self, request: admin_pb2.LoadLoraAdapterRequest,
-                              context: grpc.aio.ServicerContext
-                              ) -> admin_pb2.LoadLoraAdapterResponse:
-        groups = await lora_admin.load_adapter(self.directory, request.lora_name,
-                                               request.lora_path)
+    async def LoadLoraAdapter(
+        self, request: admin_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.LoadLoraAdapterResponse:
+        groups = await lora_admin.load_adapter(self.directory, request.lora_name, request.lora_path)
         return admin_pb2.LoadLoraAdapterResponse(groups=groups)
 
-    async def UnloadLoraAdapter(self, request: admin_pb2.UnloadLoraAdapterRequest,
-                                context: grpc.aio.ServicerContext
-                                ) -> admin_pb2.UnloadLoraAdapterResponse:
+    async def UnloadLoraAdapter(
+        self, request: admin_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.UnloadLoraAdapterResponse:
         groups = await lora_admin.unload_adapter(self.directory, request.lora_name)
         return admin_pb2.UnloadLoraAdapterResponse(groups=groups)
 
-    async def Drain(self, request: admin_pb2.DrainRequest,
-                    context: grpc.aio.ServicerContext) -> admin_pb2.DrainResponse:
+    async def Drain(
+        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DrainResponse:
         """The named group hands its requests over, with their KV, to the others (the
         router resumes each on another group); one group at a time, so a name is needed."""
         if not request.group:
-            raise invalid_argument("name the engine group to drain (`group`): draining "
-                                   "every group would leave nowhere to go")
+            raise invalid_argument(
+                "name the engine group to drain (`group`): draining "
+                "every group would leave nowhere to go"
+            )
         group = self._groups(request.group)[0]
         # Before its requests come back: they continue on the other groups, not this one
         # (the registry says so too, a heartbeat later, for the other routers).
@@ -67,12 +69,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         except grpc.aio.AioRpcError as exc:
             raise ServiceError(exc.code(), f"engine group {group.name}: {exc.details()}") from exc
 
-    async def ResetPrefixCache(self, request: admin_pb2.ResetPrefixCacheRequest,
-                               context: grpc.aio.ServicerContext
-                               ) -> admin_pb2.ResetPrefixCacheResponse:
+    async def ResetPrefixCache(
+        self, request: admin_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ResetPrefixCacheResponse:
         async def reset(group: EngineGroup) -> admin_pb2.GroupPrefixCacheReset:
             reply = await group.conn.stub.ResetPrefixCache(
-                scheduler_pb2.ResetPrefixCacheRequest(), timeout=ADMIN_TIMEOUT_S)
+                scheduler_pb2.ResetPrefixCacheRequest(), timeout=ADMIN_TIMEOUT_S
+            )
             # Where this router sent each prefix is void there now: route by load again.
             for forget in self.directory.on_group_reset:
                 forget(group.scheduler_id)
@@ -81,40 +84,50 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         groups = await self._each_group(request.group, reset, admin_pb2.GroupPrefixCacheReset)
         return admin_pb2.ResetPrefixCacheResponse(groups=groups)
 
-    async def GetMemory(self, request: admin_pb2.GetMemoryRequest,
-                        context: grpc.aio.ServicerContext) -> admin_pb2.GetMemoryResponse:
+    async def GetMemory(
+        self, request: admin_pb2.GetMemoryRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetMemoryResponse:
         async def memory(group: EngineGroup) -> admin_pb2.GroupMemory:
-            reply = await group.conn.stub.GetMemory(scheduler_pb2.GetMemoryRequest(),
-                                                    timeout=ADMIN_TIMEOUT_S)
+            reply = await group.conn.stub.GetMemory(
+                scheduler_pb2.GetMemoryRequest(), timeout=ADMIN_TIMEOUT_S
+            )
             return reply.group
 
         groups = await self._each_group(request.group, memory, admin_pb2.GroupMemory)
         return admin_pb2.GetMemoryResponse(groups=groups)
 
-    async def GetStepStats(self, request: admin_pb2.GetStepStatsRequest,
-                           context: grpc.aio.ServicerContext) -> admin_pb2.GetStepStatsResponse:
+    async def GetStepStats(
+        self, request: admin_pb2.GetStepStatsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetStepStatsResponse:
         if not 0 <= request.window_s <= MAX_WINDOW_S:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"window_s must be in [0, {MAX_WINDOW_S:g}] seconds, "
-                               f"got {request.window_s:g}")
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"window_s must be in [0, {MAX_WINDOW_S:g}] seconds, got {request.window_s:g}",
+            )
 
         async def stats(group: EngineGroup) -> admin_pb2.GroupStepStats:
             reply = await group.conn.stub.GetStepStats(
                 scheduler_pb2.GetStepStatsRequest(window_s=request.window_s),
-                timeout=ADMIN_TIMEOUT_S)
+                timeout=ADMIN_TIMEOUT_S,
+            )
             return reply.group
 
         groups = await self._each_group(request.group, stats, admin_pb2.GroupStepStats)
         return admin_pb2.GetStepStatsResponse(groups=groups)
 
-    async def StartProfile(self, request: admin_pb2.StartProfileRequest,
-                           context: grpc.aio.ServicerContext) -> admin_pb2.StartProfileResponse:
+    async def StartProfile(
+        self, request: admin_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.StartProfileResponse:
         if not request.out_dir:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "out_dir is required: the folder each worker writes its trace to")
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "out_dir is required: the folder each worker writes its trace to",
+            )
         forwarded = scheduler_pb2.StartProfileRequest(
-            out_dir=request.out_dir, record_shapes=request.record_shapes,
-            with_stack=request.with_stack)
+            out_dir=request.out_dir,
+            record_shapes=request.record_shapes,
+            with_stack=request.with_stack,
+        )
 
         async def start(group: EngineGroup) -> admin_pb2.GroupProfile:
             reply = await group.conn.stub.StartProfile(forwarded, timeout=ADMIN_TIMEOUT_S)
@@ -123,18 +136,21 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         groups = await self._each_group(request.group, start, admin_pb2.GroupProfile)
         return admin_pb2.StartProfileResponse(groups=groups)
 
-    async def StopProfile(self, request: admin_pb2.StopProfileRequest,
-                          context: grpc.aio.ServicerContext) -> admin_pb2.StopProfileResponse:
+    async def StopProfile(
+        self, request: admin_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.StopProfileResponse:
         async def stop(group: EngineGroup) -> admin_pb2.GroupProfile:
-            reply = await group.conn.stub.StopProfile(scheduler_pb2.StopProfileRequest(),
-                                                      timeout=STOP_PROFILE_TIMEOUT_S)
+            reply = await group.conn.stub.StopProfile(
+                scheduler_pb2.StopProfileRequest(), timeout=STOP_PROFILE_TIMEOUT_S
+            )
             return reply.group
 
         groups = await self._each_group(request.group, stop, admin_pb2.GroupProfile)
         return admin_pb2.StopProfileResponse(groups=groups)
 
-    async def _each_group(self, name: str, call: Callable[[EngineGroup], Awaitable[M]],
-                          reply_type: type[M]) -> list[M]:
+    async def _each_group(
+        self, name: str, call: Callable[[EngineGroup], Awaitable[M]], reply_type: type[M]
+    ) -> list[M]:
         """`call` on every group (or the one `name`s, by group name or scheduler id), at
         once; a group whose call fails gets a `reply_type` naming it, with `error` set."""
         groups = self._groups(name)
@@ -143,16 +159,22 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             try:
                 return await call(group)
             except grpc.aio.AioRpcError as exc:
-                logger.warning("admin call to engine group %s failed: %s", group.scheduler_id,
-                               exc.details())
-                return reply_type(group=group.name, scheduler_id=group.scheduler_id,
-                                  error=f"{exc.code().name}: {exc.details()}")
+                logger.warning(
+                    "admin call to engine group %s failed: %s", group.scheduler_id, exc.details()
+                )
+                return reply_type(
+                    group=group.name,
+                    scheduler_id=group.scheduler_id,
+                    error=f"{exc.code().name}: {exc.details()}",
+                )
 
         return list(await asyncio.gather(*(one(group) for group in groups)))
 
     def _groups(self, name: str) -> list[EngineGroup]:
-        groups = sorted((g for g in self.directory.groups if not g.conn.retired),
-                        key=lambda g: (g.name, g.scheduler_id))
+        groups = sorted(
+            (g for g in self.directory.groups if not g.conn.retired),
+            key=lambda g: (g.name, g.scheduler_id),
+        )
         if not groups:
             raise unavailable("no engine group is known yet; retry shortly")
         if not name:
@@ -160,6 +182,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         chosen = [g for g in groups if name in (g.name, g.scheduler_id)]
         if not chosen:
             known = ", ".join(g.name for g in groups)
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"no engine group {name!r}; known: {known}")
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND, f"no engine group {name!r}; known: {known}"
+            )
         return chosen

@@ -23,8 +23,9 @@ class _Held:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def add(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob]
-            ) -> tuple[list[int], str, list[TokenLogprob]]:
+    def add(
+        self, token_ids: list[int], text: str, logprobs: list[TokenLogprob]
+    ) -> tuple[list[int], str, list[TokenLogprob]]:
         self.token_ids += token_ids
         self.text += text
         self.logprobs += logprobs
@@ -70,13 +71,18 @@ class ClientStream:
         done = self.num_unfinished == 0
         if self.stream_interval > 1:
             token_ids, text, logprobs = self._held.setdefault(index, _Held()).add(
-                token_ids, text, logprobs)
+                token_ids, text, logprobs
+            )
             if len(token_ids) < self.stream_interval and not finish_reason and not done:
                 return None
             del self._held[index]
         if not done:
             return TokenChunk(self.request_id, index, token_ids, text, logprobs, finish_reason)
-        usage = Usage(self.num_prompt_tokens, sum(s.num_completion_tokens for s in self.samples),
-                      self.num_draft_tokens, self.num_accepted_tokens)
+        usage = Usage(
+            self.num_prompt_tokens,
+            sum(s.num_completion_tokens for s in self.samples),
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+        )
         # The request's last message carries its usage.
         return TokenChunk(self.request_id, index, token_ids, text, logprobs, finish_reason, usage)

@@ -15,13 +15,25 @@ from pagemesh.api.options.constraint import OutputConstraint
 from pagemesh.api.options.validation import SamplingOptions, StoppingOptions
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
-from protos.pooling import (image_tiling_from_pb, image_tiling_to_pb, pooling_info_from_pb,
-                            pooling_info_to_pb)
+from protos.pooling import (
+    image_tiling_from_pb,
+    image_tiling_to_pb,
+    pooling_info_from_pb,
+    pooling_info_to_pb,
+)
 from protos.step import ImageInput
 from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.resume import Progress, SampleProgress
-from router.types import (FinishReason, GenerationRequest, KVHandoff, ModelInfo, SampleOutput,
-                          Submission, TokenChunk, TokenLogprob)
+from router.types import (
+    FinishReason,
+    GenerationRequest,
+    KVHandoff,
+    ModelInfo,
+    SampleOutput,
+    Submission,
+    TokenChunk,
+    TokenLogprob,
+)
 
 
 def generation_request(pb: generate_pb2.GenerateRequest) -> GenerationRequest:
@@ -82,8 +94,9 @@ def stopping_from_pb(pb: generate_pb2.StoppingCriteria) -> StoppingOptions:
     )
 
 
-def submit_request(submission: Submission, progress: Progress | None = None
-                   ) -> scheduler_pb2.SubmitRequest:
+def submit_request(
+    submission: Submission, progress: Progress | None = None
+) -> scheduler_pb2.SubmitRequest:
     """The scheduler's request for one attempt; `progress`, when given, is what each sample
     produced so far (and whether it ended): the scheduler continues after it."""
     s = submission.sampling
@@ -119,31 +132,44 @@ def submit_request(submission: Submission, progress: Progress | None = None
     if submission.embed_dimensions is not None:
         request.embed.dimensions = submission.embed_dimensions
         request.embed.image = submission.embed_image
-    request.images.extend(generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length,
-                                                  sha256=i.digest)
-                          for i in submission.images)
+    request.images.extend(
+        generate_pb2.ImageInput(data=i.data, offset=i.offset, length=i.length, sha256=i.digest)
+        for i in submission.images
+    )
     if progress is not None:
-        request.progress.extend(_sample_progress(i, p, submission.num_logprobs > 0)
-                                for i, p in enumerate(progress.samples))
-        request.kv_handoffs.extend(
-            scheduler_pb2.KvHandoff(index=i, scheduler_address=h.scheduler_address,
-                                    handoff_id=h.handoff_id, num_tokens=h.num_tokens)
+        request.progress.extend(
+            _sample_progress(i, p, submission.num_logprobs > 0)
             for i, p in enumerate(progress.samples)
-            if (h := p.kv_handoff) is not None and not p.finished)
+        )
+        request.kv_handoffs.extend(
+            scheduler_pb2.KvHandoff(
+                index=i,
+                scheduler_address=h.scheduler_address,
+                handoff_id=h.handoff_id,
+                num_tokens=h.num_tokens,
+            )
+            for i, p in enumerate(progress.samples)
+            if (h := p.kv_handoff) is not None and not p.finished
+        )
     return request
 
 
-def _sample_progress(index: int, progress: SampleProgress, with_logprobs: bool
-                     ) -> scheduler_pb2.SampleProgress:
+def _sample_progress(
+    index: int, progress: SampleProgress, with_logprobs: bool
+) -> scheduler_pb2.SampleProgress:
     """One sample's progress, with its logprobs when the request asks for them and there is
     one per token (the scheduler's checkpoint keeps them for a later resume)."""
-    pb = scheduler_pb2.SampleProgress(index=index, token_ids=progress.token_ids,
-                                      finished=progress.finished)
+    pb = scheduler_pb2.SampleProgress(
+        index=index, token_ids=progress.token_ids, finished=progress.finished
+    )
     if with_logprobs and len(progress.logprobs) == len(progress.token_ids):
         pb.logprobs.extend(
             scheduler_pb2.SampledLogprob(
-                logprob=logprob, top=[generate_pb2.TopLogprob(token_id=i, logprob=lp) for i, lp in top])
-            for logprob, top in progress.logprobs)
+                logprob=logprob,
+                top=[generate_pb2.TopLogprob(token_id=i, logprob=lp) for i, lp in top],
+            )
+            for logprob, top in progress.logprobs
+        )
     return pb
 
 
@@ -171,11 +197,16 @@ def sample_output(pb: scheduler_pb2.SubmitResponse) -> SampleOutput:
     """A scheduler message of one sample, converted once as it reaches the router."""
     logprobs = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in pb.logprobs]
     handoff = pb.kv_handoff
-    return SampleOutput(pb.index, list(pb.token_ids), finish_reason_from_pb(pb.finish_reason),
-                        logprobs, pb.embedding or None, pb.num_draft_tokens,
-                        pb.num_accepted_tokens,
-                        KVHandoff(pb.index, handoff.handoff_id, handoff.num_tokens)
-                        if handoff.handoff_id else None)
+    return SampleOutput(
+        pb.index,
+        list(pb.token_ids),
+        finish_reason_from_pb(pb.finish_reason),
+        logprobs,
+        pb.embedding or None,
+        pb.num_draft_tokens,
+        pb.num_accepted_tokens,
+        KVHandoff(pb.index, handoff.handoff_id, handoff.num_tokens) if handoff.handoff_id else None,
+    )
 
 
 def embedding_request(pb: generate_pb2.EmbedRequest, owner: str = "") -> EmbeddingRequest:
@@ -183,19 +214,29 @@ def embedding_request(pb: generate_pb2.EmbedRequest, owner: str = "") -> Embeddi
     inputs: list[str | list[int] | bytes | None] = []
     for item in pb.inputs:
         kind = item.WhichOneof("input")
-        inputs.append(item.text if kind == "text" else
-                      list(item.token_ids.ids) if kind == "token_ids" else
-                      item.image if kind == "image" else None)
-    return EmbeddingRequest(inputs=inputs, model=pb.model, dimensions=pb.dimensions,
-                            priority=pb.priority, owner=owner)
+        inputs.append(
+            item.text
+            if kind == "text"
+            else list(item.token_ids.ids)
+            if kind == "token_ids"
+            else item.image
+            if kind == "image"
+            else None
+        )
+    return EmbeddingRequest(
+        inputs=inputs, model=pb.model, dimensions=pb.dimensions, priority=pb.priority, owner=owner
+    )
 
 
 def embed_response(result: EmbeddingResult) -> generate_pb2.EmbedResponse:
     return generate_pb2.EmbedResponse(
         request_id=result.request_id,
-        embeddings=[generate_pb2.Embedding(index=i, values=vector.tolist())
-                    for i, vector in enumerate(result.vectors())],
-        usage=generate_pb2.Usage(prompt_tokens=result.num_prompt_tokens))
+        embeddings=[
+            generate_pb2.Embedding(index=i, values=vector.tolist())
+            for i, vector in enumerate(result.vectors())
+        ],
+        usage=generate_pb2.Usage(prompt_tokens=result.num_prompt_tokens),
+    )
 
 
 # The router's one finish-reason table: the wire's enum values and the domain's names.
@@ -220,7 +261,10 @@ def finish_reason_to_pb(finish_reason: FinishReason | None) -> int:
 
 def generate_response(chunk: TokenChunk) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(
-        request_id=chunk.request_id, index=chunk.index, token_ids=chunk.token_ids, text=chunk.text,
+        request_id=chunk.request_id,
+        index=chunk.index,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
         finish_reason=finish_reason_to_pb(chunk.finish_reason),
     )
     if chunk.logprobs:
@@ -235,19 +279,30 @@ def generate_response(chunk: TokenChunk) -> generate_pb2.GenerateResponse:
 
 def _token_logprob(lp: TokenLogprob) -> generate_pb2.TokenLogprob:
     return generate_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob,
-        top=[generate_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
-             for t in lp.top])
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[
+            generate_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
+            for t in lp.top
+        ],
+    )
 
 
 def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
     """A scheduler's model description; its `num_replicas` is that scheduler's own count
     (one group), which the router replaces with its own (router/group_directory.py)."""
     return ModelInfo(
-        model=pb.model, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
-        eos_token_ids=list(pb.eos_token_ids), dtype=pb.dtype, architecture=pb.architecture,
-        block_size=pb.block_size, num_kv_blocks=pb.num_kv_blocks, quantization=pb.quantization,
-        weight_bytes=pb.weight_bytes, kv_cache_bytes=pb.kv_cache_bytes,
+        model=pb.model,
+        max_model_len=pb.max_model_len,
+        vocab_size=pb.vocab_size,
+        eos_token_ids=list(pb.eos_token_ids),
+        dtype=pb.dtype,
+        architecture=pb.architecture,
+        block_size=pb.block_size,
+        num_kv_blocks=pb.num_kv_blocks,
+        quantization=pb.quantization,
+        weight_bytes=pb.weight_bytes,
+        kv_cache_bytes=pb.kv_cache_bytes,
         kv_cache_sizing=pb.kv_cache_sizing,
         tensor_parallel_size=pb.layout.tensor_parallel_size,
         pipeline_parallel_size=pb.layout.pipeline_parallel_size,
@@ -261,14 +316,23 @@ def model_info_from_pb(pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
 
 def model_info_response(info: ModelInfo) -> generate_pb2.GetModelInfoResponse:
     return generate_pb2.GetModelInfoResponse(
-        model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids, dtype=info.dtype, architecture=info.architecture,
-        block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
-        quantization=info.quantization, weight_bytes=info.weight_bytes,
-        kv_cache_bytes=info.kv_cache_bytes, kv_cache_sizing=info.kv_cache_sizing,
-        layout=generate_pb2.ParallelLayout(tensor_parallel_size=info.tensor_parallel_size,
-                                           pipeline_parallel_size=info.pipeline_parallel_size,
-                                           num_replicas=info.num_replicas),
+        model=info.model,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        dtype=info.dtype,
+        architecture=info.architecture,
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        quantization=info.quantization,
+        weight_bytes=info.weight_bytes,
+        kv_cache_bytes=info.kv_cache_bytes,
+        kv_cache_sizing=info.kv_cache_sizing,
+        layout=generate_pb2.ParallelLayout(
+            tensor_parallel_size=info.tensor_parallel_size,
+            pipeline_parallel_size=info.pipeline_parallel_size,
+            num_replicas=info.num_replicas,
+        ),
         pooling=pooling_info_to_pb(info.pooling),
         image_token_id=info.image_token_id,
         image_seq_length=info.image_seq_length,

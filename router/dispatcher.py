@@ -37,8 +37,12 @@ T = TypeVar("T")
 
 
 class Dispatcher:
-    def __init__(self, directory: GroupDirectory, routing: RoutingConfig | None = None,
-                 resume: ResumeConfig | None = None) -> None:
+    def __init__(
+        self,
+        directory: GroupDirectory,
+        routing: RoutingConfig | None = None,
+        resume: ResumeConfig | None = None,
+    ) -> None:
         self.directory = directory
         self.resume = resume or ResumeConfig()
         self._policy = RoutingPolicy(routing or RoutingConfig())
@@ -52,9 +56,13 @@ class Dispatcher:
         # prefill, a drain), continued on another group.
         self.num_handoffs = 0
 
-    async def stream(self, submission: Submission, process: Callable[[SampleOutput], T | None],
-                     progress: Progress | None = None, span: trace.Span | None = None
-                     ) -> AsyncIterator[list[T]]:
+    async def stream(
+        self,
+        submission: Submission,
+        process: Callable[[SampleOutput], T | None],
+        progress: Progress | None = None,
+        span: trace.Span | None = None,
+    ) -> AsyncIterator[list[T]]:
         """Streams a request as one continuous stream, whatever fails underneath: for each
         step, the list of what `process` returned for the request's outputs in it (Nones
         left out). `process` runs in the stream reader's pass over the step
@@ -73,20 +81,30 @@ class Dispatcher:
         metadata = grpc_metadata(span)
         info = await self.directory.model_info()
         adapter = adapter_extra(submission.lora_name) if submission.lora_name else b""
-        block_hashes = hash_request_blocks(list(submission.prompt_token_ids), info.block_size,
-                                           adapter, images=submission.images)
+        block_hashes = hash_request_blocks(
+            list(submission.prompt_token_ids), info.block_size, adapter, images=submission.images
+        )
         attempts = Attempts(self.resume, asyncio.get_running_loop().time, progress.started)
         feed: RequestFeed[T] = RequestFeed(progress, attempts, process)
         handed_from: frozenset[str] = frozenset()
         while not progress.all_finished:
-            group = await self._choose(block_hashes, attempts, submission.lora_name,
-                                       decode=progress.started, avoid=handed_from)
+            group = await self._choose(
+                block_hashes,
+                attempts,
+                submission.lora_name,
+                decode=progress.started,
+                avoid=handed_from,
+            )
             handed_from = frozenset()
             if attempts.num_failures:
                 self.num_resumes += 1
-                logger.warning("request %s resumed on engine group %s with %s output tokens "
-                               "already received (per sample)", submission.request_id,
-                               group.scheduler_id, progress.num_tokens())
+                logger.warning(
+                    "request %s resumed on engine group %s with %s output tokens "
+                    "already received (per sample)",
+                    submission.request_id,
+                    group.scheduler_id,
+                    progress.num_tokens(),
+                )
                 resume_event(span, group.scheduler_id, progress.num_tokens())
             try:
                 with self._attempt(group, submission, progress, feed, block_hashes, metadata):
@@ -104,8 +122,13 @@ class Dispatcher:
             group_failed_event(span, group.scheduler_id, code, details)
             self._failed(group, submission, progress, attempts, code, details)
 
-    def _pick(self, block_hashes: list[BlockHash], exclude: frozenset[str],
-              lora_name: str = "", decode: bool = False) -> EngineGroup | None:
+    def _pick(
+        self,
+        block_hashes: list[BlockHash],
+        exclude: frozenset[str],
+        lora_name: str = "",
+        decode: bool = False,
+    ) -> EngineGroup | None:
         """The routing policy's choice within the best non-empty tier: ready groups present in
         the registry and not just failed, then ready ones missing or just failed, then the
         rest (degraded, NOT_SERVING, unreachable). Draining groups, `exclude` and groups that
@@ -121,7 +144,8 @@ class Dispatcher:
             if lora_name and not group.may_serve(lora_name):
                 continue
             load = dataclasses.replace(
-                group.load, outstanding_tokens=self._outstanding.get(group.scheduler_id, 0))
+                group.load, outstanding_tokens=self._outstanding.get(group.scheduler_id, 0)
+            )
             if not group.ready:
                 tiers[2].append(load)
             elif group.missing_since is not None or group.suspect_until > now:
@@ -145,13 +169,20 @@ class Dispatcher:
     def _adapter_groups(self, loads: list[GroupLoad], lora_name: str) -> list[GroupLoad]:
         groups = [self.directory.get(load.scheduler_id) for load in loads]
         holders = [ld for ld, g in zip(loads, groups) if lora_name in g.loras]
-        with_room = [ld for ld, g in zip(loads, groups) if lora_name not in g.loras and g.has_room()]
+        with_room = [
+            ld for ld, g in zip(loads, groups) if lora_name not in g.loras and g.has_room()
+        ]
         full = [ld for ld, g in zip(loads, groups) if lora_name not in g.loras and not g.has_room()]
         return list(self._policy.adapter_groups(holders, with_room, full))
 
-    async def _choose(self, block_hashes: list[BlockHash], attempts: Attempts,
-                      lora_name: str = "", decode: bool = False,
-                      avoid: frozenset[str] = frozenset()) -> EngineGroup:
+    async def _choose(
+        self,
+        block_hashes: list[BlockHash],
+        attempts: Attempts,
+        lora_name: str = "",
+        decode: bool = False,
+        avoid: frozenset[str] = frozenset(),
+    ) -> EngineGroup:
         """A group for the next attempt: another one at once when there is one; else, once the
         request was accepted somewhere, any (the failed group's replacement too) after a
         backoff, until the resume timeout."""
@@ -167,14 +198,23 @@ class Dispatcher:
             if not attempts.may_wait:
                 raise unavailable("no engine group could take the request; retry shortly")
             if attempts.remaining_s() <= 0:
-                raise unavailable(f"the engine group serving the request failed and no engine "
-                                  f"group took it back within --resume-timeout-s "
-                                  f"{self.resume.timeout_s:g}")
+                raise unavailable(
+                    f"the engine group serving the request failed and no engine "
+                    f"group took it back within --resume-timeout-s "
+                    f"{self.resume.timeout_s:g}"
+                )
             await asyncio.sleep(attempts.next_backoff_s())
             exclude = frozenset()
 
-    def _failed(self, group: EngineGroup, submission: Submission, progress: Progress,
-                attempts: Attempts, code: grpc.StatusCode | None, details: str) -> None:
+    def _failed(
+        self,
+        group: EngineGroup,
+        submission: Submission,
+        progress: Progress,
+        attempts: Attempts,
+        code: grpc.StatusCode | None,
+        details: str,
+    ) -> None:
         """Logs a failed attempt; raises the error the client sees when it is not retried."""
         kind = retry_kind(code)
         if kind is None:
@@ -182,25 +222,48 @@ class Dispatcher:
             raise ServiceError(code, details)
         give_up = attempts.failed(group.scheduler_id, code)
         if give_up is not None:
-            logger.warning("request %s: engine group %s failed (%s: %s); giving up: %s",
-                           submission.request_id, group.scheduler_id,
-                           code.name if code else "early end", details, give_up)
-            final = grpc.StatusCode.UNAVAILABLE if kind == "peer_gone" else (code or grpc.StatusCode.INTERNAL)
+            logger.warning(
+                "request %s: engine group %s failed (%s: %s); giving up: %s",
+                submission.request_id,
+                group.scheduler_id,
+                code.name if code else "early end",
+                details,
+                give_up,
+            )
+            final = (
+                grpc.StatusCode.UNAVAILABLE
+                if kind == "peer_gone"
+                else (code or grpc.StatusCode.INTERNAL)
+            )
             raise ServiceError(final, f"{details} ({give_up})")
         group.suspect_until = asyncio.get_running_loop().time() + self.directory.ttl_s
-        logger.warning("request %s: engine group %s failed (%s: %s) after %s output tokens "
-                       "(per sample); resuming", submission.request_id, group.scheduler_id,
-                       code.name if code else "early end", details, progress.num_tokens())
+        logger.warning(
+            "request %s: engine group %s failed (%s: %s) after %s output tokens "
+            "(per sample); resuming",
+            submission.request_id,
+            group.scheduler_id,
+            code.name if code else "early end",
+            details,
+            progress.num_tokens(),
+        )
 
     @contextlib.contextmanager
-    def _attempt(self, group: EngineGroup, submission: Submission, progress: Progress,
-                 feed: RequestFeed[T], block_hashes: list[BlockHash],
-                 metadata: tuple[tuple[str, str], ...] | None) -> Iterator[None]:
+    def _attempt(
+        self,
+        group: EngineGroup,
+        submission: Submission,
+        progress: Progress,
+        feed: RequestFeed[T],
+        block_hashes: list[BlockHash],
+        metadata: tuple[tuple[str, str], ...] | None,
+    ) -> Iterator[None]:
         """One attempt on one group: the request on its stream, with `progress` once anything
         was produced (or on a resume), its outputs into `feed`. `_outstanding` counts prompt +
         max_tokens of each unfinished sample while it lasts (recomputed outputs are bounded by
         max_tokens too)."""
-        num_tokens = len(submission.prompt_token_ids) + submission.max_tokens * progress.num_unfinished
+        num_tokens = (
+            len(submission.prompt_token_ids) + submission.max_tokens * progress.num_unfinished
+        )
         scheduler_id = group.scheduler_id
         self._policy.record(block_hashes, scheduler_id)
         self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + num_tokens
@@ -208,8 +271,9 @@ class Dispatcher:
         feed.on_progress = group.not_suspect
         feed.source_address = group.address
         try:
-            with group.conn.submitted(submission, progress if progress.started else None, feed,
-                                      metadata):
+            with group.conn.submitted(
+                submission, progress if progress.started else None, feed, metadata
+            ):
                 yield
         finally:
             self._give_back(scheduler_id, num_tokens)

@@ -15,15 +15,15 @@ import dataclasses
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from pagemesh.api.options.validation import SamplingOptions, StoppingOptions
 from pagemesh.runtime.images import ImageError, ImageLimits, load_image
 from pagemesh.runtime.media import RemoteImage
-from pagemesh.api.options.validation import SamplingOptions, StoppingOptions
 from pagemesh.runtime.serving import ServiceError, invalid_argument
 from router.types import SampleOutput, Submission
 
@@ -83,7 +83,8 @@ class Embeddings:
             with tracer.start_as_current_span("Embed") as span:
                 start_s = time.monotonic()
                 request = dataclasses.replace(
-                    request, inputs=await generation.fetch_images(request.inputs, "input"))
+                    request, inputs=await generation.fetch_images(request.inputs, "input")
+                )
                 token_ids = await self._validate(request)
                 model = (await generation.directory.model_info()).model
                 mesh_id = generation.tenancy.mesh_request_id(request.owner, uuid.uuid4().hex)
@@ -94,23 +95,33 @@ class Embeddings:
                 outcome = "error"
                 try:
                     vectors = await _all_or_none(
-                        [self._one(f"{mesh_id}-{i}", ids, item, request)
-                         for i, (ids, item) in enumerate(zip(token_ids, request.inputs))])
+                        [
+                            self._one(f"{mesh_id}-{i}", ids, item, request)
+                            for i, (ids, item) in enumerate(zip(token_ids, request.inputs))
+                        ]
+                    )
                     outcome = "ok"
                 finally:
                     metrics.embedding_inputs.labels(model, outcome).inc(len(token_ids))
                 metrics.embedding_tokens.labels(model).inc(sum(map(len, token_ids)))
                 metrics.embedding_latency.labels(model).observe(time.monotonic() - start_s)
-        return EmbeddingResult(mesh_id, vectors,
-                               sum(map(len, token_ids)), [len(ids) for ids in token_ids])
+        return EmbeddingResult(
+            mesh_id, vectors, sum(map(len, token_ids)), [len(ids) for ids in token_ids]
+        )
 
-    async def _one(self, request_id: str, token_ids: list[int], item: object,
-                   request: EmbeddingRequest) -> bytes:
+    async def _one(
+        self, request_id: str, token_ids: list[int], item: object, request: EmbeddingRequest
+    ) -> bytes:
         submission = Submission(
-            request_id, token_ids, SamplingOptions(seed=0), StoppingOptions(max_tokens=1),
-            priority=request.priority, owner=request.owner,
+            request_id,
+            token_ids,
+            SamplingOptions(seed=0),
+            StoppingOptions(max_tokens=1),
+            priority=request.priority,
+            owner=request.owner,
             embed_dimensions=request.dimensions,
-            embed_image=item if isinstance(item, bytes) else b"")
+            embed_image=item if isinstance(item, bytes) else b"",
+        )
         vector: list[bytes] = []
 
         def process(output: SampleOutput) -> None:
@@ -127,43 +138,53 @@ class Embeddings:
     async def _validate(self, request: EmbeddingRequest) -> list[list[int]]:
         info = await self.generation.directory.model_info()
         if request.model and request.model != info.model:
-            raise invalid_argument(f"model {request.model!r} is not served here; this router "
-                                   f"serves {info.model!r}")
+            raise invalid_argument(
+                f"model {request.model!r} is not served here; this router serves {info.model!r}"
+            )
         if not info.pooling.embeds:
             raise invalid_argument(
                 f"model {info.model!r} generates text; it does not embed: serve an embedding "
-                "model, or start this one with --task embed")
+                "model, or start this one with --task embed"
+            )
         problem = info.pooling.dimensions_error(request.dimensions)
         if problem is not None:
             raise invalid_argument(problem)
         if not request.inputs:
             raise invalid_argument("input is empty: send at least one text or list of token ids")
         if len(request.inputs) > MAX_EMBED_INPUTS:
-            raise invalid_argument(f"{len(request.inputs)} inputs in one request; at most "
-                                   f"{MAX_EMBED_INPUTS} are accepted: split it")
+            raise invalid_argument(
+                f"{len(request.inputs)} inputs in one request; at most "
+                f"{MAX_EMBED_INPUTS} are accepted: split it"
+            )
         max_tokens = await self.generation._max_prompt_tokens()
         if info.pooling.max_text_tokens:
             max_tokens = min(max_tokens, info.pooling.max_text_tokens)
         token_ids = []
         for index, item in enumerate(request.inputs):
             if isinstance(item, bytes):
-                ids = await _image_placeholder(index, item, info.pooling.image_tokens, info.model,
-                                               self.generation.limits.images)
+                ids = await _image_placeholder(
+                    index,
+                    item,
+                    info.pooling.image_tokens,
+                    info.model,
+                    self.generation.limits.images,
+                )
             else:
                 ids = await self._tokens(index, item, max_tokens, info.vocab_size)
                 if len(ids) > max_tokens:
                     raise invalid_argument(
                         f"input {index} is {len(ids)} tokens but at most {max_tokens} are "
                         "accepted (the model's text limit or context, or --max-prompt-tokens); "
-                        "shorten it")
+                        "shorten it"
+                    )
             token_ids.append(ids)
         return token_ids
 
-    async def _tokens(self, index: int, item: str | list[int] | None, max_tokens: int,
-                      vocab_size: int) -> list[int]:
+    async def _tokens(
+        self, index: int, item: str | list[int] | None, max_tokens: int, vocab_size: int
+    ) -> list[int]:
         if item is None or len(item) == 0:
-            raise invalid_argument(f"input {index} is empty: send at least one character or "
-                                   "token")
+            raise invalid_argument(f"input {index} is empty: send at least one character or token")
         if isinstance(item, str):
             try:
                 return await self.generation._tokenize(item, False, max_tokens)
@@ -171,8 +192,9 @@ class Embeddings:
                 raise ServiceError(exc.code, f"input {index}: {exc.message}") from None
         bad = next((t for t in item if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise invalid_argument(f"input {index}: token id {bad} is outside the vocabulary "
-                                   f"(0..{vocab_size - 1})")
+            raise invalid_argument(
+                f"input {index}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
+            )
         return list(item)
 
 
@@ -188,13 +210,13 @@ async def _all_or_none(calls: list[Coroutine[Any, Any, bytes]]) -> list[bytes]:
         raise
 
 
-async def _image_placeholder(index: int, data: bytes, image_tokens: int, model: str,
-                             limits: ImageLimits) -> list[int]:
+async def _image_placeholder(
+    index: int, data: bytes, image_tokens: int, model: str, limits: ImageLimits
+) -> list[int]:
     """An image input's prompt: `image_tokens` placeholder ids (its cost in the step
     budget), once the image is known to decode within the limits (off the event loop)."""
     if not image_tokens:
-        raise invalid_argument(f"input {index} is an image, but model {model!r} embeds text "
-                               "only")
+        raise invalid_argument(f"input {index} is an image, but model {model!r} embeds text only")
     if not data:
         raise invalid_argument(f"input {index} is an empty image")
     try:

@@ -18,9 +18,9 @@ Fault tolerance, as the client sees it: a stream never shows a gap or a repeated
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -34,25 +34,38 @@ import grpc
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
-from pagemesh.runtime.checkpoints import Checkpoint
-from pagemesh.runtime.logs import request_id_var
-from pagemesh.runtime.metrics import ABORT, ERROR, RouterMetrics
 from pagemesh.api.options.constraint import OutputConstraint
-from pagemesh.api.options.validation import (ModelLimits, ValidatedRequest, ValidationError,
-                                         check_identity, check_unicode, validate)
-from pagemesh.runtime.serving import ServiceError, invalid_argument, unavailable
-from router import replay
-from pagemesh.runtime.images import (DEFAULT_LIMITS, ImageError, ImageLimits, check_num_images,
-                             expand_images, image_token_count, load_image)
+from pagemesh.api.options.validation import (
+    ModelLimits,
+    ValidatedRequest,
+    ValidationError,
+    check_identity,
+    check_unicode,
+    validate,
+)
+from pagemesh.runtime.checkpoints import Checkpoint
+from pagemesh.runtime.images import (
+    DEFAULT_LIMITS,
+    ImageError,
+    ImageLimits,
+    check_num_images,
+    expand_images,
+    image_token_count,
+    load_image,
+)
+from pagemesh.runtime.logs import request_id_var
 from pagemesh.runtime.media import MediaFetcher, RemoteImage
+from pagemesh.runtime.metrics import ABORT, ERROR, RouterMetrics
+from pagemesh.runtime.serving import ServiceError, invalid_argument, unavailable
+from pagemesh.runtime.tokenizer import Tokenizer, TokenizerError
 from protos.step import ImageInput
-from router.embedding import EmbeddingRequest, EmbeddingResult, Embeddings
+from router import replay
 from router.beam import beam_search, check_beam_request
 from router.client_stream import ClientStream
 from router.dispatcher import Dispatcher
+from router.embedding import EmbeddingRequest, EmbeddingResult, Embeddings
 from router.structured import ConstraintError, GrammarCompiler
 from router.tenancy import Tenancy, request_digest
-from pagemesh.runtime.tokenizer import Tokenizer, TokenizerError
 from router.tracing import describe_request, identify_request, traced_generate
 from router.types import GenerationRequest, ModelInfo, Submission, TokenChunk
 
@@ -86,9 +99,15 @@ class AdmissionLimits:
 
 
 class Generation:
-    def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher,
-                 limits: AdmissionLimits | None = None, metrics: RouterMetrics | None = None,
-                 tenancy: Tenancy | None = None, media: MediaFetcher | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        dispatcher: Dispatcher,
+        limits: AdmissionLimits | None = None,
+        metrics: RouterMetrics | None = None,
+        tenancy: Tenancy | None = None,
+        media: MediaFetcher | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         # Images given by http(s) URL: fetched from --allowed-media-domains only (none: off).
         self.media = media or MediaFetcher()
@@ -116,17 +135,21 @@ class Generation:
         """One vector per input of an embedding model (router/embedding.py)."""
         return await self.embeddings.embed(request)
 
-    async def tokenize(self, text: str, apply_chat_template: bool, owner: str = ""
-                       ) -> tuple[list[int], list[str]]:
+    async def tokenize(
+        self, text: str, apply_chat_template: bool, owner: str = ""
+    ) -> tuple[list[int], list[str]]:
         """The text's token ids and each one's text piece. INVALID_ARGUMENT for empty text;
         it takes an admission slot meanwhile, as a generation does."""
         with self._admitted(owner):
             token_ids = await self._tokenize(text, apply_chat_template, max_num_tokens=None)
         return token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None, owner: str = ""
-                            ) -> list[int]:
+    async def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        owner: str = "",
+    ) -> list[int]:
         """Token ids of chat `messages` through the model's template (the OpenAI chat API's
         prompt), with the `tools` it shows the model. INVALID_ARGUMENT when the template
         rejects them, when they are not valid Unicode, or when they cannot fit the model
@@ -134,12 +157,14 @@ class Generation:
         rendering). It takes an admission slot meanwhile, as a generation does."""
         texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
         # Tool definitions and calls' arguments reach the template too.
-        extra = json.dumps([tools or [], [m.get("tool_calls") for m in messages]],
-                           ensure_ascii=False)
+        extra = json.dumps(
+            [tools or [], [m.get("tool_calls") for m in messages]], ensure_ascii=False
+        )
         if len(extra) > MAX_TOOLS_CHARS:
             raise invalid_argument(
                 f"the tools and tool calls are {len(extra):,} characters of JSON; at most "
-                f"{MAX_TOOLS_CHARS:,} are accepted: send fewer or shorter tool definitions")
+                f"{MAX_TOOLS_CHARS:,} are accepted: send fewer or shorter tool definitions"
+            )
         with self._admitted(owner):
             for text in texts:
                 _check_unicode(text, "a message's content")
@@ -200,8 +225,12 @@ class Generation:
                 async with contextlib.aclosing(run(request_id, mesh_id, request)) as batches:
                     async for batch in batches:
                         for chunk in batch:
-                            timer.observe(chunk.index, len(chunk.token_ids), chunk.finish_reason,
-                                          chunk.usage.num_prompt_tokens if chunk.usage else 0)
+                            timer.observe(
+                                chunk.index,
+                                len(chunk.token_ids),
+                                chunk.finish_reason,
+                                chunk.usage.num_prompt_tokens if chunk.usage else 0,
+                            )
                         yield batch
             except (asyncio.CancelledError, GeneratorExit):  # the client went away
                 timer.end(ABORT)
@@ -210,8 +239,9 @@ class Generation:
                 timer.end(ERROR)
                 raise
 
-    async def _generate(self, request_id: str, mesh_id: str, request: GenerationRequest
-                        ) -> AsyncIterator[list[TokenChunk]]:
+    async def _generate(
+        self, request_id: str, mesh_id: str, request: GenerationRequest
+    ) -> AsyncIterator[list[TokenChunk]]:
         """`request_id` is the client's name for the request (its chunks carry it);
         `mesh_id` the mesh's (the scheduler, the checkpoint, logs and spans carry it)."""
         digest = request_digest(request)
@@ -221,16 +251,22 @@ class Generation:
             if lora_name:  # the adapter's name is the model the client asked for
                 request = dataclasses.replace(request, model="")
             validated, images = await self._validate(request)
-            submission = Submission.fresh(mesh_id, validated, self._seeds.getrandbits(63),
-                                          request.owner, digest)
+            submission = Submission.fresh(
+                mesh_id, validated, self._seeds.getrandbits(63), request.owner, digest
+            )
             if images or lora_name:
                 submission = dataclasses.replace(submission, images=images, lora_name=lora_name)
             plan = replay.fresh(self.tokenizer, submission)
         progress = plan.progress
         span = trace.get_current_span()  # generate's (router/tracing.py), or a no-op one
         if span.is_recording():
-            describe_request(span, plan.submission, progress.resumed, request.model,
-                             (await self.directory.model_info()).model)
+            describe_request(
+                span,
+                plan.submission,
+                progress.resumed,
+                request.model,
+                (await self.directory.model_info()).model,
+            )
         client = ClientStream(request_id, plan, self.limits.stream_interval)
         replayed = [c for output in plan.replay if (c := client.process(output)) is not None]
         if replayed:
@@ -247,15 +283,18 @@ class Generation:
                 if exc.code != grpc.StatusCode.ALREADY_EXISTS:
                     raise
                 # Said with the client's id: the mesh's is nothing the client knows.
-                raise ServiceError(exc.code, f"request {request_id!r} is already streaming: wait "
-                                   "for its end, cancel it, or send this one under another id"
-                                   ) from None
+                raise ServiceError(
+                    exc.code,
+                    f"request {request_id!r} is already streaming: wait "
+                    "for its end, cancel it, or send this one under another id",
+                ) from None
         if client.done:
             # The client has everything: its checkpoint is garbage now.
             self._forget_checkpoint(mesh_id, progress.groups, client.cut_short)
 
-    async def _beam(self, request_id: str, mesh_id: str, request: GenerationRequest
-                    ) -> AsyncIterator[list[TokenChunk]]:
+    async def _beam(
+        self, request_id: str, mesh_id: str, request: GenerationRequest
+    ) -> AsyncIterator[list[TokenChunk]]:
         """`use_beam_search` (router/beam.py): rounds of one-token requests, each through
         `_generate`; the `n` best beams at the end. `mesh_id` names no mesh request: each
         round's requests have their own."""
@@ -263,12 +302,19 @@ class Generation:
         validated, _ = await self._validate(dataclasses.replace(request, beam=None, n=1))
         limits = (await self.directory.model_info()).limits()
         yield await beam_search(
-            request, validated.prompt_token_ids, limits.eos_token_ids, validated.max_tokens,
-            self._generate, self.tokenizer.decode, request_id,
-            lambda sub_id: self.tenancy.mesh_request_id(request.owner, sub_id))
+            request,
+            validated.prompt_token_ids,
+            limits.eos_token_ids,
+            validated.max_tokens,
+            self._generate,
+            self.tokenizer.decode,
+            request_id,
+            lambda sub_id: self.tenancy.mesh_request_id(request.owner, sub_id),
+        )
 
-    async def _resume_plan(self, request_id: str, mesh_id: str, request: GenerationRequest,
-                           digest: str) -> replay.StreamPlan | None:
+    async def _resume_plan(
+        self, request_id: str, mesh_id: str, request: GenerationRequest, digest: str
+    ) -> replay.StreamPlan | None:
         """A resume (router/replay.py) when the caller's request has a checkpoint; None for a
         new request. NOT_FOUND for `resume_from` > 0 without a checkpoint; INVALID_ARGUMENT
         when the checkpoint is of another request the caller sent under the same id."""
@@ -276,8 +322,10 @@ class Generation:
         wants_resume = any(resume_from) if isinstance(resume_from, list) else resume_from > 0
         if not request.request_id or request.new_request:
             if wants_resume:
-                raise invalid_argument("resume_from needs the id of the request to resume "
-                                       "(gRPC: request_id; HTTP: the X-Request-Id header)")
+                raise invalid_argument(
+                    "resume_from needs the id of the request to resume "
+                    "(gRPC: request_id; HTTP: the X-Request-Id header)"
+                )
             return None
         loop = asyncio.get_running_loop()
         if not wants_resume and loop.time() < self._store_away_until:
@@ -289,7 +337,9 @@ class Generation:
         except (RedisError, OSError, TimeoutError) as exc:
             self._store_away_until = loop.time() + STORE_AWAY_S
             if wants_resume:
-                raise unavailable(f"the checkpoint store is unreachable ({exc}); retry shortly") from exc
+                raise unavailable(
+                    f"the checkpoint store is unreachable ({exc}); retry shortly"
+                ) from exc
             logger.debug("no checkpoint lookup (%s); a new request", exc)
             return None
         plan = self._plan_from_checkpoint(ckpt, resume_from) if ckpt is not None else None
@@ -309,10 +359,18 @@ class Generation:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request id {request_id!r} is already taken by a different request of yours "
                 "(its checkpoint is kept for the resume window): send a new request under a "
-                "new id, or this id with the same request to resume it", reason="id_conflict")
-        logger.warning("request %s resumed from its checkpoint (group %s, %s, %s output tokens "
-                       "per sample) after %s tokens the client has", mesh_id, ckpt.group,
-                       ckpt.state, [len(s.token_ids) for s in ckpt.samples], resume_from)
+                "new id, or this id with the same request to resume it",
+                reason="id_conflict",
+            )
+        logger.warning(
+            "request %s resumed from its checkpoint (group %s, %s, %s output tokens "
+            "per sample) after %s tokens the client has",
+            mesh_id,
+            ckpt.group,
+            ckpt.state,
+            [len(s.token_ids) for s in ckpt.samples],
+            resume_from,
+        )
         if plan.submission.images:
             plan.submission = await self._with_stored_images(request_id, plan.submission)
         return plan
@@ -329,31 +387,39 @@ class Generation:
         raise ServiceError(
             grpc.StatusCode.NOT_FOUND,
             f"model {model!r} is not served here: the base model is {info.model!r}, and the "
-            f"LoRA adapters are {', '.join(sorted(adapters)) or 'none'}", reason="model_not_found")
+            f"LoRA adapters are {', '.join(sorted(adapters)) or 'none'}",
+            reason="model_not_found",
+        )
 
     async def _with_stored_images(self, request_id: str, submission: Submission) -> Submission:
         """A checkpoint's submission with its images' bytes, from the image store (the
         record names them by SHA-256). NOT_FOUND when one is no longer there."""
         wanted = [image.sha256 for image in submission.images if not image.data]
         try:
-            found = await asyncio.wait_for(self.checkpoints.images.get_many(wanted),
-                                           IMAGE_LOOKUP_S)
+            found = await asyncio.wait_for(self.checkpoints.images.get_many(wanted), IMAGE_LOOKUP_S)
         except (RedisError, OSError, TimeoutError) as exc:
             raise unavailable(f"the image store is unreachable ({exc}); retry shortly") from exc
-        lost = [i for i, image in enumerate(submission.images)
-                if not image.data and image.sha256 not in found]
+        lost = [
+            i
+            for i, image in enumerate(submission.images)
+            if not image.data and image.sha256 not in found
+        ]
         if lost:
             raise ServiceError(
                 grpc.StatusCode.NOT_FOUND,
                 f"request {request_id!r} cannot be resumed: its image(s) {lost} (by order in "
                 "the prompt) are no longer in the image store (expired with the checkpoint, "
-                "or over the schedulers' --image-store-mib); send it again as a new request")
-        images = tuple(image if image.data else dataclasses.replace(image, data=found[image.sha256])
-                       for image in submission.images)
+                "or over the schedulers' --image-store-mib); send it again as a new request",
+            )
+        images = tuple(
+            image if image.data else dataclasses.replace(image, data=found[image.sha256])
+            for image in submission.images
+        )
         return dataclasses.replace(submission, images=images)
 
-    def _plan_from_checkpoint(self, ckpt: Checkpoint, resume_from: int | list[int]
-                              ) -> replay.StreamPlan:
+    def _plan_from_checkpoint(
+        self, ckpt: Checkpoint, resume_from: int | list[int]
+    ) -> replay.StreamPlan:
         try:
             return replay.from_checkpoint(self.tokenizer, ckpt, resume_from)
         except ValidationError as exc:  # one count per sample, but not as many as samples
@@ -367,8 +433,9 @@ class Generation:
         entries = [(request_id, group) for group in groups or [None]]
         self._queue_deletes(entries)
         if cut_short:
-            asyncio.get_running_loop().call_later(self.directory.ttl_s,
-                                                  self._queue_deletes, entries)
+            asyncio.get_running_loop().call_later(
+                self.directory.ttl_s, self._queue_deletes, entries
+            )
 
     def _queue_deletes(self, entries: list[tuple[str, str | None]]) -> None:
         self._to_delete += entries
@@ -386,19 +453,22 @@ class Generation:
         finally:
             self._deleter = None
 
-    async def _validate(self, request: GenerationRequest
-                        ) -> tuple[ValidatedRequest, tuple[ImageInput, ...]]:
+    async def _validate(
+        self, request: GenerationRequest
+    ) -> tuple[ValidatedRequest, tuple[ImageInput, ...]]:
         info = await self.directory.model_info()
         if info.pooling.embeds:
             raise invalid_argument(
                 f"model {info.model!r} is an embedding model: it does not generate text; send "
-                "its inputs to /v1/embeddings (gRPC: Embed)")
+                "its inputs to /v1/embeddings (gRPC: Embed)"
+            )
         prompt = request.prompt
         if prompt is None:
             raise invalid_argument("the request has no prompt: set `text` or `token_ids`")
         if isinstance(prompt, str):
-            prompt_ids = await self._tokenize(prompt, request.apply_chat_template,
-                                              await self._max_prompt_tokens())
+            prompt_ids = await self._tokenize(
+                prompt, request.apply_chat_template, await self._max_prompt_tokens()
+            )
         elif request.apply_chat_template:
             raise invalid_argument("apply_chat_template needs a `text` prompt, not `token_ids`")
         else:
@@ -415,23 +485,31 @@ class Generation:
         limits = (await self.directory.model_info()).limits()
         grammar = await self._compile(request.constraint, limits)
         try:
-            validated = validate(prompt_ids, request.sampling, request.stopping,
-                                 request.num_logprobs, request.model, limits, n=request.n,
-                                 priority=request.priority, grammar=grammar)
+            validated = validate(
+                prompt_ids,
+                request.sampling,
+                request.stopping,
+                request.num_logprobs,
+                request.model,
+                limits,
+                n=request.n,
+                priority=request.priority,
+                grammar=grammar,
+            )
         except ValidationError as exc:
             raise invalid_argument(str(exc)) from exc
         return validated, images
 
-    async def _with_images(self, prompt_ids: list[int], images: list[bytes | RemoteImage],
-                           info: ModelInfo) -> tuple[list[int], tuple[ImageInput, ...]]:
+    async def _with_images(
+        self, prompt_ids: list[int], images: list[bytes | RemoteImage], info: ModelInfo
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """A vision-language prompt: each image fetched (an http(s) URL) and checked (decoded
         off the event loop, within the size and pixel limits), and each image token expanded
         into its image's placeholders. INVALID_ARGUMENT for images to a text-only model, too
         many, a URL not allowed or not fetched, one that is not an image, or image tokens
         that do not pair up with the images."""
         if not info.image_seq_length:
-            raise invalid_argument(f"model {info.model!r} is a text-only model: it takes no "
-                                   "images")
+            raise invalid_argument(f"model {info.model!r} is a text-only model: it takes no images")
         limits = self.limits.images
         try:
             check_num_images(len(images), limits)
@@ -461,8 +539,9 @@ class Generation:
                 self.media.check_url(item.url)
             except ImageError as exc:
                 raise invalid_argument(f"{what} {index}: {exc}") from None
-        fetched = await asyncio.gather(*(self.media.fetch(item.url) for _, item in remote),
-                                       return_exceptions=True)
+        fetched = await asyncio.gather(
+            *(self.media.fetch(item.url) for _, item in remote), return_exceptions=True
+        )
         out: list[T | bytes] = list(items)
         for (index, _), result in zip(remote, fetched):
             if isinstance(result, ImageError):
@@ -479,13 +558,15 @@ class Generation:
         if constraint is None:
             return ""
         try:
-            return await asyncio.to_thread(self.grammars.compile, constraint,
-                                           limits.vocab_size, limits.eos_token_ids)
+            return await asyncio.to_thread(
+                self.grammars.compile, constraint, limits.vocab_size, limits.eos_token_ids
+            )
         except ConstraintError as exc:
             raise invalid_argument(str(exc)) from None
 
-    async def _tokenize(self, text: str, apply_chat_template: bool,
-                        max_num_tokens: int | None) -> list[int]:
+    async def _tokenize(
+        self, text: str, apply_chat_template: bool, max_num_tokens: int | None
+    ) -> list[int]:
         """`text` tokenized (long texts off the event loop, so that the router keeps answering
         meanwhile); refused before any work when it cannot fit `max_num_tokens`."""
         if not text:
@@ -493,7 +574,9 @@ class Generation:
         _check_unicode(text, "the prompt")
         if max_num_tokens is not None:
             await self._check_fits(len(text), 1, max_num_tokens)
-        encode = self.tokenizer.apply_chat_template if apply_chat_template else self.tokenizer.encode
+        encode = (
+            self.tokenizer.apply_chat_template if apply_chat_template else self.tokenizer.encode
+        )
         try:
             return await _off_loop_if_long(len(text), encode, text)
         except TokenizerError as exc:
@@ -514,7 +597,8 @@ class Generation:
                 f"the prompt ({num_chars:,} characters in {num_parts:,} part(s)) is at least "
                 f"{at_least:,} tokens for this tokenizer, whose longest token is "
                 f"{self.tokenizer.max_token_chars} characters, but at most {max_num_tokens:,} "
-                "are accepted (the model's context, or --max-prompt-tokens); shorten it")
+                "are accepted (the model's context, or --max-prompt-tokens); shorten it"
+            )
 
 
 CHECKPOINT_LOOKUP_S = 0.5  # the longest a request waits for its checkpoint lookup
@@ -540,5 +624,3 @@ def _check_unicode(text: str, what: str) -> None:
         check_unicode(text, what)
     except ValidationError as exc:
         raise invalid_argument(str(exc)) from None
-
-

@@ -1,7 +1,8 @@
 """The engine groups this router can send requests to: discovered in Redis, dialled over gRPC.
 
 Groups' health comes from the `status` each scheduler publishes in its registry entry
-(pagemesh.runtime.registry_entries.GroupStatus): ready (or none, from older schedulers) is a complete
+(pagemesh.runtime.registry_entries.GroupStatus): ready (or none, from older schedulers) is a
+complete
 group; degraded (a worker is missing, the group is being re-formed; requests queue there) is
 a fallback used only when no ready group exists; draining is never picked. The router is
 SERVING iff at least one ready group exists.
@@ -90,16 +91,22 @@ class GroupDirectory:
     group whose process restarted or that left: what the router learnt about it is void.
     """
 
-    def __init__(self, registry: Registry, poll_interval_s: float,
-                 on_change: Callable[[bool], object] | None = None,
-                 tls: TlsConfig | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        poll_interval_s: float,
+        on_change: Callable[[bool], object] | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.registry = registry
         self.tls = tls or TlsConfig()
         self.poll_interval_s = poll_interval_s
         self.on_group_reset: list[Callable[[str], object]] = []
         self._on_change = on_change
         self._groups: dict[str, EngineGroup] = {}
-        self._table: set[str] = set()  # the cluster's adapter table (pagemesh/runtime/lora_table.py)
+        self._table: set[str] = (
+            set()
+        )  # the cluster's adapter table (pagemesh/runtime/lora_table.py)
         self._model_info: ModelInfo | None = None
         self._serving = False
 
@@ -169,8 +176,11 @@ class GroupDirectory:
     async def refresh(self) -> None:
         """One registry poll: groups joined, restarted, changed status or left."""
         # An entry without an address cannot be dialled: as good as absent.
-        entries = {scheduler_id: entry for scheduler_id, entry
-                   in (await self.registry.entries(SchedulerEntry)).items() if entry.address}
+        entries = {
+            scheduler_id: entry
+            for scheduler_id, entry in (await self.registry.entries(SchedulerEntry)).items()
+            if entry.address
+        }
         now = asyncio.get_running_loop().time()
         for scheduler_id, entry in entries.items():
             self._update(scheduler_id, entry)
@@ -178,8 +188,11 @@ class GroupDirectory:
             group = self._groups[scheduler_id]
             if group.missing_since is None:
                 group.missing_since = now
-                logger.info("engine group %s is missing from the registry; kept for %.1f s",
-                            scheduler_id, self.ttl_s)
+                logger.info(
+                    "engine group %s is missing from the registry; kept for %.1f s",
+                    scheduler_id,
+                    self.ttl_s,
+                )
             elif now - group.missing_since > self.ttl_s:
                 self._drop(scheduler_id)
         self._notify()
@@ -192,8 +205,9 @@ class GroupDirectory:
 
     def _update(self, scheduler_id: str, entry: SchedulerEntry) -> None:
         # Free blocks not said: routed as if full, the least attractive.
-        load = GroupLoad(scheduler_id, entry.num_running, entry.num_waiting,
-                         entry.num_free_blocks or 0)
+        load = GroupLoad(
+            scheduler_id, entry.num_running, entry.num_waiting, entry.num_free_blocks or 0
+        )
         group = self._groups.get(scheduler_id)
         if group is None or group.address != entry.address or group.instance != entry.instance:
             group = self._join(scheduler_id, entry, load, group)
@@ -204,25 +218,35 @@ class GroupDirectory:
         group.lora_capacity = entry.lora_capacity
         group.role = entry.role
 
-    def _join(self, scheduler_id: str, entry: SchedulerEntry, load: GroupLoad,
-              previous: EngineGroup | None) -> EngineGroup:
+    def _join(
+        self,
+        scheduler_id: str,
+        entry: SchedulerEntry,
+        load: GroupLoad,
+        previous: EngineGroup | None,
+    ) -> EngineGroup:
         """A new scheduler process: a new connection (the previous one retired)."""
-        conn = SchedulerConnection(scheduler_id, entry.address, self.tls, self._notify,
-                                   self.poll_interval_s)
+        conn = SchedulerConnection(
+            scheduler_id, entry.address, self.tls, self._notify, self.poll_interval_s
+        )
         if previous is not None:
             previous.conn.retire()
             self._reset(scheduler_id)  # a new process: an empty cache
             logger.warning("engine group %s restarted at %s", scheduler_id, entry.address)
         else:
             logger.info("engine group %s at %s joined", scheduler_id, entry.address)
-        group = EngineGroup(scheduler_id, entry.group or scheduler_id, entry.address,
-                            entry.instance, conn, load)
+        group = EngineGroup(
+            scheduler_id, entry.group or scheduler_id, entry.address, entry.instance, conn, load
+        )
         self._groups[scheduler_id] = group
         return group
 
     def _drop(self, scheduler_id: str) -> None:
-        logger.warning("engine group %s left (missing from the registry for over %.1f s)",
-                       scheduler_id, self.ttl_s)
+        logger.warning(
+            "engine group %s left (missing from the registry for over %.1f s)",
+            scheduler_id,
+            self.ttl_s,
+        )
         self._groups.pop(scheduler_id).conn.retire()
         self._reset(scheduler_id)
 
@@ -236,8 +260,12 @@ class GroupDirectory:
         if serving == self._serving:
             return
         self._serving = serving
-        logger.info("router %s: %d engine groups, %d ready", "SERVING" if serving
-                    else "NOT_SERVING", len(self._groups), sum(g.ready for g in self._groups.values()))
+        logger.info(
+            "router %s: %d engine groups, %d ready",
+            "SERVING" if serving else "NOT_SERVING",
+            len(self._groups),
+            sum(g.ready for g in self._groups.values()),
+        )
         if self._on_change is not None:
             self._on_change(serving)
 

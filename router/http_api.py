@@ -7,7 +7,7 @@ same requests and trace the same span. `router.openai_protocol` turns JSON into
 
 A client that closes its connection before its answer is complete cancels the request down
 the mesh, streaming or not. A client that sets `X-Request-Id` can get the rest of its answer
-from any router after this one died (`X-Resume-From`, README "Fault tolerance"): the data
+from any router after this one died (`X-Resume-From`, docs/fault-tolerance.md): the data
 plane replays it from the request's checkpoint, as for gRPC's `resume_from`.
 """
 
@@ -39,7 +39,8 @@ from pagemesh.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagemesh.runtime.service_flags import option
 from pagemesh.runtime.serving import ServiceError
 from pagemesh.runtime.telemetry import tracing_enabled
-from router import lora_admin, openai_protocol as oai
+from router import lora_admin
+from router import openai_protocol as oai
 from router.generation import Generation
 from router.openai_embeddings import embeddings_object, parse_embeddings
 from router.tool_calls import HERMES, CallFormat, ToolCallStream, parse
@@ -62,15 +63,20 @@ _STATUS_FOR_CODE = {
 }
 
 
-def build_http_app(generation: Generation, is_serving: Callable[[], bool],
-                   api_keys: ApiKeys | None = None,
-                   max_body_bytes: int = MAX_BODY_BYTES,
-                   tool_format: CallFormat = HERMES) -> Starlette:
+def build_http_app(
+    generation: Generation,
+    is_serving: Callable[[], bool],
+    api_keys: ApiKeys | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    tool_format: CallFormat = HERMES,
+) -> Starlette:
     """The ASGI app; `is_serving()` is the router's gRPC health (True with >= 1 ready engine group).
     With `api_keys` enabled, `/v1/*` needs `Authorization: Bearer <key>`; `/health` and
     `/metrics` stay open. `tool_format`: how the model writes tool calls (--tool-call-parser)."""
     api = _OpenAIApi(generation, is_serving, max_body_bytes, tool_format, api_keys)
-    middleware = [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []
+    middleware = (
+        [Middleware(_ApiKeyMiddleware, keys=api_keys)] if api_keys and api_keys.enabled else []
+    )
     if tracing_enabled():  # a `traceparent` header parents the request's Generate span
         middleware.insert(0, Middleware(TraceContextMiddleware))
     return Starlette(
@@ -102,12 +108,20 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            value = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            value = next(
+                (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None
+            )
             if not self.keys.check_authorization(value):
-                error = oai.ProtocolError(missing_key_message(value, HTTP_HOW_TO), None, 401,
-                                          "invalid_request_error", "invalid_api_key")
-                response = JSONResponse(error.body(), status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
+                error = oai.ProtocolError(
+                    missing_key_message(value, HTTP_HOW_TO),
+                    None,
+                    401,
+                    "invalid_request_error",
+                    "invalid_api_key",
+                )
+                response = JSONResponse(
+                    error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -115,9 +129,12 @@ class _ApiKeyMiddleware:
 
 def protocol_error_for(exc: ServiceError) -> oai.ProtocolError:
     """OpenAI's status and error type for a data plane error."""
-    if exc.reason == "model_not_found" or (exc.code == grpc.StatusCode.INVALID_ARGUMENT
-                                           and "is not served here" in exc.message):
-        return oai.ProtocolError(exc.message, "model", 404, "invalid_request_error", "model_not_found")
+    if exc.reason == "model_not_found" or (
+        exc.code == grpc.StatusCode.INVALID_ARGUMENT and "is not served here" in exc.message
+    ):
+        return oai.ProtocolError(
+            exc.message, "model", 404, "invalid_request_error", "model_not_found"
+        )
     if exc.reason == "id_conflict":  # the id is taken by another request of the caller's
         return oai.ProtocolError(exc.message, None, 409, "conflict", "request_id_conflict")
     status, type = _STATUS_FOR_CODE.get(exc.code, (500, "internal_error"))
@@ -142,8 +159,9 @@ RETRY_AFTER_S = "1"
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    error = oai.ProtocolError(f"{request.method} {request.url.path}: {exc.detail}", None,
-                              exc.status_code)
+    error = oai.ProtocolError(
+        f"{request.method} {request.url.path}: {exc.detail}", None, exc.status_code
+    )
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -159,9 +177,14 @@ class _Choice:
 
 
 class _OpenAIApi:
-    def __init__(self, generation: Generation, is_serving: Callable[[], bool],
-                 max_body_bytes: int, tool_format: CallFormat,
-                 api_keys: ApiKeys | None = None) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        is_serving: Callable[[], bool],
+        max_body_bytes: int,
+        tool_format: CallFormat,
+        api_keys: ApiKeys | None = None,
+    ) -> None:
         self.generation = generation
         self.api_keys = api_keys
         self.is_serving = is_serving
@@ -177,8 +200,11 @@ class _OpenAIApi:
         return Response(self.generation.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(oai.models_object(await self.generation.model_info(), self.created,
-                                              self.generation.directory.adapters))
+        return JSONResponse(
+            oai.models_object(
+                await self.generation.model_info(), self.created, self.generation.directory.adapters
+            )
+        )
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's runtime LoRA loading: {"lora_name", "lora_path"} on every engine group
@@ -202,10 +228,17 @@ class _OpenAIApi:
 
     def _require_admin(self, request: Request) -> None:
         keys = self.api_keys
-        if keys is not None and keys.enabled and not keys.check_authorization(
-                request.headers.get("authorization"), ADMIN):
-            raise oai.ProtocolError("loading and unloading LoRA adapters needs an admin key "
-                                    "(--admin-api-key)", None, 403, "permission_denied")
+        if (
+            keys is not None
+            and keys.enabled
+            and not keys.check_authorization(request.headers.get("authorization"), ADMIN)
+        ):
+            raise oai.ProtocolError(
+                "loading and unloading LoRA adapters needs an admin key (--admin-api-key)",
+                None,
+                403,
+                "permission_denied",
+            )
 
     async def embeddings(self, request: Request) -> Response:
         owner = self.generation.tenancy.owner(request.headers.get("authorization"))
@@ -215,13 +248,15 @@ class _OpenAIApi:
         return JSONResponse(embeddings_object(result, model, encoding))
 
     async def completions(self, request: Request) -> Response:
-        parsed = oai.parse_completion(await _json_body(request, self.max_body_bytes),
-                                      request.headers)
+        parsed = oai.parse_completion(
+            await _json_body(request, self.max_body_bytes), request.headers
+        )
         return await _unless_client_leaves(request, self._generate(request, parsed, chat=False))
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = oai.parse_chat(await _json_body(request, self.max_body_bytes), request.headers,
-                                self.tool_format)
+        parsed = oai.parse_chat(
+            await _json_body(request, self.max_body_bytes), request.headers, self.tool_format
+        )
         tools = parsed.tools.tools if parsed.tools is not None else None
         owner = self.generation.tenancy.owner(request.headers.get("authorization"))
         try:
@@ -233,16 +268,19 @@ class _OpenAIApi:
         parsed.generate = dataclasses.replace(parsed.generate, prompt=prompt_ids)
         return await _unless_client_leaves(request, self._generate(request, parsed, chat=True))
 
-    async def _generate(self, http_request: Request, parsed: oai.ParsedRequest, chat: bool
-                        ) -> Response:
+    async def _generate(
+        self, http_request: Request, parsed: oai.ParsedRequest, chat: bool
+    ) -> Response:
         model = (await self.generation.model_info()).model
         # The client's id, whose checkpoint the data plane resumes when asked to; or a fresh
         # one, with no checkpoint to look up.
         client_id = parsed.client_request_id or uuid.uuid4().hex
         request = dataclasses.replace(
-            parsed.generate, request_id=parsed.id_prefix + client_id,
+            parsed.generate,
+            request_id=parsed.id_prefix + client_id,
             new_request=parsed.generate.new_request or not parsed.client_request_id,
-            owner=self.generation.tenancy.owner(http_request.headers.get("authorization")))
+            owner=self.generation.tenancy.owner(http_request.headers.get("authorization")),
+        )
         batches = self.generation.generate(request)
         try:
             # Validation happens on the first step: pull it here so that errors are 4xx replies.
@@ -253,8 +291,9 @@ class _OpenAIApi:
         stream = _Stream(self.generation, parsed, chat, request.request_id, model, int(time.time()))
         headers = {oai.REQUEST_ID_HEADER: client_id}
         if parsed.stream:
-            return _EventStream(stream.events(first, batches), media_type="text/event-stream",
-                                headers=headers)
+            return _EventStream(
+                stream.events(first, batches), media_type="text/event-stream", headers=headers
+            )
         return JSONResponse(await stream.collect(first, batches), headers=headers)
 
 
@@ -264,8 +303,15 @@ Batches = AsyncIterator[list[TokenChunk]]
 class _Stream:
     """Turns one request's `TokenChunk`s, a list per step, into OpenAI objects."""
 
-    def __init__(self, generation: Generation, parsed: oai.ParsedRequest, chat: bool,
-                 response_id: str, model: str, created: int) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        parsed: oai.ParsedRequest,
+        chat: bool,
+        response_id: str,
+        model: str,
+        created: int,
+    ) -> None:
         self.tokenizer = generation.tokenizer
         self.parsed = parsed
         self.chat = chat
@@ -292,8 +338,9 @@ class _Stream:
             choices.append(self._with_token_ids(out, choice.token_ids))
         return self.build(*self.head, choices, self.usage)
 
-    def _chat_choice(self, index: int, choice: _Choice,
-                     logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    def _chat_choice(
+        self, index: int, choice: _Choice, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
         """A whole chat reply; with tools, its calls parsed out of the text (a reply whose
         markup does not parse stays content)."""
         tool_format = self.parsed.tool_format
@@ -302,8 +349,13 @@ class _Stream:
         content, calls = parse(tool_format, choice.text)
         if not calls:
             return oai.chat_choice(index, choice.text, logprobs, choice.finish_reason)
-        return oai.chat_choice(index, content, logprobs, _with_calls(choice.finish_reason),
-                               [call.to_openai() for call in calls])
+        return oai.chat_choice(
+            index,
+            content,
+            logprobs,
+            _with_calls(choice.finish_reason),
+            [call.to_openai() for call in calls],
+        )
 
     async def events(self, first: list[TokenChunk], batches: Batches) -> AsyncIterator[str]:
         # Closing `batches` (also when the client goes away) cancels the request down the mesh.
@@ -339,7 +391,9 @@ class _Stream:
         events = []
         if self.chat and not choice.started:
             choice.started = True
-            role = oai.chat_chunk_choice(delta.index, {"role": "assistant", "content": ""}, None, None)
+            role = oai.chat_chunk_choice(
+                delta.index, {"role": "assistant", "content": ""}, None, None
+            )
             events.append(self.build(*self.head, [role], None, chunk=True))
         # A token whose text is not whole yet goes out with a later one, unless the client
         # counts tokens (to resume): then every token goes out in the chunk that brought it.
@@ -347,7 +401,9 @@ class _Stream:
         if not (delta.text or counted or delta.logprobs or delta.finish_reason):
             return events
         logprobs = self._logprobs(delta.logprobs, choice.text_offset)
-        choice.text_offset += sum(len(self.token_text.get(e["token_id"], "")) for e in delta.logprobs)
+        choice.text_offset += sum(
+            len(self.token_text.get(e["token_id"], "")) for e in delta.logprobs
+        )
         if self.chat:
             content, finish_reason = self._chat_delta(choice, delta)
             if not (content or counted or logprobs or finish_reason):
@@ -355,12 +411,14 @@ class _Stream:
             out = oai.chat_chunk_choice(delta.index, content, logprobs, finish_reason)
         else:
             out = oai.completion_choice(delta.index, delta.text, logprobs, delta.finish_reason)
-        events.append(self.build(*self.head, [self._with_token_ids(out, delta.token_ids)], None,
-                                 chunk=True))
+        events.append(
+            self.build(*self.head, [self._with_token_ids(out, delta.token_ids)], None, chunk=True)
+        )
         return events
 
-    def _chat_delta(self, choice: _Choice, delta: oai.ChoiceDelta
-                    ) -> tuple[dict[str, Any], str | None]:
+    def _chat_delta(
+        self, choice: _Choice, delta: oai.ChoiceDelta
+    ) -> tuple[dict[str, Any], str | None]:
         """A chat chunk's `delta` and finish reason; with tools, the text goes through the
         choice's tool call parser, which holds back what may be markup."""
         tool_format = self.parsed.tool_format
@@ -481,8 +539,9 @@ async def _json_body(request: Request, max_bytes: int) -> Any:
             if len(body) > max_bytes:
                 raise _too_large(len(body), max_bytes)
     except ClientDisconnect:  # nobody reads the answer; no traceback in the log either
-        raise oai.ProtocolError("the client closed the connection while sending its body",
-                                status=400) from None
+        raise oai.ProtocolError(
+            "the client closed the connection while sending its body", status=400
+        ) from None
     try:
         if len(body) > _PARSE_OFF_LOOP_BYTES:
             return await asyncio.to_thread(json.loads, body)
@@ -494,7 +553,9 @@ async def _json_body(request: Request, max_bytes: int) -> Any:
 def _too_large(num_bytes: int, max_bytes: int) -> oai.ProtocolError:
     return oai.ProtocolError(
         f"the request body is {num_bytes:,} bytes or more, past this router's limit of "
-        f"{max_bytes:,} (--max-message-bytes); send a shorter prompt", status=413)
+        f"{max_bytes:,} (--max-message-bytes); send a shorter prompt",
+        status=413,
+    )
 
 
 def _brief(exc: BaseException) -> str:

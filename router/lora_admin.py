@@ -30,12 +30,15 @@ TIMEOUT_S = 150.0  # the scheduler's own wait on its workers, and some
 async def load_adapter(directory: GroupDirectory, name: str, path: str) -> list[str]:
     """The engine groups serving `name` now."""
     if not name or not path:
-        raise invalid_argument("give lora_name and lora_path (the adapter's PEFT folder, on "
-                               "the workers' hosts)")
+        raise invalid_argument(
+            "give lora_name and lora_path (the adapter's PEFT folder, on the workers' hosts)"
+        )
     groups = _load_targets(directory, name)
     request = admin_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
-    replies = await asyncio.gather(*(g.conn.stub.LoadLoraAdapter(request, timeout=TIMEOUT_S)
-                                     for g in groups), return_exceptions=True)
+    replies = await asyncio.gather(
+        *(g.conn.stub.LoadLoraAdapter(request, timeout=TIMEOUT_S) for g in groups),
+        return_exceptions=True,
+    )
     loaded = []
     for group, reply in zip(groups, replies):
         if isinstance(reply, grpc.aio.AioRpcError):
@@ -60,21 +63,26 @@ def _load_targets(directory: GroupDirectory, name: str) -> list[EngineGroup]:
     if not lora:
         raise _no_lora_group()
     targets = [g for g in lora if g.has_room() or name in g.loras]
-    return targets or [min(lora, key=lambda g: (not g.ready, g.load.num_running
-                                                + g.load.num_waiting))]
+    return targets or [
+        min(lora, key=lambda g: (not g.ready, g.load.num_running + g.load.num_waiting))
+    ]
 
 
 def _no_lora_group() -> ServiceError:
-    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                        "no engine group serves LoRA adapters: start them with --enable-lora")
+    return ServiceError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "no engine group serves LoRA adapters: start them with --enable-lora",
+    )
 
 
 async def unload_adapter(directory: GroupDirectory, name: str) -> list[str]:
     """The engine groups that served `name`; NOT_FOUND when none did."""
     groups = [g for g in directory.groups if not g.conn.retired]
     request = admin_pb2.UnloadLoraAdapterRequest(lora_name=name)
-    replies = await asyncio.gather(*(g.conn.stub.UnloadLoraAdapter(request, timeout=TIMEOUT_S)
-                                     for g in groups), return_exceptions=True)
+    replies = await asyncio.gather(
+        *(g.conn.stub.UnloadLoraAdapter(request, timeout=TIMEOUT_S) for g in groups),
+        return_exceptions=True,
+    )
     unloaded = []
     for group, reply in zip(groups, replies):
         if isinstance(reply, grpc.aio.AioRpcError):
@@ -87,8 +95,10 @@ async def unload_adapter(directory: GroupDirectory, name: str) -> list[str]:
         unloaded.append(group.name)
     directory.table_changed(name, False)
     if not unloaded:
-        raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                           f"LoRA adapter {name!r} is not served here (adapters: "
-                           f"{', '.join(sorted(directory.adapters)) or 'none'})",
-                           reason="model_not_found")
+        raise ServiceError(
+            grpc.StatusCode.NOT_FOUND,
+            f"LoRA adapter {name!r} is not served here (adapters: "
+            f"{', '.join(sorted(directory.adapters)) or 'none'})",
+            reason="model_not_found",
+        )
     return unloaded

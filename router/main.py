@@ -35,6 +35,7 @@ from pagemesh.runtime.registry import Registry
 from pagemesh.runtime.registry_entries import RouterEntry
 from pagemesh.runtime.service_flags import ROUTER_OPTIONS
 from pagemesh.runtime.serving import GrpcServer, run_service
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from protos.pagemesh.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -50,7 +51,6 @@ from router.resume import ResumeConfig
 from router.routing import RoutingConfig
 from router.servicer import GenerationServicer
 from router.tenancy import SECRET_NAME, Tenancy
-from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from router.tool_calls import CallFormat, choose_format
 
 logger = logging.getLogger(__name__)
@@ -64,8 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_flags(parser, default_port=50051)
     add_registry_flags(parser)
     add_flag(parser, "--router-id", default=None, help="id in the registry (default: host-pid)")
-    add_flag(parser, "--http-port", type=int, default=8000,
-             help="port of the OpenAI-compatible HTTP API on --host (0 = disabled)")
+    add_flag(
+        parser,
+        "--http-port",
+        type=int,
+        default=8000,
+        help="port of the OpenAI-compatible HTTP API on --host (0 = disabled)",
+    )
     add_options(parser, ROUTER_OPTIONS)  # declared in pagemesh.runtime.service_flags, like `up`'s
     return parser
 
@@ -89,48 +94,79 @@ async def serve(args: argparse.Namespace) -> None:
         if server is not None:
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
-    routing = RoutingConfig(args.routing, args.balance_abs_threshold_tokens, args.balance_rel_threshold)
+    routing = RoutingConfig(
+        args.routing, args.balance_abs_threshold_tokens, args.balance_rel_threshold
+    )
     # One connection may not open more streams than the router admits requests (plus room
     # for health checks and the Admin service).
-    config = dataclasses.replace(server_config(args), max_receive_message_bytes=args.max_message_bytes,
-                                 max_concurrent_streams=args.max_queued_requests + SPARE_STREAMS)
+    config = dataclasses.replace(
+        server_config(args),
+        max_receive_message_bytes=args.max_message_bytes,
+        max_concurrent_streams=args.max_queued_requests + SPARE_STREAMS,
+    )
     api_keys = ApiKeys.load(args.api_key, args.api_keys_file, args.admin_api_key)
     if any(word.split("=", 1)[0] in ("--api-key", "--admin-api-key") for word in sys.argv):
-        logger.warning("an API key was given on the command line, which every user of this "
-                       "host can read (/proc/<pid>/cmdline): use --api-keys-file or "
-                       "PAGEMESH_API_KEY instead")
-    logger.info("API keys: %s", f"{api_keys.count(INFERENCE)} for inference, {api_keys.count(ADMIN)} "
-                "admin" if api_keys.enabled else "off (open access)")
+        logger.warning(
+            "an API key was given on the command line, which every user of this "
+            "host can read (/proc/<pid>/cmdline): use --api-keys-file or "
+            "PAGEMESH_API_KEY instead"
+        )
+    logger.info(
+        "API keys: %s",
+        f"{api_keys.count(INFERENCE)} for inference, {api_keys.count(ADMIN)} admin"
+        if api_keys.enabled
+        else "off (open access)",
+    )
     resume = ResumeConfig(timeout_s=args.resume_timeout_s)
     directory = GroupDirectory(registry, args.discovery_interval_s, on_serving_changed, config.tls)
     dispatcher = Dispatcher(directory, routing, resume)
-    image_limits = ImageLimits(int(args.max_image_mib * MIB), args.max_image_pixels,
-                               args.max_images_per_request)
-    limits = AdmissionLimits(args.max_queued_requests, args.max_prompt_tokens,
-                             args.stream_interval, args.max_requests_per_key, image_limits)
-    media = MediaFetcher(args.allowed_media_domains or (), image_limits.max_bytes,
-                         args.media_fetch_timeout_s)
+    image_limits = ImageLimits(
+        int(args.max_image_mib * MIB), args.max_image_pixels, args.max_images_per_request
+    )
+    limits = AdmissionLimits(
+        args.max_queued_requests,
+        args.max_prompt_tokens,
+        args.stream_interval,
+        args.max_requests_per_key,
+        image_limits,
+    )
+    media = MediaFetcher(
+        args.allowed_media_domains or (), image_limits.max_bytes, args.media_fetch_timeout_s
+    )
     if media.enabled:
         logger.info("image URLs are fetched from: %s", ", ".join(sorted(media.allowed_domains)))
     metrics = RouterMetrics()
     secret = await registry.shared_secret(SECRET_NAME)  # request ids scoped per key
     registry.on_redis_restart.append(lambda: registry.keep_secret(SECRET_NAME, secret))
     tenancy = Tenancy(secret, api_keys)
-    generation = Generation(tokenizer, dispatcher, limits, metrics, tenancy, media)  # both APIs adapt it
+    generation = Generation(
+        tokenizer, dispatcher, limits, metrics, tenancy, media
+    )  # both APIs adapt it
     servicer = GenerationServicer(generation)
-    metrics.follow_router(lambda: directory.model_name, lambda: generation.num_in_flight,
-                          lambda: directory.num_groups, lambda: dispatcher.num_resumes)
+    metrics.follow_router(
+        lambda: directory.model_name,
+        lambda: generation.num_in_flight,
+        lambda: directory.num_groups,
+        lambda: dispatcher.num_resumes,
+    )
     metrics.follow_heartbeat(lambda: registry.last_heartbeat_s)
     admin = AdminServicer(directory)
     # Inference keys open Generation, admin keys Admin too; health and reflection stay open.
-    interceptors = [ApiKeyInterceptor(api_keys, f"/{SERVICE_NAME}/", INFERENCE),
-                    ApiKeyInterceptor(api_keys, f"/{ADMIN_SERVICE_NAME}/", ADMIN)
-                    ] if api_keys.enabled else []
+    interceptors = (
+        [
+            ApiKeyInterceptor(api_keys, f"/{SERVICE_NAME}/", INFERENCE),
+            ApiKeyInterceptor(api_keys, f"/{ADMIN_SERVICE_NAME}/", ADMIN),
+        ]
+        if api_keys.enabled
+        else []
+    )
     server = GrpcServer(
         config,
         [SERVICE_NAME, ADMIN_SERVICE_NAME],
-        [lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
-         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
+        [
+            lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+            lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
+        ],
         reflection_enabled=True,
         interceptors=interceptors,
     )
@@ -144,10 +180,16 @@ async def serve(args: argparse.Namespace) -> None:
         http = _start_http(args, generation, lambda: directory.serving, api_keys)
         router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
         await registry.start_heartbeat(
-            "router", router_id, lambda: RouterEntry(
-                address=server.address, num_groups=directory.num_groups, serving=directory.serving,
-                pid=os.getpid(), host=socket.gethostname(),
-                **metrics_server.registry_info()).to_json()
+            "router",
+            router_id,
+            lambda: RouterEntry(
+                address=server.address,
+                num_groups=directory.num_groups,
+                serving=directory.serving,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                **metrics_server.registry_info(),
+            ).to_json(),
         )
         logger.info("router %s serving %s on %s", router_id, args.model, server.address)
         await server.wait_for_stop()
@@ -169,8 +211,12 @@ async def serve(args: argparse.Namespace) -> None:
 SPARE_STREAMS = 64  # beyond --max-queued-requests: health checks, model info, Admin
 
 
-def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Callable[[], bool],
-                api_keys: ApiKeys) -> tuple[uvicorn.Server, asyncio.Task[None]] | None:
+def _start_http(
+    args: argparse.Namespace,
+    generation: Generation,
+    is_serving: Callable[[], bool],
+    api_keys: ApiKeys,
+) -> tuple[uvicorn.Server, asyncio.Task[None]] | None:
     if not args.http_port:
         return None
     # The same certificate as the gRPC port, and the same rule for client certificates.
@@ -181,16 +227,28 @@ def _start_http(args: argparse.Namespace, generation: Generation, is_serving: Ca
         if config.verifying_ca:
             tls |= {"ssl_ca_certs": config.verifying_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
     tool_format = tool_call_format(args.tool_call_parser, args.model, generation.tokenizer)
-    logger.info("tool calls parsed as %s (--tool-call-parser %s)", tool_format.name,
-                args.tool_call_parser)
-    app = build_http_app(generation, is_serving, api_keys, max_body_bytes=args.max_message_bytes,
-                         tool_format=tool_format)
-    config = uvicorn.Config(app, host=args.host,
-                            port=args.http_port, log_level="warning", log_config=None,
-                            # Connections and requests served at once: past it uvicorn
-                            # answers 503 before reading a body.
-                            limit_concurrency=args.max_queued_requests + SPARE_STREAMS,
-                            timeout_graceful_shutdown=5, **tls)
+    logger.info(
+        "tool calls parsed as %s (--tool-call-parser %s)", tool_format.name, args.tool_call_parser
+    )
+    app = build_http_app(
+        generation,
+        is_serving,
+        api_keys,
+        max_body_bytes=args.max_message_bytes,
+        tool_format=tool_format,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.http_port,
+        log_level="warning",
+        log_config=None,
+        # Connections and requests served at once: past it uvicorn
+        # answers 503 before reading a body.
+        limit_concurrency=args.max_queued_requests + SPARE_STREAMS,
+        timeout_graceful_shutdown=5,
+        **tls,
+    )
     http_server = _HttpServer(config)
     scheme = "https" if tls else "http"
     logger.info("OpenAI HTTP API on %s://%s:%d/v1", scheme, args.host, args.http_port)
@@ -213,8 +271,9 @@ async def _serve_http(http_server: uvicorn.Server) -> None:
     try:
         await http_server.serve()
     except SystemExit:  # uvicorn exits when it cannot bind; the gRPC API keeps serving
-        logger.error("the HTTP API could not start on port %d; serving gRPC only",
-                     http_server.config.port)
+        logger.error(
+            "the HTTP API could not start on port %d; serving gRPC only", http_server.config.port
+        )
 
 
 async def _stop_http(http: tuple[uvicorn.Server, asyncio.Task[None]] | None) -> None:

@@ -22,8 +22,7 @@ from router.embedding import EmbeddingRequest, EmbeddingResult
 from router.openai_errors import ProtocolError
 
 ENCODING_FORMATS = ("float", "base64")
-_KNOWN_FIELDS = {"input", "messages", "model", "encoding_format", "dimensions", "user",
-                 "priority"}
+_KNOWN_FIELDS = {"input", "messages", "model", "encoding_format", "dimensions", "user", "priority"}
 
 
 def parse_embeddings(body: Any, owner: str = "") -> tuple[EmbeddingRequest, str]:
@@ -35,18 +34,22 @@ def parse_embeddings(body: Any, owner: str = "") -> tuple[EmbeddingRequest, str]
     if unknown:
         raise ProtocolError(f"unknown field(s) {unknown} for /v1/embeddings", unknown[0])
     if ("input" in body) == ("messages" in body):
-        raise ProtocolError("send `input` (a string, a list of strings, or token ids) or, for "
-                            "an image, `messages` with an image_url part; one of the two",
-                            "input")
+        raise ProtocolError(
+            "send `input` (a string, a list of strings, or token ids) or, for "
+            "an image, `messages` with an image_url part; one of the two",
+            "input",
+        )
     encoding = body.get("encoding_format") or "float"
     if encoding not in ENCODING_FORMATS:
-        raise ProtocolError(f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, "
-                            f"not {encoding!r}", "encoding_format")
+        raise ProtocolError(
+            f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, not {encoding!r}",
+            "encoding_format",
+        )
     dimensions = body.get("dimensions")
-    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)
-                                   or dimensions < 1):
-        raise ProtocolError(f"dimensions must be an integer >= 1, not {dimensions!r}",
-                            "dimensions")
+    if dimensions is not None and (
+        not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1
+    ):
+        raise ProtocolError(f"dimensions must be an integer >= 1, not {dimensions!r}", "dimensions")
     model = body.get("model") or ""
     if not isinstance(model, str):
         raise ProtocolError("model must be a string", "model")
@@ -54,16 +57,20 @@ def parse_embeddings(body: Any, owner: str = "") -> tuple[EmbeddingRequest, str]
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ProtocolError("priority must be an integer", "priority")
     inputs = _inputs(body["input"]) if "input" in body else [_message_input(body["messages"])]
-    return EmbeddingRequest(inputs=inputs, model=model,
-                            dimensions=dimensions or 0, priority=priority, owner=owner), encoding
+    return EmbeddingRequest(
+        inputs=inputs, model=model, dimensions=dimensions or 0, priority=priority, owner=owner
+    ), encoding
 
 
 def _inputs(value: Any) -> list[str | list[int]]:
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list):
-        raise ProtocolError("input must be a string, a list of strings, a list of token ids, "
-                            "or a list of lists of token ids", "input")
+        raise ProtocolError(
+            "input must be a string, a list of strings, a list of token ids, "
+            "or a list of lists of token ids",
+            "input",
+        )
     if value and all(_is_token(v) for v in value):
         return [list(value)]
     inputs: list[str | list[int]] = []
@@ -73,8 +80,11 @@ def _inputs(value: Any) -> list[str | list[int]]:
         elif isinstance(item, list) and all(_is_token(v) for v in item):
             inputs.append(list(item))
         else:
-            raise ProtocolError(f"input[{index}] must be a string or a list of token ids "
-                                "(integers >= 0); one kind per list", "input")
+            raise ProtocolError(
+                f"input[{index}] must be a string or a list of token ids "
+                "(integers >= 0); one kind per list",
+                "input",
+            )
     return inputs
 
 
@@ -88,8 +98,9 @@ def _message_input(messages: Any) -> str | bytes | RemoteImage:
         content = message.get("content") if isinstance(message, dict) else None
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(parts, list):
-            raise ProtocolError("each message needs `content`: a string or a list of parts",
-                                "messages")
+            raise ProtocolError(
+                "each message needs `content`: a string or a list of parts", "messages"
+            )
         for part in parts:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
@@ -97,19 +108,27 @@ def _message_input(messages: Any) -> str | bytes | RemoteImage:
             elif kind == "image_url":
                 images.append(_image_url(part.get("image_url")))
             else:
-                raise ProtocolError(f"content part of type {kind!r} is not accepted here: "
-                                    "send `text` or `image_url` parts", "messages")
+                raise ProtocolError(
+                    f"content part of type {kind!r} is not accepted here: "
+                    "send `text` or `image_url` parts",
+                    "messages",
+                )
     if images and texts or len(images) > 1:
-        raise ProtocolError("an embedding is of one image or of text, not both: send one "
-                            "image_url part, or text parts only", "messages")
+        raise ProtocolError(
+            "an embedding is of one image or of text, not both: send one "
+            "image_url part, or text parts only",
+            "messages",
+        )
     return images[0] if images else "\n".join(texts)
 
 
 def _image_url(value: Any) -> bytes | RemoteImage:
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str):
-        raise ProtocolError("image_url needs a `url`: a data: URL (data:image/png;base64,...) "
-                            "or an http(s) URL", "messages")
+        raise ProtocolError(
+            "image_url needs a `url`: a data: URL (data:image/png;base64,...) or an http(s) URL",
+            "messages",
+        )
     try:
         return image_from_url(url)
     except ImageError as exc:
@@ -130,6 +149,8 @@ def embeddings_object(result: EmbeddingResult, model: str, encoding: str) -> dic
         "id": f"embd-{result.request_id}",
         "model": model,
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
-        "usage": {"prompt_tokens": result.num_prompt_tokens,
-                  "total_tokens": result.num_prompt_tokens},
+        "usage": {
+            "prompt_tokens": result.num_prompt_tokens,
+            "total_tokens": result.num_prompt_tokens,
+        },
     }

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagemesh.runtime.checkpoints import Checkpoint, SampleState
 from pagemesh.api.options.validation import resume_offsets
+from pagemesh.runtime.checkpoints import Checkpoint, SampleState
+from pagemesh.runtime.tokenizer import Tokenizer
 from router import convert
 from router.resume import Progress, SampleProgress
 from router.sample_stream import SampleStream
-from pagemesh.runtime.tokenizer import Tokenizer
 from router.types import FinishReason, SampleOutput, Submission
 
 
@@ -52,8 +52,9 @@ def fresh(tokenizer: Tokenizer, submission: Submission) -> StreamPlan:
     return StreamPlan(submission, samples, Progress.fresh(n))
 
 
-def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint,
-                    resume_from: int | list[int]) -> StreamPlan:
+def from_checkpoint(
+    tokenizer: Tokenizer, ckpt: Checkpoint, resume_from: int | list[int]
+) -> StreamPlan:
     """The plan for a client that has `resume_from` output tokens of each sample (one count
     for all, or one per sample: a stream can break between two samples' messages). Raises
     ValidationError for a list of the wrong length."""
@@ -69,24 +70,36 @@ def from_checkpoint(tokenizer: Tokenizer, ckpt: Checkpoint,
         finish_reason = None
         if state.finished:
             finish_reason = convert.finish_reason_from_pb(state.finish_reason) or FinishReason.STOP
-        sample.prime(state.token_ids[:resume_from], final=state.finished and resume_from >= num_known)
+        sample.prime(
+            state.token_ids[:resume_from], final=state.finished and resume_from >= num_known
+        )
         if sample.stop.stopped:  # a stop string ended it within what the client has
             replay.append(SampleOutput(index, [], FinishReason.STOP))
         elif resume_from < num_known:
-            replay.append(SampleOutput(index, list(state.token_ids[resume_from:]), finish_reason,
-                                       _logprobs(state, submission)[resume_from:]))
+            replay.append(
+                SampleOutput(
+                    index,
+                    list(state.token_ids[resume_from:]),
+                    finish_reason,
+                    _logprobs(state, submission)[resume_from:],
+                )
+            )
         elif state.finished:
             replay.append(SampleOutput(index, [], finish_reason))
         else:
             sample.num_tokens_to_skip = resume_from - num_known
         samples.append(sample)
-    progress = Progress([SampleProgress(list(s.token_ids), s.finished, _logprobs(s, submission))
-                         for s in states], [ckpt.group], resumed=True)
+    progress = Progress(
+        [SampleProgress(list(s.token_ids), s.finished, _logprobs(s, submission)) for s in states],
+        [ckpt.group],
+        resumed=True,
+    )
     return StreamPlan(submission, samples, progress, replay)
 
 
-def _logprobs(state: SampleState, submission: Submission
-              ) -> list[tuple[float, list[tuple[int, float]]]]:
+def _logprobs(
+    state: SampleState, submission: Submission
+) -> list[tuple[float, list[tuple[int, float]]]]:
     """A checkpointed sample's logprobs, one per token; empty when the request asked for
     none or the record does not have them."""
     if not submission.num_logprobs or state.logprobs is None:
@@ -95,5 +108,6 @@ def _logprobs(state: SampleState, submission: Submission
 
 
 def _sample_stream(tokenizer: Tokenizer, submission: Submission) -> SampleStream:
-    return SampleStream(tokenizer, list(submission.prompt_token_ids),
-                        list(submission.stopping.stop))
+    return SampleStream(
+        tokenizer, list(submission.prompt_token_ids), list(submission.stopping.stop)
+    )

@@ -42,8 +42,9 @@ class RequestFeed(Generic[T]):
     It runs inside the reader's pass: it must not await, and an exception it raises fails
     this request alone (raised from `next_batch`), never the stream."""
 
-    def __init__(self, progress: Progress, attempts: Attempts,
-                 process: Callable[[SampleOutput], T | None]) -> None:
+    def __init__(
+        self, progress: Progress, attempts: Attempts, process: Callable[[SampleOutput], T | None]
+    ) -> None:
         self.progress = progress
         self.attempts = attempts
         self.process = process
@@ -64,7 +65,8 @@ class RequestFeed(Generic[T]):
                 self.on_progress()
         if output.kv_handoff is not None:
             self.progress.samples[output.index].kv_handoff = dataclasses.replace(
-                output.kv_handoff, scheduler_address=self.source_address)
+                output.kv_handoff, scheduler_address=self.source_address
+            )
             if not output.token_ids:
                 return  # nothing for the client in it
         try:

@@ -36,18 +36,20 @@ import grpc
 from router.types import KVHandoff
 
 # Retried until the resume timeout.
-PEER_GONE_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-})
+PEER_GONE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
 # Retried a few times in a row (None = the stream ended before every sample finished).
 SUSPECT_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, None})
 
 
 def retry_kind(code: grpc.StatusCode | None) -> str | None:
-    """"peer_gone", "suspect", or None for a failure that reaches the client as it is."""
+    """ "peer_gone", "suspect", or None for a failure that reaches the client as it is."""
     if code in PEER_GONE_CODES:
         return "peer_gone"
     if code in SUSPECT_CODES:
@@ -123,8 +125,13 @@ class Progress:
     def num_tokens(self) -> list[int]:
         return [len(s.token_ids) for s in self.samples]
 
-    def record(self, index: int, token_ids: list[int], finished: bool,
-               logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> None:
+    def record(
+        self,
+        index: int,
+        token_ids: list[int],
+        finished: bool,
+        logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None,
+    ) -> None:
         sample = self.samples[index]
         if token_ids:
             sample.kv_handoff = None
@@ -192,7 +199,9 @@ class Attempts:
             if self._num_suspect > self.config.max_suspect_retries:
                 return f"it failed {self._num_suspect} times in a row"
         if self.remaining_s() <= 0:
-            return f"no engine group took it back within --resume-timeout-s {self.config.timeout_s:g}"
+            return (
+                f"no engine group took it back within --resume-timeout-s {self.config.timeout_s:g}"
+            )
         return None
 
     def remaining_s(self) -> float:

@@ -106,10 +106,15 @@ class RoutingPolicy:
         self.index = PrefixIndex(config.max_indexed_blocks)
         self._turn = 0
 
-    def pick(self, groups: Sequence[GroupLoad], block_hashes: Sequence[BlockHash] = (),
-             exclude: frozenset[str] = frozenset()) -> str | None:
-        candidates = sorted((g for g in groups if g.scheduler_id not in exclude),
-                            key=lambda g: g.scheduler_id)
+    def pick(
+        self,
+        groups: Sequence[GroupLoad],
+        block_hashes: Sequence[BlockHash] = (),
+        exclude: frozenset[str] = frozenset(),
+    ) -> str | None:
+        candidates = sorted(
+            (g for g in groups if g.scheduler_id not in exclude), key=lambda g: g.scheduler_id
+        )
         if not candidates:
             return None
         if self.config.policy == "round_robin":
@@ -124,8 +129,12 @@ class RoutingPolicy:
             return least.scheduler_id
         return best.scheduler_id
 
-    def adapter_groups(self, holders: Sequence[GroupLoad], with_room: Sequence[GroupLoad],
-                       full: Sequence[GroupLoad]) -> Sequence[GroupLoad]:
+    def adapter_groups(
+        self,
+        holders: Sequence[GroupLoad],
+        with_room: Sequence[GroupLoad],
+        full: Sequence[GroupLoad],
+    ) -> Sequence[GroupLoad]:
         """Where a request for a LoRA adapter may go: the groups holding it; when none does,
         those with room to load it, then any serving LoRA (it lets its least recently named
         adapter go). When even the least busy holder is much busier than the least busy
@@ -150,8 +159,11 @@ class RoutingPolicy:
 
     def _too_busy(self, best: GroupLoad, least: GroupLoad) -> bool:
         extra = best.outstanding_tokens - least.outstanding_tokens
-        return (extra > self.config.balance_abs_threshold_tokens
-                and best.outstanding_tokens > self.config.balance_rel_threshold * least.outstanding_tokens)
+        return (
+            extra > self.config.balance_abs_threshold_tokens
+            and best.outstanding_tokens
+            > self.config.balance_rel_threshold * least.outstanding_tokens
+        )
 
 
 def _load_key(group: GroupLoad) -> tuple[int, int]:

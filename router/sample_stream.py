@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagemesh.runtime.tokenizer import Tokenizer
 from router.detokenizer import IncrementalDetokenizer
 from router.stop import StopChecker
-from pagemesh.runtime.tokenizer import Tokenizer
 from router.types import FinishReason, SampleOutput, TokenLogprob, TopLogprob
 
 Processed = tuple[list[int], str, FinishReason | None, list[TokenLogprob]]
@@ -46,8 +46,11 @@ class SampleStream:
             num_skipped = min(self.num_tokens_to_skip, len(output.token_ids))
             self.num_tokens_to_skip -= num_skipped
             self.prime(output.token_ids[:num_skipped])
-            output = dataclasses.replace(output, token_ids=output.token_ids[num_skipped:],
-                                         logprobs=output.logprobs[num_skipped:])
+            output = dataclasses.replace(
+                output,
+                token_ids=output.token_ids[num_skipped:],
+                logprobs=output.logprobs[num_skipped:],
+            )
             if not output.token_ids and output.finish_reason is None:
                 return None
         token_ids = output.token_ids

@@ -38,10 +38,12 @@ _TRANSIENT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode
 # Re-dial a restarted scheduler within about a second (gRPC's default backoff reaches 120 s).
 # A frozen or cut-off scheduler breaks the stream within 5 s (pagemesh/runtime/keepalive.py), and
 # its requests resume elsewhere, as after its death.
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000),
-                    *keepalive.CHANNEL_OPTIONS]
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    *keepalive.CHANNEL_OPTIONS,
+]
 _MODEL_INFO_TIMEOUT_S = 10
 
 
@@ -54,8 +56,14 @@ class SchedulerConnection:
     poll's) bounds a health check's timeout and the backoff while the scheduler is unreachable.
     """
 
-    def __init__(self, scheduler_id: str, address: str, tls: TlsConfig,
-                 on_health_change: Callable[[], object], poll_interval_s: float) -> None:
+    def __init__(
+        self,
+        scheduler_id: str,
+        address: str,
+        tls: TlsConfig,
+        on_health_change: Callable[[], object],
+        poll_interval_s: float,
+    ) -> None:
         self.scheduler_id = scheduler_id
         self.channel = tls.aio_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
@@ -82,15 +90,22 @@ class SchedulerConnection:
         await self.channel.close()
 
     @contextlib.contextmanager
-    def submitted(self, submission: Submission, progress: Progress | None, sink: RequestSink,
-                  metadata: tuple[tuple[str, str], ...] | None) -> Iterator[None]:
+    def submitted(
+        self,
+        submission: Submission,
+        progress: Progress | None,
+        sink: RequestSink,
+        metadata: tuple[tuple[str, str], ...] | None,
+    ) -> Iterator[None]:
         """The request on this scheduler's stream while the block runs, continuing after
         `progress` when given (a resume); its outputs go to `sink`. Released after: aborted
         on the scheduler if it still runs there."""
         self.num_calls += 1
         opened = None
         try:
-            opened = self.stream.submit(convert.submit_request(submission, progress), sink, metadata)
+            opened = self.stream.submit(
+                convert.submit_request(submission, progress), sink, metadata
+            )
             yield
         finally:
             if opened is not None:
@@ -101,21 +116,24 @@ class SchedulerConnection:
 
     async def model_info(self) -> ModelInfo:
         """The model this scheduler serves. Raises `grpc.aio.AioRpcError`."""
-        reply = await self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(),
-                                             timeout=_MODEL_INFO_TIMEOUT_S)
+        reply = await self.stub.GetModelInfo(
+            generate_pb2.GetModelInfoRequest(), timeout=_MODEL_INFO_TIMEOUT_S
+        )
         return convert.model_info_from_pb(reply)
 
     async def _follow_health(self) -> None:
         """A Check every `_HEALTH_CHECK_INTERVAL_S` until retired. Two UNAVAILABLE answers in
         a row (one may be a connection being re-established) mark it unreachable; a slow
-        answer proves nothing. (Not a Watch stream: pagemesh.runtime.serving's ErrorInterceptor wraps
+        answer proves nothing. (Not a Watch stream: pagemesh.runtime.serving's ErrorInterceptor
+        wraps
         grpc_health's coroutine-style Watch as a generator, and it fails with INTERNAL.)"""
         stub = health_pb2_grpc.HealthStub(self.channel)
         backoff_s, num_unreachable = _HEALTH_CHECK_INTERVAL_S, 0
         while True:
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(),
-                                         timeout=max(1.0, self._poll_interval_s))
+                reply = await stub.Check(
+                    health_pb2.HealthCheckRequest(), timeout=max(1.0, self._poll_interval_s)
+                )
                 self._set_health(reply.status == _SERVING)
                 backoff_s, num_unreachable = _HEALTH_CHECK_INTERVAL_S, 0
             except grpc.aio.AioRpcError as exc:
@@ -123,8 +141,9 @@ class SchedulerConnection:
                     num_unreachable += 1
                     if num_unreachable >= 2:
                         self._set_health(False)
-                        backoff_s = min(backoff_s * 2,
-                                        max(self._poll_interval_s, _HEALTH_CHECK_INTERVAL_S))
+                        backoff_s = min(
+                            backoff_s * 2, max(self._poll_interval_s, _HEALTH_CHECK_INTERVAL_S)
+                        )
                 elif exc.code() not in _TRANSIENT_CODES:
                     self._set_health(None)  # no health: the registry decides
                     return
@@ -132,7 +151,10 @@ class SchedulerConnection:
 
     def _set_health(self, healthy: bool | None) -> None:
         if healthy != self.healthy:
-            logger.info("engine group %s health: %s", self.scheduler_id,
-                        {True: "SERVING", False: "NOT_SERVING or unreachable", None: "unknown"}[healthy])
+            logger.info(
+                "engine group %s health: %s",
+                self.scheduler_id,
+                {True: "SERVING", False: "NOT_SERVING or unreachable", None: "unknown"}[healthy],
+            )
             self.healthy = healthy
             self._on_health_change()

@@ -85,16 +85,22 @@ class SchedulerStream:
     def num_requests(self) -> int:
         return len(self._session.requests) if self._session is not None else 0
 
-    def submit(self, request: scheduler_pb2.SubmitRequest, sink: RequestSink,
-               metadata: tuple[tuple[str, str], ...] | None = None) -> OpenRequest:
+    def submit(
+        self,
+        request: scheduler_pb2.SubmitRequest,
+        sink: RequestSink,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> OpenRequest:
         """Sends `request` (its trace context from `metadata`, as a Submit call's); its outputs
         go to `sink` until every sample finished or it failed. Raises ALREADY_EXISTS when the
         id is streaming on this stream already. `release` the result once done with it."""
         session = self._open()
         request_id = request.request_id
         if request_id in session.requests:
-            raise rpc_error(grpc.StatusCode.ALREADY_EXISTS,
-                            f"request {request_id!r} is already streaming from this scheduler")
+            raise rpc_error(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {request_id!r} is already streaming from this scheduler",
+            )
         if metadata:
             request.trace_context.update(dict(metadata))
         num_unfinished = max(request.n, 1) - sum(p.finished for p in request.progress)
@@ -109,8 +115,11 @@ class SchedulerStream:
         if session.requests.get(opened.request_id) is opened:
             del session.requests[opened.request_id]
             if not session.broken:
-                session.up.put_nowait(scheduler_pb2.ConnectRequest(
-                    abort=scheduler_pb2.AbortRequest(request_id=opened.request_id)))
+                session.up.put_nowait(
+                    scheduler_pb2.ConnectRequest(
+                        abort=scheduler_pb2.AbortRequest(request_id=opened.request_id)
+                    )
+                )
 
     async def close(self) -> None:
         session, self._session = self._session, None
@@ -138,8 +147,10 @@ class SchedulerStream:
         try:
             async for message in session.call:
                 _dispatch(message, requests)
-            failure = rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                f"the scheduler {self._name} ended this router's stream")
+            failure = rpc_error(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the scheduler {self._name} ended this router's stream",
+            )
         except grpc.aio.AioRpcError as exc:
             failure = exc
         except asyncio.CancelledError:
@@ -152,8 +163,12 @@ class SchedulerStream:
             session.broken = True
             session.up.put_nowait(None)
             if requests:
-                logger.warning("stream to scheduler %s ended (%s); %d requests on it fail over",
-                               self._name, failure.details(), len(requests))
+                logger.warning(
+                    "stream to scheduler %s ended (%s); %d requests on it fail over",
+                    self._name,
+                    failure.details(),
+                    len(requests),
+                )
             failed = list(requests.values())
             requests.clear()
             for opened in failed:
@@ -193,7 +208,8 @@ def _dispatch(message: scheduler_pb2.ConnectResponse, requests: dict[str, OpenRe
             opened.sink.fail(rpc_error(code, error.message))
 
 
-async def _messages_up(queue: asyncio.Queue[scheduler_pb2.ConnectRequest | None]
-                       ) -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+async def _messages_up(
+    queue: asyncio.Queue[scheduler_pb2.ConnectRequest | None],
+) -> AsyncIterator[scheduler_pb2.ConnectRequest]:
     while (message := await queue.get()) is not None:
         yield message

@@ -27,8 +27,13 @@ CACHED_GRAMMARS = 256  # compiled and checked grammars kept, least recently used
 # model pad forever with newlines and tabs (a small model did, never closing the object);
 # a schema may still ask for other settings through llguidance's "x-guidance" key.
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
-_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object constraint",
-          "regex": "regex", "grammar": "grammar", "choice": "choice"}
+_NAMES = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object constraint",
+    "regex": "regex",
+    "grammar": "grammar",
+    "choice": "choice",
+}
 
 
 class ConstraintError(ValueError):
@@ -42,11 +47,15 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._views: dict[tuple[int, tuple[int, ...]], object] = {}
-        self._compiled: OrderedDict[tuple[OutputConstraint, int, tuple[int, ...]], str] = OrderedDict()
+        self._compiled: OrderedDict[tuple[OutputConstraint, int, tuple[int, ...]], str] = (
+            OrderedDict()
+        )
 
-    def compile(self, constraint: OutputConstraint, vocab_size: int,
-                eos_token_ids: Sequence[int]) -> str:
-        """The llguidance grammar of `constraint` (Lark text, or llguidance's JSON), checked against the model's
+    def compile(
+        self, constraint: OutputConstraint, vocab_size: int, eos_token_ids: Sequence[int]
+    ) -> str:
+        """The llguidance grammar of `constraint` (Lark text, or llguidance's JSON), checked
+        against the model's
         vocabulary. Raises ConstraintError saying what is wrong. Blocking (the first call
         builds the vocabulary view, which is slow): the router calls it on a worker thread."""
         key = (constraint, vocab_size, tuple(eos_token_ids))
@@ -57,10 +66,13 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         is_error, messages = LLMatcher.validate_grammar_with_warnings(
-            grammar, self.vocabulary(vocab_size, tuple(eos_token_ids)))
+            grammar, self.vocabulary(vocab_size, tuple(eos_token_ids))
+        )
         if is_error:
-            raise ConstraintError(f"the {_NAMES.get(constraint.kind, 'constraint')} does not "
-                                  f"compile: {messages[0] if messages else 'no reason given'}")
+            raise ConstraintError(
+                f"the {_NAMES.get(constraint.kind, 'constraint')} does not "
+                f"compile: {messages[0] if messages else 'no reason given'}"
+            )
         self._compiled[key] = grammar
         if len(self._compiled) > CACHED_GRAMMARS:
             self._compiled.popitem(last=False)
@@ -69,8 +81,9 @@ class GrammarCompiler:
     def vocabulary(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> object:
         key = (vocab_size, eos_token_ids)
         if key not in self._views:
-            self._views[key] = llguidance_tokenizer(self.tokenizer.hf, vocab_size,
-                                                    list(eos_token_ids))
+            self._views[key] = llguidance_tokenizer(
+                self.tokenizer.hf, vocab_size, list(eos_token_ids)
+            )
         return self._views[key]
 
 
@@ -79,19 +92,24 @@ def llguidance_tokenizer(hf_tokenizer: object, vocab_size: int, eos_token_ids: l
     (its logits' width), ending on the model's EOS ids."""
     import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,  # type: ignore[arg-type]
-                                        eos_token=eos_token_ids or None)
+    return llguidance.hf.from_tokenizer(
+        hf_tokenizer,
+        n_vocab=vocab_size,  # type: ignore[arg-type]
+        eos_token=eos_token_ids or None,
+    )
 
 
 def to_grammar(constraint: OutputConstraint) -> str:
-    """The llguidance grammar (Lark text, or llguidance's JSON) of a constraint, checked for shape only (the
+    """The llguidance grammar (Lark text, or llguidance's JSON) of a constraint, checked for shape
+    only (the
     vocabulary check is GrammarCompiler.compile's). Raises ConstraintError."""
     from llguidance import LLMatcher, grammar_from
 
     kind, value = constraint.kind, constraint.value
     if kind not in CONSTRAINT_KINDS:
-        raise ConstraintError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}; "
-                              f"got {kind or 'none'}")
+        raise ConstraintError(
+            f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}; got {kind or 'none'}"
+        )
     if kind == "choice":
         return grammar_from("choice", json.dumps(list(_choices(value))))
     if kind == "json_object":
@@ -99,16 +117,20 @@ def to_grammar(constraint: OutputConstraint) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConstraintError(f"the {_NAMES[kind]} is empty")
     if len(value) > MAX_CONSTRAINT_CHARS:
-        raise ConstraintError(f"the {_NAMES[kind]} is {len(value):,} characters; at most "
-                              f"{MAX_CONSTRAINT_CHARS:,} are accepted")
+        raise ConstraintError(
+            f"the {_NAMES[kind]} is {len(value):,} characters; at most "
+            f"{MAX_CONSTRAINT_CHARS:,} are accepted"
+        )
     if kind == "json_schema":
         try:
             schema = json.loads(value)
         except ValueError as exc:
             raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
-            raise ConstraintError("the JSON schema must be a JSON object (or true/false), "
-                                  f"not {type(schema).__name__}")
+            raise ConstraintError(
+                "the JSON schema must be a JSON object (or true/false), "
+                f"not {type(schema).__name__}"
+            )
         return LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(value)
@@ -127,14 +149,17 @@ def _choices(value: object) -> tuple[str, ...]:
         raise ConstraintError("every choice must be a non-empty string")
     num_chars = sum(map(len, value))
     if num_chars > MAX_CONSTRAINT_CHARS:
-        raise ConstraintError(f"the choices are {num_chars:,} characters together; at most "
-                              f"{MAX_CONSTRAINT_CHARS:,} are accepted")
+        raise ConstraintError(
+            f"the choices are {num_chars:,} characters together; at most "
+            f"{MAX_CONSTRAINT_CHARS:,} are accepted"
+        )
     for index, choice in enumerate(value):
         try:
             choice.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ConstraintError(f"choice {index} is not valid Unicode ({exc.reason}); send "
-                                  "UTF-8 text") from None
+            raise ConstraintError(
+                f"choice {index} is not valid Unicode ({exc.reason}); send UTF-8 text"
+            ) from None
     return tuple(value)
 
 

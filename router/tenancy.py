@@ -67,7 +67,8 @@ def request_digest(request: GenerationRequest) -> str:
         stated.pop(how, None)
     # Images by content (their bytes as text would cost megabytes of JSON); a remote
     # image by its URL, as the client stated it.
-    stated["images"] = [hashlib.sha256(i).hexdigest() if isinstance(i, bytes) else i
-                        for i in request.images]
+    stated["images"] = [
+        hashlib.sha256(i).hexdigest() if isinstance(i, bytes) else i for i in request.images
+    ]
     text = json.dumps(stated, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]

@@ -68,12 +68,15 @@ class CallFormat:
         return 0
 
 
-HERMES = CallFormat("hermes", ("<tool_call>",), (), (("<tool_call>",),), "<tool_call>",
-                    "</tool_call>", "")
-LLAMA3_JSON = CallFormat("llama3_json", ("<|python_tag|>",), ('{"name"',),
-                         (("<|python_tag|>", ""),), ";", "", "")
-MISTRAL = CallFormat("mistral", ("[TOOL_CALLS]",), ('[{"name"',),
-                     (("[TOOL_CALLS]", ""), ("[",)), ",", "", "]")
+HERMES = CallFormat(
+    "hermes", ("<tool_call>",), (), (("<tool_call>",),), "<tool_call>", "</tool_call>", ""
+)
+LLAMA3_JSON = CallFormat(
+    "llama3_json", ("<|python_tag|>",), ('{"name"',), (("<|python_tag|>", ""),), ";", "", ""
+)
+MISTRAL = CallFormat(
+    "mistral", ("[TOOL_CALLS]",), ('[{"name"',), (("[TOOL_CALLS]", ""), ("[",)), ",", "", "]"
+)
 CALL_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
 
@@ -90,8 +93,11 @@ class ToolCall:
     id: str = field(default_factory=new_call_id)
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True)
@@ -216,8 +222,11 @@ def parse(fmt: CallFormat, text: str) -> tuple[str | None, list[ToolCall]]:
     if start is None:
         return text, []
     partials, status = scan(fmt, text[start:])
-    if (status is not Scan.COMPLETE or not partials
-            or not all(p.complete and _arguments_valid(p.arguments) for p in partials)):
+    if (
+        status is not Scan.COMPLETE
+        or not partials
+        or not all(p.complete and _arguments_valid(p.arguments) for p in partials)
+    ):
         return text, []
     content = text[:start]
     return (content if content.strip() else None), [ToolCall(p.name, p.arguments) for p in partials]
@@ -267,13 +276,19 @@ class ToolCallStream:
                 return StreamDelta(self._content_until(upto))
             delta.content = self._content_until(start)
             self.region_start = start
-        partials, _ = scan(self.fmt, self.text[self.region_start:])
+        partials, _ = scan(self.fmt, self.text[self.region_start :])
         for index, call in enumerate(partials):
             if index == len(self.sent):
                 self.sent.append(0)
-                delta.tool_calls.append({"index": index, "id": new_call_id(), "type": "function",
-                                         "function": {"name": call.name, "arguments": ""}})
-            piece = call.arguments[self.sent[index]:]
+                delta.tool_calls.append(
+                    {
+                        "index": index,
+                        "id": new_call_id(),
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+            piece = call.arguments[self.sent[index] :]
             if piece:
                 self.sent[index] += len(piece)
                 delta.tool_calls.append({"index": index, "function": {"arguments": piece}})
@@ -287,7 +302,7 @@ class ToolCallStream:
         return StreamDelta()
 
     def _content_until(self, upto: int) -> str:
-        content = self.text[self.num_content_chars:upto]
+        content = self.text[self.num_content_chars : upto]
         self.num_content_chars = max(upto, self.num_content_chars)
         return content
 

@@ -45,16 +45,18 @@ _tracer = trace.get_tracer("pagemesh.router")
 Batches = AsyncIterator[list[TokenChunk]]
 
 
-def traced_generate(generate: Callable[[Any, GenerationRequest], Batches]
-                    ) -> Callable[[Any, GenerationRequest], Batches]:
+def traced_generate(
+    generate: Callable[[Any, GenerationRequest], Batches],
+) -> Callable[[Any, GenerationRequest], Batches]:
     """Wraps `Generation.generate` in its span: started before anything else runs (an
     admission refusal is traced too), current for the call's task (its logs carry the trace
     id), ended with the stream. The span's parent is the current context: the caller's."""
 
     @functools.wraps(generate)
     async def traced(self: Any, request: GenerationRequest) -> Batches:
-        span = _tracer.start_span("Generate", kind=SpanKind.SERVER,
-                                  attributes=_start_attributes(request))
+        span = _tracer.start_span(
+            "Generate", kind=SpanKind.SERVER, attributes=_start_attributes(request)
+        )
         batches = generate(self, request)
         if not span.is_recording():
             async with contextlib.aclosing(batches):
@@ -82,8 +84,9 @@ def traced_generate(generate: Callable[[Any, GenerationRequest], Batches]
     return traced
 
 
-def describe_request(span: trace.Span, submission: Submission, resumed: bool,
-                     requested_model: str, served_model: str) -> None:
+def describe_request(
+    span: trace.Span, submission: Submission, resumed: bool, requested_model: str, served_model: str
+) -> None:
     """Attributes of the request as the scheduler gets it (the router's defaults filled in,
     or a checkpoint's parameters on a resume)."""
     if not span.is_recording():
@@ -119,17 +122,23 @@ def identify_request(mesh_id: str) -> None:
 def resume_event(span: trace.Span | None, scheduler_id: str, num_tokens: list[int]) -> None:
     """A failed request continues on another engine group (router/resume.py)."""
     if span is not None and span.is_recording():
-        span.add_event("resume", {"pagemesh.engine_group": scheduler_id,
-                                  "pagemesh.output_tokens_received": num_tokens})
+        span.add_event(
+            "resume",
+            {"pagemesh.engine_group": scheduler_id, "pagemesh.output_tokens_received": num_tokens},
+        )
 
 
 def group_failed_event(span: trace.Span | None, scheduler_id: str, code: Any, details: str) -> None:
     """The engine group serving the request failed its stream."""
     if span is not None and span.is_recording():
-        span.add_event("engine_group_failed", {
-            "pagemesh.engine_group": scheduler_id,
-            "rpc.grpc.status_code": code.value[0] if code is not None else -1,
-            "pagemesh.details": details})
+        span.add_event(
+            "engine_group_failed",
+            {
+                "pagemesh.engine_group": scheduler_id,
+                "rpc.grpc.status_code": code.value[0] if code is not None else -1,
+                "pagemesh.details": details,
+            },
+        )
 
 
 class TraceContextMiddleware:
@@ -155,7 +164,8 @@ class TraceContextMiddleware:
 
 def _start_attributes(request: GenerationRequest) -> dict[str, Any]:
     operation = otel_context.get_value(OPERATION_KEY) or (
-        "chat" if request.apply_chat_template else "text_completion")
+        "chat" if request.apply_chat_template else "text_completion"
+    )
     attributes: dict[str, Any] = {"gen_ai.operation.name": operation}
     if request.model:
         attributes["gen_ai.request.model"] = request.model
@@ -192,7 +202,8 @@ class _Outcome:
         attributes: dict[str, Any] = {}
         if self.finish_reasons:
             attributes["gen_ai.response.finish_reasons"] = [
-                self.finish_reasons[i] for i in sorted(self.finish_reasons)]
+                self.finish_reasons[i] for i in sorted(self.finish_reasons)
+            ]
         if self.num_output_tokens is not None:
             attributes["gen_ai.usage.output_tokens"] = self.num_output_tokens
         self.span.set_attributes(attributes)

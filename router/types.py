@@ -11,10 +11,14 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from pagemesh.runtime.media import RemoteImage
 from pagemesh.api.options.constraint import OutputConstraint
-from pagemesh.api.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
-                                         ValidatedRequest)
+from pagemesh.api.options.validation import (
+    ModelLimits,
+    SamplingOptions,
+    StoppingOptions,
+    ValidatedRequest,
+)
+from pagemesh.runtime.media import RemoteImage
 from protos.step import ImageInput, ImageTiling, PoolingInfo
 
 
@@ -96,15 +100,30 @@ class Submission:
     lora_name: str = ""  # the LoRA adapter it runs with; "" = the base model
 
     @classmethod
-    def fresh(cls, request_id: str, validated: ValidatedRequest, seed: int,
-              owner: str = "", request_digest: str = "") -> Submission:
+    def fresh(
+        cls,
+        request_id: str,
+        validated: ValidatedRequest,
+        seed: int,
+        owner: str = "",
+        request_digest: str = "",
+    ) -> Submission:
         """`seed` replaces an unset one, so that every request is replayable (router/resume.py)."""
         sampling = validated.sampling
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=seed)
-        return cls(request_id, validated.prompt_token_ids, sampling, validated.stopping,
-                   validated.num_logprobs or 0, validated.n, validated.priority,
-                   validated.grammar, owner, request_digest)
+        return cls(
+            request_id,
+            validated.prompt_token_ids,
+            sampling,
+            validated.stopping,
+            validated.num_logprobs or 0,
+            validated.n,
+            validated.priority,
+            validated.grammar,
+            owner,
+            request_digest,
+        )
 
     @property
     def max_tokens(self) -> int:
@@ -201,5 +220,9 @@ class ModelInfo:
 
     def limits(self) -> ModelLimits:
         """What `pagemesh.api.options.validation.validate` checks a request against."""
-        return ModelLimits(name=self.model, max_model_len=self.max_model_len,
-                           vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids))
+        return ModelLimits(
+            name=self.model,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+        )

@@ -50,9 +50,14 @@ class AdapterLoadFailed(Exception):
 
 
 class GroupAdapters:
-    def __init__(self, group: str, capacity: int, pinned: Mapping[str, LoraRef],
-                 workers: Callable[[], AdapterWorkers | None],
-                 table: LoraTable | None = None) -> None:
+    def __init__(
+        self,
+        group: str,
+        capacity: int,
+        pinned: Mapping[str, LoraRef],
+        workers: Callable[[], AdapterWorkers | None],
+        table: LoraTable | None = None,
+    ) -> None:
         """`capacity` 0: LoRA is off here (no adapter is held or loaded)."""
         self.group = group
         self.capacity = capacity
@@ -78,9 +83,13 @@ class GroupAdapters:
             return
         taken = await self.table.put_absent({n: ref.path for n, ref in self.held.items()})
         for name, path in taken.items():
-            logger.warning("LoRA adapter %s is %s in the cluster's table, %s here: other "
-                           "groups load it from the table's folder", name, path,
-                           self.held[name].path)
+            logger.warning(
+                "LoRA adapter %s is %s in the cluster's table, %s here: other "
+                "groups load it from the table's folder",
+                name,
+                path,
+                self.held[name].path,
+            )
 
     async def resolve(self, name: str) -> None:
         """Holds `name` if the cluster serves it, loading it here first if need be. Raises
@@ -96,16 +105,20 @@ class GroupAdapters:
         try:
             path = await asyncio.wait_for(self.table.get(name), TABLE_TIMEOUT_S)
         except (RedisError, OSError, TimeoutError) as exc:
-            raise ValueError(f"LoRA adapter {name!r} is not held by engine group "
-                             f"{self.group}, and the cluster's adapter table in Redis is "
-                             f"unreachable ({exc}); retry shortly") from exc
+            raise ValueError(
+                f"LoRA adapter {name!r} is not held by engine group "
+                f"{self.group}, and the cluster's adapter table in Redis is "
+                f"unreachable ({exc}); retry shortly"
+            ) from exc
         if path is None:
             return
         try:
             await self._load_once(name, path)
         except AdapterLoadFailed as exc:
-            raise ValueError(f"LoRA adapter {name!r} (folder {path}) could not be loaded on "
-                             f"engine group {self.group}: {exc.details}") from exc
+            raise ValueError(
+                f"LoRA adapter {name!r} (folder {path}) could not be loaded on "
+                f"engine group {self.group}: {exc.details}"
+            ) from exc
 
     async def load(self, name: str, path: str) -> None:
         """An admin's run-time load: held here, and in the cluster's table. Raises
@@ -143,8 +156,9 @@ class GroupAdapters:
     async def _load(self, name: str, path: str) -> None:
         workers = self._workers()
         if workers is None:
-            raise AdapterLoadFailed(grpc.StatusCode.UNIMPLEMENTED,
-                                    "this engine runs its model in-process")
+            raise AdapterLoadFailed(
+                grpc.StatusCode.UNIMPLEMENTED, "this engine runs its model in-process"
+            )
         try:
             await workers.load_lora(name, path, LOAD_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -159,10 +173,15 @@ class GroupAdapters:
     def _evict(self, keep: str) -> None:
         """Down to `capacity`, letting go of the least recently named unpinned adapters."""
         spare = [n for n in self.held if n not in self.pinned and n != keep]
-        for name in spare[:max(0, len(self.held) - self.capacity)]:
+        for name in spare[: max(0, len(self.held) - self.capacity)]:
             del self.held[name]
-            logger.info("LoRA adapter %s let go by engine group %s (over --max-cpu-loras "
-                        "%d; loaded again when named)", name, self.group, self.capacity)
+            logger.info(
+                "LoRA adapter %s let go by engine group %s (over --max-cpu-loras "
+                "%d; loaded again when named)",
+                name,
+                self.group,
+                self.capacity,
+            )
 
     def _changed(self) -> None:
         self.version += 1

@@ -23,8 +23,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pagemesh.runtime.checkpoints import (
+    FINISHED,
+    ORPHANED,
+    RUNNING,
+    Checkpoint,
+    CheckpointStore,
+    SampleState,
+)
 from protos.step import ImageInput
-from pagemesh.runtime.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
 from scheduler_svc import convert
 from scheduler_svc.core.types import RequestEvent
 from scheduler_svc.messages import Submission
@@ -53,8 +60,14 @@ def admitted_samples(submission: Submission) -> list[SampleState]:
 
 
 class Checkpointer:
-    def __init__(self, store: CheckpointStore | None, group: str, interval_steps: int,
-                 resume_window_s: float, image_store_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore | None,
+        group: str,
+        interval_steps: int,
+        resume_window_s: float,
+        image_store_bytes: int = 1 << 30,
+    ) -> None:
         """`store` None or `interval_steps` 0: checkpoints off. `image_store_bytes`: the
         most bytes of images the image store holds, every group's together."""
         self.store = store if interval_steps > 0 else None
@@ -76,8 +89,13 @@ class Checkpointer:
     def enabled(self) -> bool:
         return self.store is not None
 
-    def track(self, request_id: str, submit: bytes, samples: list[SampleState],
-              images: tuple[ImageInput, ...] = ()) -> None:
+    def track(
+        self,
+        request_id: str,
+        submit: bytes,
+        samples: list[SampleState],
+        images: tuple[ImageInput, ...] = (),
+    ) -> None:
         """Admission: the record (its images first) written now, in the background."""
         if self.store is None:
             return
@@ -148,8 +166,10 @@ class Checkpointer:
             running = list(self._tracked.values())
             if running:
                 await asyncio.wait_for(self._store_images(running), WRITE_TIMEOUT_S)
-                await asyncio.wait_for(self.store.expire([t.checkpoint for t in running],
-                                                         self.resume_window_s), WRITE_TIMEOUT_S)
+                await asyncio.wait_for(
+                    self.store.expire([t.checkpoint for t in running], self.resume_window_s),
+                    WRITE_TIMEOUT_S,
+                )
             await asyncio.wait_for(self.store.prune_group(self.group), WRITE_TIMEOUT_S)
         except Exception as exc:  # next time
             logger.warning("could not renew this group's checkpoints: %s", exc)
@@ -172,8 +192,9 @@ class Checkpointer:
             logger.warning("could not read the checkpoints of group %s: %s", self.group, exc)
             return 0
         if left:
-            logger.warning("%d requests of this group's previous scheduler await resumption",
-                           len(left))
+            logger.warning(
+                "%d requests of this group's previous scheduler await resumption", len(left)
+            )
         return len(left)
 
     async def close(self) -> None:
@@ -222,14 +243,18 @@ class Checkpointer:
         missing = await store.renew(images, self.resume_window_s)
         if not missing:
             return
-        kept = await store.put({d: images[d] for d in missing}, self.resume_window_s,
-                               self.image_store_bytes)
+        kept = await store.put(
+            {d: images[d] for d in missing}, self.resume_window_s, self.image_store_bytes
+        )
         refused = missing - kept
         if refused:  # not tried again for these requests: their records stay without them
             for tracked in entries:
                 for digest in refused & tracked.images.keys():
                     del tracked.images[digest]
             self.num_images_not_stored += len(refused)
-            logger.warning("%d images (%d bytes) do not fit in the image store (--image-store-"
-                           "mib): their requests cannot be resumed through another router",
-                           len(refused), sum(len(images[d]) for d in refused))
+            logger.warning(
+                "%d images (%d bytes) do not fit in the image store (--image-store-"
+                "mib): their requests cannot be resumed through another router",
+                len(refused),
+                sum(len(images[d]) for d in refused),
+            )

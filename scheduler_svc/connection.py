@@ -13,7 +13,8 @@ alone. A router that stops reading stops the writer (gRPC flow control); once mo
 `max_buffered_tokens` wait in the outbox, the connection is cut off: every request on it
 is aborted (their checkpoints stay, for a resume), the outbox is dropped and later submits
 are ignored, so the scheduler's memory stays bounded; once the router reads what gRPC
-already holds for it, the stream ends RESOURCE_EXHAUSTED. The stream ending for any reason aborts every
+already holds for it, the stream ends RESOURCE_EXHAUSTED. The stream ending for any reason aborts
+every
 request still on it, as a cancelled Submit does.
 """
 
@@ -49,8 +50,9 @@ class ConnectionCutOff(Exception):
 
 
 class RouterConnection:
-    def __init__(self, streams: RequestStreams,
-                 max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> None:
+    def __init__(
+        self, streams: RequestStreams, max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS
+    ) -> None:
         self.streams = streams
         self.max_buffered_tokens = max_buffered_tokens
         self._open: dict[str, OpenRequest] = {}  # router request id -> its stream
@@ -88,9 +90,12 @@ class RouterConnection:
             return
         request_id = submission.request_id
         if request_id in self._open:
-            self._error(request_id, grpc.StatusCode.ALREADY_EXISTS,
-                        f"request {request_id!r} is already streaming on this "
-                        "connection; abort it first or use another id")
+            self._error(
+                request_id,
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {request_id!r} is already streaming on this "
+                "connection; abort it first or use another id",
+            )
             return
         if isinstance(submission, InvalidSubmit):
             self._error(request_id, grpc.StatusCode.INVALID_ARGUMENT, submission.message)
@@ -100,8 +105,9 @@ class RouterConnection:
         except ServiceError as exc:
             self._error(request_id, exc.code, exc.message)
             return
-        self._outputs.extend((request_id, index, event, opened.with_logprobs)
-                             for index, event in opened.ended)
+        self._outputs.extend(
+            (request_id, index, event, opened.with_logprobs) for index, event in opened.ended
+        )
         if opened.finished:
             self._finishing.append(opened)
             self.streams.close(opened)
@@ -189,9 +195,11 @@ class RouterConnection:
             self._by_core_id.pop(core_id, None)
 
     def _cut_off(self) -> None:
-        self.cut_off = (f"the router read none of the last {self._num_buffered_tokens} tokens "
-                        f"sent to it (over --max-buffered-tokens {self.max_buffered_tokens}); "
-                        "its stream is cut off and its requests aborted")
+        self.cut_off = (
+            f"the router read none of the last {self._num_buffered_tokens} tokens "
+            f"sent to it (over --max-buffered-tokens {self.max_buffered_tokens}); "
+            "its stream is cut off and its requests aborted"
+        )
         logger.error("%s", self.cut_off)
         self.close()
         self._ready.set()

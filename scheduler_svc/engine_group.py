@@ -52,8 +52,10 @@ class FormedGroup:
     def kv_cache_bytes(self) -> int:
         """The group's KV caches as used: each rank's bytes per block times the group's
         block count (the smallest rank's), summed over its ranks."""
-        return sum(info.kv_cache_bytes * self.config.num_blocks // max(1, info.num_blocks)
-                   for info in self.infos)
+        return sum(
+            info.kv_cache_bytes * self.config.num_blocks // max(1, info.num_blocks)
+            for info in self.infos
+        )
 
 
 class EngineGroup:
@@ -71,8 +73,9 @@ class EngineGroup:
         # its entry (compare-and-set on its claim), so that the workers accept the session.
         self.on_new_session: list[Callable[[], Awaitable[None]]] = []
 
-    async def form(self, previous: WorkerGroupClient | None = None,
-                   timeout_s: float | None = None) -> FormedGroup:
+    async def form(
+        self, previous: WorkerGroupClient | None = None, timeout_s: float | None = None
+    ) -> FormedGroup:
         """Chooses live workers (keeping the previous members that still answer), waits until
         they are ready, and sizes the scheduler from what they report."""
         prefer: frozenset[str] = frozenset()
@@ -86,11 +89,18 @@ class EngineGroup:
             await previous.close()
         spec = self.spec
         endpoints, epoch = await form_group(
-            self.registry, spec.group, spec.tp, spec.pp, timeout_s or spec.worker_wait_s,
-            frozenset(self.dead_instances), prefer,
-            standby_after_s=0.0 if previous else spec.standby_grace_s)
-        workers = WorkerGroupClient(endpoints, spec.step_timeout_s, spec.tls,
-                                    announce=self._announce)
+            self.registry,
+            spec.group,
+            spec.tp,
+            spec.pp,
+            timeout_s or spec.worker_wait_s,
+            frozenset(self.dead_instances),
+            prefer,
+            standby_after_s=0.0 if previous else spec.standby_grace_s,
+        )
+        workers = WorkerGroupClient(
+            endpoints, spec.step_timeout_s, spec.tls, announce=self._announce
+        )
         try:
             infos = await workers.get_info()
         except Exception:
@@ -98,8 +108,11 @@ class EngineGroup:
             raise
         config = self.config_for(infos, workers.driver_index)
         self.session, self.epoch = workers.session_id, epoch
-        logger.info("engine group %s formed: %s", spec.group,
-                    [f"{e.worker_id}@{e.address}" for e in endpoints])
+        logger.info(
+            "engine group %s formed: %s",
+            spec.group,
+            [f"{e.worker_id}@{e.address}" for e in endpoints],
+        )
         return FormedGroup(workers, config, infos[workers.driver_index], infos)
 
     async def _announce(self) -> None:
@@ -108,14 +121,22 @@ class EngineGroup:
 
     async def _fence(self, endpoint: WorkerEndpoint) -> None:
         """A member that does not answer may only be frozen or cut off: fence it, so that
-        if it comes back it leaves instead of acting on its old rank (pagemesh/runtime/registry.py)."""
+        if it comes back it leaves instead of acting on its old rank
+        (pagemesh/runtime/registry.py)."""
         if not endpoint.instance:
             return
         try:
-            await self.registry.fence(endpoint.instance, {
-                "reason": f"did not answer the scheduler of group {self.spec.group}",
-                "kind": "worker", "worker_id": endpoint.worker_id, "address": endpoint.address,
-                "pid": endpoint.pid, "host": endpoint.host})
+            await self.registry.fence(
+                endpoint.instance,
+                {
+                    "reason": f"did not answer the scheduler of group {self.spec.group}",
+                    "kind": "worker",
+                    "worker_id": endpoint.worker_id,
+                    "address": endpoint.address,
+                    "pid": endpoint.pid,
+                    "host": endpoint.host,
+                },
+            )
         except Exception as exc:  # Redis away: it is still never chosen again by this scheduler
             logger.warning("could not fence worker %s: %s", endpoint.worker_id, exc)
 
@@ -133,9 +154,10 @@ class EngineGroup:
         except Exception as exc:
             logger.debug("registry unreadable, not judging slow workers: %s", exc)
             return True
-        return all(code is None or (e.worker_id in entries
-                                    and entries[e.worker_id].instance == e.instance)
-                   for e, code in zip(workers.endpoints, codes))
+        return all(
+            code is None or (e.worker_id in entries and entries[e.worker_id].instance == e.instance)
+            for e, code in zip(workers.endpoints, codes)
+        )
 
 
 def host_tier_for(infos: list[WorkerInfo], current: HostTierIndex | None) -> HostTierIndex | None:
@@ -149,7 +171,11 @@ def host_tier_for(infos: list[WorkerInfo], current: HostTierIndex | None) -> Hos
     if current is None or current.num_slots != num_slots:
         return HostTierIndex(num_slots, epochs)
     if current.epochs != epochs:
-        logger.warning("the host tier of a rank is another one now (epochs %s -> %s): "
-                       "its blocks are forgotten", current.epochs, epochs)
+        logger.warning(
+            "the host tier of a rank is another one now (epochs %s -> %s): "
+            "its blocks are forgotten",
+            current.epochs,
+            epochs,
+        )
         current.reset(epochs)
     return current

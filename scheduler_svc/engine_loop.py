@@ -13,8 +13,8 @@ from typing import Protocol
 
 from pagemesh.runtime.registry_entries import GroupStatus
 from protos.step import ModelRunnerOutput, RequestId, SchedulerOutput
-from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.host_tier import HostTierIndex
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent, RequestStatus
 from scheduler_svc.engine_group import EngineGroup, FormedGroup, host_tier_for
 from scheduler_svc.executor import Executor
@@ -66,15 +66,21 @@ class EngineLoop:
     """Owns the scheduler core on the event loop; one step at a time.
 
     Each submitted request names a `RequestSink` that receives its `RequestEvent`s, grouped
-    per step and sink, or a failure when it cannot go on here. A failed step does not end requests: the loop
+    per step and sink, or a failure when it cannot go on here. A failed step does not end requests:
+    the loop
     marks the group degraded, re-forms it (`group`), rebuilds the core on the new workers
     and re-queues every request with the tokens it already has; their streams just pause.
     """
 
-    def __init__(self, scheduler: Scheduler, workers: Executor,
-                 max_steps_in_flight: int = 1, group: EngineGroup | None = None,
-                 recovery_timeout_s: float = 300.0,
-                 watchdog: WatchdogConfig | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        workers: Executor,
+        max_steps_in_flight: int = 1,
+        group: EngineGroup | None = None,
+        recovery_timeout_s: float = 300.0,
+        watchdog: WatchdogConfig | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.workers = workers
         # One per pipeline stage; async scheduling keeps the next step planned ahead.
@@ -112,8 +118,12 @@ class EngineLoop:
     def num_streams(self) -> int:
         return len(self._streams)
 
-    def submit(self, requests: list[Request], sink: RequestSink,
-               handoffs: Mapping[RequestId, KVHandoffRef] | None = None) -> list[KVImportJob]:
+    def submit(
+        self,
+        requests: list[Request],
+        sink: RequestSink,
+        handoffs: Mapping[RequestId, KVHandoffRef] | None = None,
+    ) -> list[KVImportJob]:
         """Admits one request, or n > 1 samples of one prompt (with `fork_of` set, the
         first one leads and the others fork from its computed prompt; resumed samples come
         without). Every sample's events go to `sink`. Raises ValueError when they can never
@@ -127,8 +137,9 @@ class EngineLoop:
             added: list[Request] = []
             try:
                 for request in requests:
-                    job = self._admit(request, handoffs.get(request.request_id)
-                                      if handoffs else None)
+                    job = self._admit(
+                        request, handoffs.get(request.request_id) if handoffs else None
+                    )
                     if job is not None:
                         imports.append(job)
                     added.append(request)
@@ -152,10 +163,11 @@ class EngineLoop:
             return None
         num_device_blocks = len(core.kv.get_computed_blocks(request))
         imported = core.add_importing(
-            request, (num_device_blocks + len(tier_hits)) * core.config.block_size)
+            request, (num_device_blocks + len(tier_hits)) * core.config.block_size
+        )
         if imported is None:
             return None
-        slots, keys = zip(*tier_hits[:len(imported.block_ids)])
+        slots, keys = zip(*tier_hits[: len(imported.block_ids)])
         return KVImportJob(request, imported, TierSource(tuple(slots), tuple(keys)))
 
     def wake(self) -> None:
@@ -184,8 +196,9 @@ class EngineLoop:
             if held is None or request is None:
                 failed.append((request_id, sink))
                 continue
-            sink.deliver([RequestEvent(request_id, (), None, request.num_prompt_tokens,
-                                       handoff=held)])
+            sink.deliver(
+                [RequestEvent(request_id, (), None, request.num_prompt_tokens, handoff=held)]
+            )
         for request_id, sink in failed:
             self.scheduler.abort(request_id)
             sink.fail(request_id, "this group is draining: resume on another group")
@@ -245,8 +258,11 @@ class EngineLoop:
                 if self._hand_off is not None and not pending:
                     self._hand_off_now()
                     continue
-                while (len(pending) < self.max_steps_in_flight and self._hand_off is None
-                       and self.scheduler.has_work()):
+                while (
+                    len(pending) < self.max_steps_in_flight
+                    and self._hand_off is None
+                    and self.scheduler.has_work()
+                ):
                     output = self.scheduler.schedule()
                     if output.is_empty:  # e.g. everything runnable is already in flight
                         break
@@ -287,8 +303,9 @@ class EngineLoop:
             for _, task in pending:
                 task.cancel()
 
-    async def _await_step(self, output: SchedulerOutput,
-                          task: asyncio.Task[ModelRunnerOutput]) -> ModelRunnerOutput:
+    async def _await_step(
+        self, output: SchedulerOutput, task: asyncio.Task[ModelRunnerOutput]
+    ) -> ModelRunnerOutput:
         """The step's result, watched (scheduler_svc/step_watchdog.py): once the step is
         suspect, members that do not answer a probe fail it with StepHung; so does a
         recovery asked for meanwhile (a member found dead between two probes)."""
@@ -314,14 +331,20 @@ class EngineLoop:
                 continue  # it answered meanwhile
             age_s = time.monotonic() - started
             if silent:
-                raise StepHung(f"step {output.step_id} ran {age_s:.1f} s and "
-                               f"{', '.join(silent)} did not answer a probe within "
-                               f"{watchdog.config.probe_timeout_s:g} s")
+                raise StepHung(
+                    f"step {output.step_id} ran {age_s:.1f} s and "
+                    f"{', '.join(silent)} did not answer a probe within "
+                    f"{watchdog.config.probe_timeout_s:g} s"
+                )
             if probes == 1:
                 watchdog.num_slow_steps += 1
-                logger.info("step %d has run %.1f s (recent p99 %.3f s); every member "
-                            "answers, so it is slow, not hung", output.step_id, age_s,
-                            watchdog.p99_s() or 0.0)
+                logger.info(
+                    "step %d has run %.1f s (recent p99 %.3f s); every member "
+                    "answers, so it is slow, not hung",
+                    output.step_id,
+                    age_s,
+                    watchdog.p99_s() or 0.0,
+                )
             check_at = time.monotonic() + watchdog.config.probe_interval_s
 
     def _deliver(self, events: list[RequestEvent]) -> None:
@@ -353,8 +376,11 @@ class EngineLoop:
 
     async def _recover(self) -> None:
         assert self.group is not None
-        logger.error("engine group failed (%s); re-forming it with %d requests in flight",
-                     self._recovery_reason, len(self.scheduler.requests))
+        logger.error(
+            "engine group failed (%s); re-forming it with %d requests in flight",
+            self._recovery_reason,
+            len(self.scheduler.requests),
+        )
         await self.set_status(GroupStatus.DEGRADED)
         started = time.monotonic()
         formed: FormedGroup | None = None
@@ -366,11 +392,14 @@ class EngineLoop:
             except Exception as exc:
                 logger.error("could not re-form the engine group: %s", exc)
                 if self._streams:
-                    self.fail_all(f"engine group down for {time.monotonic() - started:.0f} s: {exc}")
+                    self.fail_all(
+                        f"engine group down for {time.monotonic() - started:.0f} s: {exc}"
+                    )
                 await asyncio.sleep(1.0)
             previous = None
-        carried = [_fresh_copy(r) for r in self.scheduler.requests.values()
-                   if not r.status.is_finished]
+        carried = [
+            _fresh_copy(r) for r in self.scheduler.requests.values() if not r.status.is_finished
+        ]
         self.workers = formed.workers
         self.tier = host_tier_for(formed.infos, self.tier)
         recomputed = self.scheduler.num_recomputed_tokens  # a count across re-formations
@@ -394,12 +423,17 @@ class EngineLoop:
         self.num_recoveries += 1
         self._recoveries_without_progress += 1
         if self._recoveries_without_progress > MAX_RECOVERIES_WITHOUT_PROGRESS:
-            logger.error("%d recoveries without one good step: ending the requests in flight",
-                         self._recoveries_without_progress)
+            logger.error(
+                "%d recoveries without one good step: ending the requests in flight",
+                self._recoveries_without_progress,
+            )
             self.fail_all("the engine group fails every step of these requests")
             self._recoveries_without_progress = 0
-        logger.warning("engine group re-formed in %.1f s; %d requests resume from their tokens",
-                       time.monotonic() - started, len(carried))
+        logger.warning(
+            "engine group re-formed in %.1f s; %d requests resume from their tokens",
+            time.monotonic() - started,
+            len(carried),
+        )
         await self.set_status(GroupStatus.READY)
 
 
@@ -412,6 +446,12 @@ def _fresh_copy(request: Request) -> Request:
         request,
         prompt_token_ids=list(request.prompt_token_ids),
         output_token_ids=list(request.output_token_ids),
-        num_computed_tokens=0, block_ids=[], status=RequestStatus.WAITING, num_preemptions=0,
-        fork_of=None, num_tokens_on_workers=0, num_pending_tokens=0, spec_token_ids=[],
+        num_computed_tokens=0,
+        block_ids=[],
+        status=RequestStatus.WAITING,
+        num_preemptions=0,
+        fork_of=None,
+        num_tokens_on_workers=0,
+        num_pending_tokens=0,
+        spec_token_ids=[],
     )

@@ -24,9 +24,16 @@ _Counts = tuple[int, int, int, int, int, int, int, int]
 
 def _counts(core: Scheduler) -> _Counts:
     spec = core.spec
-    return (core.kv.prefix_cache_queries, core.kv.prefix_cache_hits, core.num_preemptions,
-            core.num_swap_outs, core.num_swap_ins, spec.num_drafts if spec else 0,
-            spec.num_draft_tokens if spec else 0, spec.num_accepted_tokens if spec else 0)
+    return (
+        core.kv.prefix_cache_queries,
+        core.kv.prefix_cache_hits,
+        core.num_preemptions,
+        core.num_swap_outs,
+        core.num_swap_ins,
+        spec.num_drafts if spec else 0,
+        spec.num_draft_tokens if spec else 0,
+        spec.num_accepted_tokens if spec else 0,
+    )
 
 
 class CoreTotals:
@@ -75,8 +82,9 @@ def snapshot(loop: EngineLoop, totals: CoreTotals, checkpointer: Checkpointer) -
     )
 
 
-def observe_engine(metrics: SchedulerMetrics, loop: EngineLoop, checkpointer: Checkpointer,
-                   registry: Registry) -> None:
+def observe_engine(
+    metrics: SchedulerMetrics, loop: EngineLoop, checkpointer: Checkpointer, registry: Registry
+) -> None:
     """Wires `metrics` to the loop: scrape-time reads, and the per-step histograms."""
     metrics.follow_heartbeat(lambda: registry.last_heartbeat_s)
     totals = CoreTotals(loop)
@@ -94,6 +102,10 @@ def _on_schedule(metrics: SchedulerMetrics, loop: EngineLoop, output: SchedulerO
         request = requests.get(new.request_id)
         # First scheduled: never preempted, nothing generated yet. (A request carried over a
         # recovery before its first token is observed again, from its original arrival.)
-        if (request is not None and request.arrival_time_s > 0 and not request.num_preemptions
-                and not request.output_token_ids):
+        if (
+            request is not None
+            and request.arrival_time_s > 0
+            and not request.num_preemptions
+            and not request.output_token_ids
+        ):
             metrics.request_queue_time.observe(max(0.0, now_s - request.arrival_time_s))

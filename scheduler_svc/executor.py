@@ -16,8 +16,8 @@ the step contract's types (`protos/step.py`).
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from protos.step import ModelRunnerOutput, SchedulerOutput
@@ -27,7 +27,9 @@ StepFunction = Callable[[SchedulerOutput], ModelRunnerOutput]
 
 
 class Executor(Protocol):
-    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
+    async def execute(
+        self, output: SchedulerOutput, traceparents: dict[str, str]
+    ) -> ModelRunnerOutput:
         """Runs one step; steps run in call order even when calls overlap."""
 
     async def unresponsive(self, timeout_s: float) -> list[str]:
@@ -51,17 +53,24 @@ class InprocExecutor:
     stream tokens out) while a forward pass runs. The runner copies what it keeps of a step
     (token and block lists), so the scheduler may go on changing its requests meanwhile."""
 
-    def __init__(self, run_step: StepFunction, thread: ThreadPoolExecutor | None = None,
-                 close_thread: bool = True) -> None:
+    def __init__(
+        self,
+        run_step: StepFunction,
+        thread: ThreadPoolExecutor | None = None,
+        close_thread: bool = True,
+    ) -> None:
         """`thread`: the `model_thread()` the runner was loaded on (a new one if None);
         `close_thread` False leaves it running after `close()` (another executor's next)."""
         self._run_step = run_step
         self._close_thread = close_thread
         self._thread = thread or model_thread()
 
-    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
+    async def execute(
+        self, output: SchedulerOutput, traceparents: dict[str, str]
+    ) -> ModelRunnerOutput:
         return await asyncio.get_running_loop().run_in_executor(
-            self._thread, self._run_step, output)
+            self._thread, self._run_step, output
+        )
 
     async def unresponsive(self, timeout_s: float) -> list[str]:
         return []  # the model runs in this process: nothing to ask

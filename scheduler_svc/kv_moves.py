@@ -30,13 +30,12 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
-
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from pagemesh.runtime import keepalive
-from pagemesh.runtime.metrics import PREFIX, counter
 from pagemesh.runtime.internal_auth import METADATA_KEY
+from pagemesh.runtime.metrics import PREFIX, counter
 from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.scheduler.v1 import scheduler_pb2_grpc
 from protos.step import RequestId
@@ -85,28 +84,47 @@ def _source_name(job: KVImportJob) -> str:
 
 def kv_move_entry(counts: KVMoveCounts) -> dict[str, int]:
     """The counts as the registry entry's `kv_*` fields (pagemesh/runtime/registry_entries.py)."""
-    return {f"kv_{name}": int(value) for name, value in vars(counts).items()
-            if name != "pull_seconds"}
+    return {
+        f"kv_{name}": int(value) for name, value in vars(counts).items() if name != "pull_seconds"
+    }
 
 
 def kv_move_metrics(moves: KVMoves, group: str) -> Iterable[Metric]:
     """The counts as Prometheus counters (scrape time; they outlive a re-formation)."""
     counts, labels = moves.counts, {"group": group}
-    yield counter(PREFIX + "kv_recomputed_tokens", "Tokens of resumed requests computed again "
-                  "(not pulled from another group, loaded from the host tier or cached)",
-                  labels, moves.loop.scheduler.num_recomputed_tokens)
-    yield counter(PREFIX + "kv_transferred_blocks", "KV blocks pulled into this group (from "
-                  "another group or the host tier)", labels, counts.blocks_pulled)
-    yield counter(PREFIX + "kv_transferred_bytes", "Bytes of KV pulled from other groups",
-                  labels, counts.bytes_pulled)
-    imports = CounterMetricFamily(PREFIX + "kv_imports", "Requests admitted with KV held "
-                                  "elsewhere, by how the import ended", labels=["group", "result"])
+    yield counter(
+        PREFIX + "kv_recomputed_tokens",
+        "Tokens of resumed requests computed again "
+        "(not pulled from another group, loaded from the host tier or cached)",
+        labels,
+        moves.loop.scheduler.num_recomputed_tokens,
+    )
+    yield counter(
+        PREFIX + "kv_transferred_blocks",
+        "KV blocks pulled into this group (from another group or the host tier)",
+        labels,
+        counts.blocks_pulled,
+    )
+    yield counter(
+        PREFIX + "kv_transferred_bytes",
+        "Bytes of KV pulled from other groups",
+        labels,
+        counts.bytes_pulled,
+    )
+    imports = CounterMetricFamily(
+        PREFIX + "kv_imports",
+        "Requests admitted with KV held elsewhere, by how the import ended",
+        labels=["group", "result"],
+    )
     imports.add_metric([group, "pulled"], counts.imports_pulled - counts.tier_loads)
     imports.add_metric([group, "tier"], counts.tier_loads)
     imports.add_metric([group, "failed"], counts.imports_failed)
     yield imports
-    holds = CounterMetricFamily(PREFIX + "kv_holds", "KV holds this group made for another, by "
-                                "how they ended", labels=["group", "result"])
+    holds = CounterMetricFamily(
+        PREFIX + "kv_holds",
+        "KV holds this group made for another, by how they ended",
+        labels=["group", "result"],
+    )
     holds.add_metric([group, "pulled"], counts.holds_pulled)
     holds.add_metric([group, "unused"], counts.holds_unused)
     holds.add_metric([group, "expired"], counts.holds_expired)
@@ -114,8 +132,13 @@ def kv_move_metrics(moves: KVMoves, group: str) -> Iterable[Metric]:
 
 
 class KVMoves:
-    def __init__(self, loop: EngineLoop, token: str = "", tls: TlsConfig | None = None,
-                 config: KVMoveConfig | None = None) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        token: str = "",
+        tls: TlsConfig | None = None,
+        config: KVMoveConfig | None = None,
+    ) -> None:
         self.loop = loop
         self.token = token
         self.tls = tls or TlsConfig()
@@ -138,8 +161,9 @@ class KVMoves:
         ranks = await self._kv_ranks()
         if ranks is None:
             return None
-        self._deadlines[held.request_id] = (time.monotonic() + hold_ms / 1000
-                                            + self.config.claim_margin_s)
+        self._deadlines[held.request_id] = (
+            time.monotonic() + hold_ms / 1000 + self.config.claim_margin_s
+        )
         return held, ranks
 
     def release(self, handoff_id: str, pulled: bool, reason: str) -> None:
@@ -183,8 +207,12 @@ class KVMoves:
             if not isinstance(workers, WorkerGroupClient):
                 return None
             infos = await workers.get_info()
-            self._ranks = (workers, [i.kv_rank for i in infos if i.kv_rank is not None]
-                           if all(i.kv_rank is not None for i in infos) else [])
+            self._ranks = (
+                workers,
+                [i.kv_rank for i in infos if i.kv_rank is not None]
+                if all(i.kv_rank is not None for i in infos)
+                else [],
+            )
         return self._ranks[1] or None
 
     # ---- importing: another group's KV for this one -------------------------------------
@@ -192,8 +220,9 @@ class KVMoves:
     def pull(self, imports: Sequence[KVImportJob]) -> None:
         """Starts one import task per importing sample (`EngineLoop.submit`'s result)."""
         for job in imports:
-            importer = (self._import_remote if isinstance(job.source, KVHandoffRef)
-                        else self._import_tier)
+            importer = (
+                self._import_remote if isinstance(job.source, KVHandoffRef) else self._import_tier
+            )
             task = asyncio.create_task(self._import(job, importer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -204,8 +233,9 @@ class KVMoves:
         for handoff in handoffs:
             self._spawn_release(handoff, False, "not needed: cached here, or no room")
 
-    async def _import(self, job: KVImportJob,
-                      importer: Callable[[KVImportJob, float], Awaitable[str]]) -> None:
+    async def _import(
+        self, job: KVImportJob, importer: Callable[[KVImportJob, float], Awaitable[str]]
+    ) -> None:
         """Runs one import to its terminal result and queues the request either way."""
         core, request = self.loop.scheduler, job.request
         self.counts.imports += 1
@@ -220,8 +250,13 @@ class KVMoves:
             self.counts.blocks_pulled += len(job.kv.block_ids)
         else:
             self.counts.imports_failed += 1
-            logger.warning("request %s: KV not imported from %s (%s); recomputing %d tokens",
-                           request.request_id, _source_name(job), reason, job.kv.num_tokens)
+            logger.warning(
+                "request %s: KV not imported from %s (%s); recomputing %d tokens",
+                request.request_id,
+                _source_name(job),
+                reason,
+                job.kv.num_tokens,
+            )
         self.counts.pull_seconds += time.monotonic() - started
         if self.loop.scheduler is core and core.finish_import(request.request_id, pulled):
             self.loop.wake()
@@ -249,11 +284,16 @@ class KVMoves:
         assert isinstance(source, TierSource)
         if not isinstance(workers, WorkerGroupClient) or tier is None:
             return "no host tier on this group now"
-        failed, reason = await workers.load_kv(source.slots, job.kv.block_ids, source.keys,
-                                               tier.epochs, max(deadline - time.monotonic(),
-                                                                0.1))
-        for key in {source.keys[job.kv.block_ids.index(b)] for b in failed
-                    if b in job.kv.block_ids}:
+        failed, reason = await workers.load_kv(
+            source.slots,
+            job.kv.block_ids,
+            source.keys,
+            tier.epochs,
+            max(deadline - time.monotonic(), 0.1),
+        )
+        for key in {
+            source.keys[job.kv.block_ids.index(b)] for b in failed if b in job.kv.block_ids
+        }:
             tier.forget(key)
         if not reason:
             self.counts.tier_loads += 1
@@ -265,10 +305,16 @@ class KVMoves:
         try:
             response = await stub.ClaimKv(
                 convert.claim_request_pb(handoff.handoff_id, hold_ms),
-                timeout=max(deadline - time.monotonic(), 0.1), metadata=self._metadata())
+                timeout=max(deadline - time.monotonic(), 0.1),
+                metadata=self._metadata(),
+            )
         except grpc.aio.AioRpcError as exc:
-            logger.info("claim of KV hold %s at %s: %s", handoff.handoff_id,
-                        handoff.scheduler_address, exc.details())
+            logger.info(
+                "claim of KV hold %s at %s: %s",
+                handoff.handoff_id,
+                handoff.scheduler_address,
+                exc.details(),
+            )
             return None
         return convert.claim_from_pb(response)
 
@@ -291,7 +337,7 @@ class KVMoves:
         if not isinstance(workers, WorkerGroupClient):
             return "this group's workers cannot pull KV (in-process executor)"
         first = imported.first_index
-        src = claim.block_ids[first:first + len(imported.block_ids)]
+        src = claim.block_ids[first : first + len(imported.block_ids)]
         timeout_ms = int(max(deadline - time.monotonic(), 0) * 1000)
         results = await workers.pull_kv(claim, src, imported.block_ids, timeout_ms)
         failed = [r.reason for r in results if not r.ok]
@@ -304,9 +350,12 @@ class KVMoves:
         async def release() -> None:
             stub = scheduler_pb2_grpc.SchedulerStub(self._channel(handoff.scheduler_address))
             with contextlib.suppress(grpc.aio.AioRpcError):  # it expires there anyway
-                await stub.ReleaseKv(convert.release_request_pb(handoff.handoff_id, pulled,
-                                                                reason),
-                                     timeout=5.0, metadata=self._metadata())
+                await stub.ReleaseKv(
+                    convert.release_request_pb(handoff.handoff_id, pulled, reason),
+                    timeout=5.0,
+                    metadata=self._metadata(),
+                )
+
         task = asyncio.create_task(release())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -315,7 +364,8 @@ class KVMoves:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = self.tls.aio_channel(
-                address, options=list(keepalive.CHANNEL_OPTIONS))
+                address, options=list(keepalive.CHANNEL_OPTIONS)
+            )
         return channel
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:

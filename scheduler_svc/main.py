@@ -27,12 +27,12 @@ from pagemesh.runtime.registry import Registry
 from pagemesh.runtime.registry_entries import GroupStatus, SchedulerEntry
 from pagemesh.runtime.service_flags import SCHEDULER_OPTIONS
 from pagemesh.runtime.serving import FatalStartupError, GrpcServer, run_service
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from protos.step import LoraRef
 from scheduler_svc import convert
 from scheduler_svc.adapters import GroupAdapters
 from scheduler_svc.checkpoint import Checkpointer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from pagemesh.runtime.speculative_config import SpeculativeConfig
 from scheduler_svc.engine_group import ConfigFor, EngineGroup, GroupSpec, host_tier_for
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.engine_metrics import observe_engine
@@ -55,10 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--scheduler-id", default=None, help="id in the registry (default: group)")
     add_flag(parser, "--tp", type=int, default=1, help="tensor-parallel workers per stage")
     add_flag(parser, "--pp", type=int, default=1, help="pipeline stages")
-    add_flag(parser, "--role", default="both", choices=ROLES,
-             help="disaggregated serving: a prefill group stops each new request after its "
-                  "first token and hands its KV to a decode group; both = colocated")
-    add_options(parser, SCHEDULER_OPTIONS)  # declared in pagemesh.runtime.service_flags, like `up`'s
+    add_flag(
+        parser,
+        "--role",
+        default="both",
+        choices=ROLES,
+        help="disaggregated serving: a prefill group stops each new request after its "
+        "first token and hands its KV to a decode group; both = colocated",
+    )
+    add_options(
+        parser, SCHEDULER_OPTIONS
+    )  # declared in pagemesh.runtime.service_flags, like `up`'s
     return parser
 
 
@@ -75,6 +82,7 @@ def async_scheduling(args: argparse.Namespace) -> bool:
 def config_for(args: argparse.Namespace) -> ConfigFor:
     """How the scheduler is sized from what its workers report (at start and after a
     re-formation, whose workers may have a different cache)."""
+
     def build(infos: list[WorkerInfo], driver_index: int) -> SchedulerConfig:
         lead = infos[driver_index]
         num_swap_blocks = min(info.num_swap_blocks for info in infos)
@@ -100,6 +108,7 @@ def config_for(args: argparse.Namespace) -> ConfigFor:
             max_loras=args.max_loras if args.enable_lora else 0,
             speculative=SpeculativeConfig.parse(args.speculative_config),
         )
+
     return build
 
 
@@ -109,10 +118,16 @@ def _adapters(args: argparse.Namespace, loop: EngineLoop, registry: Registry) ->
     --enable-lora."""
     if not args.enable_lora:
         return GroupAdapters(args.group, 0, {}, lambda: None)
-    pinned = {name: LoraRef(name, path)
-              for name, path in parse_lora_modules(args.lora_modules).items()}
-    return GroupAdapters(args.group, args.max_cpu_loras or args.max_loras, pinned,
-                         lambda: _worker_group(loop), registry.loras)
+    pinned = {
+        name: LoraRef(name, path) for name, path in parse_lora_modules(args.lora_modules).items()
+    }
+    return GroupAdapters(
+        args.group,
+        args.max_cpu_loras or args.max_loras,
+        pinned,
+        lambda: _worker_group(loop),
+        registry.loras,
+    )
 
 
 def _worker_group(loop: EngineLoop) -> WorkerGroupClient | None:
@@ -127,33 +142,65 @@ async def serve(args: argparse.Namespace) -> None:
         raise FatalStartupError(f"--speculative-config: {exc}") from exc
     registry = Registry(registry_config(args))
     await registry.ping()
-    spec = GroupSpec(args.group, args.tp, args.pp, args.worker_wait_s, args.step_timeout_s,
-                     server_config(args).tls, args.standby_grace_s)
+    spec = GroupSpec(
+        args.group,
+        args.tp,
+        args.pp,
+        args.worker_wait_s,
+        args.step_timeout_s,
+        server_config(args).tls,
+        args.standby_grace_s,
+    )
     group = EngineGroup(registry, spec, config_for(args))
     formed = await group.form()
     logger.info("scheduler config %s", asdict(formed.config))
     watchdog = WatchdogConfig(min_s=min(1.0, args.step_watchdog_s), max_s=args.step_watchdog_s)
-    loop = EngineLoop(Scheduler(formed.config, host_tier_for(formed.infos, None)),
-                      formed.workers, max_steps_in_flight=args.pp,
-                      group=group, recovery_timeout_s=args.recovery_timeout_s,
-                      watchdog=watchdog)
-    checkpointer = Checkpointer(registry.checkpoints, args.group, args.checkpoint_interval,
-                                args.resume_window_s, int(args.image_store_mib * 1024 * 1024))
+    loop = EngineLoop(
+        Scheduler(formed.config, host_tier_for(formed.infos, None)),
+        formed.workers,
+        max_steps_in_flight=args.pp,
+        group=group,
+        recovery_timeout_s=args.recovery_timeout_s,
+        watchdog=watchdog,
+    )
+    checkpointer = Checkpointer(
+        registry.checkpoints,
+        args.group,
+        args.checkpoint_interval,
+        args.resume_window_s,
+        int(args.image_store_mib * 1024 * 1024),
+    )
     loop.on_step.append(checkpointer.on_step)
     registry.on_redis_restart.append(checkpointer.rewrite_all)
     await checkpointer.adopt_orphans()
-    model_info = convert.model_info_to_pb(formed.lead, formed.config.num_blocks,
-                                          formed.weight_bytes, formed.kv_cache_bytes)
+    model_info = convert.model_info_to_pb(
+        formed.lead, formed.config.num_blocks, formed.weight_bytes, formed.kv_cache_bytes
+    )
     scheduler_id = args.scheduler_id or args.group
     adapters = _adapters(args, loop, registry)
-    kv_moves = KVMoves(loop, args.internal_token or "", server_config(args).tls,
-                       KVMoveConfig(hold_s=args.kv_hold_s, pull_timeout_s=args.kv_pull_timeout_s))
+    kv_moves = KVMoves(
+        loop,
+        args.internal_token or "",
+        server_config(args).tls,
+        KVMoveConfig(hold_s=args.kv_hold_s, pull_timeout_s=args.kv_pull_timeout_s),
+    )
     loop.importer = kv_moves.pull
-    servicer = SchedulerServicer(loop, model_info, checkpointer, group=args.group,
-                                 scheduler_id=scheduler_id, adapters=adapters,
-                                 kv_moves=kv_moves, prefill_only=args.role == "prefill")
-    server = GrpcServer(server_config(args), SERVICE_NAMES, [lambda s: add_to_server(servicer, s)],
-                        interceptors=internal_auth(args))
+    servicer = SchedulerServicer(
+        loop,
+        model_info,
+        checkpointer,
+        group=args.group,
+        scheduler_id=scheduler_id,
+        adapters=adapters,
+        kv_moves=kv_moves,
+        prefill_only=args.role == "prefill",
+    )
+    server = GrpcServer(
+        server_config(args),
+        SERVICE_NAMES,
+        [lambda s: add_to_server(servicer, s)],
+        interceptors=internal_auth(args),
+    )
     await server.start()
     try:
         server.install_signal_handlers()
@@ -164,19 +211,29 @@ async def serve(args: argparse.Namespace) -> None:
 
         def registry_info() -> dict[str, object]:
             return SchedulerEntry(
-                address=server.address, group=args.group, model=formed.lead.model,
-                pid=os.getpid(), host=socket.gethostname(), status=loop.status,
-                num_recoveries=loop.num_recoveries, num_steps=loop.num_steps,
+                address=server.address,
+                group=args.group,
+                model=formed.lead.model,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                status=loop.status,
+                num_recoveries=loop.num_recoveries,
+                num_steps=loop.num_steps,
                 num_watchdog_probes=loop.watchdog.num_probes,
                 num_slow_steps=loop.watchdog.num_slow_steps,
-                members=tuple(e.worker_id for e in loop.workers.endpoints), role=args.role,
+                members=tuple(e.worker_id for e in loop.workers.endpoints),
+                role=args.role,
                 **kv_move_entry(kv_moves.counts),
-                session=group.session, epoch=group.epoch,
+                session=group.session,
+                epoch=group.epoch,
                 checkpoint_writes=checkpointer.num_writes,
                 checkpoint_write_s=round(checkpointer.write_time_s, 6),
-                loras=adapters.names(), lora_version=adapters.version,
+                loras=adapters.names(),
+                lora_version=adapters.version,
                 lora_capacity=adapters.capacity,
-                **asdict(loop.scheduler.stats()), **metrics_server.registry_info()).to_json()
+                **asdict(loop.scheduler.stats()),
+                **metrics_server.registry_info(),
+            ).to_json()
 
         async def on_status(status: GroupStatus) -> None:
             await server.set_serving(status == GroupStatus.READY)
@@ -204,18 +261,21 @@ async def serve(args: argparse.Namespace) -> None:
         # drain, and leave the registry entry to its holder. No split brain.
         fenced: list[dict[str, object]] = []
         registry.on_fenced.append(
-            lambda record: (fenced.append(record), loop_task.cancel(), server.request_stop()))
+            lambda record: (fenced.append(record), loop_task.cancel(), server.request_stop())
+        )
         await server.set_serving(True)
         await registry.start_heartbeat("scheduler", scheduler_id, registry_info)
         claimed.set()
         watch = asyncio.create_task(
-            _watch_members(loop, group, registry.config.heartbeat_interval_s))
+            _watch_members(loop, group, registry.config.heartbeat_interval_s)
+        )
         expiry = asyncio.create_task(kv_moves.run())
         await server.wait_for_stop()
         watch.cancel()
         if not fenced:
             migrate = args.drain_migrate and await _other_group_ready(
-                registry, scheduler_id, formed.lead.model)
+                registry, scheduler_id, formed.lead.model
+            )
             await _drain(loop, checkpointer, args.drain_timeout_s, migrate)
         expiry.cancel()
         await kv_moves.close()
@@ -239,8 +299,9 @@ async def _watch_members(loop: EngineLoop, group: EngineGroup, interval_s: float
             loop.request_recovery("a worker's heartbeat expired and it does not answer")
 
 
-async def _drain(loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float,
-                 migrate: bool = False) -> None:
+async def _drain(
+    loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float, migrate: bool = False
+) -> None:
     """SIGTERM: NOT_SERVING, no admissions. With `migrate`, every request is handed over at
     once with its KV, and the group stays up (for `timeout_s` at most) until the groups
     continuing them have pulled it. Else the requests in flight may finish for up to
@@ -250,8 +311,9 @@ async def _drain(loop: EngineLoop, checkpointer: Checkpointer, timeout_s: float,
     deadline = time.monotonic() + timeout_s
     if migrate:
         migrated, recomputed = await loop.hand_off_all()
-        logger.warning("drain: %d requests handed over with their KV, %d to recompute",
-                       migrated, recomputed)
+        logger.warning(
+            "drain: %d requests handed over with their KV, %d to recompute", migrated, recomputed
+        )
         # Until the groups continuing them pulled what this drain handed over (a prefill
         # group's ordinary holds expire on their own).
         while loop.handed_off & set(loop.scheduler.held) and time.monotonic() < deadline:
@@ -271,9 +333,13 @@ async def _other_group_ready(registry: Registry, scheduler_id: str, model: str) 
         entries = await registry.entries(SchedulerEntry)
     except Exception:  # Redis away: let them finish here
         return False
-    return any(sid != scheduler_id and entry.model == model
-               and entry.status == GroupStatus.READY and entry.role != "prefill"
-               for sid, entry in entries.items())
+    return any(
+        sid != scheduler_id
+        and entry.model == model
+        and entry.status == GroupStatus.READY
+        and entry.role != "prefill"
+        for sid, entry in entries.items()
+    )
 
 
 def internal_auth(args: argparse.Namespace) -> list[InternalTokenInterceptor]:

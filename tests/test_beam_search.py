@@ -40,30 +40,50 @@ def search_with_forward(model: torch.nn.Module, search: BeamSearch) -> BeamSearc
 
 
 # (width, length_penalty, early_stopping, max_tokens, whether a best beam ends with EOS)
-CASES = [(2, 1.0, False, 12, True), (4, 1.0, False, 10, False), (3, 2.0, False, 14, False),
-         (4, -1.0, False, 10, True), (3, 0.0, "never", 9, True), (3, 1.0, True, 12, True),
-         (1, 1.0, False, 8, True)]
+CASES = [
+    (2, 1.0, False, 12, True),
+    (4, 1.0, False, 10, False),
+    (3, 2.0, False, 14, False),
+    (4, -1.0, False, 10, True),
+    (3, 0.0, "never", 9, True),
+    (3, 1.0, True, 12, True),
+    (1, 1.0, False, 8, True),
+]
 
 
 @pytest.mark.parametrize("width,length_penalty,early_stopping,max_tokens,ends", CASES)
-def test_equals_transformers_generate(model: torch.nn.Module, width: int, length_penalty: float,
-                                      early_stopping: bool | str, max_tokens: int, ends: bool
-                                      ) -> None:
+def test_equals_transformers_generate(
+    model: torch.nn.Module,
+    width: int,
+    length_penalty: float,
+    early_stopping: bool | str,
+    max_tokens: int,
+    ends: bool,
+) -> None:
     eos = frequent_token(model)
-    search = search_with_forward(model, BeamSearch(width, max_tokens, [eos], length_penalty,
-                                                   early_stopping))
+    search = search_with_forward(
+        model, BeamSearch(width, max_tokens, [eos], length_penalty, early_stopping)
+    )
     with torch.no_grad():
         reference = model.generate(
-            torch.tensor([PROMPT]), num_beams=width, num_return_sequences=width,
-            length_penalty=length_penalty, early_stopping=early_stopping, do_sample=False,
-            max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=0,
-            return_dict_in_generate=True, output_scores=True)
+            torch.tensor([PROMPT]),
+            num_beams=width,
+            num_return_sequences=width,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=eos,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
     got = search.best()
     assert len(got) == width
     # One beam is greedy decoding to transformers: no scores then.
     scores = getattr(reference, "sequences_scores", None)
     for index, (beam, sequence) in enumerate(zip(got, reference.sequences)):
-        tokens = sequence[len(PROMPT):].tolist()
+        tokens = sequence[len(PROMPT) :].tolist()
         if eos in tokens:
             tokens = tokens[: tokens.index(eos) + 1]
         assert beam.token_ids == tokens
@@ -86,4 +106,3 @@ def test_candidates_and_bad_options() -> None:
     assert search.done and [b.token_ids for b in search.best()] == [[3], [4]]
     with pytest.raises(RuntimeError, match="done"):
         search.advance([[(3, -0.1)]])
-

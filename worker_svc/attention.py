@@ -34,13 +34,21 @@ class AttentionBackend(Protocol):
     name: str
 
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None: ...
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, sliding_window: int | None = None, key: torch.Tensor | None = None,
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`key`, `value`: the step's own (what store_kv just wrote), which a backend may
@@ -54,19 +62,33 @@ class TorchAttentionBackend:
     name = "torch"
 
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
         reference.store_kv(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, sliding_window: int | None = None, key: torch.Tensor | None = None,
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return reference.paged_attention(
-            query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, scale, sliding_window=sliding_window,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            scale,
+            sliding_window=sliding_window,
         )
 
 
@@ -77,19 +99,34 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
         cpu_attention.store_kv(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, sliding_window: int | None = None, key: torch.Tensor | None = None,
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return cpu_attention.paged_attention(
-            query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, scale, sliding_window=sliding_window, key=key,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            scale,
+            sliding_window=sliding_window,
+            key=key,
             value=value,
         )
 
@@ -122,7 +159,8 @@ class TritonAttentionBackend:
                 "the 'triton' attention backend on CPU runs in Triton's interpreter, which "
                 "needs TRITON_INTERPRET=1 set before the kernels are imported (the worker sets "
                 "it at startup for --attention-backend triton on CPU); set it at process start "
-                "or use attention_backend='cpu' or 'torch' on CPU")
+                "or use attention_backend='cpu' or 'torch' on CPU"
+            )
         try:
             from kernels import attention as ops
         except ImportError as error:
@@ -131,12 +169,16 @@ class TritonAttentionBackend:
                 "it or choose attention_backend='torch'"
             ) from error
         if device.type == "cpu" and not ops.runs_in_interpreter():
-            raise RuntimeError("the Triton kernels were already imported without "
-                               "TRITON_INTERPRET=1, so they cannot run on CPU in this process; "
-                               "use attention_backend='torch' on CPU")
+            raise RuntimeError(
+                "the Triton kernels were already imported without "
+                "TRITON_INTERPRET=1, so they cannot run on CPU in this process; "
+                "use attention_backend='torch' on CPU"
+            )
         if device.type == "cpu":
-            logger.warning("triton attention on CPU runs in Triton's interpreter "
-                           "(TRITON_INTERPRET=1): correct but very slow; use it for tests only")
+            logger.warning(
+                "triton attention on CPU runs in Triton's interpreter "
+                "(TRITON_INTERPRET=1): correct but very slow; use it for tests only"
+            )
         self._ops = ops
         # The runner hands one metadata object to every layer of a step: split the batch into
         # decodes and prefills (a device sync) once per step, not once per layer.
@@ -144,8 +186,7 @@ class TritonAttentionBackend:
         self._plan = None
         self._graph_plans: dict[int, object] = {}  # CUDA graphs read their seq ids: keep them
 
-    def fix_decode_plan(self, metadata: AttentionMetadata, num_seqs: int,
-                        max_seq_len: int) -> None:
+    def fix_decode_plan(self, metadata: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
         """Attend over `metadata` as `num_seqs` decodes of at most `max_seq_len` tokens, read
         from the device only: what a CUDA graph captures (worker_svc/cuda_graphs.py), whose
         replays cannot stop to read lengths on the host. A context shorter than assumed
@@ -154,35 +195,55 @@ class TritonAttentionBackend:
         plan = self._ops.AttentionPlan(
             decode_seq_ids=torch.arange(num_seqs, dtype=torch.int32, device=device),
             prefill_seq_ids=torch.empty(0, dtype=torch.int32, device=device),
-            max_decode_seq_len=max_seq_len, max_prefill_query_len=0)
+            max_decode_seq_len=max_seq_len,
+            max_prefill_query_len=0,
+        )
         self._graph_plans[num_seqs] = plan
         self._plan, self._planned_for = plan, metadata
 
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
         self._ops.store_kv(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, sliding_window: int | None = None, key: torch.Tensor | None = None,
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self._planned_for is not metadata:
             self._plan = self._ops.plan_attention(
-                metadata.seq_lens, metadata.query_start_loc, num_tokens=query.shape[0],
-                block_tables=metadata.block_tables, block_size=kv_cache.shape[2],
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                num_tokens=query.shape[0],
+                block_tables=metadata.block_tables,
+                block_size=kv_cache.shape[2],
             )
             self._planned_for = metadata
         return self._ops.paged_attention_planned(
-            query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, scale, self._plan, sliding_window=sliding_window,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            scale,
+            self._plan,
+            sliding_window=sliding_window,
         )
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """"torch" (the reference ops) anywhere; "cpu" (the same math arranged for speed) on CPU;
+    """ "torch" (the reference ops) anywhere; "cpu" (the same math arranged for speed) on CPU;
     "triton" anywhere (on CPU through Triton's interpreter, for tests); "auto" is triton on
     CUDA, cpu on CPU and torch elsewhere."""
     device = torch.device(device)

@@ -112,8 +112,9 @@ class BlockTables:
         start = int(self.lengths[row])
         end = start + len(block_ids)
         if end > self.table.shape[1]:
-            wider = np.zeros((self.table.shape[0], max(end, 2 * self.table.shape[1])),
-                             dtype=np.int32)
+            wider = np.zeros(
+                (self.table.shape[0], max(end, 2 * self.table.shape[1])), dtype=np.int32
+            )
             wider[:, : self.table.shape[1]] = self.table
             self.table = wider
         self.table[row, start:end] = block_ids
@@ -135,48 +136,61 @@ class BlockTables:
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
 
-def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[str, int],
-                block_size: int, device: torch.device, tables: BlockTables) -> StepBatch:
+def build_batch(
+    requests: dict[str, RequestState],
+    num_scheduled_tokens: dict[str, int],
+    block_size: int,
+    device: torch.device,
+    tables: BlockTables,
+) -> StepBatch:
     """The step's flat batch. Per request only its counts are read in Python; positions,
     slots and block tables are vectorized over `tables` (which must hold every scheduled
     request's blocks)."""
     order = batch_order(num_scheduled_tokens)
     states = [requests[request_id] for request_id in order]
-    counts = np.fromiter((num_scheduled_tokens[r] for r in order), dtype=np.int64,
-                         count=len(order))
-    starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
-                         count=len(order))
+    counts = np.fromiter((num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
+    starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(order))
     ends = starts + counts
     query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(counts, out=query_start_loc[1:])
     if bool((counts == 1).all()):  # decodes: one known token each
-        input_ids = np.fromiter((s.token_ids[start] for s, start in zip(states, starts.tolist())),
-                                dtype=np.int64, count=len(order))
+        input_ids = np.fromiter(
+            (s.token_ids[start] for s, start in zip(states, starts.tolist())),
+            dtype=np.int64,
+            count=len(order),
+        )
         positions = starts
         seq_of_token = np.arange(len(order))
     else:
-        input_ids = np.concatenate([np.asarray(s.input_token_ids()[a:b], dtype=np.int64)
-                                    for s, a, b in zip(states, starts.tolist(), ends.tolist())])
+        input_ids = np.concatenate(
+            [
+                np.asarray(s.input_token_ids()[a:b], dtype=np.int64)
+                for s, a, b in zip(states, starts.tolist(), ends.tolist())
+            ]
+        )
         seq_of_token = np.repeat(np.arange(len(order)), counts)
-        positions = starts[seq_of_token] + (np.arange(len(input_ids))
-                                            - query_start_loc[:-1][seq_of_token])
+        positions = starts[seq_of_token] + (
+            np.arange(len(input_ids)) - query_start_loc[:-1][seq_of_token]
+        )
     rows = np.fromiter((tables.rows[r] for r in order), dtype=np.int64, count=len(order))
-    slots = (tables.table[rows[seq_of_token], positions // block_size].astype(np.int64)
-             * block_size + positions % block_size)
+    slots = (
+        tables.table[rows[seq_of_token], positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
     needed = -(-ends // block_size)  # blocks each sequence's context spans
     max_blocks = int(needed.max())
     # Blocks allocated ahead of the context read as 0, the padding they always had.
-    block_tables = np.where(np.arange(max_blocks)[None, :] < needed[:, None],
-                            tables.table[rows, :max_blocks], 0).astype(np.int32)
-    drafts = np.fromiter((len(s.draft_token_ids) for s in states), dtype=np.int64,
-                         count=len(order))
-    known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64,
-                        count=len(order)) + drafts
+    block_tables = np.where(
+        np.arange(max_blocks)[None, :] < needed[:, None], tables.table[rows, :max_blocks], 0
+    ).astype(np.int32)
+    drafts = np.fromiter((len(s.draft_token_ids) for s in states), dtype=np.int64, count=len(order))
+    known = (
+        np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(order)) + drafts
+    )
     completes = ends == known
     pool_segments = _pool_segments(order, states, query_start_loc, starts, counts, completes)
     if pool_segments:
-        completes &= np.fromiter((s.pooling is None for s in states), dtype=bool,
-                                 count=len(order))
+        completes &= np.fromiter((s.pooling is None for s in states), dtype=bool, count=len(order))
     sampled = np.flatnonzero(completes)
 
     sample_rows = (query_start_loc[1:][sampled] - 1).tolist()
@@ -208,8 +222,9 @@ def build_batch(requests: dict[str, RequestState], num_scheduled_tokens: dict[st
     )
 
 
-def _image_segments(states: list[RequestState], query_start_loc: np.ndarray,
-                    starts: np.ndarray, ends: np.ndarray) -> list[ImageSegment]:
+def _image_segments(
+    states: list[RequestState], query_start_loc: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> list[ImageSegment]:
     """The part of each image's placeholder positions this step computes, as batch rows."""
     segments = []
     for i, state in enumerate(states):
@@ -217,18 +232,38 @@ def _image_segments(states: list[RequestState], query_start_loc: np.ndarray,
             low = max(int(starts[i]), image.offset)
             high = min(int(ends[i]), image.offset + image.length)
             if low < high:
-                segments.append(ImageSegment(image, int(query_start_loc[i]) + low - int(starts[i]),
-                                             low - image.offset, high - low))
+                segments.append(
+                    ImageSegment(
+                        image,
+                        int(query_start_loc[i]) + low - int(starts[i]),
+                        low - image.offset,
+                        high - low,
+                    )
+                )
     return segments
 
 
-def _pool_segments(order: list[str], states: list[RequestState], query_start_loc: np.ndarray,
-                   starts: np.ndarray, counts: np.ndarray, completes: np.ndarray
-                   ) -> list[PoolSegment]:
+def _pool_segments(
+    order: list[str],
+    states: list[RequestState],
+    query_start_loc: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    completes: np.ndarray,
+) -> list[PoolSegment]:
     """The embedding requests' rows of the batch (none in a generation-only step)."""
-    return [PoolSegment(order[i], int(query_start_loc[i]), int(counts[i]), int(starts[i]),
-                        bool(completes[i]), state.pooling.dimensions)
-            for i, state in enumerate(states) if state.pooling is not None]
+    return [
+        PoolSegment(
+            order[i],
+            int(query_start_loc[i]),
+            int(counts[i]),
+            int(starts[i]),
+            bool(completes[i]),
+            state.pooling.dimensions,
+        )
+        for i, state in enumerate(states)
+        if state.pooling is not None
+    ]
 
 
 def step_digest(step: SchedulerOutput) -> int:
@@ -242,15 +277,18 @@ def step_digest(step: SchedulerOutput) -> int:
     def add(*items: object) -> None:
         digest.update(repr(items).encode())
 
-    add(step.step_id, sorted(step.num_scheduled_tokens.items()),
-        sorted(step.finished_request_ids))
+    add(step.step_id, sorted(step.num_scheduled_tokens.items()), sorted(step.finished_request_ids))
     for new in step.new_requests:
-        add(new.request_id, new.num_prompt_tokens, new.num_computed_tokens, new.block_ids,
-            new.lora)
+        add(new.request_id, new.num_prompt_tokens, new.num_computed_tokens, new.block_ids, new.lora)
         digest.update(np.asarray(new.token_ids, dtype=np.int64).tobytes())
     for cached in step.cached_requests:
-        add(cached.request_id, cached.num_computed_tokens, cached.new_block_ids,
-            cached.new_token_ids, cached.spec_token_ids)
+        add(
+            cached.request_id,
+            cached.num_computed_tokens,
+            cached.new_block_ids,
+            cached.new_token_ids,
+            cached.spec_token_ids,
+        )
     add(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
     return int.from_bytes(digest.digest(), "little", signed=True)
 
@@ -295,7 +333,9 @@ def validate_step(
         if request_id not in shapes:
             raise ValueError(f"unknown request {request_id!r} in cached requests")
         cached_ids.add(request_id)
-        shapes[request_id] = _cached_request_shape(cached, shapes[request_id], num_blocks, vocab_size)
+        shapes[request_id] = _cached_request_shape(
+            cached, shapes[request_id], num_blocks, vocab_size
+        )
     for request_id, num_tokens in step.num_scheduled_tokens.items():
         if request_id not in shapes:
             raise ValueError(f"unknown request {request_id!r} scheduled")
@@ -311,8 +351,10 @@ def check_block_moves(step: SchedulerOutput, num_blocks: int, num_swap_blocks: i
     ):
         for src, dst in pairs:
             if not (0 <= src < src_limit and 0 <= dst < dst_limit):
-                raise ValueError(f"{name} of block {src} -> {dst} is outside the cache "
-                                 f"({num_blocks} device blocks, {num_swap_blocks} swap blocks)")
+                raise ValueError(
+                    f"{name} of block {src} -> {dst} is outside the cache "
+                    f"({num_blocks} device blocks, {num_swap_blocks} swap blocks)"
+                )
 
 
 @dataclass(frozen=True)
@@ -334,37 +376,51 @@ def _check_block_ids(request_id: str, block_ids: list[int], num_blocks: int) -> 
 def _new_request_shape(new: NewRequestData, num_blocks: int, vocab_size: int) -> _Shape:
     request_id, num_known = new.request_id, len(new.token_ids)
     if not 0 < new.num_prompt_tokens <= num_known:
-        raise ValueError(f"request {request_id!r}: num_prompt_tokens "
-                         f"{new.num_prompt_tokens} not in 1..{num_known}")
+        raise ValueError(
+            f"request {request_id!r}: num_prompt_tokens "
+            f"{new.num_prompt_tokens} not in 1..{num_known}"
+        )
     if not 0 <= new.num_computed_tokens <= num_known:
-        raise ValueError(f"request {request_id!r}: num_computed_tokens "
-                         f"{new.num_computed_tokens} not in 0..{num_known}")
+        raise ValueError(
+            f"request {request_id!r}: num_computed_tokens "
+            f"{new.num_computed_tokens} not in 0..{num_known}"
+        )
     # An out-of-range id would index past the embedding (a device assert on CUDA).
     if any(not 0 <= t < vocab_size for t in new.token_ids):
         raise ValueError(f"request {request_id!r}: token id outside 0..{vocab_size - 1}")
     _check_block_ids(request_id, new.block_ids, num_blocks)
     for image in new.images:
         if image.length <= 0 or image.offset < 0 or image.offset + image.length > num_known:
-            raise ValueError(f"request {request_id!r}: an image's {image.length} placeholders "
-                             f"at {image.offset} fall outside its {num_known} tokens")
+            raise ValueError(
+                f"request {request_id!r}: an image's {image.length} placeholders "
+                f"at {image.offset} fall outside its {num_known} tokens"
+            )
     return _Shape(num_known, len(new.block_ids), new.num_computed_tokens)
 
 
-def _cached_request_shape(cached: CachedRequestData, shape: _Shape, num_blocks: int,
-                          vocab_size: int) -> _Shape:
+def _cached_request_shape(
+    cached: CachedRequestData, shape: _Shape, num_blocks: int, vocab_size: int
+) -> _Shape:
     _check_block_ids(cached.request_id, cached.new_block_ids, num_blocks)
     if any(not 0 <= t < vocab_size for t in cached.new_token_ids):
         raise ValueError(f"request {cached.request_id!r}: new token id outside 0..{vocab_size - 1}")
     num_known = shape.num_known_tokens + len(cached.new_token_ids)
     if not 0 <= cached.num_computed_tokens <= num_known:
-        raise ValueError(f"request {cached.request_id!r}: num_computed_tokens "
-                         f"{cached.num_computed_tokens} not in 0..{num_known}")
+        raise ValueError(
+            f"request {cached.request_id!r}: num_computed_tokens "
+            f"{cached.num_computed_tokens} not in 0..{num_known}"
+        )
     num_drafts = len(cached.spec_token_ids)
     if num_drafts and any(not 0 <= t < vocab_size for t in cached.spec_token_ids):
-        raise ValueError(f"request {cached.request_id!r}: draft token id outside "
-                         f"0..{vocab_size - 1}")
-    return _Shape(num_known + num_drafts, shape.num_blocks_held + len(cached.new_block_ids),
-                  cached.num_computed_tokens, num_drafts)
+        raise ValueError(
+            f"request {cached.request_id!r}: draft token id outside 0..{vocab_size - 1}"
+        )
+    return _Shape(
+        num_known + num_drafts,
+        shape.num_blocks_held + len(cached.new_block_ids),
+        cached.num_computed_tokens,
+        num_drafts,
+    )
 
 
 def _check_scheduled(
@@ -374,15 +430,22 @@ def _check_scheduled(
     if num_tokens < 1:
         raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled (need >= 1)")
     if end > shape.num_known_tokens:
-        raise ValueError(f"request {request_id!r}: {num_tokens} tokens scheduled from "
-                         f"{shape.num_computed_tokens} but only {shape.num_known_tokens} "
-                         "tokens are known")
+        raise ValueError(
+            f"request {request_id!r}: {num_tokens} tokens scheduled from "
+            f"{shape.num_computed_tokens} but only {shape.num_known_tokens} "
+            "tokens are known"
+        )
     if shape.num_drafts and end != shape.num_known_tokens:
-        raise ValueError(f"request {request_id!r}: its {shape.num_drafts} draft tokens must "
-                         "be scheduled to their end")
+        raise ValueError(
+            f"request {request_id!r}: its {shape.num_drafts} draft tokens must "
+            "be scheduled to their end"
+        )
     if end > max_model_len:
-        raise ValueError(f"request {request_id!r}: {end} tokens exceed max_model_len "
-                         f"{max_model_len}")
+        raise ValueError(
+            f"request {request_id!r}: {end} tokens exceed max_model_len {max_model_len}"
+        )
     if shape.num_blocks_held * block_size < end:
-        raise ValueError(f"request {request_id!r}: {shape.num_blocks_held} blocks of "
-                         f"{block_size} cannot hold {end} tokens")
+        raise ValueError(
+            f"request {request_id!r}: {shape.num_blocks_held} blocks of "
+            f"{block_size} cannot hold {end} tokens"
+        )

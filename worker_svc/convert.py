@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from protos.pagemesh.v1 import admin_pb2
 from protos.pagemesh.worker.v1 import worker_pb2
+from protos.pooling import image_tiling_to_pb, pooling_info_to_pb
 from protos.step import (
     CachedRequestData,
     ImageInput,
@@ -16,7 +17,6 @@ from protos.step import (
     SamplingParams,
     SchedulerOutput,
 )
-from protos.pooling import image_tiling_to_pb, pooling_info_to_pb
 from worker_svc.diagnostics import ProfileTraceFile, RankMemory, StepStatsSnapshot
 from worker_svc.host_tier import HostTier
 from worker_svc.kv_transfer.layout import RankSlice
@@ -51,8 +51,11 @@ def scheduler_output_from_pb(pb: worker_pb2.ExecuteStepRequest) -> SchedulerOutp
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 sampling=sampling_from_pb(r.sampling),
-                pooling=(PoolingParams(dimensions=r.pooling.dimensions, image=r.pooling.image)
-                         if r.HasField("pooling") else None),
+                pooling=(
+                    PoolingParams(dimensions=r.pooling.dimensions, image=r.pooling.image)
+                    if r.HasField("pooling")
+                    else None
+                ),
                 images=tuple(ImageInput(i.data, i.offset, i.length, i.sha256) for i in r.images),
                 lora=LoraRef(r.lora.name, r.lora.path) if r.HasField("lora") else None,
             )
@@ -82,8 +85,12 @@ def step_trace_from_pb(pb: worker_pb2.ExecuteStepRequest) -> tuple[list[str], in
     """(`traceparent` of each traced request, cached requests first then new ones in step
     order; requests computed; tokens computed) of one step."""
     traceparents = pb.traceparents
-    ordered = [traceparents[r.request_id] for requests in (pb.cached_requests, pb.new_requests)
-               for r in requests if r.request_id in traceparents]
+    ordered = [
+        traceparents[r.request_id]
+        for requests in (pb.cached_requests, pb.new_requests)
+        for r in requests
+        if r.request_id in traceparents
+    ]
     scheduled = pb.num_scheduled_tokens
     return ordered, len(scheduled), sum(scheduled.values())
 
@@ -98,22 +105,31 @@ def model_runner_output_to_pb(output: ModelRunnerOutput) -> worker_pb2.ExecuteSt
                 token_id=token.token_id,
                 logprob=token.logprob,
                 top_logprobs=[
-                    worker_pb2.TopLogprob(token_id=tid, logprob=lp) for tid, lp in token.top_logprobs
+                    worker_pb2.TopLogprob(token_id=tid, logprob=lp)
+                    for tid, lp in token.top_logprobs
                 ],
             )
             for request_id, first in output.sampled.items()
             for token in (first, *output.spec_sampled.get(request_id, ()))
         ],
-        pooled=[worker_pb2.PooledOutput(request_id=request_id, embedding=vector)
-                for request_id, vector in output.pooled.items()],
-        drafts=[worker_pb2.DraftTokens(request_id=request_id, token_ids=tokens)
-                for request_id, tokens in output.draft_token_ids.items()],
+        pooled=[
+            worker_pb2.PooledOutput(request_id=request_id, embedding=vector)
+            for request_id, vector in output.pooled.items()
+        ],
+        drafts=[
+            worker_pb2.DraftTokens(request_id=request_id, token_ids=tokens)
+            for request_id, tokens in output.draft_token_ids.items()
+        ],
     )
 
 
-def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int],
-                      kv_rank: RankSlice | None = None, tier: HostTier | None = None
-                      ) -> worker_pb2.GetWorkerInfoResponse:
+def worker_info_to_pb(
+    info: object,
+    worker_id: str,
+    layout: dict[str, int],
+    kv_rank: RankSlice | None = None,
+    tier: HostTier | None = None,
+) -> worker_pb2.GetWorkerInfoResponse:
     return worker_pb2.GetWorkerInfoResponse(
         host_tier_slots=tier.num_slots if tier is not None else 0,
         host_tier_epoch=tier.epoch if tier is not None else 0,
@@ -143,41 +159,75 @@ def worker_info_to_pb(info: object, worker_id: str, layout: dict[str, int],
 # --- admin (pagemesh.v1.Admin's per-rank messages) ------------------------------------------
 
 
-def memory_to_pb(memory: RankMemory, worker_id: str, layout: dict[str, int]
-                 ) -> worker_pb2.GetMemoryResponse:
+def memory_to_pb(
+    memory: RankMemory, worker_id: str, layout: dict[str, int]
+) -> worker_pb2.GetMemoryResponse:
     """This rank's memory; the group's block occupancy is the scheduler's to fill in."""
-    return worker_pb2.GetMemoryResponse(memory=admin_pb2.RankMemory(
-        worker_id=worker_id, tp_rank=max(0, layout["tp_rank"]), pp_rank=max(0, layout["pp_rank"]),
-        device=memory.device, weight_bytes=memory.weight_bytes,
-        num_allocated_kv_blocks=memory.num_allocated_kv_blocks,
-        kv_cache_bytes=memory.kv_cache_bytes, kv_bytes_per_block=memory.kv_bytes_per_block,
-        num_swap_blocks=memory.num_swap_blocks, swap_bytes=memory.swap_bytes,
-        rss_bytes=memory.rss_bytes, device_allocated_bytes=memory.device_allocated_bytes,
-        device_reserved_bytes=memory.device_reserved_bytes,
-        device_total_bytes=memory.device_total_bytes))
+    return worker_pb2.GetMemoryResponse(
+        memory=admin_pb2.RankMemory(
+            worker_id=worker_id,
+            tp_rank=max(0, layout["tp_rank"]),
+            pp_rank=max(0, layout["pp_rank"]),
+            device=memory.device,
+            weight_bytes=memory.weight_bytes,
+            num_allocated_kv_blocks=memory.num_allocated_kv_blocks,
+            kv_cache_bytes=memory.kv_cache_bytes,
+            kv_bytes_per_block=memory.kv_bytes_per_block,
+            num_swap_blocks=memory.num_swap_blocks,
+            swap_bytes=memory.swap_bytes,
+            rss_bytes=memory.rss_bytes,
+            device_allocated_bytes=memory.device_allocated_bytes,
+            device_reserved_bytes=memory.device_reserved_bytes,
+            device_total_bytes=memory.device_total_bytes,
+        )
+    )
 
 
-def step_stats_to_pb(stats: StepStatsSnapshot, worker_id: str, layout: dict[str, int],
-                     expert_load: dict[int, list[int]] | None = None
-                     ) -> worker_pb2.GetStepStatsResponse:
+def step_stats_to_pb(
+    stats: StepStatsSnapshot,
+    worker_id: str,
+    layout: dict[str, int],
+    expert_load: dict[int, list[int]] | None = None,
+) -> worker_pb2.GetStepStatsResponse:
     expert_load = expert_load or {}
-    return worker_pb2.GetStepStatsResponse(stats=admin_pb2.RankStepStats(
-        worker_id=worker_id, tp_rank=max(0, layout["tp_rank"]), pp_rank=max(0, layout["pp_rank"]),
-        num_steps=stats.num_steps, busy_s=stats.busy_s, collective_s=stats.collective_s,
-        pp_send_s=stats.pp_send_s, pp_recv_s=stats.pp_recv_s, window_s=stats.window_s,
-        window_num_steps=stats.window_num_steps, window_busy_s=stats.window_busy_s,
-        window_communication_s=stats.window_communication_s, utilization=stats.utilization,
-        compute_fraction=stats.compute_fraction,
-        expert_load=[admin_pb2.ExpertLoad(layer=layer, tokens=tokens)
-                     for layer, tokens in sorted(expert_load.items())]))
+    return worker_pb2.GetStepStatsResponse(
+        stats=admin_pb2.RankStepStats(
+            worker_id=worker_id,
+            tp_rank=max(0, layout["tp_rank"]),
+            pp_rank=max(0, layout["pp_rank"]),
+            num_steps=stats.num_steps,
+            busy_s=stats.busy_s,
+            collective_s=stats.collective_s,
+            pp_send_s=stats.pp_send_s,
+            pp_recv_s=stats.pp_recv_s,
+            window_s=stats.window_s,
+            window_num_steps=stats.window_num_steps,
+            window_busy_s=stats.window_busy_s,
+            window_communication_s=stats.window_communication_s,
+            utilization=stats.utilization,
+            compute_fraction=stats.compute_fraction,
+            expert_load=[
+                admin_pb2.ExpertLoad(layer=layer, tokens=tokens)
+                for layer, tokens in sorted(expert_load.items())
+            ],
+        )
+    )
 
 
-def profile_trace_to_pb(trace: ProfileTraceFile, worker_id: str, layout: dict[str, int]
-                        ) -> worker_pb2.StopProfileResponse:
-    return worker_pb2.StopProfileResponse(trace=admin_pb2.ProfileTrace(
-        worker_id=worker_id, tp_rank=max(0, layout["tp_rank"]), pp_rank=max(0, layout["pp_rank"]),
-        host=trace.host, path=trace.path, duration_s=trace.duration_s,
-        num_steps=trace.num_steps))
+def profile_trace_to_pb(
+    trace: ProfileTraceFile, worker_id: str, layout: dict[str, int]
+) -> worker_pb2.StopProfileResponse:
+    return worker_pb2.StopProfileResponse(
+        trace=admin_pb2.ProfileTrace(
+            worker_id=worker_id,
+            tp_rank=max(0, layout["tp_rank"]),
+            pp_rank=max(0, layout["pp_rank"]),
+            host=trace.host,
+            path=trace.path,
+            duration_s=trace.duration_s,
+            num_steps=trace.num_steps,
+        )
+    )
 
 
 # --- KV moving between groups (worker_svc/kv_endpoint.py) -----------------------------------
@@ -185,28 +235,51 @@ def profile_trace_to_pb(trace: ProfileTraceFile, worker_id: str, layout: dict[st
 
 def _rank_slice_to_pb(rank: RankSlice) -> worker_pb2.KvRank:
     return worker_pb2.KvRank(
-        address=rank.address, host_key=rank.host_key, layer_start=rank.layer_start,
-        num_layers=rank.num_layers, kv_head_start=rank.kv_head_start,
-        num_kv_heads=rank.num_kv_heads, block_size=rank.block_size, head_dim=rank.head_dim,
-        dtype=rank.dtype)
+        address=rank.address,
+        host_key=rank.host_key,
+        layer_start=rank.layer_start,
+        num_layers=rank.num_layers,
+        kv_head_start=rank.kv_head_start,
+        num_kv_heads=rank.num_kv_heads,
+        block_size=rank.block_size,
+        head_dim=rank.head_dim,
+        dtype=rank.dtype,
+    )
 
 
 def rank_slices_from_pb(ranks: Iterable[worker_pb2.KvRank]) -> list[RankSlice]:
     """Raises ValueError for a rank whose figures cannot describe a KV cache."""
-    return [RankSlice(r.layer_start, r.num_layers, r.kv_head_start, r.num_kv_heads,
-                      r.block_size, r.head_dim, r.dtype, r.address, r.host_key) for r in ranks]
+    return [
+        RankSlice(
+            r.layer_start,
+            r.num_layers,
+            r.kv_head_start,
+            r.num_kv_heads,
+            r.block_size,
+            r.head_dim,
+            r.dtype,
+            r.address,
+            r.host_key,
+        )
+        for r in ranks
+    ]
 
 
 def pull_result_to_pb(result: PullResult) -> worker_pb2.PullKvResponse:
-    return worker_pb2.PullKvResponse(ok=result.ok, reason=result.reason,
-                                     num_bytes=result.nbytes, seconds=result.seconds,
-                                     path="+".join(sorted(result.paths)))
+    return worker_pb2.PullKvResponse(
+        ok=result.ok,
+        reason=result.reason,
+        num_bytes=result.nbytes,
+        seconds=result.seconds,
+        path="+".join(sorted(result.paths)),
+    )
 
 
 def load_failed_pb(failed_block_ids: Iterable[int], reason: str) -> worker_pb2.LoadKvResponse:
     failed = list(failed_block_ids)
-    return worker_pb2.LoadKvResponse(ok=not failed and not reason, reason=reason,
-                                     failed_block_ids=failed)
+    return worker_pb2.LoadKvResponse(
+        ok=not failed and not reason, reason=reason, failed_block_ids=failed
+    )
 
 
 def pull_failed_pb(reason: str) -> worker_pb2.PullKvResponse:

@@ -45,8 +45,10 @@ def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> tuple[
     min(max_num_seqs, max_size), which is always one of them."""
     limit = min(max_num_seqs, max_size)
     if limit < 1:
-        raise ValueError(f"CUDA graphs need a batch of at least 1, got max_num_seqs "
-                         f"{max_num_seqs}, max_size {max_size}")
+        raise ValueError(
+            f"CUDA graphs need a batch of at least 1, got max_num_seqs "
+            f"{max_num_seqs}, max_size {max_size}"
+        )
     sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
     if sizes[-1] != limit:
         sizes.append(limit)
@@ -59,11 +61,13 @@ def parse_capture_sizes(text: str) -> tuple[int, ...]:
     try:
         sizes = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise ValueError(f"--cuda-graph-sizes must be positive integers separated by commas, "
-                         f"got {text!r}") from None
+        raise ValueError(
+            f"--cuda-graph-sizes must be positive integers separated by commas, got {text!r}"
+        ) from None
     if not sizes or sizes[0] < 1:
-        raise ValueError(f"--cuda-graph-sizes must be positive integers separated by commas, "
-                         f"got {text!r}")
+        raise ValueError(
+            f"--cuda-graph-sizes must be positive integers separated by commas, got {text!r}"
+        )
     return tuple(sizes)
 
 
@@ -73,8 +77,9 @@ def bucket(num_seqs: int, sizes: Sequence[int]) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
-def eager_reason(num_scheduled_tokens: Mapping[str, int], sizes: Sequence[int], *,
-                 later_stage: bool = False) -> str | None:
+def eager_reason(
+    num_scheduled_tokens: Mapping[str, int], sizes: Sequence[int], *, later_stage: bool = False
+) -> str | None:
     """Why this step runs without a graph, or None when one replays it."""
     if not sizes:
         return "no graphs were captured"
@@ -86,8 +91,7 @@ def eager_reason(num_scheduled_tokens: Mapping[str, int], sizes: Sequence[int], 
     if longest != 1:
         return f"a prefill or chunk ({longest} new tokens in one request)"
     if len(num_scheduled_tokens) > sizes[-1]:
-        return (f"{len(num_scheduled_tokens)} decodes, more than the largest graph "
-                f"({sizes[-1]})")
+        return f"{len(num_scheduled_tokens)} decodes, more than the largest graph ({sizes[-1]})"
     return None
 
 
@@ -96,15 +100,15 @@ class StaticDecodeInputs:
     size s reads rows [0, s). `load` copies a decode batch in and pads the rest of the
     bucket; `metadata(s)` views the first s rows (the object a graph captured with)."""
 
-    def __init__(self, max_size: int, max_blocks_per_seq: int,
-                 device: torch.device | str) -> None:
+    def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device | str) -> None:
         device = torch.device(device)
         self.max_size = max_size
         self.input_ids = torch.zeros(max_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_size, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_size,), PAD_SLOT, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32,
-                                        device=device)
+        self.block_tables = torch.zeros(
+            max_size, max_blocks_per_seq, dtype=torch.int32, device=device
+        )
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
         # One query token per row, always: a constant.
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
@@ -113,22 +117,34 @@ class StaticDecodeInputs:
     def metadata(self, size: int) -> AttentionMetadata:
         if size not in self._metadata:
             self._metadata[size] = AttentionMetadata(
-                slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-                seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[:size + 1])
+                slot_mapping=self.slot_mapping[:size],
+                block_tables=self.block_tables[:size],
+                seq_lens=self.seq_lens[:size],
+                query_start_loc=self.query_start_loc[: size + 1],
+            )
         return self._metadata[size]
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor,
-             metadata: AttentionMetadata, size: int) -> None:
+    def load(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        size: int,
+    ) -> None:
         """Rows [0, n) from a decode batch of n tokens (one per sequence), rows [n, size)
         the padding: token 0 at position 0, stored nowhere, a context of one key."""
         n = input_ids.shape[0]
         if not 0 < n <= size <= self.max_size:
-            raise ValueError(f"a batch of {n} decodes does not fit a graph of {size} rows "
-                             f"(at most {self.max_size})")
+            raise ValueError(
+                f"a batch of {n} decodes does not fit a graph of {size} rows "
+                f"(at most {self.max_size})"
+            )
         width = metadata.block_tables.shape[1]
         if width > self.block_tables.shape[1]:
-            raise ValueError(f"block tables of {width} blocks are wider than the graphs' "
-                             f"{self.block_tables.shape[1]} (max_model_len / block_size)")
+            raise ValueError(
+                f"block tables of {width} blocks are wider than the graphs' "
+                f"{self.block_tables.shape[1]} (max_model_len / block_size)"
+            )
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
@@ -142,8 +158,9 @@ class StaticDecodeInputs:
             self.seq_lens[n:size].fill_(1)
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata],
-                   tuple[torch.Tensor, torch.Tensor]]
+Forward = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 class DecodeGraphs:
@@ -154,9 +171,14 @@ class DecodeGraphs:
     `metadata` without reading lengths on the host (the Triton backend's `fix_decode_plan`).
     """
 
-    def __init__(self, forward: Forward, fix_plan: Callable[[AttentionMetadata, int], None],
-                 sizes: Sequence[int], max_blocks_per_seq: int,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        fix_plan: Callable[[AttentionMetadata, int], None],
+        sizes: Sequence[int],
+        max_blocks_per_seq: int,
+        device: torch.device | str,
+    ) -> None:
         self.sizes = tuple(sorted(sizes))
         self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks_per_seq, device)
         self._forward = forward
@@ -185,11 +207,16 @@ class DecodeGraphs:
             self._graphs[size] = (graph, hidden, residual)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs for decode (batch sizes %s) in %.1f s",
-                    len(self.sizes), ",".join(map(str, self.sizes)), self.capture_s)
+        logger.info(
+            "captured %d CUDA graphs for decode (batch sizes %s) in %.1f s",
+            len(self.sizes),
+            ",".join(map(str, self.sizes)),
+            self.capture_s,
+        )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the bucket's graph for a decode batch; its (hidden, residual) rows [0, n),
         views of the graph's output buffers (valid until the next replay)."""
         n = input_ids.shape[0]

@@ -148,8 +148,13 @@ class StepStats:
         # [second, steps, busy seconds, communication seconds], oldest first.
         self._buckets: deque[list[float]] = deque()
 
-    def record(self, busy_s: float, collective_s: float = 0.0, pp_send_s: float = 0.0,
-               pp_recv_s: float = 0.0) -> None:
+    def record(
+        self,
+        busy_s: float,
+        collective_s: float = 0.0,
+        pp_send_s: float = 0.0,
+        pp_recv_s: float = 0.0,
+    ) -> None:
         """One step that ended now: its wall time and, of it, communication seconds."""
         now = self._clock()
         second = float(int(now))
@@ -189,24 +194,33 @@ class StepStats:
                 busy_s += busy
                 communication_s += comm
             return StepStatsSnapshot(
-                num_steps=self.num_steps, busy_s=self.busy_s, collective_s=self.collective_s,
-                pp_send_s=self.pp_send_s, pp_recv_s=self.pp_recv_s, window_s=window_s,
-                window_num_steps=steps, window_busy_s=min(busy_s, window_s),
-                window_communication_s=min(communication_s, window_s))
+                num_steps=self.num_steps,
+                busy_s=self.busy_s,
+                collective_s=self.collective_s,
+                pp_send_s=self.pp_send_s,
+                pp_recv_s=self.pp_recv_s,
+                window_s=window_s,
+                window_num_steps=steps,
+                window_busy_s=min(busy_s, window_s),
+                window_communication_s=min(communication_s, window_s),
+            )
 
 
-def run_step_recorded(runner: ModelRunner, step: SchedulerOutput,
-                      stats: StepStats) -> ModelRunnerOutput:
+def run_step_recorded(
+    runner: ModelRunner, step: SchedulerOutput, stats: StepStats
+) -> ModelRunnerOutput:
     """`runner.execute_step(step)`, recorded in `stats` when it succeeds: its wall time and
     the communication its process group timed meanwhile. Call it on the model thread."""
     dist = runner.dist
     before = (dist.tp_collective_time_s, dist.pp_send_time_s, dist.pp_recv_time_s)
     started = time.perf_counter()
     output = runner.execute_step(step)
-    stats.record(time.perf_counter() - started,
-                 collective_s=dist.tp_collective_time_s - before[0],
-                 pp_send_s=dist.pp_send_time_s - before[1],
-                 pp_recv_s=dist.pp_recv_time_s - before[2])
+    stats.record(
+        time.perf_counter() - started,
+        collective_s=dist.tp_collective_time_s - before[0],
+        pp_send_s=dist.pp_send_time_s - before[1],
+        pp_recv_s=dist.pp_recv_time_s - before[2],
+    )
     return output
 
 
@@ -239,12 +253,17 @@ class Profiler:
     """One torch.profiler trace at a time: CPU activity, and CUDA on a CUDA device.
 
     A worker's traces are written only under `base_dir` (--profile-dir): a caller names a
-    folder in it and cannot make the worker create folders or files anywhere else. `start` and `stop`
+    folder in it and cannot make the worker create folders or files anywhere else. `start` and
+    `stop`
     must run on the thread that runs the steps (the profiler records the ops of the thread
     that started it)."""
 
-    def __init__(self, device: torch.device | str, stats: StepStats | None = None,
-                 base_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        stats: StepStats | None = None,
+        base_dir: Path | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.stats = stats
         # None: anywhere (the offline engine: its caller owns the process already).
@@ -269,11 +288,13 @@ class Profiler:
             raise ProfilerPathError(
                 f"traces are written only under this worker's --profile-dir {self.base_dir}; "
                 f"{out_dir!r} is outside it: name a folder inside it (relative paths are "
-                "taken from it)")
+                "taken from it)"
+            )
         return folder
 
-    def start(self, out_dir: str, trace_name: str, record_shapes: bool = False,
-              with_stack: bool = False) -> int:
+    def start(
+        self, out_dir: str, trace_name: str, record_shapes: bool = False, with_stack: bool = False
+    ) -> int:
         """Starts tracing; the file will be `<out_dir>/<trace_name>.json` under the base
         folder (created now, so a folder that cannot be written fails here, not at `stop`).
         Returns the trace's number (`stop(only=...)`). Raises ProfilerStateError when a
@@ -287,8 +308,9 @@ class Profiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profile = torch.profiler.profile(activities=activities, record_shapes=record_shapes,
-                                         with_stack=with_stack)
+        profile = torch.profiler.profile(
+            activities=activities, record_shapes=record_shapes, with_stack=with_stack
+        )
         profile.start()
         self._profile, self._path = profile, folder / f"{trace_name}.json"
         self._started_s = time.monotonic()
@@ -306,6 +328,9 @@ class Profiler:
         profile.stop()
         profile.export_chrome_trace(str(path))
         num_steps = (self.stats.num_steps - self._steps_at_start) if self.stats is not None else 0
-        return ProfileTraceFile(host=socket.gethostname(), path=str(path),
-                                duration_s=time.monotonic() - self._started_s,
-                                num_steps=num_steps)
+        return ProfileTraceFile(
+            host=socket.gethostname(),
+            path=str(path),
+            duration_s=time.monotonic() - self._started_s,
+            num_steps=num_steps,
+        )

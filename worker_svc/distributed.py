@@ -109,8 +109,13 @@ def format_digest(digest: int) -> str:
 class DistributedContext:
     """This rank's process groups and the few communication ops the worker needs."""
 
-    def __init__(self, parallel: ParallelConfig, device: torch.device | str = "cpu", *,
-                 backend: str | None = None) -> None:
+    def __init__(
+        self,
+        parallel: ParallelConfig,
+        device: torch.device | str = "cpu",
+        *,
+        backend: str | None = None,
+    ) -> None:
         self.parallel = parallel
         self.device = torch.device(device)
         self.backend = backend or default_backend(self.device)
@@ -164,8 +169,9 @@ class DistributedContext:
         self.tp_bytes_sent += (self.parallel.tp_size - 1) * _nbytes(tensor)
         return torch.cat(parts, dim=dim)
 
-    def tp_all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
-                      recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def tp_all_to_all(
+        self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """Rows [sum(send_counts), ...] go in tp_rank order, `send_counts[r]` of them to rank
         r; returns the rows every rank sent here, in tp_rank order, and how many from each
         (exchanged first, one count per pair of ranks, unless `recv_counts` says)."""
@@ -176,17 +182,26 @@ class DistributedContext:
             sizes = torch.tensor(send_counts, dtype=torch.int64, device=tensor.device)
             received = torch.empty_like(sizes)
             ones = [1] * self.parallel.tp_size
-            self._comm("all-to-all counts", lambda: [self._tp().alltoall_base(
-                received, sizes, ones, ones, dist.AllToAllOptions())])
+            self._comm(
+                "all-to-all counts",
+                lambda: [
+                    self._tp().alltoall_base(received, sizes, ones, ones, dist.AllToAllOptions())
+                ],
+            )
             recv_counts = received.tolist()
         tensor = tensor.contiguous()
         out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
-        self._comm("all-to-all", lambda: [self._tp().alltoall_base(
-            out, tensor, recv_counts, list(send_counts), dist.AllToAllOptions())])
+        self._comm(
+            "all-to-all",
+            lambda: [
+                self._tp().alltoall_base(
+                    out, tensor, recv_counts, list(send_counts), dist.AllToAllOptions()
+                )
+            ],
+        )
         self.tp_collective_time_s += time.perf_counter() - start_s
         row_bytes = _nbytes(tensor[:1]) if tensor.shape[0] else 0
-        self.tp_bytes_sent += row_bytes * (sum(send_counts)
-                                           - send_counts[self.parallel.tp_rank])
+        self.tp_bytes_sent += row_bytes * (sum(send_counts) - send_counts[self.parallel.tp_rank])
         return out, recv_counts
 
     def tp_agree(self, digest: int, *, ok: bool = True) -> None:
@@ -207,48 +222,64 @@ class DistributedContext:
         ranks = tp_group_ranks(self.parallel, self.parallel.pp_rank)
         if len({d for d, _ in rows}) > 1:
             listing = ", ".join(f"rank {r}: {format_digest(d)}" for r, (d, _) in zip(ranks, rows))
-            raise StepMismatchError(f"stage {self.parallel.pp_rank}: tensor-parallel ranks got "
-                                    f"different steps (digests {listing})")
+            raise StepMismatchError(
+                f"stage {self.parallel.pp_rank}: tensor-parallel ranks got "
+                f"different steps (digests {listing})"
+            )
         rejected = [r for r, (_, rank_ok) in zip(ranks, rows) if not rank_ok]
         if ok and rejected:
-            raise StepMismatchError(f"stage {self.parallel.pp_rank}: ranks {rejected} rejected "
-                                    f"step {format_digest(digest)} that this rank accepted")
+            raise StepMismatchError(
+                f"stage {self.parallel.pp_rank}: ranks {rejected} rejected "
+                f"step {format_digest(digest)} that this rank accepted"
+            )
 
     # --- pipeline parallel (between stages, same tp_rank) ----------------------------
 
     def _stage_peer(self, pp_rank: int) -> int:
         if not 0 <= pp_rank < self.parallel.pp_size or pp_rank == self.parallel.pp_rank:
-            raise ValueError(f"stage {pp_rank} is not another stage of a "
-                             f"{self.parallel.pp_size}-stage pipeline")
+            raise ValueError(
+                f"stage {pp_rank} is not another stage of a {self.parallel.pp_size}-stage pipeline"
+            )
         return global_rank(self.parallel, pp_rank, self.parallel.tp_rank)
 
     def pp_send(self, tensors: list[torch.Tensor], dst_stage: int) -> None:
         """Blocking sends to the same tp_rank of stage `dst_stage`, in list order."""
         peer = self._stage_peer(dst_stage)
         start_s = time.perf_counter()
-        self._comm(f"send to rank {peer}",
-                   lambda: [self._world().send([tensor.contiguous()], peer, 0) for tensor in tensors],
-                   p2p=True)
+        self._comm(
+            f"send to rank {peer}",
+            lambda: [self._world().send([tensor.contiguous()], peer, 0) for tensor in tensors],
+            p2p=True,
+        )
         self.pp_send_time_s += time.perf_counter() - start_s
 
-    def pp_recv(self, shapes: Sequence[Sequence[int]],
-                dtype: torch.dtype | Sequence[torch.dtype], src_stage: int) -> list[torch.Tensor]:
+    def pp_recv(
+        self,
+        shapes: Sequence[Sequence[int]],
+        dtype: torch.dtype | Sequence[torch.dtype],
+        src_stage: int,
+    ) -> list[torch.Tensor]:
         """Blocking receives from the same tp_rank of stage `src_stage`; one dtype for all
         tensors or one per shape."""
         peer = self._stage_peer(src_stage)
         dtypes = [dtype] * len(shapes) if isinstance(dtype, torch.dtype) else list(dtype)
-        tensors = [torch.empty(tuple(shape), dtype=tensor_dtype, device=self.device)
-                   for shape, tensor_dtype in zip(shapes, dtypes, strict=True)]
+        tensors = [
+            torch.empty(tuple(shape), dtype=tensor_dtype, device=self.device)
+            for shape, tensor_dtype in zip(shapes, dtypes, strict=True)
+        ]
 
         start_s = time.perf_counter()
-        self._comm(f"receive from rank {peer}",
-                   lambda: [self._world().recv([tensor], peer, 0) for tensor in tensors],
-                   p2p=True)
+        self._comm(
+            f"receive from rank {peer}",
+            lambda: [self._world().recv([tensor], peer, 0) for tensor in tensors],
+            p2p=True,
+        )
         self.pp_recv_time_s += time.perf_counter() - start_s
         return tensors
 
-    def send_stage_output(self, step_id: int, digest: int, hidden: torch.Tensor | None,
-                          residual: torch.Tensor | None) -> None:
+    def send_stage_output(
+        self, step_id: int, digest: int, hidden: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> None:
         """Hand one step's activations to the next stage (header only for an empty step)."""
         num_tokens = 0 if hidden is None else hidden.shape[0]
         header = self._header(step_id, digest, num_tokens, _STATUS_OK)
@@ -273,8 +304,9 @@ class DistributedContext:
         return StageMessage(step_id, digest, num_tokens, failed, hidden, residual)
 
     def _header(self, step_id: int, digest: int, num_tokens: int, status: int) -> torch.Tensor:
-        return torch.tensor([step_id, digest, num_tokens, status], dtype=torch.int64,
-                            device=self.device)
+        return torch.tensor(
+            [step_id, digest, num_tokens, status], dtype=torch.int64, device=self.device
+        )
 
     def abandon(self) -> None:
         """Leave the group's ops: the one in progress (on another thread) raises
@@ -303,16 +335,19 @@ class DistributedContext:
         if error is not None:
             raise error
 
-    def _run_ops(self, what: str, start: Callable[[], list[dist.Work]],
-                 p2p: bool) -> GroupCommError | None:
+    def _run_ops(
+        self, what: str, start: Callable[[], list[dist.Work]], p2p: bool
+    ) -> GroupCommError | None:
         rank = self.parallel.rank
         if self._waiter.abandoned:
             return GroupAbandoned(f"rank {rank}: {what}: the group is being left")
         try:
             for work in start():
                 if not self._waiter.wait(work, p2p):
-                    return GroupAbandoned(f"rank {rank}: {what} abandoned: the group is "
-                                          "re-forming without a peer this op waited for")
+                    return GroupAbandoned(
+                        f"rank {rank}: {what} abandoned: the group is "
+                        "re-forming without a peer this op waited for"
+                    )
         except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError
             return GroupCommError(f"rank {rank}: {what} failed: {exc}")
         return None
@@ -336,9 +371,16 @@ class DistributedContext:
         if groups:
             threading.Thread(target=groups.clear, name="left-process-groups", daemon=True).start()
 
-    def reform(self, master_addr: str, master_port: int, timeout_s: float,
-               parallel: ParallelConfig | None = None, *, tag: str = "",
-               should_abort: Callable[[], bool] | None = None) -> None:
+    def reform(
+        self,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        parallel: ParallelConfig | None = None,
+        *,
+        tag: str = "",
+        should_abort: Callable[[], bool] | None = None,
+    ) -> None:
         """Leave the current process group, broken or not, and join a new one at
         master_addr:master_port as `parallel`'s rank (default: the same place), mutating
         this object so everything holding it uses the new group. Weights and KV caches
@@ -354,45 +396,69 @@ class DistributedContext:
             self.parallel = parallel
         self._join(master_addr, master_port, timeout_s, tag, should_abort)
 
-    def _join(self, master_addr: str, master_port: int, timeout_s: float, tag: str,
-              should_abort: Callable[[], bool] | None) -> None:
+    def _join(
+        self,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        tag: str,
+        should_abort: Callable[[], bool] | None,
+    ) -> None:
         parallel = self.parallel
         self._waiter.reset()
         timeout = timedelta(seconds=timeout_s)
         if parallel.rank == 0:
+
             def open_store() -> dist.Store | None:
                 return self._rendezvous_server(master_addr, master_port, timeout)
         else:
+
             def open_store() -> dist.Store | None:
                 return _connect_store(parallel, master_addr, master_port, timeout)
-        store = _rendezvous(parallel, tag, timeout_s, should_abort or (lambda: False),
-                            open_store)
-        self.world = self._new_group(dist.PrefixStore("world/", store), parallel.rank,
-                                     parallel.world_size, timeout)
-        if parallel.tp_size > 1:
-            self.tp_group = self._new_group(dist.PrefixStore(f"tp{parallel.pp_rank}/", store),
-                                            parallel.tp_rank, parallel.tp_size, timeout)
-        logger.info("joined engine group%s as rank %d of %d (tp %d/%d, pp %d/%d) over %s",
-                    f" (epoch {tag})" if tag else "", parallel.rank, parallel.world_size,
-                    parallel.tp_rank, parallel.tp_size, parallel.pp_rank, parallel.pp_size,
-                    self.backend)
 
-    def _rendezvous_server(self, address: str, port: int, timeout: timedelta) -> dist.TCPStore | None:
+        store = _rendezvous(parallel, tag, timeout_s, should_abort or (lambda: False), open_store)
+        self.world = self._new_group(
+            dist.PrefixStore("world/", store), parallel.rank, parallel.world_size, timeout
+        )
+        if parallel.tp_size > 1:
+            self.tp_group = self._new_group(
+                dist.PrefixStore(f"tp{parallel.pp_rank}/", store),
+                parallel.tp_rank,
+                parallel.tp_size,
+                timeout,
+            )
+        logger.info(
+            "joined engine group%s as rank %d of %d (tp %d/%d, pp %d/%d) over %s",
+            f" (epoch {tag})" if tag else "",
+            parallel.rank,
+            parallel.world_size,
+            parallel.tp_rank,
+            parallel.tp_size,
+            parallel.pp_rank,
+            parallel.pp_size,
+            self.backend,
+        )
+
+    def _rendezvous_server(
+        self, address: str, port: int, timeout: timedelta
+    ) -> dist.TCPStore | None:
         """Rank 0's store server at address:port, made once and kept; None while the port
         cannot be bound yet (its previous holder, another process, still has it)."""
         if self._store_server is not None and self._store_server[:2] == (address, port):
             return self._store_server[2]
         try:
-            store = dist.TCPStore(address, port, self.parallel.world_size, True, timeout,
-                                  wait_for_workers=False)
+            store = dist.TCPStore(
+                address, port, self.parallel.world_size, True, timeout, wait_for_workers=False
+            )
         except dist.DistNetworkError as exc:
             logger.debug("rendezvous port %d not free yet: %s", port, exc)
             return None
         self._store_server = (address, port, store)
         return store
 
-    def _new_group(self, store: dist.Store, rank: int, size: int,
-                   timeout: timedelta) -> dist.Backend:
+    def _new_group(
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta
+    ) -> dist.Backend:
         """A process group of `size` ranks meeting at `store`, owned by this object."""
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
@@ -445,9 +511,13 @@ def init_distributed(
     return context
 
 
-def _rendezvous(parallel: ParallelConfig, tag: str, timeout_s: float,
-                should_abort: Callable[[], bool],
-                open_store: Callable[[], dist.Store | None]) -> dist.Store:
+def _rendezvous(
+    parallel: ParallelConfig,
+    tag: str,
+    timeout_s: float,
+    should_abort: Callable[[], bool],
+    open_store: Callable[[], dist.Store | None],
+) -> dist.Store:
     """Every rank of `parallel`'s group at rank 0's store, counted in under `tag`; returns
     the tag's view of the store. `open_store()` is rank 0's server or another rank's client
     of it, None while not possible yet (retried until the deadline)."""
@@ -483,8 +553,9 @@ def _rendezvous(parallel: ParallelConfig, tag: str, timeout_s: float,
     return dist.PrefixStore(prefix, store)
 
 
-def _connect_store(parallel: ParallelConfig, master_addr: str, master_port: int,
-                   timeout: timedelta) -> dist.Store | None:
+def _connect_store(
+    parallel: ParallelConfig, master_addr: str, master_port: int, timeout: timedelta
+) -> dist.Store | None:
     """A client of rank 0's store; None while nobody listens there yet."""
     # A plain probe first: a TCPStore client logs a stack trace for every failed attempt.
     try:
@@ -492,11 +563,13 @@ def _connect_store(parallel: ParallelConfig, master_addr: str, master_port: int,
     except OSError:
         return None
     try:
-        return dist.TCPStore(master_addr, master_port, parallel.world_size, False, timeout,
-                             wait_for_workers=False)
+        return dist.TCPStore(
+            master_addr, master_port, parallel.world_size, False, timeout, wait_for_workers=False
+        )
     except dist.DistNetworkError as exc:
-        logger.debug("rendezvous store at %s:%d not reachable yet: %s", master_addr,
-                     master_port, exc)
+        logger.debug(
+            "rendezvous store at %s:%d not reachable yet: %s", master_addr, master_port, exc
+        )
         return None
 
 
@@ -511,22 +584,26 @@ def _leave(store: dist.Store, key: str, world_size: int) -> bool:
             return True
 
 
-def _check_join(should_abort: Callable[[], bool], deadline: float, timeout_s: float,
-                what: str) -> None:
+def _check_join(
+    should_abort: Callable[[], bool], deadline: float, timeout_s: float, what: str
+) -> None:
     if should_abort():
         raise JoinAborted(f"join called off before it could {what}")
     if time.monotonic() > deadline:
         raise TimeoutError(f"could not {what} of the engine group within {timeout_s:g} s")
 
 
-def checked_context(parallel: ParallelConfig, device: str,
-                    dist: DistributedContext | None) -> DistributedContext:
+def checked_context(
+    parallel: ParallelConfig, device: str, dist: DistributedContext | None
+) -> DistributedContext:
     """The context a runner placed at `parallel` on `device` steps in: `dist` when it agrees
     with them, a single-rank one for a group of one; ValueError naming the disagreement."""
     if dist is None:
         if parallel.world_size > 1:
-            raise ValueError(f"{parallel} spans {parallel.world_size} ranks: pass this rank's "
-                             "DistributedContext from init_distributed")
+            raise ValueError(
+                f"{parallel} spans {parallel.world_size} ranks: pass this rank's "
+                "DistributedContext from init_distributed"
+            )
         return DistributedContext.single(device)
 
     def place(p: ParallelConfig) -> tuple[int, ...]:
@@ -534,12 +611,15 @@ def checked_context(parallel: ParallelConfig, device: str,
 
     # The layer split may differ from the context's: it shapes the model, not the groups.
     if place(dist.parallel) != place(parallel):
-        raise ValueError(f"runner config {parallel} does not match the process group's "
-                         f"{dist.parallel}")
+        raise ValueError(
+            f"runner config {parallel} does not match the process group's {dist.parallel}"
+        )
     if dist.is_single:
         return DistributedContext.single(device)
     if dist.device.type != torch.device(device).type:
-        raise ValueError(f"the process group was built for {dist.device} but the runner uses "
-                         f"{device}: pass device= to init_distributed (NCCL needs "
-                         "CUDA tensors, gloo CPU ones)")
+        raise ValueError(
+            f"the process group was built for {dist.device} but the runner uses "
+            f"{device}: pass device= to init_distributed (NCCL needs "
+            "CUDA tensors, gloo CPU ones)"
+        )
     return dist

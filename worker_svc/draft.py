@@ -43,9 +43,16 @@ class DraftModel:
     """A loaded draft (its model, KV cache and attention backend) and `num_drafts` per
     proposal. Built by `load_draft`."""
 
-    def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int,
-                 backend: AttentionBackend, device: torch.device, num_drafts: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        backend: AttentionBackend,
+        device: torch.device,
+        num_drafts: int,
+        max_model_len: int,
+    ) -> None:
         self.model = model
         self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
         self.backend = backend
@@ -56,17 +63,28 @@ class DraftModel:
     @torch.inference_mode()
     def follow(self, batch: StepBatch) -> None:
         """The draft's KV for the step's rows, as the target computed its own."""
-        self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
-                   self.backend, None, None)
+        self.model(
+            batch.input_ids,
+            batch.positions,
+            self.kv_caches,
+            batch.metadata,
+            self.backend,
+            None,
+            None,
+        )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """A fork's copy of its leader's last prompt block, in the draft's cache too."""
         move_blocks(self.kv_caches, self.kv_caches, pairs)
 
     @torch.inference_mode()
-    def propose(self, requests: Mapping[str, RequestState], tables: BlockTables,
-                sampled: Mapping[str, SampledToken],
-                spec_sampled: Mapping[str, Sequence[SampledToken]]) -> dict[str, list[int]]:
+    def propose(
+        self,
+        requests: Mapping[str, RequestState],
+        tables: BlockTables,
+        sampled: Mapping[str, SampledToken],
+        spec_sampled: Mapping[str, Sequence[SampledToken]],
+    ) -> dict[str, list[int]]:
         """Each sampled request's next drafts: the draft's greedy continuation of its tokens
         after this step, as many as `num_drafts`, the context and the request's blocks
         allow."""
@@ -77,35 +95,52 @@ class DraftModel:
             accepted = spec_sampled.get(request_id, ())
             tokens = [*state.token_ids, first.token_id, *(t.token_id for t in accepted)]
             start = len(tokens) - 1  # the newest token's position: the draft has KV before it
-            space = min(self.num_drafts, len(state.block_ids) * self.block_size - start,
-                        self.max_model_len - 1 - start)
+            space = min(
+                self.num_drafts,
+                len(state.block_ids) * self.block_size - start,
+                self.max_model_len - 1 - start,
+            )
             if space > 0 and state.pooling is None:
                 known[request_id], room[request_id] = tokens, space
         drafts: dict[str, list[int]] = {request_id: [] for request_id in known}
         for round_index in range(max(room.values(), default=0)):
             live = [r for r in known if room[r] > round_index]
-            views = {r: dataclasses.replace(requests[r], token_ids=known[r],
-                                            num_computed_tokens=len(known[r]) - 1,
-                                            draft_token_ids=[]) for r in live}
-            batch = build_batch(views, {r: 1 for r in live}, self.block_size,
-                                self.kv_caches[0].device, tables)
-            hidden, residual = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                          batch.metadata, self.backend, None, None)
+            views = {
+                r: dataclasses.replace(
+                    requests[r],
+                    token_ids=known[r],
+                    num_computed_tokens=len(known[r]) - 1,
+                    draft_token_ids=[],
+                )
+                for r in live
+            }
+            batch = build_batch(
+                views, {r: 1 for r in live}, self.block_size, self.kv_caches[0].device, tables
+            )
+            hidden, residual = self.model(
+                batch.input_ids,
+                batch.positions,
+                self.kv_caches,
+                batch.metadata,
+                self.backend,
+                None,
+                None,
+            )
             rows = torch.tensor(batch.sample_rows, device=hidden.device)
             logits = self.model.compute_logits(hidden[rows], residual[rows])
-            for request_id, token in zip(batch.sample_request_ids,
-                                         logits.argmax(dim=-1).tolist()):
+            for request_id, token in zip(batch.sample_request_ids, logits.argmax(dim=-1).tolist()):
                 known[request_id].append(token)
                 drafts[request_id].append(token)
         return {r: tokens for r, tokens in drafts.items() if tokens}
 
 
-def check_same_vocabulary(target_vocab_size: int, draft_vocab_size: int, draft_path: str
-                          ) -> None:
+def check_same_vocabulary(target_vocab_size: int, draft_vocab_size: int, draft_path: str) -> None:
     if target_vocab_size != draft_vocab_size:
-        raise ValueError(f"the draft model {draft_path} has a vocabulary of {draft_vocab_size} "
-                         f"tokens and the served model {target_vocab_size}: a draft must "
-                         "share the served model's tokenizer")
+        raise ValueError(
+            f"the draft model {draft_path} has a vocabulary of {draft_vocab_size} "
+            f"tokens and the served model {target_vocab_size}: a draft must "
+            "share the served model's tokenizer"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,20 +167,31 @@ def check_same_tokenizer(target_path: str, draft_path: str) -> None:
 
     target, draft = load_tokenizer(target_path), load_tokenizer(draft_path)
     if target.hf.get_vocab() != draft.hf.get_vocab():
-        raise ValueError(f"the draft model {draft_path} has another tokenizer than the served "
-                         f"model {target_path}: a draft must share its tokenizer (the same "
-                         "tokens for the same ids)")
+        raise ValueError(
+            f"the draft model {draft_path} has another tokenizer than the served "
+            f"model {target_path}: a draft must share its tokenizer (the same "
+            "tokens for the same ids)"
+        )
 
 
-def load_draft(draft: DraftConfig, config: RunnerConfig, target: ModelMetadata
-               ) -> tuple[torch.nn.Module, KVCacheSpec]:
+def load_draft(
+    draft: DraftConfig, config: RunnerConfig, target: ModelMetadata
+) -> tuple[torch.nn.Module, KVCacheSpec]:
     """The draft model, for the rank that samples, checked against the served model's
     tokenizer and vocabulary, its linear layers packed as the target's are."""
     check_same_tokenizer(target.path, draft.model_path)
-    model, metadata = load_model(draft.model_path, dtype=config.dtype, device=config.device,
-                                 max_model_len=target.max_model_len)
+    model, metadata = load_model(
+        draft.model_path,
+        dtype=config.dtype,
+        device=config.device,
+        max_model_len=target.max_model_len,
+    )
     check_same_vocabulary(target.vocab_size, metadata.vocab_size, draft.model_path)
     pack_linear_weights(model, config.cpu_linear)
-    logger.info("draft model %s: %d layers, %d drafts a step", draft.model_path,
-                model.num_local_layers, draft.num_drafts)
+    logger.info(
+        "draft model %s: %d layers, %d drafts a step",
+        draft.model_path,
+        model.num_local_layers,
+        draft.num_drafts,
+    )
     return model, model_kv_spec(model, config.block_size, metadata.dtype)

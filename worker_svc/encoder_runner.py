@@ -53,10 +53,17 @@ class _Budget:
 
 
 class EncoderRunner:
-    def __init__(self, model: torch.nn.Module, metadata: ModelMetadata,
-                 processor: ClipImageProcessor, *, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu",
-                 dist: DistributedContext | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        metadata: ModelMetadata,
+        processor: ClipImageProcessor,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        dist: DistributedContext | None = None,
+    ) -> None:
         self.model = model
         self.metadata = metadata
         self.processor = processor
@@ -74,8 +81,10 @@ class EncoderRunner:
         """`config`: the worker's RunnerConfig. Raises ValueError for a layout or task an
         encoder cannot take."""
         if config.parallel.world_size > 1:
-            raise ValueError("a CLIP model runs on one rank: its towers are small; serve it "
-                             "with --tp 1 --pp 1 (use --replicas for more throughput)")
+            raise ValueError(
+                "a CLIP model runs on one rank: its towers are small; serve it "
+                "with --tp 1 --pp 1 (use --replicas for more throughput)"
+            )
         if config.task == "generate":
             raise ValueError("a CLIP model embeds; it cannot generate (--task generate)")
         dtype = resolve_dtype(config.dtype, config.device)
@@ -85,36 +94,65 @@ class EncoderRunner:
         image_tokens = vision.num_patches + 1 if vision is not None else 0
         max_text = text.max_position_embeddings if text is not None else 0
         max_model_len = max(max_text, image_tokens)
-        pooling = PoolingInfo(task="embed", pooling_type="clip", normalize=True,
-                              embedding_size=clip.projection_dim or 0,
-                              image_tokens=image_tokens, max_text_tokens=max_text)
+        pooling = PoolingInfo(
+            task="embed",
+            pooling_type="clip",
+            normalize=True,
+            embedding_size=clip.projection_dim or 0,
+            image_tokens=image_tokens,
+            max_text_tokens=max_text,
+        )
         metadata = ModelMetadata(
-            name=Path(config.model_path).name, architecture="CLIPModel",
+            name=Path(config.model_path).name,
+            architecture="CLIPModel",
             vocab_size=text.vocab_size if text is not None else 1,
             eos_token_ids=(text.eos_token_id,) if text is not None else (),
-            max_model_len=max_model_len, dtype=dtype, path=config.model_path, pooling=pooling)
+            max_model_len=max_model_len,
+            dtype=dtype,
+            path=config.model_path,
+            pooling=pooling,
+        )
         per_request = -(-max_model_len // config.block_size)
         num_blocks = config.num_blocks or per_request * config.max_num_seqs
-        logger.info("CLIP model %s: text up to %d tokens, images as %d tokens, %d-d "
-                    "embeddings", metadata.name, max_text, image_tokens, pooling.embedding_size)
-        return cls(model, metadata, ClipImageProcessor.from_folder(config.model_path),
-                   num_blocks=num_blocks, block_size=config.block_size, device=config.device,
-                   dist=dist)
+        logger.info(
+            "CLIP model %s: text up to %d tokens, images as %d tokens, %d-d embeddings",
+            metadata.name,
+            max_text,
+            image_tokens,
+            pooling.embedding_size,
+        )
+        return cls(
+            model,
+            metadata,
+            ClipImageProcessor.from_folder(config.model_path),
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=config.device,
+            dist=dist,
+        )
 
     def info(self):
         from worker_svc.runner import RunnerInfo
 
         metadata = self.metadata
         return RunnerInfo(
-            model_name=metadata.name, architecture=metadata.architecture,
-            vocab_size=metadata.vocab_size, eos_token_ids=metadata.eos_token_ids,
+            model_name=metadata.name,
+            architecture=metadata.architecture,
+            vocab_size=metadata.vocab_size,
+            eos_token_ids=metadata.eos_token_ids,
             max_model_len=metadata.max_model_len,
-            dtype=str(metadata.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
-            num_swap_blocks=0, block_size=self.block_size, num_layers=0, hidden_size=0,
-            num_kv_heads=0, head_dim=0,
+            dtype=str(metadata.dtype).removeprefix("torch."),
+            num_blocks=self.num_blocks,
+            num_swap_blocks=0,
+            block_size=self.block_size,
+            num_layers=0,
+            hidden_size=0,
+            num_kv_heads=0,
+            head_dim=0,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             kv_cache_sizing=f"{self.num_blocks} blocks, budget only (an encoder keeps no KV)",
-            pooling=metadata.pooling)
+            pooling=metadata.pooling,
+        )
 
     def reset_requests(self) -> None:
         self.requests.clear()
@@ -130,8 +168,9 @@ class EncoderRunner:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in step.new_requests:
-            self.requests[new.request_id] = _EncoderRequest(list(new.token_ids), new.pooling,
-                                                            new.num_computed_tokens)
+            self.requests[new.request_id] = _EncoderRequest(
+                list(new.token_ids), new.pooling, new.num_computed_tokens
+            )
         start_s = time.perf_counter()
         done = []
         for request_id, num_tokens in step.num_scheduled_tokens.items():
@@ -140,19 +179,24 @@ class EncoderRunner:
             if request.num_computed_tokens == len(request.token_ids):
                 done.append(request_id)
         pooled = self._embed(done) if done else {}
-        return ModelRunnerOutput(step.step_id, pooled=pooled,
-                                 forward_time_ms=(time.perf_counter() - start_s) * 1000.0)
+        return ModelRunnerOutput(
+            step.step_id, pooled=pooled, forward_time_ms=(time.perf_counter() - start_s) * 1000.0
+        )
 
     def _validate(self, step: SchedulerOutput) -> None:
         finished = set(step.finished_request_ids)
         known = {r for r in self.requests if r not in finished}
         for new in step.new_requests:
             if new.pooling is None:
-                raise ValueError(f"request {new.request_id!r}: this model embeds (a pooling "
-                                 "model): it samples no tokens")
+                raise ValueError(
+                    f"request {new.request_id!r}: this model embeds (a pooling "
+                    "model): it samples no tokens"
+                )
             if not new.pooling.image and len(new.token_ids) > self.metadata.pooling.max_text_tokens:
-                raise ValueError(f"request {new.request_id!r}: a text input is at most "
-                                 f"{self.metadata.pooling.max_text_tokens} tokens here")
+                raise ValueError(
+                    f"request {new.request_id!r}: a text input is at most "
+                    f"{self.metadata.pooling.max_text_tokens} tokens here"
+                )
             known.add(new.request_id)
         for request_id in step.num_scheduled_tokens:
             if request_id not in known:
@@ -166,8 +210,9 @@ class EncoderRunner:
             out = self.model.text_embeddings([self.requests[r].token_ids for r in texts])
             vectors.update(zip(texts, out))
         if images:
-            pixels = self.processor.preprocess([load_image(self.requests[r].pooling.image)
-                                                for r in images])
+            pixels = self.processor.preprocess(
+                [load_image(self.requests[r].pooling.image) for r in images]
+            )
             dtype = next(self.model.parameters()).dtype
             out = self.model.image_embeddings(torch.from_numpy(pixels).to(self.device, dtype))
             vectors.update(zip(images, out))
@@ -186,4 +231,3 @@ def load_runner(config, dist: DistributedContext | None = None):
     if is_encoder_model(config.model_path):
         return EncoderRunner.from_config(config, dist)
     return ModelRunner.from_config(config, dist)
-

@@ -18,7 +18,8 @@ Torn writes. A slot header holds a generation (odd while the slot is written), t
 scheduler gave, the CRC-32 of the data, and a state. `store` makes the generation odd
 before touching the data and makes it even only after the key and CRC are in, each as a
 separate write, so a process killed at any instruction leaves the old sealed block with
-its data untouched, an odd generation, or the new block sealed. A write is a prefix of program order after
+its data untouched, an odd generation, or the new block sealed. A write is a prefix of program
+order after
 SIGKILL (the page cache keeps every store that retired), while the bytes inside one memcpy
 land in no set order, hence the separate writes. `load` refuses a slot unless the generation
 is even and the state sealed, the key is the expected one and the data's CRC is the stored
@@ -105,14 +106,22 @@ class _Layout:
         self.num_slots = num_slots
         self.bytes_per_block = spec.bytes_per_block
         self.slot_stride = _round_up(self.bytes_per_block, ALIGN_BYTES)
-        self.data_offset = _round_up(FILE_HEADER_BYTES + num_slots * SLOT_HEADER_BYTES,
-                                     ALIGN_BYTES)
+        self.data_offset = _round_up(FILE_HEADER_BYTES + num_slots * SLOT_HEADER_BYTES, ALIGN_BYTES)
         self.file_bytes = self.data_offset + num_slots * self.slot_stride
         self.fingerprint = _fingerprint(spec, identity)
 
     def header(self, epoch: int) -> bytes:
-        fields = (MAGIC, FORMAT_VERSION, 0, epoch, self.num_slots, self.bytes_per_block,
-                  self.slot_stride, self.data_offset, self.fingerprint)
+        fields = (
+            MAGIC,
+            FORMAT_VERSION,
+            0,
+            epoch,
+            self.num_slots,
+            self.bytes_per_block,
+            self.slot_stride,
+            self.data_offset,
+            self.fingerprint,
+        )
         crc = zlib.crc32(_FILE_HEADER.pack(*fields))
         return _FILE_HEADER.pack(*fields[:2], crc, *fields[3:])
 
@@ -125,7 +134,7 @@ class _Layout:
         magic, version, crc, epoch, *sizes, fingerprint = _FILE_HEADER.unpack_from(raw)
         if magic != MAGIC or version != FORMAT_VERSION:
             return 0, f"magic {magic!r} version {version} is not {MAGIC!r} {FORMAT_VERSION}"
-        if crc != zlib.crc32(raw[:12] + b"\0" * 4 + raw[16:_FILE_HEADER.size]):
+        if crc != zlib.crc32(raw[:12] + b"\0" * 4 + raw[16 : _FILE_HEADER.size]):
             return 0, "the header's checksum does not match"
         mine = [self.num_slots, self.bytes_per_block, self.slot_stride, self.data_offset]
         if sizes != mine or fingerprint != self.fingerprint:
@@ -138,8 +147,10 @@ class _Layout:
 
 
 def _fingerprint(spec: KVCacheSpec, identity: str) -> bytes:
-    text = (f"{str(spec.dtype).removeprefix('torch.')}/layers={spec.num_layers}/"
-            f"block_size={spec.block_size}/kv_heads={spec.num_kv_heads}/head_dim={spec.head_dim}")
+    text = (
+        f"{str(spec.dtype).removeprefix('torch.')}/layers={spec.num_layers}/"
+        f"block_size={spec.block_size}/kv_heads={spec.num_kv_heads}/head_dim={spec.head_dim}"
+    )
     if identity:
         text += f"/{identity}"
     raw = text.encode()
@@ -193,9 +204,13 @@ def _warn_if_unbacked(fd: int, path: str, layout: _Layout) -> None:
     fs = os.fstatvfs(fd)
     room = fs.f_bavail * fs.f_frsize + os.fstat(fd).st_blocks * 512
     if room < layout.file_bytes:
-        logger.warning("host KV tier %s has %d bytes but its filesystem has room for %d: a "
-                       "store past that point will crash the worker (SIGBUS); use fewer slots",
-                       path, layout.file_bytes, room)
+        logger.warning(
+            "host KV tier %s has %d bytes but its filesystem has room for %d: a "
+            "store past that point will crash the worker (SIGBUS); use fewer slots",
+            path,
+            layout.file_bytes,
+            room,
+        )
 
 
 def _open_file(path: str) -> int:
@@ -215,8 +230,7 @@ class HostTier:
     Slots are `0 <= slot < num_slots`; block ids index dimension 1 of the caches (one
     `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per local layer)."""
 
-    def __init__(self, path: str, fd: int, mapping: mmap.mmap, layout: _Layout,
-                 epoch: int) -> None:
+    def __init__(self, path: str, fd: int, mapping: mmap.mmap, layout: _Layout, epoch: int) -> None:
         self.path = path
         self.spec = layout.spec
         self.num_slots = layout.num_slots
@@ -227,15 +241,15 @@ class HostTier:
         self._view = memoryview(mapping)
         spec = layout.spec
         data = torch.frombuffer(mapping, dtype=torch.uint8, offset=layout.data_offset)
-        data = data.view(layout.num_slots, layout.slot_stride)[:, :layout.bytes_per_block]
+        data = data.view(layout.num_slots, layout.slot_stride)[:, : layout.bytes_per_block]
         # [num_slots, num_layers, 2, block_size, num_kv_heads, head_dim], no copy.
         self._blocks = data.view(spec.dtype).unflatten(
-            1, (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim))
+            1, (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        )
         self._staging: torch.Tensor | None = None
 
     @classmethod
-    def open(cls, path: str, spec: KVCacheSpec, num_slots: int, *,
-             identity: str = "") -> HostTier:
+    def open(cls, path: str, spec: KVCacheSpec, num_slots: int, *, identity: str = "") -> HostTier:
         """Maps the tier file at `path`, creating it, or resetting it with a new epoch when it
         was made for another layout or size or is damaged. `identity` names what else the
         KV depends on (the model and its revision, the rank's layer and KV-head range): a
@@ -245,8 +259,9 @@ class HostTier:
         try:
             epoch = _claim(fd, path, layout)
             _warn_if_unbacked(fd, path, layout)
-            mapping = mmap.mmap(fd, layout.file_bytes, flags=mmap.MAP_SHARED,
-                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(
+                fd, layout.file_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
         except BaseException:
             os.close(fd)
             raise
@@ -267,8 +282,7 @@ class HostTier:
         try:
             self._map.close()
         except BufferError:  # a caller still holds a view; the mapping goes with it
-            logger.warning("host KV tier %s still viewed at close; left to unmap later",
-                           self.path)
+            logger.warning("host KV tier %s still viewed at close; left to unmap later", self.path)
         os.close(self._fd)
         self._fd = -1
 
@@ -290,7 +304,7 @@ class HostTier:
         staged = _needs_staging(caches[0].device)
         step = self._staging_blocks() if staged else len(pairs)
         for start in range(0, len(pairs), step):
-            chunk = pairs[start:start + step]
+            chunk = pairs[start : start + step]
             block_ids = [b for b, _, _ in chunk]
             if staged:
                 fill = self._staged_source(caches, block_ids)
@@ -321,8 +335,12 @@ class HostTier:
             loaded = self._load_direct(caches, verified)
         else:
             step = self._staging_blocks()
-            loaded = set().union(*(self._load_staged(caches, verified[i:i + step])
-                                   for i in range(0, len(verified), step)))
+            loaded = set().union(
+                *(
+                    self._load_staged(caches, verified[i : i + step])
+                    for i in range(0, len(verified), step)
+                )
+            )
         return [b for _, b, _ in triples if b not in loaded]
 
     def invalidate(self, slots: Iterable[int]) -> None:
@@ -352,8 +370,9 @@ class HostTier:
     def _verified_generation(self, slot: int, key: bytes) -> int | None:
         """The slot's generation when it holds a sealed block under `key` whose data checks,
         else None."""
-        generation, state, checksum, stored_key = _HEADER.unpack_from(self._map,
-                                                                      self._header_offset(slot))
+        generation, state, checksum, stored_key = _HEADER.unpack_from(
+            self._map, self._header_offset(slot)
+        )
         if generation % 2 or state != SEALED or stored_key != _key_bytes(key):
             return None
         if _checksum(self._slot_bytes(slot)) != checksum:
@@ -361,8 +380,9 @@ class HostTier:
             return None
         return generation
 
-    def _load_direct(self, caches: list[torch.Tensor],
-                     verified: list[tuple[int, int, int]]) -> set[int]:
+    def _load_direct(
+        self, caches: list[torch.Tensor], verified: list[tuple[int, int, int]]
+    ) -> set[int]:
         loaded = set()
         for slot, block, generation in verified:
             torch.unbind_copy(self._blocks[slot], 0, out=[c.select(1, block) for c in caches])
@@ -370,8 +390,9 @@ class HostTier:
                 loaded.add(block)
         return loaded
 
-    def _load_staged(self, caches: list[torch.Tensor],
-                     verified: list[tuple[int, int, int]]) -> set[int]:
+    def _load_staged(
+        self, caches: list[torch.Tensor], verified: list[tuple[int, int, int]]
+    ) -> set[int]:
         """Slots -> pinned host buffer (re-checked there, so a slot changed mid-copy never
         reaches the device) -> device in one copy -> each layer's blocks by one index_copy_."""
         host = self._host_staging(len(verified))
@@ -383,20 +404,22 @@ class HostTier:
         if not kept:
             return set()
         device = caches[0].device
-        staged = host[:len(kept)].to(device)  # blocking: the host buffer is reused next call
+        staged = host[: len(kept)].to(device)  # blocking: the host buffer is reused next call
         index = torch.tensor(kept, device=device)
         for layer, cache in enumerate(caches):
             cache.index_copy_(1, index, staged[:, layer].transpose(0, 1))
         return set(kept)
 
-    def _staged_source(self, caches: list[torch.Tensor],
-                       block_ids: list[int]) -> Callable[[int, torch.Tensor], None]:
+    def _staged_source(
+        self, caches: list[torch.Tensor], block_ids: list[int]
+    ) -> Callable[[int, torch.Tensor], None]:
         """One gather per layer on the device into `[n, num_layers, 2, ...]`, one copy to a
         pinned host buffer, then each block is one contiguous copy into its slot."""
         device = caches[0].device
         index = torch.tensor(block_ids, device=device)
-        gathered = torch.empty((len(block_ids), *self._blocks.shape[1:]),
-                               dtype=self.spec.dtype, device=device)
+        gathered = torch.empty(
+            (len(block_ids), *self._blocks.shape[1:]), dtype=self.spec.dtype, device=device
+        )
         for layer, cache in enumerate(caches):
             gathered[:, layer] = cache.index_select(1, index).transpose(0, 1)
         host = self._host_staging(len(block_ids))
@@ -413,8 +436,9 @@ class HostTier:
         as needed and kept, because pinning memory costs milliseconds per call."""
         shape = self._blocks.shape[1:]
         if self._staging is None or self._staging.shape[0] < num_blocks:
-            self._staging = torch.empty((num_blocks, *shape), dtype=self.spec.dtype,
-                                        pin_memory=torch.cuda.is_available())
+            self._staging = torch.empty(
+                (num_blocks, *shape), dtype=self.spec.dtype, pin_memory=torch.cuda.is_available()
+            )
         return self._staging[:num_blocks]
 
     def _check_open(self) -> None:
@@ -426,11 +450,16 @@ class HostTier:
         if len(caches) != spec.num_layers:
             raise ValueError(f"{len(caches)} cache tensors for a tier of {spec.num_layers} layers")
         for cache in caches:
-            if (cache.dim() != 5 or cache.shape[0] != 2 or cache.dtype != spec.dtype
-                    or tuple(cache.shape[2:]) != (spec.block_size, spec.num_kv_heads,
-                                                  spec.head_dim)):
-                raise ValueError(f"a cache tensor {tuple(cache.shape)} {cache.dtype} does not "
-                                 f"match the tier's {spec}")
+            if (
+                cache.dim() != 5
+                or cache.shape[0] != 2
+                or cache.dtype != spec.dtype
+                or tuple(cache.shape[2:]) != (spec.block_size, spec.num_kv_heads, spec.head_dim)
+            ):
+                raise ValueError(
+                    f"a cache tensor {tuple(cache.shape)} {cache.dtype} does not "
+                    f"match the tier's {spec}"
+                )
             if cache.shape[1] != caches[0].shape[1] or cache.device != caches[0].device:
                 raise ValueError("every layer's cache must have as many blocks, on one device")
 
@@ -450,13 +479,16 @@ class HostTier:
 
     def _slot_bytes(self, slot: int) -> memoryview:
         start = self._layout.data_offset + slot * self._layout.slot_stride
-        return self._view[start:start + self._layout.bytes_per_block]
+        return self._view[start : start + self._layout.bytes_per_block]
 
 
-def _direct_source(caches: list[torch.Tensor],
-                   block_ids: list[int]) -> Callable[[int, torch.Tensor], None]:
+def _direct_source(
+    caches: list[torch.Tensor], block_ids: list[int]
+) -> Callable[[int, torch.Tensor], None]:
     """Each block's layers stacked straight into its slot: one torch call per block
     (measured faster than a copy_ per layer or a gather per layer, on SmolLM blocks)."""
+
     def fill(i: int, out: torch.Tensor) -> None:
         torch.stack([cache.select(1, block_ids[i]) for cache in caches], out=out)
+
     return fill

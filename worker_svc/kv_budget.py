@@ -52,14 +52,16 @@ def available_cpu_memory(root: Path = Path("/")) -> tuple[int, str]:
     return available, source
 
 
-def cpu_budget(fraction: float = DEFAULT_CPU_KV_CACHE_FRACTION,
-               root: Path = Path("/")) -> KVBudget:
+def cpu_budget(fraction: float = DEFAULT_CPU_KV_CACHE_FRACTION, root: Path = Path("/")) -> KVBudget:
     if not 0 < fraction <= 1:
         raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1], got {fraction}")
     available, source = available_cpu_memory(root)
     budget = int(available * fraction)
-    return KVBudget(budget, f"cpu: {fraction:g} of {available / GIB:.2f} GiB available "
-                            f"({source}) = {budget / GIB:.2f} GiB")
+    return KVBudget(
+        budget,
+        f"cpu: {fraction:g} of {available / GIB:.2f} GiB available "
+        f"({source}) = {budget / GIB:.2f} GiB",
+    )
 
 
 def cuda_budget(device: torch.device, utilization: float, profile) -> KVBudget:
@@ -79,13 +81,17 @@ def cuda_budget(device: torch.device, utilization: float, profile) -> KVBudget:
     # Memory held outside torch's allocator: the CUDA context, NCCL, other processes.
     others = total - free - torch.cuda.memory_reserved(device)
     budget = int(utilization * total) - weights - peak - others
-    sizing = (f"cuda: {utilization:g} x {total / GIB:.2f} GiB - weights {weights / GIB:.2f} "
-              f"- peak activations {peak / GIB:.2f} - other {others / GIB:.2f} = "
-              f"{budget / GIB:.2f} GiB")
+    sizing = (
+        f"cuda: {utilization:g} x {total / GIB:.2f} GiB - weights {weights / GIB:.2f} "
+        f"- peak activations {peak / GIB:.2f} - other {others / GIB:.2f} = "
+        f"{budget / GIB:.2f} GiB"
+    )
     if budget <= 0:
-        raise ValueError(f"no device memory left for the KV cache ({sizing}); raise "
-                         "--gpu-memory-utilization, lower --max-num-batched-tokens, or free "
-                         "the device")
+        raise ValueError(
+            f"no device memory left for the KV cache ({sizing}); raise "
+            "--gpu-memory-utilization, lower --max-num-batched-tokens, or free "
+            "the device"
+        )
     return KVBudget(budget, sizing)
 
 

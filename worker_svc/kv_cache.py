@@ -67,8 +67,7 @@ def allocate_kv_caches(
     fault zeroing 2 MB) than with 4 KiB pages, and the steady state was the same."""
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     if torch.device(device).type != "cpu":
-        return [torch.zeros(shape, dtype=spec.dtype, device=device)
-                for _ in range(spec.num_layers)]
+        return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
     return [_zeroed_pages(shape, spec.dtype) for _ in range(spec.num_layers)]
 
 
@@ -80,8 +79,9 @@ def _zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
-def allocate_swap_caches(spec: KVCacheSpec, num_swap_blocks: int,
-                         device: torch.device | str) -> list[torch.Tensor]:
+def allocate_swap_caches(
+    spec: KVCacheSpec, num_swap_blocks: int, device: torch.device | str
+) -> list[torch.Tensor]:
     """CPU swap space with the device cache's layout; pinned when the cache is on CUDA so
     that swaps are plain DMA copies. Left uninitialised (no memory is touched until a block
     is swapped out): a swap block is only ever read after a whole device block was copied in."""
@@ -92,8 +92,9 @@ def allocate_swap_caches(spec: KVCacheSpec, num_swap_blocks: int,
     return [torch.empty(shape, dtype=spec.dtype, pin_memory=pin) for _ in range(spec.num_layers)]
 
 
-def move_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
-                pairs: list[tuple[int, int]]) -> None:
+def move_blocks(
+    src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], pairs: list[tuple[int, int]]
+) -> None:
     """Copies every layer's K and V of block `src` in `src_caches` to block `dst` in
     `dst_caches`, for each (src, dst) pair. Destinations must be distinct from the sources
     of the same call (they are fresh blocks: swap targets or copy-on-write copies)."""

@@ -25,37 +25,69 @@ logger = logging.getLogger(__name__)
 
 
 class KVEndpoint:
-    def __init__(self, runner: ModelRunner, host: str, advertise_host: str | None,
-                 port: int = 0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        host: str,
+        advertise_host: str | None,
+        port: int = 0,
+        token: str | None = None,
+    ) -> None:
         config = runner.model.config
         self.caches = runner.kv_caches
         mine = slice_for_rank(
-            runner.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads, block_size=runner.kv_spec.block_size,
-            head_dim=runner.kv_spec.head_dim, dtype=str(runner.kv_spec.dtype).split(".")[-1],
-            key=host_key())
+            runner.parallel,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            block_size=runner.kv_spec.block_size,
+            head_dim=runner.kv_spec.head_dim,
+            dtype=str(runner.kv_spec.dtype).split(".")[-1],
+            key=host_key(),
+        )
         self.server = KVTransferServer(self.caches, mine, token, host=host, port=port)
         self.server.start()
         bound = self.server.address.rsplit(":", 1)[1]
         self.rank_slice = RankSlice(
-            mine.layer_start, mine.num_layers, mine.kv_head_start, mine.num_kv_heads,
-            mine.block_size, mine.head_dim, mine.dtype,
-            f"{advertise_host or host}:{bound}", mine.host_key)
+            mine.layer_start,
+            mine.num_layers,
+            mine.kv_head_start,
+            mine.num_kv_heads,
+            mine.block_size,
+            mine.head_dim,
+            mine.dtype,
+            f"{advertise_host or host}:{bound}",
+            mine.host_key,
+        )
         self.token = token
         self._pulls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
         self.num_pulls = 0
         self.num_pull_failures = 0
         self.bytes_pulled = 0
-        logger.info("KV transfer server on %s (%s)", self.rank_slice.address,
-                    self.rank_slice.describe())
+        logger.info(
+            "KV transfer server on %s (%s)", self.rank_slice.address, self.rank_slice.describe()
+        )
 
-    def pull(self, sources: list[RankSlice], src_block_ids: list[int],
-             dst_block_ids: list[int], timeout_s: float, token: str,
-             transfer_id: str) -> PullResult:
+    def pull(
+        self,
+        sources: list[RankSlice],
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        timeout_s: float,
+        token: str,
+        transfer_id: str,
+    ) -> PullResult:
         """Blocking: this rank's share of the source blocks into `dst_block_ids`."""
-        result = pull_blocks(self.rank_slice, self.caches, sources, src_block_ids,
-                             dst_block_ids, time.monotonic() + timeout_s, token or None,
-                             transfer_id)
+        result = pull_blocks(
+            self.rank_slice,
+            self.caches,
+            sources,
+            src_block_ids,
+            dst_block_ids,
+            time.monotonic() + timeout_s,
+            token or None,
+            transfer_id,
+        )
         if result.ok and self.caches[0].device.type == "cuda":
             torch.cuda.current_stream(self.caches[0].device).synchronize()
         self.num_pulls += 1

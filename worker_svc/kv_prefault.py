@@ -51,8 +51,9 @@ class KVPrefault:
     K blocks then V blocks) ahead of the blocks steps use. `step_started` / `step_done`
     bracket every step; `used_up_to` says the highest block id a step holds."""
 
-    def __init__(self, caches: list[torch.Tensor], num_blocks: int, ahead_blocks: int,
-                 idle_s: float = 0.05) -> None:
+    def __init__(
+        self, caches: list[torch.Tensor], num_blocks: int, ahead_blocks: int, idle_s: float = 0.05
+    ) -> None:
         self.caches = caches
         self.num_blocks = num_blocks
         self.ahead_blocks = ahead_blocks
@@ -122,8 +123,11 @@ class KVPrefault:
                 stop = base + (half * self.num_blocks + end) * self.block_bytes
                 aligned = start - start % page
                 if self._madvise(aligned, stop - aligned, MADV_POPULATE_WRITE) != 0:
-                    logger.info("KV cache pages stay lazy: madvise(MADV_POPULATE_WRITE) "
-                                "failed (errno %d; Linux 5.14+ has it)", ctypes.get_errno())
+                    logger.info(
+                        "KV cache pages stay lazy: madvise(MADV_POPULATE_WRITE) "
+                        "failed (errno %d; Linux 5.14+ has it)",
+                        ctypes.get_errno(),
+                    )
                     return False
         self.faulted_bytes += 2 * len(self.caches) * (end - first) * self.block_bytes
         return True

@@ -25,8 +25,8 @@ from protos.step import ImageTiling, PoolingInfo
 from worker_svc.model.config import ModelConfig, parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.llava import LlavaConfig, is_llava_config, llava_checkpoint_name
-from worker_svc.model.pooling import pooling_info
 from worker_svc.model.parallel_layers import Index, TPComm
+from worker_svc.model.pooling import pooling_info
 from worker_svc.parallel import ParallelConfig
 from worker_svc.quant.config import resolve_quantization
 from worker_svc.quant.gguf import GgufKeptLoad
@@ -92,12 +92,17 @@ class ModelSource:
     llava: LlavaConfig | None = None  # a LLaVA folder's (its decoder is `config`)
 
 
-def resolve_dtype(name: str, device: torch.device | str, stored: torch.dtype | None = None,
-                  features: CpuFeatures | None = None) -> torch.dtype:
+def resolve_dtype(
+    name: str,
+    device: torch.device | str,
+    stored: torch.dtype | None = None,
+    features: CpuFeatures | None = None,
+) -> torch.dtype:
     """The compute dtype for `--dtype name`. "auto" is bfloat16 on accelerators; on CPU it is
     what is fast on *this* CPU (`features`, default the probed one): bfloat16 only where the
     CPU multiplies bf16 natively (AVX512_BF16 or AMX; elsewhere bf16 is emulated, far slower
-    than fp32: `python -m bench.peers.peak`) and oneDNN runs bf16 linear layers, and the checkpoint is not stored in fp32
+    than fp32: `python -m bench.peers.peak`) and oneDNN runs bf16 linear layers, and the checkpoint
+    is not stored in fp32
     (`stored`; an fp32 checkpoint stays exact). Otherwise float32."""
     if name == "auto":
         if torch.device(device).type != "cpu":
@@ -105,17 +110,22 @@ def resolve_dtype(name: str, device: torch.device | str, stored: torch.dtype | N
         features = features or cpu_features()
         fast_bf16 = features.native_bf16 and features.onednn_bf16_linear
         chosen = torch.bfloat16 if fast_bf16 and stored != torch.float32 else torch.float32
-        logger.info("dtype auto -> %s on CPU (%s; native bf16 %s, checkpoint %s)",
-                    str(chosen).removeprefix("torch."), features.one_line(), fast_bf16,
-                    "unknown/quantized" if stored is None else str(stored).removeprefix("torch."))
+        logger.info(
+            "dtype auto -> %s on CPU (%s; native bf16 %s, checkpoint %s)",
+            str(chosen).removeprefix("torch."),
+            features.one_line(),
+            fast_bf16,
+            "unknown/quantized" if stored is None else str(stored).removeprefix("torch."),
+        )
         return chosen
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     if name == "bfloat16" and torch.device(device).type == "cpu":
         slow = (features or cpu_features()).why_bf16_is_slow()
         if slow:
-            logger.warning("--dtype bfloat16 as asked, but %s; --dtype auto picks float32 here",
-                           slow)
+            logger.warning(
+                "--dtype bfloat16 as asked, but %s; --dtype auto picks float32 here", slow
+            )
     return DTYPES[name]
 
 
@@ -159,13 +169,16 @@ def load_model(
     an embedding model has no LM head."""
     device = torch.device(device)
     source = open_source(path)
-    pooling = pooling_info(source.folder, source.hf_config or {}, source.architecture, task,
-                           source.config.hidden_size)
+    pooling = pooling_info(
+        source.folder, source.hf_config or {}, source.architecture, task, source.config.hidden_size
+    )
     torch_dtype = resolve_dtype(dtype, device, source.stored_dtype)
     quant = resolve_quantization(quantization, source.quantization_config)
     if gguf_keep_quantized and (source.gguf_blocks is None or quant.method != "none"):
-        raise ValueError("--gguf-keep-quantized needs a .gguf model and --quantization "
-                         f"auto or none (got {path}, quantization {quant.method})")
+        raise ValueError(
+            "--gguf-keep-quantized needs a .gguf model and --quantization "
+            f"auto or none (got {path}, quantization {quant.method})"
+        )
     config = source.config
     limit = config.max_position_embeddings
     if max_model_len is not None and not 0 < max_model_len <= limit:
@@ -176,8 +189,9 @@ def load_model(
     # Build on the meta device so no memory is spent on a random init, then materialise
     # directly in the target dtype on the target device.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_model_len or limit, parallel, comm,
-                                 lm_head=not pooling.embeds)
+        model = LlamaForCausalLM(
+            config, max_model_len or limit, parallel, comm, lm_head=not pooling.embeds
+        )
     quantized = QuantizedLoad(model, quant) if quant.method != "none" else None
     kept = GgufKeptLoad(model, source.gguf_tensor_types) if gguf_keep_quantized else None
     for load in (quantized, kept):
@@ -207,9 +221,16 @@ def load_model(
         image_seq_length=source.llava.image_seq_length if source.llava else 0,
         image_tiling=source.llava.tiling if source.llava else ImageTiling(),
     )
-    logger.info("loaded %s (%s) from %s as %s (quantization %s) on %s (%s)", metadata.name,
-                metadata.architecture, path, torch_dtype, metadata.quantization, device,
-                model.parallel)
+    logger.info(
+        "loaded %s (%s) from %s as %s (quantization %s) on %s (%s)",
+        metadata.name,
+        metadata.architecture,
+        path,
+        torch_dtype,
+        metadata.quantization,
+        device,
+        model.parallel,
+    )
     return model, metadata
 
 
@@ -231,9 +252,11 @@ def check_architecture(hf_config: dict, folder: Path) -> None:
     if is_llava_config(hf_config):
         text_type = (hf_config.get("text_config") or {}).get("model_type", "llama")
         if text_type not in ARCHITECTURE_BY_MODEL_TYPE:
-            raise ValueError(f"{folder}: a LLaVA whose language model is {text_type!r} is not "
-                             f"served here; its decoder must be one of "
-                             f"{', '.join(sorted(ARCHITECTURE_BY_MODEL_TYPE))}")
+            raise ValueError(
+                f"{folder}: a LLaVA whose language model is {text_type!r} is not "
+                f"served here; its decoder must be one of "
+                f"{', '.join(sorted(ARCHITECTURE_BY_MODEL_TYPE))}"
+            )
         return
     served = set(ARCHITECTURE_BY_MODEL_TYPE.values())
     bare = {name.replace("ForCausalLM", "Model") for name in served}
@@ -243,7 +266,8 @@ def check_architecture(hf_config: dict, folder: Path) -> None:
             f"{folder}: architecture {', '.join(architectures) or '(none given)'} (model_type "
             f"{model_type or '(none)'}) is not served here; decoders served: "
             f"{', '.join(sorted(served))} (and their *Model trunks as embedding models), "
-            "and CLIPModel for embeddings")
+            "and CLIPModel for embeddings"
+        )
 
 
 def _open_hf_folder(folder: Path) -> ModelSource:
@@ -256,6 +280,7 @@ def _open_hf_folder(folder: Path) -> ModelSource:
         ARCHITECTURE_BY_MODEL_TYPE[config.model_type]
     ]
     files = _safetensors_files(folder)
+
     # A model without an LM head (`Qwen3Model`, an embedding folder such as
     # Qwen3-Embedding's) names its trunk's tensors without the `model.` prefix.
     def hf_name(stored: str) -> str:
@@ -309,12 +334,18 @@ def _open_llava_folder(folder: Path, hf_config: dict) -> ModelSource:
     text = llava.text
     eos = _hf_eos_token_ids(folder, text) or _hf_eos_token_ids(folder, hf_config)
     return ModelSource(
-        config=parse_hf_config(text), name=folder.name,
+        config=parse_hf_config(text),
+        name=folder.name,
         architecture=(hf_config.get("architectures") or ["LlavaForConditionalGeneration"])[0],
-        eos_token_ids=eos, weights=weights,
-        stored_dtype=DTYPES.get(text.get("dtype") or hf_config.get("dtype")
-                                or hf_config.get("torch_dtype") or ""),
-        folder=folder, hf_config=hf_config, llava=llava)
+        eos_token_ids=eos,
+        weights=weights,
+        stored_dtype=DTYPES.get(
+            text.get("dtype") or hf_config.get("dtype") or hf_config.get("torch_dtype") or ""
+        ),
+        folder=folder,
+        hf_config=hf_config,
+        llava=llava,
+    )
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

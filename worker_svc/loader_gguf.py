@@ -10,14 +10,18 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.loader import (ARCHITECTURE_BY_MODEL_TYPE, BlockSelector, ModelSource,
-                               WeightSelector)
+from worker_svc.loader import ARCHITECTURE_BY_MODEL_TYPE, BlockSelector, ModelSource, WeightSelector
 from worker_svc.model.config import ModelConfig, MoeConfig, RopeConfig
 
 # GGUF architecture -> model_type; llama.cpp also files Mistral, and Mixtral (a "llama"
 # with `llama.expert_count`), under "llama".
-_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                     "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+}
 # llama.cpp per-layer tensor name -> Hugging Face name under model.layers.N.
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -39,8 +43,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # A layer's experts in one 3-D tensor [experts, out, in] -> each expert's projection.
-_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                      "ffn_down_exps": "down_proj"}
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -64,8 +71,10 @@ def gguf_expert_names(name: str, num_experts: int) -> list[str] | None:
     parts = name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_EXPERT_NAMES:
         return None
-    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[parts[2]]}.weight"
-            for e in range(num_experts)]
+    return [
+        f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[parts[2]]}.weight"
+        for e in range(num_experts)
+    ]
 
 
 def reverse_rotary_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -143,12 +152,14 @@ def _gguf_moe(meta, arch: str, num_layers: int, tensor_names: set[str]) -> MoeCo
     return MoeConfig(
         num_experts=int(num_experts),
         top_k=int(meta("expert_used_count")),
-        intermediate_size=int(meta("feed_forward_length") if mixtral
-                              else meta("expert_feed_forward_length")),
+        intermediate_size=int(
+            meta("feed_forward_length") if mixtral else meta("expert_feed_forward_length")
+        ),
         renormalize=bool(meta("expert_weights_norm", arch != "qwen2moe")),
         shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0)),
-        sparse_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names
-                            for i in range(num_layers)),
+        sparse_layers=tuple(
+            f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(num_layers)
+        ),
         fp32_routing_weights=mixtral,
     )
 
@@ -167,21 +178,29 @@ def open_gguf(path: Path) -> ModelSource:
     eos_ids = [_gguf_value(reader, "tokenizer.ggml.eos_token_id")]
     # End-of-turn (e.g. <|eot_id|>) also ends generation in llama.cpp.
     eos_ids.append(_gguf_value(reader, "tokenizer.ggml.eot_token_id"))
-    tensor_types = {hf_name: t.tensor_type.name for t in reader.tensors
-                    if (hf_name := gguf_to_hf_name(t.name)) is not None}
+    tensor_types = {
+        hf_name: t.tensor_type.name
+        for t in reader.tensors
+        if (hf_name := gguf_to_hf_name(t.name)) is not None
+    }
     num_experts = config.moe.num_experts if config.moe is not None else 0
-    tensor_types |= {name: t.tensor_type.name for t in reader.tensors
-                     for name in gguf_expert_names(t.name, num_experts) or ()}
+    tensor_types |= {
+        name: t.tensor_type.name
+        for t in reader.tensors
+        for name in gguf_expert_names(t.name, num_experts) or ()
+    }
     return ModelSource(
         config=config,
         name=path.stem,
         architecture=ARCHITECTURE_BY_MODEL_TYPE[config.model_type],
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
-        weights=lambda select: _gguf_weights(reader, config, select,
-                                             permuted_rotary=arch == "llama"),
+        weights=lambda select: _gguf_weights(
+            reader, config, select, permuted_rotary=arch == "llama"
+        ),
         gguf_tensor_types=tensor_types,
-        gguf_blocks=lambda select: _gguf_blocks(reader, config, select,
-                                                permuted_rotary=arch == "llama"),
+        gguf_blocks=lambda select: _gguf_blocks(
+            reader, config, select, permuted_rotary=arch == "llama"
+        ),
         stored_dtype=_gguf_stored_dtype(tensor_types),
     )
 
@@ -229,14 +248,16 @@ def _gguf_weights(
         yield hf_name, weight[index]
 
 
-def _gguf_expert_weights(tensor, names: list[str], select: WeightSelector
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_expert_weights(
+    tensor, names: list[str], select: WeightSelector
+) -> Iterator[tuple[str, torch.Tensor]]:
     """One 3-D expert tensor's experts this rank selects, each cut to its slice (the
     experts stay dequantized: `--gguf-keep-quantized` keeps the dense layers' blocks only)."""
     from gguf.quants import dequantize
 
-    wanted = [(e, name, index) for e, name in enumerate(names)
-              if (index := select(name)) is not None]
+    wanted = [
+        (e, name, index) for e, name in enumerate(names) if (index := select(name)) is not None
+    ]
     if not wanted:
         return
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -257,8 +278,11 @@ def _gguf_blocks(
     for tensor in reader.tensors:
         experts = gguf_expert_names(tensor.name, num_experts)
         if experts is not None:  # [experts, rows, bytes per row]: each expert's rows
-            wanted = [(e, name, index) for e, name in enumerate(experts)
-                      if (index := select(name, tensor.tensor_type.name)) is not None]
+            wanted = [
+                (e, name, index)
+                for e, name in enumerate(experts)
+                if (index := select(name, tensor.tensor_type.name)) is not None
+            ]
             if wanted:
                 stacked = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
                 stacked = stacked.reshape(num_experts, -1, stacked.shape[-1])

@@ -72,9 +72,14 @@ def _rank_main(tp_size: int, pp_size: int, rank: int, port: int, conn, num_threa
             if command == "load":
                 config, layer_split = payload
                 memory_before_load = read_memory_kib()
-                config = dataclasses.replace(config, parallel=dataclasses.replace(
-                    parallel, pp_layer_split=layer_split,
-                    expert_parallel=config.parallel.expert_parallel))
+                config = dataclasses.replace(
+                    config,
+                    parallel=dataclasses.replace(
+                        parallel,
+                        pp_layer_split=layer_split,
+                        expert_parallel=config.parallel.expert_parallel,
+                    ),
+                )
                 runner = ModelRunner.from_config(config, dist)
                 result: Any = runner.info()
             elif command == "step":
@@ -82,16 +87,19 @@ def _rank_main(tp_size: int, pp_size: int, rank: int, port: int, conn, num_threa
             elif command == "memory":
                 result = {"before_load": memory_before_load, "now": read_memory_kib()}
             elif command == "placements":  # expert parallelism: layer -> expert ids held
-                result = {block.layer_index: block.experts.global_ids
-                          for block in expert_parallel_blocks(runner.model)}
+                result = {
+                    block.layer_index: block.experts.global_ids
+                    for block in expert_parallel_blocks(runner.model)
+                }
             elif command == "shapes":
                 result = {n: tuple(p.shape) for n, p in runner.model.named_parameters()}
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(RankAnswer(rank, result))
         except Exception as exc:  # report, keep serving: the group must stay usable
-            conn.send(RankAnswer(rank, None, type(exc).__name__,
-                                 f"{exc}\n{traceback.format_exc()}"))
+            conn.send(
+                RankAnswer(rank, None, type(exc).__name__, f"{exc}\n{traceback.format_exc()}")
+            )
     dist.destroy()
     conn.close()
 
@@ -109,8 +117,10 @@ class LocalWorkerGroup:
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe()
             process = context.Process(
-                target=_rank_main, args=(tp_size, pp_size, rank, port, child_end, num_threads),
-                daemon=True, name=f"rank{rank}",
+                target=_rank_main,
+                args=(tp_size, pp_size, rank, port, child_end, num_threads),
+                daemon=True,
+                name=f"rank{rank}",
             )
             process.start()
             child_end.close()
@@ -153,8 +163,9 @@ class LocalWorkerGroup:
             raise RankFailed(f"rank {failed[0].rank}: {failed[0].error_type}: {failed[0].message}")
         return [a.value for a in answers]
 
-    def load(self, config: RunnerConfig,
-             layer_split: tuple[int, ...] | None = None) -> list[RunnerInfo]:
+    def load(
+        self, config: RunnerConfig, layer_split: tuple[int, ...] | None = None
+    ) -> list[RunnerInfo]:
         self.infos = self.call_ok("load", (config, layer_split))
         return self.infos
 

@@ -14,7 +14,8 @@ current scheduler: `check_session` looks for a scheduler entry of this group tha
 session and this worker's epoch. A scheduler that lost its claim (replaced after a
 partition), or anyone else who reaches the port, cannot start driving the worker.
 
-Statuses published in the registry entry (pagemesh.runtime.registry_entries.WorkerStatus): joining ->
+Statuses published in the registry entry (pagemesh.runtime.registry_entries.WorkerStatus): joining
+->
 loading -> ready at start (standby -> joining -> loading -> ready for a --standby worker),
 ready -> joining -> ready on a re-form. `epoch` is the plan whose process group the worker
 is in ("" while in none).
@@ -61,9 +62,13 @@ class Plan:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Plan:
-        plan = cls(str(raw["epoch"]), int(raw["world_size"]), str(raw["master_addr"]),
-                   int(raw["master_port"]),
-                   {str(wid): int(rank) for wid, rank in raw["members"].items()})
+        plan = cls(
+            str(raw["epoch"]),
+            int(raw["world_size"]),
+            str(raw["master_addr"]),
+            int(raw["master_port"]),
+            {str(wid): int(rank) for wid, rank in raw["members"].items()},
+        )
         if not plan.epoch:
             raise ValueError("empty epoch")
         return plan
@@ -88,9 +93,16 @@ class Membership:
     writes the registry entry at once instead of at the next heartbeat.
     """
 
-    def __init__(self, registry: Registry, group: str, worker_id: str, world_size: int,
-                 state: WorkerState, publish: Callable[[], Awaitable[None]],
-                 poll_interval_s: float = POLL_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        group: str,
+        worker_id: str,
+        world_size: int,
+        state: WorkerState,
+        publish: Callable[[], Awaitable[None]],
+        poll_interval_s: float = POLL_INTERVAL_S,
+    ) -> None:
         self.registry = registry
         self.group = group
         self.worker_id = worker_id
@@ -120,25 +132,34 @@ class Membership:
             try:
                 entries = await self.registry.entries(SchedulerEntry)
             except Exception as exc:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                   f"cannot check step session {session_id} against the "
-                                   f"registry ({exc}); retry once Redis answers") from exc
+                raise ServiceError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"cannot check step session {session_id} against the "
+                    f"registry ({exc}); retry once Redis answers",
+                ) from exc
             mine = {sid: e for sid, e in entries.items() if (e.group or sid) == self.group}
             # A single worker needs no process group: its scheduler publishes no epoch.
-            if any(e.session == session_id
-                   and (self.world_size == 1 or e.epoch == self.state.epoch)
-                   for e in mine.values()):
+            if any(
+                e.session == session_id and (self.world_size == 1 or e.epoch == self.state.epoch)
+                for e in mine.values()
+            ):
                 return
             if loop.time() >= deadline:
                 break
             await asyncio.sleep(0.1)
-        held = ", ".join(f"{sid}: session {e.session or '-'} epoch {e.epoch or '-'}"
-                         for sid, e in mine.items()) or "no scheduler registered"
+        held = (
+            ", ".join(
+                f"{sid}: session {e.session or '-'} epoch {e.epoch or '-'}"
+                for sid, e in mine.items()
+            )
+            or "no scheduler registered"
+        )
         raise ServiceError(
             grpc.StatusCode.PERMISSION_DENIED,
             f"step session {session_id} is not the one group {self.group}'s scheduler "
             f"registered for epoch {self.state.epoch or '-'} ({held}): only the group's "
-            "current scheduler may drive this worker")
+            "current scheduler may drive this worker",
+        )
 
     async def skip_current_plan(self) -> None:
         """Call before registering: a plan already published is an earlier process's (this
@@ -153,8 +174,9 @@ class Membership:
             raw = await self.registry.get_rendezvous(self.group)
         except Exception as exc:
             if not self._redis_failing:
-                logger.warning("cannot read the rendezvous of group %s (%s); retrying",
-                               self.group, exc)
+                logger.warning(
+                    "cannot read the rendezvous of group %s (%s); retrying", self.group, exc
+                )
             self._redis_failing = True
             return None
         if self._redis_failing:
@@ -173,16 +195,29 @@ class Membership:
         the group when None). A plan with another rank or world size is logged and skipped."""
         while True:
             plan = await self.read_plan()
-            if (plan is not None and plan.epoch not in self._acted_on
-                    and self.worker_id in plan.members):
+            if (
+                plan is not None
+                and plan.epoch not in self._acted_on
+                and self.worker_id in plan.members
+            ):
                 given = plan.members[self.worker_id]
                 if plan.world_size != self.world_size or not 0 <= given < self.world_size:
-                    logger.error("rendezvous epoch %s (world size %d, rank %d) does not fit "
-                                 "this worker's group of %d: ignored", plan.epoch,
-                                 plan.world_size, given, self.world_size)
+                    logger.error(
+                        "rendezvous epoch %s (world size %d, rank %d) does not fit "
+                        "this worker's group of %d: ignored",
+                        plan.epoch,
+                        plan.world_size,
+                        given,
+                        self.world_size,
+                    )
                 elif rank is not None and given != rank:
-                    logger.error("rendezvous epoch %s gives this worker rank %d, but it holds "
-                                 "rank %d: ignored", plan.epoch, given, rank)
+                    logger.error(
+                        "rendezvous epoch %s gives this worker rank %d, but it holds "
+                        "rank %d: ignored",
+                        plan.epoch,
+                        given,
+                        rank,
+                    )
                 else:
                     return plan
                 self._acted_on.add(plan.epoch)
@@ -195,16 +230,26 @@ class Membership:
         while True:
             plan = await self.next_plan(rank)
             self._acted_on.add(plan.epoch)
-            logger.info("joining group %s epoch %s via %s:%d as rank %d", self.group,
-                        plan.epoch, plan.master_addr, plan.master_port,
-                        plan.members[self.worker_id])
+            logger.info(
+                "joining group %s epoch %s via %s:%d as rank %d",
+                self.group,
+                plan.epoch,
+                plan.master_addr,
+                plan.master_port,
+                plan.members[self.worker_id],
+            )
             superseded = threading.Event()  # read by the joining thread
             watcher = asyncio.create_task(self._watch_for_newer(plan.epoch, superseded))
             try:
                 return plan, await join_fn(plan, superseded.is_set)
             except Exception as exc:
-                logger.error("joining group %s epoch %s failed (%s: %s); waiting for a new plan",
-                             self.group, plan.epoch, type(exc).__name__, exc)
+                logger.error(
+                    "joining group %s epoch %s failed (%s: %s); waiting for a new plan",
+                    self.group,
+                    plan.epoch,
+                    type(exc).__name__,
+                    exc,
+                )
             finally:
                 watcher.cancel()
                 superseded.set()  # a join still running after a cancellation gives up
@@ -218,8 +263,7 @@ class Membership:
                 superseded.set()
                 return
 
-    async def follow(self, servicer: WorkerServicer, runner: ModelRunner,
-                     timeout_s: float) -> None:
+    async def follow(self, servicer: WorkerServicer, runner: ModelRunner, timeout_s: float) -> None:
         """Re-forms the process group whenever a new plan names this worker with its rank.
         Runs until cancelled."""
         rank = runner.dist.parallel.rank
@@ -233,8 +277,9 @@ class Membership:
                 logger.exception("following the rendezvous of group %s", self.group)
                 await asyncio.sleep(self.poll_interval_s)
 
-    async def _reform(self, servicer: WorkerServicer, runner: ModelRunner,
-                      timeout_s: float) -> None:
+    async def _reform(
+        self, servicer: WorkerServicer, runner: ModelRunner, timeout_s: float
+    ) -> None:
         start_s = time.monotonic()
         logger.info("group %s re-forms: leaving epoch %s", self.group, self.state.epoch)
         await servicer.stop_steps()
@@ -242,20 +287,25 @@ class Membership:
 
         async def rejoin(plan: Plan, should_abort: Callable[[], bool]) -> None:
             # On the model thread: after the step in progress, which a dead peer fails.
-            await servicer.run_on_model_thread(_reform_group, runner, plan, timeout_s,
-                                               should_abort)
+            await servicer.run_on_model_thread(_reform_group, runner, plan, timeout_s, should_abort)
 
         plan, _ = await self.join(runner.dist.parallel.rank, rejoin)
         self.state.num_reforms += 1
         await servicer.resume_steps()  # before ready: the scheduler sends steps on seeing it
         await self.set_status(WorkerStatus.READY, epoch=plan.epoch)
-        logger.info("re-formed group %s in epoch %s in %.2f s; weights kept", self.group,
-                    plan.epoch, time.monotonic() - start_s)
+        logger.info(
+            "re-formed group %s in epoch %s in %.2f s; weights kept",
+            self.group,
+            plan.epoch,
+            time.monotonic() - start_s,
+        )
 
 
-def _reform_group(runner: ModelRunner, plan: Plan, timeout_s: float,
-                  should_abort: Callable[[], bool]) -> None:
+def _reform_group(
+    runner: ModelRunner, plan: Plan, timeout_s: float, should_abort: Callable[[], bool]
+) -> None:
     runner.reset_requests()
-    runner.dist.reform(plan.master_addr, plan.master_port, timeout_s, tag=plan.epoch,
-                       should_abort=should_abort)
+    runner.dist.reform(
+        plan.master_addr, plan.master_port, timeout_s, tag=plan.epoch, should_abort=should_abort
+    )
     runner.reset_expert_placement()  # a standby that took a rank loaded the default

@@ -27,8 +27,9 @@ ImageEncoder = Callable[[list[bytes]], list[torch.Tensor]]
 
 
 class ImageEmbedder:
-    def __init__(self, encoder: ImageEncoder, num_placeholders: int,
-                 max_cached_images: int = 256) -> None:
+    def __init__(
+        self, encoder: ImageEncoder, num_placeholders: int, max_cached_images: int = 256
+    ) -> None:
         self.encoder = encoder
         self.num_placeholders = num_placeholders  # embedding rows of one image
         self.max_cached_images = max_cached_images
@@ -37,8 +38,9 @@ class ImageEmbedder:
         self.encode_time_s = 0.0  # wall time in the encoder (decode, preprocess, tower)
         self.num_cache_hits = 0  # images found in the cache since start
 
-    def overrides(self, segments: list[ImageSegment], device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def overrides(
+        self, segments: list[ImageSegment], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows [n], embeddings [n, hidden]) for the segments' rows; None for none."""
         if not segments:
             return None
@@ -46,10 +48,12 @@ class ImageEmbedder:
         rows, parts = [], []
         for segment, image_rows in zip(segments, embeddings):
             if segment.image.length != image_rows.shape[0]:
-                raise ValueError(f"an image has {segment.image.length} placeholder tokens, "
-                                 f"but the model embeds it as {image_rows.shape[0]} rows")
+                raise ValueError(
+                    f"an image has {segment.image.length} placeholder tokens, "
+                    f"but the model embeds it as {image_rows.shape[0]} rows"
+                )
             rows.append(torch.arange(segment.start_row, segment.start_row + segment.count))
-            parts.append(image_rows[segment.first:segment.first + segment.count])
+            parts.append(image_rows[segment.first : segment.first + segment.count])
         return torch.cat(rows).to(device), torch.cat(parts)
 
     def _embeddings(self, images: list[ImageInput]) -> list[torch.Tensor]:
@@ -82,8 +86,7 @@ def llava_image_embedder(metadata, device: torch.device | str) -> ImageEmbedder:
 
     encoder = load_llava_encoder(metadata.path, metadata.dtype, device=device)
     if encoder.config.anyres:
-        return ImageEmbedder(_anyres_encoder(encoder, metadata, device),
-                             metadata.image_seq_length)
+        return ImageEmbedder(_anyres_encoder(encoder, metadata, device), metadata.image_seq_length)
     processor = ClipImageProcessor.from_folder(metadata.path)
 
     @torch.inference_mode()

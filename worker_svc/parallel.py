@@ -25,15 +25,19 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
-            raise ValueError(f"tp_size and pp_size must be >= 1, got {self.tp_size}, {self.pp_size}")
+            raise ValueError(
+                f"tp_size and pp_size must be >= 1, got {self.tp_size}, {self.pp_size}"
+            )
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} not in 0..{self.tp_size - 1}")
         if not 0 <= self.pp_rank < self.pp_size:
             raise ValueError(f"pp_rank {self.pp_rank} not in 0..{self.pp_size - 1}")
         if self.pp_layer_split is not None:
             if len(self.pp_layer_split) != self.pp_size or min(self.pp_layer_split) < 1:
-                raise ValueError(f"pp_layer_split {self.pp_layer_split} needs {self.pp_size} "
-                                 "positive layer counts, one per stage")
+                raise ValueError(
+                    f"pp_layer_split {self.pp_layer_split} needs {self.pp_size} "
+                    "positive layer counts, one per stage"
+                )
 
     @property
     def world_size(self) -> int:
@@ -60,8 +64,9 @@ class ParallelConfig:
         """The decoder layers this stage holds."""
         split = self.pp_layer_split or _even_split(num_layers, self.pp_size)
         if sum(split) != num_layers:
-            raise ValueError(f"pp_layer_split {split} sums to {sum(split)}, the model has "
-                             f"{num_layers} layers")
+            raise ValueError(
+                f"pp_layer_split {split} sums to {sum(split)}, the model has {num_layers} layers"
+            )
         start = sum(split[: self.pp_rank])
         return range(start, start + split[self.pp_rank])
 

@@ -22,13 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protos.step import (ImageTiling, ModelRunnerOutput, PoolingInfo, SampledToken,
-                         SchedulerOutput)
+from protos.step import ImageTiling, ModelRunnerOutput, PoolingInfo, SampledToken, SchedulerOutput
 from worker_svc import sampler
-from worker_svc.spec_verify import accept_drafts, check_drafts, sampling_rows
-from worker_svc.draft import DraftConfig, DraftModel, load_draft
-from worker_svc.host_tier import HostTier
-from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 from worker_svc.attention import AttentionBackend, get_attention_backend
 from worker_svc.batch import (
     BlockTables,
@@ -50,6 +45,8 @@ from worker_svc.distributed import (
     checked_context,
     format_digest,
 )
+from worker_svc.draft import DraftConfig, DraftModel, load_draft
+from worker_svc.host_tier import HostTier
 from worker_svc.kv_budget import (
     DEFAULT_CPU_KV_CACHE_FRACTION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -63,9 +60,9 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.kv_prefault import KVPrefault
 from worker_svc.kv_sizing import rank_kv_budget
+from worker_svc.loader import ModelMetadata, load_model, open_source
 from worker_svc.lora import LoraConfig
 from worker_svc.lora.manager import LoraManager
-from worker_svc.loader import ModelMetadata, load_model, open_source
 from worker_svc.model.expert_balance import (
     ExpertBalancer,
     checkpoint_reader,
@@ -77,6 +74,8 @@ from worker_svc.model.pooling import Pooler
 from worker_svc.multimodal import ImageEmbedder, llava_image_embedder
 from worker_svc.parallel import ParallelConfig, global_rank
 from worker_svc.quant import QUANTIZATION_CHOICES
+from worker_svc.spec_verify import accept_drafts, check_drafts, sampling_rows
+from worker_svc.structured import ConstrainedRow, GrammarVocabulary, PendingMasks
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +133,9 @@ class RunnerConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, "
-                             f"got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -208,8 +208,11 @@ class ModelRunner:
         self.kv_cache_sizing = kv_cache_sizing or f"{num_blocks} blocks, as given"
         self.num_swap_blocks = num_swap_blocks
         self.swap_caches = allocate_swap_caches(self.kv_spec, num_swap_blocks, self.device)
-        self.kv_prefault = (KVPrefault(self.kv_caches, num_blocks, kv_prefault_blocks).start()
-                            if kv_prefault_blocks > 0 and self.device.type == "cpu" else None)
+        self.kv_prefault = (
+            KVPrefault(self.kv_caches, num_blocks, kv_prefault_blocks).start()
+            if kv_prefault_blocks > 0 and self.device.type == "cpu"
+            else None
+        )
         self.requests: dict[str, RequestState] = {}
         # The host tier (worker_svc/host_tier.py), set by the worker's main: blocks written
         # through to shared memory that outlives this process.
@@ -223,13 +226,20 @@ class ModelRunner:
         self._sent_downstream = False  # this step's activations went to the next stage
         self.graphs = self._capture_graphs(cuda_graph_sizes) if cuda_graph_sizes else None
         self.expert_balancer = (
-            ExpertBalancer(model, self.dist, checkpoint_reader(open_source(metadata.path).weights),
-                           eplb_interval_steps)
-            if eplb_interval_steps > 0 and expert_parallel_blocks(model) else None)
+            ExpertBalancer(
+                model,
+                self.dist,
+                checkpoint_reader(open_source(metadata.path).weights),
+                eplb_interval_steps,
+            )
+            if eplb_interval_steps > 0 and expert_parallel_blocks(model)
+            else None
+        )
 
     @classmethod
-    def from_config(cls, config: RunnerConfig,
-                    dist: DistributedContext | None = None) -> ModelRunner:
+    def from_config(
+        cls, config: RunnerConfig, dist: DistributedContext | None = None
+    ) -> ModelRunner:
         """Load this rank's shard of the model at `config.model_path` and size its KV cache.
 
         `dist` (from `init_distributed`) is required when `config.parallel` has more than
@@ -237,42 +247,76 @@ class ModelRunner:
         """
         dist = checked_context(config.parallel, config.device, dist)
         model, metadata = load_model(
-            config.model_path, dtype=config.dtype, device=config.device,
-            max_model_len=config.max_model_len, parallel=config.parallel, comm=dist,
-            quantization=config.quantization, gguf_keep_quantized=config.gguf_keep_quantized,
+            config.model_path,
+            dtype=config.dtype,
+            device=config.device,
+            max_model_len=config.max_model_len,
+            parallel=config.parallel,
+            comm=dist,
+            quantization=config.quantization,
+            gguf_keep_quantized=config.gguf_keep_quantized,
             task=config.task,
         )
         spec = model_kv_spec(model, config.block_size, metadata.dtype)
         budget = rank_kv_budget(config, model, metadata, spec)
-        draft = (load_draft(config.draft, config, metadata)
-                 if config.draft is not None and config.parallel.is_last_stage
-                 and config.parallel.is_driver else None)
+        draft = (
+            load_draft(config.draft, config, metadata)
+            if config.draft is not None
+            and config.parallel.is_last_stage
+            and config.parallel.is_driver
+            else None
+        )
         budget_bytes = budget.bytes
         if draft is not None and budget_bytes is not None:  # the draft's blocks share it
             draft_bytes = draft[1].bytes_per_block
-            budget_bytes = budget_bytes * spec.bytes_per_block // (spec.bytes_per_block
-                                                                   + draft_bytes)
+            budget_bytes = (
+                budget_bytes * spec.bytes_per_block // (spec.bytes_per_block + draft_bytes)
+            )
         num_blocks = num_blocks_for_budget(spec, budget_bytes, config.num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%d bytes each, %.2f GiB); %s",
-                    num_blocks, config.block_size, spec.bytes_per_block,
-                    num_blocks * spec.bytes_per_block / (1 << 30), budget.sizing)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d bytes each, %.2f GiB); %s",
+            num_blocks,
+            config.block_size,
+            spec.bytes_per_block,
+            num_blocks * spec.bytes_per_block / (1 << 30),
+            budget.sizing,
+        )
         num_swap_blocks = config.swap_space_bytes // spec.bytes_per_block
         return cls(
-            model, metadata, num_blocks=num_blocks, block_size=config.block_size,
-            device=config.device, attention_backend=config.attention_backend,
-            num_swap_blocks=num_swap_blocks, dist=dist, cpu_linear=config.cpu_linear,
-            kv_cache_sizing=budget.sizing, cuda_graph_sizes=_graph_sizes(config),
-            kv_prefault_blocks=(config.kv_prefault_steps * config.max_num_batched_tokens
-                                // config.block_size),
-            eplb_interval_steps=config.eplb_interval_steps, lora=config.lora,
-            draft=(DraftModel(draft[0], draft[1], num_blocks,
-                              get_attention_backend(config.attention_backend, config.device),
-                              torch.device(config.device), config.draft.num_drafts,
-                              metadata.max_model_len)
-                   if draft is not None and config.draft is not None else None),
-            image_embedder=(llava_image_embedder(metadata, config.device)
-                            if metadata.image_seq_length and config.parallel.is_first_stage
-                            else None),
+            model,
+            metadata,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=config.device,
+            attention_backend=config.attention_backend,
+            num_swap_blocks=num_swap_blocks,
+            dist=dist,
+            cpu_linear=config.cpu_linear,
+            kv_cache_sizing=budget.sizing,
+            cuda_graph_sizes=_graph_sizes(config),
+            kv_prefault_blocks=(
+                config.kv_prefault_steps * config.max_num_batched_tokens // config.block_size
+            ),
+            eplb_interval_steps=config.eplb_interval_steps,
+            lora=config.lora,
+            draft=(
+                DraftModel(
+                    draft[0],
+                    draft[1],
+                    num_blocks,
+                    get_attention_backend(config.attention_backend, config.device),
+                    torch.device(config.device),
+                    config.draft.num_drafts,
+                    metadata.max_model_len,
+                )
+                if draft is not None and config.draft is not None
+                else None
+            ),
+            image_embedder=(
+                llava_image_embedder(metadata, config.device)
+                if metadata.image_seq_length and config.parallel.is_first_stage
+                else None
+            ),
         )
 
     def reset_expert_placement(self) -> None:
@@ -346,25 +390,39 @@ class ModelRunner:
 
     def _validate(self, step: SchedulerOutput) -> None:
         if step.append_sampled_tokens and not self.dist.is_single:
-            raise ValueError("append_sampled_tokens (async scheduling) needs an engine group "
-                             "of one rank: the other ranks would never learn the tokens")
+            raise ValueError(
+                "append_sampled_tokens (async scheduling) needs an engine group "
+                "of one rank: the other ranks would never learn the tokens"
+            )
         validate_step(
-            step, self.requests, num_blocks=self.num_blocks, block_size=self.block_size,
-            max_model_len=self.metadata.max_model_len, vocab_size=self.metadata.vocab_size,
+            step,
+            self.requests,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.metadata.max_model_len,
+            vocab_size=self.metadata.vocab_size,
         )
         embeds = self.pooler is not None
         for new in step.new_requests:
             if new.images and self.image_embedder is None:
-                raise ValueError(f"request {new.request_id!r} carries images, but this model "
-                                 "takes none (a text-only model)")
+                raise ValueError(
+                    f"request {new.request_id!r} carries images, but this model "
+                    "takes none (a text-only model)"
+                )
             if new.lora is not None and self.lora is None:
-                raise ValueError(f"request {new.request_id!r} names LoRA adapter "
-                                 f"{new.lora.name!r}, but LoRA is off on this worker")
+                raise ValueError(
+                    f"request {new.request_id!r} names LoRA adapter "
+                    f"{new.lora.name!r}, but LoRA is off on this worker"
+                )
             if (new.pooling is not None) != embeds:
                 raise ValueError(
-                    f"request {new.request_id!r}: " + (
-                        "this model embeds (a pooling model): it samples no tokens" if embeds
-                        else "this model generates: start it with --task embed to embed"))
+                    f"request {new.request_id!r}: "
+                    + (
+                        "this model embeds (a pooling model): it samples no tokens"
+                        if embeds
+                        else "this model generates: start it with --task embed to embed"
+                    )
+                )
         check_block_moves(step, self.num_blocks, self.num_swap_blocks)
         check_drafts(step, self.requests)
 
@@ -374,8 +432,7 @@ class ModelRunner:
         inbound = None
         if not self.parallel.is_first_stage:
             # Receive before anything can fail, so the previous stage never blocks on us.
-            inbound = self.dist.recv_stage_input(self.model.config.hidden_size,
-                                                 self.metadata.dtype)
+            inbound = self.dist.recv_stage_input(self.model.config.hidden_size, self.metadata.dtype)
         try:
             error: ValueError | None = None
             try:
@@ -401,12 +458,14 @@ class ModelRunner:
         if inbound.failed:
             raise UpstreamStageError(
                 f"rank {upstream} (stage {parallel.pp_rank - 1}) failed step {inbound.step_id}; "
-                f"rank {parallel.rank} (stage {parallel.pp_rank}) skips step {step_id}")
+                f"rank {parallel.rank} (stage {parallel.pp_rank}) skips step {step_id}"
+            )
         if inbound.digest != digest or inbound.step_id != step_id:
             raise StepMismatchError(
                 f"rank {upstream} (stage {parallel.pp_rank - 1}) ran step {inbound.step_id} "
                 f"(digest {format_digest(inbound.digest)}) but rank {parallel.rank} (stage "
-                f"{parallel.pp_rank}) got step {step_id} (digest {format_digest(digest)})")
+                f"{parallel.pp_rank}) got step {step_id} (digest {format_digest(digest)})"
+            )
 
     def _report_failure_downstream(self, step_id: int, digest: int) -> None:
         """The next stage waits for this step's message: tell it the step failed here."""
@@ -418,12 +477,15 @@ class ModelRunner:
         except Exception:  # the original error is the one worth raising
             logger.exception("could not tell the next stage that step %d failed", step_id)
 
-    def _send_downstream(self, step_id: int, digest: int, hidden: torch.Tensor | None,
-                         residual: torch.Tensor | None) -> None:
+    def _send_downstream(
+        self, step_id: int, digest: int, hidden: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> None:
         self._sent_downstream = True
         self.dist.send_stage_output(step_id, digest, hidden, residual)
 
-    def _run(self, step: SchedulerOutput, inbound: StageMessage | None, digest: int) -> ModelRunnerOutput:
+    def _run(
+        self, step: SchedulerOutput, inbound: StageMessage | None, digest: int
+    ) -> ModelRunnerOutput:
         """Execute a validated (and, in a group, agreed) step on this rank."""
         move_blocks(self.kv_caches, self.swap_caches, step.blocks_to_swap_out)
         move_blocks(self.swap_caches, self.kv_caches, step.blocks_to_swap_in)
@@ -438,8 +500,13 @@ class ModelRunner:
                 self._send_downstream(step.step_id, digest, None, None)
             return ModelRunnerOutput(step_id=step.step_id)
         start_s = time.perf_counter()
-        batch = build_batch(self.requests, step.num_scheduled_tokens, self.block_size,
-                            self.device, self.block_tables)
+        batch = build_batch(
+            self.requests,
+            step.num_scheduled_tokens,
+            self.block_size,
+            self.device,
+            self.block_tables,
+        )
         intermediate = None if inbound is None else (inbound.hidden, inbound.residual)
         samples_here = self.parallel.is_last_stage and self.parallel.is_driver and batch.sample_rows
         masks = self._start_masks(batch.sample_request_ids) if samples_here else None
@@ -457,17 +524,18 @@ class ModelRunner:
                 if self.parallel.is_driver:
                     pooled = self.pooler.pool(
                         lambda rows: self.model.final_hidden(hidden[rows], residual[rows]),
-                        batch.pool_segments)
+                        batch.pool_segments,
+                    )
             elif batch.sample_rows:
                 rows = torch.tensor(batch.sample_rows, device=self.device)
                 # Every TP rank of the last stage joins the LM head's all-gather.
                 logits = self.model.compute_logits(hidden[rows], residual[rows])
                 if self.parallel.is_driver:
-                    sampled, spec_sampled = self._sample(logits, batch.sample_request_ids,
-                                                         masks)
+                    sampled, spec_sampled = self._sample(logits, batch.sample_request_ids, masks)
                     if self.draft is not None:
-                        drafts = self.draft.propose(self.requests, self.block_tables, sampled,
-                                                    spec_sampled)
+                        drafts = self.draft.propose(
+                            self.requests, self.block_tables, sampled, spec_sampled
+                        )
                     if step.append_sampled_tokens:
                         for request_id, token in sampled.items():
                             self.requests[request_id].token_ids.append(token.token_id)
@@ -479,31 +547,59 @@ class ModelRunner:
             state.num_computed_tokens += num_tokens  # drafts too: the scheduler rolls back
             state.draft_token_ids = []
         forward_time_ms = (time.perf_counter() - start_s) * 1000.0
-        return ModelRunnerOutput(step_id=step.step_id, sampled=sampled,
-                                 spec_sampled=spec_sampled, forward_time_ms=forward_time_ms,
-                                 pooled=pooled, draft_token_ids=drafts)
+        return ModelRunnerOutput(
+            step_id=step.step_id,
+            sampled=sampled,
+            spec_sampled=spec_sampled,
+            forward_time_ms=forward_time_ms,
+            pooled=pooled,
+            draft_token_ids=drafts,
+        )
 
-    def _forward(self, batch: StepBatch, num_scheduled_tokens: dict[str, int],
-                 intermediate: tuple[torch.Tensor, torch.Tensor] | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self,
+        batch: StepBatch,
+        num_scheduled_tokens: dict[str, int],
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over the batch: a CUDA graph's replay for a decode step that fits one,
         else eagerly."""
-        if self.graphs is not None and eager_reason(
-                num_scheduled_tokens, self.graphs.sizes,
-                later_stage=intermediate is not None) is None:
+        if (
+            self.graphs is not None
+            and eager_reason(
+                num_scheduled_tokens, self.graphs.sizes, later_stage=intermediate is not None
+            )
+            is None
+        ):
             return self.graphs.run(batch.input_ids, batch.positions, batch.metadata)
         overrides = None
         if self.image_embedder is not None and intermediate is None:
             overrides = self.image_embedder.overrides(batch.image_segments, self.device)
         if self.lora is None:
-            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
-                              self.backend, intermediate, overrides)
+            return self.model(
+                batch.input_ids,
+                batch.positions,
+                self.kv_caches,
+                batch.metadata,
+                self.backend,
+                intermediate,
+                overrides,
+            )
         order = batch_order(num_scheduled_tokens)
-        self.lora.row_slots(self.lora.prepare([self.requests[r].lora for r in order]),
-                            np.fromiter((num_scheduled_tokens[r] for r in order), np.int64))
+        self.lora.row_slots(
+            self.lora.prepare([self.requests[r].lora for r in order]),
+            np.fromiter((num_scheduled_tokens[r] for r in order), np.int64),
+        )
         try:
-            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
-                              self.backend, intermediate, overrides)
+            return self.model(
+                batch.input_ids,
+                batch.positions,
+                self.kv_caches,
+                batch.metadata,
+                self.backend,
+                intermediate,
+                overrides,
+            )
         finally:
             self.lora.row_slots(None, np.empty(0, np.int64))
 
@@ -513,15 +609,23 @@ class ModelRunner:
         where they cannot be: not CUDA, or an attention backend that reads lengths on the host."""
         fix_plan = getattr(self.backend, "fix_decode_plan", None)
         if self.device.type != "cuda" or fix_plan is None:
-            logger.info("CUDA graphs off: %s", "not a CUDA device" if self.device.type != "cuda"
-                        else f"the {self.backend.name} attention backend cannot be captured")
+            logger.info(
+                "CUDA graphs off: %s",
+                "not a CUDA device"
+                if self.device.type != "cuda"
+                else f"the {self.backend.name} attention backend cannot be captured",
+            )
             return None
         max_len = self.metadata.max_model_len
         graphs = DecodeGraphs(
-            lambda ids, positions, metadata: self.model(ids, positions, self.kv_caches, metadata,
-                                                        self.backend, None),
+            lambda ids, positions, metadata: self.model(
+                ids, positions, self.kv_caches, metadata, self.backend, None
+            ),
             lambda metadata, size: fix_plan(metadata, size, max_len),
-            sizes, max_blocks_per_seq=-(-max_len // self.block_size), device=self.device)
+            sizes,
+            max_blocks_per_seq=-(-max_len // self.block_size),
+            device=self.device,
+        )
         graphs.capture()
         return graphs
 
@@ -565,13 +669,19 @@ class ModelRunner:
             if state.sampling.grammar:
                 if state.grammar is None:
                     state.grammar = self._grammar_vocabulary().new_state(state.sampling.grammar)
-                constrained.append(ConstrainedRow(row, state.grammar,
-                                                  state.token_ids[state.num_prompt_tokens:],
-                                                  state.draft_token_ids))
+                constrained.append(
+                    ConstrainedRow(
+                        row,
+                        state.grammar,
+                        state.token_ids[state.num_prompt_tokens :],
+                        state.draft_token_ids,
+                    )
+                )
         return PendingMasks.start(self._grammar_vocabulary(), constrained) if constrained else None
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str], pending: PendingMasks | None
-                ) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
+    def _sample(
+        self, logits: torch.Tensor, request_ids: list[str], pending: PendingMasks | None
+    ) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
         """Each request's token, and the tokens of its accepted drafts (spec_verify.py)."""
         masks = None if pending is None else sampler.RowMasks(pending.rows, pending.bits.result())
         tokens = sampler.sample(logits, sampling_rows(self.requests, request_ids), masks)
@@ -581,7 +691,8 @@ class ModelRunner:
         """Made at the first constrained request (structured output is opt-in per request)."""
         if self.grammar_vocabulary is None:
             self.grammar_vocabulary = GrammarVocabulary(
-                self.metadata.path, self.metadata.vocab_size, self.metadata.eos_token_ids)
+                self.metadata.path, self.metadata.vocab_size, self.metadata.eos_token_ids
+            )
         return self.grammar_vocabulary
 
 
@@ -589,8 +700,12 @@ def _graph_sizes(config: RunnerConfig) -> tuple[int, ...]:
     """The decode batch sizes to capture as CUDA graphs; () for none (CPU, enforce_eager, and
     expert parallelism: its all-to-all sizes come from the step's routing, read on the
     host, which a graph cannot replay; LoRA, whose adapters per row change every step)."""
-    if (config.enforce_eager or torch.device(config.device).type != "cuda"
-            or config.parallel.expert_parallel or config.lora is not None):
+    if (
+        config.enforce_eager
+        or torch.device(config.device).type != "cuda"
+        or config.parallel.expert_parallel
+        or config.lora is not None
+    ):
         return ()
     if config.cuda_graph_sizes is not None:
         return tuple(config.cuda_graph_sizes)

@@ -58,7 +58,9 @@ class RowMasks:
     (worker_svc/structured.py computes them)."""
 
     rows: list[int]
-    bits: torch.Tensor  # int32 [len(rows), ceil(vocab_size / 32)]; token t is bit t % 32 of word t // 32
+    bits: (
+        torch.Tensor
+    )  # int32 [len(rows), ceil(vocab_size / 32)]; token t is bit t % 32 of word t // 32
 
     def bits_of(self, rows: list[int]) -> torch.Tensor:
         """The bitmasks of `rows`, in that order (no copy when that is all of them)."""
@@ -68,8 +70,9 @@ class RowMasks:
         return self.bits[[position[row] for row in rows]]
 
 
-def sample(logits: torch.Tensor, requests: Sequence[SamplingRow],
-           masks: RowMasks | None = None) -> list[SampledToken]:
+def sample(
+    logits: torch.Tensor, requests: Sequence[SamplingRow], masks: RowMasks | None = None
+) -> list[SampledToken]:
     """logits [num_rows, vocab_size] (any float dtype) -> one token per row.
 
     Rows without penalties, stop masking or a constraint are not copied, and greedy rows
@@ -96,8 +99,11 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow],
         for row, token_id in zip(direct, chosen.tolist(), strict=True):
             token_ids[row] = token_id
     direct_set = set(direct)
-    greedy = [row for row, request in enumerate(requests)
-              if request.params.temperature == 0.0 and row not in direct_set]
+    greedy = [
+        row
+        for row, request in enumerate(requests)
+        if request.params.temperature == 0.0 and row not in direct_set
+    ]
     if greedy:
         rows = processed if len(greedy) == len(requests) else processed[greedy]
         for row, token_id in zip(greedy, cpu_fused.argmax(rows).tolist(), strict=True):
@@ -108,23 +114,30 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow],
     return _with_logprobs(logits, token_ids, requests)
 
 
-def _constrained_rows(requests: Sequence[SamplingRow], masks: RowMasks | None,
-                      to_process: set[int]) -> tuple[list[int], list[int]]:
+def _constrained_rows(
+    requests: Sequence[SamplingRow], masks: RowMasks | None, to_process: set[int]
+) -> tuple[list[int], list[int]]:
     """Constrained rows split: greedy ones with nothing else to apply choose straight from
     the logits and their bits; the others get the mask applied to a copy."""
     if masks is None:
         return [], []
-    direct = [row for row in masks.rows
-              if requests[row].params.temperature == 0.0 and row not in to_process]
+    direct = [
+        row
+        for row in masks.rows
+        if requests[row].params.temperature == 0.0 and row not in to_process
+    ]
     chosen = set(direct)
     return direct, [row for row in masks.rows if row not in chosen]
 
 
 def _needs_processing(request: SamplingRow) -> bool:
     params = request.params
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-            or (bool(params.stop_token_ids) and request.num_output_tokens < params.min_tokens))
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or (bool(params.stop_token_ids) and request.num_output_tokens < params.min_tokens)
+    )
 
 
 def _apply_penalties(row: torch.Tensor, request: SamplingRow) -> None:
@@ -150,8 +163,11 @@ def _apply_penalties(row: torch.Tensor, request: SamplingRow) -> None:
 def _mask_stop_tokens(row: torch.Tensor, request: SamplingRow) -> None:
     params = request.params
     # A constrained row's grammar decides when EOS may come (it may be all it allows).
-    if params.stop_token_ids and request.num_output_tokens < params.min_tokens \
-            and not params.grammar:
+    if (
+        params.stop_token_ids
+        and request.num_output_tokens < params.min_tokens
+        and not params.grammar
+    ):
         row[_ids_tensor(params.stop_token_ids, row)] = float("-inf")
 
 
@@ -208,10 +224,12 @@ def _with_logprobs(
     max_top = max(requests[row].params.num_logprobs for row in wanted)
     top = torch.topk(logprobs, min(max_top, logprobs.shape[-1]), dim=-1)
     top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    chosen = logprobs.gather(1, torch.tensor([token_ids[row] for row in wanted],
-                                             device=logprobs.device)[:, None])
+    chosen = logprobs.gather(
+        1, torch.tensor([token_ids[row] for row in wanted], device=logprobs.device)[:, None]
+    )
     for i, (row, value) in enumerate(zip(wanted, chosen[:, 0].tolist(), strict=True)):
         n = requests[row].params.num_logprobs
-        sampled[row] = SampledToken(token_ids[row], value,
-                                    tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
+        sampled[row] = SampledToken(
+            token_ids[row], value, tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True))
+        )
     return sampled

@@ -24,19 +24,23 @@ from worker_svc.sampler import SamplingRow
 def check_drafts(step: SchedulerOutput, requests: dict[str, RequestState]) -> None:
     """Raises ValueError for drafts this rank cannot verify exactly."""
     if step.append_sampled_tokens and any(c.spec_token_ids for c in step.cached_requests):
-        raise ValueError("drafts with append_sampled_tokens (async scheduling): the driver "
-                         "would append only the first of the tokens it keeps")
+        raise ValueError(
+            "drafts with append_sampled_tokens (async scheduling): the driver "
+            "would append only the first of the tokens it keeps"
+        )
     for cached in step.cached_requests:
         if not cached.spec_token_ids:
             continue
         state = requests.get(cached.request_id)
         if state is not None and state.pooling is not None:
-            raise ValueError(f"request {cached.request_id!r}: an embedding request has no "
-                             "drafts to verify")
+            raise ValueError(
+                f"request {cached.request_id!r}: an embedding request has no drafts to verify"
+            )
 
 
-def sampling_rows(requests: dict[str, RequestState], request_ids: Sequence[str]
-                  ) -> list[SamplingRow]:
+def sampling_rows(
+    requests: dict[str, RequestState], request_ids: Sequence[str]
+) -> list[SamplingRow]:
     """One row per logits row: a request's j-th row sees its first j drafts as output."""
     rows: list[SamplingRow] = []
     previous, j = None, 0
@@ -49,9 +53,9 @@ def sampling_rows(requests: dict[str, RequestState], request_ids: Sequence[str]
     return rows
 
 
-def accept_drafts(requests: dict[str, RequestState], request_ids: Sequence[str],
-                  tokens: Sequence[SampledToken]
-                  ) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
+def accept_drafts(
+    requests: dict[str, RequestState], request_ids: Sequence[str], tokens: Sequence[SampledToken]
+) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
     """Each request's first token, and the tokens after it while its drafts held."""
     sampled: dict[str, SampledToken] = {}
     spec_sampled: dict[str, list[SampledToken]] = {}

@@ -54,7 +54,8 @@ class GrammarVocabulary:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = _load_llguidance_tokenizer(
-                    self.model_path, self.vocab_size, list(self.eos_token_ids))
+                    self.model_path, self.vocab_size, list(self.eos_token_ids)
+                )
             return self._tokenizer
 
     def executor(self) -> object:
@@ -80,7 +81,9 @@ class GrammarVocabulary:
         return GrammarState(matcher)
 
 
-def _load_llguidance_tokenizer(model_path: str, vocab_size: int, eos_token_ids: list[int]) -> object:
+def _load_llguidance_tokenizer(
+    model_path: str, vocab_size: int, eos_token_ids: list[int]
+) -> object:
     """From the model's own tokenizer: the folder's tokenizer files, or a GGUF's vocabulary
     (which transformers converts)."""
     import llguidance.hf
@@ -130,11 +133,14 @@ def token_bitmask(vocabulary: GrammarVocabulary, rows: Sequence[ConstrainedRow])
     if any(c.draft_token_ids for c, _ in live):
         executor.unsafe_compute_mask_ptr_with_draft_token(  # type: ignore[attr-defined]
             [(c.state.matcher, start, list(c.draft_token_ids)) for c, start in live],
-            bits.data_ptr(), words * 4, num_rows)
+            bits.data_ptr(),
+            words * 4,
+            num_rows,
+        )
     elif live:
         executor.unsafe_compute_mask_ptr(  # type: ignore[attr-defined]
-            [(c.state.matcher, start) for c, start in live], bits.data_ptr(), words * 4,
-            num_rows)
+            [(c.state.matcher, start) for c, start in live], bits.data_ptr(), words * 4, num_rows
+        )
     words_u32 = bits.numpy().view(np.uint32)  # the same memory, bit 31 without sign trouble
     for constrained, start in zip(rows, starts):
         for i in range(start, start + len(constrained.rows)):
@@ -159,8 +165,10 @@ class PendingMasks:
 
     @classmethod
     def start(cls, vocabulary: GrammarVocabulary, rows: list[ConstrainedRow]) -> PendingMasks:
-        return cls([row for c in rows for row in c.rows],
-                   vocabulary.mask_thread().submit(token_bitmask, vocabulary, rows))
+        return cls(
+            [row for c in rows for row in c.rows],
+            vocabulary.mask_thread().submit(token_bitmask, vocabulary, rows),
+        )
 
     def settle(self) -> None:
         """Returns once the computation has ended (its error, if any, left to `result`)."""
@@ -169,12 +177,15 @@ class PendingMasks:
 
 def _catch_up(constrained: ConstrainedRow, eos_token_ids: tuple[int, ...]) -> None:
     state = constrained.state
-    new = list(constrained.output_token_ids[state.num_consumed:])
+    new = list(constrained.output_token_ids[state.num_consumed :])
     if not new or state.failed:
         return
     if not state.matcher.consume_tokens(new):  # type: ignore[attr-defined]
         state.failed = True
-        logger.error("a constrained request's output left its grammar after %d tokens (%s); "
-                     "only EOS is allowed from now", state.num_consumed,
-                     state.matcher.get_error())  # type: ignore[attr-defined]
+        logger.error(
+            "a constrained request's output left its grammar after %d tokens (%s); "
+            "only EOS is allowed from now",
+            state.num_consumed,
+            state.matcher.get_error(),
+        )  # type: ignore[attr-defined]
     state.num_consumed += len(new)

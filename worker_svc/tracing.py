@@ -17,7 +17,11 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
-from pagemesh.runtime.telemetry import parent_context, span_context_from_traceparent, tracing_enabled
+from pagemesh.runtime.telemetry import (
+    parent_context,
+    span_context_from_traceparent,
+    tracing_enabled,
+)
 from worker_svc import convert
 
 _tracer = trace.get_tracer("pagemesh.worker")
@@ -42,8 +46,9 @@ def traced_step(execute_step: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
     return traced
 
 
-def start_step_span(tracer: trace.Tracer, request: Any, worker_id: str,
-                    layout: dict[str, int]) -> trace.Span | None:
+def start_step_span(
+    tracer: trace.Tracer, request: Any, worker_id: str, layout: dict[str, int]
+) -> trace.Span | None:
     """The span of one step, or None when no request in it carries a valid trace context."""
     traceparents, num_requests, num_tokens = convert.step_trace_from_pb(request)
     contexts = [c for c in map(span_context_from_traceparent, traceparents) if c is not None]

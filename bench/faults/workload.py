@@ -1,5 +1,5 @@
 """The fault matrix's clients: N clients x M streamed requests, each resuming by request id
-when its stream breaks, as a client of pagemesh is meant to (README, Fault tolerance).
+when its stream breaks, as a client of pagemesh is meant to (docs/fault-tolerance.md).
 
 Every request asks for its tokens' logprobs (top 2); every fourth samples with a seed and
 every filter and penalty on, the rest are greedy; every third is constrained to a JSON schema
@@ -25,22 +25,43 @@ from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
 SEEDED_EVERY = 4
-SEEDED_SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02,
-                       repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2)
+SEEDED_SAMPLING = dict(
+    temperature=0.9,
+    top_k=40,
+    top_p=0.95,
+    min_p=0.02,
+    repetition_penalty=1.1,
+    presence_penalty=0.3,
+    frequency_penalty=0.2,
+)
 NUM_LOGPROBS = 2
 CONSTRAINED_EVERY = 3
-SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 8},
-    "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 LOGPROB_TOLERANCE = 1e-4  # recomputed after a resume: fp32 noise, not a different token
 # A broken stream: the router died, or froze and keepalive gave up on it.
-_RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN})
+_RESUMABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
 # Dial a restarted router again within a second (gRPC's default backoff reaches 120 s).
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000), *keepalive.CHANNEL_OPTIONS]
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    *keepalive.CHANNEL_OPTIONS,
+]
 
 
 @dataclass(frozen=True)
@@ -55,8 +76,12 @@ class RequestSpec:
 
     def to_pb(self) -> generate_pb2.GenerateRequest:
         request = generate_pb2.GenerateRequest(
-            request_id=self.request_id, token_ids=generate_pb2.TokenIds(ids=self.prompt),
-            logprobs=NUM_LOGPROBS, images=self.images, model=self.model)
+            request_id=self.request_id,
+            token_ids=generate_pb2.TokenIds(ids=self.prompt),
+            logprobs=NUM_LOGPROBS,
+            images=self.images,
+            model=self.model,
+        )
         request.stopping.max_tokens = self.max_tokens
         if self.constrained:  # ends when the JSON is complete
             request.constraint.json_schema = json.dumps(SCHEMA)
@@ -105,15 +130,23 @@ class RequestResult:
         for (lp, top), (other_lp, other_top) in zip(self.logprobs, other.logprobs):
             if abs(lp - other_lp) > LOGPROB_TOLERANCE or len(top) != len(other_top):
                 return False
-            if any(a != b or abs(x - y) > LOGPROB_TOLERANCE
-                   for (a, x), (b, y) in zip(top, other_top)):
+            if any(
+                a != b or abs(x - y) > LOGPROB_TOLERANCE for (a, x), (b, y) in zip(top, other_top)
+            ):
                 return False
         return True
 
 
-def plan(num_clients: int, requests_per_client: int, max_tokens: int, tag: str,
-         seed: int = 0, images: tuple[bytes, ...] = (), image_token_id: int = 0,
-         adapters: tuple[str, ...] = ()) -> list[list[RequestSpec]]:
+def plan(
+    num_clients: int,
+    requests_per_client: int,
+    max_tokens: int,
+    tag: str,
+    seed: int = 0,
+    images: tuple[bytes, ...] = (),
+    image_token_id: int = 0,
+    adapters: tuple[str, ...] = (),
+) -> list[list[RequestSpec]]:
     """Each client's requests, in order; prompts of 8-40 random tokens from a fixed seed, so
     two runs with different tags send the same requests. With `images`, each prompt starts
     with `image_token_id` standing for one of them (in turn: requests share images). With
@@ -129,10 +162,17 @@ def plan(num_clients: int, requests_per_client: int, max_tokens: int, tag: str,
             shown = (images[index % len(images)],) if images else ()
             if shown:
                 prompt = [image_token_id, *prompt]
-            requests.append(RequestSpec(f"{tag}-{index}", prompt, max_tokens,
-                                        1000 + index if index % SEEDED_EVERY == 0 else None,
-                                        index % CONSTRAINED_EVERY == 1, shown,
-                                        models[index % len(models)]))
+            requests.append(
+                RequestSpec(
+                    f"{tag}-{index}",
+                    prompt,
+                    max_tokens,
+                    1000 + index if index % SEEDED_EVERY == 0 else None,
+                    index % CONSTRAINED_EVERY == 1,
+                    shown,
+                    models[index % len(models)],
+                )
+            )
         clients.append(requests)
     return clients
 
@@ -148,8 +188,9 @@ class Clients:
     """Runs a plan against the router at `address`; `resume_deadline_s` bounds how long a
     client keeps trying to resume one broken stream."""
 
-    def __init__(self, address: str, tls: TlsConfig | None = None,
-                 resume_deadline_s: float = 120.0) -> None:
+    def __init__(
+        self, address: str, tls: TlsConfig | None = None, resume_deadline_s: float = 120.0
+    ) -> None:
         self.channel = (tls or TlsConfig()).channel(address, options=_CHANNEL_OPTIONS)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.resume_deadline_s = resume_deadline_s
@@ -157,8 +198,12 @@ class Clients:
     def close(self) -> None:
         self.channel.close()
 
-    def run(self, clients: list[list[RequestSpec]], disturb: Callable[[], None] | None = None,
-            after_tokens: int = 0) -> Run:
+    def run(
+        self,
+        clients: list[list[RequestSpec]],
+        disturb: Callable[[], None] | None = None,
+        after_tokens: int = 0,
+    ) -> Run:
         """Every client at once, each its requests one after another; `disturb()` is called
         once `after_tokens` tokens have arrived in all."""
         received = [0]
@@ -191,15 +236,22 @@ class Clients:
         result = RequestResult(spec)
         deadline = None
         while True:
-            request = (spec.to_pb() if not result.token_ids else generate_pb2.GenerateRequest(
-                request_id=spec.request_id, resume_from=len(result.token_ids)))
+            request = (
+                spec.to_pb()
+                if not result.token_ids
+                else generate_pb2.GenerateRequest(
+                    request_id=spec.request_id, resume_from=len(result.token_ids)
+                )
+            )
             try:
                 for chunk in self.stub.Generate(request, timeout=600):
                     result.chunk_times.append(time.monotonic())
                     result.token_ids += chunk.token_ids
                     result.text += chunk.text
-                    result.logprobs += [(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                                        for lp in chunk.logprobs]
+                    result.logprobs += [
+                        (lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                        for lp in chunk.logprobs
+                    ]
                     on_tokens(len(chunk.token_ids))
                     if chunk.finish_reason:
                         result.finish_reason = chunk.finish_reason

@@ -31,5 +31,6 @@ def draw(strategy: SearchStrategy[T], seed: int, index: int) -> T:
                 return data.draw(strategy)
         except (StopTest, UnsatisfiedAssumption):
             continue
-    raise RuntimeError(f"no value of {strategy!r} for seed {seed}, index {index} "
-                       f"in {MAX_ATTEMPTS} attempts")
+    raise RuntimeError(
+        f"no value of {strategy!r} for seed {seed}, index {index} in {MAX_ATTEMPTS} attempts"
+    )

@@ -48,8 +48,12 @@ class GoodStats:
             self.failures.append(oc.short(message))
 
 
-def greedy(prompt_ids: list[int], max_tokens: int, **kwargs: object) -> generate_pb2.GenerateRequest:
-    request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt_ids), **kwargs)
+def greedy(
+    prompt_ids: list[int], max_tokens: int, **kwargs: object
+) -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt_ids), **kwargs
+    )
     request.sampling.temperature = 0.0
     request.stopping.max_tokens = max_tokens
     request.stopping.ignore_eos = True
@@ -66,19 +70,35 @@ async def calibrate(channel: grpc.aio.Channel, facts: ModelFacts) -> tuple[list[
     for _ in range(40):
         prompt_ids = [rng.randrange(1, facts.vocab_size) for _ in range(6)]
         start = time.perf_counter()
-        chunks = [c async for c in stub.Generate(greedy(prompt_ids, GOOD_MAX_TOKENS, logprobs=2), timeout=60)]
+        chunks = [
+            c
+            async for c in stub.Generate(
+                greedy(prompt_ids, GOOD_MAX_TOKENS, logprobs=2), timeout=60
+            )
+        ]
         seconds_per_token = (time.perf_counter() - start) / GOOD_MAX_TOKENS
         logprobs = [lp for c in chunks for lp in c.logprobs]
         if min(lp.top[0].logprob - lp.top[1].logprob for lp in logprobs) >= MIN_TOP2_MARGIN:
-            cases.append(GoodCase(prompt_ids, [t for c in chunks for t in c.token_ids],
-                                  "".join(c.text for c in chunks)))
+            cases.append(
+                GoodCase(
+                    prompt_ids,
+                    [t for c in chunks for t in c.token_ids],
+                    "".join(c.text for c in chunks),
+                )
+            )
         if len(cases) == NUM_CASES:
             return cases, seconds_per_token
     raise RuntimeError(f"fewer than {NUM_CASES} of 40 prompts are free of near-ties")
 
 
-async def good_client(transport: str, targets: Targets, facts: ModelFacts, cases: list[GoodCase],
-                      stop: asyncio.Event, deadline_s: float) -> GoodStats:
+async def good_client(
+    transport: str,
+    targets: Targets,
+    facts: ModelFacts,
+    cases: list[GoodCase],
+    stop: asyncio.Event,
+    deadline_s: float,
+) -> GoodStats:
     """Back-to-back requests until `stop`; each must give its known answer within `deadline_s`."""
     stats = GoodStats(transport)
     stub = generate_pb2_grpc.GenerationStub(targets.channels[0])
@@ -90,7 +110,9 @@ async def good_client(transport: str, targets: Targets, facts: ModelFacts, cases
         try:
             async with asyncio.timeout(deadline_s):
                 if transport == "gRPC":
-                    chunks = [c async for c in stub.Generate(greedy(case.prompt_ids, GOOD_MAX_TOKENS))]
+                    chunks = [
+                        c async for c in stub.Generate(greedy(case.prompt_ids, GOOD_MAX_TOKENS))
+                    ]
                     got = [t for c in chunks for t in c.token_ids]
                     if got != case.token_ids:
                         stats.failed(f"tokens {got}, expected {case.token_ids}")
@@ -109,8 +131,13 @@ async def good_client(transport: str, targets: Targets, facts: ModelFacts, cases
 
 
 async def _http_text(targets: Targets, facts: ModelFacts, case: GoodCase) -> str:
-    body = {"model": facts.name, "prompt": case.prompt_ids, "max_tokens": GOOD_MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": facts.name,
+        "prompt": case.prompt_ids,
+        "max_tokens": GOOD_MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     async with targets.session.post(targets.http_url + "/v1/completions", json=body) as response:
         answer = await response.json(content_type=None)
         if response.status != 200:
@@ -134,30 +161,56 @@ class AuditRow:
         return self.left and self.freed_after_s is not None
 
 
-async def disconnect_audit(targets: Targets, endpoints: mesh_checks.Endpoints, facts: ModelFacts,
-                           seconds_per_token: float) -> list[AuditRow]:
+async def disconnect_audit(
+    targets: Targets, endpoints: mesh_checks.Endpoints, facts: ModelFacts, seconds_per_token: float
+) -> list[AuditRow]:
     """On the quiet mesh, one long greedy request per way of leaving; its blocks must be
     free well before it could have finished on its own."""
     num_tokens = facts.max_model_len - 32
     limit_s = max(1.0, min(5.0, seconds_per_token * num_tokens / 4))
     ids = [7, 8, 9]
-    body = {"model": facts.name, "prompt": ids, "max_tokens": num_tokens, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": facts.name,
+        "prompt": ids,
+        "max_tokens": num_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     leaving = [
-        ("gRPC stream cancelled after its first chunk",
-         GrpcGenerate({"prompt": ("ids", ids), "sampling": {"temperature": 0.0},
-                       "stopping": {"max_tokens": num_tokens, "ignore_eos": True}}, Cancel(1))),
-        ("HTTP stream closed after its first event", HttpJson("/v1/completions", body | {"stream": True}, {},
-                                                             Cancel(1))),
-        ("HTTP request (not streamed) closed after 0.5 s", HttpJson("/v1/completions", body, {},
-                                                                   Cancel(None, 0.5))),
+        (
+            "gRPC stream cancelled after its first chunk",
+            GrpcGenerate(
+                {
+                    "prompt": ("ids", ids),
+                    "sampling": {"temperature": 0.0},
+                    "stopping": {"max_tokens": num_tokens, "ignore_eos": True},
+                },
+                Cancel(1),
+            ),
+        ),
+        (
+            "HTTP stream closed after its first event",
+            HttpJson("/v1/completions", body | {"stream": True}, {}, Cancel(1)),
+        ),
+        (
+            "HTTP request (not streamed) closed after 0.5 s",
+            HttpJson("/v1/completions", body, {}, Cancel(None, 0.5)),
+        ),
     ]
     rows = []
     for what, spec in leaving:
         result, detail = (await send(spec, targets))[0]
         left_at = time.monotonic()
         freed = await _wait_quiet(endpoints, limit_s)
-        rows.append(AuditRow(what, result == oc.CANCELLED, f"{result}: {detail}",
-                             None if freed is None else freed - left_at, limit_s))
+        rows.append(
+            AuditRow(
+                what,
+                result == oc.CANCELLED,
+                f"{result}: {detail}",
+                None if freed is None else freed - left_at,
+                limit_s,
+            )
+        )
         if freed is None:  # let it end on its own before the next one is measured
             await _wait_quiet(endpoints, seconds_per_token * num_tokens * 4 + 30)
     return rows

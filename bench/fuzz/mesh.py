@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh.runtime import internal_auth
 from pagemesh.runtime.internal_auth import token_metadata
-from pagemesh.tools.mesh_process import Mesh, alive
 from pagemesh.runtime.ports import reserve_port
 from pagemesh.runtime.registry_entries import KINDS, SchedulerEntry, entry_from_json
+from pagemesh.tools.mesh_process import Mesh, alive
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
@@ -43,8 +43,9 @@ class Endpoints:
 
 
 @contextlib.contextmanager
-def own_mesh(workdir: Path, cluster: str = "bench-fuzz",
-             repo_root: Path | None = None) -> Iterator[tuple[Endpoints, Mesh]]:
+def own_mesh(
+    workdir: Path, cluster: str = "bench-fuzz", repo_root: Path | None = None
+) -> Iterator[tuple[Endpoints, Mesh]]:
     """A Valkey and `pagemesh up` (one router with HTTP, one scheduler, one CPU worker) on a
     tiny random Llama with a 2,048-token context, written under `workdir`; `repo_root`: the
     checkout whose services run (another one: a before/after comparison)."""
@@ -61,11 +62,21 @@ def own_mesh(workdir: Path, cluster: str = "bench-fuzz",
     os.environ.setdefault(internal_auth.ENV, secrets.token_urlsafe(16))  # `up` inherits it
     mesh = None
     try:
-        mesh = Mesh(str(model), workdir / "mesh.log", redis_url=valkey.connection_url, cluster=cluster,
-                    extra_args=["--http-port", str(http_port), "--num-kv-blocks", str(NUM_KV_BLOCKS)],
-                    repo_root=repo_root)
+        mesh = Mesh(
+            str(model),
+            workdir / "mesh.log",
+            redis_url=valkey.connection_url,
+            cluster=cluster,
+            extra_args=["--http-port", str(http_port), "--num-kv-blocks", str(NUM_KV_BLOCKS)],
+            repo_root=repo_root,
+        )
         mesh.wait_ready()
-        yield Endpoints(mesh.address, f"http://127.0.0.1:{http_port}", valkey.connection_url, cluster), mesh
+        yield (
+            Endpoints(
+                mesh.address, f"http://127.0.0.1:{http_port}", valkey.connection_url, cluster
+            ),
+            mesh,
+        )
     finally:
         if mesh is not None:
             mesh.stop()
@@ -91,24 +102,34 @@ class ProcessWatch:
     endpoints: Endpoints
     mesh: Mesh | None = None
     started: list[ServiceProcess] = field(default_factory=list)
-    died: list[tuple[ServiceProcess, float]] = field(default_factory=list)  # and seconds into the run
+    died: list[tuple[ServiceProcess, float]] = field(
+        default_factory=list
+    )  # and seconds into the run
     _watched: dict[int, ServiceProcess] = field(default_factory=dict)
     _start_s: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.started = self.current()
         if not self.started:
-            raise RuntimeError(f"no service of cluster {self.endpoints.cluster} is registered "
-                               f"in {self.endpoints.redis_url}")
+            raise RuntimeError(
+                f"no service of cluster {self.endpoints.cluster} is registered "
+                f"in {self.endpoints.redis_url}"
+            )
         self._watched = {p.pid: p for p in self.started}
 
     def current(self) -> list[ServiceProcess]:
-        found = [ServiceProcess(kind, service_id, entry.pid)
-                 for kind in KINDS for service_id, entry in registry(self.endpoints, kind).items()
-                 if entry.pid > 0]
+        found = [
+            ServiceProcess(kind, service_id, entry.pid)
+            for kind in KINDS
+            for service_id, entry in registry(self.endpoints, kind).items()
+            if entry.pid > 0
+        ]
         if self.mesh is not None:
-            found += [ServiceProcess(_service_of(pid), "a child of pagemesh up", pid)
-                      for pid in self.mesh.child_pids() if pid not in {p.pid for p in found}]
+            found += [
+                ServiceProcess(_service_of(pid), "a child of pagemesh up", pid)
+                for pid in self.mesh.child_pids()
+                if pid not in {p.pid for p in found}
+            ]
         return found
 
     def check(self) -> None:
@@ -120,7 +141,9 @@ class ProcessWatch:
                 del self._watched[pid]
         if self.died:
             gone = {p.pid for p, _ in self.died}
-            self._watched |= {p.pid: p for p in self.current() if p.pid not in gone and alive(p.pid)}
+            self._watched |= {
+                p.pid: p for p in self.current() if p.pid not in gone and alive(p.pid)
+            }
 
 
 def _service_of(pid: int) -> str:
@@ -131,8 +154,11 @@ def _service_of(pid: int) -> str:
     except OSError:
         return "process"
     module = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"), "")
-    return {"router.main": "router", "scheduler_svc.main": "scheduler",
-            "worker_svc.main": "worker"}.get(module, "process")
+    return {
+        "router.main": "router",
+        "scheduler_svc.main": "scheduler",
+        "worker_svc.main": "worker",
+    }.get(module, "process")
 
 
 def registry(endpoints: Endpoints, kind: str) -> dict:
@@ -160,7 +186,11 @@ class GroupStats:
     @property
     def quiet(self) -> bool:
         """Nothing runs or waits, and every KV block is free (cached ones count as free)."""
-        return not self.num_running and not self.num_waiting and self.num_free_blocks == self.num_blocks
+        return (
+            not self.num_running
+            and not self.num_waiting
+            and self.num_free_blocks == self.num_blocks
+        )
 
 
 def group_stats(endpoints: Endpoints) -> list[GroupStats]:
@@ -171,9 +201,13 @@ def group_stats(endpoints: Endpoints) -> list[GroupStats]:
             # The mesh's internal token: this process's PAGEMESH_INTERNAL_TOKEN (its own mesh
             # inherits it; give a --target mesh's in the environment).
             reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=10, metadata=token_metadata())
-        stats.append(GroupStats(group, reply.num_running, reply.num_waiting, reply.num_free_blocks,
-                                reply.num_blocks))
+                scheduler_pb2.GetStatsRequest(), timeout=10, metadata=token_metadata()
+            )
+        stats.append(
+            GroupStats(
+                group, reply.num_running, reply.num_waiting, reply.num_free_blocks, reply.num_blocks
+            )
+        )
     return stats
 
 
@@ -181,7 +215,9 @@ def router_serving(endpoints: Endpoints) -> bool:
     """Whether the router answers its health check with SERVING."""
     try:
         with grpc.insecure_channel(endpoints.grpc_address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -189,5 +225,6 @@ def router_serving(endpoints: Endpoints) -> bool:
 
 def model_info(endpoints: Endpoints) -> generate_pb2.GetModelInfoResponse:
     with grpc.insecure_channel(endpoints.grpc_address) as channel:
-        return generate_pb2_grpc.GenerationStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest(),
-                                                                      timeout=30)
+        return generate_pb2_grpc.GenerationStub(channel).GetModelInfo(
+            generate_pb2.GetModelInfoRequest(), timeout=30
+        )

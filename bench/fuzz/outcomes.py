@@ -32,12 +32,20 @@ FAILURES = (SERVER_ERROR, HUNG, UNAVAILABLE, UNCLEAR, MALFORMED, FUZZER_ERROR)
 CLASSES = FINE + FAILURES
 
 # Statuses that tell the caller what was wrong with its request (or that a limit was hit).
-CLEAR_CODES = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED,
-})
+CLEAR_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.ABORTED,
+    }
+)
 DETAIL_CHARS = 240
 
 
@@ -88,7 +96,11 @@ def openai_error_message(text: str) -> str | None:
         message = error["message"]
     except (ValueError, TypeError, KeyError):
         return None
-    return message if isinstance(message, str) and message.strip() and isinstance(error.get("type"), str) else None
+    return (
+        message
+        if isinstance(message, str) and message.strip() and isinstance(error.get("type"), str)
+        else None
+    )
 
 
 def in_stream_error(event: dict) -> tuple[str, str]:

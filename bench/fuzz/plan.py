@@ -43,11 +43,18 @@ class Probe:
 
 
 class Plan:
-    def __init__(self, facts: ModelFacts, grpc_limit_bytes: int, seed: int,
-                 weights: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        facts: ModelFacts,
+        grpc_limit_bytes: int,
+        seed: int,
+        weights: dict[str, float] | None = None,
+    ) -> None:
         self.seed = seed
         self.weights = {k: w for k, w in (weights or KIND_WEIGHTS).items() if w > 0}
-        valid_bytes = strategies.grpc_fields(facts, False).map(lambda f: generate_request(f).SerializeToString())
+        valid_bytes = strategies.grpc_fields(facts, False).map(
+            lambda f: generate_request(f).SerializeToString()
+        )
         self.strategies: dict[str, st.SearchStrategy[Spec]] = {
             "grpc_fields": strategies.grpc_generate(facts),
             "http_completion": strategies.http_completion(facts),
@@ -69,7 +76,9 @@ class Plan:
         kinds = list(self.weights)
         if index < len(kinds):
             return kinds[index]
-        return random.Random(f"{self.seed}:{index}:kind").choices(kinds, [self.weights[k] for k in kinds])[0]
+        return random.Random(f"{self.seed}:{index}:kind").choices(
+            kinds, [self.weights[k] for k in kinds]
+        )[0]
 
     def probe(self, index: int) -> Probe:
         kind = self.kind(index)

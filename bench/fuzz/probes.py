@@ -50,7 +50,9 @@ class Targets:
         return self.channels[self._next % len(self.channels)]
 
     def host_port(self, port: str) -> tuple[str, int]:
-        address = self.grpc_address if port == "grpc" else self.http_url.split("://", 1)[1].rstrip("/")
+        address = (
+            self.grpc_address if port == "grpc" else self.http_url.split("://", 1)[1].rstrip("/")
+        )
         host, _, number = address.rpartition(":")
         return host, int(number)
 
@@ -64,8 +66,9 @@ async def send(spec: Spec, targets: Targets) -> list[Result]:
 
 async def _one(spec: Spec, targets: Targets) -> Result:
     if isinstance(spec, GrpcGenerate):
-        return await grpc_generate(targets.channel(), generate_request(spec.fields), spec.cancel,
-                                   spec.fields)
+        return await grpc_generate(
+            targets.channel(), generate_request(spec.fields), spec.cancel, spec.fields
+        )
     if isinstance(spec, GrpcRaw):
         return await grpc_raw(targets.channel(), spec)
     if isinstance(spec, HttpJson):
@@ -93,10 +96,21 @@ def generate_request(fields: dict[str, Any]) -> generate_pb2.GenerateRequest:
             request.token_ids.ids.extend(prompt[1])
         else:  # ("ids_repeat", id, count)
             request.token_ids.ids.extend([prompt[1]] * prompt[2])
-    for name in ("request_id", "logprobs", "model", "apply_chat_template", "n", "priority", "resume_from"):
+    for name in (
+        "request_id",
+        "logprobs",
+        "model",
+        "apply_chat_template",
+        "n",
+        "priority",
+        "resume_from",
+    ):
         if name in fields:
             setattr(request, name, fields[name])
-    for message, values in ((request.sampling, fields.get("sampling")), (request.stopping, fields.get("stopping"))):
+    for message, values in (
+        (request.sampling, fields.get("sampling")),
+        (request.stopping, fields.get("stopping")),
+    ):
         for name, value in (values or {}).items():
             if isinstance(value, list):
                 getattr(message, name).extend(value)
@@ -105,8 +119,12 @@ def generate_request(fields: dict[str, Any]) -> generate_pb2.GenerateRequest:
     return request
 
 
-async def grpc_generate(channel: grpc.aio.Channel, request: generate_pb2.GenerateRequest,
-                        cancel: Cancel | None, fields: dict[str, Any] | None = None) -> Result:
+async def grpc_generate(
+    channel: grpc.aio.Channel,
+    request: generate_pb2.GenerateRequest,
+    cancel: Cancel | None,
+    fields: dict[str, Any] | None = None,
+) -> Result:
     call = generate_pb2_grpc.GenerationStub(channel).Generate(request)
     # A request with an id may be a resume (even with resume_from 0): the checkpoint's
     # parameters apply then, logprobs or not, so only a request without one must have them.
@@ -122,7 +140,11 @@ async def grpc_generate(channel: grpc.aio.Channel, request: generate_pb2.Generat
                 if problem:
                     call.cancel()
                     return oc.MALFORMED, problem
-                if cancel and cancel.after_chunks is not None and check.num_chunks >= cancel.after_chunks:
+                if (
+                    cancel
+                    and cancel.after_chunks is not None
+                    and check.num_chunks >= cancel.after_chunks
+                ):
                     call.cancel()
                     return oc.CANCELLED, f"cancelled after {check.num_chunks} chunks"
     except _GaveUp:
@@ -160,7 +182,10 @@ class _StreamCheck:
         if not self.num_chunks:
             return oc.MALFORMED, "the stream ended without a chunk"
         if self.seen - self.finished:
-            return oc.MALFORMED, f"the stream ended before samples {sorted(self.seen - self.finished)} did"
+            return (
+                oc.MALFORMED,
+                f"the stream ended before samples {sorted(self.seen - self.finished)} did",
+            )
         if not self.last_has_usage:
             return oc.MALFORMED, "the last chunk carries no usage"
         return oc.OK, f"{self.num_chunks} chunks"
@@ -183,26 +208,43 @@ async def grpc_raw(channel: grpc.aio.Channel, spec: GrpcRaw) -> Result:
 async def http_json(targets: Targets, spec: HttpJson) -> Result:
     data = json.dumps(spec.body).encode()
     headers = {"Content-Type": "application/json", **spec.headers}
-    return await _http(targets, "POST", spec.path, data, headers, spec.cancel,
-                       streamed=isinstance(spec.body, dict) and spec.body.get("stream") is True)
+    return await _http(
+        targets,
+        "POST",
+        spec.path,
+        data,
+        headers,
+        spec.cancel,
+        streamed=isinstance(spec.body, dict) and spec.body.get("stream") is True,
+    )
 
 
 async def http_raw(targets: Targets, spec: HttpRaw) -> Result:
     headers = {"Content-Type": spec.content_type} if spec.content_type else {}
-    result, detail = await _http(targets, spec.method, spec.path, spec.body, headers, None, streamed=False,
-                                 any_success=True)
+    result, detail = await _http(
+        targets, spec.method, spec.path, spec.body, headers, None, streamed=False, any_success=True
+    )
     return result, f"{spec.what}: {detail}"
 
 
-async def _http(targets: Targets, method: str, path: str, data: bytes, headers: dict[str, str],
-                cancel: Cancel | None, streamed: bool, any_success: bool = False) -> Result:
+async def _http(
+    targets: Targets,
+    method: str,
+    path: str,
+    data: bytes,
+    headers: dict[str, str],
+    cancel: Cancel | None,
+    streamed: bool,
+    any_success: bool = False,
+) -> Result:
     after_s = None if cancel is None else cancel.after_s
     if cancel is not None and after_s is None and not streamed:
         after_s = SECONDS_PER_CHUNK * (cancel.after_chunks or 0)
     try:
         async with _give_up_after(Cancel(None, after_s) if after_s is not None else None):
-            async with targets.session.request(method, targets.http_url + path, data=data,
-                                               headers=headers) as response:
+            async with targets.session.request(
+                method, targets.http_url + path, data=data, headers=headers
+            ) as response:
                 if response.status != 200:
                     return oc.http_error_body(response.status, await response.read())
                 if any_success:
@@ -235,14 +277,16 @@ async def _event_stream(response: aiohttp.ClientResponse, cancel: Cancel | None)
                 return oc.MALFORMED, f"[DONE] before choices {unfinished} finished"
             return oc.OK, f"{num_events} events"
         try:
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
         except ValueError:
             return oc.MALFORMED, oc.short(f"an event that is not JSON: {line}")
         if isinstance(event, dict) and "error" in event:
             return oc.in_stream_error(event)
         num_events += 1
         for choice in event.get("choices", []):
-            finished[choice["index"]] = finished.get(choice["index"], False) or bool(choice.get("finish_reason"))
+            finished[choice["index"]] = finished.get(choice["index"], False) or bool(
+                choice.get("finish_reason")
+            )
         if cancel and cancel.after_chunks is not None and num_events >= cancel.after_chunks:
             return oc.CANCELLED, f"closed after {num_events} events"
     return oc.MALFORMED, f"the stream ended without [DONE] after {num_events} events"
@@ -320,7 +364,9 @@ def _raw_result(spec: RawSocket, answer: bytes, closed: bool) -> Result:
         result, detail = oc.http_error_body(status, body)
         return result, f"{what}: {detail}"
     # HTTP itself was broken: the server's own plain-text 4xx is the right answer.
-    return (oc.REFUSED if body.strip() else oc.UNCLEAR), oc.short(f"{what}: HTTP {status}: {body!r}")
+    return (oc.REFUSED if body.strip() else oc.UNCLEAR), oc.short(
+        f"{what}: HTTP {status}: {body!r}"
+    )
 
 
 # ------------------------------------------------------------------ oversized
@@ -340,14 +386,25 @@ async def oversized(targets: Targets, spec: Oversized) -> Result:
             request.stopping.stop.extend(["x" * 62] * (size // 64))
         result, detail = await grpc_generate(targets.channel(), request, None)
     else:
-        body = {"prompt_text": lambda: json.dumps({"prompt": "a" * size, "max_tokens": 2}).encode(),
-                "prompt_ids": lambda: json.dumps({"prompt": [5] * (size // 3), "max_tokens": 2}).encode(),
-                "messages": lambda: json.dumps({"messages": [{"role": "user", "content": "hi"}] * (size // 35),
-                                                "max_tokens": 2}).encode(),
-                "garbage": lambda: os.urandom(64) * (size // 64)}[spec.shape]()
-        result, detail = await _http(targets, "POST", "/v1/chat/completions" if spec.shape == "messages"
-                                     else "/v1/completions", body, {"Content-Type": "application/json"},
-                                     None, streamed=False)
+        body = {
+            "prompt_text": lambda: json.dumps({"prompt": "a" * size, "max_tokens": 2}).encode(),
+            "prompt_ids": lambda: json.dumps(
+                {"prompt": [5] * (size // 3), "max_tokens": 2}
+            ).encode(),
+            "messages": lambda: json.dumps(
+                {"messages": [{"role": "user", "content": "hi"}] * (size // 35), "max_tokens": 2}
+            ).encode(),
+            "garbage": lambda: os.urandom(64) * (size // 64),
+        }[spec.shape]()
+        result, detail = await _http(
+            targets,
+            "POST",
+            "/v1/chat/completions" if spec.shape == "messages" else "/v1/completions",
+            body,
+            {"Content-Type": "application/json"},
+            None,
+            streamed=False,
+        )
     return result, f"{spec.transport} {spec.shape} of {size:,} bytes: {detail}"
 
 

@@ -68,12 +68,20 @@ class FuzzResult:
 
     @property
     def passed(self) -> bool:
-        return (not self.failures and not self.died and self.settled_after_s is not None
-                and not self.blocks_leaked and all(not g.num_failures for g in self.good)
-                and (bool(self.audit) or not self.config.audit) and all(row.passed for row in self.audit))
+        return (
+            not self.failures
+            and not self.died
+            and self.settled_after_s is not None
+            and not self.blocks_leaked
+            and all(not g.num_failures for g in self.good)
+            and (bool(self.audit) or not self.config.audit)
+            and all(row.passed for row in self.audit)
+        )
 
 
-async def fuzz(endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh | None = None) -> FuzzResult:
+async def fuzz(
+    endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh | None = None
+) -> FuzzResult:
     info = await asyncio.to_thread(mesh_checks.model_info, endpoints)
     facts = ModelFacts(info.model, info.vocab_size, info.max_model_len)
     watch = await asyncio.to_thread(mesh_checks.ProcessWatch, endpoints, mesh)
@@ -82,11 +90,19 @@ async def fuzz(endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh 
     async with _targets(endpoints, NUM_CHANNELS) as targets, _targets(endpoints, 1) as good_targets:
         cases, seconds_per_token = await calibrate(good_targets.channels[0], facts)
         stop = asyncio.Event()
-        good = [asyncio.create_task(good_client(transport, good_targets, facts, cases, stop,
-                                                config.good_deadline_s)) for transport in ("gRPC", "HTTP")]
+        good = [
+            asyncio.create_task(
+                good_client(transport, good_targets, facts, cases, stop, config.good_deadline_s)
+            )
+            for transport in ("gRPC", "HTTP")
+        ]
         watching = asyncio.create_task(_watch(watch))
         start = time.monotonic()
-        probes = [plan.probe(i) for i in config.only] if config.only else plan.probes(config.num_requests)
+        probes = (
+            [plan.probe(i) for i in config.only]
+            if config.only
+            else plan.probes(config.num_requests)
+        )
         result.outcomes = await _run_probes(probes, targets, config)
         result.wall_s = time.monotonic() - start
         stop.set()
@@ -107,13 +123,21 @@ async def fuzz(endpoints: mesh_checks.Endpoints, config: FuzzConfig, mesh: Mesh 
 async def _targets(endpoints: mesh_checks.Endpoints, num_channels: int) -> AsyncIterator[Targets]:
     # A local subchannel pool: each channel its own connection, and a fresh one does not
     # inherit another's reconnect backoff (after a router restart) from gRPC's shared pool.
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-               ("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(endpoints.grpc_address, options=options) for _ in range(num_channels)]
+    options = [
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+    channels = [
+        grpc.aio.insecure_channel(endpoints.grpc_address, options=options)
+        for _ in range(num_channels)
+    ]
     # A connection per request: a kept-alive one the server closes as idle just when it is
     # reused breaks the request on the client's side, which is no finding of the server's.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                    timeout=aiohttp.ClientTimeout(total=None))
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
     try:
         yield Targets(endpoints.grpc_address, endpoints.http_url, channels, session)
     finally:
@@ -122,7 +146,9 @@ async def _targets(endpoints: mesh_checks.Endpoints, num_channels: int) -> Async
             await channel.close()
 
 
-async def _run_probes(probes: Iterable[Probe], targets: Targets, config: FuzzConfig) -> list[oc.Outcome]:
+async def _run_probes(
+    probes: Iterable[Probe], targets: Targets, config: FuzzConfig
+) -> list[oc.Outcome]:
     slots = asyncio.Semaphore(config.concurrency)
     outcomes: list[oc.Outcome] = []
     running: set[asyncio.Task[None]] = set()
@@ -159,7 +185,9 @@ async def _probe(probe: Probe, targets: Targets, deadline_s: float) -> list[oc.O
     except Exception as exc:  # noqa: BLE001 - a bug of the fuzzer's own, reported as one
         results = [(oc.FUZZER_ERROR, oc.short(repr(exc)))] * probe.num_requests
     seconds = time.monotonic() - start
-    return [oc.Outcome(probe.kind, probe.index, result, detail, seconds) for result, detail in results]
+    return [
+        oc.Outcome(probe.kind, probe.index, result, detail, seconds) for result, detail in results
+    ]
 
 
 async def _watch(watch: mesh_checks.ProcessWatch) -> None:
@@ -168,7 +196,9 @@ async def _watch(watch: mesh_checks.ProcessWatch) -> None:
         await asyncio.sleep(1.0)
 
 
-async def _router_serving(endpoints: mesh_checks.Endpoints, timeout_s: float, steady_s: float = 3.0) -> bool:
+async def _router_serving(
+    endpoints: mesh_checks.Endpoints, timeout_s: float, steady_s: float = 3.0
+) -> bool:
     """Waits for the router to serve for `steady_s` on end (a restarted one takes seconds, and
     one about to be killed may still answer once); False after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -184,8 +214,9 @@ async def _router_serving(endpoints: mesh_checks.Endpoints, timeout_s: float, st
     return False
 
 
-async def _settle(endpoints: mesh_checks.Endpoints, timeout_s: float
-                  ) -> tuple[float | None, list[mesh_checks.GroupStats]]:
+async def _settle(
+    endpoints: mesh_checks.Endpoints, timeout_s: float
+) -> tuple[float | None, list[mesh_checks.GroupStats]]:
     """(seconds until every group was quiet, or None after `timeout_s`; the last stats)."""
     start = time.monotonic()
     while True:

@@ -62,8 +62,14 @@ def find_converter(peers_dir: Path) -> Path:
     """convert_hf_to_gguf.py of the unpacked sdist matching the installed llama_cpp."""
     import llama_cpp
 
-    script = (peers_dir / "src" / f"llama_cpp_python-{llama_cpp.__version__}" / "vendor"
-              / "llama.cpp" / "convert_hf_to_gguf.py")
+    script = (
+        peers_dir
+        / "src"
+        / f"llama_cpp_python-{llama_cpp.__version__}"
+        / "vendor"
+        / "llama.cpp"
+        / "convert_hf_to_gguf.py"
+    )
     if not script.exists():
         raise ConversionError(f"{script} missing: run scripts/install_peers.sh llama")
     return script
@@ -84,8 +90,20 @@ def _convert(converter: Path, model_dir: Path, outfile: Path, outtype: str) -> s
     tmp = outfile.with_suffix(".tmp")
     env = dict(os.environ, PYTHONPATH=str(converter.parent / "gguf-py"))
     proc = subprocess.run(
-        [sys.executable, str(converter), str(model_dir), "--outfile", str(tmp),
-         "--outtype", outtype], env=env, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(converter),
+            str(model_dir),
+            "--outfile",
+            str(tmp),
+            "--outtype",
+            outtype,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         return "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
@@ -111,9 +129,14 @@ def copy_with_tokenizer(model_dir: Path, copy_dir: Path) -> Path:
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(TOKENIZER_TEXT.splitlines()), model_writer=model,
-        vocab_size=min(64, vocab_size), model_type="bpe", hard_vocab_limit=False,
-        character_coverage=1.0, minloglevel=2)
+        sentence_iterator=iter(TOKENIZER_TEXT.splitlines()),
+        model_writer=model,
+        vocab_size=min(64, vocab_size),
+        model_type="bpe",
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
     (copy_dir / "tokenizer.model").write_bytes(model.getvalue())
     return copy_dir
 
@@ -132,14 +155,19 @@ def to_gguf(model_dir: str | Path, dtype: str, peers_dir: Path = PEERS_DIR) -> P
     as_is = _convert(converter, model_dir, outfile, OUTTYPES[dtype])
     if as_is is None:
         return outfile
-    print(f"llamacpp_runner: {model_dir} does not convert as it is; retrying on a copy with a "
-          f"sentencepiece tokenizer. Converter said:\n{as_is}", file=sys.stderr)
-    copied = _convert(converter, copy_with_tokenizer(model_dir, cache / "hf-copy"), outfile,
-                      OUTTYPES[dtype])
+    print(
+        f"llamacpp_runner: {model_dir} does not convert as it is; retrying on a copy with a "
+        f"sentencepiece tokenizer. Converter said:\n{as_is}",
+        file=sys.stderr,
+    )
+    copied = _convert(
+        converter, copy_with_tokenizer(model_dir, cache / "hf-copy"), outfile, OUTTYPES[dtype]
+    )
     if copied is not None:
         raise ConversionError(
             f"cannot convert {model_dir} to GGUF ({OUTTYPES[dtype]}).\nAs it is:\n{as_is}\n"
-            f"With a sentencepiece tokenizer added to a copy:\n{copied}")
+            f"With a sentencepiece tokenizer added to a copy:\n{copied}"
+        )
     return outfile
 
 
@@ -148,8 +176,15 @@ class BatchedEngine:
     greedy steps over token-id prompts. Thin over llama-cpp-python's C API: the high-level
     `Llama` class drives a single sequence."""
 
-    def __init__(self, gguf: Path, dtype: str, num_seqs: int, num_threads: int,
-                 batch_size: int = 2048, flash_attn: str = "auto") -> None:
+    def __init__(
+        self,
+        gguf: Path,
+        dtype: str,
+        num_seqs: int,
+        num_threads: int,
+        batch_size: int = 2048,
+        flash_attn: str = "auto",
+    ) -> None:
         import llama_cpp as ll
 
         self.ll = ll
@@ -198,8 +233,9 @@ class BatchedEngine:
         picks = []
         for i, entry in enumerate(entries):
             if entry[3]:
-                logits = np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, i),
-                                               shape=(self.n_vocab,))
+                logits = np.ctypeslib.as_array(
+                    self.ll.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)
+                )
                 picks.append(int(logits.argmax()))
         return picks
 
@@ -218,8 +254,9 @@ class BatchedEngine:
         if chunk:
             yield chunk
 
-    def generate(self, prompts: list[list[int]], max_tokens: int
-                 ) -> tuple[list[list[int]], list[float], list[float], float]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int
+    ) -> tuple[list[list[int]], list[float], list[float], float]:
         """Greedy `max_tokens` for every prompt, all at once: (new tokens per prompt, each
         prompt's first-token time, each decode step's end time, start time), perf_counter s."""
         self.clear()
@@ -227,8 +264,11 @@ class BatchedEngine:
         tokens: list[list[int]] = [[] for _ in prompts]
         first_token_s = [0.0] * len(prompts)
         for chunk in self._prefill_chunks(prompts):
-            entries = [(t, pos, s, pos == len(prompts[s]) - 1)
-                       for s in chunk for pos, t in enumerate(prompts[s])]
+            entries = [
+                (t, pos, s, pos == len(prompts[s]) - 1)
+                for s in chunk
+                for pos, t in enumerate(prompts[s])
+            ]
             picks = self._decode(entries)
             now = time.perf_counter()
             for s, pick in zip(chunk, picks):
@@ -236,8 +276,10 @@ class BatchedEngine:
                 first_token_s[s] = now
         step_s: list[float] = []
         for _ in range(max_tokens - 1):
-            entries = [(tokens[s][-1], len(prompts[s]) + len(tokens[s]) - 1, s, True)
-                       for s in range(len(prompts))]
+            entries = [
+                (tokens[s][-1], len(prompts[s]) + len(tokens[s]) - 1, s, True)
+                for s in range(len(prompts))
+            ]
             for s, pick in enumerate(self._decode(entries)):
                 tokens[s].append(pick)
             step_s.append(time.perf_counter())
@@ -249,21 +291,46 @@ class BatchedEngine:
         self.ll.llama_model_free(self.model)
 
 
-def run_result(engine: str, workload: str, dtype: str, concurrency: int,
-               prompts: list[list[int]], output_tokens: int, duration_s: float,
-               ttft_ms: list[float], itl_ms: list[float], e2e_ms: list[float],
-               notes: str) -> dict:
+def run_result(
+    engine: str,
+    workload: str,
+    dtype: str,
+    concurrency: int,
+    prompts: list[list[int]],
+    output_tokens: int,
+    duration_s: float,
+    ttft_ms: list[float],
+    itl_ms: list[float],
+    e2e_ms: list[float],
+    notes: str,
+) -> dict:
     """A RunResult as a dict, its keys written out by hand (this venv cannot import it)."""
     return {
-        "engine": engine, "workload": workload, "dtype": dtype, "concurrency": concurrency,
-        "num_requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),
-        "output_tokens": output_tokens, "duration_s": duration_s, "request_rate": 0.0,
-        "ttft_ms": ttft_ms, "itl_ms": itl_ms, "e2e_ms": e2e_ms, "num_errors": 0, "notes": notes,
+        "engine": engine,
+        "workload": workload,
+        "dtype": dtype,
+        "concurrency": concurrency,
+        "num_requests": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": output_tokens,
+        "duration_s": duration_s,
+        "request_rate": 0.0,
+        "ttft_ms": ttft_ms,
+        "itl_ms": itl_ms,
+        "e2e_ms": e2e_ms,
+        "num_errors": 0,
+        "notes": notes,
     }
 
 
-def measure(engine: BatchedEngine, prompts: list[list[int]], max_tokens: int, dtype: str,
-            workload: str, label: str) -> dict:
+def measure(
+    engine: BatchedEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: str,
+    workload: str,
+    label: str,
+) -> dict:
     """Warm-up, all-at-once throughput, then the idle TTFT; returns the stdout JSON."""
     engine.generate([p[:8] for p in prompts[:2]], 2)
     tokens, first_s, step_s, start = engine.generate(prompts, max_tokens)
@@ -271,20 +338,37 @@ def measure(engine: BatchedEngine, prompts: list[list[int]], max_tokens: int, dt
     # Every sequence takes part in every decode step: its gaps are the step durations.
     gaps = [1000 * (b - a) for a, b in zip([max(first_s)] + step_s, step_s)]
     throughput = run_result(
-        f"{label} all at once", workload, dtype, 0, prompts, sum(len(t) for t in tokens),
-        end - start, ttft_ms=[1000 * (f - start) for f in first_s], itl_ms=gaps * len(prompts),
+        f"{label} all at once",
+        workload,
+        dtype,
+        0,
+        prompts,
+        sum(len(t) for t in tokens),
+        end - start,
+        ttft_ms=[1000 * (f - start) for f in first_s],
+        itl_ms=gaps * len(prompts),
         e2e_ms=[1000 * (end - start)] * len(prompts),
         notes="one KV stream per sequence; prefill in chunks of whole prompts, then one "
-              "decode per step for all")
+        "decode per step for all",
+    )
     probes = [prompts[i % len(prompts)] for i in range(NUM_IDLE_TTFT_SAMPLES)]
     ttft_ms = []
     for probe in probes:
         _, first, _, begin = engine.generate([probe], 1)
         ttft_ms.append(1000 * (first[0] - begin))
     idle = run_result(
-        f"{label} idle TTFT", f"{workload}-idle-ttft", dtype, 1, probes, len(probes),
-        sum(ttft_ms) / 1000, ttft_ms=ttft_ms, itl_ms=[], e2e_ms=ttft_ms,
-        notes=f"one prompt, one token, emptied cache; median {statistics.median(ttft_ms):.1f} ms")
+        f"{label} idle TTFT",
+        f"{workload}-idle-ttft",
+        dtype,
+        1,
+        probes,
+        len(probes),
+        sum(ttft_ms) / 1000,
+        ttft_ms=ttft_ms,
+        itl_ms=[],
+        e2e_ms=ttft_ms,
+        notes=f"one prompt, one token, emptied cache; median {statistics.median(ttft_ms):.1f} ms",
+    )
     return {"results": [throughput, idle], "token_ids": tokens}
 
 
@@ -306,12 +390,13 @@ def main(argv: list[str] | None = None) -> None:
     except ConversionError as error:
         print(f"llamacpp_runner: {error}", file=sys.stderr)
         sys.exit(3)
-    engine = BatchedEngine(gguf, args.dtype, len(spec["prompts"]), args.threads,
-                           flash_attn=args.flash_attn)
+    engine = BatchedEngine(
+        gguf, args.dtype, len(spec["prompts"]), args.threads, flash_attn=args.flash_attn
+    )
     label = f"llama.cpp {OUTTYPES[args.dtype]}" + (
-        "" if args.flash_attn == "auto" else f" flash-attn {args.flash_attn}")
-    report = measure(engine, spec["prompts"], spec["max_tokens"], args.dtype, args.workload,
-                     label)
+        "" if args.flash_attn == "auto" else f" flash-attn {args.flash_attn}"
+    )
+    report = measure(engine, spec["prompts"], spec["max_tokens"], args.dtype, args.workload, label)
     report["gguf"] = str(gguf)
     engine.close()
     json_out.write(json.dumps(report) + "\n")

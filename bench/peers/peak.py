@@ -52,20 +52,32 @@ def skip_reason(impl: str, dtype: str, m: int, features: CpuFeatures) -> str | N
     if dtype != "bfloat16":
         return None
     if impl == "oneDNN" and not features.onednn_bf16_linear:
-        return ("oneDNN bf16 linear is not supported here (it needs avx512bw+avx512vl+avx512dq "
-                f"or avx_ne_convert; this CPU: {features.isa_summary})")
+        return (
+            "oneDNN bf16 linear is not supported here (it needs avx512bw+avx512vl+avx512dq "
+            f"or avx_ne_convert; this CPU: {features.isa_summary})"
+        )
     if m == SHAPES["square"][0] and not features.native_bf16:
-        return (f"{features.why_bf16_is_slow()}; one 2048^3 call takes seconds, the decode "
-                "shape shows the emulated rate")
+        return (
+            f"{features.why_bf16_is_slow()}; one 2048^3 call takes seconds, the decode "
+            "shape shows the emulated rate"
+        )
     return None
 
 
-def _case(impl: str, dtype: str, m: int, k: int, n: int, budget_s: float,
-          features: CpuFeatures) -> dict:
+def _case(
+    impl: str, dtype: str, m: int, k: int, n: int, budget_s: float, features: CpuFeatures
+) -> dict:
     reason = skip_reason(impl, dtype, m, features)
     if reason is not None:
-        return {"impl": impl, "dtype": dtype, "m": m, "k": k, "n": n, "gflop_s": None,
-                "skipped": reason}
+        return {
+            "impl": impl,
+            "dtype": dtype,
+            "m": m,
+            "k": k,
+            "n": n,
+            "gflop_s": None,
+            "skipped": reason,
+        }
     torch_dtype = DTYPES[dtype]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(torch_dtype)
@@ -96,28 +108,44 @@ def measure_peak(num_threads: int = 2, budget_s: float = 1.0) -> dict:
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        cases = [_case(impl, dtype, *shape, budget_s, features)
-                 for dtype in DTYPES for shape in SHAPES.values()
-                 for impl in ("torch.mm", "oneDNN")]
+        cases = [
+            _case(impl, dtype, *shape, budget_s, features)
+            for dtype in DTYPES
+            for shape in SHAPES.values()
+            for impl in ("torch.mm", "oneDNN")
+        ]
     finally:
         torch.set_num_threads(previous)
-    return {"num_threads": num_threads, "unit": "GFLOP/s", "machine": features.describe(),
-            "cases": cases}
+    return {
+        "num_threads": num_threads,
+        "unit": "GFLOP/s",
+        "machine": features.describe(),
+        "cases": cases,
+    }
 
 
 def format_peak(peak: dict) -> str:
     """A Markdown table of `measure_peak`'s result."""
     machine = peak.get("machine")
     where = f" on {machine_line(machine)}" if machine else ""
-    lines = [f"Matmul peak, {peak['num_threads']} threads ({peak['unit']}){where}", "",
-             "| impl | dtype | M×K×N | GFLOP/s |", "|---|---|---|---|"]
+    lines = [
+        f"Matmul peak, {peak['num_threads']} threads ({peak['unit']}){where}",
+        "",
+        "| impl | dtype | M×K×N | GFLOP/s |",
+        "|---|---|---|---|",
+    ]
     for c in peak["cases"]:
         rate = "—" if c["gflop_s"] is None else f"{c['gflop_s']:,.0f}"
         lines.append(f"| {c['impl']} | {c['dtype']} | {c['m']}×{c['k']}×{c['n']} | {rate} |")
     skipped = [c for c in peak["cases"] if c["gflop_s"] is None]
     if skipped:
-        lines += ["", *(f"- {c['impl']} {c['dtype']} {c['m']}×{c['k']}×{c['n']}: {c['skipped']}"
-                        for c in skipped)]
+        lines += [
+            "",
+            *(
+                f"- {c['impl']} {c['dtype']} {c['m']}×{c['k']}×{c['n']}: {c['skipped']}"
+                for c in skipped
+            ),
+        ]
     return "\n".join(lines)
 
 

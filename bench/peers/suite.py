@@ -32,10 +32,14 @@ from bench.peers.vllm_server import PEERS_DIR, vllm_env  # noqa: E402
 from pagemesh.tools.loadgen.result import RunResult  # noqa: E402
 
 PEER_NAMES = ("vllm", "transformers", "llamacpp")
-VENV_PYTHONS = {"vllm": PEERS_DIR / "vllm" / "bin" / "python",
-                "llamacpp": PEERS_DIR / "llama" / "bin" / "python"}
-SCRIPTS = {"vllm": REPO_ROOT / "bench" / "peers" / "vllm_runner.py",
-           "llamacpp": REPO_ROOT / "bench" / "peers" / "llamacpp_runner.py"}
+VENV_PYTHONS = {
+    "vllm": PEERS_DIR / "vllm" / "bin" / "python",
+    "llamacpp": PEERS_DIR / "llama" / "bin" / "python",
+}
+SCRIPTS = {
+    "vllm": REPO_ROOT / "bench" / "peers" / "vllm_runner.py",
+    "llamacpp": REPO_ROOT / "bench" / "peers" / "llamacpp_runner.py",
+}
 # vLLM's first start compiles for ~140 s; transformers fp32 one at a time is ~110 s on W64.
 TIMEOUTS_S = {"vllm": 1200.0, "transformers": 1200.0, "llamacpp": 900.0}
 LOG_DIR = PEERS_DIR / "logs"
@@ -54,30 +58,55 @@ def available_peers() -> dict[str, str | None]:
     """Peer name -> None when it can run here, else why not."""
     reasons: dict[str, str | None] = {}
     for name, python in VENV_PYTHONS.items():
-        reasons[name] = None if python.exists() else (
-            f"{python} missing: run `make bench-peers` (scripts/install_peers.sh)")
+        reasons[name] = (
+            None
+            if python.exists()
+            else (f"{python} missing: run `make bench-peers` (scripts/install_peers.sh)")
+        )
     missing = [m for m in ("transformers", "torch") if importlib.util.find_spec(m) is None]
     reasons["transformers"] = f"{', '.join(missing)} not importable" if missing else None
     return {name: reasons[name] for name in PEER_NAMES}
 
 
-def peer_command(name: str, model_dir: str, prompts_file: Path, dtype: str,
-                 workload: str, extra_args: tuple[str, ...] = ()) -> list[str]:
-    common = ["--model", str(model_dir), "--prompts", str(prompts_file), "--dtype", dtype,
-              "--workload", workload, *extra_args]
+def peer_command(
+    name: str,
+    model_dir: str,
+    prompts_file: Path,
+    dtype: str,
+    workload: str,
+    extra_args: tuple[str, ...] = (),
+) -> list[str]:
+    common = [
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts_file),
+        "--dtype",
+        dtype,
+        "--workload",
+        workload,
+        *extra_args,
+    ]
     if name == "transformers":
         return [sys.executable, "-m", "bench.peers.transformers_runner", *common]
     return [str(VENV_PYTHONS[name]), str(SCRIPTS[name]), *common]
 
 
-def _run_subprocess(command: list[str], env: dict[str, str], timeout_s: float,
-                    log_path: Path) -> tuple[int | None, str]:
+def _run_subprocess(
+    command: list[str], env: dict[str, str], timeout_s: float, log_path: Path
+) -> tuple[int | None, str]:
     """(exit status or None on timeout, stdout); stderr goes to `log_path`. The child leads
     its own process group so a timeout kills its engine processes too."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,
+        )
         try:
             stdout, _ = proc.communicate(timeout=timeout_s)
             status: int | None = proc.returncode
@@ -99,9 +128,17 @@ def _log_tail(log_path: Path, num_lines: int = 12) -> str:
         return ""
 
 
-def run_peer(name: str, model_dir: str | Path, prompts: list[list[int]], max_tokens: int,
-             dtype: str, *, workload: str = "w64", timeout_s: float | None = None,
-             extra_args: tuple[str, ...] = ()) -> PeerRun:
+def run_peer(
+    name: str,
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: str,
+    *,
+    workload: str = "w64",
+    timeout_s: float | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> PeerRun:
     """Run one peer on one dtype in a subprocess; raises RuntimeError (with its log's tail)
     when it fails, times out or prints no result."""
     log_path = LOG_DIR / f"{name}-{dtype}-{int(time.time())}.log"
@@ -109,8 +146,9 @@ def run_peer(name: str, model_dir: str | Path, prompts: list[list[int]], max_tok
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens}))
         # Absolute: the peer runs from the repo root, whatever the caller's directory.
-        command = peer_command(name, str(Path(model_dir).resolve()), prompts_file, dtype,
-                               workload, extra_args)
+        command = peer_command(
+            name, str(Path(model_dir).resolve()), prompts_file, dtype, workload, extra_args
+        )
         env = vllm_env() if name == "vllm" else dict(os.environ)
         limit_s = timeout_s or TIMEOUTS_S[name]
         status, stdout = _run_subprocess(command, env, limit_s, log_path)
@@ -125,10 +163,16 @@ def run_peer(name: str, model_dir: str | Path, prompts: list[list[int]], max_tok
     return PeerRun([RunResult.from_json(r) for r in report["results"]], token_ids)
 
 
-def run_peers(model_dir: str, prompts: list[list[int]], max_tokens: int,
-              dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-              names: tuple[str, ...] = PEER_NAMES, *, workload: str = "w64",
-              timeouts_s: dict[str, float] | None = None) -> list[RunResult]:
+def run_peers(
+    model_dir: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    names: tuple[str, ...] = PEER_NAMES,
+    *,
+    workload: str = "w64",
+    timeouts_s: dict[str, float] | None = None,
+) -> list[RunResult]:
     """Every available peer of `names` on every dtype, in that order; skipped peers are
     printed, failed ones become a RunResult with num_errors=1 and the reason in notes."""
     reasons = available_peers()
@@ -142,28 +186,48 @@ def run_peers(model_dir: str, prompts: list[list[int]], max_tokens: int,
         for dtype in dtypes:
             print(f"peers: running {name} {dtype} on {len(prompts)} prompts", flush=True)
             try:
-                run = run_peer(name, model_dir, prompts, max_tokens, dtype, workload=workload,
-                               timeout_s=(timeouts_s or {}).get(name))
+                run = run_peer(
+                    name,
+                    model_dir,
+                    prompts,
+                    max_tokens,
+                    dtype,
+                    workload=workload,
+                    timeout_s=(timeouts_s or {}).get(name),
+                )
                 results += run.results
             except RuntimeError as error:
                 print(f"peers: {error}", flush=True)
-                results.append(RunResult(
-                    engine=f"{name} {dtype}", workload=workload, dtype=dtype, concurrency=0,
-                    num_requests=len(prompts), prompt_tokens=sum(len(p) for p in prompts),
-                    output_tokens=0, duration_s=0.0, num_errors=1,
-                    notes=f"failed: {str(error).splitlines()[0]}"))
+                results.append(
+                    RunResult(
+                        engine=f"{name} {dtype}",
+                        workload=workload,
+                        dtype=dtype,
+                        concurrency=0,
+                        num_requests=len(prompts),
+                        prompt_tokens=sum(len(p) for p in prompts),
+                        output_tokens=0,
+                        duration_s=0.0,
+                        num_errors=1,
+                        notes=f"failed: {str(error).splitlines()[0]}",
+                    )
+                )
     return results
 
 
 def format_results(results: list[RunResult]) -> str:
     """A Markdown table: engine, dtype, output tok/s, TTFT/ITL p50, requests, errors."""
-    lines = ["| engine | dtype | requests | output tok/s | TTFT p50 ms | ITL p50 ms | errors |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| engine | dtype | requests | output tok/s | TTFT p50 ms | ITL p50 ms | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         s = r.summary()
-        lines.append(f"| {r.engine} | {r.dtype} | {r.num_requests} | {s['output_tok_s']:,.0f} "
-                     f"| {s['ttft_ms']['p50']:.1f} | {s['itl_ms']['p50']:.1f} "
-                     f"| {r.num_errors} |")
+        lines.append(
+            f"| {r.engine} | {r.dtype} | {r.num_requests} | {s['output_tok_s']:,.0f} "
+            f"| {s['ttft_ms']['p50']:.1f} | {s['itl_ms']['p50']:.1f} "
+            f"| {r.num_errors} |"
+        )
     return "\n".join(lines)
 
 
@@ -177,8 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="also write the RunResults here")
     args = parser.parse_args(argv)
     model, prompts = w64_workload(args)
-    results = run_peers(model, prompts, args.max_tokens, tuple(args.dtypes.split(",")),
-                        tuple(args.names.split(",")))
+    results = run_peers(
+        model, prompts, args.max_tokens, tuple(args.dtypes.split(",")), tuple(args.names.split(","))
+    )
     print(format_results(results))
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results]) + "\n")

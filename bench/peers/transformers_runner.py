@@ -92,18 +92,26 @@ def generate_greedy(model: torch.nn.Module, batch: list[list[int]], max_tokens: 
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, prompt in enumerate(batch):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt):] = 1
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
     # A fresh config so the folder's generation_config.json cannot turn sampling back on;
     # min_new_tokens = max_new_tokens suppresses EOS, as `ignore_eos` does for vLLM.
     config = GenerationConfig(
-        max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, num_beams=1,
-        pad_token_id=pad_id, eos_token_id=model.config.eos_token_id,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad_id,
+        eos_token_id=model.config.eos_token_id,
     )
     streamer = _TimingStreamer()
     start = time.perf_counter()
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                            generation_config=config, streamer=streamer)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=config,
+        streamer=streamer,
+    )
     end = time.perf_counter()
     stamps = streamer.times_s
     return _Timed(
@@ -114,51 +122,84 @@ def generate_greedy(model: torch.nn.Module, batch: list[list[int]], max_tokens: 
     )
 
 
-def _run_batches(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
-                 batch_size: int) -> tuple[list[_Timed], list[list[int]], float]:
+def _run_batches(
+    model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, batch_size: int
+) -> tuple[list[_Timed], list[list[int]], float]:
     """Static batches of `batch_size` in prompt order: (one _Timed per request, tokens, wall s)."""
     per_request: list[_Timed] = []
     tokens: list[list[int]] = []
     start = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
-        batch = prompts[first:first + batch_size]
+        batch = prompts[first : first + batch_size]
         timed = generate_greedy(model, batch, max_tokens)
         per_request += [timed] * len(batch)
         tokens += timed.token_ids
     return per_request, tokens, time.perf_counter() - start
 
 
-def _result(engine: str, workload: str, dtype: str, concurrency: int, prompts: list[list[int]],
-            tokens: list[list[int]], timed: list[_Timed], duration_s: float, notes: str) -> RunResult:
+def _result(
+    engine: str,
+    workload: str,
+    dtype: str,
+    concurrency: int,
+    prompts: list[list[int]],
+    tokens: list[list[int]],
+    timed: list[_Timed],
+    duration_s: float,
+    notes: str,
+) -> RunResult:
     return RunResult(
-        engine=engine, workload=workload, dtype=dtype, concurrency=concurrency,
-        num_requests=len(prompts), prompt_tokens=sum(len(p) for p in prompts),
-        output_tokens=sum(len(t) for t in tokens), duration_s=duration_s,
-        ttft_ms=[t.ttft_ms for t in timed], itl_ms=[g for t in timed for g in t.itl_ms],
-        e2e_ms=[t.e2e_ms for t in timed], notes=notes,
+        engine=engine,
+        workload=workload,
+        dtype=dtype,
+        concurrency=concurrency,
+        num_requests=len(prompts),
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=sum(len(t) for t in tokens),
+        duration_s=duration_s,
+        ttft_ms=[t.ttft_ms for t in timed],
+        itl_ms=[g for t in timed for g in t.itl_ms],
+        e2e_ms=[t.e2e_ms for t in timed],
+        notes=notes,
     )
 
 
-def measure_idle_ttft(model: torch.nn.Module, prompts: list[list[int]], workload: str,
-                      dtype: str, engine: str) -> RunResult:
+def measure_idle_ttft(
+    model: torch.nn.Module, prompts: list[list[int]], workload: str, dtype: str, engine: str
+) -> RunResult:
     """TTFT of one request on an idle engine: a 1-token generate, NUM_IDLE_TTFT_SAMPLES times."""
-    samples = [generate_greedy(model, [prompts[i % len(prompts)]], 1)
-               for i in range(NUM_IDLE_TTFT_SAMPLES)]
+    samples = [
+        generate_greedy(model, [prompts[i % len(prompts)]], 1) for i in range(NUM_IDLE_TTFT_SAMPLES)
+    ]
     ttft = [s.e2e_ms for s in samples]
     used = [prompts[i % len(prompts)] for i in range(NUM_IDLE_TTFT_SAMPLES)]
     return RunResult(
-        engine=engine, workload=f"{workload}-idle-ttft", dtype=dtype, concurrency=1,
-        num_requests=len(samples), prompt_tokens=sum(len(p) for p in used),
-        output_tokens=len(samples), duration_s=sum(ttft) / 1000, ttft_ms=ttft, e2e_ms=ttft,
+        engine=engine,
+        workload=f"{workload}-idle-ttft",
+        dtype=dtype,
+        concurrency=1,
+        num_requests=len(samples),
+        prompt_tokens=sum(len(p) for p in used),
+        output_tokens=len(samples),
+        duration_s=sum(ttft) / 1000,
+        ttft_ms=ttft,
+        e2e_ms=ttft,
         notes=f"1-token generate on an idle process; median {statistics.median(ttft):.1f} ms",
     )
 
 
-def run_transformers(model_dir: str | Path, prompts: list[list[int]], max_tokens: int,
-                     dtype: str = "float32", *, batch_size: int = 16,
-                     modes: tuple[str, ...] = ("sequential", "batched"),
-                     num_sequential: int | None = None, workload: str = "w64",
-                     num_threads: int | None = None) -> TransformersRun:
+def run_transformers(
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: str = "float32",
+    *,
+    batch_size: int = 16,
+    modes: tuple[str, ...] = ("sequential", "batched"),
+    num_sequential: int | None = None,
+    workload: str = "w64",
+    num_threads: int | None = None,
+) -> TransformersRun:
     """Measure transformers on `prompts`: "sequential" (one request at a time, the first
     `num_sequential` prompts or all), "batched" (static batches of `batch_size`), then the idle
     TTFT. Greedy, EOS ignored, every request gets exactly `max_tokens` new tokens."""
@@ -176,14 +217,35 @@ def run_transformers(model_dir: str | Path, prompts: list[list[int]], max_tokens
     if "sequential" in modes:
         chosen = prompts[:num_sequential] if num_sequential else prompts
         timed, tokens, wall_s = _run_batches(model, chosen, max_tokens, 1)
-        results.append(_result(f"{label} one at a time", workload, dtype, 1, chosen, tokens,
-                               timed, wall_s, "sequential generate, streamer-timed"))
+        results.append(
+            _result(
+                f"{label} one at a time",
+                workload,
+                dtype,
+                1,
+                chosen,
+                tokens,
+                timed,
+                wall_s,
+                "sequential generate, streamer-timed",
+            )
+        )
         token_ids["sequential"] = tokens
     if "batched" in modes:
         timed, tokens, wall_s = _run_batches(model, prompts, max_tokens, batch_size)
-        results.append(_result(
-            f"{label} static batch {batch_size}", workload, dtype, batch_size, prompts, tokens,
-            timed, wall_s, f"static batches of {batch_size}, left padded; TTFT/ITL/e2e per batch"))
+        results.append(
+            _result(
+                f"{label} static batch {batch_size}",
+                workload,
+                dtype,
+                batch_size,
+                prompts,
+                tokens,
+                timed,
+                wall_s,
+                f"static batches of {batch_size}, left padded; TTFT/ITL/e2e per batch",
+            )
+        )
         token_ids["batched"] = tokens
     results.append(measure_idle_ttft(model, prompts, workload, dtype, f"{label} idle TTFT"))
     return TransformersRun(results, token_ids)
@@ -204,9 +266,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="write the JSON here instead of stdout")
     args = parser.parse_args(argv)
     spec = json.loads(Path(args.prompts).read_text())
-    run = run_transformers(args.model, spec["prompts"], spec["max_tokens"], args.dtype,
-                           batch_size=args.batch_size, modes=tuple(args.modes.split(",")),
-                           num_sequential=args.num_sequential, workload=args.workload)
+    run = run_transformers(
+        args.model,
+        spec["prompts"],
+        spec["max_tokens"],
+        args.dtype,
+        batch_size=args.batch_size,
+        modes=tuple(args.modes.split(",")),
+        num_sequential=args.num_sequential,
+        workload=args.workload,
+    )
     text = json.dumps(run.to_json())
     if args.out:
         Path(args.out).write_text(text)

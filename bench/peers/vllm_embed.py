@@ -36,17 +36,26 @@ def main() -> None:
     os.dup2(2, 1)  # vLLM's prints go to stderr
     from vllm import LLM
 
-    llm = LLM(model=args.model, runner="pooling", dtype=args.dtype, max_model_len=512,
-              enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens,
-              seed=0)
+    llm = LLM(
+        model=args.model,
+        runner="pooling",
+        dtype=args.dtype,
+        max_model_len=512,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=0,
+    )
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
     llm.embed(inputs[:8], use_tqdm=False)
     start_s = time.perf_counter()
     outputs = llm.embed(inputs, use_tqdm=False)
     duration_s = time.perf_counter() - start_s
-    result = {"duration_s": duration_s, "num_inputs": len(outputs),
-              "prompt_tokens": sum(map(len, prompts)),
-              "first": list(map(float, outputs[0].outputs.embedding))}
+    result = {
+        "duration_s": duration_s,
+        "num_inputs": len(outputs),
+        "prompt_tokens": sum(map(len, prompts)),
+        "first": list(map(float, outputs[0].outputs.embedding)),
+    }
     os.write(stdout, (json.dumps(result) + "\n").encode())
 
 

@@ -36,21 +36,33 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, enable_lora=True,
-              max_loras=work["max_loras"], max_lora_rank=work["max_lora_rank"],
-              enable_prefix_caching=False, max_num_batched_tokens=2048, seed=0)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=1024,
+        enable_lora=True,
+        max_loras=work["max_loras"],
+        max_lora_rank=work["max_lora_rank"],
+        enable_prefix_caching=False,
+        max_num_batched_tokens=2048,
+        seed=0,
+    )
     ids = {}
-    requests = [None if a is None else LoRARequest(a[0], ids.setdefault(a[0], len(ids) + 1), a[1])
-                for a in work["adapters"]]
+    requests = [
+        None if a is None else LoRARequest(a[0], ids.setdefault(a[0], len(ids) + 1), a[1])
+        for a in work["adapters"]
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=work["max_tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in work["prompts"]]
     llm.generate(prompts[:8], params, lora_request=requests[:8], use_tqdm=False)
     start_s = time.perf_counter()
     outputs = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
     duration_s = time.perf_counter() - start_s
-    result = {"duration_s": duration_s,
-              "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-              "first": list(outputs[0].outputs[0].token_ids)}
+    result = {
+        "duration_s": duration_s,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "first": list(outputs[0].outputs[0].token_ids),
+    }
     os.write(stdout, (json.dumps(result) + "\n").encode())
 
 

@@ -2,7 +2,8 @@
 
 A script for the vLLM venv's python (.peers/vllm/bin/python, made by scripts/install_peers.sh),
 never imported by pagemesh: vLLM pins its own torch and transformers. So it imports nothing
-from this repo and writes its results by hand as dicts with `pagemesh.tools.loadgen.result.RunResult`'s keys.
+from this repo and writes its results by hand as dicts with
+`pagemesh.tools.loadgen.result.RunResult`'s keys.
 
     .peers/vllm/bin/python bench/peers/vllm_runner.py --model DIR --prompts FILE --dtype D
 
@@ -59,16 +60,33 @@ def has_tokenizer(model_dir: str | Path) -> bool:
     return any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES)
 
 
-def run_result(engine: str, workload: str, dtype: str, concurrency: int,
-               prompts: list[list[int]], output_tokens: int, duration_s: float,
-               ttft_ms: list[float] | None = None, notes: str = "") -> dict:
+def run_result(
+    engine: str,
+    workload: str,
+    dtype: str,
+    concurrency: int,
+    prompts: list[list[int]],
+    output_tokens: int,
+    duration_s: float,
+    ttft_ms: list[float] | None = None,
+    notes: str = "",
+) -> dict:
     """A RunResult as a dict, its keys written out by hand (this venv cannot import it)."""
     return {
-        "engine": engine, "workload": workload, "dtype": dtype, "concurrency": concurrency,
-        "num_requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),
-        "output_tokens": output_tokens, "duration_s": duration_s, "request_rate": 0.0,
-        "ttft_ms": list(ttft_ms or []), "itl_ms": [], "e2e_ms": list(ttft_ms or []),
-        "num_errors": 0, "notes": notes,
+        "engine": engine,
+        "workload": workload,
+        "dtype": dtype,
+        "concurrency": concurrency,
+        "num_requests": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": output_tokens,
+        "duration_s": duration_s,
+        "request_rate": 0.0,
+        "ttft_ms": list(ttft_ms or []),
+        "itl_ms": [],
+        "e2e_ms": list(ttft_ms or []),
+        "num_errors": 0,
+        "notes": notes,
     }
 
 
@@ -76,9 +94,14 @@ def make_engine(model_dir: str, dtype: str, max_num_seqs: int, enforce_eager: bo
     from vllm import LLM
 
     return LLM(
-        model=model_dir, dtype=dtype, max_model_len=512, max_num_seqs=max_num_seqs,
-        skip_tokenizer_init=not has_tokenizer(model_dir), enable_prefix_caching=False,
-        enforce_eager=enforce_eager, seed=0,
+        model=model_dir,
+        dtype=dtype,
+        max_model_len=512,
+        max_num_seqs=max_num_seqs,
+        skip_tokenizer_init=not has_tokenizer(model_dir),
+        enable_prefix_caching=False,
+        enforce_eager=enforce_eager,
+        seed=0,
     )
 
 
@@ -87,8 +110,9 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
-                            detokenize=False)
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False
+    )
     requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
     start = time.perf_counter()
     outputs = llm.generate(requests, params, use_tqdm=False)
@@ -96,21 +120,35 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[
     return [list(o.outputs[0].token_ids) for o in outputs], wall_s
 
 
-def measure(llm, prompts: list[list[int]], max_tokens: int, dtype: str, workload: str,
-            label: str) -> dict:
+def measure(
+    llm, prompts: list[list[int]], max_tokens: int, dtype: str, workload: str, label: str
+) -> dict:
     """Warm-up, all-at-once throughput, then the idle TTFT; returns the stdout JSON."""
     generate(llm, [p[:16] for p in prompts[:2]], 4)
     token_ids, wall_s = generate(llm, prompts, max_tokens)
     throughput = run_result(
-        f"{label} all at once", workload, dtype, 0, prompts,
-        sum(len(t) for t in token_ids), wall_s,
-        notes="LLM.generate of every prompt at once; offline, so no TTFT/ITL")
+        f"{label} all at once",
+        workload,
+        dtype,
+        0,
+        prompts,
+        sum(len(t) for t in token_ids),
+        wall_s,
+        notes="LLM.generate of every prompt at once; offline, so no TTFT/ITL",
+    )
     probes = [prompts[i % len(prompts)] for i in range(NUM_IDLE_TTFT_SAMPLES)]
     ttft_ms = [1000 * generate(llm, [p], 1)[1] for p in probes]
     idle = run_result(
-        f"{label} idle TTFT", f"{workload}-idle-ttft", dtype, 1, probes, len(probes),
-        sum(ttft_ms) / 1000, ttft_ms=ttft_ms,
-        notes=f"max_tokens=1 on the idle engine; median {statistics.median(ttft_ms):.1f} ms")
+        f"{label} idle TTFT",
+        f"{workload}-idle-ttft",
+        dtype,
+        1,
+        probes,
+        len(probes),
+        sum(ttft_ms) / 1000,
+        ttft_ms=ttft_ms,
+        notes=f"max_tokens=1 on the idle engine; median {statistics.median(ttft_ms):.1f} ms",
+    )
     return {"results": [throughput, idle], "token_ids": token_ids}
 
 
@@ -120,8 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", required=True, help="JSON {prompts, max_tokens}")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no torch.compile: starts in ~16 s instead of 30-140 s, slower")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no torch.compile: starts in ~16 s instead of 30-140 s, slower",
+    )
     parser.add_argument("--workload", default="w64")
     args = parser.parse_args(argv)
     spec = json.loads(Path(args.prompts).read_text())

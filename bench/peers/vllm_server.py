@@ -65,9 +65,17 @@ class VllmServer:
     Same engine settings as vllm_runner's offline engine: max_model_len 512, max_num_seqs 64,
     no prefix caching, and no tokenizer when the folder has none (prompts are token ids)."""
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", *, port: int | None = None,
-                 enforce_eager: bool = False, startup_timeout_s: float = 600.0,
-                 log_path: str | Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str = "float32",
+        *,
+        port: int | None = None,
+        enforce_eager: bool = False,
+        startup_timeout_s: float = 600.0,
+        log_path: str | Path | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.model_dir = str(Path(model_dir).resolve())  # also the served model's name
         self.dtype = dtype
         self.port = port or reserve_port()
@@ -81,10 +89,26 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        args = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", self.model_dir, "--dtype", self.dtype, "--max-model-len", "512",
-                "--max-num-seqs", "64", "--host", "127.0.0.1", "--port", str(self.port),
-                "--no-enable-prefix-caching", "--uvicorn-log-level", "warning"]
+        args = [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "64",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--no-enable-prefix-caching",
+            "--uvicorn-log-level",
+            "warning",
+        ]
         if not any((Path(self.model_dir) / n).exists() for n in TOKENIZER_FILES):
             args.append("--skip-tokenizer-init")
         if self.enforce_eager:
@@ -98,8 +122,13 @@ class VllmServer:
             raise RuntimeError(f"{VLLM_PYTHON} missing: run `make bench-peers` first")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.command(), env=vllm_env(), stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command(),
+                env=vllm_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
             self._wait_ready()
         except BaseException:
@@ -111,8 +140,10 @@ class VllmServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.process.returncode} "
-                                   f"before it was ready:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"vLLM server exited with {self.process.returncode} "
+                    f"before it was ready:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:
@@ -120,8 +151,9 @@ class VllmServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(1.0)
-        raise RuntimeError(f"vLLM server not ready after {self.startup_timeout_s:.0f} s:\n"
-                           f"{self.log_tail()}")
+        raise RuntimeError(
+            f"vLLM server not ready after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:

@@ -9,7 +9,8 @@ gets a fresh one.
 
 FILE is JSON {"prompts": [[token ids]], "max_tokens": N, "speculative_config": {...} or
 null, "warm_up": [token ids]}: the engine warms up on "warm_up" (suffix decoding remembers
-answers across requests, so not on the workload's prompts). Stdout receives one line, JSON {"batch<N>_s", "output_tokens_<N>", "tokens" (batch 1) or
+answers across requests, so not on the workload's prompts). Stdout receives one line, JSON
+{"batch<N>_s", "output_tokens_<N>", "tokens" (batch 1) or
 "tokens_8": [per prompt], "speculative": "on" | why off}; everything vLLM prints goes to
 stderr.
 """
@@ -40,8 +41,9 @@ def main() -> None:
     os.dup2(2, 1)  # vLLM's prints go to stderr
     from vllm import LLM, SamplingParams
 
-    common = dict(model=args.model, dtype=args.dtype, max_model_len=2048, seed=0,
-                  max_num_batched_tokens=2048)
+    common = dict(
+        model=args.model, dtype=args.dtype, max_model_len=2048, seed=0, max_num_batched_tokens=2048
+    )
     params = SamplingParams(temperature=0.0, max_tokens=work["max_tokens"])
     prompts = [{"prompt_token_ids": p} for p in work["prompts"]]
     warm_up = [{"prompt_token_ids": work.get("warm_up") or work["prompts"][0]}]
@@ -61,11 +63,14 @@ def main() -> None:
         outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = {f"batch{args.batch}_s": time.perf_counter() - start_s,
-              f"output_tokens_{args.batch}": sum(len(o.outputs[0].token_ids) for o in outputs),
-              "tokens" if args.batch == 1 else "tokens_8":
-                  [list(o.outputs[0].token_ids) for o in outputs],
-              "speculative": speculative}
+    result = {
+        f"batch{args.batch}_s": time.perf_counter() - start_s,
+        f"output_tokens_{args.batch}": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "tokens" if args.batch == 1 else "tokens_8": [
+            list(o.outputs[0].token_ids) for o in outputs
+        ],
+        "speculative": speculative,
+    }
     os.write(stdout, (json.dumps(result) + "\n").encode())
 
 

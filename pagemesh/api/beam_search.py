@@ -52,23 +52,24 @@ class BeamSearchParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        check_beam_options(self.beam_width, self.max_tokens, self.temperature,
-                           self.early_stopping)
+        check_beam_options(self.beam_width, self.max_tokens, self.temperature, self.early_stopping)
 
 
-def check_beam_options(beam_width: int, max_tokens: int, temperature: float | None,
-                       early_stopping: EarlyStopping) -> None:
+def check_beam_options(
+    beam_width: int, max_tokens: int, temperature: float | None, early_stopping: EarlyStopping
+) -> None:
     """ValueError for options beam search cannot run with, saying what to set."""
     if not isinstance(beam_width, int) or beam_width < 1:
         raise ValueError(f"beam_width must be an integer >= 1, got {beam_width!r}")
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
     if temperature:
-        raise ValueError(f"beam search does not sample: leave temperature at 0 (got "
-                         f"{temperature}), or sample without beam search")
+        raise ValueError(
+            f"beam search does not sample: leave temperature at 0 (got "
+            f"{temperature}), or sample without beam search"
+        )
     if early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping must be true, false or \"never\", got "
-                         f"{early_stopping!r}")
+        raise ValueError(f'early_stopping must be true, false or "never", got {early_stopping!r}')
 
 
 def num_candidates(beam_width: int, num_eos_ids: int) -> int:
@@ -81,10 +82,12 @@ def check_num_candidates(search: BeamSearch, width_name: str) -> None:
     `width_name` is what the caller set the width with (beam_width, best_of)."""
     needed = search.num_candidates
     if needed > MAX_NUM_LOGPROBS:
-        raise ValueError(f"a beam width of {search.width} needs the {needed} most likely "
-                         f"tokens of each beam a round, and the engine returns at most "
-                         f"{MAX_NUM_LOGPROBS}: use {width_name} <= "
-                         f"{search.width * MAX_NUM_LOGPROBS // needed}")
+        raise ValueError(
+            f"a beam width of {search.width} needs the {needed} most likely "
+            f"tokens of each beam a round, and the engine returns at most "
+            f"{MAX_NUM_LOGPROBS}: use {width_name} <= "
+            f"{search.width * MAX_NUM_LOGPROBS // needed}"
+        )
 
 
 @dataclass
@@ -103,8 +106,14 @@ class BeamSearch:
     tokens follow the prompt); `advance` takes each one's alternatives; `done` says when to
     stop; `best(n)` are the results, best first."""
 
-    def __init__(self, beam_width: int, max_tokens: int, eos_token_ids: Sequence[int],
-                 length_penalty: float = 1.0, early_stopping: EarlyStopping = False) -> None:
+    def __init__(
+        self,
+        beam_width: int,
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        length_penalty: float = 1.0,
+        early_stopping: EarlyStopping = False,
+    ) -> None:
         check_beam_options(beam_width, max_tokens, 0.0, early_stopping)
         self.width = beam_width
         self.max_tokens = max_tokens
@@ -124,8 +133,9 @@ class BeamSearch:
         if self.done:
             raise RuntimeError("this beam search is done")
         if len(alternatives) != len(self.running):
-            raise ValueError(f"{len(alternatives)} beams' alternatives for "
-                             f"{len(self.running)} running beams")
+            raise ValueError(
+                f"{len(alternatives)} beams' alternatives for {len(self.running)} running beams"
+            )
         candidates = self._top_candidates(alternatives)
         last_round = self.num_generated + 1 >= self.max_tokens
         may_finish = self._may_finish()
@@ -150,29 +160,36 @@ class BeamSearch:
         beams = list(self.finished)
         if not self.done:
             for beam in self.running:
-                scored = Beam(beam.token_ids, beam.logprobs, beam.cumulative_logprob, "length",
-                              self._score(beam.cumulative_logprob, self.num_generated))
+                scored = Beam(
+                    beam.token_ids,
+                    beam.logprobs,
+                    beam.cumulative_logprob,
+                    "length",
+                    self._score(beam.cumulative_logprob, self.num_generated),
+                )
                 beams.append(scored)
             beams.sort(key=lambda b: -b.score)
         return beams[: self.width if n is None else n]
 
-    def _top_candidates(self, alternatives: Sequence[Alternatives]
-                        ) -> list[tuple[float, Beam, int, float]]:
+    def _top_candidates(
+        self, alternatives: Sequence[Alternatives]
+    ) -> list[tuple[float, Beam, int, float]]:
         """The best `num_candidates` (accumulated logprob, beam, token, logprob) over all
         beams, best first; ties to the earlier beam, then the more likely token (torch.topk
         keeps no order among ties: they are where two engines may differ)."""
-        pool = ((beam.cumulative_logprob + logprob, index, order, beam, token, logprob)
-                for index, (beam, options) in enumerate(zip(self.running, alternatives))
-                for order, (token, logprob) in enumerate(options[: self.num_candidates]))
-        best = heapq.nsmallest(self.num_candidates, pool,
-                               key=lambda c: (-c[0], c[1], c[2]))
+        pool = (
+            (beam.cumulative_logprob + logprob, index, order, beam, token, logprob)
+            for index, (beam, options) in enumerate(zip(self.running, alternatives))
+            for order, (token, logprob) in enumerate(options[: self.num_candidates])
+        )
+        best = heapq.nsmallest(self.num_candidates, pool, key=lambda c: (-c[0], c[1], c[2]))
         return [(total, beam, token, logprob) for total, _, _, beam, token, logprob in best]
 
     def _extended(self, beam: Beam, token: int, logprob: float, total: float) -> Beam:
         return Beam(beam.token_ids + [token], beam.logprobs + [logprob], total)
 
     def _score(self, cumulative_logprob: float, length: int) -> float:
-        return cumulative_logprob / (length ** self.length_penalty)
+        return cumulative_logprob / (length**self.length_penalty)
 
     def _may_finish(self) -> bool:
         """transformers adds no finished beam in a round begun with `width` finished under
@@ -186,7 +203,7 @@ class BeamSearch:
         # Stable: among equal scores the one finished first stays ahead (torch.topk over
         # [kept, new] as transformers merges them).
         self.finished.sort(key=lambda b: -b.score)
-        del self.finished[self.width:]
+        del self.finished[self.width :]
 
     def _may_improve(self) -> bool:
         """Whether the best running beam could still beat the worst finished one."""

@@ -22,8 +22,12 @@ from typing import Any
 
 from pagemesh.api.options import fields
 from pagemesh.api.options.constraint import OutputConstraint, constraint_from_structured
-from pagemesh.api.options.validation import (SamplingOptions, StoppingOptions, ValidationError,
-                                         check_options)
+from pagemesh.api.options.validation import (
+    SamplingOptions,
+    StoppingOptions,
+    ValidationError,
+    check_options,
+)
 
 __all__ = ["SamplingParams", "StructuredOutputsParams", "RequestOptions", "to_generate_request"]
 
@@ -46,8 +50,11 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _STRUCTURED_FIELDS
-                if getattr(self, name) is not None}
+        return {
+            name: getattr(self, name)
+            for name in _STRUCTURED_FIELDS
+            if getattr(self, name) is not None
+        }
 
 
 @dataclass(frozen=True)
@@ -155,8 +162,14 @@ class SamplingParams:
         return dataclasses.replace(self)
 
 
-def to_generate_request(prompt: str | list[int], params: SamplingParams, *,
-                        chat: bool = False, request_id: str = "", model: str = ""):
+def to_generate_request(
+    prompt: str | list[int],
+    params: SamplingParams,
+    *,
+    chat: bool = False,
+    request_id: str = "",
+    model: str = "",
+):
     """The router's `GenerateRequest` (protos/pagemesh/v1/generate.proto) for `prompt`
     (text, or token ids) with `params`. `chat`: the text is one user message, put through
     the model's chat template by the router. Raises ValueError for parameters the servers
@@ -168,16 +181,29 @@ def to_generate_request(prompt: str | list[int], params: SamplingParams, *,
     options = params.options()
     s, stopping = options.sampling, options.stopping
     request = generate_pb2.GenerateRequest(
-        request_id=request_id, model=model, apply_chat_template=chat, n=options.n,
+        request_id=request_id,
+        model=model,
+        apply_chat_template=chat,
+        n=options.n,
         # The chosen token's logprob comes with any count > 0 (vLLM's logprobs=0 included).
         logprobs=options.num_logprobs or 0,
         sampling=generate_pb2.SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, seed=s.seed),
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            seed=s.seed,
+        ),
         stopping=generate_pb2.StoppingCriteria(
-            max_tokens=stopping.max_tokens, min_tokens=stopping.min_tokens, stop=stopping.stop,
-            stop_token_ids=stopping.stop_token_ids, ignore_eos=stopping.ignore_eos),
+            max_tokens=stopping.max_tokens,
+            min_tokens=stopping.min_tokens,
+            stop=stopping.stop,
+            stop_token_ids=stopping.stop_token_ids,
+            ignore_eos=stopping.ignore_eos,
+        ),
     )
     if isinstance(prompt, str):
         request.text = prompt
@@ -191,8 +217,11 @@ def to_generate_request(prompt: str | list[int], params: SamplingParams, *,
 
 
 def _token_ids(prompt: list[int]) -> list[int]:
-    if not isinstance(prompt, list) or not prompt or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if (
+        not isinstance(prompt, list)
+        or not prompt
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
     return prompt
 

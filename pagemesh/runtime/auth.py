@@ -37,8 +37,10 @@ def parse_api_keys_file(text: str) -> list[tuple[str, str]]:
         if not words:
             continue
         if len(words) > 2 or (len(words) == 2 and words[1] not in SCOPES):
-            raise ValueError(f"API keys file, line {number}: expected `<key> [{' | '.join(SCOPES)}]`"
-                             f" (the key itself is not shown)")
+            raise ValueError(
+                f"API keys file, line {number}: expected `<key> [{' | '.join(SCOPES)}]`"
+                f" (the key itself is not shown)"
+            )
         entries.append((words[0], words[1] if len(words) == 2 else INFERENCE))
     return entries
 
@@ -55,8 +57,12 @@ class ApiKeys:
         self._keys = [(key.encode(), scope) for key, scope in scopes.items()]
 
     @classmethod
-    def load(cls, keys: Iterable[str] | None, keys_file: str | None,
-             admin_keys: Iterable[str] | None = None) -> ApiKeys:
+    def load(
+        cls,
+        keys: Iterable[str] | None,
+        keys_file: str | None,
+        admin_keys: Iterable[str] | None = None,
+    ) -> ApiKeys:
         """`keys` and `admin_keys` as given (--api-key / --admin-api-key, or their
         PAGEMESH_ variables: several separated by spaces) and the file's."""
         inference = [key for item in keys or [] for key in item.split()]
@@ -118,8 +124,12 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Guards the methods under `protected_prefix`: no valid key is UNAUTHENTICATED, a
     valid key without `scope` (an inference key calling Admin) PERMISSION_DENIED."""
 
-    def __init__(self, keys: ApiKeys, protected_prefix: str = "/pagemesh.v1.Generation/",
-                 scope: str = INFERENCE) -> None:
+    def __init__(
+        self,
+        keys: ApiKeys,
+        protected_prefix: str = "/pagemesh.v1.Generation/",
+        scope: str = INFERENCE,
+    ) -> None:
         self.keys = keys
         self.protected_prefix = protected_prefix
         self.scope = scope
@@ -140,7 +150,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             code, message = grpc.StatusCode.UNAUTHENTICATED, missing_key_message(value, GRPC_HOW_TO)
         else:
             code = grpc.StatusCode.PERMISSION_DENIED
-            message = (f"this key may not call {self.protected_prefix.strip('/')}: it needs an "
-                       f"{self.scope} key (--admin-api-key, or `<key> {self.scope}` in "
-                       "--api-keys-file)")
+            message = (
+                f"this key may not call {self.protected_prefix.strip('/')}: it needs an "
+                f"{self.scope} key (--admin-api-key, or `<key> {self.scope}` in "
+                "--api-keys-file)"
+            )
         return denying_handler(handler, code, message)

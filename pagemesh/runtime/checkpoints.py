@@ -3,7 +3,8 @@
 One key per request, `<cluster>:ckpt:<request_id>` = JSON of a `Checkpoint`: the original
 `SubmitRequest` (prompt ids, sampling with its seed, stopping, n; a vision-language
 prompt's images as their SHA-256s, the bytes in the image store, pagemesh/runtime/image_store.py)
-and each sample's output ids so far. Sampling draws are keyed by (seed, token position), so prompt + outputs + seed
+and each sample's output ids so far. Sampling draws are keyed by (seed, token position), so prompt
++ outputs + seed
 is the whole state: recomputing the KV and sampling on gives the tokens the undisturbed run
 would have given. A set `<cluster>:ckpts:<group>` lists the requests of one engine group, so
 a replacement scheduler finds its predecessor's.
@@ -53,8 +54,11 @@ class SampleState:
     logprobs: list[TokenLogprobs] | None = None
 
     def to_dict(self) -> dict[str, object]:
-        data: dict[str, object] = {"token_ids": self.token_ids, "finished": self.finished,
-                                   "finish_reason": self.finish_reason}
+        data: dict[str, object] = {
+            "token_ids": self.token_ids,
+            "finished": self.finished,
+            "finish_reason": self.finish_reason,
+        }
         if self.logprobs is not None:
             data["logprobs"] = pack_logprobs(self.logprobs)
         return data
@@ -78,21 +82,27 @@ class Checkpoint:
     updated_at: float = 0.0
 
     def to_json(self) -> str:
-        return json.dumps({
-            "request_id": self.request_id, "group": self.group,
-            "submit": base64.b64encode(self.submit).decode(),
-            "samples": [s.to_dict() for s in self.samples],
-            "state": self.state, "updated_at": self.updated_at or time.time(),
-        })
+        return json.dumps(
+            {
+                "request_id": self.request_id,
+                "group": self.group,
+                "submit": base64.b64encode(self.submit).decode(),
+                "samples": [s.to_dict() for s in self.samples],
+                "state": self.state,
+                "updated_at": self.updated_at or time.time(),
+            }
+        )
 
     @classmethod
     def from_json(cls, raw: str) -> Checkpoint:
         data = json.loads(raw)
         return cls(
-            request_id=data["request_id"], group=data["group"],
+            request_id=data["request_id"],
+            group=data["group"],
             submit=base64.b64decode(data["submit"]),
             samples=[SampleState.from_dict(s) for s in data["samples"]],
-            state=data["state"], updated_at=float(data["updated_at"]),
+            state=data["state"],
+            updated_at=float(data["updated_at"]),
         )
 
 

@@ -52,8 +52,13 @@ def env_value(env: str) -> str | None:
 class _AppendReplacingDefault(argparse._AppendAction):
     """`action="append"` whose first use on the command line drops the default list."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         if getattr(namespace, self.dest, None) is self.default:
             setattr(namespace, self.dest, [])
         super().__call__(parser, namespace, values, option_string)
@@ -98,8 +103,9 @@ def add_flag(
     )
 
 
-def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                flags: Iterable[ServiceFlag]) -> None:
+def add_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: Iterable[ServiceFlag]
+) -> None:
     """Adds each of `flags` (pagemesh.runtime.service_flags) as `add_flag` would: a service's own
     table, or every option on `pagemesh up`."""
     for flag in flags:
@@ -108,25 +114,32 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
             kwargs["choices"] = list(flag.choices)
         if flag.repeatable:
             kwargs["action"] = "append"
-        add_flag(parser, flag.name, type=flag.type, default=flag.default, help=flag.help,
-                 **kwargs)
+        add_flag(parser, flag.name, type=flag.type, default=flag.default, help=flag.help, **kwargs)
 
 
 def add_registry_flags(parser: argparse.ArgumentParser) -> None:
     """Where the registry is. The heartbeat flags `registry_config` reads come with every
     service's options (pagemesh.runtime.service_flags)."""
-    add_flag(parser, "--redis-url", default="redis://127.0.0.1:6379/0",
-             help="Redis holding the registry and heartbeats: redis://[user[:password]@]host:"
-                  "port/db, or rediss:// for TLS")
+    add_flag(
+        parser,
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="Redis holding the registry and heartbeats: redis://[user[:password]@]host:"
+        "port/db, or rediss:// for TLS",
+    )
     add_redis_password_flag(parser)
     add_flag(parser, "--cluster", default="pagemesh", help="key prefix of this mesh in Redis")
 
 
 def add_redis_password_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    add_flag(parser, "--redis-password", default=None,
-             help="password of --redis-url's user, when the URL does not carry it; give it as "
-                  "PAGEMESH_REDIS_PASSWORD or in a file named by PAGEMESH_REDIS_PASSWORD_FILE "
-                  "(a compose or Kubernetes secret), never on a command line")
+    add_flag(
+        parser,
+        "--redis-password",
+        default=None,
+        help="password of --redis-url's user, when the URL does not carry it; give it as "
+        "PAGEMESH_REDIS_PASSWORD or in a file named by PAGEMESH_REDIS_PASSWORD_FILE "
+        "(a compose or Kubernetes secret), never on a command line",
+    )
 
 
 def with_password(url: str, password: str | None) -> str:
@@ -158,34 +171,60 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     """Where this process serves. `--shutdown-grace-s`, `--log-level` and
     `--otlp-traces-endpoint` come with every service's options (pagemesh.runtime.service_flags)."""
     add_flag(parser, "--host", default="127.0.0.1", help="address to bind")
-    add_flag(parser, "--port", type=int, default=default_port,
-             help="port to bind; 0 = any free port")
-    add_flag(parser, "--advertise-host", default=None,
-             help="address other services dial (default: --host)")
-    add_flag(parser, "--metrics-port", type=int, default=0,
-             help="port of the Prometheus /metrics endpoint on --host (plain HTTP); "
-                  "0 = any free port (published in the registry), -1 = off")
+    add_flag(
+        parser, "--port", type=int, default=default_port, help="port to bind; 0 = any free port"
+    )
+    add_flag(
+        parser,
+        "--advertise-host",
+        default=None,
+        help="address other services dial (default: --host)",
+    )
+    add_flag(
+        parser,
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="port of the Prometheus /metrics endpoint on --host (plain HTTP); "
+        "0 = any free port (published in the registry), -1 = off",
+    )
     add_tls_flags(parser)
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--tls-cert", default=None,
-             help="PEM certificate this service presents; with --tls-key it serves TLS")
+    add_flag(
+        parser,
+        "--tls-cert",
+        default=None,
+        help="PEM certificate this service presents; with --tls-key it serves TLS",
+    )
     add_flag(parser, "--tls-key", default=None, help="PEM private key of --tls-cert")
-    add_flag(parser, "--tls-ca", default=None,
-             help="PEM CA: clients dial other services over TLS, verified against it, and "
-                  "(unless --tls-client-ca says otherwise) servers require client "
-                  "certificates signed by it (mTLS)")
-    add_flag(parser, "--tls-client-ca", default=None,
-             help="PEM CA that clients' certificates must chain to, when it is not --tls-ca; "
-                  "`none`: serve TLS without asking for client certificates (a public router "
-                  "that dials its schedulers with mTLS)")
+    add_flag(
+        parser,
+        "--tls-ca",
+        default=None,
+        help="PEM CA: clients dial other services over TLS, verified against it, and "
+        "(unless --tls-client-ca says otherwise) servers require client "
+        "certificates signed by it (mTLS)",
+    )
+    add_flag(
+        parser,
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA that clients' certificates must chain to, when it is not --tls-ca; "
+        "`none`: serve TLS without asking for client certificates (a public router "
+        "that dials its schedulers with mTLS)",
+    )
 
 
 def tls_config(args: argparse.Namespace) -> TlsConfig:
-    return TlsConfig(cert_path=args.tls_cert, key_path=args.tls_key, ca_path=args.tls_ca,
-                     client_ca_path=getattr(args, "tls_client_ca", None),
-                     internal_token=getattr(args, "internal_token", None) or None)
+    return TlsConfig(
+        cert_path=args.tls_cert,
+        key_path=args.tls_key,
+        ca_path=args.tls_ca,
+        client_ca_path=getattr(args, "tls_client_ca", None),
+        internal_token=getattr(args, "internal_token", None) or None,
+    )
 
 
 def metrics_config(args: argparse.Namespace) -> MetricsConfig:

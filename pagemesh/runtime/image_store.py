@@ -92,8 +92,7 @@ class ImageStore:
     def _accounts(self) -> list[str]:
         return [f"{self.cluster}:imgs:expiry", f"{self.cluster}:imgs:size"]
 
-    async def put(self, images: Mapping[bytes, bytes], ttl_s: float, max_bytes: int
-                  ) -> set[bytes]:
+    async def put(self, images: Mapping[bytes, bytes], ttl_s: float, max_bytes: int) -> set[bytes]:
         """Stores the images (SHA-256 -> bytes) not stored yet and renews the rest, within
         `max_bytes` in all; returns the SHA-256s now stored (the others did not fit)."""
         if not images:
@@ -111,8 +110,10 @@ class ImageStore:
         digests = list(dict.fromkeys(digests))
         if not digests:
             return set()
-        found = await self._renew(keys=self._accounts[:1] + [self.key(d) for d in digests],
-                                  args=[int(ttl_s * 1000), *(d.hex() for d in digests)])
+        found = await self._renew(
+            keys=self._accounts[:1] + [self.key(d) for d in digests],
+            args=[int(ttl_s * 1000), *(d.hex() for d in digests)],
+        )
         return {digest for digest, ok in zip(digests, found) if not ok}
 
     async def get_many(self, digests: Iterable[bytes]) -> dict[bytes, bytes]:
@@ -138,5 +139,6 @@ def _binary_client(redis: aioredis.Redis) -> aioredis.Redis:
     if not pool.connection_kwargs.get("decode_responses"):
         return redis
     kwargs = {**pool.connection_kwargs, "decode_responses": False}
-    return aioredis.Redis(connection_pool=aioredis.ConnectionPool(
-        connection_class=pool.connection_class, **kwargs))
+    return aioredis.Redis(
+        connection_pool=aioredis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    )

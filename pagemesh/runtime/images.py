@@ -70,8 +70,10 @@ DEFAULT_LIMITS = ImageLimits()
 def check_num_images(num_images: int, limits: ImageLimits = DEFAULT_LIMITS) -> None:
     """Raise ImageError when one request carries more images than `limits` allow."""
     if num_images > limits.max_images_per_request:
-        raise ImageError(f"a request may carry at most {limits.max_images_per_request} images, "
-                         f"got {num_images}; send fewer images per request")
+        raise ImageError(
+            f"a request may carry at most {limits.max_images_per_request} images, "
+            f"got {num_images}; send fewer images per request"
+        )
 
 
 def load_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
@@ -79,16 +81,21 @@ def load_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image
     Raises ImageError for empty, oversized, undecodable or truncated data, and for images
     over `limits.max_pixels`, the last checked from the header before decoding."""
     if not data:
-        raise ImageError("the image is empty (0 bytes); send the bytes of a PNG, JPEG, WebP "
-                         "or GIF file")
+        raise ImageError(
+            "the image is empty (0 bytes); send the bytes of a PNG, JPEG, WebP or GIF file"
+        )
     if len(data) > limits.max_bytes:
-        raise ImageError(f"the image is {len(data)} bytes, over the limit of "
-                         f"{limits.max_bytes} bytes; send a smaller or more compressed image")
+        raise ImageError(
+            f"the image is {len(data)} bytes, over the limit of "
+            f"{limits.max_bytes} bytes; send a smaller or more compressed image"
+        )
     image = _open(data)
     width, height = image.size
     if width * height > limits.max_pixels:
-        raise ImageError(f"the image is {width}x{height} = {width * height} pixels, over the "
-                         f"limit of {limits.max_pixels} pixels; send a smaller image")
+        raise ImageError(
+            f"the image is {width}x{height} = {width * height} pixels, over the "
+            f"limit of {limits.max_pixels} pixels; send a smaller image"
+        )
     _decode(image)
     ImageOps.exif_transpose(image, in_place=True)
     return convert_to_rgb(image)
@@ -102,19 +109,23 @@ def _open(data: bytes) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             return Image.open(io.BytesIO(data), formats=list(ACCEPTED_FORMATS))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-        raise ImageError(f"the image has too many pixels to decode safely ({error}); "
-                         "send a smaller image") from error
+        raise ImageError(
+            f"the image has too many pixels to decode safely ({error}); send a smaller image"
+        ) from error
     except (Image.UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        raise ImageError("the data is not a decodable image; accepted formats are "
-                         f"{', '.join(ACCEPTED_FORMATS)}") from error
+        raise ImageError(
+            f"the data is not a decodable image; accepted formats are {', '.join(ACCEPTED_FORMATS)}"
+        ) from error
 
 
 def _decode(image: Image.Image) -> None:
     try:
         image.load()
     except (OSError, SyntaxError, ValueError, EOFError) as error:
-        raise ImageError(f"the {image.format} image could not be decoded ({error}); the file "
-                         "is truncated or corrupt, send the complete file") from error
+        raise ImageError(
+            f"the {image.format} image could not be decoded ({error}); the file "
+            "is truncated or corrupt, send the complete file"
+        ) from error
 
 
 def convert_to_rgb(image: Image.Image) -> Image.Image:
@@ -132,26 +143,36 @@ def parse_data_url(url: str, max_bytes: int | None = None) -> bytes:
     (line-wrapped base64) is ignored. With `max_bytes`, a payload that would decode to more
     is refused before decoding."""
     if not url.startswith("data:"):
-        raise ImageError("an image URL must be a data URL (data:image/png;base64,<base64 "
-                         "bytes>) or an http(s) URL from a host the router allows")
-    header, comma, payload = url[len("data:"):].partition(",")
+        raise ImageError(
+            "an image URL must be a data URL (data:image/png;base64,<base64 "
+            "bytes>) or an http(s) URL from a host the router allows"
+        )
+    header, comma, payload = url[len("data:") :].partition(",")
     if not comma:
-        raise ImageError("the data URL has no ',' between its media type and its payload; "
-                         "write data:image/png;base64,<base64 bytes>")
+        raise ImageError(
+            "the data URL has no ',' between its media type and its payload; "
+            "write data:image/png;base64,<base64 bytes>"
+        )
     media_type, *parameters = header.split(";")
     media_type = media_type.strip().lower()
     if not media_type.startswith("image/"):
-        raise ImageError(f"the data URL's media type is {media_type or 'missing'!r}, not an "
-                         f"image; use one of {', '.join(ACCEPTED_MEDIA_TYPES)}")
+        raise ImageError(
+            f"the data URL's media type is {media_type or 'missing'!r}, not an "
+            f"image; use one of {', '.join(ACCEPTED_MEDIA_TYPES)}"
+        )
     if media_type not in ACCEPTED_MEDIA_TYPES:
-        raise ImageError(f"images of type {media_type!r} are not accepted; use one of "
-                         f"{', '.join(ACCEPTED_MEDIA_TYPES)}")
+        raise ImageError(
+            f"images of type {media_type!r} are not accepted; use one of "
+            f"{', '.join(ACCEPTED_MEDIA_TYPES)}"
+        )
     if not parameters or parameters[-1].strip().lower() != "base64":
         raise ImageError("the data URL must be base64-encoded: data:image/png;base64,<bytes>")
     payload = "".join(payload.split())
     if max_bytes is not None and len(payload) // 4 * 3 - 2 > max_bytes:
-        raise ImageError(f"the image is about {len(payload) // 4 * 3} bytes, over the limit of "
-                         f"{max_bytes} bytes; send a smaller or more compressed image")
+        raise ImageError(
+            f"the image is about {len(payload) // 4 * 3} bytes, over the limit of "
+            f"{max_bytes} bytes; send a smaller or more compressed image"
+        )
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as error:
@@ -203,8 +224,10 @@ class ClipImageProcessor:
         elif set(size) == {"height", "width"}:
             shortest_edge, resize_hw = None, (int(size["height"]), int(size["width"]))
         else:
-            raise ValueError(f"unsupported size {size}: expected {{'shortest_edge': N}} or "
-                             "{'height': H, 'width': W}")
+            raise ValueError(
+                f"unsupported size {size}: expected {{'shortest_edge': N}} or "
+                "{'height': H, 'width': W}"
+            )
         crop = config.get("crop_size", dict(zip(("height", "width"), defaults.crop_hw)))
         crop_hw = (crop, crop) if isinstance(crop, int) else (crop["height"], crop["width"])
         return cls(
@@ -243,16 +266,17 @@ class ClipImageProcessor:
         arrays = [self._one(image) for image in images]
         shapes = {array.shape for array in arrays}
         if len(shapes) > 1:
-            raise ValueError(f"the images came out in different shapes {sorted(shapes)}; "
-                             "enable do_center_crop or resize to a fixed height and width")
+            raise ValueError(
+                f"the images came out in different shapes {sorted(shapes)}; "
+                "enable do_center_crop or resize to a fixed height and width"
+            )
         return np.stack(arrays).astype(np.float32, copy=False)
 
     def _one(self, image: Image.Image) -> np.ndarray:
         if self.do_convert_rgb:
             image = convert_to_rgb(image)
         elif image.mode != "RGB":
-            raise ValueError(f"do_convert_rgb is off and the image's mode is {image.mode}, "
-                             "not RGB")
+            raise ValueError(f"do_convert_rgb is off and the image's mode is {image.mode}, not RGB")
         if self.do_resize:
             height, width = self.resize_hw_for(*image.size)
             image = image.resize((width, height), resample=Image.Resampling(self.resample))
@@ -284,19 +308,22 @@ def _center_crop(pixels: np.ndarray, crop_height: int, crop_width: int) -> np.nd
     height, width = pixels.shape[:2]
     top, left = (height - crop_height) // 2, (width - crop_width) // 2
     if top >= 0 and left >= 0:
-        return pixels[top:top + crop_height, left:left + crop_width]
+        return pixels[top : top + crop_height, left : left + crop_width]
     padded_height, padded_width = max(crop_height, height), max(crop_width, width)
     top_pad = -(-(padded_height - height) // 2)  # ceil
     left_pad = -(-(padded_width - width) // 2)
     padded = np.zeros((padded_height, padded_width) + pixels.shape[2:], dtype=pixels.dtype)
-    padded[top_pad:top_pad + height, left_pad:left_pad + width] = pixels
+    padded[top_pad : top_pad + height, left_pad : left_pad + width] = pixels
     top, left = top + top_pad, left + left_pad
-    return padded[max(0, top):min(padded_height, top + crop_height),
-                  max(0, left):min(padded_width, left + crop_width)]
+    return padded[
+        max(0, top) : min(padded_height, top + crop_height),
+        max(0, left) : min(padded_width, left + crop_width),
+    ]
 
 
-def image_token_count(image: Image.Image, image_seq_length: int,
-                      tiling: ImageTiling = ImageTiling()) -> int:
+def image_token_count(
+    image: Image.Image, image_seq_length: int, tiling: ImageTiling = ImageTiling()
+) -> int:
     """The placeholder tokens `image` becomes: `image_seq_length` each, or with a LLaVA-NeXT
     `tiling`, as many rows as the model makes of its size (pagemesh/runtime/images_anyres.py; what
     LlavaNextProcessor expands it to with llava-hf's num_additional_image_tokens 1)."""
@@ -305,19 +332,27 @@ def image_token_count(image: Image.Image, image_seq_length: int,
     from pagemesh.runtime.images_anyres import num_feature_rows
 
     width, height = image.size
-    return num_feature_rows(height, width, grid_pinpoints=tiling.grid_pinpoints,
-                            tile_size=tiling.tile_size, patch_size=tiling.patch_size)
+    return num_feature_rows(
+        height,
+        width,
+        grid_pinpoints=tiling.grid_pinpoints,
+        tile_size=tiling.tile_size,
+        patch_size=tiling.patch_size,
+    )
 
 
-def expand_images(token_ids: list[int], images: list[bytes], image_token_id: int,
-                  counts: int | list[int]) -> tuple[list[int], tuple[ImageInput, ...]]:
+def expand_images(
+    token_ids: list[int], images: list[bytes], image_token_id: int, counts: int | list[int]
+) -> tuple[list[int], tuple[ImageInput, ...]]:
     """Each image token of `token_ids` repeated as many times as its image has embedding
     rows (`counts`: one for every image, or one per image), with the images over them in
     order. ValueError when the image tokens and the images do not pair up."""
     positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
     if len(positions) != len(images):
-        raise ValueError(f"the prompt has {len(positions)} image token(s) for {len(images)} "
-                         "image(s): put one image token (e.g. <image>) where each image goes")
+        raise ValueError(
+            f"the prompt has {len(positions)} image token(s) for {len(images)} "
+            "image(s): put one image token (e.g. <image>) where each image goes"
+        )
     counts = [counts] * len(images) if isinstance(counts, int) else counts
     out: list[int] = []
     inputs = []

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -49,8 +50,9 @@ DEFAULT_GRID_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336,
 STRATEGIES = ("default", "full")
 
 
-def select_best_resolution(original_size: tuple[int, int],
-                           pinpoints: Iterable[tuple[int, int]]) -> tuple[int, int]:
+def select_best_resolution(
+    original_size: tuple[int, int], pinpoints: Iterable[tuple[int, int]]
+) -> tuple[int, int]:
     """transformers' `select_best_resolution`: the (height, width) of `pinpoints` that keeps the
     most of the image's pixels when it is scaled to fit, then wastes the least area."""
     original_height, original_width = original_size
@@ -60,7 +62,10 @@ def select_best_resolution(original_size: tuple[int, int],
     max_effective, min_wasted = 0, float("inf")
     for height, width in pinpoints:
         scale = min(width / original_width, height / original_height)
-        downscaled_width, downscaled_height = int(original_width * scale), int(original_height * scale)
+        downscaled_width, downscaled_height = (
+            int(original_width * scale),
+            int(original_height * scale),
+        )
         effective = min(downscaled_width * downscaled_height, original_width * original_height)
         wasted = width * height - effective
         if effective > max_effective or (effective == max_effective and wasted < min_wasted):
@@ -93,8 +98,9 @@ def num_patches(height: int, width: int, grid_pinpoints, tile_size: int) -> int:
     return -(-best_height // tile_size) * -(-best_width // tile_size) + 1
 
 
-def unpadded_shape(height: int, width: int, rows: int, cols: int,
-                   patches_per_side: int) -> tuple[int, int]:
+def unpadded_shape(
+    height: int, width: int, rows: int, cols: int, patches_per_side: int
+) -> tuple[int, int]:
     """The (h, w) of the grid's feature map (rows*p x cols*p) after `unpad_image` cuts what
     fell on the padding: int(round(x, 7)) for the scaled side, padding // 2 off each end."""
     current_height, current_width = rows * patches_per_side, cols * patches_per_side
@@ -107,31 +113,51 @@ def unpadded_shape(height: int, width: int, rows: int, cols: int,
     return current_height, current_width
 
 
-def num_image_tokens(height: int, width: int, *, grid_pinpoints, tile_size: int, patch_size: int,
-                     strategy: str, num_additional_image_tokens: int = 0) -> int:
+def num_image_tokens(
+    height: int,
+    width: int,
+    *,
+    grid_pinpoints,
+    tile_size: int,
+    patch_size: int,
+    strategy: str,
+    num_additional_image_tokens: int = 0,
+) -> int:
     """How many placeholder tokens `LlavaNextProcessor` expands one image of this original
     size into (its `_get_number_of_features`, minus 1 for "default"). `tile_size` is the
     processed patch side (crop size = vision_config.image_size), `patch_size` the vision
     patch size; `num_additional_image_tokens` as the processor's (its default 0; llava-hf's
     CLIP checkpoints set 1, the only value for which "default" equals the model's rows)."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"vision_feature_select_strategy must be one of {STRATEGIES}, "
-                         f"got {strategy!r}")
+        raise ValueError(
+            f"vision_feature_select_strategy must be one of {STRATEGIES}, got {strategy!r}"
+        )
     rows, cols = grid_shape(height, width, grid_pinpoints, tile_size)
     per_side = tile_size // patch_size
     unpadded_height, unpadded_width = unpadded_shape(height, width, rows, cols, per_side)
-    tokens = (per_side * per_side + num_additional_image_tokens
-              + unpadded_height * unpadded_width + unpadded_height)
+    tokens = (
+        per_side * per_side
+        + num_additional_image_tokens
+        + unpadded_height * unpadded_width
+        + unpadded_height
+    )
     return tokens - 1 if strategy == "default" else tokens
 
 
-def num_feature_rows(height: int, width: int, *, grid_pinpoints, tile_size: int,
-                     patch_size: int) -> int:
+def num_feature_rows(
+    height: int, width: int, *, grid_pinpoints, tile_size: int, patch_size: int
+) -> int:
     """The rows `LlavaNextModel.pack_image_features` makes of one image, whose vision features
     are (tile/patch)^2 per patch after the strategy's selection: base + unpadded grid +
     one newline per row. The processor's placeholder count must equal this."""
-    return num_image_tokens(height, width, grid_pinpoints=grid_pinpoints, tile_size=tile_size,
-                            patch_size=patch_size, strategy="full")
+    return num_image_tokens(
+        height,
+        width,
+        grid_pinpoints=grid_pinpoints,
+        tile_size=tile_size,
+        patch_size=patch_size,
+        strategy="full",
+    )
 
 
 @dataclass(frozen=True)
@@ -148,11 +174,14 @@ class AnyResImageProcessor:
         if not self.grid_pinpoints:
             raise ValueError("image_grid_pinpoints is empty")
         if any(len(p) != 2 or min(p) <= 0 for p in self.grid_pinpoints):
-            raise ValueError(f"image_grid_pinpoints must be positive (height, width) pairs, "
-                             f"got {self.grid_pinpoints}")
+            raise ValueError(
+                f"image_grid_pinpoints must be positive (height, width) pairs, "
+                f"got {self.grid_pinpoints}"
+            )
         if self.tile_size <= 0 or min(self.base_hw) <= 0:
-            raise ValueError(f"tile_size and base_hw must be positive, got {self.tile_size} "
-                             f"and {self.base_hw}")
+            raise ValueError(
+                f"tile_size and base_hw must be positive, got {self.tile_size} and {self.base_hw}"
+            )
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> AnyResImageProcessor:
@@ -166,9 +195,12 @@ class AnyResImageProcessor:
             base_hw = base.resize_hw
         else:
             base_hw = (base.shortest_edge, base.shortest_edge)
-        return cls(base=base,
-                   grid_pinpoints=tuple((int(h), int(w)) for h, w in pinpoints),
-                   tile_size=base.crop_hw[0], base_hw=base_hw)
+        return cls(
+            base=base,
+            grid_pinpoints=tuple((int(h), int(w)) for h, w in pinpoints),
+            tile_size=base.crop_hw[0],
+            base_hw=base_hw,
+        )
 
     @classmethod
     def from_folder(cls, path: str | Path) -> AnyResImageProcessor:
@@ -183,8 +215,7 @@ class AnyResImageProcessor:
         if self.base.do_convert_rgb:
             image = convert_to_rgb(image)
         elif image.mode != "RGB":
-            raise ValueError(f"do_convert_rgb is off and the image's mode is {image.mode}, "
-                             "not RGB")
+            raise ValueError(f"do_convert_rgb is off and the image's mode is {image.mode}, not RGB")
         width, height = image.size
         resample = Image.Resampling(self.base.resample)
         best_height, best_width = select_best_resolution((height, width), self.grid_pinpoints)
@@ -192,9 +223,12 @@ class AnyResImageProcessor:
         resized = np.asarray(image.resize((new_width, new_height), resample=resample))
         padded = np.zeros((best_height, best_width, 3), dtype=np.uint8)
         top, left = (best_height - new_height) // 2, (best_width - new_width) // 2
-        padded[top:top + new_height, left:left + new_width] = resized
+        padded[top : top + new_height, left : left + new_width] = resized
         tile = self.tile_size
-        tiles = [Image.fromarray(np.ascontiguousarray(padded[i:i + tile, j:j + tile]))
-                 for i in range(0, best_height, tile) for j in range(0, best_width, tile)]
+        tiles = [
+            Image.fromarray(np.ascontiguousarray(padded[i : i + tile, j : j + tile]))
+            for i in range(0, best_height, tile)
+            for j in range(0, best_width, tile)
+        ]
         whole = image.resize((self.base_hw[1], self.base_hw[0]), resample=resample)
         return self.base.preprocess([whole] + tiles), (height, width)

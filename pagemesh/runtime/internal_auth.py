@@ -39,9 +39,13 @@ class InternalTokenInterceptor(grpc.aio.ServerInterceptor):
                 break
         if hmac.compare_digest(given, self._token):
             return handler
-        return denying_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "this service answers only its own mesh: the caller sent no "
-                         "valid internal token (--internal-token / PAGEMESH_INTERNAL_TOKEN, the "
-                         "same on every service of the mesh)")
+        return denying_handler(
+            handler,
+            grpc.StatusCode.UNAUTHENTICATED,
+            "this service answers only its own mesh: the caller sent no "
+            "valid internal token (--internal-token / PAGEMESH_INTERNAL_TOKEN, the "
+            "same on every service of the mesh)",
+        )
 
 
 def denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
@@ -57,15 +61,19 @@ def denying_handler(handler: Any, code: grpc.StatusCode, message: str) -> Any:
 
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer)
+            deny, handler.request_deserializer, handler.response_serializer
+        )
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
-            deny_stream, handler.request_deserializer, handler.response_serializer)
+            deny_stream, handler.request_deserializer, handler.response_serializer
+        )
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer)
+            deny, handler.request_deserializer, handler.response_serializer
+        )
     return grpc.stream_stream_rpc_method_handler(
-        deny_stream, handler.request_deserializer, handler.response_serializer)
+        deny_stream, handler.request_deserializer, handler.response_serializer
+    )
 
 
 class _Attach:
@@ -90,14 +98,16 @@ class _UnaryStream(_Attach, grpc.aio.UnaryStreamClientInterceptor):
 
 
 class _StreamUnary(_Attach, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any,
-                                     request_iterator: Any) -> Any:
+    async def intercept_stream_unary(
+        self, continuation: Any, details: Any, request_iterator: Any
+    ) -> Any:
         return await continuation(self._with_token(details), request_iterator)
 
 
 class _StreamStream(_Attach, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any,
-                                      request_iterator: Any) -> Any:
+    async def intercept_stream_stream(
+        self, continuation: Any, details: Any, request_iterator: Any
+    ) -> Any:
         return await continuation(self._with_token(details), request_iterator)
 
 

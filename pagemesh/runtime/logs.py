@@ -25,7 +25,8 @@ def setup_logging(service: str, level: str = "INFO") -> None:
     handler.addFilter(RequestIdFilter())
     handler.setFormatter(
         logging.Formatter(
-            f"%(asctime)s %(levelname)s {service} [%(request_id)s %(trace_id)s] %(name)s: %(message)s"
+            f"%(asctime)s %(levelname)s {service} [%(request_id)s %(trace_id)s] "
+            "%(name)s: %(message)s"
         )
     )
     root = logging.getLogger()

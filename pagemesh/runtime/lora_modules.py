@@ -13,8 +13,9 @@ def parse_lora_modules(values: Iterable[str] | None) -> dict[str, str]:
     for value in values or ():
         name, path = _one(value.strip())
         if not name or not path:
-            raise ValueError(f"--lora-modules {value!r}: give name=path (or JSON with name "
-                             "and path)")
+            raise ValueError(
+                f"--lora-modules {value!r}: give name=path (or JSON with name and path)"
+            )
         if name in modules:
             raise ValueError(f"--lora-modules names adapter {name!r} twice")
         modules[name] = path

@@ -36,8 +36,11 @@ class LoraTable:
             pipe.hsetnx(self.key, name, path)
         await pipe.execute()
         present = await self._redis.hmget(self.key, list(adapters))
-        return {name: path for name, path in zip(adapters, present)
-                if path is not None and _text(path) != adapters[name]}
+        return {
+            name: path
+            for name, path in zip(adapters, present)
+            if path is not None and _text(path) != adapters[name]
+        }
 
     async def get(self, name: str) -> str | None:
         path = await self._redis.hget(self.key, name)
@@ -48,8 +51,9 @@ class LoraTable:
         return bool(await self._redis.hdel(self.key, name))
 
     async def all(self) -> dict[str, str]:
-        return {_text(name): _text(path)
-                for name, path in (await self._redis.hgetall(self.key)).items()}
+        return {
+            _text(name): _text(path) for name, path in (await self._redis.hgetall(self.key)).items()
+        }
 
 
 def _text(value: str | bytes) -> str:

@@ -51,11 +51,18 @@ class MediaFetcher:
     """Fetches image URLs from `allowed_domains` only; the aiohttp session is opened on the
     first fetch, so this may be built outside an event loop. `close` closes it."""
 
-    def __init__(self, allowed_domains: Iterable[str] = (), max_bytes: int = 20 * MIB,
-                 timeout_s: float = 10.0, max_redirects: int = 3) -> None:
+    def __init__(
+        self,
+        allowed_domains: Iterable[str] = (),
+        max_bytes: int = 20 * MIB,
+        timeout_s: float = 10.0,
+        max_redirects: int = 3,
+    ) -> None:
         if max_bytes <= 0 or timeout_s <= 0 or max_redirects < 0:
-            raise ValueError(f"MediaFetcher needs max_bytes > 0, timeout_s > 0 and "
-                             f"max_redirects >= 0, got {max_bytes}, {timeout_s}, {max_redirects}")
+            raise ValueError(
+                f"MediaFetcher needs max_bytes > 0, timeout_s > 0 and "
+                f"max_redirects >= 0, got {max_bytes}, {timeout_s}, {max_redirects}"
+            )
         # One string, or each entry, may list several names separated by commas or spaces.
         entries = [allowed_domains] if isinstance(allowed_domains, str) else allowed_domains
         names = [name for entry in entries for name in entry.replace(",", " ").split()]
@@ -79,22 +86,30 @@ class MediaFetcher:
         except (ValueError, TypeError) as error:
             raise ImageError(f"the image URL {url!r} is not a valid URL ({error})") from error
         if parsed.scheme not in ("http", "https"):
-            raise ImageError(f"the image URL {_shown(parsed)!r} is not http:// or https://; "
-                             "send one that is, or the image inline as a data: URL")
+            raise ImageError(
+                f"the image URL {_shown(parsed)!r} is not http:// or https://; "
+                "send one that is, or the image inline as a data: URL"
+            )
         if not parsed.raw_host:
             raise ImageError(f"the image URL {url!r} has no host name")
         if parsed.user is not None or parsed.password is not None:
-            raise ImageError(f"the image URL {_shown(parsed)!r} carries "
-                             "credentials (user:password@), which are not supported; remove them")
+            raise ImageError(
+                f"the image URL {_shown(parsed)!r} carries "
+                "credentials (user:password@), which are not supported; remove them"
+            )
         host = parsed.raw_host.rstrip(".")
         if not self.allowed_domains:
-            raise ImageError(f"remote image URLs are off, so {host!r} cannot be fetched: start "
-                             f"the router with {FLAG} {host} to allow that host, or send the "
-                             "image inline as a data:image/png;base64,<base64 bytes> URL")
+            raise ImageError(
+                f"remote image URLs are off, so {host!r} cannot be fetched: start "
+                f"the router with {FLAG} {host} to allow that host, or send the "
+                "image inline as a data:image/png;base64,<base64 bytes> URL"
+            )
         if host not in self.allowed_domains:
-            raise ImageError(f"the image URL's host {host!r} is not allowed (allowed: "
-                             f"{', '.join(sorted(self.allowed_domains))}); add it with {FLAG}, "
-                             "or send the image inline as a data: URL")
+            raise ImageError(
+                f"the image URL's host {host!r} is not allowed (allowed: "
+                f"{', '.join(sorted(self.allowed_domains))}); add it with {FLAG}, "
+                "or send the image inline as a data: URL"
+            )
         return parsed
 
     async def fetch(self, url: str) -> bytes:
@@ -105,18 +120,26 @@ class MediaFetcher:
         except ImageError:
             raise
         except asyncio.TimeoutError as error:  # the builtin TimeoutError from Python 3.11 on
-            raise ImageError(f"fetching the image {url} took over {self.timeout_s} s; use a "
-                             "faster host or send the image as a data: URL") from error
+            raise ImageError(
+                f"fetching the image {url} took over {self.timeout_s} s; use a "
+                "faster host or send the image as a data: URL"
+            ) from error
         except (aiohttp.ClientError, HttpProcessingError, OSError, ValueError) as error:
-            raise ImageError(f"could not fetch the image {url}: "
-                             f"{type(error).__name__}: {error}") from error
+            raise ImageError(
+                f"could not fetch the image {url}: {type(error).__name__}: {error}"
+            ) from error
 
     async def _follow(self, url: URL) -> bytes:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=None),
-                headers={"User-Agent": "pagemesh", "Accept": "image/*",
-                         "Accept-Encoding": "identity"})
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None),
+                headers={
+                    "User-Agent": "pagemesh",
+                    "Accept": "image/*",
+                    "Accept-Encoding": "identity",
+                },
+            )
         for _ in range(self.max_redirects + 1):
             async with self._session.get(url, allow_redirects=False) as response:
                 location = response.headers.get("Location")
@@ -124,8 +147,10 @@ class MediaFetcher:
                     url = self._redirect(url, location)
                     continue
                 return await self._body(url, response)
-        raise ImageError(f"the image URL redirected more than {self.max_redirects} times "
-                         f"(next to {url}); give the image's final URL")
+        raise ImageError(
+            f"the image URL redirected more than {self.max_redirects} times "
+            f"(next to {url}); give the image's final URL"
+        )
 
     def _redirect(self, url: URL, location: str) -> URL:
         """The redirect's target, resolved against `url`, if it may be fetched."""
@@ -136,29 +161,39 @@ class MediaFetcher:
         try:
             return self._checked(str(target))
         except ImageError as error:
-            raise ImageError(f"{url} redirected to {_shown(target)}, which is refused: "
-                             f"{error}") from None
+            raise ImageError(
+                f"{url} redirected to {_shown(target)}, which is refused: {error}"
+            ) from None
 
     async def _body(self, url: URL, response: aiohttp.ClientResponse) -> bytes:
         if not 200 <= response.status < 300:
-            raise ImageError(f"fetching the image {url} failed with HTTP status "
-                             f"{response.status} {response.reason or ''}".rstrip())
+            raise ImageError(
+                f"fetching the image {url} failed with HTTP status "
+                f"{response.status} {response.reason or ''}".rstrip()
+            )
         # aiohttp reads an absent Content-Type as application/octet-stream.
-        if not (response.content_type.startswith("image/")
-                or response.content_type == "application/octet-stream"):
-            raise ImageError(f"{url} is of type {response.content_type!r}, not an image; "
-                             "give the URL of the image file itself")
+        if not (
+            response.content_type.startswith("image/")
+            or response.content_type == "application/octet-stream"
+        ):
+            raise ImageError(
+                f"{url} is of type {response.content_type!r}, not an image; "
+                "give the URL of the image file itself"
+            )
         if response.content_length is not None and response.content_length > self.max_bytes:
-            raise ImageError(f"the image at {url} is {response.content_length} bytes, over the "
-                             f"limit of {self.max_bytes} bytes; send a smaller image")
+            raise ImageError(
+                f"the image at {url} is {response.content_length} bytes, over the "
+                f"limit of {self.max_bytes} bytes; send a smaller image"
+            )
         body = bytearray()
         while len(body) <= self.max_bytes:
             chunk = await response.content.read(min(CHUNK_BYTES, self.max_bytes + 1 - len(body)))
             if not chunk:
                 return bytes(body)
             body += chunk
-        raise ImageError(f"the image at {url} is over the limit of {self.max_bytes} bytes; "
-                         "send a smaller image")
+        raise ImageError(
+            f"the image at {url} is over the limit of {self.max_bytes} bytes; send a smaller image"
+        )
 
     async def close(self) -> None:
         if self._session is not None:
@@ -174,8 +209,10 @@ def _domain(name: str) -> str:
     try:
         host = URL.build(scheme="http", host=bare).raw_host
     except ValueError as error:
-        raise ValueError(f"{FLAG} takes host names such as images.example.com, without "
-                         f"scheme, port or path; got {name!r}") from error
+        raise ValueError(
+            f"{FLAG} takes host names such as images.example.com, without "
+            f"scheme, port or path; got {name!r}"
+        ) from error
     return (host or "").lower()
 
 

@@ -50,16 +50,95 @@ HEARTBEAT_AGE = PREFIX + "heartbeat_age_seconds"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so that dashboards and SLOs carry over.
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # One engine step or one forward pass: from a millisecond (a GPU decode) to a minute (a long
 # prefill on CPU).
-STEP_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
-                       1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_TIME_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 TOKENS_PER_STEP_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # Finish reasons of `pagemesh:request_success_total` besides the model's own (stop, length):
@@ -91,7 +170,9 @@ def gauge(name: str, documentation: str, labels: dict[str, str], value: float) -
     return family
 
 
-def counter(name: str, documentation: str, labels: dict[str, str], value: float) -> CounterMetricFamily:
+def counter(
+    name: str, documentation: str, labels: dict[str, str], value: float
+) -> CounterMetricFamily:
     """`name` without `_total` (the exposition appends it)."""
     family = CounterMetricFamily(name, documentation, labels=list(labels))
     family.add_metric(list(labels.values()), value)
@@ -109,8 +190,12 @@ class ServiceMetrics:
         self.service = service
         self.registry = CollectorRegistry(auto_describe=True)
         self._last_heartbeat_s: Callable[[], float | None] = lambda: None
-        build_info = Gauge(PREFIX + "build_info", "pagemesh version this process runs (always 1)",
-                           ["service", "version"], registry=self.registry)
+        build_info = Gauge(
+            PREFIX + "build_info",
+            "pagemesh version this process runs (always 1)",
+            ["service", "version"],
+            registry=self.registry,
+        )
         build_info.labels(service, VERSION).set(1)
         self.add_collector(self._heartbeat)
 
@@ -120,16 +205,22 @@ class ServiceMetrics:
 
     def follow_heartbeat(self, last_heartbeat_s: Callable[[], float | None]) -> None:
         """`last_heartbeat_s()`: `time.monotonic()` of the last successful refresh of this
-        process's registry key (pagemesh.runtime.registry.Registry.last_heartbeat_s), None before one."""
+        process's registry key (pagemesh.runtime.registry.Registry.last_heartbeat_s), None before
+        one."""
         self._last_heartbeat_s = last_heartbeat_s
 
     def _heartbeat(self) -> Iterable[Metric]:
         last_s = self._last_heartbeat_s()
         if last_s is None:
             return []  # no heartbeat yet: no age rather than a made-up one
-        return [gauge(HEARTBEAT_AGE,
-                      "Seconds since this process last refreshed its registry key in Redis",
-                      {"service": self.service}, max(0.0, time.monotonic() - last_s))]
+        return [
+            gauge(
+                HEARTBEAT_AGE,
+                "Seconds since this process last refreshed its registry key in Redis",
+                {"service": self.service},
+                max(0.0, time.monotonic() - last_s),
+            )
+        ]
 
     def exposition(self) -> bytes:
         """The Prometheus text format of everything registered."""
@@ -146,52 +237,101 @@ class RouterMetrics(ServiceMetrics):
         super().__init__("router")
         registry = self.registry
         self.request_success = Counter(
-            REQUEST_SUCCESS, "Requests finished, by finish reason (each of n samples "
-            "counts as one request, as in vLLM)", ["model", "finished_reason"], registry=registry)
-        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of finished requests",
-                                     ["model"], registry=registry)
-        self.generation_tokens = Counter(GENERATION_TOKENS,
-                                         "Generated tokens streamed to clients", ["model"],
-                                         registry=registry)
+            REQUEST_SUCCESS,
+            "Requests finished, by finish reason (each of n samples "
+            "counts as one request, as in vLLM)",
+            ["model", "finished_reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            PROMPT_TOKENS, "Prompt tokens of finished requests", ["model"], registry=registry
+        )
+        self.generation_tokens = Counter(
+            GENERATION_TOKENS, "Generated tokens streamed to clients", ["model"], registry=registry
+        )
         self.time_to_first_token = Histogram(
-            TIME_TO_FIRST_TOKEN, "Seconds from a request's arrival to its "
-            "first token leaving the router", ["model"], buckets=TTFT_BUCKETS_S, registry=registry)
+            TIME_TO_FIRST_TOKEN,
+            "Seconds from a request's arrival to its first token leaving the router",
+            ["model"],
+            buckets=TTFT_BUCKETS_S,
+            registry=registry,
+        )
         self.inter_token_latency = Histogram(
-            INTER_TOKEN_LATENCY, "Seconds between consecutive token messages "
-            "of one sample", ["model"], buckets=ITL_BUCKETS_S, registry=registry)
+            INTER_TOKEN_LATENCY,
+            "Seconds between consecutive token messages of one sample",
+            ["model"],
+            buckets=ITL_BUCKETS_S,
+            registry=registry,
+        )
         self.e2e_request_latency = Histogram(
-            E2E_REQUEST_LATENCY, "Seconds from a request's arrival to its "
-            "last message", ["model"], buckets=REQUEST_LATENCY_BUCKETS_S, registry=registry)
+            E2E_REQUEST_LATENCY,
+            "Seconds from a request's arrival to its last message",
+            ["model"],
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
         # Embedding requests (router/embedding.py): each input is one engine request.
         self.embedding_inputs = Counter(
-            PREFIX + "router_embedding_inputs", "Inputs of embedding requests admitted, by "
-            "outcome (ok, error)", ["model", "outcome"], registry=registry)
+            PREFIX + "router_embedding_inputs",
+            "Inputs of embedding requests admitted, by outcome (ok, error)",
+            ["model", "outcome"],
+            registry=registry,
+        )
         self.embedding_tokens = Counter(
-            PREFIX + "router_embedding_prompt_tokens", "Tokens of embedded inputs",
-            ["model"], registry=registry)
+            PREFIX + "router_embedding_prompt_tokens",
+            "Tokens of embedded inputs",
+            ["model"],
+            registry=registry,
+        )
         self.embedding_latency = Histogram(
-            PREFIX + "router_embedding_request_latency_seconds", "Seconds from an embedding "
-            "request's arrival to its answer", ["model"], buckets=REQUEST_LATENCY_BUCKETS_S,
-            registry=registry)
+            PREFIX + "router_embedding_request_latency_seconds",
+            "Seconds from an embedding request's arrival to its answer",
+            ["model"],
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
 
-    def follow_router(self, model: Callable[[], str], num_in_flight: Callable[[], int],
-                      num_groups_ready: Callable[[], int], num_resumes: Callable[[], int]) -> None:
+    def follow_router(
+        self,
+        model: Callable[[], str],
+        num_in_flight: Callable[[], int],
+        num_groups_ready: Callable[[], int],
+        num_resumes: Callable[[], int],
+    ) -> None:
         """Reads, at each scrape, the requests in flight, the ready engine groups and the
         streams resumed after a group failed (a cumulative count)."""
+
         def collect() -> Iterable[Metric]:
             labels = {"model": model()}
             return [
-                gauge(NUM_REQUESTS_IN_FLIGHT, "Generate calls in flight through this router",
-                      labels, num_in_flight()),
-                gauge(PREFIX + "engine_groups_ready",
-                      "Engine groups this router can send requests to", labels, num_groups_ready()),
-                counter(PREFIX + "request_resumes", "Streams resumed on an engine group after "
-                        "the one serving them failed", labels, num_resumes()),
+                gauge(
+                    NUM_REQUESTS_IN_FLIGHT,
+                    "Generate calls in flight through this router",
+                    labels,
+                    num_in_flight(),
+                ),
+                gauge(
+                    PREFIX + "engine_groups_ready",
+                    "Engine groups this router can send requests to",
+                    labels,
+                    num_groups_ready(),
+                ),
+                counter(
+                    PREFIX + "request_resumes",
+                    "Streams resumed on an engine group after the one serving them failed",
+                    labels,
+                    num_resumes(),
+                ),
             ]
+
         self.add_collector(collect)
 
-    def request(self, model: Callable[[], str], num_samples: int,
-                clock: Callable[[], float] = time.monotonic) -> RequestTimer:
+    def request(
+        self,
+        model: Callable[[], str],
+        num_samples: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> RequestTimer:
         return RequestTimer(self, model, num_samples, clock)
 
 
@@ -204,8 +344,13 @@ class RequestTimer:
     once the router knows the model (a validated request fetched it).
     """
 
-    def __init__(self, metrics: RouterMetrics, model: Callable[[], str], num_samples: int,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        model: Callable[[], str],
+        num_samples: int,
+        clock: Callable[[], float],
+    ) -> None:
         self.metrics = metrics
         self._model = model
         self._label: str | None = None
@@ -229,8 +374,9 @@ class RequestTimer:
             self._tokens = metrics.generation_tokens.labels(label)
         return self._label
 
-    def observe(self, index: int, num_tokens: int, finish_reason: str | None,
-                num_prompt_tokens: int = 0) -> None:
+    def observe(
+        self, index: int, num_tokens: int, finish_reason: str | None, num_prompt_tokens: int = 0
+    ) -> None:
         """One message to the client: `num_tokens` new tokens of sample `index`, its finish
         reason when it is the sample's last, and the request's prompt tokens on its last."""
         model, now = self._model_label(), self._clock()
@@ -301,53 +447,125 @@ class SchedulerMetrics(ServiceMetrics):
         self.group = group
         registry = self.registry
         self.request_queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Seconds from a request's admission to its "
-            "first step", ["group"], buckets=REQUEST_LATENCY_BUCKETS_S, registry=registry
+            PREFIX + "request_queue_time_seconds",
+            "Seconds from a request's admission to its first step",
+            ["group"],
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=registry,
         ).labels(group)
         self.step_time = Histogram(
-            PREFIX + "step_time_seconds", "Seconds one engine step took, as the scheduler waits "
-            "for it", ["group"], buckets=STEP_TIME_BUCKETS_S, registry=registry).labels(group)
+            PREFIX + "step_time_seconds",
+            "Seconds one engine step took, as the scheduler waits for it",
+            ["group"],
+            buckets=STEP_TIME_BUCKETS_S,
+            registry=registry,
+        ).labels(group)
         self.scheduled_tokens_per_step = Histogram(
-            PREFIX + "scheduled_tokens_per_step", "Tokens computed by one engine step",
-            ["group"], buckets=TOKENS_PER_STEP_BUCKETS, registry=registry).labels(group)
+            PREFIX + "scheduled_tokens_per_step",
+            "Tokens computed by one engine step",
+            ["group"],
+            buckets=TOKENS_PER_STEP_BUCKETS,
+            registry=registry,
+        ).labels(group)
 
     def follow_engine(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         def collect() -> Iterable[Metric]:
             s, labels = snapshot(), {"group": self.group}
             return [
-                gauge(PREFIX + "num_requests_running", "Requests in the running batch", labels,
-                      s.num_running),
-                gauge(PREFIX + "num_requests_waiting",
-                      "Requests queued (preempted ones too, not swapped)", labels, s.num_waiting),
-                gauge(NUM_REQUESTS_SWAPPED, "Preempted requests whose KV is in CPU swap space",
-                      labels, s.num_swapped),
-                gauge(KV_CACHE_USAGE, "Fraction of KV cache blocks in use, 0..1",
-                      labels, s.kv_cache_usage),
-                counter(PREFIX + "prefix_cache_queries", "Tokens looked up in the prefix cache",
-                        labels, s.prefix_cache_queries),
-                counter(PREFIX + "prefix_cache_hits", "Tokens whose KV came from the prefix cache",
-                        labels, s.prefix_cache_hits),
-                counter(PREFIX + "num_preemptions", "Requests preempted (swapped out or "
-                        "recomputed)", labels, s.num_preemptions),
-                counter(PREFIX + "num_swap_outs", "Preemptions whose KV was copied to CPU swap "
-                        "space (the rest were recomputed)", labels, s.num_swap_outs),
-                counter(PREFIX + "num_swap_ins", "Swapped requests whose KV was copied back "
-                        "from CPU swap space", labels, s.num_swap_ins),
-                counter(PREFIX + "spec_decode_num_drafts", "Drafts verified, a request's in one "
-                        "step (speculative decoding; mean accepted length = 1 + accepted "
-                        "tokens / drafts)", labels, s.num_drafts),
-                counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified "
-                        "(speculative decoding)", labels, s.num_draft_tokens),
-                counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens kept "
-                        "(speculative decoding; acceptance = kept / verified)", labels,
-                        s.num_accepted_tokens),
-                counter(PREFIX + "engine_recoveries", "Times the engine group was re-formed "
-                        "after a failure", labels, s.num_recoveries),
-                gauge(PREFIX + "engine_group_ready", "1 when the engine group serves, 0 when "
-                      "degraded or draining", labels, 1.0 if s.ready else 0.0),
-                counter(PREFIX + "checkpoint_writes", "Request checkpoints written to Redis",
-                        labels, s.num_checkpoint_writes),
+                gauge(
+                    PREFIX + "num_requests_running",
+                    "Requests in the running batch",
+                    labels,
+                    s.num_running,
+                ),
+                gauge(
+                    PREFIX + "num_requests_waiting",
+                    "Requests queued (preempted ones too, not swapped)",
+                    labels,
+                    s.num_waiting,
+                ),
+                gauge(
+                    NUM_REQUESTS_SWAPPED,
+                    "Preempted requests whose KV is in CPU swap space",
+                    labels,
+                    s.num_swapped,
+                ),
+                gauge(
+                    KV_CACHE_USAGE,
+                    "Fraction of KV cache blocks in use, 0..1",
+                    labels,
+                    s.kv_cache_usage,
+                ),
+                counter(
+                    PREFIX + "prefix_cache_queries",
+                    "Tokens looked up in the prefix cache",
+                    labels,
+                    s.prefix_cache_queries,
+                ),
+                counter(
+                    PREFIX + "prefix_cache_hits",
+                    "Tokens whose KV came from the prefix cache",
+                    labels,
+                    s.prefix_cache_hits,
+                ),
+                counter(
+                    PREFIX + "num_preemptions",
+                    "Requests preempted (swapped out or recomputed)",
+                    labels,
+                    s.num_preemptions,
+                ),
+                counter(
+                    PREFIX + "num_swap_outs",
+                    "Preemptions whose KV was copied to CPU swap space (the rest were recomputed)",
+                    labels,
+                    s.num_swap_outs,
+                ),
+                counter(
+                    PREFIX + "num_swap_ins",
+                    "Swapped requests whose KV was copied back from CPU swap space",
+                    labels,
+                    s.num_swap_ins,
+                ),
+                counter(
+                    PREFIX + "spec_decode_num_drafts",
+                    "Drafts verified, a request's in one "
+                    "step (speculative decoding; mean accepted length = 1 + accepted "
+                    "tokens / drafts)",
+                    labels,
+                    s.num_drafts,
+                ),
+                counter(
+                    PREFIX + "spec_decode_num_draft_tokens",
+                    "Draft tokens verified (speculative decoding)",
+                    labels,
+                    s.num_draft_tokens,
+                ),
+                counter(
+                    PREFIX + "spec_decode_num_accepted_tokens",
+                    "Draft tokens kept (speculative decoding; acceptance = kept / verified)",
+                    labels,
+                    s.num_accepted_tokens,
+                ),
+                counter(
+                    PREFIX + "engine_recoveries",
+                    "Times the engine group was re-formed after a failure",
+                    labels,
+                    s.num_recoveries,
+                ),
+                gauge(
+                    PREFIX + "engine_group_ready",
+                    "1 when the engine group serves, 0 when degraded or draining",
+                    labels,
+                    1.0 if s.ready else 0.0,
+                ),
+                counter(
+                    PREFIX + "checkpoint_writes",
+                    "Request checkpoints written to Redis",
+                    labels,
+                    s.num_checkpoint_writes,
+                ),
             ]
+
         self.add_collector(collect)
 
 
@@ -388,9 +606,12 @@ class WorkerMetrics(ServiceMetrics):
         self.group = group
         self.layout = layout
         self._forward_time = Histogram(
-            PREFIX + "worker_forward_time_seconds", "Seconds one step's forward pass (and "
-            "sampling) took on this worker", ["group", "tp_rank", "pp_rank"],
-            buckets=STEP_TIME_BUCKETS_S, registry=self.registry)
+            PREFIX + "worker_forward_time_seconds",
+            "Seconds one step's forward pass (and sampling) took on this worker",
+            ["group", "tp_rank", "pp_rank"],
+            buckets=STEP_TIME_BUCKETS_S,
+            registry=self.registry,
+        )
         self._weights: tuple[str, int] | None = None  # (quantization, bytes) once loaded
         self.add_collector(self._collect_weights)
 
@@ -404,15 +625,27 @@ class WorkerMetrics(ServiceMetrics):
             return []  # still loading
         quantization, weight_bytes = self._weights
         return [
-            gauge(PREFIX + "worker_weight_bytes", "Bytes of this worker's model weights in "
-                  "memory, as they are held (quantized or packed)", self.labels(), weight_bytes),
-            gauge(PREFIX + "model_quantization_info", "How the linear layers hold their weights "
-                  "(always 1)", {"group": self.group, "quantization": quantization}, 1),
+            gauge(
+                PREFIX + "worker_weight_bytes",
+                "Bytes of this worker's model weights in "
+                "memory, as they are held (quantized or packed)",
+                self.labels(),
+                weight_bytes,
+            ),
+            gauge(
+                PREFIX + "model_quantization_info",
+                "How the linear layers hold their weights (always 1)",
+                {"group": self.group, "quantization": quantization},
+                1,
+            ),
         ]
 
     def labels(self) -> dict[str, str]:
-        return {"group": self.group, "tp_rank": str(self.layout["tp_rank"]),
-                "pp_rank": str(self.layout["pp_rank"])}
+        return {
+            "group": self.group,
+            "tp_rank": str(self.layout["tp_rank"]),
+            "pp_rank": str(self.layout["pp_rank"]),
+        }
 
     def observe_forward(self, forward_time_s: float) -> None:
         self._forward_time.labels(**self.labels()).observe(forward_time_s)
@@ -422,42 +655,92 @@ class WorkerMetrics(ServiceMetrics):
             s, labels = snapshot(), self.labels()
             found: list[Metric] = [
                 counter(PREFIX + "worker_steps", "Steps this worker executed", labels, s.num_steps),
-                counter(PREFIX + "worker_tp_collective_seconds",
-                        "Seconds in tensor-parallel collectives", labels, s.tp_collective_s),
-                counter(PREFIX + "worker_pp_send_seconds",
-                        "Seconds sending to the next pipeline stage", labels, s.pp_send_s),
-                counter(PREFIX + "worker_pp_recv_seconds", "Seconds receiving from (and waiting "
-                        "for) the previous pipeline stage", labels, s.pp_recv_s),
-                counter(PREFIX + "worker_busy_seconds", "Seconds this worker spent executing "
-                        "steps (wall time, communication included)", labels, s.busy_s),
+                counter(
+                    PREFIX + "worker_tp_collective_seconds",
+                    "Seconds in tensor-parallel collectives",
+                    labels,
+                    s.tp_collective_s,
+                ),
+                counter(
+                    PREFIX + "worker_pp_send_seconds",
+                    "Seconds sending to the next pipeline stage",
+                    labels,
+                    s.pp_send_s,
+                ),
+                counter(
+                    PREFIX + "worker_pp_recv_seconds",
+                    "Seconds receiving from (and waiting for) the previous pipeline stage",
+                    labels,
+                    s.pp_recv_s,
+                ),
+                counter(
+                    PREFIX + "worker_busy_seconds",
+                    "Seconds this worker spent executing steps (wall time, communication included)",
+                    labels,
+                    s.busy_s,
+                ),
             ]
             if s.kv_cache_bytes is not None:
-                found.append(gauge(PREFIX + "worker_kv_cache_bytes", "Bytes of the KV cache "
-                                   "this worker allocated", labels, s.kv_cache_bytes))
+                found.append(
+                    gauge(
+                        PREFIX + "worker_kv_cache_bytes",
+                        "Bytes of the KV cache this worker allocated",
+                        labels,
+                        s.kv_cache_bytes,
+                    )
+                )
             if s.rss_bytes is not None:
-                found.append(gauge(PREFIX + "worker_resident_memory_bytes", "Resident set size "
-                                   "of the worker process, bytes", labels, s.rss_bytes))
+                found.append(
+                    gauge(
+                        PREFIX + "worker_resident_memory_bytes",
+                        "Resident set size of the worker process, bytes",
+                        labels,
+                        s.rss_bytes,
+                    )
+                )
             if s.images_encoded is not None:
-                found.append(counter(PREFIX + "worker_images_encoded", "Images run through "
-                                     "the image encoder (each distinct image once while it "
-                                     "stays in the encoder cache)", labels, s.images_encoded))
-                found.append(counter(PREFIX + "worker_image_cache_hits", "Images whose "
-                                     "embeddings the encoder cache already held", labels,
-                                     s.image_cache_hits or 0))
-                found.append(counter(PREFIX + "worker_image_encode_seconds", "Seconds the "
-                                     "image encoder took (decoding, preprocessing, the "
-                                     "vision tower and projector)", labels,
-                                     s.image_encode_seconds))
+                found.append(
+                    counter(
+                        PREFIX + "worker_images_encoded",
+                        "Images run through "
+                        "the image encoder (each distinct image once while it "
+                        "stays in the encoder cache)",
+                        labels,
+                        s.images_encoded,
+                    )
+                )
+                found.append(
+                    counter(
+                        PREFIX + "worker_image_cache_hits",
+                        "Images whose embeddings the encoder cache already held",
+                        labels,
+                        s.image_cache_hits or 0,
+                    )
+                )
+                found.append(
+                    counter(
+                        PREFIX + "worker_image_encode_seconds",
+                        "Seconds the "
+                        "image encoder took (decoding, preprocessing, the "
+                        "vision tower and projector)",
+                        labels,
+                        s.image_encode_seconds,
+                    )
+                )
             if s.expert_tokens:
                 family = CounterMetricFamily(
-                    EXPERT_TOKENS, "Tokens routed to each expert of a mixture-of-experts "
+                    EXPERT_TOKENS,
+                    "Tokens routed to each expert of a mixture-of-experts "
                     "layer (once per chosen expert; a stage's ranks together count each "
-                    "token once)", labels=[*labels, "layer", "expert"])
+                    "token once)",
+                    labels=[*labels, "layer", "expert"],
+                )
                 for layer, tokens in sorted(s.expert_tokens.items()):
                     for expert, count in enumerate(tokens):
                         family.add_metric([*labels.values(), str(layer), str(expert)], count)
                 found.append(family)
             return found
+
         self.add_collector(collect)
 
 
@@ -509,8 +792,9 @@ class MetricsServer:
         if not self.config.enabled:
             return
         host, port = self.config.host, self.config.port
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
+        family, _, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.create_server(address[:2], family=family)
         self._server = await asyncio.start_server(self._handle, sock=sock)
         self.port = sock.getsockname()[1]
@@ -526,13 +810,19 @@ class MetricsServer:
         try:
             method, path = await asyncio.wait_for(_read_request(reader), _REQUEST_TIMEOUT_S)
             if method not in ("GET", "HEAD"):
-                status, body, content_type = "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
+                status, body, content_type = (
+                    "405 Method Not Allowed",
+                    b"GET /metrics\n",
+                    "text/plain",
+                )
             elif path.split("?", 1)[0].rstrip("/") == "/metrics":
                 status, body, content_type = "200 OK", self.metrics.exposition(), CONTENT_TYPE
             else:
                 status, body, content_type = "404 Not Found", b"see /metrics\n", "text/plain"
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode()
             writer.write(head if method == "HEAD" else head + body)
             await writer.drain()
         except (TimeoutError, ConnectionError, ValueError) as exc:

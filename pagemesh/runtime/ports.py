@@ -60,11 +60,13 @@ def port_range(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
         try:
             first, last = (int(n) for n in env[PORT_RANGE_ENV].split("-"))
         except ValueError as exc:
-            raise ValueError(f"{PORT_RANGE_ENV} must be FIRST-LAST, got "
-                             f"{env[PORT_RANGE_ENV]!r}") from exc
+            raise ValueError(
+                f"{PORT_RANGE_ENV} must be FIRST-LAST, got {env[PORT_RANGE_ENV]!r}"
+            ) from exc
         if not _LOWEST_PORT <= first <= last <= 65535:
-            raise ValueError(f"{PORT_RANGE_ENV}={env[PORT_RANGE_ENV]} is not within "
-                             f"{_LOWEST_PORT}-65535")
+            raise ValueError(
+                f"{PORT_RANGE_ENV}={env[PORT_RANGE_ENV]} is not within {_LOWEST_PORT}-65535"
+            )
         return first, last
     low, high = ephemeral_range()
     if low - DEFAULT_RANGE_SIZE >= _LOWEST_PORT:

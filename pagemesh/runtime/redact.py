@@ -16,8 +16,9 @@ from typing import Any
 from pagemesh.runtime.service_flags import SECRET_DESTS
 
 # scheme://[user]:password@ — the password is everything up to the last @ of the authority.
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/:@\s]*:)(?P<password>[^/\s]*)@",
-                           re.IGNORECASE)
+_URL_PASSWORD = re.compile(
+    r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/:@\s]*:)(?P<password>[^/\s]*)@", re.IGNORECASE
+)
 # Flag names that say they hold a credential (not `max_num_batched_tokens`: whole words).
 _SECRET_NAME = re.compile(r"(^|_)(password|secret|api_key)(_|$)|(^|_)token$")
 REDACTED = "***"

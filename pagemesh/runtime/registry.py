@@ -3,7 +3,8 @@
 Each service writes `<prefix>:<kind>:<id>` = JSON of where it is and what it serves, with
 a TTL of a few heartbeats, and refreshes it every heartbeat. A key that expired is a
 service that died: membership is read from Redis, never from a hard-coded address.
-What an entry holds is typed in pagemesh.runtime.registry_entries: writers publish `entry.to_json()`,
+What an entry holds is typed in pagemesh.runtime.registry_entries: writers publish
+`entry.to_json()`,
 readers call `entries(WorkerEntry)` and the like.
 
 Fencing: a scheduler that declares a worker failed (it stopped answering: frozen, or cut off
@@ -98,9 +99,12 @@ class Registry:
         self.config = config
         # Every call is bounded: a frozen Redis (SIGSTOPped, partitioned away) must fail
         # a call within seconds, not hold it (and the heartbeat, the request behind it) forever.
-        self._redis = aioredis.from_url(config.redis_url, decode_responses=True,
-                                        socket_timeout=config.call_timeout_s,
-                                        socket_connect_timeout=config.call_timeout_s)
+        self._redis = aioredis.from_url(
+            config.redis_url,
+            decode_responses=True,
+            socket_timeout=config.call_timeout_s,
+            socket_connect_timeout=config.call_timeout_s,
+        )
         self._heartbeats: list[asyncio.Task[None]] = []
         self.checkpoints = CheckpointStore(self._redis, config.cluster)
         self.loras = LoraTable(self._redis, config.cluster)  # the adapters the cluster serves
@@ -113,7 +117,8 @@ class Registry:
         # Told apart from a dead predecessor that had the same id (a restarted container).
         self.instance = uuid.uuid4().hex
         # time.monotonic() of the last successful write of a service key (claim, heartbeat):
-        # the heartbeat age each service exports (pagemesh/runtime/metrics.py). None before the first.
+        # the heartbeat age each service exports (pagemesh/runtime/metrics.py). None before the
+        # first.
         self.last_heartbeat_s: float | None = None
 
     def key(self, kind: str, service_id: str) -> str:
@@ -128,12 +133,15 @@ class Registry:
         and was replaced) is left alone: ClaimLost."""
         ttl_ms = int(self.config.ttl_s * 1000)
         key = self.key(kind, service_id)
-        holder = await self._redis.eval(_PUT_IF_MINE, 1, key, self._dumps(info), self.instance,
-                                        ttl_ms)
+        holder = await self._redis.eval(
+            _PUT_IF_MINE, 1, key, self._dumps(info), self.instance, ttl_ms
+        )
         if holder:
-            raise ClaimLost(f"{kind} {service_id!r} is held by another instance ({holder}) "
-                            f"since this one ({self.instance}) was cut off longer than the "
-                            "registry TTL")
+            raise ClaimLost(
+                f"{kind} {service_id!r} is held by another instance ({holder}) "
+                f"since this one ({self.instance}) was cut off longer than the "
+                "registry TTL"
+            )
         self.last_heartbeat_s = time.monotonic()
 
     def _dumps(self, info: dict[str, Any]) -> str:
@@ -152,7 +160,7 @@ class Registry:
             return {}
         values = await self._redis.mget(keys)
         return {
-            key[len(prefix):]: json.loads(value)
+            key[len(prefix) :]: json.loads(value)
             for key, value in zip(keys, values)
             if value is not None
         }
@@ -231,8 +239,12 @@ class Registry:
             except Exception as exc:  # Redis away for a moment: keep trying, loudly
                 raise_if_cancelled()
                 if not failing:
-                    logger.warning("heartbeat of %s %s failed (%s); retrying with backoff",
-                                   kind, service_id, exc)
+                    logger.warning(
+                        "heartbeat of %s %s failed (%s); retrying with backoff",
+                        kind,
+                        service_id,
+                        exc,
+                    )
                 failing = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.heartbeat_interval_s)
@@ -240,8 +252,13 @@ class Registry:
     async def _lost_claim(self, kind: str, service_id: str, reason: str) -> None:
         """Another instance holds our id: this one fences itself (so that `pagemesh up` and
         anyone else see it must go) and stops as a fenced one does, never writing again."""
-        record = {"reason": f"lost its registry claim: {reason}", "pid": os.getpid(),
-                  "host": socket.gethostname(), "kind": kind, "id": service_id}
+        record = {
+            "reason": f"lost its registry claim: {reason}",
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "kind": kind,
+            "id": service_id,
+        }
         try:
             await self.fence(self.instance, record)
         except Exception as exc:  # Redis away again: stopping is what matters
@@ -249,9 +266,14 @@ class Registry:
         await self._fenced(kind, service_id, record)
 
     async def _fenced(self, kind: str, service_id: str, record: dict[str, Any]) -> None:
-        logger.error("%s %s (instance %s) was fenced out of its group: %s; it stops beating "
-                     "and exits so that a fresh process can take its place", kind, service_id,
-                     self.instance, record.get("reason", "no reason given"))
+        logger.error(
+            "%s %s (instance %s) was fenced out of its group: %s; it stops beating "
+            "and exits so that a fresh process can take its place",
+            kind,
+            service_id,
+            self.instance,
+            record.get("reason", "no reason given"),
+        )
         for hook in self.on_fenced:
             result = hook(record)
             if asyncio.iscoroutine(result):
@@ -260,8 +282,11 @@ class Registry:
     async def fence(self, instance: str, record: dict[str, Any]) -> None:
         """Marks process `instance` as cut out of its group (see the module docstring);
         `record` says why and where it runs (reason, pid, host, address)."""
-        await self._redis.set(self.key("fenced", instance),
-                              json.dumps({**record, "at": time.time()}), ex=int(FENCE_TTL_S))
+        await self._redis.set(
+            self.key("fenced", instance),
+            json.dumps({**record, "at": time.time()}),
+            ex=int(FENCE_TTL_S),
+        )
 
     async def fences(self) -> dict[str, dict[str, Any]]:
         """Every fence in the cluster: instance -> record."""

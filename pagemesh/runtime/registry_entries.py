@@ -61,8 +61,11 @@ class ServiceEntry:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object (a dict `json.dumps` can write); fields that are None are left out."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)
-                if getattr(self, f.name) is not None}
+        return {
+            f.name: _plain(getattr(self, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
 
     @classmethod
     def from_json(cls: type[E], raw: Mapping[str, Any]) -> E:
@@ -197,7 +200,8 @@ class RouterEntry(ServiceEntry):
 
 
 ENTRY_TYPES: dict[str, type[ServiceEntry]] = {
-    entry_type.KIND: entry_type for entry_type in (RouterEntry, SchedulerEntry, WorkerEntry)}
+    entry_type.KIND: entry_type for entry_type in (RouterEntry, SchedulerEntry, WorkerEntry)
+}
 KINDS = tuple(ENTRY_TYPES)  # ("router", "scheduler", "worker")
 
 

@@ -58,6 +58,7 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
 def _aborting_stream(inner: Any, method: str) -> Any:
     """A response-streaming handler (its request one message or a stream of them) whose
     exceptions become the call's status."""
+
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for response in inner(request, context):
@@ -74,13 +75,17 @@ def _decoding(inner: Any, deserializer: Callable[[bytes], Any] | None, method: s
     """A handler of one request message that takes its bytes and parses them itself: a
     message that does not parse is the caller's INVALID_ARGUMENT (gRPC would answer
     UNKNOWN for a deserializer's exception)."""
+
     def decode(raw: bytes) -> Any:
         try:
             return deserializer(raw) if deserializer is not None else raw
         except Exception as exc:
-            raise invalid_argument(f"the request message of {method} does not parse: {exc}") from exc
+            raise invalid_argument(
+                f"the request message of {method} does not parse: {exc}"
+            ) from exc
 
     if inspect.isasyncgenfunction(inner):
+
         async def streaming(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async for response in inner(decode(raw), context):
                 yield response
@@ -117,17 +122,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as exc:
                     await _abort_for(exc, context, method)
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, None, handler.response_serializer
+            )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
-                _aborting_stream(_decoding(handler.unary_stream, handler.request_deserializer, method),
-                                 method),
-                None, handler.response_serializer
+                _aborting_stream(
+                    _decoding(handler.unary_stream, handler.request_deserializer, method), method
+                ),
+                None,
+                handler.response_serializer,
             )
         if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
             return grpc.stream_stream_rpc_method_handler(
                 _aborting_stream(handler.stream_stream, method),
-                handler.request_deserializer, handler.response_serializer
+                handler.request_deserializer,
+                handler.response_serializer,
             )
         # Anything else passes untouched: e.g. Health/Watch streams by `context.write()` from
         # a coroutine, which a generator wrapper would break.
@@ -142,12 +152,15 @@ class _HealthServicer(health.aio.HealthServicer):
         super().__init__()
         self.service_names = list(service_names)
 
-    async def Check(self, request: health_pb2.HealthCheckRequest,
-                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
         if request.service not in self.service_names:
             known = ", ".join(repr(name) for name in self.service_names)
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no health status for service "
-                                f"{request.service!r}; this server reports {known}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no health status for service {request.service!r}; this server reports {known}",
+            )
         return await super().Check(request, context)
 
 
@@ -191,8 +204,11 @@ class GrpcServer:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
                 *keepalive.SERVER_OPTIONS,  # a frozen or cut-off client is noticed (5 s)
-                *([("grpc.max_concurrent_streams", config.max_concurrent_streams)]
-                  if config.max_concurrent_streams else []),
+                *(
+                    [("grpc.max_concurrent_streams", config.max_concurrent_streams)]
+                    if config.max_concurrent_streams
+                    else []
+                ),
             ],
         )
         for add in add_servicers:
@@ -222,7 +238,11 @@ class GrpcServer:
             raise OSError(f"could not bind {bind}")
         await self.set_serving(False)
         await self.server.start()
-        mode = ("mTLS" if self.config.tls.requires_client_cert else "TLS") if credentials else "plaintext"
+        mode = (
+            ("mTLS" if self.config.tls.requires_client_cert else "TLS")
+            if credentials
+            else "plaintext"
+        )
         logger.info("gRPC listening on %s (%s)", self.address, mode)
 
     async def set_serving(self, serving: bool) -> None:
@@ -267,7 +287,9 @@ def run_service(service: str, args: Any, serve: Callable[[Any], Any]) -> None:
     one clear log line instead of a traceback through asyncio."""
     setup_logging(service, args.log_level)
     logger.info("%s config %s", service, redacted_config(vars(args)))
-    tracer_provider = setup_tracing(f"pagemesh-{service}", getattr(args, "otlp_traces_endpoint", None))
+    tracer_provider = setup_tracing(
+        f"pagemesh-{service}", getattr(args, "otlp_traces_endpoint", None)
+    )
     try:
         asyncio.run(serve(args))
     except KeyboardInterrupt:

@@ -33,24 +33,31 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not served: the methods "
-                             f"are {', '.join(METHODS)}")
+            raise ValueError(
+                f"speculative method {self.method!r} is not served: the methods "
+                f"are {', '.join(METHODS)}"
+            )
         if self.method == "suffix":
             self._check_suffix()
         if (self.method == "draft_model") != bool(self.model):
-            raise ValueError("a draft model needs \"model\": the draft's folder (or .gguf), "
-                             "and only method \"draft_model\" takes one")
+            raise ValueError(
+                'a draft model needs "model": the draft\'s folder (or .gguf), '
+                'and only method "draft_model" takes one'
+            )
         if self.num_speculative_tokens < 1:
-            raise ValueError("speculative decoding needs num_speculative_tokens >= 1 (the "
-                             "drafts verified per step)")
+            raise ValueError(
+                "speculative decoding needs num_speculative_tokens >= 1 (the "
+                "drafts verified per step)"
+            )
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP
         low, high = low or high, high or low
         assert low is not None and high is not None
         if not 1 <= low <= high:
-            raise ValueError(f"prompt_lookup_min {low} and prompt_lookup_max {high} must be "
-                             "1 <= min <= max")
+            raise ValueError(
+                f"prompt_lookup_min {low} and prompt_lookup_max {high} must be 1 <= min <= max"
+            )
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
 
@@ -58,18 +65,25 @@ class SpeculativeConfig:
         if self.num_speculative_tokens == 0:  # vLLM's default: the tree decides, up to its depth
             object.__setattr__(self, "num_speculative_tokens", self.suffix_decoding_max_tree_depth)
         if self.suffix_decoding_max_tree_depth < 1:
-            raise ValueError(f"suffix_decoding_max_tree_depth "
-                             f"{self.suffix_decoding_max_tree_depth} must be >= 1")
+            raise ValueError(
+                f"suffix_decoding_max_tree_depth {self.suffix_decoding_max_tree_depth} must be >= 1"
+            )
         if self.suffix_decoding_max_cached_requests < 0:
-            raise ValueError(f"suffix_decoding_max_cached_requests "
-                             f"{self.suffix_decoding_max_cached_requests} must be >= 0 (0: no "
-                             "tree over earlier requests)")
+            raise ValueError(
+                f"suffix_decoding_max_cached_requests "
+                f"{self.suffix_decoding_max_cached_requests} must be >= 0 (0: no "
+                "tree over earlier requests)"
+            )
         if self.suffix_decoding_max_spec_factor < 0:
-            raise ValueError(f"suffix_decoding_max_spec_factor "
-                             f"{self.suffix_decoding_max_spec_factor} must be >= 0")
+            raise ValueError(
+                f"suffix_decoding_max_spec_factor "
+                f"{self.suffix_decoding_max_spec_factor} must be >= 0"
+            )
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
-            raise ValueError(f"suffix_decoding_min_token_prob "
-                             f"{self.suffix_decoding_min_token_prob} must be in [0, 1]")
+            raise ValueError(
+                f"suffix_decoding_min_token_prob "
+                f"{self.suffix_decoding_min_token_prob} must be in [0, 1]"
+            )
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
@@ -89,12 +103,15 @@ class SpeculativeConfig:
         if settings.get("model") and "method" not in settings:  # vLLM infers it so
             settings["method"] = "draft_model"
         if settings.pop("draft_tensor_parallel_size", 1) not in (1, None):
-            raise ValueError("draft_tensor_parallel_size must be 1: the draft runs whole on "
-                             "the rank that samples")
+            raise ValueError(
+                "draft_tensor_parallel_size must be 1: the draft runs whole on "
+                "the rank that samples"
+            )
         unknown = sorted(set(settings) - known)
         if unknown:
-            raise ValueError(f"unknown speculative config fields {unknown}: the fields are "
-                             f"{sorted(known)}")
+            raise ValueError(
+                f"unknown speculative config fields {unknown}: the fields are {sorted(known)}"
+            )
         return cls(**settings)
 
     def to_dict(self) -> dict[str, Any]:

@@ -64,8 +64,11 @@ def setup_tracing(service_name: str, endpoint: str | None = None) -> Any | None:
     provider = TracerProvider(resource=tracing_resource(service_name))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)
-    logger.info("tracing: OTLP gRPC export to %s as %s", endpoint,
-                provider.resource.attributes.get("service.name"))
+    logger.info(
+        "tracing: OTLP gRPC export to %s as %s",
+        endpoint,
+        provider.resource.attributes.get("service.name"),
+    )
     return provider
 
 

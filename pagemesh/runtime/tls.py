@@ -43,8 +43,12 @@ class TlsConfig:
         if (self.cert_path is None) != (self.key_path is None):
             raise ValueError("--tls-cert and --tls-key go together: set both or neither")
         client_ca = None if self.client_ca_path == NO_CLIENT_CERTS else self.client_ca_path
-        for flag, path in (("--tls-cert", self.cert_path), ("--tls-key", self.key_path),
-                           ("--tls-ca", self.ca_path), ("--tls-client-ca", client_ca)):
+        for flag, path in (
+            ("--tls-cert", self.cert_path),
+            ("--tls-key", self.key_path),
+            ("--tls-ca", self.ca_path),
+            ("--tls-client-ca", client_ca),
+        ):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{flag} {path}: no such file")
 
@@ -100,14 +104,19 @@ class TlsConfig:
         interceptors = client_interceptors(self.internal_token)
         if credentials is None:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-        return grpc.aio.secure_channel(address, credentials, options=options,
-                                       interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            address, credentials, options=options, interceptors=interceptors
+        )
 
     def flags(self) -> list[str]:
         """The command-line flags that give a child process this config (not the token:
         a secret travels in the environment)."""
-        pairs = (("--tls-cert", self.cert_path), ("--tls-key", self.key_path),
-                 ("--tls-ca", self.ca_path), ("--tls-client-ca", self.client_ca_path))
+        pairs = (
+            ("--tls-cert", self.cert_path),
+            ("--tls-key", self.key_path),
+            ("--tls-ca", self.ca_path),
+            ("--tls-client-ca", self.client_ca_path),
+        )
         return [arg for flag, path in pairs if path is not None for arg in (flag, path)]
 
 

@@ -37,15 +37,20 @@ class Tokenizer:
     (always true for byte-level BPE when `decode(a)` does not end in U+FFFD).
     """
 
-    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int], source: str):
+    def __init__(
+        self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int], source: str
+    ):
         self._hf = hf_tokenizer
         self._eos_token_ids = eos_token_ids
         self.source = source
         # A fast tokenizer's Rust core decodes as `_hf.decode` does without space clean-up,
         # measured several times cheaper per call: the detokenizer calls it twice per
         # streamed token.
-        self._rust = getattr(hf_tokenizer, "_tokenizer", None) if getattr(
-            hf_tokenizer, "is_fast", False) else None
+        self._rust = (
+            getattr(hf_tokenizer, "_tokenizer", None)
+            if getattr(hf_tokenizer, "is_fast", False)
+            else None
+        )
 
     def __repr__(self) -> str:
         return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
@@ -94,8 +99,9 @@ class Tokenizer:
         """
         return self.apply_chat_messages([{"role": "user", "content": user_text}])
 
-    def apply_chat_messages(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_messages(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a chat (`{"role", "content"}` dicts, oldest first; an assistant's
         may carry `tool_calls`, a tool's its `tool_call_id`), ending with the prompt that
         starts the assistant's turn. The template supplies its own BOS. `tools`: OpenAI's
@@ -111,8 +117,9 @@ class Tokenizer:
                 "of chat messages"
             )
         try:
-            text = self._hf.apply_chat_template(messages, tools=tools or None,
-                                                add_generation_prompt=True, tokenize=False)
+            text = self._hf.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # jinja raises TemplateError (and friends) from the template
             raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
         return list(self._hf.encode(text, add_special_tokens=False))

@@ -51,16 +51,23 @@ class Placement:
         if self.workers is None:
             return {}
         cpus = self.workers[slot]
-        return {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PROC_BIND": "close",
-                "OMP_PLACES": ",".join(f"{{{cpu}}}" for cpu in cpus)}
+        return {
+            "OMP_NUM_THREADS": str(len(cpus)),
+            "OMP_PROC_BIND": "close",
+            "OMP_PLACES": ",".join(f"{{{cpu}}}" for cpu in cpus),
+        }
 
     def describe(self) -> str:
         if self.workers is None:
             return "nothing bound"
-        workers = "; ".join(f"worker slot {i}: CPUs {_cpu_list(cpus)}"
-                            for i, cpus in enumerate(self.workers))
-        control = ("the control plane unbound" if self.control is None
-                   else f"the control plane: CPUs {_cpu_list(self.control)}")
+        workers = "; ".join(
+            f"worker slot {i}: CPUs {_cpu_list(cpus)}" for i, cpus in enumerate(self.workers)
+        )
+        control = (
+            "the control plane unbound"
+            if self.control is None
+            else f"the control plane: CPUs {_cpu_list(self.control)}"
+        )
         return f"{workers}; {control}"
 
 
@@ -79,7 +86,8 @@ def host_cores(cpus: set[int] | None = None, sysfs: Path = SYSFS_CPUS) -> list[t
         try:
             key: tuple[str, str] | int = (
                 (topology / "physical_package_id").read_text().strip(),
-                (topology / "core_id").read_text().strip())
+                (topology / "core_id").read_text().strip(),
+            )
         except OSError:
             key = cpu
         cores.setdefault(key, []).append(cpu)
@@ -90,8 +98,7 @@ def plan_placement(mode: str, cores: list[tuple[int, ...]], num_slots: int) -> P
     """Where `num_slots` workers and the control plane run on `cores` (host_cores' list).
     Raises ValueError for an unknown mode, or a binding mode the cores cannot give."""
     if mode not in CPU_BIND_CHOICES:
-        raise ValueError(f"--cpu-bind must be one of {', '.join(CPU_BIND_CHOICES)}, "
-                         f"got {mode!r}")
+        raise ValueError(f"--cpu-bind must be one of {', '.join(CPU_BIND_CHOICES)}, got {mode!r}")
     if mode == "auto":
         big_enough = len(cores) >= max(AUTO_MIN_CORES, num_slots + 1)
         mode = "reserve" if big_enough else "none"
@@ -102,14 +109,16 @@ def plan_placement(mode: str, cores: list[tuple[int, ...]], num_slots: int) -> P
         raise ValueError(
             f"--cpu-bind {mode} needs {num_slots + reserved} physical cores ({num_slots} "
             f"worker{'s' if num_slots > 1 else ''}{' and the control plane' * reserved}); "
-            f"this process may use {len(cores)}: use --cpu-bind none, or fewer workers")
+            f"this process may use {len(cores)}: use --cpu-bind none, or fewer workers"
+        )
     share = (len(cores) - reserved) // num_slots
     workers = tuple(
-        tuple(core[0] for core in cores[reserved + slot * share:reserved + (slot + 1) * share])
-        for slot in range(num_slots))
+        tuple(core[0] for core in cores[reserved + slot * share : reserved + (slot + 1) * share])
+        for slot in range(num_slots)
+    )
     if mode == "pin":
         return Placement(workers, None, "pin")
-    left = cores[reserved + num_slots * share:]
+    left = cores[reserved + num_slots * share :]
     control = tuple(cpu for core in (cores[0], *left) for cpu in core)
     return Placement(workers, control, "reserve")
 
@@ -130,8 +139,10 @@ def omp_wait_env(choice: str) -> dict[str, str]:
         return {"OMP_WAIT_POLICY": "PASSIVE"}
     if choice.isdigit():
         return {"GOMP_SPINCOUNT": str(int(choice))}
-    raise ValueError(f"--omp-wait must be one of {', '.join(OMP_WAIT_CHOICES)} or a spin "
-                     f"count (a whole number), got {choice!r}")
+    raise ValueError(
+        f"--omp-wait must be one of {', '.join(OMP_WAIT_CHOICES)} or a spin "
+        f"count (a whole number), got {choice!r}"
+    )
 
 
 def omp_wait_flag(value: str) -> str:

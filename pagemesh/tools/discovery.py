@@ -49,10 +49,15 @@ class LocalMesh:
     def from_json(cls, raw: Mapping[str, Any], state_file: str = "") -> LocalMesh:
         """Raises ValueError for a file that is not one of these."""
         try:
-            return cls(pid=int(raw["pid"]), redis_url=str(raw["redis_url"]),
-                       cluster=str(raw["cluster"]), router_address=str(raw["router_address"]),
-                       http_url=str(raw.get("http_url") or ""),
-                       started_at=float(raw.get("started_at") or 0.0), state_file=state_file)
+            return cls(
+                pid=int(raw["pid"]),
+                redis_url=str(raw["redis_url"]),
+                cluster=str(raw["cluster"]),
+                router_address=str(raw["router_address"]),
+                http_url=str(raw.get("http_url") or ""),
+                started_at=float(raw.get("started_at") or 0.0),
+                state_file=state_file,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a local mesh record: {exc}") from exc
 
@@ -117,17 +122,21 @@ class Registry:
     source: str
 
 
-def resolve_registry(redis_url: str | None, cluster: str | None,
-                     folder: Path | None = None) -> Registry:
+def resolve_registry(
+    redis_url: str | None, cluster: str | None, folder: Path | None = None
+) -> Registry:
     """`--redis-url`/`--cluster` as given, else a local mesh's, else the defaults."""
     if redis_url:
         return Registry(redis_url, cluster or DEFAULT_CLUSTER, "--redis-url")
     mesh = find_local_mesh(cluster, folder)
     if mesh is not None:
         return Registry(mesh.redis_url, mesh.cluster, _describe(mesh))
-    return Registry(DEFAULT_REDIS_URL, cluster or DEFAULT_CLUSTER,
-                    f"the default; no local `pagemesh up`{_of(cluster)} announced itself in "
-                    f"{folder or state_dir()}")
+    return Registry(
+        DEFAULT_REDIS_URL,
+        cluster or DEFAULT_CLUSTER,
+        f"the default; no local `pagemesh up`{_of(cluster)} announced itself in "
+        f"{folder or state_dir()}",
+    )
 
 
 @dataclass(frozen=True)
@@ -136,23 +145,28 @@ class RouterAddress:
     source: str
 
 
-def resolve_router(address: str | None, cluster: str | None = None,
-                   folder: Path | None = None) -> RouterAddress:
+def resolve_router(
+    address: str | None, cluster: str | None = None, folder: Path | None = None
+) -> RouterAddress:
     """`--address` as given, else a local mesh's router, else the default."""
     if address:
         return RouterAddress(address, "--address")
     mesh = find_local_mesh(cluster, folder)
     if mesh is not None:
         return RouterAddress(mesh.router_address, _describe(mesh))
-    return RouterAddress(DEFAULT_ROUTER_ADDRESS,
-                         f"the default; no local `pagemesh up`{_of(cluster)} announced itself "
-                         f"in {folder or state_dir()}")
+    return RouterAddress(
+        DEFAULT_ROUTER_ADDRESS,
+        f"the default; no local `pagemesh up`{_of(cluster)} announced itself "
+        f"in {folder or state_dir()}",
+    )
 
 
 def _describe(mesh: LocalMesh) -> str:
     age_s = max(0.0, time.time() - mesh.started_at)
-    return (f"the local `pagemesh up` (pid {mesh.pid}, cluster {mesh.cluster!r}, started "
-            f"{age_s:.0f} s ago, {mesh.state_file})")
+    return (
+        f"the local `pagemesh up` (pid {mesh.pid}, cluster {mesh.cluster!r}, started "
+        f"{age_s:.0f} s ago, {mesh.state_file})"
+    )
 
 
 def _of(cluster: str | None) -> str:

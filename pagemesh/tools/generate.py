@@ -41,6 +41,9 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if args.usage and last is not None:
         reason = generate_pb2.FinishReason.Name(last.finish_reason)
-        print(f"[{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} completion "
-              f"tokens, {reason}]", file=sys.stderr)
+        print(
+            f"[{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} completion "
+            f"tokens, {reason}]",
+            file=sys.stderr,
+        )
     return 0

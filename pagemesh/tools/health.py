@@ -17,29 +17,49 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.tools import discovery
 from pagemesh.runtime.config import add_flag, add_tls_flags, tls_config
 from pagemesh.runtime.tls import TlsConfig
+from pagemesh.tools import discovery
 
 
 def add_health_parser(sub: argparse._SubParsersAction) -> None:
-    health = sub.add_parser("health", help="check a service's gRPC health: exit 0 if SERVING, else 1")
-    add_flag(health, "--address", default=None,
-             help="host:port of a router, scheduler or worker (default: the local "
-                  f"`pagemesh up`'s router, else {discovery.DEFAULT_ROUTER_ADDRESS})")
-    add_flag(health, "--service", default="",
-             help="service name to ask about, e.g. pagemesh.v1.Generation ('' = the whole server)")
-    add_flag(health, "--timeout-s", type=float, default=2.0,
-             help="seconds to wait for the connection and the answer together")
+    health = sub.add_parser(
+        "health", help="check a service's gRPC health: exit 0 if SERVING, else 1"
+    )
+    add_flag(
+        health,
+        "--address",
+        default=None,
+        help="host:port of a router, scheduler or worker (default: the local "
+        f"`pagemesh up`'s router, else {discovery.DEFAULT_ROUTER_ADDRESS})",
+    )
+    add_flag(
+        health,
+        "--service",
+        default="",
+        help="service name to ask about, e.g. pagemesh.v1.Generation ('' = the whole server)",
+    )
+    add_flag(
+        health,
+        "--timeout-s",
+        type=float,
+        default=2.0,
+        help="seconds to wait for the connection and the answer together",
+    )
     add_tls_flags(health)  # the service's own PAGEMESH_TLS_* variables make a valid client
-    add_flag(health, "--tls-server-name", default=None,
-             help="name to verify the server certificate against instead of the host in "
-                  "--address (e.g. the service name in its certificate when dialing 127.0.0.1)")
+    add_flag(
+        health,
+        "--tls-server-name",
+        default=None,
+        help="name to verify the server certificate against instead of the host in "
+        "--address (e.g. the service name in its certificate when dialing 127.0.0.1)",
+    )
     health.set_defaults(func=run_health)
 
 
-def check(address: str, service: str, timeout_s: float, tls: TlsConfig,
-          tls_server_name: str | None = None) -> tuple[bool, str]:
+def check(
+    address: str, service: str, timeout_s: float, tls: TlsConfig, tls_server_name: str | None = None
+) -> tuple[bool, str]:
     """One Check call: (whether the service is SERVING, what was seen, as one line)."""
     options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else None
     label = f"{address} ({service or 'server'}, {'TLS' if tls.dials_tls else 'plaintext'})"
@@ -76,8 +96,9 @@ def run_health(args: argparse.Namespace) -> int:
         serving, seen = False, f"bad TLS flags: {exc}"
     else:
         where = discovery.resolve_router(args.address)
-        serving, seen = check(where.address, args.service, args.timeout_s, tls,
-                              args.tls_server_name)
+        serving, seen = check(
+            where.address, args.service, args.timeout_s, tls, args.tls_server_name
+        )
         if not serving and where.source != "--address":
             seen += f" [address from {where.source}]"
     print(f"pagemesh health: {seen}", file=sys.stderr)

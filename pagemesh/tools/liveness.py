@@ -75,8 +75,9 @@ class LivenessProbe:
         self._stop.set()
 
     def _run(self) -> None:
-        client = redis.Redis.from_url(self.redis_url, decode_responses=True,
-                                      socket_timeout=self.config.probe_timeout_s)
+        client = redis.Redis.from_url(
+            self.redis_url, decode_responses=True, socket_timeout=self.config.probe_timeout_s
+        )
         while not self._stop.wait(self.config.interval_s):
             try:
                 self.check(client)
@@ -109,8 +110,11 @@ class LivenessProbe:
                 continue
             child.silent_since = child.silent_since or now
             if now - child.silent_since >= self.config.silent_s:
-                self._end(pid, names[pid], f"its health has not answered for "
-                                           f"{now - child.silent_since:.1f} s")
+                self._end(
+                    pid,
+                    names[pid],
+                    f"its health has not answered for {now - child.silent_since:.1f} s",
+                )
 
     def _read_registry(self, client: redis.Redis) -> tuple[dict[int, str], list[dict]]:
         addresses: dict[int, str] = {}
@@ -121,8 +125,11 @@ class LivenessProbe:
                     entry = json.loads(raw)
                     if isinstance(entry.get("pid"), int) and entry.get("address"):
                         addresses[entry["pid"]] = entry["address"]
-        fences = [json.loads(raw) for key in client.scan_iter(f"{self.cluster}:fenced:*", count=1000)
-                  if (raw := client.get(key)) is not None]
+        fences = [
+            json.loads(raw)
+            for key in client.scan_iter(f"{self.cluster}:fenced:*", count=1000)
+            if (raw := client.get(key)) is not None
+        ]
         return addresses, fences
 
     def _answers(self, address: str) -> bool:
@@ -130,14 +137,19 @@ class LivenessProbe:
         try:
             with self.tls.channel(address) as channel:
                 health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=self.config.probe_timeout_s)
+                    health_pb2.HealthCheckRequest(), timeout=self.config.probe_timeout_s
+                )
         except grpc.RpcError as exc:
             return exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
         return True
 
     def _end(self, pid: int, name: str, why: str) -> None:
-        logger.error("%s (pid %d) is alive but not running: %s; killing it so that it is "
-                     "restarted", name, pid, why)
+        logger.error(
+            "%s (pid %d) is alive but not running: %s; killing it so that it is restarted",
+            name,
+            pid,
+            why,
+        )
         try:
             self.kill(pid)
             self.num_kills += 1

@@ -21,14 +21,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.tools import discovery
-from pagemesh.runtime.host_tier_files import remove_tier_files
 from pagemesh.runtime.config import tls_config, with_password
-from pagemesh.tools.cpu_placement import Placement, host_cores, omp_wait_env, plan_placement
-from pagemesh.tools.embedded_valkey import EmbeddedValkey
-from pagemesh.tools.liveness import LivenessProbe
+from pagemesh.runtime.host_tier_files import remove_tier_files
 from pagemesh.runtime.logs import setup_logging
-from pagemesh.tools.malloc_preload import find_malloc, preload_env
 from pagemesh.runtime.models import default_model_path
 from pagemesh.runtime.ports import reserve_port
 from pagemesh.runtime.redact import redact_url
@@ -40,8 +35,13 @@ from pagemesh.runtime.service_flags import (
     options_argv,
     options_env,
 )
-from pagemesh.tools.supervisor import ServiceSpec, Supervisor
 from pagemesh.runtime.tls import TlsConfig
+from pagemesh.tools import discovery
+from pagemesh.tools.cpu_placement import Placement, host_cores, omp_wait_env, plan_placement
+from pagemesh.tools.embedded_valkey import EmbeddedValkey
+from pagemesh.tools.liveness import LivenessProbe
+from pagemesh.tools.malloc_preload import find_malloc, preload_env
+from pagemesh.tools.supervisor import ServiceSpec, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +61,12 @@ def engine_groups(args: argparse.Namespace) -> list[tuple[str, str]]:
     if not (prefill or decode):
         return [(f"g{i}", "both") for i in range(args.replicas)]
     if prefill < 1 or decode < 1:
-        raise ValueError("disaggregated serving needs --prefill-replicas and "
-                         "--decode-replicas both >= 1")
-    return ([(f"prefill{i}", "prefill") for i in range(prefill)]
-            + [(f"decode{i}", "decode") for i in range(decode)])
+        raise ValueError(
+            "disaggregated serving needs --prefill-replicas and --decode-replicas both >= 1"
+        )
+    return [(f"prefill{i}", "prefill") for i in range(prefill)] + [
+        (f"decode{i}", "decode") for i in range(decode)
+    ]
 
 
 def _num_workers(args: argparse.Namespace) -> int:
@@ -72,21 +74,23 @@ def _num_workers(args: argparse.Namespace) -> int:
 
 
 def cpu_placement(args: argparse.Namespace) -> Placement:
-    """Where the CPU workers and the control plane run (`--cpu-bind`, pagemesh/tools/cpu_placement.py):
+    """Where the CPU workers and the control plane run (`--cpu-bind`,
+    pagemesh/tools/cpu_placement.py):
     one slot per rank of each replica, standbys sharing their replica's first slot.
     Raises ValueError when the mode cannot be given on this host."""
     if args.device != "cpu":
         return Placement(None, None, "none")
-    return plan_placement(args.cpu_bind, host_cores(),
-                          args.tp * args.pp * len(engine_groups(args)))
+    return plan_placement(args.cpu_bind, host_cores(), args.tp * args.pp * len(engine_groups(args)))
 
 
-def _option_values(args: argparse.Namespace, model: str,
-                   placement: Placement) -> dict[str, Any]:
+def _option_values(args: argparse.Namespace, model: str, placement: Placement) -> dict[str, Any]:
     """`up`'s parsed options, with what `up` decides for its services: the model it
     resolved and its name, and on CPU each worker's share of the host."""
-    values = {**vars(args), "model": model,
-              "served_model_name": args.served_model_name or served_model_name(model)}
+    values = {
+        **vars(args),
+        "model": model,
+        "served_model_name": args.served_model_name or served_model_name(model),
+    }
     num_workers = _num_workers(args)
     if args.device == "cpu":  # the host's memory is shared: each worker sizes its own part
         values["cpu_kv_cache_fraction"] = args.cpu_kv_cache_fraction / num_workers
@@ -98,8 +102,9 @@ def _option_values(args: argparse.Namespace, model: str,
     return values
 
 
-def service_specs(args: argparse.Namespace, model: str, redis_url: str,
-                  placement: Placement | None = None) -> list[ServiceSpec]:
+def service_specs(
+    args: argparse.Namespace, model: str, redis_url: str, placement: Placement | None = None
+) -> list[ServiceSpec]:
     """`--replicas` engine groups (each tp x pp workers and a scheduler) and the router.
     Each service gets every option it takes (pagemesh.runtime.service_flags), as the compose files
     pass them too, and the topology and identity `up` decides per process."""
@@ -118,8 +123,13 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str,
     scheduler_env = {**env, **options_env(SCHEDULER_OPTIONS, values)}
     worker = options_argv(WORKER_OPTIONS, values)
     scheduler = options_argv(SCHEDULER_OPTIONS, values)
-    router = [*options_argv(ROUTER_OPTIONS, values),
-              "--port", str(args.port), "--http-port", str(args.http_port)]
+    router = [
+        *options_argv(ROUTER_OPTIONS, values),
+        "--port",
+        str(args.port),
+        "--http-port",
+        str(args.http_port),
+    ]
     layout = ["--tp", str(args.tp), "--pp", str(args.pp)]
     world = args.tp * args.pp
 
@@ -128,31 +138,61 @@ def service_specs(args: argparse.Namespace, model: str, redis_url: str,
 
     def worker_spec(name: str, argv: list[str], slot: int) -> ServiceSpec:
         cpus = None if placement.workers is None else placement.workers[slot]
-        return ServiceSpec(name, "worker_svc.main", [*internal, *worker, *layout, *argv],
-                           worker_env | placement.worker_env(slot), cpus)
+        return ServiceSpec(
+            name,
+            "worker_svc.main",
+            [*internal, *worker, *layout, *argv],
+            worker_env | placement.worker_env(slot),
+            cpus,
+        )
 
     specs = []
     for replica, (name, role) in enumerate(engine_groups(args)):
         group = ["--group", name]
         specs += [
-            worker_spec(f"worker-{name}-pp{pp}-tp{tp}",
-                        [*group, "--tp-rank", str(tp), "--pp-rank", str(pp),
-                         "--device", device(replica, pp, tp)], replica * world + pp * args.tp + tp)
-            for pp in range(args.pp) for tp in range(args.tp)
+            worker_spec(
+                f"worker-{name}-pp{pp}-tp{tp}",
+                [
+                    *group,
+                    "--tp-rank",
+                    str(tp),
+                    "--pp-rank",
+                    str(pp),
+                    "--device",
+                    device(replica, pp, tp),
+                ],
+                replica * world + pp * args.tp + tp,
+            )
+            for pp in range(args.pp)
+            for tp in range(args.tp)
         ]
         # A standby of a one-worker group is just a second worker: loaded and ready, it is
         # picked when the first dies. In a bigger group it waits for whichever rank is lost.
         standby = [] if world == 1 else ["--standby"]
         specs += [
-            worker_spec(f"worker-{name}-standby{i}",
-                        [*group, *standby, "--device", device(replica, 0, 0)], replica * world)
+            worker_spec(
+                f"worker-{name}-standby{i}",
+                [*group, *standby, "--device", device(replica, 0, 0)],
+                replica * world,
+            )
             for i in range(args.standby)
         ]
-        specs.append(ServiceSpec(f"scheduler-{name}", "scheduler_svc.main",
-                                 [*internal, *scheduler, *layout, *group, "--role", role],
-                                 scheduler_env))
-    specs.append(ServiceSpec("router", "router.main", [*common, "--host", args.host, *router],
-                             {**env, **options_env(ROUTER_OPTIONS, values)}))  # keys: not argv
+        specs.append(
+            ServiceSpec(
+                f"scheduler-{name}",
+                "scheduler_svc.main",
+                [*internal, *scheduler, *layout, *group, "--role", role],
+                scheduler_env,
+            )
+        )
+    specs.append(
+        ServiceSpec(
+            "router",
+            "router.main",
+            [*common, "--host", args.host, *router],
+            {**env, **options_env(ROUTER_OPTIONS, values)},
+        )
+    )  # keys: not argv
     return specs
 
 
@@ -167,7 +207,9 @@ def _router_serving(address: str, tls: TlsConfig) -> bool:
     return response.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _wait_until_ready(supervisor: Supervisor, address: str, tls: TlsConfig, stop: list[bool]) -> bool:
+def _wait_until_ready(
+    supervisor: Supervisor, address: str, tls: TlsConfig, stop: list[bool]
+) -> bool:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and not stop:
         if supervisor.dead_children():
@@ -189,15 +231,21 @@ def _announce(args: argparse.Namespace, redis_url: str, tls: TlsConfig) -> Path 
     host = _dial_host(args.host)
     scheme = "https" if tls.serves_tls else "http"
     mesh = discovery.LocalMesh(
-        pid=os.getpid(), redis_url=redis_url, cluster=args.cluster,
+        pid=os.getpid(),
+        redis_url=redis_url,
+        cluster=args.cluster,
         router_address=f"{host}:{args.port}",
         http_url=f"{scheme}://{host}:{args.http_port}/v1" if args.http_port else "",
-        started_at=time.time())
+        started_at=time.time(),
+    )
     try:
         return discovery.announce(mesh)
     except OSError as exc:
-        logger.warning("could not write the local mesh's state file (%s): `pagemesh top` and "
-                       "the admin commands will need --redis-url / --address", exc)
+        logger.warning(
+            "could not write the local mesh's state file (%s): `pagemesh top` and "
+            "the admin commands will need --redis-url / --address",
+            exc,
+        )
         return None
 
 
@@ -218,14 +266,16 @@ def run_up(args: argparse.Namespace) -> int:
             library = find_malloc(args.malloc)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-        logger.info("CPU workers preload %s (--malloc %s)", library or "no allocator (glibc's)",
-                    args.malloc)
+        logger.info(
+            "CPU workers preload %s (--malloc %s)", library or "no allocator (glibc's)", args.malloc
+        )
         try:  # the same for a binding this host cannot give
             placement = cpu_placement(args)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-        logger.info("--cpu-bind %s: %s; --omp-wait %s", args.cpu_bind, placement.describe(),
-                    args.omp_wait)
+        logger.info(
+            "--cpu-bind %s: %s; --omp-wait %s", args.cpu_bind, placement.describe(), args.omp_wait
+        )
         if placement.control is not None:  # up, Valkey, the router and schedulers inherit it
             os.sched_setaffinity(0, placement.control)
     if not args.internal_token:  # schedulers and workers answer only this mesh's services
@@ -236,8 +286,10 @@ def run_up(args: argparse.Namespace) -> int:
         args.port = reserve_port(_dial_host(args.host))
     embedded = None
     if args.redis_password and not args.redis_url:
-        raise SystemExit("--redis-password is the password of --redis-url's user: give the "
-                         "URL too (the embedded Valkey makes its own password)")
+        raise SystemExit(
+            "--redis-password is the password of --redis-url's user: give the "
+            "URL too (the embedded Valkey makes its own password)"
+        )
     redis_url = with_password(args.redis_url, args.redis_password) if args.redis_url else None
     if redis_url is None:
         embedded = EmbeddedValkey(reserve_port()).start()
@@ -263,13 +315,20 @@ def run_up(args: argparse.Namespace) -> int:
         address = f"{args.host}:{args.port}"
         ready = _wait_until_ready(supervisor, address, tls, stop)
         if ready:
-            http = (f"  HTTP  {'https' if tls.serves_tls else 'http'}://{args.host}:{args.http_port}/v1  (OpenAI-compatible)\n"
-                    if args.http_port else "")
-            print(f"pagemesh is up: model {model}\n"
-                  f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n{http}"
-                  f"  try   pagemesh generate --chat \"What is the capital of France?\"\n"
-                  f"        pagemesh top; pagemesh admin memory (found with no flags)\n"
-                  f"  Redis {redact_url(redis_url)}\nCtrl-C stops every process.", flush=True)
+            http = (
+                f"  HTTP  {'https' if tls.serves_tls else 'http'}://{args.host}:{args.http_port}/v1"
+                "  (OpenAI-compatible)\n"
+                if args.http_port
+                else ""
+            )
+            print(
+                f"pagemesh is up: model {model}\n"
+                f"  gRPC  {address}  (pagemesh.v1.Generation, reflection on)\n{http}"
+                f'  try   pagemesh generate --chat "What is the capital of France?"\n'
+                f"        pagemesh top; pagemesh admin memory (found with no flags)\n"
+                f"  Redis {redact_url(redis_url)}\nCtrl-C stops every process.",
+                flush=True,
+            )
         while ready and not stop:
             supervisor.restart_dead()  # the rest of the mesh serves on meanwhile
             if embedded is not None:  # restarted if it exited; waited for if it is frozen
@@ -280,8 +339,10 @@ def run_up(args: argparse.Namespace) -> int:
                 break
             time.sleep(0.2)
         if not ready and not stop:
-            logger.error("service(s) exited before the mesh was ready: %s; stopping it",
-                         supervisor.dead_children())
+            logger.error(
+                "service(s) exited before the mesh was ready: %s; stopping it",
+                supervisor.dead_children(),
+            )
             exit_code = 1
     finally:
         if announced is not None:
@@ -293,4 +354,3 @@ def run_up(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
     return exit_code
-

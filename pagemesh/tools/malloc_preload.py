@@ -14,10 +14,17 @@ import os
 from pathlib import Path
 
 MALLOC_CHOICES = ("auto", "tcmalloc", "jemalloc", "system")
-LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
-                "/usr/lib", "/usr/local/lib")
-LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
-             "jemalloc": ("libjemalloc.so.2",)}
+LIBRARY_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+)
+LIBRARIES = {
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
+    "jemalloc": ("libjemalloc.so.2",),
+}
 
 
 def find_malloc(choice: str, library_dirs: tuple[str, ...] = LIBRARY_DIRS) -> Path | None:
@@ -28,16 +35,18 @@ def find_malloc(choice: str, library_dirs: tuple[str, ...] = LIBRARY_DIRS) -> Pa
         raise ValueError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}, got {choice!r}")
     if choice == "system":
         return None
-    for name in (("tcmalloc", "jemalloc") if choice == "auto" else (choice,)):
+    for name in ("tcmalloc", "jemalloc") if choice == "auto" else (choice,):
         for folder in library_dirs:
             for library in LIBRARIES[name]:
                 path = Path(folder) / library
                 if path.exists():
                     return path
     if choice != "auto":
-        raise ValueError(f"--malloc {choice}: none of {', '.join(LIBRARIES[choice])} in "
-                         f"{', '.join(library_dirs)} (Debian: apt install "
-                         f"{'libtcmalloc-minimal4' if choice == 'tcmalloc' else 'libjemalloc2'})")
+        raise ValueError(
+            f"--malloc {choice}: none of {', '.join(LIBRARIES[choice])} in "
+            f"{', '.join(library_dirs)} (Debian: apt install "
+            f"{'libtcmalloc-minimal4' if choice == 'tcmalloc' else 'libjemalloc2'})"
+        )
     return None
 
 

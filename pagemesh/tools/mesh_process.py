@@ -23,8 +23,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagemesh.tools import discovery
 from pagemesh.runtime.tls import TlsConfig
+from pagemesh.tools import discovery
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 
 # `pagemesh up` writes its state file once its embedded Valkey runs: a second or two.
@@ -47,10 +47,18 @@ class Generation:
 class Mesh:
     """One `pagemesh up` process tree; `stop()` sends SIGINT like Ctrl-C would."""
 
-    def __init__(self, model: str | None, log_path: Path, *, redis_url: str | None = None,
-                 cluster: str = "pagemesh", extra_args: list[str] | None = None,
-                 client_tls: TlsConfig | None = None, repo_root: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str | None,
+        log_path: Path,
+        *,
+        redis_url: str | None = None,
+        cluster: str = "pagemesh",
+        extra_args: list[str] | None = None,
+        client_tls: TlsConfig | None = None,
+        repo_root: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """`client_tls`: how this client dials the router (plaintext by default);
         `env`: variables added to `up`'s environment (PAGEMESH_API_KEY, say);
         `repo_root`: the checkout whose services run, as the working directory of
@@ -76,10 +84,14 @@ class Mesh:
         # `up --port 0`: `up` chooses the router's port (pagemesh.runtime.ports) and announces it in
         # its state file, which is read back here; no port is guessed on this side.
         argv = [sys.executable, "-m", "pagemesh.tools.cli", "up", "--port", "0", *self._args]
-        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        cwd=self.repo_root,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **self._env},
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=self.repo_root,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self._env},
+            start_new_session=True,
+        )
         announced = self._announced(STATE_FILE_TIMEOUT_S)
         self.address = announced.router_address
         # Its Redis, password included (the state file is the owner's alone; logs redact it).
@@ -94,8 +106,10 @@ class Mesh:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"pagemesh up exited with {self.process.returncode} before "
-                                   f"announcing itself:\n{self.log()}")
+                raise RuntimeError(
+                    f"pagemesh up exited with {self.process.returncode} before "
+                    f"announcing itself:\n{self.log()}"
+                )
             try:
                 return discovery.LocalMesh.from_json(json.loads(path.read_text()), str(path))
             except (OSError, ValueError):  # not written yet (it appears in one rename)
@@ -108,7 +122,9 @@ class Mesh:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"pagemesh up exited with {self.process.returncode}:\n{self.log()}")
+                raise RuntimeError(
+                    f"pagemesh up exited with {self.process.returncode}:\n{self.log()}"
+                )
             try:
                 status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
@@ -152,8 +168,11 @@ class Mesh:
         return self.process.returncode
 
 
-def generate(stub: generate_pb2_grpc.GenerationStub, request: generate_pb2.GenerateRequest,
-             timeout_s: float = 300) -> Generation:
+def generate(
+    stub: generate_pb2_grpc.GenerationStub,
+    request: generate_pb2.GenerateRequest,
+    timeout_s: float = 300,
+) -> Generation:
     """One `Generate` stream through a router, its chunks joined."""
     result = Generation()
     for chunk in stub.Generate(request, timeout=timeout_s):
@@ -177,10 +196,14 @@ def alive(pid: int) -> bool:
         return False
 
 
-def greedy_request(prompt_ids: list[int], max_tokens: int, **kwargs: object) -> generate_pb2.GenerateRequest:
+def greedy_request(
+    prompt_ids: list[int], max_tokens: int, **kwargs: object
+) -> generate_pb2.GenerateRequest:
     """Exactly `max_tokens` greedy tokens after `prompt_ids` (EOS ignored): the request whose
     output is a pure function of the model, as benchmarks and tests want it."""
-    request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt_ids), **kwargs)
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt_ids), **kwargs
+    )
     request.sampling.temperature = 0.0
     request.stopping.max_tokens = max_tokens
     request.stopping.ignore_eos = True

@@ -31,11 +31,16 @@ def write_secrets(folder: Path) -> dict[str, Path]:
     paths = {name: folder / name for name in (REDIS_PASSWORD, VALKEY_ACL, INTERNAL_TOKEN)}
     present = [str(path) for path in paths.values() if path.exists()]
     if present:
-        raise SystemExit(f"pagemesh secrets: {', '.join(present)} exist already; a mesh "
-                         "running with them would be locked out by new ones: remove them first")
+        raise SystemExit(
+            f"pagemesh secrets: {', '.join(present)} exist already; a mesh "
+            "running with them would be locked out by new ones: remove them first"
+        )
     password = secrets.token_urlsafe(32)
-    contents = {REDIS_PASSWORD: password + "\n", VALKEY_ACL: valkey_acl(password),
-                INTERNAL_TOKEN: secrets.token_urlsafe(32) + "\n"}
+    contents = {
+        REDIS_PASSWORD: password + "\n",
+        VALKEY_ACL: valkey_acl(password),
+        INTERNAL_TOKEN: secrets.token_urlsafe(32) + "\n",
+    }
     for name, path in paths.items():
         # The ACL holds only a hash: readable by Valkey's own user (uid 999 in its image).
         mode = 0o644 if name == VALKEY_ACL else 0o600
@@ -48,17 +53,22 @@ def write_secrets(folder: Path) -> dict[str, Path]:
 def run_secrets(args: argparse.Namespace) -> int:
     folder = Path(args.folder)
     write_secrets(folder)
-    print(f"wrote {folder}/{{{REDIS_PASSWORD},{VALKEY_ACL},{INTERNAL_TOKEN}}}\n"
-          f"  compose:    SECRETS_DIR={folder.resolve()} in .env (the images run as uid 1000:\n"
-          f"              `sudo chown 1000 {folder}/{REDIS_PASSWORD} {folder}/{INTERNAL_TOKEN}`"
-          " if yours differs)\n"
-          f"  Kubernetes: kubectl -n pagemesh create secret generic pagemesh-mesh "
-          f"--from-file={folder}")
+    print(
+        f"wrote {folder}/{{{REDIS_PASSWORD},{VALKEY_ACL},{INTERNAL_TOKEN}}}\n"
+        f"  compose:    SECRETS_DIR={folder.resolve()} in .env (the images run as uid 1000:\n"
+        f"              `sudo chown 1000 {folder}/{REDIS_PASSWORD} {folder}/{INTERNAL_TOKEN}`"
+        " if yours differs)\n"
+        f"  Kubernetes: kubectl -n pagemesh create secret generic pagemesh-mesh "
+        f"--from-file={folder}"
+    )
     return 0
 
 
 def add_secrets_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("secrets", help="write the secrets a deployed mesh shares (Redis "
-                            "password and ACL, internal token) for compose or Kubernetes")
+    parser = sub.add_parser(
+        "secrets",
+        help="write the secrets a deployed mesh shares (Redis "
+        "password and ACL, internal token) for compose or Kubernetes",
+    )
     parser.add_argument("folder", help="where to write them (made if missing)")
     parser.set_defaults(func=run_secrets)

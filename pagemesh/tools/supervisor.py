@@ -31,8 +31,9 @@ class Supervisor:
     """Owns child processes; `restart_dead()` brings back those that died (as compose's
     `restart: unless-stopped` does), `stop()` ends every one (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, grace_s: float = 10.0, max_restarts: int = 5,
-                 restart_window_s: float = 60.0) -> None:
+    def __init__(
+        self, grace_s: float = 10.0, max_restarts: int = 5, restart_window_s: float = 60.0
+    ) -> None:
         self.grace_s = grace_s
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.specs: dict[str, ServiceSpec] = {}
@@ -65,8 +66,12 @@ class Supervisor:
                 continue
             recent = [t for t in self._restarts.get(name, []) if now - t < self.restart_window_s]
             if len(recent) >= self.max_restarts:
-                logger.error("%s died %d times in %.0f s; leaving it down", name,
-                             len(recent) + 1, self.restart_window_s)
+                logger.error(
+                    "%s died %d times in %.0f s; leaving it down",
+                    name,
+                    len(recent) + 1,
+                    self.restart_window_s,
+                )
                 self.given_up.add(name)
                 continue
             self._restarts[name] = [*recent, now]
@@ -98,4 +103,3 @@ class Supervisor:
                 logger.warning("pid %d ignored SIGTERM; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
-

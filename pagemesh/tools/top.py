@@ -25,10 +25,10 @@ from typing import Any
 import redis
 from rich.console import Console
 
-from pagemesh.tools import discovery
 from pagemesh.runtime.config import add_flag, add_redis_password_flag, with_password
 from pagemesh.runtime.redact import redact_url
 from pagemesh.runtime.registry_entries import KINDS, ServiceEntry, entry_from_json
+from pagemesh.tools import discovery
 from pagemesh.tools.top_render import render
 from pagemesh.tools.top_snapshot import (
     ServiceRecord,
@@ -65,13 +65,15 @@ def _short_reason(exc: BaseException) -> str:
 class ClusterReader:
     """Reads one cluster's registry entries and scrapes their metrics endpoints."""
 
-    def __init__(self, redis_url: str, cluster: str, ttl_s: float = 3.0,
-                 scrape_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, redis_url: str, cluster: str, ttl_s: float = 3.0, scrape_timeout_s: float = 1.0
+    ) -> None:
         self.cluster = cluster
         self.ttl_s = ttl_s
         self.scrape_timeout_s = scrape_timeout_s
-        self._redis = redis.Redis.from_url(redis_url, decode_responses=True,
-                                           socket_timeout=5.0, socket_connect_timeout=5.0)
+        self._redis = redis.Redis.from_url(
+            redis_url, decode_responses=True, socket_timeout=5.0, socket_connect_timeout=5.0
+        )
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="top-scrape")
 
     def close(self) -> None:
@@ -96,18 +98,21 @@ class ClusterReader:
                 entry = _load_entry(kind, key, raw)
                 if entry is not None:
                     age = heartbeat_age(entry, pttl, self.ttl_s, now)
-                    records.append(ServiceRecord(kind, key[len(prefix):], entry, age))
+                    records.append(ServiceRecord(kind, key[len(prefix) :], entry, age))
         return records
 
     def scrape_all(self, records: list[ServiceRecord]) -> list[ServiceRecord]:
         """The records with the metrics text of every service that publishes an address."""
+
         def one(record: ServiceRecord) -> ServiceRecord:
             address = record.entry.metrics_address
             if not address:
                 return record
             text, error = scrape(address, self.scrape_timeout_s)
-            return ServiceRecord(record.kind, record.service_id, record.entry,
-                                 record.heartbeat_age_s, text, error)
+            return ServiceRecord(
+                record.kind, record.service_id, record.entry, record.heartbeat_age_s, text, error
+            )
+
         return list(self._pool.map(one, records))
 
     def read(self) -> Snapshot:
@@ -129,27 +134,58 @@ def _load_entry(kind: str, key: str, raw: str | None) -> ServiceEntry | None:
 
 def add_top_parser(sub: argparse._SubParsersAction) -> None:
     top = sub.add_parser("top", help="live view of a cluster: groups, workers, routers, tokens/s")
-    add_flag(top, "--redis-url", default=None,
-             help="Redis holding the cluster's registry (default: the local `pagemesh up`'s, "
-                  f"else {discovery.DEFAULT_REDIS_URL})")
+    add_flag(
+        top,
+        "--redis-url",
+        default=None,
+        help="Redis holding the cluster's registry (default: the local `pagemesh up`'s, "
+        f"else {discovery.DEFAULT_REDIS_URL})",
+    )
     add_redis_password_flag(top)
-    add_flag(top, "--cluster", default=None,
-             help="key prefix of the mesh in Redis (default: the local `pagemesh up`'s, else "
-                  f"{discovery.DEFAULT_CLUSTER})")
-    add_flag(top, "--interval", type=float, default=1.0,
-             help="seconds between refreshes; with --once, the window rates are measured over "
-                  "(0 = one read: no rates, latency medians since the services started)")
-    add_flag(top, "--once", type=bool, default=False,
-             help="print one view as plain tables (or JSON, --format) and exit")
-    add_flag(top, "--format", default="table", choices=["table", "json"],
-             help="what --once prints")
-    add_flag(top, "--heartbeat-ttl-s", type=float, default=3.0,
-             help="the services' heartbeat TTL, to tell heartbeat ages from key TTLs")
-    add_flag(top, "--scrape-timeout-s", type=float, default=1.0,
-             help="seconds to wait for one /metrics endpoint")
-    add_flag(top, "--prometheus-targets", default=None,
-             help="write the services' metrics addresses to this Prometheus file_sd JSON file "
-                  "(every --interval, or once with --once) instead of showing the view")
+    add_flag(
+        top,
+        "--cluster",
+        default=None,
+        help="key prefix of the mesh in Redis (default: the local `pagemesh up`'s, else "
+        f"{discovery.DEFAULT_CLUSTER})",
+    )
+    add_flag(
+        top,
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between refreshes; with --once, the window rates are measured over "
+        "(0 = one read: no rates, latency medians since the services started)",
+    )
+    add_flag(
+        top,
+        "--once",
+        type=bool,
+        default=False,
+        help="print one view as plain tables (or JSON, --format) and exit",
+    )
+    add_flag(top, "--format", default="table", choices=["table", "json"], help="what --once prints")
+    add_flag(
+        top,
+        "--heartbeat-ttl-s",
+        type=float,
+        default=3.0,
+        help="the services' heartbeat TTL, to tell heartbeat ages from key TTLs",
+    )
+    add_flag(
+        top,
+        "--scrape-timeout-s",
+        type=float,
+        default=1.0,
+        help="seconds to wait for one /metrics endpoint",
+    )
+    add_flag(
+        top,
+        "--prometheus-targets",
+        default=None,
+        help="write the services' metrics addresses to this Prometheus file_sd JSON file "
+        "(every --interval, or once with --once) instead of showing the view",
+    )
     top.set_defaults(func=run_top)
 
 
@@ -158,8 +194,9 @@ def run_top(args: argparse.Namespace) -> int:
         raise SystemExit("--interval must be >= 0")
     url = with_password(args.redis_url, args.redis_password) if args.redis_url else None
     where = discovery.resolve_registry(url, args.cluster)
-    reader = ClusterReader(where.redis_url, where.cluster, args.heartbeat_ttl_s,
-                           args.scrape_timeout_s)
+    reader = ClusterReader(
+        where.redis_url, where.cluster, args.heartbeat_ttl_s, args.scrape_timeout_s
+    )
     try:
         if args.prometheus_targets:
             return write_targets_loop(reader, args.prometheus_targets, args.interval, args.once)
@@ -170,9 +207,12 @@ def run_top(args: argparse.Namespace) -> int:
         TopApp(reader.read, max(args.interval, 0.1), where.cluster).run()
         return 0
     except redis.RedisError as exc:
-        print(f"pagemesh top: cannot read the registry at {redact_url(where.redis_url)} "
-              f"({where.source}): "
-              f"{exc}; start a mesh with `pagemesh up`, or pass --redis-url", file=sys.stderr)
+        print(
+            f"pagemesh top: cannot read the registry at {redact_url(where.redis_url)} "
+            f"({where.source}): "
+            f"{exc}; start a mesh with `pagemesh up`, or pass --redis-url",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:  # Ctrl-C of the targets writer or of --once
         return 130
@@ -188,8 +228,10 @@ def print_once(reader: ClusterReader, interval_s: float, output: str) -> int:
         prev, cur = first, reader.read()
     rates = compute_rates(prev, cur)
     if output == "json":
-        rows = {name: [asdict(row) for row in getattr(cur, name)]
-                for name in ("groups", "workers", "routers")}
+        rows = {
+            name: [asdict(row) for row in getattr(cur, name)]
+            for name in ("groups", "workers", "routers")
+        }
         body = {"snapshot": {"taken_at": cur.taken_at, **rows}, "rates": asdict(rates)}
         print(json.dumps(body, indent=2))
         return 0

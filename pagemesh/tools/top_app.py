@@ -24,8 +24,11 @@ class TopApp(App[None]):
     #status { color: $text-muted; padding: 0 1; }
     .table { padding: 0 1 1 1; }
     """
-    BINDINGS = [("q", "quit", "Quit"), ("r", "refresh_now", "Refresh"),
-                ("p", "toggle_pause", "Pause")]
+    BINDINGS = [
+        ("q", "quit", "Quit"),
+        ("r", "refresh_now", "Refresh"),
+        ("p", "toggle_pause", "Pause"),
+    ]
 
     def __init__(self, read: Callable[[], Snapshot], interval_s: float, cluster: str) -> None:
         super().__init__()
@@ -72,8 +75,10 @@ class TopApp(App[None]):
         self.query_one("#groups", Static).update(groups_table(snapshot, rates))
         self.query_one("#workers", Static).update(workers_table(snapshot, rates))
         self.query_one("#routers", Static).update(routers_table(snapshot))
-        self._set_status(f"updated {time.strftime('%H:%M:%S')}, every {self.interval_s:g}s"
-                         + ("  [paused]" if self.paused else ""))
+        self._set_status(
+            f"updated {time.strftime('%H:%M:%S')}, every {self.interval_s:g}s"
+            + ("  [paused]" if self.paused else "")
+        )
 
     def _set_status(self, message: str, error: bool = False) -> None:
         self.query_one("#status", Static).update(Text(message, style="red" if error else ""))

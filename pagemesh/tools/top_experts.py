@@ -1,7 +1,8 @@
 """The hot experts of mixture-of-experts groups, for `pagemesh top`: from the workers'
 `pagemesh:worker_moe_expert_tokens_total{group, layer, expert}` counters, each group's
 experts that took the largest share of their layer's tokens over the refresh window (since
-the workers started where the window routed nothing). A share of 1 / experts is an even load; an expert
+the workers started where the window routed nothing). A share of 1 / experts is an even load; an
+expert
 balancer (vLLM's EPLB) moves or copies the ones far above it."""
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def _loads(parsed: ParsedMetrics) -> dict[str, dict[tuple[str, int, int], float]
     return found
 
 
-def hot_experts(prev: ParsedMetrics | None, cur: ParsedMetrics, limit: int = 2
-                ) -> dict[str, list[HotExpert]]:
+def hot_experts(
+    prev: ParsedMetrics | None, cur: ParsedMetrics, limit: int = 2
+) -> dict[str, list[HotExpert]]:
     """group -> its `limit` hottest experts (largest share of their layer's tokens), hottest
     first: over the window since `prev`, or since the workers started for a group that
     routed nothing in it (an idle mesh still shows where its load went). A worker whose
@@ -60,8 +62,7 @@ def _totals(prev: ParsedMetrics, cur: ParsedMetrics) -> dict[tuple[str, int, int
     return totals
 
 
-def _ranked(totals: dict[tuple[str, int, int], float], limit: int
-            ) -> dict[str, list[HotExpert]]:
+def _ranked(totals: dict[tuple[str, int, int], float], limit: int) -> dict[str, list[HotExpert]]:
     per_layer: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for (group, layer, expert), tokens in totals.items():
         per_layer.setdefault((group, layer), []).append((expert, tokens))
@@ -72,6 +73,9 @@ def _ranked(totals: dict[tuple[str, int, int], float], limit: int
             continue
         ranked.setdefault(group, []).extend(
             HotExpert(layer, expert, tokens / layer_tokens, len(experts))
-            for expert, tokens in experts)
-    return {group: sorted(hot, key=lambda h: (-h.share, h.layer, h.expert))[:limit]
-            for group, hot in ranked.items()}
+            for expert, tokens in experts
+        )
+    return {
+        group: sorted(hot, key=lambda h: (-h.share, h.layer, h.expert))[:limit]
+        for group, hot in ranked.items()
+    }

@@ -18,7 +18,6 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagemesh.runtime import metrics
-from pagemesh.tools.top_experts import HotExpert, hot_experts
 from pagemesh.runtime.registry_entries import (
     KINDS,
     RouterEntry,
@@ -27,6 +26,7 @@ from pagemesh.runtime.registry_entries import (
     WorkerEntry,
     WorkerStatus,
 )
+from pagemesh.tools.top_experts import HotExpert, hot_experts
 
 # Metric names this view reads, from where pagemesh.runtime.metrics declares them. Sample names, as
 # they appear in the exposition text: counters with `_total` (histograms get `_bucket` below).
@@ -168,8 +168,11 @@ def parse_metrics(text: str) -> Samples:
 
 def metric_sum(samples: Samples, name: str, **labels: str) -> float | None:
     """Sum of a sample over the series whose labels match; None when there is none."""
-    values = [value for series, value in samples.get(name, ())
-              if all(series.get(key) == want for key, want in labels.items())]
+    values = [
+        value
+        for series, value in samples.get(name, ())
+        if all(series.get(key) == want for key, want in labels.items())
+    ]
     return sum(values) if values else None
 
 
@@ -212,8 +215,9 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 # --- snapshot -------------------------------------------------------------------------
 
 
-def heartbeat_age(entry: ServiceEntry, pttl_ms: int | None, ttl_s: float,
-                  now: float) -> float | None:
+def heartbeat_age(
+    entry: ServiceEntry, pttl_ms: int | None, ttl_s: float, now: float
+) -> float | None:
     """Seconds since a service last refreshed its entry.
 
     From `heartbeat_at` (wall-clock seconds) when the entry carries it, else from the key's
@@ -266,44 +270,76 @@ def _expected_workers(members: tuple[str, ...], workers: list[ServiceRecord]) ->
     return layout.tp_size * layout.pp_size
 
 
-def _group_row(record: ServiceRecord, workers: list[ServiceRecord],
-               parsed: dict[str, Samples]) -> GroupRow:
+def _group_row(
+    record: ServiceRecord, workers: list[ServiceRecord], parsed: dict[str, Samples]
+) -> GroupRow:
     entry, samples = _scheduler(record), parsed.get(_key(record))
     swapped = entry.num_swapped
     if swapped is None and samples:
         swapped = metric_sum(samples, NUM_SWAPPED)
     return GroupRow(
-        group=entry.group, scheduler_id=record.service_id, status=entry.status.value,
+        group=entry.group,
+        scheduler_id=record.service_id,
+        status=entry.status.value,
         workers_alive=_workers_ready(workers),
         workers_expected=_expected_workers(entry.members, workers),
-        num_waiting=entry.num_waiting, num_running=entry.num_running,
-        num_swapped=int(swapped or 0), kv_usage=_kv_usage(entry, samples),
-        prefix_hit_rate=entry.prefix_cache_hit_rate, num_recoveries=entry.num_recoveries,
-        num_preemptions=entry.num_preemptions, num_steps=entry.num_steps,
-        heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed),
-        spec_acceptance=(entry.num_accepted_tokens / entry.num_draft_tokens
-                         if entry.num_draft_tokens else None),
-        spec_mean_length=(1 + entry.num_accepted_tokens / entry.num_drafts
-                          if entry.num_drafts else None))
+        num_waiting=entry.num_waiting,
+        num_running=entry.num_running,
+        num_swapped=int(swapped or 0),
+        kv_usage=_kv_usage(entry, samples),
+        prefix_hit_rate=entry.prefix_cache_hit_rate,
+        num_recoveries=entry.num_recoveries,
+        num_preemptions=entry.num_preemptions,
+        num_steps=entry.num_steps,
+        heartbeat_age_s=_heartbeat_age(record, parsed),
+        metrics=_metrics_state(record, parsed),
+        spec_acceptance=(
+            entry.num_accepted_tokens / entry.num_draft_tokens if entry.num_draft_tokens else None
+        ),
+        spec_mean_length=(
+            1 + entry.num_accepted_tokens / entry.num_drafts if entry.num_drafts else None
+        ),
+    )
 
 
 def _orphan_group_row(group: str, workers: list[ServiceRecord]) -> GroupRow:
     return GroupRow(
-        group=group, scheduler_id="", status="no scheduler",
-        workers_alive=_workers_ready(workers), workers_expected=_expected_workers((), workers),
-        num_waiting=0, num_running=0, num_swapped=0, kv_usage=None, prefix_hit_rate=None,
-        num_recoveries=0, num_preemptions=0, num_steps=0, heartbeat_age_s=None, metrics="-")
+        group=group,
+        scheduler_id="",
+        status="no scheduler",
+        workers_alive=_workers_ready(workers),
+        workers_expected=_expected_workers((), workers),
+        num_waiting=0,
+        num_running=0,
+        num_swapped=0,
+        kv_usage=None,
+        prefix_hit_rate=None,
+        num_recoveries=0,
+        num_preemptions=0,
+        num_steps=0,
+        heartbeat_age_s=None,
+        metrics="-",
+    )
 
 
 def _worker_row(record: ServiceRecord, parsed: dict[str, Samples]) -> WorkerRow:
     entry = _worker(record)
     return WorkerRow(
-        worker_id=record.service_id, group=entry.group, tp_rank=entry.tp_rank,
-        pp_rank=entry.pp_rank, status=entry.status.value, epoch=entry.epoch,
-        num_steps=entry.num_steps, busy_time_s=entry.busy_time_s,
-        heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed),
-        weight_bytes=entry.weight_bytes, kv_cache_bytes=entry.kv_cache_bytes,
-        rss_bytes=entry.rss_bytes, communication_time_s=_communication_s(entry))
+        worker_id=record.service_id,
+        group=entry.group,
+        tp_rank=entry.tp_rank,
+        pp_rank=entry.pp_rank,
+        status=entry.status.value,
+        epoch=entry.epoch,
+        num_steps=entry.num_steps,
+        busy_time_s=entry.busy_time_s,
+        heartbeat_age_s=_heartbeat_age(record, parsed),
+        metrics=_metrics_state(record, parsed),
+        weight_bytes=entry.weight_bytes,
+        kv_cache_bytes=entry.kv_cache_bytes,
+        rss_bytes=entry.rss_bytes,
+        communication_time_s=_communication_s(entry),
+    )
 
 
 def _communication_s(entry: WorkerEntry) -> float:
@@ -314,10 +350,14 @@ def _router_row(record: ServiceRecord, parsed: dict[str, Samples]) -> RouterRow:
     entry, samples = _router(record), parsed.get(_key(record))
     in_flight = metric_sum(samples, REQUESTS_IN_FLIGHT) if samples else None
     return RouterRow(
-        router_id=record.service_id, address=entry.address, serving=entry.serving,
+        router_id=record.service_id,
+        address=entry.address,
+        serving=entry.serving,
         num_groups=entry.num_groups,
         num_in_flight=int(in_flight) if in_flight is not None else None,
-        heartbeat_age_s=_heartbeat_age(record, parsed), metrics=_metrics_state(record, parsed))
+        heartbeat_age_s=_heartbeat_age(record, parsed),
+        metrics=_metrics_state(record, parsed),
+    )
 
 
 # The entry of a record of that kind (a record's kind and entry type agree).
@@ -340,8 +380,11 @@ def _counters(entry: ServiceEntry) -> dict[str, Any]:
     """The entry's cumulative counters that become rates, and the instance they belong to."""
     counters: dict[str, Any] = {"instance": entry.instance}
     if isinstance(entry, WorkerEntry):
-        counters.update(num_steps=entry.num_steps, busy_time_s=entry.busy_time_s,
-                        communication_time_s=_communication_s(entry))
+        counters.update(
+            num_steps=entry.num_steps,
+            busy_time_s=entry.busy_time_s,
+            communication_time_s=_communication_s(entry),
+        )
     elif isinstance(entry, SchedulerEntry):
         counters.update(num_steps=entry.num_steps, num_preemptions=entry.num_preemptions)
     return counters
@@ -365,14 +408,17 @@ def build_snapshot(records: Iterable[ServiceRecord], taken_at: float) -> Snapsho
     """Registry entries and scraped metrics -> the rows top shows, sorted for display."""
     records = list(records)
     parsed, errors = _parse_all(records)
-    records = [replace(r, metrics_text=None, metrics_error=errors[_key(r)])
-               if _key(r) in errors else r for r in records]
+    records = [
+        replace(r, metrics_text=None, metrics_error=errors[_key(r)]) if _key(r) in errors else r
+        for r in records
+    ]
     by_kind = {kind: [r for r in records if r.kind == kind] for kind in KINDS}
     workers_of: dict[str, list[ServiceRecord]] = {}
     for worker in by_kind["worker"]:
         workers_of.setdefault(_worker(worker).group, []).append(worker)
-    groups = [_group_row(r, workers_of.get(_scheduler(r).group, []), parsed)
-              for r in by_kind["scheduler"]]
+    groups = [
+        _group_row(r, workers_of.get(_scheduler(r).group, []), parsed) for r in by_kind["scheduler"]
+    ]
     scheduled = {row.group for row in groups}
     groups += [_orphan_group_row(g, ws) for g, ws in workers_of.items() if g not in scheduled]
     workers = [_worker_row(r, parsed) for r in by_kind["worker"]]
@@ -380,8 +426,9 @@ def build_snapshot(records: Iterable[ServiceRecord], taken_at: float) -> Snapsho
         taken_at=taken_at,
         groups=sorted(groups, key=lambda g: (g.group, g.scheduler_id)),
         workers=sorted(workers, key=lambda w: (w.group, w.pp_rank, w.tp_rank, w.worker_id)),
-        routers=sorted((_router_row(r, parsed) for r in by_kind["router"]),
-                       key=lambda r: r.router_id),
+        routers=sorted(
+            (_router_row(r, parsed) for r in by_kind["router"]), key=lambda r: r.router_id
+        ),
         metrics=parsed,
         counters={_key(r): _counters(r.entry) for r in records},
     )
@@ -427,9 +474,13 @@ def _entry_rates(prev: Snapshot, cur: Snapshot, name: str, window_s: float) -> d
     for source, counters in cur.counters.items():
         before = prev.counters.get(source)
         now_value, before_value = counters.get(name), (before or {}).get(name)
-        if (before is None or before.get("instance") != counters.get("instance")
-                or not isinstance(now_value, (int, float))
-                or not isinstance(before_value, (int, float)) or now_value < before_value):
+        if (
+            before is None
+            or before.get("instance") != counters.get("instance")
+            or not isinstance(now_value, (int, float))
+            or not isinstance(before_value, (int, float))
+            or now_value < before_value
+        ):
             continue
         rates[source] = (now_value - before_value) / window_s
     return rates
@@ -442,8 +493,9 @@ def compute_rates(prev: Snapshot | None, cur: Snapshot) -> Rates:
     e2e = histogram_quantile(0.5, histogram_delta(prev, cur, E2E))
     window_s = cur.taken_at - prev.taken_at if prev is not None else 0.0
     if prev is None or window_s <= 0:
-        return Rates(None, None, None, None, ttft, itl, e2e,
-                     hot_experts=hot_experts(None, cur.metrics))
+        return Rates(
+            None, None, None, None, ttft, itl, e2e, hot_experts=hot_experts(None, cur.metrics)
+        )
     busy = _entry_rates(prev, cur, "busy_time_s", window_s)
     communication = _entry_rates(prev, cur, "communication_time_s", window_s)
     return Rates(
@@ -451,12 +503,16 @@ def compute_rates(prev: Snapshot | None, cur: Snapshot) -> Rates:
         output_tokens_per_s=counter_delta(prev, cur, GENERATION_TOKENS) / window_s,
         prompt_tokens_per_s=counter_delta(prev, cur, PROMPT_TOKENS) / window_s,
         requests_per_s=counter_delta(prev, cur, REQUEST_SUCCESS) / window_s,
-        ttft_p50_s=ttft, itl_p50_s=itl, e2e_p50_s=e2e,
+        ttft_p50_s=ttft,
+        itl_p50_s=itl,
+        e2e_p50_s=e2e,
         steps_per_s=_entry_rates(prev, cur, "num_steps", window_s),
         busy_fraction={source: min(1.0, value) for source, value in busy.items()},
-        communication_fraction={source: min(1.0, communication[source] / value)
-                                for source, value in busy.items()
-                                if value > 0 and source in communication},
+        communication_fraction={
+            source: min(1.0, communication[source] / value)
+            for source, value in busy.items()
+            if value > 0 and source in communication
+        },
         preemptions_per_s=_entry_rates(prev, cur, "num_preemptions", window_s),
         hot_experts=hot_experts(prev.metrics, cur.metrics),
     )
@@ -473,8 +529,11 @@ def prometheus_targets(records: Iterable[ServiceRecord]) -> list[dict[str, Any]]
     them to `exported_*`.
     """
     targets = [
-        {"targets": [r.entry.metrics_address],
-         "labels": {"pagemesh_kind": r.kind, "pagemesh_id": r.service_id}}
-        for r in records if r.entry.metrics_address
+        {
+            "targets": [r.entry.metrics_address],
+            "labels": {"pagemesh_kind": r.kind, "pagemesh_id": r.service_id},
+        }
+        for r in records
+        if r.entry.metrics_address
     ]
     return sorted(targets, key=lambda t: (t["labels"]["pagemesh_kind"], t["labels"]["pagemesh_id"]))

@@ -57,8 +57,7 @@ def _f32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def core_request(spec: RequestSpec, eos_token_ids: Sequence[int], arrival_time_s: float
-                 ) -> Request:
+def core_request(spec: RequestSpec, eos_token_ids: Sequence[int], arrival_time_s: float) -> Request:
     """The core request `spec` asks for; raises ValueError for one that cannot run."""
     if not spec.request_id:
         raise ValueError("request_id is empty: every request needs an id")
@@ -69,17 +68,24 @@ def core_request(spec: RequestSpec, eos_token_ids: Sequence[int], arrival_time_s
         stop_ids.update(eos_token_ids)
     # Floats as float32, as the wire carries them and the sampler's tensors hold them: a
     # request sampled in-process draws exactly what it draws through the mesh.
-    given = {name: _f32(getattr(spec, name)) for name in _DEFAULTED
-             if getattr(spec, name) is not None}
+    given = {
+        name: _f32(getattr(spec, name)) for name in _DEFAULTED if getattr(spec, name) is not None
+    }
     return Request(
         request_id=RequestId(spec.request_id),
         prompt_token_ids=list(spec.prompt_token_ids),
         sampling=SamplingParams(
-            top_k=spec.top_k, min_p=_f32(spec.min_p),
+            top_k=spec.top_k,
+            min_p=_f32(spec.min_p),
             presence_penalty=_f32(spec.presence_penalty),
-            frequency_penalty=_f32(spec.frequency_penalty), seed=spec.seed,
-            min_tokens=spec.min_tokens, stop_token_ids=tuple(sorted(stop_ids)),
-            num_logprobs=spec.num_logprobs, grammar=spec.grammar, **given),
+            frequency_penalty=_f32(spec.frequency_penalty),
+            seed=spec.seed,
+            min_tokens=spec.min_tokens,
+            stop_token_ids=tuple(sorted(stop_ids)),
+            num_logprobs=spec.num_logprobs,
+            grammar=spec.grammar,
+            **given,
+        ),
         max_tokens=spec.max_tokens,
         arrival_time_s=arrival_time_s,
         priority=spec.priority,
@@ -89,27 +95,34 @@ def core_request(spec: RequestSpec, eos_token_ids: Sequence[int], arrival_time_s
     )
 
 
-def check_admissible(request: Request, config: SchedulerConfig,
-                     live_ids: Container[RequestId]) -> None:
+def check_admissible(
+    request: Request, config: SchedulerConfig, live_ids: Container[RequestId]
+) -> None:
     """Raises ValueError for a request that cannot be queued, CapacityError (a ValueError)
     for one that could never fit the KV cache however long it waited."""
     if request.request_id in live_ids:
         raise ValueError(f"request id {request.request_id!r} is already in flight")
     if request.lora is not None and not config.max_loras:
-        raise ValueError(f"the request names LoRA adapter {request.lora.name!r}, but LoRA is "
-                         "off here (start with --enable-lora)")
+        raise ValueError(
+            f"the request names LoRA adapter {request.lora.name!r}, but LoRA is "
+            "off here (start with --enable-lora)"
+        )
     if (request.pooling is not None) != config.pooling.embeds:
-        raise ValueError("this is an embedding model: it does not generate text; send it "
-                         "embedding requests" if config.pooling.embeds
-                         else "this model generates: start it with --task embed to embed")
+        raise ValueError(
+            "this is an embedding model: it does not generate text; send it embedding requests"
+            if config.pooling.embeds
+            else "this model generates: start it with --task embed to embed"
+        )
     # An embedding request computes its prompt only.
     max_len = request.num_prompt_tokens + (request.max_tokens if request.pooling is None else 0)
     if max_len > config.max_model_len:
         raise ValueError(
             f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) "
-            f"exceeds max_model_len ({config.max_model_len})" if request.pooling is None else
-            f"input of {request.num_prompt_tokens} tokens exceeds max_model_len "
-            f"({config.max_model_len})")
+            f"exceeds max_model_len ({config.max_model_len})"
+            if request.pooling is None
+            else f"input of {request.num_prompt_tokens} tokens exceeds max_model_len "
+            f"({config.max_model_len})"
+        )
     num_blocks = -(-max_len // config.block_size)
     if num_blocks > config.num_blocks:
         raise CapacityError(
@@ -143,8 +156,11 @@ def finish_reason(request: Request, output_token_ids: Sequence[int]) -> FinishRe
     it is the `max_tokens`-th token (vLLM's order); otherwise `max_tokens` outputs end it
     LENGTH."""
     num_output = len(output_token_ids)
-    if (num_output and output_token_ids[-1] in request.stop_token_ids
-            and num_output >= request.min_tokens):
+    if (
+        num_output
+        and output_token_ids[-1] in request.stop_token_ids
+        and num_output >= request.min_tokens
+    ):
         return FinishReason.STOP
     if num_output >= request.max_tokens:
         return FinishReason.LENGTH
@@ -167,9 +183,9 @@ def sample_index(request_id: str, n: int) -> int:
     return int(request_id.rsplit("#", 1)[1]) if n > 1 else 0
 
 
-def expand_samples(base: Request, n: int,
-                   progress: Mapping[int, tuple[Sequence[int], bool]] | None = None
-                   ) -> list[Request]:
+def expand_samples(
+    base: Request, n: int, progress: Mapping[int, tuple[Sequence[int], bool]] | None = None
+) -> list[Request]:
     """The core requests of an `n`-sample request whose first sample is `base` (with the
     client's id and seed): sample i draws with seed + i.
 
@@ -187,18 +203,29 @@ def expand_samples(base: Request, n: int,
         outputs, finished = (progress or {}).get(i, ((), False))
         if finished or finish_reason(base, outputs) is not None:
             continue
-        samples.append(dataclasses.replace(
-            base, request_id=sample_request_id(base.request_id, i, n),
-            sampling=dataclasses.replace(base.sampling, seed=(base.sampling.seed + i) % SEED_MODULUS),
-            prompt_token_ids=list(base.prompt_token_ids), output_token_ids=list(outputs),
-            block_ids=[], fork_of=leader_id if i > 0 and not progress else None,
-        ))
+        samples.append(
+            dataclasses.replace(
+                base,
+                request_id=sample_request_id(base.request_id, i, n),
+                sampling=dataclasses.replace(
+                    base.sampling, seed=(base.sampling.seed + i) % SEED_MODULUS
+                ),
+                prompt_token_ids=list(base.prompt_token_ids),
+                output_token_ids=list(outputs),
+                block_ids=[],
+                fork_of=leader_id if i > 0 and not progress else None,
+            )
+        )
     return samples
 
 
-def ended_samples(base: Request, progress: Mapping[int, tuple[Sequence[int], bool]]
-                  ) -> list[tuple[int, FinishReason]]:
+def ended_samples(
+    base: Request, progress: Mapping[int, tuple[Sequence[int], bool]]
+) -> list[tuple[int, FinishReason]]:
     """Resumed samples not marked finished whose outputs already end them (the router lost
     their last message): each gets its final message at once instead of running."""
-    return [(i, reason) for i, (outputs, finished) in sorted(progress.items())
-            if not finished and (reason := finish_reason(base, outputs)) is not None]
+    return [
+        (i, reason)
+        for i, (outputs, finished) in sorted(progress.items())
+        if not finished and (reason := finish_reason(base, outputs)) is not None
+    ]

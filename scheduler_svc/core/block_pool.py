@@ -113,8 +113,9 @@ class BlockPool:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int],
-               parent_hash: BlockHash | None) -> BlockId | None:
+    def lookup(
+        self, block_hash: BlockHash, token_ids: Sequence[int], parent_hash: BlockHash | None
+    ) -> BlockId | None:
         """The cached block for `block_hash`, confirmed by its stored token ids and parent
         hash (a hash alone is never trusted), or None."""
         block_id = self._cached.get(block_hash)
@@ -124,8 +125,13 @@ class BlockPool:
             return None
         return block_id
 
-    def cache(self, block_id: BlockId, block_hash: BlockHash, token_ids: Sequence[int],
-              parent_hash: BlockHash | None) -> bool:
+    def cache(
+        self,
+        block_id: BlockId,
+        block_hash: BlockHash,
+        token_ids: Sequence[int],
+        parent_hash: BlockHash | None,
+    ) -> bool:
         """Offers a used block whose KV for `token_ids` is computed to the prefix cache.
 
         Returns whether it was cached; a block already cached, or a hash that another block

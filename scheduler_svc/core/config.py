@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from protos.step import PoolingInfo
 from scheduler_svc.core.policy import POLICIES
-from pagemesh.runtime.speculative_config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 # The scheduler service's --preemption-mode default (pagemesh.runtime.service_flags; a test checks
@@ -65,9 +65,17 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.preemption_mode is None:  # frozen: set once here, as if given
-            object.__setattr__(self, "preemption_mode", default_preemption_mode(self.num_swap_blocks))
-        for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
-                     "max_model_len", "num_microbatches"):
+            object.__setattr__(
+                self, "preemption_mode", default_preemption_mode(self.num_swap_blocks)
+            )
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "num_microbatches",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_prefill_token_threshold", "num_swap_blocks"):
@@ -84,13 +92,16 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         if self.async_scheduling and self.num_microbatches > 1:
             raise ValueError("async_scheduling needs num_microbatches 1 (a group of one rank)")
         if self.async_scheduling and self.speculative is not None:
-            raise ValueError("async scheduling is off while speculating: a step planned "
-                             "ahead would assume one token, and a verified step adds up to "
-                             f"{self.speculative.num_speculative_tokens + 1}")
+            raise ValueError(
+                "async scheduling is off while speculating: a step planned "
+                "ahead would assume one token, and a verified step adds up to "
+                f"{self.speculative.num_speculative_tokens + 1}"
+            )
         if self.speculative is not None:
             self._check_speculative(self.speculative.num_speculative_tokens)
         if self.preemption_mode == "swap" and self.num_swap_blocks == 0:
@@ -100,14 +111,18 @@ class SchedulerConfig:
         """A decode and its drafts go in one step, and their KV in the request's blocks and
         the blocks after (lookahead slots span blocks, so the block size sets no bound)."""
         if num_drafts + 1 > self.max_num_batched_tokens:
-            raise ValueError(f"num_speculative_tokens {num_drafts} does not fit a step: a "
-                             f"decode and its drafts are {num_drafts + 1} tokens, and "
-                             f"max_num_batched_tokens is {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"num_speculative_tokens {num_drafts} does not fit a step: a "
+                f"decode and its drafts are {num_drafts + 1} tokens, and "
+                f"max_num_batched_tokens is {self.max_num_batched_tokens}"
+            )
         lookahead_blocks = -(-(num_drafts + 1) // self.block_size) + 1
         if num_drafts >= self.max_model_len or lookahead_blocks > self.num_blocks:
-            raise ValueError(f"num_speculative_tokens {num_drafts} is more than the context "
-                             f"({self.max_model_len} tokens) or the KV cache ({self.num_blocks} "
-                             f"blocks of {self.block_size}) can hold for one request")
+            raise ValueError(
+                f"num_speculative_tokens {num_drafts} is more than the context "
+                f"({self.max_model_len} tokens) or the KV cache ({self.num_blocks} "
+                f"blocks of {self.block_size}) can hold for one request"
+            )
 
 
 @dataclass(frozen=True)

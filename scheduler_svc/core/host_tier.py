@@ -51,8 +51,9 @@ class HostTierIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, block_hash: BlockHash, tokens: Sequence[int],
-               parent: BlockHash | None) -> int | None:
+    def lookup(
+        self, block_hash: BlockHash, tokens: Sequence[int], parent: BlockHash | None
+    ) -> int | None:
         """The slot holding this block, confirmed by its tokens and parent (and made the
         most recently used), or None."""
         entry = self._entries.get(block_hash)
@@ -61,8 +62,9 @@ class HostTierIndex:
         self._entries.move_to_end(block_hash)
         return entry.slot
 
-    def reserve(self, block_hash: BlockHash, tokens: Sequence[int],
-                parent: BlockHash | None) -> int | None:
+    def reserve(
+        self, block_hash: BlockHash, tokens: Sequence[int], parent: BlockHash | None
+    ) -> int | None:
         """A slot to write this block to (evicting the least recently used entry when the
         tier is full); None when the tier already holds it."""
         if block_hash in self._entries:

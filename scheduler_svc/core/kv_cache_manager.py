@@ -41,8 +41,14 @@ class KVCacheManager:
     `prefix_cache_hits` (of those, tokens whose KV came from the cache).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, tier: HostTierIndex | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
+        tier: HostTierIndex | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -89,8 +95,9 @@ class KVCacheManager:
             parent = block_hash
         return hits
 
-    def allocate_for_admission(self, request: Request, computed_blocks: list[BlockId],
-                               num_new_tokens: int) -> list[BlockId] | None:
+    def allocate_for_admission(
+        self, request: Request, computed_blocks: list[BlockId], num_new_tokens: int
+    ) -> list[BlockId] | None:
         """Gives a request with no blocks the `computed_blocks` (one more reference each) plus
         fresh blocks for `num_new_tokens` more tokens. Returns the fresh blocks, or None when
         too few are free, in which case nothing changes."""
@@ -116,8 +123,9 @@ class KVCacheManager:
         Returns the newly added block ids (possibly empty), or None when the pool has too
         few free blocks, in which case nothing changes.
         """
-        num_missing = (cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-                       - len(request.block_ids))
+        num_missing = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(
+            request.block_ids
+        )
         if num_missing <= 0:
             return []
         new_blocks = self.pool.allocate(num_missing)
@@ -146,8 +154,9 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def cache_computed_blocks(self, request: Request, num_computed_tokens: int | None = None
-                              ) -> None:
+    def cache_computed_blocks(
+        self, request: Request, num_computed_tokens: int | None = None
+    ) -> None:
         """Offers the request's full blocks below `num_computed_tokens` (default: the
         request's) to the prefix cache.
 
@@ -232,15 +241,17 @@ class KVCacheManager:
         self._state_of(request).swap_block_ids = swap_ids
         return pairs
 
-    def swap_in(self, request: Request,
-                num_new_tokens: int) -> tuple[list[tuple[int, BlockId]], list[int]] | None:
+    def swap_in(
+        self, request: Request, num_new_tokens: int
+    ) -> tuple[list[tuple[int, BlockId]], list[int]] | None:
         """Gives a swapped request fresh device blocks for its computed tokens plus
         `num_new_tokens`. Returns the (swap block, device block) pairs to copy and the swap
         blocks, which the caller must free only after this step's swap-outs are decided;
         None (nothing changes) when too few device blocks are free."""
         state = self._state_of(request)
         blocks = self.pool.allocate(
-            self.num_blocks_needed(request.num_computed_tokens + num_new_tokens))
+            self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+        )
         if blocks is None:
             return None
         request.block_ids = blocks
@@ -271,9 +282,13 @@ class KVCacheManager:
         hashes = state.block_hashes
         while len(hashes) <= index:
             next_index = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
-                                            self._block_tokens(request, next_index),
-                                            self._block_images(request, next_index)))
+            hashes.append(
+                hash_block_tokens(
+                    hashes[-1] if hashes else None,
+                    self._block_tokens(request, next_index),
+                    self._block_images(request, next_index),
+                )
+            )
         return hashes[index]
 
     def _block_images(self, request: Request, index: int) -> bytes:
@@ -296,5 +311,5 @@ class KVCacheManager:
             return prompt[start:end]
         output = request.output_token_ids
         if start >= num_prompt:
-            return output[start - num_prompt:end - num_prompt]
-        return prompt[start:] + output[:end - num_prompt]
+            return output[start - num_prompt : end - num_prompt]
+        return prompt[start:] + output[: end - num_prompt]

@@ -16,7 +16,6 @@ result) when it fails.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 from protos.step import RequestId, SchedulerOutput
@@ -56,8 +55,13 @@ class KVMoving:
         computed KV for another group. None (nothing changes) when it is unknown, in a step
         in flight, or has no KV here (waiting, preempted, swapped, an embedding)."""
         request = self.requests.get(request_id)
-        if (request is None or request_id in self._in_flight or request.status is not RequestStatus.RUNNING
-                or request.pooling is not None or request.num_computed_tokens == 0):
+        if (
+            request is None
+            or request_id in self._in_flight
+            or request.status is not RequestStatus.RUNNING
+            or request.pooling is not None
+            or request.num_computed_tokens == 0
+        ):
             return None
         return self._hold(request)
 
@@ -76,11 +80,17 @@ class KVMoving:
         `add_request`). Raises ValueError as `add_request` does."""
         check_admissible(request, self.config, self.requests)
         num_tokens = min(num_held_tokens, request.num_tokens - 1)
-        hits = (self.kv.get_computed_blocks(request)[:num_tokens // self.config.block_size]
-                if num_tokens > 0 and request.pooling is None else [])
+        hits = (
+            self.kv.get_computed_blocks(request)[: num_tokens // self.config.block_size]
+            if num_tokens > 0 and request.pooling is None
+            else []
+        )
         num_hit_tokens = len(hits) * self.config.block_size
-        fresh = (self.kv.allocate_for_admission(request, hits, num_tokens - num_hit_tokens)
-                 if num_tokens > num_hit_tokens else None)
+        fresh = (
+            self.kv.allocate_for_admission(request, hits, num_tokens - num_hit_tokens)
+            if num_tokens > num_hit_tokens
+            else None
+        )
         if not fresh:
             self._enqueue(request)
             return None
@@ -88,7 +98,8 @@ class KVMoving:
         self.requests[request.request_id] = request
         self.waiting.register(request)
         pulled = self._importing[request.request_id] = KVImport(
-            request.request_id, num_tokens, len(hits), tuple(fresh))
+            request.request_id, num_tokens, len(hits), tuple(fresh)
+        )
         return pulled
 
     def tier_hits(self, request: Request) -> list[tuple[int, BlockHash]]:
@@ -116,10 +127,11 @@ class KVMoving:
     def _hold(self, request: Request, remove_from_running: bool = True) -> HeldKV:
         """Ends `request` as handed off, its computed KV's blocks kept in `held`."""
         num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        block_ids = tuple(request.block_ids[:cdiv(num_tokens, self.config.block_size)])
+        block_ids = tuple(request.block_ids[: cdiv(num_tokens, self.config.block_size)])
         self.release_held(request.request_id)  # an older hold of the same request
         held = self.held[request.request_id] = HeldKV(
-            request.request_id, block_ids, tuple(request.all_token_ids[:num_tokens]))
+            request.request_id, block_ids, tuple(request.all_token_ids[:num_tokens])
+        )
         self.kv.pool.take(block_ids)  # the hold's own references
         self._finish(request, RequestStatus.HANDED_OFF, remove_from_running)
         return held
@@ -131,11 +143,13 @@ class KVMoving:
         self._start_running(request, output, num_new)
         return num_new
 
-
     if TYPE_CHECKING:  # provided by the Scheduler
+
         def _enqueue(self, request: Request) -> None: ...
-        def _finish(self, request: Request, status: RequestStatus,
-                    remove_from_running: bool = True) -> None: ...
+        def _finish(
+            self, request: Request, status: RequestStatus, remove_from_running: bool = True
+        ) -> None: ...
         def _num_new_tokens(self, num_remaining: int, budget: int) -> int: ...
-        def _start_running(self, request: Request, output: SchedulerOutput,
-                           num_new: int) -> None: ...
+        def _start_running(
+            self, request: Request, output: SchedulerOutput, num_new: int
+        ) -> None: ...

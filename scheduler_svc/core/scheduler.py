@@ -53,8 +53,13 @@ class Scheduler(KVMoving):
 
     def __init__(self, config: SchedulerConfig, tier: HostTierIndex | None = None) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, config.num_swap_blocks, tier)
+        self.kv = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.num_swap_blocks,
+            tier,
+        )
         self.requests: dict[RequestId, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         # fcfs: admission order; priority: sorted by the policy key. Either way the last
@@ -150,8 +155,9 @@ class Scheduler(KVMoving):
         Advances each scheduled request's `num_computed_tokens` as if the step succeeds. The
         output's swap and copy lists must be applied by the workers before its forward.
         """
-        output = SchedulerOutput(step_id=self._next_step_id,
-                                 append_sampled_tokens=self.config.async_scheduling)
+        output = SchedulerOutput(
+            step_id=self._next_step_id, append_sampled_tokens=self.config.async_scheduling
+        )
         self._next_step_id += 1
         self._preempted_this_step = False
         if self.spec is not None:
@@ -171,8 +177,10 @@ class Scheduler(KVMoving):
         for request_id in output.num_scheduled_tokens:
             in_flight[request_id] = in_flight.get(request_id, 0) + 1
             request = requests[request_id]
-            if (request.num_computed_tokens - len(request.spec_token_ids)
-                    == request.num_tokens + request.num_pending_tokens):
+            if (
+                request.num_computed_tokens - len(request.spec_token_ids)
+                == request.num_tokens + request.num_pending_tokens
+            ):
                 request.num_pending_tokens += 1  # this step samples its next token
                 if output.append_sampled_tokens:
                     request.num_tokens_on_workers += 1
@@ -195,9 +203,12 @@ class Scheduler(KVMoving):
             for request_id in scheduled:
                 request = requests.get(request_id)  # aborts wait; a stop while in flight doesn't
                 if request is not None:  # less the token a step still in flight computes
-                    cache_computed_blocks(request, request.num_computed_tokens
-                                          - len(request.spec_token_ids)
-                                          - max(request.num_pending_tokens - 1, 0))
+                    cache_computed_blocks(
+                        request,
+                        request.num_computed_tokens
+                        - len(request.spec_token_ids)
+                        - max(request.num_pending_tokens - 1, 0),
+                    )
         events: list[RequestEvent] = []
         any_finished = False
         for request_id, sampled in result.sampled.items():
@@ -208,13 +219,22 @@ class Scheduler(KVMoving):
                 continue
             num_drafts = len(request.spec_token_ids)
             accepted = result.spec_sampled.get(request_id, ())
-            tokens = (sampled, *(self.spec.verified(request, sampled, accepted)
-                                 if self.spec else Speculation.nothing_drafted(request, accepted)))
+            tokens = (
+                sampled,
+                *(
+                    self.spec.verified(request, sampled, accepted)
+                    if self.spec
+                    else Speculation.nothing_drafted(request, accepted)
+                ),
+            )
             output_token_ids = request.output_token_ids
             # The steps in flight after this one have computed their assumed tokens too.
             if request.num_computed_tokens - len(tokens) + 1 != (
-                    len(request.prompt_token_ids) + len(output_token_ids)
-                    + request.num_pending_tokens - 1):
+                len(request.prompt_token_ids)
+                + len(output_token_ids)
+                + request.num_pending_tokens
+                - 1
+            ):
                 raise ValueError(f"request {request_id} sampled before its prompt was computed")
             request.num_pending_tokens -= 1
             finish_reason = handoff = None
@@ -224,18 +244,26 @@ class Scheduler(KVMoving):
                 if status is not None:  # the tokens after a stop are dropped
                     tokens = tokens[:kept]
                     any_finished = True
-                    if (status is RequestStatus.FINISHED_LENGTH
-                            and len(output_token_ids) < request.hand_off_below):
+                    if (
+                        status is RequestStatus.FINISHED_LENGTH
+                        and len(output_token_ids) < request.hand_off_below
+                    ):
                         handoff = self._hold(request, remove_from_running=False)
                         break
                     self._finish(request, status, remove_from_running=False)
                     finish_reason = request.finish_reason
                     break
-            events.append(RequestEvent(request_id, tokens, finish_reason,
-                                       len(request.prompt_token_ids),
-                                       num_draft_tokens=num_drafts,
-                                       num_accepted_tokens=len(tokens) - 1 if num_drafts else 0,
-                                       handoff=handoff))
+            events.append(
+                RequestEvent(
+                    request_id,
+                    tokens,
+                    finish_reason,
+                    len(request.prompt_token_ids),
+                    num_draft_tokens=num_drafts,
+                    num_accepted_tokens=len(tokens) - 1 if num_drafts else 0,
+                    handoff=handoff,
+                )
+            )
         if result.draft_token_ids and self.spec is not None:  # a draft model's
             self.spec.offer({r: d for r, d in result.draft_token_ids.items() if r in requests})
         if result.pooled:
@@ -256,8 +284,9 @@ class Scheduler(KVMoving):
                 events.append(event)
         return events
 
-    def _pooled(self, output: SchedulerOutput, pooled: dict[RequestId, bytes]
-                ) -> list[RequestEvent]:
+    def _pooled(
+        self, output: SchedulerOutput, pooled: dict[RequestId, bytes]
+    ) -> list[RequestEvent]:
         """Embedding requests whose prompt the step completed: each ends with its vector."""
         events = []
         for request_id, embedding in pooled.items():
@@ -270,8 +299,11 @@ class Scheduler(KVMoving):
                 raise ValueError(f"request {request_id} pooled before its prompt was computed")
             request.num_pending_tokens -= 1
             self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
-            events.append(RequestEvent(request_id, (), request.finish_reason,
-                                       request.num_prompt_tokens, embedding))
+            events.append(
+                RequestEvent(
+                    request_id, (), request.finish_reason, request.num_prompt_tokens, embedding
+                )
+            )
         return events
 
     def stats(self) -> SchedulerStats:
@@ -322,8 +354,13 @@ class Scheduler(KVMoving):
                 index += 1
                 continue
             num_computed = request.num_computed_tokens
-            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
-                          + request.num_pending_tokens - num_computed, budget)
+            num_new = min(
+                len(request.prompt_token_ids)
+                + len(request.output_token_ids)
+                + request.num_pending_tokens
+                - num_computed,
+                budget,
+            )
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new <= 0:  # nothing to compute until a token arrives
@@ -332,13 +369,17 @@ class Scheduler(KVMoving):
             drafts = self.spec.drafts(request, budget) if self.spec and not ahead else []
             if drafts:
                 num_new += len(drafts)
-            room = self.spec.proposal_room if self.spec and num_computed + num_new == (
-                request.num_tokens + len(drafts)) else 0  # a decode, or a prefill's last chunk
+            room = (
+                self.spec.proposal_room
+                if self.spec and num_computed + num_new == (request.num_tokens + len(drafts))
+                else 0
+            )  # a decode, or a prefill's last chunk
             new_blocks: list[int] | None
             if num_computed + num_new + room <= len(request.block_ids) * block_size:
                 new_blocks = []  # the common decode: the last block has room
-            elif (drafts or room) and (new_blocks := allocate_slots(request, num_new + room)
-                                       ) is not None:
+            elif (drafts or room) and (
+                new_blocks := allocate_slots(request, num_new + room)
+            ) is not None:
                 pass  # the drafts' lookahead slots, and the draft model's
             elif num_computed + num_new <= len(request.block_ids) * block_size:
                 new_blocks = []
@@ -359,8 +400,11 @@ class Scheduler(KVMoving):
             new_token_ids = request.output_token_ids[-num_unsent:] if num_unsent > 0 else []
             if num_unsent > 0:
                 request.num_tokens_on_workers = num_known
-            cached_requests.append(CachedRequestData(
-                request.request_id, new_blocks, num_computed, new_token_ids, drafts))
+            cached_requests.append(
+                CachedRequestData(
+                    request.request_id, new_blocks, num_computed, new_token_ids, drafts
+                )
+            )
             request.spec_token_ids = drafts
             num_scheduled_running += 1
             num_scheduled[request.request_id] = num_new
@@ -376,13 +420,18 @@ class Scheduler(KVMoving):
         workers would delay the first token, which its client is waiting for, and one step
         later it overlaps anyway. (Idle TTFT p50 with 16-token prompts measured worse
         scheduling ahead of the prefill than not.)"""
-        return (self.config.async_scheduling and self._in_flight[request.request_id] == 1
-                and request.num_pending_tokens == 1 and bool(request.output_token_ids)
-                and request.num_computed_tokens == request.num_tokens
-                and len(request.output_token_ids) + 1 < request.max_tokens)
+        return (
+            self.config.async_scheduling
+            and self._in_flight[request.request_id] == 1
+            and request.num_pending_tokens == 1
+            and bool(request.output_token_ids)
+            and request.num_computed_tokens == request.num_tokens
+            and len(request.output_token_ids) + 1 < request.max_tokens
+        )
 
-    def _allocate_or_preempt(self, request: Request, num_new: int,
-                             output: SchedulerOutput) -> list[BlockId] | None:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, output: SchedulerOutput
+    ) -> list[BlockId] | None:
         """Allocates blocks for `request`, preempting the last running requests until it fits.
 
         The victims come after `request` in the list, so none was scheduled this step.
@@ -426,8 +475,12 @@ class Scheduler(KVMoving):
         self._preempted_this_step = True
         self._forget_on_workers(request.request_id)
         self.waiting.push(request)
-        logger.info("preempted request %s (%d tokens, %s)", request.request_id,
-                    request.num_tokens, request.status.value)
+        logger.info(
+            "preempted request %s (%d tokens, %s)",
+            request.request_id,
+            request.num_tokens,
+            request.status.value,
+        )
 
     # ---- waiting requests ----------------------------------------------------------------
 
@@ -439,8 +492,11 @@ class Scheduler(KVMoving):
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop()
             lora = request.lora
-            if lora is not None and lora.name not in adapters \
-                    and len(adapters) >= self.config.max_loras:
+            if (
+                lora is not None
+                and lora.name not in adapters
+                and len(adapters) >= self.config.max_loras
+            ):
                 passed_over.append(request)  # its adapter would be one too many this step
                 continue
             num_scheduled = self._try_admit(request, output, budget)
@@ -471,9 +527,11 @@ class Scheduler(KVMoving):
             return self._resume_swapped(request, output, budget)
         if request.block_ids:  # its KV was pulled from another group (finish_import)
             return self._start_imported(request, output, budget)
-        computed_blocks = ([] if request.pooling is not None
-                           and self.config.pooling.reads_every_token
-                           else self.kv.get_computed_blocks(request))
+        computed_blocks = (
+            []
+            if request.pooling is not None and self.config.pooling.reads_every_token
+            else self.kv.get_computed_blocks(request)
+        )
         num_computed = len(computed_blocks) * self.config.block_size
         num_new = self._num_new_tokens(request.num_tokens - num_computed, budget)
         if num_new == 0:
@@ -489,8 +547,9 @@ class Scheduler(KVMoving):
         update (its first token is sampled, and it was not preempted since)."""
         if leader.status is not _RUNNING or not leader.output_token_ids:
             return False
-        num_computed_before_step = (leader.num_computed_tokens
-                                    - output.num_scheduled_tokens.get(leader.request_id, 0))
+        num_computed_before_step = leader.num_computed_tokens - output.num_scheduled_tokens.get(
+            leader.request_id, 0
+        )
         return num_computed_before_step >= leader.num_prompt_tokens
 
     def _start_fork(self, request: Request, leader: Request, output: SchedulerOutput) -> int:
@@ -529,7 +588,8 @@ class Scheduler(KVMoving):
         """Sends a request the workers do not hold, with all its tokens and blocks."""
         if request.output_token_ids:  # its KV was computed before, here or elsewhere
             self.num_recomputed_tokens += max(
-                request.num_tokens - 1 - request.num_computed_tokens, 0)
+                request.num_tokens - 1 - request.num_computed_tokens, 0
+            )
         request.status = RequestStatus.RUNNING
         if self.config.policy == "priority":
             bisect.insort(self.running, request, key=self.waiting.key)
@@ -537,17 +597,19 @@ class Scheduler(KVMoving):
             self.running.append(request)
         self._on_workers.add(request.request_id)
         request.num_tokens_on_workers = request.num_tokens
-        output.new_requests.append(NewRequestData(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids,
-            num_prompt_tokens=request.num_prompt_tokens,
-            block_ids=list(request.block_ids),
-            num_computed_tokens=request.num_computed_tokens,
-            sampling=request.sampling,
-            pooling=request.pooling,
-            images=request.images,
-            lora=request.lora,
-        ))
+        output.new_requests.append(
+            NewRequestData(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_ids=list(request.block_ids),
+                num_computed_tokens=request.num_computed_tokens,
+                sampling=request.sampling,
+                pooling=request.pooling,
+                images=request.images,
+                lora=request.lora,
+            )
+        )
         output.num_scheduled_tokens[request.request_id] = num_new
         request.num_computed_tokens += num_new
 
@@ -559,8 +621,9 @@ class Scheduler(KVMoving):
         self.waiting.register(request)
         self.waiting.push(request)
 
-    def _finish(self, request: Request, status: RequestStatus,
-                remove_from_running: bool = True) -> None:
+    def _finish(
+        self, request: Request, status: RequestStatus, remove_from_running: bool = True
+    ) -> None:
         """Ends a request and frees all it holds; `update()` prunes `running` once instead."""
         if request.status is _RUNNING:
             if remove_from_running:

@@ -17,6 +17,7 @@ speculation token for token, seeded draws included, and only the step's cost cha
   request's drafts at the end of its step (worker_svc/draft.py); they come back with the
   step's tokens and go out in the next step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ MAX_PAUSE_STEPS = 16
 if TYPE_CHECKING:
     from scheduler_svc.core.config import SchedulerConfig
     from scheduler_svc.core.suffix_decoding import SuffixProposer
+
 
 class StepCosts:
     """Whether drafting pays at a batch size, from the steps' measured times: per bucket of
@@ -109,15 +111,17 @@ class Speculation:
         if output.new_requests or any(n != 1 + drafts.get(r, -1) for r, n in scheduled.items()):
             return
         tokens = len(result.sampled) + sum(len(t) for t in result.spec_sampled.values())
-        self.costs.observe(len(scheduled), any(drafts.values()), tokens,
-                           result.forward_time_ms)
+        self.costs.observe(len(scheduled), any(drafts.values()), tokens, result.forward_time_ms)
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens to verify after a decode's token (none for a prefill or an embedding
         request), within the step's budget, max_tokens and max_model_len. A structured-output
         request's drafts are verified under its grammar (worker_svc/structured.py)."""
-        if (request.num_computed_tokens + 1 != request.num_tokens or request.pooling
-                is not None or request.num_pending_tokens):
+        if (
+            request.num_computed_tokens + 1 != request.num_tokens
+            or request.pooling is not None
+            or request.num_pending_tokens
+        ):
             return []
         paused = self._pause.get(request.request_id, 0)
         if not self._drafting:
@@ -125,14 +129,19 @@ class Speculation:
         if paused:
             self._pause[request.request_id] = paused - 1
             return []
-        room = min(self.proposer.max_drafts(request.request_id), budget - 1,
-                   request.max_tokens - len(request.output_token_ids) - 1,
-                   self.max_model_len - request.num_tokens - 1)
-        return self.proposer.propose(request.request_id, request.prompt_token_ids,
-                                     request.output_token_ids, room)
+        room = min(
+            self.proposer.max_drafts(request.request_id),
+            budget - 1,
+            request.max_tokens - len(request.output_token_ids) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return self.proposer.propose(
+            request.request_id, request.prompt_token_ids, request.output_token_ids, room
+        )
 
-    def verified(self, request: Request, first: SampledToken,
-                 accepted: Sequence[SampledToken]) -> Sequence[SampledToken]:
+    def verified(
+        self, request: Request, first: SampledToken, accepted: Sequence[SampledToken]
+    ) -> Sequence[SampledToken]:
         """The step's verdict on the request's drafts: its KV rolled back past the first one
         rejected, and the tokens drawn after the first (`accepted`, one per draft kept: each
         kept draft must equal the token drawn before it, whose KV it was computed with)."""
@@ -140,9 +149,11 @@ class Speculation:
         if not drafts:
             return self.nothing_drafted(request, accepted)
         drawn = [first.token_id, *(t.token_id for t in accepted[:-1])]
-        if len(accepted) > len(drafts) or drawn[:len(accepted)] != drafts[:len(accepted)]:
-            raise ValueError(f"request {request.request_id}: {len(accepted)} drafts kept of "
-                             f"{drafts}, but the tokens drawn were {drawn}")
+        if len(accepted) > len(drafts) or drawn[: len(accepted)] != drafts[: len(accepted)]:
+            raise ValueError(
+                f"request {request.request_id}: {len(accepted)} drafts kept of "
+                f"{drafts}, but the tokens drawn were {drawn}"
+            )
         request.num_computed_tokens -= len(drafts) - len(accepted)
         request.spec_token_ids = []
         request.num_draft_tokens += len(drafts)
@@ -163,8 +174,9 @@ class Speculation:
             self._pause[request_id] = min(1 << (misses - 2), MAX_PAUSE_STEPS)
 
     @staticmethod
-    def nothing_drafted(request: Request, accepted: Sequence[SampledToken]
-                        ) -> Sequence[SampledToken]:
+    def nothing_drafted(
+        request: Request, accepted: Sequence[SampledToken]
+    ) -> Sequence[SampledToken]:
         if accepted:
             raise ValueError(f"request {request.request_id}: tokens for drafts it was not sent")
         return ()
@@ -178,8 +190,9 @@ class Speculation:
         """The request ended: its last tokens too go to the proposer (suffix decoding keeps
         its answer), then its state goes."""
         if request.output_token_ids:
-            self.proposer.propose(request.request_id, request.prompt_token_ids,
-                                  request.output_token_ids, 0)
+            self.proposer.propose(
+                request.request_id, request.prompt_token_ids, request.output_token_ids, 0
+            )
         self.proposer.forget(request.request_id)
         self._misses.pop(request.request_id, None)
         self._pause.pop(request.request_id, None)
@@ -213,9 +226,10 @@ class WorkerDrafts:
     def max_drafts(self, request_id: str) -> int:
         return self.config.num_speculative_tokens
 
-    def propose(self, request_id: str, prompt: Sequence[int], output: Sequence[int],
-                max_drafts: int) -> list[int]:
-        return self._drafts.pop(request_id, [])[:max(max_drafts, 0)]
+    def propose(
+        self, request_id: str, prompt: Sequence[int], output: Sequence[int], max_drafts: int
+    ) -> list[int]:
+        return self._drafts.pop(request_id, [])[: max(max_drafts, 0)]
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """The draft model proposes what it proposes: no back-off here."""
@@ -237,8 +251,9 @@ class NgramProposer:
     def max_drafts(self, request_id: str) -> int:
         return self._budget.get(request_id, self.config.num_speculative_tokens)
 
-    def propose(self, request_id: str, prompt: Sequence[int], output: Sequence[int],
-                max_drafts: int) -> list[int]:
+    def propose(
+        self, request_id: str, prompt: Sequence[int], output: Sequence[int], max_drafts: int
+    ) -> list[int]:
         """Up to `max_drafts` tokens that followed the longest earlier occurrence of the
         tokens' ending n-gram; none when there is none."""
         if max_drafts <= 0:
@@ -278,8 +293,7 @@ class NgramProposer:
         for table in (self._tokens, self._lengths, self._budget):
             table.pop(request_id, None)
 
-    def _updated(self, request_id: str, prompt: Sequence[int], output: Sequence[int]
-                 ) -> np.ndarray:
+    def _updated(self, request_id: str, prompt: Sequence[int], output: Sequence[int]) -> np.ndarray:
         total = len(prompt) + len(output)
         buffer = self._tokens.get(request_id)
         known = self._lengths.get(request_id, 0)

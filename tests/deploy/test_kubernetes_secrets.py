@@ -40,17 +40,27 @@ def test_only_the_router_binds_every_interface_the_others_their_pod_ip(overlay: 
             if service_module(container) is None:
                 continue
             env = {e["name"]: e for e in container["env"]}
-            assert env["PAGEMESH_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            assert (
+                env["PAGEMESH_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
+                == "status.podIP"
+            )
             if component(obj) == "router":
                 assert env["PAGEMESH_HOST"]["value"] == "0.0.0.0", name
                 continue
-            assert env["PAGEMESH_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", name
-            hooks = [container[kind]["exec"]["command"]
-                     for kind in ("startupProbe", "readinessProbe", "livenessProbe")]
-            hooks.append(container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", []))
+            assert env["PAGEMESH_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", (
+                name
+            )
+            hooks = [
+                container[kind]["exec"]["command"]
+                for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+            ]
+            hooks.append(
+                container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+            )
             for command in hooks:
-                assert not re.search(r"\b(127\.0\.0\.1|localhost|0\.0\.0\.0)\b", " ".join(command)), \
-                    (name, command)
+                assert not re.search(
+                    r"\b(127\.0\.0\.1|localhost|0\.0\.0\.0)\b", " ".join(command)
+                ), (name, command)
 
 
 # Kubernetes' quantities and Valkey's memory units (Valkey: `mb` is 1024^2, `m` 10^6).
@@ -71,7 +81,9 @@ def test_valkey_takes_its_acl_from_the_secret_and_never_evicts(overlay: str) -> 
     flags = dict(zip(container["args"][1::2], container["args"][2::2]))
     assert secret_file(pod, container, flags["--aclfile"]) == (MESH_SECRET, VALKEY_ACL)
     # Only the ACL (a hash) reaches Valkey, and no password on its command line.
-    assert [v["secret"]["items"] for v in pod["volumes"]] == [[{"key": VALKEY_ACL, "path": VALKEY_ACL}]]
+    assert [v["secret"]["items"] for v in pod["volumes"]] == [
+        [{"key": VALKEY_ACL, "path": VALKEY_ACL}]
+    ]
     assert "--requirepass" not in flags
     # Full, it refuses writes (the services retry) before the kernel OOM-kills it.
     assert flags["--maxmemory-policy"] == "noeviction"
@@ -82,7 +94,9 @@ def test_valkey_takes_its_acl_from_the_secret_and_never_evicts(overlay: str) -> 
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_pagemesh_container_reads_the_redis_password_and_token_from_the_secret(overlay: str) -> None:
+def test_every_pagemesh_container_reads_the_redis_password_and_token_from_the_secret(
+    overlay: str,
+) -> None:
     for name, data in config_maps(overlay).items():
         assert not set(data) & {v + s for v in MESH_SECRET_FILES for s in ("", "_FILE")}, name
     url = urllib.parse.urlsplit(value_of(overlay, "pagemesh-common", "PAGEMESH_REDIS_URL"))

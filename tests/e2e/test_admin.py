@@ -46,8 +46,13 @@ MAX_PROFILE_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def meshes(tiny_llama_dir: Path, redis_url: str, state_dir: Path, profile_root: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Mesh]]:
+def meshes(
+    tiny_llama_dir: Path,
+    redis_url: str,
+    state_dir: Path,
+    profile_root: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Mesh, Mesh]]:
     """A one-worker mesh started as a new user would (no --redis-url: the embedded Valkey;
     the default cluster), announcing itself in its own state folder, its traces under
     `profile_root`; and a tp=2 mesh with an admin API key (in the environment, as a secret
@@ -56,17 +61,31 @@ def meshes(tiny_llama_dir: Path, redis_url: str, state_dir: Path, profile_root: 
     previous = os.environ.get(STATE_DIR_ENV)
     os.environ[STATE_DIR_ENV] = str(state_dir)  # what the `pagemesh up` process inherits
     try:
-        local = Mesh(str(tiny_llama_dir), logs / "local.log",
-                     extra_args=["--num-kv-blocks", str(NUM_BLOCKS), "--profile-dir",
-                                 str(profile_root), "--max-profile-s", str(MAX_PROFILE_S)])
+        local = Mesh(
+            str(tiny_llama_dir),
+            logs / "local.log",
+            extra_args=[
+                "--num-kv-blocks",
+                str(NUM_BLOCKS),
+                "--profile-dir",
+                str(profile_root),
+                "--max-profile-s",
+                str(MAX_PROFILE_S),
+            ],
+        )
     finally:
         if previous is None:
             del os.environ[STATE_DIR_ENV]
         else:
             os.environ[STATE_DIR_ENV] = previous
-    tp2 = Mesh(str(tiny_llama_dir), logs / "tp2.log", redis_url=redis_url, cluster="e2e-admin-tp2",
-               extra_args=["--tp", "2", "--num-kv-blocks", "32"],
-               env={"PAGEMESH_ADMIN_API_KEY": KEY})
+    tp2 = Mesh(
+        str(tiny_llama_dir),
+        logs / "tp2.log",
+        redis_url=redis_url,
+        cluster="e2e-admin-tp2",
+        extra_args=["--tp", "2", "--num-kv-blocks", "32"],
+        env={"PAGEMESH_ADMIN_API_KEY": KEY},
+    )
     try:
         yield local.wait_ready(), tp2.wait_ready()
     finally:
@@ -97,18 +116,28 @@ def stats(state_dir: Path) -> scheduler_pb2.GetStatsResponse:
     return scheduler_stats_at(json.loads(raw)["address"])
 
 
-def run_cli(state_dir: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    state_dir: Path, *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEMESH_")}
     env[STATE_DIR_ENV] = str(state_dir)
-    return subprocess.run([sys.executable, "-m", "pagemesh.tools.cli", *args], cwd=cwd or REPO_ROOT, check=False,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pagemesh.tools.cli", *args],
+        cwd=cwd or REPO_ROOT,
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # --- the one-worker mesh -----------------------------------------------------------------
 
 
-def test_commands_find_the_local_mesh_with_no_flags(local: Mesh, state_dir: Path,
-                                                    profile_root: Path, tmp_path: Path) -> None:
+def test_commands_find_the_local_mesh_with_no_flags(
+    local: Mesh, state_dir: Path, profile_root: Path, tmp_path: Path
+) -> None:
     mesh = find_local_mesh(folder=state_dir)
     assert mesh is not None and mesh.cluster == "pagemesh"
     assert mesh.router_address == local.address and "6379" not in mesh.redis_url
@@ -126,8 +155,17 @@ def test_commands_find_the_local_mesh_with_no_flags(local: Mesh, state_dir: Path
     assert len(json.loads(memory.stdout)["groups"][0]["ranks"]) == 1
     table = run_cli(state_dir, "admin", "step-stats")
     assert table.returncode == 0 and "utilisation" in table.stdout, table.stderr
-    traced = run_cli(state_dir, "profile", "--seconds", "0.5", "--out", "traces", "--format",
-                     "json", cwd=tmp_path)
+    traced = run_cli(
+        state_dir,
+        "profile",
+        "--seconds",
+        "0.5",
+        "--out",
+        "traces",
+        "--format",
+        "json",
+        cwd=tmp_path,
+    )
     assert traced.returncode == 0, traced.stderr
     (trace,) = json.loads(traced.stdout)["groups"][0]["traces"]
     assert Path(trace["path"]).parent == profile_root / "traces" and Path(trace["path"]).is_file()
@@ -140,8 +178,9 @@ def test_without_a_mesh_the_commands_say_what_they_tried(tmp_path: Path) -> None
     assert str(tmp_path) in top.stderr
 
 
-def test_reset_prefix_cache_makes_a_repeated_prompt_miss(local: Mesh, admin: AdminClient,
-                                                         state_dir: Path) -> None:
+def test_reset_prefix_cache_makes_a_repeated_prompt_miss(
+    local: Mesh, admin: AdminClient, state_dir: Path
+) -> None:
     def hits_of_one_request() -> int:
         before = stats(state_dir).prefix_cache_hits
         local.generate(greedy_request(PROMPT, max_tokens=2))
@@ -202,8 +241,9 @@ def test_step_stats_grow_with_requests(local: Mesh, admin: AdminClient) -> None:
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_profile_writes_a_trace_per_worker(local: Mesh, admin: AdminClient,
-                                           profile_root: Path) -> None:
+def test_profile_writes_a_trace_per_worker(
+    local: Mesh, admin: AdminClient, profile_root: Path
+) -> None:
     def generate_while_tracing(seconds: float) -> None:
         local.generate(greedy_request(PROMPT[:8], max_tokens=4))
 
@@ -219,8 +259,9 @@ def test_profile_writes_a_trace_per_worker(local: Mesh, admin: AdminClient,
     assert "no profiler trace is running" in stopped_twice.error
 
 
-def test_traces_are_written_only_under_the_profile_dir(admin: AdminClient, profile_root: Path,
-                                                      tmp_path: Path) -> None:
+def test_traces_are_written_only_under_the_profile_dir(
+    admin: AdminClient, profile_root: Path, tmp_path: Path
+) -> None:
     outside = tmp_path / "outside"
     for out_dir in (str(outside), "../escape", "a/../../escape"):
         (group,) = admin.start_profile(out_dir).groups
@@ -233,8 +274,11 @@ def test_traces_are_written_only_under_the_profile_dir(admin: AdminClient, profi
 def test_a_trace_nobody_stops_stops_itself(admin: AdminClient, profile_root: Path) -> None:
     (group,) = admin.start_profile("forgotten").groups
     assert not group.error
-    eventually(lambda: any((profile_root / "forgotten").glob("*.json")), 4 * MAX_PROFILE_S,
-               "the trace never stopped itself")
+    eventually(
+        lambda: any((profile_root / "forgotten").glob("*.json")),
+        4 * MAX_PROFILE_S,
+        "the trace never stopped itself",
+    )
     (group,) = admin.stop_profile().groups
     assert "no profiler trace is running" in group.error
 

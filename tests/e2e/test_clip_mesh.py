@@ -34,12 +34,17 @@ def clip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mesh(clip_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Mesh]:
+def mesh(
+    clip_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
     http_port = reserve_port()
-    mesh = Mesh(str(clip_dir), tmp_path_factory.mktemp("logs") / "clip.log",
-                redis_url=redis_url, cluster="e2e-clip",
-                extra_args=["--http-port", str(http_port), "--dtype", "float32"])
+    mesh = Mesh(
+        str(clip_dir),
+        tmp_path_factory.mktemp("logs") / "clip.log",
+        redis_url=redis_url,
+        cluster="e2e-clip",
+        extra_args=["--http-port", str(http_port), "--dtype", "float32"],
+    )
     mesh.http_url = f"http://127.0.0.1:{http_port}"  # type: ignore[attr-defined]
     try:
         yield mesh.wait_ready()
@@ -49,8 +54,10 @@ def mesh(clip_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactor
 
 def images() -> list[Image.Image]:
     rng = np.random.default_rng(4)
-    return [Image.fromarray(rng.integers(0, 255, (40, 56, 3), dtype=np.uint8)),
-            Image.fromarray(rng.integers(0, 255, (32, 32, 4), dtype=np.uint8), "RGBA")]
+    return [
+        Image.fromarray(rng.integers(0, 255, (40, 56, 3), dtype=np.uint8)),
+        Image.fromarray(rng.integers(0, 255, (32, 32, 4), dtype=np.uint8), "RGBA"),
+    ]
 
 
 def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -85,8 +92,12 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
 
 
 def image_message(data: bytes, media_type: str = "image/png") -> list[dict]:
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(data, media_type)}}]}]
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(data, media_type)}}],
+        }
+    ]
 
 
 def test_text_and_image_embeddings_equal_transformers(mesh: Mesh, reference) -> None:
@@ -94,17 +105,23 @@ def test_text_and_image_embeddings_equal_transformers(mesh: Mesh, reference) -> 
     reply = post(mesh, {"input": TEXTS, "encoding_format": "float"}).json()
     ours = np.array([d["embedding"] for d in reply["data"]], dtype=np.float32)
     np.testing.assert_allclose(ours, text_ref, atol=1e-5)
-    for image, expected, fmt, media in zip(images(), image_ref, ("PNG", "WEBP"),
-                                           ("image/png", "image/webp")):
+    for image, expected, fmt, media in zip(
+        images(), image_ref, ("PNG", "WEBP"), ("image/png", "image/webp")
+    ):
         # WebP lossless keeps the pixels (RGBA composited onto white by both sides).
         data = encoded(image, fmt) if fmt == "PNG" else _lossless_webp(image)
-        reply = post(mesh, {"messages": image_message(data, media),
-                            "encoding_format": "float"})
+        reply = post(mesh, {"messages": image_message(data, media), "encoding_format": "float"})
         assert reply.status_code == 200, reply.text
         np.testing.assert_allclose(reply.json()["data"][0]["embedding"], expected, atol=1e-5)
-    grpc_reply = mesh.stub.Embed(generate_pb2.EmbedRequest(inputs=[
-        generate_pb2.EmbedInput(text=TEXTS[0]),
-        generate_pb2.EmbedInput(image=encoded(images()[0]))]), timeout=60)
+    grpc_reply = mesh.stub.Embed(
+        generate_pb2.EmbedRequest(
+            inputs=[
+                generate_pb2.EmbedInput(text=TEXTS[0]),
+                generate_pb2.EmbedInput(image=encoded(images()[0])),
+            ]
+        ),
+        timeout=60,
+    )
     np.testing.assert_allclose(grpc_reply.embeddings[0].values, text_ref[0], atol=1e-5)
     np.testing.assert_allclose(grpc_reply.embeddings[1].values, image_ref[0], atol=1e-5)
     model = httpx.get(f"{mesh.http_url}/v1/models", timeout=10).json()["data"][0]
@@ -119,26 +136,63 @@ def _lossless_webp(image: Image.Image) -> bytes:
 
 def bomb_png(width: int = 30_000, height: int = 30_000) -> bytes:
     """A PNG whose header claims `width` x `height` (900 megapixels) in a few bytes."""
+
     def chunk(kind: bytes, payload: bytes) -> bytes:
-        return (struct.pack(">I", len(payload)) + kind + payload
-                + struct.pack(">I", zlib.crc32(kind + payload)))
+        return (
+            struct.pack(">I", len(payload))
+            + kind
+            + payload
+            + struct.pack(">I", zlib.crc32(kind + payload))
+        )
+
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(b"\x00" * (1 + 3 * width))) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * (1 + 3 * width)))
+        + chunk(b"IEND", b"")
+    )
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"messages": image_message(b"not an image at all")}, "input 0"),
-    ({"messages": image_message(bomb_png())}, "pixels"),
-    ({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a cat"},
-        {"type": "image_url", "image_url": {"url": data_url(b"x")}}]}]}, "not both"),
-    ({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]},
-     "remote image URLs are off"),  # no --allowed-media-domains
-    ({"input": "cat " * 100}, "at most 77"),
-    ({"input": "cat", "dimensions": 8}, "not supported"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"messages": image_message(b"not an image at all")}, "input 0"),
+        ({"messages": image_message(bomb_png())}, "pixels"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a cat"},
+                            {"type": "image_url", "image_url": {"url": data_url(b"x")}},
+                        ],
+                    }
+                ]
+            },
+            "not both",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "https://example.com/cat.png"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "remote image URLs are off",
+        ),  # no --allowed-media-domains
+        ({"input": "cat " * 100}, "at most 77"),
+        ({"input": "cat", "dimensions": 8}, "not supported"),
+    ],
+)
 def test_bad_image_input_is_a_400(mesh: Mesh, body: dict, needle: str) -> None:
     reply = post(mesh, body)
     assert reply.status_code == 400, reply.text

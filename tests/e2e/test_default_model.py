@@ -41,9 +41,12 @@ def mesh(smollm2_mesh: Mesh) -> Mesh:
 def kept_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """The default model with its linear layers kept as GGUF Q4_1 blocks, dequantized per
     matmul (`--gguf-keep-quantized`), beside the dequantized one."""
-    mesh = Mesh(None, tmp_path_factory.mktemp("logs") / "smollm2-kept.log",
-                cluster="e2e-smollm2-kept", extra_args=["--dtype", "float32",
-                                                        "--gguf-keep-quantized"])
+    mesh = Mesh(
+        None,
+        tmp_path_factory.mktemp("logs") / "smollm2-kept.log",
+        cluster="e2e-smollm2-kept",
+        extra_args=["--dtype", "float32", "--gguf-keep-quantized"],
+    )
     try:
         yield mesh.wait_ready()
     finally:
@@ -54,18 +57,27 @@ def kept_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 def solo(mesh: Mesh, smollm2_hf: tuple) -> list[Generation]:
     """PROMPTS one at a time through the dequantized mesh, with top-5 logprobs."""
     _, tokenizer = smollm2_hf
-    return [mesh.generate(greedy_request(tokenizer(p)["input_ids"], MAX_TOKENS, logprobs=5))
-            for p in PROMPTS]
+    return [
+        mesh.generate(greedy_request(tokenizer(p)["input_ids"], MAX_TOKENS, logprobs=5))
+        for p in PROMPTS
+    ]
 
 
 def test_greedy_equals_transformers_alone_and_concurrent(
-        mesh: Mesh, smollm2_hf: tuple, solo: list[Generation]) -> None:
+    mesh: Mesh, smollm2_hf: tuple, solo: list[Generation]
+) -> None:
     model, tokenizer = smollm2_hf
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     worst = 0.0
     for prompt, result in zip(prompts, solo):
-        worst = max(worst, assert_logprobs_close(result.token_ids, list(result.logprobs),
-                                                 *hf_greedy_with_logits(model, prompt, MAX_TOKENS)))
+        worst = max(
+            worst,
+            assert_logprobs_close(
+                result.token_ids,
+                list(result.logprobs),
+                *hf_greedy_with_logits(model, prompt, MAX_TOKENS),
+            ),
+        )
         assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
     print(f"SmolLM2: worst logprob difference from transformers {worst:.2e} (fp32)")
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -75,9 +87,21 @@ def test_greedy_equals_transformers_alone_and_concurrent(
 
 def test_chat_through_the_cli_names_paris(mesh: Mesh) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pagemesh.tools.cli", "generate", "--address", mesh.address, "--chat",
-         "What is the capital of France?", "--max-tokens", "32"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pagemesh.tools.cli",
+            "generate",
+            "--address",
+            mesh.address,
+            "--chat",
+            "What is the capital of France?",
+            "--max-tokens",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
@@ -93,8 +117,8 @@ def test_text_prompt_ends_at_eos_with_usage(mesh: Mesh) -> None:
 
 
 def test_gguf_kept_quantized_through_the_mesh_equals_the_dequantized_model(
-        mesh: Mesh, kept_mesh: Mesh, smollm2_hf: tuple,
-        solo: list[Generation]) -> None:
+    mesh: Mesh, kept_mesh: Mesh, smollm2_hf: tuple, solo: list[Generation]
+) -> None:
     """The same tokens from Q4_1 blocks kept in memory as from the weights dequantized at
     load, through the whole mesh, at a fraction of the weight memory."""
     _, tokenizer = smollm2_hf
@@ -105,8 +129,9 @@ def test_gguf_kept_quantized_through_the_mesh_equals_the_dequantized_model(
     assert [info.quantization for info in infos] == ["none", "gguf-q4_1"]
     # 30 layers' linear weights: fp32 (4 bytes a weight) -> Q4_1 (20 bytes per 32).
     assert infos[0].weight_bytes - infos[1].weight_bytes > 350_000_000
-    chat = generate_pb2.GenerateRequest(text="What is the capital of France?",
-                                        apply_chat_template=True)
+    chat = generate_pb2.GenerateRequest(
+        text="What is the capital of France?", apply_chat_template=True
+    )
     chat.sampling.temperature = 0
     chat.stopping.max_tokens = 20
     assert "Paris" in kept_mesh.generate(chat).text
@@ -114,16 +139,21 @@ def test_gguf_kept_quantized_through_the_mesh_equals_the_dequantized_model(
 
 @pytest.fixture(scope="module")
 def bf16_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    mesh = Mesh(None, tmp_path_factory.mktemp("logs") / "smollm2-bf16.log",
-                cluster="e2e-smollm2-bf16", extra_args=["--dtype", "bfloat16"])
+    mesh = Mesh(
+        None,
+        tmp_path_factory.mktemp("logs") / "smollm2-bf16.log",
+        cluster="e2e-smollm2-bf16",
+        extra_args=["--dtype", "bfloat16"],
+    )
     try:
         yield mesh.wait_ready()
     finally:
         assert mesh.stop() == 0, mesh.log()
 
 
-def test_bfloat16_logprobs_within_transformers_own_rounding(bf16_mesh: Mesh,
-                                                            smollm2_hf: tuple) -> None:
+def test_bfloat16_logprobs_within_transformers_own_rounding(
+    bf16_mesh: Mesh, smollm2_hf: tuple
+) -> None:
     """bf16 against transformers in bf16 (its fp32 model cast, as it loads a GGUF file in
     bf16), within the bound `half_precision_references` derives; the worst case printed."""
     model, tokenizer = smollm2_hf
@@ -134,7 +164,10 @@ def test_bfloat16_logprobs_within_transformers_own_rounding(bf16_mesh: Mesh,
     worst = 0.0
     for prompt, reference in zip(prompts, references):
         result = bf16_mesh.generate(greedy_request(prompt, MAX_TOKENS, logprobs=5))
-        worst = max(worst, assert_half_precision_close(result.token_ids, list(result.logprobs),
-                                                       reference))
-    print(f"SmolLM2 bf16: worst logprob difference {worst:.2e} "
-          f"(bound {references[0].logprob_bound:.2e})")
+        worst = max(
+            worst, assert_half_precision_close(result.token_ids, list(result.logprobs), reference)
+        )
+    print(
+        f"SmolLM2 bf16: worst logprob difference {worst:.2e} "
+        f"(bound {references[0].logprob_bound:.2e})"
+    )

@@ -40,9 +40,9 @@ class OneTargetAtATime:
             self.target = start_target(name, self.model, self.log_dir)
             self.clients = Clients(self.target.address)
             wait_ready(self.target)
-            self.calm = self.clients.run(target_plan(self.target, NUM_CLIENTS,
-                                                     REQUESTS_PER_CLIENT, MAX_TOKENS,
-                                                     "calm")).results
+            self.calm = self.clients.run(
+                target_plan(self.target, NUM_CLIENTS, REQUESTS_PER_CLIENT, MAX_TOKENS, "calm")
+            ).results
             assert not [r.error for r in self.calm if r.error], "the undisturbed run failed"
         assert self.clients is not None
         return self.target, self.clients, self.calm
@@ -57,8 +57,10 @@ class OneTargetAtATime:
 
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OneTargetAtATime]:
-    pool = OneTargetAtATime(write_model(tmp_path_factory.mktemp("fm-model") / "tiny"),
-                            tmp_path_factory.mktemp("fm-logs"))
+    pool = OneTargetAtATime(
+        write_model(tmp_path_factory.mktemp("fm-model") / "tiny"),
+        tmp_path_factory.mktemp("fm-logs"),
+    )
     try:
         yield pool
     finally:
@@ -82,19 +84,24 @@ def test_a_seed_gives_the_same_tokens_alone_as_among_32_streams(meshes: OneTarge
 def test_resuming_an_unknown_request_is_not_found(meshes: OneTargetAtATime) -> None:
     target, clients, _ = meshes.get("single")
     with pytest.raises(grpc.RpcError) as info:
-        list(clients.stub.Generate(generate_pb2.GenerateRequest(request_id="never-seen",
-                                                                resume_from=5), timeout=30))
+        list(
+            clients.stub.Generate(
+                generate_pb2.GenerateRequest(request_id="never-seen", resume_from=5), timeout=30
+            )
+        )
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 # Ids name the mesh too, so that `-k pd` (say) picks one mesh's rows.
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[f"{s.target}: {s.name}" for s in SCENARIOS])
-def test_scenario_loses_nothing_and_changes_nothing(scenario: Scenario,
-                                                    meshes: OneTargetAtATime) -> None:
+def test_scenario_loses_nothing_and_changes_nothing(
+    scenario: Scenario, meshes: OneTargetAtATime
+) -> None:
     target, clients, calm = meshes.get(scenario.target)
     wait_ready(target)
-    row = run_scenario(target, scenario, clients, calm, NUM_CLIENTS, REQUESTS_PER_CLIENT,
-                       MAX_TOKENS)
+    row = run_scenario(
+        target, scenario, clients, calm, NUM_CLIENTS, REQUESTS_PER_CLIENT, MAX_TOKENS
+    )
     print(" | ".join(row.cells()))
     assert row.failed == 0, row.errors
     assert row.identical, "a stream differs from its undisturbed run"

@@ -24,9 +24,13 @@ PROMPT = [5, 6, 7, 8, 9]
 @pytest.fixture(scope="module")
 def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     # No --redis-url: `up` embeds its own Valkey, with a password.
-    mesh = Mesh(str(tiny_llama_dir), tmp_path_factory.mktemp("logs") / "frozen-redis.log",
-                cluster="e2e-frozen", extra_args=["--num-kv-blocks", "96", "--log-level", "INFO"],
-                env={"PAGEMESH_VALKEY_FROZEN_GRACE_S": str(GRACE_S)})
+    mesh = Mesh(
+        str(tiny_llama_dir),
+        tmp_path_factory.mktemp("logs") / "frozen-redis.log",
+        cluster="e2e-frozen",
+        extra_args=["--num-kv-blocks", "96", "--log-level", "INFO"],
+        env={"PAGEMESH_VALKEY_FROZEN_GRACE_S": str(GRACE_S)},
+    )
     try:
         yield mesh.wait_ready()
     finally:
@@ -65,8 +69,10 @@ def test_fresh_requests_and_streams_in_flight_go_on_while_valkey_is_frozen(mesh:
         rest = sum(len(chunk.token_ids) for chunk in stream)
     finally:
         os.kill(pid, signal.SIGCONT)
-    print(f"fresh requests while Valkey was frozen: max {max(latencies):.3f} s, "
-          f"median {sorted(latencies)[len(latencies) // 2]:.3f} s over {len(latencies)}")
+    print(
+        f"fresh requests while Valkey was frozen: max {max(latencies):.3f} s, "
+        f"median {sorted(latencies)[len(latencies) // 2]:.3f} s over {len(latencies)}"
+    )
     assert len(first.token_ids) + rest == 200  # the stream in flight went on
     assert max(latencies) <= 2.0, latencies
     assert mesh.process.poll() is None and valkey_pid(mesh) == pid  # not restarted, not exited
@@ -77,8 +83,11 @@ def test_valkey_frozen_past_its_grace_is_replaced(mesh: Mesh) -> None:
     pid = valkey_pid(mesh)
     os.kill(pid, signal.SIGSTOP)
     try:
-        eventually(lambda: valkey_pid(mesh) not in (None, pid), 4 * GRACE_S,
-                   "the frozen Valkey was never replaced")
+        eventually(
+            lambda: valkey_pid(mesh) not in (None, pid),
+            4 * GRACE_S,
+            "the frozen Valkey was never replaced",
+        )
     finally:
         try:
             os.kill(pid, signal.SIGCONT)

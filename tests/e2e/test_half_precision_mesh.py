@@ -42,8 +42,14 @@ VOCAB_SIZE = 509
 # Blocks of 16 tokens: 9 cannot hold the seven requests at once (about 20 blocks without
 # sharing; the longest alone needs 5), so some are preempted, with a margin (12 blocks saw
 # none once, in a fast bf16 run); 16-token chunks and a 32-token budget split the prompts.
-SCHEDULING_ARGS = ["--num-kv-blocks", "9", "--max-num-batched-tokens", "32",
-                   "--long-prefill-token-threshold", "16"]
+SCHEDULING_ARGS = [
+    "--num-kv-blocks",
+    "9",
+    "--max-num-batched-tokens",
+    "32",
+    "--long-prefill-token-threshold",
+    "16",
+]
 SHARED_PREFIX_LEN = 40
 MAX_TOKENS = 14
 NUM_TOP_LOGPROBS = 5
@@ -64,17 +70,24 @@ def workload() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def edge_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One realistic edge-shaped model per architecture."""
-    return {arch: write_realistic_model(tmp_path_factory.mktemp(arch) / f"edge-{arch}", arch,
-                                        seed=13 + i, vocab_size=VOCAB_SIZE,
-                                        num_key_value_heads=1, num_hidden_layers=3)
-            for i, arch in enumerate(sorted(set(ARCHS["bfloat16"].values())))}
+    return {
+        arch: write_realistic_model(
+            tmp_path_factory.mktemp(arch) / f"edge-{arch}",
+            arch,
+            seed=13 + i,
+            vocab_size=VOCAB_SIZE,
+            num_key_value_heads=1,
+            num_hidden_layers=3,
+        )
+        for i, arch in enumerate(sorted(set(ARCHS["bfloat16"].values())))
+    }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", list(HALF_DTYPES))
 def test_half_precision_layout_matches_transformers(
-        dtype: str, layout: str, edge_models: dict[str, Path], redis_url: str,
-        tmp_path: Path) -> None:
+    dtype: str, layout: str, edge_models: dict[str, Path], redis_url: str, tmp_path: Path
+) -> None:
     arch = ARCHS[dtype][layout]
     folder = edge_models[arch]
     hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -90,10 +103,16 @@ def test_half_precision_layout_matches_transformers(
         runs = []
         for _ in range(3):  # again while no request was preempted: arrival is timing's
             with ThreadPoolExecutor(len(prompts)) as pool:
-                runs.append(list(pool.map(
-                    lambda p: mesh.generate(greedy_request(p, MAX_TOKENS,
-                                                           logprobs=NUM_TOP_LOGPROBS)),
-                    prompts)))
+                runs.append(
+                    list(
+                        pool.map(
+                            lambda p: mesh.generate(
+                                greedy_request(p, MAX_TOKENS, logprobs=NUM_TOP_LOGPROBS)
+                            ),
+                            prompts,
+                        )
+                    )
+                )
             stats = scheduler_stats(redis_url, cluster)
             if stats.num_preemptions:
                 break
@@ -102,12 +121,16 @@ def test_half_precision_layout_matches_transformers(
     for result, reference in ((r, ref) for results in runs for r, ref in zip(results, references)):
         assert result.finish_reason == generate_pb2.FINISH_REASON_LENGTH
         assert all(len(entry.top) == NUM_TOP_LOGPROBS for entry in result.logprobs)
-        worst = max(worst, assert_half_precision_close(result.token_ids, list(result.logprobs),
-                                                       reference))
+        worst = max(
+            worst, assert_half_precision_close(result.token_ids, list(result.logprobs), reference)
+        )
         near_ties += first_divergence(result.token_ids, reference.tokens) is not None
-    print(f"{dtype} {layout} {arch}: worst logprob difference {worst:.2e} (bound {references[0].logprob_bound:.2e}), "
-          f"{near_ties} of {sum(map(len, runs))} streams parted at a near-tie; "
-          f"{stats.num_preemptions} preemptions, prefix hit rate {stats.prefix_cache_hit_rate:.2f}")
+    print(
+        f"{dtype} {layout} {arch}: worst logprob difference {worst:.2e} "
+        f"(bound {references[0].logprob_bound:.2e}), "
+        f"{near_ties} of {sum(map(len, runs))} streams parted at a near-tie; "
+        f"{stats.num_preemptions} preemptions, prefix hit rate {stats.prefix_cache_hit_rate:.2f}"
+    )
     assert stats.prefix_cache_hit_rate > 0, stats
     assert stats.num_preemptions > 0, "the cache was meant to run out"
     swapped = stats.num_preemptions if PREEMPTION_MODES[dtype] == "swap" else 0

@@ -23,18 +23,26 @@ from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import Mesh, entries, greedy_request, scheduler_stats_at
 
 CLUSTER = "e2e-kv-moves"
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
-                                                  "maximum": 999}},
-          "required": ["n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
-def pd_mesh(tiny_llama_dir: Path, redis_url: str,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def pd_mesh(
+    tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
     log = tmp_path_factory.mktemp("logs") / "pd-mesh.log"
-    mesh = Mesh(str(tiny_llama_dir), log, redis_url=redis_url, cluster=CLUSTER,
-                extra_args=["--prefill-replicas", "1", "--decode-replicas", "2",
-                            "--num-kv-blocks", "64"])
+    mesh = Mesh(
+        str(tiny_llama_dir),
+        log,
+        redis_url=redis_url,
+        cluster=CLUSTER,
+        extra_args=["--prefill-replicas", "1", "--decode-replicas", "2", "--num-kv-blocks", "64"],
+    )
     try:
         yield mesh.wait_ready()
     finally:
@@ -95,9 +103,17 @@ def test_prefill_then_decode_equals_colocated_and_transformers(
         text = httpx.get(f"http://{entry['metrics_address']}/metrics", timeout=10).text
         assert 'pagemesh:kv_recomputed_tokens_total{group="' in text
         assert _sample(text, "pagemesh:kv_recomputed_tokens_total") == 0
-    assert sum(_sample(httpx.get(f"http://{e['metrics_address']}/metrics", timeout=10).text,
-                       "pagemesh:kv_transferred_blocks_total")
-               for e in after.values() if e.get("role") == "decode") > 0
+    assert (
+        sum(
+            _sample(
+                httpx.get(f"http://{e['metrics_address']}/metrics", timeout=10).text,
+                "pagemesh:kv_transferred_blocks_total",
+            )
+            for e in after.values()
+            if e.get("role") == "decode"
+        )
+        > 0
+    )
 
 
 def _sample(text: str, name: str) -> float:
@@ -120,8 +136,9 @@ def test_a_drained_decode_group_hands_its_request_over_with_its_kv(
     deadline = time.monotonic() + 30
     decode = {k: e["address"] for k, e in before.items() if e.get("role") == "decode"}
     while busy is None and time.monotonic() < deadline:
-        busy = next((k for k, address in decode.items()
-                     if scheduler_stats_at(address).num_running), None)
+        busy = next(
+            (k for k, address in decode.items() if scheduler_stats_at(address).num_running), None
+        )
     assert busy is not None, "the request never ran on a decode group"
     reply = AdminClient(pd_mesh.channel).drain(busy)
     thread.join(timeout=120)
@@ -137,6 +154,7 @@ def test_a_drained_decode_group_hands_its_request_over_with_its_kv(
 
 def test_drain_names_a_group(pd_mesh: Mesh) -> None:
     import grpc
+
     with pytest.raises(grpc.RpcError) as caught:
         AdminClient(pd_mesh.channel).drain("")
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

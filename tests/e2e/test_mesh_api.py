@@ -8,16 +8,20 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from protos.pagemesh.v1 import generate_pb2
-from tests.support.mesh_harness import Mesh, greedy_request, scheduler_stats
 from tests.support.eventually import eventually
+from tests.support.mesh_harness import Mesh, greedy_request, scheduler_stats
 
 MAX_MODEL_LEN = 512  # the tiny models' max_position_embeddings
 
 
-def sampled_request(prompt_ids: list[int], seed: int, max_tokens: int = 12) -> generate_pb2.GenerateRequest:
+def sampled_request(
+    prompt_ids: list[int], seed: int, max_tokens: int = 12
+) -> generate_pb2.GenerateRequest:
     request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt_ids))
     request.sampling.temperature = 1.0
     request.sampling.top_p = 0.95
@@ -51,7 +55,9 @@ def bad_requests() -> dict[str, generate_pb2.GenerateRequest]:
 
 
 @pytest.mark.parametrize("case", list(bad_requests()))
-def test_bad_input_is_invalid_argument_and_the_mesh_keeps_serving(tiny_llama_mesh: Mesh, case: str) -> None:
+def test_bad_input_is_invalid_argument_and_the_mesh_keeps_serving(
+    tiny_llama_mesh: Mesh, case: str
+) -> None:
     with pytest.raises(grpc.RpcError) as info:
         tiny_llama_mesh.generate(bad_requests()[case])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
@@ -75,9 +81,13 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(tiny_llama_mesh
     assert first == again
     others = [sampled_request([20 + i] * (3 + i), seed=i) for i in range(7)]
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(tiny_llama_mesh.generate, [sampled_request(prompt, seed=1234), *others]))
+        results = list(
+            pool.map(tiny_llama_mesh.generate, [sampled_request(prompt, seed=1234), *others])
+        )
     assert results[0].token_ids == first
-    different = [tiny_llama_mesh.generate(sampled_request(prompt, seed=s)).token_ids for s in (1, 2, 3)]
+    different = [
+        tiny_llama_mesh.generate(sampled_request(prompt, seed=s)).token_ids for s in (1, 2, 3)
+    ]
     assert any(tokens != first for tokens in different), "the seed has no effect"
 
 
@@ -92,11 +102,17 @@ def test_cancelling_a_stream_returns_every_block(tiny_llama_mesh: Mesh, redis_ur
     stats = scheduler_stats(redis_url, "e2e-llama")
     assert stats.num_running == 1 and stats.num_free_blocks < stats.num_blocks
     call.cancel()
+
     def freed() -> bool:
         stats = scheduler_stats(redis_url, "e2e-llama")
         return stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
-    eventually(freed, 10, lambda: f"blocks still held: {scheduler_stats(redis_url, 'e2e-llama')}",
-               interval_s=0.05)
+
+    eventually(
+        freed,
+        10,
+        lambda: f"blocks still held: {scheduler_stats(redis_url, 'e2e-llama')}",
+        interval_s=0.05,
+    )
     assert len(tiny_llama_mesh.generate(greedy_request([3, 4], 2)).token_ids) == 2
 
 
@@ -122,7 +138,9 @@ def test_logprobs_tokenize_and_model_info(tiny_llama_mesh: Mesh) -> None:
     tokenized = tiny_llama_mesh.stub.Tokenize(generate_pb2.TokenizeRequest(text="hello world"))
     assert len(tokenized.token_ids) == len(tokenized.tokens) > 0
     text = tiny_llama_mesh.generate(
-        generate_pb2.GenerateRequest(text="hello world", stopping=generate_pb2.StoppingCriteria(max_tokens=3))
+        generate_pb2.GenerateRequest(
+            text="hello world", stopping=generate_pb2.StoppingCriteria(max_tokens=3)
+        )
     )
     assert text.prompt_tokens == len(tokenized.token_ids)
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from protos.pagemesh.v1 import generate_pb2
 from pagemesh.tools.testing.tiny_models import write_realistic_model
+from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import (
     LOGPROB_BOUND_FP32,
     assert_logprobs_close,
@@ -36,12 +36,17 @@ def prompts_for(vocab_size: int, lengths: list[int], seed: int) -> list[list[int
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
-def arch_mesh(request: pytest.FixtureRequest, redis_url: str,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Mesh]]:
+def arch_mesh(
+    request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, Mesh]]:
     arch = request.param
     folder = write_realistic_model(tmp_path_factory.mktemp(arch) / f"tiny-{arch}", arch, seed=7)
-    mesh = Mesh(str(folder), tmp_path_factory.mktemp("logs") / f"{arch}.log",
-                redis_url=redis_url, cluster=f"e2e-match-{arch}")
+    mesh = Mesh(
+        str(folder),
+        tmp_path_factory.mktemp("logs") / f"{arch}.log",
+        redis_url=redis_url,
+        cluster=f"e2e-match-{arch}",
+    )
     try:
         yield arch, folder, mesh.wait_ready()
     finally:
@@ -56,25 +61,36 @@ def test_greedy_alone_and_concurrent_equal_transformers(arch_mesh: tuple[str, Pa
     max_tokens = [8 + (i * 5) % 17 for i in range(NUM_CONCURRENT)]
     prompts = prompts_for(vocab_size, lengths, seed=sum(map(ord, arch)))
 
-    solo = [mesh.generate(greedy_request(p, n, logprobs=NUM_TOP_LOGPROBS))
-            for p, n in zip(prompts, max_tokens)]
+    solo = [
+        mesh.generate(greedy_request(p, n, logprobs=NUM_TOP_LOGPROBS))
+        for p, n in zip(prompts, max_tokens)
+    ]
     worst = 0.0
     for prompt, n, result in zip(prompts, max_tokens, solo):
         assert result.finish_reason == generate_pb2.FINISH_REASON_LENGTH
         assert result.completion_tokens == n and result.prompt_tokens == len(prompt)
         assert all(len(lp.top) == NUM_TOP_LOGPROBS for lp in result.logprobs)
-        worst = max(worst, assert_logprobs_close(result.token_ids, list(result.logprobs),
-                                                 *hf_greedy_with_logits(model, prompt, n)))
+        worst = max(
+            worst,
+            assert_logprobs_close(
+                result.token_ids, list(result.logprobs), *hf_greedy_with_logits(model, prompt, n)
+            ),
+        )
     print(f"{arch}: worst logprob difference from transformers {worst:.2e} (fp32)")
 
     with ThreadPoolExecutor(NUM_CONCURRENT) as pool:
-        together = list(pool.map(
-            lambda pn: mesh.generate(greedy_request(*pn, logprobs=NUM_TOP_LOGPROBS)),
-            zip(prompts, max_tokens)))
+        together = list(
+            pool.map(
+                lambda pn: mesh.generate(greedy_request(*pn, logprobs=NUM_TOP_LOGPROBS)),
+                zip(prompts, max_tokens),
+            )
+        )
     for i, (alone, concurrent) in enumerate(zip(solo, together)):
         assert concurrent.token_ids == alone.token_ids, f"stream {i} differs when batched"
         gaps = [abs(a.logprob - b.logprob) for a, b in zip(alone.logprobs, concurrent.logprobs)]
-        assert max(gaps) <= LOGPROB_BOUND_FP32, f"stream {i}: logprobs move by {max(gaps):.3g} batched"
+        assert max(gaps) <= LOGPROB_BOUND_FP32, (
+            f"stream {i}: logprobs move by {max(gaps):.3g} batched"
+        )
 
 
 # Per architecture, one setting of every filter the sampler has (the first output token, so
@@ -104,8 +120,10 @@ def _expected_first_token(model: torch.nn.Module, prompt: list[int], setting: di
 
     ids = torch.tensor([prompt])
     scores = model(ids).logits[:, -1].double()
-    processors = [RepetitionPenaltyLogitsProcessor(setting.get("repetition_penalty", 1.0)),
-                  TemperatureLogitsWarper(setting["temperature"])]
+    processors = [
+        RepetitionPenaltyLogitsProcessor(setting.get("repetition_penalty", 1.0)),
+        TemperatureLogitsWarper(setting["temperature"]),
+    ]
     if "top_k" in setting:
         processors.append(TopKLogitsWarper(setting["top_k"]))
     if "top_p" in setting:

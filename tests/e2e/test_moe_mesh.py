@@ -34,16 +34,26 @@ SPARSE_LAYERS = (0, 2)  # layer 1 is dense (mlp_only_layers)
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-qwen2-moe", "qwen2_moe",
-                            seed=4, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("moe") / "tiny-qwen2-moe",
+        "qwen2_moe",
+        seed=4,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=TOP_K,
+    )
 
 
 @pytest.fixture(scope="module")
-def mesh(moe_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Mesh]:
-    mesh = Mesh(str(moe_model), tmp_path_factory.mktemp("logs") / "moe.log",
-                redis_url=redis_url, cluster=CLUSTER,
-                extra_args=["--tp", "2", "--enable-expert-parallel", "--num-kv-blocks", "96"])
+def mesh(
+    moe_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    mesh = Mesh(
+        str(moe_model),
+        tmp_path_factory.mktemp("logs") / "moe.log",
+        redis_url=redis_url,
+        cluster=CLUSTER,
+        extra_args=["--tp", "2", "--enable-expert-parallel", "--num-kv-blocks", "96"],
+    )
     try:
         yield mesh.wait_ready()
     finally:
@@ -58,8 +68,9 @@ def prompts() -> list[list[int]]:
 def test_expert_parallel_streams_equal_transformers(mesh: Mesh, moe_model: Path) -> None:
     hf_model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda p: mesh.generate(greedy_request(p, 12)).token_ids,
-                                prompts()))
+        results = list(
+            pool.map(lambda p: mesh.generate(greedy_request(p, 12)).token_ids, prompts())
+        )
     for prompt, ours in zip(prompts(), results, strict=True):
         assert_greedy_match(hf_model, prompt, ours, hf_greedy(hf_model, prompt, 12))
 
@@ -86,9 +97,12 @@ def test_a_seed_repeats_its_samples_alone_and_with_n_3(mesh: Mesh) -> None:
 
 
 def test_json_schema_output_parses(mesh: Mesh) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
-                                                      "maximum": 99}},
-              "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     request = greedy_request(prompts()[1], 40)
     request.stopping.ignore_eos = False
     request.constraint.json_schema = json.dumps(schema)
@@ -124,9 +138,24 @@ def test_expert_load_adds_up_in_admin_metrics_and_top(mesh: Mesh, redis_url: str
                     counted[int(sample.labels["layer"])] += sample.value
     assert counted == {layer: float(after[layer]) for layer in SPARSE_LAYERS}
     out = subprocess.run(
-        [sys.executable, "-m", "pagemesh.tools.cli", "top", "--once", "--format", "json",
-         "--redis-url", redis_url, "--cluster", CLUSTER],
-        capture_output=True, text=True, timeout=60, check=True).stdout
+        [
+            sys.executable,
+            "-m",
+            "pagemesh.tools.cli",
+            "top",
+            "--once",
+            "--format",
+            "json",
+            "--redis-url",
+            redis_url,
+            "--cluster",
+            CLUSTER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     hot = json.loads(out)["rates"]["hot_experts"]
     [(group, experts)] = hot.items()
     assert experts and experts[0]["layer"] in SPARSE_LAYERS

@@ -16,12 +16,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
-from protos.pagemesh.v1 import generate_pb2_grpc
-from tests.support.hf_reference import assert_greedy_match, hf_greedy
-from tests.support.mesh_harness import REPO_ROOT, Generation, greedy_request
 from pagemesh.tools.testing.netns import HostNetwork, namespaces_unavailable
 from pagemesh.tools.testing.tiny_models import write_tiny_model
+from protos.pagemesh.v1 import generate_pb2_grpc
 from tests.support.eventually import eventually
+from tests.support.hf_reference import assert_greedy_match, hf_greedy
+from tests.support.mesh_harness import REPO_ROOT, Generation, greedy_request
 
 REASON = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host test: {REASON}")
@@ -33,7 +33,9 @@ def valkey_binary() -> str:
     return str(get_binary_path())
 
 
-def wait_serving(address: str, processes: list[subprocess.Popen], logs: Path, timeout_s: float = 240) -> None:
+def wait_serving(
+    address: str, processes: list[subprocess.Popen], logs: Path, timeout_s: float = 240
+) -> None:
     def log_tails() -> str:
         return "".join(f.read_text()[-3000:] for f in logs.glob("*.log"))
 
@@ -43,8 +45,11 @@ def wait_serving(address: str, processes: list[subprocess.Popen], logs: Path, ti
         def serving() -> bool:
             dead = [p.args for p in processes if p.poll() is not None]
             assert not dead, f"exited: {dead}\n" + log_tails()
-            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            return (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+
         eventually(serving, timeout_s, log_tails, interval_s=0.5, ignoring=(grpc.RpcError,))
 
 
@@ -63,20 +68,82 @@ def test_two_workers_on_two_hosts_equal_transformers(tmp_path: Path) -> None:
 
         def start(host, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
             log = open(tmp_path / f"{name}.log", "wb")
-            processes.append(subprocess.Popen(host.argv(*argv), stdout=log, stderr=subprocess.STDOUT,
-                                              cwd=REPO_ROOT, env={**os.environ, **(env or {})}))
+            processes.append(
+                subprocess.Popen(
+                    host.argv(*argv),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO_ROOT,
+                    env={**os.environ, **(env or {})},
+                )
+            )
 
-        start(head, "valkey", [valkey_binary(), "--bind", head.address, "--port", "6379",
-                               "--save", "", "--appendonly", "no", "--protected-mode", "no"])
+        start(
+            head,
+            "valkey",
+            [
+                valkey_binary(),
+                "--bind",
+                head.address,
+                "--port",
+                "6379",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
+        )
         for rank, host in enumerate(workers):
-            start(host, f"worker{rank}", [*common, "worker_svc.main", *cluster, "--model", str(model),
-                                          "--host", host.address, "--tp", "2", "--tp-rank", str(rank),
-                                          "--torch-threads", "1"],
-                  env={"GLOO_SOCKET_IFNAME": host.interface})
-        start(scheduler_host, "scheduler", [*common, "scheduler_svc.main", *cluster,
-                                            "--host", scheduler_host.address, "--tp", "2"])
-        start(router_host, "router", [*common, "router.main", *cluster, "--host", router_host.address,
-                                      "--port", "50051", "--model", str(model)])
+            start(
+                host,
+                f"worker{rank}",
+                [
+                    *common,
+                    "worker_svc.main",
+                    *cluster,
+                    "--model",
+                    str(model),
+                    "--host",
+                    host.address,
+                    "--tp",
+                    "2",
+                    "--tp-rank",
+                    str(rank),
+                    "--torch-threads",
+                    "1",
+                ],
+                env={"GLOO_SOCKET_IFNAME": host.interface},
+            )
+        start(
+            scheduler_host,
+            "scheduler",
+            [
+                *common,
+                "scheduler_svc.main",
+                *cluster,
+                "--host",
+                scheduler_host.address,
+                "--tp",
+                "2",
+            ],
+        )
+        start(
+            router_host,
+            "router",
+            [
+                *common,
+                "router.main",
+                *cluster,
+                "--host",
+                router_host.address,
+                "--port",
+                "50051",
+                "--model",
+                str(model),
+            ],
+        )
         address = f"{router_host.address}:50051"
         wait_serving(address, processes, tmp_path)
 

@@ -22,8 +22,14 @@ from tests.support.parallel_layouts import LAYOUTS, run_layout
 
 @pytest.fixture(scope="module")
 def edge_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("edge") / "edge-llama", "llama", seed=11,
-                            vocab_size=509, num_key_value_heads=1, num_hidden_layers=3)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("edge") / "edge-llama",
+        "llama",
+        seed=11,
+        vocab_size=509,
+        num_key_value_heads=1,
+        num_hidden_layers=3,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,26 +51,36 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def seeded_reference(edge_model: Path, redis_url: str,
-                     tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+def seeded_reference(
+    edge_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> list[list[int]]:
     """Seeded samples from the one-worker layout, which every other layout must reproduce."""
-    with run_layout("tp1", edge_model, redis_url, tmp_path_factory.mktemp("logs"),
-                    cluster="e2e-par-tp1") as mesh:
+    with run_layout(
+        "tp1", edge_model, redis_url, tmp_path_factory.mktemp("logs"), cluster="e2e-par-tp1"
+    ) as mesh:
         return [mesh.generate(seeded_request(p, seed=i)).token_ids for i, p in enumerate(prompts())]
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "tp1"])
 def test_layout_matches_transformers_and_one_worker(
-    name: str, edge_model: Path, hf_model: torch.nn.Module, redis_url: str,
-    seeded_reference: list[list[int]], tmp_path: Path,
+    name: str,
+    edge_model: Path,
+    hf_model: torch.nn.Module,
+    redis_url: str,
+    seeded_reference: list[list[int]],
+    tmp_path: Path,
 ) -> None:
     with run_layout(name, edge_model, redis_url, tmp_path, cluster=f"e2e-par-{name}") as mesh:
         requests = [(p, 12) for p in prompts()]
         with ThreadPoolExecutor(len(requests)) as pool:
-            results = list(pool.map(lambda pn: mesh.generate(greedy_request(*pn)).token_ids, requests))
+            results = list(
+                pool.map(lambda pn: mesh.generate(greedy_request(*pn)).token_ids, requests)
+            )
         for (prompt, n), ours in zip(requests, results):
             assert_greedy_match(hf_model, prompt, ours, hf_greedy(hf_model, prompt, n))
-        seeded = [mesh.generate(seeded_request(p, seed=i)).token_ids for i, p in enumerate(prompts())]
+        seeded = [
+            mesh.generate(seeded_request(p, seed=i)).token_ids for i, p in enumerate(prompts())
+        ]
         assert seeded == seeded_reference
         info = mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
         tp, pp, _ = LAYOUTS[name]

@@ -31,16 +31,28 @@ CLUSTER = "e2e-replicas"
 
 
 @pytest.fixture(scope="module")
-def two_groups(tiny_llama_dir: Path, redis_url: str,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    mesh = Mesh(str(tiny_llama_dir), tmp_path_factory.mktemp("logs") / "replicas.log",
-                redis_url=redis_url, cluster=CLUSTER, extra_args=["--replicas", "2"])
+def two_groups(
+    tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    mesh = Mesh(
+        str(tiny_llama_dir),
+        tmp_path_factory.mktemp("logs") / "replicas.log",
+        redis_url=redis_url,
+        cluster=CLUSTER,
+        extra_args=["--replicas", "2"],
+    )
     try:
         mesh.wait_ready()
         # The router serves as soon as one group is up.
         eventually(lambda: len(schedulers(redis_url)) >= 2, 60, mesh.log, interval_s=0.2)
-        eventually(lambda: mesh.stub.GetModelInfo(
-            generate_pb2.GetModelInfoRequest()).layout.num_replicas >= 2, 60, mesh.log, interval_s=0.2)
+        eventually(
+            lambda: (
+                mesh.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).layout.num_replicas >= 2
+            ),
+            60,
+            mesh.log,
+            interval_s=0.2,
+        )
         yield mesh
     finally:
         mesh.stop()
@@ -48,17 +60,23 @@ def two_groups(tiny_llama_dir: Path, redis_url: str,
 
 def schedulers(redis_url: str) -> dict[str, dict]:
     client = redis.Redis.from_url(redis_url)
-    return {key.decode().rsplit(":", 1)[1]: json.loads(client.get(key))
-            for key in client.scan_iter(f"{CLUSTER}:scheduler:*")}
+    return {
+        key.decode().rsplit(":", 1)[1]: json.loads(client.get(key))
+        for key in client.scan_iter(f"{CLUSTER}:scheduler:*")
+    }
 
 
-def test_shared_prefix_sticks_and_unrelated_requests_spread(two_groups: Mesh, redis_url: str) -> None:
+def test_shared_prefix_sticks_and_unrelated_requests_spread(
+    two_groups: Mesh, redis_url: str
+) -> None:
     groups = schedulers(redis_url)
     rng = random.Random(9)
     prefix = [rng.randrange(1, 500) for _ in range(96)]  # six full blocks
     for i in range(6):
         two_groups.generate(greedy_request(prefix + [100 + i, 7, 8], 3))
-    rates = {g: scheduler_stats_at(info["address"]).prefix_cache_hit_rate for g, info in groups.items()}
+    rates = {
+        g: scheduler_stats_at(info["address"]).prefix_cache_hit_rate for g, info in groups.items()
+    }
     assert sorted(rates.values())[0] == 0 and sorted(rates.values())[1] > 0.5, rates
 
     before = {g: scheduler_stats_at(info["address"]).num_steps for g, info in groups.items()}
@@ -80,8 +98,13 @@ def num_steps(groups: dict[str, dict]) -> dict[str, int]:
 
 @pytest.mark.parametrize("policy", ROUTING_POLICIES)
 def test_each_routing_policy_gives_transformers_tokens(
-        policy: str, two_groups: Mesh, tiny_llama_dir: Path, redis_url: str,
-        hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    policy: str,
+    two_groups: Mesh,
+    tiny_llama_dir: Path,
+    redis_url: str,
+    hf_model: torch.nn.Module,
+    tmp_path: Path,
+) -> None:
     """Through a router of each policy (the mesh's own is prefix_aware; the others run beside
     it over the same two groups): sequential requests sharing a prefix and concurrent
     unrelated ones all get transformers' greedy tokens, and the groups' step counts show the
@@ -95,17 +118,30 @@ def test_each_routing_policy_gives_transformers_tokens(
     with contextlib.ExitStack() as stack:
         router = two_groups
         if policy != "prefix_aware":
-            router = stack.enter_context(router_process(
-                tiny_llama_dir, redis_url, CLUSTER, tmp_path / "router.log", "--routing", policy))
-            eventually(lambda: router.stub.GetModelInfo(
-                generate_pb2.GetModelInfoRequest(), timeout=1).layout.num_replicas == 2,
-                60, router.log, interval_s=0.2, ignoring=(grpc.RpcError,))
+            router = stack.enter_context(
+                router_process(
+                    tiny_llama_dir, redis_url, CLUSTER, tmp_path / "router.log", "--routing", policy
+                )
+            )
+            eventually(
+                lambda: (
+                    router.stub.GetModelInfo(
+                        generate_pb2.GetModelInfoRequest(), timeout=1
+                    ).layout.num_replicas
+                    == 2
+                ),
+                60,
+                router.log,
+                interval_s=0.2,
+                ignoring=(grpc.RpcError,),
+            )
         at_start = num_steps(groups)
         sequential = [router.generate(greedy_request(p, 8)).token_ids for p in shared]
         after_shared = num_steps(groups)
         with ThreadPoolExecutor(len(unrelated)) as pool:
-            concurrent = list(pool.map(
-                lambda p: router.generate(greedy_request(p, 16)).token_ids, unrelated))
+            concurrent = list(
+                pool.map(lambda p: router.generate(greedy_request(p, 16)).token_ids, unrelated)
+            )
         after_unrelated = num_steps(groups)
 
     for prompt, ours in zip(shared + unrelated, sequential + concurrent):
@@ -125,8 +161,17 @@ def test_a_dead_group_is_routed_around(two_groups: Mesh, redis_url: str) -> None
     for i in range(6):  # before and after its heartbeat expires: retried, never lost
         result = two_groups.generate(greedy_request([30 + i, 31, 32], 4))
         assert len(result.token_ids) == 4
-    eventually(lambda: two_groups.stub.GetModelInfo(
-        generate_pb2.GetModelInfoRequest()).layout.num_replicas == 1, 10,
-        "the router still counts the dead group", interval_s=0.3)
+    eventually(
+        lambda: (
+            two_groups.stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).layout.num_replicas
+            == 1
+        ),
+        10,
+        "the router still counts the dead group",
+        interval_s=0.3,
+    )
     health = health_pb2_grpc.HealthStub(two_groups.channel)
-    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest()).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )

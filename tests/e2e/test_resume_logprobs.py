@@ -32,15 +32,22 @@ CLUSTER = "e2e-resume-logprobs"
 MAX_TOKENS = 256
 NUM_LOGPROBS = 5
 # Logprobs of tokens computed after the resume, against the undisturbed run's: the bound the
-# suite holds the mesh to against transformers (README, Logprobs).
+# suite holds the mesh to against transformers (docs/contributing.md, parity with transformers).
 RECOMPUTED_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(
+    tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
     log = tmp_path_factory.mktemp("logs") / "resume-logprobs.log"
-    mesh = Mesh(str(tiny_llama_dir), log, redis_url=redis_url, cluster=CLUSTER,
-                extra_args=["--num-kv-blocks", "128"])
+    mesh = Mesh(
+        str(tiny_llama_dir),
+        log,
+        redis_url=redis_url,
+        cluster=CLUSTER,
+        extra_args=["--num-kv-blocks", "128"],
+    )
     try:
         yield mesh.wait_ready()
     finally:
@@ -48,10 +55,14 @@ def mesh(tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPath
 
 
 def request(request_id: str) -> generate_pb2.GenerateRequest:
-    return greedy_request([3, 14, 15, 92, 65], MAX_TOKENS, logprobs=NUM_LOGPROBS, request_id=request_id)
+    return greedy_request(
+        [3, 14, 15, 92, 65], MAX_TOKENS, logprobs=NUM_LOGPROBS, request_id=request_id
+    )
 
 
-def as_tuples(logprobs: list[generate_pb2.TokenLogprob]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+def as_tuples(
+    logprobs: list[generate_pb2.TokenLogprob],
+) -> list[tuple[int, float, list[tuple[int, float]]]]:
     return [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in logprobs]
 
 
@@ -79,16 +90,27 @@ def test_resumed_tokens_carry_the_undisturbed_runs_logprobs(mesh: Mesh, redis_ur
         if len(received) >= 8:
             break
     # The scheduler goes on while the client holds back: its checkpoint gets ahead of the client.
-    eventually(lambda: (c := checkpoint(redis_url, "killed")) and len(c.samples[0].token_ids) > len(received),
-               60, "the checkpoint never got past what the client has")
+    eventually(
+        lambda: (
+            (c := checkpoint(redis_url, "killed")) and len(c.samples[0].token_ids) > len(received)
+        ),
+        60,
+        "the checkpoint never got past what the client has",
+    )
     os.kill(router_pid(redis_url), signal.SIGKILL)
     stream.cancel()
-    eventually(lambda: health_status(mesh) == health_pb2.HealthCheckResponse.SERVING, 60,
-               "the restarted router serving")
+    eventually(
+        lambda: health_status(mesh) == health_pb2.HealthCheckResponse.SERVING,
+        60,
+        "the restarted router serving",
+    )
     num_received = len(received)
     stored = checkpoint(redis_url, "killed")
     num_checkpointed = len(stored.samples[0].token_ids)
-    assert stored.samples[0].logprobs is not None and len(stored.samples[0].logprobs) == num_checkpointed
+    assert (
+        stored.samples[0].logprobs is not None
+        and len(stored.samples[0].logprobs) == num_checkpointed
+    )
 
     resume = generate_pb2.GenerateRequest(request_id="killed", resume_from=num_received)
     for chunk in mesh.stub.Generate(resume, timeout=300):
@@ -102,15 +124,24 @@ def test_resumed_tokens_carry_the_undisturbed_runs_logprobs(mesh: Mesh, redis_ur
     # undisturbed run: the same decode steps computed them, the checkpoint kept them exactly.
     assert got[:num_checkpointed] == want[:num_checkpointed]
     replayed = got[num_received:num_checkpointed]
-    assert [(lp, top) for _, lp, top in replayed] == \
-        [(lp, list(top)) for lp, top in stored.samples[0].logprobs[num_received:]]
+    assert [(lp, top) for _, lp, top in replayed] == [
+        (lp, list(top)) for lp, top in stored.samples[0].logprobs[num_received:]
+    ]
     # After it, tokens computed on a recomputed KV (one prefill over prompt + outputs, where
     # the undisturbed run decoded token by token): equal up to float32 summation order.
-    worst = max((abs(a - b) for (_, lp, top), (_, calm_lp, calm_top) in
-                 zip(got[num_checkpointed:], want[num_checkpointed:])
-                 for a, b in zip([lp, *(x for _, x in top)], [calm_lp, *(x for _, x in calm_top)])),
-                default=0.0)
+    worst = max(
+        (
+            abs(a - b)
+            for (_, lp, top), (_, calm_lp, calm_top) in zip(
+                got[num_checkpointed:], want[num_checkpointed:]
+            )
+            for a, b in zip([lp, *(x for _, x in top)], [calm_lp, *(x for _, x in calm_top)])
+        ),
+        default=0.0,
+    )
     assert worst <= RECOMPUTED_TOLERANCE
-    print(f"{num_received} tokens received, {num_checkpointed - num_received} replayed from the "
-          f"checkpoint (equal), {MAX_TOKENS - num_checkpointed} computed after the resume "
-          f"(worst logprob difference {worst:.1e})")
+    print(
+        f"{num_received} tokens received, {num_checkpointed - num_received} replayed from the "
+        f"checkpoint (equal), {MAX_TOKENS - num_checkpointed} computed after the resume "
+        f"(worst logprob difference {worst:.1e})"
+    )

@@ -17,8 +17,13 @@ def test_router_without_groups_is_not_serving_and_unavailable(
 ) -> None:
     with router_process(tiny_llama_dir, redis_url, "e2e-empty", tmp_path / "router.log") as router:
         health = health_pb2_grpc.HealthStub(router.channel)
-        response = eventually(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=1),
-                              60, router.log, interval_s=0.3, ignoring=(grpc.RpcError,))
+        response = eventually(
+            lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=1),
+            60,
+            router.log,
+            interval_s=0.3,
+            ignoring=(grpc.RpcError,),
+        )
         assert response.status == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as info:
             list(router.stub.Generate(greedy_request([1, 2], 2), timeout=10))

@@ -22,9 +22,18 @@ from tests.support.mesh_harness import Mesh, greedy_request, scheduler_stats
 
 LAYOUTS = {
     # name: flags of `pagemesh up`
-    "prefix-cache+chunked": ["--max-num-batched-tokens", "48", "--long-prefill-token-threshold", "24"],
-    "no-prefix-cache+no-chunking": ["--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-                                    "--max-num-batched-tokens", "512"],
+    "prefix-cache+chunked": [
+        "--max-num-batched-tokens",
+        "48",
+        "--long-prefill-token-threshold",
+        "24",
+    ],
+    "no-prefix-cache+no-chunking": [
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "512",
+    ],
     "tiny-cache-recompute": ["--num-kv-blocks", "24", "--preemption-mode", "recompute"],
     "tiny-cache-swap": ["--num-kv-blocks", "24", "--preemption-mode", "swap"],
     # Priorities 0-2 (the concurrent requests'): admission order and preemption victims by
@@ -56,12 +65,21 @@ def hf_model(tiny_llama_dir: Path) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout_mesh(request: pytest.FixtureRequest, tiny_llama_dir: Path, redis_url: str,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Mesh]]:
+def layout_mesh(
+    request: pytest.FixtureRequest,
+    tiny_llama_dir: Path,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, str, Mesh]]:
     name = request.param
     cluster = f"e2e-sched-{name}"
-    mesh = Mesh(str(tiny_llama_dir), tmp_path_factory.mktemp("logs") / f"{name}.log",
-                redis_url=redis_url, cluster=cluster, extra_args=LAYOUTS[name])
+    mesh = Mesh(
+        str(tiny_llama_dir),
+        tmp_path_factory.mktemp("logs") / f"{name}.log",
+        redis_url=redis_url,
+        cluster=cluster,
+        extra_args=LAYOUTS[name],
+    )
     try:
         yield name, cluster, mesh.wait_ready()
     finally:
@@ -83,9 +101,12 @@ def test_greedy_equals_transformers_under_each_layout(
         requests = [(prompt, n + LOAD_EXTRA_TOKENS) for prompt, n in requests]
         references = [hf_greedy(hf_model, prompt, n) for prompt, n in requests]
     with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(
-            lambda i: mesh.generate(greedy_request(*requests[i], priority=i % 3)).token_ids,
-            range(len(requests))))
+        together = list(
+            pool.map(
+                lambda i: mesh.generate(greedy_request(*requests[i], priority=i % 3)).token_ids,
+                range(len(requests)),
+            )
+        )
     for (prompt, _), ours, reference in zip(requests, together, references):
         assert_greedy_match(hf_model, prompt, ours, reference)
 
@@ -103,7 +124,9 @@ def test_greedy_equals_transformers_under_each_layout(
         assert stats.num_swap_outs == stats.num_swap_ins == 0, stats
 
 
-def n_request(prompt: list[int], n: int, temperature: float, seed: int | None) -> generate_pb2.GenerateRequest:
+def n_request(
+    prompt: list[int], n: int, temperature: float, seed: int | None
+) -> generate_pb2.GenerateRequest:
     request = greedy_request(prompt, 10, n=n)
     request.sampling.temperature = temperature
     if seed is not None:
@@ -111,7 +134,9 @@ def n_request(prompt: list[int], n: int, temperature: float, seed: int | None) -
     return request
 
 
-def samples_of(mesh: Mesh, request: generate_pb2.GenerateRequest) -> tuple[list[list[int]], generate_pb2.GenerateResponse]:
+def samples_of(
+    mesh: Mesh, request: generate_pb2.GenerateRequest
+) -> tuple[list[list[int]], generate_pb2.GenerateResponse]:
     samples: dict[int, list[int]] = {}
     last = None
     for chunk in mesh.stub.Generate(request, timeout=120):
@@ -135,14 +160,21 @@ def test_n_samples_share_the_prompt_and_are_reproducible(
     assert again == sampled
 
 
-SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 8},
-    "days": {"type": "integer", "minimum": 1, "maximum": 9},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-    "required": ["city", "days"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 
 
-def constrained_request(prompt: list[int], seed: int | None, n: int = 1) -> generate_pb2.GenerateRequest:
+def constrained_request(
+    prompt: list[int], seed: int | None, n: int = 1
+) -> generate_pb2.GenerateRequest:
     request = greedy_request(prompt, 64, n=n)
     request.stopping.ignore_eos = False  # the grammar ends it
     request.constraint.json_schema = json.dumps(SCHEMA)
@@ -153,17 +185,22 @@ def constrained_request(prompt: list[int], seed: int | None, n: int = 1) -> gene
 
 
 def test_constrained_requests_are_exact_under_each_layout(
-    layout_mesh: tuple[str, str, Mesh], hf_model: torch.nn.Module, redis_url: str,
-    tiny_llama_dir: Path
+    layout_mesh: tuple[str, str, Mesh],
+    hf_model: torch.nn.Module,
+    redis_url: str,
+    tiny_llama_dir: Path,
 ) -> None:
     """JSON-schema requests (greedy, seeded, and seeded with n=2) give the same tokens alone
     and among the workload that fills the cache: chunked, prefix-cached, preempted by
     recompute or swapped out and back, their grammar state follows; every output validates."""
     name, cluster, mesh = layout_mesh
     vocab_size = hf_model.config.vocab_size
-    requests = [constrained_request(prompt, seed, n)
-                for (prompt, _), (seed, n) in zip(workload(vocab_size)[:4],
-                                                    [(None, 1), (3, 1), (4, 2), (None, 1)])]
+    requests = [
+        constrained_request(prompt, seed, n)
+        for (prompt, _), (seed, n) in zip(
+            workload(vocab_size)[:4], [(None, 1), (3, 1), (4, 2), (None, 1)]
+        )
+    ]
     alone = [samples_of(mesh, request)[0] for request in requests]
     preemptions = scheduler_stats(redis_url, cluster).num_preemptions
     # Long enough that the load backs up whatever the order the requests arrive in (on a
@@ -173,8 +210,12 @@ def test_constrained_requests_are_exact_under_each_layout(
     with ThreadPoolExecutor(len(load) + len(requests)) as pool:
         background = [pool.submit(mesh.generate, r) for r in load]
         if name.startswith("tiny-cache"):
-            eventually(lambda: scheduler_stats(redis_url, cluster).num_waiting > 0, 120,
-                       "the load to back up behind the tiny cache", interval_s=0.01)
+            eventually(
+                lambda: scheduler_stats(redis_url, cluster).num_waiting > 0,
+                120,
+                "the load to back up behind the tiny cache",
+                interval_s=0.01,
+            )
         together = list(pool.map(lambda r: samples_of(mesh, r)[0], requests))
         for future in background:
             future.result()

@@ -34,21 +34,35 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
 
 
 @pytest.fixture(scope="module")
-def secure_mesh(certs: CertFiles, tiny_llama_dir: Path, redis_url: str,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, int]]:
+def secure_mesh(
+    certs: CertFiles, tiny_llama_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Mesh, int]]:
     http_port = reserve_port()
-    mesh = Mesh(str(tiny_llama_dir), tmp_path_factory.mktemp("logs") / "secure-mesh.log",
-                redis_url=redis_url, cluster=CLUSTER, client_tls=certs.client_tls(),
-                extra_args=["--num-kv-blocks", "64", "--http-port", str(http_port),
-                            "--api-key", KEY, *certs.server_tls().flags()])
+    mesh = Mesh(
+        str(tiny_llama_dir),
+        tmp_path_factory.mktemp("logs") / "secure-mesh.log",
+        redis_url=redis_url,
+        cluster=CLUSTER,
+        client_tls=certs.client_tls(),
+        extra_args=[
+            "--num-kv-blocks",
+            "64",
+            "--http-port",
+            str(http_port),
+            "--api-key",
+            KEY,
+            *certs.server_tls().flags(),
+        ],
+    )
     try:
         yield mesh.wait_ready(), http_port
     finally:
         mesh.stop()
 
 
-def _generate(stub: generate_pb2_grpc.GenerationStub, metadata: list[tuple[str, str]] | None
-              ) -> list[int]:
+def _generate(
+    stub: generate_pb2_grpc.GenerationStub, metadata: list[tuple[str, str]] | None
+) -> list[int]:
     token_ids: list[int] = []
     for chunk in stub.Generate(greedy_request(PROMPT_IDS, 4), metadata=metadata, timeout=60):
         token_ids.extend(chunk.token_ids)
@@ -57,8 +71,10 @@ def _generate(stub: generate_pb2_grpc.GenerationStub, metadata: list[tuple[str, 
 
 def test_grpc_needs_the_right_key(secure_mesh: tuple[Mesh, int]) -> None:
     mesh, _ = secure_mesh
-    for metadata, expected in ((None, "requires an API key"),
-                               ([("authorization", "Bearer wrong")], "not valid")):
+    for metadata, expected in (
+        (None, "requires an API key"),
+        ([("authorization", "Bearer wrong")], "not valid"),
+    ):
         with pytest.raises(grpc.RpcError) as info:
             _generate(mesh.stub, metadata)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -68,22 +84,39 @@ def test_grpc_needs_the_right_key(secure_mesh: tuple[Mesh, int]) -> None:
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert len(_generate(mesh.stub, AUTH)) == 4  # over mTLS, through mTLS scheduler and worker
     health = health_pb2_grpc.HealthStub(mesh.channel)  # health stays open
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-        health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
-def test_pagemesh_generate_sends_key_over_mtls(secure_mesh: tuple[Mesh, int], certs: CertFiles) -> None:
+def test_pagemesh_generate_sends_key_over_mtls(
+    secure_mesh: tuple[Mesh, int], certs: CertFiles
+) -> None:
     mesh, _ = secure_mesh
-    argv = [sys.executable, "-m", "pagemesh.tools.cli", "generate", "hello", "--address", mesh.address,
-            "--max-tokens", "3", *certs.client_tls().flags()]
-    ok = subprocess.run([*argv, "--api-key", KEY], cwd=REPO_ROOT, capture_output=True, text=True,
-                        timeout=60)
+    argv = [
+        sys.executable,
+        "-m",
+        "pagemesh.tools.cli",
+        "generate",
+        "hello",
+        "--address",
+        mesh.address,
+        "--max-tokens",
+        "3",
+        *certs.client_tls().flags(),
+    ]
+    ok = subprocess.run(
+        [*argv, "--api-key", KEY], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0, ok.stderr
     denied = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert denied.returncode == 2 and "UNAUTHENTICATED" in denied.stderr
 
 
-def test_plaintext_and_certless_clients_fail(secure_mesh: tuple[Mesh, int], certs: CertFiles) -> None:
+def test_plaintext_and_certless_clients_fail(
+    secure_mesh: tuple[Mesh, int], certs: CertFiles
+) -> None:
     mesh, _ = secure_mesh
     without_client_cert = TlsConfig(ca_path=str(certs.ca))
     for tls in (TlsConfig(), without_client_cert):
@@ -95,13 +128,25 @@ def test_plaintext_and_certless_clients_fail(secure_mesh: tuple[Mesh, int], cert
 
 
 def test_public_tls_without_client_certs_beside_internal_mtls(
-        secure_mesh: tuple[Mesh, int], certs: CertFiles, tiny_llama_dir: Path, redis_url: str,
-        tmp_path: Path) -> None:
+    secure_mesh: tuple[Mesh, int],
+    certs: CertFiles,
+    tiny_llama_dir: Path,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
     """A router that serves TLS to clients without certificates (`--tls-client-ca none`)
     while it dials the mesh's schedulers, which require client certificates, with its own."""
-    with router_process(tiny_llama_dir, redis_url, CLUSTER, tmp_path / "public-router.log",
-                        *certs.server_tls().flags(), "--tls-client-ca", "none",
-                        "--api-keys-file", str(_keys_file(tmp_path))) as router:
+    with router_process(
+        tiny_llama_dir,
+        redis_url,
+        CLUSTER,
+        tmp_path / "public-router.log",
+        *certs.server_tls().flags(),
+        "--tls-client-ca",
+        "none",
+        "--api-keys-file",
+        str(_keys_file(tmp_path)),
+    ) as router:
         public = TlsConfig(ca_path=str(certs.ca))  # TLS, but no client certificate
         with public.channel(router.address) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
@@ -110,7 +155,8 @@ def test_public_tls_without_client_certs_beside_internal_mtls(
         with TlsConfig().channel(router.address) as plaintext:  # TLS it is, still
             with pytest.raises(grpc.RpcError) as info:
                 generate_pb2_grpc.GenerationStub(plaintext).GetModelInfo(
-                    generate_pb2.GetModelInfoRequest(), metadata=AUTH, timeout=5)
+                    generate_pb2.GetModelInfoRequest(), metadata=AUTH, timeout=5
+                )
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -135,14 +181,27 @@ def test_http_needs_key_and_client_cert(secure_mesh: tuple[Mesh, int], certs: Ce
     context.load_cert_chain(str(certs.client_cert), str(certs.client_key))
     with httpx.Client(verify=context, timeout=60) as http:
         # The HTTP server starts just after gRPC health; /health is open without a key.
-        assert eventually(lambda: http.get(f"{url}/health"), 30, "the HTTP server never answered",
-                          interval_s=0.3, ignoring=(httpx.TransportError,)).status_code == 200
+        assert (
+            eventually(
+                lambda: http.get(f"{url}/health"),
+                30,
+                "the HTTP server never answered",
+                interval_s=0.3,
+                ignoring=(httpx.TransportError,),
+            ).status_code
+            == 200
+        )
         response = http.get(f"{url}/v1/models")
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, http_client=http)
-        result = client.completions.create(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=4,
-                                           temperature=0, extra_body={"ignore_eos": True})
+        result = client.completions.create(
+            model="tiny-llama",
+            prompt=PROMPT_IDS,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert result.usage.completion_tokens == 4
         bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, http_client=http)
         with pytest.raises(openai.AuthenticationError):
@@ -153,25 +212,55 @@ def test_http_needs_key_and_client_cert(secure_mesh: tuple[Mesh, int], certs: Ce
 
 
 @pytest.fixture(scope="module")
-def limited_router(secure_mesh: tuple[Mesh, int], certs: CertFiles, tiny_llama_dir: Path, redis_url: str,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpc.Channel]:
+def limited_router(
+    secure_mesh: tuple[Mesh, int],
+    certs: CertFiles,
+    tiny_llama_dir: Path,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[grpc.Channel]:
     """A second router on the secure mesh: one request in flight, prompts up to 8 tokens."""
     port = reserve_port()
     log_path = tmp_path_factory.mktemp("logs") / "limited-router.log"
     log = open(log_path, "wb")
     router = subprocess.Popen(
-        [sys.executable, "-m", "router.main", "--model", str(tiny_llama_dir), "--port", str(port),
-         "--http-port", "0", "--redis-url", redis_url, "--cluster", CLUSTER, "--log-level", "WARNING",
-         "--max-queued-requests", "1", "--max-prompt-tokens", "8", *certs.server_tls().flags()],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            "-m",
+            "router.main",
+            "--model",
+            str(tiny_llama_dir),
+            "--port",
+            str(port),
+            "--http-port",
+            "0",
+            "--redis-url",
+            redis_url,
+            "--cluster",
+            CLUSTER,
+            "--log-level",
+            "WARNING",
+            "--max-queued-requests",
+            "1",
+            "--max-prompt-tokens",
+            "8",
+            *certs.server_tls().flags(),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT,
     )
     channel = certs.client_tls().channel(f"127.0.0.1:{port}")
     try:
         health = health_pb2_grpc.HealthStub(channel)
+
         def serving() -> bool:
             assert router.poll() is None, log_path.read_text()
-            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            return (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+
         eventually(serving, 60, log_path.read_text, interval_s=0.3, ignoring=(grpc.RpcError,))
         yield channel
     finally:
@@ -192,12 +281,14 @@ def test_queue_limit_and_prompt_limit(limited_router: grpc.Channel) -> None:
         assert "--max-queued-requests 1" in info.value.details()
     finally:
         held.cancel()
+
     def admitted() -> list | None:  # the slot frees as soon as the router sees the cancellation
         try:
             return _generate(stub, None)
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
             return None
+
     assert len(eventually(admitted, 10, "the cancelled request's slot never freed")) == 4
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(greedy_request(list(range(5, 14)), 2), timeout=30))

@@ -21,20 +21,34 @@ from protos.pagemesh.v1 import generate_pb2
 from tests.support.mesh_harness import Mesh, greedy_request, scheduler_stats
 
 CLUSTER = "e2e-spec"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 PROMPTS = [[5, 17, 33, 101, 7, 250, 3] * 3, [9, 8, 7, 6, 5, 4, 3, 2] * 2, [40, 41, 40, 41, 40]]
 
 
 @pytest.fixture(scope="module", params=["ngram", "draft_model"])
-def mesh(request: pytest.FixtureRequest, tiny_llama_dir: Path, redis_url: str,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    config = NGRAM if request.param == "ngram" else {"model": str(tiny_llama_dir),
-                                                    "num_speculative_tokens": 3}
-    mesh = Mesh(str(tiny_llama_dir), tmp_path_factory.mktemp("logs") / "spec.log",
-                redis_url=redis_url, cluster=CLUSTER,
-                extra_args=["--pp", "2", "--dtype", "float32",
-                            "--speculative-config", json.dumps(config)])
+def mesh(
+    request: pytest.FixtureRequest,
+    tiny_llama_dir: Path,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Mesh]:
+    config = (
+        NGRAM
+        if request.param == "ngram"
+        else {"model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    )
+    mesh = Mesh(
+        str(tiny_llama_dir),
+        tmp_path_factory.mktemp("logs") / "spec.log",
+        redis_url=redis_url,
+        cluster=CLUSTER,
+        extra_args=["--pp", "2", "--dtype", "float32", "--speculative-config", json.dumps(config)],
+    )
     mesh.method = request.param  # type: ignore[attr-defined]
     try:
         yield mesh.wait_ready()
@@ -42,8 +56,9 @@ def mesh(request: pytest.FixtureRequest, tiny_llama_dir: Path, redis_url: str,
         mesh.stop()
 
 
-def test_greedy_answers_equal_transformers(mesh: Mesh, tiny_llama_dir: Path,
-                                           redis_url: str) -> None:
+def test_greedy_answers_equal_transformers(
+    mesh: Mesh, tiny_llama_dir: Path, redis_url: str
+) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -69,15 +84,23 @@ def test_greedy_answers_equal_transformers(mesh: Mesh, tiny_llama_dir: Path,
     assert 0 <= usage.num_accepted_tokens <= usage.num_draft_tokens
 
 
-def test_a_seeded_sample_equals_the_engine_without_speculation(mesh: Mesh,
-                                                               tiny_llama_dir: Path) -> None:
+def test_a_seeded_sample_equals_the_engine_without_speculation(
+    mesh: Mesh, tiny_llama_dir: Path
+) -> None:
     request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=PROMPTS[0]))
     request.sampling.temperature, request.sampling.top_p, request.sampling.seed = 0.9, 0.95, 21
     request.stopping.max_tokens, request.stopping.ignore_eos = 24, True
     got = mesh.generate(request)
     with LLM(str(tiny_llama_dir), dtype="float32") as plain:
-        expected = plain.generate([{"prompt_token_ids": PROMPTS[0]}],
-                                  SamplingParams(temperature=0.9, top_p=0.95, seed=21,
-                                                 max_tokens=24, ignore_eos=True),
-                                  use_tqdm=False)[0].outputs[0].token_ids
+        expected = (
+            plain.generate(
+                [{"prompt_token_ids": PROMPTS[0]}],
+                SamplingParams(
+                    temperature=0.9, top_p=0.95, seed=21, max_tokens=24, ignore_eos=True
+                ),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
     assert got.token_ids == list(expected)

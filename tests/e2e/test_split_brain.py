@@ -21,8 +21,9 @@ from tests.support.claim_holder import FENCED_EXIT
 from tests.support.eventually import eventually
 from tests.support.paths import REPO_ROOT
 
-pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None,
-                                reason=namespaces_unavailable() or "")
+pytestmark = pytest.mark.skipif(
+    namespaces_unavailable() is not None, reason=namespaces_unavailable() or ""
+)
 
 TTL_S = 1.5
 CLUSTER = "split-brain"
@@ -39,23 +40,49 @@ def network() -> Iterator[HostNetwork]:
 
 def holder(host: Host, redis_url: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        host.argv(sys.executable, "-m", "tests.support.claim_holder", redis_url, CLUSTER,
-                  "scheduler", "g0", str(TTL_S)),
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        host.argv(
+            sys.executable,
+            "-m",
+            "tests.support.claim_holder",
+            redis_url,
+            CLUSTER,
+            "scheduler",
+            "g0",
+            str(TTL_S),
+        ),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     line = process.stdout.readline()
     assert line.startswith("claimed "), line + process.stdout.read()
     return process, line.split()[1]
 
 
 def test_a_scheduler_back_from_a_partition_does_not_take_its_group_back(
-        network: HostNetwork) -> None:
+    network: HostNetwork,
+) -> None:
     from tests.e2e.test_multihost import valkey_binary
 
     head, first_host, second_host = (network.add_host(r) for r in ("head", "s1", "s2"))
-    valkey = subprocess.Popen(head.argv(valkey_binary(), "--bind", head.address, "--port", "6379",
-                                        "--save", "", "--appendonly", "no",
-                                        "--protected-mode", "no"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    valkey = subprocess.Popen(
+        head.argv(
+            valkey_binary(),
+            "--bind",
+            head.address,
+            "--port",
+            "6379",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     redis_url = f"redis://{head.address}:6379/0"
     client = redis.Redis.from_url(redis_url, socket_timeout=2)
     processes = [valkey]

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from pagemesh.runtime.ports import reserve_port
-from pagemesh.tools.testing.tiny_models import write_tiny_model
 from pagemesh.runtime.tokenizer import load_tokenizer
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.eventually import eventually
 from tests.support.mesh_harness import Mesh, router_process
 from tests.support.tool_templates import (
@@ -28,13 +28,22 @@ from tests.support.tool_templates import (
 )
 
 MODEL = "tiny-qwen2"
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 6},
-    "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": False}
-HOUR = {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
-        "required": ["hour"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "set_alarm", "parameters": HOUR}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+HOUR = {
+    "type": "object",
+    "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+    "required": ["hour"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "set_alarm", "parameters": HOUR}},
+]
 SCHEMAS = {"get_weather": WEATHER, "set_alarm": HOUR}
 MESSAGES = [{"role": "user", "content": "What is the weather like in Paris?"}]
 GREEDY = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "temperature": 0, "max_tokens": 96}
@@ -44,8 +53,9 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A context past the tiny default of 512: the tools in the prompt are ~540 tokens.
-    path = write_tiny_model(tmp_path_factory.mktemp("tools") / MODEL, "qwen2", seed=3,
-                            max_position_embeddings=2048)
+    path = write_tiny_model(
+        tmp_path_factory.mktemp("tools") / MODEL, "qwen2", seed=3, max_position_embeddings=2048
+    )
     return set_chat_template(path, QWEN2_TOOLS_TEMPLATE)
 
 
@@ -54,12 +64,17 @@ def _client(url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[tuple[Mesh, str]]:
+def mesh(
+    model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Mesh, str]]:
     port = reserve_port()
-    mesh = Mesh(str(model_dir), tmp_path_factory.mktemp("logs") / "tools-mesh.log",
-                redis_url=redis_url, cluster="e2e-tools",
-                extra_args=["--num-kv-blocks", "128", "--http-port", str(port)])
+    mesh = Mesh(
+        str(model_dir),
+        tmp_path_factory.mktemp("logs") / "tools-mesh.log",
+        redis_url=redis_url,
+        cluster="e2e-tools",
+        extra_args=["--num-kv-blocks", "128", "--http-port", str(port)],
+    )
     try:
         yield mesh.wait_ready(), f"http://127.0.0.1:{port}"
     finally:
@@ -106,15 +121,20 @@ def _check_calls(calls: list[tuple[str, str]], names: set[str]) -> None:
 
 @pytest.mark.parametrize("tool_choice", ["named", "required"])
 def test_a_forced_call_validates_streamed_or_not(client: openai.OpenAI, tool_choice: str) -> None:
-    kwargs = {**GREEDY, "tool_choice": NAMED if tool_choice == "named" else "required",
-              "parallel_tool_calls": False}
+    kwargs = {
+        **GREEDY,
+        "tool_choice": NAMED if tool_choice == "named" else "required",
+        "parallel_tool_calls": False,
+    }
     reply = client.chat.completions.create(**kwargs)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message
     assert choice.message.content is None and len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
     assert call.type == "function" and call.id.startswith("call_")
-    _check_calls(_calls(choice.message), {"get_weather"} if tool_choice == "named" else set(SCHEMAS))
+    _check_calls(
+        _calls(choice.message), {"get_weather"} if tool_choice == "named" else set(SCHEMAS)
+    )
     assert _streamed(client, **kwargs) == ("", _calls(choice.message), "tool_calls")
 
 
@@ -125,58 +145,105 @@ def test_several_calls_when_required(client: openai.OpenAI) -> None:
     content, calls, finish = _streamed(client, **kwargs)
     assert content == "" and finish == reply.finish_reason == "length"
     whole = [call for call in calls if _parses(call[1])]
-    assert len(whole) >= 2 and whole == calls[:len(whole)] and len(calls) - len(whole) <= 1
+    assert len(whole) >= 2 and whole == calls[: len(whole)] and len(calls) - len(whole) <= 1
     _check_calls(whole, set(SCHEMAS))
     # Cut off, the reply is content (its calls do not all parse): the same calls, as text.
     for name, arguments in whole:
         assert f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>' in (
-            reply.message.content)
+            reply.message.content
+        )
     assert reply.message.tool_calls is None
 
 
 def test_a_follow_up_with_the_call_and_its_result_is_rendered(
-        client: openai.OpenAI, model_dir: Path) -> None:
-    messages = [*MESSAGES,
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    reply = client.chat.completions.create(**{**GREEDY, "max_tokens": 4, "messages": messages},
-                                           tool_choice="none", extra_body={"ignore_eos": True})
-    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
+    client: openai.OpenAI, model_dir: Path
+) -> None:
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "c"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    reply = client.chat.completions.create(
+        **{**GREEDY, "max_tokens": 4, "messages": messages},
+        tool_choice="none",
+        extra_body={"ignore_eos": True},
+    )
+    assert (
+        reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
+    )
     # The mesh saw the prompt the template renders, with the tool result.
     tokenizer = load_tokenizer(str(model_dir))
     expected = tokenizer.apply_chat_messages(
-        [*messages[:1], {**messages[1], "content": "", "tool_calls": [{**messages[1]["tool_calls"][0],
-         "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}]},
-         messages[2]], TOOLS)
+        [
+            *messages[:1],
+            {
+                **messages[1],
+                "content": "",
+                "tool_calls": [
+                    {
+                        **messages[1]["tool_calls"][0],
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": {"city": "Paris", "unit": "c"},
+                        },
+                    }
+                ],
+            },
+            messages[2],
+        ],
+        TOOLS,
+    )
     assert "<tool_response>\nsunny\n</tool_response>" in tokenizer.decode(expected)
     assert reply.usage.prompt_tokens == len(expected)
 
 
 def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(**GREEDY, tool_choice={
-            "type": "function", "function": {"name": "book_flight"}})
+        client.chat.completions.create(
+            **GREEDY, tool_choice={"type": "function", "function": {"name": "book_flight"}}
+        )
     assert info.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(**GREEDY, tool_choice="required",
-                                       response_format={"type": "json_object"})
+        client.chat.completions.create(
+            **GREEDY, tool_choice="required", response_format={"type": "json_object"}
+        )
     assert info.value.body["param"] == "response_format"
 
 
 def test_a_llama3_router_forces_calls_in_its_format(
-        mesh: tuple[Mesh, str], model_dir: Path, redis_url: str,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+    mesh: tuple[Mesh, str],
+    model_dir: Path,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     # Another router on the same engine group, whose tokenizer folder says Llama.
-    folder = tokenizer_folder(model_dir, tmp_path_factory.mktemp("llama3") / MODEL,
-                              LLAMA3_TOOLS_TEMPLATE, "llama")
+    folder = tokenizer_folder(
+        model_dir, tmp_path_factory.mktemp("llama3") / MODEL, LLAMA3_TOOLS_TEMPLATE, "llama"
+    )
     port = reserve_port()
     log_path = tmp_path_factory.mktemp("logs") / "llama3-router.log"
     with router_process(folder, redis_url, "e2e-tools", log_path, "--http-port", str(port)):
         url = f"http://127.0.0.1:{port}"
-        eventually(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, 60,
-                   log_path.read_text, interval_s=0.3, ignoring=(httpx.HTTPError,))
+        eventually(
+            lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200,
+            60,
+            log_path.read_text,
+            interval_s=0.3,
+            ignoring=(httpx.HTTPError,),
+        )
         client = _client(url)
         kwargs = {**GREEDY, "tool_choice": NAMED}
         reply = client.chat.completions.create(**kwargs)

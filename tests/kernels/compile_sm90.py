@@ -32,9 +32,16 @@ from kernels.prefill_attention import TILES, _prefill_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-INDEX_POINTERS = ("slot_mapping_ptr", "block_tables_ptr", "seq_lens_ptr",
-                  "query_start_loc_ptr", "seq_ids_ptr", "sorted_pair_ids_ptr", "expert_ids_ptr",
-                  "num_padded_ptr")
+INDEX_POINTERS = (
+    "slot_mapping_ptr",
+    "block_tables_ptr",
+    "seq_lens_ptr",
+    "query_start_loc_ptr",
+    "seq_ids_ptr",
+    "sorted_pair_ids_ptr",
+    "expert_ids_ptr",
+    "num_padded_ptr",
+)
 PARTIAL_POINTERS = ("partial_max_ptr", "partial_sum_ptr", "partial_acc_ptr")
 
 
@@ -61,8 +68,12 @@ def signature(kernel, dtype: str, constexprs: dict) -> tuple[dict, dict]:
 
 def build(label: str, kernel, dtype: str, constexprs: dict) -> bool:
     types, attrs = signature(kernel, dtype, constexprs)
-    source = ASTSource(kernel, types, attrs=attrs, constexprs={
-        (kernel.arg_names.index(name),): value for name, value in constexprs.items()})
+    source = ASTSource(
+        kernel,
+        types,
+        attrs=attrs,
+        constexprs={(kernel.arg_names.index(name),): value for name, value in constexprs.items()},
+    )
     try:
         compiled = triton.compile(source, target=TARGET, options={"num_warps": 4})
     except Exception as error:  # noqa: BLE001 - report every variant, then fail
@@ -86,23 +97,66 @@ def variants():
         torch_dtype = torch_dtypes[dtype]
         head_dim_pad = triton.next_power_of_2(head_dim)
         dot_fp32 = dtype == "fp32"
-        yield f"store_kv {dtype}", _store_kv_kernel, dtype, dict(
-            NUM_KV_HEADS=8, HEAD_DIM=head_dim, BLOCK_SIZE=16, KV_HEADS_PAD=8,
-            HEAD_DIM_PAD=head_dim_pad)
+        yield (
+            f"store_kv {dtype}",
+            _store_kv_kernel,
+            dtype,
+            dict(
+                NUM_KV_HEADS=8,
+                HEAD_DIM=head_dim,
+                BLOCK_SIZE=16,
+                KV_HEADS_PAD=8,
+                HEAD_DIM_PAD=head_dim_pad,
+            ),
+        )
         for split in (False, True):
             label = f"decode {dtype} d{head_dim} split={split}"
-            yield label, _decode_partition_kernel, dtype, dict(
-                NUM_HEADS=32, GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim,
-                HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16, BLOCK_N=TILE_TOKENS[torch_dtype],
-                PARTITION_SIZE=512 if split else 1 << 30, SPLIT=split, DOT_FP32=dot_fp32)
-        yield f"reduce {dtype}", _reduce_partitions_kernel, dtype, dict(
-            NUM_HEADS=32, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PARTITION_SIZE=512,
-            PARTITIONS_PAD=64)
+            yield (
+                label,
+                _decode_partition_kernel,
+                dtype,
+                dict(
+                    NUM_HEADS=32,
+                    GROUP=4,
+                    GROUP_PAD=16,
+                    HEAD_DIM=head_dim,
+                    HEAD_DIM_PAD=head_dim_pad,
+                    BLOCK_SIZE=16,
+                    BLOCK_N=TILE_TOKENS[torch_dtype],
+                    PARTITION_SIZE=512 if split else 1 << 30,
+                    SPLIT=split,
+                    DOT_FP32=dot_fp32,
+                ),
+            )
+        yield (
+            f"reduce {dtype}",
+            _reduce_partitions_kernel,
+            dtype,
+            dict(
+                NUM_HEADS=32,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                PARTITION_SIZE=512,
+                PARTITIONS_PAD=64,
+            ),
+        )
         block_m, block_n = TILES[torch_dtype]
-        yield f"prefill {dtype} d{head_dim}", _prefill_kernel, dtype, dict(
-            GROUP=4, GROUP_PAD=4, BLOCK_Q=block_m // 4, HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
-            DOT_FP32=dot_fp32)
+        yield (
+            f"prefill {dtype} d{head_dim}",
+            _prefill_kernel,
+            dtype,
+            dict(
+                GROUP=4,
+                GROUP_PAD=4,
+                BLOCK_Q=block_m // 4,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                BLOCK_SIZE=16,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                DOT_FP32=dot_fp32,
+            ),
+        )
     yield from moe_variants()
 
 
@@ -113,9 +167,19 @@ def moe_variants():
     for num_tokens in (1, 2048):
         tiles = choose_tiles(torch.bfloat16, num_tokens * 8, 128)
         for label, top_k, weighted in (("gate_up", 8, False), ("down", 1, True)):
-            yield (f"moe {label} bf16 m{tiles.block_m}", _moe_gemm_kernel, "bf16", dict(
-                TOP_K=top_k, MUL_ROUTED_WEIGHT=weighted, DOT_FP32=False,
-                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k))
+            yield (
+                f"moe {label} bf16 m{tiles.block_m}",
+                _moe_gemm_kernel,
+                "bf16",
+                dict(
+                    TOP_K=top_k,
+                    MUL_ROUTED_WEIGHT=weighted,
+                    DOT_FP32=False,
+                    BLOCK_M=tiles.block_m,
+                    BLOCK_N=tiles.block_n,
+                    BLOCK_K=tiles.block_k,
+                ),
+            )
 
 
 def main() -> int:

@@ -34,7 +34,8 @@ SAPPHIRE_RAPIDS_AMX = """processor\t: 0
 cpu family\t: 6
 model\t\t: 143
 model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
-flags\t\t: fpu avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 avx_vnni
+flags\t\t: fpu avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_fp16 amx_bf16
+amx_tile amx_int8 avx_vnni
 """
 GRAVITON3_ARM = """processor\t: 0
 BogoMIPS\t: 2100.00
@@ -46,8 +47,13 @@ CPU part\t: 0xd40
 
 def features(cpuinfo: str, arch: str = "x86_64", **torch_side: object) -> CpuFeatures:
     model, flags = parse_cpuinfo(cpuinfo)
-    fields = {"torch_version": "2.13.0", "torch_cpu_capability": "AVX2",
-              "onednn_fp32_linear": True, "onednn_bf16_linear": False, **torch_side}
+    fields = {
+        "torch_version": "2.13.0",
+        "torch_cpu_capability": "AVX2",
+        "onednn_fp32_linear": True,
+        "onednn_bf16_linear": False,
+        **torch_side,
+    }
     return CpuFeatures(model=model, arch=arch, flags=flags, **fields)
 
 
@@ -79,10 +85,19 @@ def test_arm_features_line():
 def test_describe_carries_what_a_figure_needs():
     zen3 = features(ZEN3_AVX2)
     data = zen3.describe()
-    assert {"model", "arch", "flags", "isa", "native_bf16", "torch_version",
-            "torch_cpu_capability", "onednn_bf16_linear"} <= set(data)
-    assert machine_line(data) == ("AMD EPYC (family 25, model 1), x86_64 "
-                                  "[avx2 -avx512f -avx512_bf16 -amx], torch 2.13.0")
+    assert {
+        "model",
+        "arch",
+        "flags",
+        "isa",
+        "native_bf16",
+        "torch_version",
+        "torch_cpu_capability",
+        "onednn_bf16_linear",
+    } <= set(data)
+    assert machine_line(data) == (
+        "AMD EPYC (family 25, model 1), x86_64 [avx2 -avx512f -avx512_bf16 -amx], torch 2.13.0"
+    )
 
 
 def test_probe_of_this_machine_agrees_with_torch():

@@ -29,16 +29,27 @@ from kernels.moe import fused_experts, route  # noqa: E402
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
-def random_moe(num_tokens: int, num_experts: int, top_k: int, hidden_size: int,
-               intermediate: int, dtype: torch.dtype, seed: int = 0):
+def random_moe(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden_size: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+):
     """Weights scaled so every stage's outputs are ~N(0, 1); Qwen-style routing (the
     weights in the hidden dtype, renormalised)."""
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(num_tokens, hidden_size, generator=generator)
-    w13 = torch.randn(num_experts, 2 * intermediate, hidden_size,
-                      generator=generator) * hidden_size ** -0.5
-    w2 = torch.randn(num_experts, hidden_size, intermediate,
-                     generator=generator) * intermediate ** -0.5
+    w13 = (
+        torch.randn(num_experts, 2 * intermediate, hidden_size, generator=generator)
+        * hidden_size**-0.5
+    )
+    w2 = (
+        torch.randn(num_experts, hidden_size, intermediate, generator=generator)
+        * intermediate**-0.5
+    )
     logits = torch.randn(num_tokens, num_experts, generator=generator)
     topk_weights, topk_ids = route(logits, top_k, renormalize=True, weights_dtype=dtype)
     return hidden.to(dtype), w13.to(dtype), w2.to(dtype), topk_weights, topk_ids
@@ -70,9 +81,11 @@ def test_fp32_matches_reference(shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(7, 3, 2, 48, 48), (64, 3, 2, 64, 32),
-                                   (64, 8, 2, 72, 40)],
-                         ids=lambda s: "T{}-E{}-K{}-H{}-I{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(7, 3, 2, 48, 48), (64, 3, 2, 64, 32), (64, 8, 2, 72, 40)],
+    ids=lambda s: "T{}-E{}-K{}-H{}-I{}".format(*s),
+)
 def test_half_dtypes_match_reference(shape, dtype):
     assert_matches_reference(*random_moe(*shape, dtype, seed=sum(shape)))
 
@@ -127,7 +140,7 @@ def test_align_pairs_groups_and_pads_each_expert():
     assert sorted_pair_ids.shape[0] % block_m == 0 and sorted_pair_ids.shape[0] >= 4 * block_m
     assert expert_ids.shape[0] == sorted_pair_ids.shape[0] // block_m
     assert expert_ids[:4].tolist() == [0, 1, 3, num_experts]
-    blocks = sorted_pair_ids[:4 * block_m].view(4, block_m)
+    blocks = sorted_pair_ids[: 4 * block_m].view(4, block_m)
     for block, expert in zip(blocks.tolist(), expert_ids.tolist()):
         pairs = [p for p in block if p != num_pairs]
         assert block == pairs + [num_pairs] * (block_m - len(pairs))  # padding at the end
@@ -135,8 +148,7 @@ def test_align_pairs_groups_and_pads_each_expert():
         flat = topk_ids.reshape(-1)
         for p in pairs:
             assert flat[p] == expert or (expert == num_experts and not 0 <= flat[p] < 4)
-    assert sorted(p for p in sorted_pair_ids.tolist() if p != num_pairs) == list(
-        range(num_pairs))
+    assert sorted(p for p in sorted_pair_ids.tolist() if p != num_pairs) == list(range(num_pairs))
 
 
 def test_tiles_follow_pairs_per_expert():

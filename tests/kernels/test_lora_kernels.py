@@ -35,17 +35,26 @@ SHAPES = [(576, 960), (1536, 576), (64, 128)]  # (in_f, out_f)
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 
-def lora_case(n: int, in_f: int, out_f: int, rank: int, dtype: torch.dtype, *,
-              sort: bool = False, num_slots: int = NUM_SLOTS, seed: int = 0):
+def lora_case(
+    n: int,
+    in_f: int,
+    out_f: int,
+    rank: int,
+    dtype: torch.dtype,
+    *,
+    sort: bool = False,
+    num_slots: int = NUM_SLOTS,
+    seed: int = 0,
+):
     """(out, x, lora_a, lora_bt, slots int32) with outputs of magnitude ~1-10; row 0 has an
     adapter."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, in_f, generator=g)
-    lora_a = torch.randn(num_slots, rank, in_f, generator=g) * in_f ** -0.5
-    lora_bt = torch.randn(num_slots, rank, out_f, generator=g) * rank ** -0.5
+    lora_a = torch.randn(num_slots, rank, in_f, generator=g) * in_f**-0.5
+    lora_bt = torch.randn(num_slots, rank, out_f, generator=g) * rank**-0.5
     if num_slots > HALF_RANK_SLOT:
-        lora_a[HALF_RANK_SLOT, rank // 2:] = 0
-        lora_bt[HALF_RANK_SLOT, rank // 2:] = 0
+        lora_a[HALF_RANK_SLOT, rank // 2 :] = 0
+        lora_bt[HALF_RANK_SLOT, rank // 2 :] = 0
     slots = torch.randint(-1, num_slots, (n,), generator=g, dtype=torch.int32)
     slots[:1] = seed % num_slots  # a single row has an adapter too
     if sort:
@@ -54,8 +63,14 @@ def lora_case(n: int, in_f: int, out_f: int, rank: int, dtype: torch.dtype, *,
     return tuple(t.to(dtype) for t in (out, x, lora_a, lora_bt)) + (slots,)
 
 
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
-                   slots: torch.Tensor, *, nearest: bool = True) -> None:
+def assert_matches(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    before: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    nearest: bool = True,
+) -> None:
     untouched = slots < 0
     assert torch.equal(actual[untouched], before[untouched])
     if actual.dtype == torch.float32:
@@ -65,8 +80,9 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, before: torch.T
     # One ulp of the larger magnitude (the interpreter may round down across a binade), plus
     # fp32's sum-order error, which is all there is where out + delta cancels to near zero.
     magnitude = torch.maximum(actual.float().abs(), expected.float().abs())
-    ulp = torch.exp2(torch.floor(torch.log2(magnitude.clamp(min=1e-30)))
-                     - MANTISSA_BITS[actual.dtype])
+    ulp = torch.exp2(
+        torch.floor(torch.log2(magnitude.clamp(min=1e-30))) - MANTISSA_BITS[actual.dtype]
+    )
     fp32_error = 1e-5 * expected.float().abs().max().item()
     excess = (actual.float() - expected.float()).abs() - ulp - fp32_error
     assert excess.max().item() <= 0, f"off by more than one ulp: {excess.max().item()}"
@@ -122,8 +138,10 @@ def test_c_kernel_edges(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("n,in_f,out_f,rank", [(1, 576, 960, 16), (64, 1536, 576, 8),
-                                               (300, 64, 128, 64), (7, 72, 100, 5)])
+@pytest.mark.parametrize(
+    "n,in_f,out_f,rank",
+    [(1, 576, 960, 16), (64, 1536, 576, 8), (300, 64, 128, 64), (7, 72, 100, 5)],
+)
 def test_grouped_path_matches_the_reference(n, in_f, out_f, rank, dtype):
     for sort in (False, True):
         case = lora_case(n, in_f, out_f, rank, dtype, sort=sort, seed=n)
@@ -148,8 +166,13 @@ def test_bad_arguments_raise_value_errors():
         "shapes do not fit": (out[:, :90], x, lora_a, lora_bt, slots),
         "must share one of": (out, x.double(), lora_a, lora_bt, slots),
         "slots must be one of": (out, x, lora_a, lora_bt, slots.float()),
-        "must be contiguous": (out, x, lora_a, lora_bt.transpose(1, 2).contiguous()
-                               .transpose(1, 2), slots),
+        "must be contiguous": (
+            out,
+            x,
+            lora_a,
+            lora_bt.transpose(1, 2).contiguous().transpose(1, 2),
+            slots,
+        ),
         "must be \\[n, in_f\\]": (out, x[None], lora_a, lora_bt, slots),
         "slots must be < 8": (out, x, lora_a, lora_bt, bad_slot),
     }
@@ -162,9 +185,10 @@ def test_bad_arguments_raise_value_errors():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("n,in_f,out_f,rank", [(1, 64, 96, 8), (7, 48, 40, 16),
-                                               (40, 64, 160, 32), (70, 32, 200, 5),
-                                               (100, 72, 140, 72)])
+@pytest.mark.parametrize(
+    "n,in_f,out_f,rank",
+    [(1, 64, 96, 8), (7, 48, 40, 16), (40, 64, 160, 32), (70, 32, 200, 5), (100, 72, 140, 72)],
+)
 def test_triton_kernels_in_the_interpreter_match_the_reference(n, in_f, out_f, rank, dtype):
     pytest.importorskip("triton")
     from kernels.lora_triton import lora_triton_
@@ -187,10 +211,13 @@ def test_each_isa_level_of_the_c_kernel_matches_the_reference(level, tmp_path, m
     torch.set_num_threads(2)  # the threaded path too, on a one-core machine
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            for n, in_f, out_f, rank in [(1, 576, 960, 16), (64, 1536, 576, 8),
-                                         (300, 64, 128, 64), (7, 72, 100, 5)]:
+            for n, in_f, out_f, rank in [
+                (1, 576, 960, 16),
+                (64, 1536, 576, 8),
+                (300, 64, 128, 64),
+                (7, 72, 100, 5),
+            ]:
                 case = lora_case(n, in_f, out_f, rank, dtype, seed=n)
-                check_against_reference(
-                    lambda *args: lora.lora_apply_(*args, lib=lib), case)
+                check_against_reference(lambda *args: lora.lora_apply_(*args, lib=lib), case)
     finally:
         torch.set_num_threads(before)

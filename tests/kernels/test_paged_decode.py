@@ -19,40 +19,67 @@ from tests.support.paged_batch import assert_matches_reference, build_paged_batc
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
-def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                 sliding_window=None, partition_size=None, seed=0) -> None:
-    batch = build_paged_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads,
-                              head_dim, block_size, dtype, seed)
+def check_decode(
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    sliding_window=None,
+    partition_size=None,
+    seed=0,
+) -> None:
+    batch = build_paged_batch(
+        seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, seed
+    )
     scale = head_dim**-0.5
-    out = paged_decode_attention(*batch.args(), scale, sliding_window=sliding_window,
-                                 partition_size=partition_size)
-    expected = reference.paged_attention(*batch.reference_args(), scale,
-                                         sliding_window=sliding_window)
+    out = paged_decode_attention(
+        *batch.args(), scale, sliding_window=sliding_window, partition_size=partition_size
+    )
+    expected = reference.paged_attention(
+        *batch.reference_args(), scale, sliding_window=sliding_window
+    )
     assert_matches_reference(out, expected)
 
 
 # Ragged lengths with partly filled last blocks, a one-token context and exact block ends.
-@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size,dtype", [
-    ([1, 8, 13, 30], 4, 4, 64, 8, F32),  # MHA
-    ([17, 5, 48], 8, 2, 96, 16, F16),  # GQA, head_dim padded to 128
-    ([33, 64, 7], 4, 1, 128, 32, BF16),  # MQA
-    ([130, 3], 2, 1, 64, 128, F16),  # one big block size
-    ([9, 21], 6, 2, 24, 4, F32),  # what the tiny test models use: group 3, dim 24, blocks of 4
-])
-def test_single_pass_matches_reference(seq_lens, num_heads, num_kv_heads, head_dim,
-                                       block_size, dtype):
+@pytest.mark.parametrize(
+    "seq_lens,num_heads,num_kv_heads,head_dim,block_size,dtype",
+    [
+        ([1, 8, 13, 30], 4, 4, 64, 8, F32),  # MHA
+        ([17, 5, 48], 8, 2, 96, 16, F16),  # GQA, head_dim padded to 128
+        ([33, 64, 7], 4, 1, 128, 32, BF16),  # MQA
+        ([130, 3], 2, 1, 64, 128, F16),  # one big block size
+        ([9, 21], 6, 2, 24, 4, F32),  # what the tiny test models use: group 3, dim 24, blocks of 4
+    ],
+)
+def test_single_pass_matches_reference(
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+):
     check_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
 
 
-@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,sliding_window", [
-    (F32, 4, 2, 64, None),
-    (BF16, 8, 1, 96, None),
-    (F16, 4, 4, 128, 40),  # the window spans partitions
-])
+@pytest.mark.parametrize(
+    "dtype,num_heads,num_kv_heads,head_dim,sliding_window",
+    [
+        (F32, 4, 2, 64, None),
+        (BF16, 8, 1, 96, None),
+        (F16, 4, 4, 128, 40),  # the window spans partitions
+    ],
+)
 def test_split_k_matches_reference(dtype, num_heads, num_kv_heads, head_dim, sliding_window):
     """16-token partitions: the 100-token context takes 7 of them, the 5-token one one."""
-    check_decode([100, 5, 47], num_heads, num_kv_heads, head_dim, 16, dtype,
-                 sliding_window=sliding_window, partition_size=16)
+    check_decode(
+        [100, 5, 47],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        16,
+        dtype,
+        sliding_window=sliding_window,
+        partition_size=16,
+    )
 
 
 def test_default_split_for_a_long_context():
@@ -80,8 +107,9 @@ def test_wrapper_rejects_bad_arguments():
     query, k_cache, v_cache, block_tables, seq_lens, starts = batch.args()
     two_tokens_first = torch.tensor([0, 2, 3], dtype=torch.int32)
     bad_calls = {
-        "exactly one query token": dict(query_start_loc=two_tokens_first,
-                                        query=query.repeat(2, 1, 1)[:3]),
+        "exactly one query token": dict(
+            query_start_loc=two_tokens_first, query=query.repeat(2, 1, 1)[:3]
+        ),
         "multiple": dict(query=query[:, :3]),
         "share one of": dict(query=query.half()),
         "block_tables hold 1 blocks": dict(block_tables=block_tables[:, :1]),
@@ -90,8 +118,15 @@ def test_wrapper_rejects_bad_arguments():
         "contiguous in head_dim": dict(query=query.transpose(1, 2).contiguous().transpose(1, 2)),
         "seq_len >= 1": dict(seq_lens=torch.tensor([0, 9], dtype=torch.int32)),
     }
-    args = dict(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                seq_lens=seq_lens, query_start_loc=starts, scale=0.125)
+    args = dict(
+        query=query,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=starts,
+        scale=0.125,
+    )
     for message, changes in bad_calls.items():
         with pytest.raises(ValueError, match=message):
             paged_decode_attention(**{**args, **changes})

@@ -15,36 +15,50 @@ from tests.support.paged_batch import assert_matches_reference, build_paged_batc
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
-def check(op, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-          sliding_window=None) -> None:
-    batch = build_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim,
-                              block_size, dtype)
+def check(
+    op, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, sliding_window=None
+) -> None:
+    batch = build_paged_batch(
+        seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
     scale = head_dim**-0.5
     out = op(*batch.args(), scale, sliding_window=sliding_window)
-    expected = reference.paged_attention(*batch.reference_args(), scale,
-                                         sliding_window=sliding_window)
+    expected = reference.paged_attention(
+        *batch.reference_args(), scale, sliding_window=sliding_window
+    )
     assert_matches_reference(out, expected)
 
 
 # Per batch: a fresh prompt (q_len == seq_len), a chunked prefill / prefix-cache hit
 # (1 < q_len < seq_len), a decode row; contexts longer than one 64-token tile and more
 # query tokens than one 64-row tile, partly filled last blocks.
-@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size,dtype", [
-    ([70, 40, 9], [70, 13, 1], 4, 4, 64, 8, F32),  # MHA
-    ([33, 90, 5], [33, 20, 5], 6, 2, 96, 16, F16),  # GQA with a group of 3
-    ([50, 17, 80], [2, 17, 31], 4, 1, 128, 32, BF16),  # MQA
-    ([140, 6], [12, 6], 2, 1, 64, 128, F16),  # one big block size
-])
-def test_prefill_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim,
-                                   block_size, dtype):
-    check(paged_prefill_attention, seq_lens, q_lens, num_heads, num_kv_heads, head_dim,
-          block_size, dtype)
+@pytest.mark.parametrize(
+    "seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size,dtype",
+    [
+        ([70, 40, 9], [70, 13, 1], 4, 4, 64, 8, F32),  # MHA
+        ([33, 90, 5], [33, 20, 5], 6, 2, 96, 16, F16),  # GQA with a group of 3
+        ([50, 17, 80], [2, 17, 31], 4, 1, 128, 32, BF16),  # MQA
+        ([140, 6], [12, 6], 2, 1, 64, 128, F16),  # one big block size
+    ],
+)
+def test_prefill_matches_reference(
+    seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+):
+    check(
+        paged_prefill_attention,
+        seq_lens,
+        q_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype,sliding_window", [(F32, 1), (F32, 7), (BF16, 48)])
 def test_sliding_window_matches_reference(dtype, sliding_window):
-    check(paged_prefill_attention, [100, 30, 12], [80, 9, 1], 4, 2, 64, 16, dtype,
-          sliding_window)
+    check(paged_prefill_attention, [100, 30, 12], [80, 9, 1], 4, 2, 64, 16, dtype, sliding_window)
 
 
 @pytest.mark.parametrize("dtype,sliding_window", [(F32, None), (F16, 6)])
@@ -58,8 +72,13 @@ def test_dispatcher_on_a_mixed_batch(dtype, sliding_window):
 
 def test_plan_splits_decodes_from_prefills():
     batch = build_paged_batch([1100, 9, 37, 4, 60], [1, 9, 1, 0, 25], 2, 1, 16, 16)
-    plan = plan_attention(batch.seq_lens, batch.query_start_loc, num_tokens=36,
-                          block_tables=batch.block_tables, block_size=16)
+    plan = plan_attention(
+        batch.seq_lens,
+        batch.query_start_loc,
+        num_tokens=36,
+        block_tables=batch.block_tables,
+        block_size=16,
+    )
     assert plan.decode_seq_ids.tolist() == [0, 2] and plan.max_decode_seq_len == 1100
     assert plan.prefill_seq_ids.tolist() == [1, 4] and plan.max_prefill_query_len == 25
 

@@ -18,10 +18,12 @@ from worker_svc.quant import AwqWeight, Fp8Weight, quantize_fp8_per_channel  # n
 
 
 def random_awq(k: int, n: int, group_size: int, generator: torch.Generator):
-    qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), generator=generator,
-                            dtype=torch.int64).to(torch.int32)
-    qzeros = torch.randint(-2**31, 2**31 - 1, (k // group_size, n // 8), generator=generator,
-                           dtype=torch.int64).to(torch.int32)
+    qweight = torch.randint(
+        -(2**31), 2**31 - 1, (k, n // 8), generator=generator, dtype=torch.int64
+    ).to(torch.int32)
+    qzeros = torch.randint(
+        -(2**31), 2**31 - 1, (k // group_size, n // 8), generator=generator, dtype=torch.int64
+    ).to(torch.int32)
     scales = (torch.rand(k // group_size, n, generator=generator) * 0.02).half()
     return qweight, qzeros, scales
 
@@ -38,10 +40,10 @@ def test_fp8_matmul_matches_reference(m, n, k, with_bias):
     x = torch.randn(m, k, generator=generator)
     bias = torch.randn(n, generator=generator) if with_bias else None
     expected = fp8_matmul_reference(x, weight, scale, bias)
-    torch.testing.assert_close(fp8_matmul(x, weight, scale, bias), expected,
-                               rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(Fp8Weight(weight, scale).apply(x, bias), expected,
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fp8_matmul(x, weight, scale, bias), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        Fp8Weight(weight, scale).apply(x, bias), expected, rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -52,10 +54,15 @@ def test_awq_matmul_matches_reference(m, n, k, group_size):
     x = torch.randn(m, k, generator=generator)
     bias = torch.randn(n, generator=generator)
     expected = awq_matmul_reference(x, qweight, qzeros, scales, group_size, bias)
-    torch.testing.assert_close(awq_matmul(x, qweight, qzeros, scales, group_size, bias),
-                               expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(AwqWeight(qweight, qzeros, scales, group_size).apply(x, bias),
-                               expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        awq_matmul(x, qweight, qzeros, scales, group_size, bias), expected, rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        AwqWeight(qweight, qzeros, scales, group_size).apply(x, bias),
+        expected,
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_bf16_activations_give_bf16_results():

@@ -83,14 +83,20 @@ def test_missing_triton_is_a_clear_error(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_mistral(tmp_path_factory) -> Path:
     # Mistral with a sliding window shorter than the prompts: the kernels' window is used.
-    return write_tiny_model(tmp_path_factory.mktemp("mistral"), arch="mistral",
-                            sliding_window=6, num_hidden_layers=2)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("mistral"), arch="mistral", sliding_window=6, num_hidden_layers=2
+    )
 
 
 def run_requests(model: Path, backend: str) -> dict[str, list[int]]:
-    runner = ModelRunner.from_config(RunnerConfig(
-        model_path=str(model), block_size=BLOCK_SIZE, num_blocks=32, attention_backend=backend,
-    ))
+    runner = ModelRunner.from_config(
+        RunnerConfig(
+            model_path=str(model),
+            block_size=BLOCK_SIZE,
+            num_blocks=32,
+            attention_backend=backend,
+        )
+    )
     assert runner.backend.name == backend
     vocab_size = runner.info().vocab_size
     requests = [
@@ -114,16 +120,29 @@ def test_the_graph_plan_attends_like_an_eager_step(tmp_path: Path):
     with the eager step."""
     from tests.support.runner_script import padded_decode_matches
 
-    model = write_tiny_model(tmp_path, arch="mistral", sliding_window=6, num_hidden_layers=2,
-                             max_position_embeddings=1536)
-    runner = ModelRunner.from_config(RunnerConfig(
-        model_path=str(model), block_size=BLOCK_SIZE, num_blocks=48,
-        attention_backend="triton"))
+    model = write_tiny_model(
+        tmp_path,
+        arch="mistral",
+        sliding_window=6,
+        num_hidden_layers=2,
+        max_position_embeddings=1536,
+    )
+    runner = ModelRunner.from_config(
+        RunnerConfig(
+            model_path=str(model), block_size=BLOCK_SIZE, num_blocks=48, attention_backend="triton"
+        )
+    )
     assert runner.metadata.max_model_len == 1536
     vocab_size = runner.info().vocab_size
-    requests = [ScriptedRequest(name, random_prompt(length, vocab_size, seed), join_step=0)
-                for name, length, seed in (("a", 11, 1), ("b", 3, 2), ("c", 9, 3))]
+    requests = [
+        ScriptedRequest(name, random_prompt(length, vocab_size, seed), join_step=0)
+        for name, length, seed in (("a", 11, 1), ("b", 3, 2), ("c", 9, 3))
+    ]
     drive(runner, requests, 2)
     max_len = runner.metadata.max_model_len
-    padded_decode_matches(runner, requests, size=4, fix_plan=lambda metadata, size: (
-        runner.backend.fix_decode_plan(metadata, size, max_len)))
+    padded_decode_matches(
+        runner,
+        requests,
+        size=4,
+        fix_plan=lambda metadata, size: runner.backend.fix_decode_plan(metadata, size, max_len),
+    )

@@ -16,9 +16,11 @@ import pytest
 from pagemesh import LLM, SamplingParams
 from pagemesh.tools.testing.tiny_models import write_tiny_model
 
-PROMPTS = [{"prompt_token_ids": [5, 17, 33, 101, 7, 250, 3] * 3},
-           {"prompt_token_ids": [9, 8, 7, 6, 5, 4, 3, 2] * 5},
-           {"prompt_token_ids": [44, 45, 46]}]
+PROMPTS = [
+    {"prompt_token_ids": [5, 17, 33, 101, 7, 250, 3] * 3},
+    {"prompt_token_ids": [9, 8, 7, 6, 5, 4, 3, 2] * 5},
+    {"prompt_token_ids": [44, 45, 46]},
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,26 +31,35 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def outputs(llm: LLM) -> tuple[list[tuple[list[int], list[float]]], float]:
     """Greedy and seeded outputs (tokens, logprobs), and the share of greedy drafts kept."""
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True, n=2,
-                            logprobs=1)
+    seeded = SamplingParams(
+        temperature=0.8, seed=7, max_tokens=30, ignore_eos=True, n=2, logprobs=1
+    )
     results = llm.generate(PROMPTS, greedy, use_tqdm=False)
     scheduler = llm._engine.engine_loop.scheduler  # type: ignore[union-attr]
     drafted, kept = scheduler.stats().num_draft_tokens, scheduler.stats().num_accepted_tokens
     results += llm.generate(PROMPTS[:1], seeded, use_tqdm=False)
     assert drafted > 30 or scheduler.spec is None, drafted
-    tokens = [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-              for r in results for c in r.outputs]
+    tokens = [
+        (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        for r in results
+        for c in r.outputs
+    ]
     return tokens, kept / drafted if drafted else 0.0
 
 
 def test_any_draft_changes_no_token_and_the_target_itself_is_always_right(
-        target: Path, tmp_path: Path) -> None:
+    target: Path, tmp_path: Path
+) -> None:
     other = write_tiny_model(tmp_path / "other", "llama", seed=4, num_hidden_layers=1)
     with LLM(str(target), dtype="float32", block_size=4) as plain:
         expected, _ = outputs(plain)
     for draft, least_kept in ((target, 0.95), (other, 0.0)):
-        with LLM(str(target), dtype="float32", block_size=4, speculative_config={
-                "model": str(draft), "num_speculative_tokens": 3}) as speculating:
+        with LLM(
+            str(target),
+            dtype="float32",
+            block_size=4,
+            speculative_config={"model": str(draft), "num_speculative_tokens": 3},
+        ) as speculating:
             got, kept = outputs(speculating)
         assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
         for (_, logprobs), (_, reference) in zip(got, expected):
@@ -56,8 +67,9 @@ def test_any_draft_changes_no_token_and_the_target_itself_is_always_right(
         assert kept >= least_kept, (draft, kept)
 
 
-def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(target: Path,
-                                                               tmp_path: Path) -> None:
+def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(
+    target: Path, tmp_path: Path
+) -> None:
     wider = write_tiny_model(tmp_path / "wider", "llama", seed=4, vocab_size=640)
     with pytest.raises(ValueError, match="vocabulary of 640"):
         LLM(str(target), speculative_config={"model": str(wider), "num_speculative_tokens": 2})

@@ -22,8 +22,9 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("offline-admin") / "tiny-llama", "llama",
-                            seed=5)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("offline-admin") / "tiny-llama", "llama", seed=5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +36,17 @@ def llm(model_dir: Path) -> Iterator[LLM]:
 def _assert_memory_adds_up(llm: LLM, num_ranks: int) -> None:
     ranks = llm.get_memory()
     assert [(m.rank, m.tp_rank, m.pp_rank) for m in ranks] == [
-        (r, r % num_ranks, 0) for r in range(num_ranks)]
+        (r, r % num_ranks, 0) for r in range(num_ranks)
+    ]
     for m in ranks:
         assert m.num_kv_blocks == llm.num_kv_blocks
         assert m.num_used_kv_blocks + m.num_free_kv_blocks == m.num_kv_blocks
         assert m.kv_cache_used_bytes == m.num_used_kv_blocks * m.memory.kv_bytes_per_block
         assert m.memory.weight_bytes > 0 and m.memory.rss_bytes > 0
         assert m.memory.num_allocated_kv_blocks >= m.num_kv_blocks
-        assert m.memory.kv_cache_bytes == (m.memory.num_allocated_kv_blocks
-                                           * m.memory.kv_bytes_per_block)
+        assert m.memory.kv_cache_bytes == (
+            m.memory.num_allocated_kv_blocks * m.memory.kv_bytes_per_block
+        )
         assert m.memory.device == "cpu" and m.num_used_swap_blocks == 0
 
 

@@ -22,24 +22,31 @@ DTYPE = "float32"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_realistic_model(tmp_path_factory.mktemp("offline-mesh") / "tiny-llama",
-                                 "llama", seed=5)
+    return write_realistic_model(
+        tmp_path_factory.mktemp("offline-mesh") / "tiny-llama", "llama", seed=5
+    )
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir: Path, redis_url: str,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    mesh = Mesh(str(model_dir), tmp_path_factory.mktemp("logs") / "offline-mesh.log",
-                redis_url=redis_url, cluster="offline-vs-mesh",
-                extra_args=["--dtype", DTYPE, "--num-kv-blocks", "256"])
+def mesh(
+    model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    mesh = Mesh(
+        str(model_dir),
+        tmp_path_factory.mktemp("logs") / "offline-mesh.log",
+        redis_url=redis_url,
+        cluster="offline-vs-mesh",
+        extra_args=["--dtype", DTYPE, "--num-kv-blocks", "256"],
+    )
     try:
         yield mesh.wait_ready()
     finally:
         mesh.stop()
 
 
-def _mesh_samples(mesh: Mesh, prompt: str, params: SamplingParams
-                  ) -> list[tuple[list[int], str, list[float]]]:
+def _mesh_samples(
+    mesh: Mesh, prompt: str, params: SamplingParams
+) -> list[tuple[list[int], str, list[float]]]:
     """Per sample: token ids, text, chosen tokens' logprobs (empty without logprobs)."""
     samples: dict[int, tuple[list[int], list[str], list[float]]] = {}
     for chunk in mesh.stub.Generate(to_generate_request(prompt, params), timeout=120):
@@ -48,16 +55,19 @@ def _mesh_samples(mesh: Mesh, prompt: str, params: SamplingParams
         text.append(chunk.text)
         logprobs += [lp.logprob for lp in chunk.logprobs]
         if chunk.finish_reason:
-            assert chunk.finish_reason in (generate_pb2.FINISH_REASON_STOP,
-                                           generate_pb2.FINISH_REASON_LENGTH)
+            assert chunk.finish_reason in (
+                generate_pb2.FINISH_REASON_STOP,
+                generate_pb2.FINISH_REASON_LENGTH,
+            )
     return [(ids, "".join(text), lps) for _, (ids, text, lps) in sorted(samples.items())]
 
 
 CASES = [
     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=12, ignore_eos=True),
-    SamplingParams(n=3, temperature=1.0, top_k=40, seed=7, max_tokens=10, ignore_eos=True,
-                   logprobs=2),
+    SamplingParams(
+        n=3, temperature=1.0, top_k=40, seed=7, max_tokens=10, ignore_eos=True, logprobs=2
+    ),
     SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16, stop=["e", "a"]),
 ]
 
@@ -68,12 +78,18 @@ def test_offline_equals_mesh(mesh: Mesh, model_dir: Path) -> None:
         for params in CASES:
             offline = llm.generate(prompts, params, use_tqdm=False)
             for prompt, output in zip(prompts, offline):
-                ours = [(c.token_ids, c.text,
-                         [e[t].logprob for t, e in zip(c.token_ids, c.logprobs or [])])
-                        for c in output.outputs]
+                ours = [
+                    (
+                        c.token_ids,
+                        c.text,
+                        [e[t].logprob for t, e in zip(c.token_ids, c.logprobs or [])],
+                    )
+                    for c in output.outputs
+                ]
                 theirs = _mesh_samples(mesh, prompt, params)
-                assert [(ids, text) for ids, text, _ in ours] == \
-                    [(ids, text) for ids, text, _ in theirs], params
+                assert [(ids, text) for ids, text, _ in ours] == [
+                    (ids, text) for ids, text, _ in theirs
+                ], params
                 for (_, _, a), (_, _, b) in zip(ours, theirs):
                     assert a == pytest.approx(b, abs=1e-5)
                 if params.stop:  # the case stops early, in both

@@ -22,8 +22,9 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of", [5, 6, 7, 8, 9]]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_realistic_model(tmp_path_factory.mktemp("offline-tp") / "tiny-llama", "llama",
-                                 seed=4)
+    return write_realistic_model(
+        tmp_path_factory.mktemp("offline-tp") / "tiny-llama", "llama", seed=4
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_parallel_greedy_equals_one_rank_and_close_stops_the_ranks(
-        model_dir: Path, one_rank_tokens: list[list[int]], tp: int, pp: int) -> None:
+    model_dir: Path, one_rank_tokens: list[list[int]], tp: int, pp: int
+) -> None:
     llm = LLM(str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE_ARGS)
     pids = [p.pid for p in llm._workers.processes]
     assert len(pids) == 2 and all(_alive(pid) for pid in pids)
@@ -71,8 +73,13 @@ def test_ranks_stop_at_interpreter_exit(model_dir: Path) -> None:
         "print(llm.generate('hi', SamplingParams(max_tokens=2), use_tqdm=False)[0]\n"
         "      .outputs[0].token_ids)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     pids = [int(pid) for pid in done.stdout.splitlines()[0].split()]
     leftovers = [pid for pid in pids if _alive(pid)]

@@ -9,9 +9,18 @@ import sys
 import pytest
 
 from pagemesh.api.options.constraint import OutputConstraint
-from pagemesh.api.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
-                                         ValidationError, validate)
-from pagemesh.api.sampling_params import SamplingParams, StructuredOutputsParams, to_generate_request
+from pagemesh.api.options.validation import (
+    ModelLimits,
+    SamplingOptions,
+    StoppingOptions,
+    ValidationError,
+    validate,
+)
+from pagemesh.api.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    to_generate_request,
+)
 from router import convert
 from router.openai_errors import ProtocolError
 from router.openai_protocol import parse_completion
@@ -22,7 +31,14 @@ LIMITS = ModelLimits("m", max_model_len=64, vocab_size=100, eos_token_ids=[0])
 def test_defaults_are_vllms() -> None:
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.logprobs) == (
-        1, 1.0, 1.0, 0, 0.0, 16, None)
+        1,
+        1.0,
+        1.0,
+        0,
+        0.0,
+        16,
+        None,
+    )
     assert p.options().stopping.max_tokens == 16
     assert SamplingParams(max_tokens=None).options().stopping.max_tokens is None
     assert SamplingParams(top_k=-1).options().sampling.top_k == 0  # vLLM's "off"
@@ -32,31 +48,54 @@ def _grpc_message(**fields: object) -> str:
     """What the gRPC API answers a request with these (range-checked) fields."""
     sampling_names = {f for f in SamplingOptions.__dataclass_fields__}
     sampling = SamplingOptions(**{k: v for k, v in fields.items() if k in sampling_names})
-    stopping = StoppingOptions(**{k: v for k, v in fields.items()
-                                  if k in ("max_tokens", "min_tokens", "stop")})
+    stopping = StoppingOptions(
+        **{k: v for k, v in fields.items() if k in ("max_tokens", "min_tokens", "stop")}
+    )
     with pytest.raises(ValidationError) as caught:
-        validate([1, 2], sampling, stopping, fields.get("logprobs"), "", LIMITS,
-                 n=fields.get("n", 1))
+        validate(
+            [1, 2], sampling, stopping, fields.get("logprobs"), "", LIMITS, n=fields.get("n", 1)
+        )
     return str(caught.value)
 
 
-@pytest.mark.parametrize("fields", [
-    {"temperature": -0.5}, {"top_p": 0.0}, {"top_k": -3}, {"min_p": 1.5},
-    {"repetition_penalty": 0.0}, {"presence_penalty": 2.5}, {"frequency_penalty": -3.0},
-    {"seed": -1}, {"max_tokens": 0}, {"n": 17}, {"logprobs": 21}, {"stop": [""]},
-    {"min_tokens": -1},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": -0.5},
+        {"top_p": 0.0},
+        {"top_k": -3},
+        {"min_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3.0},
+        {"seed": -1},
+        {"max_tokens": 0},
+        {"n": 17},
+        {"logprobs": 21},
+        {"stop": [""]},
+        {"min_tokens": -1},
+    ],
+)
 def test_out_of_range_is_the_grpc_servers_message(fields: dict) -> None:
     with pytest.raises(ValueError) as caught:
         SamplingParams(**fields)
     assert str(caught.value) == _grpc_message(**fields)
 
 
-@pytest.mark.parametrize("fields", [
-    {"temperature": "hot"}, {"top_k": 1.5}, {"n": "2"}, {"stop": 3}, {"seed": 1.0},
-    {"stop_token_ids": ["a"]}, {"ignore_eos": "yes"}, {"max_tokens": float("inf")},
-    {"structured_outputs": {"json": 3}},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": "hot"},
+        {"top_k": 1.5},
+        {"n": "2"},
+        {"stop": 3},
+        {"seed": 1.0},
+        {"stop_token_ids": ["a"]},
+        {"ignore_eos": "yes"},
+        {"max_tokens": float("inf")},
+        {"structured_outputs": {"json": 3}},
+    ],
+)
 def test_wrong_type_is_the_http_servers_message(fields: dict) -> None:
     with pytest.raises(ValueError) as caught:
         SamplingParams(**fields)
@@ -74,11 +113,24 @@ def test_text_options_are_checked() -> None:
 
 def test_generate_request_means_what_the_params_say() -> None:
     # Values a float32 holds exactly: the wire carries float32.
-    params = SamplingParams(n=2, temperature=0.75, top_p=0.875, top_k=-1, min_p=0.0625, seed=11,
-                            max_tokens=None, min_tokens=2, stop="END", stop_token_ids=[5],
-                            ignore_eos=False, logprobs=0, presence_penalty=0.5,
-                            frequency_penalty=-0.5, repetition_penalty=1.125,
-                            structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    params = SamplingParams(
+        n=2,
+        temperature=0.75,
+        top_p=0.875,
+        top_k=-1,
+        min_p=0.0625,
+        seed=11,
+        max_tokens=None,
+        min_tokens=2,
+        stop="END",
+        stop_token_ids=[5],
+        ignore_eos=False,
+        logprobs=0,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.125,
+        structured_outputs=StructuredOutputsParams(choice=["a", "b"]),
+    )
     parsed = convert.generation_request(to_generate_request("hello", params, chat=True))
     assert parsed.prompt == "hello" and parsed.apply_chat_template and parsed.n == 2
     assert parsed.sampling == params.options().sampling
@@ -92,11 +144,13 @@ def test_generate_request_means_what_the_params_say() -> None:
 
 
 def test_import_pagemesh_stays_light() -> None:
-    code = ("import sys, pagemesh; assert pagemesh.SamplingParams; "
-            "heavy = [m for m in ('torch', 'grpc', 'transformers') if m in sys.modules]; "
-            "assert not heavy, heavy; "
-            "assert {'LLM', 'SamplingParams', 'RequestOutput', 'CompletionOutput', 'Client', "
-            "'AsyncClient', 'PagemeshError', 'InvalidArgument'} <= set(pagemesh.__all__)")
+    code = (
+        "import sys, pagemesh; assert pagemesh.SamplingParams; "
+        "heavy = [m for m in ('torch', 'grpc', 'transformers') if m in sys.modules]; "
+        "assert not heavy, heavy; "
+        "assert {'LLM', 'SamplingParams', 'RequestOutput', 'CompletionOutput', 'Client', "
+        "'AsyncClient', 'PagemeshError', 'InvalidArgument'} <= set(pagemesh.__all__)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -112,8 +166,16 @@ def test_params_are_checked_once_per_request(monkeypatch: pytest.MonkeyPatch) ->
     params = SamplingParams(max_tokens=8, stop=["x"])
     to_generate_request("Hi", params)
     options = params.options()
-    validated = validate([1, 2], options.sampling, options.stopping, options.num_logprobs, "",
-                         LIMITS, n=options.n, options_checked=True)
+    validated = validate(
+        [1, 2],
+        options.sampling,
+        options.stopping,
+        options.num_logprobs,
+        "",
+        LIMITS,
+        n=options.n,
+        options_checked=True,
+    )
     assert len(calls) == 1 and validated.max_tokens == 8
     params.stop.append("")  # in place: the next use sees it
     with pytest.raises(ValueError, match="stop string 1 is empty"):

@@ -15,16 +15,23 @@ def float32(value: float) -> float:
 
 
 def logprobs(num_tokens: int, num_top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    return [(float32(-0.1 - 0.37 * t), [(1000 * t + i, float32(-0.2 - 0.53 * i - t / 7)) for i in range(num_top)])
-            for t in range(num_tokens)]
+    return [
+        (
+            float32(-0.1 - 0.37 * t),
+            [(1000 * t + i, float32(-0.2 - 0.53 * i - t / 7)) for i in range(num_top)],
+        )
+        for t in range(num_tokens)
+    ]
 
 
 def test_logprobs_round_trip_exactly_per_sample() -> None:
     first = logprobs(6, 5)
     first[2] = (float("-inf"), [(7, float("-inf"))])  # a ragged top list and -inf survive too
-    samples = [SampleState([5, 6, 7, 8, 9, 10], False, 0, first),
-               SampleState([3], True, 2, logprobs(1, 20)),
-               SampleState([], False, 0, [])]
+    samples = [
+        SampleState([5, 6, 7, 8, 9, 10], False, 0, first),
+        SampleState([3], True, 2, logprobs(1, 20)),
+        SampleState([], False, 0, []),
+    ]
     ckpt = Checkpoint("r1", "g0", b"\x01\x02", samples, RUNNING, 12.5)
     back = Checkpoint.from_json(ckpt.to_json())
     assert [s.logprobs for s in back.samples] == [s.logprobs for s in samples]
@@ -44,8 +51,16 @@ def test_without_logprobs_the_record_holds_no_logprob_data() -> None:
 
 
 def test_an_older_record_reads_as_having_no_logprobs() -> None:
-    older = json.dumps({"request_id": "old", "group": "g0", "submit": "", "state": RUNNING,
-                        "updated_at": 1.0, "samples": [{"token_ids": [1, 2], "finished": False}]})
+    older = json.dumps(
+        {
+            "request_id": "old",
+            "group": "g0",
+            "submit": "",
+            "state": RUNNING,
+            "updated_at": 1.0,
+            "samples": [{"token_ids": [1, 2], "finished": False}],
+        }
+    )
     sample = Checkpoint.from_json(older).samples[0]
     assert sample == SampleState([1, 2], False, 0, None)
 
@@ -59,7 +74,8 @@ def test_packed_logprobs_stay_small() -> None:
     """Per token with 5 alternatives: 44 bytes of float32/uint32, about 60 in base64 —
     where JSON numbers would take about three times that."""
     num_tokens = 512
-    with_logprobs = Checkpoint("r", "g", b"", [SampleState(list(range(num_tokens)),
-                                                          logprobs=logprobs(num_tokens, 5))]).to_json()
+    with_logprobs = Checkpoint(
+        "r", "g", b"", [SampleState(list(range(num_tokens)), logprobs=logprobs(num_tokens, 5))]
+    ).to_json()
     without = Checkpoint("r", "g", b"", [SampleState(list(range(num_tokens)))]).to_json()
     assert (len(with_logprobs) - len(without)) / num_tokens < 70

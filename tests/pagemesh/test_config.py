@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from pagemesh.runtime.config import add_flag, with_password
-from pagemesh.tools.embedded_valkey import EmbeddedValkey
 from pagemesh.runtime.ports import reserve_port
+from pagemesh.tools.embedded_valkey import EmbeddedValkey
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,8 +47,10 @@ def test_a_file_variable_gives_a_secret(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 def test_a_password_joins_the_url_of_a_locked_valkey() -> None:
     assert with_password("redis://h:1/0", None) == "redis://h:1/0"
-    assert with_password("rediss://pagemesh@h:6380/2?ssl_ca_certs=/ca.pem", "p@ss:/w") == \
-        "rediss://pagemesh:p%40ss%3A%2Fw@h:6380/2?ssl_ca_certs=/ca.pem"
+    assert (
+        with_password("rediss://pagemesh@h:6380/2?ssl_ca_certs=/ca.pem", "p@ss:/w")
+        == "rediss://pagemesh:p%40ss%3A%2Fw@h:6380/2?ssl_ca_certs=/ca.pem"
+    )
     assert with_password("redis://u:old@[::1]:6379/0", "new") == "redis://u:new@[::1]:6379/0"
     valkey = EmbeddedValkey(reserve_port()).start()
     try:

@@ -31,8 +31,11 @@ def test_reserve_gives_workers_one_thread_per_physical_core_and_the_rest_to_the_
     plan = plan_placement("reserve", SMT_CORES, 2)
     assert plan.workers == ((1, 2, 3), (4, 5, 6))  # first siblings only
     assert plan.control == (0, 8, 7, 15)  # core 0 with its sibling, and the core left over
-    assert plan.worker_env(1) == {"OMP_NUM_THREADS": "3", "OMP_PROC_BIND": "close",
-                                  "OMP_PLACES": "{4},{5},{6}"}
+    assert plan.worker_env(1) == {
+        "OMP_NUM_THREADS": "3",
+        "OMP_PROC_BIND": "close",
+        "OMP_PLACES": "{4},{5},{6}",
+    }
     assert "worker slot 1: CPUs 4,5,6" in plan.describe()
 
 
@@ -71,8 +74,9 @@ def test_host_cores_groups_smt_siblings_by_package_and_core(tmp_path):
 
 def test_up_gives_each_worker_its_cores_and_threads(monkeypatch):
     monkeypatch.setattr("pagemesh.tools.local_mesh.host_cores", lambda: ONE_THREAD_CORES[:7])
-    args = cli.build_parser().parse_args(["up", "--tp", "2", "--standby", "1",
-                                          "--cpu-bind", "reserve"])
+    args = cli.build_parser().parse_args(
+        ["up", "--tp", "2", "--standby", "1", "--cpu-bind", "reserve"]
+    )
     specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}
     assert specs["worker-g0-pp0-tp0"].cpus == (1, 2, 3)
     assert specs["worker-g0-pp0-tp1"].cpus == (4, 5, 6)
@@ -113,8 +117,9 @@ def test_a_process_the_supervisor_binds_runs_one_thread_on_each_of_its_cpus(tmp_
     plan = plan_placement("pin", host_cores(), 1)  # every core of this host, any count
     cpus = plan.workers[0]
     out = tmp_path / "probe.json"
-    child = Supervisor().start(ServiceSpec("probe", "tests.support.affinity_probe", [str(out)],
-                                           plan.worker_env(0), cpus))
+    child = Supervisor().start(
+        ServiceSpec("probe", "tests.support.affinity_probe", [str(out)], plan.worker_env(0), cpus)
+    )
     assert child.wait(timeout=120) == 0
     report = json.loads(out.read_text())
     assert report["affinity"] == sorted(cpus)

@@ -12,10 +12,16 @@ from pagemesh.tools import discovery
 from pagemesh.tools.discovery import LocalMesh
 
 
-def mesh(pid: int, cluster: str = "pagemesh", started_at: float = 100.0,
-         port: int = 16379) -> LocalMesh:
-    return LocalMesh(pid=pid, redis_url=f"redis://127.0.0.1:{port}/0", cluster=cluster,
-                     router_address=f"127.0.0.1:{port + 1}", started_at=started_at)
+def mesh(
+    pid: int, cluster: str = "pagemesh", started_at: float = 100.0, port: int = 16379
+) -> LocalMesh:
+    return LocalMesh(
+        pid=pid,
+        redis_url=f"redis://127.0.0.1:{port}/0",
+        cluster=cluster,
+        router_address=f"127.0.0.1:{port + 1}",
+        started_at=started_at,
+    )
 
 
 def dead_pid() -> int:
@@ -32,8 +38,7 @@ def test_state_dir_follows_the_variables(tmp_path: Path) -> None:
 
 def test_announced_meshes_are_found_newest_first_and_withdrawn(tmp_path: Path) -> None:
     older = discovery.announce(mesh(os.getpid(), started_at=100.0), tmp_path)
-    parent = discovery.announce(mesh(os.getppid(), "other", started_at=200.0, port=20000),
-                                tmp_path)
+    parent = discovery.announce(mesh(os.getppid(), "other", started_at=200.0, port=20000), tmp_path)
     found = discovery.local_meshes(tmp_path)
     assert [m.cluster for m in found] == ["other", "pagemesh"]
     assert found[1].state_file == str(older)
@@ -63,8 +68,11 @@ def test_flags_then_the_local_mesh_then_the_defaults(tmp_path: Path) -> None:
     assert f"pid {os.getpid()}" in registry.source
     assert discovery.resolve_router(None, None, tmp_path).address == "127.0.0.1:16380"
     given = discovery.resolve_registry("redis://elsewhere:1/0", None, tmp_path)
-    assert (given.redis_url, given.cluster, given.source) == ("redis://elsewhere:1/0", "pagemesh",
-                                                              "--redis-url")
+    assert (given.redis_url, given.cluster, given.source) == (
+        "redis://elsewhere:1/0",
+        "pagemesh",
+        "--redis-url",
+    )
     assert discovery.resolve_router("h:1", None, tmp_path).address == "h:1"
     other = discovery.resolve_registry(None, "theirs", tmp_path)  # not the local mesh's cluster
     assert other.redis_url == discovery.DEFAULT_REDIS_URL and "'theirs'" in other.source

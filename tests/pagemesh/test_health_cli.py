@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from pagemesh.tools.cli import main
 from pagemesh.runtime.ports import reserve_port
 from pagemesh.runtime.serving import GrpcServer, ServerConfig
 from pagemesh.runtime.tls import TlsConfig
+from pagemesh.tools.cli import main
 from tests.support.paths import REPO_ROOT
 from tests.support.tls_certs import CertFiles, make_certs
 
@@ -56,7 +56,15 @@ class ServerThread:
 @pytest.fixture(autouse=True)
 def _no_pagemesh_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """The flags read PAGEMESH_* variables; the tests set the ones they mean."""
-    for name in ("ADDRESS", "SERVICE", "TIMEOUT_S", "TLS_CERT", "TLS_KEY", "TLS_CA", "TLS_SERVER_NAME"):
+    for name in (
+        "ADDRESS",
+        "SERVICE",
+        "TIMEOUT_S",
+        "TLS_CERT",
+        "TLS_KEY",
+        "TLS_CA",
+        "TLS_SERVER_NAME",
+    ):
         monkeypatch.delenv(f"PAGEMESH_{name}", raising=False)
 
 
@@ -116,34 +124,54 @@ def test_nothing_listening_exits_1_and_says_so(capsys: pytest.CaptureFixture[str
 
 def test_the_command_line_entry_point(server: ServerThread) -> None:
     """What Docker's HEALTHCHECK runs: a process whose exit status is the verdict."""
+
     def run() -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "pagemesh.tools.cli", "health", "--address", server.address],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "pagemesh.tools.cli", "health", "--address", server.address],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     result = run()
     assert (result.returncode, result.stdout) == (1, "")
-    assert result.stderr.splitlines() == [f"pagemesh health: {server.address} (server, plaintext): NOT_SERVING"]
+    assert result.stderr.splitlines() == [
+        f"pagemesh health: {server.address} (server, plaintext): NOT_SERVING"
+    ]
     server.set_serving(True)
     result = run()
     assert result.returncode == 0, result.stderr
     assert "SERVING" in result.stderr
 
 
-def test_mtls(certs: CertFiles, capsys: pytest.CaptureFixture[str],
-              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mtls(
+    certs: CertFiles, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     server = ServerThread(certs.server_tls())
     try:
         server.set_serving(True)
-        tls = ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert),
-               "--tls-key", str(certs.client_key)]
+        tls = [
+            "--tls-ca",
+            str(certs.ca),
+            "--tls-cert",
+            str(certs.client_cert),
+            "--tls-key",
+            str(certs.client_key),
+        ]
         code, line = health(capsys, "--address", server.address, *tls)
         assert (code, line.endswith("(server, TLS): SERVING")) == (0, True)
         # Plaintext against a TLS port: refused by the handshake, with a hint.
         code, line = health(capsys, "--address", server.address)
         assert code == 1 and "--tls-ca" in line
         # The name checked is --tls-server-name's, not the dialed host's.
-        assert health(capsys, "--address", server.address, *tls, "--tls-server-name", "localhost")[0] == 0
-        assert health(capsys, "--address", server.address, *tls, "--tls-server-name", "router")[0] == 1
+        assert (
+            health(capsys, "--address", server.address, *tls, "--tls-server-name", "localhost")[0]
+            == 0
+        )
+        assert (
+            health(capsys, "--address", server.address, *tls, "--tls-server-name", "router")[0] == 1
+        )
         # In a container, the service's own PAGEMESH_TLS_* variables are what the check uses.
         monkeypatch.setenv("PAGEMESH_TLS_CA", str(certs.ca))
         monkeypatch.setenv("PAGEMESH_TLS_CERT", str(certs.server_cert))

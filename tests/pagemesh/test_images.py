@@ -31,6 +31,7 @@ from pagemesh.runtime.images import (
     parse_data_url,
 )
 
+
 def random_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
     channels = len(Image.new(mode, (1, 1)).getbands())
@@ -54,18 +55,21 @@ def png_header_only(width: int, height: int) -> bytes:
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     row = zlib.compress(b"\0" * (1 + 3 * width), 9)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", row)
-            + chunk(b"IEND", b""))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", row) + chunk(b"IEND", b"")
 
 
 # Decoding ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt, options, lossless", [
-    ("PNG", {}, True),
-    ("JPEG", {"quality": 95}, False),
-    ("WEBP", {"lossless": True}, True),
-    ("GIF", {}, False),  # palette quantization
-])
+
+@pytest.mark.parametrize(
+    "fmt, options, lossless",
+    [
+        ("PNG", {}, True),
+        ("JPEG", {"quality": 95}, False),
+        ("WEBP", {"lossless": True}, True),
+        ("GIF", {}, False),  # palette quantization
+    ],
+)
 def test_decodes_accepted_formats(fmt: str, options: dict, lossless: bool) -> None:
     image = random_image(20, 12)
     decoded = load_image(encode(image, fmt, **options))
@@ -104,16 +108,20 @@ def _gray16() -> Image.Image:
     return Image.fromarray(values)  # mode I;16
 
 
-@pytest.mark.parametrize("make, fmt", [
-    (lambda: _alpha_image("RGBA"), "PNG"),
-    (lambda: _alpha_image("LA"), "PNG"),
-    (_palette_with_transparency, "PNG"),
-    (lambda: random_image(16, 10).convert("P"), "GIF"),
-    (lambda: random_image(16, 10, "L"), "PNG"),
-    (lambda: random_image(16, 10).convert("1"), "PNG"),
-    (lambda: random_image(16, 10).convert("CMYK"), "JPEG"),
-    (_gray16, "PNG"),
-], ids=["RGBA", "LA", "P+transparency", "P-gif", "L", "1", "CMYK-jpeg", "I;16"])
+@pytest.mark.parametrize(
+    "make, fmt",
+    [
+        (lambda: _alpha_image("RGBA"), "PNG"),
+        (lambda: _alpha_image("LA"), "PNG"),
+        (_palette_with_transparency, "PNG"),
+        (lambda: random_image(16, 10).convert("P"), "GIF"),
+        (lambda: random_image(16, 10, "L"), "PNG"),
+        (lambda: random_image(16, 10).convert("1"), "PNG"),
+        (lambda: random_image(16, 10).convert("CMYK"), "JPEG"),
+        (_gray16, "PNG"),
+    ],
+    ids=["RGBA", "LA", "P+transparency", "P-gif", "L", "1", "CMYK-jpeg", "I;16"],
+)
 def test_converts_to_rgb_as_transformers(make, fmt: str) -> None:
     from transformers.image_transforms import convert_to_rgb
 
@@ -131,6 +139,7 @@ def test_transparent_pixels_become_white() -> None:
 
 # Refusals ----------------------------------------------------------------------------------
 
+
 def test_refuses_empty_and_oversized_data() -> None:
     with pytest.raises(ImageError, match="empty"):
         load_image(b"")
@@ -140,11 +149,15 @@ def test_refuses_empty_and_oversized_data() -> None:
     assert issubclass(ImageError, ValueError)
 
 
-@pytest.mark.parametrize("data", [
-    b"certainly not an image",
-    encode(random_image(8, 8), "BMP"),
-    encode(random_image(8, 8), "TIFF"),
-], ids=["garbage", "bmp", "tiff"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"certainly not an image",
+        encode(random_image(8, 8), "BMP"),
+        encode(random_image(8, 8), "TIFF"),
+    ],
+    ids=["garbage", "bmp", "tiff"],
+)
 def test_refuses_undecodable_or_unaccepted_formats(data: bytes) -> None:
     with pytest.raises(ImageError, match="PNG, JPEG, WEBP, GIF"):
         load_image(data)
@@ -164,15 +177,19 @@ def test_refuses_too_many_pixels_from_the_header() -> None:
     assert load_image(data, ImageLimits(max_pixels=256)).size == (16, 16)
 
 
-@pytest.mark.parametrize("width, height, message", [
-    # 48 megapixels: under Pillow's own bomb thresholds (89M warns, 179M raises), so this
-    # is our check, made before decoding (this file holds one row; decoding would fail).
-    (8000, 6000, "8000x6000 = 48000000 pixels, over the limit of 40000000"),
-    # 400 megapixels, 1.2 GB decoded: Pillow's DecompressionBombError, as an ImageError.
-    (20000, 20000, "too many pixels"),
-])
-def test_refuses_decompression_bombs_without_decoding(width: int, height: int,
-                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    "width, height, message",
+    [
+        # 48 megapixels: under Pillow's own bomb thresholds (89M warns, 179M raises), so this
+        # is our check, made before decoding (this file holds one row; decoding would fail).
+        (8000, 6000, "8000x6000 = 48000000 pixels, over the limit of 40000000"),
+        # 400 megapixels, 1.2 GB decoded: Pillow's DecompressionBombError, as an ImageError.
+        (20000, 20000, "too many pixels"),
+    ],
+)
+def test_refuses_decompression_bombs_without_decoding(
+    width: int, height: int, message: str
+) -> None:
     data = png_header_only(width, height)
     assert len(data) < 1000
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -194,25 +211,29 @@ def test_check_num_images() -> None:
 
 # Data URLs ---------------------------------------------------------------------------------
 
+
 def test_parses_data_urls() -> None:
     data = encode(random_image(8, 8), "PNG")
     payload = base64.b64encode(data).decode()
     assert parse_data_url(f"data:image/png;base64,{payload}") == data
-    wrapped = "\n".join(payload[i:i + 76] for i in range(0, len(payload), 76))
+    wrapped = "\n".join(payload[i : i + 76] for i in range(0, len(payload), 76))
     assert parse_data_url(f"data:IMAGE/JPEG;base64,{wrapped}") == data
     assert load_image(parse_data_url(f"data:image/webp;base64,{payload}")).size == (8, 8)
 
 
-@pytest.mark.parametrize("url, message", [
-    ("https://example.com/cat.png", "must be a data URL"),
-    ("data:image/png;base64", "no ','"),
-    ("data:text/plain;base64,aGVsbG8=", "not an image"),
-    ("data:;base64,aGVsbG8=", "not an image"),
-    ("data:image/svg+xml;base64,aGVsbG8=", "'image/svg\\+xml' are not accepted"),
-    ("data:image/png,%89PNG", "base64-encoded"),
-    ("data:image/png;base64,not*base64!", "not valid base64"),
-    ("data:image/png;base64,aGVsbG8", "not valid base64"),  # missing padding
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("https://example.com/cat.png", "must be a data URL"),
+        ("data:image/png;base64", "no ','"),
+        ("data:text/plain;base64,aGVsbG8=", "not an image"),
+        ("data:;base64,aGVsbG8=", "not an image"),
+        ("data:image/svg+xml;base64,aGVsbG8=", "'image/svg\\+xml' are not accepted"),
+        ("data:image/png,%89PNG", "base64-encoded"),
+        ("data:image/png;base64,not*base64!", "not valid base64"),
+        ("data:image/png;base64,aGVsbG8", "not valid base64"),  # missing padding
+    ],
+)
 def test_refuses_malformed_data_urls(url: str, message: str) -> None:
     with pytest.raises(ImageError, match=message):
         parse_data_url(url)
@@ -227,30 +248,49 @@ def test_data_url_size_checked_before_decoding() -> None:
 
 # The CLIP processor against transformers ---------------------------------------------------
 
-TINY = {"do_resize": True, "size": {"shortest_edge": 32}, "resample": 3,
-        "do_center_crop": True, "crop_size": {"height": 32, "width": 32}, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(CLIP_MEAN),
-        "image_std": list(CLIP_STD), "do_convert_rgb": True}
+TINY = {
+    "do_resize": True,
+    "size": {"shortest_edge": 32},
+    "resample": 3,
+    "do_center_crop": True,
+    "crop_size": {"height": 32, "width": 32},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": list(CLIP_MEAN),
+    "image_std": list(CLIP_STD),
+    "do_convert_rgb": True,
+}
 
 
-@pytest.mark.parametrize("config", [
-    TINY,
-    {**TINY, "size": {"shortest_edge": 24}},  # smaller than the crop: zero padding
-    {**TINY, "size": {"height": 40, "width": 30}, "do_center_crop": False, "resample": 2},
-    {"size": 48, "crop_size": 40, "do_normalize": False},  # legacy ints, default mean/std
-    {**TINY, "do_rescale": False, "image_mean": [127.5] * 3, "image_std": [60.0] * 3},
-    {},  # all defaults: shortest edge 224, crop 224
-], ids=["tiny", "pad", "height-width-bilinear", "legacy-ints", "no-rescale", "defaults"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        TINY,
+        {**TINY, "size": {"shortest_edge": 24}},  # smaller than the crop: zero padding
+        {**TINY, "size": {"height": 40, "width": 30}, "do_center_crop": False, "resample": 2},
+        {"size": 48, "crop_size": 40, "do_normalize": False},  # legacy ints, default mean/std
+        {**TINY, "do_rescale": False, "image_mean": [127.5] * 3, "image_std": [60.0] * 3},
+        {},  # all defaults: shortest edge 224, crop 224
+    ],
+    ids=["tiny", "pad", "height-width-bilinear", "legacy-ints", "no-rescale", "defaults"],
+)
 def test_processor_matches_transformers_exactly(tmp_path, config: dict) -> None:
     from transformers import CLIPImageProcessorPil
 
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
-    images = [random_image(100, 60, seed=2), random_image(20, 50, seed=3),
-              random_image(32, 32, seed=4), random_image(7, 200, seed=5),
-              _alpha_image("RGBA"), random_image(45, 33, "L", seed=6)]
+    images = [
+        random_image(100, 60, seed=2),
+        random_image(20, 50, seed=3),
+        random_image(32, 32, seed=4),
+        random_image(7, 200, seed=5),
+        _alpha_image("RGBA"),
+        random_image(45, 33, "L", seed=6),
+    ]
     ours = ClipImageProcessor.from_folder(tmp_path).preprocess(images)
-    theirs = CLIPImageProcessorPil.from_pretrained(tmp_path)(
-        images, return_tensors="np")["pixel_values"]
+    theirs = CLIPImageProcessorPil.from_pretrained(tmp_path)(images, return_tensors="np")[
+        "pixel_values"
+    ]
     assert ours.dtype == np.float32 and ours.shape == theirs.shape
     np.testing.assert_array_equal(ours, theirs)
 

@@ -28,11 +28,21 @@ from pagemesh.runtime.images_anyres import (
 
 PINPOINTS = [[32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
 TILE, PATCH = 32, 8
-TINY = {"do_resize": True, "size": {"shortest_edge": 32}, "resample": 3,
-        "do_center_crop": True, "crop_size": {"height": 32, "width": 32}, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(CLIP_MEAN),
-        "image_std": list(CLIP_STD), "do_convert_rgb": True, "do_pad": True,
-        "image_grid_pinpoints": PINPOINTS}
+TINY = {
+    "do_resize": True,
+    "size": {"shortest_edge": 32},
+    "resample": 3,
+    "do_center_crop": True,
+    "crop_size": {"height": 32, "width": 32},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": list(CLIP_MEAN),
+    "image_std": list(CLIP_STD),
+    "do_convert_rgb": True,
+    "do_pad": True,
+    "image_grid_pinpoints": PINPOINTS,
+}
 
 
 def random_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
@@ -53,8 +63,20 @@ def random_sizes(count: int, seed: int) -> list[tuple[int, int]]:
     rng = np.random.default_rng(seed)
     # (47, 188), (49, 49), (98, 49): the scaled side is 2.9999999999999996 etc., which
     # transformers rounds to 7 decimals before int().
-    edges = [(1, 1), (1, 200), (200, 1), (32, 64), (64, 32), (5, 7), (200, 200), (33, 97),
-             (47, 188), (49, 49), (98, 49), (49, 147)]
+    edges = [
+        (1, 1),
+        (1, 200),
+        (200, 1),
+        (32, 64),
+        (64, 32),
+        (5, 7),
+        (200, 200),
+        (33, 97),
+        (47, 188),
+        (49, 49),
+        (98, 49),
+        (49, 147),
+    ]
     return edges + [(int(h), int(w)) for h, w in rng.integers(1, 201, (count, 2))]
 
 
@@ -74,16 +96,25 @@ IMAGES = {
 
 # Pixel values against LlavaNextImageProcessorPil -------------------------------------------
 
-@pytest.mark.parametrize("config", [
-    TINY,
-    # Tiles not a multiple of the pinpoints (16-pixel edge tiles), resized up by the per-patch
-    # shortest edge 40 then cropped to 32; bilinear.
-    {**TINY, "size": {"shortest_edge": 40}, "resample": 2,
-     "image_grid_pinpoints": [[48, 80], [80, 48], [64, 64]]},
-    # size as height/width: the base patch is squashed to 40x40, every patch cropped to 32.
-    {**TINY, "size": {"height": 40, "width": 40}},
-    {**TINY, "do_rescale": False, "image_mean": [127.5] * 3, "image_std": [60.0] * 3},
-], ids=["tiny", "uneven-tiles-bilinear", "height-width", "no-rescale"])
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TINY,
+        # Tiles not a multiple of the pinpoints (16-pixel edge tiles), resized up by the per-patch
+        # shortest edge 40 then cropped to 32; bilinear.
+        {
+            **TINY,
+            "size": {"shortest_edge": 40},
+            "resample": 2,
+            "image_grid_pinpoints": [[48, 80], [80, 48], [64, 64]],
+        },
+        # size as height/width: the base patch is squashed to 40x40, every patch cropped to 32.
+        {**TINY, "size": {"height": 40, "width": 40}},
+        {**TINY, "do_rescale": False, "image_mean": [127.5] * 3, "image_std": [60.0] * 3},
+    ],
+    ids=["tiny", "uneven-tiles-bilinear", "height-width", "no-rescale"],
+)
 def test_pixel_values_match_transformers_pil_exactly(tmp_path, config: dict) -> None:
     from transformers import LlavaNextImageProcessorPil
 
@@ -112,8 +143,8 @@ def test_batch_padding_patches_are_what_is_left_off() -> None:
     assert batch.shape == (3, 5, 3, TILE, TILE)
     for image, padded in zip(images, batch):
         pixel_values, _ = ours.preprocess(image)
-        np.testing.assert_array_equal(pixel_values, padded[:len(pixel_values)])
-        assert not padded[len(pixel_values):].any()
+        np.testing.assert_array_equal(pixel_values, padded[: len(pixel_values)])
+        assert not padded[len(pixel_values) :].any()
 
 
 def test_from_dict_defaults_are_llava_next_defaults() -> None:
@@ -146,6 +177,7 @@ def test_select_best_resolution_matches_transformers() -> None:
 
 # Token counts against LlavaNextProcessor and LlavaNextModel --------------------------------
 
+
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -163,18 +195,27 @@ def test_num_image_tokens_matches_llava_next_processor(strategy: str, num_additi
     from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
 
     processor = LlavaNextProcessor(
-        image_processor=LlavaNextImageProcessorPil(**TINY), tokenizer=_tokenizer(),
-        patch_size=PATCH, vision_feature_select_strategy=strategy,
-        num_additional_image_tokens=num_additional)
+        image_processor=LlavaNextImageProcessorPil(**TINY),
+        tokenizer=_tokenizer(),
+        patch_size=PATCH,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=num_additional,
+    )
     sizes = random_sizes(30, seed=12)
     images = [Image.new("RGB", (w, h)) for h, w in sizes]
     input_ids = processor(text=["hi <image> hi"] * len(images), images=images)["input_ids"]
     declared = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
     for (h, w), ids, theirs in zip(sizes, input_ids, declared):
         expanded = sum(1 for token in ids if token == processor.image_token_id)
-        ours = num_image_tokens(h, w, grid_pinpoints=PINPOINTS, tile_size=TILE,
-                                patch_size=PATCH, strategy=strategy,
-                                num_additional_image_tokens=num_additional)
+        ours = num_image_tokens(
+            h,
+            w,
+            grid_pinpoints=PINPOINTS,
+            tile_size=TILE,
+            patch_size=PATCH,
+            strategy=strategy,
+            num_additional_image_tokens=num_additional,
+        )
         assert ours == expanded == theirs, (h, w)
 
 
@@ -185,20 +226,35 @@ def tiny_llava_next():
 
     torch.manual_seed(0)
     config = LlavaNextConfig(
-        vision_config=CLIPVisionConfig(image_size=TILE, patch_size=PATCH, hidden_size=16,
-                                       intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=2, projection_dim=16),
-        text_config=LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=32,
-                                num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=2),
-        image_grid_pinpoints=PINPOINTS, vision_feature_select_strategy="default",
-        vision_feature_layer=-1, image_token_index=3)
+        vision_config=CLIPVisionConfig(
+            image_size=TILE,
+            patch_size=PATCH,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            projection_dim=16,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=64,
+            hidden_size=24,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        ),
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        image_token_index=3,
+    )
     return LlavaNextModel(config).eval()
 
 
 @pytest.mark.parametrize("strategy, num_additional", [("default", 1), ("full", 0)])
-def test_num_image_tokens_equals_pack_image_features_rows(tiny_llava_next, strategy: str,
-                                                          num_additional: int) -> None:
+def test_num_image_tokens_equals_pack_image_features_rows(
+    tiny_llava_next, strategy: str, num_additional: int
+) -> None:
     """pack_image_features gets (tile/patch)^2 features per patch (after "default" drops CLS,
     or from a backbone without CLS under "full"): the processor's count equals its rows with
     num_additional_image_tokens 1 for "default", 0 for "full"."""
@@ -217,20 +273,34 @@ def test_num_image_tokens_equals_pack_image_features_rows(tiny_llava_next, strat
         rows, cols = grid_shape(h, w, PINPOINTS, TILE)
         assert (rows, cols) == get_anyres_image_grid_shape((h, w), PINPOINTS, TILE)
         feature_map = torch.zeros(1, rows * per_side, cols * per_side)
-        assert unpadded_shape(h, w, rows, cols, per_side) == unpad_image(feature_map, (h, w)).shape[1:]
+        assert (
+            unpadded_shape(h, w, rows, cols, per_side) == unpad_image(feature_map, (h, w)).shape[1:]
+        )
         features = torch.randn(patches, per_side * per_side, 24, generator=generator)
         packed, lengths = model.pack_image_features(
-            [features], torch.tensor([[h, w]]), strategy, model.image_newline)
-        ours = num_image_tokens(h, w, grid_pinpoints=PINPOINTS, tile_size=TILE,
-                                patch_size=PATCH, strategy=strategy,
-                                num_additional_image_tokens=num_additional)
+            [features], torch.tensor([[h, w]]), strategy, model.image_newline
+        )
+        ours = num_image_tokens(
+            h,
+            w,
+            grid_pinpoints=PINPOINTS,
+            tile_size=TILE,
+            patch_size=PATCH,
+            strategy=strategy,
+            num_additional_image_tokens=num_additional,
+        )
         assert ours == packed[0].shape[0] == int(lengths[0]), (h, w)
-        assert ours == num_feature_rows(h, w, grid_pinpoints=PINPOINTS, tile_size=TILE,
-                                        patch_size=PATCH)
+        assert ours == num_feature_rows(
+            h, w, grid_pinpoints=PINPOINTS, tile_size=TILE, patch_size=PATCH
+        )
         # transformers' surprise: the processor's default num_additional_image_tokens (0)
         # with "default" is one placeholder short of the model's rows.
-        assert num_image_tokens(h, w, grid_pinpoints=PINPOINTS, tile_size=TILE,
-                                patch_size=PATCH, strategy="default") == ours - 1
+        assert (
+            num_image_tokens(
+                h, w, grid_pinpoints=PINPOINTS, tile_size=TILE, patch_size=PATCH, strategy="default"
+            )
+            == ours - 1
+        )
 
 
 def test_our_pixel_values_through_the_model(tiny_llava_next) -> None:
@@ -243,25 +313,36 @@ def test_our_pixel_values_through_the_model(tiny_llava_next) -> None:
         pixel_values, size = processor.preprocess(image)
         with torch.no_grad():
             out = tiny_llava_next.get_image_features(
-                torch.from_numpy(pixel_values), torch.tensor([size]),
-                vision_feature_select_strategy="default")
+                torch.from_numpy(pixel_values),
+                torch.tensor([size]),
+                vision_feature_select_strategy="default",
+            )
         assert out.pooler_output[0].shape[0] == num_image_tokens(
-            *size, grid_pinpoints=PINPOINTS, tile_size=TILE, patch_size=PATCH,
-            strategy="default", num_additional_image_tokens=1)
+            *size,
+            grid_pinpoints=PINPOINTS,
+            tile_size=TILE,
+            patch_size=PATCH,
+            strategy="default",
+            num_additional_image_tokens=1,
+        )
 
 
 def test_refusals() -> None:
     with pytest.raises(ValueError, match="strategy"):
-        num_image_tokens(10, 10, grid_pinpoints=PINPOINTS, tile_size=TILE, patch_size=PATCH,
-                         strategy="cls_patch")
+        num_image_tokens(
+            10, 10, grid_pinpoints=PINPOINTS, tile_size=TILE, patch_size=PATCH, strategy="cls_patch"
+        )
     with pytest.raises(ValueError, match="empty"):
         AnyResImageProcessor.from_dict({**TINY, "image_grid_pinpoints": []}).grid_pinpoints
     with pytest.raises(ValueError, match="RGB"):
         AnyResImageProcessor.from_dict({**TINY, "do_convert_rgb": False}).preprocess(
-            random_image(10, 10, "L"))
+            random_image(10, 10, "L")
+        )
 
 
 def test_module_does_not_import_torch_or_transformers() -> None:
-    code = ("import sys, pagemesh.runtime.images_anyres; "
-            "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)")
+    code = (
+        "import sys, pagemesh.runtime.images_anyres; "
+        "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

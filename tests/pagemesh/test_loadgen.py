@@ -1,4 +1,5 @@
-"""`pagemesh bench` (pagemesh/tools/loadgen): workloads, timing and reports as pure functions, then the
+"""`pagemesh bench` (pagemesh/tools/loadgen): workloads, timing and reports as pure functions, then
+the
 load generator against a real mesh (tiny random Llama) over gRPC and over HTTP."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from kernels.cpu_features import cpu_features
+from pagemesh.runtime.ports import reserve_port
 from pagemesh.tools.loadgen import cli
 from pagemesh.tools.loadgen.client import Target, reconcile
 from pagemesh.tools.loadgen.machine import machine_markdown
@@ -35,7 +37,6 @@ from pagemesh.tools.loadgen.workloads import (
     shared_prefix,
     sharegpt_like,
 )
-from pagemesh.runtime.ports import reserve_port
 from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.mesh_harness import Mesh
 from tests.support.tls_certs import CertFiles, make_certs
@@ -114,43 +115,74 @@ def test_chunk_of_k_tokens_gives_k_minus_1_zero_gaps() -> None:
 
 
 def _result(engine: str, concurrency: int, tok_s: float, **kwargs: object) -> RunResult:
-    return RunResult(engine=engine, workload="w64", dtype="float32", concurrency=concurrency,
-                     num_requests=10, prompt_tokens=1280, output_tokens=round(tok_s * 2),
-                     duration_s=2.0, ttft_ms=[10.0, 20.0, 30.0], itl_ms=[0.0, 5.0],
-                     e2e_ms=[100.0, 200.0, 300.0], **kwargs)
+    return RunResult(
+        engine=engine,
+        workload="w64",
+        dtype="float32",
+        concurrency=concurrency,
+        num_requests=10,
+        prompt_tokens=1280,
+        output_tokens=round(tok_s * 2),
+        duration_s=2.0,
+        ttft_ms=[10.0, 20.0, 30.0],
+        itl_ms=[0.0, 5.0],
+        e2e_ms=[100.0, 200.0, 300.0],
+        **kwargs,
+    )
 
 
 def test_markdown_table_ratios() -> None:
-    runs = [_result("peer", 1, 50.0), _result("peer", 4, 100.0),
-            _result("pagemesh gRPC", 1, 100.0), _result("pagemesh gRPC", 4, 400.0),
-            _result("pagemesh gRPC", 0, 300.0, request_rate=2.5, num_errors=1)]
+    runs = [
+        _result("peer", 1, 50.0),
+        _result("peer", 4, 100.0),
+        _result("pagemesh gRPC", 1, 100.0),
+        _result("pagemesh gRPC", 4, 400.0),
+        _result("pagemesh gRPC", 0, 300.0, request_rate=2.5, num_errors=1),
+    ]
     rows = markdown_table(runs).splitlines()
     assert rows[0].startswith("| engine | workload | concurrency / rate | output tok/s | req/s")
     assert rows[0].endswith("| errors | vs peer @ 1 |")
-    assert [row.split(" | ")[-1] for row in rows[2:]] == ["1.00x |", "2.00x |", "2.00x |",
-                                                         "8.00x |", "6.00x |"]
+    assert [row.split(" | ")[-1] for row in rows[2:]] == [
+        "1.00x |",
+        "2.00x |",
+        "2.00x |",
+        "8.00x |",
+        "6.00x |",
+    ]
     assert "| 2.5 req/s |" in rows[6] and "| 1 | 6.00x |" in rows[6]
     assert "| 20.0 / 28.0 / 29.8 |" in rows[2]  # TTFT p50 / p90 / p99
     # --baseline: each row against that engine's run at the same load (else its first).
     rows = markdown_table(runs, baseline="peer").splitlines()
     assert rows[0].endswith("| vs peer |")
-    assert [row.split(" | ")[-1] for row in rows[2:]] == ["1.00x |", "1.00x |", "2.00x |",
-                                                         "4.00x |", "6.00x |"]
+    assert [row.split(" | ")[-1] for row in rows[2:]] == [
+        "1.00x |",
+        "1.00x |",
+        "2.00x |",
+        "4.00x |",
+        "6.00x |",
+    ]
     empty = RunResult("offline", "w64", "bf16", 0, 10, 1280, 1280, 1.0)
     assert "| – | – | – |" in markdown_table([empty])
 
 
 def test_report_files_without_a_mesh(tmp_path: Path) -> None:
-    runs = [_result("a", 1, 50.0), _result("a", 4, 90.0),
-            RunResult("offline", "w64", "bf16", 0, 10, 1280, 1280, 0.0)]  # NaN tok/s
+    runs = [
+        _result("a", 1, 50.0),
+        _result("a", 4, 90.0),
+        RunResult("offline", "w64", "bf16", 0, 10, 1280, 1280, 0.0),
+    ]  # NaN tok/s
     markdown = write_report(runs, tmp_path, "r", "T", extra_header_lines=["- header"])
     # The machine that measured comes first: CPU model, ISA flags, torch.
     assert markdown.startswith(f"# T\n\n{machine_markdown()}\n\n- header\n\n| engine")
     assert load_results(tmp_path / "r.json") == runs
     data = json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail)  # no NaN
     assert data["machine"]["isa"] == cpu_features().isa_summary
-    assert {p.name for p in tmp_path.iterdir()} == {"r.md", "r.json", "r-latency.png",
-                                                    "r-throughput.png"}
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "r.md",
+        "r.json",
+        "r-latency.png",
+        "r-throughput.png",
+    }
 
 
 def test_report_with_raw_dir_commits_only_summaries(tmp_path: Path) -> None:
@@ -162,8 +194,13 @@ def test_report_with_raw_dir_commits_only_summaries(tmp_path: Path) -> None:
     summary = json.loads((out / "r.json").read_text(), parse_constant=pytest.fail)
     assert summary["runs"] == json.loads(json.dumps([r.summary() for r in runs]))
     assert all(set(run["ttft_ms"]) == {"p50", "p90", "p99", "mean"} for run in summary["runs"])
-    assert {p.name for p in out.iterdir()} == {"r.md", "r.json", "r-latency.png",
-                                               "r-throughput.png", "raw"}
+    assert {p.name for p in out.iterdir()} == {
+        "r.md",
+        "r.json",
+        "r-latency.png",
+        "r-throughput.png",
+        "raw",
+    }
 
 
 # ---------------------------------------------------------------- against a real mesh
@@ -180,16 +217,27 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, redis_url: str, certs: CertFiles
-         ) -> Iterator[tuple[Mesh, str]]:
+def mesh(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, certs: CertFiles
+) -> Iterator[tuple[Mesh, str]]:
     """The mesh and its HTTPS base URL."""
     model = write_tiny_model(tmp_path_factory.mktemp("loadgen") / "tiny-llama", "llama", seed=1)
     log = tmp_path_factory.mktemp("logs") / "loadgen-mesh.log"
     http_port = reserve_port()
-    mesh = Mesh(str(model), log, redis_url=redis_url, cluster="bench-loadgen",
-                client_tls=certs.client_tls(),
-                extra_args=["--http-port", str(http_port), "--api-key", API_KEY,
-                            *certs.server_tls().flags()])
+    mesh = Mesh(
+        str(model),
+        log,
+        redis_url=redis_url,
+        cluster="bench-loadgen",
+        client_tls=certs.client_tls(),
+        extra_args=[
+            "--http-port",
+            str(http_port),
+            "--api-key",
+            API_KEY,
+            *certs.server_tls().flags(),
+        ],
+    )
     try:
         mesh.wait_ready()
         url = f"https://127.0.0.1:{http_port}"
@@ -223,8 +271,9 @@ def http_target(mesh: tuple[Mesh, str], certs: CertFiles) -> Target:
 def workload(grpc_target: Target) -> Workload:
     info = fetch_model_info(grpc_target)
     assert (info.vocab_size, info.max_model_len, info.dtype) == (512, 512, "float32")
-    return build_workload("w64", num_requests=6, prompt_len=16, max_tokens=MAX_TOKENS,
-                          vocab_size=info.vocab_size)
+    return build_workload(
+        "w64", num_requests=6, prompt_len=16, max_tokens=MAX_TOKENS, vocab_size=info.vocab_size
+    )
 
 
 def _assert_complete(result: RunResult, num_requests: int) -> None:
@@ -241,7 +290,9 @@ def _assert_complete(result: RunResult, num_requests: int) -> None:
 def test_grpc_concurrency_sweep(grpc_target: Target, workload: Workload, tmp_path: Path) -> None:
     results = run_sweep(grpc_target, workload, [Level(1), Level(3)], warmup=1)
     assert [(r.engine, r.concurrency, r.request_rate) for r in results] == [
-        ("pagemesh gRPC", 1, 0.0), ("pagemesh gRPC", 3, 0.0)]
+        ("pagemesh gRPC", 1, 0.0),
+        ("pagemesh gRPC", 3, 0.0),
+    ]
     for result in results:
         _assert_complete(result, 6)
         assert result.workload == "w64" and result.dtype == "float32"
@@ -262,15 +313,17 @@ def test_http_open_loop(http_target: Target, workload: Workload) -> None:
     assert (result.engine, result.request_rate, result.concurrency) == ("pagemesh HTTP", rate, 0)
     # Requests were sent at the seed's Poisson times: the run lasts past the last one.
     assert result.duration_s >= poisson_arrivals(6, rate, seed=0)[-1]
-    capped = run_workload(http_target, workload, request_rate=rate, concurrency=2, warmup=0,
-                          engine="capped")
+    capped = run_workload(
+        http_target, workload, request_rate=rate, concurrency=2, warmup=0, engine="capped"
+    )
     _assert_complete(capped, 6)
     assert (capped.engine, capped.concurrency) == ("capped", 2)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_a_bad_request_is_an_error_not_a_crash(grpc_target: Target, http_target: Target,
-                                               workload: Workload, protocol: str) -> None:
+def test_a_bad_request_is_an_error_not_a_crash(
+    grpc_target: Target, http_target: Target, workload: Workload, protocol: str
+) -> None:
     good = workload.requests[:2]
     too_long = BenchRequest(workload.requests[2].prompt_token_ids, 1000)  # context is 512
     mixed = Workload("mixed", [good[0], too_long, good[1]], "two good, one too long")
@@ -281,26 +334,66 @@ def test_a_bad_request_is_an_error_not_a_crash(grpc_target: Target, http_target:
     assert ("INVALID_ARGUMENT" if protocol == "grpc" else "HTTP 400") in result.notes
 
 
-def test_cli(mesh: tuple[Mesh, str], certs: CertFiles, tmp_path: Path,
-             capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli(
+    mesh: tuple[Mesh, str], certs: CertFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     address, url = mesh[0].address, mesh[1]
-    common = ["--num-requests", "4", "--prompt-len", "32", "--max-tokens", str(MAX_TOKENS),
-              "--warmup", "1", "--no-progress", "--output-dir", str(tmp_path),
-              *certs.client_tls().flags()]
+    common = [
+        "--num-requests",
+        "4",
+        "--prompt-len",
+        "32",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--warmup",
+        "1",
+        "--no-progress",
+        "--output-dir",
+        str(tmp_path),
+        *certs.client_tls().flags(),
+    ]
     assert cli.main(["--address", address, *common]) == 2  # no API key: a message, no traceback
     assert "UNAUTHENTICATED" in capsys.readouterr().err
-    code = cli.main(["--address", address, "--api-key", API_KEY, "--workload", "shared-prefix",
-                     "--concurrency", "2", "--name", "cli", *common])
+    code = cli.main(
+        [
+            "--address",
+            address,
+            "--api-key",
+            API_KEY,
+            "--workload",
+            "shared-prefix",
+            "--concurrency",
+            "2",
+            "--name",
+            "cli",
+            *common,
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "| pagemesh gRPC | shared-prefix | 2 |" in out and "prompt ids < 512" in out
     (result,) = load_results(tmp_path / "cli.json")
     _assert_complete(result, 4)
-    assert (tmp_path / "cli-latency.png").exists() and not (tmp_path / "cli-throughput.png").exists()
+    assert (tmp_path / "cli-latency.png").exists() and not (
+        tmp_path / "cli-throughput.png"
+    ).exists()
     assert not math.isnan(result.summary()["itl_ms"]["p99"])
     # HTTPS: the vocabulary size is not in OpenAI's API, so it comes from the flag.
-    code = cli.main(["--http", url, "--api-key", API_KEY, "--vocab-size", "512",
-                     "--concurrency", "1,2", "--name", "https", *common])
+    code = cli.main(
+        [
+            "--http",
+            url,
+            "--api-key",
+            API_KEY,
+            "--vocab-size",
+            "512",
+            "--concurrency",
+            "1,2",
+            "--name",
+            "https",
+            *common,
+        ]
+    )
     assert code == 0
     assert [r.concurrency for r in load_results(tmp_path / "https.json")] == [1, 2]
     assert (tmp_path / "https-throughput.png").exists()

@@ -41,14 +41,17 @@ def test_a_named_allocator_that_is_missing_is_a_clear_error(tmp_path):
 def test_the_callers_preload_is_kept_after_ours():
     lib = Path("/x/libtcmalloc_minimal.so.4")
     assert preload_env(lib, {"LD_PRELOAD": "/y/libfoo.so"}) == {
-        "LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/y/libfoo.so"}
+        "LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/y/libfoo.so"
+    }
     assert preload_env(lib, {}) == {"LD_PRELOAD": "/x/libtcmalloc_minimal.so.4"}
     assert preload_env(None, {"LD_PRELOAD": "/y/libfoo.so"}) == {}
 
 
 def test_up_preloads_only_cpu_workers(monkeypatch):
-    monkeypatch.setattr("pagemesh.tools.local_mesh.find_malloc",
-                        lambda choice: None if choice == "system" else Path("/lib/libt.so"))
+    monkeypatch.setattr(
+        "pagemesh.tools.local_mesh.find_malloc",
+        lambda choice: None if choice == "system" else Path("/lib/libt.so"),
+    )
     args = cli.build_parser().parse_args(["up"])
     specs = {spec.name: spec for spec in service_specs(args, "m", "redis://127.0.0.1:1/0")}
     assert specs["worker-g0-pp0-tp0"].env["LD_PRELOAD"].startswith("/lib/libt.so")
@@ -60,11 +63,19 @@ def test_up_preloads_only_cpu_workers(monkeypatch):
         assert "LD_PRELOAD" not in specs["worker-g0-pp0-tp0"].env
 
 
-@pytest.mark.skipif(find_malloc("auto") is None, reason="neither tcmalloc nor jemalloc is "
-                    "installed here (Debian libtcmalloc-minimal4 / libjemalloc2)")
+@pytest.mark.skipif(
+    find_malloc("auto") is None,
+    reason="neither tcmalloc nor jemalloc is "
+    "installed here (Debian libtcmalloc-minimal4 / libjemalloc2)",
+)
 def test_a_process_started_with_the_preload_maps_the_allocator():
     library = find_malloc("auto")
     env = {**os.environ, **preload_env(library)}
-    maps = subprocess.run([sys.executable, "-c", "print(open('/proc/self/maps').read())"],
-                          env=env, capture_output=True, text=True, check=True).stdout
+    maps = subprocess.run(
+        [sys.executable, "-c", "print(open('/proc/self/maps').read())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert library.name in maps

@@ -1,4 +1,5 @@
-"""pagemesh.runtime.media: http(s) image URLs fetched only from allowed hosts, against a real aiohttp
+"""pagemesh.runtime.media: http(s) image URLs fetched only from allowed hosts, against a real
+aiohttp
 server on 127.0.0.1 (no other traffic): the allowlist, redirects checked hop by hop, the
 size limit with and without Content-Length, the total timeout, statuses and content types.
 Every failure must be an ImageError whose message names what to fix."""
@@ -78,7 +79,7 @@ def make_app(seen: list[web.Request]) -> web.Application:
         response.enable_chunked_encoding()
         await response.prepare(request)
         for start in range(0, len(PNG), 50):
-            await response.write(PNG[start:start + 50])
+            await response.write(PNG[start : start + 50])
         await response.write_eof()
         return response
 
@@ -140,6 +141,7 @@ def make_app(seen: list[web.Request]) -> web.Application:
 
 async def raw_server(answer: bytes) -> asyncio.AbstractServer:
     """A TCP server that reads the request head, writes `answer` and closes."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(answer)
@@ -153,8 +155,9 @@ async def raw_server(answer: bytes) -> asyncio.AbstractServer:
 async def served(seen: list[web.Request] | None = None) -> AsyncIterator[str]:
     """The test app on 127.0.0.1, a free port; yields its base URL."""
     # handler_cancellation: a handler whose client hung up (the slow ones) stops at once.
-    runner = web.AppRunner(make_app([] if seen is None else seen), handler_cancellation=True,
-                           shutdown_timeout=0.5)
+    runner = web.AppRunner(
+        make_app([] if seen is None else seen), handler_cancellation=True, shutdown_timeout=0.5
+    )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, shutdown_timeout=0.5)
     await site.start()
@@ -166,9 +169,11 @@ async def served(seen: list[web.Request] | None = None) -> AsyncIterator[str]:
 
 def run(scenario: Callable[[str, MediaFetcher], Awaitable[None]], **kwargs: object) -> None:
     """`scenario(base_url, fetcher)` against the test app, the fetcher allowing 127.0.0.1."""
+
     async def body() -> None:
-        fetcher = MediaFetcher(**{"allowed_domains": ["127.0.0.1"], "max_bytes": LIMIT,
-                                  "timeout_s": 2.0, **kwargs})  # type: ignore[arg-type]
+        fetcher = MediaFetcher(
+            **{"allowed_domains": ["127.0.0.1"], "max_bytes": LIMIT, "timeout_s": 2.0, **kwargs}
+        )  # type: ignore[arg-type]
         async with served() as base:
             try:
                 await scenario(base, fetcher)
@@ -205,8 +210,12 @@ def test_only_listed_hosts_exactly_case_insensitively() -> None:
     fetcher.check_url("http://images.example.com:8080/cat.png?size=2")  # any port
     fetcher.check_url("https://images.example.com./cat.png")  # the trailing dot of an FQDN
     fetcher.check_url("https://cdn.example.org/cat.png")
-    for host in ("example.com", "img.images.example.com", "images.example.com.evil.net",
-                 "evilimages.example.com"):
+    for host in (
+        "example.com",
+        "img.images.example.com",
+        "images.example.com.evil.net",
+        "evilimages.example.com",
+    ):
         with pytest.raises(ImageError) as caught:
             fetcher.check_url(f"https://{host}/cat.png")
         message = str(caught.value)
@@ -216,9 +225,14 @@ def test_only_listed_hosts_exactly_case_insensitively() -> None:
 
 def test_allowed_domains_forms() -> None:
     assert MediaFetcher(["a.example.com,b.example.com", "c.example.com"]).allowed_domains == {
-        "a.example.com", "b.example.com", "c.example.com"}
+        "a.example.com",
+        "b.example.com",
+        "c.example.com",
+    }
     assert MediaFetcher("a.example.com b.example.com").allowed_domains == {
-        "a.example.com", "b.example.com"}  # one string is a list, not its characters
+        "a.example.com",
+        "b.example.com",
+    }  # one string is a list, not its characters
     assert MediaFetcher(["Bücher.example"]).allowed_domains == {"xn--bcher-kva.example"}
     MediaFetcher(["Bücher.example"]).check_url("http://bücher.example/x.png")
     MediaFetcher(["[::1]"]).check_url("http://[::1]:8000/x.png")
@@ -287,8 +301,9 @@ def test_fetches_an_allowed_image_with_no_cookies_and_its_user_agent() -> None:
 
 def test_a_response_without_content_type_is_accepted() -> None:
     async def body() -> None:
-        server = await raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n"
-                                  b"Connection: close\r\n\r\n" % len(PNG) + PNG)
+        server = await raw_server(
+            b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(PNG) + PNG
+        )
         port = server.sockets[0].getsockname()[1]
         fetcher = MediaFetcher(["127.0.0.1"], max_bytes=LIMIT)
         try:

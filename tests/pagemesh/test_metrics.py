@@ -12,8 +12,17 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagemesh.runtime.metrics import (ABORT, ERROR, MetricsConfig, RouterMetrics, SchedulerMetrics,
-                              ServiceMetrics, WorkerMetrics, WorkerSnapshot, serve_metrics)
+from pagemesh.runtime.metrics import (
+    ABORT,
+    ERROR,
+    MetricsConfig,
+    RouterMetrics,
+    SchedulerMetrics,
+    ServiceMetrics,
+    WorkerMetrics,
+    WorkerSnapshot,
+    serve_metrics,
+)
 from pagemesh.runtime.registry import Registry, RegistryConfig
 from pagemesh.runtime.registry_entries import GroupStatus
 from scheduler_svc.checkpoint import Checkpointer
@@ -24,11 +33,14 @@ from tests.support.core_harness import fake_step, make_request
 from tests.support.eventually import eventually_async
 
 ROUTER_NAMES = {
-    "pagemesh:request_success": "counter", "pagemesh:prompt_tokens": "counter",
-    "pagemesh:generation_tokens": "counter", "pagemesh:time_to_first_token_seconds": "histogram",
+    "pagemesh:request_success": "counter",
+    "pagemesh:prompt_tokens": "counter",
+    "pagemesh:generation_tokens": "counter",
+    "pagemesh:time_to_first_token_seconds": "histogram",
     "pagemesh:inter_token_latency_seconds": "histogram",
     "pagemesh:e2e_request_latency_seconds": "histogram",
-    "pagemesh:num_requests_in_flight": "gauge", "pagemesh:request_resumes": "counter",
+    "pagemesh:num_requests_in_flight": "gauge",
+    "pagemesh:request_resumes": "counter",
     "pagemesh:engine_groups_ready": "gauge",
     # Embedding requests (router/embedding.py).
     "pagemesh:router_embedding_inputs": "counter",
@@ -36,24 +48,36 @@ ROUTER_NAMES = {
     "pagemesh:router_embedding_request_latency_seconds": "histogram",
 }
 SCHEDULER_NAMES = {
-    "pagemesh:num_requests_running": "gauge", "pagemesh:num_requests_waiting": "gauge",
-    "pagemesh:num_requests_swapped": "gauge", "pagemesh:kv_cache_usage_perc": "gauge",
-    "pagemesh:prefix_cache_queries": "counter", "pagemesh:prefix_cache_hits": "counter",
-    "pagemesh:num_preemptions": "counter", "pagemesh:request_queue_time_seconds": "histogram",
-    "pagemesh:num_swap_outs": "counter", "pagemesh:num_swap_ins": "counter",
+    "pagemesh:num_requests_running": "gauge",
+    "pagemesh:num_requests_waiting": "gauge",
+    "pagemesh:num_requests_swapped": "gauge",
+    "pagemesh:kv_cache_usage_perc": "gauge",
+    "pagemesh:prefix_cache_queries": "counter",
+    "pagemesh:prefix_cache_hits": "counter",
+    "pagemesh:num_preemptions": "counter",
+    "pagemesh:request_queue_time_seconds": "histogram",
+    "pagemesh:num_swap_outs": "counter",
+    "pagemesh:num_swap_ins": "counter",
     "pagemesh:spec_decode_num_drafts": "counter",
     "pagemesh:spec_decode_num_draft_tokens": "counter",
     "pagemesh:spec_decode_num_accepted_tokens": "counter",
-    "pagemesh:step_time_seconds": "histogram", "pagemesh:scheduled_tokens_per_step": "histogram",
-    "pagemesh:engine_recoveries": "counter", "pagemesh:engine_group_ready": "gauge",
+    "pagemesh:step_time_seconds": "histogram",
+    "pagemesh:scheduled_tokens_per_step": "histogram",
+    "pagemesh:engine_recoveries": "counter",
+    "pagemesh:engine_group_ready": "gauge",
     "pagemesh:checkpoint_writes": "counter",
 }
 WORKER_NAMES = {
-    "pagemesh:worker_forward_time_seconds": "histogram", "pagemesh:worker_steps": "counter",
-    "pagemesh:worker_tp_collective_seconds": "counter", "pagemesh:worker_pp_send_seconds": "counter",
-    "pagemesh:worker_pp_recv_seconds": "counter", "pagemesh:worker_weight_bytes": "gauge",
-    "pagemesh:model_quantization_info": "gauge", "pagemesh:worker_busy_seconds": "counter",
-    "pagemesh:worker_kv_cache_bytes": "gauge", "pagemesh:worker_resident_memory_bytes": "gauge",
+    "pagemesh:worker_forward_time_seconds": "histogram",
+    "pagemesh:worker_steps": "counter",
+    "pagemesh:worker_tp_collective_seconds": "counter",
+    "pagemesh:worker_pp_send_seconds": "counter",
+    "pagemesh:worker_pp_recv_seconds": "counter",
+    "pagemesh:worker_weight_bytes": "gauge",
+    "pagemesh:model_quantization_info": "gauge",
+    "pagemesh:worker_busy_seconds": "counter",
+    "pagemesh:worker_kv_cache_bytes": "gauge",
+    "pagemesh:worker_resident_memory_bytes": "gauge",
 }
 EVERY_SERVICE = {"pagemesh:heartbeat_age_seconds": "gauge", "pagemesh:build_info": "gauge"}
 
@@ -66,8 +90,11 @@ def families(metrics: ServiceMetrics) -> dict[str, str]:
 def samples(text: str | bytes) -> dict[tuple[str, frozenset], float]:
     """(sample name, labels) -> value of one scrape."""
     text = text.decode() if isinstance(text, bytes) else text
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def value(scrape: dict, name: str, **labels: str) -> float:
@@ -103,8 +130,9 @@ def test_every_service_exports_the_agreed_names_and_types() -> None:
     assert families(scheduler) == {**SCHEDULER_NAMES, **EVERY_SERVICE}
 
     worker = WorkerMetrics("g0", {"tp_rank": 1, "pp_rank": 0})
-    worker.follow_worker(lambda: WorkerSnapshot(0, 0.0, 0.0, 0.0, 0.0, kv_cache_bytes=1 << 20,
-                                                rss_bytes=1 << 30))
+    worker.follow_worker(
+        lambda: WorkerSnapshot(0, 0.0, 0.0, 0.0, 0.0, kv_cache_bytes=1 << 20, rss_bytes=1 << 30)
+    )
     worker.observe_forward(0.01)
     worker.set_weights("awq", 1000)
     worker.follow_heartbeat(lambda: time.monotonic())
@@ -121,9 +149,14 @@ def test_the_names_top_reads_are_exported() -> None:
     loop = EngineLoop(Scheduler(SchedulerConfig(num_blocks=8, block_size=4)), workers=None)
     scheduler = SchedulerMetrics("g0")
     observe_engine(scheduler, loop, Checkpointer(None, "g0", 0, 0.0), beating())
-    exported = {name for metrics in (router, scheduler) for name, _ in samples(metrics.exposition())}
-    read = [value for name, value in vars(top_snapshot).items()
-            if name.isupper() and isinstance(value, str) and value.startswith("pagemesh:")]
+    exported = {
+        name for metrics in (router, scheduler) for name, _ in samples(metrics.exposition())
+    }
+    read = [
+        value
+        for name, value in vars(top_snapshot).items()
+        if name.isupper() and isinstance(value, str) and value.startswith("pagemesh:")
+    ]
     assert len(read) >= 9
     for name in read:  # a histogram shows as its `_bucket` samples
         assert name in exported or name + "_bucket" in exported, name
@@ -141,7 +174,9 @@ def test_build_info_and_heartbeat_age_carry_the_service() -> None:
 def test_each_service_has_its_own_registry() -> None:
     a, b = RouterMetrics(), RouterMetrics()
     a.request(lambda: "m", 1).observe(0, 2, "stop", 5)
-    assert ("pagemesh:generation_tokens_total", frozenset({("model", "m")})) not in samples(b.exposition())
+    assert ("pagemesh:generation_tokens_total", frozenset({("model", "m")})) not in samples(
+        b.exposition()
+    )
 
 
 # --- router: requests as the client sees them ---------------------------------------------
@@ -159,15 +194,25 @@ def test_a_request_is_timed_per_token_and_counted_by_finish_reason() -> None:
     timer.observe(0, 1, "length", num_prompt_tokens=7)
     scrape = samples(metrics.exposition())
     assert value(scrape, "pagemesh:time_to_first_token_seconds_count", model="tiny") == 1
-    assert value(scrape, "pagemesh:time_to_first_token_seconds_sum", model="tiny") == pytest.approx(0.5)
+    assert value(scrape, "pagemesh:time_to_first_token_seconds_sum", model="tiny") == pytest.approx(
+        0.5
+    )
     assert value(scrape, "pagemesh:inter_token_latency_seconds_count", model="tiny") == 4
-    assert value(scrape, "pagemesh:inter_token_latency_seconds_sum", model="tiny") == pytest.approx(0.4)
-    assert value(scrape, "pagemesh:e2e_request_latency_seconds_sum", model="tiny") == pytest.approx(0.9)
+    assert value(scrape, "pagemesh:inter_token_latency_seconds_sum", model="tiny") == pytest.approx(
+        0.4
+    )
+    assert value(scrape, "pagemesh:e2e_request_latency_seconds_sum", model="tiny") == pytest.approx(
+        0.9
+    )
     assert value(scrape, "pagemesh:generation_tokens_total", model="tiny") == 5
     assert value(scrape, "pagemesh:prompt_tokens_total", model="tiny") == 7
-    assert value(scrape, "pagemesh:request_success_total", model="tiny", finished_reason="length") == 1
+    assert (
+        value(scrape, "pagemesh:request_success_total", model="tiny", finished_reason="length") == 1
+    )
     # The 0.5 s TTFT lands in vLLM's 0.5 bucket, not below.
-    assert value(scrape, "pagemesh:time_to_first_token_seconds_bucket", model="tiny", le="0.25") == 0
+    assert (
+        value(scrape, "pagemesh:time_to_first_token_seconds_bucket", model="tiny", le="0.25") == 0
+    )
     assert value(scrape, "pagemesh:time_to_first_token_seconds_bucket", model="tiny", le="0.5") == 1
 
 
@@ -197,8 +242,10 @@ def test_a_client_going_away_is_an_abort_and_a_refused_request_counts_nothing() 
     metrics.request(lambda: "m", 1).end(ERROR)  # invalid: failed before its first message
     scrape = samples(metrics.exposition())
     assert value(scrape, "pagemesh:request_success_total", model="m", finished_reason=ABORT) == 1
-    assert ("pagemesh:request_success_total",
-            frozenset({("model", "m"), ("finished_reason", ERROR)})) not in scrape
+    assert (
+        "pagemesh:request_success_total",
+        frozenset({("model", "m"), ("finished_reason", ERROR)}),
+    ) not in scrape
     assert value(scrape, "pagemesh:generation_tokens_total", model="m") == 2
 
 
@@ -272,12 +319,18 @@ def test_preemptions_and_swapped_requests_are_counted() -> None:
         step(loop, 1.0)
     scrape = samples(metrics.exposition())
     assert value(scrape, "pagemesh:num_preemptions_total", group="g1") >= 1
-    assert value(scrape, "pagemesh:num_preemptions_total", group="g1") == loop.scheduler.num_preemptions
+    assert (
+        value(scrape, "pagemesh:num_preemptions_total", group="g1")
+        == loop.scheduler.num_preemptions
+    )
     # No swap space (recompute): no preemption swapped.
     assert value(scrape, "pagemesh:num_swap_outs_total", group="g1") == 0
     assert value(scrape, "pagemesh:num_swap_ins_total", group="g1") == 0
     stats = loop.scheduler.stats()
-    assert value(scrape, "pagemesh:num_requests_waiting", group="g1") == stats.num_waiting - stats.num_swapped
+    assert (
+        value(scrape, "pagemesh:num_requests_waiting", group="g1")
+        == stats.num_waiting - stats.num_swapped
+    )
 
 
 # --- worker ------------------------------------------------------------------------------
@@ -309,8 +362,10 @@ def test_weight_memory_and_quantization_appear_once_the_model_is_loaded() -> Non
     layout.update(tp_rank=1, pp_rank=0)  # a standby took a place, then loaded
     metrics.set_weights("fp8", 123_456_789)
     scrape = samples(metrics.exposition())
-    assert value(scrape, "pagemesh:worker_weight_bytes", group="g0", tp_rank="1",
-                 pp_rank="0") == 123_456_789
+    assert (
+        value(scrape, "pagemesh:worker_weight_bytes", group="g0", tp_rank="1", pp_rank="0")
+        == 123_456_789
+    )
     assert value(scrape, "pagemesh:model_quantization_info", group="g0", quantization="fp8") == 1
 
 
@@ -331,12 +386,21 @@ def test_the_endpoint_serves_the_text_format_on_an_ephemeral_port() -> None:
         metrics = RouterMetrics()
         server = await serve_metrics(metrics, MetricsConfig("127.0.0.1", 0))
         try:
-            assert server.port and server.registry_info() == {"metrics_address": f"127.0.0.1:{server.port}"}
+            assert server.port and server.registry_info() == {
+                "metrics_address": f"127.0.0.1:{server.port}"
+            }
             base = f"http://{server.address}"
             status, content_type, body = await asyncio.to_thread(http, base + "/metrics")
             assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
-            assert samples(body)[("pagemesh:build_info", frozenset(
-                {("service", "router"), ("version", "0.1.0")}))] == 1
+            assert (
+                samples(body)[
+                    (
+                        "pagemesh:build_info",
+                        frozenset({("service", "router"), ("version", "0.1.0")}),
+                    )
+                ]
+                == 1
+            )
             status, _, body = await asyncio.to_thread(http, base + "/metrics", "HEAD")
             assert status == 200 and body == b""
             assert (await asyncio.to_thread(http, base + "/other"))[0] == 404
@@ -372,15 +436,19 @@ def test_advertise_host_is_what_the_registry_gets() -> None:
 
 def test_the_registry_records_its_last_successful_heartbeat(redis_url: str) -> None:
     async def scenario() -> None:
-        registry = Registry(RegistryConfig(redis_url, cluster="t-metrics-heartbeat",
-                                           heartbeat_interval_s=0.05, ttl_s=0.5))
+        registry = Registry(
+            RegistryConfig(
+                redis_url, cluster="t-metrics-heartbeat", heartbeat_interval_s=0.05, ttl_s=0.5
+            )
+        )
         try:
             assert registry.last_heartbeat_s is None
             await registry.start_heartbeat("router", "r1", lambda: {"address": "x"})
             first = registry.last_heartbeat_s
             assert first is not None
-            await eventually_async(lambda: registry.last_heartbeat_s > first, 5,
-                                   "no heartbeat after the first")
+            await eventually_async(
+                lambda: registry.last_heartbeat_s > first, 5, "no heartbeat after the first"
+            )
             assert time.monotonic() - registry.last_heartbeat_s < 0.2
         finally:
             await registry.close(deregister=[("router", "r1")])
@@ -391,8 +459,9 @@ def test_the_registry_records_its_last_successful_heartbeat(redis_url: str) -> N
 # --- router: through a real router with scripted schedulers (tests/router/test_resume.py) ---
 
 
-def test_a_stream_resumed_after_a_group_failed_is_counted_and_timed_as_one(redis_url: str,
-                                                                           tmp_path) -> None:
+def test_a_stream_resumed_after_a_group_failed_is_counted_and_timed_as_one(
+    redis_url: str, tmp_path
+) -> None:
     from pagemesh.runtime.tokenizer import load_tokenizer
     from tests.support.bpe_folder import write_bpe_folder
     from tests.support.scripted_router import Router, request, run
@@ -402,8 +471,12 @@ def test_a_stream_resumed_after_a_group_failed_is_counted_and_timed_as_one(redis
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             directory, metrics = router.directory, router.generation.metrics
-            metrics.follow_router(lambda: directory.model_name, lambda: router.generation.num_in_flight,
-                                  lambda: directory.num_groups, lambda: router.dispatcher.num_resumes)
+            metrics.follow_router(
+                lambda: directory.model_name,
+                lambda: router.generation.num_in_flight,
+                lambda: directory.num_groups,
+                lambda: router.dispatcher.num_resumes,
+            )
             a = await router.add_scheduler("a")
             b = await router.add_scheduler("b")
             a.fail_after_tokens = b.fail_after_tokens = 3  # whichever is picked fails once
@@ -412,9 +485,15 @@ def test_a_stream_resumed_after_a_group_failed_is_counted_and_timed_as_one(redis
             scrape = samples(metrics.exposition())
             model = {"model": "scripted"}
             assert value(scrape, "pagemesh:request_resumes_total", **model) == 1
-            assert value(scrape, "pagemesh:request_success_total", finished_reason="length", **model) == 1
+            assert (
+                value(scrape, "pagemesh:request_success_total", finished_reason="length", **model)
+                == 1
+            )
             assert value(scrape, "pagemesh:generation_tokens_total", **model) == 6
-            assert value(scrape, "pagemesh:prompt_tokens_total", **model) == responses[-1].usage.prompt_tokens
+            assert (
+                value(scrape, "pagemesh:prompt_tokens_total", **model)
+                == responses[-1].usage.prompt_tokens
+            )
             assert value(scrape, "pagemesh:time_to_first_token_seconds_count", **model) == 1
             assert value(scrape, "pagemesh:inter_token_latency_seconds_count", **model) == 5
             assert value(scrape, "pagemesh:engine_groups_ready", **model) >= 1

@@ -33,9 +33,12 @@ def test_concurrent_services_never_share_a_reserved_port() -> None:
     seen: set[int] = set()
     for _ in range(NUM_ROUNDS):
         barrier, results = context.Barrier(NUM_PROCESSES), context.Queue()
-        workers = [context.Process(target=serve_on_reserved_ports,
-                                   args=(SERVICES_PER_PROCESS, barrier, results))
-                   for _ in range(NUM_PROCESSES)]
+        workers = [
+            context.Process(
+                target=serve_on_reserved_ports, args=(SERVICES_PER_PROCESS, barrier, results)
+            )
+            for _ in range(NUM_PROCESSES)
+        ]
         for worker in workers:
             worker.start()
         reports = [results.get(timeout=60) for _ in workers]
@@ -107,10 +110,28 @@ def test_a_service_that_cannot_bind_says_why_in_one_line(tmp_path: Path, redis_u
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "router.main", "--model", str(model), "--port", "0",
-             "--http-port", "0", "--metrics-port", str(port), "--redis-url", redis_url,
-             "--cluster", "ports-test"],
-            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+            [
+                sys.executable,
+                "-m",
+                "router.main",
+                "--model",
+                str(model),
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--metrics-port",
+                str(port),
+                "--redis-url",
+                redis_url,
+                "--cluster",
+                "ports-test",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+        )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1, result.stderr[-3000:]
     assert "fatal:" in lines[-1] and f"'127.0.0.1', {port}" in lines[-1], result.stderr[-3000:]

@@ -13,7 +13,9 @@ from tests.support.eventually import eventually_async
 
 def test_heartbeat_keeps_an_entry_alive_and_expiry_reports_death(redis_url: str) -> None:
     async def scenario() -> None:
-        config = RegistryConfig(redis_url, cluster="t-registry", heartbeat_interval_s=0.1, ttl_s=0.3)
+        config = RegistryConfig(
+            redis_url, cluster="t-registry", heartbeat_interval_s=0.1, ttl_s=0.3
+        )
         alive, observer = Registry(config), Registry(config)
         load = {"n": 0}
 
@@ -29,8 +31,10 @@ def test_heartbeat_keeps_an_entry_alive_and_expiry_reports_death(redis_url: str)
             await observer.start_heartbeat("worker", "w1", info)
         for task in alive._heartbeats:  # the process "dies": no more heartbeats, no goodbye
             task.cancel()
+
         async def expired() -> bool:
             return "w1" not in await observer.list("worker")
+
         await eventually_async(expired, 5, "w1 outlived its TTL without heartbeats")
         await observer.start_heartbeat("worker", "w1", info)  # the id is free again
         await observer.close(deregister=[("worker", "w1")])
@@ -45,8 +49,9 @@ def test_a_cancelled_heartbeat_stops_whenever_it_is_cancelled(redis_url: str) ->
     # keeps its id (its replacement cannot claim it), and a shutdown awaiting it hangs.
     # redis-py 8.0-8.1 swallowed the cancellation of a command in flight in ~half the runs.
     async def scenario() -> None:
-        config = RegistryConfig(redis_url, cluster="t-cancel", heartbeat_interval_s=0.001,
-                                ttl_s=0.4)
+        config = RegistryConfig(
+            redis_url, cluster="t-cancel", heartbeat_interval_s=0.001, ttl_s=0.4
+        )
         survivors = 0
         for i in range(40):
             registry = Registry(config)
@@ -79,15 +84,16 @@ def test_typed_entries_carry_the_writers_instance_and_skip_unreadable_ones(redis
         writer, reader = Registry(config), Registry(config)
         # An entry read back and published again names its reader's idea of the instance:
         # the registry stamps the writer's own.
-        entry = SchedulerEntry(address="127.0.0.1:1", group="g0", status=GroupStatus.DEGRADED,
-                               instance="someone-else")
+        entry = SchedulerEntry(
+            address="127.0.0.1:1", group="g0", status=GroupStatus.DEGRADED, instance="someone-else"
+        )
         await writer.put("scheduler", "s1", entry.to_json())
         await writer.put("scheduler", "s2", {"address": "127.0.0.1:2", "status": "paused"})
         entries = await reader.entries(SchedulerEntry)
         assert list(entries) == ["s1"]  # s2's status is unknown to this version: left out
-        assert entries["s1"] == SchedulerEntry(address="127.0.0.1:1", group="g0",
-                                               status=GroupStatus.DEGRADED,
-                                               instance=writer.instance)
+        assert entries["s1"] == SchedulerEntry(
+            address="127.0.0.1:1", group="g0", status=GroupStatus.DEGRADED, instance=writer.instance
+        )
         await writer.close(deregister=[("scheduler", "s1"), ("scheduler", "s2")])
         await reader.close()
 

@@ -20,20 +20,64 @@ from pagemesh.runtime.registry_entries import (
 )
 
 WORKER = WorkerEntry(
-    address="10.0.0.2:7001", instance="i-w1", pid=42, host="h2", metrics_address="10.0.0.2:9102",
-    group="g0", model="tiny", dist_addr="10.0.0.2:29500", tp_rank=1, tp_size=2, pp_rank=0,
-    pp_size=1, status=WorkerStatus.READY, epoch="e1", num_reforms=2, quantization="awq",
-    weight_bytes=1000, num_steps=500, busy_time_s=10.5, tp_collective_time_s=0.25,
-    pp_send_time_s=0.0, pp_recv_time_s=0.0)
+    address="10.0.0.2:7001",
+    instance="i-w1",
+    pid=42,
+    host="h2",
+    metrics_address="10.0.0.2:9102",
+    group="g0",
+    model="tiny",
+    dist_addr="10.0.0.2:29500",
+    tp_rank=1,
+    tp_size=2,
+    pp_rank=0,
+    pp_size=1,
+    status=WorkerStatus.READY,
+    epoch="e1",
+    num_reforms=2,
+    quantization="awq",
+    weight_bytes=1000,
+    num_steps=500,
+    busy_time_s=10.5,
+    tp_collective_time_s=0.25,
+    pp_send_time_s=0.0,
+    pp_recv_time_s=0.0,
+)
 SCHEDULER = SchedulerEntry(
-    address="10.0.0.1:6001", instance="i-s1", pid=41, host="h1", metrics_address=None,
-    group="g0", model="tiny", status=GroupStatus.DEGRADED, members=("w0", "w1"),
-    num_recoveries=1, num_steps=500, checkpoint_writes=7, checkpoint_write_s=0.125,
-    num_running=3, num_waiting=2, num_free_blocks=25, num_blocks=100, num_preemptions=4,
-    num_swapped=1, num_free_swap_blocks=8, num_cached_blocks=10, prefix_cache_queries=64,
-    prefix_cache_hits=32, prefix_cache_hit_rate=0.5)
-ROUTER = RouterEntry(address="10.0.0.3:50051", instance="i-r1", pid=43, host="h3",
-                     metrics_address="10.0.0.3:9100", serving=True, num_groups=1)
+    address="10.0.0.1:6001",
+    instance="i-s1",
+    pid=41,
+    host="h1",
+    metrics_address=None,
+    group="g0",
+    model="tiny",
+    status=GroupStatus.DEGRADED,
+    members=("w0", "w1"),
+    num_recoveries=1,
+    num_steps=500,
+    checkpoint_writes=7,
+    checkpoint_write_s=0.125,
+    num_running=3,
+    num_waiting=2,
+    num_free_blocks=25,
+    num_blocks=100,
+    num_preemptions=4,
+    num_swapped=1,
+    num_free_swap_blocks=8,
+    num_cached_blocks=10,
+    prefix_cache_queries=64,
+    prefix_cache_hits=32,
+    prefix_cache_hit_rate=0.5,
+)
+ROUTER = RouterEntry(
+    address="10.0.0.3:50051",
+    instance="i-r1",
+    pid=43,
+    host="h3",
+    metrics_address="10.0.0.3:9100",
+    serving=True,
+    num_groups=1,
+)
 
 
 ENTRIES = pytest.mark.parametrize("entry", [WORKER, SCHEDULER, ROUTER], ids=lambda e: e.KIND)
@@ -71,14 +115,17 @@ def test_keys_an_older_writer_left_out_take_the_defaults() -> None:
     assert (router.address, router.serving, router.num_groups, router.pid) == ("", False, 0, -1)
 
 
-@pytest.mark.parametrize("entry_type, raw", [
-    (SchedulerEntry, {"status": "paused"}),  # a status this version does not know
-    (WorkerEntry, {"status": "ready-ish"}),
-    (SchedulerEntry, {"num_steps": "many"}),
-    (SchedulerEntry, {"members": "w0"}),  # a list is expected, not a string
-    (RouterEntry, {"serving": "yes"}),
-    (RouterEntry, ["not", "an", "object"]),
-])
+@pytest.mark.parametrize(
+    "entry_type, raw",
+    [
+        (SchedulerEntry, {"status": "paused"}),  # a status this version does not know
+        (WorkerEntry, {"status": "ready-ish"}),
+        (SchedulerEntry, {"num_steps": "many"}),
+        (SchedulerEntry, {"members": "w0"}),  # a list is expected, not a string
+        (RouterEntry, {"serving": "yes"}),
+        (RouterEntry, ["not", "an", "object"]),
+    ],
+)
 def test_a_malformed_entry_is_refused(entry_type: type[ServiceEntry], raw: object) -> None:
     with pytest.raises(ValueError):
         entry_type.from_json(raw)  # type: ignore[arg-type]

@@ -6,13 +6,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from unittest import mock
 from typing import Any
+from unittest import mock
 
 import pytest
 
-from pagemesh.tools import cli
-from pagemesh.tools.local_mesh import service_specs
 from pagemesh.runtime.service_flags import (
     OPTIONS,
     ROUTER,
@@ -25,6 +23,8 @@ from pagemesh.runtime.service_flags import (
     option,
     options_argv,
 )
+from pagemesh.tools import cli
+from pagemesh.tools.local_mesh import service_specs
 from router import main as router_main
 from router.routing import POLICIES as ROUTING_POLICIES
 from scheduler_svc import main as scheduler_main
@@ -35,20 +35,60 @@ from worker_svc.kv_budget import DEFAULT_CPU_KV_CACHE_FRACTION, DEFAULT_GPU_MEMO
 from worker_svc.quant import QUANTIZATION_CHOICES
 
 # What a service declares itself: where it serves, where the registry is, who it is.
-_SERVER = {"--host", "--port", "--advertise-host", "--metrics-port", "--tls-cert", "--tls-key",
-           "--tls-ca", "--tls-client-ca", "--redis-url", "--redis-password", "--cluster"}
+_SERVER = {
+    "--host",
+    "--port",
+    "--advertise-host",
+    "--metrics-port",
+    "--tls-cert",
+    "--tls-key",
+    "--tls-ca",
+    "--tls-client-ca",
+    "--redis-url",
+    "--redis-password",
+    "--cluster",
+}
 OWN_FLAGS = {
     ROUTER: _SERVER | {"--router-id", "--http-port"},
     SCHEDULER: _SERVER | {"--group", "--scheduler-id", "--tp", "--pp", "--role"},
-    WORKER: _SERVER | {"--device", "--group", "--worker-id", "--tp", "--tp-rank", "--pp",
-                       "--pp-rank", "--standby", "--dist-port", "--kv-transfer-port"},
+    WORKER: _SERVER
+    | {
+        "--device",
+        "--group",
+        "--worker-id",
+        "--tp",
+        "--tp-rank",
+        "--pp",
+        "--pp-rank",
+        "--standby",
+        "--dist-port",
+        "--kv-transfer-port",
+    },
 }
 # What `up` declares itself: the topology.
-UP_FLAGS = {"--port", "--http-port", "--host", "--redis-url", "--redis-password", "--cluster",
-            "--replicas", "--prefill-replicas", "--decode-replicas", "--device", "--standby", "--tp", "--pp", "--tls-cert", "--tls-key",
-            "--tls-ca", "--tls-client-ca",
-            # How up starts its CPU workers (LD_PRELOAD, their cores), not service options.
-            "--malloc", "--cpu-bind", "--omp-wait"}
+UP_FLAGS = {
+    "--port",
+    "--http-port",
+    "--host",
+    "--redis-url",
+    "--redis-password",
+    "--cluster",
+    "--replicas",
+    "--prefill-replicas",
+    "--decode-replicas",
+    "--device",
+    "--standby",
+    "--tp",
+    "--pp",
+    "--tls-cert",
+    "--tls-key",
+    "--tls-ca",
+    "--tls-client-ca",
+    # How up starts its CPU workers (LD_PRELOAD, their cores), not service options.
+    "--malloc",
+    "--cpu-bind",
+    "--omp-wait",
+}
 TABLES = {ROUTER: ROUTER_OPTIONS, SCHEDULER: SCHEDULER_OPTIONS, WORKER: WORKER_OPTIONS}
 MAINS = {ROUTER: router_main, SCHEDULER: scheduler_main, WORKER: worker_main}
 MODULES = {"router.main": ROUTER, "scheduler_svc.main": SCHEDULER, "worker_svc.main": WORKER}
@@ -70,8 +110,11 @@ def up_parser() -> argparse.ArgumentParser:
 
 def actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Each flag's action by its first name ("--x", not its "--no-x")."""
-    return {action.option_strings[0]: action for action in parser._actions
-            if action.option_strings and action.dest != "help"}
+    return {
+        action.option_strings[0]: action
+        for action in parser._actions
+        if action.option_strings and action.dest != "help"
+    }
 
 
 def described(action: argparse.Action) -> tuple[Any, ...]:
@@ -137,8 +180,12 @@ def test_preemption_default_is_one_fact() -> None:
     assert option("--preemption-mode").default == DEFAULT_PREEMPTION_MODE == "swap"
     assert SchedulerConfig(num_blocks=8, num_swap_blocks=4).preemption_mode == "swap"
     assert SchedulerConfig(num_blocks=8).preemption_mode == "recompute"
-    assert SchedulerConfig(num_blocks=8, num_swap_blocks=4,
-                           preemption_mode="recompute").preemption_mode == "recompute"
+    assert (
+        SchedulerConfig(
+            num_blocks=8, num_swap_blocks=4, preemption_mode="recompute"
+        ).preemption_mode
+        == "recompute"
+    )
 
 
 def non_default(flag: ServiceFlag) -> Any:
@@ -166,17 +213,23 @@ def parsed_specs(args: argparse.Namespace, model: str) -> list[tuple[str, str, a
     parsed = []
     for spec in service_specs(args, model, "redis://127.0.0.1:1/0"):
         with mock.patch.dict(os.environ, spec.env):  # secrets come in the environment
-            parsed.append((spec.name, MODULES[spec.module],
-                           MAINS[MODULES[spec.module]].parse_args(spec.args)))
-        assert not any(word in spec.args for flag in OPTIONS if flag.secret
-                       for word in non_default(flag)), f"a secret on {spec.name}'s command line"
+            parsed.append(
+                (spec.name, MODULES[spec.module], MAINS[MODULES[spec.module]].parse_args(spec.args))
+            )
+        assert not any(
+            word in spec.args for flag in OPTIONS if flag.secret for word in non_default(flag)
+        ), f"a secret on {spec.name}'s command line"
     return parsed
 
 
 def up_argv(values: dict[str, Any]) -> list[str]:
     """`up`'s command line for `values`, secrets included (a user may type them there)."""
-    secrets = [word for flag in OPTIONS if flag.secret
-               for word in dataclasses.replace(flag, secret=False).argv(values[flag.dest])]
+    secrets = [
+        word
+        for flag in OPTIONS
+        if flag.secret
+        for word in dataclasses.replace(flag, secret=False).argv(values[flag.dest])
+    ]
     return [*options_argv(OPTIONS, values), *secrets]
 
 
@@ -200,13 +253,15 @@ def test_defaults_reach_the_services_as_their_own() -> None:
     for name, service, parsed in specs:
         for flag in TABLES[service]:
             expected = {"model": "/models/tiny", "served_model_name": "tiny"}.get(
-                flag.dest, flag.default)
+                flag.dest, flag.default
+            )
             assert getattr(parsed, flag.dest) == expected, (name, flag.name)
 
 
 def test_workers_of_one_cpu_host_share_its_memory_and_cores() -> None:
-    specs = parsed_specs(parse_up(["--tp", "2", "--standby", "1", "--cpu-kv-cache-fraction",
-                                   "0.6"]), "/models/tiny")
+    specs = parsed_specs(
+        parse_up(["--tp", "2", "--standby", "1", "--cpu-kv-cache-fraction", "0.6"]), "/models/tiny"
+    )
     workers = {name: parsed for name, service, parsed in specs if service == WORKER}
     assert sorted(workers) == ["worker-g0-pp0-tp0", "worker-g0-pp0-tp1", "worker-g0-standby0"]
     for parsed in workers.values():
@@ -221,10 +276,17 @@ def test_workers_of_one_cpu_host_share_its_memory_and_cores() -> None:
 
 def test_replicas_get_their_own_groups_and_gpus() -> None:
     specs = parsed_specs(parse_up(["--replicas", "2", "--device", "cuda"]), "/models/tiny")
-    groups = {name: (parsed.group, getattr(parsed, "device", None)) for name, _, parsed in specs
-              if name != "router"}
-    assert groups == {"worker-g0-pp0-tp0": ("g0", "cuda:0"), "scheduler-g0": ("g0", None),
-                      "worker-g1-pp0-tp0": ("g1", "cuda:1"), "scheduler-g1": ("g1", None)}
+    groups = {
+        name: (parsed.group, getattr(parsed, "device", None))
+        for name, _, parsed in specs
+        if name != "router"
+    }
+    assert groups == {
+        "worker-g0-pp0-tp0": ("g0", "cuda:0"),
+        "scheduler-g0": ("g0", None),
+        "worker-g1-pp0-tp0": ("g1", "cuda:1"),
+        "scheduler-g1": ("g1", None),
+    }
 
 
 def test_only_the_router_binds_the_wildcard_address() -> None:
@@ -237,8 +299,8 @@ def test_only_the_router_binds_the_wildcard_address() -> None:
 
 
 def test_expert_balancing_without_expert_parallelism_is_refused_before_anything_starts():
-    from pagemesh.tools import cli
     from pagemesh.runtime.service_flags import expert_parallel_error
+    from pagemesh.tools import cli
 
     assert expert_parallel_error(True, 100) is None and expert_parallel_error(False, 0) is None
     assert "needs --enable-expert-parallel" in expert_parallel_error(False, 8)

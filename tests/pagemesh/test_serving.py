@@ -30,6 +30,7 @@ async def serving_server() -> AsyncIterator[tuple[GrpcServer, grpc.aio.Channel]]
 
 def test_health_watch_streams_every_change() -> None:
     """Watch is how load balancers follow health; the error interceptor must let it be."""
+
     async def body() -> None:
         async with serving_server() as (server, channel):
             call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
@@ -45,6 +46,7 @@ def test_a_request_message_that_does_not_parse_is_invalid_argument() -> None:
     """Bytes no serializer writes (cut, wrongly typed, invalid UTF-8) are the caller's
     mistake: INVALID_ARGUMENT naming the method, not gRPC's UNKNOWN "Unexpected
     DecodeError" (found by bench/fuzz)."""
+
     async def body() -> None:
         async with serving_server() as (_, channel):
             check = channel.unary_unary("/grpc.health.v1.Health/Check")  # bytes in, bytes out
@@ -57,7 +59,8 @@ def test_a_request_message_that_does_not_parse_is_invalid_argument() -> None:
                 else:
                     raise AssertionError(f"{raw!r} was accepted")
             answer = health_pb2.HealthCheckResponse.FromString(
-                await check(health_pb2.HealthCheckRequest().SerializeToString()))
+                await check(health_pb2.HealthCheckRequest().SerializeToString())
+            )
             assert answer.status == SERVING  # what parses is served as before
 
     asyncio.run(body())
@@ -66,6 +69,7 @@ def test_a_request_message_that_does_not_parse_is_invalid_argument() -> None:
 def test_health_of_an_unknown_service_is_not_found_with_a_message() -> None:
     """gRPC's health servicer answers NOT_FOUND with no message; ours names the service
     and those it reports (found by bench/fuzz: GenerateRequest bytes sent to Check)."""
+
     async def body() -> None:
         async with serving_server() as (_, channel):
             stub = health_pb2_grpc.HealthStub(channel)
@@ -73,10 +77,15 @@ def test_health_of_an_unknown_service_is_not_found_with_a_message() -> None:
                 await stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.NOT_FOUND
-                assert "'no.such.Service'" in exc.details() and "'pagemesh.test.Nothing'" in exc.details()
+                assert (
+                    "'no.such.Service'" in exc.details()
+                    and "'pagemesh.test.Nothing'" in exc.details()
+                )
             else:
                 raise AssertionError("an unknown service had a health status")
             for known in ("", "pagemesh.test.Nothing"):
-                assert (await stub.Check(health_pb2.HealthCheckRequest(service=known))).status == SERVING
+                assert (
+                    await stub.Check(health_pb2.HealthCheckRequest(service=known))
+                ).status == SERVING
 
     asyncio.run(body())

@@ -9,8 +9,8 @@ import pytest
 from pagemesh.runtime.auth import ADMIN, INFERENCE, ApiKeys, parse_api_keys_file
 from pagemesh.runtime.config import add_tls_flags, tls_config
 from pagemesh.runtime.tls import TlsConfig
-from router.main import parse_args
 from router.generation import AdmissionLimits
+from router.main import parse_args
 
 
 @pytest.fixture
@@ -46,7 +46,11 @@ def test_modes_and_flags(pem: Path) -> None:
     assert tls.serves_tls and tls.dials_tls and tls.requires_client_cert
     assert tls.flags() == ["--tls-cert", str(pem), "--tls-key", str(pem), "--tls-ca", str(pem)]
     server_only = TlsConfig(str(pem), str(pem))
-    assert server_only.serves_tls and not server_only.requires_client_cert and not server_only.dials_tls
+    assert (
+        server_only.serves_tls
+        and not server_only.requires_client_cert
+        and not server_only.dials_tls
+    )
     assert TlsConfig(ca_path=str(pem)).dials_tls
 
 
@@ -60,9 +64,16 @@ def test_tls_flags_read_environment(pem: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_api_keys_file_parsing() -> None:
-    text = "# keys of team a\nkey-1\n\n  key-2   # rotated 2024\n#key-3\nops-1 admin\nkey-4 inference\n"
-    assert parse_api_keys_file(text) == [("key-1", INFERENCE), ("key-2", INFERENCE),
-                                         ("ops-1", ADMIN), ("key-4", INFERENCE)]
+    text = (
+        "# keys of team a\nkey-1\n\n  key-2   # rotated 2024\n#key-3\nops-1 admin\n"
+        "key-4 inference\n"
+    )
+    assert parse_api_keys_file(text) == [
+        ("key-1", INFERENCE),
+        ("key-2", INFERENCE),
+        ("ops-1", ADMIN),
+        ("key-4", INFERENCE),
+    ]
     for bad in ("key-1 root\n", "key-1 admin extra\n"):
         with pytest.raises(ValueError, match="line 1") as info:
             parse_api_keys_file(bad)
@@ -72,9 +83,16 @@ def test_api_keys_file_parsing() -> None:
 def test_scopes_inference_keys_are_not_admins(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("ops admin\n")
-    keys = ApiKeys.load(["a b"], str(path), ["root"])  # "a b": two keys, as PAGEMESH_API_KEY gives them
-    assert [keys.scope_of(f"Bearer {k}") for k in ("a", "b", "ops", "root", "nope")] == \
-        [INFERENCE, INFERENCE, ADMIN, ADMIN, None]
+    keys = ApiKeys.load(
+        ["a b"], str(path), ["root"]
+    )  # "a b": two keys, as PAGEMESH_API_KEY gives them
+    assert [keys.scope_of(f"Bearer {k}") for k in ("a", "b", "ops", "root", "nope")] == [
+        INFERENCE,
+        INFERENCE,
+        ADMIN,
+        ADMIN,
+        None,
+    ]
     assert keys.check_authorization("Bearer a") and not keys.check_authorization("Bearer a", ADMIN)
     assert keys.check_authorization("Bearer ops") and keys.check_authorization("Bearer ops", ADMIN)
     assert ApiKeys([]).check_authorization(None, ADMIN)  # keys off: everything open
@@ -110,7 +128,10 @@ def test_router_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parse_args(["--model", "m"])
     assert args.api_key == ["env-key"]
     assert (args.max_queued_requests, args.max_prompt_tokens, args.max_message_bytes) == (
-        1024, 0, 16 * 1024 * 1024)
+        1024,
+        0,
+        16 * 1024 * 1024,
+    )
     args = parse_args(["--model", "m", "--api-key", "a", "--api-key", "b"])
     assert args.api_key[-2:] == ["a", "b"]
 

@@ -23,10 +23,10 @@ from prometheus_client import (
 )
 from rich.console import Console
 
-from pagemesh.tools import top_snapshot
 from pagemesh.runtime.ports import reserve_port
 from pagemesh.runtime.registry import Registry, RegistryConfig
 from pagemesh.runtime.registry_entries import RouterEntry, SchedulerEntry, WorkerEntry
+from pagemesh.tools import top_snapshot
 from pagemesh.tools.top_render import render
 from pagemesh.tools.top_snapshot import (
     ServiceRecord,
@@ -71,17 +71,18 @@ pagemesh:inter_token_latency_seconds_count 0.0
 
 # Two seconds later: +100 generated tokens, +4 finished requests, 4 first tokens in
 # (0.1, 0.5] and 100 inter-token gaps, half of them under 10 ms.
-ROUTER_TEXT_2 = (ROUTER_TEXT_1
-                 .replace("generation_tokens_total 1000.0", "generation_tokens_total 1100.0")
-                 .replace('"stop"} 8.0', '"stop"} 12.0')
-                 .replace('le="0.5"} 10.0', 'le="0.5"} 14.0')
-                 .replace('le="1.0"} 10.0', 'le="1.0"} 14.0')
-                 .replace('first_token_seconds_bucket{le="+Inf"} 10.0',
-                          'first_token_seconds_bucket{le="+Inf"} 14.0')
-                 .replace('le="0.01"} 0.0', 'le="0.01"} 50.0')
-                 .replace('le="0.05"} 0.0', 'le="0.05"} 100.0')
-                 .replace('latency_seconds_bucket{le="+Inf"} 0.0',
-                          'latency_seconds_bucket{le="+Inf"} 100.0'))
+ROUTER_TEXT_2 = (
+    ROUTER_TEXT_1.replace("generation_tokens_total 1000.0", "generation_tokens_total 1100.0")
+    .replace('"stop"} 8.0', '"stop"} 12.0')
+    .replace('le="0.5"} 10.0', 'le="0.5"} 14.0')
+    .replace('le="1.0"} 10.0', 'le="1.0"} 14.0')
+    .replace(
+        'first_token_seconds_bucket{le="+Inf"} 10.0', 'first_token_seconds_bucket{le="+Inf"} 14.0'
+    )
+    .replace('le="0.01"} 0.0', 'le="0.01"} 50.0')
+    .replace('le="0.05"} 0.0', 'le="0.05"} 100.0')
+    .replace('latency_seconds_bucket{le="+Inf"} 0.0', 'latency_seconds_bucket{le="+Inf"} 100.0')
+)
 
 SCHEDULER_TEXT = """\
 # TYPE pagemesh:heartbeat_age_seconds gauge
@@ -94,37 +95,80 @@ pagemesh:num_requests_swapped{group="g0"} 1.0
 
 
 def scheduler_entry(**changes: object) -> dict:
-    entry = {"address": "127.0.0.1:6001", "group": "g0", "status": "ready", "instance": "s1",
-             "num_running": 3, "num_waiting": 2, "num_free_blocks": 25, "num_blocks": 100,
-             "num_preemptions": 4, "num_swapped": 1, "prefix_cache_hit_rate": 0.5,
-             "num_recoveries": 1, "members": ["w0", "w1"], "num_steps": 500,
-             "metrics_address": "127.0.0.1:9101", "num_draft_tokens": 400, "num_drafts": 100,
-             "num_accepted_tokens": 300}
+    entry = {
+        "address": "127.0.0.1:6001",
+        "group": "g0",
+        "status": "ready",
+        "instance": "s1",
+        "num_running": 3,
+        "num_waiting": 2,
+        "num_free_blocks": 25,
+        "num_blocks": 100,
+        "num_preemptions": 4,
+        "num_swapped": 1,
+        "prefix_cache_hit_rate": 0.5,
+        "num_recoveries": 1,
+        "members": ["w0", "w1"],
+        "num_steps": 500,
+        "metrics_address": "127.0.0.1:9101",
+        "num_draft_tokens": 400,
+        "num_drafts": 100,
+        "num_accepted_tokens": 300,
+    }
     return entry | changes
 
 
 def worker_entry(tp_rank: int, **changes: object) -> dict:
-    entry = {"address": f"127.0.0.1:700{tp_rank}", "group": "g0", "status": "ready",
-             "instance": f"w{tp_rank}", "tp_rank": tp_rank, "tp_size": 2, "pp_rank": 0,
-             "pp_size": 1, "epoch": "abcdef0123456789", "num_steps": 500, "busy_time_s": 10.0}
+    entry = {
+        "address": f"127.0.0.1:700{tp_rank}",
+        "group": "g0",
+        "status": "ready",
+        "instance": f"w{tp_rank}",
+        "tp_rank": tp_rank,
+        "tp_size": 2,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "epoch": "abcdef0123456789",
+        "num_steps": 500,
+        "busy_time_s": 10.0,
+    }
     return entry | changes
 
 
-def records(router_text: str, *, w0_busy: float = 10.0, w1_instance: str = "w1",
-            scheduler_steps: int = 500) -> list[ServiceRecord]:
-    router = RouterEntry(address="127.0.0.1:50051", serving=True, num_groups=1,
-                         metrics_address="127.0.0.1:9100")
+def records(
+    router_text: str, *, w0_busy: float = 10.0, w1_instance: str = "w1", scheduler_steps: int = 500
+) -> list[ServiceRecord]:
+    router = RouterEntry(
+        address="127.0.0.1:50051", serving=True, num_groups=1, metrics_address="127.0.0.1:9100"
+    )
     return [
         ServiceRecord("router", "r0", router, 0.4, router_text),
-        ServiceRecord("scheduler", "s0",
-                      SchedulerEntry.from_json(scheduler_entry(num_steps=scheduler_steps)), 0.2,
-                      SCHEDULER_TEXT),
-        ServiceRecord("worker", "w0", WorkerEntry.from_json(worker_entry(0, busy_time_s=w0_busy)),
-                      0.1),
-        ServiceRecord("worker", "w1", WorkerEntry.from_json(worker_entry(1, instance=w1_instance)),
-                      0.3, None, "down: refused"),
-        ServiceRecord("worker", "w2", WorkerEntry.from_json(
-            worker_entry(-1, group="g1", status="standby", tp_size=1, pp_size=1)), 2.5),
+        ServiceRecord(
+            "scheduler",
+            "s0",
+            SchedulerEntry.from_json(scheduler_entry(num_steps=scheduler_steps)),
+            0.2,
+            SCHEDULER_TEXT,
+        ),
+        ServiceRecord(
+            "worker", "w0", WorkerEntry.from_json(worker_entry(0, busy_time_s=w0_busy)), 0.1
+        ),
+        ServiceRecord(
+            "worker",
+            "w1",
+            WorkerEntry.from_json(worker_entry(1, instance=w1_instance)),
+            0.3,
+            None,
+            "down: refused",
+        ),
+        ServiceRecord(
+            "worker",
+            "w2",
+            WorkerEntry.from_json(
+                worker_entry(-1, group="g1", status="standby", tp_size=1, pp_size=1)
+            ),
+            2.5,
+        ),
     ]
 
 
@@ -157,9 +201,13 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
 
 
 def test_heartbeat_age_from_timestamp_or_remaining_ttl() -> None:
-    assert heartbeat_age(RouterEntry(heartbeat_at=100.0), 2500, 3.0, now=101.5) == pytest.approx(1.5)
+    assert heartbeat_age(RouterEntry(heartbeat_at=100.0), 2500, 3.0, now=101.5) == pytest.approx(
+        1.5
+    )
     assert heartbeat_age(RouterEntry(), 2500, 3.0, now=0.0) == pytest.approx(0.5)
-    assert heartbeat_age(RouterEntry(heartbeat_ttl_s=10.0), 2500, 3.0, now=0.0) == pytest.approx(7.5)
+    assert heartbeat_age(RouterEntry(heartbeat_ttl_s=10.0), 2500, 3.0, now=0.0) == pytest.approx(
+        7.5
+    )
     assert heartbeat_age(RouterEntry(), -1, 3.0, now=0.0) is None  # a key without TTL
     assert heartbeat_age(RouterEntry(), None, 3.0, now=0.0) is None
 
@@ -178,7 +226,12 @@ def test_snapshot_rows_from_entries_and_metrics() -> None:
     assert g0.spec_acceptance == pytest.approx(0.75)  # drafts kept / verified
     assert g0.spec_mean_length == pytest.approx(4.0)  # 1 + 300 kept / 100 drafts
     # Workers alive with no scheduler: the group still shows, flagged.
-    assert (g1.group, g1.status, g1.workers_alive, g1.workers_expected) == ("g1", "no scheduler", 0, 1)
+    assert (g1.group, g1.status, g1.workers_alive, g1.workers_expected) == (
+        "g1",
+        "no scheduler",
+        0,
+        1,
+    )
     assert [w.worker_id for w in snapshot.workers] == ["w0", "w1", "w2"]
     w0, w1, w2 = snapshot.workers
     assert (w0.tp_rank, w0.pp_rank, w0.metrics) == (0, 0, "-")
@@ -191,11 +244,13 @@ def test_snapshot_rows_from_entries_and_metrics() -> None:
 def test_kv_usage_falls_back_to_the_metric_and_bad_text_is_reported() -> None:
     entry = scheduler_entry()
     del entry["num_free_blocks"]
-    snapshot = build_snapshot([ServiceRecord("scheduler", "s0", SchedulerEntry.from_json(entry),
-                                             None, SCHEDULER_TEXT),
-                               ServiceRecord("router", "r0", RouterEntry(), None,
-                                             "this is { not prometheus")],
-                              taken_at=0.0)
+    snapshot = build_snapshot(
+        [
+            ServiceRecord("scheduler", "s0", SchedulerEntry.from_json(entry), None, SCHEDULER_TEXT),
+            ServiceRecord("router", "r0", RouterEntry(), None, "this is { not prometheus"),
+        ],
+        taken_at=0.0,
+    )
     assert snapshot.groups[0].kv_usage == pytest.approx(0.75)
     # No age from Redis (heartbeat_age_s None): the one the service reports, if any.
     assert snapshot.groups[0].heartbeat_age_s == pytest.approx(1.25)
@@ -205,8 +260,10 @@ def test_kv_usage_falls_back_to_the_metric_and_bad_text_is_reported() -> None:
 
 def test_rates_between_two_snapshots() -> None:
     prev = build_snapshot(records(ROUTER_TEXT_1), taken_at=10.0)
-    cur = build_snapshot(records(ROUTER_TEXT_2, w0_busy=11.0, w1_instance="w1-restarted",
-                                 scheduler_steps=600), taken_at=12.0)
+    cur = build_snapshot(
+        records(ROUTER_TEXT_2, w0_busy=11.0, w1_instance="w1-restarted", scheduler_steps=600),
+        taken_at=12.0,
+    )
     rates = compute_rates(prev, cur)
     assert rates.window_s == pytest.approx(2.0)
     assert rates.output_tokens_per_s == pytest.approx(50.0)
@@ -231,7 +288,9 @@ def test_rates_without_a_previous_snapshot_use_all_observations() -> None:
 
 def test_counter_reset_counts_the_new_value_and_new_services_count_nothing() -> None:
     prev = build_snapshot(records(ROUTER_TEXT_1), taken_at=0.0)
-    restarted = ROUTER_TEXT_1.replace("generation_tokens_total 1000.0", "generation_tokens_total 30.0")
+    restarted = ROUTER_TEXT_1.replace(
+        "generation_tokens_total 1000.0", "generation_tokens_total 30.0"
+    )
     newcomer = ServiceRecord("router", "r1", RouterEntry(), None, ROUTER_TEXT_2)
     cur = build_snapshot(records(restarted) + [newcomer], taken_at=1.0)
     assert compute_rates(prev, cur).output_tokens_per_s == pytest.approx(30.0)
@@ -241,7 +300,10 @@ def test_prometheus_targets_from_entries() -> None:
     targets = prometheus_targets(records(ROUTER_TEXT_1))
     assert targets == [
         {"targets": ["127.0.0.1:9100"], "labels": {"pagemesh_kind": "router", "pagemesh_id": "r0"}},
-        {"targets": ["127.0.0.1:9101"], "labels": {"pagemesh_kind": "scheduler", "pagemesh_id": "s0"}},
+        {
+            "targets": ["127.0.0.1:9101"],
+            "labels": {"pagemesh_kind": "scheduler", "pagemesh_id": "s0"},
+        },
     ]
 
 
@@ -249,18 +311,31 @@ def test_render_shows_every_table() -> None:
     prev = build_snapshot(records(ROUTER_TEXT_1), taken_at=10.0)
     cur = build_snapshot(records(ROUTER_TEXT_2, w0_busy=11.0), taken_at=12.0)
     text = render_text(render(cur, compute_rates(prev, cur), "demo"))
-    for expected in ("pagemesh cluster 'demo' (rates and latencies over the last 2.0s)",
-                     "engine groups", "no scheduler", "75.0%",
-                     "50.0%", "300.0 ms", "10.0 ms", "workers", "standby", "routers",
-                     "127.0.0.1:50051", "down: refused"):
+    for expected in (
+        "pagemesh cluster 'demo' (rates and latencies over the last 2.0s)",
+        "engine groups",
+        "no scheduler",
+        "75.0%",
+        "50.0%",
+        "300.0 ms",
+        "10.0 ms",
+        "workers",
+        "standby",
+        "routers",
+        "127.0.0.1:50051",
+        "down: refused",
+    ):
         assert expected in text, expected
 
 
 def test_metric_names_read_are_in_the_contract() -> None:
     from tests.deploy.test_dashboards import CONTRACT
 
-    names = [value for name, value in vars(top_snapshot).items()
-             if name.isupper() and isinstance(value, str) and value.startswith("pagemesh:")]
+    names = [
+        value
+        for name, value in vars(top_snapshot).items()
+        if name.isupper() and isinstance(value, str) and value.startswith("pagemesh:")
+    ]
     assert len(names) >= 9 and set(names) <= CONTRACT
 
 
@@ -278,8 +353,12 @@ def test_tui_mounts_and_draws_a_refresh() -> None:
 
     from pagemesh.tools.top_app import TopApp
 
-    snapshots = iter([build_snapshot(records(ROUTER_TEXT_1), taken_at=10.0),
-                      build_snapshot(records(ROUTER_TEXT_2, w0_busy=11.0), taken_at=12.0)])
+    snapshots = iter(
+        [
+            build_snapshot(records(ROUTER_TEXT_1), taken_at=10.0),
+            build_snapshot(records(ROUTER_TEXT_2, w0_busy=11.0), taken_at=12.0),
+        ]
+    )
 
     async def scenario() -> None:
         app = TopApp(lambda: next(snapshots), interval_s=60.0, cluster="demo")
@@ -312,11 +391,13 @@ def router_metrics() -> Iterator[tuple[str, CollectorRegistry, Counter]]:
     registry = CollectorRegistry()
     tokens = Counter("pagemesh:generation_tokens", "generated tokens", registry=registry)
     tokens.inc(500)
-    Counter("pagemesh:request_success", "finished requests", ["finished_reason"],
-            registry=registry).labels("stop").inc(5)
+    Counter(
+        "pagemesh:request_success", "finished requests", ["finished_reason"], registry=registry
+    ).labels("stop").inc(5)
     Gauge("pagemesh:num_requests_in_flight", "in flight", registry=registry).set(7)
-    ttft = Histogram("pagemesh:time_to_first_token_seconds", "TTFT", registry=registry,
-                     buckets=[0.05, 0.25, 1.0])
+    ttft = Histogram(
+        "pagemesh:time_to_first_token_seconds", "TTFT", registry=registry, buckets=[0.05, 0.25, 1.0]
+    )
     for _ in range(4):
         ttft.observe(0.1)  # all four in (0.05, 0.25]: median 0.05 + 0.2 * 2/4 = 150 ms
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
@@ -330,37 +411,77 @@ def router_metrics() -> Iterator[tuple[str, CollectorRegistry, Counter]]:
 
 def register(redis_url: str, cluster: str, metrics_address: str) -> None:
     async def scenario() -> None:
-        registry = Registry(RegistryConfig(redis_url, cluster=cluster, heartbeat_interval_s=1.0,
-                                           ttl_s=60.0))
-        await registry.put("router", "router-a", {"address": "127.0.0.1:50051", "serving": True,
-                                                  "num_groups": 1,
-                                                  "metrics_address": metrics_address})
-        await registry.put("scheduler", "sched-a", scheduler_entry(
-            group="grp-a", members=["wk-a0", "wk-a1"], metrics_address=None))
+        registry = Registry(
+            RegistryConfig(redis_url, cluster=cluster, heartbeat_interval_s=1.0, ttl_s=60.0)
+        )
+        await registry.put(
+            "router",
+            "router-a",
+            {
+                "address": "127.0.0.1:50051",
+                "serving": True,
+                "num_groups": 1,
+                "metrics_address": metrics_address,
+            },
+        )
+        await registry.put(
+            "scheduler",
+            "sched-a",
+            scheduler_entry(group="grp-a", members=["wk-a0", "wk-a1"], metrics_address=None),
+        )
         await registry.put("worker", "wk-a0", worker_entry(0, group="grp-a"))
-        await registry.put("worker", "wk-a1", worker_entry(
-            1, group="grp-a", metrics_address=f"127.0.0.1:{reserve_port()}"))
+        await registry.put(
+            "worker",
+            "wk-a1",
+            worker_entry(1, group="grp-a", metrics_address=f"127.0.0.1:{reserve_port()}"),
+        )
         await registry.close()
 
     asyncio.run(scenario())
 
 
 def run_top(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pagemesh.tools.cli", "top", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pagemesh.tools.cli", "top", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_top_once_prints_the_cluster(redis_url: str, router_metrics) -> None:
     address, _, _ = router_metrics
     cluster = f"t-top-{uuid.uuid4().hex[:8]}"
     register(redis_url, cluster, address)
-    done = run_top("--redis-url", redis_url, "--cluster", cluster, "--once", "--interval", "0",
-                   "--heartbeat-ttl-s", "60")
+    done = run_top(
+        "--redis-url",
+        redis_url,
+        "--cluster",
+        cluster,
+        "--once",
+        "--interval",
+        "0",
+        "--heartbeat-ttl-s",
+        "60",
+    )
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    for expected in (f"pagemesh cluster '{cluster}'", "grp-a", "sched-a", "ready", "2/2",
-                     "75.0%", "50.0%", "wk-a0", "wk-a1", "down: connection refused", "router-a",
-                     "127.0.0.1:50051", "150.0 ms"):
+    for expected in (
+        f"pagemesh cluster '{cluster}'",
+        "grp-a",
+        "sched-a",
+        "ready",
+        "2/2",
+        "75.0%",
+        "50.0%",
+        "wk-a0",
+        "wk-a1",
+        "down: connection refused",
+        "router-a",
+        "127.0.0.1:50051",
+        "150.0 ms",
+    ):
         assert expected in out, f"{expected!r} not in:\n{out}"
     router_line = next(line for line in out.splitlines() if "router-a" in line)
     assert " 7 " in router_line and "ok" in router_line  # in flight, scraped
@@ -379,8 +500,17 @@ def test_top_once_json_measures_rates_over_the_interval(redis_url: str, router_m
     producer = threading.Thread(target=generate, daemon=True)
     producer.start()
     try:
-        done = run_top("--redis-url", redis_url, "--cluster", cluster, "--once",
-                       "--interval", "0.5", "--format", "json")
+        done = run_top(
+            "--redis-url",
+            redis_url,
+            "--cluster",
+            cluster,
+            "--once",
+            "--interval",
+            "0.5",
+            "--format",
+            "json",
+        )
     finally:
         stop.set()
         producer.join()
@@ -398,12 +528,15 @@ def test_top_writes_prometheus_targets(redis_url: str, router_metrics, tmp_path:
     cluster = f"t-top-{uuid.uuid4().hex[:8]}"
     register(redis_url, cluster, address)
     path = tmp_path / "targets.json"
-    done = run_top("--redis-url", redis_url, "--cluster", cluster, "--once",
-                   "--prometheus-targets", str(path))
+    done = run_top(
+        "--redis-url", redis_url, "--cluster", cluster, "--once", "--prometheus-targets", str(path)
+    )
     assert done.returncode == 0, done.stderr
     targets = json.loads(path.read_text())
     assert {t["labels"]["pagemesh_id"]: t["targets"] for t in targets} == {
-        "router-a": [address], "wk-a1": [targets[-1]["targets"][0]]}
+        "router-a": [address],
+        "wk-a1": [targets[-1]["targets"][0]],
+    }
 
 
 def test_top_says_when_redis_is_unreachable() -> None:
@@ -414,8 +547,9 @@ def test_top_says_when_redis_is_unreachable() -> None:
 
 def test_workers_show_memory_and_the_share_of_busy_time_communicating() -> None:
     def worker(busy_s: float, collective_s: float, **memory: int) -> list[ServiceRecord]:
-        entry = WorkerEntry.from_json(worker_entry(0, busy_time_s=busy_s,
-                                                   tp_collective_time_s=collective_s, **memory))
+        entry = WorkerEntry.from_json(
+            worker_entry(0, busy_time_s=busy_s, tp_collective_time_s=collective_s, **memory)
+        )
         return [ServiceRecord("worker", "w0", entry, 0.1)]
 
     memory = {"weight_bytes": 812 << 20, "kv_cache_bytes": 3 << 30, "rss_bytes": 5 << 30}

@@ -6,17 +6,25 @@ from pagemesh.tools.top_experts import EXPERT_TOKENS, hot_experts
 
 
 def scrape(group: str, layer_tokens: dict[int, list[float]]) -> dict:
-    return {EXPERT_TOKENS: [({"group": group, "layer": str(layer), "expert": str(e)}, value)
-                            for layer, tokens in layer_tokens.items()
-                            for e, value in enumerate(tokens)]}
+    return {
+        EXPERT_TOKENS: [
+            ({"group": group, "layer": str(layer), "expert": str(e)}, value)
+            for layer, tokens in layer_tokens.items()
+            for e, value in enumerate(tokens)
+        ]
+    }
 
 
 def test_the_hottest_share_of_the_window_wins_across_ranks_and_layers() -> None:
     # Two EP ranks each count their share of the tokens; layer 3's expert 1 takes 60%.
-    prev = {"worker:a": scrape("g", {1: [10, 10, 10, 10], 3: [5, 5, 5, 5]}),
-            "worker:b": scrape("g", {1: [10, 10, 10, 10], 3: [5, 5, 5, 5]})}
-    cur = {"worker:a": scrape("g", {1: [20, 20, 20, 20], 3: [10, 20, 10, 5]}),
-           "worker:b": scrape("g", {1: [20, 20, 20, 20], 3: [10, 20, 10, 5]})}
+    prev = {
+        "worker:a": scrape("g", {1: [10, 10, 10, 10], 3: [5, 5, 5, 5]}),
+        "worker:b": scrape("g", {1: [10, 10, 10, 10], 3: [5, 5, 5, 5]}),
+    }
+    cur = {
+        "worker:a": scrape("g", {1: [20, 20, 20, 20], 3: [10, 20, 10, 5]}),
+        "worker:b": scrape("g", {1: [20, 20, 20, 20], 3: [10, 20, 10, 5]}),
+    }
     hot = hot_experts(prev, cur)["g"]
     assert [(h.layer, h.expert) for h in hot] == [(3, 1), (1, 0)]
     assert abs(hot[0].share - 60 / 100) < 1e-9 and hot[0].num_experts == 4

@@ -18,16 +18,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pagemesh.runtime import telemetry
 from pagemesh.runtime.logs import RequestIdFilter, request_id_var
+from pagemesh.runtime.tokenizer import load_tokenizer
 from protos.pagemesh.worker.v1 import worker_pb2
 from protos.step import SchedulerOutput
 from router import tracing as router_tracing
-from pagemesh.runtime.tokenizer import load_tokenizer
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tracing import RequestTracing
 from tests.support.bpe_folder import write_bpe_folder
+from tests.support.core_harness import fake_step, make_request
 from tests.support.scripted_router import Router, ScriptedScheduler, run
 from tests.support.scripted_router import request as resume_request
-from tests.support.core_harness import fake_step, make_request
 from worker_svc.tracing import start_step_span
 
 
@@ -45,8 +45,12 @@ def tracer(exporter: InMemorySpanExporter) -> Iterator[trace.Tracer]:
 
 
 def test_traces_endpoint_from_flag_or_standard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
-                 "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER"):
+    for name in (
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_SDK_DISABLED",
+        "OTEL_TRACES_EXPORTER",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert telemetry.traces_endpoint(None) is None
     assert telemetry.traces_endpoint("127.0.0.1:4317") == "http://127.0.0.1:4317"
@@ -60,14 +64,18 @@ def test_traces_endpoint_from_flag_or_standard_variables(monkeypatch: pytest.Mon
 
 
 def test_service_name_defaults_to_ours_unless_the_variables_name_one(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
     resource = telemetry.tracing_resource("pagemesh-router").attributes
     assert resource["service.name"] == "pagemesh-router"
     assert resource["deployment.environment"] == "test"
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-attributes")
-    assert telemetry.tracing_resource("pagemesh-router").attributes["service.name"] == "from-attributes"
+    assert (
+        telemetry.tracing_resource("pagemesh-router").attributes["service.name"]
+        == "from-attributes"
+    )
     monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-router")
     assert telemetry.tracing_resource("pagemesh-router").attributes["service.name"] == "edge-router"
 
@@ -86,8 +94,10 @@ def test_traceparent_round_trip_and_malformed_input(tracer: trace.Tracer) -> Non
     text = telemetry.traceparent(span)
     parsed = telemetry.span_context_from_traceparent(text)
     assert parsed is not None and parsed.is_remote
-    assert (parsed.trace_id, parsed.span_id) == (span.get_span_context().trace_id,
-                                                 span.get_span_context().span_id)
+    assert (parsed.trace_id, parsed.span_id) == (
+        span.get_span_context().trace_id,
+        span.get_span_context().span_id,
+    )
     assert parsed.trace_flags.sampled
     assert telemetry.grpc_metadata(span) == (("traceparent", text),)
     # An unsampled caller's context goes on unsampled: the callee must not start a trace.
@@ -114,17 +124,22 @@ def _drive(scheduler: Scheduler, tracing: RequestTracing) -> list[SchedulerOutpu
     return outputs
 
 
-def test_scheduler_spans_follow_queue_prefill_decode(tracer: trace.Tracer,
-                                                     exporter: InMemorySpanExporter) -> None:
+def test_scheduler_spans_follow_queue_prefill_decode(
+    tracer: trace.Tracer, exporter: InMemorySpanExporter
+) -> None:
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
     tracing = RequestTracing(tracer)
     traces = []
     for request_id in ("a", "b"):  # the same prompt: b's first block is a cache hit
         request = make_request(request_id, prompt_len=6, max_tokens=3)
         scheduler.add_request(request)
-        traces.append(contextvars.copy_context().run(tracing.start, request_id, [request], 6, False))
+        traces.append(
+            contextvars.copy_context().run(tracing.start, request_id, [request], 6, False)
+        )
         first = scheduler.schedule()
-        assert tracing.on_scheduled(first, scheduler.requests) == {request_id: traces[-1].traceparent}
+        assert tracing.on_scheduled(first, scheduler.requests) == {
+            request_id: traces[-1].traceparent
+        }
         tracing.on_events(scheduler.update(first, fake_step(scheduler, first)))
         _drive(scheduler, tracing)
         tracing.end(traces[-1])
@@ -136,17 +151,28 @@ def test_scheduler_spans_follow_queue_prefill_decode(tracer: trace.Tracer,
         assert submit.kind == trace.SpanKind.SERVER
         assert submit.attributes["gen_ai.usage.output_tokens"] == 3
         assert submit.attributes["gen_ai.response.finish_reasons"] == ("length",)
-        children = [s for s in exporter.get_finished_spans()
-                    if s.parent is not None and s.parent.span_id == submit.context.span_id]
+        children = [
+            s
+            for s in exporter.get_finished_spans()
+            if s.parent is not None and s.parent.span_id == submit.context.span_id
+        ]
         assert [s.name for s in sorted(children, key=lambda s: s.start_time)] == [
-            "queue", "prefill", "decode"]
-    hits = [(s.parent.span_id, e.attributes["pagemesh.cached_tokens"])
-            for s in _spans(exporter, "prefill") for e in s.events if e.name == "prefix_cache_hit"]
+            "queue",
+            "prefill",
+            "decode",
+        ]
+    hits = [
+        (s.parent.span_id, e.attributes["pagemesh.cached_tokens"])
+        for s in _spans(exporter, "prefill")
+        for e in s.events
+        if e.name == "prefix_cache_hit"
+    ]
     assert hits == [(submits["b"].context.span_id, 4)]
 
 
-def test_preemption_rescheduling_and_recovery_are_events(tracer: trace.Tracer,
-                                                         exporter: InMemorySpanExporter) -> None:
+def test_preemption_rescheduling_and_recovery_are_events(
+    tracer: trace.Tracer, exporter: InMemorySpanExporter
+) -> None:
     # 4 blocks of 4 tokens: two 7-token prompts fit, but not both growing past 8 tokens.
     scheduler = Scheduler(SchedulerConfig(num_blocks=4, block_size=4, enable_prefix_caching=False))
     tracing = RequestTracing(tracer)
@@ -154,13 +180,17 @@ def test_preemption_rescheduling_and_recovery_are_events(tracer: trace.Tracer,
     for request_id in ("first", "second"):
         request = make_request(request_id, prompt_len=7, max_tokens=4)
         scheduler.add_request(request)
-        states[request_id] = contextvars.copy_context().run(tracing.start, request_id, [request], 7, False)
+        states[request_id] = contextvars.copy_context().run(
+            tracing.start, request_id, [request], 7, False
+        )
     tracing.on_recovery("a worker died", 1.5)
     _drive(scheduler, tracing)
     for state in states.values():
         tracing.end(state)
-    events = {s.attributes["pagemesh.request_id"]: [e.name for e in s.events]
-              for s in _spans(exporter, "Submit")}
+    events = {
+        s.attributes["pagemesh.request_id"]: [e.name for e in s.events]
+        for s in _spans(exporter, "Submit")
+    }
     assert events["first"] == ["recovery"]
     assert events["second"] == ["recovery", "preempted", "rescheduled"]
     assert scheduler.num_preemptions == 1
@@ -176,13 +206,16 @@ def test_untraced_requests_cost_no_hooks() -> None:
 
 
 def test_worker_step_span_is_a_child_of_the_first_traced_request_linked_to_all(
-        tracer: trace.Tracer, exporter: InMemorySpanExporter) -> None:
+    tracer: trace.Tracer, exporter: InMemorySpanExporter
+) -> None:
     running, new = tracer.start_span("running"), tracer.start_span("new")
     step = worker_pb2.ExecuteStepRequest(
         step_id=42,
         new_requests=[worker_pb2.NewRequest(request_id="new")],
-        cached_requests=[worker_pb2.CachedRequest(request_id="running"),
-                         worker_pb2.CachedRequest(request_id="untraced")],
+        cached_requests=[
+            worker_pb2.CachedRequest(request_id="running"),
+            worker_pb2.CachedRequest(request_id="untraced"),
+        ],
         num_scheduled_tokens={"new": 30, "running": 1, "untraced": 1},
         traceparents={"new": telemetry.traceparent(new), "running": telemetry.traceparent(running)},
     )
@@ -192,13 +225,16 @@ def test_worker_step_span_is_a_child_of_the_first_traced_request_linked_to_all(
     (finished,) = _spans(exporter, "execute_step")
     assert finished.parent.span_id == running.get_span_context().span_id
     assert [link.context.span_id for link in finished.links] == [
-        running.get_span_context().span_id, new.get_span_context().span_id]
+        running.get_span_context().span_id,
+        new.get_span_context().span_id,
+    ]
     assert finished.attributes["pagemesh.step.id"] == 42
     assert finished.attributes["pagemesh.step.num_requests"] == 3
     assert finished.attributes["pagemesh.step.num_tokens"] == 32
     assert finished.attributes["pagemesh.worker.tp_rank"] == 1
-    untraced = worker_pb2.ExecuteStepRequest(num_scheduled_tokens={"x": 1},
-                                             traceparents={"x": "not a traceparent"})
+    untraced = worker_pb2.ExecuteStepRequest(
+        num_scheduled_tokens={"x": 1}, traceparents={"x": "not a traceparent"}
+    )
     assert start_step_span(tracer, untraced, "w0", {}) is None
 
 
@@ -221,8 +257,12 @@ def test_log_lines_carry_the_trace_id_and_request_id(tracer: trace.Tracer) -> No
 
 
 def test_router_span_records_a_failed_group_and_the_resume(
-        tracer: trace.Tracer, exporter: InMemorySpanExporter, redis_url: str,
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tracer: trace.Tracer,
+    exporter: InMemorySpanExporter,
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tokenizer = load_tokenizer(str(write_bpe_folder(tmp_path / "bpe")))
     monkeypatch.setattr(router_tracing, "_tracer", tracer)
     seen: list[dict[str, str]] = []

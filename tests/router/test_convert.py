@@ -20,13 +20,27 @@ def test_unset_fields_stay_unset_for_validation() -> None:
 
 
 def test_prompt_and_options_carry_over() -> None:
-    text = convert.generation_request(generate_pb2.GenerateRequest(
-        request_id="r", text="", apply_chat_template=True, model="m", resume_from=3))
-    assert text.prompt == "" and text.apply_chat_template and text.model == "m" and text.resume_from == 3
-    ids = convert.generation_request(generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=[1, 2]), logprobs=2, n=3, priority=-1,
-        sampling=generate_pb2.SamplingParams(temperature=0, seed=7),
-        stopping=generate_pb2.StoppingCriteria(max_tokens=5, stop=["x"])))
+    text = convert.generation_request(
+        generate_pb2.GenerateRequest(
+            request_id="r", text="", apply_chat_template=True, model="m", resume_from=3
+        )
+    )
+    assert (
+        text.prompt == ""
+        and text.apply_chat_template
+        and text.model == "m"
+        and text.resume_from == 3
+    )
+    ids = convert.generation_request(
+        generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=[1, 2]),
+            logprobs=2,
+            n=3,
+            priority=-1,
+            sampling=generate_pb2.SamplingParams(temperature=0, seed=7),
+            stopping=generate_pb2.StoppingCriteria(max_tokens=5, stop=["x"]),
+        )
+    )
     assert ids.prompt == [1, 2] and ids.num_logprobs == 2 and ids.n == 3 and ids.priority == -1
     assert ids.sampling.temperature == 0 and ids.sampling.seed == 7
     assert ids.stopping.max_tokens == 5 and ids.stopping.stop == ["x"]
@@ -36,9 +50,17 @@ def test_token_chunks_become_generate_responses() -> None:
     running = convert.generate_response(TokenChunk("r", 1, [4], "a", []))
     assert running.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED
     assert not running.HasField("usage") and list(running.token_ids) == [4] and running.index == 1
-    last = convert.generate_response(TokenChunk(
-        "r", 0, [5], "b", [TokenLogprob(5, -0.5, [TopLogprob(5, -0.5, "b")])],
-        FinishReason.LENGTH, Usage(3, 4)))
+    last = convert.generate_response(
+        TokenChunk(
+            "r",
+            0,
+            [5],
+            "b",
+            [TokenLogprob(5, -0.5, [TopLogprob(5, -0.5, "b")])],
+            FinishReason.LENGTH,
+            Usage(3, 4),
+        )
+    )
     assert last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 4)
     assert last.logprobs[0].top[0].token == "b" and last.logprobs[0].logprob == -0.5
@@ -50,16 +72,27 @@ def test_every_finish_reason_round_trips() -> None:
 
 
 def test_scheduler_messages_become_sample_outputs() -> None:
-    message = scheduler_pb2.SubmitResponse(index=2, token_ids=[7, 8], finish_reason=generate_pb2.FINISH_REASON_STOP)
+    message = scheduler_pb2.SubmitResponse(
+        index=2, token_ids=[7, 8], finish_reason=generate_pb2.FINISH_REASON_STOP
+    )
     output = convert.sample_output(message)
-    assert (output.index, output.token_ids, output.finish_reason, output.logprobs) == (2, [7, 8], "stop", [])
+    assert (output.index, output.token_ids, output.finish_reason, output.logprobs) == (
+        2,
+        [7, 8],
+        "stop",
+        [],
+    )
 
 
 def submission(seed: int | None = None) -> Submission:
-    validated = ValidatedRequest([3, 4, 5], SamplingOptions(temperature=0.5, top_p=1.0, top_k=4,
-                                                            repetition_penalty=1.0, seed=seed),
-                                 StoppingOptions(max_tokens=6, stop=["x"], stop_token_ids=[9]),
-                                 num_logprobs=2, n=2, priority=-1)
+    validated = ValidatedRequest(
+        [3, 4, 5],
+        SamplingOptions(temperature=0.5, top_p=1.0, top_k=4, repetition_penalty=1.0, seed=seed),
+        StoppingOptions(max_tokens=6, stop=["x"], stop_token_ids=[9]),
+        num_logprobs=2,
+        n=2,
+        priority=-1,
+    )
     return Submission.fresh("r", validated, 42)
 
 
@@ -70,15 +103,27 @@ def test_a_submission_draws_its_seed_only_when_unset() -> None:
 
 def test_a_submission_becomes_a_submit_request_with_each_attempts_progress() -> None:
     fresh = convert.submit_request(submission())
-    assert (fresh.request_id, list(fresh.prompt_token_ids), fresh.n, fresh.priority, fresh.logprobs) \
-        == ("r", [3, 4, 5], 2, -1, 2)
-    assert fresh.sampling.seed == 42 and fresh.sampling.top_k == 4 and fresh.sampling.temperature == 0.5
+    assert (
+        fresh.request_id,
+        list(fresh.prompt_token_ids),
+        fresh.n,
+        fresh.priority,
+        fresh.logprobs,
+    ) == ("r", [3, 4, 5], 2, -1, 2)
+    assert (
+        fresh.sampling.seed == 42
+        and fresh.sampling.top_k == 4
+        and fresh.sampling.temperature == 0.5
+    )
     assert fresh.stopping.max_tokens == 6 and list(fresh.stopping.stop) == ["x"]
     assert not fresh.progress and not fresh.trace_context
-    resumed = convert.submit_request(submission(), Progress([SampleProgress([1, 2], True),
-                                                             SampleProgress([6])]))
-    assert [(p.index, list(p.token_ids), p.finished) for p in resumed.progress] \
-        == [(0, [1, 2], True), (1, [6], False)]
+    resumed = convert.submit_request(
+        submission(), Progress([SampleProgress([1, 2], True), SampleProgress([6])])
+    )
+    assert [(p.index, list(p.token_ids), p.finished) for p in resumed.progress] == [
+        (0, [1, 2], True),
+        (1, [6], False),
+    ]
 
 
 def test_a_checkpointed_submit_request_reads_back_as_the_same_submission() -> None:

@@ -3,8 +3,8 @@ import random
 import pytest
 
 from pagemesh.runtime.models import default_model_path
-from router.detokenizer import IncrementalDetokenizer
 from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
+from router.detokenizer import IncrementalDetokenizer
 from tests.support.bpe_folder import write_bpe_folder
 
 TEXTS = ["Hello 你好世界 😀🎉 café", "👍🏽 naïve 世界!", "plain ascii text", "🎉🎉🎉 中文 ok"]

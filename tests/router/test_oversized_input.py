@@ -16,14 +16,16 @@ import grpc
 import httpx
 import pytest
 
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from protos.pagemesh.v1 import generate_pb2
 from router.http_api import build_http_app
-from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.scripted_router import Router, run
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def test_a_text_too_long_for_the_model_is_refused_before_tokenizing(
-        tokenizer: Tokenizer, redis_url: str) -> None:
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             await router.add_scheduler("a")
@@ -42,21 +45,27 @@ def test_a_text_too_long_for_the_model_is_refused_before_tokenizing(
                 await router.generate(generate_pb2.GenerateRequest(text=text))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "at most 1,024 are accepted" in info.value.details()
-            assert f"longest token is {tokenizer.max_token_chars} characters" in info.value.details()
+            assert (
+                f"longest token is {tokenizer.max_token_chars} characters" in info.value.details()
+            )
             assert time.monotonic() - started < 2.0
+
     run(scenario())
 
 
 def test_a_long_text_is_tokenized_while_the_router_keeps_answering(
-        tokenizer: Tokenizer, redis_url: str) -> None:
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
     """Tokenize has no model limit: 1 MB of text is tokenized on a worker thread, and health
     checks keep being answered meanwhile."""
+
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             await router.add_scheduler("a")
             text = "the quick brown fox " * 50_000
-            tokenize = asyncio.ensure_future(router.stub.Tokenize(
-                generate_pb2.TokenizeRequest(text=text), timeout=60))
+            tokenize = asyncio.ensure_future(
+                router.stub.Tokenize(generate_pb2.TokenizeRequest(text=text), timeout=60)
+            )
             slowest_s = 0.0
             while not tokenize.done():
                 started = time.monotonic()
@@ -65,6 +74,7 @@ def test_a_long_text_is_tokenized_while_the_router_keeps_answering(
                 await asyncio.sleep(0.05)
             assert list((await tokenize).token_ids) == tokenizer.encode(text)
             assert slowest_s < 0.5, f"a health check waited {slowest_s:.2f} s"
+
     run(scenario())
 
 
@@ -74,7 +84,8 @@ def http_client(router: Router, max_body_bytes: int) -> httpx.AsyncClient:
 
 
 def test_http_bodies_past_the_limit_are_413_and_lone_surrogates_400(
-        tokenizer: Tokenizer, redis_url: str) -> None:
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router, http_client(router, 2_000) as http:
             await router.add_scheduler("a")
@@ -91,15 +102,18 @@ def test_http_bodies_past_the_limit_are_413_and_lone_surrogates_400(
             assert reply.status_code == 413, reply.text
 
             raw = '{"prompt": "bad \\ud800 text", "max_tokens": 2}'
-            reply = await http.post("/v1/completions", content=raw,
-                                    headers={"content-type": "application/json"})
+            reply = await http.post(
+                "/v1/completions", content=raw, headers={"content-type": "application/json"}
+            )
             assert reply.status_code == 400, reply.text
             assert "not valid Unicode" in reply.json()["error"]["message"]
             raw = '{"messages": [{"role": "user", "content": "a \\udfff b"}], "max_tokens": 2}'
-            reply = await http.post("/v1/chat/completions", content=raw,
-                                    headers={"content-type": "application/json"})
+            reply = await http.post(
+                "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+            )
             assert reply.status_code == 400, reply.text
             assert "a message's content is not valid Unicode" in reply.json()["error"]["message"]
             reply = await http.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
             assert reply.status_code == 200, reply.text  # and the router serves on
+
     run(scenario())

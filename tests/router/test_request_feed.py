@@ -17,8 +17,9 @@ STOP, LENGTH = 1, 2  # the wire's FinishReason values
 
 
 def output(request_id: str, index: int, token_ids: list[int], finish_reason: int = 0):
-    return scheduler_pb2.SubmitResponse(request_id=request_id, index=index, token_ids=token_ids,
-                                        finish_reason=finish_reason)
+    return scheduler_pb2.SubmitResponse(
+        request_id=request_id, index=index, token_ids=token_ids, finish_reason=finish_reason
+    )
 
 
 def sample(index: int, token_ids: list[int], finish_reason: FinishReason | None = None):
@@ -73,10 +74,15 @@ def test_a_request_leaves_once_the_scheduler_finished_every_sample():
 
 def test_in_band_error_fails_its_request_alone_after_the_steps_outputs():
     requests, sinks = open_requests(a=1, b=1)
-    error = scheduler_pb2.RequestError(request_id="a", code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                       message="bad")
+    error = scheduler_pb2.RequestError(
+        request_id="a", code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad"
+    )
     _dispatch(message(output("a", 0, [5]), output("b", 0, [7]), errors=[error]), requests)
-    assert sinks["a"].calls == [("add", 0, [5]), ("flush",), ("fail", grpc.StatusCode.INVALID_ARGUMENT)]
+    assert sinks["a"].calls == [
+        ("add", 0, [5]),
+        ("flush",),
+        ("fail", grpc.StatusCode.INVALID_ARGUMENT),
+    ]
     assert set(requests) == {"b"}
 
 

@@ -15,16 +15,25 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from pagemesh.runtime.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, SampleState
 from pagemesh.api.options.validation import SamplingOptions, StoppingOptions, ValidatedRequest
+from pagemesh.runtime.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, SampleState
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from protos.pagemesh.v1 import generate_pb2
 from router import convert
 from router.resume import Attempts, Progress, ResumeConfig, retry_kind
-from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from router.types import Submission
 from tests.support.bpe_folder import write_bpe_folder
-from tests.support.scripted_router import (LENGTH, SEED, STOP, Router, expected, per_sample,
-                                           request, run, until)
+from tests.support.scripted_router import (
+    LENGTH,
+    SEED,
+    STOP,
+    Router,
+    expected,
+    per_sample,
+    request,
+    run,
+    until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +55,9 @@ def test_a_group_failing_mid_stream_is_resumed_elsewhere_without_gap_or_repeat(
             a.fail_after_tokens = b.fail_after_tokens = 5  # whichever is picked fails
             a.failure_budget = b.failure_budget = [num_failures]
             responses = await router.generate(request(tokenizer, 8, n=n))
-            calls = sorted(a.requests + b.requests, key=lambda r: sum(len(p.token_ids) for p in r.progress))
+            calls = sorted(
+                a.requests + b.requests, key=lambda r: sum(len(p.token_ids) for p in r.progress)
+            )
             assert len(calls) == num_failures + 1 and not calls[0].progress
             samples = per_sample(responses, n)
             for i, (ids, text, reason) in enumerate(samples):
@@ -57,14 +68,16 @@ def test_a_group_failing_mid_stream_is_resumed_elsewhere_without_gap_or_repeat(
                 assert sum(len(p.token_ids) for p in resumed.progress) == 5 * k
                 for i, progress in enumerate(resumed.progress):
                     assert progress.index == i and not progress.finished
-                    assert list(progress.token_ids) == samples[i][0][:len(progress.token_ids)]
+                    assert list(progress.token_ids) == samples[i][0][: len(progress.token_ids)]
             assert responses[-1].usage.completion_tokens == 8 * n
             assert router.dispatcher._outstanding == {}, "every attempt gave its tokens back"
 
     run(scenario())
 
 
-def test_the_failed_groups_replacement_takes_the_stream_back(tokenizer: Tokenizer, redis_url: str) -> None:
+def test_the_failed_groups_replacement_takes_the_stream_back(
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             old = await router.add_scheduler("g")
@@ -85,7 +98,9 @@ def test_the_failed_groups_replacement_takes_the_stream_back(tokenizer: Tokenize
     run(scenario())
 
 
-def test_a_fresh_request_fails_over_before_its_first_token(tokenizer: Tokenizer, redis_url: str) -> None:
+def test_a_fresh_request_fails_over_before_its_first_token(
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             a = await router.add_scheduler("a")
@@ -98,9 +113,12 @@ def test_a_fresh_request_fails_over_before_its_first_token(tokenizer: Tokenizer,
     run(scenario())
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED])
-def test_a_final_status_reaches_the_client_unretried(tokenizer: Tokenizer, redis_url: str,
-                                                       code: grpc.StatusCode) -> None:
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED]
+)
+def test_a_final_status_reaches_the_client_unretried(
+    tokenizer: Tokenizer, redis_url: str, code: grpc.StatusCode
+) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             a = await router.add_scheduler("a")
@@ -133,17 +151,29 @@ def test_no_group_coming_back_within_the_resume_timeout_is_unavailable(
 # --- resume on a new router (resume_from) -----------------------------------------------
 
 
-async def save_checkpoint(router: Router, request_id: str, samples: list[SampleState], state: str,
-                          max_tokens: int, stop: list[str] = (), n: int = 1,
-                          num_logprobs: int | None = None) -> None:
-    validated = ValidatedRequest(tokenizer_prompt(router.tokenizer), SamplingOptions(seed=SEED),
-                                 StoppingOptions(max_tokens=max_tokens, stop=list(stop)),
-                                 num_logprobs, n=n)
+async def save_checkpoint(
+    router: Router,
+    request_id: str,
+    samples: list[SampleState],
+    state: str,
+    max_tokens: int,
+    stop: list[str] = (),
+    n: int = 1,
+    num_logprobs: int | None = None,
+) -> None:
+    validated = ValidatedRequest(
+        tokenizer_prompt(router.tokenizer),
+        SamplingOptions(seed=SEED),
+        StoppingOptions(max_tokens=max_tokens, stop=list(stop)),
+        num_logprobs,
+        n=n,
+    )
     mesh_id = router.generation.tenancy.mesh_request_id("", request_id)  # keys off: no owner
     submit = convert.submit_request(Submission.fresh(mesh_id, validated, 0))
     assert list(submit.stopping.stop) == list(stop), "stop strings must travel in the SubmitRequest"
     await router.registry.checkpoints.save(
-        [Checkpoint(mesh_id, "a", submit.SerializeToString(), samples, state)], ttl_s=30)
+        [Checkpoint(mesh_id, "a", submit.SerializeToString(), samples, state)], ttl_s=30
+    )
 
 
 def tokenizer_prompt(tokenizer: Tokenizer) -> list[int]:
@@ -151,8 +181,9 @@ def tokenizer_prompt(tokenizer: Tokenizer) -> list[int]:
 
 
 @pytest.mark.parametrize("num_known,resume_from", [(4, 2), (4, 4), (4, 6), (0, 3)])
-def test_resume_from_continues_a_checkpointed_stream(tokenizer: Tokenizer, redis_url: str,
-                                                     num_known: int, resume_from: int) -> None:
+def test_resume_from_continues_a_checkpointed_stream(
+    tokenizer: Tokenizer, redis_url: str, num_known: int, resume_from: int
+) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             a = await router.add_scheduler("a")
@@ -178,15 +209,21 @@ def test_resume_from_a_finished_checkpoint_replays_and_keeps_stop_strings(
             a = await router.add_scheduler("a")
             full = expected(tokenizer, 12)
             text = tokenizer.decode(full)
-            stop = text[len(tokenizer.decode(full[:6])):][:3]  # starts inside token 7's text
+            stop = text[len(tokenizer.decode(full[:6])) :][:3]  # starts inside token 7's text
             cut = text.index(stop)
             await save_checkpoint(router, "fin", [SampleState(full[:5], True, LENGTH)], FINISHED, 5)
-            responses = await router.generate(generate_pb2.GenerateRequest(request_id="fin", resume_from=2))
+            responses = await router.generate(
+                generate_pb2.GenerateRequest(request_id="fin", resume_from=2)
+            )
             assert per_sample(responses, 1)[0] == (full[2:5], tokenizer.decode(full[2:5]), LENGTH)
             assert not a.requests, "a finished checkpoint needs no scheduler"
             # A stop string checkpointed in the SubmitRequest ends the resumed stream right.
-            await save_checkpoint(router, "stop", [SampleState(full[:4])], ORPHANED, 12, stop=[stop])
-            responses = await router.generate(generate_pb2.GenerateRequest(request_id="stop", resume_from=3))
+            await save_checkpoint(
+                router, "stop", [SampleState(full[:4])], ORPHANED, 12, stop=[stop]
+            )
+            responses = await router.generate(
+                generate_pb2.GenerateRequest(request_id="stop", resume_from=3)
+            )
             ids, resumed_text, reason = per_sample(responses, 1)[0]
             assert reason == STOP and tokenizer.decode(full[:3]) + resumed_text == text[:cut]
             assert [list(p.token_ids) for p in a.requests[0].progress] == [full[:4]]
@@ -203,41 +240,67 @@ def test_resume_from_with_several_samples_treats_each_on_its_own(
             full = [expected(tokenizer, 5, i) for i in range(2)]
             samples = [SampleState(full[0], True, LENGTH), SampleState(full[1][:2])]
             await save_checkpoint(router, "n2", samples, ORPHANED, 5, n=2)
-            responses = await router.generate(generate_pb2.GenerateRequest(request_id="n2", resume_from=3))
+            responses = await router.generate(
+                generate_pb2.GenerateRequest(request_id="n2", resume_from=3)
+            )
             got = per_sample(responses, 2)
             assert [ids for ids, _, _ in got] == [full[0][3:], full[1][3:]]  # sample 1 skipped one
             assert [reason for _, _, reason in got] == [LENGTH, LENGTH]
             progress = a.requests[0].progress
             assert [(list(p.token_ids), p.finished) for p in progress] == [
-                (full[0], True), (full[1][:2], False)]
+                (full[0], True),
+                (full[1][:2], False),
+            ]
             assert responses[-1].usage.completion_tokens == 10
 
     run(scenario())
 
 
-def stored_logprobs(token_ids: list[int], num_top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+def stored_logprobs(
+    token_ids: list[int], num_top: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
     """Made-up logprobs, exact in float32 as the wire carries them."""
-    return [(-0.25 * (p + 1), [(token_ids[p] if i == 0 else i, -0.25 * (p + 1) - 0.5 * i)
-                               for i in range(num_top)]) for p in range(len(token_ids))]
+    return [
+        (
+            -0.25 * (p + 1),
+            [(token_ids[p] if i == 0 else i, -0.25 * (p + 1) - 0.5 * i) for i in range(num_top)],
+        )
+        for p in range(len(token_ids))
+    ]
 
 
-def replayed_logprobs(responses: list[generate_pb2.GenerateResponse], num_tokens: int
-                      ) -> list[tuple[float, list[tuple[int, float]]]]:
+def replayed_logprobs(
+    responses: list[generate_pb2.GenerateResponse], num_tokens: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
     """The logprobs of the first `num_tokens` tokens the client got."""
-    got = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for r in responses for lp in r.logprobs]
+    got = [
+        (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+        for r in responses
+        for lp in r.logprobs
+    ]
     assert len(got) >= num_tokens, "replayed tokens came without logprobs"
     return got[:num_tokens]
 
 
-def test_replayed_tokens_carry_their_checkpointed_logprobs(tokenizer: Tokenizer, redis_url: str) -> None:
+def test_replayed_tokens_carry_their_checkpointed_logprobs(
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             a = await router.add_scheduler("a")
             full = expected(tokenizer, 9)
             logprobs = stored_logprobs(full[:6], 3)
-            await save_checkpoint(router, "lp", [SampleState(full[:6], logprobs=logprobs)], ORPHANED, 9,
-                                  num_logprobs=3)
-            responses = await router.generate(generate_pb2.GenerateRequest(request_id="lp", resume_from=2))
+            await save_checkpoint(
+                router,
+                "lp",
+                [SampleState(full[:6], logprobs=logprobs)],
+                ORPHANED,
+                9,
+                num_logprobs=3,
+            )
+            responses = await router.generate(
+                generate_pb2.GenerateRequest(request_id="lp", resume_from=2)
+            )
             assert per_sample(responses, 1)[0][0] == full[2:]
             assert replayed_logprobs(responses, 4) == logprobs[2:]
             texts = [t.token for r in responses for lp in r.logprobs for t in lp.top]
@@ -245,12 +308,17 @@ def test_replayed_tokens_carry_their_checkpointed_logprobs(tokenizer: Tokenizer,
             # The resubmitted progress carries them on, for the next checkpoint.
             progress = a.requests[0].progress[0]
             assert list(progress.token_ids) == full[:6]
-            assert [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-                    for lp in progress.logprobs] == logprobs
+            assert [
+                (lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in progress.logprobs
+            ] == logprobs
 
             # A record written before logprobs were kept: its tokens replay without them.
-            await save_checkpoint(router, "old", [SampleState(full[:6])], ORPHANED, 9, num_logprobs=3)
-            responses = await router.generate(generate_pb2.GenerateRequest(request_id="old", resume_from=2))
+            await save_checkpoint(
+                router, "old", [SampleState(full[:6])], ORPHANED, 9, num_logprobs=3
+            )
+            responses = await router.generate(
+                generate_pb2.GenerateRequest(request_id="old", resume_from=2)
+            )
             assert per_sample(responses, 1)[0][0] == full[2:]
             assert not any(r.logprobs for r in responses)
             assert not a.requests[1].progress[0].logprobs
@@ -259,14 +327,19 @@ def test_replayed_tokens_carry_their_checkpointed_logprobs(tokenizer: Tokenizer,
 
 
 def test_the_logprobs_a_stream_delivered_travel_with_its_progress(tokenizer: Tokenizer) -> None:
-    validated = ValidatedRequest([1, 2], SamplingOptions(seed=SEED), StoppingOptions(max_tokens=9), 2, n=2)
+    validated = ValidatedRequest(
+        [1, 2], SamplingOptions(seed=SEED), StoppingOptions(max_tokens=9), 2, n=2
+    )
     submission = Submission.fresh("r", validated, 0)
     progress = Progress.fresh(2)
-    progress.record(0, [5, 6], False, [(-0.5, [(5, -0.5), (1, -1.0)]), (-0.25, [(6, -0.25), (2, -2.0)])])
+    progress.record(
+        0, [5, 6], False, [(-0.5, [(5, -0.5), (1, -1.0)]), (-0.25, [(6, -0.25), (2, -2.0)])]
+    )
     progress.record(1, [7], False, [])  # its logprobs are not known: none are sent
     sent = convert.submit_request(submission, progress).progress
-    assert [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in sent[0].logprobs] == \
-        progress.samples[0].logprobs
+    assert [
+        (lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in sent[0].logprobs
+    ] == progress.samples[0].logprobs
     assert list(sent[1].token_ids) == [7] and not sent[1].logprobs
     without = Submission.fresh("r", dataclasses.replace(validated, num_logprobs=None), 0)
     assert not any(p.logprobs for p in convert.submit_request(without, progress).progress)
@@ -279,7 +352,9 @@ def test_resume_from_an_unknown_request_is_not_found_and_zero_is_a_new_request(
         async with Router(tokenizer, redis_url) as router:
             await router.add_scheduler("a")
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await router.generate(generate_pb2.GenerateRequest(request_id="nope", resume_from=3))
+                await router.generate(
+                    generate_pb2.GenerateRequest(request_id="nope", resume_from=3)
+                )
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
             assert "finished" in info.value.details() and "expired" in info.value.details()
             fresh = request(tokenizer, 3, request_id="nope")
@@ -288,10 +363,12 @@ def test_resume_from_an_unknown_request_is_not_found_and_zero_is_a_new_request(
     run(scenario())
 
 
-def test_a_new_request_of_the_http_api_looks_up_no_checkpoint(tokenizer: Tokenizer,
-                                                             redis_url: str) -> None:
+def test_a_new_request_of_the_http_api_looks_up_no_checkpoint(
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
     """The HTTP API makes its request ids up (`new_request=True`): even an id that has a
     checkpoint is a new request there, and Redis is not asked."""
+
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             await router.add_scheduler("a")
@@ -301,10 +378,14 @@ def test_a_new_request_of_the_http_api_looks_up_no_checkpoint(tokenizer: Tokeniz
             store = router.registry.checkpoints
             original = store.load
             store.load = lambda request_id: loads.append(request_id) or original(request_id)
-            fresh = dataclasses.replace(convert.generation_request(
-                request(tokenizer, 3, request_id="same-id")), new_request=True)
+            fresh = dataclasses.replace(
+                convert.generation_request(request(tokenizer, 3, request_id="same-id")),
+                new_request=True,
+            )
             chunks = [c async for batch in router.generation.generate(fresh) for c in batch]
-            assert [t for c in chunks for t in c.token_ids] == expected(tokenizer, 3)  # not the replay
+            assert [t for c in chunks for t in c.token_ids] == expected(
+                tokenizer, 3
+            )  # not the replay
             assert loads == []
 
     run(scenario())
@@ -324,6 +405,7 @@ def test_the_checkpoint_is_deleted_after_the_last_response_but_not_on_cancel(
 
             def mesh_id(request_id: str) -> str:  # checkpoints are by the mesh's id
                 return router.generation.tenancy.mesh_request_id("", request_id)
+
             await router.generate(request(tokenizer, 4, request_id="done"))
             await until(lambda: a.requests)
             for _ in range(100):
@@ -331,11 +413,15 @@ def test_the_checkpoint_is_deleted_after_the_last_response_but_not_on_cancel(
                     break
                 await asyncio.sleep(0.02)
             assert await store.load(mesh_id("done")) is None
-            assert mesh_id("done") not in await router.registry._redis.smembers(store.group_key("a"))
+            assert mesh_id("done") not in await router.registry._redis.smembers(
+                store.group_key("a")
+            )
 
             # A stop string ends it while its scheduler still runs: deleted all the same.
             text = tokenizer.decode(expected(tokenizer, 12))
-            stopped = await router.generate(request(tokenizer, 12, request_id="cut", stop=[text[8:11]]))
+            stopped = await router.generate(
+                request(tokenizer, 12, request_id="cut", stop=[text[8:11]])
+            )
             assert stopped[-1].finish_reason == STOP
             for _ in range(100):
                 if await store.load(mesh_id("cut")) is None:
@@ -361,7 +447,10 @@ def test_the_checkpoint_is_deleted_after_the_last_response_but_not_on_cancel(
 def test_health_follows_ready_groups_and_degraded_ones_are_a_fallback(
     tokenizer: Tokenizer, redis_url: str
 ) -> None:
-    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
 
     async def health_becomes(router: Router, status: int) -> None:
         for _ in range(100):  # within a poll or two (0.05 s each) plus a heartbeat (0.1 s)
@@ -397,7 +486,10 @@ def test_health_follows_ready_groups_and_degraded_ones_are_a_fallback(
 def test_a_schedulers_own_health_counts_before_its_registry_entry_does(
     tokenizer: Tokenizer, redis_url: str
 ) -> None:
-    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
 
     async def scenario() -> None:
         async with Router(tokenizer, redis_url, ttl_s=3.0) as router:
@@ -447,13 +539,21 @@ def test_a_group_missing_from_one_poll_is_kept_until_the_ttl_passes(
 def test_retry_policy_classifies_and_backs_off() -> None:
     assert retry_kind(grpc.StatusCode.UNAVAILABLE) == "peer_gone"
     assert retry_kind(grpc.StatusCode.INTERNAL) == "suspect" and retry_kind(None) == "suspect"
-    for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
-                 grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION):
+    for code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ):
         assert retry_kind(code) is None
     now = [0.0]
-    attempts = Attempts(ResumeConfig(timeout_s=10, initial_backoff_s=0.5, max_backoff_s=2,
-                                     max_suspect_retries=1), lambda: now[0], started=False)
+    attempts = Attempts(
+        ResumeConfig(timeout_s=10, initial_backoff_s=0.5, max_backoff_s=2, max_suspect_retries=1),
+        lambda: now[0],
+        started=False,
+    )
     assert not attempts.may_wait
     assert attempts.failed("a", grpc.StatusCode.UNAVAILABLE) is None
     assert attempts.may_wait and attempts.excluded == {"a"}

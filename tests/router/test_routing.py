@@ -41,8 +41,9 @@ def test_prefix_aware_follows_the_longest_prefix() -> None:
 
 
 def test_prefix_aware_yields_when_its_group_is_overloaded() -> None:
-    router = RoutingPolicy(RoutingConfig("prefix_aware", balance_abs_threshold_tokens=1000,
-                                  balance_rel_threshold=1.5))
+    router = RoutingPolicy(
+        RoutingConfig("prefix_aware", balance_abs_threshold_tokens=1000, balance_rel_threshold=1.5)
+    )
     prompt = hashes(list(range(16)))
     router.record(prompt, "a")
     assert router.pick(groups(a=900, b=0), prompt) == "a"  # within the absolute slack
@@ -64,8 +65,9 @@ def test_config_is_validated() -> None:
 
 
 def test_an_adapter_goes_to_its_holders_then_to_room_then_anywhere() -> None:
-    router = RoutingPolicy(RoutingConfig("least_load", balance_abs_threshold_tokens=1000,
-                                         balance_rel_threshold=1.5))
+    router = RoutingPolicy(
+        RoutingConfig("least_load", balance_abs_threshold_tokens=1000, balance_rel_threshold=1.5)
+    )
     held, room, full = groups(a=300), groups(b=0), groups(c=0)
     assert [g.scheduler_id for g in router.adapter_groups(held, room, full)] == ["a"]
     assert [g.scheduler_id for g in router.adapter_groups([], room, full)] == ["b"]
@@ -76,5 +78,7 @@ def test_an_adapter_goes_to_its_holders_then_to_room_then_anywhere() -> None:
     assert [g.scheduler_id for g in router.adapter_groups(busy, groups(b=100), full)] == ["b"]
     # One holder within the bounds: the holders keep it (its weights are loaded there).
     some_busy = groups(a=5000, d=900)
-    assert [g.scheduler_id
-            for g in router.adapter_groups(some_busy, groups(b=100), full)] == ["a", "d"]
+    assert [g.scheduler_id for g in router.adapter_groups(some_busy, groups(b=100), full)] == [
+        "a",
+        "d",
+    ]

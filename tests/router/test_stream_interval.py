@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.generation import AdmissionLimits
 from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
+from router.generation import AdmissionLimits
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.scripted_router import LENGTH, Router, expected, per_sample, request, run
 
@@ -18,9 +18,13 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 @pytest.mark.parametrize("interval", [1, 4])
-def test_tokens_are_coalesced_per_message(tokenizer: Tokenizer, redis_url: str, interval: int) -> None:
+def test_tokens_are_coalesced_per_message(
+    tokenizer: Tokenizer, redis_url: str, interval: int
+) -> None:
     async def scenario() -> None:
-        async with Router(tokenizer, redis_url, limits=AdmissionLimits(stream_interval=interval)) as router:
+        async with Router(
+            tokenizer, redis_url, limits=AdmissionLimits(stream_interval=interval)
+        ) as router:
             for name in ("a", "b"):
                 scheduler = await router.add_scheduler(name)
                 scheduler.fail_after_tokens = 5  # one of them fails mid-stream

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from pagemesh.api.options.constraint import OutputConstraint
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from protos.pagemesh.v1 import generate_pb2
 from router.structured import ConstraintError, GrammarCompiler, to_grammar
-from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.scripted_router import Router, request, run
 
@@ -25,8 +25,10 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 GOOD = {
-    "json_schema": OutputConstraint("json_schema", json.dumps(
-        {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})),
+    "json_schema": OutputConstraint(
+        "json_schema",
+        json.dumps({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}),
+    ),
     "json_object": OutputConstraint("json_object"),
     "regex": OutputConstraint("regex", r"[a-z]{3}\d"),
     "lark": OutputConstraint("grammar", 'start: "a" b*\nb: "b"'),
@@ -36,8 +38,12 @@ GOOD = {
 BAD = {  # constraint, words the message must hold
     "schema not JSON": (OutputConstraint("json_schema", "{type: object"), "not valid JSON"),
     "schema not an object": (OutputConstraint("json_schema", "[1, 2]"), "must be a JSON object"),
-    "unsupported keyword": (OutputConstraint("json_schema", json.dumps(
-        {"type": "object", "dependentSchemas": {"a": {}}})), "dependentSchemas"),
+    "unsupported keyword": (
+        OutputConstraint(
+            "json_schema", json.dumps({"type": "object", "dependentSchemas": {"a": {}}})
+        ),
+        "dependentSchemas",
+    ),
     "bad regex": (OutputConstraint("regex", "(abc"), "regex does not compile"),
     "bad grammar": (OutputConstraint("grammar", "start: missing_rule"), "grammar does not compile"),
     "empty regex": (OutputConstraint("regex", " "), "regex is empty"),
@@ -48,7 +54,9 @@ BAD = {  # constraint, words the message must hold
 
 
 @pytest.mark.parametrize("name", list(GOOD))
-def test_every_kind_compiles_and_checks_against_the_vocabulary(name: str, tokenizer: Tokenizer) -> None:
+def test_every_kind_compiles_and_checks_against_the_vocabulary(
+    name: str, tokenizer: Tokenizer
+) -> None:
     grammar = GrammarCompiler(tokenizer).compile(GOOD[name], VOCAB_SIZE, EOS)
     assert grammar == to_grammar(GOOD[name]) and grammar
 
@@ -61,7 +69,8 @@ def test_what_cannot_compile_says_what_is_wrong(name: str, tokenizer: Tokenizer)
 
 
 def test_the_constraint_reaches_the_scheduler_and_a_bad_one_never_does(
-        tokenizer: Tokenizer, redis_url: str) -> None:
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
     async def scenario() -> None:
         async with Router(tokenizer, redis_url) as router:
             scheduler = await router.add_scheduler("a")
@@ -72,9 +81,10 @@ def test_the_constraint_reaches_the_scheduler_and_a_bad_one_never_does(
             assert len(scheduler.requests) == 1
             assert scheduler.requests[0].grammar == to_grammar(OutputConstraint("regex", "[a-z]+"))
             for bad, words in (
-                    (generate_pb2.OutputConstraint(json_schema="{nope"), "not valid JSON"),
-                    (generate_pb2.OutputConstraint(regex="[z-a]"), "regex does not compile"),
-                    (generate_pb2.OutputConstraint(), "constraint kind must be one of")):
+                (generate_pb2.OutputConstraint(json_schema="{nope"), "not valid JSON"),
+                (generate_pb2.OutputConstraint(regex="[z-a]"), "regex does not compile"),
+                (generate_pb2.OutputConstraint(), "constraint kind must be one of"),
+            ):
                 pb = request(tokenizer, 3)
                 pb.constraint.CopyFrom(bad)
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -88,6 +98,7 @@ def test_the_constraint_reaches_the_scheduler_and_a_bad_one_never_does(
                 await router.generate(pb)
             assert "ignore_eos cannot be combined" in info.value.details()
             assert len(scheduler.requests) == 1  # none of the bad ones was sent
+
     run(scenario())
 
 

@@ -5,10 +5,8 @@ from pathlib import Path
 import pytest
 
 from pagemesh.runtime.models import default_model_path
-from tests.support.bpe_folder import write_bpe_folder
-
 from pagemesh.runtime.tokenizer import Tokenizer, TokenizerError, load_tokenizer
-
+from tests.support.bpe_folder import write_bpe_folder
 
 
 def find_smollm2_gguf() -> Path | None:
@@ -27,7 +25,9 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Tokenizer:
-    return load_tokenizer(str(write_bpe_folder(tmp_path_factory.mktemp("bpe"), CHAT_TEMPLATE, add_bos=True)))
+    return load_tokenizer(
+        str(write_bpe_folder(tmp_path_factory.mktemp("bpe"), CHAT_TEMPLATE, add_bos=True))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +125,16 @@ def test_decode_is_transformers_decode_without_space_clean_up(which, request):
     assert tokenizer._rust is not None  # both are fast tokenizers: the direct path is tested
     rng = random.Random(0)
     text_ids = tokenizer.encode("Hello 你好 😀, ça va? <|im_end|>\n  spaces  ")
-    cases = [text_ids, text_ids[1:], text_ids[:-1], [], *(
-        [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 9))]
-        for _ in range(300))]
+    cases = [
+        text_ids,
+        text_ids[1:],
+        text_ids[:-1],
+        [],
+        *(
+            [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 9))]
+            for _ in range(300)
+        ),
+    ]
     for ids in cases:
         for skip in (True, False):
             expected = hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)

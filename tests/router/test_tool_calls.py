@@ -13,10 +13,10 @@ import pytest
 from llguidance import LLMatcher
 
 from pagemesh.runtime.service_flags import option
+from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from router import openai_protocol as oai
 from router.openai_tools import forced_call_constraint, tool_request
 from router.structured import GrammarCompiler
-from pagemesh.runtime.tokenizer import Tokenizer, load_tokenizer
 from router.tool_calls import (
     CALL_FORMATS,
     FORMATS,
@@ -31,32 +31,68 @@ from router.tool_calls import (
 from tests.support.bpe_folder import write_bpe_folder
 from tests.support.tool_templates import LLAMA3_TOOLS_TEMPLATE, QWEN2_TOOLS_TEMPLATE
 
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 12},
-    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"],
-    "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "Now"}}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Now"}},
+]
 ARGS = '{"city": "Pa}ris \\"x\\"", "unit": "celsius"}'  # a brace and quotes inside a string
 
 # Per format: a reply, its content, and its calls (name, arguments text).
 REPLIES: dict[str, tuple[CallFormat, str, str | None, list[tuple[str, str]]]] = {
-    "hermes one": (HERMES, f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>',
-                   None, [("get_weather", ARGS)]),
+    "hermes one": (
+        HERMES,
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>',
+        None,
+        [("get_weather", ARGS)],
+    ),
     "hermes text before, two calls": (
-        HERMES, (f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n'
-        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
-        "Let me look.\n", [("get_weather", ARGS), ("get_time", "{}")]),
-    "llama3 tagged": (LLAMA3_JSON, f'<|python_tag|>{{"name": "get_weather", "parameters": {ARGS}}}',
-                      None, [("get_weather", ARGS)]),
-    "llama3 two": (LLAMA3_JSON, (f'{{"name": "get_weather", "parameters": {ARGS}}}; '
-                   '{"name": "get_time", "parameters": {}}'), None,
-                   [("get_weather", ARGS), ("get_time", "{}")]),
-    "mistral": (MISTRAL, (f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {ARGS}}}, '
-                '{"name": "get_time", "arguments": {}}]'), None,
-                [("get_weather", ARGS), ("get_time", "{}")]),
-    "mistral marker dropped": (MISTRAL, f'[{{"name": "get_weather", "arguments": {ARGS}}}]', None,
-                               [("get_weather", ARGS)]),
+        HERMES,
+        (
+            f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+        ),
+        "Let me look.\n",
+        [("get_weather", ARGS), ("get_time", "{}")],
+    ),
+    "llama3 tagged": (
+        LLAMA3_JSON,
+        f'<|python_tag|>{{"name": "get_weather", "parameters": {ARGS}}}',
+        None,
+        [("get_weather", ARGS)],
+    ),
+    "llama3 two": (
+        LLAMA3_JSON,
+        (
+            f'{{"name": "get_weather", "parameters": {ARGS}}}; '
+            '{"name": "get_time", "parameters": {}}'
+        ),
+        None,
+        [("get_weather", ARGS), ("get_time", "{}")],
+    ),
+    "mistral": (
+        MISTRAL,
+        (
+            f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {ARGS}}}, '
+            '{"name": "get_time", "arguments": {}}]'
+        ),
+        None,
+        [("get_weather", ARGS), ("get_time", "{}")],
+    ),
+    "mistral marker dropped": (
+        MISTRAL,
+        f'[{{"name": "get_weather", "arguments": {ARGS}}}]',
+        None,
+        [("get_weather", ARGS)],
+    ),
 }
 MALFORMED = {
     "hermes bad JSON": (HERMES, 'Hi <tool_call>\n{"name": "f", "arguments": {"x": }\n</tool_call>'),
@@ -65,15 +101,18 @@ MALFORMED = {
     "llama3 arguments not an object": (LLAMA3_JSON, '{"name": "f", "parameters": [1]}'),
     "mistral unclosed list": (MISTRAL, '[TOOL_CALLS] [{"name": "f", "arguments": {}}'),
 }
-PLAIN = {"hermes": (HERMES, "The weather is <b>fine</b> < tool"),
-         "llama3": (LLAMA3_JSON, 'Use {"name": "x"} later'),
-         "mistral": (MISTRAL, "A list: [1, 2] and [TOOL")}
+PLAIN = {
+    "hermes": (HERMES, "The weather is <b>fine</b> < tool"),
+    "llama3": (LLAMA3_JSON, 'Use {"name": "x"} later'),
+    "mistral": (MISTRAL, "A list: [1, 2] and [TOOL"),
+}
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return load_tokenizer(str(write_bpe_folder(tmp_path_factory.mktemp("bpe"),
-                                               QWEN2_TOOLS_TEMPLATE)))
+    return load_tokenizer(
+        str(write_bpe_folder(tmp_path_factory.mktemp("bpe"), QWEN2_TOOLS_TEMPLATE))
+    )
 
 
 def streamed(fmt: CallFormat, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[dict]]:
@@ -106,8 +145,9 @@ def test_each_format_parses_whole(case: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(REPLIES))
-def test_streaming_token_by_token_gives_the_same_calls_and_no_markup(case: str,
-                                                                     tokenizer: Tokenizer) -> None:
+def test_streaming_token_by_token_gives_the_same_calls_and_no_markup(
+    case: str, tokenizer: Tokenizer
+) -> None:
     fmt, text, content, calls = REPLIES[case]
     ids = tokenizer.hf.encode(text, add_special_tokens=False)
     by_token = [tokenizer.decode([i]) for i in ids]
@@ -147,23 +187,30 @@ def test_text_that_may_be_a_marker_is_held_back_until_it_is_not() -> None:
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda f: f.name)
 @pytest.mark.parametrize("choice", ["required", "get_weather"])
 def test_forced_call_grammar_compiles_and_what_it_accepts_parses(
-        fmt: CallFormat, choice: str, tokenizer: Tokenizer) -> None:
-    tool_choice: Any = choice if choice == "required" else {
-        "type": "function", "function": {"name": choice}}
+    fmt: CallFormat, choice: str, tokenizer: Tokenizer
+) -> None:
+    tool_choice: Any = (
+        choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    )
     request = tool_request({"tools": TOOLS, "tool_choice": tool_choice})
     constraint = forced_call_constraint(request, fmt)
     assert constraint is not None and constraint.kind == "grammar"
-    grammar = GrammarCompiler(tokenizer).compile(constraint, tokenizer.vocab_size,
-                                                 tokenizer.eos_token_ids)
+    grammar = GrammarCompiler(tokenizer).compile(
+        constraint, tokenizer.vocab_size, tokenizer.eos_token_ids
+    )
     key = "parameters" if fmt is LLAMA3_JSON else "arguments"
     weather = f'{{"name": "get_weather", "{key}": {{"city": "Paris", "unit": "celsius"}}}}'
     time = f'{{"name": "get_time", "{key}": {{}}}}'
     calls = [weather, time] if choice == "required" else [weather]
-    text = {HERMES: lambda cs: "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in cs),
-            LLAMA3_JSON: lambda cs: "; ".join(cs),
-            MISTRAL: lambda cs: "[TOOL_CALLS][" + ", ".join(cs) + "]"}[fmt](calls)
-    matcher = LLMatcher(GrammarCompiler(tokenizer).vocabulary(
-        tokenizer.vocab_size, tuple(tokenizer.eos_token_ids)), grammar)
+    text = {
+        HERMES: lambda cs: "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in cs),
+        LLAMA3_JSON: lambda cs: "; ".join(cs),
+        MISTRAL: lambda cs: "[TOOL_CALLS][" + ", ".join(cs) + "]",
+    }[fmt](calls)
+    matcher = LLMatcher(
+        GrammarCompiler(tokenizer).vocabulary(tokenizer.vocab_size, tuple(tokenizer.eos_token_ids)),
+        grammar,
+    )
     assert matcher.consume_tokens(tokenizer.hf.encode(text, add_special_tokens=False))
     assert matcher.is_accepting(), matcher.get_error()
     _, parsed = parse(fmt, text)
@@ -171,50 +218,117 @@ def test_forced_call_grammar_compiles_and_what_it_accepts_parses(
     # A named call, or a call of another function or with other arguments, is refused.
     matcher.reset()
     wrong = weather.replace("celsius", "kelvin")
-    assert not matcher.consume_tokens(tokenizer.hf.encode(
-        text.replace(weather, wrong), add_special_tokens=False)) or not matcher.is_accepting()
+    assert (
+        not matcher.consume_tokens(
+            tokenizer.hf.encode(text.replace(weather, wrong), add_special_tokens=False)
+        )
+        or not matcher.is_accepting()
+    )
 
 
 def test_one_call_only_without_parallel_tool_calls() -> None:
-    request = tool_request({"tools": TOOLS, "tool_choice": "required",
-                            "parallel_tool_calls": False})
+    request = tool_request(
+        {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    )
     assert ")*" not in forced_call_constraint(request, HERMES).value
-    assert ")*" in forced_call_constraint(tool_request({"tools": TOOLS, "tool_choice": "required"}),
-                                          HERMES).value
+    assert (
+        ")*"
+        in forced_call_constraint(
+            tool_request({"tools": TOOLS, "tool_choice": "required"}), HERMES
+        ).value
+    )
     assert forced_call_constraint(tool_request({"tools": TOOLS}), HERMES) is None
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": {"get_weather": {}}}, "tools"),
-    ({"tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0]"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
-     "tools[0].function.parameters"),
-    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "response_format"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-      "guided_regex": "a+"}, "guided_regex"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "strin"}}}}}], "tool_choice": "required"},
-     "tools[0].function.parameters"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
-     "messages[0].tool_calls[0].function.arguments"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
-     "messages[0].tool_calls[0]"),
-    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": 7}]},
-     "messages[0].tool_call_id"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": {"get_weather": {}}}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                "guided_regex": "a+",
+            },
+            "guided_regex",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "strin"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{x"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
+            "messages[0].tool_calls[0]",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "1", "tool_call_id": 7}]},
+            "messages[0].tool_call_id",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_400s_naming_the_field(body: dict, param: str) -> None:
     with pytest.raises(oai.ProtocolError) as caught:
         oai.parse_chat({"messages": [{"role": "user", "content": "Hi"}], **body})
@@ -226,29 +340,60 @@ def test_tool_choice_decides_parsing_and_constraint() -> None:
     auto = oai.parse_chat(base, tool_format=MISTRAL)
     assert auto.tool_format is MISTRAL and auto.generate.constraint is None
     assert auto.tools is not None and auto.tools.tools[1]["function"]["parameters"] == {
-        "type": "object", "properties": {}}
-    none = oai.parse_chat({**base, "tool_choice": "none", "response_format": {"type": "json_object"}})
+        "type": "object",
+        "properties": {},
+    }
+    none = oai.parse_chat(
+        {**base, "tool_choice": "none", "response_format": {"type": "json_object"}}
+    )
     assert none.tool_format is None and none.tools is not None  # still shown to the model
     assert none.generate.constraint is not None and none.generate.constraint.kind == "json_object"
-    named = oai.parse_chat({**base, "tool_choice": {"type": "function",
-                                                    "function": {"name": "get_time"}}})
-    assert named.generate.constraint is not None and '"const": "get_time"' in named.generate.constraint.value
+    named = oai.parse_chat(
+        {**base, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    )
+    assert (
+        named.generate.constraint is not None
+        and '"const": "get_time"' in named.generate.constraint.value
+    )
     assert '"get_weather"' not in named.generate.constraint.value
     assert oai.parse_chat({"messages": base["messages"]}).tools is None
 
 
 def test_a_conversation_with_calls_and_results_renders_through_the_template(
-        tokenizer: Tokenizer) -> None:
-    parsed = oai.parse_chat({"tools": TOOLS, "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"}]})
+    tokenizer: Tokenizer,
+) -> None:
+    parsed = oai.parse_chat(
+        {
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {
+                                "name": "get_weather",
+                                "arguments": '{"city": "Paris", "unit": "celsius"}',
+                            },
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"},
+            ],
+        }
+    )
     assert parsed.messages[1]["tool_calls"][0]["function"]["arguments"] == {
-        "city": "Paris", "unit": "celsius"}  # a dict, as Hugging Face templates take it
-    assert parsed.messages[2] == {"role": "tool", "content": "sunny, 21 degrees",
-                                  "tool_call_id": "call_1"}
+        "city": "Paris",
+        "unit": "celsius",
+    }  # a dict, as Hugging Face templates take it
+    assert parsed.messages[2] == {
+        "role": "tool",
+        "content": "sunny, 21 degrees",
+        "tool_call_id": "call_1",
+    }
     assert parsed.tools is not None
     ids = tokenizer.apply_chat_messages(parsed.messages, parsed.tools.tools)
     prompt = tokenizer.decode(ids, skip_special_tokens=False)
@@ -261,12 +406,20 @@ def test_a_conversation_with_calls_and_results_renders_through_the_template(
 def test_the_llama3_template_renders_calls_as_the_llama3_format_parses(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(write_bpe_folder(tmp_path / "bpe", LLAMA3_TOOLS_TEMPLATE)))
     call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
-    parsed = oai.parse_chat({"tools": TOOLS, "messages": [
-        {"role": "user", "content": "Time?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c", "content": "noon"}]})
-    prompt = tokenizer.decode(tokenizer.apply_chat_messages(parsed.messages, parsed.tools.tools),
-                              skip_special_tokens=False)
+    parsed = oai.parse_chat(
+        {
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c", "content": "noon"},
+            ],
+        }
+    )
+    prompt = tokenizer.decode(
+        tokenizer.apply_chat_messages(parsed.messages, parsed.tools.tools),
+        skip_special_tokens=False,
+    )
     assert "ipython<|end_header_id|>\n\nnoon" in prompt
     rendered = prompt.split("assistant<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0]
     assert [c.name for c in parse(LLAMA3_JSON, rendered)[1]] == ["get_time"]
@@ -280,6 +433,7 @@ def test_auto_picks_the_format_by_architecture_then_template() -> None:
     assert choose_format("auto", "", "{{ '[TOOL_CALLS]' }}") is MISTRAL
     assert choose_format("auto", "", "no tools here") is HERMES
     assert choose_format("mistral", "qwen2", "") is MISTRAL
-    # The flag's choices are this module's formats (pagemesh.runtime.service_flags cannot import it).
+    # The flag's choices are this module's formats (pagemesh.runtime.service_flags cannot import
+    # it).
     assert option("--tool-call-parser").choices == ("auto", *FORMATS)
     assert tuple(CALL_FORMATS) == FORMATS

@@ -2,8 +2,15 @@ import math
 
 import pytest
 
-from pagemesh.api.options.validation import (ModelLimits, SamplingOptions, StoppingOptions,
-                                          ValidationError, check_identity, resume_offsets, validate)
+from pagemesh.api.options.validation import (
+    ModelLimits,
+    SamplingOptions,
+    StoppingOptions,
+    ValidationError,
+    check_identity,
+    resume_offsets,
+    validate,
+)
 
 LIMITS = ModelLimits(name="smol", max_model_len=100, vocab_size=50, eos_token_ids=[2])
 
@@ -30,9 +37,16 @@ def test_defaults_are_filled():
 
 
 def test_given_values_are_kept():
-    sampling = SamplingOptions(temperature=0.0, top_p=0.5, top_k=5, min_p=0.1,
-                               repetition_penalty=1.2, presence_penalty=-2.0,
-                               frequency_penalty=2.0, seed=7)
+    sampling = SamplingOptions(
+        temperature=0.0,
+        top_p=0.5,
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        seed=7,
+    )
     stopping = StoppingOptions(max_tokens=97, min_tokens=97, stop=["x"], stop_token_ids=[49])
     request = run(sampling=sampling, stopping=stopping, num_logprobs=20, model="smol")
     assert request.sampling == sampling
@@ -50,8 +64,10 @@ def test_empty_prompt():
 
 
 def test_prompt_as_long_as_context():
-    expect_error(r"prompt has 100 tokens but the model's context is 100; shorten the prompt",
-                 prompt=[1] * 100)
+    expect_error(
+        r"prompt has 100 tokens but the model's context is 100; shorten the prompt",
+        prompt=[1] * 100,
+    )
 
 
 def test_max_tokens_zero_and_negative():
@@ -119,8 +135,10 @@ def test_stop_strings_count_and_empty():
 
 
 def test_stop_strings_length_and_unicode():
-    expect_error("stop string 1 is 513 characters; at most 512",
-                 stopping=StoppingOptions(stop=["a", "x" * 513]))
+    expect_error(
+        "stop string 1 is 513 characters; at most 512",
+        stopping=StoppingOptions(stop=["a", "x" * 513]),
+    )
     expect_error("stop string 0 is not valid Unicode", stopping=StoppingOptions(stop=["ok\ud800"]))
     assert run(stopping=StoppingOptions(stop=["x" * 512, "é"])).stopping.stop[1] == "é"
 
@@ -128,9 +146,15 @@ def test_stop_strings_length_and_unicode():
 def test_priority_range():
     for priority in (1_000_001, -1_000_001, 2**63):
         with pytest.raises(ValidationError, match="priority must be in"):
-            validate([1, 2], SamplingOptions(), StoppingOptions(), None, "", LIMITS, priority=priority)
-    assert validate([1], SamplingOptions(), StoppingOptions(), None, "", LIMITS,
-                    priority=-1_000_000).priority == -1_000_000
+            validate(
+                [1, 2], SamplingOptions(), StoppingOptions(), None, "", LIMITS, priority=priority
+            )
+    assert (
+        validate(
+            [1], SamplingOptions(), StoppingOptions(), None, "", LIMITS, priority=-1_000_000
+        ).priority
+        == -1_000_000
+    )
 
 
 def test_validation_error_is_value_error():
@@ -143,7 +167,9 @@ def test_model_limits_reject_nonsense():
 
 
 def test_n_and_priority():
-    request = validate([1, 2], SamplingOptions(), StoppingOptions(), None, "", LIMITS, n=4, priority=-3)
+    request = validate(
+        [1, 2], SamplingOptions(), StoppingOptions(), None, "", LIMITS, n=4, priority=-3
+    )
     assert request.n == 4 and request.priority == -3
     assert run().n == 1
     for bad_n in (0, 17):
@@ -154,12 +180,14 @@ def test_n_and_priority():
 def test_identity_checks_come_before_anything_is_counted():
     check_identity("", 0, 1)
     check_identity("job-42", [0, 3], 16)
-    for args, message in [(("a" * 257, 0, 1), "at most 256"),
-                          (("x\n", 0, 1), "printable ASCII"),
-                          (("", -1, 1), r"resume_from must be >= 0 \(output tokens already received\), got -1"),
-                          (("", [2, -1], 2), r"\(sample 1\), got -1"),
-                          (("", 0, 0), r"n must be in 1..16"),
-                          (("", 0, 2**31), r"n must be in 1..16")]:
+    for args, message in [
+        (("a" * 257, 0, 1), "at most 256"),
+        (("x\n", 0, 1), "printable ASCII"),
+        (("", -1, 1), r"resume_from must be >= 0 \(output tokens already received\), got -1"),
+        (("", [2, -1], 2), r"\(sample 1\), got -1"),
+        (("", 0, 0), r"n must be in 1..16"),
+        (("", 0, 2**31), r"n must be in 1..16"),
+    ]:
         with pytest.raises(ValidationError, match=message):
             check_identity(*args)
 
@@ -167,5 +195,7 @@ def test_identity_checks_come_before_anything_is_counted():
 def test_resume_offsets_are_one_count_per_sample():
     assert resume_offsets(3, 2) == [3, 3]
     assert resume_offsets([3, 1], 2) == [3, 1]
-    with pytest.raises(ValidationError, match="resume_from has 1 counts but the request has 2 samples"):
+    with pytest.raises(
+        ValidationError, match="resume_from has 1 counts but the request has 2 samples"
+    ):
         resume_offsets([3], 2)

@@ -12,16 +12,23 @@ from protos.block_hash import hash_block_tokens, hash_request_blocks
 from tests.support.paths import REPO_ROOT
 
 
-
 def test_hashes_are_the_same_in_another_process() -> None:
     tokens = [5, 17, 2**40, -3, 0, 151_000, 9, 9, 1]
     here = [h.hex() for h in hash_request_blocks(tokens, 4)]
-    code = ("from protos.block_hash import hash_request_blocks;"
-            f"print(' '.join(h.hex() for h in hash_request_blocks({tokens!r}, 4)))")
+    code = (
+        "from protos.block_hash import hash_request_blocks;"
+        f"print(' '.join(h.hex() for h in hash_request_blocks({tokens!r}, 4)))"
+    )
     # A different hash seed would change Python's hash(); it must not change ours.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    there = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                           capture_output=True, text=True, check=True).stdout.split()
+    there = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert here == there and len(here) == 2
 
 

@@ -67,11 +67,15 @@ def test_expired_images_leave_room(redis_url: str) -> None:
 
 def image_submit(request_id: str, images: list[bytes]) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
-        request_id=request_id, prompt_token_ids=list(range(1, 4 + 4 * len(images))),
+        request_id=request_id,
+        prompt_token_ids=list(range(1, 4 + 4 * len(images))),
         sampling=generate_pb2.SamplingParams(temperature=0.0, seed=1),
         stopping=generate_pb2.StoppingCriteria(max_tokens=8),
-        images=[generate_pb2.ImageInput(data=data, offset=1 + 4 * i, length=4)
-                for i, data in enumerate(images)])
+        images=[
+            generate_pb2.ImageInput(data=data, offset=1 + 4 * i, length=4)
+            for i, data in enumerate(images)
+        ],
+    )
 
 
 def test_a_record_names_its_images_and_the_store_holds_them_once(redis_url: str) -> None:
@@ -81,21 +85,21 @@ def test_a_record_names_its_images_and_the_store_holds_them_once(redis_url: str)
         ckpt = Checkpointer(store, "g0", interval_steps=1, resume_window_s=30)
         for request_id, images in (("r1", [cat, dog]), ("r2", [dog])):
             submission = convert.submission_from_pb(image_submit(request_id, images), [0], 0.0)
-            ckpt.track(request_id, submission.original, admitted_samples(submission),
-                       submission.images)
+            ckpt.track(
+                request_id, submission.original, admitted_samples(submission), submission.images
+            )
         record = await eventually_async(lambda: store.load("r2"), 5, "r2 never checkpointed")
         await eventually_async(lambda: store.load("r1"), 5, "r1 never checkpointed")
         kept = scheduler_pb2.SubmitRequest.FromString(record.submit)
         assert [(i.data, i.sha256, i.offset, i.length) for i in kept.images] == [
-            (b"", sha(dog), 1, 4)]
+            (b"", sha(dog), 1, 4)
+        ]
         assert await store.images.stored_bytes() == len(cat) + len(dog)  # dog once
-        assert await store.images.get_many([sha(cat), sha(dog)]) == {sha(cat): cat,
-                                                                     sha(dog): dog}
+        assert await store.images.get_many([sha(cat), sha(dog)]) == {sha(cat): cat, sha(dog): dog}
         # Redis lost them (restarted empty): the next write of the records stores them again.
         await client.delete(store.images.key(sha(cat)), store.images.key(sha(dog)))
         await ckpt.rewrite_all()
-        assert await store.images.get_many([sha(cat), sha(dog)]) == {sha(cat): cat,
-                                                                     sha(dog): dog}
+        assert await store.images.get_many([sha(cat), sha(dog)]) == {sha(cat): cat, sha(dog): dog}
         await ckpt.finish_many(["r1", "r2"])
         assert 0 < await client.pttl(store.images.key(sha(dog))) <= 30_000
 
@@ -106,8 +110,9 @@ def test_an_image_over_the_bound_leaves_the_record_without_it(redis_url: str) ->
     small, large = b"s" * 100, b"L" * 10_000
 
     async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
-        ckpt = Checkpointer(store, "g0", interval_steps=1, resume_window_s=30,
-                            image_store_bytes=1000)
+        ckpt = Checkpointer(
+            store, "g0", interval_steps=1, resume_window_s=30, image_store_bytes=1000
+        )
         submission = convert.submission_from_pb(image_submit("r1", [small, large]), [0], 0.0)
         ckpt.track("r1", submission.original, [SampleState()], submission.images)
         await eventually_async(lambda: store.load("r1"), 5, "r1 never checkpointed")

@@ -7,7 +7,14 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from pagemesh.runtime.checkpoints import FINISHED, ORPHANED, RUNNING, Checkpoint, CheckpointStore, SampleState
+from pagemesh.runtime.checkpoints import (
+    FINISHED,
+    ORPHANED,
+    RUNNING,
+    Checkpoint,
+    CheckpointStore,
+    SampleState,
+)
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc import convert
@@ -19,7 +26,9 @@ from tests.support.eventually import eventually_async
 
 def submit(n: int = 1) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
-        request_id="r1", prompt_token_ids=[1, 2, 3], n=n,
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        n=n,
         sampling=generate_pb2.SamplingParams(temperature=0.7, seed=42),
         stopping=generate_pb2.StoppingCriteria(max_tokens=8),
     )
@@ -58,6 +67,7 @@ def test_written_on_admission_every_interval_and_on_finish(redis_url: str) -> No
         async def both_tokens() -> bool:
             stored = await store.load("r1")
             return stored is not None and stored.samples[0].token_ids == [7, 8]
+
         await eventually_async(both_tokens, 5, "step 2 of 2 wrote no checkpoint")
 
         ckpt.record("r1", 0, event([9], FinishReason.LENGTH))
@@ -87,6 +97,7 @@ def test_orphans_expire_and_a_successor_adopts_what_was_running(redis_url: str) 
         async def orphaned() -> bool:
             stored = await store.load("r2")
             return stored is not None and stored.state == ORPHANED
+
         await eventually_async(orphaned, 5, "r2 never marked orphaned")
         await store.delete("r2", "g1")
         assert await store.load("r2") is None
@@ -108,6 +119,7 @@ def test_running_records_are_renewed_and_expired_ids_pruned(redis_url: str) -> N
 
         async def renewed() -> bool:
             return await client.pttl(store.key("alive")) > 2000
+
         await eventually_async(renewed, 5, "the running record was not renewed")
         assert await client.smembers(store.group_key("g2")) == {"alive"}
 
@@ -117,8 +129,9 @@ def test_running_records_are_renewed_and_expired_ids_pruned(redis_url: str) -> N
 def test_redis_away_costs_checkpoints_not_the_caller() -> None:
     async def body() -> None:
         client = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
-        ckpt = Checkpointer(CheckpointStore(client, "x"), "g0", interval_steps=1,
-                            resume_window_s=30)
+        ckpt = Checkpointer(
+            CheckpointStore(client, "x"), "g0", interval_steps=1, resume_window_s=30
+        )
         ckpt.track("r1", b"", [SampleState()])
         ckpt.on_step()
         await ckpt.finish("r1")  # bounded, and no exception
@@ -180,9 +193,13 @@ def test_a_submission_carries_what_admission_and_the_checkpoint_need() -> None:
 
 def test_delete_many_removes_every_checkpoint_and_group_entry_in_one_call(redis_url: str) -> None:
     async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
-        await store.save([Checkpoint("m1", "g1", b"", [SampleState([1])], RUNNING),
-                          Checkpoint("m2", "g2", b"", [SampleState([2])], RUNNING),
-                          Checkpoint("m3", "g1", b"", [SampleState([3])], RUNNING)])
+        await store.save(
+            [
+                Checkpoint("m1", "g1", b"", [SampleState([1])], RUNNING),
+                Checkpoint("m2", "g2", b"", [SampleState([2])], RUNNING),
+                Checkpoint("m3", "g1", b"", [SampleState([3])], RUNNING),
+            ]
+        )
         await store.delete_many([("m1", "g1"), ("m2", "g2"), ("m2", None), ("gone", "g1")])
         await store.delete_many([])
         assert await store.load("m1") is None and await store.load("m2") is None
@@ -193,22 +210,36 @@ def test_delete_many_removes_every_checkpoint_and_group_entry_in_one_call(redis_
 
 
 def test_the_checkpoint_keeps_logprobs_only_when_the_request_asks_for_them(redis_url: str) -> None:
-    chosen = [SampledToken(7, -0.5, ((7, -0.5), (3, -1.25))), SampledToken(8, -0.75, ((8, -0.75), (1, -2.0)))]
+    chosen = [
+        SampledToken(7, -0.5, ((7, -0.5), (3, -1.25))),
+        SampledToken(8, -0.75, ((8, -0.75), (1, -2.0))),
+    ]
 
     async def body(store: CheckpointStore, client: aioredis.Redis) -> None:
         ckpt = Checkpointer(store, "g0", interval_steps=16, resume_window_s=30)
         asked = submit()
         asked.logprobs = 2
-        ckpt.track("r1", asked.SerializeToString(),
-                   admitted_samples(convert.submission_from_pb(asked, [0], 0.0)))
-        ckpt.track("plain", submit().SerializeToString(),
-                   admitted_samples(convert.submission_from_pb(submit(), [0], 0.0)))
+        ckpt.track(
+            "r1",
+            asked.SerializeToString(),
+            admitted_samples(convert.submission_from_pb(asked, [0], 0.0)),
+        )
+        ckpt.track(
+            "plain",
+            submit().SerializeToString(),
+            admitted_samples(convert.submission_from_pb(submit(), [0], 0.0)),
+        )
         for request_id in ("r1", "plain"):
-            ckpt.record(request_id, 0, RequestEvent(request_id, tuple(chosen), FinishReason.LENGTH, 3))
+            ckpt.record(
+                request_id, 0, RequestEvent(request_id, tuple(chosen), FinishReason.LENGTH, 3)
+            )
         await ckpt.finish_many(["r1", "plain"])
         stored = (await store.load("r1")).samples[0]
         assert stored.token_ids == [7, 8]
-        assert stored.logprobs == [(-0.5, [(7, -0.5), (3, -1.25)]), (-0.75, [(8, -0.75), (1, -2.0)])]
+        assert stored.logprobs == [
+            (-0.5, [(7, -0.5), (3, -1.25)]),
+            (-0.75, [(8, -0.75), (1, -2.0)]),
+        ]
         assert (await store.load("plain")).samples[0].logprobs is None
         assert "logprobs" not in await client.get(store.key("plain"))
 
@@ -218,9 +249,18 @@ def test_the_checkpoint_keeps_logprobs_only_when_the_request_asks_for_them(redis
 def test_a_resume_keeps_the_logprobs_its_progress_came_with() -> None:
     request = submit(n=3)
     request.logprobs = 1
-    request.progress.add(index=0, token_ids=[10, 11], logprobs=[
-        scheduler_pb2.SampledLogprob(logprob=-0.5, top=[generate_pb2.TopLogprob(token_id=10, logprob=-0.5)]),
-        scheduler_pb2.SampledLogprob(logprob=-1.5, top=[generate_pb2.TopLogprob(token_id=4, logprob=-0.25)])])
+    request.progress.add(
+        index=0,
+        token_ids=[10, 11],
+        logprobs=[
+            scheduler_pb2.SampledLogprob(
+                logprob=-0.5, top=[generate_pb2.TopLogprob(token_id=10, logprob=-0.5)]
+            ),
+            scheduler_pb2.SampledLogprob(
+                logprob=-1.5, top=[generate_pb2.TopLogprob(token_id=4, logprob=-0.25)]
+            ),
+        ],
+    )
     request.progress.add(index=1, token_ids=[20, 21])  # a router that sent none: not known
     samples = admitted_samples(convert.submission_from_pb(request, [0], 0.0))
     assert [(s.token_ids, s.logprobs) for s in samples] == [
@@ -229,4 +269,6 @@ def test_a_resume_keeps_the_logprobs_its_progress_came_with() -> None:
         ([], []),  # not started: its logprobs are kept from its first token
     ]
     request.logprobs = 0  # logprobs that came with a request that asks for none are dropped
-    assert all(s.logprobs is None for s in admitted_samples(convert.submission_from_pb(request, [0], 0.0)))
+    assert all(
+        s.logprobs is None for s in admitted_samples(convert.submission_from_pb(request, [0], 0.0))
+    )

@@ -22,10 +22,12 @@ def test_a_restarted_redis_gets_the_live_checkpoints_back() -> None:
     valkey = RestartableValkey()
 
     async def scenario() -> None:
-        registry = Registry(RegistryConfig(valkey.url, cluster="ckpt-restart",
-                                           heartbeat_interval_s=0.2, ttl_s=1.0))
-        checkpointer = Checkpointer(registry.checkpoints, "g0", interval_steps=1,
-                                    resume_window_s=30)
+        registry = Registry(
+            RegistryConfig(valkey.url, cluster="ckpt-restart", heartbeat_interval_s=0.2, ttl_s=1.0)
+        )
+        checkpointer = Checkpointer(
+            registry.checkpoints, "g0", interval_steps=1, resume_window_s=30
+        )
         registry.on_redis_restart.append(checkpointer.rewrite_all)  # as scheduler_svc.main does
         await registry.start_heartbeat("scheduler", "g0", lambda: {"address": "x", "pid": 1})
         submit = scheduler_pb2.SubmitRequest(request_id="r1", prompt_token_ids=[1, 2, 3])

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from pagemesh.runtime.serving import GrpcServer, ServerConfig
+from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2
 from scheduler_svc.core.config import SchedulerConfig
@@ -17,7 +18,6 @@ from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.executor import InprocExecutor
 from scheduler_svc.servicer import SchedulerServicer
-from pagemesh.tools.testing.tiny_models import write_tiny_model
 
 torch = pytest.importorskip("torch")
 
@@ -27,8 +27,9 @@ from worker_svc.runner import ModelRunner, RunnerConfig  # noqa: E402
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     model = write_tiny_model(tmp_path_factory.mktemp("connect") / "llama", "llama", seed=5)
-    return ModelRunner.from_config(RunnerConfig(model_path=str(model), dtype="float32",
-                                                num_blocks=512))
+    return ModelRunner.from_config(
+        RunnerConfig(model_path=str(model), dtype="float32", num_blocks=512)
+    )
 
 
 class Scheduled:
@@ -37,13 +38,18 @@ class Scheduled:
     def __init__(self, runner: ModelRunner, max_buffered_tokens: int = 1 << 20) -> None:
         info = runner.info()
         runner.reset_requests()
-        config = SchedulerConfig(num_blocks=info.num_blocks, block_size=info.block_size,
-                                 max_num_batched_tokens=2048, max_num_seqs=128,
-                                 max_model_len=info.max_model_len)
+        config = SchedulerConfig(
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_num_batched_tokens=2048,
+            max_num_seqs=128,
+            max_model_len=info.max_model_len,
+        )
         self.loop = EngineLoop(Scheduler(config), InprocExecutor(runner.execute_step))
         model_info = generate_pb2.GetModelInfoResponse(model="tiny", eos_token_ids=[0])
-        self.servicer = SchedulerServicer(self.loop, model_info,
-                                          max_buffered_tokens=max_buffered_tokens)
+        self.servicer = SchedulerServicer(
+            self.loop, model_info, max_buffered_tokens=max_buffered_tokens
+        )
         self.steps = 0
         self.loop.on_step.append(self._count)
 
@@ -51,8 +57,11 @@ class Scheduled:
         self.steps += 1
 
     async def __aenter__(self) -> Scheduled:
-        self.server = GrpcServer(ServerConfig(), [], [
-            lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, s)])
+        self.server = GrpcServer(
+            ServerConfig(),
+            [],
+            [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, s)],
+        )
         await self.server.start()
         self.task = asyncio.create_task(self.loop.run())
         self.channel = grpc.aio.insecure_channel(self.server.address)
@@ -66,14 +75,16 @@ class Scheduled:
         await self.loop.workers.close()
 
 
-def submit(request_id: str, max_tokens: int, prompt: list[int] | None = None,
-           **kwargs: object) -> scheduler_pb2.SubmitRequest:
+def submit(
+    request_id: str, max_tokens: int, prompt: list[int] | None = None, **kwargs: object
+) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
         request_id=request_id,
         prompt_token_ids=[5, 9, 11, 200, 7] if prompt is None else prompt,
         sampling=generate_pb2.SamplingParams(temperature=0.0, seed=1),
         stopping=generate_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
-        **kwargs)
+        **kwargs,
+    )
 
 
 def up(message: scheduler_pb2.SubmitRequest | str) -> scheduler_pb2.ConnectRequest:
@@ -143,7 +154,9 @@ def test_a_bad_submit_fails_alone_in_band(runner: ModelRunner) -> None:
     asyncio.run(scenario())
 
 
-def test_an_abort_ends_one_request_and_the_stream_ending_aborts_the_rest(runner: ModelRunner) -> None:
+def test_an_abort_ends_one_request_and_the_stream_ending_aborts_the_rest(
+    runner: ModelRunner,
+) -> None:
     async def scenario() -> None:
         async with Scheduled(runner) as scheduled:
             call = scheduled.stub.Connect()
@@ -173,14 +186,16 @@ def test_a_router_that_never_reads_is_cut_off_with_bounded_memory(runner: ModelR
             await reader.write(up(submit("read-me", 300)))
             # Without BDP probing the receive window stays at its 64 KiB start.
             stuck_channel = grpc.aio.insecure_channel(
-                scheduled.server.address, options=[("grpc.http2.bdp_probe", 0)])
+                scheduled.server.address, options=[("grpc.http2.bdp_probe", 0)]
+            )
             stuck = scheduler_pb2_grpc.SchedulerStub(stuck_channel).Connect()
             for i in range(64):
                 await stuck.write(up(submit(f"stuck-{i}", 400)))
             # The stuck stream never reads; the other one keeps reading to the end.
             tokens, errors, _ = await collect(reader, 1)
             while scheduled.servicer.connections and any(
-                    c.cut_off is None for c in scheduled.servicer.connections if c.num_open > 1):
+                c.cut_off is None for c in scheduled.servicer.connections if c.num_open > 1
+            ):
                 await asyncio.sleep(0.05)
             assert len(tokens["read-me"]) == 300 and not errors
             with pytest.raises(grpc.aio.AioRpcError) as failure:

@@ -68,13 +68,18 @@ def test_eos_as_the_max_tokens_th_token_ends_stop_live_and_when_resumed() -> Non
     reasons = []
     for token in (7, EOS):
         out = scheduler.schedule()
-        reasons.append(scheduler.update(out, fake_step(scheduler, out, {"a": token}))[0].finish_reason)
+        reasons.append(
+            scheduler.update(out, fake_step(scheduler, out, {"a": token}))[0].finish_reason
+        )
     assert reasons == [None, FinishReason.STOP]
 
     resumed = scheduler_pb2.SubmitRequest(
-        request_id="a", prompt_token_ids=[10, 11, 12], n=2,
+        request_id="a",
+        prompt_token_ids=[10, 11, 12],
+        n=2,
         sampling=generate_pb2.SamplingParams(seed=3),
-        stopping=generate_pb2.StoppingCriteria(max_tokens=2))
+        stopping=generate_pb2.StoppingCriteria(max_tokens=2),
+    )
     resumed.progress.add(index=0, token_ids=[7, EOS])  # its last message was lost
     resumed.progress.add(index=1, token_ids=[7, 7])
     submission = convert.submission_from_pb(resumed, [EOS], 0.0)
@@ -84,14 +89,17 @@ def test_eos_as_the_max_tokens_th_token_ends_stop_live_and_when_resumed() -> Non
 
 def test_a_submit_without_a_seed_is_refused() -> None:
     """The router draws every seed; a scheduler that drew its own could not resume the same."""
-    unseeded = scheduler_pb2.SubmitRequest(request_id="a", prompt_token_ids=[1],
-                                           stopping=generate_pb2.StoppingCriteria(max_tokens=2))
+    unseeded = scheduler_pb2.SubmitRequest(
+        request_id="a", prompt_token_ids=[1], stopping=generate_pb2.StoppingCriteria(max_tokens=2)
+    )
     with pytest.raises(ValueError, match="seed"):
         convert.submission_from_pb(unseeded, [EOS], 0.0)
 
 
 def test_token_budget_is_shared_and_prefill_is_chunked() -> None:
-    config = SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8, max_model_len=64)
+    config = SchedulerConfig(
+        num_blocks=64, block_size=4, max_num_batched_tokens=8, max_model_len=64
+    )
     scheduler = Scheduler(config)
     scheduler.add_request(make_request("long", prompt_len=20))
     scheduler.add_request(make_request("short", prompt_len=3))
@@ -109,7 +117,9 @@ def test_token_budget_is_shared_and_prefill_is_chunked() -> None:
 
 
 def test_max_num_seqs_caps_the_running_batch() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=2, max_model_len=64))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=2, max_model_len=64)
+    )
     for i in range(3):
         scheduler.add_request(make_request(f"r{i}", prompt_len=2))
     out = scheduler.schedule()
@@ -129,8 +139,9 @@ def test_preemption_recomputes_newest_request_and_everything_finishes() -> None:
 
 
 def test_preempted_request_is_resent_in_full_with_its_output() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=3, block_size=4, max_model_len=64,
-                                          enable_prefix_caching=False))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=3, block_size=4, max_model_len=64, enable_prefix_caching=False)
+    )
     scheduler.add_request(make_request("old", prompt_len=4, max_tokens=6))
     scheduler.add_request(make_request("new", prompt_len=4, max_tokens=6))
     resent = None
@@ -183,8 +194,9 @@ def test_rejects_requests_that_can_never_fit() -> None:
 
 def test_many_requests_random_lengths_keep_invariants() -> None:
     scheduler = Scheduler(
-        SchedulerConfig(num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=5,
-                        max_model_len=64)
+        SchedulerConfig(
+            num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=5, max_model_len=64
+        )
     )
     lengths = itertools.cycle([1, 5, 13, 2, 8, 17])
     for i in range(20):
@@ -216,5 +228,11 @@ def test_core_imports_no_grpc_or_torch() -> None:
             assert name.split(".")[0] not in {"grpc", "torch", "redis", "protos"}, (path, name)
     for module in pure:
         for name in _imported_modules(root / (module.replace(".", "/") + ".py")):
-            assert name.split(".")[0] in {"__future__", "hashlib", "struct", "collections",
-                                          "typing", "dataclasses"}, (module, name)
+            assert name.split(".")[0] in {
+                "__future__",
+                "hashlib",
+                "struct",
+                "collections",
+                "typing",
+                "dataclasses",
+            }, (module, name)

@@ -23,8 +23,8 @@ from tests.support.core_harness import (
     FakeWorker,
     assert_all_free,
     check_invariants,
-    make_samples,
     make_request,
+    make_samples,
 )
 
 MAX_MODEL_LEN = 40
@@ -70,8 +70,10 @@ class Ledger:
         for request_id, reason in self.finish.items():
             request, tokens = self.requests[request_id], self.tokens[request_id]
             assert len(tokens) <= request.max_tokens
-            first_stop = next((i + 1 for i, t in enumerate(tokens)
-                               if t == EOS and i + 1 >= request.min_tokens), None)
+            first_stop = next(
+                (i + 1 for i, t in enumerate(tokens) if t == EOS and i + 1 >= request.min_tokens),
+                None,
+            )
             if reason is FinishReason.LENGTH:
                 assert len(tokens) == request.max_tokens and first_stop in (None, len(tokens))
             elif reason is FinishReason.STOP:
@@ -84,8 +86,12 @@ def arrivals(rng: random.Random, scheduler: Scheduler, ledger: Ledger, step_inde
     for _ in range(rng.choice([0, 0, 0, 1, 1, 2])):
         name = f"r{len(ledger.requests)}-{step_index}"
         prompt = [rng.choice([3, 4, 5]) for _ in range(rng.randint(1, 20))]
-        kwargs = dict(max_tokens=rng.randint(1, 16), min_tokens=rng.choice([0, 0, 2]),
-                      priority=rng.randint(0, 2), arrival_time_s=step_index * 0.01)
+        kwargs = dict(
+            max_tokens=rng.randint(1, 16),
+            min_tokens=rng.choice([0, 0, 2]),
+            priority=rng.randint(0, 2),
+            arrival_time_s=step_index * 0.01,
+        )
         n = rng.choice([1, 1, 1, 2, 3])
         if n > 1:
             group = make_samples(name, n, prompt, **kwargs)

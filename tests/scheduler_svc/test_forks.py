@@ -10,21 +10,23 @@ from scheduler_svc.core.types import FinishReason
 from tests.support.core_harness import (
     assert_all_free,
     fake_step,
-    make_samples,
     make_request,
+    make_samples,
     run_to_completion,
     step,
 )
 
 
 def make_scheduler(num_blocks: int = 32, **kwargs: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64,
-                                     **kwargs))
+    return Scheduler(
+        SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64, **kwargs)
+    )
 
 
 @pytest.mark.parametrize("prompt_len, num_shared", [(10, 2), (8, 1), (3, 0)])
 def test_forks_start_after_the_leader_samples_and_copy_the_last_prompt_block(
-        prompt_len: int, num_shared: int) -> None:
+    prompt_len: int, num_shared: int
+) -> None:
     scheduler = make_scheduler()
     scheduler.add_samples(make_samples("g", 3, prompt=list(range(100, 100 + prompt_len))))
     output, _ = step(scheduler)
@@ -114,8 +116,9 @@ def test_leader_finishing_in_its_first_step_lets_forks_use_the_cache() -> None:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempting_groups_keeps_invariants_and_finishes(mode: str) -> None:
     # 12 blocks for 3 groups of 3 samples growing to 4 blocks each: constant preemption.
-    scheduler = make_scheduler(num_blocks=12, preemption_mode=mode,
-                               num_swap_blocks=6 if mode == "swap" else 0)
+    scheduler = make_scheduler(
+        num_blocks=12, preemption_mode=mode, num_swap_blocks=6 if mode == "swap" else 0
+    )
     for g in range(3):
         scheduler.add_samples(make_samples(f"g{g}", 3, prompt=[g, 1, 2, 3, 4, 5], max_tokens=9))
     outputs = run_to_completion(scheduler)
@@ -128,8 +131,7 @@ def test_malformed_samples_are_rejected_whole() -> None:
     scheduler = make_scheduler()
     leader = make_request("g", prompt=[1, 2, 3])
     with pytest.raises(ValueError, match="prompt"):
-        scheduler.add_samples(
-            [leader, make_request("f", prompt=[1, 2], fork_of=RequestId("g"))])
+        scheduler.add_samples([leader, make_request("f", prompt=[1, 2], fork_of=RequestId("g"))])
     with pytest.raises(ValueError, match="fork from"):
         scheduler.add_samples([leader, make_request("f", prompt=[1, 2, 3])])
     with pytest.raises(ValueError, match="add_samples"):

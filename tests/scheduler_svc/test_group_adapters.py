@@ -20,8 +20,9 @@ from scheduler_svc.adapters import AdapterLoadFailed, GroupAdapters
 
 class Refused(grpc.aio.AioRpcError):
     def __init__(self, details: str) -> None:
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
-                         grpc.aio.Metadata(), details)
+        super().__init__(
+            grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+        )
 
 
 class CountingWorkers:
@@ -48,14 +49,16 @@ def scenario(redis_url: str, cluster: str, test) -> None:
             await test(LoraTable(client, cluster))
         finally:
             await client.aclose()
+
     asyncio.run(run())
 
 
 def test_an_adapter_of_the_table_is_loaded_once_and_held_up_to_capacity(redis_url: str) -> None:
     async def test(table: LoraTable) -> None:
         workers = CountingWorkers()
-        adapters = GroupAdapters("g0", 2, {"pinned": LoraRef("pinned", "/a/pinned")},
-                                 lambda: workers, table)
+        adapters = GroupAdapters(
+            "g0", 2, {"pinned": LoraRef("pinned", "/a/pinned")}, lambda: workers, table
+        )
         await adapters.publish_pinned()
         assert await table.all() == {"pinned": "/a/pinned"}
         await table.put("sql", "/a/sql")
@@ -84,8 +87,9 @@ def test_loads_refusals_and_unloads(redis_url: str) -> None:
         assert await table.all() == {} and adapters.names() == ()
         # A folder in the table that this group's workers refuse: the request is told why.
         await table.put("elsewhere", "/b/broken")
-        with pytest.raises(ValueError, match="could not be loaded on engine group g1: no "
-                                             "adapter_config.json"):
+        with pytest.raises(
+            ValueError, match="could not be loaded on engine group g1: no adapter_config.json"
+        ):
             await adapters.resolve("elsewhere")
         await adapters.load("late", "/a/late")
         assert await table.get("late") == "/a/late" and adapters.names() == ("late",)
@@ -93,6 +97,7 @@ def test_loads_refusals_and_unloads(redis_url: str) -> None:
 
         async def publish() -> None:
             published.append(adapters.version)
+
         adapters.on_change.append(publish)
         assert await adapters.unload("late") and workers.unloads == ["late"]
         assert published == [adapters.version] and await table.get("late") is None
@@ -108,8 +113,7 @@ def test_pinned_adapters_keep_the_first_writers_folder(redis_url: str) -> None:
         first = GroupAdapters("g0", 1, {"sql": LoraRef("sql", "/host-a/sql")}, lambda: None, table)
         second = GroupAdapters("g1", 1, {"sql": LoraRef("sql", "/host-b/sql")}, lambda: None, table)
         await first.publish_pinned()
-        assert await table.put_absent({"sql": "/host-b/sql", "new": "/x"}) == {
-            "sql": "/host-a/sql"}
+        assert await table.put_absent({"sql": "/host-b/sql", "new": "/x"}) == {"sql": "/host-a/sql"}
         await second.publish_pinned()  # a warning; the table keeps the first folder
         assert await table.all() == {"sql": "/host-a/sql", "new": "/x"}
         # Off (capacity 0): nothing held, nothing loaded.

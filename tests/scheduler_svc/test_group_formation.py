@@ -6,10 +6,24 @@ from pagemesh.runtime.registry_entries import WorkerEntry, WorkerStatus
 from scheduler_svc.group_formation import choose_members
 
 
-def entry(group: str = "g0", tp: int = 0, pp: int = 0, tp_size: int = 2, pp_size: int = 2,
-          status: WorkerStatus = WorkerStatus.JOINING) -> WorkerEntry:
-    return WorkerEntry(group=group, tp_rank=tp, pp_rank=pp, tp_size=tp_size, pp_size=pp_size,
-                       status=status, address="x:1", dist_addr="x:2")
+def entry(
+    group: str = "g0",
+    tp: int = 0,
+    pp: int = 0,
+    tp_size: int = 2,
+    pp_size: int = 2,
+    status: WorkerStatus = WorkerStatus.JOINING,
+) -> WorkerEntry:
+    return WorkerEntry(
+        group=group,
+        tp_rank=tp,
+        pp_rank=pp,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        status=status,
+        address="x:1",
+        dist_addr="x:2",
+    )
 
 
 def test_every_slot_filled_once_deterministically() -> None:
@@ -24,13 +38,16 @@ def test_missing_slot_other_group_or_layout_means_not_yet() -> None:
     entries["other"] = entry(group="g1", pp=1)
     entries["wrong-layout"] = entry(pp=1, tp_size=1)
     assert choose_members(entries, "g0", 2, 2) is None
-    assert choose_members({"w": entry(tp_size=1, pp_size=1, status=WorkerStatus.READY)},
-                          "g0", 1, 1) == {(0, 0): "w"}
+    assert choose_members(
+        {"w": entry(tp_size=1, pp_size=1, status=WorkerStatus.READY)}, "g0", 1, 1
+    ) == {(0, 0): "w"}
 
 
 def test_standbys_fill_empty_slots_only_when_allowed() -> None:
-    entries = {"w0": entry(tp=0, tp_size=2, pp_size=1, status=WorkerStatus.READY),
-               "s1": entry(tp=-1, pp=-1, tp_size=2, pp_size=1, status=WorkerStatus.STANDBY)}
+    entries = {
+        "w0": entry(tp=0, tp_size=2, pp_size=1, status=WorkerStatus.READY),
+        "s1": entry(tp=-1, pp=-1, tp_size=2, pp_size=1, status=WorkerStatus.STANDBY),
+    }
     # At a first formation a standby must not take the rank of a worker still starting.
     assert choose_members(entries, "g0", 2, 1, use_standby=False) is None
     assert choose_members(entries, "g0", 2, 1) == {(0, 0): "w0", (0, 1): "s1"}

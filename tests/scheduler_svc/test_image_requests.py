@@ -14,8 +14,7 @@ PROMPT = [PLACEHOLDER] * 12 + list(range(20, 32))  # 12 image tokens, then 12 of
 
 
 def with_image(request_id: str, data: bytes):
-    return make_request(request_id, prompt=PROMPT, max_tokens=2,
-                        images=(ImageInput(data, 0, 12),))
+    return make_request(request_id, prompt=PROMPT, max_tokens=2, images=(ImageInput(data, 0, 12),))
 
 
 def hits_after(first: bytes, second: bytes) -> int:
@@ -38,11 +37,18 @@ def test_the_same_image_shares_kv_and_another_image_does_not() -> None:
 
 def test_a_preempted_image_request_is_resent_with_its_images() -> None:
     # Two prompts of 8 (4 image tokens) growing to 20 tokens (5 blocks) each in 8 blocks.
-    scheduler = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64,
-                                          preemption_mode="recompute"))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64, preemption_mode="recompute")
+    )
     for request_id, data in (("a", b"one"), ("b", b"two")):
-        scheduler.add_request(make_request(request_id, prompt=[PLACEHOLDER] * 4 + [7, 8, 9, 10],
-                                           max_tokens=12, images=(ImageInput(data, 0, 4),)))
+        scheduler.add_request(
+            make_request(
+                request_id,
+                prompt=[PLACEHOLDER] * 4 + [7, 8, 9, 10],
+                max_tokens=12,
+                images=(ImageInput(data, 0, 4),),
+            )
+        )
     sent = []
     for _ in range(40):
         if not scheduler.has_work():

@@ -17,8 +17,9 @@ from tests.support.core_harness import (
 
 
 def make_scheduler(num_blocks: int = 32, **kwargs: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=128,
-                                     **kwargs))
+    return Scheduler(
+        SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=128, **kwargs)
+    )
 
 
 def test_prefill_hands_off_after_the_first_token_and_holds_the_prompt_kv() -> None:

@@ -25,8 +25,9 @@ def run(scheduler: Scheduler) -> None:
 
 
 def hits_after(first: LoraRef | None, second: LoraRef | None) -> int:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64,
-                                          max_loras=2))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64, max_loras=2)
+    )
     scheduler.add_request(make_request("one", prompt=PROMPT, max_tokens=2, lora=first))
     run(scheduler)
     scheduler.add_request(make_request("two", prompt=PROMPT, max_tokens=2, lora=second))
@@ -46,8 +47,9 @@ def test_the_same_adapter_shares_kv_and_another_does_not() -> None:
 
 
 def test_a_step_holds_at_most_max_loras_adapters() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64,
-                                          max_loras=2))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_loras=2)
+    )
     adapters = [LoraRef(f"l{i}", f"/adapters/l{i}") for i in range(4)]
     for i, lora in enumerate([*adapters, None, adapters[0]]):
         scheduler.add_request(make_request(f"r{i}", prompt_len=6, max_tokens=3, lora=lora))
@@ -68,8 +70,11 @@ def test_lora_off_refuses_a_request_naming_an_adapter() -> None:
 
 
 def test_a_preempted_request_is_resent_with_its_adapter() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64,
-                                          preemption_mode="recompute", max_loras=2))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=8, block_size=4, max_model_len=64, preemption_mode="recompute", max_loras=2
+        )
+    )
     for request_id, lora in (("x", A), ("y", B)):
         scheduler.add_request(make_request(request_id, prompt_len=8, max_tokens=12, lora=lora))
     sent = []

@@ -47,8 +47,9 @@ def run_pipelined(scheduler: Scheduler, depth: int, max_steps: int = 2000) -> di
 
 
 def test_two_steps_in_flight_finish_every_request() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64,
-                                          max_num_batched_tokens=16))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=16)
+    )
     for i in range(8):
         scheduler.add_request(make_request(f"r{i}", prompt_len=3 + i, max_tokens=5 + i % 3))
     produced = run_pipelined(scheduler, depth=2)
@@ -59,10 +60,16 @@ def test_two_steps_in_flight_finish_every_request() -> None:
 def test_preemption_with_steps_in_flight_spares_the_computing_requests() -> None:
     # 10 blocks of 4 tokens for 6 requests that grow to 16 tokens each: preemption is certain.
     for mode in ("recompute", "swap"):
-        scheduler = Scheduler(SchedulerConfig(
-            num_blocks=10, block_size=4, max_model_len=64, preemption_mode=mode,
-            num_swap_blocks=64 if mode == "swap" else 0, enable_prefix_caching=False,
-        ))
+        scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=10,
+                block_size=4,
+                max_model_len=64,
+                preemption_mode=mode,
+                num_swap_blocks=64 if mode == "swap" else 0,
+                enable_prefix_caching=False,
+            )
+        )
         for i in range(6):
             scheduler.add_request(make_request(f"r{i}", prompt_len=4, max_tokens=12))
         produced = run_pipelined(scheduler, depth=3)
@@ -86,8 +93,9 @@ def test_abort_of_a_request_in_flight_waits_for_its_step() -> None:
 
 
 def test_running_requests_split_into_microbatches() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64,
-                                          num_microbatches=2))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, num_microbatches=2)
+    )
     for i in range(8):
         scheduler.add_request(make_request(f"r{i}", prompt_len=3, max_tokens=6))
     first = scheduler.schedule()  # admits all eight (prefills)
@@ -105,8 +113,15 @@ def test_running_requests_split_into_microbatches() -> None:
 def test_async_scheduling_plans_ahead_of_decodes_but_not_of_the_prefill() -> None:
     """A step queued behind a prefill would delay the first token its client waits for; a
     decode in flight is scheduled again at once, assuming its one sampled token."""
-    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64,
-                                          max_num_batched_tokens=16, async_scheduling=True))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=64,
+            block_size=4,
+            max_model_len=64,
+            max_num_batched_tokens=16,
+            async_scheduling=True,
+        )
+    )
     scheduler.add_request(make_request("r", prompt_len=6, max_tokens=8))
     prefill = scheduler.schedule()
     assert prefill.num_scheduled_tokens == {"r": 6}
@@ -124,8 +139,9 @@ def test_an_abort_under_async_scheduling_lands_when_the_step_in_flight_returns()
     """With a decode always planned ahead, a request is never out of flight: an abort that
     waited for that (the one an HTTP client's disconnect sends) waited for the request to
     finish, its blocks held. A request whose abort is pending is not scheduled again."""
-    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=256,
-                                          async_scheduling=True))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=64, block_size=4, max_model_len=256, async_scheduling=True)
+    )
     scheduler.add_request(make_request("r", prompt_len=5, max_tokens=200))
     in_flight: deque = deque()
     num_updates_after_abort = 0

@@ -16,8 +16,9 @@ from tests.support.core_harness import (
 
 
 def make_scheduler(num_blocks: int = 64, **kwargs: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64,
-                                     **kwargs))
+    return Scheduler(
+        SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64, **kwargs)
+    )
 
 
 # ---- long prefill threshold -------------------------------------------------------------
@@ -48,8 +49,13 @@ def test_without_threshold_a_prompt_takes_the_whole_budget() -> None:
 
 def test_threshold_needs_chunked_prefill() -> None:
     with pytest.raises(ValueError, match="chunked"):
-        SchedulerConfig(num_blocks=8, max_num_batched_tokens=4096, max_model_len=64,
-                        enable_chunked_prefill=False, long_prefill_token_threshold=8)
+        SchedulerConfig(
+            num_blocks=8,
+            max_num_batched_tokens=4096,
+            max_model_len=64,
+            enable_chunked_prefill=False,
+            long_prefill_token_threshold=8,
+        )
 
 
 # ---- priority ------------------------------------------------------------------------------
@@ -63,19 +69,25 @@ def admitted_order(scheduler: Scheduler) -> list[str]:
     return order
 
 
-@pytest.mark.parametrize("policy, expected", [
-    ("fcfs", ["low", "high", "high-late", "high-early"]),
-    ("priority", ["high", "high-early", "high-late", "low"]),
-])
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        ("fcfs", ["low", "high", "high-late", "high-early"]),
+        ("priority", ["high", "high-early", "high-late", "low"]),
+    ],
+)
 def test_admission_order(policy: str, expected: list[str]) -> None:
     scheduler = make_scheduler(max_num_seqs=1, policy=policy)
     scheduler.add_request(make_request("low", prompt=[1, 2], max_tokens=1, priority=5))
-    scheduler.add_request(make_request("high", prompt=[3, 4], max_tokens=1, priority=0,
-                                       arrival_time_s=2.0))
-    scheduler.add_request(make_request("high-late", prompt=[5, 6], max_tokens=1, priority=0,
-                                       arrival_time_s=3.0))
-    scheduler.add_request(make_request("high-early", prompt=[7, 8], max_tokens=1, priority=0,
-                                       arrival_time_s=2.5))
+    scheduler.add_request(
+        make_request("high", prompt=[3, 4], max_tokens=1, priority=0, arrival_time_s=2.0)
+    )
+    scheduler.add_request(
+        make_request("high-late", prompt=[5, 6], max_tokens=1, priority=0, arrival_time_s=3.0)
+    )
+    scheduler.add_request(
+        make_request("high-early", prompt=[7, 8], max_tokens=1, priority=0, arrival_time_s=2.5)
+    )
     assert admitted_order(scheduler) == expected
 
 
@@ -86,8 +98,11 @@ def grow_until_preemption(scheduler: Scheduler, counts: dict[str, int] | None = 
         for event in events:
             if counts is not None:
                 counts[event.request_id] = counts.get(event.request_id, 0) + len(event.new_tokens)
-        preempted = [r for r in scheduler.requests.values()
-                     if r.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)]
+        preempted = [
+            r
+            for r in scheduler.requests.values()
+            if r.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+        ]
         if preempted:
             return preempted[0].request_id
     raise AssertionError("no preemption")
@@ -97,11 +112,11 @@ def grow_until_preemption(scheduler: Scheduler, counts: dict[str, int] | None = 
 def test_preemption_victim(policy: str, victim: str) -> None:
     # Two requests growing to 3 blocks each in a 4-block cache.
     scheduler = make_scheduler(num_blocks=4, policy=policy)
-    scheduler.add_request(make_request("old-minor", prompt=[1, 2, 3, 4], max_tokens=8,
-                                       priority=1))
+    scheduler.add_request(make_request("old-minor", prompt=[1, 2, 3, 4], max_tokens=8, priority=1))
     step(scheduler)
-    scheduler.add_request(make_request("new-important", prompt=[5, 6, 7, 8], max_tokens=8,
-                                       priority=0))
+    scheduler.add_request(
+        make_request("new-important", prompt=[5, 6, 7, 8], max_tokens=8, priority=0)
+    )
     counts: dict[str, int] = {}
     assert grow_until_preemption(scheduler, counts) == victim
     for request_id, tokens in run_to_completion(scheduler).items():
@@ -167,7 +182,7 @@ def test_swap_out_then_in_keeps_the_computed_tokens() -> None:
     resumed = swap_in.new_requests[0]
     assert resumed.request_id == "b" and resumed.num_computed_tokens == b_computed
     assert swap_in.blocks_to_swap_in == list(zip(swap_ids, resumed.block_ids))
-    assert resumed.token_ids == scheduler.requests["b"].all_token_ids[:len(resumed.token_ids)]
+    assert resumed.token_ids == scheduler.requests["b"].all_token_ids[: len(resumed.token_ids)]
     assert swap_in.num_scheduled_tokens["b"] == 1  # just the next decode: nothing recomputed
     stats = scheduler.stats()  # the counters say so too (GetStats, /metrics)
     assert stats.num_swap_outs == stats.num_swap_ins == stats.num_preemptions == 1

@@ -17,14 +17,18 @@ MEAN = PoolingInfo("embed", "mean", False, 8)
 
 
 def embed_request(request_id: str, prompt_len: int = 0, prompt: list[int] | None = None):
-    return make_request(request_id, prompt_len, max_tokens=1, prompt=prompt,
-                        pooling=PoolingParams())
+    return make_request(
+        request_id, prompt_len, max_tokens=1, prompt=prompt, pooling=PoolingParams()
+    )
 
 
 def pooled_step(scheduler: Scheduler, output: SchedulerOutput) -> ModelRunnerOutput:
     """What the driver returns: a vector for each request whose prompt the step completes."""
-    pooled = {r: r.encode() for r in output.num_scheduled_tokens
-              if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens}
+    pooled = {
+        r: r.encode()
+        for r in output.num_scheduled_tokens
+        if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens
+    }
     return ModelRunnerOutput(output.step_id, pooled=pooled)
 
 
@@ -47,8 +51,11 @@ def run(scheduler: Scheduler, max_steps: int = 50) -> dict[str, tuple[bytes, lis
 
 
 def test_prompts_are_chunked_then_pooled_and_their_blocks_freed() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
-                                          max_num_batched_tokens=8, pooling=LAST))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=8, pooling=LAST
+        )
+    )
     scheduler.add_request(embed_request("a", 20))
     scheduler.add_request(embed_request("b", 3))
     done = run(scheduler)
@@ -57,8 +64,9 @@ def test_prompts_are_chunked_then_pooled_and_their_blocks_freed() -> None:
 
 
 def test_a_full_context_input_fits() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=16,
-                                          pooling=LAST))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=16, block_size=4, max_model_len=16, pooling=LAST)
+    )
     scheduler.add_request(embed_request("a", 16))  # prompt == max_model_len: no output token
     assert run(scheduler)["a"][0] == b"a"
     with pytest.raises(ValueError, match="input of 17 tokens exceeds max_model_len"):
@@ -66,10 +74,12 @@ def test_a_full_context_input_fits() -> None:
 
 
 @pytest.mark.parametrize("pooling, expected_chunks", [(LAST, [1]), (MEAN, [9])])
-def test_prefix_cache_hits_only_for_last_token_pooling(pooling: PoolingInfo,
-                                                       expected_chunks: list[int]) -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
-                                          pooling=pooling))
+def test_prefix_cache_hits_only_for_last_token_pooling(
+    pooling: PoolingInfo, expected_chunks: list[int]
+) -> None:
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, pooling=pooling)
+    )
     prompt = list(range(10, 19))
     scheduler.add_request(embed_request("first", prompt=prompt))
     run(scheduler)
@@ -81,10 +91,18 @@ def test_prefix_cache_hits_only_for_last_token_pooling(pooling: PoolingInfo,
 
 def test_preempted_embedding_requests_recompute_even_under_swap() -> None:
     # 4 tokens a step each: all three hold 2 blocks of the 6 when "a" needs its third.
-    scheduler = Scheduler(SchedulerConfig(num_blocks=6, block_size=4, max_model_len=64,
-                                          max_num_batched_tokens=16,
-                                          long_prefill_token_threshold=4, pooling=MEAN,
-                                          preemption_mode="swap", num_swap_blocks=16))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=6,
+            block_size=4,
+            max_model_len=64,
+            max_num_batched_tokens=16,
+            long_prefill_token_threshold=4,
+            pooling=MEAN,
+            preemption_mode="swap",
+            num_swap_blocks=16,
+        )
+    )
     for name in ("a", "b", "c"):
         scheduler.add_request(embed_request(name, 12))
     done = run(scheduler)
@@ -105,8 +123,11 @@ def test_the_group_kind_is_enforced_at_admission() -> None:
 
 
 def test_a_vector_for_a_request_still_prefilling_is_refused() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
-                                          max_num_batched_tokens=4, pooling=LAST))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=4, pooling=LAST
+        )
+    )
     scheduler.add_request(embed_request("a", 10))
     output = scheduler.schedule()
     with pytest.raises(ValueError, match="pooled before its prompt was computed"):

@@ -18,8 +18,9 @@ from tests.support.core_harness import (
 
 
 def make_scheduler(num_blocks: int = 16, **kwargs: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64,
-                                     **kwargs))
+    return Scheduler(
+        SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64, **kwargs)
+    )
 
 
 def num_hit_blocks(scheduler: Scheduler, prompt: list[int]) -> int:
@@ -105,8 +106,11 @@ def test_requests_computing_one_prefix_in_the_same_step_do_not_share() -> None:
 
 def test_a_hit_is_confirmed_by_tokens_not_by_the_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every block hashes the same: only the stored tokens tell blocks apart.
-    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens",
-                        lambda parent, tokens, extra=b"": BlockHash(b"collision"))
+    monkeypatch.setattr(
+        kv_cache_manager,
+        "hash_block_tokens",
+        lambda parent, tokens, extra=b"": BlockHash(b"collision"),
+    )
     scheduler = make_scheduler()
     finish(scheduler, "a", list(range(100, 109)))
     assert scheduler.stats().num_cached_blocks == 1
@@ -119,8 +123,11 @@ def test_a_hit_is_confirmed_by_tokens_not_by_the_hash(monkeypatch: pytest.Monkey
 
 def test_a_hit_is_confirmed_by_its_parent(monkeypatch: pytest.MonkeyPatch) -> None:
     # A hash that forgets the parent: [1 2 3 4] at block 1 collides with block 0.
-    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens",
-                        lambda parent, tokens, extra=b"": BlockHash(bytes(tokens)))
+    monkeypatch.setattr(
+        kv_cache_manager,
+        "hash_block_tokens",
+        lambda parent, tokens, extra=b"": BlockHash(bytes(tokens)),
+    )
     scheduler = make_scheduler()
     finish(scheduler, "a", [1, 2, 3, 4, 1, 2, 3, 4, 5])
     scheduler.add_request(make_request("b", prompt=[1, 2, 3, 4, 1, 2, 3, 4, 6]))
@@ -130,8 +137,9 @@ def test_a_hit_is_confirmed_by_its_parent(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_free_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     scheduler = make_scheduler(num_blocks=6)
-    prompts = {name: list(range(start, start + 8)) for name, start in
-               [("a", 100), ("b", 200), ("c", 300)]}
+    prompts = {
+        name: list(range(start, start + 8)) for name, start in [("a", 100), ("b", 200), ("c", 300)]
+    }
     for name, prompt in prompts.items():
         finish(scheduler, name, prompt)  # each leaves 2 cached free blocks
     pool = scheduler.kv.pool

@@ -35,9 +35,14 @@ def _generated_imports(path: Path) -> set[str]:
 
 def test_only_convert_builds_protobuf_and_only_plumbing_imports_grpc_modules() -> None:
     package = Path(scheduler_svc.__file__).parent
-    found = {p.relative_to(package).as_posix(): _generated_imports(p)
-             for p in sorted(package.rglob("*.py"))}
-    offenders = {name: imports - ALLOWED.get(name, set())
-                 for name, imports in found.items() if imports - ALLOWED.get(name, set())}
+    found = {
+        p.relative_to(package).as_posix(): _generated_imports(p)
+        for p in sorted(package.rglob("*.py"))
+    }
+    offenders = {
+        name: imports - ALLOWED.get(name, set())
+        for name, imports in found.items()
+        if imports - ALLOWED.get(name, set())
+    }
     assert not offenders, f"protobuf imported outside convert.py: {offenders}"
     assert found["convert.py"], "convert.py is the bridge"

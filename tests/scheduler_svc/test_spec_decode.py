@@ -8,16 +8,15 @@ every request the same tokens as one that does not, with its invariants kept."""
 
 from __future__ import annotations
 
-import re
-
 import random
+import re
 from collections.abc import Callable, Sequence
 
 import pytest
 
+from pagemesh.runtime.speculative_config import SpeculativeConfig
 from protos.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from pagemesh.runtime.speculative_config import SpeculativeConfig
 from scheduler_svc.core.spec_decode import NgramProposer, Speculation, StepCosts
 from scheduler_svc.core.types import FinishReason
 from tests.support.core_harness import EOS, check_invariants, make_request
@@ -43,8 +42,9 @@ def drafting_model(tokens: Sequence[int]) -> int:
     return tokens[-7] if len(tokens) >= 7 else tokens[-1]
 
 
-def verifying_step(scheduler: Scheduler, output: SchedulerOutput, model: Model
-                   ) -> ModelRunnerOutput:
+def verifying_step(
+    scheduler: Scheduler, output: SchedulerOutput, model: Model
+) -> ModelRunnerOutput:
     """What the sampling rank returns: a token after each request's known tokens, and one
     more per draft equal to the token drawn before it; with a draft model, each sampled
     request's next drafts."""
@@ -70,7 +70,7 @@ def verifying_step(scheduler: Scheduler, output: SchedulerOutput, model: Model
             known = [*request.all_token_ids, *drawn]
             for _ in range(config.num_speculative_tokens):
                 known.append(drafting_model(known))
-            result.draft_token_ids[request_id] = known[-config.num_speculative_tokens:]
+            result.draft_token_ids[request_id] = known[-config.num_speculative_tokens :]
     return result
 
 
@@ -123,8 +123,7 @@ def test_the_draft_length_halves_on_rejection_and_doubles_back() -> None:
 def test_steps_that_keep_no_draft_pause_drafting_longer_each_time() -> None:
     """Whatever the method: from the second step in a row that kept none of a request's
     drafts, it skips drafting for 1, 2, 4, ... 16 steps; a kept draft ends the back-off."""
-    config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64,
-                             speculative=NGRAM)
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, speculative=NGRAM)
     spec = Speculation(config)
     request = make_request("r", prompt=[1, 2, 3, 4, 1, 2, 3], max_tokens=40)
     request.num_computed_tokens = request.num_tokens - 1
@@ -132,8 +131,9 @@ def test_steps_that_keep_no_draft_pause_drafting_longer_each_time() -> None:
     def verdict(kept: int) -> None:
         request.spec_token_ids = [4, 1, 2, 3]
         request.num_computed_tokens += 4
-        spec.verified(request, SampledToken(4 if kept else 9),
-                      [SampledToken(t) for t in [1, 2, 3, 4][:kept]])
+        spec.verified(
+            request, SampledToken(4 if kept else 9), [SampledToken(t) for t in [1, 2, 3, 4][:kept]]
+        )
         request.num_computed_tokens = request.num_tokens - 1  # as if the tokens were taken
 
     def drafted(steps: int) -> list[bool]:
@@ -157,28 +157,42 @@ def test_the_config_is_vllms_and_refuses_by_name() -> None:
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)  # vLLM's default
-    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 3}
-                                   ).prompt_lookup_min == 3
-    for bad, needle in (({"method": "eagle", "num_speculative_tokens": 2}, "not served"),
-                        ({"method": "ngram"}, "num_speculative_tokens >= 1"),
-                        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4,
-                          "prompt_lookup_max": 2}, "1 <= min <= max"),
-                        ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown"),
-                        ({"method": "draft_model", "num_speculative_tokens": 2},
-                         'needs "model"'),
-                        ({"model": "/d", "num_speculative_tokens": 2,
-                          "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
-                        ("{not json", "not JSON"), ("[1]", "JSON object")):
+    assert (
+        SpeculativeConfig.parse(
+            {"num_speculative_tokens": 2, "prompt_lookup_max": 3}
+        ).prompt_lookup_min
+        == 3
+    )
+    for bad, needle in (
+        ({"method": "eagle", "num_speculative_tokens": 2}, "not served"),
+        ({"method": "ngram"}, "num_speculative_tokens >= 1"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "1 <= min <= max",
+        ),
+        ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
+        (
+            {"model": "/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size",
+        ),
+        ("{not json", "not JSON"),
+        ("[1]", "JSON object"),
+    ):
         with pytest.raises(ValueError, match=needle):
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError, match="async scheduling is off while speculating"):
         SchedulerConfig(num_blocks=8, async_scheduling=True, speculative=config)
-    assert SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 3}
-                                   ).method == "draft_model"  # vLLM infers it from the model
+    assert (
+        SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 3}).method
+        == "draft_model"
+    )  # vLLM infers it from the model
     suffix = SpeculativeConfig.parse({"method": "suffix"})
     assert suffix.num_speculative_tokens == 24  # vLLM's: up to the tree's depth
-    for bad, needle in (({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "[0, 1]"),
-                        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, ">= 1")):
+    for bad, needle in (
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "[0, 1]"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, ">= 1"),
+    ):
         with pytest.raises(ValueError, match=re.escape(needle)):
             SpeculativeConfig.parse(bad)
     # Drafts span blocks (24 > the block size is fine); they must fit a step and the cache.
@@ -190,8 +204,9 @@ def test_the_config_is_vllms_and_refuses_by_name() -> None:
 
 
 def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
-                                          speculative=NGRAM))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, speculative=NGRAM)
+    )
     prompt = [31, 32, 33, 34, 35, 36, 37, 31, 32]  # "31 32" occurred: drafts 33 34 35 36
     scheduler.add_request(make_request("a", prompt=prompt, max_tokens=20))
     output = scheduler.schedule()  # the prefill: no drafts
@@ -203,8 +218,12 @@ def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
     request = scheduler.requests["a"]
     assert request.num_computed_tokens == 14
     # Two drafts kept, the third differs: tokens 34 35 then 99; KV kept through 35.
-    events = scheduler.update(output, ModelRunnerOutput(
-        output.step_id, {"a": SampledToken(34)}, {"a": [SampledToken(35), SampledToken(99)]}))
+    events = scheduler.update(
+        output,
+        ModelRunnerOutput(
+            output.step_id, {"a": SampledToken(34)}, {"a": [SampledToken(35), SampledToken(99)]}
+        ),
+    )
     assert [t.token_id for t in events[0].new_tokens] == [34, 35, 99]
     assert (events[0].num_draft_tokens, events[0].num_accepted_tokens) == (4, 2)
     assert request.output_token_ids == [33, 34, 35, 99]
@@ -220,8 +239,9 @@ def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
 
 
 def test_a_stop_among_kept_drafts_ends_the_request_there() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
-                                          speculative=NGRAM))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, speculative=NGRAM)
+    )
     scheduler.add_request(make_request("a", prompt=[5, 6, EOS, 8, 9], max_tokens=20))
     output = scheduler.schedule()
     scheduler.update(output, ModelRunnerOutput(output.step_id, {"a": SampledToken(5)}))
@@ -231,16 +251,25 @@ def test_a_stop_among_kept_drafts_ends_the_request_there() -> None:
     scheduler.update(output, ModelRunnerOutput(output.step_id, {"a": SampledToken(6)}))
     output = scheduler.schedule()
     assert output.cached_requests[0].spec_token_ids == [EOS, 8, 9, 5]
-    events = scheduler.update(output, ModelRunnerOutput(
-        output.step_id, {"a": SampledToken(EOS)}, {"a": [SampledToken(8)]}))
+    events = scheduler.update(
+        output,
+        ModelRunnerOutput(output.step_id, {"a": SampledToken(EOS)}, {"a": [SampledToken(8)]}),
+    )
     assert [t.token_id for t in events[0].new_tokens] == [EOS]
     assert events[0].finish_reason is FinishReason.STOP
     assert scheduler.kv.pool.num_free_blocks == 16
 
 
 def test_drafts_stay_within_max_tokens_and_the_budget() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64,
-                                          max_num_batched_tokens=12, speculative=NGRAM))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=32,
+            block_size=4,
+            max_model_len=64,
+            max_num_batched_tokens=12,
+            speculative=NGRAM,
+        )
+    )
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
     scheduler.add_request(make_request("a", prompt=prompt, max_tokens=3))
     output = scheduler.schedule()
@@ -263,9 +292,14 @@ def test_speculating_changes_no_token_under_load(seed: int) -> None:
         requests.append((f"r{i}", prompt, rng.randrange(1, 40)))
     outputs = []
     for speculative in (None, NGRAM, SUFFIX, DRAFT):
-        config = SchedulerConfig(num_blocks=24, block_size=4, max_model_len=64,
-                                 max_num_batched_tokens=24, speculative=speculative,
-                                 num_swap_blocks=8 if seed % 2 else 0)
+        config = SchedulerConfig(
+            num_blocks=24,
+            block_size=4,
+            max_model_len=64,
+            max_num_batched_tokens=24,
+            speculative=speculative,
+            num_swap_blocks=8 if seed % 2 else 0,
+        )
         scheduler = Scheduler(config)
         for request_id, prompt, max_tokens in requests:
             scheduler.add_request(make_request(request_id, prompt=prompt, max_tokens=max_tokens))
@@ -278,16 +312,19 @@ def test_speculating_changes_no_token_under_load(seed: int) -> None:
 
 def test_kept_drafts_that_differ_from_the_draws_are_refused() -> None:
     """A kept draft's KV was computed with the draft: it must be the token drawn before it."""
-    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
-                                          speculative=NGRAM))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, speculative=NGRAM)
+    )
     scheduler.add_request(make_request("a", prompt=[31, 32, 33, 34, 35, 31, 32], max_tokens=9))
     output = scheduler.schedule()
     scheduler.update(output, ModelRunnerOutput(output.step_id, {"a": SampledToken(33)}))
     output = scheduler.schedule()
     assert output.cached_requests[0].spec_token_ids == [34, 35, 31, 32]
     with pytest.raises(ValueError, match="drafts kept"):
-        scheduler.update(output, ModelRunnerOutput(
-            output.step_id, {"a": SampledToken(99)}, {"a": [SampledToken(35)]}))
+        scheduler.update(
+            output,
+            ModelRunnerOutput(output.step_id, {"a": SampledToken(99)}, {"a": [SampledToken(35)]}),
+        )
 
 
 def test_drafting_stops_at_a_batch_size_where_drafted_steps_give_fewer_tokens_per_ms() -> None:

@@ -11,8 +11,11 @@ from scheduler_svc.core.types import Request
 
 def decode_step_bytes(context_len: int) -> tuple[int, int]:
     """(bytes of the step that admits the request, bytes of a later decode step)."""
-    scheduler = Scheduler(SchedulerConfig(num_blocks=512, block_size=16, max_model_len=8192,
-                                          max_num_batched_tokens=8192))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=512, block_size=16, max_model_len=8192, max_num_batched_tokens=8192
+        )
+    )
     scheduler.add_request(Request(RequestId("r"), list(range(context_len)), SamplingParams(), 100))
     first = scheduler.schedule()
     scheduler.update(first, ModelRunnerOutput(first.step_id, {RequestId("r"): SampledToken(5)}))

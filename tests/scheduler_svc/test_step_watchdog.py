@@ -46,7 +46,9 @@ class ScriptedExecutor:
         self.silent = silent
         self.num_probes = 0
 
-    async def execute(self, output: SchedulerOutput, traceparents: dict[str, str]) -> ModelRunnerOutput:
+    async def execute(
+        self, output: SchedulerOutput, traceparents: dict[str, str]
+    ) -> ModelRunnerOutput:
         if output.step_id == self.slow_step:
             if self.slow_s is None:
                 await asyncio.Event().wait()  # hung
@@ -80,11 +82,14 @@ class Sink:
 
 
 def run_one(executor: ScriptedExecutor) -> tuple[Sink, EngineLoop, float]:
-    scheduler = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64,
-                                          async_scheduling=False))
-    loop = EngineLoop(scheduler, executor,  # type: ignore[arg-type]
-                      watchdog=WatchdogConfig(min_s=0.1, max_s=0.1, probe_timeout_s=0.1,
-                                              probe_interval_s=0.1))
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64, async_scheduling=False)
+    )
+    loop = EngineLoop(
+        scheduler,
+        executor,  # type: ignore[arg-type]
+        watchdog=WatchdogConfig(min_s=0.1, max_s=0.1, probe_timeout_s=0.1, probe_interval_s=0.1),
+    )
     sink = Sink()
 
     async def scenario() -> float:

@@ -32,9 +32,13 @@ def substring_counts(seqs: Sequence[Sequence[int]], depth: int) -> Counter[tuple
     return counts
 
 
-def reference_best(counts: Counter[tuple[int, ...]], tokens: Sequence[int],
-                   config: SpeculativeConfig, max_drafts: int,
-                   best: tuple[list[int], float, int]) -> tuple[list[int], float, int]:
+def reference_best(
+    counts: Counter[tuple[int, ...]],
+    tokens: Sequence[int],
+    config: SpeculativeConfig,
+    max_drafts: int,
+    best: tuple[list[int], float, int],
+) -> tuple[list[int], float, int]:
     """The module docstring's rule, spelled out: every match length, greedy drafts, the
     highest score, ties to the longer match."""
     depth = config.suffix_decoding_max_tree_depth
@@ -42,11 +46,10 @@ def reference_best(counts: Counter[tuple[int, ...]], tokens: Sequence[int],
     for path, count in counts.items():
         children.setdefault(path[:-1], {})[path[-1]] = count
     for m in range(1, min(depth - 1, len(tokens)) + 1):
-        path = tuple(tokens[len(tokens) - m:])
+        path = tuple(tokens[len(tokens) - m :])
         if path not in counts:
             continue
-        budget = min(max_drafts, int(config.suffix_decoding_max_spec_factor * m + 1e-6),
-                     depth - m)
+        budget = min(max_drafts, int(config.suffix_decoding_max_spec_factor * m + 1e-6), depth - m)
         drafted: list[int] = []
         prob, score = 1.0, 0.0
         while len(drafted) < budget and children.get(path):
@@ -63,18 +66,28 @@ def reference_best(counts: Counter[tuple[int, ...]], tokens: Sequence[int],
     return best
 
 
-def reference_propose(prompt: Sequence[int], output: Sequence[int],
-                      global_seqs: Sequence[Sequence[int]] | None, config: SpeculativeConfig,
-                      max_drafts: int) -> list[int]:
+def reference_propose(
+    prompt: Sequence[int],
+    output: Sequence[int],
+    global_seqs: Sequence[Sequence[int]] | None,
+    config: SpeculativeConfig,
+    max_drafts: int,
+) -> list[int]:
     if max_drafts <= 0:
         return []
     depth = config.suffix_decoding_max_tree_depth
     tokens = list(prompt) + list(output)
-    best = reference_best(substring_counts([tokens], depth), tokens, config, max_drafts,
-                          ([], 0.0, 0))
+    best = reference_best(
+        substring_counts([tokens], depth), tokens, config, max_drafts, ([], 0.0, 0)
+    )
     if global_seqs is not None:
-        best = reference_best(substring_counts(global_seqs, depth), tokens, config,
-                              max_drafts, (best[0], best[1], depth))
+        best = reference_best(
+            substring_counts(global_seqs, depth),
+            tokens,
+            config,
+            max_drafts,
+            (best[0], best[1], depth),
+        )
     return best[0]
 
 
@@ -119,8 +132,9 @@ def test_min_token_prob_cuts_a_draft() -> None:
     # "1" went on to 2 twice of three, "1 2" to 4 and 5 once each: 2/3, then 1/3.
     prompt = [10, 1, 2, 4, 11, 1, 2, 5, 12, 1, 3, 6, 13, 1]
     for min_prob, drafts in ((0.3, [2, 4, 11, 1]), (0.5, [2]), (0.7, [])):
-        proposer = SuffixProposer(suffix(suffix_decoding_min_token_prob=min_prob,
-                                         suffix_decoding_max_spec_factor=4.0))
+        proposer = SuffixProposer(
+            suffix(suffix_decoding_min_token_prob=min_prob, suffix_decoding_max_spec_factor=4.0)
+        )
         assert proposer.propose("r", prompt, [], 4) == drafts
 
 
@@ -138,8 +152,9 @@ def test_the_tree_depth_bounds_match_plus_drafts() -> None:
     proposer = SuffixProposer(suffix(suffix_decoding_max_tree_depth=8))
     # A 6-token match leaves 2 of the depth; a 4-token one 4 (and factor 1 allows 4).
     assert proposer.propose("r", prompt, [], 24) == span[6:10]
-    assert SuffixProposer(suffix(suffix_decoding_max_tree_depth=1)).propose(
-        "r", prompt, [], 24) == []
+    assert (
+        SuffixProposer(suffix(suffix_decoding_max_tree_depth=1)).propose("r", prompt, [], 24) == []
+    )
 
 
 def test_nothing_matches_no_drafts() -> None:
@@ -163,8 +178,9 @@ def test_a_later_request_drafts_from_an_earlier_answer() -> None:
         assert proposer.propose("b", [9, 9] + answer[:4], [], 24) == expected
         # A running request's output is drafted from too.
         proposer.propose("c", [4, 5], answer[:4], 24)
-        assert proposer.propose("d", [answer[0]], [answer[1]], 1) == (answer[2:3] if max_cached
-                                                                        else [])
+        assert proposer.propose("d", [answer[0]], [answer[1]], 1) == (
+            answer[2:3] if max_cached else []
+        )
 
 
 def test_fifo_eviction_takes_out_exactly_the_oldest_answer() -> None:
@@ -182,8 +198,9 @@ def test_fifo_eviction_takes_out_exactly_the_oldest_answer() -> None:
         fresh.propose(request_id, [7, 7], answers[request_id], 24)
         fresh.forget(request_id)
     for pattern in ([1, 2], [4, 1], [2, 3, 4], [3, 4], [9]):
-        assert (proposer.propose("q", [8] + pattern, [], 24)
-                == fresh.propose("q", [8] + pattern, [], 24))
+        assert proposer.propose("q", [8] + pattern, [], 24) == fresh.propose(
+            "q", [8] + pattern, [], 24
+        )
     # "a" again: its old answer, if cached, would go first; "b" is evicted as it ends.
     proposer.propose("b", [7, 7], [], 24)
     assert tree.counts() == substring_counts([answers["c"]], 24)
@@ -207,8 +224,10 @@ def test_a_shorter_output_starts_the_request_over() -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_feeding_tokens_one_by_one_equals_one_call(seed: int) -> None:
     rng = random.Random(seed)
-    config = suffix(suffix_decoding_max_tree_depth=rng.choice([3, 6, 24]),
-                    suffix_decoding_min_token_prob=rng.choice([0.0, 0.1, 0.3]))
+    config = suffix(
+        suffix_decoding_max_tree_depth=rng.choice([3, 6, 24]),
+        suffix_decoding_min_token_prob=rng.choice([0.0, 0.1, 0.3]),
+    )
     prompt = [rng.randrange(4) for _ in range(rng.randrange(40))]
     output = [rng.randrange(4) for _ in range(60)]
     stepwise = SuffixProposer(config)
@@ -225,11 +244,13 @@ def test_many_requests_match_the_reference(seed: int) -> None:
     """Requests interleave, end, restart and are evicted; every draft and the global tree's
     counts equal the reference's, built from what should be in the trees."""
     rng = random.Random(seed)
-    config = suffix(num_speculative_tokens=rng.choice([1, 4, 24]),
-                    suffix_decoding_max_tree_depth=rng.choice([1, 2, 3, 5, 8, 24]),
-                    suffix_decoding_max_cached_requests=rng.choice([0, 1, 2, 3]),
-                    suffix_decoding_max_spec_factor=rng.choice([0.5, 1.0, 2.0]),
-                    suffix_decoding_min_token_prob=rng.choice([0.0, 0.1, 0.4]))
+    config = suffix(
+        num_speculative_tokens=rng.choice([1, 4, 24]),
+        suffix_decoding_max_tree_depth=rng.choice([1, 2, 3, 5, 8, 24]),
+        suffix_decoding_max_cached_requests=rng.choice([0, 1, 2, 3]),
+        suffix_decoding_max_spec_factor=rng.choice([0.5, 1.0, 2.0]),
+        suffix_decoding_min_token_prob=rng.choice([0.0, 0.1, 0.4]),
+    )
     vocab = rng.choice([2, 3, 5])
     proposer = SuffixProposer(config)
     running: dict[str, tuple[list[int], list[int]]] = {}  # prompt, output seen
@@ -247,8 +268,9 @@ def test_many_requests_match_the_reference(seed: int) -> None:
         if request_id not in running or rng.random() < 0.05:  # (re)starts
             cached.pop(request_id, None)
             old = len(running[request_id][0]) if request_id in running else -1
-            prompt = [rng.randrange(vocab) for _ in range(rng.choice(
-                [n for n in range(12) if n != old]))]  # another length: a restart
+            prompt = [
+                rng.randrange(vocab) for _ in range(rng.choice([n for n in range(12) if n != old]))
+            ]  # another length: a restart
             output = [rng.randrange(vocab) for _ in range(rng.randrange(3))]
         else:
             prompt, output = running[request_id]
@@ -258,10 +280,12 @@ def test_many_requests_match_the_reference(seed: int) -> None:
         global_seqs = None
         if config.suffix_decoding_max_cached_requests:
             global_seqs = [*cached.values(), *(o for _, o in running.values())]
-        assert (proposer.propose(request_id, prompt, output, max_drafts)
-                == reference_propose(prompt, output, global_seqs, config, max_drafts))
+        assert proposer.propose(request_id, prompt, output, max_drafts) == reference_propose(
+            prompt, output, global_seqs, config, max_drafts
+        )
         if proposer._global is not None:
             assert global_seqs is not None
             assert proposer._global.counts() == substring_counts(
-                global_seqs, config.suffix_decoding_max_tree_depth)
+                global_seqs, config.suffix_decoding_max_tree_depth
+            )
             check_tree(proposer._global)

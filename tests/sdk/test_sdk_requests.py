@@ -35,41 +35,58 @@ def test_bad_parameters_are_invalid_argument_and_value_error() -> None:
 def test_chat_takes_one_user_message_and_refuses_what_grpc_cannot_carry() -> None:
     assert chat_text("hi") == "hi"
     assert chat_text([{"role": "user", "content": "hi"}]) == "hi"
-    for messages in ([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
-                     [{"role": "assistant", "content": "a"}],
-                     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]):
+    for messages in (
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+        [{"role": "assistant", "content": "a"}],
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    ):
         with pytest.raises(errors.InvalidArgument, match="/v1/chat/completions"):
             chat_text(messages)
 
 
 def test_the_config_checks_its_arguments() -> None:
     def build(address: object = "h:1", **kwargs: object) -> ClientConfig:
-        args = {"api_key": None, "tls": None, "ca_path": None, "cert_path": None, "key_path": None,
-                    "timeout_s": None, "resume_timeout_s": 60.0, "max_resumes": None}
+        args = {
+            "api_key": None,
+            "tls": None,
+            "ca_path": None,
+            "cert_path": None,
+            "key_path": None,
+            "timeout_s": None,
+            "resume_timeout_s": 60.0,
+            "max_resumes": None,
+        }
         return ClientConfig.build(address, **{**args, **kwargs})
 
     assert build(["a:1", "b:2"]).addresses == ("a:1", "b:2")
     assert build(api_key="k").metadata() == (("authorization", "Bearer k"),)
     assert build().metadata() is None
-    for bad in ({"address": []}, {"timeout_s": 0}, {"max_resumes": -1},
-                {"cert_path": "/nonexistent.pem"}):
+    for bad in (
+        {"address": []},
+        {"timeout_s": 0},
+        {"max_resumes": -1},
+        {"cert_path": "/nonexistent.pem"},
+    ):
         with pytest.raises(ValueError):
             build(**bad)
 
 
-@pytest.mark.parametrize("code, error", [
-    (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgument),
-    (grpc.StatusCode.OUT_OF_RANGE, errors.InvalidArgument),
-    (grpc.StatusCode.NOT_FOUND, errors.NotFound),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
-    (grpc.StatusCode.UNAVAILABLE, errors.Unavailable),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceeded),
-    (grpc.StatusCode.UNAUTHENTICATED, errors.Unauthenticated),
-    (grpc.StatusCode.PERMISSION_DENIED, errors.PermissionDenied),
-    (grpc.StatusCode.CANCELLED, errors.Cancelled),
-    (grpc.StatusCode.INTERNAL, errors.InternalError),
-    (grpc.StatusCode.UNIMPLEMENTED, errors.InternalError),
-])
+@pytest.mark.parametrize(
+    "code, error",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgument),
+        (grpc.StatusCode.OUT_OF_RANGE, errors.InvalidArgument),
+        (grpc.StatusCode.NOT_FOUND, errors.NotFound),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
+        (grpc.StatusCode.UNAVAILABLE, errors.Unavailable),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceeded),
+        (grpc.StatusCode.UNAUTHENTICATED, errors.Unauthenticated),
+        (grpc.StatusCode.PERMISSION_DENIED, errors.PermissionDenied),
+        (grpc.StatusCode.CANCELLED, errors.Cancelled),
+        (grpc.StatusCode.INTERNAL, errors.InternalError),
+        (grpc.StatusCode.UNIMPLEMENTED, errors.InternalError),
+    ],
+)
 def test_each_status_has_its_error(code: grpc.StatusCode, error: type) -> None:
     raised = errors.from_status(code, "why", request_id="r")
     assert type(raised) is error and isinstance(raised, errors.PagemeshError)

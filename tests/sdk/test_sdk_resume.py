@@ -20,10 +20,12 @@ def text_of(token_id: int) -> str:
     return f"é{token_id}·"
 
 
-def chunk(index: int, token_ids: list[int], *, final: bool = False,
-          usage: bool = False) -> generate_pb2.GenerateResponse:
-    pb = generate_pb2.GenerateResponse(request_id="r", index=index, token_ids=token_ids,
-                                       text="".join(map(text_of, token_ids)))
+def chunk(
+    index: int, token_ids: list[int], *, final: bool = False, usage: bool = False
+) -> generate_pb2.GenerateResponse:
+    pb = generate_pb2.GenerateResponse(
+        request_id="r", index=index, token_ids=token_ids, text="".join(map(text_of, token_ids))
+    )
     pb.logprobs.extend(generate_pb2.TokenLogprob(token_id=t, logprob=-t / 100) for t in token_ids)
     if final:
         pb.finish_reason = generate_pb2.FINISH_REASON_LENGTH
@@ -59,12 +61,14 @@ class Clock:
 def state(n: int = 2, num_addresses: int = 2, **policy: object) -> tuple[StreamState, Clock]:
     clock = Clock()
     request = generate_pb2.GenerateRequest(request_id="r", text="hi", n=n)
-    return StreamState(request, ResumePolicy(**policy), num_addresses=num_addresses,
-                       clock=clock), clock
+    return StreamState(
+        request, ResumePolicy(**policy), num_addresses=num_addresses, clock=clock
+    ), clock
 
 
-def feed(s: StreamState, completion: Completion,
-         responses: list[generate_pb2.GenerateResponse]) -> None:
+def feed(
+    s: StreamState, completion: Completion, responses: list[generate_pb2.GenerateResponse]
+) -> None:
     for pb in responses:
         got = s.accept(pb)
         if got is not None:
@@ -107,8 +111,9 @@ def test_samples_broken_at_different_counts_resume_from_the_smaller_and_drop_the
 def test_a_multi_token_chunk_moves_the_resume_point_back_to_a_boundary() -> None:
     s, _ = state()
     completion = Completion.empty("r", 2)
-    feed(s, completion, [chunk(0, [11]), chunk(1, [21]), chunk(0, [12, 13, 14]),
-                         chunk(1, [22, 23])])
+    feed(
+        s, completion, [chunk(0, [11]), chunk(1, [21]), chunk(0, [12, 13, 14]), chunk(1, [22, 23])]
+    )
     s.failed(grpc.StatusCode.UNKNOWN, "stream reset")
     # Sample 0 passed 1 and 4 at a chunk's end, sample 1 passed 1 and 3: 1 is common.
     assert s.next_request().resume_from == 1
@@ -158,16 +163,20 @@ def test_a_request_that_received_nothing_tries_each_address_once() -> None:
         s.failed(grpc.StatusCode.UNAVAILABLE, "refused")
 
 
-@pytest.mark.parametrize("code, error", [
-    (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgument),
-    (grpc.StatusCode.NOT_FOUND, errors.NotFound),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
-    (grpc.StatusCode.UNAUTHENTICATED, errors.Unauthenticated),
-    (grpc.StatusCode.PERMISSION_DENIED, errors.PermissionDenied),
-    (grpc.StatusCode.DATA_LOSS, errors.InternalError),
-])
-def test_a_failure_no_resume_can_fix_raises_its_typed_error(code: grpc.StatusCode,
-                                                            error: type) -> None:
+@pytest.mark.parametrize(
+    "code, error",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgument),
+        (grpc.StatusCode.NOT_FOUND, errors.NotFound),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
+        (grpc.StatusCode.UNAUTHENTICATED, errors.Unauthenticated),
+        (grpc.StatusCode.PERMISSION_DENIED, errors.PermissionDenied),
+        (grpc.StatusCode.DATA_LOSS, errors.InternalError),
+    ],
+)
+def test_a_failure_no_resume_can_fix_raises_its_typed_error(
+    code: grpc.StatusCode, error: type
+) -> None:
     s, _ = state()
     with pytest.raises(error) as caught:
         s.failed(code, "why")

@@ -17,8 +17,10 @@ def main() -> None:
     torch.ones(2048, 2048).sum()  # an OpenMP region: its team exists (and is bound) now
     threads = [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
     with open(sys.argv[1], "w") as out:
-        json.dump({"affinity": started_on, "threads": threads,
-                   "torch_threads": torch.get_num_threads()}, out)
+        json.dump(
+            {"affinity": started_on, "threads": threads, "torch_threads": torch.get_num_threads()},
+            out,
+        )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ def write_bpe_folder(folder: Path, chat_template: str | None = None, add_bos: bo
     raw.train_from_iterator(CORPUS, trainer)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
     if add_bos:
-        raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        raw.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 0)]
+        )
         config["bos_token"] = "<s>"
     if chat_template is not None:
         config["chat_template"] = chat_template

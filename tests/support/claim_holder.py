@@ -1,4 +1,5 @@
-"""A process that holds one registry id, as a scheduler does (pagemesh.runtime.registry: claim, then a
+"""A process that holds one registry id, as a scheduler does (pagemesh.runtime.registry: claim,
+then a
 heartbeat every interval), for tests that cut it off the network. Prints "claimed <instance>"
 once it holds the id; exits with status 3 once it finds itself fenced (its claim lost).
 
@@ -16,8 +17,15 @@ FENCED_EXIT = 3
 
 
 async def hold(redis_url: str, cluster: str, kind: str, service_id: str, ttl_s: float) -> int:
-    registry = Registry(RegistryConfig(redis_url, cluster, heartbeat_interval_s=ttl_s / 4,
-                                       ttl_s=ttl_s, call_timeout_s=ttl_s / 4))
+    registry = Registry(
+        RegistryConfig(
+            redis_url,
+            cluster,
+            heartbeat_interval_s=ttl_s / 4,
+            ttl_s=ttl_s,
+            call_timeout_s=ttl_s / 4,
+        )
+    )
     fenced = asyncio.Event()
     registry.on_fenced.append(lambda record: fenced.set())
     await registry.start_heartbeat(kind, service_id, lambda: {"address": "-"})

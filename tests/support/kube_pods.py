@@ -80,8 +80,11 @@ def dockerfile_stages(path: Path = REPO_ROOT / "Dockerfile") -> dict[str, Image]
             current = base
         elif op in ("ENTRYPOINT", "CMD"):
             value = yaml.safe_load(rest) if rest.startswith("[") else ["/bin/sh", "-c", rest]
-            current = Image(value, current.cmd if op == "CMD" else [], current.workdir) \
-                if op == "ENTRYPOINT" else Image(current.entrypoint, value, current.workdir)
+            current = (
+                Image(value, current.cmd if op == "CMD" else [], current.workdir)
+                if op == "ENTRYPOINT"
+                else Image(current.entrypoint, value, current.workdir)
+            )
         elif op == "WORKDIR":
             current = Image(current.entrypoint, current.cmd, rest)
         if name:
@@ -111,8 +114,9 @@ def container_argv(container: dict[str, Any], image: Image) -> list[str]:
     """Kubernetes' rule: `command` replaces the entrypoint (and drops the cmd), `args` the cmd."""
     command = container.get("command")
     args = container.get("args")
-    argv = (command if command is not None else image.entrypoint) + \
-        (args if args is not None else ([] if command is not None else image.cmd))
+    argv = (command if command is not None else image.entrypoint) + (
+        args if args is not None else ([] if command is not None else image.cmd)
+    )
     if argv[:1] == ["docker-entrypoint.sh"]:  # valkey/redis: a flag first means the server
         rest = argv[1:]
         argv = ([image.cmd[0]] + rest) if not rest or rest[0].startswith("-") else rest
@@ -124,10 +128,12 @@ def container_argv(container: dict[str, Any], image: Image) -> list[str]:
 
 def expand(text: str, env: dict[str, str]) -> str:
     """The kubelet's `$(VAR)`: defined names expand, others stay as written, `$$` is `$`."""
+
     def one(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
             return "$"
         return env.get(match.group(1), match.group(0))
+
     return _VAR.sub(one, str(text))
 
 
@@ -160,10 +166,16 @@ class Pod:
         if labels:
             source = self.labels if labels.group(1) == "labels" else self.annotations
             return source.get(labels.group(2), "")
-        values = {"metadata.name": self.name, "metadata.namespace": self.namespace,
-                  "status.podIP": self.ip, "status.podIPs": self.ip, "status.hostIP": self.ip,
-                  "spec.nodeName": f"node-{self.name}", "metadata.uid": f"uid-{self.name}",
-                  "spec.serviceAccountName": self.spec.get("serviceAccountName", "default")}
+        values = {
+            "metadata.name": self.name,
+            "metadata.namespace": self.namespace,
+            "status.podIP": self.ip,
+            "status.podIPs": self.ip,
+            "status.hostIP": self.ip,
+            "spec.nodeName": f"node-{self.name}",
+            "metadata.uid": f"uid-{self.name}",
+            "spec.serviceAccountName": self.spec.get("serviceAccountName", "default"),
+        }
         if path not in values:
             raise KubeTranslationError(f"{self.name}: fieldRef {path!r}")
         return values[path]
@@ -194,8 +206,12 @@ class Manifests:
         self.by_kind: dict[str, dict[str, dict[str, Any]]] = {}
         for obj in objects:
             self.by_kind.setdefault(obj["kind"], {})[obj["metadata"]["name"]] = obj
-        self.pods = [pod for kind in WORKLOAD_KINDS
-                     for obj in self.by_kind.get(kind, {}).values() for pod in _expand(obj)]
+        self.pods = [
+            pod
+            for kind in WORKLOAD_KINDS
+            for obj in self.by_kind.get(kind, {}).values()
+            for pod in _expand(obj)
+        ]
 
     def pod(self, name: str) -> Pod:
         return next(pod for pod in self.pods if pod.name == name)
@@ -218,10 +234,13 @@ class Manifests:
                 env[var["name"]] = value
         image = image_config(spec["image"])
         argv = [expand(arg, env) for arg in container_argv(spec, image)]
-        mounts = {m["mountPath"]: (m["name"], m.get("subPath", ""))
-                  for m in spec.get("volumeMounts") or []}
-        return Container(pod.name, spec["name"], argv, env, spec.get("workingDir", image.workdir),
-                         mounts, spec)
+        mounts = {
+            m["mountPath"]: (m["name"], m.get("subPath", ""))
+            for m in spec.get("volumeMounts") or []
+        }
+        return Container(
+            pod.name, spec["name"], argv, env, spec.get("workingDir", image.workdir), mounts, spec
+        )
 
     def _source_data(self, pod: Pod, source: dict[str, Any]) -> dict[str, str]:
         for kind, key in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
@@ -232,12 +251,14 @@ class Manifests:
                     if ref.get("optional"):
                         return {}
                     raise KubeTranslationError(
-                        f"{pod.name}: envFrom {kind} {ref['name']!r} is not rendered")
+                        f"{pod.name}: envFrom {kind} {ref['name']!r} is not rendered"
+                    )
                 return data_of(obj)
         raise KubeTranslationError(f"{pod.name}: envFrom {source}")
 
-    def _env_value(self, pod: Pod, container: dict[str, Any], var: dict[str, Any],
-                   before: dict[str, str]) -> str | None:
+    def _env_value(
+        self, pod: Pod, container: dict[str, Any], var: dict[str, Any], before: dict[str, str]
+    ) -> str | None:
         """One `env` entry's value; `$(VAR)` in a `value` reads the variables `before` it."""
         if "valueFrom" not in var:
             return expand(var.get("value", ""), before)
@@ -253,7 +274,8 @@ class Manifests:
                     raise KubeTranslationError(
                         f"{pod.name}: {var['name']} reads {kind} {ref['name']!r} "
                         f"key {ref['key']!r}, "
-                        "which is not rendered")
+                        "which is not rendered"
+                    )
                 return data[ref["key"]]
         if "fieldRef" in source:
             return pod.field(source["fieldRef"]["fieldPath"])
@@ -263,7 +285,6 @@ class Manifests:
 
     # --- Services
 
-
     def dns_names(self) -> dict[str, tuple[Pod, dict[int, int | str]]]:
         """Every Service name (each form) -> the pod it reaches and its port map (Service port ->
         target port); per-pod names of headless Services map ports to themselves."""
@@ -271,10 +292,18 @@ class Manifests:
         for service in self.by_kind.get("Service", {}).values():
             svc, ns = service["metadata"]["name"], _namespace(service)
             selector = service["spec"].get("selector") or {}
-            selected = sorted((p for p in self.pods if p.namespace == ns and selector
-                               and selector.items() <= p.labels.items()), key=lambda p: p.name)
-            ports = {int(p["port"]): p.get("targetPort", p["port"])
-                     for p in service["spec"].get("ports") or []}
+            selected = sorted(
+                (
+                    p
+                    for p in self.pods
+                    if p.namespace == ns and selector and selector.items() <= p.labels.items()
+                ),
+                key=lambda p: p.name,
+            )
+            ports = {
+                int(p["port"]): p.get("targetPort", p["port"])
+                for p in service["spec"].get("ports") or []
+            }
             if selected:
                 for name in _forms(svc, ns):
                     names[name] = (selected[0], ports)
@@ -290,21 +319,26 @@ class Manifests:
         selector = service["spec"].get("selector") or {}
         return [p for p in self.pods if selector and selector.items() <= p.labels.items()]
 
-
     # --- NetworkPolicies (ingress; nothing here enforces them, a run checks what it saw)
 
     def ingress_allowed(self, source: Pod | None, target: Pod, port: int) -> bool:
         """Whether the NetworkPolicies admit a TCP connection from `source` (None: from
         outside the cluster's pods) to `target`'s `port`."""
-        policies = [p for p in self.by_kind.get("NetworkPolicy", {}).values()
-                    if _namespace(p) == target.namespace
-                    and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-                    and selects(p["spec"].get("podSelector") or {}, target.labels)]
+        policies = [
+            p
+            for p in self.by_kind.get("NetworkPolicy", {}).values()
+            if _namespace(p) == target.namespace
+            and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+            and selects(p["spec"].get("podSelector") or {}, target.labels)
+        ]
         if not policies:
             return True
-        return any(_port_matches(rule.get("ports"), port, target)
-                   and _source_matches(rule.get("from"), source, _namespace(policy))
-                   for policy in policies for rule in policy["spec"].get("ingress") or [])
+        return any(
+            _port_matches(rule.get("ports"), port, target)
+            and _source_matches(rule.get("from"), source, _namespace(policy))
+            for policy in policies
+            for rule in policy["spec"].get("ingress") or []
+        )
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -314,9 +348,12 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     for expression in selector.get("matchExpressions") or []:
         key, operator = expression["key"], expression["operator"]
         values = expression.get("values") or []
-        matched = {"In": key in labels and labels[key] in values,
-                   "NotIn": key not in labels or labels[key] not in values,
-                   "Exists": key in labels, "DoesNotExist": key not in labels}[operator]
+        matched = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
         if not matched:
             return False
     return True
@@ -392,9 +429,18 @@ def _expand(obj: dict[str, Any]) -> list[Pod]:
     kind, name, ns = obj["kind"], obj["metadata"]["name"], _namespace(obj)
     if kind == "Pod":
         meta = obj["metadata"]
-        return [Pod(name, ns, f"Pod/{name}", dict(meta.get("labels") or {}),
-                    dict(meta.get("annotations") or {}), obj["spec"],
-                    obj["spec"].get("hostname", name), obj["spec"].get("subdomain"))]
+        return [
+            Pod(
+                name,
+                ns,
+                f"Pod/{name}",
+                dict(meta.get("labels") or {}),
+                dict(meta.get("annotations") or {}),
+                obj["spec"],
+                obj["spec"].get("hostname", name),
+                obj["spec"].get("subdomain"),
+            )
+        ]
     if kind == "LeaderWorkerSet":
         return _expand_lws(obj)
     spec = obj["spec"]
@@ -413,11 +459,23 @@ def _expand(obj: dict[str, Any]) -> list[Pod]:
         if kind == "StatefulSet":
             labels |= {POD_INDEX_LABEL: str(index), "statefulset.kubernetes.io/pod-name": pod_name}
             subdomain = spec.get("serviceName")
-            claims = {t["metadata"]["name"]: f"{t['metadata']['name']}-{pod_name}"
-                      for t in spec.get("volumeClaimTemplates") or []}
-        pods.append(Pod(pod_name, ns, f"{kind}/{name}", labels,
-                        dict(meta.get("annotations") or {}), template["spec"], hostname,
-                        subdomain, claims))
+            claims = {
+                t["metadata"]["name"]: f"{t['metadata']['name']}-{pod_name}"
+                for t in spec.get("volumeClaimTemplates") or []
+            }
+        pods.append(
+            Pod(
+                pod_name,
+                ns,
+                f"{kind}/{name}",
+                labels,
+                dict(meta.get("annotations") or {}),
+                template["spec"],
+                hostname,
+                subdomain,
+                claims,
+            )
+        )
     return pods
 
 
@@ -426,7 +484,7 @@ def _hash(text: str, num_chars: int) -> str:
     alphabet = "bcdfghjklmnpqrstvwxz2456789"
     value = int(hashlib.sha256(text.encode()).hexdigest(), 16)
     base = len(alphabet)
-    return "".join(alphabet[(value // base ** i) % base] for i in range(num_chars))
+    return "".join(alphabet[(value // base**i) % base] for i in range(num_chars))
 
 
 def _expand_lws(obj: dict[str, Any]) -> list[Pod]:
@@ -441,26 +499,46 @@ def _expand_lws(obj: dict[str, Any]) -> list[Pod]:
     for group in range(int(spec.get("replicas", 1))):
         leader = f"{name}-{group}"
         for index in range(size):
-            template = lws.get("leaderTemplate") if index == 0 and lws.get("leaderTemplate") \
+            template = (
+                lws.get("leaderTemplate")
+                if index == 0 and lws.get("leaderTemplate")
                 else lws["workerTemplate"]
+            )
             meta = template.get("metadata") or {}
             pod_name = leader if index == 0 else f"{leader}-{index}"
             labels = dict(meta.get("labels") or {}) | {
                 "leaderworkerset.sigs.k8s.io/name": name,
                 "leaderworkerset.sigs.k8s.io/group-index": str(group),
-                "leaderworkerset.sigs.k8s.io/worker-index": str(index)}
-            pod_spec = _with_env(template["spec"], {
-                "LWS_LEADER_ADDRESS": f"{leader}.{name}.{ns}", "LWS_GROUP_SIZE": str(size),
-                "LWS_WORKER_INDEX": str(index)})
-            pods.append(Pod(pod_name, ns, f"LeaderWorkerSet/{name}", labels,
-                            dict(meta.get("annotations") or {}), pod_spec, pod_name, name))
+                "leaderworkerset.sigs.k8s.io/worker-index": str(index),
+            }
+            pod_spec = _with_env(
+                template["spec"],
+                {
+                    "LWS_LEADER_ADDRESS": f"{leader}.{name}.{ns}",
+                    "LWS_GROUP_SIZE": str(size),
+                    "LWS_WORKER_INDEX": str(index),
+                },
+            )
+            pods.append(
+                Pod(
+                    pod_name,
+                    ns,
+                    f"LeaderWorkerSet/{name}",
+                    labels,
+                    dict(meta.get("annotations") or {}),
+                    pod_spec,
+                    pod_name,
+                    name,
+                )
+            )
     return pods
 
 
 def _with_env(pod_spec: dict[str, Any], extra: dict[str, str]) -> dict[str, Any]:
     injected = [{"name": k, "value": v} for k, v in extra.items()]
-    containers = [{**c, "env": injected + list(c.get("env") or [])}
-                  for c in pod_spec.get("containers") or []]
+    containers = [
+        {**c, "env": injected + list(c.get("env") or [])} for c in pod_spec.get("containers") or []
+    ]
     return {**pod_spec, "containers": containers}
 
 

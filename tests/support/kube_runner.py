@@ -50,8 +50,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh.tools.testing.netns import HostNetwork, namespaces_unavailable
 from tests.support.compose_runner import PRIVATE_PREFIXES
-from tests.support.kube_pods import (Container, KubeTranslationError, Manifests, Pod, data_of,
-                                     target_port)
+from tests.support.kube_pods import (
+    Container,
+    KubeTranslationError,
+    Manifests,
+    Pod,
+    data_of,
+    target_port,
+)
 from tests.support.paths import REPO_ROOT
 
 IMAGE_ROOT = "/opt/pagemesh"
@@ -117,10 +123,17 @@ class Stopped:
 class KubeRun:
     """The pods of `manifests`, run locally; `stop()` ends all of them."""
 
-    def __init__(self, manifests: Manifests, run_dir: Path, *, model: Path | None = None,
-                 volume_dirs: dict[str, Path] | None = None,
-                 extra_env: dict[str, str] | None = None,
-                 use_namespaces: bool | None = None, prefix: str = "10.213.81") -> None:
+    def __init__(
+        self,
+        manifests: Manifests,
+        run_dir: Path,
+        *,
+        model: Path | None = None,
+        volume_dirs: dict[str, Path] | None = None,
+        extra_env: dict[str, str] | None = None,
+        use_namespaces: bool | None = None,
+        prefix: str = "10.213.81",
+    ) -> None:
         self.manifests = manifests
         self.run_dir = run_dir
         self.model = model
@@ -153,8 +166,10 @@ class KubeRun:
         bin_dir = self._shims()
         for pod in self.pods:
             mounts = self._volumes(pod)
-            self.inits += [self._localize(pod, init, mounts, bin_dir)
-                           for init in self.manifests.containers(pod, init=True)]
+            self.inits += [
+                self._localize(pod, init, mounts, bin_dir)
+                for init in self.manifests.containers(pod, init=True)
+            ]
             for container in self.manifests.containers(pod):
                 self.running[container.label] = self._localize(pod, container, mounts, bin_dir)
         return self
@@ -211,13 +226,18 @@ class KubeRun:
                         obj = self.manifests.by_kind.get(kind, {}).get(ref)
                         if obj is None and not volume[key].get("optional"):
                             raise KubeTranslationError(
-                                f"{pod.name}: volume {name}: {kind} {ref!r} is not rendered")
-                        self._write_keys(folder, data_of(obj) if obj else {},
-                                         volume[key].get("items"))
+                                f"{pod.name}: volume {name}: {kind} {ref!r} is not rendered"
+                            )
+                        self._write_keys(
+                            folder, data_of(obj) if obj else {}, volume[key].get("items")
+                        )
             folders[name] = Path(folder)
         for template, claim in pod.claims.items():  # StatefulSet volumeClaimTemplates
-            folder = self.volume_dirs.get(template) or self.volume_dirs.get(claim) \
+            folder = (
+                self.volume_dirs.get(template)
+                or self.volume_dirs.get(claim)
                 or self.run_dir / "claims" / claim
+            )
             Path(folder).mkdir(parents=True, exist_ok=True)
             folders[template] = Path(folder)
         return folders
@@ -231,17 +251,29 @@ class KubeRun:
 
     def _run_init(self, running: Running) -> None:
         log = self._log(running)
-        done = subprocess.run(self._argv(running.pod, running.argv), env=self._env(running),
-                              cwd=running.cwd, stdout=log, stderr=subprocess.STDOUT, timeout=120)
+        done = subprocess.run(
+            self._argv(running.pod, running.argv),
+            env=self._env(running),
+            cwd=running.cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=120,
+        )
         self.events.append(f"init {running.container.label} exited {done.returncode}")
         if done.returncode != 0:
             raise RuntimeError(
-                f"init container {running.container.label} failed:\n{self.log_tails()}")
+                f"init container {running.container.label} failed:\n{self.log_tails()}"
+            )
 
     def _spawn(self, running: Running) -> None:
         running.process = subprocess.Popen(
-            self._argv(running.pod, running.argv), env=self._env(running), cwd=running.cwd,
-            stdout=self._log(running), stderr=subprocess.STDOUT, start_new_session=True)
+            self._argv(running.pod, running.argv),
+            env=self._env(running),
+            cwd=running.cwd,
+            stdout=self._log(running),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def _argv(self, pod: Pod, argv: list[str]) -> list[str]:
         namespace = self.namespaces.get(pod.name)
@@ -258,35 +290,55 @@ class KubeRun:
 
     # --- what the container sees -> what this process sees
 
-    def _localize(self, pod: Pod, container: Container, volumes: dict[str, Path],
-                  bin_dir: Path) -> Running:
+    def _localize(
+        self, pod: Pod, container: Container, volumes: dict[str, Path], bin_dir: Path
+    ) -> Running:
         mounts = {}
         for path, (volume, sub_path) in container.mounts.items():
             if volume not in volumes:
                 raise KubeTranslationError(
-                    f"{container.label}: mounts {volume!r}, which the pod lacks")
+                    f"{container.label}: mounts {volume!r}, which the pod lacks"
+                )
             mounts[path] = volumes[volume] / sub_path if sub_path else volumes[volume]
-        env = {key: self._value(pod, container, key, value, mounts)
-               for key, value in container.env.items()}
+        env = {
+            key: self._value(pod, container, key, value, mounts)
+            for key, value in container.env.items()
+        }
         env["PATH"] = f"{REPO_ROOT / '.venv' / 'bin'}:{bin_dir}:{os.environ.get('PATH', '')}"
-        argv = [self._arg(pod, container, arg, mounts, host_like=i > 0 and bool(
-                    _HOST_FLAG.match(container.argv[i - 1])))
-                for i, arg in enumerate(container.argv)]
+        argv = [
+            self._arg(
+                pod,
+                container,
+                arg,
+                mounts,
+                host_like=i > 0 and bool(_HOST_FLAG.match(container.argv[i - 1])),
+            )
+            for i, arg in enumerate(container.argv)
+        ]
         if self.model is not None:
-            argv = [str(self.model) if i > 0 and argv[i - 1] == "--model" else
-                    f"--model={self.model}" if arg.startswith("--model=") else arg
-                    for i, arg in enumerate(argv)]
-        argv = ["cpu" if i > 0 and argv[i - 1] == "--device" and arg.startswith("cuda") else arg
-                for i, arg in enumerate(argv)]
+            argv = [
+                str(self.model)
+                if i > 0 and argv[i - 1] == "--model"
+                else f"--model={self.model}"
+                if arg.startswith("--model=")
+                else arg
+                for i, arg in enumerate(argv)
+            ]
+        argv = [
+            "cpu" if i > 0 and argv[i - 1] == "--device" and arg.startswith("cuda") else arg
+            for i, arg in enumerate(argv)
+        ]
         cwd = Path(self._path(container, container.working_dir, mounts))
         if not str(cwd).startswith(str(REPO_ROOT)) and not any(
-                str(cwd).startswith(str(m)) for m in mounts.values()):
+            str(cwd).startswith(str(m)) for m in mounts.values()
+        ):
             cwd = self.run_dir / "rootfs" / pod.name / str(cwd).lstrip("/")  # e.g. valkey's /data
             cwd.mkdir(parents=True, exist_ok=True)
         return Running(pod, container, argv, env, cwd, mounts)
 
-    def _value(self, pod: Pod, container: Container, key: str, value: str,
-               mounts: dict[str, Path]) -> str:
+    def _value(
+        self, pod: Pod, container: Container, key: str, value: str, mounts: dict[str, Path]
+    ) -> str:
         if key == "PAGEMESH_MODEL" and self.model is not None:
             return str(self.model)
         if key == "PAGEMESH_DEVICE" and value.startswith("cuda"):
@@ -294,8 +346,14 @@ class KubeRun:
         host_like = any(part in key for part in ("HOST", "ADDR", "ENDPOINT", "URL"))
         return self._arg(pod, container, value, mounts, host_like=host_like)
 
-    def _arg(self, pod: Pod, container: Container, text: str, mounts: dict[str, Path],
-             host_like: bool = False) -> str:
+    def _arg(
+        self,
+        pod: Pod,
+        container: Container,
+        text: str,
+        mounts: dict[str, Path],
+        host_like: bool = False,
+    ) -> str:
         """One value: paths under a mount, URLs and `host:port` with a Service's name, and a
         whole value that is a name (short names only where a host is expected)."""
         flag, eq, rest = text.partition("=")
@@ -306,8 +364,9 @@ class KubeRun:
         if (host_like or "." in text) and (text in self.dns or self._is_loopback(text)):
             return self._host(pod, container, text)
         text = _URL.sub(lambda m: self._url(pod, container, m.group(1)), text)
-        return _HOST_PORT.sub(lambda m: self._host_port(pod, container, m.group(1), int(m.group(2)),
-                                                        m.group(0)), text)
+        return _HOST_PORT.sub(
+            lambda m: self._host_port(pod, container, m.group(1), int(m.group(2)), m.group(0)), text
+        )
 
     def _is_loopback(self, host: str) -> bool:
         return self.network is None and host in LOOPBACK_HOSTS
@@ -320,8 +379,9 @@ class KubeRun:
             return str(REPO_ROOT / os.path.relpath(path, IMAGE_ROOT))
         return path
 
-    def _resolve(self, pod: Pod, container: Container, host: str, port: int | None
-                 ) -> tuple[str, int | None] | None:
+    def _resolve(
+        self, pod: Pod, container: Container, host: str, port: int | None
+    ) -> tuple[str, int | None] | None:
         """(address, port) for a name this run knows; None for one it leaves alone."""
         if self._is_loopback(host):
             return pod.ip, port
@@ -372,18 +432,24 @@ class KubeRun:
                     now = time.monotonic()
                     if running.next_start is None:
                         # The first restart is at once; later ones back off, doubling to 5 min.
-                        delay_s = 0.0 if running.restarts == 0 else \
-                            min(300.0, backoff_s * 2 ** (running.restarts - 1))
+                        delay_s = (
+                            0.0
+                            if running.restarts == 0
+                            else min(300.0, backoff_s * 2 ** (running.restarts - 1))
+                        )
                         running.next_start = now + delay_s
-                        self.events.append(f"{running.container.label} exited {process.returncode};"
-                                           f" restart in {delay_s:.0f} s ({policy})")
+                        self.events.append(
+                            f"{running.container.label} exited {process.returncode};"
+                            f" restart in {delay_s:.0f} s ({policy})"
+                        )
                     if now >= running.next_start:
                         running.restarts += 1
                         running.ready = False
                         running.next_start = None
                         self._spawn(running)
-                        self.events.append(f"{running.container.label} restarted "
-                                           f"(restart #{running.restarts})")
+                        self.events.append(
+                            f"{running.container.label} restarted (restart #{running.restarts})"
+                        )
             time.sleep(0.1)
 
     def probe(self, running: Running, kind: str = "readinessProbe") -> bool:
@@ -398,9 +464,13 @@ class KubeRun:
         try:
             if "exec" in spec:
                 argv = self._probe_argv(running, spec["exec"]["command"])
-                done = subprocess.run(self._argv(pod, argv), env=self._env(running),
-                                      cwd=running.cwd, capture_output=True,
-                                      timeout=max(timeout_s, MIN_EXEC_PROBE_TIMEOUT_S))
+                done = subprocess.run(
+                    self._argv(pod, argv),
+                    env=self._env(running),
+                    cwd=running.cwd,
+                    capture_output=True,
+                    timeout=max(timeout_s, MIN_EXEC_PROBE_TIMEOUT_S),
+                )
                 running.last_probe = (done.stdout + done.stderr).decode(errors="replace")[-1500:]
                 return done.returncode == 0
             if "grpc" in spec:
@@ -408,7 +478,8 @@ class KubeRun:
                 with grpc.insecure_channel(f"{pod.ip}:{port}") as channel:
                     response = health_pb2_grpc.HealthStub(channel).Check(
                         health_pb2.HealthCheckRequest(service=spec["grpc"].get("service", "")),
-                        timeout=max(timeout_s, 1.0))
+                        timeout=max(timeout_s, 1.0),
+                    )
                 return response.status == health_pb2.HealthCheckResponse.SERVING
             port = target_port(pod.spec, (spec.get("httpGet") or spec.get("tcpSocket"))["port"])
             if "httpGet" in spec:
@@ -421,9 +492,16 @@ class KubeRun:
             return False
 
     def _probe_argv(self, running: Running, command: list[str]) -> list[str]:
-        return [self._arg(running.pod, running.container, arg, running.mounts,
-                          host_like=i > 0 and bool(_HOST_FLAG.match(command[i - 1])))
-                for i, arg in enumerate(command)]
+        return [
+            self._arg(
+                running.pod,
+                running.container,
+                arg,
+                running.mounts,
+                host_like=i > 0 and bool(_HOST_FLAG.match(command[i - 1])),
+            )
+            for i, arg in enumerate(command)
+        ]
 
     def wait_ready(self, labels: list[str] | None = None, timeout_s: float = 60.0) -> None:
         """Until every container in `labels` (default: all) passes its readiness probe."""
@@ -434,17 +512,21 @@ class KubeRun:
                 for label in waiting:
                     if self.running[label].restarts > 3:
                         raise RuntimeError(f"{label} keeps exiting\n{self.log_tails()}")
-                results = dict(zip(waiting, pool.map(
-                    lambda label: self.probe(self.running[label]), waiting)))
+                results = dict(
+                    zip(waiting, pool.map(lambda label: self.probe(self.running[label]), waiting))
+                )
                 for label, ready in results.items():
                     if ready:
                         self.running[label].ready = True
                         waiting.remove(label)
                 if waiting and time.monotonic() > deadline:
-                    probes = "".join(f"--- {label}'s probe said:\n"
-                                     f"{self.running[label].last_probe}\n" for label in waiting)
-                    raise TimeoutError(f"never ready: {waiting}\n{self.events}\n{probes}"
-                                       f"{self.log_tails()}")
+                    probes = "".join(
+                        f"--- {label}'s probe said:\n{self.running[label].last_probe}\n"
+                        for label in waiting
+                    )
+                    raise TimeoutError(
+                        f"never ready: {waiting}\n{self.events}\n{probes}{self.log_tails()}"
+                    )
                 if waiting:
                     time.sleep(0.3)
 
@@ -463,15 +545,24 @@ class KubeRun:
         seen = []
         for pod in self.pods:
             namespace = self.namespaces[pod.name]
+
             def ss(*args: str) -> list[list[str]]:
-                out = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-tnH", *args],
-                                     capture_output=True, text=True, check=True).stdout
+                out = subprocess.run(
+                    ["ip", "netns", "exec", namespace, "ss", "-tnH", *args],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
                 return [line.split() for line in out.splitlines() if line.strip()]
+
             listening = {int(_endpoint(row[3])[2]) for row in ss("-l")}
             for row in ss("state", "established"):
                 local, peer = _endpoint(row[2]), _endpoint(row[3])
-                if local[0] == peer[0] or peer[0].startswith("127.") \
-                        or int(local[2]) not in listening:
+                if (
+                    local[0] == peer[0]
+                    or peer[0].startswith("127.")
+                    or int(local[2]) not in listening
+                ):
                     continue
                 seen.append((by_ip.get(peer[0]), pod, int(local[2])))
         return seen
@@ -491,8 +582,9 @@ class KubeRun:
         if self._kubelet.is_alive():
             self._kubelet.join()
         outcomes: dict[str, Stopped] = {}
-        threads = [threading.Thread(target=self._stop_pod, args=(pod, outcomes))
-                   for pod in self.pods]
+        threads = [
+            threading.Thread(target=self._stop_pod, args=(pod, outcomes)) for pod in self.pods
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -508,9 +600,15 @@ class KubeRun:
             hook = (lifecycle.get("preStop") or {}).get("exec")
             if hook and running.process.poll() is None:
                 argv = self._probe_argv(running, hook["command"])
-                hooks.append(subprocess.Popen(self._argv(pod, argv),
-                                              env=self._env(running), cwd=running.cwd,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                hooks.append(
+                    subprocess.Popen(
+                        self._argv(pod, argv),
+                        env=self._env(running),
+                        cwd=running.cwd,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
         for hook in hooks:
             try:
                 hook.wait(timeout=max(0.0, started + pod.grace_s - time.monotonic()))
@@ -532,16 +630,18 @@ class KubeRun:
                 running.process.kill()
                 running.process.wait()
                 killed = True
-            outcomes[running.container.label] = Stopped(running.process.returncode,
-                                                        time.monotonic() - started, killed)
+            outcomes[running.container.label] = Stopped(
+                running.process.returncode, time.monotonic() - started, killed
+            )
 
     def leftovers(self) -> list[str]:
         """Processes still alive after `stop()`: in a pod's namespace, or in the session of a
         container's process."""
         left = []
         for pod, namespace in self.namespaces.items():
-            pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
-                                  text=True).stdout.split()
+            pids = subprocess.run(
+                ["ip", "netns", "pids", namespace], capture_output=True, text=True
+            ).stdout.split()
             left += [f"{pod}: pid {pid}" for pid in pids]
         for label, running in self.running.items():
             if running.process is not None:
@@ -562,6 +662,7 @@ class KubeRun:
             self.network.close()
 
     def log_tails(self, num_chars: int = 2500) -> str:
-        return "".join(f"--- {path.name}\n{path.read_text(errors='replace')[-num_chars:]}\n"
-                       for path in sorted((self.run_dir / "logs").glob("*.log")))
-
+        return "".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')[-num_chars:]}\n"
+            for path in sorted((self.run_dir / "logs").glob("*.log"))
+        )

@@ -10,7 +10,9 @@ from pagemesh.runtime.checkpoints import Checkpoint
 from router.tenancy import SECRET_NAME, Tenancy
 
 
-def mesh_request_id(redis_url: str, cluster: str, client_id: str, api_key: str | None = None) -> str:
+def mesh_request_id(
+    redis_url: str, cluster: str, client_id: str, api_key: str | None = None
+) -> str:
     client = redis.Redis.from_url(redis_url)
     try:
         secret = client.get(f"{cluster}:secret:{SECRET_NAME}")
@@ -18,7 +20,9 @@ def mesh_request_id(redis_url: str, cluster: str, client_id: str, api_key: str |
         client.close()
     assert secret is not None, f"no router of cluster {cluster!r} has created the secret yet"
     tenancy = Tenancy(bytes.fromhex(secret.decode()), ApiKeys([api_key] if api_key else []))
-    return tenancy.mesh_request_id(tenancy.owner(f"Bearer {api_key}" if api_key else None), client_id)
+    return tenancy.mesh_request_id(
+        tenancy.owner(f"Bearer {api_key}" if api_key else None), client_id
+    )
 
 
 def redis_checkpoint(redis_url: str, cluster: str, mesh_id: str) -> Checkpoint | None:

@@ -33,8 +33,14 @@ class PagedBatch:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
 
     def args(self) -> tuple:
-        return (self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
-                self.query_start_loc)
+        return (
+            self.query,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+        )
 
     def reference_args(self) -> tuple:
         zeroed = [torch.nan_to_num(c, nan=0.0) for c in (self.k_cache, self.v_cache)]
@@ -42,8 +48,14 @@ class PagedBatch:
 
 
 def build_paged_batch(
-    seq_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-    block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
 ) -> PagedBatch:
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -60,12 +72,19 @@ def build_paged_batch(
         block_ids = block_tables[i].long()[positions // block_size]
         offsets = positions % block_size
         for cache in (k_cache, v_cache):
-            cache[block_ids, offsets] = torch.randn(seq_len, num_kv_heads, head_dim,
-                                                    generator=generator)
+            cache[block_ids, offsets] = torch.randn(
+                seq_len, num_kv_heads, head_dim, generator=generator
+            )
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return PagedBatch(query.to(dtype), k_cache.to(dtype), v_cache.to(dtype), block_tables,
-                      torch.tensor(seq_lens, dtype=torch.int32), starts)
+    return PagedBatch(
+        query.to(dtype),
+        k_cache.to(dtype),
+        v_cache.to(dtype),
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        starts,
+    )
 
 
 def assert_matches_reference(out: torch.Tensor, expected: torch.Tensor) -> None:

@@ -41,14 +41,23 @@ def _comm_rank_main(conn) -> None:
                 parallel, port, tag, timeout_s, abort_after_s = payload
                 should_abort = None
                 if abort_after_s is not None:
+
                     def should_abort() -> bool:
                         return time.monotonic() - start_s > abort_after_s
+
                 if command == "init":
-                    context = init_distributed(parallel, "127.0.0.1", port, timeout_s=timeout_s,
-                                               tag=tag, should_abort=should_abort)
+                    context = init_distributed(
+                        parallel,
+                        "127.0.0.1",
+                        port,
+                        timeout_s=timeout_s,
+                        tag=tag,
+                        should_abort=should_abort,
+                    )
                 else:
-                    context.reform("127.0.0.1", port, timeout_s, parallel, tag=tag,
-                                   should_abort=should_abort)
+                    context.reform(
+                        "127.0.0.1", port, timeout_s, parallel, tag=tag, should_abort=should_abort
+                    )
                 result: Any = None
             elif command == "all_reduce":
                 value, abandon_after_s = payload
@@ -60,8 +69,9 @@ def _comm_rank_main(conn) -> None:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(RankAnswer(-1, (result, time.monotonic() - start_s)))
         except Exception as exc:  # report, keep serving: the test decides what comes next
-            conn.send(RankAnswer(-1, (None, time.monotonic() - start_s), type(exc).__name__,
-                                 str(exc)))
+            conn.send(
+                RankAnswer(-1, (None, time.monotonic() - start_s), type(exc).__name__, str(exc))
+            )
     if context is not None:
         context.destroy()
     conn.close()
@@ -78,12 +88,24 @@ class CommRank:
         self.process.start()
         child_end.close()
 
-    def init(self, parallel: Any, port: int, tag: str = "", timeout_s: float = 30.0,
-             abort_after_s: float | None = None) -> None:
+    def init(
+        self,
+        parallel: Any,
+        port: int,
+        tag: str = "",
+        timeout_s: float = 30.0,
+        abort_after_s: float | None = None,
+    ) -> None:
         self._conn.send(("init", (parallel, port, tag, timeout_s, abort_after_s)))
 
-    def reform(self, port: int, tag: str = "", timeout_s: float = 30.0, parallel: Any = None,
-               abort_after_s: float | None = None) -> None:
+    def reform(
+        self,
+        port: int,
+        tag: str = "",
+        timeout_s: float = 30.0,
+        parallel: Any = None,
+        abort_after_s: float | None = None,
+    ) -> None:
         self._conn.send(("reform", (parallel, port, tag, timeout_s, abort_after_s)))
 
     def all_reduce(self, value: float, abandon_after_s: float | None = None) -> None:

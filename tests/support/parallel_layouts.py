@@ -17,13 +17,25 @@ LAYOUTS = {  # name: (tp, pp, extra flags)
 
 
 @contextlib.contextmanager
-def run_layout(name: str, model: Path, redis_url: str, log_dir: Path, *, cluster: str,
-               extra_args: list[str] | None = None) -> Iterator[Mesh]:
+def run_layout(
+    name: str,
+    model: Path,
+    redis_url: str,
+    log_dir: Path,
+    *,
+    cluster: str,
+    extra_args: list[str] | None = None,
+) -> Iterator[Mesh]:
     """A mesh of the layout, stopped when the `with` block ends, however it ends (a test
     that returns or fails inside it must not leave processes behind)."""
     tp, pp, layout_args = LAYOUTS[name]
-    mesh = Mesh(str(model), log_dir / f"{cluster}.log", redis_url=redis_url, cluster=cluster,
-                extra_args=["--tp", str(tp), "--pp", str(pp), *layout_args, *(extra_args or [])])
+    mesh = Mesh(
+        str(model),
+        log_dir / f"{cluster}.log",
+        redis_url=redis_url,
+        cluster=cluster,
+        extra_args=["--tp", str(tp), "--pp", str(pp), *layout_args, *(extra_args or [])],
+    )
     try:
         yield mesh.wait_ready()
     finally:

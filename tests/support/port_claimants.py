@@ -9,8 +9,9 @@ import socket
 from pagemesh.runtime.ports import reserve_port
 
 
-def serve_on_reserved_ports(count: int, barrier: multiprocessing.Barrier,
-                            results: multiprocessing.Queue) -> None:
+def serve_on_reserved_ports(
+    count: int, barrier: multiprocessing.Barrier, results: multiprocessing.Queue
+) -> None:
     """Waits for every other process, then reserves `count` ports and listens on each (as
     a service handed the port would), holding them until all processes have reported.
     Between two, binds port 0 as the kernel hands it out. Reports (ports, failures): the

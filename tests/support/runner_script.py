@@ -54,8 +54,12 @@ def scripted_requests(vocab_size: int, late_joiner: bool = True) -> list[Scripte
     return requests
 
 
-def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: int,
-          sampling: SamplingParams | None = None) -> None:
+def drive(
+    runner: ModelRunner,
+    requests: list[ScriptedRequest],
+    num_new_tokens: int,
+    sampling: SamplingParams | None = None,
+) -> None:
     """Schedule `requests` like a continuous-batching scheduler until each has
     `num_new_tokens` outputs: joins at `join_step`, chunked prefill, block allocation from
     a shuffled free list, and freeing (and reuse) of finished requests' blocks."""
@@ -76,12 +80,20 @@ def drive(runner: ModelRunner, requests: list[ScriptedRequest], num_new_tokens: 
             r.block_ids += new_blocks
             known = r.prompt + r.outputs
             if r.sent:
-                cached.append(CachedRequestData(r.request_id, new_blocks, r.num_computed,
-                                                known[r.num_sent:]))
+                cached.append(
+                    CachedRequestData(r.request_id, new_blocks, r.num_computed, known[r.num_sent :])
+                )
             else:
-                new.append(NewRequestData(r.request_id, known, len(r.prompt),
-                                          list(r.block_ids), r.num_computed,
-                                          sampling or GREEDY))
+                new.append(
+                    NewRequestData(
+                        r.request_id,
+                        known,
+                        len(r.prompt),
+                        list(r.block_ids),
+                        r.num_computed,
+                        sampling or GREEDY,
+                    )
+                )
                 r.sent = True
             r.num_sent = len(known)
             scheduled[r.request_id] = num_tokens
@@ -108,8 +120,9 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     return torch.randint(1, vocab_size, (length,), generator=generator).tolist()
 
 
-def padded_decode_matches(runner: ModelRunner, requests: list[ScriptedRequest], size: int,
-                          fix_plan=None) -> None:
+def padded_decode_matches(
+    runner: ModelRunner, requests: list[ScriptedRequest], size: int, fix_plan=None
+) -> None:
     """After `drive`: the next decode step of `requests` (each one's last output as its new
     token), run through the model unpadded and then padded to `size` rows in CUDA graphs'
     static buffers (worker_svc/cuda_graphs.py), agrees row for row, and the padding writes
@@ -121,11 +134,13 @@ def padded_decode_matches(runner: ModelRunner, requests: list[ScriptedRequest], 
     for r in requests:
         runner.requests[r.request_id].token_ids.append(r.outputs[-1])
     scheduled = {r.request_id: 1 for r in requests}
-    batch = build_batch(runner.requests, scheduled, runner.block_size, runner.device,
-                        runner.block_tables)
+    batch = build_batch(
+        runner.requests, scheduled, runner.block_size, runner.device, runner.block_tables
+    )
     with torch.inference_mode():
-        eager, _ = runner.model(batch.input_ids, batch.positions, runner.kv_caches,
-                                batch.metadata, runner.backend)
+        eager, _ = runner.model(
+            batch.input_ids, batch.positions, runner.kv_caches, batch.metadata, runner.backend
+        )
         cache_after_eager = [c.clone() for c in runner.kv_caches]
         max_blocks = -(-runner.metadata.max_model_len // runner.block_size)
         inputs = StaticDecodeInputs(size + 3, max_blocks, runner.device)
@@ -133,8 +148,13 @@ def padded_decode_matches(runner: ModelRunner, requests: list[ScriptedRequest], 
         metadata = inputs.metadata(size)
         if fix_plan is not None:
             fix_plan(metadata, size)
-        padded, _ = runner.model(inputs.input_ids[:size], inputs.positions[:size],
-                                 runner.kv_caches, metadata, runner.backend)
+        padded, _ = runner.model(
+            inputs.input_ids[:size],
+            inputs.positions[:size],
+            runner.kv_caches,
+            metadata,
+            runner.backend,
+        )
     n = len(requests)
     assert padded.shape[0] == size
     torch.testing.assert_close(padded[:n], eager, rtol=1e-4, atol=1e-4)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagemesh.runtime.checkpoints import FINISHED, RUNNING, Checkpoint, SampleState
 from pagemesh.runtime.registry import Registry, RegistryConfig
 from pagemesh.runtime.serving import GrpcServer, ServerConfig
+from pagemesh.runtime.tokenizer import Tokenizer
 from protos.pagemesh.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.pagemesh.v1 import generate_pb2, generate_pb2_grpc
 from router.dispatcher import Dispatcher
@@ -23,7 +24,6 @@ from router.group_directory import GroupDirectory
 from router.resume import ResumeConfig
 from router.servicer import GenerationServicer
 from router.tenancy import SECRET_NAME, Tenancy
-from pagemesh.runtime.tokenizer import Tokenizer
 from tests.support.eventually import eventually_async
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -62,13 +62,25 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.server: GrpcServer | None = None
 
     async def start(self) -> None:
-        self.server = GrpcServer(ServerConfig(), [], [
-            lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(self, s)])
+        self.server = GrpcServer(
+            ServerConfig(),
+            [],
+            [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(self, s)],
+        )
         await self.server.start()
         await self.server.set_serving(True)
-        await self.registry.start_heartbeat("scheduler", self.scheduler_id, lambda: {
-            "address": self.server.address, "group": self.scheduler_id, "status": self.status,
-            "num_running": 0, "num_waiting": 0, "num_free_blocks": 100})
+        await self.registry.start_heartbeat(
+            "scheduler",
+            self.scheduler_id,
+            lambda: {
+                "address": self.server.address,
+                "group": self.scheduler_id,
+                "status": self.status,
+                "num_running": 0,
+                "num_waiting": 0,
+                "num_free_blocks": 100,
+            },
+        )
 
     async def kill(self) -> None:
         """Dies without a goodbye: heartbeats stop, connections drop."""
@@ -77,8 +89,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         await self.server.server.stop(0)
 
     async def GetModelInfo(self, request, context):
-        return generate_pb2.GetModelInfoResponse(model="scripted", max_model_len=1024, vocab_size=300,
-                                                 eos_token_ids=[2], block_size=16)
+        return generate_pb2.GetModelInfoResponse(
+            model="scripted", max_model_len=1024, vocab_size=300, eos_token_ids=[2], block_size=16
+        )
 
     async def Submit(self, request, context):
         self.requests.append(request)
@@ -93,8 +106,11 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         await self._checkpoint(request, outputs, finished, RUNNING)
         while len(finished) < n:
             for i in sorted(set(range(n)) - finished):
-                if (self.fail_after_tokens is not None and num_sent >= self.fail_after_tokens
-                        and self.failure_budget[0] > 0):
+                if (
+                    self.fail_after_tokens is not None
+                    and num_sent >= self.fail_after_tokens
+                    and self.failure_budget[0] > 0
+                ):
                     self.failure_budget[0] -= 1
                     if self.die:
                         asyncio.get_running_loop().create_task(self.kill())
@@ -120,12 +136,23 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
         async def serve(submit: scheduler_pb2.SubmitRequest) -> None:
             try:
-                async for response in self.Submit(submit, _InBandContext(dict(submit.trace_context))):
+                async for response in self.Submit(
+                    submit, _InBandContext(dict(submit.trace_context))
+                ):
                     response.request_id = submit.request_id
                     out.put_nowait(scheduler_pb2.ConnectResponse(outputs=[response]))
             except _InBandAbort as exc:
-                out.put_nowait(scheduler_pb2.ConnectResponse(errors=[scheduler_pb2.RequestError(
-                    request_id=submit.request_id, code=exc.code.value[0], message=exc.details)]))
+                out.put_nowait(
+                    scheduler_pb2.ConnectResponse(
+                        errors=[
+                            scheduler_pb2.RequestError(
+                                request_id=submit.request_id,
+                                code=exc.code.value[0],
+                                message=exc.details,
+                            )
+                        ]
+                    )
+                )
 
         async def read() -> None:
             async for message in request_iterator:
@@ -149,10 +176,21 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         original = scheduler_pb2.SubmitRequest()
         original.CopyFrom(request)
         del original.progress[:]
-        samples = [SampleState(list(outputs[i]), i in finished, LENGTH if i in finished else 0)
-                   for i in sorted(outputs)]
-        await self.registry.checkpoints.save([Checkpoint(
-            request.request_id, self.scheduler_id, original.SerializeToString(), samples, state)])
+        samples = [
+            SampleState(list(outputs[i]), i in finished, LENGTH if i in finished else 0)
+            for i in sorted(outputs)
+        ]
+        await self.registry.checkpoints.save(
+            [
+                Checkpoint(
+                    request.request_id,
+                    self.scheduler_id,
+                    original.SerializeToString(),
+                    samples,
+                    state,
+                )
+            ]
+        )
 
 
 class _InBandAbort(Exception):
@@ -190,8 +228,12 @@ class Router:
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
 
     def registry_config(self) -> RegistryConfig:
-        return RegistryConfig(self.redis_url, cluster=self.cluster,
-                              heartbeat_interval_s=self.ttl_s / 4, ttl_s=self.ttl_s)
+        return RegistryConfig(
+            self.redis_url,
+            cluster=self.cluster,
+            heartbeat_interval_s=self.ttl_s / 4,
+            ttl_s=self.ttl_s,
+        )
 
     async def __aenter__(self) -> Router:
         self.registry = Registry(self.registry_config())
@@ -204,8 +246,11 @@ class Router:
         tenancy = Tenancy(await self.registry.shared_secret(SECRET_NAME))  # as router/main.py
         self.generation = Generation(self.tokenizer, self.dispatcher, self.limits, tenancy=tenancy)
         self.servicer = GenerationServicer(self.generation)
-        self.server = GrpcServer(ServerConfig(), [SERVICE], [
-            lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, s)])
+        self.server = GrpcServer(
+            ServerConfig(),
+            [SERVICE],
+            [lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, s)],
+        )
         await self.server.start()
         self.directory_task = asyncio.create_task(self.directory.run())
         self.channel = grpc.aio.insecure_channel(self.server.address)
@@ -223,16 +268,23 @@ class Router:
         await self.registry.close()
 
     async def add_scheduler(self, scheduler_id: str, wait: bool = True) -> ScriptedScheduler:
-        scheduler = ScriptedScheduler(self.tokenizer, Registry(self.registry_config()), scheduler_id)
+        scheduler = ScriptedScheduler(
+            self.tokenizer, Registry(self.registry_config()), scheduler_id
+        )
         await scheduler.start()
         self.schedulers.append(scheduler)
         if wait:
-            await until(lambda: any(g.scheduler_id == scheduler_id
-                                    and g.address == scheduler.server.address
-                                    for g in self.directory.groups))
+            await until(
+                lambda: any(
+                    g.scheduler_id == scheduler_id and g.address == scheduler.server.address
+                    for g in self.directory.groups
+                )
+            )
         return scheduler
 
-    async def generate(self, request: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateResponse]:
+    async def generate(
+        self, request: generate_pb2.GenerateRequest
+    ) -> list[generate_pb2.GenerateResponse]:
         return [r async for r in self.stub.Generate(request, timeout=20)]
 
     async def health(self) -> int:
@@ -244,15 +296,21 @@ async def until(predicate, timeout_s: float = 5.0) -> None:
     await eventually_async(predicate, timeout_s, "condition not met in time")
 
 
-def request(tokenizer: Tokenizer, max_tokens: int, **kwargs: object) -> generate_pb2.GenerateRequest:
+def request(
+    tokenizer: Tokenizer, max_tokens: int, **kwargs: object
+) -> generate_pb2.GenerateRequest:
     stop = kwargs.pop("stop", [])
     return generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=tokenizer.encode("Hello world")),
         sampling=generate_pb2.SamplingParams(seed=SEED),
-        stopping=generate_pb2.StoppingCriteria(max_tokens=max_tokens, stop=stop), **kwargs)
+        stopping=generate_pb2.StoppingCriteria(max_tokens=max_tokens, stop=stop),
+        **kwargs,
+    )
 
 
-def per_sample(responses: list[generate_pb2.GenerateResponse], n: int) -> list[tuple[list[int], str, int]]:
+def per_sample(
+    responses: list[generate_pb2.GenerateResponse], n: int
+) -> list[tuple[list[int], str, int]]:
     out = [([], "", 0) for _ in range(n)]
     for r in responses:
         ids, text, reason = out[r.index]

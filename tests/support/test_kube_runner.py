@@ -13,8 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.kube_pods import (KubeTranslationError, Manifests, container_argv, expand,
-                                     image_config, render)
+from tests.support.kube_pods import (
+    KubeTranslationError,
+    Manifests,
+    container_argv,
+    expand,
+    image_config,
+    render,
+)
 from tests.support.kube_runner import KubeRun
 from tests.support.paths import REPO_ROOT
 
@@ -131,8 +137,13 @@ spec:
 @pytest.fixture
 def run(tmp_path: Path) -> KubeRun:
     manifests = Manifests(list(yaml.safe_load_all(MANIFEST)))
-    return KubeRun(manifests, tmp_path, model=tmp_path / "tiny", use_namespaces=False,
-                   volume_dirs={"models": tmp_path / "models"}).prepare()
+    return KubeRun(
+        manifests,
+        tmp_path,
+        model=tmp_path / "tiny",
+        use_namespaces=False,
+        volume_dirs={"models": tmp_path / "models"},
+    ).prepare()
 
 
 def _router(run: KubeRun) -> str:
@@ -257,12 +268,28 @@ def test_the_kubelet_restarts_and_stops(tmp_path: Path) -> None:
 
 
 def test_network_policies_admit_by_labels_and_ports(run: KubeRun) -> None:
-    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-              "metadata": {"name": "valkey", "namespace": "pm"},
-              "spec": {"podSelector": {"matchLabels": {"app": "valkey"}},
-                       "ingress": [{"from": [{"podSelector": {"matchExpressions": [
-                           {"key": "app", "operator": "In", "values": ["router"]}]}}],
-                                    "ports": [{"port": "redis"}]}]}}
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "valkey", "namespace": "pm"},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "valkey"}},
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "podSelector": {
+                                "matchExpressions": [
+                                    {"key": "app", "operator": "In", "values": ["router"]}
+                                ]
+                            }
+                        }
+                    ],
+                    "ports": [{"port": "redis"}],
+                }
+            ],
+        },
+    }
     manifests = Manifests(run.manifests.objects + [policy])
     valkey, worker = manifests.pod("valkey-0"), manifests.pod("worker-0")
     router = next(p for p in manifests.pods if p.name.startswith("router-"))
@@ -276,20 +303,34 @@ def test_network_policies_admit_by_labels_and_ports(run: KubeRun) -> None:
 OVERLAYS = REPO_ROOT / "deploy" / "kubernetes" / "overlays"
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None or not OVERLAYS.exists(),
-                    reason="needs kubectl and deploy/kubernetes/overlays")
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None or not OVERLAYS.exists(),
+    reason="needs kubectl and deploy/kubernetes/overlays",
+)
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "lws"])
 def test_every_overlay_translates(overlay: str, tmp_path: Path) -> None:
     """Each overlay's pods resolve: every env source exists, every `*.svc` name is a Service,
     every mount a volume (the two Secrets are the operator's, as docs/kubernetes.md says)."""
     if not (OVERLAYS / overlay / "kustomization.yaml").exists():
         pytest.skip(f"no {overlay} overlay")
-    keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pagemesh-api-keys"},
-            "data": {"api-keys": ""}}
-    mesh = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pagemesh-mesh"},
-            "data": {"redis-password": "", "valkey.acl": "", "internal-token": ""}}
-    run = KubeRun(Manifests(render(OVERLAYS / overlay) + [keys, mesh]), tmp_path,
-                  model=tmp_path / "model", use_namespaces=False).prepare()
+    keys = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "pagemesh-api-keys"},
+        "data": {"api-keys": ""},
+    }
+    mesh = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "pagemesh-mesh"},
+        "data": {"redis-password": "", "valkey.acl": "", "internal-token": ""},
+    }
+    run = KubeRun(
+        Manifests(render(OVERLAYS / overlay) + [keys, mesh]),
+        tmp_path,
+        model=tmp_path / "model",
+        use_namespaces=False,
+    ).prepare()
     devices = {r.env.get("PAGEMESH_DEVICE") for r in run.running.values()} - {None}
     assert devices == {"cpu"}, devices
     assert any("router.main" in " ".join(r.argv) for r in run.running.values())

@@ -37,16 +37,62 @@ def make_certs(folder: Path) -> CertFiles:
     if shutil.which("openssl") is None:
         pytest.skip("the `openssl` command is needed to make test certificates")
     folder.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=pagemesh-test-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=pagemesh-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=folder,
+    )
     (folder / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
     (folder / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN=pagemesh-test-{name}",
-                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=folder)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem",
-                 cwd=folder)
-    return CertFiles(folder / "ca.pem", folder / "server.pem", folder / "server.key",
-                     folder / "client.pem", folder / "client.key")
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN=pagemesh-test-{name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=folder,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.pem",
+            cwd=folder,
+        )
+    return CertFiles(
+        folder / "ca.pem",
+        folder / "server.pem",
+        folder / "server.key",
+        folder / "client.pem",
+        folder / "client.key",
+    )

@@ -23,16 +23,17 @@ class TlsProxy:
         self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self._context.load_cert_chain(str(cert), str(key))
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="tls-proxy")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="tls-proxy"
+        )
         self._server: asyncio.Server | None = None
         self.num_connections = 0
 
     def __enter__(self) -> TlsProxy:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self._context),
-            self._loop).result(timeout=10)
+            asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self._context), self._loop
+        ).result(timeout=10)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -53,8 +54,9 @@ class TlsProxy:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, target_writer), _pipe(target_reader, writer),
-                             return_exceptions=True)
+        await asyncio.gather(
+            _pipe(reader, target_writer), _pipe(target_reader, writer), return_exceptions=True
+        )
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -12,13 +12,13 @@ from pathlib import Path
 QWEN2_TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n<tools>"
     "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
-    "Reply <tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n</tool_call><|im_end|>\n"
+    'Reply <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
     "{{ message.content or '' }}"
-    "{% for call in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    '{% for call in message.tool_calls %}\n<tool_call>\n{"name": "{{ call.function.name }}", '
+    '"arguments": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n'
     "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}"
     "\n</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
@@ -29,13 +29,13 @@ QWEN2_TOOLS_TEMPLATE = (
 LLAMA3_TOOLS_TEMPLATE = (
     "<|begin_of_text|>"
     "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nCall a function as "
-    "{\"name\": name, \"parameters\": args}:\n"
+    '{"name": name, "parameters": args}:\n'
     "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}<|eot_id|>{% endif %}"
     "{% for message in messages %}"
     "{% if message.role == 'assistant' and message.tool_calls %}"
     "<|start_header_id|>assistant<|end_header_id|>\n\n"
-    "{% for call in message.tool_calls %}{\"name\": \"{{ call.function.name }}\", "
-    "\"parameters\": {{ call.function.arguments | tojson }}}{% endfor %}<|eot_id|>"
+    '{% for call in message.tool_calls %}{"name": "{{ call.function.name }}", '
+    '"parameters": {{ call.function.arguments | tojson }}}{% endfor %}<|eot_id|>'
     "{% elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
     "{{ message.content }}<|eot_id|>"
     "{% else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n"

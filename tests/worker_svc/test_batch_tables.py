@@ -33,9 +33,16 @@ def plain_batch(requests: dict[str, RequestState], num_scheduled: dict[str, int]
         if end == len(state.token_ids):
             sample_rows.append(starts[-1] - 1)
             sample_ids.append(request_id)
-    return {"input_ids": input_ids, "positions": positions, "slots": slots,
-            "seq_lens": seq_lens, "query_start_loc": starts, "block_tables": padded(rows),
-            "sample_rows": sample_rows, "sample_request_ids": sample_ids}
+    return {
+        "input_ids": input_ids,
+        "positions": positions,
+        "slots": slots,
+        "seq_lens": seq_lens,
+        "query_start_loc": starts,
+        "block_tables": padded(rows),
+        "sample_rows": sample_rows,
+        "sample_request_ids": sample_ids,
+    }
 
 
 def test_batches_from_persistent_tables_equal_the_plain_construction():
@@ -52,9 +59,9 @@ def test_batches_from_persistent_tables_equal_the_plain_construction():
             prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
             blocks = list(range(next_block, next_block + -(-len(prompt) // BLOCK_SIZE)))
             next_block += len(blocks)
-            requests[f"r{next_id}"] = RequestState(prompt, len(prompt), blocks,
-                                                   rng.randrange(len(prompt)),
-                                                   SamplingParams())
+            requests[f"r{next_id}"] = RequestState(
+                prompt, len(prompt), blocks, rng.randrange(len(prompt)), SamplingParams()
+            )
             tables.set(f"r{next_id}", blocks)
         scheduled = {}
         for request_id, state in requests.items():
@@ -72,8 +79,11 @@ def test_batches_from_persistent_tables_equal_the_plain_construction():
         if not scheduled:
             continue
         got = as_dict(build_batch(requests, scheduled, BLOCK_SIZE, torch.device("cpu"), tables))
-        assert got == plain_batch(requests, scheduled) == per_request_batch(requests, scheduled,
-                                                                             BLOCK_SIZE)
+        assert (
+            got
+            == plain_batch(requests, scheduled)
+            == per_request_batch(requests, scheduled, BLOCK_SIZE)
+        )
         for request_id, n in scheduled.items():
             requests[request_id].num_computed_tokens += n
     # A step of decodes only (the vectorized fast path): one token each, the last known.

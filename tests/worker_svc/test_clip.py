@@ -78,7 +78,11 @@ def png_bytes(width: int, height: int, mode: str, seed: int) -> bytes:
 
 
 IMAGES = [  # (width, height, mode): square, non-square both ways, smaller than 32, alpha, gray
-    (32, 32, "RGB"), (80, 50, "RGB"), (24, 90, "RGB"), (12, 20, "RGB"), (40, 40, "RGBA"),
+    (32, 32, "RGB"),
+    (80, 50, "RGB"),
+    (24, 90, "RGB"),
+    (12, 20, "RGB"),
+    (40, 40, "RGBA"),
     (45, 33, "L"),
 ]
 
@@ -97,8 +101,9 @@ def pixel_values(folder, image_data) -> torch.Tensor:
 
 def hf_text(model, token_ids: list[list[int]]) -> torch.Tensor:
     with torch.inference_mode():
-        return torch.cat([model.get_text_features(torch.tensor([ids])).pooler_output
-                          for ids in token_ids])
+        return torch.cat(
+            [model.get_text_features(torch.tensor([ids])).pooler_output for ids in token_ids]
+        )
 
 
 def hf_image(model, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -124,6 +129,7 @@ def errors(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
 
 # Text --------------------------------------------------------------------------------------
 
+
 def test_text_embeddings_match_transformers(folder, hf_fp32, ours_fp32, token_ids) -> None:
     assert len({len(ids) for ids in token_ids}) == len(token_ids)  # all lengths differ
     with torch.inference_mode():
@@ -135,7 +141,9 @@ def test_text_embeddings_match_transformers(folder, hf_fp32, ours_fp32, token_id
     # transformers' own tokenizer and padded batch agree with our ids and embeddings
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     inputs = tokenizer(PROMPTS, padding=True, return_tensors="pt")
-    assert [ids[:len(mine)] for ids, mine in zip(inputs.input_ids.tolist(), token_ids)] == token_ids
+    assert [
+        ids[: len(mine)] for ids, mine in zip(inputs.input_ids.tolist(), token_ids)
+    ] == token_ids
     with torch.inference_mode():
         padded = hf_fp32.get_text_features(**inputs).pooler_output
     assert_close(batched, padded, atol=1e-4, min_cos=0.99999)
@@ -152,13 +160,18 @@ def test_text_pooling_positions_match_transformers(folder, hf_fp32, ours_fp32) -
         [3, 250, 17, 9],
     ]
     with torch.inference_mode():
-        assert_close(ours_fp32.text_embeddings(crafted), hf_text(hf_fp32, crafted),
-                     atol=1e-4, min_cos=0.99999)
+        assert_close(
+            ours_fp32.text_embeddings(crafted),
+            hf_text(hf_fp32, crafted),
+            atol=1e-4,
+            min_cos=0.99999,
+        )
     assert ours_fp32.text.pool_positions(crafted).tolist() == [2, 0, 0]
     # Legacy configs (eos_token_id 2) pool at the first largest id.
     config = ours_fp32.config
     legacy_config = dataclasses.replace(
-        config, text=dataclasses.replace(config.text, eos_token_id=2))
+        config, text=dataclasses.replace(config.text, eos_token_id=2)
+    )
     legacy = load_clip(folder, config=legacy_config)
     assert legacy.text.pool_positions(crafted).tolist() == [2, 0, 1]
     hf_fp32.text_model.eos_token_id = 2
@@ -181,8 +194,10 @@ def test_too_long_or_invalid_text_raises(ours_fp32) -> None:
 
 # Images ------------------------------------------------------------------------------------
 
-def test_image_embeddings_match_transformers(folder, hf_fp32, ours_fp32, image_data,
-                                             pixel_values) -> None:
+
+def test_image_embeddings_match_transformers(
+    folder, hf_fp32, ours_fp32, image_data, pixel_values
+) -> None:
     # transformers end to end: its processor on the decoded images, then its model
     hf_processor = transformers.CLIPImageProcessorPil.from_pretrained(folder)
     decoded = [Image.open(io.BytesIO(d)) for d in image_data]
@@ -197,11 +212,13 @@ def test_image_embeddings_match_transformers(folder, hf_fp32, ours_fp32, image_d
 
 
 @pytest.mark.parametrize("layer", [-2, -1, 0, 1, -3])
-def test_vision_hidden_states_match_transformers(hf_fp32, ours_fp32, pixel_values,
-                                                 layer: int) -> None:
+def test_vision_hidden_states_match_transformers(
+    hf_fp32, ours_fp32, pixel_values, layer: int
+) -> None:
     with torch.inference_mode():
-        theirs = hf_fp32.vision_model(pixel_values=pixel_values,
-                                      output_hidden_states=True).hidden_states
+        theirs = hf_fp32.vision_model(
+            pixel_values=pixel_values, output_hidden_states=True
+        ).hidden_states
         ours = ours_fp32.vision.hidden_states(pixel_values, layer)
     assert len(theirs) == 3 and ours.shape == (len(IMAGES), 17, 96)
     assert (ours - theirs[layer]).abs().max().item() <= 1e-5
@@ -218,18 +235,19 @@ def test_vision_input_checks(ours_fp32) -> None:
 
 # bf16 --------------------------------------------------------------------------------------
 
-def test_bf16_error_is_transformers_bf16_error(folder, hf_fp32, token_ids,
-                                               pixel_values) -> None:
+
+def test_bf16_error_is_transformers_bf16_error(folder, hf_fp32, token_ids, pixel_values) -> None:
     ours = load_clip(folder, torch.bfloat16)
     hf_bf16 = transformers.CLIPModel.from_pretrained(folder, dtype=torch.bfloat16).eval()
     assert ours.text.layers[0].mlp.fc1.weight.dtype == torch.bfloat16
     with torch.inference_mode():
-        ours_text, ours_images = ours.text_embeddings(token_ids), ours.image_embeddings(
-            pixel_values)
+        ours_text, ours_images = (
+            ours.text_embeddings(token_ids),
+            ours.image_embeddings(pixel_values),
+        )
     for name, mine, theirs, reference in [
         ("text", ours_text, hf_text(hf_bf16, token_ids), hf_text(hf_fp32, token_ids)),
-        ("images", ours_images, hf_image(hf_bf16, pixel_values),
-         hf_image(hf_fp32, pixel_values)),
+        ("images", ours_images, hf_image(hf_bf16, pixel_values), hf_image(hf_fp32, pixel_values)),
     ]:
         assert mine.dtype == torch.bfloat16
         ours_abs, ours_cos = errors(mine, reference)
@@ -242,9 +260,9 @@ def test_bf16_error_is_transformers_bf16_error(folder, hf_fp32, token_ids,
 
 # Other activations and configs -------------------------------------------------------------
 
+
 def test_gelu_model_matches_transformers(tmp_path) -> None:
-    folder = write_tiny_clip(tmp_path, seed=1, hidden_act="gelu", text_layers=1,
-                             vision_layers=1)
+    folder = write_tiny_clip(tmp_path, seed=1, hidden_act="gelu", text_layers=1, vision_layers=1)
     hf = transformers.CLIPModel.from_pretrained(folder, dtype=torch.float32).eval()
     ours = load_clip(folder)
     ids = [[1, 5, 9, ours.config.text.eos_token_id], [7, ours.config.text.eos_token_id]]
@@ -263,8 +281,9 @@ def test_config_defaults_are_transformers_defaults() -> None:
             assert getattr(part, field.name) == getattr(hf_part, field.name), field.name
     assert config.projection_dim == transformers.CLIPConfig().projection_dim
     # Older checkpoints' text_config_dict wins over text_config, as in transformers.
-    overridden = ClipConfig.from_dict({"text_config": {"hidden_size": 64},
-                                       "text_config_dict": {"hidden_size": 128}})
+    overridden = ClipConfig.from_dict(
+        {"text_config": {"hidden_size": 64}, "text_config_dict": {"hidden_size": 128}}
+    )
     assert overridden.text.hidden_size == 128
     with pytest.raises(ValueError, match="hidden_act 'relu'"):
         ClipConfig.from_dict({"vision_config": {"hidden_act": "relu"}})
@@ -272,21 +291,27 @@ def test_config_defaults_are_transformers_defaults() -> None:
 
 def test_is_clip_folder(folder, tmp_path) -> None:
     assert is_clip_folder(folder)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
-                                                      "model_type": "llama"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
     assert not is_clip_folder(tmp_path)
     assert not is_clip_folder(tmp_path / "missing")
 
 
 # Loading -----------------------------------------------------------------------------------
 
+
 def test_unplaced_checkpoint_tensor_raises(folder, tmp_path) -> None:
     shutil.copy(folder / "config.json", tmp_path)
     shutil.copy(folder / "model.safetensors", tmp_path)
-    save_file({"text_model.encoder.layers.0.extra.weight": torch.zeros(2)},
-              tmp_path / "extra.safetensors")
-    with pytest.raises(ValueError, match="'text_model.encoder.layers.0.extra.weight' "
-                                         r"\(extra.safetensors\) has no place"):
+    save_file(
+        {"text_model.encoder.layers.0.extra.weight": torch.zeros(2)}, tmp_path / "extra.safetensors"
+    )
+    with pytest.raises(
+        ValueError,
+        match="'text_model.encoder.layers.0.extra.weight' "
+        r"\(extra.safetensors\) has no place",
+    ):
         load_clip(tmp_path)
 
 
@@ -295,8 +320,10 @@ def test_unfilled_parameter_and_wrong_shape_raise(folder, tmp_path) -> None:
     tensors = load_file(folder / "model.safetensors")
     del tensors["vision_model.post_layernorm.bias"]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="1 parameters of the CLIP model .* have no tensor.*"
-                                         "vision.post_layernorm.bias"):
+    with pytest.raises(
+        ValueError,
+        match="1 parameters of the CLIP model .* have no tensor.*vision.post_layernorm.bias",
+    ):
         load_clip(tmp_path)
     tensors["vision_model.post_layernorm.bias"] = torch.zeros(95)
     save_file(tensors, tmp_path / "model.safetensors")
@@ -308,8 +335,11 @@ def test_vision_tower_only_under_a_prefix(folder, ours_fp32, pixel_values, tmp_p
     """LLaVA's layout: the CLIP vision model under `vision_tower.`, no projection, and other
     tensors (the projector, the language model) that are not CLIP's."""
     tensors = load_file(folder / "model.safetensors")
-    llava = {f"vision_tower.{name}": tensor for name, tensor in tensors.items()
-             if name.startswith("vision_model.")}
+    llava = {
+        f"vision_tower.{name}": tensor
+        for name, tensor in tensors.items()
+        if name.startswith("vision_model.")
+    }
     llava["multi_modal_projector.linear_1.weight"] = torch.zeros(4, 96)
     llava["language_model.model.embed_tokens.weight"] = torch.zeros(8, 4)
     save_file(llava, tmp_path / "model.safetensors")

@@ -14,21 +14,35 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 # Ragged contexts with partly filled last blocks; all-decode batches (the fast path), mixed
 # decode + chunked-prefill + fresh-prefill batches, GQA / MQA / MHA, sliding windows.
-@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size,dtype,window", [
-    ([1, 8, 13, 30], [1, 1, 1, 1], 4, 4, 64, 8, F32, None),
-    ([17, 5, 48], [1, 5, 10], 8, 2, 96, 16, F32, None),
-    ([33, 64, 7], [33, 1, 3], 4, 1, 128, 32, BF16, None),
-    ([130, 3], [1, 3], 2, 1, 64, 128, F16, None),
-    ([9, 21, 40], [9, 1, 40], 6, 2, 24, 4, F32, 5),
-    ([9, 21, 40], [1, 1, 1], 6, 2, 24, 4, F32, 7),
-    ([144] * 16, [1] * 16, 8, 4, 64, 16, BF16, None),
-])
+@pytest.mark.parametrize(
+    "seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size,dtype,window",
+    [
+        ([1, 8, 13, 30], [1, 1, 1, 1], 4, 4, 64, 8, F32, None),
+        ([17, 5, 48], [1, 5, 10], 8, 2, 96, 16, F32, None),
+        ([33, 64, 7], [33, 1, 3], 4, 1, 128, 32, BF16, None),
+        ([130, 3], [1, 3], 2, 1, 64, 128, F16, None),
+        ([9, 21, 40], [9, 1, 40], 6, 2, 24, 4, F32, 5),
+        ([9, 21, 40], [1, 1, 1], 6, 2, 24, 4, F32, 7),
+        ([144] * 16, [1] * 16, 8, 4, 64, 16, BF16, None),
+    ],
+)
 @pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "torch-only"])
-def test_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
-                           dtype, window, native, native_kernels):
+def test_matches_reference(
+    seq_lens,
+    q_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    window,
+    native,
+    native_kernels,
+):
     native_kernels(enabled=native)
-    batch = build_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
-                              dtype, seed=len(seq_lens))
+    batch = build_paged_batch(
+        seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=len(seq_lens)
+    )
     scale = head_dim**-0.5
     # Like the reference, this backend needs finite values in unused slots (the cache is
     # allocated zeroed), so both get the copy with NaN zeroed.
@@ -43,32 +57,47 @@ def test_matches_reference(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, 
 def test_c_kernel_never_reads_past_a_context(dtype, head_dim):
     # NaN in every slot no sequence owns (paged_batch): one read past a context shows.
     # Lengths cover partial blocks and a block's 4-token groups with 1-3 left over.
-    batch = build_paged_batch([1, 16, 17, 50, 33, 7], [1] * 6, 8, 2, head_dim, 16, dtype,
-                              seed=3)
+    batch = build_paged_batch([1, 16, 17, 50, 33, 7], [1] * 6, 8, 2, head_dim, 16, dtype, seed=3)
     for window in (None, 9):
-        out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache,
-                                      batch.block_tables, batch.seq_lens, 0.125, window)
-        expected = reference.paged_attention(*batch.reference_args(), 0.125,
-                                             sliding_window=window)
+        out = cpu_native.paged_decode(
+            batch.query,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            0.125,
+            window,
+        )
+        expected = reference.paged_attention(*batch.reference_args(), 0.125, sliding_window=window)
         assert_matches_reference(out, expected)
 
 
 @pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler (cc/gcc/$CC) on PATH")
 @pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("seq_lens,threads,window", [
-    ([2000], 4, None),  # batch 1: one request's keys over four threads
-    ([1000, 300, 5], 8, None),  # fewer requests than threads: 3, 2 and 1 parts
-    ([1000, 300, 5], 8, 700),  # a window starting mid-block, spanning the parts
-    ([129, 255], 3, None),  # parts of a block or so, a partly filled last one
-])
+@pytest.mark.parametrize(
+    "seq_lens,threads,window",
+    [
+        ([2000], 4, None),  # batch 1: one request's keys over four threads
+        ([1000, 300, 5], 8, None),  # fewer requests than threads: 3, 2 and 1 parts
+        ([1000, 300, 5], 8, 700),  # a window starting mid-block, spanning the parts
+        ([129, 255], 3, None),  # parts of a block or so, a partly filled last one
+    ],
+)
 def test_c_kernel_splits_few_long_contexts_across_threads(dtype, seq_lens, threads, window):
     # NaN in the slots no sequence owns, as above: a part reading past its run shows.
     batch = build_paged_batch(seq_lens, [1] * len(seq_lens), 9, 3, 64, 16, dtype, seed=5)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache,
-                                      batch.block_tables, batch.seq_lens, 0.125, window)
+        out = cpu_native.paged_decode(
+            batch.query,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            0.125,
+            window,
+        )
     finally:
         torch.set_num_threads(before)
     expected = reference.paged_attention(*batch.reference_args(), 0.125, sliding_window=window)
@@ -76,8 +105,9 @@ def test_c_kernel_splits_few_long_contexts_across_threads(dtype, seq_lens, threa
 
 
 def test_without_a_compiler_the_build_says_so(tmp_path):
-    config = cpu_native.NativeKernelConfig(compiler=str(tmp_path / "no-such-cc"),
-                                           cache_dir=tmp_path / "cache")
+    config = cpu_native.NativeKernelConfig(
+        compiler=str(tmp_path / "no-such-cc"), cache_dir=tmp_path / "cache"
+    )
     with pytest.raises((RuntimeError, OSError)):
         cpu_native._build(config=config)
 
@@ -108,14 +138,23 @@ def test_one_c_call_for_a_mixed_batch(dtype, head_dim, threads):
     torch.set_num_threads(threads)
     try:
         for heads, kv_heads in ((9, 3), (4, 4), (8, 2)):
-            batch = build_paged_batch(seq_lens, q_lens, heads, kv_heads, head_dim, 16, dtype,
-                                      seed=heads)
+            batch = build_paged_batch(
+                seq_lens, q_lens, heads, kv_heads, head_dim, 16, dtype, seed=heads
+            )
             for window in (None, 20):
-                out = cpu_native.paged_attention(batch.query, batch.k_cache, batch.v_cache,
-                                                 batch.block_tables, batch.seq_lens,
-                                                 batch.query_start_loc, 0.125, window)
-                expected = reference.paged_attention(*batch.reference_args(), 0.125,
-                                                     sliding_window=window)
+                out = cpu_native.paged_attention(
+                    batch.query,
+                    batch.k_cache,
+                    batch.v_cache,
+                    batch.block_tables,
+                    batch.seq_lens,
+                    batch.query_start_loc,
+                    0.125,
+                    window,
+                )
+                expected = reference.paged_attention(
+                    *batch.reference_args(), 0.125, sliding_window=window
+                )
                 assert_matches_reference(out, expected)
     finally:
         torch.set_num_threads(before)
@@ -128,8 +167,15 @@ def test_more_query_tokens_than_context_is_refused(native_kernels):
     for native in (True, False):
         native_kernels(enabled=native)
         with pytest.raises(ValueError, match="query tokens"):
-            cpu_attention.paged_attention(batch.query, batch.k_cache, batch.v_cache,
-                                          batch.block_tables, lens, batch.query_start_loc, 0.1)
+            cpu_attention.paged_attention(
+                batch.query,
+                batch.k_cache,
+                batch.v_cache,
+                batch.block_tables,
+                lens,
+                batch.query_start_loc,
+                0.1,
+            )
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -167,9 +213,16 @@ def test_short_query_runs_attend_as_the_decodes_they_stand_for(dtype, window):
     (no native mixed kernel) each row is the decode of its position, bit for bit."""
     seq_lens, q_lens = [30, 41, 52, 17], [1, 5, 9, 16]
     batch = build_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, dtype, seed=4)
-    out = cpu_attention.paged_attention(batch.query, batch.k_cache, batch.v_cache,
-                                        batch.block_tables, batch.seq_lens,
-                                        batch.query_start_loc, 0.125, sliding_window=window)
+    out = cpu_attention.paged_attention(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        0.125,
+        sliding_window=window,
+    )
     expected = reference.paged_attention(*batch.reference_args(), 0.125, sliding_window=window)
     assert_matches_reference(out, expected)
     if dtype != BF16:
@@ -178,9 +231,13 @@ def test_short_query_runs_attend_as_the_decodes_they_stand_for(dtype, window):
     for s, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
         for j in range(q_len):
             alone = cpu_native.paged_decode(
-                batch.query[row:row + 1], batch.k_cache, batch.v_cache,
-                batch.block_tables[s:s + 1], torch.tensor([seq_len - q_len + 1 + j],
-                                                          dtype=batch.seq_lens.dtype),
-                0.125, window)
+                batch.query[row : row + 1],
+                batch.k_cache,
+                batch.v_cache,
+                batch.block_tables[s : s + 1],
+                torch.tensor([seq_len - q_len + 1 + j], dtype=batch.seq_lens.dtype),
+                0.125,
+                window,
+            )
             assert torch.equal(out[row], alone[0]), (s, j)
             row += 1

@@ -49,8 +49,9 @@ def test_add_rms_norm_matches_the_reference_and_adds_in_place(dtype, rows, width
     torch.testing.assert_close(out, expected, **_close(dtype))
     plain, same = cpu_fused.add_rms_norm(x, None, weight, 1e-5)
     assert same is x
-    torch.testing.assert_close(plain, cpu_fused.add_rms_norm_reference(x, None, weight, 1e-5)[0],
-                               **_close(dtype))
+    torch.testing.assert_close(
+        plain, cpu_fused.add_rms_norm_reference(x, None, weight, 1e-5)[0], **_close(dtype)
+    )
 
 
 @needs_compiler
@@ -75,19 +76,22 @@ def test_rotary_in_place_on_a_qkv_view_equals_the_reference_bitwise(dtype, num_t
     bad = positions.clone()
     bad[-1] = max_pos
     with pytest.raises(ValueError, match="outside the tables"):
-        cpu_fused.rotary_(qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim), bad,
-                          cos, sin)
+        cpu_fused.rotary_(
+            qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim), bad, cos, sin
+        )
 
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", SHAPES)
 def test_silu_mul_matches_the_reference(dtype, rows, width):
-    gate_up = (3 * torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(2))
-               ).to(dtype)
+    gate_up = (3 * torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(2))).to(
+        dtype
+    )
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's clamp, and zeros
-    torch.testing.assert_close(cpu_fused.silu_mul(gate_up), cpu_fused.silu_mul_reference(gate_up),
-                               **_close(dtype))
+    torch.testing.assert_close(
+        cpu_fused.silu_mul(gate_up), cpu_fused.silu_mul_reference(gate_up), **_close(dtype)
+    )
 
 
 def test_what_no_kernel_covers_takes_the_reference():
@@ -106,9 +110,17 @@ def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_pa
     _skip_unless_x86()
     config = dataclasses.replace(cpu_native.current_config(), cache_dir=tmp_path)
     arch = (f"-march={level}",)
-    libs = {name: cpu_native._build(name, arch, config)
-            for name in ("cpu_rmsnorm", "cpu_rotary", "cpu_silu_mul", "cpu_store_kv",
-                                                         "cpu_argmax", "cpu_token_mask")}
+    libs = {
+        name: cpu_native._build(name, arch, config)
+        for name in (
+            "cpu_rmsnorm",
+            "cpu_rotary",
+            "cpu_silu_mul",
+            "cpu_store_kv",
+            "cpu_argmax",
+            "cpu_token_mask",
+        )
+    }
     _skip_unless_runnable(level)
     for dtype in DTYPES:
         x, residual, weight = _norm_case(70, 576, dtype, seed=4)
@@ -131,17 +143,21 @@ def test_each_isa_level_of_the_fused_kernels_matches_the_reference(level, tmp_pa
         logits = torch.randn(9, 1000)
         logits[0, 3:] = 9.0
         assert torch.equal(cpu_fused.argmax(logits, lib=libs["cpu_argmax"]), logits.argmax(-1))
-        bits = torch.randint(-2**31, 2**31 - 1, (4, 32), dtype=torch.int32)
+        bits = torch.randint(-(2**31), 2**31 - 1, (4, 32), dtype=torch.int32)
         masked, expected_masked = logits.clone(), logits.clone()
         cpu_fused.apply_token_bitmask_reference_(expected_masked, [0, 2, 5, 8], bits)
         cpu_fused.apply_token_bitmask_(masked, [0, 2, 5, 8], bits, lib=libs["cpu_token_mask"])
         assert torch.equal(masked, expected_masked)
-        assert torch.equal(cpu_fused.argmax_masked(logits, [0, 2, 5, 8], bits,
-                                                   lib=libs["cpu_token_mask"]),
-                           expected_masked[[0, 2, 5, 8]].argmax(-1))
+        assert torch.equal(
+            cpu_fused.argmax_masked(logits, [0, 2, 5, 8], bits, lib=libs["cpu_token_mask"]),
+            expected_masked[[0, 2, 5, 8]].argmax(-1),
+        )
         gate_up = torch.randn(70, 1152).to(dtype)
-        torch.testing.assert_close(cpu_fused.silu_mul(gate_up, lib=libs["cpu_silu_mul"]),
-                                   cpu_fused.silu_mul_reference(gate_up), **_close(dtype))
+        torch.testing.assert_close(
+            cpu_fused.silu_mul(gate_up, lib=libs["cpu_silu_mul"]),
+            cpu_fused.silu_mul_reference(gate_up),
+            **_close(dtype),
+        )
 
 
 @needs_compiler
@@ -155,8 +171,9 @@ def test_store_kv_from_qkv_views_equals_the_reference(dtype, num_tokens):
     k, v = k.view(num_tokens, kv_heads, head_dim), v.view(num_tokens, kv_heads, head_dim)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     slots[1] = -1  # padding: not stored
-    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-              for _ in range(4)]
+    caches = [
+        torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(4)
+    ]
     reference.store_kv(k, v, caches[0], caches[1], slots)
     cpu_fused.store_kv(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -195,10 +212,10 @@ def test_token_bitmask_equals_the_reference(vocab, words):
     ones or all zeros (the kernel's shortcuts) too."""
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(70, vocab, generator=g)
-    bits = torch.randint(-2**31, 2**31 - 1, (64, words), dtype=torch.int32, generator=g)
+    bits = torch.randint(-(2**31), 2**31 - 1, (64, words), dtype=torch.int32, generator=g)
     bits[0], bits[1] = -1, 0
     bits[2] = 0
-    bits[2, 3] = -2**31  # only bit 31 of one word: the sign bit
+    bits[2, 3] = -(2**31)  # only bit 31 of one word: the sign bit
     rows = list(range(3, 67))  # past the threads' threshold at 49152
     expected, masked = logits.clone(), logits.clone()
     cpu_fused.apply_token_bitmask_reference_(expected, rows, bits)
@@ -207,7 +224,10 @@ def test_token_bitmask_equals_the_reference(vocab, words):
     assert torch.equal(masked[:3], logits[:3]) and torch.equal(masked[67:], logits[67:])
     kept = ~torch.isinf(expected[rows[2]])
     assert kept.sum() == 1 and kept[3 * 32 + 31]  # the sign bit's token, alone
-    assert torch.isinf(expected[rows[1]]).all() and not torch.isinf(expected[rows[0]][:32 * words]).any()
+    assert (
+        torch.isinf(expected[rows[1]]).all()
+        and not torch.isinf(expected[rows[0]][: 32 * words]).any()
+    )
 
 
 @needs_compiler
@@ -218,7 +238,7 @@ def test_masked_argmax_is_the_argmax_of_the_masked_logits(vocab, words):
     allowed bits past the vocabulary (40 < 2 * 32) never chosen."""
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(70, vocab, generator=g)
-    bits = torch.randint(-2**31, 2**31 - 1, (64, words), dtype=torch.int32, generator=g)
+    bits = torch.randint(-(2**31), 2**31 - 1, (64, words), dtype=torch.int32, generator=g)
     bits[0], bits[1] = -1, 0
     rows = list(range(3, 67))
     logits[rows[2]] = 0.25  # a whole row tied

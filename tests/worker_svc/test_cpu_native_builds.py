@@ -42,8 +42,9 @@ def _skip_unless_x86() -> None:
 def _skip_unless_runnable(level: str) -> None:
     missing = [flag for flag in X86_LEVELS[level] if not cpu_features().has(flag)]
     if missing:
-        pytest.skip(f"{level} built, but its code cannot run here: this CPU lacks "
-                    f"{', '.join(missing)}")
+        pytest.skip(
+            f"{level} built, but its code cannot run here: this CPU lacks {', '.join(missing)}"
+        )
 
 
 @needs_compiler
@@ -55,10 +56,15 @@ def test_native_kernels_build_where_a_compiler_exists():
 
 def test_the_config_comes_from_the_variables_users_set(tmp_path):
     config = cpu_native.native_kernel_config_from_env(
-        {"CC": "/opt/bin/cc", "PAGEMESH_KERNEL_CACHE": str(tmp_path),
-         "PAGEMESH_NATIVE_KERNELS": "0"})
-    assert config == cpu_native.NativeKernelConfig(compiler="/opt/bin/cc", cache_dir=tmp_path,
-                                                   enabled=False)
+        {
+            "CC": "/opt/bin/cc",
+            "PAGEMESH_KERNEL_CACHE": str(tmp_path),
+            "PAGEMESH_NATIVE_KERNELS": "0",
+        }
+    )
+    assert config == cpu_native.NativeKernelConfig(
+        compiler="/opt/bin/cc", cache_dir=tmp_path, enabled=False
+    )
     defaults = cpu_native.native_kernel_config_from_env({})
     assert defaults == cpu_native.NativeKernelConfig()
     assert defaults.cache_dir == Path.home() / ".cache" / "pagemesh" / "kernels"
@@ -68,8 +74,7 @@ def test_the_config_comes_from_the_variables_users_set(tmp_path):
 
 
 @needs_compiler
-def test_the_kernels_follow_the_installed_config_not_the_environment(monkeypatch,
-                                                                     native_kernels):
+def test_the_kernels_follow_the_installed_config_not_the_environment(monkeypatch, native_kernels):
     # Read once by the entry point: a variable changed later does nothing.
     native_kernels(enabled=True)
     monkeypatch.setenv("PAGEMESH_NATIVE_KERNELS", "0")
@@ -116,21 +121,37 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
     _skip_unless_runnable(level)
     for dtype in (torch.float32, torch.bfloat16):
         for window in (None, 9):
-            batch = build_paged_batch([1, 16, 17, 50, 33, 130], [1] * 6, 8, 2, 64, 16, dtype,
-                                      seed=3)
-            out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache,
-                                          batch.block_tables, batch.seq_lens, 0.125, window,
-                                          lib=decode)
-            expected = reference.paged_attention(*batch.reference_args(), 0.125,
-                                                 sliding_window=window)
+            batch = build_paged_batch(
+                [1, 16, 17, 50, 33, 130], [1] * 6, 8, 2, 64, 16, dtype, seed=3
+            )
+            out = cpu_native.paged_decode(
+                batch.query,
+                batch.k_cache,
+                batch.v_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                0.125,
+                window,
+                lib=decode,
+            )
+            expected = reference.paged_attention(
+                *batch.reference_args(), 0.125, sliding_window=window
+            )
             assert_matches_reference(out, expected)
     # One long request over four threads: the KV split's parts and their merge at this level.
     batch = build_paged_batch([700], [1], 9, 3, 64, 16, torch.float32, seed=4)
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache,
-                                      batch.block_tables, batch.seq_lens, 0.125, lib=decode)
+        out = cpu_native.paged_decode(
+            batch.query,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            0.125,
+            lib=decode,
+        )
     finally:
         torch.set_num_threads(before)
     assert_matches_reference(out, reference.paged_attention(*batch.reference_args(), 0.125))
@@ -138,11 +159,20 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
     # vector width (16 floats on AVX-512, 8 on AVX2, 4 on SSE).
     for dtype in (torch.float32, torch.bfloat16):
         batch = build_paged_batch([1, 70, 150, 40], [1, 70, 67, 1], 9, 3, 64, 16, dtype, seed=5)
-        out = cpu_native.paged_attention(batch.query, batch.k_cache, batch.v_cache,
-                                         batch.block_tables, batch.seq_lens,
-                                         batch.query_start_loc, 0.125, 24, lib=decode)
-        assert_matches_reference(out, reference.paged_attention(*batch.reference_args(), 0.125,
-                                                                sliding_window=24))
+        out = cpu_native.paged_attention(
+            batch.query,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            0.125,
+            24,
+            lib=decode,
+        )
+        assert_matches_reference(
+            out, reference.paged_attention(*batch.reference_args(), 0.125, sliding_window=24)
+        )
     for type_name in cpu_native.GGUF_TYPES:
         blocks, x, expected = _gguf_case(type_name)
         out = torch.empty(x.shape[0], blocks.shape[0])
@@ -155,8 +185,9 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
         weight, x, bias = torch.randn(75, 96), torch.randn(rows, 96), torch.randn(75)
         packed = cpu_native.pack_linear_f32(weight, lib=linear_lib)
         out = cpu_native.linear_f32(x, packed, 75, bias, lib=linear_lib)
-        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            out, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4
+        )
     # A MoE layer's experts in one call (moe_f32) at this level's panel width, with an expert
     # another rank holds (-1) and an intermediate size off the panel width.
     experts, hidden, inter = 5, 48, 40
@@ -166,11 +197,18 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
     weights, ids = moe_kernels.route(torch.randn(9, experts), 2, True, torch.float32)
     ids[0, 1] = -1
     out = cpu_native.moe_f32(
-        x, weights, ids, torch.cat([cpu_native.pack_linear_f32(w, lib=linear_lib) for w in w13]),
-        torch.cat([cpu_native.pack_linear_f32(w, lib=linear_lib) for w in w2]), experts, inter,
-        lib=linear_lib)
-    torch.testing.assert_close(out, moe_kernels.fused_experts(x, w13, w2, weights, ids),
-                               rtol=1e-4, atol=1e-5)
+        x,
+        weights,
+        ids,
+        torch.cat([cpu_native.pack_linear_f32(w, lib=linear_lib) for w in w13]),
+        torch.cat([cpu_native.pack_linear_f32(w, lib=linear_lib) for w in w2]),
+        experts,
+        inter,
+        lib=linear_lib,
+    )
+    torch.testing.assert_close(
+        out, moe_kernels.fused_experts(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5
+    )
 
 
 @needs_compiler
@@ -179,16 +217,19 @@ def test_a_compiler_that_refuses_march_native_still_builds(tmp_path, caplog):
     # to -mcpu=native, then to the compiler's baseline, and says so.
     real = cpu_native.compiler()
     wrapper = tmp_path / "cc"
-    wrapper.write_text("#!/bin/sh\n"
-                       'for a in "$@"; do [ "$a" = -march=native ] && '
-                       '{ echo "unsupported option -march=native" >&2; exit 1; }; done\n'
-                       f'exec {real} "$@"\n')
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -march=native ] && '
+        '{ echo "unsupported option -march=native" >&2; exit 1; }; done\n'
+        f'exec {real} "$@"\n'
+    )
     wrapper.chmod(0o755)
     config = cpu_native.NativeKernelConfig(compiler=str(wrapper), cache_dir=tmp_path / "cache")
     with caplog.at_level("WARNING", logger="kernels.cpu_native"):
         lib = cpu_native._build("cpu_decode", config=config)
     assert "the compiler refused -march=native" in caplog.text
     batch = build_paged_batch([5, 40], [1, 1], 4, 2, 32, 8, torch.float32, seed=2)
-    out = cpu_native.paged_decode(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
-                                  batch.seq_lens, 0.2, lib=lib)
+    out = cpu_native.paged_decode(
+        batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.2, lib=lib
+    )
     assert_matches_reference(out, reference.paged_attention(*batch.reference_args(), 0.2))

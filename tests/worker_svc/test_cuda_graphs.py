@@ -12,11 +12,22 @@ import pytest
 import torch
 
 from pagemesh.tools.testing.tiny_models import write_tiny_model
-from tests.support.runner_script import (BLOCK_SIZE, ScriptedRequest, drive,
-                                         padded_decode_matches, random_prompt)
+from tests.support.runner_script import (
+    BLOCK_SIZE,
+    ScriptedRequest,
+    drive,
+    padded_decode_matches,
+    random_prompt,
+)
 from worker_svc.attention import AttentionMetadata
-from worker_svc.cuda_graphs import (PAD_SLOT, StaticDecodeInputs, bucket, capture_sizes,
-                                    eager_reason, parse_capture_sizes)
+from worker_svc.cuda_graphs import (
+    PAD_SLOT,
+    StaticDecodeInputs,
+    bucket,
+    capture_sizes,
+    eager_reason,
+    parse_capture_sizes,
+)
 from worker_svc.runner import ModelRunner, RunnerConfig, _graph_sizes
 
 
@@ -47,8 +58,7 @@ def test_which_steps_run_eagerly():
     sizes = capture_sizes(16)
     assert eager_reason({"a": 1, "b": 1}, sizes) is None
     assert "prefill" in eager_reason({"a": 1, "b": 7}, sizes)
-    assert "more than the largest graph (16)" in eager_reason(
-        {str(i): 1 for i in range(17)}, sizes)
+    assert "more than the largest graph (16)" in eager_reason({str(i): 1 for i in range(17)}, sizes)
     assert "pipeline stage" in eager_reason({"a": 1}, sizes, later_stage=True)
     assert eager_reason({}, sizes) == "no tokens to compute"
     assert eager_reason({"a": 1}, ()) == "no graphs were captured"
@@ -59,8 +69,10 @@ def test_graphs_only_on_cuda_and_not_when_eager():
     assert _graph_sizes(config) == (1, 2, 4, 8, 16, 24)
     assert _graph_sizes(RunnerConfig(model_path="m", device="cuda", enforce_eager=True)) == ()
     assert _graph_sizes(RunnerConfig(model_path="m", device="cpu")) == ()
-    assert _graph_sizes(RunnerConfig(model_path="m", device="cuda",
-                                     cuda_graph_sizes=(1, 3))) == (1, 3)
+    assert _graph_sizes(RunnerConfig(model_path="m", device="cuda", cuda_graph_sizes=(1, 3))) == (
+        1,
+        3,
+    )
 
 
 def test_static_inputs_pad_the_bucket_and_refuse_what_does_not_fit():
@@ -68,10 +80,11 @@ def test_static_inputs_pad_the_bucket_and_refuse_what_does_not_fit():
     inputs.slot_mapping.fill_(99)  # a previous, larger step's values
     inputs.seq_lens.fill_(99)
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor([5, 9, 14]), block_tables=torch.tensor(
-            [[1, 2], [2, 0], [3, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor([5, 9, 14]),
+        block_tables=torch.tensor([[1, 2], [2, 0], [3, 0]], dtype=torch.int32),
         seq_lens=torch.tensor([6, 2, 3], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+        query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+    )
     inputs.load(torch.tensor([7, 8, 9]), torch.tensor([5, 1, 2]), metadata, size=4)
     view = inputs.metadata(4)
     assert view.slot_mapping.tolist() == [5, 9, 14, PAD_SLOT]
@@ -82,8 +95,12 @@ def test_static_inputs_pad_the_bucket_and_refuse_what_does_not_fit():
     assert inputs.metadata(4) is view  # the object a graph captured with
     with pytest.raises(ValueError, match="does not fit a graph of 2 rows"):
         inputs.load(torch.tensor([7, 8, 9]), torch.tensor([5, 1, 2]), metadata, size=2)
-    wide = AttentionMetadata(metadata.slot_mapping, torch.zeros(3, 5, dtype=torch.int32),
-                             metadata.seq_lens, metadata.query_start_loc)
+    wide = AttentionMetadata(
+        metadata.slot_mapping,
+        torch.zeros(3, 5, dtype=torch.int32),
+        metadata.seq_lens,
+        metadata.query_start_loc,
+    )
     with pytest.raises(ValueError, match="wider than the graphs' 4"):
         inputs.load(torch.tensor([7, 8, 9]), torch.tensor([5, 1, 2]), wide, size=4)
 
@@ -95,11 +112,18 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_a_padded_decode_batch_matches_the_unpadded_one(tiny_llama: Path, backend: str):
-    runner = ModelRunner.from_config(RunnerConfig(
-        model_path=str(tiny_llama), block_size=BLOCK_SIZE, num_blocks=48,
-        attention_backend=backend))
+    runner = ModelRunner.from_config(
+        RunnerConfig(
+            model_path=str(tiny_llama),
+            block_size=BLOCK_SIZE,
+            num_blocks=48,
+            attention_backend=backend,
+        )
+    )
     vocab_size = runner.info().vocab_size
-    requests = [ScriptedRequest(name, random_prompt(length, vocab_size, seed), join_step=0)
-                for name, length, seed in (("a", 11, 1), ("b", 3, 2), ("c", 17, 3))]
+    requests = [
+        ScriptedRequest(name, random_prompt(length, vocab_size, seed), join_step=0)
+        for name, length, seed in (("a", 11, 1), ("b", 3, 2), ("c", 17, 3))
+    ]
     drive(runner, requests, 3)
     padded_decode_matches(runner, requests, size=8)

@@ -26,8 +26,9 @@ class FakeClock:
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     folder = write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
-    return ModelRunner.from_config(RunnerConfig(model_path=str(folder), block_size=4,
-                                                num_blocks=32, swap_space_bytes=1 << 20))
+    return ModelRunner.from_config(
+        RunnerConfig(model_path=str(folder), block_size=4, num_blocks=32, swap_space_bytes=1 << 20)
+    )
 
 
 def test_memory_adds_up(runner: ModelRunner) -> None:
@@ -81,8 +82,12 @@ def test_steps_are_recorded_and_traced(runner: ModelRunner, tmp_path: Path) -> N
     with pytest.raises(ProfilerStateError):
         profiler.start(str(tmp_path / "traces"), "again")
     try:
-        drive(_Recorded(runner, stats), [ScriptedRequest("a", [1, 2, 3, 4, 5], join_step=0)],  # type: ignore[arg-type]
-              3, GREEDY)
+        drive(
+            _Recorded(runner, stats),
+            [ScriptedRequest("a", [1, 2, 3, 4, 5], join_step=0)],  # type: ignore[arg-type]
+            3,
+            GREEDY,
+        )
     finally:
         runner.reset_requests()
     trace = profiler.stop()

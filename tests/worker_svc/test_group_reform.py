@@ -85,7 +85,8 @@ def test_group_reforms_on_a_new_port_then_on_the_same_one(spawn) -> None:
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["rank0-hosting-the-store", "rank1"])
 def test_a_killed_peer_fails_the_collective_and_the_survivor_reforms_with_a_new_one(
-        spawn, victim: int) -> None:
+    spawn, victim: int
+) -> None:
     ranks = spawn(2)
     port = reserve_port()
     for rank, parallel in zip(ranks, TP2):
@@ -183,14 +184,40 @@ class Workers:
         self.processes: dict[str, subprocess.Popen] = {}
 
     def start(self, worker_id: str, *flags: str) -> None:
-        command = [sys.executable, "-m", "worker_svc.main", "--redis-url", self.redis_url,
-                   "--cluster", self.cluster, "--group", "g0", "--worker-id", worker_id,
-                   "--model", str(self.model), "--tp", "2", "--torch-threads", "1",
-                   "--num-kv-blocks", "32", "--swap-space", "0", "--dist-timeout-s", "30",
-                   "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "2", *flags]
+        command = [
+            sys.executable,
+            "-m",
+            "worker_svc.main",
+            "--redis-url",
+            self.redis_url,
+            "--cluster",
+            self.cluster,
+            "--group",
+            "g0",
+            "--worker-id",
+            worker_id,
+            "--model",
+            str(self.model),
+            "--tp",
+            "2",
+            "--torch-threads",
+            "1",
+            "--num-kv-blocks",
+            "32",
+            "--swap-space",
+            "0",
+            "--dist-timeout-s",
+            "30",
+            "--heartbeat-interval-s",
+            "0.5",
+            "--heartbeat-ttl-s",
+            "2",
+            *flags,
+        ]
         with open(self.log_dir / f"{worker_id}.log", "wb") as log:
             self.processes[worker_id] = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def log(self, worker_id: str) -> str:
         return (self.log_dir / f"{worker_id}.log").read_text(errors="replace")
@@ -204,25 +231,43 @@ class Workers:
             entry = self.entry(worker_id)
             if all(entry.get(key) == value for key, value in expected.items()):
                 return entry
-            assert self.processes[worker_id].poll() is None, \
+            assert self.processes[worker_id].poll() is None, (
                 f"{worker_id} exited:\n{self.log(worker_id)}"
+            )
             return None
-        return eventually(reached, timeout_s, lambda: f"{worker_id} never reached {expected}: "
-                          f"{self.entry(worker_id)}\n{self.log(worker_id)}")
+
+        return eventually(
+            reached,
+            timeout_s,
+            lambda: (
+                f"{worker_id} never reached {expected}: "
+                f"{self.entry(worker_id)}\n{self.log(worker_id)}"
+            ),
+        )
 
     def wait_for_log(self, worker_id: str, text: str, timeout_s: float = 30.0) -> None:
-        eventually(lambda: text in self.log(worker_id), timeout_s,
-                   f"{worker_id} never logged {text!r}", interval_s=0.05)
+        eventually(
+            lambda: text in self.log(worker_id),
+            timeout_s,
+            f"{worker_id} never logged {text!r}",
+            interval_s=0.05,
+        )
 
-    def publish_plan(self, epoch: str, members: dict[str, int],
-                     master_addr: str | None = None) -> None:
+    def publish_plan(
+        self, epoch: str, members: dict[str, int], master_addr: str | None = None
+    ) -> None:
         """Rank 0's published `dist_addr` is the master address, unless given."""
         if master_addr is None:
             master = next(wid for wid, rank in members.items() if rank == 0)
             master_addr = self.entry(master)["dist_addr"]
         host, port = master_addr.rsplit(":", 1)
-        plan = {"epoch": epoch, "world_size": 2, "master_addr": host, "master_port": int(port),
-                "members": members}
+        plan = {
+            "epoch": epoch,
+            "world_size": 2,
+            "master_addr": host,
+            "master_port": int(port),
+            "members": members,
+        }
         self.redis.set(f"{self.cluster}:rendezvous:g0", json.dumps(plan))
 
     def stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub:
@@ -234,18 +279,26 @@ class Workers:
         w0 is in), as a scheduler does before a session's first step."""
         if epoch is None:
             epoch = self.entry("w0").get("epoch", "")
-        entry = {"address": "127.0.0.1:1", "group": group, "session": session, "epoch": epoch,
-                 "instance": f"scheduler-{session}"}
+        entry = {
+            "address": "127.0.0.1:1",
+            "group": group,
+            "session": session,
+            "epoch": epoch,
+            "instance": f"scheduler-{session}",
+        }
         self.redis.set(f"{self.cluster}:scheduler:{group}", json.dumps(entry), px=60_000)
 
-    def step(self, worker_ids: list[str], request: worker_pb2.ExecuteStepRequest,
-             drive: bool = True) -> list[Any]:
+    def step(
+        self, worker_ids: list[str], request: worker_pb2.ExecuteStepRequest, drive: bool = True
+    ) -> list[Any]:
         """The same step to every worker at once: each response, or the RpcError raised. A
         session's first step is announced first (`drive`) unless told not to."""
         if drive and request.sequence == 0:
             self.drive(request.session_id)
-        futures = [self.stub(wid).ExecuteStep.future(request, timeout=30, metadata=token_metadata())
-                   for wid in worker_ids]
+        futures = [
+            self.stub(wid).ExecuteStep.future(request, timeout=30, metadata=token_metadata())
+            for wid in worker_ids
+        ]
         results = []
         for future in futures:
             try:
@@ -271,18 +324,34 @@ GREEDY = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalt
 
 
 def prefill(session: str) -> worker_pb2.ExecuteStepRequest:
-    new = worker_pb2.NewRequest(request_id="r1", token_ids=PROMPT, num_prompt_tokens=len(PROMPT),
-                                block_ids=[0], num_computed_tokens=0, sampling=GREEDY)
-    return worker_pb2.ExecuteStepRequest(step_id=1, new_requests=[new], session_id=session,
-                                         sequence=0, num_scheduled_tokens={"r1": len(PROMPT)})
+    new = worker_pb2.NewRequest(
+        request_id="r1",
+        token_ids=PROMPT,
+        num_prompt_tokens=len(PROMPT),
+        block_ids=[0],
+        num_computed_tokens=0,
+        sampling=GREEDY,
+    )
+    return worker_pb2.ExecuteStepRequest(
+        step_id=1,
+        new_requests=[new],
+        session_id=session,
+        sequence=0,
+        num_scheduled_tokens={"r1": len(PROMPT)},
+    )
 
 
 def decode(session: str, sequence: int, token_id: int) -> worker_pb2.ExecuteStepRequest:
-    cached = worker_pb2.CachedRequest(request_id="r1", num_computed_tokens=len(PROMPT),
-                                      new_token_ids=[token_id])
-    return worker_pb2.ExecuteStepRequest(step_id=sequence + 1, cached_requests=[cached],
-                                         session_id=session, sequence=sequence,
-                                         num_scheduled_tokens={"r1": 1})
+    cached = worker_pb2.CachedRequest(
+        request_id="r1", num_computed_tokens=len(PROMPT), new_token_ids=[token_id]
+    )
+    return worker_pb2.ExecuteStepRequest(
+        step_id=sequence + 1,
+        cached_requests=[cached],
+        session_id=session,
+        sequence=sequence,
+        num_scheduled_tokens={"r1": 1},
+    )
 
 
 def sampled_token(responses: list[Any]) -> int:
@@ -302,7 +371,8 @@ def workers(tmp_path: Path, redis_url: str) -> Iterator[Workers]:
 
 
 def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
-        workers: Workers) -> None:
+    workers: Workers,
+) -> None:
     workers.start("w0", "--tp-rank", "0")
     workers.start("w1", "--tp-rank", "1")
     workers.start("spare", "--standby", "--tp-rank", "1")  # the rank flag is ignored
@@ -320,9 +390,12 @@ def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
     # one registered for another epoch or for another group (all refused at once, together).
     workers.drive("x-epoch", epoch="e0")
     workers.drive("x-group", epoch="e1", group="g1")
-    refused = [workers.stub("w0").ExecuteStep.future(prefill(session), timeout=30,
-                                                     metadata=token_metadata())
-               for session in ("x-epoch", "x-group", "x-nobody")]
+    refused = [
+        workers.stub("w0").ExecuteStep.future(
+            prefill(session), timeout=30, metadata=token_metadata()
+        )
+        for session in ("x-epoch", "x-group", "x-nobody")
+    ]
     for future in refused:
         error = future.exception()
         assert error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED, error
@@ -344,8 +417,9 @@ def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
     # A step that w1 never gets blocks w0 until w1 leaves the old group to re-form: the step
     # fails, then w0 re-forms too.
     workers.drive("s5")
-    blocked = workers.stub("w0").ExecuteStep.future(prefill("s5"), timeout=30,
-                                                      metadata=token_metadata())
+    blocked = workers.stub("w0").ExecuteStep.future(
+        prefill("s5"), timeout=30, metadata=token_metadata()
+    )
     workers.wait_for_log("w0", "new scheduler session s5")  # handed to the model thread
     time.sleep(0.2)
     workers.publish_plan("e2b", {"w0": 0, "w1": 1})
@@ -360,8 +434,9 @@ def test_workers_reform_without_reloading_and_a_standby_takes_a_dead_ones_place(
 
     # w1 dies in the middle of a step: w0's step fails at once, not after the group timeout.
     workers.drive("s6")
-    blocked = workers.stub("w0").ExecuteStep.future(prefill("s6"), timeout=30,
-                                                      metadata=token_metadata())
+    blocked = workers.stub("w0").ExecuteStep.future(
+        prefill("s6"), timeout=30, metadata=token_metadata()
+    )
     workers.wait_for_log("w0", "new scheduler session s6")
     time.sleep(0.2)
     w1_dist_addr = workers.entry("w1")["dist_addr"]

@@ -15,25 +15,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_svc import host_tier
 from pagemesh.runtime.host_tier_files import remove_tier_files, tier_path
-from worker_svc.host_tier import (FILE_HEADER_BYTES, SLOT_HEADER_BYTES, WRITING, HostTier,
-                                  HostTierBusy)
+from worker_svc import host_tier
+from worker_svc.host_tier import (
+    FILE_HEADER_BYTES,
+    SLOT_HEADER_BYTES,
+    WRITING,
+    HostTier,
+    HostTierBusy,
+)
 from worker_svc.kv_cache import KVCacheSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = KVCacheSpec(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 # 64 KiB blocks: a SIGKILL lands inside a store's copy or checksum most of the time.
-KILL_SPEC = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64,
-                        dtype=torch.float32)
+KILL_SPEC = KVCacheSpec(
+    num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32
+)
 KILL_BLOCKS, KILL_SLOTS = 16, 7
 
 
 def make_caches(spec: KVCacheSpec, num_blocks: int, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.randn(shape, generator=generator).to(spec.dtype)
-            for _ in range(spec.num_layers)]
+    return [torch.randn(shape, generator=generator).to(spec.dtype) for _ in range(spec.num_layers)]
 
 
 def zero_caches(spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
@@ -57,10 +62,17 @@ def same_block(a: list[torch.Tensor], block_a: int, b: list[torch.Tensor], block
 def run_child(*args: str) -> subprocess.Popen[str]:
     """This module's `child_main` in a fresh interpreter: another process, as a restarted
     worker is."""
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
-           "import test_host_tier; test_host_tier.child_main(sys.argv[1:])"
-    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import test_host_tier; test_host_tier.child_main(sys.argv[1:])"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def child_main(argv: list[str]) -> None:
@@ -96,8 +108,9 @@ def path_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_then_load_is_bit_identical(tmp_path: Path, dtype: torch.dtype,
-                                          path_kind: str) -> None:
+def test_store_then_load_is_bit_identical(
+    tmp_path: Path, dtype: torch.dtype, path_kind: str
+) -> None:
     spec = KVCacheSpec(3, 4, 2, 8, dtype)
     source = make_caches(spec, 10, seed=1)
     with HostTier.open(str(tmp_path / "tier"), spec, 8) as tier:
@@ -148,12 +161,15 @@ def test_reopening_keeps_the_epoch_and_close_keeps_the_file(tmp_path: Path) -> N
     assert loads_block(path)
 
 
-@pytest.mark.parametrize("other", [
-    {"spec": KVCacheSpec(3, 4, 2, 16, torch.float32)},
-    {"spec": KVCacheSpec(3, 4, 2, 8, torch.bfloat16)},
-    {"spec": KVCacheSpec(3, 8, 2, 4, torch.float32)},  # same bytes per block, other layout
-    {"identity": "other-model"},
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"spec": KVCacheSpec(3, 4, 2, 16, torch.float32)},
+        {"spec": KVCacheSpec(3, 4, 2, 8, torch.bfloat16)},
+        {"spec": KVCacheSpec(3, 8, 2, 4, torch.float32)},  # same bytes per block, other layout
+        {"identity": "other-model"},
+    ],
+)
 def test_another_layout_resets_the_file(tmp_path: Path, other: dict[str, object]) -> None:
     path = str(tmp_path / "tier")
     first = stored_one_block(path)
@@ -191,8 +207,7 @@ def damage_header_field(path: str) -> None:
 
 
 @pytest.mark.parametrize("damage", [damage_truncate, damage_magic, damage_header_field])
-def test_a_damaged_header_resets_the_file(tmp_path: Path,
-                                          damage: Callable[[str], None]) -> None:
+def test_a_damaged_header_resets_the_file(tmp_path: Path, damage: Callable[[str], None]) -> None:
     path = str(tmp_path / "tier")
     first = stored_one_block(path)
     damage(path)
@@ -237,14 +252,24 @@ def tear_data_after_seal(tier: HostTier, slot: int) -> None:
 
 def tear_checksum(tier: HostTier, slot: int) -> None:
     offset = FILE_HEADER_BYTES + slot * SLOT_HEADER_BYTES + 12
-    checksum = tier._map[offset:offset + 4]
+    checksum = tier._map[offset : offset + 4]
     patch_file(tier.path, offset, bytes([checksum[0] ^ 0x80]) + checksum[1:])
 
 
-@pytest.mark.parametrize("tear", [tear_begun, tear_half_copied, tear_sealed_but_generation_odd,
-                                  tear_state_writing, tear_data_after_seal, tear_checksum])
+@pytest.mark.parametrize(
+    "tear",
+    [
+        tear_begun,
+        tear_half_copied,
+        tear_sealed_but_generation_odd,
+        tear_state_writing,
+        tear_data_after_seal,
+        tear_checksum,
+    ],
+)
 def test_a_torn_slot_is_refused_and_the_block_left_alone(
-        tmp_path: Path, tear: Callable[[HostTier, int], None]) -> None:
+    tmp_path: Path, tear: Callable[[HostTier, int], None]
+) -> None:
     source = make_caches(SPEC, 4, seed=4)
     target = make_caches(SPEC, 4, seed=5)
     before = [t.clone() for t in target]

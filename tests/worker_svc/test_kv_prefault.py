@@ -17,8 +17,9 @@ from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches
 from worker_svc.kv_prefault import KVPrefault
 from worker_svc.runner import ModelRunner, RunnerConfig
 
-SPEC = KVCacheSpec(num_layers=3, block_size=16, num_kv_heads=2, head_dim=64,
-                   dtype=torch.float32)  # 8 KiB blocks: two pages each
+SPEC = KVCacheSpec(
+    num_layers=3, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32
+)  # 8 KiB blocks: two pages each
 
 
 def resident_pages(tensor: torch.Tensor, first_byte: int, num_bytes: int) -> int:
@@ -47,8 +48,9 @@ def populate_works() -> bool:
     return prefault._madvise is not None and prefault._populate(0, 1)
 
 
-needs_populate = pytest.mark.skipif(not populate_works(),
-                                    reason="no madvise(MADV_POPULATE_WRITE): Linux < 5.14")
+needs_populate = pytest.mark.skipif(
+    not populate_works(), reason="no madvise(MADV_POPULATE_WRITE): Linux < 5.14"
+)
 
 
 @needs_populate
@@ -68,8 +70,10 @@ def test_pages_ahead_of_the_used_blocks_are_faulted_in_and_left_as_they_were():
         pages_per_block = block_bytes // mmap.PAGESIZE
         for cache in caches:  # K and V of blocks 0-39 in, 48 and on not
             assert resident_pages(cache, 0, 40 * block_bytes) == 40 * pages_per_block
-            assert resident_pages(cache, num_blocks * block_bytes,
-                                  40 * block_bytes) == 40 * pages_per_block
+            assert (
+                resident_pages(cache, num_blocks * block_bytes, 40 * block_bytes)
+                == 40 * pages_per_block
+            )
             assert resident_pages(cache, 48 * block_bytes, 64 * block_bytes) == 0
         assert prefault.faulted_bytes == 2 * len(caches) * 40 * block_bytes
         # Contents untouched: the written blocks keep their values, the rest reads zero.
@@ -100,18 +104,23 @@ def test_no_page_is_faulted_in_while_a_step_runs_or_before_the_worker_idles():
 
 def test_a_cpu_runner_faults_in_ahead_of_its_steps(tmp_path: Path):
     model = write_tiny_model(tmp_path / "llama", "llama")
-    runner = ModelRunner.from_config(RunnerConfig(model_path=str(model), num_blocks=512,
-                                                  max_num_batched_tokens=64,
-                                                  kv_prefault_steps=2))
+    runner = ModelRunner.from_config(
+        RunnerConfig(
+            model_path=str(model), num_blocks=512, max_num_batched_tokens=64, kv_prefault_steps=2
+        )
+    )
     prefault = runner.kv_prefault
     assert prefault is not None and prefault.ahead_blocks == 2 * 64 // 16
-    request = NewRequestData("a", list(range(1, 40)), 39, [20, 21, 22], 0,
-                             SamplingParams(temperature=0.0))
-    runner.execute_step(SchedulerOutput(step_id=1, new_requests=[request],
-                                        num_scheduled_tokens={"a": 39}))
+    request = NewRequestData(
+        "a", list(range(1, 40)), 39, [20, 21, 22], 0, SamplingParams(temperature=0.0)
+    )
+    runner.execute_step(
+        SchedulerOutput(step_id=1, new_requests=[request], num_scheduled_tokens={"a": 39})
+    )
     assert prefault.high_water == 22 and prefault.target() == 31
     if populate_works():
         wait_for(lambda: prefault.next_block == 31)
-    off = ModelRunner.from_config(RunnerConfig(model_path=str(model), num_blocks=64,
-                                               kv_prefault_steps=0))
+    off = ModelRunner.from_config(
+        RunnerConfig(model_path=str(model), num_blocks=64, kv_prefault_steps=0)
+    )
     assert off.kv_prefault is None

@@ -14,12 +14,19 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from worker_svc.kv_transfer import (
-    KVTransferServer, PullResult, RankSlice, TransferError, host_key, plan_pull, pull_blocks,
+    KVTransferServer,
+    PullResult,
+    RankSlice,
+    TransferError,
+    host_key,
+    plan_pull,
+    pull_blocks,
     slice_for_rank,
 )
 from worker_svc.kv_transfer import blocks as blocks_module
@@ -46,15 +53,28 @@ class Rank:
 def model_kv(num_kv_heads: int, dtype: str, seed: int = 0) -> list[torch.Tensor]:
     """The whole model's KV in the source group's blocks: one tensor per global layer."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM,
-                        generator=generator).to(DTYPES[dtype]) for _ in range(NUM_LAYERS)]
+    return [
+        torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=generator).to(
+            DTYPES[dtype]
+        )
+        for _ in range(NUM_LAYERS)
+    ]
 
 
 def layout(tp: int, pp: int, num_kv_heads: int, dtype: str) -> list[RankSlice]:
-    return [slice_for_rank(ParallelConfig(tp, tp_rank, pp, pp_rank), num_layers=NUM_LAYERS,
-                           num_heads=NUM_HEADS, num_kv_heads=num_kv_heads,
-                           block_size=BLOCK_SIZE, head_dim=HEAD_DIM, dtype=dtype)
-            for pp_rank in range(pp) for tp_rank in range(tp)]
+    return [
+        slice_for_rank(
+            ParallelConfig(tp, tp_rank, pp, pp_rank),
+            num_layers=NUM_LAYERS,
+            num_heads=NUM_HEADS,
+            num_kv_heads=num_kv_heads,
+            block_size=BLOCK_SIZE,
+            head_dim=HEAD_DIM,
+            dtype=dtype,
+        )
+        for pp_rank in range(pp)
+        for tp_rank in range(tp)
+    ]
 
 
 def rank_caches(full: list[torch.Tensor], mine: RankSlice) -> list[torch.Tensor]:
@@ -63,9 +83,18 @@ def rank_caches(full: list[torch.Tensor], mine: RankSlice) -> list[torch.Tensor]
 
 
 def empty_ranks(tp: int, pp: int, num_kv_heads: int, dtype: str) -> list[Rank]:
-    return [Rank(mine, [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, mine.num_kv_heads, HEAD_DIM,
-                                    dtype=DTYPES[dtype]) for _ in mine.layers])
-            for mine in layout(tp, pp, num_kv_heads, dtype)]
+    return [
+        Rank(
+            mine,
+            [
+                torch.zeros(
+                    2, NUM_BLOCKS, BLOCK_SIZE, mine.num_kv_heads, HEAD_DIM, dtype=DTYPES[dtype]
+                )
+                for _ in mine.layers
+            ],
+        )
+        for mine in layout(tp, pp, num_kv_heads, dtype)
+    ]
 
 
 @pytest.fixture
@@ -94,14 +123,22 @@ def source_group() -> Iterator[Callable[..., list[RankSlice]]]:
     `full`; the slices to pull from (host key "elsewhere" unless `shm`, forcing TCP)."""
     servers: list[KVTransferServer] = []
 
-    def start(full: list[torch.Tensor], tp: int, pp: int, *, dtype: str = "float32",
-              shm: bool = False, token: str | None = None) -> list[RankSlice]:
+    def start(
+        full: list[torch.Tensor],
+        tp: int,
+        pp: int,
+        *,
+        dtype: str = "float32",
+        shm: bool = False,
+        token: str | None = None,
+    ) -> list[RankSlice]:
         slices = []
         for mine in layout(tp, pp, full[0].shape[3], dtype):
             server = KVTransferServer(rank_caches(full, mine), mine, token=token).start()
             servers.append(server)
-            slices.append(server.rank_slice if shm else
-                          replace(server.rank_slice, host_key="elsewhere"))
+            slices.append(
+                server.rank_slice if shm else replace(server.rank_slice, host_key="elsewhere")
+            )
         return slices
 
     yield start
@@ -109,10 +146,25 @@ def source_group() -> Iterator[Callable[..., list[RankSlice]]]:
         server.close()
 
 
-def pull(rank: Rank, sources: list[RankSlice], transfer_id: str, *, deadline_s: float = 5.0,
-         token: str | None = None, src_ids: list[int] = SRC_IDS) -> PullResult:
-    return pull_blocks(rank.slice, rank.caches, sources, src_ids, DST_IDS,
-                       time.monotonic() + deadline_s, token, transfer_id)
+def pull(
+    rank: Rank,
+    sources: list[RankSlice],
+    transfer_id: str,
+    *,
+    deadline_s: float = 5.0,
+    token: str | None = None,
+    src_ids: list[int] = SRC_IDS,
+) -> PullResult:
+    return pull_blocks(
+        rank.slice,
+        rank.caches,
+        sources,
+        src_ids,
+        DST_IDS,
+        time.monotonic() + deadline_s,
+        token,
+        transfer_id,
+    )
 
 
 def assert_holds(rank: Rank, full: list[torch.Tensor]) -> None:
@@ -126,8 +178,9 @@ def assert_holds(rank: Rank, full: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("path", ["tcp", "shm"])
-def test_same_layout_pull_is_bit_identical(source_group, transfer_id: str, dtype: str,
-                                           path: str, io: str) -> None:
+def test_same_layout_pull_is_bit_identical(
+    source_group, transfer_id: str, dtype: str, path: str, io: str
+) -> None:
     full = model_kv(4, dtype)
     sources = source_group(full, 2, 2, dtype=dtype, shm=path == "shm")
     for rank in empty_ranks(2, 2, 4, dtype):
@@ -135,13 +188,15 @@ def test_same_layout_pull_is_bit_identical(source_group, transfer_id: str, dtype
         assert result.ok, result.reason
         assert result.paths == {path}
         assert result.nbytes == 2 * 2 * len(DST_IDS) * BLOCK_SIZE * 2 * HEAD_DIM * (
-            4 if dtype == "float32" else 2)
+            4 if dtype == "float32" else 2
+        )
         assert_holds(rank, full)
 
 
 @pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2)])
-def test_a_tensor_parallel_resplit_moves_every_head(source_group, transfer_id: str,
-                                                    src_tp: int, dst_tp: int, io: str) -> None:
+def test_a_tensor_parallel_resplit_moves_every_head(
+    source_group, transfer_id: str, src_tp: int, dst_tp: int, io: str
+) -> None:
     full = model_kv(4, "float32")
     sources = source_group(full, src_tp, 1)
     for rank in empty_ranks(dst_tp, 1, 4, "float32"):
@@ -173,8 +228,16 @@ def test_replicated_heads_are_pulled_once_each(source_group, transfer_id: str) -
 
 def test_the_plan_takes_the_fewest_sources_and_names_what_is_missing() -> None:
     def rank(layers: range, heads: range, address: str) -> RankSlice:
-        return RankSlice(layers.start, len(layers), heads.start, len(heads), BLOCK_SIZE,
-                         HEAD_DIM, "float32", address)
+        return RankSlice(
+            layers.start,
+            len(layers),
+            heads.start,
+            len(heads),
+            BLOCK_SIZE,
+            HEAD_DIM,
+            "float32",
+            address,
+        )
 
     mine = rank(range(0, 8), range(0, 4), "me")
     assert RankSlice.from_json(mine.to_json()) == mine
@@ -183,13 +246,14 @@ def test_the_plan_takes_the_fewest_sources_and_names_what_is_missing() -> None:
     assert [p.source.address for p in plan_pull(mine, halves + [whole])] == ["whole"]
     pieces = plan_pull(mine, halves)
     assert [(p.source.address, p.layers, p.kv_heads) for p in pieces] == [
-        ("a", range(0, 4), range(0, 4)), ("b", range(4, 8), range(0, 4))]
+        ("a", range(0, 4), range(0, 4)),
+        ("b", range(4, 8), range(0, 4)),
+    ]
     with pytest.raises(TransferError, match="no source has layers 4-7 x kv heads 0-3"):
         plan_pull(mine, halves[:1])
 
 
-def test_a_dtype_mismatch_is_refused_with_both_dtypes_named(source_group,
-                                                            transfer_id: str) -> None:
+def test_a_dtype_mismatch_is_refused_with_both_dtypes_named(source_group, transfer_id: str) -> None:
     sources = source_group(model_kv(4, "bfloat16"), 1, 1, dtype="bfloat16")
     (rank,) = empty_ranks(1, 1, 4, "float32")
     result = pull(rank, sources, transfer_id)
@@ -224,8 +288,11 @@ def test_bad_reads_are_answered_and_the_server_goes_on(source_group, transfer_id
     result = pull(rank, [source], transfer_id, src_ids=[1, 2, 3, 1, 5, 6])
     assert not result.ok and "names a block twice" in result.reason
     host, port = source.address.split(":")
-    for garbage in (struct.pack(">I", 1 << 30), struct.pack(">I", 5) + b"nope!",
-                    struct.pack(">I", 2) + b"[]"):
+    for garbage in (
+        struct.pack(">I", 1 << 30),
+        struct.pack(">I", 5) + b"nope!",
+        struct.pack(">I", 2) + b"[]",
+    ):
         with socket.create_connection((host, int(port)), timeout=2) as sock:
             sock.sendall(garbage)
             assert b'"ok":false' in sock.recv(4096)
@@ -233,8 +300,9 @@ def test_bad_reads_are_answered_and_the_server_goes_on(source_group, transfer_id
     assert_holds(rank, full)
 
 
-def test_shm_falls_back_to_tcp_when_it_cannot_be_used(source_group, transfer_id: str,
-                                                      monkeypatch) -> None:
+def test_shm_falls_back_to_tcp_when_it_cannot_be_used(
+    source_group, transfer_id: str, monkeypatch
+) -> None:
     model = model_kv(4, "float32")
     sources = source_group(model, 1, 1, shm=True)
     (rank,) = empty_ranks(1, 1, 4, "float32")
@@ -246,9 +314,11 @@ def test_shm_falls_back_to_tcp_when_it_cannot_be_used(source_group, transfer_id:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     # The source sees another /dev/shm, or fills it up; this side cannot make the file.
-    for module, name, fail in ((server_module, "_open_target", unavailable),
-                               (server_module.FileStream, "write", full),
-                               (pull_module._STAGING, "acquire", unavailable)):
+    for module, name, fail in (
+        (server_module, "_open_target", unavailable),
+        (server_module.FileStream, "write", full),
+        (pull_module._STAGING, "acquire", unavailable),
+    ):
         with monkeypatch.context() as patch:
             patch.setattr(module, name, fail)
             result = pull(rank, sources, transfer_id)
@@ -282,12 +352,12 @@ def fake_source() -> Iterator[Callable[[Callable[[socket.socket], None]], str]]:
 
 
 @pytest.mark.parametrize("same_host", [False, True])
-def test_a_source_that_never_answers_fails_by_the_deadline(fake_source, transfer_id: str,
-                                                           same_host: bool) -> None:
+def test_a_source_that_never_answers_fails_by_the_deadline(
+    fake_source, transfer_id: str, same_host: bool
+) -> None:
     address = fake_source(lambda conn: None)  # accepts, reads nothing, says nothing
     (rank,) = empty_ranks(1, 1, 4, "float32")
-    source = replace(rank.slice, address=address,
-                     host_key=host_key() if same_host else "elsewhere")
+    source = replace(rank.slice, address=address, host_key=host_key() if same_host else "elsewhere")
     start = time.monotonic()
     result = pull(rank, [source], transfer_id, deadline_s=0.5)
     assert not result.ok and "no answer before the deadline" in result.reason
@@ -295,17 +365,21 @@ def test_a_source_that_never_answers_fails_by_the_deadline(fake_source, transfer
     assert 0.45 < time.monotonic() - start < 1.5  # the deadline, plus slack for a busy CI
 
 
-@pytest.mark.parametrize("offered,reason", [
-    (None, "closed the connection after"), (12345, "offers 12345 bytes, the read needs")])
+@pytest.mark.parametrize(
+    "offered,reason",
+    [(None, "closed the connection after"), (12345, "offers 12345 bytes, the read needs")],
+)
 def test_a_source_that_breaks_off_or_offers_the_wrong_size_fails(
-        fake_source, transfer_id: str, offered: int | None, reason: str) -> None:
+    fake_source, transfer_id: str, offered: int | None, reason: str
+) -> None:
     (rank,) = empty_ranks(1, 1, 4, "float32")
     nbytes = NUM_LAYERS * 2 * len(DST_IDS) * BLOCK_SIZE * 4 * HEAD_DIM * 4
 
     def half_then_close(conn: socket.socket) -> None:
         conn.recv(65536)
-        header = (b'{"ok":true,"reason":"","nbytes":%d,"shm_unavailable":false}'
-                  % (offered or nbytes))
+        header = b'{"ok":true,"reason":"","nbytes":%d,"shm_unavailable":false}' % (
+            offered or nbytes
+        )
         conn.sendall(struct.pack(">I", len(header)) + header + bytes(nbytes // 2))
         conn.shutdown(socket.SHUT_RDWR)
 
@@ -324,8 +398,9 @@ def test_a_closed_port_fails_at_once(transfer_id: str) -> None:
     assert time.monotonic() - start < 1.0  # not the 5 s deadline
 
 
-def test_a_failing_piece_does_not_hide_the_others(source_group, fake_source,
-                                                  transfer_id: str) -> None:
+def test_a_failing_piece_does_not_hide_the_others(
+    source_group, fake_source, transfer_id: str
+) -> None:
     full = model_kv(4, "float32")
     good = source_group(full, 1, 2, shm=True)
     silent = replace(good[1], address=fake_source(lambda conn: None))
@@ -338,12 +413,14 @@ def test_a_failing_piece_does_not_hide_the_others(source_group, fake_source,
 
 def test_nothing_to_pull_is_ok_without_a_connection(transfer_id: str) -> None:
     (rank,) = empty_ranks(1, 1, 4, "float32")
-    result = pull_blocks(rank.slice, rank.caches, [], [], [], time.monotonic() + 1, None,
-                         transfer_id)
+    result = pull_blocks(
+        rank.slice, rank.caches, [], [], [], time.monotonic() + 1, None, transfer_id
+    )
     assert result.ok and result.nbytes == 0
     with pytest.raises(ValueError, match="named twice"):
-        pull_blocks(rank.slice, rank.caches, [], [1, 2], [3, 3], time.monotonic() + 1, None,
-                    transfer_id)
+        pull_blocks(
+            rank.slice, rank.caches, [], [1, 2], [3, 3], time.monotonic() + 1, None, transfer_id
+        )
 
 
 def test_staging_files_are_reused_and_a_dead_processs_are_removed(tmp_path: Path) -> None:

@@ -45,14 +45,14 @@ def folders(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def hf_model(folders):
     return transformers.LlavaForConditionalGeneration.from_pretrained(
-        folders["llava-hf"], dtype=torch.float32).eval()
+        folders["llava-hf"], dtype=torch.float32
+    ).eval()
 
 
 def png_bytes(width: int, height: int, mode: str, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     channels = {"RGB": 3, "RGBA": 4}[mode]
-    image = Image.fromarray(rng.integers(0, 256, (height, width, channels), dtype=np.uint8),
-                            mode)
+    image = Image.fromarray(rng.integers(0, 256, (height, width, channels), dtype=np.uint8), mode)
     buffer = io.BytesIO()
     image.save(buffer, "PNG")
     return buffer.getvalue()
@@ -69,12 +69,15 @@ def tensor_names(folder) -> list[str]:
 
 
 def test_both_namings_load_in_transformers_to_the_same_weights(folders, hf_model) -> None:
-    assert any(n.startswith("vision_tower.embeddings.") for n in tensor_names(
-        folders["transformers5"]))
-    assert any(n.startswith("vision_tower.vision_model.") for n in tensor_names(
-        folders["llava-hf"]))
+    assert any(
+        n.startswith("vision_tower.embeddings.") for n in tensor_names(folders["transformers5"])
+    )
+    assert any(
+        n.startswith("vision_tower.vision_model.") for n in tensor_names(folders["llava-hf"])
+    )
     other = transformers.LlavaForConditionalGeneration.from_pretrained(
-        folders["transformers5"], dtype=torch.float32).state_dict()
+        folders["transformers5"], dtype=torch.float32
+    ).state_dict()
     ours = hf_model.state_dict()
     assert ours.keys() == other.keys()
     for name, tensor in ours.items():
@@ -105,20 +108,30 @@ def test_checkpoint_names_map_both_namings_alike(folders) -> None:
     assert mapped_t5 == sorted(llava_checkpoint_name(n) for n in hub)
     assert len(set(mapped_t5)) == len(mapped_t5)
     # transformers 5's in-memory names map alike too
-    hf_names = transformers.LlavaForConditionalGeneration.from_pretrained(
-        folders["transformers5"]).state_dict().keys()
+    hf_names = (
+        transformers.LlavaForConditionalGeneration.from_pretrained(folders["transformers5"])
+        .state_dict()
+        .keys()
+    )
     assert sorted(llava_checkpoint_name(n) for n in hf_names) == mapped_t5
     assert llava_checkpoint_name("vision_tower.embeddings.class_embedding") == (
-        "vision", "vision_tower.class_embedding")
+        "vision",
+        "vision_tower.class_embedding",
+    )
     assert llava_checkpoint_name("multi_modal_projector.linear_1.bias") == (
-        "projector", "multi_modal_projector.linear_1.bias")
+        "projector",
+        "multi_modal_projector.linear_1.bias",
+    )
     assert llava_checkpoint_name("language_model.lm_head.weight") == ("text", "lm_head.weight")
     assert llava_checkpoint_name("language_model.model.norm.weight") == (
-        "text", "model.norm.weight")
-    assert llava_checkpoint_name("vision_tower.vision_model.encoder.layers.1.mlp.fc1.weight") \
-        == ("vision", "vision_tower.layers.1.mlp.fc1.weight")
-    assert llava_checkpoint_name("vision_tower.vision_model.embeddings.position_ids")[0] == \
-        "unused"
+        "text",
+        "model.norm.weight",
+    )
+    assert llava_checkpoint_name("vision_tower.vision_model.encoder.layers.1.mlp.fc1.weight") == (
+        "vision",
+        "vision_tower.layers.1.mlp.fc1.weight",
+    )
+    assert llava_checkpoint_name("vision_tower.vision_model.embeddings.position_ids")[0] == "unused"
     # LLaVA-NeXT's row separator, in either naming.
     assert llava_checkpoint_name("image_newline") == ("projector", "image_newline")
     assert llava_checkpoint_name("model.image_newline") == ("projector", "image_newline")
@@ -162,7 +175,8 @@ def test_multi_layer_and_full_strategy_match_transformers(folders, images) -> No
     hf.save_pretrained(folder, safe_serialization=True)
     encoder = load_llava_encoder(folder, torch.float32)
     pixel_values = torch.from_numpy(
-        ClipImageProcessor.from_folder(folders["llava-hf"]).preprocess(images))
+        ClipImageProcessor.from_folder(folders["llava-hf"]).preprocess(images)
+    )
     with torch.inference_mode():
         ours = encoder(pixel_values)
         theirs = torch.stack(hf.get_image_features(pixel_values=pixel_values).pooler_output)
@@ -176,8 +190,10 @@ def test_missing_and_unplaced_tensors_are_named(folders, tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(folders["llava-hf"] / "model.safetensors")
-    for name, edit in [("multi_modal_projector.linear_2.bias", "drop"),
-                       ("vision_tower.vision_model.encoder.layers.9.mlp.fc1.weight", "add")]:
+    for name, edit in [
+        ("multi_modal_projector.linear_2.bias", "drop"),
+        ("vision_tower.vision_model.encoder.layers.9.mlp.fc1.weight", "add"),
+    ]:
         folder = tmp_path / edit
         shutil.copytree(folders["llava-hf"], folder)
         edited = dict(tensors)
@@ -197,24 +213,37 @@ def test_decoder_logits_match_transformers_language_model(folders, hf_model) -> 
     model_config = parse_hf_config(config.text)
     model = LlamaForCausalLM(model_config)
     with safe_open(folder / "model.safetensors", framework="pt") as tensors:
-        text = [(llava_checkpoint_name(k)[1], tensors.get_tensor(k)) for k in tensors.keys()
-                if llava_checkpoint_name(k)[0] == "text"]
+        text = [
+            (llava_checkpoint_name(k)[1], tensors.get_tensor(k))
+            for k in tensors.keys()
+            if llava_checkpoint_name(k)[0] == "text"
+        ]
     model.load_weights(text)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     ids = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
     num_tokens, block_size = len(ids), 16
     num_blocks = -(-num_tokens // block_size)
-    spec = KVCacheSpec(model_config.num_layers, block_size, model.num_local_kv_heads,
-                       model_config.head_dim, torch.float32)
+    spec = KVCacheSpec(
+        model_config.num_layers,
+        block_size,
+        model.num_local_kv_heads,
+        model_config.head_dim,
+        torch.float32,
+    )
     metadata = AttentionMetadata(
         slot_mapping=torch.arange(num_tokens),
         block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32))
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+    )
     with torch.inference_mode():
-        hidden, residual = model(torch.tensor(ids), torch.arange(num_tokens),
-                                 allocate_kv_caches(spec, num_blocks, "cpu"), metadata,
-                                 TorchAttentionBackend())
+        hidden, residual = model(
+            torch.tensor(ids),
+            torch.arange(num_tokens),
+            allocate_kv_caches(spec, num_blocks, "cpu"),
+            metadata,
+            TorchAttentionBackend(),
+        )
         ours = model.compute_logits(hidden, residual)
         theirs = hf_model(input_ids=torch.tensor([ids])).logits[0]
     assert (ours - theirs).abs().max().item() <= 1e-4
@@ -223,8 +252,9 @@ def test_decoder_logits_match_transformers_language_model(folders, hf_model) -> 
 def test_processor_expands_image_token(folders, images) -> None:
     folder = folders["llava-hf"]
     processor = transformers.AutoProcessor.from_pretrained(folder)
-    messages = [{"role": "user", "content": [{"type": "image"},
-                                             {"type": "text", "text": "What is this?"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
+    ]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
     assert prompt == "<|user|>\n<image>\nWhat is this?<|endoftext|>\n<|assistant|>\n"
     assert processor.tokenizer.chat_template == CHAT_TEMPLATE
@@ -234,6 +264,6 @@ def test_processor_expands_image_token(folders, images) -> None:
     ids = inputs["input_ids"][0].tolist()
     assert ids.count(image_token_id) == 16
     start = ids.index(image_token_id)
-    assert ids[start:start + 16] == [image_token_id] * 16  # one contiguous run
+    assert ids[start : start + 16] == [image_token_id] * 16  # one contiguous run
     unexpanded = processor.tokenizer(prompt)["input_ids"]
     assert unexpanded.count(image_token_id) == 1 and len(ids) == len(unexpanded) + 15

@@ -26,8 +26,9 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llava(tmp_path_factory.mktemp("llava") / "tiny-llava", seed=3,
-                            naming="llava-hf")
+    return write_tiny_llava(
+        tmp_path_factory.mktemp("llava") / "tiny-llava", seed=3, naming="llava-hf"
+    )
 
 
 def image(seed: int, size: tuple[int, int] = (40, 48)) -> Image.Image:
@@ -41,8 +42,7 @@ def png(picture: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def reference(folder: Path, text: str, images: list[Image.Image]
-              ) -> tuple[list[int], list[float]]:
+def reference(folder: Path, text: str, images: list[Image.Image]) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and their logprobs (full recompute each token)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
@@ -64,19 +64,28 @@ def reference(folder: Path, text: str, images: list[Image.Image]
 
 def test_image_prompts_equal_transformers_batched_and_chunked(folder: Path) -> None:
     cat, dog = image(1), image(2, (56, 36))
-    requests = [{"prompt": PROMPT, "multi_modal_data": {"image": cat}},
-                {"prompt": PROMPT, "multi_modal_data": {"image": png(dog)}},
-                {"prompt": TWO, "multi_modal_data": {"image": [cat, dog]}},
-                TEXT]
+    requests = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": cat}},
+        {"prompt": PROMPT, "multi_modal_data": {"image": png(dog)}},
+        {"prompt": TWO, "multi_modal_data": {"image": [cat, dog]}},
+        TEXT,
+    ]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     with LLM(str(folder), dtype="float32", max_num_batched_tokens=20) as engine:
         outputs = engine.generate(requests, params, use_tqdm=False)
         assert engine.info.image_seq_length == 16
         with pytest.raises(ValueError, match="1 image token"):
-            engine.generate({"prompt": PROMPT, "multi_modal_data": {"image": [cat, dog]}},
-                            params, use_tqdm=False)
-    expected = [reference(folder, PROMPT, [cat]), reference(folder, PROMPT, [dog]),
-                reference(folder, TWO, [cat, dog]), reference(folder, TEXT, [])]
+            engine.generate(
+                {"prompt": PROMPT, "multi_modal_data": {"image": [cat, dog]}},
+                params,
+                use_tqdm=False,
+            )
+    expected = [
+        reference(folder, PROMPT, [cat]),
+        reference(folder, PROMPT, [dog]),
+        reference(folder, TWO, [cat, dog]),
+        reference(folder, TEXT, []),
+    ]
     for output, (tokens, logprobs) in zip(outputs, expected, strict=True):
         sample = output.outputs[0]
         assert sample.token_ids == tokens
@@ -86,7 +95,9 @@ def test_image_prompts_equal_transformers_batched_and_chunked(folder: Path) -> N
     cat_answer, dog_answer = outputs[0].outputs[0], outputs[1].outputs[0]
     assert cat_answer.token_ids != dog_answer.token_ids or not np.allclose(
         [lp[t].logprob for lp, t in zip(cat_answer.logprobs, cat_answer.token_ids)],
-        [lp[t].logprob for lp, t in zip(dog_answer.logprobs, dog_answer.token_ids)], atol=1e-3)
+        [lp[t].logprob for lp, t in zip(dog_answer.logprobs, dog_answer.token_ids)],
+        atol=1e-3,
+    )
 
 
 def test_llm_chat_takes_image_url_parts(folder: Path) -> None:
@@ -94,8 +105,15 @@ def test_llm_chat_takes_image_url_parts(folder: Path) -> None:
 
     cat = image(1)
     url = "data:image/png;base64," + base64.b64encode(png(cat)).decode()
-    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": "What is in this picture?"}]}]
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in this picture?"},
+            ],
+        }
+    ]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(str(folder), dtype="float32") as engine:
         answer = engine.chat(chat, params, use_tqdm=False)[0]
@@ -103,10 +121,10 @@ def test_llm_chat_takes_image_url_parts(folder: Path) -> None:
 
 
 def test_the_encoder_cache_encodes_an_image_once(folder: Path) -> None:
+    from protos.step import ImageInput
     from worker_svc.batch import ImageSegment
     from worker_svc.loader import load_model
     from worker_svc.multimodal import llava_image_embedder
-    from protos.step import ImageInput
 
     _, metadata = load_model(folder, dtype="float32")
     embedder = llava_image_embedder(metadata, "cpu")
@@ -115,8 +133,9 @@ def test_the_encoder_cache_encodes_an_image_once(folder: Path) -> None:
     rest = ImageSegment(ImageInput(cat, 8, 16), start_row=0, first=12, count=4)
     rows, part1 = embedder.overrides([first], torch.device("cpu"))
     assert rows.tolist() == list(range(8, 20))
-    _, part2 = embedder.overrides([rest, ImageSegment(ImageInput(dog, 0, 16), 4, 0, 16)],
-                                  torch.device("cpu"))
+    _, part2 = embedder.overrides(
+        [rest, ImageSegment(ImageInput(dog, 0, 16), 4, 0, 16)], torch.device("cpu")
+    )
     assert embedder.num_encoded == 2 and embedder.num_cache_hits == 1
     whole = torch.cat([part1, part2[:4]])
     assert whole.shape == (16, 64)
@@ -128,8 +147,9 @@ def test_a_text_only_model_refuses_images(tmp_path: Path) -> None:
 
     with LLM(str(write_tiny_model(tmp_path / "llama", "llama")), dtype="float32") as engine:
         with pytest.raises(ValueError, match="text-only model"):
-            engine.generate({"prompt": "hi", "multi_modal_data": {"image": image(1)}},
-                            use_tqdm=False)
+            engine.generate(
+                {"prompt": "hi", "multi_modal_data": {"image": image(1)}}, use_tqdm=False
+            )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -142,9 +162,15 @@ def test_image_prompts_equal_transformers_under_preemption(folder: Path, tp: int
     requests = [{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     block_bytes = 3 * 2 * 2 * 16 * 16 * 4 // tp  # layers x (K, V) x KV heads x dim x tokens
-    with LLM(str(folder), dtype="float32", tensor_parallel_size=tp, swap_space=0,
-             kv_cache_memory_bytes=6 * block_bytes, max_num_batched_tokens=32,
-             enable_prefix_caching=False) as engine:
+    with LLM(
+        str(folder),
+        dtype="float32",
+        tensor_parallel_size=tp,
+        swap_space=0,
+        kv_cache_memory_bytes=6 * block_bytes,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    ) as engine:
         outputs = engine.generate(requests, params, use_tqdm=False)
         scheduler = engine._live_engine().engine_loop.scheduler
         assert scheduler.num_preemptions > 0, "the cache was meant to run out"
@@ -152,5 +178,6 @@ def test_image_prompts_equal_transformers_under_preemption(folder: Path, tp: int
         tokens, logprobs = reference(folder, PROMPT, [picture])
         sample = output.outputs[0]
         assert sample.token_ids == tokens
-        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(sample.logprobs, tokens)],
-                                   logprobs, atol=1e-4)
+        np.testing.assert_allclose(
+            [lp[t].logprob for lp, t in zip(sample.logprobs, tokens)], logprobs, atol=1e-4
+        )

@@ -27,8 +27,12 @@ SIZES = [(40, 40), (30, 90), (100, 35), (5, 7), (150, 120)]
 
 @pytest.fixture(scope="module", params=["llava-hf", "transformers5"])
 def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llava(tmp_path_factory.mktemp("next") / f"tiny-next-{request.param}",
-                            seed=4, naming=request.param, next=True)
+    return write_tiny_llava(
+        tmp_path_factory.mktemp("next") / f"tiny-next-{request.param}",
+        seed=4,
+        naming=request.param,
+        next=True,
+    )
 
 
 def image(seed: int, size: tuple[int, int]) -> Image.Image:
@@ -56,23 +60,35 @@ def test_features_equal_transformers_for_every_size(folder: Path) -> None:
         inputs = processor(text=PROMPT, images=[picture], return_tensors="pt")
         with torch.no_grad():
             expected = model.model.get_image_features(
-                pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
-                vision_feature_layer=-2, vision_feature_select_strategy="default").pooler_output[0]
+                pixel_values=inputs["pixel_values"],
+                image_sizes=inputs["image_sizes"],
+                vision_feature_layer=-2,
+                vision_feature_select_strategy="default",
+            ).pooler_output[0]
             tiles, hw = ours.preprocess(picture)
             got = encoder.pack_anyres(encoder(torch.from_numpy(tiles)), hw)
         assert got.shape == expected.shape, size
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         placeholders = int((inputs["input_ids"] == model.config.image_token_index).sum())
-        assert placeholders == got.shape[0] == num_feature_rows(
-            size[0], size[1], grid_pinpoints=ours.grid_pinpoints, tile_size=32, patch_size=8)
+        assert (
+            placeholders
+            == got.shape[0]
+            == num_feature_rows(
+                size[0], size[1], grid_pinpoints=ours.grid_pinpoints, tile_size=32, patch_size=8
+            )
+        )
 
 
-def reference(processor, model, text: str, images: list[Image.Image]
-              ) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
+def reference(
+    processor, model, text: str, images: list[Image.Image]
+) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
     inputs = processor(text=text, images=images or None, return_tensors="pt")
     ids, tokens, logprobs = inputs["input_ids"], [], []
-    extra = ({"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]}
-             if images else {})
+    extra = (
+        {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]}
+        if images
+        else {}
+    )
     with torch.no_grad():
         for _ in range(MAX_TOKENS):
             logits = model(input_ids=ids, **extra).logits[0, -1]
@@ -85,19 +101,23 @@ def reference(processor, model, text: str, images: list[Image.Image]
 
 def test_generation_equals_transformers_batched_and_chunked(folder: Path) -> None:
     wide, tall, small = image(1, (30, 90)), image(2, (100, 35)), image(3, (20, 20))
-    requests = [{"prompt": PROMPT, "multi_modal_data": {"image": wide}},
-                {"prompt": PROMPT, "multi_modal_data": {"image": tall}},
-                {"prompt": TWO, "multi_modal_data": {"image": [small, wide]}},
-                TEXT]
+    requests = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": wide}},
+        {"prompt": PROMPT, "multi_modal_data": {"image": tall}},
+        {"prompt": TWO, "multi_modal_data": {"image": [small, wide]}},
+        TEXT,
+    ]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     with LLM(str(folder), dtype="float32", max_num_batched_tokens=24) as engine:
         outputs = engine.generate(requests, params, use_tqdm=False)
         assert engine.info.image_tiling.tile_size == 32
     processor, model = transformers_model(folder)
-    expected = [reference(processor, model, PROMPT, [wide]),
-                reference(processor, model, PROMPT, [tall]),
-                reference(processor, model, TWO, [small, wide]),
-                reference(processor, model, TEXT, [])]
+    expected = [
+        reference(processor, model, PROMPT, [wide]),
+        reference(processor, model, PROMPT, [tall]),
+        reference(processor, model, TWO, [small, wide]),
+        reference(processor, model, TEXT, []),
+    ]
     for output, (tokens, logprobs) in zip(outputs, expected, strict=True):
         sample = output.outputs[0]
         assert sample.token_ids == tokens

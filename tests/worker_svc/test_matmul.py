@@ -21,16 +21,27 @@ from worker_svc.model.matmul import (
     resolve_cpu_linear,
 )
 
-needs_onednn = pytest.mark.skipif(not onednn_linear_available(torch.float32),
-                                  reason="this torch build has no oneDNN linear kernels")
+needs_onednn = pytest.mark.skipif(
+    not onednn_linear_available(torch.float32),
+    reason="this torch build has no oneDNN linear kernels",
+)
 
 
 def tiny_llama(dtype: torch.dtype, tie: bool = True) -> LlamaForCausalLM:
-    config = parse_hf_config({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 100, "max_position_embeddings": 64, "tie_word_embeddings": tie,
-    })
+    config = parse_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 100,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": tie,
+        }
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(dtype)
     for param in model.parameters():
@@ -42,12 +53,17 @@ def tiny_llama(dtype: torch.dtype, tie: bool = True) -> LlamaForCausalLM:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_layers_compute_what_f_linear_does(dtype):
     if not onednn_linear_available(dtype):
-        pytest.skip(f"oneDNN {dtype} linear cannot run on this CPU "
-                    f"[{cpu_features().isa_summary}]: it needs avx512bw+avx512vl+avx512dq "
-                    "or avx_ne_convert")
+        pytest.skip(
+            f"oneDNN {dtype} linear cannot run on this CPU "
+            f"[{cpu_features().isa_summary}]: it needs avx512bw+avx512vl+avx512dq "
+            "or avx_ne_convert"
+        )
     model = tiny_llama(dtype)
-    layers = [model.model.layers[0].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj,
-              model.model.embed_tokens]
+    layers = [
+        model.model.layers[0].self_attn.qkv_proj,
+        model.model.layers[1].mlp.down_proj,
+        model.model.embed_tokens,
+    ]
     x = torch.randn(5, 64, dtype=dtype)
     x_mlp = torch.randn(5, 128, dtype=dtype)
     before = [layers[0](x), layers[1](x_mlp), model.model.embed_tokens.logits(x)]
@@ -98,15 +114,27 @@ def test_choices_are_checked():
     assert resolve_cpu_linear("auto", torch.device("cpu"), torch.float16) == "torch"
 
 
-@pytest.mark.skipif(not native_linear_available(torch.float32),
-                    reason="no C compiler builds kernels/cpu_linear.c here")
+@pytest.mark.skipif(
+    not native_linear_available(torch.float32),
+    reason="no C compiler builds kernels/cpu_linear.c here",
+)
 def test_native_panels_compute_what_f_linear_does():
     """Every row count the kernel tiles differently (1-6, then 6-row tiles and a remainder,
     and prefill's wider tiles past 64 rows), widths that leave a thread two- and one-panel
     leftovers and a partial panel, a bias, and the model's layers once packed."""
-    for rows, out_features, in_features in [(1, 576, 576), (2, 13, 64), (3, 8, 7), (4, 100, 33),
-                                            (5, 9, 128), (6, 64, 64), (13, 250, 96), (0, 16, 8),
-                                            (1, 200, 40), (70, 200, 40), (130, 216, 48)]:
+    for rows, out_features, in_features in [
+        (1, 576, 576),
+        (2, 13, 64),
+        (3, 8, 7),
+        (4, 100, 33),
+        (5, 9, 128),
+        (6, 64, 64),
+        (13, 250, 96),
+        (0, 16, 8),
+        (1, 200, 40),
+        (70, 200, 40),
+        (130, 216, 48),
+    ]:
         weight = torch.randn(out_features, in_features)
         bias = torch.randn(out_features)
         x = torch.randn(rows, in_features)
@@ -114,9 +142,12 @@ def test_native_panels_compute_what_f_linear_does():
         expected = F.linear(x.double(), weight.double(), bias.double()).float()
         # fp32 sums in another order than the float64 reference: ~1e-5 of sqrt(k) terms.
         torch.testing.assert_close(packed.apply(x, bias), expected, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(packed.apply(x[None], None)[0],
-                                   F.linear(x.double(), weight.double()).float(),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            packed.apply(x[None], None)[0],
+            F.linear(x.double(), weight.double()).float(),
+            rtol=1e-4,
+            atol=1e-4,
+        )
     model = tiny_llama(torch.float32)
     x = torch.randn(5, 64)
     layer = model.model.layers[0].self_attn.qkv_proj

@@ -42,8 +42,9 @@ MOE_MODELS = {
 
 
 def runner_for(path: Path, **overrides) -> ModelRunner:
-    return ModelRunner.from_config(RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE,
-                                                num_blocks=48, **overrides))
+    return ModelRunner.from_config(
+        RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE, num_blocks=48, **overrides)
+    )
 
 
 def check_against_transformers(path: Path, runner: ModelRunner) -> None:
@@ -53,8 +54,11 @@ def check_against_transformers(path: Path, runner: ModelRunner) -> None:
     drive(runner, requests, NUM_NEW_TOKENS, LOGPROBS)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for r in requests:
-        assert_logprobs_close(r.outputs, [_as_token_logprob(s) for s in r.sampled],
-                              *hf_greedy_with_logits(hf_model, r.prompt, NUM_NEW_TOKENS))
+        assert_logprobs_close(
+            r.outputs,
+            [_as_token_logprob(s) for s in r.sampled],
+            *hf_greedy_with_logits(hf_model, r.prompt, NUM_NEW_TOKENS),
+        )
 
 
 @pytest.mark.parametrize("name", list(MOE_MODELS))
@@ -79,11 +83,11 @@ def test_moe_half_precision_within_transformers_rounding(dtype: str, tmp_path: P
     drive(runner, requests, NUM_NEW_TOKENS, LOGPROBS)
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf_half = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    references = half_precision_references(hf32, hf_half, [r.prompt for r in requests],
-                                           NUM_NEW_TOKENS)
+    references = half_precision_references(
+        hf32, hf_half, [r.prompt for r in requests], NUM_NEW_TOKENS
+    )
     for r, reference in zip(requests, references, strict=True):
-        assert_half_precision_close(r.outputs, [_as_token_logprob(s) for s in r.sampled],
-                                    reference)
+        assert_half_precision_close(r.outputs, [_as_token_logprob(s) for s in r.sampled], reference)
 
 
 def test_router_tie_goes_to_the_lower_expert_as_in_transformers(tmp_path: Path) -> None:
@@ -106,8 +110,9 @@ def test_router_tie_goes_to_the_lower_expert_as_in_transformers(tmp_path: Path) 
     hidden = torch.randn(16, 64)
     gate = hf.model.layers[0].mlp.gate
     _, _, hf_ids = gate(hidden)
-    _, ids = moe_kernels.route(torch.nn.functional.linear(hidden, gate.weight), 2, True,
-                               torch.float32)
+    _, ids = moe_kernels.route(
+        torch.nn.functional.linear(hidden, gate.weight), 2, True, torch.float32
+    )
     assert torch.equal(ids, hf_ids)
     check_against_transformers(path, runner_for(path))
 
@@ -121,8 +126,13 @@ def _random_experts(tokens: int, experts: int, top_k: int, dtype: torch.dtype, s
 
     logits = torch.randn(tokens, experts, generator=generator)
     weights, ids = moe_kernels.route(logits, top_k, True, dtype)
-    return randn(tokens, hidden), randn(experts, 2 * inter, hidden) * 0.1, \
-        randn(experts, hidden, inter) * 0.1, weights, ids
+    return (
+        randn(tokens, hidden),
+        randn(experts, 2 * inter, hidden) * 0.1,
+        randn(experts, hidden, inter) * 0.1,
+        weights,
+        ids,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -145,19 +155,34 @@ def test_experts_of_another_rank_contribute_nothing() -> None:
     remote[remote >= 3] = -1  # experts 3..5 held elsewhere
     local_only = weights * (ids < 3)
     expected = moe_kernels.per_expert_loop(hidden, w13, w2, local_only, ids)
-    torch.testing.assert_close(moe_kernels.fused_experts(hidden, w13, w2, weights, remote),
-                               expected)
+    torch.testing.assert_close(
+        moe_kernels.fused_experts(hidden, w13, w2, weights, remote), expected
+    )
     nobody = torch.full_like(ids, -1)
-    assert torch.equal(moe_kernels.fused_experts(hidden, w13, w2, weights, nobody),
-                       torch.zeros_like(hidden))
+    assert torch.equal(
+        moe_kernels.fused_experts(hidden, w13, w2, weights, nobody), torch.zeros_like(hidden)
+    )
 
 
 def test_moe_config_follows_transformers_layer_rules() -> None:
-    base = json.loads(json.dumps(dict(
-        model_type="qwen2_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
-        num_hidden_layers=6, num_attention_heads=2, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=8, shared_expert_intermediate_size=16, decoder_sparse_step=2,
-        mlp_only_layers=[3])))
+    base = json.loads(
+        json.dumps(
+            dict(
+                model_type="qwen2_moe",
+                vocab_size=32,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=6,
+                num_attention_heads=2,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=8,
+                shared_expert_intermediate_size=16,
+                decoder_sparse_step=2,
+                mlp_only_layers=[3],
+            )
+        )
+    )
     moe = parse_hf_config(base).moe
     # sparse where (i + 1) % 2 == 0 and i not in mlp_only_layers
     assert moe.sparse_layers == (False, True, False, False, False, True)
@@ -167,7 +192,9 @@ def test_moe_config_follows_transformers_layer_rules() -> None:
         parse_hf_config(base | {"num_experts_per_tok": 5})
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(64, 8, 2), (5, 7, 3), (1, 3, 1), (0, 4, 2)])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(64, 8, 2), (5, 7, 3), (1, 3, 1), (0, 4, 2)]
+)
 def test_one_c_call_equals_transformers_loop(tokens, experts, top_k):
     """`FusedExperts` packed for the C kernel (`cpu_native.moe_f32`: sort, per-expert panels,
     SiLU-and-mul, the weighted sum experts ascending) against transformers' loop; an expert
@@ -184,13 +211,19 @@ def test_one_c_call_equals_transformers_loop(tokens, experts, top_k):
     module.w2.data.copy_(w2)
     module.pack_experts("native")
     assert module.native is not None and module.w13.numel() == 0
-    torch.testing.assert_close(module(hidden, weights, ids),
-                               moe_kernels.fused_experts(hidden, w13, w2, weights, ids),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        module(hidden, weights, ids),
+        moe_kernels.fused_experts(hidden, w13, w2, weights, ids),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     remote = torch.where(ids >= 2, -1, ids)
-    torch.testing.assert_close(module(hidden, weights, remote),
-                               moe_kernels.fused_experts(hidden, w13, w2, weights, remote),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        module(hidden, weights, remote),
+        moe_kernels.fused_experts(hidden, w13, w2, weights, remote),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_expert_placement_is_a_table_and_uneven_counts_go_to_the_first_ranks(tmp_path):
@@ -230,35 +263,51 @@ def test_balanced_placement_evens_the_load_and_keeps_each_ranks_expert_count():
 def test_layouts_a_moe_model_cannot_take_are_refused_naming_the_counts():
     from worker_svc.model.parallel_layers import check_tensor_parallel
 
-    config = parse_hf_config(dict(
-        model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=3,
-        num_experts_per_tok=2, moe_intermediate_size=6))
+    config = parse_hf_config(
+        dict(
+            model_type="qwen3_moe",
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_experts=3,
+            num_experts_per_tok=2,
+            moe_intermediate_size=6,
+        )
+    )
     check_tensor_parallel(config, 2)  # 6 columns of each expert split 3 + 3
-    with pytest.raises(ValueError, match=r"moe_intermediate_size \(6\) must be divisible by "
-                                         r"tp_size \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"moe_intermediate_size \(6\) must be divisible by "
+        r"tp_size \(4\)",
+    ):
         check_tensor_parallel(config, 4)
     check_tensor_parallel(config, 2, expert_parallel=True)  # experts 0-1 and 2
-    with pytest.raises(ValueError, match="over 4 ranks needs at least 4 experts; the model "
-                                         "has 3"):
+    with pytest.raises(ValueError, match="over 4 ranks needs at least 4 experts; the model has 3"):
         check_tensor_parallel(config, 4, expert_parallel=True)
 
 
 # --- GGUF -------------------------------------------------------------------------------
 
-_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight",
-               "post_attention_layernorm.weight": "ffn_norm.weight",
-               "self_attn.o_proj.weight": "attn_output.weight",
-               "self_attn.q_norm.weight": "attn_q_norm.weight",
-               "self_attn.k_norm.weight": "attn_k_norm.weight",
-               "mlp.gate.weight": "ffn_gate_inp.weight",
-               "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
-               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-               "mlp.down_proj.weight": "ffn_down.weight",
-               **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight"
-                  for p in ("gate", "up", "down")},
-               **{f"self_attn.{p}_proj.{w}": f"attn_{p}.{w}" for p in "qkv"
-                  for w in ("weight", "bias")}}
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    **{
+        f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+        for p in ("gate", "up", "down")
+    },
+    **{f"self_attn.{p}_proj.{w}": f"attn_{p}.{w}" for p in "qkv" for w in ("weight", "bias")},
+}
 
 
 def write_moe_gguf(hf_path: Path, out: Path, arch: str, quantize: str | None = None) -> Path:
@@ -271,8 +320,9 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str, quantize: str | None = N
     from tests.worker_svc.test_loader import add_gguf_header, llama_cpp_permute
 
     config = json.loads((hf_path / "config.json").read_text())
-    tensors = {k: v.numpy().astype(np.float32)
-               for k, v in load_file(hf_path / "model.safetensors").items()}
+    tensors = {
+        k: v.numpy().astype(np.float32) for k, v in load_file(hf_path / "model.safetensors").items()
+    }
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     num_experts = config.get("num_local_experts") or config["num_experts"]
     writer = gguf.GGUFWriter(str(out), arch)
@@ -286,8 +336,11 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str, quantize: str | None = N
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if config.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
 
     def add(name: str, array: np.ndarray, linear: bool) -> None:
         if quantize is None or not linear:
@@ -308,18 +361,28 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str, quantize: str | None = N
             array = llama_cpp_permute(array, heads)
         elif arch == "llama" and rest == "self_attn.k_proj.weight":
             array = llama_cpp_permute(array, kv_heads)
-        add(f"blk.{layer}.{_GGUF_LAYER[rest]}", array,
-            rest.endswith("_proj.weight") and ".shared_expert_gate" not in rest)
+        add(
+            f"blk.{layer}.{_GGUF_LAYER[rest]}",
+            array,
+            rest.endswith("_proj.weight") and ".shared_expert_gate" not in rest,
+        )
     for layer in range(config["num_hidden_layers"]):
         for part, mixtral in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-            names = [f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
-                     for e in range(num_experts)]
+            names = [
+                f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
+                for e in range(num_experts)
+            ]
             if arch == "llama":
-                names = [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mixtral}.weight"
-                         for e in range(num_experts)]
+                names = [
+                    f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mixtral}.weight"
+                    for e in range(num_experts)
+                ]
             if names[0] in tensors:
-                add(f"blk.{layer}.ffn_{part}_exps.weight",
-                    np.stack([tensors[n] for n in names]), True)
+                add(
+                    f"blk.{layer}.ffn_{part}_exps.weight",
+                    np.stack([tensors[n] for n in names]),
+                    True,
+                )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -327,8 +390,10 @@ def write_moe_gguf(hf_path: Path, out: Path, arch: str, quantize: str | None = N
     return out
 
 
-@pytest.mark.parametrize(("arch", "gguf_arch"), [("qwen3_moe", "qwen3moe"),
-                                                 ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")])
+@pytest.mark.parametrize(
+    ("arch", "gguf_arch"),
+    [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")],
+)
 def test_a_gguf_moe_loads_the_same_model_as_its_hf_folder(arch, gguf_arch, tmp_path):
     """Expert tensors stacked as llama.cpp stores them (`ffn_*_exps`), the router, the shared
     expert and its gate, dense layers among sparse ones: the same config and weights."""
@@ -346,8 +411,11 @@ def test_a_gguf_moe_loads_the_same_model_as_its_hf_folder(arch, gguf_arch, tmp_p
 
 
 def reference_architecture(arch: str) -> str:
-    return {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "mixtral": "MixtralForCausalLM"}[arch]
+    return {
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+    }[arch]
 
 
 def test_gguf_experts_kept_quantized_give_the_dequantized_models_tokens(tmp_path):
@@ -356,8 +424,7 @@ def test_gguf_experts_kept_quantized_give_the_dequantized_models_tokens(tmp_path
     and logprobs are those of the same file dequantized at load."""
     from worker_svc.quant.gguf import GgufWeight
 
-    hf_path = write_realistic_model(tmp_path / "m", "qwen3_moe", seed=13,
-                                    moe_intermediate_size=64)
+    hf_path = write_realistic_model(tmp_path / "m", "qwen3_moe", seed=13, moe_intermediate_size=64)
     gguf_path = write_moe_gguf(hf_path, tmp_path / "m.gguf", "qwen3moe", quantize="Q8_0")
     runs = {}
     for kept in (False, True):

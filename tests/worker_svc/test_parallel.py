@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from pagemesh.tools.testing.tiny_models import write_tiny_model
+from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from tests.support import runner_script
-from tests.support.parallel_harness import LocalWorkerGroup
 from tests.support.hf_reference import assert_greedy_close, hf_greedy_with_logits
+from tests.support.parallel_harness import LocalWorkerGroup
 from tests.support.runner_script import (
     BLOCK_SIZE,
     ScriptedRequest,
@@ -103,8 +103,10 @@ def reference(model_dir):
             requests = scripted_requests(MODELS[name].get("vocab_size", 512))
             drive(ModelRunner.from_config(runner_config(path)), requests, NUM_NEW_TOKENS)
             hf_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-            cache[name] = requests, [hf_greedy_with_logits(hf_model, r.prompt, NUM_NEW_TOKENS)
-                                     for r in requests]
+            cache[name] = (
+                requests,
+                [hf_greedy_with_logits(hf_model, r.prompt, NUM_NEW_TOKENS) for r in requests],
+            )
         return cache[name]
 
     return get
@@ -132,12 +134,15 @@ def tp2pp2():
 
 
 @pytest.mark.parametrize(("group_name", "model", "layer_split"), CASES)
-def test_group_matches_transformers_and_tp1(request, group_name, model, layer_split,
-                                            model_dir, reference) -> None:
+def test_group_matches_transformers_and_tp1(
+    request, group_name, model, layer_split, model_dir, reference
+) -> None:
     group: LocalWorkerGroup = request.getfixturevalue(group_name)
     model, expert_parallel = model.removesuffix(EXPERT_PARALLEL), model.endswith(EXPERT_PARALLEL)
-    infos = group.load(runner_config(model_dir(model), parallel=ParallelConfig(
-        expert_parallel=expert_parallel)), layer_split)
+    infos = group.load(
+        runner_config(model_dir(model), parallel=ParallelConfig(expert_parallel=expert_parallel)),
+        layer_split,
+    )
     assert [(i.tp_rank, i.tp_size, i.pp_rank, i.pp_size) for i in infos] == [
         (r % group.tp_size, group.tp_size, r // group.tp_size, group.pp_size)
         for r in range(group.world_size)
@@ -154,7 +159,9 @@ def test_seeded_sampling_is_the_same_under_tp2(tp2, model_dir, reference, monkey
     """The sampler sees the gathered logits of the whole vocabulary (padding dropped), so a
     seed draws the same tokens as on one rank."""
     greedy_requests, _ = reference("llama_kv1_vocab509")  # before sampling is switched on
-    monkeypatch.setattr(runner_script, "GREEDY", SamplingParams(temperature=1.0, top_k=50, seed=1234))
+    monkeypatch.setattr(
+        runner_script, "GREEDY", SamplingParams(temperature=1.0, top_k=50, seed=1234)
+    )
     path = model_dir("llama_kv1_vocab509")
     single = scripted_requests(509)
     drive(ModelRunner.from_config(runner_config(path)), single, NUM_NEW_TOKENS)
@@ -169,21 +176,26 @@ def test_kv_cache_budget_is_per_rank(tp2pp2, model_dir) -> None:
     """Each rank's blocks hold only its layers and KV heads, so the same budget buys more
     blocks on a rank holding less; the scheduler uses the minimum."""
     budget_bytes = 1 << 20
-    infos = tp2pp2.load(runner_config(model_dir("qwen2"), num_blocks=None,
-                                      kv_cache_memory_bytes=budget_bytes), (1, 2))
+    infos = tp2pp2.load(
+        runner_config(model_dir("qwen2"), num_blocks=None, kv_cache_memory_bytes=budget_bytes),
+        (1, 2),
+    )
     head_dim, element_bytes = 16, 4  # hidden 64 / 4 heads; float32
     for info in infos:
         num_local_layers = 1 if info.pp_rank == 0 else 2
         num_local_kv_heads = 1  # 2 KV heads over 2 TP ranks
-        block_bytes = num_local_layers * 2 * BLOCK_SIZE * num_local_kv_heads * head_dim * element_bytes
+        block_bytes = (
+            num_local_layers * 2 * BLOCK_SIZE * num_local_kv_heads * head_dim * element_bytes
+        )
         assert info.num_blocks == budget_bytes // block_bytes
     shapes = tp2pp2.call_ok("shapes")
     assert "model.layers.0.mlp.down_proj.weight" in shapes[1]
     assert "model.layers.0.mlp.down_proj.weight" not in shapes[2]
 
 
-def _one_request_step(step_id: int, request_id: str, prompt: list[int],
-                      num_tokens: int | None = None) -> SchedulerOutput:
+def _one_request_step(
+    step_id: int, request_id: str, prompt: list[int], num_tokens: int | None = None
+) -> SchedulerOutput:
     num_tokens = num_tokens or len(prompt)
     num_blocks = -(-len(prompt) // BLOCK_SIZE)
     block_ids = list(range(step_id * 8, step_id * 8 + num_blocks))
@@ -211,13 +223,11 @@ def test_pp_step_mismatch_raises_downstream_without_hanging(tp2pp2, model_dir) -
     other = _one_request_step(0, "a", prompt, num_tokens=4)
     # Stage 1 got another step than stage 0: stage 1 raises, stage 0 completes.
     answers = tp2pp2.call("step", [good, good, other, other])
-    assert [a.error_type for a in answers] == [None, None, "StepMismatchError",
-                                               "StepMismatchError"]
+    assert [a.error_type for a in answers] == [None, None, "StepMismatchError", "StepMismatchError"]
     assert "stage 0" in answers[2].message and "stage 1" in answers[2].message
     # One TP rank of stage 0 differs: stage 0 raises, stage 1 learns it from stage 0.
     answers = tp2pp2.call("step", [good, other, good, good])
-    assert [a.error_type for a in answers] == ["StepMismatchError"] * 2 + [
-        "UpstreamStageError"] * 2
+    assert [a.error_type for a in answers] == ["StepMismatchError"] * 2 + ["UpstreamStageError"] * 2
     # An invalid step (ValueError everywhere on stage 0) must not hang stage 1 either.
     bad = dataclasses.replace(good, step_id=1, num_scheduled_tokens={"zzz": 1})
     answers = tp2pp2.call("step", [bad] * 4)
@@ -229,8 +239,7 @@ def test_stage0_runs_ahead_of_stage1(pp2, model_dir, reference) -> None:
     stage 1 still runs the previous one; tokens are unaffected."""
     pp2.load(runner_config(model_dir("llama_kv1_vocab509")))
     tp1_requests, _ = reference("llama_kv1_vocab509")
-    steps = [_one_request_step(i, r.request_id, r.prompt)
-             for i, r in enumerate(tp1_requests[:3])]
+    steps = [_one_request_step(i, r.request_id, r.prompt) for i, r in enumerate(tp1_requests[:3])]
     for step in steps:
         pp2.send("step", step)
     for step, expected in zip(steps, tp1_requests):
@@ -239,8 +248,9 @@ def test_stage0_runs_ahead_of_stage1(pp2, model_dir, reference) -> None:
         token = answers[pp2.driver_rank].value.sampled[expected.request_id].token_id
         assert token == expected.outputs[0]
     # A step with nothing to compute still passes through every stage, in order.
-    finish = SchedulerOutput(len(steps), finished_request_ids=[s.new_requests[0].request_id
-                                                         for s in steps])
+    finish = SchedulerOutput(
+        len(steps), finished_request_ids=[s.new_requests[0].request_id for s in steps]
+    )
     outputs = pp2.call_ok("step", finish)
     assert all(not o.sampled for o in outputs)
     step = _one_request_step(len(steps) + 1, "again", tp1_requests[0].prompt)
@@ -248,6 +258,7 @@ def test_stage0_runs_ahead_of_stage1(pp2, model_dir, reference) -> None:
 
 
 # --- loading: each rank reads only its slice -----------------------------------------
+
 
 def test_rank_weight_shapes(model_dir) -> None:
     path = model_dir("llama_kv1_vocab509")  # hidden 64, 4 heads of 16, 1 KV head, mlp 128
@@ -263,8 +274,9 @@ def test_rank_weight_shapes(model_dir) -> None:
     assert {n.split(".")[2] for n in stage0 if ".layers." in n} == {"0"}
     assert "model.embed_tokens.weight" in stage0 and "lm_head.weight" not in stage0
     assert "model.norm.weight" not in stage0
-    tied_last = rank_weight_shapes(model_dir("llama_tied_vocab509"),
-                                   ParallelConfig(tp_size=2, tp_rank=0, pp_size=2, pp_rank=1))
+    tied_last = rank_weight_shapes(
+        model_dir("llama_tied_vocab509"), ParallelConfig(tp_size=2, tp_rank=0, pp_size=2, pp_rank=1)
+    )
     assert {n.split(".")[2] for n in tied_last if ".layers." in n} == {"2"}
     assert "model.embed_tokens.weight" not in tied_last
     assert tied_last["lm_head.weight"] == (255, 64)  # from the embedding's rows
@@ -326,9 +338,12 @@ def test_each_rank_reads_only_its_slices(model_dir, monkeypatch) -> None:
     full_qkv = full.get_parameter(layer + "self_attn.qkv_proj.weight")
     torch.testing.assert_close(qkv[:32], full_qkv[32:64], rtol=0, atol=0)  # q heads 2, 3
     torch.testing.assert_close(qkv[32:], full_qkv[64:], rtol=0, atol=0)  # k, v head 0
-    torch.testing.assert_close(model.get_parameter(layer + "mlp.down_proj.weight"),
-                               full.get_parameter(layer + "mlp.down_proj.weight")[:, 64:],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.get_parameter(layer + "mlp.down_proj.weight"),
+        full.get_parameter(layer + "mlp.down_proj.weight")[:, 64:],
+        rtol=0,
+        atol=0,
+    )
     head = model.lm_head.weight
     torch.testing.assert_close(head[:254], full.lm_head.weight[255:], rtol=0, atol=0)
     assert not head[254:].any()  # the padding row
@@ -349,18 +364,36 @@ def test_gguf_shard_equals_safetensors_shard(model_dir, tmp_path) -> None:
         torch.testing.assert_close(gguf_params[name], param, msg=name)
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "intermediate_size", "tp_size", "message"), [
-    (4, 2, 128, 3, r"num_attention_heads \(4\) must be divisible by tp_size \(3\)"),
-    (12, 6, 128, 4, r"num_key_value_heads \(6\) must be divisible by tp_size \(4\)"),
-    (12, 4, 128, 6, r"tp_size \(6\) exceeds num_key_value_heads \(4\), so it must be a multiple"),
-    (8, 8, 100, 8, r"intermediate_size \(100\) must be divisible by tp_size \(8\)"),
-])
-def test_unsplittable_shapes_are_rejected(num_heads, num_kv_heads, intermediate_size, tp_size,
-                                          message) -> None:
-    config = ModelConfig(model_type="llama", vocab_size=100, hidden_size=8 * num_heads,
-                         intermediate_size=intermediate_size, num_layers=1,
-                         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=8,
-                         rms_norm_eps=1e-6, max_position_embeddings=64)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "intermediate_size", "tp_size", "message"),
+    [
+        (4, 2, 128, 3, r"num_attention_heads \(4\) must be divisible by tp_size \(3\)"),
+        (12, 6, 128, 4, r"num_key_value_heads \(6\) must be divisible by tp_size \(4\)"),
+        (
+            12,
+            4,
+            128,
+            6,
+            r"tp_size \(6\) exceeds num_key_value_heads \(4\), so it must be a multiple",
+        ),
+        (8, 8, 100, 8, r"intermediate_size \(100\) must be divisible by tp_size \(8\)"),
+    ],
+)
+def test_unsplittable_shapes_are_rejected(
+    num_heads, num_kv_heads, intermediate_size, tp_size, message
+) -> None:
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=100,
+        hidden_size=8 * num_heads,
+        intermediate_size=intermediate_size,
+        num_layers=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+    )
     with pytest.raises(ValueError, match=message), torch.device("meta"):
         LlamaForCausalLM(config, parallel=ParallelConfig(tp_size=tp_size))
 
@@ -377,8 +410,11 @@ def test_expert_rebalancing_moves_experts_and_changes_no_token(tp2, model_dir, r
     the tokens stay tp1's and transformers'."""
     name = "qwen3_moe_7_experts"
     group: LocalWorkerGroup = tp2
-    group.load(runner_config(model_dir(name), parallel=ParallelConfig(expert_parallel=True),
-                             eplb_interval_steps=3))
+    group.load(
+        runner_config(
+            model_dir(name), parallel=ParallelConfig(expert_parallel=True), eplb_interval_steps=3
+        )
+    )
     before = group.call_ok("placements")
     assert before[0][0] == [0, 1, 2, 3] and before[1][0] == [4, 5, 6]  # contiguous
     tp1_requests, hf_results = reference(name)

@@ -20,8 +20,12 @@ from pagemesh.tools.testing.tiny_models import write_realistic_model
 from protos.step import PoolingInfo
 from worker_svc.model.pooling import pooling_info
 
-TEXTS = ["The capital of France is Paris.", "a", "naïve café " * 4,
-         "the quick brown fox jumps over the lazy dog " * 9]
+TEXTS = [
+    "The capital of France is Paris.",
+    "a",
+    "naïve café " * 4,
+    "the quick brown fox jumps over the lazy dog " * 9,
+]
 
 
 def llm(path: Path, **kwargs) -> LLM:
@@ -38,12 +42,12 @@ def assert_close(ours, theirs, atol: float = 1e-5) -> None:
 
 
 @pytest.mark.parametrize("pooling, normalize", [("last", True), ("mean", False), ("cls", True)])
-def test_embed_equals_sentence_transformers(tmp_path: Path, pooling: str, normalize: bool
-                                            ) -> None:
+def test_embed_equals_sentence_transformers(tmp_path: Path, pooling: str, normalize: bool) -> None:
     from sentence_transformers import SentenceTransformer
 
-    folder = write_embedding_model(tmp_path / "m", "qwen3", pooling=pooling,
-                                   normalize=normalize, seed=2)
+    folder = write_embedding_model(
+        tmp_path / "m", "qwen3", pooling=pooling, normalize=normalize, seed=2
+    )
     expected = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_numpy=True)
     with llm(folder, dtype="float32") as engine:
         assert engine.info.pooling == PoolingInfo("embed", pooling, normalize, 64)
@@ -73,8 +77,9 @@ def reference_vectors(folder: Path, texts: list[str], dtype: torch.dtype) -> np.
 
 @pytest.fixture(scope="module")
 def bare_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_embedding_model(tmp_path_factory.mktemp("bare") / "m", "qwen3",
-                                 layout="bare", seed=5, is_matryoshka=True)
+    return write_embedding_model(
+        tmp_path_factory.mktemp("bare") / "m", "qwen3", layout="bare", seed=5, is_matryoshka=True
+    )
 
 
 def test_a_bare_model_embeds_as_transformers_and_cuts_dimensions(bare_model: Path) -> None:
@@ -110,7 +115,7 @@ def test_bf16_stays_within_transformers_own_bf16_error(bare_model: Path) -> None
 def test_a_generative_model_embeds_under_task_embed_only(tmp_path: Path) -> None:
     folder = write_realistic_model(tmp_path / "llama", "llama", seed=1)
     with llm(folder, dtype="float32") as engine:
-        with pytest.raises(ValueError, match="task=\"embed\""):
+        with pytest.raises(ValueError, match='task="embed"'):
             engine.embed(["hello"], use_tqdm=False)
     with llm(folder, dtype="float32", task="embed") as engine:
         assert engine.info.pooling.pooling_type == "last"
@@ -128,17 +133,30 @@ def write_config(folder: Path, **files) -> None:
 
 def st_modules(*kinds: str) -> list[dict]:
     paths = {"Transformer": "", "Pooling": "1_Pooling"}
-    return [{"idx": i, "name": str(i), "path": paths.get(kind, f"{i}_{kind}"),
-             "type": f"sentence_transformers.models.{kind}"} for i, kind in enumerate(kinds)]
+    return [
+        {
+            "idx": i,
+            "name": str(i),
+            "path": paths.get(kind, f"{i}_{kind}"),
+            "type": f"sentence_transformers.models.{kind}",
+        }
+        for i, kind in enumerate(kinds)
+    ]
 
 
 def test_pooling_info_reads_the_folder(tmp_path: Path) -> None:
     arch = "Qwen3ForCausalLM"
     assert pooling_info(tmp_path, {}, arch, "auto", 64) == PoolingInfo()
-    assert pooling_info(tmp_path, {}, "LlamaModel", "auto", 64) == PoolingInfo("embed", "last",
-                                                                               True, 64)
-    write_config(tmp_path, **{"modules.json": st_modules("Transformer", "Pooling"),
-                              "1_Pooling__config.json": {"pooling_mode_mean_tokens": True}})
+    assert pooling_info(tmp_path, {}, "LlamaModel", "auto", 64) == PoolingInfo(
+        "embed", "last", True, 64
+    )
+    write_config(
+        tmp_path,
+        **{
+            "modules.json": st_modules("Transformer", "Pooling"),
+            "1_Pooling__config.json": {"pooling_mode_mean_tokens": True},
+        },
+    )
     info = pooling_info(tmp_path, {"matryoshka_dimensions": [8, 32, 128]}, arch, "auto", 64)
     assert info == PoolingInfo("embed", "mean", False, 64, (8, 32))
     assert info.dimensions_error(32) is None and info.dimensions_error(64) is None
@@ -148,17 +166,28 @@ def test_pooling_info_reads_the_folder(tmp_path: Path) -> None:
         pooling_info(tmp_path, {}, "Qwen3Model", "generate", 64)
 
 
-@pytest.mark.parametrize("modules, pooling, message", [
-    (("Transformer", "Pooling", "Dense", "Normalize"), {"pooling_mode_cls_token": True},
-     "Dense"),
-    (("Transformer", "Pooling"), {"pooling_mode_max_tokens": True}, "pooling_mode_max_tokens"),
-    (("Transformer", "Pooling"), {"pooling_mode_mean_tokens": True,
-                                  "pooling_mode_cls_token": True}, "exactly one"),
-])
-def test_pooling_it_cannot_compute_is_refused_by_name(tmp_path: Path, modules, pooling,
-                                                      message) -> None:
-    write_config(tmp_path, **{"modules.json": st_modules(*modules),
-                              "1_Pooling__config.json": pooling})
+@pytest.mark.parametrize(
+    "modules, pooling, message",
+    [
+        (
+            ("Transformer", "Pooling", "Dense", "Normalize"),
+            {"pooling_mode_cls_token": True},
+            "Dense",
+        ),
+        (("Transformer", "Pooling"), {"pooling_mode_max_tokens": True}, "pooling_mode_max_tokens"),
+        (
+            ("Transformer", "Pooling"),
+            {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True},
+            "exactly one",
+        ),
+    ],
+)
+def test_pooling_it_cannot_compute_is_refused_by_name(
+    tmp_path: Path, modules, pooling, message
+) -> None:
+    write_config(
+        tmp_path, **{"modules.json": st_modules(*modules), "1_Pooling__config.json": pooling}
+    )
     with pytest.raises(ValueError, match=message):
         pooling_info(tmp_path, {}, "Qwen3ForCausalLM", "auto", 64)
 
@@ -180,9 +209,14 @@ def test_clip_embeds_texts_and_images_offline(tmp_path: Path) -> None:
     image.save(png, format="PNG")
     with LLM(str(folder), dtype="float32") as engine:
         assert engine.info.pooling.image_tokens == 17
-        outputs = engine.embed(["a cat", {"prompt": "", "multi_modal_data": {"image": image}},
-                                {"multi_modal_data": {"image": png.getvalue()}}],
-                               use_tqdm=False)
+        outputs = engine.embed(
+            [
+                "a cat",
+                {"prompt": "", "multi_modal_data": {"image": image}},
+                {"multi_modal_data": {"image": png.getvalue()}},
+            ],
+            use_tqdm=False,
+        )
         with pytest.raises(ValueError, match="at most 77"):
             engine.embed(["cat " * 80], use_tqdm=False)
     towers = load_clip(folder)

@@ -9,7 +9,10 @@ from kernels.reference import paged_attention, store_kv
 
 
 def naive_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """query [q_len, H, D] for the last q_len of keys/values [seq_len, KVH, D]."""
@@ -29,15 +32,23 @@ def naive_attention(
 
 
 def dense_batch(queries, contexts, scale: float, sliding_window: int | None = None):
-    return torch.cat([
-        naive_attention(q, k, v, scale, sliding_window)
-        for q, (k, v) in zip(queries, contexts, strict=True)
-    ])
+    return torch.cat(
+        [
+            naive_attention(q, k, v, scale, sliding_window)
+            for q, (k, v) in zip(queries, contexts, strict=True)
+        ]
+    )
 
 
 def build_paged_batch(
-    seq_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int,
-    head_dim: int, block_size: int, num_blocks: int, seed: int = 0,
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    seed: int = 0,
 ):
     generator = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
@@ -57,8 +68,16 @@ def build_paged_batch(
         contexts.append((keys, values))
         queries.append(torch.randn(q_lens[i], num_heads, head_dim, generator=generator))
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return (torch.cat(queries), k_cache, v_cache, block_tables,
-            torch.tensor(seq_lens, dtype=torch.int32), query_start_loc, contexts, queries)
+    return (
+        torch.cat(queries),
+        k_cache,
+        v_cache,
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc,
+        contexts,
+        queries,
+    )
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
@@ -72,8 +91,9 @@ def test_ragged_batch_matches_dense(num_heads: int, num_kv_heads: int, sliding_w
     query, k_cache, v_cache, block_tables, lens, starts, contexts, queries = build_paged_batch(
         seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, num_blocks=40
     )
-    out = paged_attention(query, k_cache, v_cache, block_tables, lens, starts, scale,
-                          sliding_window=sliding_window)
+    out = paged_attention(
+        query, k_cache, v_cache, block_tables, lens, starts, scale, sliding_window=sliding_window
+    )
     expected = dense_batch(queries, contexts, scale, sliding_window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -92,8 +112,9 @@ def test_bf16_cache_returns_query_dtype() -> None:
     query, k_cache, v_cache, block_tables, lens, starts, contexts, queries = build_paged_batch(
         [6, 3], [2, 1], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=4
     )
-    out = paged_attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(),
-                          block_tables, lens, starts, 0.3)
+    out = paged_attention(
+        query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), block_tables, lens, starts, 0.3
+    )
     assert out.dtype == torch.bfloat16
     expected = dense_batch(queries, contexts, 0.3)
     torch.testing.assert_close(out.float(), expected, rtol=5e-2, atol=5e-2)
@@ -112,5 +133,6 @@ def test_store_kv_skips_negative_slots() -> None:
 def test_store_kv_rejects_wrong_head_shape() -> None:
     k_cache = torch.zeros(2, 2, 2, 4)
     with pytest.raises(ValueError, match="kv heads"):
-        store_kv(torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), k_cache, k_cache.clone(),
-                 torch.tensor([0]))
+        store_kv(
+            torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), k_cache, k_cache.clone(), torch.tensor([0])
+        )

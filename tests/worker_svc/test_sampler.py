@@ -25,7 +25,9 @@ def test_mix_seed_is_stable_across_processes() -> None:
     assert _splitmix64(0) == 0xE220A8397B1DCDAF  # the published splitmix64 first output
     assert mix_seed(0, 0) == 0x53836E97A68CBF37
     assert [mix_seed(1234, i) for i in range(3)] == [
-        5695911890728328310, 2402035077595190771, 4665392658189219966,
+        5695911890728328310,
+        2402035077595190771,
+        4665392658189219966,
     ]
     assert len({mix_seed(seed, i) for seed in range(20) for i in range(20)}) == 400
     assert all(0 <= mix_seed(s, i) < 2**63 for s in (0, -1, 2**64 - 1) for i in (0, 10**9))
@@ -47,8 +49,9 @@ def test_seeded_draw_is_independent_of_batch_composition() -> None:
 
 def test_different_output_index_or_seed_changes_the_draw() -> None:
     logits = torch.zeros(1, 1000)  # uniform: repeats would be a coincidence
-    draws = {sample(logits, [req(SamplingParams(seed=5), output=[0] * i)])[0].token_id
-             for i in range(20)}
+    draws = {
+        sample(logits, [req(SamplingParams(seed=5), output=[0] * i)])[0].token_id for i in range(20)
+    }
     assert len(draws) > 15
     seeds = {sample(logits, [req(SamplingParams(seed=s))])[0].token_id for s in range(20)}
     assert len(seeds) > 15
@@ -76,8 +79,9 @@ def test_noop_penalties_do_not_perturb_greedy() -> None:
     # A near-tie between tokens 3 and 4 that any arithmetic on the row could flip.
     logits = torch.zeros(1, 8)
     logits[0, 3], logits[0, 4] = 1.0, 1.0 - 1e-6
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0)
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0
+    )
     assert sample(logits, [req(params, prompt=[3, 4], output=[3])])[0].token_id == 3
 
 
@@ -94,8 +98,7 @@ def test_noop_penalties_do_not_perturb_greedy() -> None:
 def test_filters_restrict_the_support(params: SamplingParams, allowed: set[int]) -> None:
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     seen = {
-        sample(logits, [req(dataclasses.replace(params, seed=s))])[0].token_id
-        for s in range(300)
+        sample(logits, [req(dataclasses.replace(params, seed=s))])[0].token_id for s in range(300)
     }
     assert seen == allowed
 
@@ -173,20 +176,23 @@ def test_constrained_rows_draw_what_the_masked_logits_give_alone() -> None:
     from worker_svc.sampler import RowMasks
 
     logits = random_logits(5, vocab_size=100, seed=3)
-    params = [SamplingParams(temperature=0.0, num_logprobs=2),
-              SamplingParams(temperature=0.0, repetition_penalty=1.3),
-              SamplingParams(temperature=0.9, top_k=5, seed=8),
-              SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.8, seed=9)]
+    params = [
+        SamplingParams(temperature=0.0, num_logprobs=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, top_k=5, seed=8),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=9),
+    ]
     rows = [req(p, prompt=[1, 2], output=[4]) for p in params]
     constrained = [0, 1, 2]
-    bits = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32,
-                         generator=torch.Generator().manual_seed(4))
+    bits = torch.randint(
+        -(2**31), 2**31 - 1, (3, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(4)
+    )
     batch = sample(logits, rows, RowMasks(constrained, bits))
     masked = logits.clone()
     apply_token_bitmask_reference_(masked, constrained, bits)
     for row in range(5):
-        alone = sample(masked[row:row + 1], [rows[row]])[0]
+        alone = sample(masked[row : row + 1], [rows[row]])[0]
         assert batch[row].token_id == alone.token_id, row
         if row in constrained:
             assert not torch.isinf(masked[row, batch[row].token_id])

@@ -12,10 +12,14 @@ from worker_svc.spec_verify import accept_drafts, check_drafts, sampling_rows
 
 
 def state(tokens: list[int], drafts: list[int], computed: int, grammar: str = "") -> RequestState:
-    return RequestState(token_ids=tokens, num_prompt_tokens=3, block_ids=[0, 1],
-                        num_computed_tokens=computed,
-                        sampling=SamplingParams(temperature=0.0, grammar=grammar),
-                        draft_token_ids=drafts)
+    return RequestState(
+        token_ids=tokens,
+        num_prompt_tokens=3,
+        block_ids=[0, 1],
+        num_computed_tokens=computed,
+        sampling=SamplingParams(temperature=0.0, grammar=grammar),
+        draft_token_ids=drafts,
+    )
 
 
 def test_a_drafted_request_samples_at_each_drafted_position() -> None:
@@ -29,13 +33,18 @@ def test_a_drafted_request_samples_at_each_drafted_position() -> None:
     assert batch.sample_rows == [0, 1, 2, 3]
     assert batch.sample_request_ids == ["a", "a", "a", "b"]
     rows = sampling_rows(requests, batch.sample_request_ids)
-    assert [list(r.token_ids) for r in rows] == [[1, 2, 3, 4], [1, 2, 3, 4, 5],
-                                                 [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
+    assert [list(r.token_ids) for r in rows] == [
+        [1, 2, 3, 4],
+        [1, 2, 3, 4, 5],
+        [1, 2, 3, 4, 5, 6],
+        [7, 8, 9, 10],
+    ]
     assert [r.num_output_tokens for r in rows] == [1, 2, 3, 1]  # each draw's seeded counter
 
 
-@pytest.mark.parametrize("drawn, kept", [([5, 6, 11], [5, 6, 11]), ([5, 9, 11], [5, 9]),
-                                         ([8, 6, 11], [8])])
+@pytest.mark.parametrize(
+    "drawn, kept", [([5, 6, 11], [5, 6, 11]), ([5, 9, 11], [5, 9]), ([8, 6, 11], [8])]
+)
 def test_drafts_are_kept_while_they_equal_the_draws(drawn: list[int], kept: list[int]) -> None:
     requests = {"a": state([1, 2, 3, 4], [5, 6], 3), "b": state([7, 8, 9, 10], [], 3)}
     tokens = [SampledToken(t) for t in [*drawn, 12]]
@@ -47,21 +56,24 @@ def test_drafts_are_kept_while_they_equal_the_draws(drawn: list[int], kept: list
 def test_drafts_that_cannot_be_verified_exactly_are_refused() -> None:
     # A constrained request's drafts are verified under its grammar (test_structured.py).
     requests = {"a": state([1, 2, 3, 4], [], 3, grammar='{"json_schema": {}}')}
-    step = SchedulerOutput(1, cached_requests=[CachedRequestData("a", [], 3, [], [5])],
-                           num_scheduled_tokens={"a": 2})
+    step = SchedulerOutput(
+        1, cached_requests=[CachedRequestData("a", [], 3, [], [5])], num_scheduled_tokens={"a": 2}
+    )
     check_drafts(step, requests)
     plain = {"a": state([1, 2, 3, 4], [], 3)}
     step.append_sampled_tokens = True
     with pytest.raises(ValueError, match="async scheduling"):
         check_drafts(step, plain)
     # Drafts must be scheduled to their end, and be tokens of the vocabulary.
-    short = SchedulerOutput(1, cached_requests=[CachedRequestData("a", [], 3, [], [5, 6])],
-                            num_scheduled_tokens={"a": 2})
+    short = SchedulerOutput(
+        1,
+        cached_requests=[CachedRequestData("a", [], 3, [], [5, 6])],
+        num_scheduled_tokens={"a": 2},
+    )
     with pytest.raises(ValueError, match="scheduled to their end"):
-        validate_step(short, plain, num_blocks=4, block_size=4, max_model_len=64,
-                      vocab_size=100)
-    outside = SchedulerOutput(1, cached_requests=[CachedRequestData("a", [], 3, [], [500])],
-                              num_scheduled_tokens={"a": 2})
+        validate_step(short, plain, num_blocks=4, block_size=4, max_model_len=64, vocab_size=100)
+    outside = SchedulerOutput(
+        1, cached_requests=[CachedRequestData("a", [], 3, [], [500])], num_scheduled_tokens={"a": 2}
+    )
     with pytest.raises(ValueError, match="draft token id"):
-        validate_step(outside, plain, num_blocks=4, block_size=4, max_model_len=64,
-                      vocab_size=100)
+        validate_step(outside, plain, num_blocks=4, block_size=4, max_model_len=64, vocab_size=100)

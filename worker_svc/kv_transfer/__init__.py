@@ -3,10 +3,24 @@
 (the destination side), `wire` (the format both speak)."""
 
 from worker_svc.kv_transfer.layout import (
-    PullPiece, RankSlice, TransferError, host_key, plan_pull, slice_for_rank,
+    PullPiece,
+    RankSlice,
+    TransferError,
+    host_key,
+    plan_pull,
+    slice_for_rank,
 )
 from worker_svc.kv_transfer.pull import PullResult, pull_blocks
 from worker_svc.kv_transfer.server import KVTransferServer
 
-__all__ = ["KVTransferServer", "PullPiece", "PullResult", "RankSlice", "TransferError",
-           "host_key", "plan_pull", "pull_blocks", "slice_for_rank"]
+__all__ = [
+    "KVTransferServer",
+    "PullPiece",
+    "PullResult",
+    "RankSlice",
+    "TransferError",
+    "host_key",
+    "plan_pull",
+    "pull_blocks",
+    "slice_for_rank",
+]

@@ -30,11 +30,17 @@ def check_caches(caches: list[torch.Tensor], mine: RankSlice) -> None:
         raise ValueError(f"{len(caches)} cache tensors for a slice of {mine.num_layers} layers")
     dtype = torch_dtype(mine.dtype)
     for cache in caches:
-        if (cache.dim() != 5 or cache.shape[0] != 2 or cache.dtype != dtype
-                or tuple(cache.shape[2:]) != (mine.block_size, mine.num_kv_heads, mine.head_dim)):
-            raise ValueError(f"a cache tensor {tuple(cache.shape)} of {dtype_name(cache.dtype)} "
-                             f"does not hold {mine.describe()} in blocks of {mine.block_size} "
-                             f"tokens, head_dim {mine.head_dim}, {mine.dtype}")
+        if (
+            cache.dim() != 5
+            or cache.shape[0] != 2
+            or cache.dtype != dtype
+            or tuple(cache.shape[2:]) != (mine.block_size, mine.num_kv_heads, mine.head_dim)
+        ):
+            raise ValueError(
+                f"a cache tensor {tuple(cache.shape)} of {dtype_name(cache.dtype)} "
+                f"does not hold {mine.describe()} in blocks of {mine.block_size} "
+                f"tokens, head_dim {mine.head_dim}, {mine.dtype}"
+            )
         if cache.shape[1] != caches[0].shape[1] or cache.device != caches[0].device:
             raise ValueError("every layer's cache must have as many blocks, on one device")
 
@@ -51,8 +57,9 @@ def block_index(block_ids: list[int], device: torch.device) -> np.ndarray | torc
     return torch.tensor(block_ids, dtype=torch.long, device=device)
 
 
-def gather(cache: torch.Tensor, heads: slice, block_ids: np.ndarray | torch.Tensor,
-           out: torch.Tensor) -> None:
+def gather(
+    cache: torch.Tensor, heads: slice, block_ids: np.ndarray | torch.Tensor, out: torch.Tensor
+) -> None:
     """`out` ([2, n, block_size, num_heads, head_dim]) = K and V of `block_ids` (a numpy
     array on CPU, a tensor on the cache's device), `heads` of them, from one layer's cache."""
     if cache.device.type != "cpu":
@@ -69,8 +76,9 @@ def gather(cache: torch.Tensor, heads: slice, block_ids: np.ndarray | torch.Tens
             target[kv] = source[kv, block_ids, :, heads]
 
 
-def scatter(cache: torch.Tensor, heads: slice, block_ids: np.ndarray | torch.Tensor,
-            data: torch.Tensor) -> None:
+def scatter(
+    cache: torch.Tensor, heads: slice, block_ids: np.ndarray | torch.Tensor, data: torch.Tensor
+) -> None:
     """The inverse of `gather`: `data` into `block_ids`' `heads` of one layer's cache.
     `data` is on the cache's device."""
     if cache.device.type != "cpu":
@@ -82,8 +90,9 @@ def scatter(cache: torch.Tensor, heads: slice, block_ids: np.ndarray | torch.Ten
         target[kv, block_ids, :, heads] = source[kv]
 
 
-def block_spans(cache: torch.Tensor, heads: slice,
-                block_ids: list[int]) -> list[tuple[int, int]] | None:
+def block_spans(
+    cache: torch.Tensor, heads: slice, block_ids: list[int]
+) -> list[tuple[int, int]] | None:
     """Where the payload of one layer (K of each block in order, then V) lies in a layer's
     cache, as [start, stop) byte offsets, runs of consecutive blocks joined; None when
     sending or receiving in place is not worth it (a CUDA cache, some heads only, small
@@ -94,9 +103,11 @@ def block_spans(cache: torch.Tensor, heads: slice,
     if block_bytes < MIN_VIEW_BYTES:
         return None
     num_blocks = cache.shape[1]
-    return [((kv * num_blocks + first) * block_bytes,
-             (kv * num_blocks + first + count) * block_bytes)
-            for kv in (0, 1) for first, count in _runs(block_ids)]
+    return [
+        ((kv * num_blocks + first) * block_bytes, (kv * num_blocks + first + count) * block_bytes)
+        for kv in (0, 1)
+        for first, count in _runs(block_ids)
+    ]
 
 
 def views_of(cache: torch.Tensor, spans: list[tuple[int, int]]) -> list[memoryview]:

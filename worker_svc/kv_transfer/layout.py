@@ -66,17 +66,22 @@ class RankSlice:
 
     def holds(self, layers: range, kv_heads: range) -> bool:
         """Whether every (layer, head) of the rectangle is in this slice."""
-        return (self.layer_start <= layers.start and layers.stop <= self.layer_stop
-                and self.kv_head_start <= kv_heads.start and kv_heads.stop <= self.kv_head_stop)
+        return (
+            self.layer_start <= layers.start
+            and layers.stop <= self.layer_stop
+            and self.kv_head_start <= kv_heads.start
+            and kv_heads.stop <= self.kv_head_stop
+        )
 
     def overlap(self, other: RankSlice) -> tuple[range, range]:
         """(layers, kv heads) both slices hold; either range is empty when they share none."""
         return (_intersect(self.layers, other.layers), _intersect(self.kv_heads, other.kv_heads))
 
     def describe(self) -> str:
-        """"127.0.0.1:4100 (layers 0-14, kv heads 2-3)" for reasons and logs."""
-        return (f"{self.address or '?'} (layers {_span(self.layers)}, "
-                f"kv heads {_span(self.kv_heads)})")
+        """ "127.0.0.1:4100 (layers 0-14, kv heads 2-3)" for reasons and logs."""
+        return (
+            f"{self.address or '?'} (layers {_span(self.layers)}, kv heads {_span(self.kv_heads)})"
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -108,18 +113,25 @@ def plan_pull(mine: RankSlice, sources: list[RankSlice]) -> list[PullPiece]:
     if missing:
         held = ", ".join(s.describe() for s in sources)
         gaps = ", ".join(f"layers {_span(l)} x kv heads {_span(h)}" for l, h in missing)
-        raise TransferError(f"the source group does not hold all of this rank's KV: no "
-                            f"source has {gaps} (sources: {held})")
+        raise TransferError(
+            f"the source group does not hold all of this rank's KV: no "
+            f"source has {gaps} (sources: {held})"
+        )
     owner = _greedy_cover(cells, holders)
-    pieces = [PullPiece(sources[i], layers, heads)
-              for i in sorted(set(owner.values()))
-              for layers, heads in _merge([cell for cell, o in owner.items() if o == i])]
+    pieces = [
+        PullPiece(sources[i], layers, heads)
+        for i in sorted(set(owner.values()))
+        for layers, heads in _merge([cell for cell, o in owner.items() if o == i])
+    ]
     return sorted(pieces, key=lambda p: (p.layers.start, p.kv_heads.start))
 
 
 def _check_compatible(mine: RankSlice, sources: list[RankSlice]) -> None:
-    for field, unit in (("dtype", ""), ("block_size", " tokens per block"),
-                        ("head_dim", " elements per head")):
+    for field, unit in (
+        ("dtype", ""),
+        ("block_size", " tokens per block"),
+        ("head_dim", " elements per head"),
+    ):
         theirs = {getattr(s, field) for s in sources}
         if len(theirs) > 1:
             raise TransferError(f"the source ranks disagree on {field}: {sorted(theirs)}")
@@ -128,16 +140,19 @@ def _check_compatible(mine: RankSlice, sources: list[RankSlice]) -> None:
             raise TransferError(
                 f"the source group's KV is {value}{unit}, this group's {getattr(mine, field)}"
                 f"{unit}: KV blocks move only between groups of the same {field}; the "
-                "request must recompute its KV here")
+                "request must recompute its KV here"
+            )
 
 
 def _cells(mine: RankSlice, sources: list[RankSlice]) -> list[tuple[range, range]]:
     """`mine` cut along every source boundary: each cell is wholly in or out of each source."""
     layer_cuts = _cuts(mine.layers, [s.layers for s in sources])
     head_cuts = _cuts(mine.kv_heads, [s.kv_heads for s in sources])
-    return [(range(l0, l1), range(h0, h1))
-            for l0, l1 in zip(layer_cuts, layer_cuts[1:])
-            for h0, h1 in zip(head_cuts, head_cuts[1:])]
+    return [
+        (range(l0, l1), range(h0, h1))
+        for l0, l1 in zip(layer_cuts, layer_cuts[1:])
+        for h0, h1 in zip(head_cuts, head_cuts[1:])
+    ]
 
 
 def _cuts(span: range, others: list[range]) -> list[int]:
@@ -147,16 +162,19 @@ def _cuts(span: range, others: list[range]) -> list[int]:
     return sorted(points)
 
 
-def _greedy_cover(cells: list[tuple[range, range]],
-                  holders: dict[tuple[range, range], list[int]]) -> dict[tuple[range, range], int]:
+def _greedy_cover(
+    cells: list[tuple[range, range]], holders: dict[tuple[range, range], list[int]]
+) -> dict[tuple[range, range], int]:
     """Cell -> source index: repeatedly the source holding the most uncovered cells (by
     area; the earlier source on a tie) takes all of them."""
     owner: dict[tuple[range, range], int] = {}
     candidates = sorted({i for who in holders.values() for i in who})
     while len(owner) < len(cells):
         uncovered = [cell for cell in cells if cell not in owner]
-        best = max(candidates, key=lambda i: (
-            sum(len(l) * len(h) for l, h in uncovered if i in holders[(l, h)]), -i))
+        best = max(
+            candidates,
+            key=lambda i: (sum(len(l) * len(h) for l, h in uncovered if i in holders[(l, h)]), -i),
+        )
         for cell in uncovered:
             if best in holders[cell]:
                 owner[cell] = best
@@ -204,9 +222,18 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{boot_id}/netns-{netns}"
 
 
-def slice_for_rank(parallel: ParallelConfig, *, num_layers: int, num_heads: int,
-                   num_kv_heads: int, block_size: int, head_dim: int, dtype: str,
-                   address: str = "", key: str = "") -> RankSlice:
+def slice_for_rank(
+    parallel: ParallelConfig,
+    *,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: str,
+    address: str = "",
+    key: str = "",
+) -> RankSlice:
     """The RankSlice of the rank that `parallel` places in a model of `num_layers` decoder
     layers with `num_heads` query and `num_kv_heads` KV heads: the split the model's loader
     makes (`ParallelConfig.layer_range`, `attention_shard`). `key` is its host key."""
@@ -214,5 +241,14 @@ def slice_for_rank(parallel: ParallelConfig, *, num_layers: int, num_heads: int,
 
     layers = parallel.layer_range(num_layers)
     shard = attention_shard(num_heads, num_kv_heads, parallel.tp_size, parallel.tp_rank)
-    return RankSlice(layers.start, len(layers), shard.kv_head_start, shard.num_kv_heads,
-                     block_size, head_dim, dtype, address, key)
+    return RankSlice(
+        layers.start,
+        len(layers),
+        shard.kv_head_start,
+        shard.num_kv_heads,
+        block_size,
+        head_dim,
+        dtype,
+        address,
+        key,
+    )

@@ -32,12 +32,17 @@ class Blocks:
     """What one read moves: `layers` x `kv_heads` (global numbers) of `block_ids` in the
     caches of the rank `mine` describes."""
 
-    def __init__(self, caches: list[torch.Tensor], mine: RankSlice, layers: range,
-                 kv_heads: range, block_ids: list[int]) -> None:
+    def __init__(
+        self,
+        caches: list[torch.Tensor],
+        mine: RankSlice,
+        layers: range,
+        kv_heads: range,
+        block_ids: list[int],
+    ) -> None:
         self._caches = caches
         self._layer_start = mine.layer_start
-        self._heads = slice(kv_heads.start - mine.kv_head_start,
-                            kv_heads.stop - mine.kv_head_start)
+        self._heads = slice(kv_heads.start - mine.kv_head_start, kv_heads.stop - mine.kv_head_start)
         self.layers = layers
         self.device = caches[0].device
         self.dtype = caches[0].dtype
@@ -45,8 +50,11 @@ class Blocks:
         self._ids = block_index(block_ids, self.device)
         self.spans = block_spans(caches[0], self._heads, block_ids)
         # On CUDA a layer is gathered on the device, then copied to the host in one piece.
-        self._device_buffer = (torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                               if self.device.type == "cuda" else None)
+        self._device_buffer = (
+            torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            if self.device.type == "cuda"
+            else None
+        )
 
     def views(self, layer: int) -> Views:
         return views_of(self._cache(layer), self.spans)
@@ -94,7 +102,8 @@ def write_payload(blocks: Blocks, write: Callable[[Views], None]) -> None:
     with ThreadPoolExecutor(1, thread_name_prefix="kv-gather") as helper:
         pending: deque[Future[None]] = deque(
             helper.submit(blocks.gather_to_host, layers[i], slots[i])
-            for i in range(min(len(slots), len(layers))))
+            for i in range(min(len(slots), len(layers)))
+        )
         for i in range(len(layers)):
             pending.popleft().result()
             slot = slots[i % len(slots)]
@@ -122,8 +131,9 @@ def read_payload(blocks: Blocks, read: Callable[[Views], None]) -> None:
             pending.popleft().result()
 
 
-def socket_writer(sock: socket.socket, head: bytes = b"",
-                  deadline: float | None = None) -> Callable[[Views], None]:
+def socket_writer(
+    sock: socket.socket, head: bytes = b"", deadline: float | None = None
+) -> Callable[[Views], None]:
     """`write` for a socket, `head` going out with the first bytes. A reply sent on its own
     ahead of the payload, as a small segment, made a 94 MB stream on loopback markedly
     slower and cost the receiver far more CPU time (plain sendall and recv_into)."""
@@ -135,12 +145,14 @@ def socket_writer(sock: socket.socket, head: bytes = b"",
         while not cursor.done:
             set_deadline(sock, deadline)
             cursor.advance(sock.sendmsg(cursor.window()))
+
     return write
 
 
 def socket_reader(sock: socket.socket, deadline: float | None) -> Callable[[Views], None]:
     """`read` for a socket: ConnectionError when the peer closes first, TimeoutError at
     `deadline`."""
+
     def read(views: Views) -> None:
         cursor = _Cursor(views)
         while not cursor.done:
@@ -148,9 +160,12 @@ def socket_reader(sock: socket.socket, deadline: float | None) -> Callable[[View
             expect(sock, cursor.total - cursor.moved)
             got = sock.recvmsg_into(cursor.window())[0]
             if got == 0:
-                raise ConnectionError(f"the peer closed the connection after {cursor.moved} "
-                                      f"of {cursor.total} bytes of a layer")
+                raise ConnectionError(
+                    f"the peer closed the connection after {cursor.moved} "
+                    f"of {cursor.total} bytes of a layer"
+                )
             cursor.advance(got)
+
     return read
 
 
@@ -174,8 +189,9 @@ class FileStream:
         while not cursor.done:
             got = os.preadv(self._fd, cursor.window(IOV_MAX), self._offset)
             if got == 0:
-                raise ConnectionError(f"the file ended {cursor.total - cursor.moved} bytes "
-                                      "short of the payload")
+                raise ConnectionError(
+                    f"the file ended {cursor.total - cursor.moved} bytes short of the payload"
+                )
             self._offset += got
             cursor.advance(got)
 
@@ -199,9 +215,9 @@ class _Cursor:
         return self._index == len(self._views)
 
     def window(self, limit: int = WINDOW) -> Views:
-        views = self._views[self._index:self._index + min(limit, IOV_MAX)]
+        views = self._views[self._index : self._index + min(limit, IOV_MAX)]
         if self._offset:
-            views[0] = views[0][self._offset:]
+            views[0] = views[0][self._offset :]
         return views
 
     def advance(self, nbytes: int) -> None:

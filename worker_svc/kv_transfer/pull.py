@@ -23,8 +23,14 @@ from worker_svc.kv_transfer.layout import PullPiece, RankSlice, TransferError, h
 from worker_svc.kv_transfer.payload import Blocks, FileStream, read_payload, socket_reader
 from worker_svc.kv_transfer.staging import StagingFiles
 from worker_svc.kv_transfer.wire import (
-    ReadReply, ReadRequest, ShmTarget, layer_nbytes, recv_message,
-    send_message, split_address, tune_socket,
+    ReadReply,
+    ReadRequest,
+    ShmTarget,
+    layer_nbytes,
+    recv_message,
+    send_message,
+    split_address,
+    tune_socket,
 )
 
 # How long past the deadline a pull waits for its threads: every socket call of theirs
@@ -49,9 +55,16 @@ class _Refused(Exception):
     """The source answered, and said no."""
 
 
-def pull_blocks(mine: RankSlice, caches: list[torch.Tensor], sources: list[RankSlice],
-                src_block_ids: list[int], dst_block_ids: list[int], deadline_s: float,
-                token: str | None, transfer_id: str) -> PullResult:
+def pull_blocks(
+    mine: RankSlice,
+    caches: list[torch.Tensor],
+    sources: list[RankSlice],
+    src_block_ids: list[int],
+    dst_block_ids: list[int],
+    deadline_s: float,
+    token: str | None,
+    transfer_id: str,
+) -> PullResult:
     """Copies this rank's share (`mine`: its layers and KV heads) of source blocks
     `src_block_ids` of `sources` (one engine group's ranks) into blocks `dst_block_ids` of
     `caches` (this rank's cache tensor per local layer), pair by pair. `deadline_s` is an
@@ -72,25 +85,39 @@ def pull_blocks(mine: RankSlice, caches: list[torch.Tensor], sources: list[RankS
         pieces = plan_pull(mine, sources)
     except TransferError as error:
         return PullResult(False, str(error), 0, time.monotonic() - start)
-    job = _Job(mine, caches, [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids],
-               deadline_s, token or "", transfer_id, host_key())
+    job = _Job(
+        mine,
+        caches,
+        [int(b) for b in src_block_ids],
+        [int(b) for b in dst_block_ids],
+        deadline_s,
+        token or "",
+        transfer_id,
+        host_key(),
+    )
     outcomes = _run_pieces(job, pieces)
     reasons = [o.reason for o in outcomes if o.reason]
-    return PullResult(not reasons, "; ".join(reasons), sum(o.nbytes for o in outcomes),
-                      time.monotonic() - start,
-                      frozenset(o.path for o in outcomes if o.path and not o.reason))
+    return PullResult(
+        not reasons,
+        "; ".join(reasons),
+        sum(o.nbytes for o in outcomes),
+        time.monotonic() - start,
+        frozenset(o.path for o in outcomes if o.path and not o.reason),
+    )
 
 
 def _check_block_ids(src_block_ids: list[int], dst_block_ids: list[int], num_blocks: int) -> None:
     if len(src_block_ids) != len(dst_block_ids):
-        raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
-                         "destination blocks")
+        raise ValueError(
+            f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destination blocks"
+        )
     if len(set(dst_block_ids)) != len(dst_block_ids):
         raise ValueError("a destination block is named twice")
     outside = [b for b in dst_block_ids if not 0 <= b < num_blocks]
     if outside:
-        raise ValueError(f"destination blocks {outside[:8]} are outside this rank's cache "
-                         f"of {num_blocks} blocks")
+        raise ValueError(
+            f"destination blocks {outside[:8]} are outside this rank's cache of {num_blocks} blocks"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,17 +134,30 @@ class _Job:
     host_key: str
 
     def request(self, piece: PullPiece) -> ReadRequest:
-        return ReadRequest(self.token, self.transfer_id, piece.layers.start, piece.layers.stop,
-                           piece.kv_heads.start, piece.kv_heads.stop, self.src_block_ids,
-                           self.mine.block_size, self.mine.head_dim, self.mine.dtype)
+        return ReadRequest(
+            self.token,
+            self.transfer_id,
+            piece.layers.start,
+            piece.layers.stop,
+            piece.kv_heads.start,
+            piece.kv_heads.stop,
+            self.src_block_ids,
+            self.mine.block_size,
+            self.mine.head_dim,
+            self.mine.dtype,
+        )
 
     def blocks(self, piece: PullPiece) -> Blocks:
         return Blocks(self.caches, self.mine, piece.layers, piece.kv_heads, self.dst_block_ids)
 
     def payload_nbytes(self, piece: PullPiece) -> int:
         return len(piece.layers) * layer_nbytes(
-            len(self.dst_block_ids), self.mine.block_size, len(piece.kv_heads),
-            self.mine.head_dim, self.caches[0].dtype)
+            len(self.dst_block_ids),
+            self.mine.block_size,
+            len(piece.kv_heads),
+            self.mine.head_dim,
+            self.caches[0].dtype,
+        )
 
 
 @dataclass
@@ -136,9 +176,10 @@ def _run_pieces(job: _Job, pieces: list[PullPiece]) -> list[_Outcome]:
     def run(i: int) -> None:
         outcomes[i] = _pull_piece(job, pieces[i])
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True,
-                                name=f"kv-pull-{job.transfer_id}-{i}")
-               for i in range(1, len(pieces))]
+    threads = [
+        threading.Thread(target=run, args=(i,), daemon=True, name=f"kv-pull-{job.transfer_id}-{i}")
+        for i in range(1, len(pieces))
+    ]
     for thread in threads:
         thread.start()
     run(0)
@@ -147,8 +188,9 @@ def _run_pieces(job: _Job, pieces: list[PullPiece]) -> list[_Outcome]:
     done = []
     for piece, outcome in zip(pieces, outcomes):
         if outcome is None:
-            outcome = _Outcome(reason=f"source {piece.source.describe()}: still transferring "
-                                      "past the deadline")
+            outcome = _Outcome(
+                reason=f"source {piece.source.describe()}: still transferring past the deadline"
+            )
         if outcome.error is not None:
             raise outcome.error
         done.append(outcome)

@@ -24,8 +24,17 @@ from worker_svc.kv_transfer.blocks import check_caches
 from worker_svc.kv_transfer.layout import RankSlice, host_key
 from worker_svc.kv_transfer.payload import Blocks, FileStream, socket_writer, write_payload
 from worker_svc.kv_transfer.wire import (
-    PROTOCOL_VERSION, SHM_DIR, SHM_PREFIX, ReadReply, ReadRequest, ShmTarget, encode_message,
-    layer_nbytes, recv_message, send_message, tune_socket,
+    PROTOCOL_VERSION,
+    SHM_DIR,
+    SHM_PREFIX,
+    ReadReply,
+    ReadRequest,
+    ShmTarget,
+    encode_message,
+    layer_nbytes,
+    recv_message,
+    send_message,
+    tune_socket,
 )
 
 logger = logging.getLogger(__name__)
@@ -41,9 +50,16 @@ class KVTransferServer:
     between reads, or stalled that long within one, is closed.
     """
 
-    def __init__(self, caches: list[torch.Tensor], mine: RankSlice, token: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, idle_timeout_s: float = 60.0,
-                 advertise_host: str | None = None) -> None:
+    def __init__(
+        self,
+        caches: list[torch.Tensor],
+        mine: RankSlice,
+        token: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        idle_timeout_s: float = 60.0,
+        advertise_host: str | None = None,
+    ) -> None:
         check_caches(caches, mine)
         self._advertise_host = advertise_host or host
         self._caches = caches
@@ -60,7 +76,7 @@ class KVTransferServer:
 
     @property
     def address(self) -> str:
-        """"host:port" to reach the server at (the port the OS chose when given 0)."""
+        """ "host:port" to reach the server at (the port the OS chose when given 0)."""
         host, port = self._advertise_host, self._listener.getsockname()[1]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -71,8 +87,9 @@ class KVTransferServer:
         return replace(self._mine, address=self.address, host_key=host_key())
 
     def start(self) -> KVTransferServer:
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                        name=f"kv-transfer-{self.address}")
+        self._thread = threading.Thread(
+            target=self._accept_loop, daemon=True, name=f"kv-transfer-{self.address}"
+        )
         self._thread.start()
         return self
 
@@ -102,8 +119,12 @@ class KVTransferServer:
                 conn, _ = self._listener.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=self.serve_connection, args=(conn,), daemon=True,
-                             name=f"kv-transfer-conn-{self.address}").start()
+            threading.Thread(
+                target=self.serve_connection,
+                args=(conn,),
+                daemon=True,
+                name=f"kv-transfer-conn-{self.address}",
+            ).start()
 
     def serve_connection(self, conn: socket.socket) -> None:
         """Answers reads on `conn` until the peer closes it, goes idle or breaks framing;
@@ -160,20 +181,24 @@ class KVTransferServer:
         """Why `request` cannot be served, or None when it can."""
         mine = self._mine
         if request.version != PROTOCOL_VERSION:
-            return (f"protocol version {request.version} is not this server's "
-                    f"{PROTOCOL_VERSION}")
+            return f"protocol version {request.version} is not this server's {PROTOCOL_VERSION}"
         if self._token is not None and not hmac.compare_digest(
-                request.token.encode(), self._token.encode()):
+            request.token.encode(), self._token.encode()
+        ):
             return "the transfer token does not match this worker's"
         for field in ("dtype", "block_size", "head_dim"):
             if getattr(request, field) != getattr(mine, field):
-                return (f"this rank's KV has {field} {getattr(mine, field)}, the read "
-                        f"expects {getattr(request, field)}")
+                return (
+                    f"this rank's KV has {field} {getattr(mine, field)}, the read "
+                    f"expects {getattr(request, field)}"
+                )
         layers = range(request.layer_start, request.layer_stop)
         heads = range(request.kv_head_start, request.kv_head_stop)
         if not layers or not heads or not mine.holds(layers, heads):
-            return (f"layers [{layers.start}, {layers.stop}) x kv heads [{heads.start}, "
-                    f"{heads.stop}) are not within this rank's {mine.describe()}")
+            return (
+                f"layers [{layers.start}, {layers.stop}) x kv heads [{heads.start}, "
+                f"{heads.stop}) are not within this rank's {mine.describe()}"
+            )
         return _block_refusal(request, self._caches[0].shape[1]) or self._shm_refusal(request)
 
     def _shm_refusal(self, request: ReadRequest) -> str | None:
@@ -191,12 +216,21 @@ class KVTransferServer:
 
     def _payload_nbytes(self, request: ReadRequest) -> int:
         return request.num_layers * layer_nbytes(
-            len(request.block_ids), request.block_size, request.num_kv_heads,
-            request.head_dim, self._caches[0].dtype)
+            len(request.block_ids),
+            request.block_size,
+            request.num_kv_heads,
+            request.head_dim,
+            self._caches[0].dtype,
+        )
 
     def _blocks(self, request: ReadRequest) -> Blocks:
-        return Blocks(self._caches, self._mine, range(request.layer_start, request.layer_stop),
-                      range(request.kv_head_start, request.kv_head_stop), request.block_ids)
+        return Blocks(
+            self._caches,
+            self._mine,
+            range(request.layer_start, request.layer_stop),
+            range(request.kv_head_start, request.kv_head_stop),
+            request.block_ids,
+        )
 
     def _stream(self, conn: socket.socket, request: ReadRequest) -> None:
         """The reply, then the payload on the socket (`write_payload`)."""
@@ -214,8 +248,7 @@ class KVTransferServer:
         try:
             write_payload(self._blocks(request), FileStream(fd).write)
         except OSError as error:  # a full /dev/shm: the same read over TCP may do
-            return ReadReply(False, f"cannot write {target.path}: {error}",
-                             shm_unavailable=True)
+            return ReadReply(False, f"cannot write {target.path}: {error}", shm_unavailable=True)
         finally:
             os.close(fd)
         self._count(target.nbytes)
@@ -242,9 +275,11 @@ def _open_target(target: ShmTarget) -> int:
     /dev/shm), holding the size agreed (a reused staging file may be larger)."""
     fd = os.open(target.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     info = os.fstat(fd)
-    if (not stat.S_ISREG(info.st_mode) or info.st_size < target.nbytes
-            or (info.st_dev, info.st_ino) != (target.device, target.inode)):
+    if (
+        not stat.S_ISREG(info.st_mode)
+        or info.st_size < target.nbytes
+        or (info.st_dev, info.st_ino) != (target.device, target.inode)
+    ):
         os.close(fd)
-        raise FileNotFoundError(f"{target.path} here is not the puller's file "
-                                "(another /dev/shm?)")
+        raise FileNotFoundError(f"{target.path} here is not the puller's file (another /dev/shm?)")
     return fd

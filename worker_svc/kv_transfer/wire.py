@@ -2,7 +2,8 @@
 
 A message is a 4-byte big-endian length and that many bytes of JSON; a reply to a read
 over TCP is followed by `nbytes` raw bytes (in the same segment as the reply's end).
-Through shared memory the same bytes are written into the puller's file instead. The payload of a read is the
+Through shared memory the same bytes are written into the puller's file instead. The payload of a
+read is the
 `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` tensor of the asked
 layers (in order), K then V, the asked blocks (in the order asked) and KV heads, in the
 cache's dtype and this machine's byte order (both ends are x86 or ARM little-endian).
@@ -88,8 +89,15 @@ class ReadRequest:
 
 
 def _check_types(request: ReadRequest) -> None:
-    ints = [request.layer_start, request.layer_stop, request.kv_head_start,
-            request.kv_head_stop, request.block_size, request.head_dim, request.version]
+    ints = [
+        request.layer_start,
+        request.layer_stop,
+        request.kv_head_start,
+        request.kv_head_stop,
+        request.block_size,
+        request.head_dim,
+        request.version,
+    ]
     if not isinstance(request.block_ids, list):
         raise ValueError("block_ids must be a list of integers")
     ints += request.block_ids
@@ -143,8 +151,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layer_nbytes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> int:
+def layer_nbytes(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes of one layer's K and V of `num_blocks` blocks and `num_kv_heads` heads."""
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return 2 * num_blocks * block_size * num_kv_heads * head_dim * element_bytes
@@ -188,8 +197,9 @@ def recv_message(sock: socket.socket, deadline: float | None = None) -> dict | N
     return json.loads(body)
 
 
-def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None,
-                 eof_ok: bool = False) -> bool:
+def recv_exactly(
+    sock: socket.socket, view: memoryview, deadline: float | None = None, eof_ok: bool = False
+) -> bool:
     """Fills `view` from the socket, straight into its memory. False when the peer closed
     before the first byte and `eof_ok`; ConnectionError when it closed part way."""
     got, total = 0, len(view)
@@ -218,8 +228,9 @@ def set_deadline(sock: socket.socket, deadline: float | None) -> None:
 def expect(sock: socket.socket, nbytes: int) -> None:
     """The next receive on `sock` waits for min(nbytes, RECV_LOW_WATER_BYTES) bytes."""
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT,
-                        max(1, min(nbytes, RECV_LOW_WATER_BYTES)))
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, min(nbytes, RECV_LOW_WATER_BYTES))
+        )
     except OSError:  # not settable here: receives wake per segment, as by default
         pass
 

@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
-                   r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+)
 
 
 class AdapterError(ValueError):
@@ -79,7 +81,8 @@ def load_adapter(name: str, path: str | Path, max_rank: int) -> LoraAdapter:
         if match is None or match.group(2) not in MODULES:
             raise AdapterError(
                 f"{folder}: tensor {tensor_name!r} is not on a module LoRA is served for "
-                f"here ({', '.join(MODULES)} of the decoder's layers)")
+                f"here ({', '.join(MODULES)} of the decoder's layers)"
+            )
         key = (int(match.group(1)), match.group(2))
         pairs.setdefault(key, {})[match.group(3)] = tensor.to(torch.float32)
     if not pairs:
@@ -91,24 +94,25 @@ def load_adapter(name: str, path: str | Path, max_rank: int) -> LoraAdapter:
             raise AdapterError(f"{folder}: {where} has lora_{''.join(parts)} but not both A and B")
         a, b = parts["A"], parts["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise AdapterError(f"{folder}: {where}: lora_A {tuple(a.shape)} and lora_B "
-                               f"{tuple(b.shape)} do not make a rank-r pair")
+            raise AdapterError(
+                f"{folder}: {where}: lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)} do not make a rank-r pair"
+            )
         rank = a.shape[0]
         if rank > max_rank:
-            raise AdapterError(f"{folder}: {where} has rank {rank}, above the maximum "
-                               f"{max_rank} (--max-lora-rank)")
+            raise AdapterError(
+                f"{folder}: {where} has rank {rank}, above the maximum {max_rank} (--max-lora-rank)"
+            )
         module_alpha = _alpha_for(f"model.{where}", alpha_pattern, alpha)
         scaling = module_alpha / (math.sqrt(rank) if rslora else rank)
         modules[(layer, module)] = LoraModule(a.contiguous(), b.contiguous(), scaling)
-    return LoraAdapter(name, str(folder), modules, str(config.get("base_model_name_or_path")
-                                                       or ""))
+    return LoraAdapter(name, str(folder), modules, str(config.get("base_model_name_or_path") or ""))
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
     file = folder / "adapter_config.json"
     if not file.is_file():
-        raise AdapterError(f"{folder} is not a PEFT adapter folder: it has no "
-                           "adapter_config.json")
+        raise AdapterError(f"{folder} is not a PEFT adapter folder: it has no adapter_config.json")
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
@@ -117,12 +121,16 @@ def _read_config(folder: Path) -> dict[str, Any]:
     refusals = {
         f"peft_type is {kind!r}; only LORA adapters are served": kind != "LORA",
         "it is a DoRA adapter (use_dora); only plain LoRA is served": config.get("use_dora"),
-        "it trains biases (bias / lora_bias); only LoRA matrices are served":
-            config.get("bias", "none") != "none" or config.get("lora_bias"),
+        "it trains biases (bias / lora_bias); only LoRA matrices are served": config.get(
+            "bias", "none"
+        )
+        != "none"
+        or config.get("lora_bias"),
         f"it saves whole modules ({config.get('modules_to_save')}, modules_to_save), "
         "which are not served": config.get("modules_to_save"),
-        "its layers are Conv1D-style (fan_in_fan_out), which are not served":
-            config.get("fan_in_fan_out"),
+        "its layers are Conv1D-style (fan_in_fan_out), which are not served": config.get(
+            "fan_in_fan_out"
+        ),
     }
     for reason, refused in refusals.items():
         if refused:
@@ -133,10 +141,15 @@ def _read_config(folder: Path) -> dict[str, Any]:
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     file = folder / "adapter_model.safetensors"
     if not file.is_file():
-        found = "adapter_model.bin (a pickle, not loaded)" if (
-            folder / "adapter_model.bin").is_file() else "no weights"
-        raise AdapterError(f"{folder}: no adapter_model.safetensors ({found}); save the "
-                           "adapter with safe_serialization=True")
+        found = (
+            "adapter_model.bin (a pickle, not loaded)"
+            if (folder / "adapter_model.bin").is_file()
+            else "no weights"
+        )
+        raise AdapterError(
+            f"{folder}: no adapter_model.safetensors ({found}); save the "
+            "adapter with safe_serialization=True"
+        )
     from safetensors.torch import load_file
 
     try:

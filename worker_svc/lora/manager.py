@@ -27,12 +27,13 @@ from worker_svc.lora.slots import attach, write_adapter
 
 
 class LoraManager:
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int,
-                 max_cpu_loras: int) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
         if max_loras < 1 or max_rank < 1 or max_cpu_loras < max_loras:
-            raise ValueError(f"LoRA needs max_loras >= 1, max_lora_rank >= 1 and "
-                             f"max_cpu_loras >= max_loras, got {max_loras}, {max_rank}, "
-                             f"{max_cpu_loras}")
+            raise ValueError(
+                f"LoRA needs max_loras >= 1, max_lora_rank >= 1 and "
+                f"max_cpu_loras >= max_loras, got {max_loras}, {max_rank}, "
+                f"{max_cpu_loras}"
+            )
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.layers = attach(model, max_loras, max_rank)
         self.state = model.lora_state
@@ -63,14 +64,22 @@ class LoraManager:
         adapter = load_adapter(ref.name, ref.path, self.max_rank)
         in_slot = self._slots.get(ref.name)
         # Checked as it would be written (shapes, layers), without touching any slot.
-        write_adapter(self.layers, -1, adapter, self.max_rank, self.stage_layers,
-                      self.num_layers, dry_run=True)
+        write_adapter(
+            self.layers,
+            -1,
+            adapter,
+            self.max_rank,
+            self.stage_layers,
+            self.num_layers,
+            dry_run=True,
+        )
         self._paths[ref.name] = ref.path
         self._memory[ref.name] = adapter
         self._memory.move_to_end(ref.name)
         if in_slot is not None:  # its slot holds the old weights
-            write_adapter(self.layers, in_slot, adapter, self.max_rank, self.stage_layers,
-                          self.num_layers)
+            write_adapter(
+                self.layers, in_slot, adapter, self.max_rank, self.stage_layers, self.num_layers
+            )
         while len(self._memory) > self.max_cpu_loras:
             self._memory.popitem(last=False)
         return adapter
@@ -89,14 +98,16 @@ class LoraManager:
         if not names:
             return None
         if len(names) > self.max_loras:
-            raise ValueError(f"a step names {len(names)} adapters, above max_loras "
-                             f"{self.max_loras}")
+            raise ValueError(
+                f"a step names {len(names)} adapters, above max_loras {self.max_loras}"
+            )
         for ref in refs:
             if ref is not None and ref.name not in self._paths:
                 self.load(ref)  # sent again to a worker that has not seen it
         slot_of = {name: self._slot(name, set(names)) for name in names}
-        return torch.tensor([-1 if ref is None else slot_of[ref.name] for ref in refs],
-                            dtype=torch.int32)
+        return torch.tensor(
+            [-1 if ref is None else slot_of[ref.name] for ref in refs], dtype=torch.int32
+        )
 
     def row_slots(self, per_request: torch.Tensor | None, counts: np.ndarray) -> None:
         """Sets the forward's slot per batch row (each request's slot, repeated over its
@@ -119,8 +130,14 @@ class LoraManager:
         else:
             victim = next(n for n in self._slots if n not in in_step)
             slot = self._slots.pop(victim)
-        write_adapter(self.layers, slot, self._adapter(name), self.max_rank, self.stage_layers,
-                      self.num_layers)
+        write_adapter(
+            self.layers,
+            slot,
+            self._adapter(name),
+            self.max_rank,
+            self.stage_layers,
+            self.num_layers,
+        )
         self._slots[name] = slot
         return slot
 

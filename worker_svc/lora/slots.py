@@ -29,9 +29,12 @@ from worker_svc.lora.adapter import AdapterError, LoraAdapter
 
 # PEFT module -> (the model's layer attribute path, the merged part or None).
 TARGETS = {
-    "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
-    "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", None),
-    "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+    "q_proj": ("self_attn.qkv_proj", "q"),
+    "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"),
+    "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", "gate"),
+    "up_proj": ("mlp.gate_up_proj", "up"),
     "down_proj": ("mlp.down_proj", None),
 }
 
@@ -50,7 +53,9 @@ class LayerLora:
     state: LoraState
     a: torch.Tensor  # [max_loras, parts * R, in_local]
     bt: torch.Tensor  # [max_loras, parts * R, out_local]
-    parts: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # name -> (index, out offset, out size)
+    parts: dict[str, tuple[int, int, int]] = field(
+        default_factory=dict
+    )  # name -> (index, out offset, out size)
     row_parallel: bool = False
     in_start: int = 0  # row-parallel: this rank's first input feature
     part_row_starts: dict[str, int] = field(default_factory=dict)  # column-parallel: B rows
@@ -68,32 +73,41 @@ class LayerLora:
         self.a[slot].zero_()
         self.bt[slot].zero_()
 
-    def shard(self, part: str | None, a: torch.Tensor, b: torch.Tensor, where: str
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def shard(
+        self, part: str | None, a: torch.Tensor, b: torch.Tensor, where: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of part `part`'s full A [r, in] and B [out, r]; AdapterError
         when they do not fit the layer (an adapter of another base model)."""
         _, _, out_size = self.parts[part or ""]
         in_local = self.a.shape[2]
         if self.row_parallel:
-            a = a[:, self.in_start:self.in_start + in_local]
+            a = a[:, self.in_start : self.in_start + in_local]
         else:
             start = self.part_row_starts.get(part or "", 0)
-            b = b[start:start + out_size]
+            b = b[start : start + out_size]
         if a.shape[1] != in_local or b.shape[0] != out_size:
             raise AdapterError(
                 f"{where}: the adapter's matrices (A {tuple(a.shape)}, B {tuple(b.shape)} on "
                 f"this rank) do not fit the model's layer ({in_local} inputs, {out_size} "
-                "outputs on this rank): it was trained for another base model")
+                "outputs on this rank): it was trained for another base model"
+            )
         return a, b
 
-    def write(self, slot: int, part: str | None, a: torch.Tensor, b: torch.Tensor,
-              scaling: float, rank_limit: int) -> None:
+    def write(
+        self,
+        slot: int,
+        part: str | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scaling: float,
+        rank_limit: int,
+    ) -> None:
         """A part's shard (from `shard`) into `slot`, scaling folded into B^T."""
         index, out_offset, out_size = self.parts[part or ""]
         rows = slice(index * rank_limit, index * rank_limit + a.shape[0])
         dtype = self.a.dtype
         self.a[slot, rows].copy_(a.to(dtype))
-        self.bt[slot, rows, out_offset:out_offset + out_size].copy_((b * scaling).T.to(dtype))
+        self.bt[slot, rows, out_offset : out_offset + out_size].copy_((b * scaling).T.to(dtype))
 
 
 def attach(model: nn.Module, max_loras: int, max_rank: int) -> dict[tuple[int, str], LayerLora]:
@@ -119,7 +133,9 @@ def _layer_lora(module: nn.Module, state: LoraState, max_loras: int, max_rank: i
     part_sizes = getattr(module, "part_sizes", None)
     if part_sizes:
         offsets = module.part_offsets
-        parts = {name: (i, offsets[name], size) for i, (name, size) in enumerate(part_sizes.items())}
+        parts = {
+            name: (i, offsets[name], size) for i, (name, size) in enumerate(part_sizes.items())
+        }
         row_starts = dict(module.part_row_starts)
     else:
         parts, row_starts = {"": (0, 0, out_features)}, {}
@@ -127,40 +143,64 @@ def _layer_lora(module: nn.Module, state: LoraState, max_loras: int, max_rank: i
 
     def zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-    return LayerLora(state, zeros(max_loras, len(parts) * max_rank, in_features),
-                     zeros(max_loras, len(parts) * max_rank, out_features), parts,
-                     row_parallel, getattr(module, "in_start", 0), row_starts)
+
+    return LayerLora(
+        state,
+        zeros(max_loras, len(parts) * max_rank, in_features),
+        zeros(max_loras, len(parts) * max_rank, out_features),
+        parts,
+        row_parallel,
+        getattr(module, "in_start", 0),
+        row_starts,
+    )
 
 
 def _resolve(block: nn.Module, path: str) -> nn.Module | None:
     module: nn.Module | None = block
     for name in path.split("."):
         module = getattr(module, name, None)
-    return module if module is not None and hasattr(module, "weight") and isinstance(
-        getattr(module, "weight"), torch.Tensor) and module.weight.dim() == 2 else None
+    return (
+        module
+        if module is not None
+        and hasattr(module, "weight")
+        and isinstance(getattr(module, "weight"), torch.Tensor)
+        and module.weight.dim() == 2
+        else None
+    )
 
 
-def write_adapter(layers: dict[tuple[int, str], LayerLora], slot: int, adapter: LoraAdapter,
-                  max_rank: int, stage_layers: range, num_layers: int,
-                  dry_run: bool = False) -> None:
+def write_adapter(
+    layers: dict[tuple[int, str], LayerLora],
+    slot: int,
+    adapter: LoraAdapter,
+    max_rank: int,
+    stage_layers: range,
+    num_layers: int,
+    dry_run: bool = False,
+) -> None:
     """`adapter` into `slot` of every layer this rank holds (`stage_layers`; the other
     stages' are theirs). AdapterError for a module the model has no layer for, or matrices
     that do not fit it, before any slot is changed; `dry_run`: only those checks."""
     writes = []
     for (index, module), weights in adapter.modules.items():
         if not 0 <= index < num_layers:
-            raise AdapterError(f"adapter {adapter.name!r} has layers.{index}.{module}, but the "
-                               f"model has {num_layers} layers: it was trained for another "
-                               "base model")
+            raise AdapterError(
+                f"adapter {adapter.name!r} has layers.{index}.{module}, but the "
+                f"model has {num_layers} layers: it was trained for another "
+                "base model"
+            )
         if index not in stage_layers:
             continue
         path, part = TARGETS[module]
         layer = layers.get((index, path))
         if layer is None:
-            raise AdapterError(f"adapter {adapter.name!r}: layers.{index}.{module} is not a "
-                               "dense projection of this model (LoRA on experts is not served)")
-        a, b = layer.shard(part, weights.a, weights.b,
-                           f"adapter {adapter.name!r}, layers.{index}.{module}")
+            raise AdapterError(
+                f"adapter {adapter.name!r}: layers.{index}.{module} is not a "
+                "dense projection of this model (LoRA on experts is not served)"
+            )
+        a, b = layer.shard(
+            part, weights.a, weights.b, f"adapter {adapter.name!r}, layers.{index}.{module}"
+        )
         writes.append((layer, part, a, b, weights.scaling))
     if dry_run:
         return

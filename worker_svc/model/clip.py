@@ -49,11 +49,14 @@ def _from_dict(cls: type, values: dict[str, Any]) -> Any:
 
 def _check_encoder(name: str, hidden_size: int, num_heads: int, hidden_act: str) -> None:
     if hidden_size % num_heads:
-        raise ValueError(f"{name}: hidden_size {hidden_size} is not a multiple of "
-                         f"num_attention_heads {num_heads}")
+        raise ValueError(
+            f"{name}: hidden_size {hidden_size} is not a multiple of "
+            f"num_attention_heads {num_heads}"
+        )
     if hidden_act not in ACTIVATIONS:
-        raise ValueError(f"{name}: hidden_act {hidden_act!r} is not supported; "
-                         f"supported: {sorted(ACTIVATIONS)}")
+        raise ValueError(
+            f"{name}: hidden_act {hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,11 @@ class ClipTextConfig:
     eos_token_id: int = 49407  # pooling position; LEGACY_EOS_TOKEN_ID means "the largest id"
 
     def __post_init__(self) -> None:
-        _check_encoder("text_config", self.hidden_size, self.num_attention_heads,
-                       self.hidden_act)
+        _check_encoder("text_config", self.hidden_size, self.num_attention_heads, self.hidden_act)
         if not isinstance(self.eos_token_id, int):
-            raise ValueError(f"text_config: eos_token_id must be one int, got "
-                             f"{self.eos_token_id!r}")
+            raise ValueError(
+                f"text_config: eos_token_id must be one int, got {self.eos_token_id!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -89,11 +92,12 @@ class ClipVisionConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        _check_encoder("vision_config", self.hidden_size, self.num_attention_heads,
-                       self.hidden_act)
+        _check_encoder("vision_config", self.hidden_size, self.num_attention_heads, self.hidden_act)
         if self.image_size % self.patch_size:
-            raise ValueError(f"vision_config: image_size {self.image_size} is not a multiple "
-                             f"of patch_size {self.patch_size}")
+            raise ValueError(
+                f"vision_config: image_size {self.image_size} is not a multiple "
+                f"of patch_size {self.patch_size}"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ClipVisionConfig:
@@ -101,8 +105,9 @@ class ClipVisionConfig:
         for key in ("image_size", "patch_size"):
             if isinstance(values.get(key), (list, tuple)):
                 if len(set(values[key])) != 1:
-                    raise ValueError(f"vision_config: only square {key} is supported, got "
-                                     f"{values[key]}")
+                    raise ValueError(
+                        f"vision_config: only square {key} is supported, got {values[key]}"
+                    )
                 values[key] = values[key][0]
         return _from_dict(cls, values)
 
@@ -131,11 +136,12 @@ class ClipConfig:
         """From a CLIPModel `config.json`. As transformers, `text_config_dict` /
         `vision_config_dict` (older checkpoints) override `text_config` / `vision_config`."""
         text = {**(config.get("text_config") or {}), **(config.get("text_config_dict") or {})}
-        vision = {**(config.get("vision_config") or {}),
-                  **(config.get("vision_config_dict") or {})}
-        return cls(text=_from_dict(ClipTextConfig, text),
-                   vision=ClipVisionConfig.from_dict(vision),
-                   projection_dim=config.get("projection_dim", DEFAULT_PROJECTION_DIM))
+        vision = {**(config.get("vision_config") or {}), **(config.get("vision_config_dict") or {})}
+        return cls(
+            text=_from_dict(ClipTextConfig, text),
+            vision=ClipVisionConfig.from_dict(vision),
+            projection_dim=config.get("projection_dim", DEFAULT_PROJECTION_DIM),
+        )
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ClipConfig:
@@ -167,8 +173,9 @@ class ClipAttention(nn.Module):
         q = self.q_proj(x).view(shape).transpose(1, 2)
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
-                                             scale=self.head_dim**-0.5)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=self.head_dim**-0.5
+        )
         return self.out_proj(out.transpose(1, 2).reshape(batch, num_tokens, hidden))
 
 
@@ -209,8 +216,9 @@ class ClipTextTower(nn.Module):
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList(ClipEncoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            ClipEncoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.projection = nn.Linear(config.hidden_size, projection_dim, bias=False)
 
@@ -239,8 +247,9 @@ class ClipTextTower(nn.Module):
             if self.config.eos_token_id == LEGACY_EOS_TOKEN_ID:
                 positions.append(max(range(len(ids)), key=lambda i: (ids[i], -i)))
             else:
-                positions.append(next((i for i, t in enumerate(ids)
-                                       if t == self.config.eos_token_id), 0))
+                positions.append(
+                    next((i for i, t in enumerate(ids) if t == self.config.eos_token_id), 0)
+                )
         return torch.tensor(positions, dtype=torch.long)
 
     def _padded(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -249,15 +258,18 @@ class ClipTextTower(nn.Module):
             raise ValueError("no texts to embed")
         for index, ids in enumerate(token_ids):
             if not 1 <= len(ids) <= limit:
-                raise ValueError(f"text {index} has {len(ids)} tokens; CLIP's text tower "
-                                 f"takes 1 to max_position_embeddings={limit} tokens")
+                raise ValueError(
+                    f"text {index} has {len(ids)} tokens; CLIP's text tower "
+                    f"takes 1 to max_position_embeddings={limit} tokens"
+                )
             if min(ids) < 0 or max(ids) >= vocab_size:
-                raise ValueError(f"text {index} has a token id outside the vocabulary "
-                                 f"[0, {vocab_size})")
+                raise ValueError(
+                    f"text {index} has a token id outside the vocabulary [0, {vocab_size})"
+                )
         num_tokens = max(len(ids) for ids in token_ids)
         padded = torch.zeros(len(token_ids), num_tokens, dtype=torch.long)
         for row, ids in enumerate(token_ids):
-            padded[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         return padded.to(self.token_embedding.weight.device)
 
 
@@ -269,21 +281,24 @@ class ClipVisionTower(nn.Module):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
-        self.patch_embedding = nn.Conv2d(config.num_channels, hidden, config.patch_size,
-                                         stride=config.patch_size, bias=False)
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels, hidden, config.patch_size, stride=config.patch_size, bias=False
+        )
         self.class_embedding = nn.Parameter(torch.empty(hidden))
         self.position_embedding = nn.Embedding(config.num_patches + 1, hidden)
         self.pre_layrnorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.layers = nn.ModuleList(ClipEncoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            ClipEncoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
         self.post_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.projection = _projection(hidden, projection_dim)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, projection_dim]: transformers' `get_image_features`."""
         if self.projection is None:
-            raise ValueError("this vision tower was loaded without visual_projection; use "
-                             "hidden_states()")
+            raise ValueError(
+                "this vision tower was loaded without visual_projection; use hidden_states()"
+            )
         x = self.hidden_states(pixel_values, -1)
         return self.projection(self.post_layernorm(x[:, 0]))
 
@@ -294,19 +309,26 @@ class ClipVisionTower(nn.Module):
         layer's output and -2 the one before (LLaVA's default). Runs only the layers needed."""
         num_states = len(self.layers) + 1
         if not -num_states <= layer < num_states:
-            raise IndexError(f"layer {layer} is out of range for {num_states} hidden states "
-                             f"(embeddings + {len(self.layers)} layers)")
+            raise IndexError(
+                f"layer {layer} is out of range for {num_states} hidden states "
+                f"(embeddings + {len(self.layers)} layers)"
+            )
         x = self._embed(pixel_values)
-        for encoder_layer in self.layers[:layer % num_states]:
+        for encoder_layer in self.layers[: layer % num_states]:
             x = encoder_layer(x, is_causal=False)
         return x
 
     def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         size = self.config.image_size
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (
-                self.config.num_channels, size, size):
-            raise ValueError(f"pixel_values must be [N, {self.config.num_channels}, {size}, "
-                             f"{size}], got {list(pixel_values.shape)}")
+            self.config.num_channels,
+            size,
+            size,
+        ):
+            raise ValueError(
+                f"pixel_values must be [N, {self.config.num_channels}, {size}, "
+                f"{size}], got {list(pixel_values.shape)}"
+            )
         weight = self.patch_embedding.weight
         patches = self.patch_embedding(pixel_values.to(weight.device, weight.dtype))
         patches = patches.flatten(2).transpose(1, 2)  # [N, num_patches, hidden]
@@ -322,12 +344,17 @@ class ClipModel(nn.Module):
     def __init__(self, config: ClipConfig) -> None:
         super().__init__()
         self.config = config
-        self.text = (None if config.text is None
-                     else ClipTextTower(config.text, config.projection_dim))
-        self.vision = (None if config.vision is None
-                       else ClipVisionTower(config.vision, config.projection_dim))
-        self.logit_scale = (nn.Parameter(torch.empty(()))
-                            if self.text is not None and self.vision is not None else None)
+        self.text = (
+            None if config.text is None else ClipTextTower(config.text, config.projection_dim)
+        )
+        self.vision = (
+            None if config.vision is None else ClipVisionTower(config.vision, config.projection_dim)
+        )
+        self.logit_scale = (
+            nn.Parameter(torch.empty(()))
+            if self.text is not None and self.vision is not None
+            else None
+        )
 
     def text_embeddings(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         if self.text is None:
@@ -361,12 +388,18 @@ def checkpoint_name_to_parameter(name: str) -> str | None:
         return None
     for old, new in _RENAMES:
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 
-def load_clip(folder: str | Path, dtype: torch.dtype = torch.float32, *, prefix: str = "",
-              config: ClipConfig | None = None, device: str | torch.device = "cpu") -> ClipModel:
+def load_clip(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    *,
+    prefix: str = "",
+    config: ClipConfig | None = None,
+    device: str | torch.device = "cpu",
+) -> ClipModel:
     """A ClipModel from `folder`'s `*.safetensors` (and its config.json unless `config` is
     given). Every tensor whose name starts with `prefix` must fill a parameter, and every
     parameter must be filled, or ValueError names the tensor. `prefix` selects the CLIP
@@ -380,14 +413,15 @@ def load_clip(folder: str | Path, dtype: torch.dtype = torch.float32, *, prefix:
     model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
 
     def target(key: str) -> str | None:
-        return checkpoint_name_to_parameter(key[len(prefix):]) if key.startswith(prefix) else None
+        return checkpoint_name_to_parameter(key[len(prefix) :]) if key.startswith(prefix) else None
 
     fill_from_safetensors(model, folder, target, f"the CLIP model (prefix {prefix!r})")
     return model.eval()
 
 
-def fill_from_safetensors(module: nn.Module, folder: Path,
-                          target: Callable[[str], str | None], what: str) -> None:
+def fill_from_safetensors(
+    module: nn.Module, folder: Path, target: Callable[[str], str | None], what: str
+) -> None:
     """Copies each tensor of `folder`'s `*.safetensors` into `module`'s parameter
     `target(name)` (None: not this module's tensor). ValueError naming the tensor when its
     target is no parameter or has another shape, or naming the parameters left unfilled."""
@@ -403,19 +437,25 @@ def fill_from_safetensors(module: nn.Module, folder: Path,
                 if name is None:
                     continue
                 if name not in parameters:
-                    raise ValueError(f"checkpoint tensor {key!r} ({file.name}) has no place in "
-                                     f"{what} (no parameter {name!r})")
+                    raise ValueError(
+                        f"checkpoint tensor {key!r} ({file.name}) has no place in "
+                        f"{what} (no parameter {name!r})"
+                    )
                 _fill(parameters[name], tensors.get_tensor(key), key)
                 filled.add(name)
     missing = sorted(set(parameters) - filled)
     if missing:
-        raise ValueError(f"{len(missing)} parameters of {what} have no tensor in {folder}: "
-                         f"{', '.join(missing[:8])}")
+        raise ValueError(
+            f"{len(missing)} parameters of {what} have no tensor in {folder}: "
+            f"{', '.join(missing[:8])}"
+        )
 
 
 def _fill(parameter: nn.Parameter, tensor: torch.Tensor, key: str) -> None:
     if tuple(tensor.shape) != tuple(parameter.shape):
-        raise ValueError(f"checkpoint tensor {key!r} has shape {list(tensor.shape)}, the "
-                         f"model expects {list(parameter.shape)}")
+        raise ValueError(
+            f"checkpoint tensor {key!r} has shape {list(tensor.shape)}, the "
+            f"model expects {list(parameter.shape)}"
+        )
     with torch.no_grad():
         parameter.copy_(tensor)

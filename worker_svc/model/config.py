@@ -62,11 +62,13 @@ class MoeConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
-            raise ValueError(f"experts per token ({self.top_k}) must be in 1..num_experts "
-                             f"({self.num_experts})")
+            raise ValueError(
+                f"experts per token ({self.top_k}) must be in 1..num_experts ({self.num_experts})"
+            )
         if self.intermediate_size <= 0:
-            raise ValueError(f"the experts' intermediate size must be positive, got "
-                             f"{self.intermediate_size}")
+            raise ValueError(
+                f"the experts' intermediate size must be positive, got {self.intermediate_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ def _sliding_windows(hf_config: dict[str, Any], model_type: str, num_layers: int
     if model_type in ("mistral", "mixtral"):
         return (window,) * num_layers
     if model_type not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not hf_config.get(
-            "use_sliding_window"):
+        "use_sliding_window"
+    ):
         return (None,) * num_layers
     layer_types = hf_config.get("layer_types")
     if layer_types is None:  # transformers 4: the top layers from max_window_layers slide
@@ -215,8 +218,10 @@ def parse_moe(hf_config: dict[str, Any], model_type: str, num_layers: int) -> Mo
         top_k=hf_config["num_experts_per_tok"],
         intermediate_size=hf_config["moe_intermediate_size"],
         renormalize=bool(hf_config.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=(hf_config.get("shared_expert_intermediate_size", 0)
-                                         if model_type == "qwen2_moe" else 0),
-        sparse_layers=tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
-                            for i in range(num_layers)),
+        shared_expert_intermediate_size=(
+            hf_config.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        ),
+        sparse_layers=tuple(
+            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+        ),
     )

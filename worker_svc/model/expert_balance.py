@@ -7,7 +7,8 @@ ranks sum, per sparse layer, the tokens their experts were routed since the last
 (`balanced_placement`: heaviest first to the least-loaded rank with room, then one-for-one
 swaps while they narrow the gap; every rank keeps as many experts as the contiguous
 placement gives it, so memory per rank does not change); a layer moves only if that makes
-its busiest rank at least `MIN_GAIN` lighter. A rank then holds its new experts: it reads them from the checkpoint, as
+its busiest rank at least `MIN_GAIN` lighter. A rank then holds its new experts: it reads them from
+the checkpoint, as
 it loaded them, and packs them as the linear layers are packed. Nothing else changes: a
 token's expert outputs are still summed on the rank that routed it, experts ascending, so
 the tokens are the same before and after.
@@ -41,13 +42,16 @@ def balanced_placement(loads: Iterable[float], num_ranks: int) -> ExpertPlacemen
     lower rank), then swaps of one expert for one between the most and the least loaded
     rank while a swap narrows their gap. Deterministic: every rank computes the same."""
     loads = list(loads)
-    room = [len(ExpertPlacement.contiguous(len(loads), num_ranks).experts_of(rank))
-            for rank in range(num_ranks)]
+    room = [
+        len(ExpertPlacement.contiguous(len(loads), num_ranks).experts_of(rank))
+        for rank in range(num_ranks)
+    ]
     held: list[list[int]] = [[] for _ in range(num_ranks)]
     total = [0.0] * num_ranks
     for expert in sorted(range(len(loads)), key=lambda e: (-loads[e], e)):
-        rank = min((r for r in range(num_ranks) if len(held[r]) < room[r]),
-                   key=lambda r: (total[r], r))
+        rank = min(
+            (r for r in range(num_ranks) if len(held[r]) < room[r]), key=lambda r: (total[r], r)
+        )
         held[rank].append(expert)
         total[rank] += loads[expert]
     for _ in range(len(loads) * num_ranks):  # each swap narrows the widest gap: bounded
@@ -90,15 +94,15 @@ def busiest(placement: ExpertPlacement, loads: list[float]) -> float:
 
 
 def expert_parallel_blocks(model: torch.nn.Module) -> list[SparseMoeBlock]:
-    return [m for m in model.modules()
-            if isinstance(m, SparseMoeBlock) and m.placement is not None]
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.placement is not None]
 
 
 class ExpertBalancer:
     """Rebalances a stage's expert-parallel layers every `interval` steps (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, comm: TPComm, reader: ExpertReader,
-                 interval: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, comm: TPComm, reader: ExpertReader, interval: int
+    ) -> None:
         self.blocks = expert_parallel_blocks(model)
         self.comm = comm
         self.reader = reader
@@ -131,27 +135,38 @@ class ExpertBalancer:
         """Back to the contiguous placement (after the group re-formed)."""
         for block in self.blocks:
             block.take_window_tokens()
-        self._apply({block.layer_index: ExpertPlacement.contiguous(
-            len(block.placement.owner), block.tp_size) for block in self.blocks})
+        self._apply(
+            {
+                block.layer_index: ExpertPlacement.contiguous(
+                    len(block.placement.owner), block.tp_size
+                )
+                for block in self.blocks
+            }
+        )
 
     def _apply(self, wanted: dict[int, ExpertPlacement]) -> None:
         changed = [block for block in self.blocks if wanted[block.layer_index] != block.placement]
         if not changed:
             return
-        needed = {block.layer_index: wanted[block.layer_index].experts_of(block.tp_rank)
-                  for block in changed}
+        needed = {
+            block.layer_index: wanted[block.layer_index].experts_of(block.tp_rank)
+            for block in changed
+        }
         weights = self.reader(needed)
         for block in changed:
             layer = block.layer_index
             block.set_placement(wanted[layer], lambda e, layer=layer: weights[layer, e])
-        logger.info("experts rebalanced in %d layers; this rank now holds %s", len(changed),
-                    {layer: experts for layer, experts in needed.items()})
+        logger.info(
+            "experts rebalanced in %d layers; this rank now holds %s",
+            len(changed),
+            {layer: experts for layer, experts in needed.items()},
+        )
 
 
-def checkpoint_reader(open_weights: Callable[[Callable[[str], object]], Iterable]
-                      ) -> ExpertReader:
+def checkpoint_reader(open_weights: Callable[[Callable[[str], object]], Iterable]) -> ExpertReader:
     """An `ExpertReader` over a checkpoint's weight stream (`loader.ModelSource.weights`):
     reads whole expert tensors of the asked layers and experts only."""
+
     def read(needed: dict[int, list[int]]) -> ExpertWeights:
         wanted = {(layer, e) for layer, experts in needed.items() for e in experts}
 

@@ -30,8 +30,9 @@ class RMSNorm(nn.Module):
         kernel takes 2-D rows; per-head norms of [tokens, heads, dim] take the reference)."""
         return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[0]
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x), the sum in the model's dtype as transformers
         adds it; `residual` None means x itself. The sum may be written into `residual`."""
         return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
@@ -113,8 +114,9 @@ class StepRotary:
     def apply_(self, x: torch.Tensor) -> None:
         """x [num_tokens, heads, head_dim] <- x * cos + rotate_half(x) * sin, in place."""
         if self._tables is None and not cpu_fused.has_rotary_kernel(x):
-            self._tables = cpu_fused.rotary_tables(self.cos_cache, self.sin_cache,
-                                                   self.positions, self.dtype)
+            self._tables = cpu_fused.rotary_tables(
+                self.cos_cache, self.sin_cache, self.positions, self.dtype
+            )
         cpu_fused.rotary_(x, self.positions, self.cos_cache, self.sin_cache, self._tables)
 
 
@@ -126,8 +128,13 @@ class MergedLinear(nn.Linear, PreparableLinear):
     `part_row_starts[part]`, and `checkpoint_slice` names them for the loader.
     """
 
-    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool,
-                 part_row_starts: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: dict[str, int],
+        bias: bool,
+        part_row_starts: dict[str, int] | None = None,
+    ) -> None:
         super().__init__(in_features, sum(part_sizes.values()), bias=bias)
         self.packed_weight: PreparedWeight | None = None  # quantized or packed: see matmul.py
         self.part_sizes = dict(part_sizes)

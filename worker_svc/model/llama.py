@@ -51,12 +51,15 @@ from worker_svc.model.parallel_layers import (
 )
 from worker_svc.parallel import ParallelConfig
 
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelConfig,
-                 comm: TPComm) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, parallel: ParallelConfig, comm: TPComm
+    ) -> None:
         super().__init__()
-        shard = attention_shard(config.num_heads, config.num_kv_heads, parallel.tp_size,
-                                parallel.tp_rank)
+        shard = attention_shard(
+            config.num_heads, config.num_kv_heads, parallel.tp_size, parallel.tp_rank
+        )
         head_dim = config.head_dim
         self.num_heads = shard.num_heads  # this rank's
         self.num_kv_heads = shard.num_kv_heads
@@ -67,18 +70,30 @@ class LlamaAttention(nn.Module):
         kv_size = shard.num_kv_heads * head_dim
         kv_start = shard.kv_head_start * head_dim
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, config.qkv_bias,
+            config.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            config.qkv_bias,
             part_row_starts={"q": shard.q_head_start * head_dim, "k": kv_start, "v": kv_start},
         )
-        self.o_proj = RowParallelLinear(shard.q_head_start * head_dim, q_size, config.hidden_size,
-                                        config.o_proj_bias, parallel.tp_size, comm)
+        self.o_proj = RowParallelLinear(
+            shard.q_head_start * head_dim,
+            q_size,
+            config.hidden_size,
+            config.o_proj_bias,
+            parallel.tp_size,
+            comm,
+        )
         # Per-head norms: the same weights on every rank.
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, rotary: StepRotary, hidden: torch.Tensor,
-        kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend,
+        self,
+        rotary: StepRotary,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
@@ -96,11 +111,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm,
-                 intermediate_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig,
+        comm: TPComm,
+        intermediate_size: int | None = None,
+    ) -> None:
         super().__init__()
-        start, stop = shard_range(intermediate_size or config.intermediate_size,
-                                  parallel.tp_size, parallel.tp_rank, "intermediate_size")
+        start, stop = shard_range(
+            intermediate_size or config.intermediate_size,
+            parallel.tp_size,
+            parallel.tp_rank,
+            "intermediate_size",
+        )
         self.intermediate_size = stop - start  # this rank's
         self.gate_up_proj = MergedLinear(
             config.hidden_size,
@@ -108,15 +132,22 @@ class LlamaMLP(nn.Module):
             config.mlp_bias,
             part_row_starts={"gate": start, "up": start},
         )
-        self.down_proj = RowParallelLinear(start, self.intermediate_size, config.hidden_size,
-                                           config.mlp_bias, parallel.tp_size, comm)
+        self.down_proj = RowParallelLinear(
+            start,
+            self.intermediate_size,
+            config.hidden_size,
+            config.mlp_bias,
+            parallel.tp_size,
+            comm,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-def build_mlp(config: ModelConfig, layer_index: int, parallel: ParallelConfig,
-              comm: TPComm) -> nn.Module:
+def build_mlp(
+    config: ModelConfig, layer_index: int, parallel: ParallelConfig, comm: TPComm
+) -> nn.Module:
     """Layer `layer_index`'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared
     expert, a dense MLP whose sum the block completes)."""
     if not config.is_sparse(layer_index):
@@ -127,8 +158,9 @@ def build_mlp(config: ModelConfig, layer_index: int, parallel: ParallelConfig,
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelConfig,
-                 comm: TPComm) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, parallel: ParallelConfig, comm: TPComm
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_index, parallel, comm)
@@ -136,8 +168,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = build_mlp(config, layer_index, parallel, comm)
 
     def forward(
-        self, rotary: StepRotary, hidden: torch.Tensor, residual: torch.Tensor | None,
-        kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend,
+        self,
+        rotary: StepRotary,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(previous MLP output, residual before it) -> (this MLP's output, its residual).
 
@@ -157,27 +194,36 @@ class PPMissingLayer(nn.Identity):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, parallel: ParallelConfig,
-                 comm: TPComm) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, parallel: ParallelConfig, comm: TPComm
+    ) -> None:
         super().__init__()
         self.layer_range = parallel.layer_range(config.num_layers)
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.tp_size,
-                                   parallel.tp_rank, comm)
-            if parallel.is_first_stage else None
+            VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel.tp_size, parallel.tp_rank, comm
+            )
+            if parallel.is_first_stage
+            else None
         )
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, parallel, comm) if i in self.layer_range
+            LlamaDecoderLayer(config, i, parallel, comm)
+            if i in self.layer_range
             else PPMissingLayer()
             for i in range(config.num_layers)
         )
-        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
-                     if parallel.is_last_stage else None)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if parallel.is_last_stage else None
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata, backend: AttentionBackend,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
         embed_overrides: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +240,9 @@ class LlamaModel(nn.Module):
             hidden, residual = intermediate
         rotary = self.rotary(positions, hidden.dtype)  # once per step, shared by all layers
         for index, kv_cache in zip(self.layer_range, kv_caches, strict=True):
-            hidden, residual = self.layers[index](rotary, hidden, residual, kv_cache, metadata,
-                                                  backend)
+            hidden, residual = self.layers[index](
+                rotary, hidden, residual, kv_cache, metadata, backend
+            )
         return hidden, residual
 
 
@@ -216,13 +263,19 @@ def checkpoint_leaf(fused_path: str, part: str) -> str:
     fused = fused_path.rpartition(".")[2]
     return next(leaf for leaf, (f, p) in STACKED_PARTS.items() if f == fused and p == part)
 
+
 _LM_HEAD = "lm_head.weight"
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int | None = None,
-                 parallel: ParallelConfig | None = None, comm: TPComm | None = None,
-                 lm_head: bool = True) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int | None = None,
+        parallel: ParallelConfig | None = None,
+        comm: TPComm | None = None,
+        lm_head: bool = True,
+    ) -> None:
         """`lm_head` False: an embedding model's trunk (its last stage pools the final
         hidden states, `final_hidden`; a checkpoint's LM head is not read)."""
         super().__init__()
@@ -231,18 +284,23 @@ class LlamaForCausalLM(nn.Module):
         comm = comm or NoComm(parallel.tp_size)
         self.config = config
         self.parallel = parallel
-        self.model = LlamaModel(config, max_positions or config.max_position_embeddings,
-                                parallel, comm)
+        self.model = LlamaModel(
+            config, max_positions or config.max_position_embeddings, parallel, comm
+        )
         # Tied checkpoints reuse the embedding as LM head when one stage holds both; no
         # second parameter, so nothing can untie them when the model is moved. A last
         # stage without the embedding gets its own copy of the (same) rows.
-        needs_head = lm_head and parallel.is_last_stage and not (
-            config.tie_word_embeddings and parallel.is_first_stage
+        needs_head = (
+            lm_head
+            and parallel.is_last_stage
+            and not (config.tie_word_embeddings and parallel.is_first_stage)
         )
         self.lm_head = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.tp_size,
-                                   parallel.tp_rank, comm)
-            if needs_head else None
+            VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel.tp_size, parallel.tp_rank, comm
+            )
+            if needs_head
+            else None
         )
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
         if lm_head and parallel.is_last_stage and head is not None:
@@ -254,20 +312,29 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_local_kv_heads(self) -> int:
-        return attention_shard(self.config.num_heads, self.config.num_kv_heads,
-                               self.parallel.tp_size, self.parallel.tp_rank).num_kv_heads
+        return attention_shard(
+            self.config.num_heads,
+            self.config.num_kv_heads,
+            self.parallel.tp_size,
+            self.parallel.tp_rank,
+        ).num_kv_heads
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata, backend: AttentionBackend,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
         embed_overrides: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions [num_tokens] (or the previous stage's (hidden, residual))
         -> this stage's (hidden, residual), each [num_tokens, hidden]; one `kv_caches`
         entry per local layer. `embed_overrides`: see LlamaModel.forward."""
-        return self.model(input_ids, positions, kv_caches, metadata, backend, intermediate,
-                          embed_overrides)
+        return self.model(
+            input_ids, positions, kv_caches, metadata, backend, intermediate, embed_overrides
+        )
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Last stage: [num_rows, hidden] x2 -> fp32 logits [num_rows, vocab_size]. The final
@@ -324,8 +391,10 @@ class LlamaForCausalLM(nn.Module):
         except AttributeError:
             module = None
         if not isinstance(module, FusedExperts):
-            raise ValueError(f"checkpoint tensor {name!r} is an expert's, but this model's "
-                             f"layer has no experts there (config.json's MoE settings)")
+            raise ValueError(
+                f"checkpoint tensor {name!r} is an expert's, but this model's "
+                f"layer has no experts there (config.json's MoE settings)"
+            )
         return module
 
     def _vocab_holders(self, name: str) -> list[VocabParallelEmbedding]:

@@ -41,13 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from protos.step import ImageTiling
-
 from worker_svc.model.clip import (
     ACTIVATIONS as CLIP_ACTIVATIONS,
+)
+from worker_svc.model.clip import (
     ClipVisionConfig,
     ClipVisionTower,
-    fill_from_safetensors,
     checkpoint_name_to_parameter,
+    fill_from_safetensors,
 )
 
 # transformers' ACT2FN entries a projector may name.
@@ -59,8 +60,14 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 STRATEGIES = ("default", "full")  # "default" drops the CLS position, "full" keeps it
 # LlavaConfig's vision tower when config.json has no vision_config (llava-1.5-7b's CLIP-L/336).
-DEFAULT_VISION = {"hidden_size": 1024, "intermediate_size": 4096, "patch_size": 14,
-                  "image_size": 336, "num_hidden_layers": 24, "num_attention_heads": 16}
+DEFAULT_VISION = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "patch_size": 14,
+    "image_size": 336,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+}
 DEFAULT_IMAGE_TOKEN_INDEX = 32000
 # LlavaNextConfig's grids when config.json names none.
 DEFAULT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
@@ -89,26 +96,34 @@ class LlavaConfig:
         """What the router needs to count an image's placeholders (empty: fixed)."""
         if not self.anyres:
             return ImageTiling()
-        return ImageTiling(self.image_grid_pinpoints, self.vision.image_size,
-                           self.vision.patch_size)
+        return ImageTiling(
+            self.image_grid_pinpoints, self.vision.image_size, self.vision.patch_size
+        )
 
     def __post_init__(self) -> None:
         if self.vision_feature_select_strategy not in STRATEGIES:
-            raise ValueError(f"vision_feature_select_strategy must be one of {STRATEGIES}, "
-                             f"got {self.vision_feature_select_strategy!r}")
+            raise ValueError(
+                f"vision_feature_select_strategy must be one of {STRATEGIES}, "
+                f"got {self.vision_feature_select_strategy!r}"
+            )
         if self.projector_hidden_act not in ACTIVATIONS:
-            raise ValueError(f"projector_hidden_act {self.projector_hidden_act!r} is not "
-                             f"supported; supported: {sorted(ACTIVATIONS)}")
+            raise ValueError(
+                f"projector_hidden_act {self.projector_hidden_act!r} is not "
+                f"supported; supported: {sorted(ACTIVATIONS)}"
+            )
         num_states = self.vision.num_hidden_layers + 1
         for layer in self.feature_layers:
             if not -num_states <= layer < num_states:
-                raise ValueError(f"vision_feature_layer {layer} is out of range for "
-                                 f"{num_states} hidden states")
+                raise ValueError(
+                    f"vision_feature_layer {layer} is out of range for {num_states} hidden states"
+                )
         if not self.feature_layers:
             raise ValueError("vision_feature_layer is an empty list")
         if self.anyres and self.vision_feature_select_strategy != "default":
-            raise ValueError("a LLaVA-NeXT's tiles are laid out without the CLS position: "
-                             "vision_feature_select_strategy must be \"default\"")
+            raise ValueError(
+                "a LLaVA-NeXT's tiles are laid out without the CLS position: "
+                'vision_feature_select_strategy must be "default"'
+            )
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -134,21 +149,26 @@ class LlavaConfig:
         vision = config.get("vision_config")
         vision = DEFAULT_VISION if vision is None else vision
         if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(f"only CLIP vision towers are supported, got vision_config "
-                             f"model_type {vision['model_type']!r}")
+            raise ValueError(
+                f"only CLIP vision towers are supported, got vision_config "
+                f"model_type {vision['model_type']!r}"
+            )
         layer = config.get("vision_feature_layer", -2)
         return cls(
             text=text,
             vision=ClipVisionConfig.from_dict(vision),
-            image_token_index=config.get("image_token_index",
-                                         config.get("image_token_id", DEFAULT_IMAGE_TOKEN_INDEX)),
+            image_token_index=config.get(
+                "image_token_index", config.get("image_token_id", DEFAULT_IMAGE_TOKEN_INDEX)
+            ),
             vision_feature_layer=layer if isinstance(layer, int) else tuple(layer),
-            vision_feature_select_strategy=config.get("vision_feature_select_strategy",
-                                                      "default"),
+            vision_feature_select_strategy=config.get("vision_feature_select_strategy", "default"),
             projector_hidden_act=config.get("projector_hidden_act", "gelu"),
             multimodal_projector_bias=config.get("multimodal_projector_bias", True),
-            image_grid_pinpoints=(tuple(tuple(p) for p in config.get("image_grid_pinpoints")
-                                        or DEFAULT_PINPOINTS) if is_llava_next(config) else ()),
+            image_grid_pinpoints=(
+                tuple(tuple(p) for p in config.get("image_grid_pinpoints") or DEFAULT_PINPOINTS)
+                if is_llava_next(config)
+                else ()
+            ),
         )
 
     @classmethod
@@ -158,13 +178,17 @@ class LlavaConfig:
 
 def is_llava_config(hf_config: dict[str, Any]) -> bool:
     """Whether a config.json dict is a LlavaForConditionalGeneration's (or LLaVA-NeXT's)."""
-    return (hf_config.get("model_type") == "llava" or is_llava_next(hf_config)
-            or "LlavaForConditionalGeneration" in (hf_config.get("architectures") or []))
+    return (
+        hf_config.get("model_type") == "llava"
+        or is_llava_next(hf_config)
+        or "LlavaForConditionalGeneration" in (hf_config.get("architectures") or [])
+    )
 
 
 def is_llava_next(hf_config: dict[str, Any]) -> bool:
-    return (hf_config.get("model_type") == "llava_next"
-            or "LlavaNextForConditionalGeneration" in (hf_config.get("architectures") or []))
+    return hf_config.get("model_type") == "llava_next" or "LlavaNextForConditionalGeneration" in (
+        hf_config.get("architectures") or []
+    )
 
 
 class MultiModalProjector(nn.Module):
@@ -203,8 +227,9 @@ class LlavaImageEncoder(nn.Module):
         config = self.config
         height, width = image_hw
         side = config.vision.image_size // config.vision.patch_size
-        rows, cols = grid_shape(height, width, config.image_grid_pinpoints,
-                                config.vision.image_size)
+        rows, cols = grid_shape(
+            height, width, config.image_grid_pinpoints, config.vision.image_size
+        )
         hidden = features.shape[-1]
         grid = features[1:].view(rows, cols, side, side, hidden)
         grid = grid.permute(4, 0, 2, 1, 3).reshape(hidden, rows * side, cols * side)
@@ -226,7 +251,7 @@ class LlavaImageEncoder(nn.Module):
         indices = [layer % num_states for layer in self.config.feature_layers]
         x = self.vision_tower.hidden_states(pixel_values, 0)  # embeddings, pre_layrnorm'd
         by_index = {0: x}
-        for index, layer in enumerate(self.vision_tower.layers[:max(indices)], start=1):
+        for index, layer in enumerate(self.vision_tower.layers[: max(indices)], start=1):
             x = layer(x, is_causal=False)
             by_index[index] = x
         return [by_index[index] for index in indices]
@@ -239,10 +264,10 @@ def _unpad(grid: torch.Tensor, height: int, width: int) -> torch.Tensor:
     if width / height > current_width / current_height:
         new_height = int(round(height * (current_width / width), 7))
         padding = (current_height - new_height) // 2
-        return grid[:, padding:current_height - padding, :]
+        return grid[:, padding : current_height - padding, :]
     new_width = int(round(width * (current_height / height), 7))
     padding = (current_width - new_width) // 2
-    return grid[:, :, padding:current_width - padding]
+    return grid[:, :, padding : current_width - padding]
 
 
 def llava_checkpoint_name(name: str) -> tuple[str, str]:
@@ -253,32 +278,42 @@ def llava_checkpoint_name(name: str) -> tuple[str, str]:
     `lm_head.weight`, for LlamaForCausalLM.load_weights), or ("unused", name) for a buffer
     old checkpoints saved (`position_ids`). ValueError for a name of no LLaVA part."""
     rest = name
-    if rest.startswith(("model.vision_tower.", "model.multi_modal_projector.",
-                        "model.language_model.")) or rest == "model.image_newline":
-        rest = rest[len("model."):]
+    if (
+        rest.startswith(
+            ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.")
+        )
+        or rest == "model.image_newline"
+    ):
+        rest = rest[len("model.") :]
     if rest.startswith("vision_tower."):
-        rest = rest[len("vision_tower."):]
+        rest = rest[len("vision_tower.") :]
         if not rest.startswith("vision_model."):
             rest = "vision_model." + rest
         target = checkpoint_name_to_parameter(rest)
         if target is None:
             return UNUSED, name
-        return VISION, "vision_tower." + target[len("vision."):]
+        return VISION, "vision_tower." + target[len("vision.") :]
     if rest.startswith("multi_modal_projector.") or rest == "image_newline":
         return PROJECTOR, rest
     if rest == "lm_head.weight" or rest.startswith("language_model.lm_head."):
         return TEXT, "lm_head." + rest.rpartition("lm_head.")[2]
     if rest.startswith("language_model.model."):
-        return TEXT, "model." + rest[len("language_model.model."):]
+        return TEXT, "model." + rest[len("language_model.model.") :]
     if rest.startswith("language_model."):
-        return TEXT, "model." + rest[len("language_model."):]
-    raise ValueError(f"checkpoint tensor {name!r} belongs to no part of a LLaVA model "
-                     "(vision_tower, multi_modal_projector, language_model, lm_head)")
+        return TEXT, "model." + rest[len("language_model.") :]
+    raise ValueError(
+        f"checkpoint tensor {name!r} belongs to no part of a LLaVA model "
+        "(vision_tower, multi_modal_projector, language_model, lm_head)"
+    )
 
 
-def load_llava_encoder(folder: str | Path, dtype: torch.dtype = torch.float32, *,
-                       config: LlavaConfig | None = None,
-                       device: str | torch.device = "cpu") -> LlavaImageEncoder:
+def load_llava_encoder(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    *,
+    config: LlavaConfig | None = None,
+    device: str | torch.device = "cpu",
+) -> LlavaImageEncoder:
     """The image encoder from `folder`'s `*.safetensors` (and config.json unless `config`
     is given). Text tensors are skipped (the decoder's loader takes them); every vision
     and projector tensor must fill a parameter and every parameter must be filled, or

@@ -109,8 +109,7 @@ class NativeWeight(PreparedWeight):
 
 def onednn_weight(weight: torch.Tensor, rows: int = _PACK_FOR_ROWS) -> OneDnnWeight:
     """`weight` [out, in] reordered once for oneDNN, its blocking chosen for `rows` rows."""
-    return OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
-                                                                rows))
+    return OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows))
 
 
 def native_linear_available(dtype: torch.dtype) -> bool:
@@ -131,8 +130,12 @@ class PreparableLinear:
     keeps_plain_weight: bool = False
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: PreparedWeight | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: PreparedWeight | None = None,
+) -> torch.Tensor:
     """x W^T + b, through the layer's prepared weight if it has one."""
     if packed is None:
         return F.linear(x, weight, bias)
@@ -140,31 +143,48 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def resolve_cpu_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "native" on CPU for fp32 when the C kernel builds, else "onednn" when the
+    """ "auto" -> "native" on CPU for fp32 when the C kernel builds, else "onednn" when the
     build supports it for `dtype`, else "torch"."""
     if choice not in CPU_LINEAR_CHOICES:
-        raise ValueError(f"unknown cpu linear backend {choice!r}; choose one of "
-                         f"{CPU_LINEAR_CHOICES}")
+        raise ValueError(
+            f"unknown cpu linear backend {choice!r}; choose one of {CPU_LINEAR_CHOICES}"
+        )
     on_cpu = device.type == "cpu"
     native = on_cpu and native_linear_available(dtype)
     onednn = on_cpu and onednn_linear_available(dtype)
     if choice == "native" and not native:
-        why = (cpu_native.build_error("cpu_linear") or "no C compiler, or disabled"
-               if dtype == torch.float32 else f"it multiplies fp32 only, not {dtype}")
-        raise ValueError(f"--cpu-linear native needs a CPU device and the C kernel "
-                         f"({'device ' + str(device) if not on_cpu else why}); use --cpu-linear "
-                         "torch")
+        why = (
+            cpu_native.build_error("cpu_linear") or "no C compiler, or disabled"
+            if dtype == torch.float32
+            else f"it multiplies fp32 only, not {dtype}"
+        )
+        raise ValueError(
+            f"--cpu-linear native needs a CPU device and the C kernel "
+            f"({'device ' + str(device) if not on_cpu else why}); use --cpu-linear "
+            "torch"
+        )
     if choice == "onednn" and not onednn:
-        where = (f"CPU {cpu_features().isa_summary}, torch {torch.__version__}"
-                 if on_cpu else f"device {device}")
-        raise ValueError(f"--cpu-linear onednn needs a CPU device whose torch build runs "
-                         f"oneDNN {dtype} linear kernels ({where}); use --cpu-linear torch")
+        where = (
+            f"CPU {cpu_features().isa_summary}, torch {torch.__version__}"
+            if on_cpu
+            else f"device {device}"
+        )
+        raise ValueError(
+            f"--cpu-linear onednn needs a CPU device whose torch build runs "
+            f"oneDNN {dtype} linear kernels ({where}); use --cpu-linear torch"
+        )
     if choice == "auto":
         resolved = "native" if native else ("onednn" if onednn else "torch")
         if on_cpu:
-            logger.info("cpu linear auto -> %s for %s (native kernel %s, oneDNN %s linear %s "
-                        "on %s)", resolved, dtype, "builds" if native else "does not apply",
-                        dtype, "runs" if onednn else "does not run", cpu_features().one_line())
+            logger.info(
+                "cpu linear auto -> %s for %s (native kernel %s, oneDNN %s linear %s on %s)",
+                resolved,
+                dtype,
+                "builds" if native else "does not apply",
+                dtype,
+                "runs" if onednn else "does not run",
+                cpu_features().one_line(),
+            )
         return resolved
     return choice
 
@@ -185,16 +205,21 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
             module.pack_experts(resolved)
             count += 1
             continue
-        if (not isinstance(module, PreparableLinear) or not module.packable
-                or module.packed_weight is not None):
+        if (
+            not isinstance(module, PreparableLinear)
+            or not module.packable
+            or module.packed_weight is not None
+        ):
             continue
         weight = module.weight
-        module.packed_weight = (NativeWeight(weight) if resolved == "native"
-                                else onednn_weight(weight))
+        module.packed_weight = (
+            NativeWeight(weight) if resolved == "native" else onednn_weight(weight)
+        )
         if not module.keeps_plain_weight:
             # Only the shape survives; the packed copy is the weight from now on.
-            module.weight = nn.Parameter(torch.empty((0, weight.shape[1]), dtype=weight.dtype),
-                                         requires_grad=False)
+            module.weight = nn.Parameter(
+                torch.empty((0, weight.shape[1]), dtype=weight.dtype), requires_grad=False
+            )
         count += 1
     logger.info("packed %d linear weights for %s (%s)", count, resolved, params[0].dtype)
     return resolved

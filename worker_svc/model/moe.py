@@ -40,7 +40,8 @@ from worker_svc.parallel import ParallelConfig
 # A checkpoint's expert tensor: (prefix up to the block, expert, part, parameter).
 _EXPERT_NAME = re.compile(
     r"^(?P<block>.+\.(?:mlp|block_sparse_moe))\.experts\.(?P<expert>\d+)\."
-    r"(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<param>weight)$")
+    r"(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<param>weight)$"
+)
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _ONEDNN_PACK_ROWS = 16  # an expert sees ~tokens x top_k / experts rows
 
@@ -56,10 +57,12 @@ class ExpertPlacement:
     @classmethod
     def contiguous(cls, num_experts: int, num_ranks: int) -> ExpertPlacement:
         if num_experts < num_ranks:
-            raise ValueError(f"expert parallelism over {num_ranks} ranks needs at least as "
-                             f"many experts; the model has {num_experts}: drop "
-                             "--enable-expert-parallel (each rank then holds a slice of every "
-                             "expert)")
+            raise ValueError(
+                f"expert parallelism over {num_ranks} ranks needs at least as "
+                f"many experts; the model has {num_experts}: drop "
+                "--enable-expert-parallel (each rank then holds a slice of every "
+                "expert)"
+            )
         base, extra = divmod(num_experts, num_ranks)
         sizes = [base + (rank < extra) for rank in range(num_ranks)]
         return cls(tuple(rank for rank, size in enumerate(sizes) for _ in range(size)))
@@ -105,15 +108,22 @@ def expert_tensor(name: str) -> tuple[str, int, str] | None:
 class FusedExperts(nn.Module):
     """Every expert's SiLU-gated MLP, this rank's slice of each (module docstring)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 parallel: ParallelConfig, placement: ExpertPlacement | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelConfig,
+        placement: ExpertPlacement | None = None,
+    ) -> None:
         """Tensor-parallel (`placement` None): every expert, this rank's slice of each.
         Expert-parallel: the experts `placement` gives this rank, whole; `local_index` maps
         a global expert id to its index here (the block sends each row with that index)."""
         super().__init__()
         if placement is None:
-            start, stop = shard_range(intermediate_size, parallel.tp_size, parallel.tp_rank,
-                                      "moe_intermediate_size")
+            start, stop = shard_range(
+                intermediate_size, parallel.tp_size, parallel.tp_rank, "moe_intermediate_size"
+            )
             local = list(range(num_experts))
         else:
             start, stop = 0, intermediate_size
@@ -124,10 +134,13 @@ class FusedExperts(nn.Module):
         self.num_global_experts = num_experts
         self.intermediate_start = start
         self.intermediate_size = stop - start  # this rank's
-        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size,
-                                            hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden_size,
-                                           self.intermediate_size), requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty(self.num_experts, 2 * self.intermediate_size, hidden_size),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(self.num_experts, hidden_size, self.intermediate_size), requires_grad=False
+        )
         self.loaded: set[tuple[int, str]] = set()
         # Once `pack_experts` has run: per expert (gate|up, down) prepared for oneDNN, or
         # every expert's C panels back to back (gate|up, down, the library).
@@ -135,8 +148,9 @@ class FusedExperts(nn.Module):
         self.native: tuple[torch.Tensor, torch.Tensor, object] | None = None
         self.backend = "torch"  # how pack_experts last prepared them
 
-    def assign(self, experts: list[int], weights_of: Callable[[int], tuple[torch.Tensor, ...]]
-               ) -> None:
+    def assign(
+        self, experts: list[int], weights_of: Callable[[int], tuple[torch.Tensor, ...]]
+    ) -> None:
         """Hold `experts` (global ids, ascending) from now on, whole (expert parallelism),
         their (gate, up, down) weights from `weights_of`, packed as before."""
         dtype, device = self.w13.dtype, self.w13.device
@@ -148,10 +162,12 @@ class FusedExperts(nn.Module):
         self.global_ids = list(experts)
         self.local_index = {e: i for i, e in enumerate(experts)}
         self.num_experts = len(experts)
-        self.w13 = nn.Parameter(torch.stack(gates_ups).to(dtype=dtype, device=device),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.stack(downs).to(dtype=dtype, device=device),
-                               requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.stack(gates_ups).to(dtype=dtype, device=device), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.stack(downs).to(dtype=dtype, device=device), requires_grad=False
+        )
         self.packed, self.native = None, None
         self.pack_experts(self.backend)
 
@@ -166,19 +182,26 @@ class FusedExperts(nn.Module):
         """Copy (global) expert `expert`'s `part`, already cut to `checkpoint_slice`."""
         size = self.intermediate_size
         local = self.local_index[expert]
-        target = {"gate_proj": self.w13.data[local, :size],
-                  "up_proj": self.w13.data[local, size:],
-                  "down_proj": self.w2.data[local]}[part]
+        target = {
+            "gate_proj": self.w13.data[local, :size],
+            "up_proj": self.w13.data[local, size:],
+            "down_proj": self.w2.data[local],
+        }[part]
         if target.shape != tensor.shape:
-            raise ValueError(f"expert {expert} {part}: expected {tuple(target.shape)}, got "
-                             f"{tuple(tensor.shape)}")
+            raise ValueError(
+                f"expert {expert} {part}: expected {tuple(target.shape)}, got {tuple(tensor.shape)}"
+            )
         target.copy_(tensor)
         self.loaded.add((expert, part))
 
     def missing(self) -> list[str]:
         """The (expert, part) pieces no checkpoint tensor filled."""
-        return [f"experts.{e}.{part}" for e in self.global_ids
-                for part in ("gate_proj", "up_proj", "down_proj") if (e, part) not in self.loaded]
+        return [
+            f"experts.{e}.{part}"
+            for e in self.global_ids
+            for part in ("gate_proj", "up_proj", "down_proj")
+            if (e, part) not in self.loaded
+        ]
 
     def pack_experts(self, backend: str) -> None:
         """Each expert's weights into the linear layers' prepared form (`matmul.py`): for
@@ -192,17 +215,27 @@ class FusedExperts(nn.Module):
             lib = cpu_native.library("cpu_linear")
             self.native = (
                 torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w13]),
-                torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w2]), lib)
+                torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w2]),
+                lib,
+            )
         elif backend == "onednn":
-            self.packed = [(onednn_weight(self.w13[e], _ONEDNN_PACK_ROWS),
-                            onednn_weight(self.w2[e], _ONEDNN_PACK_ROWS))
-                           for e in range(self.num_experts)]
+            self.packed = [
+                (
+                    onednn_weight(self.w13[e], _ONEDNN_PACK_ROWS),
+                    onednn_weight(self.w2[e], _ONEDNN_PACK_ROWS),
+                )
+                for e in range(self.num_experts)
+            ]
         else:
             return
-        self.w13 = nn.Parameter(torch.empty((self.num_experts, 0, self.w13.shape[2]),
-                                            dtype=self.w13.dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty((self.num_experts, self.w2.shape[1], 0),
-                                           dtype=self.w2.dtype), requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty((self.num_experts, 0, self.w13.shape[2]), dtype=self.w13.dtype),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty((self.num_experts, self.w2.shape[1], 0), dtype=self.w2.dtype),
+            requires_grad=False,
+        )
 
     @property
     def packed_nbytes(self) -> int:
@@ -217,8 +250,9 @@ class FusedExperts(nn.Module):
             return linear(silu_and_mul(linear(x, None, None, gate_up)), None, None, down)
         return F.linear(silu_and_mul(F.linear(x, self.w13[e])), self.w2[e])
 
-    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         """sum_k weight * expert(x) over the chosen experts held here, by local index (ids
         outside 0..num_experts-1 add nothing)."""
         if hidden.is_cuda:  # one grouped GEMM launch per projection, no host sync
@@ -227,10 +261,19 @@ class FusedExperts(nn.Module):
             return fused_experts_triton(hidden, self.w13, self.w2, topk_weights, topk_ids)
         if self.native is not None:
             w13, w2, lib = self.native
-            return cpu_native.moe_f32(hidden, topk_weights, topk_ids, w13, w2,
-                                      self.num_experts, self.intermediate_size, lib=lib)
-        return moe_kernels.grouped_experts(hidden, topk_weights, topk_ids, self.num_experts,
-                                           self.expert)
+            return cpu_native.moe_f32(
+                hidden,
+                topk_weights,
+                topk_ids,
+                w13,
+                w2,
+                self.num_experts,
+                self.intermediate_size,
+                lib=lib,
+            )
+        return moe_kernels.grouped_experts(
+            hidden, topk_weights, topk_ids, self.num_experts, self.expert
+        )
 
 
 class SparseMoeBlock(nn.Module):
@@ -243,13 +286,20 @@ class SparseMoeBlock(nn.Module):
     rank r routes only its share of the step's tokens (rows S*r .. S*(r+1), S = ceil(T/N)),
     sends each (token, slot)'s row to the rank holding its expert (all-to-all), runs its
     experts over what it received, sends the outputs back (all-to-all), and sums its
-    tokens' weighted rows experts ascending, as the tensor-parallel path does. An all-gather then assembles
+    tokens' weighted rows experts ascending, as the tensor-parallel path does. An all-gather then
+    assembles
     the token shares; with a shared expert, whose sums are partial (tensor-parallel), the
     block's all-reduce assembles both at once (each rank's rows, zeros elsewhere).
     """
 
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, comm: TPComm,
-                 shared_expert: nn.Module | None = None, layer_index: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig,
+        comm: TPComm,
+        shared_expert: nn.Module | None = None,
+        layer_index: int = 0,
+    ) -> None:
         super().__init__()
         moe = config.moe
         if moe is None:
@@ -259,17 +309,22 @@ class SparseMoeBlock(nn.Module):
         self.fp32_routing_weights = moe.fp32_routing_weights
         self.comm = comm
         self.tp_size, self.tp_rank = parallel.tp_size, parallel.tp_rank
-        self.placement = (ExpertPlacement.contiguous(moe.num_experts, parallel.tp_size)
-                          if parallel.expert_parallel and parallel.tp_size > 1 else None)
+        self.placement = (
+            ExpertPlacement.contiguous(moe.num_experts, parallel.tp_size)
+            if parallel.expert_parallel and parallel.tp_size > 1
+            else None
+        )
         # Replicated: every rank routes every token the same way.
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
-        self.experts = FusedExperts(moe.num_experts, config.hidden_size,
-                                    moe.intermediate_size, parallel, self.placement)
+        self.experts = FusedExperts(
+            moe.num_experts, config.hidden_size, moe.intermediate_size, parallel, self.placement
+        )
         if self.placement is not None:
             self._set_owner_tables()
         self.shared_expert = shared_expert
-        self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
-                                   if shared_expert is not None else None)
+        self.shared_expert_gate = (
+            nn.Linear(config.hidden_size, 1, bias=False) if shared_expert is not None else None
+        )
         # Tokens routed to each expert since load (a token counts once per chosen expert):
         # what an expert-load balancer reads. Counted by the ranks that route distinct
         # tokens (every rank under EP, its share; rank 0 alone under TP), so a stage's sum
@@ -283,11 +338,13 @@ class SparseMoeBlock(nn.Module):
         """Per global expert: the rank holding it, and its index there."""
         owner = self.placement.owner
         self.owner = torch.tensor(owner, dtype=torch.int64, device="cpu")
-        self.owner_index = torch.tensor([owner[:e].count(owner[e]) for e in range(len(owner))],
-                                        dtype=torch.int64, device="cpu")
+        self.owner_index = torch.tensor(
+            [owner[:e].count(owner[e]) for e in range(len(owner))], dtype=torch.int64, device="cpu"
+        )
 
-    def set_placement(self, placement: ExpertPlacement,
-                      weights_of: Callable[[int], tuple[torch.Tensor, ...]]) -> None:
+    def set_placement(
+        self, placement: ExpertPlacement, weights_of: Callable[[int], tuple[torch.Tensor, ...]]
+    ) -> None:
         """Expert parallelism: hold `placement`'s experts for this rank from now on
         (`worker_svc/model/expert_balance.py` decides; every rank of the stage at once)."""
         self.placement = placement
@@ -312,8 +369,9 @@ class SparseMoeBlock(nn.Module):
         weights, ids = moe_kernels.route(logits, self.top_k, self.renormalize, weights_dtype)
         if self.counts_load:  # index_add_, not bincount: no host sync (CUDA graphs replay it)
             if self.expert_tokens is None:
-                self.expert_tokens = torch.zeros(self.gate.weight.shape[0], dtype=torch.int64,
-                                                 device=ids.device)
+                self.expert_tokens = torch.zeros(
+                    self.gate.weight.shape[0], dtype=torch.int64, device=ids.device
+                )
             flat = ids.reshape(-1)
             self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))
         return weights, ids
@@ -322,12 +380,12 @@ class SparseMoeBlock(nn.Module):
         if self.placement is not None and self.shared_expert is None:
             # Each rank's share assembled by an all-gather: half the all-reduce's bytes.
             share = self._expert_parallel(hidden)
-            return self.comm.tp_all_gather(share, dim=0)[:hidden.shape[0]]
+            return self.comm.tp_all_gather(share, dim=0)[: hidden.shape[0]]
         if self.placement is not None:
             out = torch.zeros_like(hidden)
             share = self._expert_parallel(hidden)
             lo = min(share.shape[0] * self.tp_rank, hidden.shape[0])
-            out[lo:lo + share.shape[0]] = share[:hidden.shape[0] - lo]
+            out[lo : lo + share.shape[0]] = share[: hidden.shape[0] - lo]
         else:
             topk_weights, topk_ids = self.route(hidden)
             out = self.experts(hidden, topk_weights, topk_ids)
@@ -355,21 +413,26 @@ class SparseMoeBlock(nn.Module):
         received, recv_counts = self.comm.tp_all_to_all(rows, send_counts)
         arrived_ids, _ = self.comm.tp_all_to_all(local_ids, send_counts, recv_counts)
         arrived_ids = arrived_ids.unsqueeze(1)  # each row: one slot, its expert's index here
-        outputs = self.experts(received, torch.ones_like(arrived_ids, dtype=hidden.dtype),
-                               arrived_ids)
+        outputs = self.experts(
+            received, torch.ones_like(arrived_ids, dtype=hidden.dtype), arrived_ids
+        )
         back, _ = self.comm.tp_all_to_all(outputs, recv_counts, send_counts)
         by_pair = torch.empty_like(back)
         by_pair[send_order] = back
         order, _, offsets = moe_kernels.expert_order(topk_ids, len(self.placement.owner))
-        order = order[:offsets[-1]]
+        order = order[: offsets[-1]]
         out = hidden.new_zeros((share, hidden.shape[1]))
-        moe_kernels.weighted_sum(by_pair.index_select(0, order), order, topk_weights,
-                                 out[:hi - lo])
+        moe_kernels.weighted_sum(
+            by_pair.index_select(0, order), order, topk_weights, out[: hi - lo]
+        )
         return out
 
 
 def expert_load(model: nn.Module) -> dict[int, list[int]]:
     """Tokens routed to each expert since load, per sparse layer this rank holds and counts
     (`SparseMoeBlock.expert_tokens`): {layer index: [tokens of expert 0, 1, ...]}."""
-    return {block.layer_index: block.expert_tokens.tolist() for block in model.modules()
-            if isinstance(block, SparseMoeBlock) and block.expert_tokens is not None}
+    return {
+        block.layer_index: block.expert_tokens.tolist()
+        for block in model.modules()
+        if isinstance(block, SparseMoeBlock) and block.expert_tokens is not None
+    }

@@ -33,9 +33,9 @@ class TPComm(Protocol):
 
     def tp_all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
 
-    def tp_all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
-                      recv_counts: list[int] | None = None
-                      ) -> tuple[torch.Tensor, list[int]]: ...
+    def tp_all_to_all(
+        self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]: ...
 
 
 class NoComm:
@@ -47,8 +47,10 @@ class NoComm:
 
     def _check(self) -> None:
         if self.tp_size > 1:
-            raise RuntimeError("this model was built without a process group; pass the "
-                               "DistributedContext from init_distributed to run it")
+            raise RuntimeError(
+                "this model was built without a process group; pass the "
+                "DistributedContext from init_distributed to run it"
+            )
 
     def tp_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check()
@@ -58,9 +60,9 @@ class NoComm:
         self._check()
         return tensor
 
-    def tp_all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
-                      recv_counts: list[int] | None = None
-                      ) -> tuple[torch.Tensor, list[int]]:
+    def tp_all_to_all(
+        self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         self._check()
         return tensor, list(send_counts)
 
@@ -83,8 +85,9 @@ class AttentionShard:
     kv_head_start: int
 
 
-def attention_shard(num_heads: int, num_kv_heads: int, tp_size: int,
-                    tp_rank: int) -> AttentionShard:
+def attention_shard(
+    num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int
+) -> AttentionShard:
     """q heads split evenly; KV heads split too when there are at least tp_size of them,
     else replicated: each rank holds the one KV head its q heads read (GQA groups never
     straddle two ranks because tp_size is then a multiple of num_kv_heads)."""
@@ -93,14 +96,15 @@ def attention_shard(num_heads: int, num_kv_heads: int, tp_size: int,
         kv_start, kv_stop = shard_range(num_kv_heads, tp_size, tp_rank, "num_key_value_heads")
         return AttentionShard(q_stop - q_start, kv_stop - kv_start, q_start, kv_start)
     if tp_size % num_kv_heads != 0:
-        raise ValueError(f"tp_size ({tp_size}) exceeds num_key_value_heads ({num_kv_heads}), "
-                         "so it must be a multiple of it (each KV head is replicated "
-                         "on tp_size / num_key_value_heads ranks)")
+        raise ValueError(
+            f"tp_size ({tp_size}) exceeds num_key_value_heads ({num_kv_heads}), "
+            "so it must be a multiple of it (each KV head is replicated "
+            "on tp_size / num_key_value_heads ranks)"
+        )
     return AttentionShard(q_stop - q_start, 1, q_start, tp_rank // (tp_size // num_kv_heads))
 
 
-def check_tensor_parallel(config: ModelConfig, tp_size: int,
-                          expert_parallel: bool = False) -> None:
+def check_tensor_parallel(config: ModelConfig, tp_size: int, expert_parallel: bool = False) -> None:
     """Raise a ValueError naming the first dimension that `tp_size` cannot split (a MoE
     model's experts are sliced like the dense MLP, or under `expert_parallel` placed whole:
     then there must be an expert for every rank)."""
@@ -111,12 +115,15 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int,
     if moe is None:
         return
     if moe.shared_expert_intermediate_size:
-        shard_range(moe.shared_expert_intermediate_size, tp_size, 0,
-                    "shared_expert_intermediate_size")
+        shard_range(
+            moe.shared_expert_intermediate_size, tp_size, 0, "shared_expert_intermediate_size"
+        )
     if expert_parallel and tp_size > 1:
         if moe.num_experts < tp_size:
-            raise ValueError(f"--enable-expert-parallel over {tp_size} ranks needs at least "
-                             f"{tp_size} experts; the model has {moe.num_experts}")
+            raise ValueError(
+                f"--enable-expert-parallel over {tp_size} ranks needs at least "
+                f"{tp_size} experts; the model has {moe.num_experts}"
+            )
     else:
         shard_range(moe.intermediate_size, tp_size, 0, "moe_intermediate_size")
 
@@ -128,8 +135,9 @@ class RowParallelLinear(nn.Module, PreparableLinear):
     after the sum (adding it on every rank would count it tp_size times).
     """
 
-    def __init__(self, in_start: int, in_size: int, out_features: int, bias: bool,
-                 tp_size: int, comm: TPComm) -> None:
+    def __init__(
+        self, in_start: int, in_size: int, out_features: int, bias: bool, tp_size: int, comm: TPComm
+    ) -> None:
         super().__init__()
         self.in_start = in_start
         self.tp_size = tp_size
@@ -165,8 +173,9 @@ class VocabParallelEmbedding(nn.Module, PreparableLinear):
     them in; as LM head, local logits are gathered and the padding columns dropped.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int, tp_rank: int,
-                 comm: TPComm) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp_size: int, tp_rank: int, comm: TPComm
+    ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.tp_size = tp_size
@@ -174,8 +183,9 @@ class VocabParallelEmbedding(nn.Module, PreparableLinear):
         self.num_local_rows = -(-vocab_size // tp_size)
         self.vocab_start = tp_rank * self.num_local_rows
         # Rows of the checkpoint this rank reads; fewer than num_local_rows on a padded rank.
-        self.vocab_stop = max(self.vocab_start,
-                              min(self.vocab_start + self.num_local_rows, vocab_size))
+        self.vocab_stop = max(
+            self.vocab_start, min(self.vocab_start + self.num_local_rows, vocab_size)
+        )
         self.weight = nn.Parameter(torch.empty(self.num_local_rows, hidden_size))
         # The embedding lookup reads the plain rows, so packing (matmul.pack_linear_weights)
         # keeps them; only the module that computes logits opts in to packing (the model
@@ -207,7 +217,9 @@ class VocabParallelEmbedding(nn.Module, PreparableLinear):
         """Copy this rank's checkpoint rows in and zero the padding rows."""
         num_rows = self.vocab_stop - self.vocab_start
         if tuple(tensor.shape) != (num_rows, self.weight.shape[1]):
-            raise ValueError(f"vocab shard: expected {(num_rows, self.weight.shape[1])}, "
-                             f"got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"vocab shard: expected {(num_rows, self.weight.shape[1])}, "
+                f"got {tuple(tensor.shape)}"
+            )
         self.weight.data[:num_rows].copy_(tensor)
         self.weight.data[num_rows:].zero_()

@@ -31,10 +31,16 @@ _ST_POOLING = "sentence_transformers.models.Pooling"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 _ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 # sentence-transformers Pooling config key -> pooling type (the modes this head computes).
-_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
-                  "pooling_mode_cls_token": "cls"}
-_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
-                      "pooling_mode_weightedmean_tokens")
+_POOLING_MODES = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
+_UNSUPPORTED_MODES = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+)
 
 
 def is_bare_model(architecture: str) -> bool:
@@ -43,8 +49,9 @@ def is_bare_model(architecture: str) -> bool:
     return architecture.endswith("Model") and not architecture.endswith("ForCausalLM")
 
 
-def pooling_info(folder: Path | None, hf_config: dict, architecture: str, task: str,
-                 hidden_size: int) -> PoolingInfo:
+def pooling_info(
+    folder: Path | None, hf_config: dict, architecture: str, task: str, hidden_size: int
+) -> PoolingInfo:
     """What the model at `folder` (None for a .gguf file) does: `task` "auto" follows the
     folder, "generate" / "embed" force it. Raises ValueError naming what cannot be served
     (a pooling mode or sentence-transformers module this head does not compute, a bare
@@ -52,22 +59,29 @@ def pooling_info(folder: Path | None, hf_config: dict, architecture: str, task: 
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, not {task!r}")
     modules = _st_modules(folder)
-    embeds = task == "embed" or (task == "auto" and (is_bare_model(architecture) or
-                                                     any(m["type"] == _ST_POOLING for m in modules)))
+    embeds = task == "embed" or (
+        task == "auto"
+        and (is_bare_model(architecture) or any(m["type"] == _ST_POOLING for m in modules))
+    )
     if not embeds:
         if is_bare_model(architecture):
-            raise ValueError(f"{architecture} has no LM head: it cannot generate; serve it with "
-                             "--task embed (or auto)")
+            raise ValueError(
+                f"{architecture} has no LM head: it cannot generate; serve it with "
+                "--task embed (or auto)"
+            )
         return PoolingInfo()
     pooling_type, normalize = "last", True
     if modules:
         pooling_type, normalize = _st_pooling(folder, modules)
     dims = hf_config.get("matryoshka_dimensions") or ()
     return PoolingInfo(
-        task="embed", pooling_type=pooling_type, normalize=normalize,
+        task="embed",
+        pooling_type=pooling_type,
+        normalize=normalize,
         embedding_size=hidden_size,
         matryoshka_dimensions=tuple(sorted(int(d) for d in dims if 0 < int(d) <= hidden_size)),
-        any_dimensions=bool(hf_config.get("is_matryoshka")) and not dims)
+        any_dimensions=bool(hf_config.get("is_matryoshka")) and not dims,
+    )
 
 
 def _st_modules(folder: Path | None) -> list[dict]:
@@ -85,9 +99,11 @@ def _st_pooling(folder: Path, modules: list[dict]) -> tuple[str, bool]:
     kinds = [m.get("type", "") for m in modules]
     unknown = [k for k in kinds if k not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
     if unknown:
-        raise ValueError(f"sentence-transformers module {unknown[0]} ({folder / 'modules.json'}) "
-                         "is not supported: pooling models here are a transformer, a Pooling "
-                         "module and optionally Normalize")
+        raise ValueError(
+            f"sentence-transformers module {unknown[0]} ({folder / 'modules.json'}) "
+            "is not supported: pooling models here are a transformer, a Pooling "
+            "module and optionally Normalize"
+        )
     pooling = next((m for m in modules if m["type"] == _ST_POOLING), None)
     if pooling is None:
         return "last", _ST_NORMALIZE in kinds
@@ -96,8 +112,10 @@ def _st_pooling(folder: Path, modules: list[dict]) -> tuple[str, bool]:
     odd = [key for key in _UNSUPPORTED_MODES if config.get(key)]
     chosen = [kind for key, kind in _POOLING_MODES.items() if config.get(key)]
     if odd or len(chosen) != 1:
-        raise ValueError(f"{config_file}: exactly one of {', '.join(_POOLING_MODES)} must be "
-                         f"set (got {', '.join(odd + chosen) or 'none'})")
+        raise ValueError(
+            f"{config_file}: exactly one of {', '.join(_POOLING_MODES)} must be "
+            f"set (got {', '.join(odd + chosen) or 'none'})"
+        )
     return chosen[0], _ST_NORMALIZE in kinds
 
 
@@ -133,8 +151,9 @@ class Pooler:
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def pool(self, final: Callable[[torch.Tensor], torch.Tensor],
-             segments: list[PoolSegment]) -> dict[str, bytes]:
+    def pool(
+        self, final: Callable[[torch.Tensor], torch.Tensor], segments: list[PoolSegment]
+    ) -> dict[str, bytes]:
         """`final(rows)`: the final-norm hidden states [len(rows), hidden] of batch rows
         `rows`. Returns the finished requests' vectors (float32 little-endian bytes)."""
         per_segment = [self._rows(segment) for segment in segments]
@@ -143,7 +162,7 @@ class Pooler:
         out: dict[str, bytes] = {}
         offset = 0
         for segment, rows in zip(segments, per_segment):
-            vectors = hidden[offset:offset + len(rows)] if rows else None
+            vectors = hidden[offset : offset + len(rows)] if rows else None
             offset += len(rows)
             vector = self._accumulate(segment, vectors)
             if vector is not None:
@@ -159,8 +178,9 @@ class Pooler:
             return [s.start_row] if s.first_position == 0 else []
         return [s.start_row + s.num_rows - 1] if s.completes else []
 
-    def _accumulate(self, segment: PoolSegment, vectors: torch.Tensor | None
-                    ) -> torch.Tensor | None:
+    def _accumulate(
+        self, segment: PoolSegment, vectors: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """Adds this step's rows to the request's state; its vector once it completes."""
         kind = self.info.pooling_type
         if kind == "last":
@@ -179,8 +199,10 @@ class Pooler:
             return None
         del self.states[segment.request_id]
         if state.total is None:
-            raise ValueError(f"request {segment.request_id}: its pooled rows were never "
-                             "computed here (a prompt must be recomputed from its start)")
+            raise ValueError(
+                f"request {segment.request_id}: its pooled rows were never "
+                "computed here (a prompt must be recomputed from its start)"
+            )
         return state.total if kind == "cls" else state.total / state.num_rows
 
     def _finish(self, vector: torch.Tensor, dimensions: int) -> bytes:

@@ -29,8 +29,13 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return values.reshape(packed.shape[0], -1)
 
 
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_awq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """-> W [in, out] in `dtype`, computed in fp32."""
     q = unpack_awq(qweight)
     z = unpack_awq(qzeros).repeat_interleave(group_size, dim=0)
@@ -41,15 +46,20 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 class AwqWeight(PreparedWeight):
     """A linear layer's weight in AWQ form."""
 
-    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                 group_size: int) -> None:
+    def __init__(
+        self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+    ) -> None:
         in_features, packed_out = qweight.shape
         num_groups = in_features // group_size
-        if in_features % group_size or qzeros.shape != (num_groups, packed_out) \
-                or scales.shape != (num_groups, packed_out * AWQ_PACK):
+        if (
+            in_features % group_size
+            or qzeros.shape != (num_groups, packed_out)
+            or scales.shape != (num_groups, packed_out * AWQ_PACK)
+        ):
             raise ValueError(
                 f"inconsistent AWQ shapes: qweight {tuple(qweight.shape)}, qzeros "
-                f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group_size {group_size}")
+                f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group_size {group_size}"
+            )
         self.qweight = qweight
         self.qzeros = qzeros
         self.scales = scales

@@ -57,32 +57,47 @@ def checkpoint_quantization(quantization_config: dict | None) -> QuantConfig:
     if method == "fp8":
         if quantization_config.get("weight_block_size"):
             raise ValueError("block-wise FP8 checkpoints (weight_block_size) are not supported")
-        return QuantConfig("fp8", from_checkpoint=True, fp8_per_channel=False,
-                           ignore=tuple(quantization_config.get("ignored_layers") or ()))
+        return QuantConfig(
+            "fp8",
+            from_checkpoint=True,
+            fp8_per_channel=False,
+            ignore=tuple(quantization_config.get("ignored_layers") or ()),
+        )
     if method == "compressed-tensors":
         return _compressed_tensors(quantization_config)
     if method == "awq":
         return _awq(quantization_config)
-    raise ValueError(f"checkpoint quantization {method!r} is not supported; "
-                     "supported: fp8, compressed-tensors (float-quantized FP8), awq")
+    raise ValueError(
+        f"checkpoint quantization {method!r} is not supported; "
+        "supported: fp8, compressed-tensors (float-quantized FP8), awq"
+    )
 
 
 def _compressed_tensors(config: dict) -> QuantConfig:
     if config.get("format") != "float-quantized":
-        raise ValueError(f"compressed-tensors format {config.get('format')!r} is not "
-                         "supported; only 'float-quantized' (FP8)")
+        raise ValueError(
+            f"compressed-tensors format {config.get('format')!r} is not "
+            "supported; only 'float-quantized' (FP8)"
+        )
     strategies = set()
     for group in (config.get("config_groups") or {}).values():
         weights = group.get("weights") or {}
         if weights.get("num_bits") != 8 or weights.get("type") != "float":
-            raise ValueError(f"compressed-tensors weights {weights} are not FP8 (num_bits 8, "
-                             "type float)")
+            raise ValueError(
+                f"compressed-tensors weights {weights} are not FP8 (num_bits 8, type float)"
+            )
         strategies.add(weights.get("strategy"))
     if not strategies or not strategies <= {"tensor", "channel"} or len(strategies) > 1:
-        raise ValueError(f"compressed-tensors FP8 weight strategy {sorted(map(str, strategies))} "
-                         "is not supported; one of 'tensor' or 'channel'")
-    return QuantConfig("fp8", from_checkpoint=True, fp8_per_channel=strategies == {"channel"},
-                       ignore=tuple(config.get("ignore") or ()))
+        raise ValueError(
+            f"compressed-tensors FP8 weight strategy {sorted(map(str, strategies))} "
+            "is not supported; one of 'tensor' or 'channel'"
+        )
+    return QuantConfig(
+        "fp8",
+        from_checkpoint=True,
+        fp8_per_channel=strategies == {"channel"},
+        ignore=tuple(config.get("ignore") or ()),
+    )
 
 
 def _awq(config: dict) -> QuantConfig:
@@ -97,10 +112,15 @@ def _awq(config: dict) -> QuantConfig:
         raise ValueError("AWQ without zero points is not supported")
     if not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"AWQ group_size must be a positive integer, got {group_size!r}")
-    return QuantConfig("awq", from_checkpoint=True, group_size=group_size,
-                       # AutoAWQ skips every module whose name contains one of these.
-                       ignore=tuple(f"re:.*{re.escape(key)}"
-                                    for key in config.get("modules_to_not_convert") or ()))
+    return QuantConfig(
+        "awq",
+        from_checkpoint=True,
+        group_size=group_size,
+        # AutoAWQ skips every module whose name contains one of these.
+        ignore=tuple(
+            f"re:.*{re.escape(key)}" for key in config.get("modules_to_not_convert") or ()
+        ),
+    )
 
 
 def resolve_quantization(flag: str, quantization_config: dict | None) -> QuantConfig:
@@ -111,11 +131,15 @@ def resolve_quantization(flag: str, quantization_config: dict | None) -> QuantCo
     if flag == "auto" or flag == stored.method:
         return stored
     if stored.method != "none":
-        raise ValueError(f"the checkpoint is {stored.method}-quantized; load it with "
-                         f"--quantization {stored.method} or auto, not {flag}")
+        raise ValueError(
+            f"the checkpoint is {stored.method}-quantized; load it with "
+            f"--quantization {stored.method} or auto, not {flag}"
+        )
     if flag == "fp8":
         return QuantConfig("fp8", from_checkpoint=False)
     if flag == "awq":
-        raise ValueError("--quantization awq needs an AWQ checkpoint (AutoAWQ's layout); "
-                         "a plain checkpoint can be quantized at load with fp8")
+        raise ValueError(
+            "--quantization awq needs an AWQ checkpoint (AutoAWQ's layout); "
+            "a plain checkpoint can be quantized at load with fp8"
+        )
     return stored

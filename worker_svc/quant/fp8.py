@@ -28,8 +28,9 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """fp8 [out, in], fp32 scale [out] -> [out, in] in `dtype` (the product taken in fp32)."""
     return (weight.to(torch.float32) * scale[:, None]).to(dtype)
 
@@ -39,11 +40,14 @@ class Fp8Weight(PreparedWeight):
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         if weight.dtype != FP8_DTYPE or weight.dim() != 2:
-            raise ValueError(f"FP8 weight must be 2-d {FP8_DTYPE}, got {weight.dtype} "
-                             f"{tuple(weight.shape)}")
+            raise ValueError(
+                f"FP8 weight must be 2-d {FP8_DTYPE}, got {weight.dtype} {tuple(weight.shape)}"
+            )
         if scale.shape != (weight.shape[0],) or scale.dtype != torch.float32:
-            raise ValueError(f"FP8 scale must be fp32 [{weight.shape[0]}], got {scale.dtype} "
-                             f"{tuple(scale.shape)}")
+            raise ValueError(
+                f"FP8 scale must be fp32 [{weight.shape[0]}], got {scale.dtype} "
+                f"{tuple(scale.shape)}"
+            )
         self.weight = weight  # [out, in]
         self.scale = scale  # [out]
 

@@ -5,7 +5,8 @@ decoder's linear layers keep llama.cpp's raw blocks (a uint8 [rows, bytes per ro
 and a `GgufWeight` dequantizes them per matmul: a Q4_1 layer takes 0.625 bytes per weight
 instead of 4 (fp32). For a few rows (decoding), Q8_0/Q4_0/Q4_1 layers go to the C kernel
 `kernels/cpu_gguf.c` instead, which dequantizes block by block inside the matmul and so
-reads each block once; its weights are gguf's exactly, its sums in its own order. Each dequantizer here repeats `gguf.quants.dequantize`'s fp32
+reads each block once; its weights are gguf's exactly, its sums in its own order. Each dequantizer
+here repeats `gguf.quants.dequantize`'s fp32
 arithmetic op for op, so the values, and the matmul results, equal the dequantize-at-load
 path exactly.
 
@@ -25,7 +26,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels import cpu_native
-
 from worker_svc.model.layers import MergedLinear
 from worker_svc.model.llama import LlamaForCausalLM, checkpoint_leaf
 from worker_svc.model.matmul import PreparedWeight
@@ -39,7 +39,7 @@ QK_K = 256  # weights per K-quant super-block
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 at byte `start` of each block, as fp32 [n, 1]."""
-    return blocks[:, start: start + 2].contiguous().view(torch.float16).to(torch.float32)
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
@@ -132,8 +132,10 @@ def dequantize_gguf(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     block_size, type_size, fn = _DEQUANTIZERS[type_name]
     rows, num_bytes = blocks.shape
     if blocks.dtype != torch.uint8 or num_bytes % type_size:
-        raise ValueError(f"{type_name} blocks must be uint8 [rows, k * {type_size}], got "
-                         f"{blocks.dtype} {tuple(blocks.shape)}")
+        raise ValueError(
+            f"{type_name} blocks must be uint8 [rows, k * {type_size}], got "
+            f"{blocks.dtype} {tuple(blocks.shape)}"
+        )
     out = fn(blocks.reshape(-1, type_size))
     return out.reshape(rows, num_bytes // type_size * block_size)
 
@@ -147,10 +149,15 @@ class GgufWeight(PreparedWeight):
         merged: list[tuple[str, torch.Tensor]] = []
         for type_name, blocks in parts:
             block_size, type_size = gguf_block_size(type_name)
-            if blocks.dtype != torch.uint8 or blocks.shape[1] != in_features // block_size * type_size:
-                raise ValueError(f"{type_name} blocks for {in_features} input features must be "
-                                 f"uint8 [rows, {in_features // block_size * type_size}], got "
-                                 f"{blocks.dtype} {tuple(blocks.shape)}")
+            if (
+                blocks.dtype != torch.uint8
+                or blocks.shape[1] != in_features // block_size * type_size
+            ):
+                raise ValueError(
+                    f"{type_name} blocks for {in_features} input features must be "
+                    f"uint8 [rows, {in_features // block_size * type_size}], got "
+                    f"{blocks.dtype} {tuple(blocks.shape)}"
+                )
             if merged and merged[-1][0] == type_name:
                 merged[-1] = (type_name, torch.cat([merged[-1][1], blocks]))
             else:
@@ -182,14 +189,20 @@ class GgufWeight(PreparedWeight):
         """A few rows of x (decoding) on CPU: `kernels/cpu_gguf.c` reads each block once and
         never writes the dequantized layer out; None where it does not apply (then the
         layer is dequantized: many rows are compute-bound and go to BLAS)."""
-        if (x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > cpu_native.GGUF_MAX_ROWS
-                or any(name not in cpu_native.GGUF_TYPES for name, _ in self.parts)):
+        if (
+            x.device.type != "cpu"
+            or x.dim() != 2
+            or x.shape[0] > cpu_native.GGUF_MAX_ROWS
+            or any(name not in cpu_native.GGUF_TYPES for name, _ in self.parts)
+        ):
             return None
         x32 = x.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], sum(b.shape[0] for _, b in self.parts))
         start = 0
         for name, blocks in self.parts:
-            if not cpu_native.gguf_matmul(name, blocks, x32, out[:, start:start + blocks.shape[0]]):
+            if not cpu_native.gguf_matmul(
+                name, blocks, x32, out[:, start : start + blocks.shape[0]]
+            ):
                 return None
             start += blocks.shape[0]
         return out.to(x.dtype)
@@ -205,8 +218,9 @@ class GgufKeptLoad:
     def __init__(self, model: LlamaForCausalLM, tensor_types: dict[str, str]) -> None:
         self.model = model
         # module path -> (module, {part: (checkpoint weight name, rows)})
-        self.layers: dict[str, tuple[MergedLinear | RowParallelLinear,
-                                     dict[str | None, tuple[str, int]]]] = {}
+        self.layers: dict[
+            str, tuple[MergedLinear | RowParallelLinear, dict[str | None, tuple[str, int]]]
+        ] = {}
         self.kept_names: dict[str, tuple[str, str | None]] = {}  # weight name -> (path, part)
         # MoE layers kept whole: experts path -> (module, {weight name: (expert, part)}).
         self.expert_layers: dict[str, tuple[FusedExperts, dict[str, tuple[int, str]]]] = {}
@@ -217,8 +231,10 @@ class GgufKeptLoad:
                 continue
             if isinstance(module, MergedLinear):
                 parent = path.rpartition(".")[0]
-                names = {p: (f"{parent}.{checkpoint_leaf(path, p)}.weight", rows)
-                         for p, rows in module.part_sizes.items()}
+                names = {
+                    p: (f"{parent}.{checkpoint_leaf(path, p)}.weight", rows)
+                    for p, rows in module.part_sizes.items()
+                }
                 in_start = 0
             elif isinstance(module, RowParallelLinear):
                 names = {None: (f"{path}.weight", module.weight.shape[0])}
@@ -233,20 +249,33 @@ class GgufKeptLoad:
             self.layers[path] = (module, names)
             self.kept_names |= {name: (path, part) for part, (name, _) in names.items()}
         for reason, paths in skipped.items():
-            logger.info("GGUF: %d linear layers dequantized at load (%s), e.g. %s",
-                        len(paths), reason, paths[0])
+            logger.info(
+                "GGUF: %d linear layers dequantized at load (%s), e.g. %s",
+                len(paths),
+                reason,
+                paths[0],
+            )
         self.type_names = sorted({tensor_types[name] for name in self.kept_names})
 
-    def _keep_experts(self, path: str, module: FusedExperts, tensor_types: dict[str, str],
-                      skipped: dict[str, list[str]]) -> None:
+    def _keep_experts(
+        self,
+        path: str,
+        module: FusedExperts,
+        tensor_types: dict[str, str],
+        skipped: dict[str, list[str]],
+    ) -> None:
         """Keep a MoE layer's experts as blocks when all of them can be (each expert's gate|up
         then multiplies as one GgufWeight, its down as another)."""
-        names = {f"{path}.{e}.{part}.weight": (e, part) for e in module.global_ids
-                 for part in ("gate_proj", "up_proj", "down_proj")}
+        names = {
+            f"{path}.{e}.{part}.weight": (e, part)
+            for e in module.global_ids
+            for part in ("gate_proj", "up_proj", "down_proj")
+        }
         hidden = module.w13.shape[2]
-        for inputs, in_start, parts in ((hidden, 0, ("gate_proj", "up_proj")),
-                                        (module.intermediate_size, module.intermediate_start,
-                                         ("down_proj",))):
+        for inputs, in_start, parts in (
+            (hidden, 0, ("gate_proj", "up_proj")),
+            (module.intermediate_size, module.intermediate_start, ("down_proj",)),
+        ):
             types = {tensor_types.get(n, "?") for n, (_, p) in names.items() if p in parts}
             reason = _why_not_kept(types, in_start, inputs)
             if reason is not None:
@@ -268,13 +297,16 @@ class GgufKeptLoad:
             weight = module.weight
             module.weight = nn.Parameter(
                 torch.empty((0, weight.shape[1]), dtype=weight.dtype, device=weight.device),
-                requires_grad=False)
+                requires_grad=False,
+            )
         for experts, _ in self.expert_layers.values():
             w13, w2 = experts.w13, experts.w2
-            experts.w13 = nn.Parameter(w13.new_empty((w13.shape[0], 0, w13.shape[2])),
-                                       requires_grad=False)
-            experts.w2 = nn.Parameter(w2.new_empty((w2.shape[0], w2.shape[1], 0)),
-                                      requires_grad=False)
+            experts.w13 = nn.Parameter(
+                w13.new_empty((w13.shape[0], 0, w13.shape[2])), requires_grad=False
+            )
+            experts.w2 = nn.Parameter(
+                w2.new_empty((w2.shape[0], w2.shape[1], 0)), requires_grad=False
+            )
 
     def select(self, name: str) -> Index | None:
         """`checkpoint_slice` for the dequantizing stream: kept weights are not read there."""
@@ -291,8 +323,10 @@ class GgufKeptLoad:
         block_size, type_size = gguf_block_size(type_name)
         cut = base[1]
         # Whole blocks: checked in __init__ (`_why_not_kept`).
-        return (base[0], slice(cut.start // block_size * type_size,
-                               cut.stop // block_size * type_size))
+        return (
+            base[0],
+            slice(cut.start // block_size * type_size, cut.stop // block_size * type_size),
+        )
 
     def fill(self, blocks: Iterator[tuple[str, str, torch.Tensor]]) -> None:
         """Consume (weight name, type name, this rank's blocks) and set every kept layer's
@@ -305,8 +339,11 @@ class GgufKeptLoad:
                 expert_blocks[name] = (type_name, tensor)
             else:
                 parts.setdefault(path, {})[part] = (type_name, tensor)
-        missing = [name for name, (path, part) in self.kept_names.items()
-                   if part not in parts.get(path, {}) and name not in expert_blocks]
+        missing = [
+            name
+            for name, (path, part) in self.kept_names.items()
+            if part not in parts.get(path, {}) and name not in expert_blocks
+        ]
         if missing:
             raise ValueError(f"GGUF is missing {len(missing)} tensors, e.g. {missing[:5]}")
         for module, names in self.expert_layers.values():
@@ -319,8 +356,11 @@ class GgufKeptLoad:
             module.packed_weight = GgufWeight(ordered, module.weight.shape[1])
 
 
-def _fill_experts(module: FusedExperts, names: dict[str, tuple[int, str]],
-                  blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
+def _fill_experts(
+    module: FusedExperts,
+    names: dict[str, tuple[int, str]],
+    blocks: dict[str, tuple[str, torch.Tensor]],
+) -> None:
     """Each expert's gate and up blocks as one GgufWeight (gate rows, then up rows: w13's
     order) and its down blocks as another, in local expert order."""
     by_expert: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}
@@ -329,9 +369,12 @@ def _fill_experts(module: FusedExperts, names: dict[str, tuple[int, str]],
         module.loaded.add((expert, part))
     hidden, inter = module.w13.shape[2], module.intermediate_size
     module.packed = [
-        (GgufWeight([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], hidden),
-         GgufWeight([by_expert[e]["down_proj"]], inter))
-        for e in module.global_ids]
+        (
+            GgufWeight([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], hidden),
+            GgufWeight([by_expert[e]["down_proj"]], inter),
+        )
+        for e in module.global_ids
+    ]
 
 
 def _why_not_kept(types: set[str], in_start: int, in_features: int) -> str | None:
@@ -343,6 +386,8 @@ def _why_not_kept(types: set[str], in_start: int, in_features: int) -> str | Non
     for type_name in types:
         block_size, _ = gguf_block_size(type_name)
         if in_start % block_size or in_features % block_size:
-            return (f"this rank's input features [{in_start}, {in_start + in_features}) "
-                    f"are not whole {type_name} blocks of {block_size}")
+            return (
+                f"this rank's input features [{in_start}, {in_start + in_features}) "
+                f"are not whole {type_name} blocks of {block_size}"
+            )
     return None

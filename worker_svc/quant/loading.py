@@ -53,8 +53,9 @@ class QuantizedLoad:
         for path, module in model.named_modules():
             in_start = None
             if isinstance(module, MergedLinear):
-                parts = {p: (module.part_offsets[p], module.part_sizes[p])
-                         for p in module.part_sizes}
+                parts = {
+                    p: (module.part_offsets[p], module.part_sizes[p]) for p in module.part_sizes
+                }
                 names = [f"{path.rpartition('.')[0]}.{checkpoint_leaf(path, p)}" for p in parts]
             elif isinstance(module, RowParallelLinear):
                 parts = {None: (0, module.weight.shape[0])}
@@ -64,8 +65,10 @@ class QuantizedLoad:
                 continue
             quantized = [quant.quantizes(name) for name in names]
             if any(quantized) and not all(quantized):
-                raise ValueError(f"{names} are loaded into one fused layer, so they must be "
-                                 "quantized alike; the checkpoint quantizes only some")
+                raise ValueError(
+                    f"{names} are loaded into one fused layer, so they must be "
+                    "quantized alike; the checkpoint quantizes only some"
+                )
             if all(quantized):
                 self.layers[path] = _QuantLayer(module, module.weight.shape[1], parts, in_start)
         self._check_shapes()
@@ -76,13 +79,16 @@ class QuantizedLoad:
         for path, layer in self.layers.items():
             for part, (_, size) in layer.parts.items():
                 if size % AWQ_PACK:
-                    raise ValueError(f"AWQ: {path} {part or ''} holds {size} output features "
-                                     f"on this rank, not a multiple of {AWQ_PACK}")
+                    raise ValueError(
+                        f"AWQ: {path} {part or ''} holds {size} output features "
+                        f"on this rank, not a multiple of {AWQ_PACK}"
+                    )
             if layer.in_features % self.quant.group_size:
                 raise ValueError(
                     f"AWQ: {path} holds {layer.in_features} input features on this rank, not "
                     f"a whole number of groups of {self.quant.group_size}; use a tp_size "
-                    "that splits the input dimension on group boundaries")
+                    "that splits the input dimension on group boundaries"
+                )
 
     def free_weights(self) -> None:
         """Replace each quantized layer's plain weight by an empty one (only `in` survives)."""
@@ -90,7 +96,8 @@ class QuantizedLoad:
             weight = layer.module.weight
             layer.module.weight = nn.Parameter(
                 torch.empty((0, layer.in_features), dtype=weight.dtype, device=weight.device),
-                requires_grad=False)
+                requires_grad=False,
+            )
 
     def _locate(self, name: str) -> tuple[_QuantLayer, str | None, str] | None:
         """Checkpoint name -> (layer, part, suffix) when it is a tensor of a quantized layer."""
@@ -128,8 +135,9 @@ class QuantizedLoad:
             return base if len(base) == 1 else (slice(None),)  # scales follow output rows
         return _awq_slice(suffix, base, self.quant.group_size)
 
-    def wrap(self, weights: Iterator[tuple[str, torch.Tensor]]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+    def wrap(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Consume the quantized layers' tensors, yield the rest; when the stream ends every
         quantized layer has its prepared weight (or this raises naming what is missing)."""
         for name, tensor in weights:
@@ -140,11 +148,16 @@ class QuantizedLoad:
             layer, part, suffix = located
             if suffix != "input_scale":
                 self._fill(layer, part, suffix, tensor)
-        missing = [f"{path}/{part}:{kind}" for path, layer in self.layers.items()
-                   for part, kind in self._needed(layer) if (part, kind) not in layer.filled]
+        missing = [
+            f"{path}/{part}:{kind}"
+            for path, layer in self.layers.items()
+            for part, kind in self._needed(layer)
+            if (part, kind) not in layer.filled
+        ]
         if missing:
-            raise ValueError(f"quantized checkpoint is missing {len(missing)} tensors, "
-                             f"e.g. {missing[:5]}")
+            raise ValueError(
+                f"quantized checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}"
+            )
         for layer in self.layers.values():
             layer.module.packed_weight = self._prepared(layer)
             layer.buffers.clear()
@@ -156,8 +169,9 @@ class QuantizedLoad:
             kinds = ("weight", "weight_scale") if self.quant.from_checkpoint else ("weight",)
         return [(part, kind) for part in layer.parts for kind in kinds]
 
-    def _fill(self, layer: _QuantLayer, part: str | None, suffix: str,
-              tensor: torch.Tensor) -> None:
+    def _fill(
+        self, layer: _QuantLayer, part: str | None, suffix: str, tensor: torch.Tensor
+    ) -> None:
         device = layer.module.weight.device
         if not layer.buffers:
             layer.buffers = self._allocate(layer, device)
@@ -167,14 +181,15 @@ class QuantizedLoad:
         elif suffix == "weight" and not self.quant.from_checkpoint:
             q, scale = quantize_fp8_per_channel(tensor.to(device))
             if layer.in_start is not None:
-                q = q[:, layer.in_start: layer.in_start + layer.in_features]
+                q = q[:, layer.in_start : layer.in_start + layer.in_features]
             _copy_rows(layer.buffers["weight"], offset, size, q, f"{part} weight")
             _copy_rows(layer.buffers["scale"], offset, size, scale, f"{part} scale")
             layer.filled.add((part, "weight_scale"))
         elif suffix == "weight":
             if tensor.dtype != FP8_DTYPE:
-                raise ValueError(f"FP8 checkpoint: {part or ''} weight is {tensor.dtype}, "
-                                 f"expected {FP8_DTYPE}")
+                raise ValueError(
+                    f"FP8 checkpoint: {part or ''} weight is {tensor.dtype}, expected {FP8_DTYPE}"
+                )
             _copy_rows(layer.buffers["weight"], offset, size, tensor.to(device), f"{part} weight")
         else:  # weight_scale: a scalar (expanded to the part's rows) or [rows, 1]
             scale = tensor.to(device, torch.float32).reshape(-1)
@@ -186,12 +201,16 @@ class QuantizedLoad:
     def _allocate(self, layer: _QuantLayer, device: torch.device) -> dict[str, torch.Tensor]:
         out, inp = layer.out_features, layer.in_features
         if self.quant.method == "fp8":
-            return {"weight": torch.empty(out, inp, dtype=FP8_DTYPE, device=device),
-                    "scale": torch.empty(out, dtype=torch.float32, device=device)}
+            return {
+                "weight": torch.empty(out, inp, dtype=FP8_DTYPE, device=device),
+                "scale": torch.empty(out, dtype=torch.float32, device=device),
+            }
         groups = inp // self.quant.group_size
-        return {"qweight": torch.empty(inp, out // AWQ_PACK, dtype=torch.int32, device=device),
-                "qzeros": torch.empty(groups, out // AWQ_PACK, dtype=torch.int32, device=device),
-                "scales": torch.empty(groups, out, dtype=torch.float16, device=device)}
+        return {
+            "qweight": torch.empty(inp, out // AWQ_PACK, dtype=torch.int32, device=device),
+            "qzeros": torch.empty(groups, out // AWQ_PACK, dtype=torch.int32, device=device),
+            "scales": torch.empty(groups, out, dtype=torch.float16, device=device),
+        }
 
     def _prepared(self, layer: _QuantLayer) -> Fp8Weight | AwqWeight:
         b = layer.buffers
@@ -200,21 +219,22 @@ class QuantizedLoad:
         return AwqWeight(b["qweight"], b["qzeros"], b["scales"], self.quant.group_size)
 
 
-
-def _copy_rows(target: torch.Tensor, offset: int, size: int, tensor: torch.Tensor,
-               what: str) -> None:
-    rows = target[offset: offset + size]
+def _copy_rows(
+    target: torch.Tensor, offset: int, size: int, tensor: torch.Tensor, what: str
+) -> None:
+    rows = target[offset : offset + size]
     if rows.shape != tensor.shape:
         raise ValueError(f"{what}: expected {tuple(rows.shape)}, got {tuple(tensor.shape)}")
     rows.copy_(tensor)
 
 
-def _fill_awq(layer: _QuantLayer, offset: int, size: int, suffix: str,
-              tensor: torch.Tensor) -> None:
+def _fill_awq(
+    layer: _QuantLayer, offset: int, size: int, suffix: str, tensor: torch.Tensor
+) -> None:
     """AWQ tensors are [in or groups, out (/ 8)]: a part is a range of columns."""
     target = layer.buffers[suffix]
     pack = 1 if suffix == "scales" else AWQ_PACK
-    cols = target[:, offset // pack: (offset + size) // pack]
+    cols = target[:, offset // pack : (offset + size) // pack]
     if cols.shape != tensor.shape:
         raise ValueError(f"AWQ {suffix}: expected {tuple(cols.shape)}, got {tuple(tensor.shape)}")
     cols.copy_(tensor)
@@ -236,6 +256,8 @@ def _bounds(cut: slice, unit: int, what: str) -> tuple[int | None, int | None]:
     if cut.start is None and cut.stop is None:
         return None, None
     if cut.start % unit or cut.stop % unit:
-        raise ValueError(f"AWQ: this rank's {what} [{cut.start}, {cut.stop}) do not fall on "
-                         f"whole {unit}s; choose a tp_size that splits on group boundaries")
+        raise ValueError(
+            f"AWQ: this rank's {what} [{cut.start}, {cut.stop}) do not fall on "
+            f"whole {unit}s; choose a tp_size that splits on group boundaries"
+        )
     return cut.start // unit, cut.stop // unit

@@ -33,10 +33,19 @@ class OutputConstraint:
     value: str | tuple[str, ...] = ""
 
 
-_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
-_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice",
-               "grammar": "grammar", "json_object": "json_object"}
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 
 
 def constraint_from_body(body: dict[str, Any]) -> OutputConstraint | None:
@@ -68,11 +77,19 @@ def _structured(structured: Any) -> list[tuple[str, OutputConstraint]]:
     given = {k: v for k, v in structured.items() if k in _STRUCTURED and v is not None}
     unknown = sorted(set(structured) - set(_STRUCTURED) - {"backend", "whitespace_pattern"})
     if unknown:
-        raise FieldError(f"structured_outputs has unknown field(s) {unknown}; it takes "
-                         f"one of {sorted(_STRUCTURED)}", "structured_outputs")
-    return [(f"structured_outputs.{key}",
-             _constraint(_STRUCTURED[key], value, f"structured_outputs.{key}"))
-            for key, value in given.items() if key != "json_object" or value is True]
+        raise FieldError(
+            f"structured_outputs has unknown field(s) {unknown}; it takes "
+            f"one of {sorted(_STRUCTURED)}",
+            "structured_outputs",
+        )
+    return [
+        (
+            f"structured_outputs.{key}",
+            _constraint(_STRUCTURED[key], value, f"structured_outputs.{key}"),
+        )
+        for key, value in given.items()
+        if key != "json_object" or value is True
+    ]
 
 
 def _one(found: list[tuple[str, OutputConstraint]]) -> OutputConstraint | None:
@@ -93,17 +110,22 @@ def _from_response_format(value: Any) -> OutputConstraint | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
-            raise FieldError("response_format json_schema needs a `json_schema` object "
-                                "holding the `schema`", "response_format")
+            raise FieldError(
+                "response_format json_schema needs a `json_schema` object holding the `schema`",
+                "response_format",
+            )
         if "schema" not in spec:
             raise FieldError("response_format.json_schema has no `schema`", "response_format")
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise FieldError("response_format.json_schema.strict must be a boolean",
-                                "response_format")
+            raise FieldError(
+                "response_format.json_schema.strict must be a boolean", "response_format"
+            )
         return _constraint("json_schema", spec["schema"], "response_format.json_schema.schema")
-    raise FieldError("response_format.type must be text, json_object or json_schema; got "
-                        f"{kind!r}", "response_format")
+    raise FieldError(
+        f"response_format.type must be text, json_object or json_schema; got {kind!r}",
+        "response_format",
+    )
 
 
 def _constraint(kind: str, value: Any, field: str) -> OutputConstraint:

@@ -61,14 +61,28 @@ UINT64 = WireInt(64, signed=False)
 
 # Every integer a request can hold, as the wire carries it; list fields by element.
 WIRE_INTS = {
-    "max_tokens": UINT32, "max_completion_tokens": UINT32, "min_tokens": UINT32,
-    "n": UINT32, "logprobs": UINT32, "top_logprobs": UINT32, "seed": UINT64,
-    "top_k": INT32, "priority": INT32, "prompt": UINT32, "stop_token_ids": UINT32,
+    "max_tokens": UINT32,
+    "max_completion_tokens": UINT32,
+    "min_tokens": UINT32,
+    "n": UINT32,
+    "logprobs": UINT32,
+    "top_logprobs": UINT32,
+    "seed": UINT64,
+    "top_k": INT32,
+    "priority": INT32,
+    "prompt": UINT32,
+    "stop_token_ids": UINT32,
     "resume_from": UINT32,
 }
 
-SAMPLING_NUMBERS = ("temperature", "top_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "min_p")
+SAMPLING_NUMBERS = (
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+)
 
 
 def _short_repr() -> reprlib.Repr:
@@ -103,10 +117,13 @@ def sampling_options(fields: Mapping[str, Any]) -> SamplingOptions:
 def stopping_options(fields: Mapping[str, Any], max_tokens: int | None) -> StoppingOptions:
     """When to stop: `stop`, `stop_token_ids`, `min_tokens`, `ignore_eos` from `fields`;
     `max_tokens` as the caller read it (the APIs name and default it differently)."""
-    return StoppingOptions(max_tokens=max_tokens, stop=stop_strings(fields.get("stop")),
-                           stop_token_ids=integer_list(fields, "stop_token_ids"),
-                           min_tokens=integer(fields, "min_tokens") or 0,
-                           ignore_eos=bool(boolean(fields, "ignore_eos")))
+    return StoppingOptions(
+        max_tokens=max_tokens,
+        stop=stop_strings(fields.get("stop")),
+        stop_token_ids=integer_list(fields, "stop_token_ids"),
+        min_tokens=integer(fields, "min_tokens") or 0,
+        ignore_eos=bool(boolean(fields, "ignore_eos")),
+    )
 
 
 def is_int(value: Any) -> bool:
@@ -127,8 +144,9 @@ def on_wire(name: str, value: int, what: str | None = None, param: str | None = 
     the error (an element of a list, say), `param` (default `name`) is the error's param."""
     wire = WIRE_INTS[name]
     if wire.refuses(value):
-        raise FieldError(f"{what or name} must be {wire.bounds()}, got {shown(value)}",
-                         param or name)
+        raise FieldError(
+            f"{what or name} must be {wire.bounds()}, got {shown(value)}", param or name
+        )
     return value
 
 

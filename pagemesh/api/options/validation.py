@@ -121,9 +121,11 @@ def validate(
     else:  # max_tokens comes from the context: min_tokens is checked against it now
         _check_stopping(stopping, max_tokens, limits)
     if grammar and stopping.ignore_eos:
-        raise ValidationError("ignore_eos cannot be combined with an output constraint: the "
-                              "output ends when the constraint is complete (EOS is all that "
-                              "is left then)")
+        raise ValidationError(
+            "ignore_eos cannot be combined with an output constraint: the "
+            "output ends when the constraint is complete (EOS is all that "
+            "is left then)"
+        )
     return ValidatedRequest(
         prompt_token_ids=list(prompt_token_ids),
         sampling=_with_sampling_defaults(sampling),
@@ -135,8 +137,9 @@ def validate(
     )
 
 
-def check_options(sampling: SamplingOptions, stopping: StoppingOptions,
-                  num_logprobs: int | None, n: int = 1) -> None:
+def check_options(
+    sampling: SamplingOptions, stopping: StoppingOptions, num_logprobs: int | None, n: int = 1
+) -> None:
     """The checks of `validate` that need no model (its limits, its vocabulary), in the same
     order and words: what a client can check before any model is loaded (the offline `LLM`'s
     and the SDK's `SamplingParams`). `stopping.max_tokens` None (up to the context) passes."""
@@ -163,8 +166,9 @@ def check_identity(request_id: str, resume_from: int | list[int], n: int) -> Non
     check_num_samples(n)
 
 
-def check_request_id(request_id: str, max_len: int = MAX_REQUEST_ID_LEN,
-                     what: str = "request_id") -> None:
+def check_request_id(
+    request_id: str, max_len: int = MAX_REQUEST_ID_LEN, what: str = "request_id"
+) -> None:
     """A client's request id: printable ASCII, at most `max_len` characters (it names the
     request's checkpoint, its logs and, over HTTP, a response header)."""
     if len(request_id) > max_len:
@@ -260,9 +264,7 @@ def check_sampling(sampling: SamplingOptions) -> None:
 def check_num_logprobs(num_logprobs: int | None) -> None:
     """Alternatives per token in 0..MAX_NUM_LOGPROBS, or None (no logprobs)."""
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_NUM_LOGPROBS:
-        raise ValidationError(
-            f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {num_logprobs}"
-        )
+        raise ValidationError(f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {num_logprobs}")
 
 
 def _resolve_max_tokens(prompt_len: int, stopping: StoppingOptions, limits: ModelLimits) -> int:
@@ -305,15 +307,19 @@ def _check_stop_rules(stopping: StoppingOptions, max_tokens: int | None) -> None
         if not stop:
             raise ValidationError(f"stop string {index} is empty; remove it")
         if len(stop) > MAX_STOP_STRING_CHARS:
-            raise ValidationError(f"stop string {index} is {len(stop):,} characters; at most "
-                                  f"{MAX_STOP_STRING_CHARS} are accepted")
+            raise ValidationError(
+                f"stop string {index} is {len(stop):,} characters; at most "
+                f"{MAX_STOP_STRING_CHARS} are accepted"
+            )
         check_unicode(stop, f"stop string {index}")
 
 
 def check_priority(priority: int) -> None:
     if not -MAX_ABS_PRIORITY <= priority <= MAX_ABS_PRIORITY:
-        raise ValidationError(f"priority must be in [-{MAX_ABS_PRIORITY:,}, {MAX_ABS_PRIORITY:,}] "
-                              f"(lower runs first), got {priority:,}")
+        raise ValidationError(
+            f"priority must be in [-{MAX_ABS_PRIORITY:,}, {MAX_ABS_PRIORITY:,}] "
+            f"(lower runs first), got {priority:,}"
+        )
 
 
 def check_unicode(text: str, what: str) -> None:
@@ -325,15 +331,19 @@ def check_unicode(text: str, what: str) -> None:
     except UnicodeEncodeError as exc:
         raise ValidationError(
             f"{what} is not valid Unicode: {exc.reason} at character {exc.start} "
-            f"({text[exc.start:exc.end]!a}); send UTF-8 text") from None
+            f"({text[exc.start : exc.end]!a}); send UTF-8 text"
+        ) from None
 
 
 def _with_sampling_defaults(sampling: SamplingOptions) -> SamplingOptions:
     """Unset fields take `SamplingParams`' defaults, the one place they are written (the
     scheduler applies the same ones to a field a router left unset). The seed stays unset:
     the servicer draws it."""
-    unset = {f.name: getattr(_DEFAULTS, f.name) for f in dataclasses.fields(sampling)
-             if getattr(sampling, f.name) is None and f.name != "seed"}
+    unset = {
+        f.name: getattr(_DEFAULTS, f.name)
+        for f in dataclasses.fields(sampling)
+        if getattr(sampling, f.name) is None and f.name != "seed"
+    }
     return dataclasses.replace(sampling, **unset)
 
 

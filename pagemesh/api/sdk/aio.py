@@ -24,11 +24,11 @@ from pagemesh.api.sdk.common import (
     CHANNEL_OPTIONS,
     DEFAULT_ADDRESS,
     ClientConfig,
-    Message,
     EmbedInputs,
+    Images,
+    Message,
     Prompt,
     build_embed_request,
-    Images,
     build_request,
     chat_text,
 )
@@ -42,45 +42,106 @@ class AsyncClient:
     """`Client` on asyncio; the same arguments (see pagemesh/api/sdk/client.py). Channels are
     made on first use, in the running event loop; use one AsyncClient per loop."""
 
-    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *,
-                 api_key: str | None = None, tls: TlsConfig | None = None,
-                 ca_path: str | None = None, cert_path: str | None = None,
-                 key_path: str | None = None, timeout_s: float | None = None,
-                 resume_timeout_s: float = 60.0, max_resumes: int | None = None) -> None:
+    def __init__(
+        self,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
+        *,
+        api_key: str | None = None,
+        tls: TlsConfig | None = None,
+        ca_path: str | None = None,
+        cert_path: str | None = None,
+        key_path: str | None = None,
+        timeout_s: float | None = None,
+        resume_timeout_s: float = 60.0,
+        max_resumes: int | None = None,
+    ) -> None:
         self.config = ClientConfig.build(
-            address, api_key=api_key, tls=tls, ca_path=ca_path, cert_path=cert_path,
-            key_path=key_path, timeout_s=timeout_s, resume_timeout_s=resume_timeout_s,
-            max_resumes=max_resumes)
+            address,
+            api_key=api_key,
+            tls=tls,
+            ca_path=ca_path,
+            cert_path=cert_path,
+            key_path=key_path,
+            timeout_s=timeout_s,
+            resume_timeout_s=resume_timeout_s,
+            max_resumes=max_resumes,
+        )
         self._channels: dict[int, grpc.aio.Channel] = {}
         self._turns = itertools.count()
 
-    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                       request_id: str | None = None, model: str | None = None,
-                       priority: int = 0, images: Images | None = None,
-                       **overrides: Any) -> Completion:
-        stream = self.stream(prompt, sampling_params, request_id=request_id, model=model,
-                             priority=priority, images=images, **overrides)
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        priority: int = 0,
+        images: Images | None = None,
+        **overrides: Any,
+    ) -> Completion:
+        stream = self.stream(
+            prompt,
+            sampling_params,
+            request_id=request_id,
+            model=model,
+            priority=priority,
+            images=images,
+            **overrides,
+        )
         return await stream.collect()
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               request_id: str | None = None, model: str | None = None, priority: int = 0,
-               images: Images | None = None, **overrides: Any) -> AsyncCompletionStream:
-        request = build_request(prompt, sampling_params, overrides, request_id=request_id,
-                                model=model, priority=priority, images=images)
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        priority: int = 0,
+        images: Images | None = None,
+        **overrides: Any,
+    ) -> AsyncCompletionStream:
+        request = build_request(
+            prompt,
+            sampling_params,
+            overrides,
+            request_id=request_id,
+            model=model,
+            priority=priority,
+            images=images,
+        )
         return self._open(request)
 
-    async def chat(self, messages: str | Sequence[Message],
-                   sampling_params: SamplingParams | None = None, **kwargs: Any) -> Completion:
+    async def chat(
+        self,
+        messages: str | Sequence[Message],
+        sampling_params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> Completion:
         return await self.chat_stream(messages, sampling_params, **kwargs).collect()
 
-    def chat_stream(self, messages: str | Sequence[Message],
-                    sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, model: str | None = None,
-                    priority: int = 0, images: Images | None = None,
-                    **overrides: Any) -> AsyncCompletionStream:
-        request = build_request(chat_text(messages), sampling_params, overrides, chat=True,
-                                request_id=request_id, model=model, priority=priority,
-                                images=images)
+    def chat_stream(
+        self,
+        messages: str | Sequence[Message],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        priority: int = 0,
+        images: Images | None = None,
+        **overrides: Any,
+    ) -> AsyncCompletionStream:
+        request = build_request(
+            chat_text(messages),
+            sampling_params,
+            overrides,
+            chat=True,
+            request_id=request_id,
+            model=model,
+            priority=priority,
+            images=images,
+        )
         return self._open(request)
 
     def resume(self, request_id: str, resume_from: int, *, n: int = 1) -> AsyncCompletionStream:
@@ -91,9 +152,15 @@ class AsyncClient:
         if resume_from < 0:
             raise errors.InvalidArgument(f"resume_from must be >= 0, got {resume_from}")
         state = StreamState.resuming(
-            request_id, resume_from, n, self.config.policy,
-            num_addresses=len(self.config.addresses), first_address=next(self._turns),
-            deadline=self._deadline(), clock=time.monotonic)
+            request_id,
+            resume_from,
+            n,
+            self.config.policy,
+            num_addresses=len(self.config.addresses),
+            first_address=next(self._turns),
+            deadline=self._deadline(),
+            clock=time.monotonic,
+        )
         return AsyncCompletionStream(self, state)
 
     async def tokenize(self, text: str, *, chat: bool = False) -> TokenizeResult:
@@ -103,12 +170,14 @@ class AsyncClient:
 
     async def embed(self, inputs: EmbedInputs, *, dimensions: int | None = None) -> Embeddings:
         """One vector per input of an embedding model (see `Client.embed`)."""
-        return Embeddings.from_pb(await self._unary("Embed",
-                                                    build_embed_request(inputs, dimensions)))
+        return Embeddings.from_pb(
+            await self._unary("Embed", build_embed_request(inputs, dimensions))
+        )
 
     async def model_info(self) -> ModelInfo:
-        return ModelInfo.from_pb(await self._unary("GetModelInfo",
-                                                   generate_pb2.GetModelInfoRequest()))
+        return ModelInfo.from_pb(
+            await self._unary("GetModelInfo", generate_pb2.GetModelInfoRequest())
+        )
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
@@ -132,9 +201,14 @@ class AsyncClient:
         return None if self.config.timeout_s is None else time.monotonic() + self.config.timeout_s
 
     def _open(self, request: generate_pb2.GenerateRequest) -> AsyncCompletionStream:
-        state = StreamState(request, self.config.policy, num_addresses=len(self.config.addresses),
-                            first_address=next(self._turns), deadline=self._deadline(),
-                            clock=time.monotonic)
+        state = StreamState(
+            request,
+            self.config.policy,
+            num_addresses=len(self.config.addresses),
+            first_address=next(self._turns),
+            deadline=self._deadline(),
+            clock=time.monotonic,
+        )
         return AsyncCompletionStream(self, state)
 
     async def _unary(self, method: str, request: Any) -> Any:
@@ -143,8 +217,9 @@ class AsyncClient:
         for attempt in range(num_addresses):
             stub = self._stub((first + attempt) % num_addresses)
             try:
-                return await getattr(stub, method)(request, metadata=self.config.metadata(),
-                                                   timeout=self.config.timeout_s)
+                return await getattr(stub, method)(
+                    request, metadata=self.config.metadata(), timeout=self.config.timeout_s
+                )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == num_addresses - 1:
                     raise errors.from_rpc_error(exc) from None
@@ -196,7 +271,8 @@ class AsyncCompletionStream:
         metadata = self._client.config.metadata()
         while True:
             call = self._client._stub(state.address_index).Generate(
-                state.next_request(), metadata=metadata, timeout=state.remaining_s())
+                state.next_request(), metadata=metadata, timeout=state.remaining_s()
+            )
             failure: tuple[grpc.StatusCode | None, str] = (None, "")  # an early clean end
             try:
                 async for response in call:

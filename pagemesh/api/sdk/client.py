@@ -27,11 +27,11 @@ from pagemesh.api.sdk.common import (
     CHANNEL_OPTIONS,
     DEFAULT_ADDRESS,
     ClientConfig,
-    Message,
     EmbedInputs,
+    Images,
+    Message,
     Prompt,
     build_embed_request,
-    Images,
     build_request,
     chat_text,
 )
@@ -52,55 +52,117 @@ class Client:
     - max_resumes: resumes per request (None = bounded by resume_timeout_s only; 0 = never).
     """
 
-    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *,
-                 api_key: str | None = None, tls: TlsConfig | None = None,
-                 ca_path: str | None = None, cert_path: str | None = None,
-                 key_path: str | None = None, timeout_s: float | None = None,
-                 resume_timeout_s: float = 60.0, max_resumes: int | None = None) -> None:
+    def __init__(
+        self,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
+        *,
+        api_key: str | None = None,
+        tls: TlsConfig | None = None,
+        ca_path: str | None = None,
+        cert_path: str | None = None,
+        key_path: str | None = None,
+        timeout_s: float | None = None,
+        resume_timeout_s: float = 60.0,
+        max_resumes: int | None = None,
+    ) -> None:
         self.config = ClientConfig.build(
-            address, api_key=api_key, tls=tls, ca_path=ca_path, cert_path=cert_path,
-            key_path=key_path, timeout_s=timeout_s, resume_timeout_s=resume_timeout_s,
-            max_resumes=max_resumes)
+            address,
+            api_key=api_key,
+            tls=tls,
+            ca_path=ca_path,
+            cert_path=cert_path,
+            key_path=key_path,
+            timeout_s=timeout_s,
+            resume_timeout_s=resume_timeout_s,
+            max_resumes=max_resumes,
+        )
         self._channels: dict[int, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._turns = itertools.count()
 
     # --- generation ---------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                 request_id: str | None = None, model: str | None = None, priority: int = 0,
-                 images: Images | None = None, **overrides: Any) -> Completion:
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        priority: int = 0,
+        images: Images | None = None,
+        **overrides: Any,
+    ) -> Completion:
         """Generates to the end and returns every sample. `prompt`: text or token ids;
         `overrides`: `SamplingParams` fields (e.g. `max_tokens=32, temperature=0`);
         `images`: a vision-language model's, one per image token in the prompt (e.g.
         `<image>`), in order: encoded bytes (PNG, JPEG, WebP, GIF) or PIL images."""
-        stream = self.stream(prompt, sampling_params, request_id=request_id, model=model,
-                             priority=priority, images=images, **overrides)
+        stream = self.stream(
+            prompt,
+            sampling_params,
+            request_id=request_id,
+            model=model,
+            priority=priority,
+            images=images,
+            **overrides,
+        )
         return stream.collect()
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               request_id: str | None = None, model: str | None = None, priority: int = 0,
-               images: Images | None = None, **overrides: Any) -> CompletionStream:
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        priority: int = 0,
+        images: Images | None = None,
+        **overrides: Any,
+    ) -> CompletionStream:
         """The request's output as it is generated: an iterator of `Chunk`s, each sample's
         new tokens and text, each exactly once even across router failures."""
-        request = build_request(prompt, sampling_params, overrides, request_id=request_id,
-                                model=model, priority=priority, images=images)
+        request = build_request(
+            prompt,
+            sampling_params,
+            overrides,
+            request_id=request_id,
+            model=model,
+            priority=priority,
+            images=images,
+        )
         return self._open(request)
 
-    def chat(self, messages: str | Sequence[Message],
-             sampling_params: SamplingParams | None = None, **kwargs: Any) -> Completion:
+    def chat(
+        self,
+        messages: str | Sequence[Message],
+        sampling_params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> Completion:
         """`generate` on one user message put through the model's chat template (the gRPC
         API takes one; see `common.chat_text` for conversations)."""
         return self.chat_stream(messages, sampling_params, **kwargs).collect()
 
-    def chat_stream(self, messages: str | Sequence[Message],
-                    sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, model: str | None = None,
-                    priority: int = 0, images: Images | None = None,
-                    **overrides: Any) -> CompletionStream:
-        request = build_request(chat_text(messages), sampling_params, overrides, chat=True,
-                                request_id=request_id, model=model, priority=priority,
-                                images=images)
+    def chat_stream(
+        self,
+        messages: str | Sequence[Message],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        priority: int = 0,
+        images: Images | None = None,
+        **overrides: Any,
+    ) -> CompletionStream:
+        request = build_request(
+            chat_text(messages),
+            sampling_params,
+            overrides,
+            chat=True,
+            request_id=request_id,
+            model=model,
+            priority=priority,
+            images=images,
+        )
         return self._open(request)
 
     # --- other calls ----------------------------------------------------------------------
@@ -113,9 +175,15 @@ class Client:
         if resume_from < 0:
             raise errors.InvalidArgument(f"resume_from must be >= 0, got {resume_from}")
         state = StreamState.resuming(
-            request_id, resume_from, n, self.config.policy,
-            num_addresses=len(self.config.addresses), first_address=next(self._turns),
-            deadline=self._deadline(), clock=time.monotonic)
+            request_id,
+            resume_from,
+            n,
+            self.config.policy,
+            num_addresses=len(self.config.addresses),
+            first_address=next(self._turns),
+            deadline=self._deadline(),
+            clock=time.monotonic,
+        )
         return CompletionStream(self, state)
 
     def tokenize(self, text: str, *, chat: bool = False) -> TokenizeResult:
@@ -162,9 +230,14 @@ class Client:
         return None if self.config.timeout_s is None else time.monotonic() + self.config.timeout_s
 
     def _open(self, request: generate_pb2.GenerateRequest) -> CompletionStream:
-        state = StreamState(request, self.config.policy, num_addresses=len(self.config.addresses),
-                            first_address=next(self._turns), deadline=self._deadline(),
-                            clock=time.monotonic)
+        state = StreamState(
+            request,
+            self.config.policy,
+            num_addresses=len(self.config.addresses),
+            first_address=next(self._turns),
+            deadline=self._deadline(),
+            clock=time.monotonic,
+        )
         return CompletionStream(self, state)
 
     def _unary(self, method: str, request: Any) -> Any:
@@ -174,8 +247,9 @@ class Client:
         for attempt in range(num_addresses):
             stub = self._stub((first + attempt) % num_addresses)
             try:
-                return getattr(stub, method)(request, metadata=self.config.metadata(),
-                                             timeout=self.config.timeout_s)
+                return getattr(stub, method)(
+                    request, metadata=self.config.metadata(), timeout=self.config.timeout_s
+                )
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == num_addresses - 1:
                     raise errors.from_rpc_error(exc) from None
@@ -229,7 +303,8 @@ class CompletionStream:
         metadata = self._client.config.metadata()
         while True:
             call = self._client._stub(state.address_index).Generate(
-                state.next_request(), metadata=metadata, timeout=state.remaining_s())
+                state.next_request(), metadata=metadata, timeout=state.remaining_s()
+            )
             failure: tuple[grpc.StatusCode | None, str] = (None, "")  # an early clean end
             try:
                 for response in call:

@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagemesh.runtime import keepalive
 from pagemesh.api.sampling_params import SamplingParams, to_generate_request
 from pagemesh.api.sdk import errors
 from pagemesh.api.sdk.resume import ResumePolicy
+from pagemesh.runtime import keepalive
 from pagemesh.runtime.tls import TlsConfig
 from protos.pagemesh.v1 import generate_pb2
 
@@ -48,17 +48,31 @@ class ClientConfig:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
 
     @classmethod
-    def build(cls, address: str | Sequence[str], *, api_key: str | None,
-              tls: TlsConfig | None, ca_path: str | None, cert_path: str | None,
-              key_path: str | None, timeout_s: float | None, resume_timeout_s: float,
-              max_resumes: int | None) -> ClientConfig:
+    def build(
+        cls,
+        address: str | Sequence[str],
+        *,
+        api_key: str | None,
+        tls: TlsConfig | None,
+        ca_path: str | None,
+        cert_path: str | None,
+        key_path: str | None,
+        timeout_s: float | None,
+        resume_timeout_s: float,
+        max_resumes: int | None,
+    ) -> ClientConfig:
         if tls is not None and (ca_path or cert_path or key_path):
             raise ValueError("give either tls= or ca_path/cert_path/key_path, not both")
         if tls is None:
             tls = TlsConfig(cert_path=cert_path, key_path=key_path, ca_path=ca_path)
         addresses = (address,) if isinstance(address, str) else tuple(address)
-        return cls(addresses, api_key, tls, timeout_s,
-                   ResumePolicy(resume_timeout_s=resume_timeout_s, max_resumes=max_resumes))
+        return cls(
+            addresses,
+            api_key,
+            tls,
+            timeout_s,
+            ResumePolicy(resume_timeout_s=resume_timeout_s, max_resumes=max_resumes),
+        )
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else None
@@ -69,10 +83,17 @@ def new_request_id() -> str:
     return f"pm-{uuid.uuid4().hex}"
 
 
-def build_request(prompt: Prompt, sampling_params: SamplingParams | None,
-                  overrides: Mapping[str, Any], *, chat: bool = False,
-                  request_id: str | None = None, model: str | None = None,
-                  priority: int = 0, images: Images | None = None) -> generate_pb2.GenerateRequest:
+def build_request(
+    prompt: Prompt,
+    sampling_params: SamplingParams | None,
+    overrides: Mapping[str, Any],
+    *,
+    chat: bool = False,
+    request_id: str | None = None,
+    model: str | None = None,
+    priority: int = 0,
+    images: Images | None = None,
+) -> generate_pb2.GenerateRequest:
     """The `GenerateRequest` of a call: `sampling_params` (vLLM's defaults when None) with
     `overrides` (its field names) replacing fields. Raises InvalidArgument for parameters
     the router would refuse, TypeError for an unknown keyword."""
@@ -80,12 +101,11 @@ def build_request(prompt: Prompt, sampling_params: SamplingParams | None,
     try:
         if overrides:
             params = dataclasses.replace(params, **overrides)
-        request = to_generate_request(prompt, params, chat=chat,
-                                      request_id=request_id or new_request_id(),
-                                      model=model or "")
+        request = to_generate_request(
+            prompt, params, chat=chat, request_id=request_id or new_request_id(), model=model or ""
+        )
     except ValueError as exc:
-        raise errors.InvalidArgument(str(exc),
-                                     request_id=request_id) from exc
+        raise errors.InvalidArgument(str(exc), request_id=request_id) from exc
     request.priority = priority
     request.images.extend(encoded_image(image) for image in images or ())
     return request
@@ -101,8 +121,9 @@ def encoded_image(image: Any) -> bytes:
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
         return buffer.getvalue()
-    raise errors.InvalidArgument(f"an image must be encoded bytes or a PIL image, got "
-                                 f"{type(image).__name__}")
+    raise errors.InvalidArgument(
+        f"an image must be encoded bytes or a PIL image, got {type(image).__name__}"
+    )
 
 
 def chat_text(messages: str | Sequence[Message]) -> str:
@@ -117,14 +138,19 @@ def chat_text(messages: str | Sequence[Message]) -> str:
     if isinstance(messages, str):
         return messages
     messages = list(messages)
-    if len(messages) == 1 and messages[0].get("role") == "user" \
-            and isinstance(messages[0].get("content"), str) and set(messages[0]) <= {"role", "content"}:
+    if (
+        len(messages) == 1
+        and messages[0].get("role") == "user"
+        and isinstance(messages[0].get("content"), str)
+        and set(messages[0]) <= {"role", "content"}
+    ):
         return messages[0]["content"]
     roles = [m.get("role") for m in messages]
     raise errors.InvalidArgument(
         f"the gRPC API takes one user message with string content, got roles {roles}; send "
         "conversations (system prompts, several turns, tools) to the OpenAI HTTP API's "
-        "/v1/chat/completions")
+        "/v1/chat/completions"
+    )
 
 
 EmbedInputs = str | bytes | list[int] | Sequence[str | bytes | list[int]]
@@ -133,8 +159,11 @@ EmbedInputs = str | bytes | list[int] | Sequence[str | bytes | list[int]]
 def build_embed_request(inputs: EmbedInputs, dimensions: int | None) -> generate_pb2.EmbedRequest:
     """One text, one list of token ids, one image (bytes or PIL, for a model that embeds
     images), or a list of any of them: as OpenAI's `input`."""
-    one = isinstance(inputs, (str, bytes)) or hasattr(inputs, "save") or (
-        isinstance(inputs, list) and bool(inputs) and all(isinstance(t, int) for t in inputs))
+    one = (
+        isinstance(inputs, (str, bytes))
+        or hasattr(inputs, "save")
+        or (isinstance(inputs, list) and bool(inputs) and all(isinstance(t, int) for t in inputs))
+    )
     items: Sequence[Any] = [inputs] if one else inputs
     request = generate_pb2.EmbedRequest(dimensions=dimensions or 0)
     item: Any

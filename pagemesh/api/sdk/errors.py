@@ -16,8 +16,14 @@ class PagemeshError(Exception):
 
     default_code = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, details: str, code: grpc.StatusCode | None = None, *,
-                 request_id: str | None = None, num_resumes: int = 0) -> None:
+    def __init__(
+        self,
+        details: str,
+        code: grpc.StatusCode | None = None,
+        *,
+        request_id: str | None = None,
+        num_resumes: int = 0,
+    ) -> None:
         code = code or self.default_code
         super().__init__(f"{code.name}: {details}")
         self.code = code
@@ -103,15 +109,18 @@ def error_class(code: grpc.StatusCode) -> type[PagemeshError]:
     return _BY_CODE.get(code, InternalError)
 
 
-def from_status(code: grpc.StatusCode, details: str, *, request_id: str | None = None,
-                num_resumes: int = 0) -> PagemeshError:
+def from_status(
+    code: grpc.StatusCode, details: str, *, request_id: str | None = None, num_resumes: int = 0
+) -> PagemeshError:
     return error_class(code)(details, code, request_id=request_id, num_resumes=num_resumes)
 
 
-def from_rpc_error(exc: grpc.RpcError, *, request_id: str | None = None,
-                   num_resumes: int = 0) -> PagemeshError:
+def from_rpc_error(
+    exc: grpc.RpcError, *, request_id: str | None = None, num_resumes: int = 0
+) -> PagemeshError:
     """The typed error of a failed call (sync `grpc.RpcError` or `grpc.aio.AioRpcError`)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-    return from_status(code or grpc.StatusCode.UNKNOWN, details, request_id=request_id,
-                       num_resumes=num_resumes)
+    return from_status(
+        code or grpc.StatusCode.UNKNOWN, details, request_id=request_id, num_resumes=num_resumes
+    )

@@ -43,8 +43,14 @@ from pagemesh.api.sdk import errors
 from pagemesh.api.sdk.types import Chunk, TokenLogprob, Usage, finish_reason_from_pb
 from protos.pagemesh.v1 import generate_pb2
 
-PEER_GONE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED,
-                             grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
+PEER_GONE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
 # None: the stream ended cleanly before every sample finished.
 SUSPECT_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, None})
 EARLY_END = "the stream ended before every sample finished"
@@ -90,9 +96,16 @@ class _Sample:
 class StreamState:
     """One request's stream across attempts. `request` must carry its `request_id`."""
 
-    def __init__(self, request: generate_pb2.GenerateRequest, policy: ResumePolicy, *,
-                 num_addresses: int, first_address: int = 0,
-                 deadline: float | None = None, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        request: generate_pb2.GenerateRequest,
+        policy: ResumePolicy,
+        *,
+        num_addresses: int,
+        first_address: int = 0,
+        deadline: float | None = None,
+        clock: Callable[[], float],
+    ) -> None:
         if not request.request_id:
             raise ValueError("a resumable stream needs its request_id set")
         self.request = request
@@ -110,15 +123,29 @@ class StreamState:
         self._give_up_at: float | None = None  # resume deadline of the current break
 
     @classmethod
-    def resuming(cls, request_id: str, resume_from: int, n: int, policy: ResumePolicy, *,
-                 num_addresses: int, first_address: int = 0, deadline: float | None = None,
-                 clock: Callable[[], float]) -> StreamState:
+    def resuming(
+        cls,
+        request_id: str,
+        resume_from: int,
+        n: int,
+        policy: ResumePolicy,
+        *,
+        num_addresses: int,
+        first_address: int = 0,
+        deadline: float | None = None,
+        clock: Callable[[], float],
+    ) -> StreamState:
         """A stream another process (or an earlier life of this one) began: every sample
         already has `resume_from` tokens, and what comes is what follows them."""
-        request = generate_pb2.GenerateRequest(request_id=request_id, resume_from=resume_from,
-                                               n=n)
-        state = cls(request, policy, num_addresses=num_addresses, first_address=first_address,
-                    deadline=deadline, clock=clock)
+        request = generate_pb2.GenerateRequest(request_id=request_id, resume_from=resume_from, n=n)
+        state = cls(
+            request,
+            policy,
+            num_addresses=num_addresses,
+            first_address=first_address,
+            deadline=deadline,
+            clock=clock,
+        )
         for sample in state._samples:
             sample.num_tokens = resume_from
             sample.boundaries = {resume_from: 0}  # their text is not ours: count from there
@@ -151,15 +178,17 @@ class StreamState:
             sample.chars_to_skip = sample.num_chars - sample.boundaries[k]
         if k == 0:  # replays what the checkpoint has (or starts it, when there is none)
             return self.request
-        return generate_pb2.GenerateRequest(request_id=self.request_id, resume_from=k,
-                                            model=self.request.model)
+        return generate_pb2.GenerateRequest(
+            request_id=self.request_id, resume_from=k, model=self.request.model
+        )
 
     def accept(self, pb: generate_pb2.GenerateResponse) -> Chunk | None:
         """What `pb` brings that the caller has not seen; None when nothing."""
         if pb.index >= len(self._samples):
             raise errors.InternalError(
                 f"the router sent sample {pb.index} of a request with {len(self._samples)}",
-                request_id=self.request_id)
+                request_id=self.request_id,
+            )
         sample = self._samples[pb.index]
         token_ids = list(pb.token_ids)
         logprobs = [TokenLogprob.from_pb(lp) for lp in pb.logprobs]
@@ -175,8 +204,11 @@ class StreamState:
         finish_reason = finish_reason_from_pb(pb.finish_reason)
         if sample.finished:  # its end again, replayed: the caller has it all
             token_ids, logprobs, text, finish_reason = [], [], "", None
-        usage = (Usage(pb.usage.prompt_tokens, pb.usage.completion_tokens)
-                 if pb.HasField("usage") else None)
+        usage = (
+            Usage(pb.usage.prompt_tokens, pb.usage.completion_tokens)
+            if pb.HasField("usage")
+            else None
+        )
         sample.num_tokens += len(token_ids)
         sample.num_chars += len(text)
         sample.finished = sample.finished or finish_reason is not None
@@ -195,8 +227,11 @@ class StreamState:
         the typed error when the stream cannot be resumed."""
         now = self._clock()
         details = details or EARLY_END
-        if code is grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline is not None \
-                and now >= self.deadline:
+        if (
+            code is grpc.StatusCode.DEADLINE_EXCEEDED
+            and self.deadline is not None
+            and now >= self.deadline
+        ):
             raise self._error(code, details)
         suspect = code in SUSPECT_CODES
         # A resume refused by a router's admission limit (every client of a dead router
@@ -215,8 +250,11 @@ class StreamState:
         if self._suspect > self.policy.max_suspect_retries:
             raise self._error(code, f"{details} ({self._suspect} times in a row)")
         if now >= self._give_up_at:
-            raise self._error(code, f"{details} (no router took the stream back within "
-                                    f"resume_timeout_s={self.policy.resume_timeout_s:g})")
+            raise self._error(
+                code,
+                f"{details} (no router took the stream back within "
+                f"resume_timeout_s={self.policy.resume_timeout_s:g})",
+            )
         self.num_resumes += 1
         self.address_index = (self.address_index + 1) % self.num_addresses
         return min(self._backoff_s(), self._give_up_at - now)
@@ -226,9 +264,14 @@ class StreamState:
         num_waits = self._failures - self.num_addresses
         if num_waits < 0:
             return 0.0
-        return min(self.policy.initial_backoff_s * 2 ** min(num_waits, 30),
-                   self.policy.max_backoff_s)
+        return min(
+            self.policy.initial_backoff_s * 2 ** min(num_waits, 30), self.policy.max_backoff_s
+        )
 
     def _error(self, code: grpc.StatusCode | None, details: str) -> errors.PagemeshError:
-        return errors.from_status(code or grpc.StatusCode.UNKNOWN, details,
-                                  request_id=self.request_id, num_resumes=self.num_resumes)
+        return errors.from_status(
+            code or grpc.StatusCode.UNKNOWN,
+            details,
+            request_id=self.request_id,
+            num_resumes=self.num_resumes,
+        )

@@ -37,8 +37,11 @@ class TokenLogprob:
 
     @classmethod
     def from_pb(cls, pb: generate_pb2.TokenLogprob) -> TokenLogprob:
-        return cls(pb.token_id, pb.logprob,
-                   tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in pb.top))
+        return cls(
+            pb.token_id,
+            pb.logprob,
+            tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in pb.top),
+        )
 
 
 @dataclass(frozen=True)
@@ -158,13 +161,21 @@ class ModelInfo:
     @classmethod
     def from_pb(cls, pb: generate_pb2.GetModelInfoResponse) -> ModelInfo:
         return cls(
-            model=pb.model, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
-            eos_token_ids=list(pb.eos_token_ids), dtype=pb.dtype, architecture=pb.architecture,
+            model=pb.model,
+            max_model_len=pb.max_model_len,
+            vocab_size=pb.vocab_size,
+            eos_token_ids=list(pb.eos_token_ids),
+            dtype=pb.dtype,
+            architecture=pb.architecture,
             tensor_parallel_size=pb.layout.tensor_parallel_size,
             pipeline_parallel_size=pb.layout.pipeline_parallel_size,
-            num_replicas=pb.layout.num_replicas, block_size=pb.block_size,
-            num_kv_blocks=pb.num_kv_blocks, quantization=pb.quantization,
-            weight_bytes=pb.weight_bytes, kv_cache_bytes=pb.kv_cache_bytes,
+            num_replicas=pb.layout.num_replicas,
+            block_size=pb.block_size,
+            num_kv_blocks=pb.num_kv_blocks,
+            quantization=pb.quantization,
+            weight_bytes=pb.weight_bytes,
+            kv_cache_bytes=pb.kv_cache_bytes,
             kv_cache_sizing=pb.kv_cache_sizing,
-            task=pb.pooling.task or "generate", embedding_size=pb.pooling.embedding_size,
+            task=pb.pooling.task or "generate",
+            embedding_size=pb.pooling.embedding_size,
         )

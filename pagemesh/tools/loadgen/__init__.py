@@ -10,10 +10,27 @@ The plain-function API, for scripts and the peer runners:
 from pagemesh.tools.loadgen.client import ModelInfo, Target
 from pagemesh.tools.loadgen.report import load_results, markdown_table, write_report
 from pagemesh.tools.loadgen.runner import Level, fetch_model_info, run_sweep, run_workload
-from pagemesh.tools.loadgen.workloads import WORKLOADS, BenchRequest, Workload, build_workload, poisson_arrivals
+from pagemesh.tools.loadgen.workloads import (
+    WORKLOADS,
+    BenchRequest,
+    Workload,
+    build_workload,
+    poisson_arrivals,
+)
 
 __all__ = [
-    "WORKLOADS", "BenchRequest", "Level", "ModelInfo", "Target", "Workload", "build_workload",
-    "fetch_model_info", "load_results", "markdown_table", "poisson_arrivals", "run_sweep",
-    "run_workload", "write_report",
+    "WORKLOADS",
+    "BenchRequest",
+    "Level",
+    "ModelInfo",
+    "Target",
+    "Workload",
+    "build_workload",
+    "fetch_model_info",
+    "load_results",
+    "markdown_table",
+    "poisson_arrivals",
+    "run_sweep",
+    "run_workload",
+    "write_report",
 ]

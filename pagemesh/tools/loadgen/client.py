@@ -67,8 +67,9 @@ class ModelInfo:
 class Driver(Protocol):
     async def model_info(self) -> ModelInfo: ...
 
-    async def stream(self, prompt_token_ids: Sequence[int], max_tokens: int,
-                     timeout_s: float | None) -> tuple[float, Arrivals]:
+    async def stream(
+        self, prompt_token_ids: Sequence[int], max_tokens: int, timeout_s: float | None
+    ) -> tuple[float, Arrivals]:
         """(send time, arrivals) of one greedy, EOS-ignoring request; RequestError on failure."""
         ...
 
@@ -97,16 +98,21 @@ class GrpcDriver:
 
     async def model_info(self) -> ModelInfo:
         try:
-            info = await self._stub.GetModelInfo(generate_pb2.GetModelInfoRequest(),
-                                                 metadata=self._metadata, timeout=30)
+            info = await self._stub.GetModelInfo(
+                generate_pb2.GetModelInfoRequest(), metadata=self._metadata, timeout=30
+            )
         except grpc.aio.AioRpcError as exc:
             raise RequestError(f"GetModelInfo: {exc.code().name}: {exc.details()}") from exc
-        return ModelInfo(info.model, info.vocab_size or None, info.max_model_len or None,
-                         info.dtype)
+        return ModelInfo(
+            info.model, info.vocab_size or None, info.max_model_len or None, info.dtype
+        )
 
-    async def stream(self, prompt_token_ids: Sequence[int], max_tokens: int,
-                     timeout_s: float | None) -> tuple[float, Arrivals]:
-        request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt_token_ids))
+    async def stream(
+        self, prompt_token_ids: Sequence[int], max_tokens: int, timeout_s: float | None
+    ) -> tuple[float, Arrivals]:
+        request = generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt_token_ids)
+        )
         request.sampling.temperature = 0.0
         request.stopping.max_tokens = max_tokens
         request.stopping.ignore_eos = True
@@ -143,16 +149,18 @@ class HttpDriver:
         # No pool limit below the run's concurrency: requests queued inside the client
         # would show up as server TTFT.
         connector = aiohttp.TCPConnector(limit=max_connections or 0, ssl=_ssl_context(target.tls))
-        self._session = aiohttp.ClientSession(connector=connector, headers=self._headers,
-                                              timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(
+            connector=connector, headers=self._headers, timeout=aiohttp.ClientTimeout(total=None)
+        )
         self._model: str | None = None
 
     async def model_info(self) -> ModelInfo:
         import aiohttp
 
         try:
-            async with self._session.get(f"{self._base}/v1/models",
-                                         timeout=aiohttp.ClientTimeout(total=30)) as response:
+            async with self._session.get(
+                f"{self._base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)
+            ) as response:
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise RequestError(f"GET /v1/models: {exc!r}") from exc
@@ -162,13 +170,18 @@ class HttpDriver:
         self._model = models[0].get("id")
         return ModelInfo(self._model or "", None, models[0].get("max_model_len"), "")
 
-    async def stream(self, prompt_token_ids: Sequence[int], max_tokens: int,
-                     timeout_s: float | None) -> tuple[float, Arrivals]:
+    async def stream(
+        self, prompt_token_ids: Sequence[int], max_tokens: int, timeout_s: float | None
+    ) -> tuple[float, Arrivals]:
         import aiohttp
 
         body: dict[str, Any] = {
-            "prompt": list(prompt_token_ids), "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "prompt": list(prompt_token_ids),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         if self._model:
             body["model"] = self._model
@@ -177,10 +190,15 @@ class HttpDriver:
         num_tokens = None
         start = clock()
         try:
-            async with self._session.post(f"{self._base}/v1/completions", json=body,
-                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            async with self._session.post(
+                f"{self._base}/v1/completions",
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
                 if response.status != 200:
-                    raise RequestError(f"HTTP {response.status}: {_error_message(await response.read())}")
+                    raise RequestError(
+                        f"HTTP {response.status}: {_error_message(await response.read())}"
+                    )
                 async for line in response.content:
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue

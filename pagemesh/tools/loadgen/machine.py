@@ -20,15 +20,20 @@ def machine_record() -> dict:
 
     from kernels.cpu_features import cpu_features
 
-    return {**cpu_features().describe(), "torch_threads": torch.get_num_threads(),
-            "date": time.strftime("%Y-%m-%d")}
+    return {
+        **cpu_features().describe(),
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def machine_markdown(record: dict | None = None) -> str:
-    """"Machine: AMD EPYC (family 25, model 1), x86_64 [avx2 -avx512f -avx512_bf16 -amx],
+    """ "Machine: AMD EPYC (family 25, model 1), x86_64 [avx2 -avx512f -avx512_bf16 -amx],
     torch 2.13.0+cpu, 2 torch threads; 2026-12-01." for `record` (default: this machine)."""
     from kernels.cpu_features import machine_line
 
     record = record or machine_record()
-    return (f"Machine: {machine_line(record)}, {record['torch_threads']} torch threads; "
-            f"{record['date']}.")
+    return (
+        f"Machine: {machine_line(record)}, {record['torch_threads']} torch threads; "
+        f"{record['date']}."
+    )

@@ -51,8 +51,9 @@ def _triple(values: list[float]) -> str:
     return " / ".join(_number(p[q]) for q in ("p50", "p90", "p99"))
 
 
-def pick_baseline(results: Sequence[RunResult], row: RunResult,
-                  baseline: str | None) -> RunResult | None:
+def pick_baseline(
+    results: Sequence[RunResult], row: RunResult, baseline: str | None
+) -> RunResult | None:
     """The row `row` is compared with: the first row when `baseline` is None; else the
     `baseline` engine's run of the same workload and load, or failing that its first run of
     the workload, or its first run at all. None when no run has that engine."""
@@ -60,8 +61,11 @@ def pick_baseline(results: Sequence[RunResult], row: RunResult,
         return results[0] if results else None
     candidates = [r for r in results if r.engine == baseline]
     same_workload = [r for r in candidates if r.workload == row.workload]
-    same_level = [r for r in same_workload if (r.concurrency, r.request_rate)
-                  == (row.concurrency, row.request_rate)]
+    same_level = [
+        r
+        for r in same_workload
+        if (r.concurrency, r.request_rate) == (row.concurrency, row.request_rate)
+    ]
     for group in (same_level, same_workload, candidates):
         if group:
             return group[0]
@@ -74,19 +78,34 @@ def markdown_table(results: Sequence[RunResult], baseline: str | None = None) ->
         against = f"{results[0].engine} @ {level_label(results[0])}" if results else "first row"
     else:
         against = baseline
-    columns = ["engine", "workload", "concurrency / rate", "output tok/s", "req/s",
-               "TTFT ms p50 / p90 / p99", "ITL ms p50 / p90 / p99", "E2E ms p50 / p90 / p99",
-               "errors", f"vs {against}"]
+    columns = [
+        "engine",
+        "workload",
+        "concurrency / rate",
+        "output tok/s",
+        "req/s",
+        "TTFT ms p50 / p90 / p99",
+        "ITL ms p50 / p90 / p99",
+        "E2E ms p50 / p90 / p99",
+        "errors",
+        f"vs {against}",
+    ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for result in results:
         base = pick_baseline(results, result, baseline)
         ratio = math.nan
         if base is not None and base.output_tok_s > 0:
             ratio = result.output_tok_s / base.output_tok_s
-        cells = [result.engine, result.workload, level_label(result),
-                 _number(result.output_tok_s), _number(result.requests_s, 2),
-                 *(_triple(getattr(result, name)) for name, _ in METRICS),
-                 str(result.num_errors), "–" if math.isnan(ratio) else f"{ratio:.2f}x"]
+        cells = [
+            result.engine,
+            result.workload,
+            level_label(result),
+            _number(result.output_tok_s),
+            _number(result.requests_s, 2),
+            *(_triple(getattr(result, name)) for name, _ in METRICS),
+            str(result.num_errors),
+            "–" if math.isnan(ratio) else f"{ratio:.2f}x",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -115,19 +134,28 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def results_json(results: Sequence[RunResult], title: str = "",
-                 header: Sequence[str] = ()) -> dict[str, Any]:
+def results_json(
+    results: Sequence[RunResult], title: str = "", header: Sequence[str] = ()
+) -> dict[str, Any]:
     """Every run's raw samples and its summary: what `load_results` reads back."""
     runs = [{**r.to_json(), "summary": r.summary()} for r in results]
-    return _finite({"title": title, "header": list(header), "machine": machine_record(),
-                    "runs": runs})
+    return _finite(
+        {"title": title, "header": list(header), "machine": machine_record(), "runs": runs}
+    )
 
 
-def summary_json(results: Sequence[RunResult], title: str = "",
-                 header: Sequence[str] = ()) -> dict[str, Any]:
+def summary_json(
+    results: Sequence[RunResult], title: str = "", header: Sequence[str] = ()
+) -> dict[str, Any]:
     """`results_json` without the raw samples: each run's `summary()` only."""
-    return _finite({"title": title, "header": list(header), "machine": machine_record(),
-                    "runs": [r.summary() for r in results]})
+    return _finite(
+        {
+            "title": title,
+            "header": list(header),
+            "machine": machine_record(),
+            "runs": [r.summary() for r in results],
+        }
+    )
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -142,9 +170,15 @@ def load_results(path: str | Path) -> list[RunResult]:
     return [RunResult.from_json(run) for run in data["runs"]]
 
 
-def write_report(results: Sequence[RunResult], out_dir: str | Path, name: str, title: str = "",
-                 baseline: str | None = None, extra_header_lines: Sequence[str] = (),
-                 raw_dir: str | Path | None = None) -> str:
+def write_report(
+    results: Sequence[RunResult],
+    out_dir: str | Path,
+    name: str,
+    title: str = "",
+    baseline: str | None = None,
+    extra_header_lines: Sequence[str] = (),
+    raw_dir: str | Path | None = None,
+) -> str:
     """Writes `<name>.md`, `<name>.json` and the PNGs into `out_dir`; returns the Markdown.
 
     `raw_dir`: where the raw samples go (`<raw_dir>/<name>.json`), `<name>.json` then being
@@ -179,15 +213,20 @@ def sweep_groups(results: Sequence[RunResult]) -> dict[tuple[str, str], list[Run
     for result in results:
         if not result.request_rate:
             groups.setdefault((result.engine, result.workload), []).append(result)
-    return {key: sorted(runs, key=_in_flight) for key, runs in groups.items()
-            if len({_in_flight(r) for r in runs}) >= 2}
+    return {
+        key: sorted(runs, key=_in_flight)
+        for key, runs in groups.items()
+        if len({_in_flight(r) for r in runs}) >= 2
+    }
 
 
 def _in_flight(result: RunResult) -> int:
     return result.concurrency or result.num_requests + result.num_errors
 
 
-def write_plots(results: Sequence[RunResult], out_dir: Path, name: str, title: str = "") -> list[Path]:
+def write_plots(
+    results: Sequence[RunResult], out_dir: Path, name: str, title: str = ""
+) -> list[Path]:
     """The latency CDFs, and the throughput curve when a sweep ran; the paths written."""
     import matplotlib
 
@@ -218,14 +257,21 @@ def write_plots(results: Sequence[RunResult], out_dir: Path, name: str, title: s
     if groups:
         fig, ax = plt.subplots(figsize=(7, 4.8))
         for (engine, workload), runs in groups.items():
-            ax.plot([_in_flight(r) for r in runs], [r.output_tok_s for r in runs], marker="o",
-                    label=f"{engine} · {workload}")
+            ax.plot(
+                [_in_flight(r) for r in runs],
+                [r.output_tok_s for r in runs],
+                marker="o",
+                label=f"{engine} · {workload}",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({_in_flight(r) for runs in groups.values() for r in runs}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set(xlabel="requests in flight (concurrency)", ylabel="output tokens/s",
-               title=title or "throughput vs concurrency")
+        ax.set(
+            xlabel="requests in flight (concurrency)",
+            ylabel="output tokens/s",
+            title=title or "throughput vs concurrency",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()

@@ -24,8 +24,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
         high = min(low + 1, len(ordered) - 1)
         return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
-    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99),
-            "mean": statistics.fmean(ordered)}
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "mean": statistics.fmean(ordered)}
 
 
 @dataclass

@@ -23,8 +23,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from pagemesh.tools.loadgen.client import Arrivals, Driver, ModelInfo, Target, open_driver
-from pagemesh.tools.loadgen.workloads import BenchRequest, Workload, poisson_arrivals
 from pagemesh.tools.loadgen.result import RunResult
+from pagemesh.tools.loadgen.workloads import BenchRequest, Workload, poisson_arrivals
 
 MAX_ERRORS_IN_NOTES = 3
 
@@ -70,12 +70,27 @@ def token_samples(start_s: float, arrivals: Arrivals) -> tuple[float, list[float
     return first_at - start_s, gaps, previous - start_s
 
 
-def summarize(outcomes: list[Outcome], duration_s: float, engine: str, workload: str,
-              dtype: str, level: Level, notes: list[str]) -> RunResult:
+def summarize(
+    outcomes: list[Outcome],
+    duration_s: float,
+    engine: str,
+    workload: str,
+    dtype: str,
+    level: Level,
+    notes: list[str],
+) -> RunResult:
     """The RunResult of one level's outcomes (samples in ms)."""
-    result = RunResult(engine=engine, workload=workload, dtype=dtype,
-                       concurrency=level.concurrency, num_requests=0, prompt_tokens=0,
-                       output_tokens=0, duration_s=duration_s, request_rate=level.request_rate)
+    result = RunResult(
+        engine=engine,
+        workload=workload,
+        dtype=dtype,
+        concurrency=level.concurrency,
+        num_requests=0,
+        prompt_tokens=0,
+        output_tokens=0,
+        duration_s=duration_s,
+        request_rate=level.request_rate,
+    )
     errors: list[str] = []
     num_short = 0
     for outcome in outcomes:
@@ -107,11 +122,21 @@ class _Progress:
     def __init__(self, enabled: bool) -> None:
         self._bar = None
         if enabled:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(), refresh_per_second=4)
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                refresh_per_second=4,
+            )
         self._task = None
 
     def __enter__(self) -> _Progress:
@@ -135,8 +160,15 @@ class _Progress:
 class _LevelRun:
     """One level's requests through one driver."""
 
-    def __init__(self, driver: Driver, workload: Workload, level: Level, arrival_seed: int,
-                 timeout_s: float | None, progress: _Progress) -> None:
+    def __init__(
+        self,
+        driver: Driver,
+        workload: Workload,
+        level: Level,
+        arrival_seed: int,
+        timeout_s: float | None,
+        progress: _Progress,
+    ) -> None:
         self.driver = driver
         self.outcomes = [Outcome(r) for r in workload.requests]
         self.level = level
@@ -157,7 +189,8 @@ class _LevelRun:
         request = outcome.request
         try:
             outcome.start_s, outcome.arrivals = await self.driver.stream(
-                request.prompt_token_ids, request.max_tokens, self.timeout_s)
+                request.prompt_token_ids, request.max_tokens, self.timeout_s
+            )
         except Exception as exc:  # noqa: BLE001 - any failure is one error, the run goes on
             outcome.error = str(exc) or type(exc).__name__
         self.progress.advance()
@@ -193,12 +226,15 @@ def warmup_requests(num_requests: int, id_bound: int, seed: int = 0) -> list[Ben
     """Short random requests that are none of the workload's prompts, so that warming up
     does not fill the prefix cache with what is about to be measured."""
     rng = random.Random(seed + 1_000_003)
-    return [BenchRequest([rng.randrange(1, max(2, id_bound)) for _ in range(32)], 8)
-            for _ in range(num_requests)]
+    return [
+        BenchRequest([rng.randrange(1, max(2, id_bound)) for _ in range(32)], 8)
+        for _ in range(num_requests)
+    ]
 
 
-async def _warm_up(driver: Driver, workload: Workload, num_requests: int, info: ModelInfo,
-                   timeout_s: float | None) -> str | None:
+async def _warm_up(
+    driver: Driver, workload: Workload, num_requests: int, info: ModelInfo, timeout_s: float | None
+) -> str | None:
     """Sends `num_requests` unmeasured requests one by one; the first error, if any."""
     # Ids below the vocabulary, or below the workload's own largest id when that is unknown.
     id_bound = info.vocab_size or 1 + max(max(r.prompt_token_ids) for r in workload.requests)
@@ -210,10 +246,17 @@ async def _warm_up(driver: Driver, workload: Workload, num_requests: int, info: 
     return None
 
 
-async def arun_sweep(target: Target, workload: Workload, levels: Sequence[Level], *,
-                     arrival_seed: int = 0, warmup: int = 2, progress: bool = False,
-                     engine: str | None = None, timeout_s: float | None = None
-                     ) -> list[RunResult]:
+async def arun_sweep(
+    target: Target,
+    workload: Workload,
+    levels: Sequence[Level],
+    *,
+    arrival_seed: int = 0,
+    warmup: int = 2,
+    progress: bool = False,
+    engine: str | None = None,
+    timeout_s: float | None = None,
+) -> list[RunResult]:
     """One RunResult per level, in order, over one connection; `warmup` unmeasured requests
     go first. `engine` labels the results (default "pagemesh gRPC" / "pagemesh HTTP");
     `timeout_s` bounds each request (None = no limit); `arrival_seed` seeds open-loop
@@ -225,30 +268,41 @@ async def arun_sweep(target: Target, workload: Workload, levels: Sequence[Level]
     try:
         info = await driver.model_info()
         engine = engine or f"pagemesh {'HTTP' if target.protocol == 'http' else 'gRPC'}"
-        notes = [f"model {info.name}" if info.name else "", target.describe(),
-                 workload.description, await _warm_up(driver, workload, warmup, info, timeout_s)]
+        notes = [
+            f"model {info.name}" if info.name else "",
+            target.describe(),
+            workload.description,
+            await _warm_up(driver, workload, warmup, info, timeout_s),
+        ]
         notes = [n for n in notes if n]
         results = []
         with _Progress(progress) as bar:
             for level in levels:
-                bar.start_level(f"{engine} {workload.name} {level.describe()}",
-                                len(workload.requests))
+                bar.start_level(
+                    f"{engine} {workload.name} {level.describe()}", len(workload.requests)
+                )
                 run = _LevelRun(driver, workload, level, arrival_seed, timeout_s, bar)
                 duration_s = await run.run()
-                results.append(summarize(run.outcomes, duration_s, engine, workload.name,
-                                         info.dtype, level, notes))
+                results.append(
+                    summarize(
+                        run.outcomes, duration_s, engine, workload.name, info.dtype, level, notes
+                    )
+                )
         return results
     finally:
         await driver.close()
 
 
-def run_sweep(target: Target, workload: Workload, levels: Sequence[Level], **kwargs) -> list[RunResult]:
+def run_sweep(
+    target: Target, workload: Workload, levels: Sequence[Level], **kwargs
+) -> list[RunResult]:
     """Blocking `arun_sweep`: one RunResult per level, in order."""
     return asyncio.run(arun_sweep(target, workload, levels, **kwargs))
 
 
-def run_workload(target: Target, workload: Workload, *, concurrency: int = 0,
-                 request_rate: float = 0.0, **kwargs) -> RunResult:
+def run_workload(
+    target: Target, workload: Workload, *, concurrency: int = 0, request_rate: float = 0.0, **kwargs
+) -> RunResult:
     """One level of `workload` against `target` (see `arun_sweep` for the other arguments)."""
     return run_sweep(target, workload, [Level(concurrency, request_rate)], **kwargs)[0]
 

@@ -77,20 +77,34 @@ def _random_ids(rng: random.Random, num_tokens: int, id_bound: int) -> list[int]
     return [rng.randrange(1, id_bound) for _ in range(num_tokens)]
 
 
-def w64(num_requests: int = 64, prompt_len: int = 128, max_tokens: int = 128,
-        vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> Workload:
+def w64(
+    num_requests: int = 64,
+    prompt_len: int = 128,
+    max_tokens: int = 128,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+) -> Workload:
     """bench/common.py's W64 prompts (with its defaults and a vocabulary >= 32000)."""
     rng = random.Random(seed)
     bound = min(vocab_size, W64_ID_BOUND)
-    requests = [BenchRequest(_random_ids(rng, prompt_len, bound), max_tokens)
-                for _ in range(num_requests)]
-    return Workload("w64", requests, f"{num_requests} requests x {prompt_len} random prompt ids "
-                    f"x {max_tokens} new tokens (seed {seed})")
+    requests = [
+        BenchRequest(_random_ids(rng, prompt_len, bound), max_tokens) for _ in range(num_requests)
+    ]
+    return Workload(
+        "w64",
+        requests,
+        f"{num_requests} requests x {prompt_len} random prompt ids "
+        f"x {max_tokens} new tokens (seed {seed})",
+    )
 
 
-def sharegpt_like(num_requests: int = 128, prompt_len: int | None = None,
-                  max_tokens: int | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                  seed: int = 0) -> Workload:
+def sharegpt_like(
+    num_requests: int = 128,
+    prompt_len: int | None = None,
+    max_tokens: int | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+) -> Workload:
     """`prompt_len` / `max_tokens` move the medians of SHAREGPT_PROMPT / SHAREGPT_OUTPUT."""
     prompt_shape = SHAREGPT_PROMPT.scaled(prompt_len) if prompt_len else SHAREGPT_PROMPT
     output_shape = SHAREGPT_OUTPUT.scaled(max_tokens) if max_tokens else SHAREGPT_OUTPUT
@@ -100,16 +114,24 @@ def sharegpt_like(num_requests: int = 128, prompt_len: int | None = None,
         num_prompt, num_output = prompt_shape.draw(rng), output_shape.draw(rng)
         requests.append(BenchRequest(_random_ids(rng, num_prompt, vocab_size), num_output))
     return Workload(
-        "sharegpt-like", requests,
+        "sharegpt-like",
+        requests,
         f"{num_requests} requests, log-normal lengths: prompt median {prompt_shape.median} "
         f"sigma {prompt_shape.sigma} in [{prompt_shape.low}, {prompt_shape.high}], output median "
         f"{output_shape.median} sigma {output_shape.sigma} in [{output_shape.low}, "
-        f"{output_shape.high}] (seed {seed})")
+        f"{output_shape.high}] (seed {seed})",
+    )
 
 
-def shared_prefix(num_requests: int = 64, prompt_len: int = 512, max_tokens: int = 64,
-                  vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0, num_tenants: int = 4,
-                  suffix_len: tuple[int, int] = (32, 64)) -> Workload:
+def shared_prefix(
+    num_requests: int = 64,
+    prompt_len: int = 512,
+    max_tokens: int = 64,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+    num_tenants: int = 4,
+    suffix_len: tuple[int, int] = (32, 64),
+) -> Workload:
     """`prompt_len` is each tenant's system prefix; requests pick a tenant at random."""
     if num_tenants < 1:
         raise ValueError(f"num_tenants must be >= 1, got {num_tenants}")
@@ -121,28 +143,47 @@ def shared_prefix(num_requests: int = 64, prompt_len: int = 512, max_tokens: int
         suffix = _random_ids(rng, rng.randint(*suffix_len), vocab_size)
         requests.append(BenchRequest(prefix + suffix, max_tokens))
     return Workload(
-        "shared-prefix", requests,
+        "shared-prefix",
+        requests,
         f"{num_requests} requests, {num_tenants} tenants x {prompt_len}-token system prefix + "
-        f"{suffix_len[0]}-{suffix_len[1]} unique tokens, {max_tokens} new tokens (seed {seed})")
+        f"{suffix_len[0]}-{suffix_len[1]} unique tokens, {max_tokens} new tokens (seed {seed})",
+    )
 
 
 WORKLOADS = {"w64": w64, "sharegpt-like": sharegpt_like, "shared-prefix": shared_prefix}
 
 
-def build_workload(name: str, *, num_requests: int | None = None, prompt_len: int | None = None,
-                   max_tokens: int | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                   seed: int = 0, num_tenants: int | None = None) -> Workload:
+def build_workload(
+    name: str,
+    *,
+    num_requests: int | None = None,
+    prompt_len: int | None = None,
+    max_tokens: int | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+    num_tenants: int | None = None,
+) -> Workload:
     """The named workload; None leaves that parameter at the workload's default."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-    for flag, value in (("num_requests", num_requests), ("prompt_len", prompt_len),
-                        ("max_tokens", max_tokens)):
+    for flag, value in (
+        ("num_requests", num_requests),
+        ("prompt_len", prompt_len),
+        ("max_tokens", max_tokens),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    overrides = {k: v for k, v in (("num_requests", num_requests), ("prompt_len", prompt_len),
-                                   ("max_tokens", max_tokens)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("num_requests", num_requests),
+            ("prompt_len", prompt_len),
+            ("max_tokens", max_tokens),
+        )
+        if v is not None
+    }
     if num_tenants is not None:
         if name != "shared-prefix":
             raise ValueError("num_tenants applies to the shared-prefix workload only")

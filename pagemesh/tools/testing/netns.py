@@ -54,7 +54,11 @@ class HostNetwork:
 
     def add_host(self, role: str) -> Host:
         index = len(self.hosts) + 1
-        name, outside, inside = f"pm{self.tag}{role}", f"pmv{self.tag}{index}", f"pmi{self.tag}{index}"
+        name, outside, inside = (
+            f"pm{self.tag}{role}",
+            f"pmv{self.tag}{index}",
+            f"pmi{self.tag}{index}",
+        )
         run("ip", "netns", "add", name)
         run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
         run("ip", "link", "set", inside, "netns", name)

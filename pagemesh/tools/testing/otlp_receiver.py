@@ -65,8 +65,9 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __exit__(self, *exc: object) -> None:
         self._server.stop(grace=None)
 
-    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
-               context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
         spans = []
         count = 0
         for resource_spans in request.resource_spans:
@@ -84,9 +85,14 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     @staticmethod
     def _convert(service: str, span: Any) -> ReceivedSpan:
         return ReceivedSpan(
-            service=service, name=span.name, trace_id=span.trace_id.hex(),
-            span_id=span.span_id.hex(), parent_span_id=span.parent_span_id.hex(),
-            kind=span.kind, attributes=_attributes(span.attributes), status_code=span.status.code,
+            service=service,
+            name=span.name,
+            trace_id=span.trace_id.hex(),
+            span_id=span.span_id.hex(),
+            parent_span_id=span.parent_span_id.hex(),
+            kind=span.kind,
+            attributes=_attributes(span.attributes),
+            status_code=span.status.code,
             events=[(e.name, _attributes(e.attributes)) for e in span.events],
             links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
         )
@@ -95,8 +101,12 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self._lock:
             return [s for s in self._spans if trace_id is None or s.trace_id == trace_id]
 
-    def wait_for(self, done: Callable[[list[ReceivedSpan]], bool], trace_id: str | None = None,
-                 timeout_s: float = 30.0) -> list[ReceivedSpan]:
+    def wait_for(
+        self,
+        done: Callable[[list[ReceivedSpan]], bool],
+        trace_id: str | None = None,
+        timeout_s: float = 30.0,
+    ) -> list[ReceivedSpan]:
         """The spans (of `trace_id`) once `done(spans)` holds; raises after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -42,8 +42,7 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], quantization_config: dic
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_fp8_checkpoint(plain: Path, out: Path, *, per_channel: bool
-                         ) -> dict[str, torch.Tensor]:
+def write_fp8_checkpoint(plain: Path, out: Path, *, per_channel: bool) -> dict[str, torch.Tensor]:
     """per_channel: llm-compressor's layout; else vLLM's per-tensor one."""
     tensors = _copy_folder(plain, out)
     dequantized = {}
@@ -57,14 +56,31 @@ def write_fp8_checkpoint(plain: Path, out: Path, *, per_channel: bool
         tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.02)
         dequantized[name] = q.float() * scale
     if per_channel:
-        config = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                  "quantization_status": "compressed", "ignore": ["lm_head"],
-                  "config_groups": {"group_0": {
-                      "targets": ["Linear"],
-                      "weights": {"num_bits": 8, "type": "float", "symmetric": True,
-                                  "strategy": "channel", "dynamic": False},
-                      "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
-                                            "strategy": "token", "dynamic": True}}}}
+        config = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "channel",
+                        "dynamic": False,
+                    },
+                    "input_activations": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "token",
+                        "dynamic": True,
+                    },
+                }
+            },
+        }
     else:
         config = {"quant_method": "fp8", "activation_scheme": "static"}
     _write(out, tensors, config)
@@ -81,8 +97,9 @@ def _pack_columns(values: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def write_awq_checkpoint(plain: Path, out: Path, *, group_size: int, bits: int = 4
-                         ) -> dict[str, torch.Tensor]:
+def write_awq_checkpoint(
+    plain: Path, out: Path, *, group_size: int, bits: int = 4
+) -> dict[str, torch.Tensor]:
     """Asymmetric 4-bit min/max quantization per group of `group_size` input features."""
     tensors = _copy_folder(plain, out)
     dequantized = {}
@@ -99,10 +116,23 @@ def write_awq_checkpoint(plain: Path, out: Path, *, group_size: int, bits: int =
         tensors[base + "qweight"] = _pack_columns(q.reshape(in_features, out_features))
         tensors[base + "qzeros"] = _pack_columns(zeros)
         tensors[base + "scales"] = scales
-        dequantized[name] = ((q - zeros[:, None]) * scales.float()[:, None]).reshape(
-            in_features, out_features).t().contiguous()
-    _write(out, tensors, {"quant_method": "awq", "bits": bits, "group_size": group_size,
-                          "zero_point": True, "version": "gemm"})
+        dequantized[name] = (
+            ((q - zeros[:, None]) * scales.float()[:, None])
+            .reshape(in_features, out_features)
+            .t()
+            .contiguous()
+        )
+    _write(
+        out,
+        tensors,
+        {
+            "quant_method": "awq",
+            "bits": bits,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+        },
+    )
     return dequantized
 
 
@@ -110,8 +140,9 @@ def dequantized_hf_model(plain: Path, dequantized: dict[str, torch.Tensor]):
     """transformers' model of `plain` with each quantized weight replaced by its value."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(plain, attn_implementation="eager",
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        plain, attn_implementation="eager", dtype=torch.float32
+    )
     state = model.state_dict()
     with torch.no_grad():
         for name, weight in dequantized.items():

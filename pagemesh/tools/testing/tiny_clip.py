@@ -32,23 +32,39 @@ BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
 LOGIT_SCALE = math.log(1 / 0.07)  # CLIP's initial temperature
 LAYER_NORM_NOISE = 0.1
-_UNIT_GAIN_WEIGHTS = ("v_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight",
-                      "patch_embedding.weight", "text_projection.weight",
-                      "visual_projection.weight")
+_UNIT_GAIN_WEIGHTS = (
+    "v_proj.weight",
+    "out_proj.weight",
+    "fc1.weight",
+    "fc2.weight",
+    "patch_embedding.weight",
+    "text_projection.weight",
+    "visual_projection.weight",
+)
 
 
 def train_clip_tokenizer(vocab_size: int = 400):
     """A lower-casing byte-level BPE (as CLIP's) trained on tiny_models' text, with the
     special tokens appended last and a template that wraps every text in them."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(TRAINING_TEXT.splitlines(), trainer=trainer)
     tokenizer.add_special_tokens([BOS_TOKEN, EOS_TOKEN])
     bos_id, eos_id = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
@@ -64,14 +80,24 @@ def _write_tokenizer(path: Path, max_position_embeddings: int) -> tuple[int, int
     """Writes the tokenizer files; returns (vocab_size, bos_id, eos_id)."""
     tokenizer = train_clip_tokenizer()
     tokenizer.save(str(path / "tokenizer.json"))
-    special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
-               "unk_token": EOS_TOKEN}
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                        "model_max_length": max_position_embeddings, **special}
+    special = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "unk_token": EOS_TOKEN,
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_position_embeddings,
+        **special,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-    return (tokenizer.get_vocab_size(), tokenizer.token_to_id(BOS_TOKEN),
-            tokenizer.token_to_id(EOS_TOKEN))
+    return (
+        tokenizer.get_vocab_size(),
+        tokenizer.token_to_id(BOS_TOKEN),
+        tokenizer.token_to_id(EOS_TOKEN),
+    )
 
 
 def _write_preprocessor(path: Path, image_size: int) -> None:
@@ -134,18 +160,29 @@ def write_tiny_clip(
     path.mkdir(parents=True, exist_ok=True)
     vocab_size, bos_id, eos_id = _write_tokenizer(path, max_position_embeddings)
     text_config = {
-        "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 4 * hidden,
-        "num_hidden_layers": text_layers, "num_attention_heads": num_heads,
-        "max_position_embeddings": max_position_embeddings, "hidden_act": hidden_act,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "num_hidden_layers": text_layers,
+        "num_attention_heads": num_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "hidden_act": hidden_act,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
     }
     vision_config = {
-        "hidden_size": vision_hidden, "intermediate_size": 4 * vision_hidden,
-        "num_hidden_layers": vision_layers, "num_attention_heads": num_heads,
-        "image_size": image_size, "patch_size": patch_size, "hidden_act": hidden_act,
+        "hidden_size": vision_hidden,
+        "intermediate_size": 4 * vision_hidden,
+        "num_hidden_layers": vision_layers,
+        "num_attention_heads": num_heads,
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "hidden_act": hidden_act,
     }
-    config = transformers.CLIPConfig(text_config=text_config, vision_config=vision_config,
-                                     projection_dim=projection_dim)
+    config = transformers.CLIPConfig(
+        text_config=text_config, vision_config=vision_config, projection_dim=projection_dim
+    )
     model = transformers.CLIPModel(config)
     _randomise(model, seed)
     model.save_pretrained(path, safe_serialization=True)

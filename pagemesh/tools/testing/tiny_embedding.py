@@ -11,13 +11,23 @@ from typing import Any
 
 from pagemesh.tools.testing.tiny_models import EOS_TOKEN, write_realistic_model
 
-_ST_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
-             "cls": "pooling_mode_cls_token"}
+_ST_MODES = {
+    "last": "pooling_mode_lasttoken",
+    "mean": "pooling_mode_mean_tokens",
+    "cls": "pooling_mode_cls_token",
+}
 
 
-def write_embedding_model(path: str | Path, arch: str = "qwen3", *, pooling: str = "last",
-                          normalize: bool = True, layout: str = "sentence-transformers",
-                          seed: int = 0, **config: Any) -> Path:
+def write_embedding_model(
+    path: str | Path,
+    arch: str = "qwen3",
+    *,
+    pooling: str = "last",
+    normalize: bool = True,
+    layout: str = "sentence-transformers",
+    seed: int = 0,
+    **config: Any,
+) -> Path:
     """`layout`: "sentence-transformers" (modules.json + 1_Pooling, weights without the
     `model.` prefix, as Qwen3-Embedding) or "bare" (architectures `<Arch>Model`, no LM head;
     pooling is then the default: last token, normalised). `config`: config.json additions,
@@ -29,14 +39,19 @@ def write_embedding_model(path: str | Path, arch: str = "qwen3", *, pooling: str
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"$A {EOS_TOKEN}", pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}",
-        special_tokens=[(EOS_TOKEN, eos_id)])
+        single=f"$A {EOS_TOKEN}",
+        pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}",
+        special_tokens=[(EOS_TOKEN, eos_id)],
+    )
     tokenizer.save(str(path / "tokenizer.json"))
     hf_config = json.loads((path / "config.json").read_text())
     hf_config.update(config)
     weights = load_file(str(path / "model.safetensors"))
-    weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()
-               if not name.startswith("lm_head.")}
+    weights = {
+        name.removeprefix("model."): tensor
+        for name, tensor in weights.items()
+        if not name.startswith("lm_head.")
+    }
     if layout == "bare":
         hf_config["architectures"] = [hf_config["architectures"][0].replace("ForCausalLM", "Model")]
     elif layout == "sentence-transformers":
@@ -50,17 +65,33 @@ def write_embedding_model(path: str | Path, arch: str = "qwen3", *, pooling: str
 
 
 def _write_st_modules(path: Path, pooling: str, normalize: bool, hidden_size: int) -> None:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
         (path / "2_Normalize").mkdir(exist_ok=True)
     (path / "modules.json").write_text(json.dumps(modules, indent=2))
     (path / "1_Pooling").mkdir(exist_ok=True)
-    pooling_config = {"word_embedding_dimension": hidden_size, "include_prompt": True,
-                      **{key: kind == pooling for kind, key in _ST_MODES.items()}}
+    pooling_config = {
+        "word_embedding_dimension": hidden_size,
+        "include_prompt": True,
+        **{key: kind == pooling for kind, key in _ST_MODES.items()},
+    }
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512,
-                                                                "do_lower_case": False}))
+    (path / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 512, "do_lower_case": False})
+    )

@@ -61,8 +61,15 @@ CHAT_TEMPLATE = (
 _TEXT_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
 # LLaVA-NeXT's grids for a 32-pixel tower: 1x2, 2x1, 2x2, 1x3 and 3x1 tiles.
 NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
-_UNIT_GAIN_WEIGHTS = ("v_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight",
-                      "patch_embedding.weight", "linear_1.weight", "linear_2.weight")
+_UNIT_GAIN_WEIGHTS = (
+    "v_proj.weight",
+    "out_proj.weight",
+    "fc1.weight",
+    "fc2.weight",
+    "patch_embedding.weight",
+    "linear_1.weight",
+    "linear_2.weight",
+)
 
 
 def _write_tokenizer(path: Path) -> tuple[int, int]:
@@ -118,9 +125,18 @@ def llava_hf_name(name: str) -> str:
     tower's tensors get back the `vision_model.` that transformers 5 drops (its
     CLIPVisionModel has no such submodule, and saving does not put it back)."""
     if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-        return "vision_tower.vision_model." + name[len("vision_tower."):]
-    if name.startswith(("vision_tower.", "multi_modal_projector.", "language_model.model.",
-                        "language_model.lm_head.")) or name == "image_newline":
+        return "vision_tower.vision_model." + name[len("vision_tower.") :]
+    if (
+        name.startswith(
+            (
+                "vision_tower.",
+                "multi_modal_projector.",
+                "language_model.model.",
+                "language_model.lm_head.",
+            )
+        )
+        or name == "image_newline"
+    ):
         return name
     raise ValueError(f"unexpected LLaVA tensor name {name!r}")
 
@@ -149,11 +165,11 @@ def write_tiny_llava(
     **text_overrides: Any,
 ) -> Path:
     """Write a tiny random LLaVA folder to `path`; deterministic given `seed` (both namings
-    hold the same weights). The tower and decoder widths differ, so a projector wired the
-    wrong way round cannot go unnoticed. `text_std`: the language model's weights' (a
-    trained model's scale by default; tiny_models.PEAKY_STD for greedy tokens that never
-    part at a near-tie). `next`: a LLaVA-NeXT, tiling images on `NEXT_PINPOINTS` (scaled to
-the tower's image size), with its image processor's and processor's configs."""
+        hold the same weights). The tower and decoder widths differ, so a projector wired the
+        wrong way round cannot go unnoticed. `text_std`: the language model's weights' (a
+        trained model's scale by default; tiny_models.PEAKY_STD for greedy tokens that never
+        part at a near-tie). `next`: a LLaVA-NeXT, tiling images on `NEXT_PINPOINTS` (scaled to
+    the tower's image size), with its image processor's and processor's configs."""
     import transformers
 
     if naming not in NAMINGS:
@@ -164,22 +180,41 @@ the tower's image size), with its image processor's and processor's configs."""
     path.mkdir(parents=True, exist_ok=True)
     vocab_size, image_token_id = _write_tokenizer(path)
     vision_config = transformers.CLIPVisionConfig(
-        hidden_size=vision_hidden, intermediate_size=4 * vision_hidden,
-        num_hidden_layers=vision_layers, num_attention_heads=4, image_size=image_size,
-        patch_size=patch_size, hidden_act="quick_gelu", projection_dim=32)
+        hidden_size=vision_hidden,
+        intermediate_size=4 * vision_hidden,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=4,
+        image_size=image_size,
+        patch_size=patch_size,
+        hidden_act="quick_gelu",
+        projection_dim=32,
+    )
     text_kwargs: dict[str, Any] = {
-        "vocab_size": vocab_size, "hidden_size": text_hidden, "intermediate_size": 2 * text_hidden,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+        "vocab_size": vocab_size,
+        "hidden_size": text_hidden,
+        "intermediate_size": 2 * text_hidden,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
         **({"sliding_window": None} if text_arch == "mistral" else {}),
         **text_overrides,
     }
     text_config = getattr(transformers, _TEXT_CONFIGS[text_arch])(**text_kwargs)
-    common = dict(vision_config=vision_config, text_config=text_config,
-                  image_token_index=image_token_id, vision_feature_layer=-2,
-                  vision_feature_select_strategy="default", projector_hidden_act="gelu",
-                  image_seq_length=(image_size // patch_size) ** 2)
+    common = dict(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=image_token_id,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        image_seq_length=(image_size // patch_size) ** 2,
+    )
     pinpoints = [[side * image_size // 32 for side in pair] for pair in NEXT_PINPOINTS]
     if next:
         config = transformers.LlavaNextConfig(**common, image_grid_pinpoints=pinpoints)
@@ -201,6 +236,11 @@ def _make_next_preprocessor(path: Path, pinpoints: list[list[int]]) -> None:
     """CLIP's preprocessor config as LlavaNextImageProcessor's: the grids, padding on."""
     file = path / "preprocessor_config.json"
     config = json.loads(file.read_text())
-    config.update({"image_processor_type": "LlavaNextImageProcessor",
-                   "image_grid_pinpoints": pinpoints, "do_pad": True})
+    config.update(
+        {
+            "image_processor_type": "LlavaNextImageProcessor",
+            "image_grid_pinpoints": pinpoints,
+            "do_pad": True,
+        }
+    )
     file.write_text(json.dumps(config, indent=2))

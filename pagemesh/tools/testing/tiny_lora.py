@@ -10,10 +10,25 @@ from typing import Any
 import torch
 
 
-def write_lora(base: str | Path, path: str | Path, *, rank: int = 8, alpha: float = 16,
-               target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                  "gate_proj", "up_proj", "down_proj"),
-               seed: int = 0, gain: float = 1.0, **config: Any) -> Path:
+def write_lora(
+    base: str | Path,
+    path: str | Path,
+    *,
+    rank: int = 8,
+    alpha: float = 16,
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+    seed: int = 0,
+    gain: float = 1.0,
+    **config: Any,
+) -> Path:
     """An adapter of `base` at `path`; `gain` scales B (how far it moves the output);
     `config`: more LoraConfig fields (use_rslora, alpha_pattern, ...)."""
     import peft
@@ -21,8 +36,13 @@ def write_lora(base: str | Path, path: str | Path, *, rank: int = 8, alpha: floa
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules),
-                           init_lora_weights=False, **config)
+    lora = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(target_modules),
+        init_lora_weights=False,
+        **config,
+    )
     adapted = peft.get_peft_model(model, lora)
     with torch.no_grad():
         for name, param in adapted.named_parameters():

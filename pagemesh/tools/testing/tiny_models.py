@@ -52,15 +52,31 @@ _ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 24}),  # != hidden / heads, as real Qwen3 does
     # Mixture of experts: 8 experts, 2 per token, as Mixtral; Qwen's experts narrower than the
     # dense MLP, as theirs are, with one dense layer (`mlp_only_layers`).
-    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2,
-                                  "sliding_window": None}),
-    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 48,
-                                     "shared_expert_intermediate_size": 96,
-                                     "mlp_only_layers": [1], "norm_topk_prob": False}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 48, "head_dim": 24,
-                                     "norm_topk_prob": True}),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "head_dim": 24,
+            "norm_topk_prob": True,
+        },
+    ),
 }
 PEAKY_STD = 0.4
 REALISTIC_STD = 0.02
@@ -171,9 +187,11 @@ def write_tiny_model(
     return path
 
 
-def write_realistic_model(path: str | Path, arch: str = "llama", seed: int = 0,
-                          **overrides: Any) -> Path:
+def write_realistic_model(
+    path: str | Path, arch: str = "llama", seed: int = 0, **overrides: Any
+) -> Path:
     """`write_tiny_model` at a trained checkpoint's scales (see the module's docstring):
     for the tests of numerical parity with transformers."""
-    return write_tiny_model(path, arch, seed, std=REALISTIC_STD,
-                            attention_std=REALISTIC_ATTENTION_STD, **overrides)
+    return write_tiny_model(
+        path, arch, seed, std=REALISTIC_STD, attention_std=REALISTIC_ATTENTION_STD, **overrides
+    )

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.parallel_harness import LocalWorkerGroup
+from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from tests.worker_svc.test_loader import (
     add_gguf_header,
     greedy_tokens,
@@ -21,7 +22,6 @@ from tests.worker_svc.test_loader import (
     hf_to_gguf_name,
     llama_cpp_permute,
 )
-from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from worker_svc.loader import load_model
 from worker_svc.model.matmul import PreparableLinear
 from worker_svc.quant.gguf import GGUF_KEEP_TYPES, GgufWeight, dequantize_gguf, gguf_block_size
@@ -30,8 +30,15 @@ from worker_svc.runner import ModelRunner, RunnerConfig
 PROMPT = [1, 7, 42, 99, 3, 250, 17, 5, 300, 11]
 NUM_NEW_TOKENS = 12
 # Per projection: mixed types inside one fused layer (q|k|v, gate|up) too.
-MIXED = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q5_1",
-         "gate_proj": "Q4_1", "up_proj": "Q5_0", "down_proj": "Q8_0"}
+MIXED = {
+    "q_proj": "Q4_0",
+    "k_proj": "Q4_0",
+    "v_proj": "Q8_0",
+    "o_proj": "Q5_1",
+    "gate_proj": "Q4_1",
+    "up_proj": "Q5_0",
+    "down_proj": "Q8_0",
+}
 
 
 def write_quantized_gguf(hf_path: Path, out: Path, types: str | dict[str, str]) -> Path:
@@ -55,8 +62,9 @@ def write_quantized_gguf(hf_path: Path, out: Path, types: str | dict[str, str]) 
         leaf = name.rsplit(".", 2)[-2]
         if name.endswith("proj.weight"):
             qtype = gguf.GGMLQuantizationType[types if isinstance(types, str) else types[leaf]]
-            writer.add_tensor(hf_to_gguf_name(name), gguf.quants.quantize(array, qtype),
-                              raw_dtype=qtype)
+            writer.add_tensor(
+                hf_to_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype
+            )
         else:
             writer.add_tensor(hf_to_gguf_name(name), array)
     writer.write_header_to_file()
@@ -88,9 +96,12 @@ def test_dequantize_equals_gguf_bit_for_bit(type_name: str) -> None:
     if type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # real quantized values too
         weights = rng.standard_normal((5, 4 * block_size)).astype(np.float32)
         blocks = gguf.quants.quantize(weights, qtype)
-        torch.testing.assert_close(dequantize_gguf(torch.from_numpy(blocks), type_name),
-                                   torch.from_numpy(gguf.quants.dequantize(blocks, qtype)),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            dequantize_gguf(torch.from_numpy(blocks), type_name),
+            torch.from_numpy(gguf.quants.dequantize(blocks, qtype)),
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_gguf_weight_rejects_wrong_shapes() -> None:
@@ -99,17 +110,20 @@ def test_gguf_weight_rejects_wrong_shapes() -> None:
 
 
 @pytest.mark.parametrize("types", ["Q8_0", "Q4_0", "Q4_1", "mixed"])
-def test_keep_quantized_equals_dequantize_at_load(tiny_hf: Path, tmp_path: Path,
-                                                  types: str) -> None:
-    path = write_quantized_gguf(tiny_hf, tmp_path / "tiny.gguf",
-                                MIXED if types == "mixed" else types)
+def test_keep_quantized_equals_dequantize_at_load(
+    tiny_hf: Path, tmp_path: Path, types: str
+) -> None:
+    path = write_quantized_gguf(
+        tiny_hf, tmp_path / "tiny.gguf", MIXED if types == "mixed" else types
+    )
     # fp32 named: a quantized GGUF is bf16 under auto on a CPU with native bf16, and the
     # bit-for-bit claims below are about fp32 activations.
     plain, plain_meta = load_model(path, dtype="float32")
     kept, kept_meta = load_model(path, dtype="float32", gguf_keep_quantized=True)
     assert plain_meta.quantization == "none"
-    expected_label = ("gguf-q4_0+q4_1+q5_0+q5_1+q8_0" if types == "mixed"
-                      else f"gguf-{types.lower()}")
+    expected_label = (
+        "gguf-q4_0+q4_1+q5_0+q5_1+q8_0" if types == "mixed" else f"gguf-{types.lower()}"
+    )
     assert kept_meta.quantization == expected_label
     # 17 rows: dequantized then F.linear, bit for bit the plain path. 5 rows (decoding):
     # the fused C kernel (kernels/cpu_gguf.c) where it builds, with gguf's exact weights
@@ -122,11 +136,14 @@ def test_keep_quantized_equals_dequantize_at_load(tiny_hf: Path, tmp_path: Path,
         assert torch.equal(kept_module.packed_weight.dequantize(), module.weight), name
         inputs = x[:, : module.weight.shape[1]]
         assert torch.equal(kept_module(inputs), module(inputs)), name
-        torch.testing.assert_close(kept_module(inputs[:5]), module(inputs[:5]),
-                                   rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(
+            kept_module(inputs[:5]), module(inputs[:5]), rtol=1e-5, atol=1e-5, msg=name
+        )
     # The tiny models keep their top logits well apart: the same tokens.
-    runners = [ModelRunner(model, meta, num_blocks=8, block_size=4, cpu_linear="torch")
-               for model, meta in ((plain, plain_meta), (kept, kept_meta))]
+    runners = [
+        ModelRunner(model, meta, num_blocks=8, block_size=4, cpu_linear="torch")
+        for model, meta in ((plain, plain_meta), (kept, kept_meta))
+    ]
     tokens = [greedy_tokens(runner, PROMPT, NUM_NEW_TOKENS) for runner in runners]
     assert tokens[0] == tokens[1]
     plain_bytes, kept_bytes = (r.info().weight_bytes for r in runners)
@@ -135,11 +152,21 @@ def test_keep_quantized_equals_dequantize_at_load(tiny_hf: Path, tmp_path: Path,
 
 def test_tp2_tokens_equal_tp1(tiny_hf: Path, tmp_path: Path) -> None:
     path = write_quantized_gguf(tiny_hf, tmp_path / "tiny.gguf", "Q4_1")
-    config = RunnerConfig(model_path=str(path), block_size=4, num_blocks=32, dtype="float32",
-                          cpu_linear="torch", gguf_keep_quantized=True)
-    requests = lambda: [ScriptedRequest("a", random_prompt(9, 512, 1), join_step=0),  # noqa: E731
-                        ScriptedRequest("b", random_prompt(13, 512, 2), join_step=1,
-                                        prefill_chunk=5)]
+    config = RunnerConfig(
+        model_path=str(path),
+        block_size=4,
+        num_blocks=32,
+        dtype="float32",
+        cpu_linear="torch",
+        gguf_keep_quantized=True,
+    )
+
+    def requests() -> list[ScriptedRequest]:
+        return [
+            ScriptedRequest("a", random_prompt(9, 512, 1), join_step=0),
+            ScriptedRequest("b", random_prompt(13, 512, 2), join_step=1, prefill_chunk=5),
+        ]
+
     expected = requests()
     drive(ModelRunner.from_config(config), expected, 8)
     with LocalWorkerGroup(2, 1) as group:
@@ -151,7 +178,8 @@ def test_tp2_tokens_equal_tp1(tiny_hf: Path, tmp_path: Path) -> None:
 
 
 def test_row_parallel_shard_off_block_boundaries_is_dequantized_at_load(
-        tiny_hf: Path, tmp_path: Path, caplog) -> None:
+    tiny_hf: Path, tmp_path: Path, caplog
+) -> None:
     from worker_svc.loader import open_source
     from worker_svc.model.llama import LlamaForCausalLM
     from worker_svc.parallel import ParallelConfig
@@ -184,12 +212,12 @@ def test_fused_cpu_kernel_matches_dequantize_then_linear(type_name: str, rows: i
     rng = np.random.default_rng(rows)
     weights = rng.standard_normal((40, 256)).astype(np.float32) * 0.05
     blocks = gguf.quants.quantize(weights, getattr(gguf.GGMLQuantizationType, type_name))
-    layer = GgufWeight([(type_name, torch.from_numpy(blocks.view(np.uint8).reshape(40, -1)))],
-                       256)
+    layer = GgufWeight([(type_name, torch.from_numpy(blocks.view(np.uint8).reshape(40, -1)))], 256)
     x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32))
     bias = torch.arange(40, dtype=torch.float32)
     fused = layer._fused_matmul(x)
     assert fused is not None
-    torch.testing.assert_close(layer.apply(x, bias), F.linear(x, layer.dequantize(), bias),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        layer.apply(x, bias), F.linear(x, layer.dequantize(), bias), rtol=1e-5, atol=1e-5
+    )
     assert layer._fused_matmul(torch.zeros(17, 256)) is None  # many rows: dequantized

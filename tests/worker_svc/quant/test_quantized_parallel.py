@@ -37,8 +37,13 @@ def tp2():
 
 
 def runner_config(path: Path, quantization: str) -> RunnerConfig:
-    return RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE, num_blocks=32,
-                        quantization=quantization, cpu_linear="torch")
+    return RunnerConfig(
+        model_path=str(path),
+        block_size=BLOCK_SIZE,
+        num_blocks=32,
+        quantization=quantization,
+        cpu_linear="torch",
+    )
 
 
 def scripted_requests() -> list[ScriptedRequest]:
@@ -48,12 +53,15 @@ def scripted_requests() -> list[ScriptedRequest]:
     ]
 
 
-@pytest.mark.parametrize(("checkpoint", "quantization"), [
-    ("fp8_tensor", "auto"),
-    ("fp8_channel", "auto"),
-    ("awq", "auto"),
-    ("plain", "fp8"),  # quantized at load, per rank
-])
+@pytest.mark.parametrize(
+    ("checkpoint", "quantization"),
+    [
+        ("fp8_tensor", "auto"),
+        ("fp8_channel", "auto"),
+        ("awq", "auto"),
+        ("plain", "fp8"),  # quantized at load, per rank
+    ],
+)
 def test_tp2_tokens_equal_tp1(tp2, checkpoints, checkpoint, quantization) -> None:
     config = runner_config(checkpoints[checkpoint], quantization)
     single = ModelRunner.from_config(config)

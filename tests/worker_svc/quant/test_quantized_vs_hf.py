@@ -19,8 +19,8 @@ from pagemesh.tools.testing.quant_checkpoints import (
     write_awq_checkpoint,
     write_fp8_checkpoint,
 )
-from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from pagemesh.tools.testing.tiny_models import write_tiny_model
+from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from tests.support.hf_reference import assert_greedy_close, hf_greedy_with_logits
 from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from worker_svc.convert import worker_info_to_pb
@@ -59,8 +59,9 @@ def quantized(request, plain, tmp_path_factory):
 
 
 def make_runner(path: Path, **overrides) -> ModelRunner:
-    return ModelRunner.from_config(RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE,
-                                                num_blocks=48, **overrides))
+    return ModelRunner.from_config(
+        RunnerConfig(model_path=str(path), block_size=BLOCK_SIZE, num_blocks=48, **overrides)
+    )
 
 
 def scripted_requests() -> list[ScriptedRequest]:
@@ -75,8 +76,9 @@ def assert_matches_hf(runner: ModelRunner, hf_model) -> None:
     requests = scripted_requests()
     drive(runner, requests, NUM_NEW_TOKENS)
     for request in requests:
-        assert_greedy_close(request.outputs, *hf_greedy_with_logits(hf_model, request.prompt,
-                                                        NUM_NEW_TOKENS))
+        assert_greedy_close(
+            request.outputs, *hf_greedy_with_logits(hf_model, request.prompt, NUM_NEW_TOKENS)
+        )
 
 
 def test_greedy_tokens_match_dequantized_transformers(quantized) -> None:
@@ -99,17 +101,23 @@ def test_decoder_layer_outputs_within_tolerance(quantized) -> None:
     theirs: list[torch.Tensor] = []
     for layer in hf_model.model.layers:
         layer.register_forward_hook(
-            lambda _m, _i, out: theirs.append((out[0] if isinstance(out, tuple) else out)[0]))
+            lambda _m, _i, out: theirs.append((out[0] if isinstance(out, tuple) else out)[0])
+        )
     prompt = random_prompt(12, 512, 7)
-    new = NewRequestData("p", prompt, len(prompt), list(range(3)), 0,
-                         SamplingParams(temperature=0.0))
+    new = NewRequestData(
+        "p", prompt, len(prompt), list(range(3)), 0, SamplingParams(temperature=0.0)
+    )
     runner.execute_step(SchedulerOutput(0, [new], num_scheduled_tokens={"p": len(prompt)}))
     hf_model(torch.tensor([prompt]))
     assert len(ours) == len(theirs) == 3
     for index, (a, b) in enumerate(zip(ours, theirs)):
-        torch.testing.assert_close(a, b, rtol=LAYER_RTOL,
-                                   atol=LAYER_ATOL_PER_MAGNITUDE * float(b.abs().max()),
-                                   msg=f"layer {index}")
+        torch.testing.assert_close(
+            a,
+            b,
+            rtol=LAYER_RTOL,
+            atol=LAYER_ATOL_PER_MAGNITUDE * float(b.abs().max()),
+            msg=f"layer {index}",
+        )
 
 
 def test_fp8_quantized_at_load_matches_its_dequantization(plain, tmp_path) -> None:
@@ -126,8 +134,7 @@ def test_fp8_quantized_at_load_matches_its_dequantization(plain, tmp_path) -> No
             dequantized[name] = (w / scale).to(torch.float8_e4m3fn).float() * scale
     down = runner.model.model.layers[1].mlp.down_proj.packed_weight
     expected = dequantized["model.layers.1.mlp.down_proj.weight"]
-    torch.testing.assert_close(down.weight.float() * down.scale[:, None], expected,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(down.weight.float() * down.scale[:, None], expected, rtol=0, atol=0)
     assert_matches_hf(runner, dequantized_hf_model(plain, dequantized))
 
 
