@@ -18,8 +18,8 @@ run: install
 	$(VENV)/bin/pagemesh up $(ARGS)
 
 # Two pytest-xdist workers: on 2 cores the suite spends much of its time waiting (a mesh
-# starting, a fault being noticed), so two at once finish sooner than one (README says by
-# how much); tests/conftest.py keeps each file, and the files sharing a costly session
+# starting, a fault being noticed), so two at once finish sooner than one;
+# tests/conftest.py keeps each file, and the files sharing a costly session
 # fixture, on one worker. PYTEST_WORKERS=0 runs the suite in this process alone.
 PYTEST_WORKERS ?= 2
 test: install
@@ -29,7 +29,7 @@ test: install
 # client API, registry entries, ports), the protos, config and registry, the CPU kernels and
 # sampler in-process; no mesh, no model process, no compose. `make test` stays the whole
 # suite, and it is what CI runs.
-FAST_TESTS := tests/scheduler_svc tests/router tests/sdk tests/protos/test_protos.py \
+FAST_TESTS := tests/test_layers.py tests/scheduler_svc tests/router tests/sdk tests/protos/test_protos.py \
 	tests/pagemesh/test_config.py tests/pagemesh/test_registry.py tests/pagemesh/test_serving.py \
 	tests/pagemesh/test_discovery.py tests/pagemesh/test_registry_entries.py \
 	tests/pagemesh/test_service_flags.py tests/pagemesh/test_checkpoints_record.py \
@@ -59,7 +59,7 @@ lint: $(DEV_STAMP)
 # The docs site (docs/, mkdocs.yml) into site/; --strict: a warning (a broken link or anchor,
 # a page missing from the nav, an included bench result that is gone) fails the build.
 docs: $(DEV_STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 docs-serve: $(DEV_STAMP)
 	$(VENV)/bin/mkdocs serve
