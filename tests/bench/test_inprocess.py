@@ -1,5 +1,6 @@
 """The in-process engine core of `bench/inprocess.py` and the figures `bench/compare.py`
-derives: they feed the benchmarks' comparison (docs/benchmarks.md), so they are checked on a tiny model."""
+derives: they feed the benchmarks' comparison (docs/benchmarks.md), so they are checked on a
+tiny model."""
 
 from __future__ import annotations
 
