@@ -12,6 +12,7 @@ model info. Those adapters still build their own RPC envelopes (`ConnectRequest`
 from __future__ import annotations
 
 from pagemesh.api.options.constraint import OutputConstraint
+from pagemesh.api.options.messages import sampling_message, stopping_message
 from pagemesh.api.options.validation import SamplingOptions, StoppingOptions
 from protos.pagemesh.scheduler.v1 import scheduler_pb2
 from protos.pagemesh.v1 import generate_pb2
@@ -104,23 +105,8 @@ def submit_request(
     request = scheduler_pb2.SubmitRequest(
         request_id=submission.request_id,
         prompt_token_ids=submission.prompt_token_ids,
-        sampling=generate_pb2.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            seed=s.seed,
-        ),
-        stopping=generate_pb2.StoppingCriteria(
-            max_tokens=stopping.max_tokens,
-            min_tokens=stopping.min_tokens,
-            stop=stopping.stop,
-            stop_token_ids=stopping.stop_token_ids,
-            ignore_eos=stopping.ignore_eos,
-        ),
+        sampling=sampling_message(s),
+        stopping=stopping_message(stopping),
         logprobs=submission.num_logprobs,
         n=submission.n,
         priority=submission.priority,

@@ -176,7 +176,9 @@ def to_generate_request(
     would refuse (those that need the model are left to the router). The text options
     (skip_special_tokens, include_stop_str_in_output, detokenize) are the client's to
     apply: the router's text skips special tokens and stops before a stop string."""
-    from protos.pagemesh.v1 import generate_pb2  # protobuf only for the gRPC client
+    # protobuf only for the gRPC client
+    from pagemesh.api.options.messages import sampling_message, stopping_message
+    from protos.pagemesh.v1 import generate_pb2
 
     options = params.options()
     s, stopping = options.sampling, options.stopping
@@ -187,23 +189,8 @@ def to_generate_request(
         n=options.n,
         # The chosen token's logprob comes with any count > 0 (vLLM's logprobs=0 included).
         logprobs=options.num_logprobs or 0,
-        sampling=generate_pb2.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            seed=s.seed,
-        ),
-        stopping=generate_pb2.StoppingCriteria(
-            max_tokens=stopping.max_tokens,
-            min_tokens=stopping.min_tokens,
-            stop=stopping.stop,
-            stop_token_ids=stopping.stop_token_ids,
-            ignore_eos=stopping.ignore_eos,
-        ),
+        sampling=sampling_message(s),
+        stopping=stopping_message(stopping),
     )
     if isinstance(prompt, str):
         request.text = prompt
