@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from protos.codegen import PROTO_FILES
 from protos.pagemesh.v1 import generate_pb2
 
 HOOK = Path(__file__).resolve().parents[2] / "docs" / "_hooks" / "generate.py"
@@ -78,7 +79,7 @@ def test_every_field_of_generate_request_with_its_comment(page, generate_proto):
         row = _row(page, "pagemesh.v1.GenerateRequest", field.name)
         assert f"| {field.number} |" in row
         comment = _comment(generate_proto, (4, index, 2, i))
-        assert comment in row, field.name  # "" (always in) for an uncommented field
+        assert comment and comment in row, field.name
     assert "(oneof `prompt`)" in _row(page, "pagemesh.v1.GenerateRequest", "token_ids")
     assert "Prompt token ids." in _row(page, "pagemesh.v1.GenerateRequest", "token_ids")
 
@@ -96,3 +97,45 @@ def test_links_resolve_and_page_is_deterministic(hook, page):
         < page.index("scheduler.proto")
     )
     assert hook.render_reference() == page
+
+
+def _documented_elements(file):
+    """(source path, name) of every message (nested ones too), field, enum, enum value,
+    service and RPC of `file`; map entries are left out (their fields are the map's)."""
+
+    def message(m, path, name):
+        yield path, f"message {name}"
+        for i, field in enumerate(m.field):
+            yield path + (2, i), f"field {name}.{field.name}"
+        for i, nested in enumerate(m.nested_type):
+            if not nested.options.map_entry:
+                yield from message(nested, path + (3, i), f"{name}.{nested.name}")
+        for i, e in enumerate(m.enum_type):
+            yield from enum(e, path + (4, i), f"{name}.{e.name}")
+
+    def enum(e, path, name):
+        yield path, f"enum {name}"
+        for i, value in enumerate(e.value):
+            yield path + (2, i), f"value {name}.{value.name}"
+
+    for i, m in enumerate(file.message_type):
+        yield from message(m, (4, i), m.name)
+    for i, e in enumerate(file.enum_type):
+        yield from enum(e, (5, i), e.name)
+    for i, service in enumerate(file.service):
+        yield (6, i), f"service {service.name}"
+        for j, method in enumerate(service.method):
+            yield (6, i, 2, j), f"rpc {service.name}.{method.name}"
+
+
+def test_every_element_of_every_proto_has_its_own_comment(hook):
+    """STYLE.md: every field says what it is and its unit. A comment above a group of fields
+    is protoc's for the first one only, so each element needs a comment of its own."""
+    files = hook.load_descriptors()
+    assert sorted(f.name for f in files) == sorted(PROTO_FILES)
+    missing = []
+    for file in files:
+        elements = list(_documented_elements(file))
+        assert any(path[0] == 4 for path, _ in elements), file.name
+        missing += [f"{file.name}: {name}" for path, name in elements if not _comment(file, path)]
+    assert not missing, "uncommented:\n" + "\n".join(missing)

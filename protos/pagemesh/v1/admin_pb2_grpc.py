@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class AdminStub:
-    """Missing associated documentation comment in .proto file."""
+    """Operations on the running mesh's engine groups (memory, statistics, profiling, prefix
+    cache, LoRA adapters, draining); served by the router.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -77,7 +79,9 @@ class AdminStub:
 
 
 class AdminServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Operations on the running mesh's engine groups (memory, statistics, profiling, prefix
+    cache, LoRA adapters, draining); served by the router.
+    """
 
     def ResetPrefixCache(self, request, context):
         """Drops the prefix cache of every engine group (or the one named): the KV of finished
@@ -200,7 +204,9 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Missing associated documentation comment in .proto file."""
+    """Operations on the running mesh's engine groups (memory, statistics, profiling, prefix
+    cache, LoRA adapters, draining); served by the router.
+    """
 
     @staticmethod
     def ResetPrefixCache(request,

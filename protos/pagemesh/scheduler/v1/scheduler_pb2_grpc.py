@@ -28,7 +28,9 @@ if _version_not_supported:
 
 
 class SchedulerStub:
-    """Missing associated documentation comment in .proto file."""
+    """One engine group's scheduler: admits the routers' requests, runs the group's steps, answers
+    for the group's admin calls and KV holds.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -109,7 +111,9 @@ class SchedulerStub:
 
 
 class SchedulerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """One engine group's scheduler: admits the routers' requests, runs the group's steps, answers
+    for the group's admin calls and KV holds.
+    """
 
     def Submit(self, request, context):
         """Admits one tokenized, validated request and streams its tokens as they are sampled.
@@ -175,7 +179,8 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopProfile(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stops the traces: each worker writes its trace file, named in the reply.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -188,7 +193,9 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadLoraAdapter(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Unloads a LoRA adapter: every worker of the group lets it go, and it leaves the cluster's
+        adapter table; requests running with it finish. NOT_FOUND when neither held it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -300,7 +307,9 @@ def add_SchedulerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
-    """Missing associated documentation comment in .proto file."""
+    """One engine group's scheduler: admits the routers' requests, runs the group's steps, answers
+    for the group's admin calls and KV holds.
+    """
 
     @staticmethod
     def Submit(request,

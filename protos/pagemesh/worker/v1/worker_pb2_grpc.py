@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """One worker process (one rank of an engine group), driven by its group's scheduler.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -88,7 +89,8 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """One worker process (one rank of an engine group), driven by its group's scheduler.
+    """
 
     def GetWorkerInfo(self, request, context):
         """Describes the loaded shard and its KV cache.
@@ -141,7 +143,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadLoraAdapter(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forgets a LoRA adapter (FAILED_PRECONDITION when LoRA is off on this worker).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -225,7 +228,8 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """One worker process (one rank of an engine group), driven by its group's scheduler.
+    """
 
     @staticmethod
     def GetWorkerInfo(request,
