@@ -52,7 +52,8 @@ def measure(config: str, steps: int) -> dict:
     import torch
 
     from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-    from worker_svc.runner import ModelRunner, RunnerConfig
+    from worker_svc.runner import ModelRunner
+    from worker_svc.runner_config import RunnerConfig
 
     dtype, attention, linear, _, _ = CONFIGS[config]
     model = str(write_w64_model(REPO_ROOT / ".cache" / "w64-llama"))

@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import write_results
-from bench.faults.scenarios import SCENARIOS, Baseline, Scenario
+from bench.faults.baseline import Baseline
+from bench.faults.scenarios import SCENARIOS, Scenario
 from bench.faults.targets import (
     HOST_TIER_DIR,
     RestartableValkey,

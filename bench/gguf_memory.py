@@ -32,7 +32,8 @@ def default_gguf() -> Path:
 def measure(keep: bool) -> dict:
     """Runs in the child process."""
     from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-    from worker_svc.runner import ModelRunner, RunnerConfig
+    from worker_svc.runner import ModelRunner
+    from worker_svc.runner_config import RunnerConfig
 
     runner = ModelRunner.from_config(
         RunnerConfig(model_path=str(default_gguf()), num_blocks=16, gguf_keep_quantized=keep)

@@ -31,7 +31,8 @@ from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.types import Request, RequestEvent
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.executor import InprocExecutor, model_thread
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 
 def build_engine(

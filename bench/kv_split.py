@@ -5,7 +5,7 @@ same kernel keeping each sequence on one thread, on SmolLM2-135M's attention sha
 
 One layer's decode attention (9 query heads over 3 KV heads of 64, blocks of 16, fp32 and,
 where the CPU has native bf16, bf16), per batch size and context length: the median of
-`--repeats` calls of `kernels/cpu_native.paged_decode` with `split_keys` on and off, in
+`--repeats` calls of `kernels/cpu_decode.paged_decode` with `split_keys` on and off, in
 the same run, and their ratio. The split engages only with fewer sequences than threads
 and at least 256 keys (two parts of 128). Writes bench/results/kv_split.{md,json}.
 """
@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench.common import write_results
-from kernels import cpu_native
+from kernels import cpu_decode
 from kernels.cpu_features import cpu_features
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -49,7 +49,7 @@ def case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
     lens = torch.full((batch,), context, dtype=torch.int32)
 
     def run(split: bool):
-        return lambda: cpu_native.paged_decode(
+        return lambda: cpu_decode.paged_decode(
             query, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, split_keys=split
         )
 
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
-    if not cpu_native.available(torch.float32):
+    if not cpu_decode.available(torch.float32):
         raise SystemExit("the native kernels do not build here (no C compiler)")
     dtypes = [torch.float32]
     if cpu_features().native_bf16:

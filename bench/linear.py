@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from bench.common import write_results
 from bench.step_profile import read_ms
-from kernels import cpu_native
+from kernels import cpu_linear, cpu_native
 from kernels.cpu_features import cpu_features
 
 HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
@@ -77,7 +77,7 @@ def panels_variant(
             errors.append(str(error))
     else:
         raise SystemExit(f"cpu_linear.c with -D{define} does not build: {errors}")
-    return lambda x, i: cpu_native.linear_f32(x, panels[i], shapes[i][0], lib=lib)
+    return lambda x, i: cpu_linear.linear_f32(x, panels[i], shapes[i][0], lib=lib)
 
 
 def main() -> None:
@@ -110,8 +110,8 @@ def main() -> None:
             x, onednn[i], None, "none", [], ""
         )
     if cpu_native.library("cpu_linear") is not None:
-        panels = [cpu_native.pack_linear_f32(w) for w in plain]
-        backends["native panels"] = lambda x, i: cpu_native.linear_f32(x, panels[i], shapes[i][0])
+        panels = [cpu_linear.pack_linear_f32(w) for w in plain]
+        backends["native panels"] = lambda x, i: cpu_linear.linear_f32(x, panels[i], shapes[i][0])
         for define in args.panels_define:
             backends[f"panels -D{define}"] = panels_variant(define, panels, shapes)
     rows_list = [int(r) for r in args.rows.split(",")]

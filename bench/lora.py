@@ -84,7 +84,8 @@ def main() -> None:
         SchedulerOutput,
     )
     from worker_svc.lora import LoraConfig
-    from worker_svc.runner import ModelRunner, RunnerConfig
+    from worker_svc.runner import ModelRunner
+    from worker_svc.runner_config import RunnerConfig
 
     base = write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf")
     adapters = [

@@ -1,5 +1,5 @@
 """Attention of batches with prompts in them: one call of the C kernel for the whole batch
-(`kernels/cpu_native.paged_attention`), against the torch paths it replaced (decodes through
+(`kernels/cpu_decode.paged_attention`), against the torch paths it replaced (decodes through
 the C decode kernel, whole prompts through one batched SDPA call per length, chunks after
 cached context gathered and attended one sequence at a time), on SmolLM2-135M's shape.
 
@@ -23,7 +23,7 @@ import torch
 
 from bench.common import write_results
 from bench.kv_split import time_call
-from kernels import cpu_attention, cpu_native
+from kernels import cpu_attention, cpu_decode, cpu_native
 from kernels.cpu_features import cpu_features
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -79,7 +79,7 @@ def case(name: str, dtype: torch.dtype, repeats: int, lib=None) -> dict:
     start_loc = torch.tensor(b["starts"], dtype=torch.int32)
 
     def one_call():
-        return cpu_native.paged_attention(
+        return cpu_decode.paged_attention(
             b["query"],
             b["k_cache"],
             b["v_cache"],
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--name", default="mixed_attention", help="results file name")
     args = parser.parse_args()
     lib = cpu_native._build("cpu_decode", (f"-march={args.march}",)) if args.march else None
-    if not cpu_native.available(torch.float32):
+    if not cpu_decode.available(torch.float32):
         raise SystemExit("the native kernels do not build here (no C compiler)")
     dtypes = [torch.float32] + ([torch.bfloat16] if cpu_features().native_bf16 else [])
     rows = [case(name, dtype, args.repeats, lib) for dtype in dtypes for name in CASES]

@@ -26,7 +26,7 @@ from bench.common import REPO_ROOT, write_results, write_w64_model
 from worker_svc.loader import rank_weight_shapes
 from worker_svc.local_group import LocalWorkerGroup
 from worker_svc.parallel import ParallelConfig
-from worker_svc.runner import RunnerConfig
+from worker_svc.runner_config import RunnerConfig
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp_size, pp_size)
 MIB = 1 << 20

@@ -327,7 +327,8 @@ def step_cost(dtype: str, steps: int = 12) -> None:
     import torch
 
     from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-    from worker_svc.runner import ModelRunner, RunnerConfig
+    from worker_svc.runner import ModelRunner
+    from worker_svc.runner_config import RunnerConfig
 
     model = write_smollm2_folder(REPO_ROOT / ".cache" / "smollm2-hf")
     runner = ModelRunner.from_config(

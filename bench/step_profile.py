@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO_ROOT, write_results
-from kernels import cpu_fused, cpu_native
+from kernels import cpu_fused, cpu_linear
 from kernels.cpu_features import cpu_features
 
 MATMUL_OPS = {
@@ -194,7 +194,7 @@ def _wrap_scopes(runner):
         (cpu_fused, "add_rms_norm", "fused_ops"),
         (cpu_fused, "rotary_", "fused_ops"),
         (cpu_fused, "silu_mul", "fused_ops"),
-        (cpu_native, "linear_f32", "native_linear"),
+        (cpu_linear, "linear_f32", "native_linear"),
     ):
         if not hasattr(getattr(module, name), "__wrapped_scope__"):
             wrapped = scoped(scope, getattr(module, name))
@@ -345,7 +345,8 @@ def compile_seconds() -> float:
 
 
 def build_runner(model: str, dtype: str, attention: str, cpu_linear: str):
-    from worker_svc.runner import ModelRunner, RunnerConfig
+    from worker_svc.runner import ModelRunner
+    from worker_svc.runner_config import RunnerConfig
 
     runner = ModelRunner.from_config(
         RunnerConfig(

@@ -161,7 +161,8 @@ def measure(model: str, dtype: str, steps: int) -> dict:
     """Median decode ms/step unconstrained and constrained, the mask's part of the latter,
     the matchers' creation and the router's compile times."""
     from pagemesh.runtime.tokenizer import load_tokenizer
-    from worker_svc.runner import ModelRunner, RunnerConfig
+    from worker_svc.runner import ModelRunner
+    from worker_svc.runner_config import RunnerConfig
 
     tokenizer = load_tokenizer(model)
     prompts = [

@@ -5,7 +5,7 @@ reference stays the readable definition that every kernel, this one included, is
 against. What differs:
 
 - Decodes (q_len == 1) of the whole batch go together. In fp32 and bf16 they go to the C
-  kernel of `cpu_native.py`, which reads K and V in place through the block tables.
+  kernel of `cpu_decode.py`, which reads K and V in place through the block tables.
   Without a C compiler (or in fp16): K and V are gathered once per layer (whole blocks,
   one `index_select` each) and attended by one `F.scaled_dot_product_attention` call (a
   fused flash kernel on CPU, GQA without copies) with a key-padding mask. A whole W64
@@ -14,7 +14,7 @@ against. What differs:
   bench.decode_step`, which writes bench/results/decode_step.md).
 - A batch with longer sequences (prompts, chunks after cached context, prefix-cache hits,
   mixed with decodes or not) is one call of the C kernel in fp32 (vLLM's unified CPU
-  attention: `cpu_native.paged_attention`, tiles of the prompts and the decodes handed out
+  attention: `cpu_decode.paged_attention`, tiles of the prompts and the decodes handed out
   together to the threads, keys read in place): `python -m bench.mixed_attention` (which
   writes bench/results/mixed_attention.md) has it faster than the torch paths below. In bf16
   those stay: SDPA's bf16 matmuls (AMX where the CPU has it) beat the kernel's fp32
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from kernels import cpu_native
+from kernels import cpu_decode
 from kernels.cpu_fused import store_kv  # noqa: F401  (one row copy per token, in C)
 
 
@@ -71,15 +71,15 @@ def paged_attention(
         return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
     if (
         query.dtype == torch.float32
-        and cpu_native.available(query.dtype)
+        and cpu_decode.available(query.dtype)
         and k_cache.dtype == query.dtype
     ):
-        return cpu_native.paged_attention(
+        return cpu_decode.paged_attention(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
         )
     if (
         max(q_lens) <= MAX_ROWS_AS_DECODES
-        and cpu_native.available(query.dtype)
+        and cpu_decode.available(query.dtype)
         and k_cache.dtype == query.dtype
     ):
         return _rows_as_decodes(
@@ -225,8 +225,8 @@ def _decode(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    if cpu_native.available(query.dtype) and k_cache.dtype == query.dtype:
-        return cpu_native.paged_decode(
+    if cpu_decode.available(query.dtype) and k_cache.dtype == query.dtype:
+        return cpu_decode.paged_decode(
             query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window
         )
     num_seqs, num_heads, head_dim = query.shape

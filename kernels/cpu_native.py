@@ -1,11 +1,9 @@
-"""Builds and calls the CPU C kernels: decode attention (`kernels/cpu_decode.c`), the
-GGUF dequant-matmul for decoding (`kernels/cpu_gguf.c`, see `gguf_matmul` below) and the fp32
-linear layer on packed weight panels (`kernels/cpu_linear.c`, `linear_f32`).
-
-The decode kernel reads K and V in place through the block tables, where the torch path
-(`cpu_attention.py`) first gathers every sequence's blocks into a contiguous copy and then
-runs SDPA: a W64 decode step measured faster with it in fp32 and far faster in bf16
-(`python -m bench.decode_step`, which writes bench/results/decode_step.md).
+"""Builds and loads the CPU C kernels (`kernels/cpu_*.c`, one library per file: `SOURCES`).
+The ops that call them are ctypes wrappers beside their C files: `cpu_decode.py` (decode and
+mixed-batch attention), `cpu_gguf.py` (the GGUF dequant-matmul), `cpu_linear.py` (the fp32
+linear layer on packed panels, MoE experts), `cpu_fused.py` (the elementwise ops, argmax,
+token masks) and `lora.py`; each asks `library(name)` for its build. The functions' ctypes
+signatures are `cpu_signatures.py`'s.
 
 It is plain C with OpenMP and no torch headers or intrinsics beyond `#ifdef`-guarded ones,
 so building it is quick with the system's C compiler, and it is compiled for
@@ -13,7 +11,7 @@ the machine it runs on: `-march=native` (AVX2 code on a Zen 3, AVX-512 on a Zen 
 `-mcpu=native` (compilers for ARM that lack -march=native), else the compiler's baseline;
 the build logs which. The library is cached in the configured folder, keyed by the source,
 the compiler flags and the CPU's feature flags (native code must not run on another CPU
-model sharing the same home directory). Without a compiler, `available()` is False and the
+model sharing the same home directory). Without a compiler, `library()` is None and the
 torch path is used; `build_error()` says why. The kernel's OpenMP threads are torch's own
 (the library links libgomp.so.1, which resolves to the copy torch loaded),
 `torch.get_num_threads()` of them: a separate pool of Python threads fought torch's
@@ -43,9 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from kernels.cpu_features import cpu_features, cpu_identity
+from kernels.cpu_signatures import SIGNATURES
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +62,6 @@ CFLAGS = [
 ]
 # Tried in order until the compiler accepts one: code for this CPU, or portable code.
 NATIVE_ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # The C files and what each needs beyond CFLAGS. cpu_gguf.c dequantizes with gguf's exact
 # fp32 arithmetic, and the fused elementwise ops (`cpu_fused.py`) round as torch's separate
@@ -84,176 +80,6 @@ SOURCES = {
     "cpu_lora": [],
 }
 HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))  # part of every library's cache key
-_SIGNATURES = {
-    "paged_decode": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ],
-    "paged_attention": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_int,
-    ],
-    "gguf_matmul": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_int,
-    ],
-    "add_rms_norm": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_int,
-    ],
-    "rotary_inplace": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_int,
-    ],
-    "silu_mul": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_int,
-    ],
-    "argmax_rows": [
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ],
-    "apply_token_bitmask": [
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_int,
-    ],
-    "argmax_masked_rows": [
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ],
-    "linear_f32": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ],
-    "pack_f32": [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p],
-    "linear_panel": [],
-    "moe_f32": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ],
-    "lora_apply": [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_int,
-    ],
-    "store_kv": [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_long,
-        ctypes.c_int,
-    ],
-}
 
 
 def find_compiler() -> str | None:
@@ -405,7 +231,7 @@ def _build_with(cc: str, cache: Path, name: str, arch_flags: tuple[str, ...]) ->
         finally:
             partial.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(library))
-    for function, argtypes in _SIGNATURES.items():
+    for function, argtypes in SIGNATURES.items():
         if hasattr(lib, function):
             getattr(lib, function).restype = ctypes.c_int
             getattr(lib, function).argtypes = argtypes
@@ -438,247 +264,3 @@ def library(name: str = "cpu_decode") -> ctypes.CDLL | None:
 def build_error(name: str = "cpu_decode") -> str | None:
     """Why library `name` could not be built here (after a `library(name)` call), or None."""
     return _failed.get(name)
-
-
-def available(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPES and library() is not None
-
-
-def paged_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    *,
-    lib: ctypes.CDLL | None = None,
-    split_keys: bool = True,
-) -> torch.Tensor:
-    """One query token per sequence: query [S, H, D] -> [S, H, D], as the reference computes
-    for q_len 1. Tensors must be CPU, fp32 or bf16 (`available`). `lib`: another build of
-    cpu_decode (`_build(arch_flags=...)`), for tests; default the native one. `split_keys`
-    False keeps each sequence on one thread (the kernel before the KV split: benchmarks)."""
-    lib = lib or library()
-    if lib is None or query.dtype not in _DTYPES:
-        raise RuntimeError("the native decode kernel is not available for this input")
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    query = query.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(query)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV cache halves must be contiguous")
-    code = lib.paged_decode(
-        _DTYPES[query.dtype],
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        float(scale),
-        int(sliding_window or 0),
-        max(1, torch.get_num_threads()),
-        int(split_keys),
-    )
-    if code:
-        raise MemoryError("the native decode kernel could not allocate its scratch memory")
-    return out
-
-
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    *,
-    lib: ctypes.CDLL | None = None,
-) -> torch.Tensor:
-    """A whole batch, decodes and prefills mixed, in one call: query [T, H, D] -> [T, H, D]
-    as the reference computes it, every sequence's keys (this step's too) read from the
-    cache. Tensors as `paged_decode`'s; `lib` as there."""
-    lib = lib or library()
-    if lib is None or query.dtype not in _DTYPES:
-        raise RuntimeError("the native attention kernel is not available for this input")
-    _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV cache halves must be contiguous")
-    query = query.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    starts = query_start_loc.to(torch.int32).contiguous()
-    out = torch.empty_like(query)
-    code = lib.paged_attention(
-        _DTYPES[query.dtype],
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        lens.data_ptr(),
-        starts.data_ptr(),
-        out.data_ptr(),
-        lens.shape[0],
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        float(scale),
-        int(sliding_window or 0),
-        max(1, torch.get_num_threads()),
-    )
-    if code == -2:
-        raise ValueError("a sequence has more query tokens than its context")
-    if code:
-        raise MemoryError("the native attention kernel could not allocate its scratch memory")
-    return out
-
-
-GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
-GGUF_MAX_ROWS = 16  # cpu_gguf.c's MAX_ROWS: more rows are compute-bound, better dequantized
-
-
-def gguf_matmul(
-    type_name: str,
-    blocks: torch.Tensor,
-    x: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    lib: ctypes.CDLL | None = None,
-) -> bool:
-    """out[:, :rows] = x @ W^T for W in GGUF blocks (uint8 [rows, bytes]); x and out fp32,
-    contiguous, x with at most GGUF_MAX_ROWS rows. False (nothing written) when the kernel
-    cannot do it here: no compiler, another type, too many rows. `lib`: as paged_decode's."""
-    lib = lib or library("cpu_gguf")
-    if (
-        lib is None
-        or type_name not in GGUF_TYPES
-        or not 0 < x.shape[0] <= GGUF_MAX_ROWS
-        or x.dtype != torch.float32
-        or out.dtype != torch.float32
-    ):
-        return False
-    code = lib.gguf_matmul(
-        GGUF_TYPES[type_name],
-        blocks.data_ptr(),
-        blocks.shape[0],
-        x.shape[1],
-        x.data_ptr(),
-        x.shape[0],
-        out.data_ptr(),
-        out.stride(0),
-        max(1, torch.get_num_threads()),
-    )
-    return code == 0
-
-
-def pack_linear_f32(weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """W [n, k] fp32 -> cpu_linear.c's panels (a flat fp32 tensor of ceil(n / P) * k * P,
-    P the build's panel width: 16 floats on AVX-512, else 8), for `linear_f32`. Raises when
-    the kernel cannot be built here (`library("cpu_linear")`)."""
-    lib = lib or library("cpu_linear")
-    if lib is None or weight.dtype != torch.float32 or weight.dim() != 2:
-        raise RuntimeError("the native linear kernel is not available for this weight")
-    n, k = weight.shape
-    weight = weight.contiguous()
-    panel = lib.linear_panel()
-    packed = torch.empty(-(-n // panel) * panel * k, dtype=torch.float32)
-    lib.pack_f32(max(1, torch.get_num_threads()), weight.data_ptr(), n, k, packed.data_ptr())
-    return packed
-
-
-def moe_f32(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w2_packed: torch.Tensor,
-    num_experts: int,
-    intermediate: int,
-    *,
-    lib: ctypes.CDLL | None = None,
-) -> torch.Tensor:
-    """`kernels.moe.fused_experts` in one C call (cpu_linear.c's `moe_f32`), fp32: hidden
-    [tokens, h]; the experts' gate|up and down weights each packed by `pack_linear_f32` and
-    concatenated in expert order (`w13_packed`, `w2_packed`)."""
-    lib = lib or library("cpu_linear")
-    if lib is None:
-        raise RuntimeError("the native linear kernel is not available")
-    tokens, h = hidden.shape
-    top_k = topk_ids.shape[1]
-    pairs = tokens * top_k
-    x = hidden.contiguous()
-    ids = topk_ids.to(torch.int64).contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
-    out = torch.empty((tokens, h), dtype=torch.float32)
-    rows, down = torch.empty((pairs, h)), torch.empty((pairs, h))
-    gate_up, act = torch.empty((pairs, 2 * intermediate)), torch.empty((pairs, intermediate))
-    scratch = torch.empty(2 * pairs + 2 * (num_experts + 1), dtype=torch.int64)
-    lib.moe_f32(
-        torch.get_num_threads(),
-        x.data_ptr(),
-        tokens,
-        h,
-        ids.data_ptr(),
-        weights.data_ptr(),
-        top_k,
-        num_experts,
-        w13_packed.data_ptr(),
-        w2_packed.data_ptr(),
-        intermediate,
-        out.data_ptr(),
-        rows.data_ptr(),
-        gate_up.data_ptr(),
-        act.data_ptr(),
-        down.data_ptr(),
-        scratch.data_ptr(),
-    )
-    return out
-
-
-def linear_f32(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    n: int,
-    bias: torch.Tensor | None = None,
-    *,
-    lib: ctypes.CDLL | None = None,
-) -> torch.Tensor:
-    """x [..., k] W^T + bias for W packed by `pack_linear_f32` ([n, k]): [..., n], fp32."""
-    lib = lib or library("cpu_linear")
-    if lib is None:
-        raise RuntimeError("the native linear kernel is not available")
-    k = x.shape[-1]
-    rows = x if x.dim() == 2 else x.reshape(-1, k)
-    if rows.dtype != torch.float32 or not rows.is_contiguous():
-        rows = rows.to(torch.float32).contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.to(torch.float32).contiguous()
-    lib.linear_f32(
-        torch.get_num_threads(),
-        rows.data_ptr(),
-        rows.shape[0],
-        k,
-        packed.data_ptr(),
-        n,
-        bias.data_ptr() if bias is not None else None,
-        out.data_ptr(),
-    )
-    if x.dim() == 2:
-        return out
-    return out.reshape(*x.shape[:-1], n)

@@ -9,7 +9,7 @@ in local worker processes (offline/local_workers.py), which answer the same call
 profiler runs on the thread that runs the steps, as torch.profiler requires.
 
 The KV blocks in use are the scheduler's fact, not a rank's: `LLM.get_memory` adds them to
-every rank's report, as scheduler_svc/convert.py's `group_memory_to_pb` does for the mesh.
+every rank's report, as scheduler_svc/convert/admin.py's `group_memory_to_pb` does for the mesh.
 """
 
 from __future__ import annotations

@@ -17,19 +17,20 @@ process per rank on this machine (offline/local_workers.py), torn down by
 seeded, detokenized and stopped by the router's own code (offline/batch.py), so
 the same model, prompt and parameters give the same tokens as the mesh (greedy, or with a
 seed) and the same errors.
+
+`LLM` reads its inputs with offline/llm_inputs.py and answers the admin's diagnostics with
+offline/llm_diagnostics.py (it inherits both).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 from offline.batch import BatchSink, Prompt, prepare
 from offline.beam import BeamSearchOutput, beam_search
-from offline.diagnostics import RankMemoryUsage, RankStepStats, memory_usage
 from offline.embed import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -38,16 +39,24 @@ from offline.embed import (
     PoolingParams,
     PoolingRequestOutput,
     embedding_requests,
-    image_bytes,
     image_input,
 )
 from offline.engine import EngineCore
+from offline.llm_diagnostics import Diagnostics
+from offline.llm_inputs import (
+    IGNORED_VLLM_ARGS,
+    ChatMessages,
+    PromptInput,
+    PromptReading,
+    as_list,
+    check_unused,
+    params_per_prompt,
+)
 from offline.lora import AdapterChecks, LoRARequest, per_prompt
 from offline.outputs import RequestOutput
 from offline.setup import EngineSetup, build_engine, check_servable
 from pagemesh.api.beam_search import BeamSearchParams
 from pagemesh.api.sampling_params import SamplingParams
-from pagemesh.runtime.images import expand_images, image_token_count, load_image
 from pagemesh.runtime.speculative_config import SpeculativeConfig
 from router.openai_protocol import chat_messages
 from worker_svc.lora import LoraConfig
@@ -55,28 +64,10 @@ from worker_svc.lora import LoraConfig
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-MIB = 1 << 20
 WAIT_SLICE_S = 0.2  # how often a waiting generate() wakes (so Ctrl-C is noticed)
 
-# vLLM engine arguments a script may pass that change nothing here.
-_IGNORED_VLLM_ARGS = frozenset(
-    {
-        "trust_remote_code",
-        "enforce_eager",
-        "disable_log_stats",
-        "tokenizer_mode",
-        "disable_custom_all_reduce",
-        "compilation_config",
-        "load_format",
-        "download_dir",
-    }
-)
 
-PromptInput = str | list[int] | dict[str, Any]
-ChatMessages = list[dict[str, Any]]
-
-
-class LLM:
+class LLM(PromptReading, Diagnostics):
     """An engine for offline batched generation (vLLM's `LLM`).
 
     - model: a Hugging Face folder (config.json, *.safetensors, tokenizer) or a .gguf
@@ -137,7 +128,7 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(set(kwargs) - _IGNORED_VLLM_ARGS)
+        unknown = sorted(set(kwargs) - IGNORED_VLLM_ARGS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}")
         if kv_cache_memory_bytes is not None:  # vLLM's name for the same budget
@@ -208,10 +199,10 @@ class LLM:
         before anything runs, for a prompt or parameters the servers would refuse (their
         message; a note names the prompt). `lora_request`: the LoRA adapter of every prompt,
         or one per prompt (None: the base model), with `enable_lora=True`."""
-        _check_unused(kwargs, "generate")
+        check_unused(kwargs, "generate")
         if prompts is None:
             prompts = prompt_token_ids  # vLLM's older keyword
-        parsed = [self._prompt(p) for p in _as_list(prompts)]
+        parsed = [self._prompt(p) for p in as_list(prompts)]
         adapters = per_prompt(lora_request, len(parsed))
         self._check_adapters(adapters)
         for prompt, adapter in zip(parsed, adapters):
@@ -229,7 +220,7 @@ class LLM:
         tokens included, as vLLM returns them), chosen by transformers' rules
         (pagemesh/api/beam_search.py). Beams share their KV through the prefix cache."""
         del use_tqdm  # one round at a time: there is no per-prompt progress to show
-        return beam_search(self, _as_list(prompts), params, lora_request)
+        return beam_search(self, as_list(prompts), params, lora_request)
 
     def chat(
         self,
@@ -244,7 +235,7 @@ class LLM:
         or a list of them) through the model's chat template, with the `tools` it shows the
         model (OpenAI's function definitions). Messages are checked as the OpenAI API checks
         them (ValueError with its message)."""
-        _check_unused(kwargs, "chat")
+        check_unused(kwargs, "chat")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         parsed = []
         for conversation in conversations:
@@ -271,7 +262,7 @@ class LLM:
         """One embedding per prompt, in order (vLLM's `LLM.embed`): an embedding model's
         pooled, normalised (where it says) vector; `pooling_params.dimensions` for
         Matryoshka models. Texts are tokenized with the special tokens the tokenizer adds."""
-        _check_unused(kwargs, "embed")
+        check_unused(kwargs, "embed")
         prompts_, vectors = self._pool(prompts, pooling_params, use_tqdm)
         return [
             EmbeddingRequestOutput(request_id, EmbeddingOutput(vector.tolist()), ids)
@@ -291,7 +282,7 @@ class LLM:
         (`outputs.data`); only `pooling_task="embed"` is served."""
         import torch
 
-        _check_unused(kwargs, "encode")
+        check_unused(kwargs, "encode")
         if pooling_task != "embed":
             raise ValueError(f'pooling_task {pooling_task!r} is not served; only "embed"')
         prompts_, vectors = self._pool(prompts, pooling_params, use_tqdm)
@@ -305,7 +296,7 @@ class LLM:
     ) -> tuple[list[tuple[str, list[int]]], list]:
         engine = self._live_engine()
         pooling = self.info.pooling
-        items = _as_list(prompts)
+        items = as_list(prompts)
         images = [image_input(p, pooling.image_tokens) for p in items]
         token_ids = [
             [0] * pooling.image_tokens if image else self._prompt(p).token_ids
@@ -343,81 +334,6 @@ class LLM:
         assert engine.engine_loop is not None
         return engine.call(engine.engine_loop.scheduler.reset_prefix_cache)
 
-    # ------------------------------------------------------------------ diagnostics
-    # What the mesh's `pagemesh.v1.Admin` answers for a group (`pagemesh admin ...`), for
-    # this engine's ranks. Ranks are listed in order: rank = pp_rank * tp_size + tp_rank.
-
-    def get_memory(self) -> list[RankMemoryUsage]:
-        """Each rank's memory now: `memory` (worker_svc.diagnostics.RankMemory: weights, KV
-        cache and swap space as allocated, process RSS, CUDA allocator figures; bytes) and
-        the engine's KV blocks in use and free, in blocks
-        (`num_used_kv_blocks + num_free_kv_blocks == num_kv_blocks`) and bytes
-        (`kv_cache_used_bytes`). Waits for the step in flight, if any."""
-        engine = self._live_engine()
-        memories = self._ranks.call("memory")
-        assert engine.engine_loop is not None
-        stats = engine.call(engine.engine_loop.scheduler.stats)
-        return [
-            memory_usage(rank, tp_rank, pp_rank, memory, stats, self._num_swap_blocks)
-            for rank, ((tp_rank, pp_rank), memory) in enumerate(
-                zip(self._ranks.layout(), memories, strict=True)
-            )
-        ]
-
-    def get_step_stats(self, window_s: float = 60.0) -> list[RankStepStats]:
-        """Each rank's step figures (`stats`, a worker_svc.diagnostics.StepStatsSnapshot):
-        steps, busy seconds and, of them, collective and pipeline-transfer seconds, since
-        the LLM started and over the last `window_s` seconds (at most an hour; shorter
-        while the LLM is younger); `stats.utilization` is the window's busy fraction, 0..1.
-        Raises ValueError unless `window_s > 0`."""
-        if not window_s > 0:
-            raise ValueError(f"window_s must be > 0 (seconds), got {window_s!r}")
-        self._live_engine()
-        snapshots = self._ranks.call("snapshot", float(window_s))
-        return [
-            RankStepStats(rank, tp_rank, pp_rank, snapshot)
-            for rank, ((tp_rank, pp_rank), snapshot) in enumerate(
-                zip(self._ranks.layout(), snapshots, strict=True)
-            )
-        ]
-
-    def start_profile(
-        self, out_dir: str, *, record_shapes: bool = False, with_stack: bool = False
-    ) -> None:
-        """Starts a torch.profiler trace on every rank (CPU ops, and CUDA kernels on a
-        GPU), on the thread that runs its steps; `stop_profile` writes one Chrome trace
-        JSON per rank into `out_dir` (created now). Raises
-        worker_svc.diagnostics.ProfilerStateError when a trace already runs, OSError when
-        `out_dir` cannot be written."""
-        self._live_engine()
-        self._ranks.call("start_profile", str(out_dir), record_shapes, with_stack)
-
-    def stop_profile(self) -> list[str]:
-        """Stops the trace and writes it: the absolute path of each rank's trace file
-        (`<out_dir>/pagemesh-pp<P>-tp<T>-<time>.json`, for chrome://tracing or Perfetto),
-        in rank order. Raises ProfilerStateError when no trace runs."""
-        self._live_engine()
-        return [trace.path for trace in self._ranks.call("stop_profile")]
-
-    def print_memory_stats(self, file: TextIO | None = None) -> None:
-        """Prints `get_memory()` as a table, one line per rank (MiB, and KV blocks)."""
-        out = file if file is not None else sys.stdout
-        print(
-            f"{'rank':>4} {'tp':>2} {'pp':>2} {'device':<8} {'weights':>9} "
-            f"{'KV used/total blocks':>21} {'KV used':>9} {'KV alloc':>9} {'swap':>9} "
-            f"{'RSS':>9}  (MiB)",
-            file=out,
-        )
-        for m in self.get_memory():
-            print(
-                f"{m.rank:>4} {m.tp_rank:>2} {m.pp_rank:>2} {m.memory.device:<8} "
-                f"{m.memory.weight_bytes / MIB:>9.1f} "
-                f"{f'{m.num_used_kv_blocks}/{m.num_kv_blocks}':>21} "
-                f"{m.kv_cache_used_bytes / MIB:>9.1f} {m.memory.kv_cache_bytes / MIB:>9.1f} "
-                f"{m.memory.swap_bytes / MIB:>9.1f} {m.memory.rss_bytes / MIB:>9.1f}",
-                file=out,
-            )
-
     def get_tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer."""
         return self.tokenizer.hf
@@ -451,43 +367,6 @@ class LLM:
             raise RuntimeError("this LLM was closed")
         return self._engine
 
-    def _prompt(self, prompt: PromptInput) -> Prompt:
-        if isinstance(prompt, dict):
-            images = (prompt.get("multi_modal_data") or {}).get("image")
-            if images is not None and not self.info.pooling.embeds:
-                return self._image_prompt(prompt, images)
-            if "prompt_token_ids" in prompt:
-                return Prompt(prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"]))
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty: send at least one character or token")
-            return Prompt(prompt, self.tokenizer.encode(prompt))
-        return Prompt(None, _token_ids(prompt))
-
-    def _image_prompt(self, prompt: dict, images: Any) -> Prompt:
-        """vLLM's `{"prompt": "...<image>...", "multi_modal_data": {"image": one or a list}}`
-        for a vision-language model: each image token of the prompt becomes the image's
-        placeholders (as transformers' processor expands it), the images in order."""
-        info = self.info
-        if not info.image_seq_length:
-            raise ValueError(
-                f"{info.model_name} is a text-only model: it takes no multi_modal_data image"
-            )
-        images = images if isinstance(images, list) else [images]
-        token_ids = (
-            _token_ids(prompt["prompt_token_ids"])
-            if "prompt_token_ids" in prompt
-            else self.tokenizer.encode(prompt.get("prompt") or "")
-        )
-        data = [image_bytes(image) for image in images]
-        counts = [
-            image_token_count(load_image(image), info.image_seq_length, info.image_tiling)
-            for image in data
-        ]
-        expanded, inputs = expand_images(token_ids, data, info.image_token_id, counts)
-        return Prompt(prompt.get("prompt"), expanded, images=inputs)
-
     def _run(
         self,
         prompts: list[Prompt],
@@ -501,7 +380,7 @@ class LLM:
                 f"{self.info.model_name} is an embedding model: it does not "
                 "generate text; use LLM.embed or LLM.encode"
             )
-        params = _params_per_prompt(sampling_params, len(prompts))
+        params = params_per_prompt(sampling_params, len(prompts))
         if priority is not None:
             if len(priority) != len(prompts):
                 raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts")
@@ -547,59 +426,6 @@ class LLM:
             engine.abort(submitted)
             raise RuntimeError(f"generation failed: {sink.error}")
         return sink.outputs()
-
-
-def _as_list(prompts: Any) -> list[Any]:
-    """One prompt (text, token ids, a dict) or a list of them."""
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if (
-        isinstance(prompts, Sequence)
-        and prompts
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
-    ):
-        return [list(prompts)]  # one prompt of token ids
-    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
-        return list(prompts)
-    raise ValueError(
-        "prompts must be a string, a list of token ids, a prompt dict, or a "
-        f"list of these; got {type(prompts).__name__}"
-    )
-
-
-def _token_ids(value: Any) -> list[int]:
-    if (
-        isinstance(value, Sequence)
-        and not isinstance(value, (str, bytes))
-        and value
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    ):
-        return list(value)
-    raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-
-
-def _params_per_prompt(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * num_prompts
-    params = list(sampling_params)
-    if len(params) != num_prompts:
-        raise ValueError(
-            f"sampling_params has {len(params)} entries for {num_prompts} "
-            "prompts; give one for all, or one per prompt"
-        )
-    for p in params:
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-    return params
-
-
-def _check_unused(kwargs: dict[str, Any], method: str) -> None:
-    """vLLM's LoRA and multimodal arguments: refused when used, accepted when empty."""
-    used = sorted(name for name, value in kwargs.items() if value is not None)
-    if used:
-        raise ValueError(f"{method}() does not support {', '.join(used)} in pagemesh")
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:

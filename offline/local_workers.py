@@ -51,7 +51,7 @@ from typing import Any
 from pagemesh.runtime.ports import reserve_port
 from protos.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_svc import convert
-from worker_svc.runner import RunnerConfig, RunnerInfo
+from worker_svc.runner_config import RunnerConfig, RunnerInfo
 
 START_TIMEOUT_S = 600.0  # loading a rank's shard of a large checkpoint can take minutes
 STOP_TIMEOUT_S = 10.0  # for a rank to exit once asked; it is killed after that

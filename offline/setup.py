@@ -27,7 +27,7 @@ from scheduler_svc.core.policy import POLICIES
 from scheduler_svc.core.scheduler import Scheduler
 from worker_svc.draft import draft_config
 from worker_svc.lora import LoraConfig
-from worker_svc.runner import RunnerConfig, RunnerInfo
+from worker_svc.runner_config import RunnerConfig, RunnerInfo
 
 GIB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")

@@ -30,7 +30,8 @@ from pagemesh.runtime.config import (
 )
 from pagemesh.runtime.images import MIB, ImageLimits
 from pagemesh.runtime.media import MediaFetcher
-from pagemesh.runtime.metrics import RouterMetrics, serve_metrics
+from pagemesh.runtime.metrics import serve_metrics
+from pagemesh.runtime.metrics_router import RouterMetrics
 from pagemesh.runtime.registry import Registry
 from pagemesh.runtime.registry_entries import RouterEntry
 from pagemesh.runtime.service_flags import ROUTER_OPTIONS

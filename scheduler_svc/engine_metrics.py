@@ -1,4 +1,5 @@
-"""The scheduler's Prometheus metrics (pagemesh/runtime/metrics.py), fed from the engine loop.
+"""The scheduler's Prometheus metrics (pagemesh/runtime/metrics_scheduler.py), fed from the
+engine loop.
 
 The core stays free of metrics: gauges and counters are read from `loop.scheduler` at scrape
 time (always through the loop: a recovery replaces the core), histograms are observed by the
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from pagemesh.runtime.metrics import EngineSnapshot, SchedulerMetrics
+from pagemesh.runtime.metrics_scheduler import EngineSnapshot, SchedulerMetrics
 from pagemesh.runtime.registry import Registry
 from pagemesh.runtime.registry_entries import GroupStatus
 from protos.step import SchedulerOutput

@@ -9,7 +9,7 @@ multiprocess clients alike):
   (bench/inprocess.py, the offline LLM, tests), so this service still imports no torch.
 
 Protobuf appears only where a step crosses a process boundary (the gRPC executor here, the
-offline LLM's local worker processes), built and read by `convert.py`; the loop sees only
+offline LLM's local worker processes), built and read by `convert/`; the loop sees only
 the step contract's types (`protos/step.py`).
 """
 

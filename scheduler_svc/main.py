@@ -22,7 +22,8 @@ from pagemesh.runtime.config import (
 )
 from pagemesh.runtime.internal_auth import InternalTokenInterceptor
 from pagemesh.runtime.lora_modules import parse_lora_modules
-from pagemesh.runtime.metrics import SchedulerMetrics, serve_metrics
+from pagemesh.runtime.metrics import serve_metrics
+from pagemesh.runtime.metrics_scheduler import SchedulerMetrics
 from pagemesh.runtime.registry import Registry
 from pagemesh.runtime.registry_entries import GroupStatus, SchedulerEntry
 from pagemesh.runtime.service_flags import SCHEDULER_OPTIONS

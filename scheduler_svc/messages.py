@@ -1,4 +1,4 @@
-"""The scheduler service's own messages, as plain data: what `convert.py` makes of the
+"""The scheduler service's own messages, as plain data: what `convert/` makes of the
 protobuf that comes in (a router's submit, a worker's info) and what it turns into the
 protobuf that goes out (a sample's tokens, an in-band error). The servicer, the request
 streams and the router connection work on these; none of them builds a protobuf message.

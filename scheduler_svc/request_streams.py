@@ -1,6 +1,6 @@
 """One router request's life on the scheduler, whichever call carries it (a `Submit` of its
 own, or a router's multiplexed `Connect`): admission, its events, its checkpoint, its
-spans. The servicer and the connection convert and move messages (`convert.py`)."""
+spans. The servicer and the connection convert and move messages (`convert/`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduler gRPC servicer: converts (`convert.py`), hands requests to the engine loop,
+"""Scheduler gRPC servicer: converts (`convert/`), hands requests to the engine loop,
 converts their events back.
 
 Two ways in, one request life (`request_streams.py`): `Submit`, one call per request, and

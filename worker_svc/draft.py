@@ -34,7 +34,7 @@ from worker_svc.loader import ModelMetadata, load_model
 from worker_svc.model.matmul import pack_linear_weights
 
 if TYPE_CHECKING:
-    from worker_svc.runner import RunnerConfig
+    from worker_svc.runner_config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -132,7 +132,7 @@ class EncoderRunner:
         )
 
     def info(self):
-        from worker_svc.runner import RunnerInfo
+        from worker_svc.runner_config import RunnerInfo
 
         metadata = self.metadata
         return RunnerInfo(

@@ -15,7 +15,7 @@ from worker_svc.loader import ModelMetadata
 from worker_svc.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from worker_svc.runner import RunnerConfig
+    from worker_svc.runner_config import RunnerConfig
 
 
 def rank_kv_budget(

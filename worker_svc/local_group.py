@@ -18,7 +18,7 @@ from typing import Any
 
 from pagemesh.runtime.ports import reserve_port
 from protos.step import ModelRunnerOutput, SchedulerOutput
-from worker_svc.runner import RunnerConfig, RunnerInfo
+from worker_svc.runner_config import RunnerConfig, RunnerInfo
 
 GROUP_TIMEOUT_S = 60.0  # torch.distributed's bound on any collective or receive
 ANSWER_TIMEOUT_S = 45.0  # how long the parent waits for one rank's answer

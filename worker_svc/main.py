@@ -28,11 +28,13 @@ from pagemesh.runtime.config import (
 from pagemesh.runtime.host_tier_files import tier_path
 from pagemesh.runtime.internal_auth import InternalTokenInterceptor
 from pagemesh.runtime.lora_modules import parse_lora_modules
-from pagemesh.runtime.metrics import WorkerMetrics, WorkerSnapshot, serve_metrics
+from pagemesh.runtime.metrics import serve_metrics
+from pagemesh.runtime.metrics_worker import WorkerMetrics, WorkerSnapshot
 from pagemesh.runtime.ports import reserve_port
 from pagemesh.runtime.registry import Registry
 from pagemesh.runtime.registry_entries import WorkerEntry, WorkerStatus
-from pagemesh.runtime.service_flags import WORKER_OPTIONS, expert_parallel_error
+from pagemesh.runtime.service_flags import WORKER_OPTIONS
+from pagemesh.runtime.service_flags_worker import expert_parallel_error
 from pagemesh.runtime.serving import GrpcServer, run_service
 from pagemesh.runtime.speculative_config import SpeculativeConfig
 from protos.pagemesh.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -48,7 +50,8 @@ from worker_svc.lora import LoraConfig
 from worker_svc.membership import Membership, Plan, WorkerState
 from worker_svc.model.moe import expert_load
 from worker_svc.parallel import ParallelConfig
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 from worker_svc.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)

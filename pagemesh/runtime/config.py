@@ -15,7 +15,7 @@ from typing import Any
 
 from pagemesh.runtime.metrics import MetricsConfig
 from pagemesh.runtime.registry import RegistryConfig
-from pagemesh.runtime.service_flags import ServiceFlag
+from pagemesh.runtime.service_flags_base import ServiceFlag
 from pagemesh.runtime.serving import ServerConfig
 from pagemesh.runtime.tls import TlsConfig
 

@@ -13,7 +13,8 @@ import logging
 import sys
 
 from pagemesh.runtime.config import add_flag, add_options, add_redis_password_flag, add_tls_flags
-from pagemesh.runtime.service_flags import OPTIONS, SERVICES
+from pagemesh.runtime.service_flags import OPTIONS
+from pagemesh.runtime.service_flags_base import SERVICES
 from pagemesh.tools import generate as client
 from pagemesh.tools import local_mesh
 from pagemesh.tools.admin import add_admin_parser, add_profile_parser

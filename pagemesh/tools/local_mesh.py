@@ -31,10 +31,10 @@ from pagemesh.runtime.service_flags import (
     ROUTER_OPTIONS,
     SCHEDULER_OPTIONS,
     WORKER_OPTIONS,
-    expert_parallel_error,
     options_argv,
     options_env,
 )
+from pagemesh.runtime.service_flags_worker import expert_parallel_error
 from pagemesh.runtime.tls import TlsConfig
 from pagemesh.tools import discovery
 from pagemesh.tools.cpu_placement import Placement, host_cores, omp_wait_env, plan_placement

@@ -1,7 +1,7 @@
 """Checks on arriving requests and on sampled tokens; pure functions of a request.
 
 `core_request` is the door every caller uses, on plain types: the scheduler service maps a
-`SubmitRequest`'s fields to a `RequestSpec` (scheduler_svc/convert.py), the offline `LLM`
+`SubmitRequest`'s fields to a `RequestSpec` (scheduler_svc/convert/requests.py), the offline `LLM`
 builds one directly, and both get the same rules (an id, a seed, EOS among the stop ids
 unless ignored, the defaults of fields left unset)."""
 

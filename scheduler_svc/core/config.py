@@ -9,8 +9,8 @@ from protos.step import PoolingInfo
 from scheduler_svc.core.policy import POLICIES
 
 PREEMPTION_MODES = ("recompute", "swap")
-# The scheduler service's --preemption-mode default (pagemesh.runtime.service_flags; a test checks
-# they agree): swap measured faster than recompute (`python -m bench.scheduling`).
+# The scheduler service's --preemption-mode default (pagemesh.runtime.service_flags_scheduler; a
+# test checks they agree): swap measured faster than recompute (`python -m bench.scheduling`).
 DEFAULT_PREEMPTION_MODE = "swap"
 
 

@@ -11,38 +11,31 @@ under priority) is preempted: its KV is dropped and recomputed later, or with
 
 n > 1 (`add_samples`): the forks wait until the leader's prompt is computed, then
 share its full prompt blocks and copy its last prompt block (copy-on-write).
+
+The two passes of a step are in schedule_running.py and schedule_waiting.py, KV moves between
+groups in kv_moves.py: `Scheduler` inherits them.
 """
 
 from __future__ import annotations
 
-import bisect
-import logging
-
-from protos.step import (
-    BlockId,
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    RequestId,
-    SchedulerOutput,
-)
+from protos.step import ModelRunnerOutput, RequestId, SchedulerOutput
 from scheduler_svc.core.admission import check_admissible, check_samples, stop_status
 from scheduler_svc.core.config import CapacityError, SchedulerConfig, SchedulerStats
 from scheduler_svc.core.host_tier import HostTierIndex
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.kv_moves import KVMoving
 from scheduler_svc.core.policy import WaitingQueue
+from scheduler_svc.core.schedule_running import RunningPass
+from scheduler_svc.core.schedule_waiting import WaitingPass
 from scheduler_svc.core.spec_decode import Speculation
 from scheduler_svc.core.types import HeldKV, KVImport, Request, RequestEvent, RequestStatus
 
 __all__ = ["CapacityError", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
-logger = logging.getLogger(__name__)
-
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler(KVMoving):
+class Scheduler(RunningPass, WaitingPass, KVMoving):
     """The pure scheduling core of one engine group.
 
     Invariants between calls: every live request is in exactly one of `running` (status
@@ -199,16 +192,7 @@ class Scheduler(KVMoving):
         if self.spec is not None:
             self.spec.observe_step(output, result)
         if self.kv.enable_prefix_caching:
-            cache_computed_blocks = self.kv.cache_computed_blocks
-            for request_id in scheduled:
-                request = requests.get(request_id)  # aborts wait; a stop while in flight doesn't
-                if request is not None:  # less the token a step still in flight computes
-                    cache_computed_blocks(
-                        request,
-                        request.num_computed_tokens
-                        - len(request.spec_token_ids)
-                        - max(request.num_pending_tokens - 1, 0),
-                    )
+            self._cache_computed_blocks(scheduled)
         events: list[RequestEvent] = []
         any_finished = False
         for request_id, sampled in result.sampled.items():
@@ -271,6 +255,28 @@ class Scheduler(KVMoving):
             any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
+        events += self._step_returned(scheduled)
+        return events
+
+    def _cache_computed_blocks(self, scheduled: dict[RequestId, int]) -> None:
+        """The step's KV enters the prefix cache: each scheduled request's full blocks below
+        its `num_computed_tokens`, less its drafts and the tokens of steps still in flight."""
+        requests = self.requests
+        cache_computed_blocks = self.kv.cache_computed_blocks
+        for request_id in scheduled:
+            request = requests.get(request_id)  # aborts wait; a stop while in flight doesn't
+            if request is not None:  # less the token a step still in flight computes
+                cache_computed_blocks(
+                    request,
+                    request.num_computed_tokens
+                    - len(request.spec_token_ids)
+                    - max(request.num_pending_tokens - 1, 0),
+                )
+
+    def _step_returned(self, scheduled: dict[RequestId, int]) -> list[RequestEvent]:
+        """The step's requests are out of flight: the aborts that waited for it happen now.
+        Returns their final events."""
+        events: list[RequestEvent] = []
         in_flight = self._in_flight
         for request_id in scheduled:
             if in_flight[request_id] == 1:
@@ -328,290 +334,6 @@ class Scheduler(KVMoving):
             num_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
             num_recomputed_tokens=self.num_recomputed_tokens,
         )
-
-    # ---- running requests ----------------------------------------------------------------
-
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        """Schedules running requests in list order; returns the budget left, in tokens."""
-        threshold = self.config.long_prefill_token_threshold
-        block_size = self.config.block_size
-        allocate_slots = self.kv.allocate_slots
-        cached_requests = output.cached_requests
-        num_scheduled = output.num_scheduled_tokens
-        running = self.running
-        index = 0
-        in_flight = self._in_flight
-        # With several steps in flight, each takes its share of the running requests.
-        max_scheduled = -(-len(running) // self.config.num_microbatches)
-        num_scheduled_running = 0
-        while index < len(running) and budget > 0 and num_scheduled_running < max_scheduled:
-            request = running[index]
-            if request.request_id in self._pending_aborts:  # it ends when its step returns
-                index += 1
-                continue
-            ahead = request.request_id in in_flight  # its previous step has not returned yet
-            if ahead and not self._may_schedule_ahead(request):
-                index += 1
-                continue
-            num_computed = request.num_computed_tokens
-            num_new = min(
-                len(request.prompt_token_ids)
-                + len(request.output_token_ids)
-                + request.num_pending_tokens
-                - num_computed,
-                budget,
-            )
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if num_new <= 0:  # nothing to compute until a token arrives
-                index += 1
-                continue
-            drafts = self.spec.drafts(request, budget) if self.spec and not ahead else []
-            if drafts:
-                num_new += len(drafts)
-            room = (
-                self.spec.proposal_room
-                if self.spec and num_computed + num_new == (request.num_tokens + len(drafts))
-                else 0
-            )  # a decode, or a prefill's last chunk
-            new_blocks: list[int] | None
-            if num_computed + num_new + room <= len(request.block_ids) * block_size:
-                new_blocks = []  # the common decode: the last block has room
-            elif (drafts or room) and (
-                new_blocks := allocate_slots(request, num_new + room)
-            ) is not None:
-                pass  # the drafts' lookahead slots, and the draft model's
-            elif num_computed + num_new <= len(request.block_ids) * block_size:
-                new_blocks = []
-            else:
-                if drafts:  # never preempt anyone for drafts: decode without them
-                    num_new -= len(drafts)
-                    drafts = []
-                new_blocks = allocate_slots(request, num_new)
-                if new_blocks is None and ahead:  # it waits for its step; nothing is preempted
-                    index += 1
-                    continue
-                if new_blocks is None:
-                    new_blocks = self._allocate_or_preempt(request, num_new, output)
-                    if new_blocks is None:  # the request itself was preempted (it was last)
-                        continue
-            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
-            num_unsent = num_known - request.num_tokens_on_workers  # sampled since last sent
-            new_token_ids = request.output_token_ids[-num_unsent:] if num_unsent > 0 else []
-            if num_unsent > 0:
-                request.num_tokens_on_workers = num_known
-            cached_requests.append(
-                CachedRequestData(
-                    request.request_id, new_blocks, num_computed, new_token_ids, drafts
-                )
-            )
-            request.spec_token_ids = drafts
-            num_scheduled_running += 1
-            num_scheduled[request.request_id] = num_new
-            request.num_computed_tokens = num_computed + num_new
-            budget -= num_new
-            index += 1
-        return budget
-
-    def _may_schedule_ahead(self, request: Request) -> bool:
-        """Async scheduling: a decode whose one step in flight samples its next token, which
-        will not be its last by length, is scheduled again now, assuming that token. Not
-        while that step is the prefill (no token sampled yet): a step queued behind it on the
-        workers would delay the first token, which its client is waiting for, and one step
-        later it overlaps anyway. (Idle TTFT p50 with 16-token prompts measured worse
-        scheduling ahead of the prefill than not.)"""
-        return (
-            self.config.async_scheduling
-            and self._in_flight[request.request_id] == 1
-            and request.num_pending_tokens == 1
-            and bool(request.output_token_ids)
-            and request.num_computed_tokens == request.num_tokens
-            and len(request.output_token_ids) + 1 < request.max_tokens
-        )
-
-    def _allocate_or_preempt(
-        self, request: Request, num_new: int, output: SchedulerOutput
-    ) -> list[BlockId] | None:
-        """Allocates blocks for `request`, preempting the last running requests until it fits.
-
-        The victims come after `request` in the list, so none was scheduled this step.
-        Returns None when `request` itself had to be preempted.
-        """
-        while True:
-            new_blocks = self.kv.allocate_slots(request, num_new)
-            if new_blocks is not None:
-                return new_blocks
-            victim = self.running.pop(self._victim_index())
-            self._preempt(victim, output)
-            if victim is request:
-                return None
-
-    def _victim_index(self) -> int:
-        """The last running request not in a step still in flight (with one step at a time,
-        simply the last). `request` itself qualifies, so there always is one."""
-        running, in_flight = self.running, self._in_flight
-        index = len(running) - 1
-        while running[index].request_id in in_flight:
-            index -= 1
-        return index
-
-    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
-        """Swaps the request out (swap mode, if swap space suffices) or drops its KV, and
-        queues it again with its old sort key. The caller took it out of `running`."""
-        swap_pairs = None
-        # An embedding request recomputes: its pooling state is on the workers, forgotten.
-        if self.config.preemption_mode == "swap" and request.pooling is None:
-            swap_pairs = self.kv.swap_out(request)
-        if swap_pairs is not None:
-            output.blocks_to_swap_out.extend(swap_pairs)
-            request.status = RequestStatus.SWAPPED
-            self.num_swap_outs += 1
-        else:
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._preempted_this_step = True
-        self._forget_on_workers(request.request_id)
-        self.waiting.push(request)
-        logger.info(
-            "preempted request %s (%d tokens, %s)",
-            request.request_id,
-            request.num_tokens,
-            request.status.value,
-        )
-
-    # ---- waiting requests ----------------------------------------------------------------
-
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        """Admits waiting requests in policy order until one does not fit; forks whose
-        leader's prompt is not computed yet are passed over (they keep their place)."""
-        passed_over: list[Request] = []
-        adapters = {r.lora.name for r in self.running if r.lora is not None}
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.pop()
-            lora = request.lora
-            if (
-                lora is not None
-                and lora.name not in adapters
-                and len(adapters) >= self.config.max_loras
-            ):
-                passed_over.append(request)  # its adapter would be one too many this step
-                continue
-            num_scheduled = self._try_admit(request, output, budget)
-            if num_scheduled and lora is not None:
-                adapters.add(lora.name)
-            if num_scheduled is None:
-                passed_over.append(request)
-                continue
-            if num_scheduled == 0:
-                self.waiting.push(request)
-                break
-            budget -= num_scheduled
-        for request in passed_over:
-            self.waiting.push(request)
-
-    def _try_admit(self, request: Request, output: SchedulerOutput, budget: int) -> int | None:
-        """Starts one waiting request. Returns the tokens scheduled: 0 when it does not fit
-        now, None for a fork that must keep waiting for its leader."""
-        leader = self._pending_forks.get(request.request_id)
-        if leader is not None:
-            if leader.status.is_finished:
-                del self._pending_forks[request.request_id]  # admitted like any request
-            elif not self._prompt_computed(leader, output):
-                return None
-            else:
-                return self._start_fork(request, leader, output)
-        if request.status is RequestStatus.SWAPPED:
-            return self._resume_swapped(request, output, budget)
-        if request.block_ids:  # its KV was pulled from another group (finish_import)
-            return self._start_imported(request, output, budget)
-        computed_blocks = (
-            []
-            if request.pooling is not None and self.config.pooling.reads_every_token
-            else self.kv.get_computed_blocks(request)
-        )
-        num_computed = len(computed_blocks) * self.config.block_size
-        num_new = self._num_new_tokens(request.num_tokens - num_computed, budget)
-        if num_new == 0:
-            return 0
-        if self.kv.allocate_for_admission(request, computed_blocks, num_new) is None:
-            return 0
-        request.num_computed_tokens = num_computed
-        self._start_running(request, output, num_new)
-        return num_new
-
-    def _prompt_computed(self, leader: Request, output: SchedulerOutput) -> bool:
-        """Whether the leader's block table holds its whole prompt's KV as of the last
-        update (its first token is sampled, and it was not preempted since)."""
-        if leader.status is not _RUNNING or not leader.output_token_ids:
-            return False
-        num_computed_before_step = leader.num_computed_tokens - output.num_scheduled_tokens.get(
-            leader.request_id, 0
-        )
-        return num_computed_before_step >= leader.num_prompt_tokens
-
-    def _start_fork(self, request: Request, leader: Request, output: SchedulerOutput) -> int:
-        copy_pair = self.kv.fork(request, leader)
-        if copy_pair is None:
-            return 0
-        del self._pending_forks[request.request_id]
-        output.blocks_to_copy.append(copy_pair)
-        request.num_computed_tokens = request.num_prompt_tokens - 1
-        self._start_running(request, output, 1)
-        return 1
-
-    def _resume_swapped(self, request: Request, output: SchedulerOutput, budget: int) -> int:
-        num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
-        swapped_in = self.kv.swap_in(request, num_new) if num_new else None
-        if swapped_in is None:
-            return 0
-        pairs, swap_ids = swapped_in
-        output.blocks_to_swap_in.extend(pairs)
-        self.num_swap_ins += 1
-        self._swap_blocks_to_free.extend(swap_ids)
-        self._start_running(request, output, num_new)
-        return num_new
-
-    def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
-        """Tokens to schedule for a request starting this step; 0 when it cannot start."""
-        num_new = min(num_remaining, budget)
-        threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < num_new:
-            num_new = threshold
-        if num_new < num_remaining and not self.config.enable_chunked_prefill:
-            return 0
-        return max(num_new, 0)
-
-    def _start_running(self, request: Request, output: SchedulerOutput, num_new: int) -> None:
-        """Sends a request the workers do not hold, with all its tokens and blocks."""
-        if request.output_token_ids:  # its KV was computed before, here or elsewhere
-            self.num_recomputed_tokens += max(
-                request.num_tokens - 1 - request.num_computed_tokens, 0
-            )
-        request.status = RequestStatus.RUNNING
-        if self.config.policy == "priority":
-            bisect.insort(self.running, request, key=self.waiting.key)
-        else:
-            self.running.append(request)
-        self._on_workers.add(request.request_id)
-        request.num_tokens_on_workers = request.num_tokens
-        output.new_requests.append(
-            NewRequestData(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids,
-                num_prompt_tokens=request.num_prompt_tokens,
-                block_ids=list(request.block_ids),
-                num_computed_tokens=request.num_computed_tokens,
-                sampling=request.sampling,
-                pooling=request.pooling,
-                images=request.images,
-                lora=request.lora,
-            )
-        )
-        output.num_scheduled_tokens[request.request_id] = num_new
-        request.num_computed_tokens += num_new
 
     # ---- finishing -----------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.pagemesh.v1 import generate_pb2
 from tests.support.hf_reference import assert_greedy_match, hf_greedy
 from tests.support.mesh_harness import Mesh, greedy_request
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 NUM_NEW_TOKENS = 10
 WRITERS = {

@@ -26,7 +26,8 @@ from worker_svc.attention import (  # noqa: E402
     get_attention_backend,
     needs_triton_interpreter,
 )
-from worker_svc.runner import ModelRunner, RunnerConfig  # noqa: E402
+from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.runner_config import RunnerConfig  # noqa: E402
 
 NUM_NEW_TOKENS = 5
 

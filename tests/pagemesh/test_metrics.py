@@ -1,5 +1,6 @@
-"""Prometheus metrics (pagemesh/runtime/metrics.py): the names the dashboards rely on, per-request
-timing, the scheduler's and worker's scrape-time reads, and the `/metrics` endpoint."""
+"""Prometheus metrics (pagemesh/runtime/metrics.py and metrics_{router,scheduler,worker}.py): the
+names the dashboards rely on, per-request timing, the scheduler's and worker's scrape-time reads,
+and the `/metrics` endpoint."""
 
 from __future__ import annotations
 
@@ -12,17 +13,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagemesh.runtime.metrics import (
-    ABORT,
-    ERROR,
-    MetricsConfig,
-    RouterMetrics,
-    SchedulerMetrics,
-    ServiceMetrics,
-    WorkerMetrics,
-    WorkerSnapshot,
-    serve_metrics,
-)
+from pagemesh.runtime.metrics import MetricsConfig, ServiceMetrics, serve_metrics
+from pagemesh.runtime.metrics_router import ABORT, ERROR, RouterMetrics
+from pagemesh.runtime.metrics_scheduler import SchedulerMetrics
+from pagemesh.runtime.metrics_worker import WorkerMetrics, WorkerSnapshot
 from pagemesh.runtime.registry import Registry, RegistryConfig
 from pagemesh.runtime.registry_entries import GroupStatus
 from scheduler_svc.checkpoint import Checkpointer

@@ -13,16 +13,13 @@ import pytest
 
 from pagemesh.runtime.service_flags import (
     OPTIONS,
-    ROUTER,
     ROUTER_OPTIONS,
-    SCHEDULER,
     SCHEDULER_OPTIONS,
-    WORKER,
     WORKER_OPTIONS,
-    ServiceFlag,
     option,
     options_argv,
 )
+from pagemesh.runtime.service_flags_base import ROUTER, SCHEDULER, WORKER, ServiceFlag
 from pagemesh.tools import cli
 from pagemesh.tools.local_mesh import service_specs
 from router import main as router_main
@@ -299,7 +296,7 @@ def test_only_the_router_binds_the_wildcard_address() -> None:
 
 
 def test_expert_balancing_without_expert_parallelism_is_refused_before_anything_starts():
-    from pagemesh.runtime.service_flags import expert_parallel_error
+    from pagemesh.runtime.service_flags_worker import expert_parallel_error
     from pagemesh.tools import cli
 
     assert expert_parallel_error(True, 100) is None and expert_parallel_error(False, 0) is None

@@ -433,7 +433,7 @@ def test_auto_picks_the_format_by_architecture_then_template() -> None:
     assert choose_format("auto", "", "{{ '[TOOL_CALLS]' }}") is MISTRAL
     assert choose_format("auto", "", "no tools here") is HERMES
     assert choose_format("mistral", "qwen2", "") is MISTRAL
-    # The flag's choices are this module's formats (pagemesh.runtime.service_flags cannot import
-    # it).
+    # The flag's choices are this module's formats (pagemesh.runtime.service_flags_router cannot
+    # import it).
     assert option("--tool-call-parser").choices == ("auto", *FORMATS)
     assert tuple(CALL_FORMATS) == FORMATS

@@ -22,7 +22,8 @@ from scheduler_svc.executor import InprocExecutor
 
 pytest.importorskip("torch")
 
-from worker_svc.runner import ModelRunner, RunnerConfig  # noqa: E402
+from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.runner_config import RunnerConfig  # noqa: E402
 
 EOS = 0
 

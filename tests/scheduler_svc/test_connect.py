@@ -21,7 +21,8 @@ from scheduler_svc.servicer import SchedulerServicer
 
 torch = pytest.importorskip("torch")
 
-from worker_svc.runner import ModelRunner, RunnerConfig  # noqa: E402
+from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.runner_config import RunnerConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -26,47 +26,26 @@ a manifest fails here:
   container that exits is restarted per restartPolicy (at once, then a back-off from 10 s);
   `stop()` runs preStop, sends SIGTERM and SIGKILLs what outlives
   terminationGracePeriodSeconds.
+
+`KubeRun` here places the pods, fills their volumes and is what a test drives; the
+translation is kube_localize.py's (`LocalizeMixin`), the kubelet's part kube_kubelet.py's
+(`KubeletMixin`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
-from urllib.parse import urlsplit, urlunsplit
-
-import grpc
-import httpx
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagemesh.tools.testing.netns import HostNetwork, namespaces_unavailable
-from tests.support.compose_runner import PRIVATE_PREFIXES
-from tests.support.kube_pods import (
-    Container,
-    KubeTranslationError,
-    Manifests,
-    Pod,
-    data_of,
-    target_port,
-)
-from tests.support.paths import REPO_ROOT
-
-IMAGE_ROOT = "/opt/pagemesh"
-LOOPBACK_HOSTS = ("0.0.0.0", "127.0.0.1", "localhost")
-MIN_EXEC_PROBE_TIMEOUT_S = 10.0  # a `pagemesh health` process starts slowly on a busy machine
-_URL = re.compile(r"\b([a-z][a-z0-9+.-]*://[^\s,;\"']+)")
-_HOST_PORT = re.compile(r"(?<![\w./@:-])([A-Za-z0-9][A-Za-z0-9.-]*):(\d{1,5})(?![\w.])")
-_HOST_FLAG = re.compile(r"^--[a-z-]*(host|addr|address|url|endpoint)$")
-_CLUSTER_NAME = re.compile(r"^[a-z0-9-]+(\.[a-z0-9-]+)*\.svc(\.cluster\.local)?$")
+from tests.support.kube_kubelet import KubeletMixin
+from tests.support.kube_localize import LocalizeMixin, Running
+from tests.support.kube_pods import KubeTranslationError, Manifests, Pod, data_of, target_port
 
 _VALKEY_CLI = """\
 import socket, sys
@@ -93,34 +72,7 @@ def _endpoint(text: str) -> tuple[str, str, str]:
     return address.strip("[]").removeprefix("::ffff:"), colon, port
 
 
-@dataclass
-class Running:
-    """One container's process; `restarts` counts the kubelet's restarts of it."""
-
-    pod: Pod
-    container: Container
-    argv: list[str]
-    env: dict[str, str]
-    cwd: Path
-    mounts: dict[str, Path]  # mountPath -> the local folder behind it
-    process: subprocess.Popen | None = None
-    restarts: int = 0
-    ready: bool = False
-    last_probe: str = ""  # what its last failed exec probe printed
-    next_start: float | None = None  # when the kubelet restarts it, once it has exited
-
-
-@dataclass
-class Stopped:
-    """How a container ended under `stop()`: its exit status, seconds after SIGTERM, and
-    whether it had to be SIGKILLed after its pod's grace period."""
-
-    returncode: int
-    seconds: float
-    killed: bool
-
-
-class KubeRun:
+class KubeRun(KubeletMixin, LocalizeMixin):
     """The pods of `manifests`, run locally; `stop()` ends all of them."""
 
     def __init__(
@@ -249,287 +201,6 @@ class KubeRun:
             (folder / path).parent.mkdir(parents=True, exist_ok=True)
             (folder / path).write_text(data[key])
 
-    def _run_init(self, running: Running) -> None:
-        log = self._log(running)
-        done = subprocess.run(
-            self._argv(running.pod, running.argv),
-            env=self._env(running),
-            cwd=running.cwd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=120,
-        )
-        self.events.append(f"init {running.container.label} exited {done.returncode}")
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"init container {running.container.label} failed:\n{self.log_tails()}"
-            )
-
-    def _spawn(self, running: Running) -> None:
-        running.process = subprocess.Popen(
-            self._argv(running.pod, running.argv),
-            env=self._env(running),
-            cwd=running.cwd,
-            stdout=self._log(running),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def _argv(self, pod: Pod, argv: list[str]) -> list[str]:
-        namespace = self.namespaces.get(pod.name)
-        return ["ip", "netns", "exec", namespace, *argv] if namespace else argv
-
-    def _env(self, running: Running) -> dict[str, str]:
-        base = {k: v for k, v in os.environ.items() if not k.startswith(PRIVATE_PREFIXES)}
-        return {**base, "PYTHONUNBUFFERED": "1", **running.env, **self.extra_env}
-
-    def _log(self, running: Running) -> TextIO:
-        log = open(self.run_dir / "logs" / f"{running.pod.name}_{running.container.name}.log", "a")
-        self._logs.append(log)
-        return log
-
-    # --- what the container sees -> what this process sees
-
-    def _localize(
-        self, pod: Pod, container: Container, volumes: dict[str, Path], bin_dir: Path
-    ) -> Running:
-        mounts = {}
-        for path, (volume, sub_path) in container.mounts.items():
-            if volume not in volumes:
-                raise KubeTranslationError(
-                    f"{container.label}: mounts {volume!r}, which the pod lacks"
-                )
-            mounts[path] = volumes[volume] / sub_path if sub_path else volumes[volume]
-        env = {
-            key: self._value(pod, container, key, value, mounts)
-            for key, value in container.env.items()
-        }
-        env["PATH"] = f"{REPO_ROOT / '.venv' / 'bin'}:{bin_dir}:{os.environ.get('PATH', '')}"
-        argv = [
-            self._arg(
-                pod,
-                container,
-                arg,
-                mounts,
-                host_like=i > 0 and bool(_HOST_FLAG.match(container.argv[i - 1])),
-            )
-            for i, arg in enumerate(container.argv)
-        ]
-        if self.model is not None:
-            argv = [
-                str(self.model)
-                if i > 0 and argv[i - 1] == "--model"
-                else f"--model={self.model}"
-                if arg.startswith("--model=")
-                else arg
-                for i, arg in enumerate(argv)
-            ]
-        argv = [
-            "cpu" if i > 0 and argv[i - 1] == "--device" and arg.startswith("cuda") else arg
-            for i, arg in enumerate(argv)
-        ]
-        cwd = Path(self._path(container, container.working_dir, mounts))
-        if not str(cwd).startswith(str(REPO_ROOT)) and not any(
-            str(cwd).startswith(str(m)) for m in mounts.values()
-        ):
-            cwd = self.run_dir / "rootfs" / pod.name / str(cwd).lstrip("/")  # e.g. valkey's /data
-            cwd.mkdir(parents=True, exist_ok=True)
-        return Running(pod, container, argv, env, cwd, mounts)
-
-    def _value(
-        self, pod: Pod, container: Container, key: str, value: str, mounts: dict[str, Path]
-    ) -> str:
-        if key == "PAGEMESH_MODEL" and self.model is not None:
-            return str(self.model)
-        if key == "PAGEMESH_DEVICE" and value.startswith("cuda"):
-            return "cpu"
-        host_like = any(part in key for part in ("HOST", "ADDR", "ENDPOINT", "URL"))
-        return self._arg(pod, container, value, mounts, host_like=host_like)
-
-    def _arg(
-        self,
-        pod: Pod,
-        container: Container,
-        text: str,
-        mounts: dict[str, Path],
-        host_like: bool = False,
-    ) -> str:
-        """One value: paths under a mount, URLs and `host:port` with a Service's name, and a
-        whole value that is a name (short names only where a host is expected)."""
-        flag, eq, rest = text.partition("=")
-        if eq and flag.startswith("--"):
-            return f"{flag}={self._arg(pod, container, rest, mounts, host_like)}"
-        if text.startswith("/"):
-            return self._path(container, text, mounts)
-        if (host_like or "." in text) and (text in self.dns or self._is_loopback(text)):
-            return self._host(pod, container, text)
-        text = _URL.sub(lambda m: self._url(pod, container, m.group(1)), text)
-        return _HOST_PORT.sub(
-            lambda m: self._host_port(pod, container, m.group(1), int(m.group(2)), m.group(0)), text
-        )
-
-    def _is_loopback(self, host: str) -> bool:
-        return self.network is None and host in LOOPBACK_HOSTS
-
-    def _path(self, container: Container, path: str, mounts: dict[str, Path]) -> str:
-        for target, source in sorted(mounts.items(), key=lambda m: -len(m[0])):
-            if path == target or path.startswith(target.rstrip("/") + "/"):
-                return str(source / os.path.relpath(path, target))
-        if path == IMAGE_ROOT or path.startswith(IMAGE_ROOT + "/"):
-            return str(REPO_ROOT / os.path.relpath(path, IMAGE_ROOT))
-        return path
-
-    def _resolve(
-        self, pod: Pod, container: Container, host: str, port: int | None
-    ) -> tuple[str, int | None] | None:
-        """(address, port) for a name this run knows; None for one it leaves alone."""
-        if self._is_loopback(host):
-            return pod.ip, port
-        if host not in self.dns:
-            if _CLUSTER_NAME.match(host):
-                raise KubeTranslationError(f"{container.label}: {host!r} names no Service")
-            return None
-        target, ports = self.dns[host]
-        if port is not None and ports:
-            if port not in ports:
-                raise KubeTranslationError(f"{container.label}: Service {host} has no port {port}")
-            port = target_port(target.spec, ports[port])
-        return target.ip, port
-
-    def _host(self, pod: Pod, container: Container, host: str) -> str:
-        resolved = self._resolve(pod, container, host, None)
-        return resolved[0] if resolved else host
-
-    def _host_port(self, pod: Pod, container: Container, host: str, port: int, text: str) -> str:
-        resolved = self._resolve(pod, container, host, port)
-        return f"{resolved[0]}:{resolved[1]}" if resolved else text
-
-    def _url(self, pod: Pod, container: Container, url: str) -> str:
-        parts = urlsplit(url)
-        if not parts.hostname:
-            return url
-        resolved = self._resolve(pod, container, parts.hostname, parts.port)
-        if resolved is None:
-            return url
-        user = parts.netloc.rpartition("@")[0]
-        port = f":{resolved[1]}" if resolved[1] else ""
-        netloc = (f"{user}@" if user else "") + resolved[0] + port
-        return urlunsplit(parts._replace(netloc=netloc))
-
-    # --- the kubelet
-
-    def _watch(self) -> None:
-        backoff_s = 10.0
-        while not self._stopping:
-            with self._lock:
-                for running in self.running.values():
-                    process = running.process
-                    if process is None or process.poll() is None or self._stopping:
-                        continue
-                    policy = running.pod.restart_policy
-                    if policy == "Never" or (policy == "OnFailure" and process.returncode == 0):
-                        continue
-                    now = time.monotonic()
-                    if running.next_start is None:
-                        # The first restart is at once; later ones back off, doubling to 5 min.
-                        delay_s = (
-                            0.0
-                            if running.restarts == 0
-                            else min(300.0, backoff_s * 2 ** (running.restarts - 1))
-                        )
-                        running.next_start = now + delay_s
-                        self.events.append(
-                            f"{running.container.label} exited {process.returncode};"
-                            f" restart in {delay_s:.0f} s ({policy})"
-                        )
-                    if now >= running.next_start:
-                        running.restarts += 1
-                        running.ready = False
-                        running.next_start = None
-                        self._spawn(running)
-                        self.events.append(
-                            f"{running.container.label} restarted (restart #{running.restarts})"
-                        )
-            time.sleep(0.1)
-
-    def probe(self, running: Running, kind: str = "readinessProbe") -> bool:
-        """The container's probe, once, as the kubelet runs it; True without a probe."""
-        spec = running.container.spec.get(kind)
-        if running.process is None or running.process.poll() is not None:
-            return False
-        if not spec:
-            return True
-        timeout_s = float(spec.get("timeoutSeconds", 1))
-        pod = running.pod
-        try:
-            if "exec" in spec:
-                argv = self._probe_argv(running, spec["exec"]["command"])
-                done = subprocess.run(
-                    self._argv(pod, argv),
-                    env=self._env(running),
-                    cwd=running.cwd,
-                    capture_output=True,
-                    timeout=max(timeout_s, MIN_EXEC_PROBE_TIMEOUT_S),
-                )
-                running.last_probe = (done.stdout + done.stderr).decode(errors="replace")[-1500:]
-                return done.returncode == 0
-            if "grpc" in spec:
-                port = int(spec["grpc"]["port"])
-                with grpc.insecure_channel(f"{pod.ip}:{port}") as channel:
-                    response = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=spec["grpc"].get("service", "")),
-                        timeout=max(timeout_s, 1.0),
-                    )
-                return response.status == health_pb2.HealthCheckResponse.SERVING
-            port = target_port(pod.spec, (spec.get("httpGet") or spec.get("tcpSocket"))["port"])
-            if "httpGet" in spec:
-                get = spec["httpGet"]
-                url = f"{get.get('scheme', 'HTTP').lower()}://{pod.ip}:{port}{get.get('path', '/')}"
-                return 200 <= httpx.get(url, timeout=max(timeout_s, 1.0)).status_code < 400
-            with socket.create_connection((pod.ip, port), timeout=max(timeout_s, 1.0)):
-                return True
-        except (grpc.RpcError, OSError, httpx.HTTPError, subprocess.TimeoutExpired):
-            return False
-
-    def _probe_argv(self, running: Running, command: list[str]) -> list[str]:
-        return [
-            self._arg(
-                running.pod,
-                running.container,
-                arg,
-                running.mounts,
-                host_like=i > 0 and bool(_HOST_FLAG.match(command[i - 1])),
-            )
-            for i, arg in enumerate(command)
-        ]
-
-    def wait_ready(self, labels: list[str] | None = None, timeout_s: float = 60.0) -> None:
-        """Until every container in `labels` (default: all) passes its readiness probe."""
-        waiting = list(labels if labels is not None else self.running)
-        deadline = time.monotonic() + timeout_s
-        with ThreadPoolExecutor(max_workers=8) as pool:  # the kubelet probes pods side by side
-            while waiting:
-                for label in waiting:
-                    if self.running[label].restarts > 3:
-                        raise RuntimeError(f"{label} keeps exiting\n{self.log_tails()}")
-                results = dict(
-                    zip(waiting, pool.map(lambda label: self.probe(self.running[label]), waiting))
-                )
-                for label, ready in results.items():
-                    if ready:
-                        self.running[label].ready = True
-                        waiting.remove(label)
-                if waiting and time.monotonic() > deadline:
-                    probes = "".join(
-                        f"--- {label}'s probe said:\n{self.running[label].last_probe}\n"
-                        for label in waiting
-                    )
-                    raise TimeoutError(
-                        f"never ready: {waiting}\n{self.events}\n{probes}{self.log_tails()}"
-                    )
-                if waiting:
-                    time.sleep(0.3)
-
     # --- what a test does to it
 
     def address(self, service: str, port: int) -> str:
@@ -573,66 +244,6 @@ class KubeRun:
         assert process is not None
         os.kill(process.pid, sig)
         return process.pid
-
-    def stop(self) -> dict[str, Stopped]:
-        """As deleting every pod at once: per pod, its containers' preStop hooks, then SIGTERM,
-        then SIGKILL for what outlives terminationGracePeriodSeconds (counted from the start,
-        hooks included); how each container ended."""
-        self._stopping = True
-        if self._kubelet.is_alive():
-            self._kubelet.join()
-        outcomes: dict[str, Stopped] = {}
-        threads = [
-            threading.Thread(target=self._stop_pod, args=(pod, outcomes)) for pod in self.pods
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return outcomes
-
-    def _stop_pod(self, pod: Pod, outcomes: dict[str, Stopped]) -> None:
-        started = time.monotonic()
-        containers = [r for r in self.running.values() if r.pod is pod and r.process is not None]
-        hooks = []
-        for running in containers:
-            lifecycle = running.container.spec.get("lifecycle") or {}
-            hook = (lifecycle.get("preStop") or {}).get("exec")
-            if hook and running.process.poll() is None:
-                argv = self._probe_argv(running, hook["command"])
-                hooks.append(
-                    subprocess.Popen(
-                        self._argv(pod, argv),
-                        env=self._env(running),
-                        cwd=running.cwd,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                )
-        for hook in hooks:
-            try:
-                hook.wait(timeout=max(0.0, started + pod.grace_s - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                hook.kill()
-                hook.wait()
-        for running in containers:
-            if running.process.poll() is None:
-                running.process.terminate()
-        # A hook that used up the grace period leaves SIGTERM 2 s more, as the kubelet does.
-        deadline = started + pod.grace_s
-        if hooks and time.monotonic() >= deadline:
-            deadline = time.monotonic() + 2.0
-        for running in containers:
-            killed = False
-            try:
-                running.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                running.process.kill()
-                running.process.wait()
-                killed = True
-            outcomes[running.container.label] = Stopped(
-                running.process.returncode, time.monotonic() - started, killed
-            )
 
     def leftovers(self) -> list[str]:
         """Processes still alive after `stop()`: in a pod's namespace, or in the session of a

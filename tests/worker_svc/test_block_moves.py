@@ -9,7 +9,8 @@ import torch
 
 from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.step import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 BLOCK_SIZE = 4
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 61, 12, 3]  # 10 tokens: two full blocks and a partial one

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_native, reference
+from kernels import cpu_attention, cpu_decode, cpu_native, reference
 from tests.support.paged_batch import assert_matches_reference, build_paged_batch
 from worker_svc.attention import get_attention_backend
 
@@ -59,7 +59,7 @@ def test_c_kernel_never_reads_past_a_context(dtype, head_dim):
     # Lengths cover partial blocks and a block's 4-token groups with 1-3 left over.
     batch = build_paged_batch([1, 16, 17, 50, 33, 7], [1] * 6, 8, 2, head_dim, 16, dtype, seed=3)
     for window in (None, 9):
-        out = cpu_native.paged_decode(
+        out = cpu_decode.paged_decode(
             batch.query,
             batch.k_cache,
             batch.v_cache,
@@ -89,7 +89,7 @@ def test_c_kernel_splits_few_long_contexts_across_threads(dtype, seq_lens, threa
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = cpu_native.paged_decode(
+        out = cpu_decode.paged_decode(
             batch.query,
             batch.k_cache,
             batch.v_cache,
@@ -142,7 +142,7 @@ def test_one_c_call_for_a_mixed_batch(dtype, head_dim, threads):
                 seq_lens, q_lens, heads, kv_heads, head_dim, 16, dtype, seed=heads
             )
             for window in (None, 20):
-                out = cpu_native.paged_attention(
+                out = cpu_decode.paged_attention(
                     batch.query,
                     batch.k_cache,
                     batch.v_cache,
@@ -230,7 +230,7 @@ def test_short_query_runs_attend_as_the_decodes_they_stand_for(dtype, window):
     row = 0
     for s, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
         for j in range(q_len):
-            alone = cpu_native.paged_decode(
+            alone = cpu_decode.paged_decode(
                 batch.query[row : row + 1],
                 batch.k_cache,
                 batch.v_cache,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_native, reference
+from kernels import cpu_attention, cpu_decode, cpu_gguf, cpu_linear, cpu_native, reference
 from kernels import moe as moe_kernels
 from kernels.cpu_features import cpu_features
 from tests.support.paged_batch import assert_matches_reference, build_paged_batch
@@ -51,7 +51,7 @@ def _skip_unless_runnable(level: str) -> None:
 def test_native_kernels_build_where_a_compiler_exists():
     for name in cpu_native.SOURCES:
         assert cpu_native.library(name) is not None, cpu_native.build_error(name)
-    assert cpu_native.available(torch.float32) and cpu_native.available(torch.bfloat16)
+    assert cpu_decode.available(torch.float32) and cpu_decode.available(torch.bfloat16)
 
 
 def test_the_config_comes_from_the_variables_users_set(tmp_path):
@@ -80,7 +80,7 @@ def test_the_kernels_follow_the_installed_config_not_the_environment(monkeypatch
     monkeypatch.setenv("PAGEMESH_NATIVE_KERNELS", "0")
     assert cpu_native.library("cpu_decode") is not None
     native_kernels(enabled=False)
-    assert cpu_native.library("cpu_decode") is None and not cpu_native.available(torch.float32)
+    assert cpu_native.library("cpu_decode") is None and not cpu_decode.available(torch.float32)
 
 
 @needs_compiler
@@ -124,7 +124,7 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
             batch = build_paged_batch(
                 [1, 16, 17, 50, 33, 130], [1] * 6, 8, 2, 64, 16, dtype, seed=3
             )
-            out = cpu_native.paged_decode(
+            out = cpu_decode.paged_decode(
                 batch.query,
                 batch.k_cache,
                 batch.v_cache,
@@ -143,7 +143,7 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        out = cpu_native.paged_decode(
+        out = cpu_decode.paged_decode(
             batch.query,
             batch.k_cache,
             batch.v_cache,
@@ -159,7 +159,7 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
     # vector width (16 floats on AVX-512, 8 on AVX2, 4 on SSE).
     for dtype in (torch.float32, torch.bfloat16):
         batch = build_paged_batch([1, 70, 150, 40], [1, 70, 67, 1], 9, 3, 64, 16, dtype, seed=5)
-        out = cpu_native.paged_attention(
+        out = cpu_decode.paged_attention(
             batch.query,
             batch.k_cache,
             batch.v_cache,
@@ -173,18 +173,18 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
         assert_matches_reference(
             out, reference.paged_attention(*batch.reference_args(), 0.125, sliding_window=24)
         )
-    for type_name in cpu_native.GGUF_TYPES:
+    for type_name in cpu_gguf.GGUF_TYPES:
         blocks, x, expected = _gguf_case(type_name)
         out = torch.empty(x.shape[0], blocks.shape[0])
-        assert cpu_native.gguf_matmul(type_name, blocks, x, out, lib=gguf_lib)
+        assert cpu_gguf.gguf_matmul(type_name, blocks, x, out, lib=gguf_lib)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     # One vector per panel row: a zmm of 16 floats where the level has AVX-512, else 8.
     assert linear_lib.linear_panel() == (16 if level == "x86-64-v4" else 8)
     # each row tile, 6-row tiles with a remainder, and prefill's row blocks and tiles
     for rows in (1, 2, 5, 13, 70, 245):
         weight, x, bias = torch.randn(75, 96), torch.randn(rows, 96), torch.randn(75)
-        packed = cpu_native.pack_linear_f32(weight, lib=linear_lib)
-        out = cpu_native.linear_f32(x, packed, 75, bias, lib=linear_lib)
+        packed = cpu_linear.pack_linear_f32(weight, lib=linear_lib)
+        out = cpu_linear.linear_f32(x, packed, 75, bias, lib=linear_lib)
         torch.testing.assert_close(
             out, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4
         )
@@ -196,12 +196,12 @@ def test_each_isa_level_matches_the_reference(level, tmp_path):
     x = torch.randn(9, hidden)
     weights, ids = moe_kernels.route(torch.randn(9, experts), 2, True, torch.float32)
     ids[0, 1] = -1
-    out = cpu_native.moe_f32(
+    out = cpu_linear.moe_f32(
         x,
         weights,
         ids,
-        torch.cat([cpu_native.pack_linear_f32(w, lib=linear_lib) for w in w13]),
-        torch.cat([cpu_native.pack_linear_f32(w, lib=linear_lib) for w in w2]),
+        torch.cat([cpu_linear.pack_linear_f32(w, lib=linear_lib) for w in w13]),
+        torch.cat([cpu_linear.pack_linear_f32(w, lib=linear_lib) for w in w2]),
         experts,
         inter,
         lib=linear_lib,
@@ -229,7 +229,7 @@ def test_a_compiler_that_refuses_march_native_still_builds(tmp_path, caplog):
         lib = cpu_native._build("cpu_decode", config=config)
     assert "the compiler refused -march=native" in caplog.text
     batch = build_paged_batch([5, 40], [1, 1], 4, 2, 32, 8, torch.float32, seed=2)
-    out = cpu_native.paged_decode(
+    out = cpu_decode.paged_decode(
         batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.2, lib=lib
     )
     assert_matches_reference(out, reference.paged_attention(*batch.reference_args(), 0.2))

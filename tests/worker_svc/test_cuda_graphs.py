@@ -28,7 +28,8 @@ from worker_svc.cuda_graphs import (
     eager_reason,
     parse_capture_sizes,
 )
-from worker_svc.runner import ModelRunner, RunnerConfig, _graph_sizes
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig, graph_sizes
 
 
 def test_capture_sizes_are_vllms_buckets_up_to_the_largest_batch():
@@ -66,10 +67,10 @@ def test_which_steps_run_eagerly():
 
 def test_graphs_only_on_cuda_and_not_when_eager():
     config = RunnerConfig(model_path="m", device="cuda", max_num_seqs=24)
-    assert _graph_sizes(config) == (1, 2, 4, 8, 16, 24)
-    assert _graph_sizes(RunnerConfig(model_path="m", device="cuda", enforce_eager=True)) == ()
-    assert _graph_sizes(RunnerConfig(model_path="m", device="cpu")) == ()
-    assert _graph_sizes(RunnerConfig(model_path="m", device="cuda", cuda_graph_sizes=(1, 3))) == (
+    assert graph_sizes(config) == (1, 2, 4, 8, 16, 24)
+    assert graph_sizes(RunnerConfig(model_path="m", device="cuda", enforce_eager=True)) == ()
+    assert graph_sizes(RunnerConfig(model_path="m", device="cpu")) == ()
+    assert graph_sizes(RunnerConfig(model_path="m", device="cuda", cuda_graph_sizes=(1, 3))) == (
         1,
         3,
     )

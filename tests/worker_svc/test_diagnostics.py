@@ -12,7 +12,8 @@ from protos.step import ModelRunnerOutput, SchedulerOutput
 from tests.support.runner_script import GREEDY, ScriptedRequest, drive
 from worker_svc import diagnostics
 from worker_svc.diagnostics import Profiler, ProfilerPathError, ProfilerStateError, StepStats
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 
 class FakeClock:

@@ -13,7 +13,8 @@ from pagemesh.tools.testing.tiny_models import write_tiny_model
 from worker_svc.kv_budget import GIB, available_cpu_memory, cpu_budget
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches
 from worker_svc.kv_sizing import profile_forward
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from pagemesh.tools.testing.tiny_models import write_tiny_model
 from protos.step import NewRequestData, SamplingParams, SchedulerOutput
 from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches
 from worker_svc.kv_prefault import KVPrefault
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 SPEC = KVCacheSpec(
     num_layers=3, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32

@@ -17,7 +17,8 @@ from worker_svc.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_
 from worker_svc.loader import load_model, open_source, resolve_dtype
 from worker_svc.model.config import parse_hf_config
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 GREEDY = SamplingParams(temperature=0.0)
 

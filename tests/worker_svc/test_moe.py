@@ -30,7 +30,8 @@ from tests.support.hf_reference import (
 from tests.support.runner_script import BLOCK_SIZE, NUM_NEW_TOKENS, drive, scripted_requests
 from tests.worker_svc.test_runner_vs_hf import _as_token_logprob
 from worker_svc.model.config import parse_hf_config
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 LOGPROBS = SamplingParams(temperature=0.0, num_logprobs=5)
 MOE_MODELS = {
@@ -196,7 +197,7 @@ def test_moe_config_follows_transformers_layer_rules() -> None:
     ("tokens", "experts", "top_k"), [(64, 8, 2), (5, 7, 3), (1, 3, 1), (0, 4, 2)]
 )
 def test_one_c_call_equals_transformers_loop(tokens, experts, top_k):
-    """`FusedExperts` packed for the C kernel (`cpu_native.moe_f32`: sort, per-expert panels,
+    """`FusedExperts` packed for the C kernel (`cpu_linear.moe_f32`: sort, per-expert panels,
     SiLU-and-mul, the weighted sum experts ascending) against transformers' loop; an expert
     another rank holds (-1) adds nothing."""
     from kernels import cpu_native

@@ -33,7 +33,8 @@ from worker_svc.loader import load_model, rank_weight_shapes
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.parallel import ParallelConfig
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 NUM_NEW_TOKENS = 10
 NUM_BLOCKS = 48

@@ -37,7 +37,8 @@ from tests.support.runner_script import (
     drive,
     random_prompt,
 )
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 VARIANTS = {
     "llama": dict(arch="llama"),

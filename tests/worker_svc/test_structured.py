@@ -19,7 +19,8 @@ from router.structured import llguidance_tokenizer, to_grammar
 from tests.support.hf_reference import assert_greedy_close
 from tests.support.runner_script import ScriptedRequest, drive, random_prompt
 from tests.support.structured_reference import hf_constrained
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 SCHEMA = {
     "type": "object",

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels import cpu_native
+from kernels import cpu_linear, cpu_native
 from kernels.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -97,14 +97,14 @@ class NativeWeight(PreparedWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features = weight.shape[0]
         self.lib = cpu_native.library("cpu_linear")
-        self.packed = cpu_native.pack_linear_f32(weight.detach(), lib=self.lib)
+        self.packed = cpu_linear.pack_linear_f32(weight.detach(), lib=self.lib)
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_native.linear_f32(x, self.packed, self.out_features, bias, lib=self.lib)
+        return cpu_linear.linear_f32(x, self.packed, self.out_features, bias, lib=self.lib)
 
 
 def onednn_weight(weight: torch.Tensor, rows: int = _PACK_FOR_ROWS) -> OneDnnWeight:

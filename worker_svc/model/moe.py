@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels import cpu_native
+from kernels import cpu_linear, cpu_native
 from kernels import moe as moe_kernels
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.layers import silu_and_mul
@@ -206,7 +206,7 @@ class FusedExperts(nn.Module):
     def pack_experts(self, backend: str) -> None:
         """Each expert's weights into the linear layers' prepared form (`matmul.py`): for
         "native" every expert's panels back to back, run by one C call per step
-        (`cpu_native.moe_f32`); for "onednn" each expert's blocked layout. The 3-D copies
+        (`cpu_linear.moe_f32`); for "onednn" each expert's blocked layout. The 3-D copies
         are freed. Experts kept as GGUF blocks (`worker_svc/quant/gguf.py`) stay so."""
         self.backend = backend
         if self.packed is not None and self.w13.shape[1] == 0:
@@ -214,8 +214,8 @@ class FusedExperts(nn.Module):
         if backend == "native":
             lib = cpu_native.library("cpu_linear")
             self.native = (
-                torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w13]),
-                torch.cat([cpu_native.pack_linear_f32(w, lib=lib) for w in self.w2]),
+                torch.cat([cpu_linear.pack_linear_f32(w, lib=lib) for w in self.w13]),
+                torch.cat([cpu_linear.pack_linear_f32(w, lib=lib) for w in self.w2]),
                 lib,
             )
         elif backend == "onednn":
@@ -261,7 +261,7 @@ class FusedExperts(nn.Module):
             return fused_experts_triton(hidden, self.w13, self.w2, topk_weights, topk_ids)
         if self.native is not None:
             w13, w2, lib = self.native
-            return cpu_native.moe_f32(
+            return cpu_linear.moe_f32(
                 hidden,
                 topk_weights,
                 topk_ids,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels import cpu_native
+from kernels import cpu_gguf
 from worker_svc.model.layers import MergedLinear
 from worker_svc.model.llama import LlamaForCausalLM, checkpoint_leaf
 from worker_svc.model.matmul import PreparedWeight
@@ -192,17 +192,15 @@ class GgufWeight(PreparedWeight):
         if (
             x.device.type != "cpu"
             or x.dim() != 2
-            or x.shape[0] > cpu_native.GGUF_MAX_ROWS
-            or any(name not in cpu_native.GGUF_TYPES for name, _ in self.parts)
+            or x.shape[0] > cpu_gguf.GGUF_MAX_ROWS
+            or any(name not in cpu_gguf.GGUF_TYPES for name, _ in self.parts)
         ):
             return None
         x32 = x.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], sum(b.shape[0] for _, b in self.parts))
         start = 0
         for name, blocks in self.parts:
-            if not cpu_native.gguf_matmul(
-                name, blocks, x32, out[:, start : start + blocks.shape[0]]
-            ):
+            if not cpu_gguf.gguf_matmul(name, blocks, x32, out[:, start : start + blocks.shape[0]]):
                 return None
             start += blocks.shape[0]
         return out.to(x.dtype)

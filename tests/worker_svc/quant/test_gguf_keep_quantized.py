@@ -25,7 +25,8 @@ from tests.worker_svc.test_loader import (
 from worker_svc.loader import load_model
 from worker_svc.model.matmul import PreparableLinear
 from worker_svc.quant.gguf import GGUF_KEEP_TYPES, GgufWeight, dequantize_gguf, gguf_block_size
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 PROMPT = [1, 7, 42, 99, 3, 250, 17, 5, 300, 11]
 NUM_NEW_TOKENS = 12

@@ -13,7 +13,8 @@ from pagemesh.tools.testing.quant_checkpoints import write_awq_checkpoint, write
 from pagemesh.tools.testing.tiny_models import write_tiny_model
 from tests.support.parallel_harness import LocalWorkerGroup
 from tests.support.runner_script import ScriptedRequest, drive, random_prompt
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 BLOCK_SIZE = 4
 NUM_NEW_TOKENS = 8

@@ -28,7 +28,8 @@ from worker_svc.loader import load_model
 from worker_svc.model.matmul import packed_weight_bytes
 from worker_svc.parallel import ParallelConfig
 from worker_svc.quant import AwqWeight, Fp8Weight
-from worker_svc.runner import ModelRunner, RunnerConfig
+from worker_svc.runner import ModelRunner
+from worker_svc.runner_config import RunnerConfig
 
 BLOCK_SIZE = 4
 NUM_NEW_TOKENS = 10
